@@ -1,0 +1,1099 @@
+//! `config/limits.toml`: raw serde structs (every table `deny_unknown_fields`), then
+//! [`Config::parse`] validates them into immutable, typed values that cannot be wrong.
+//!
+//! Value-level checks (a rate, a CIDR, a duration) run inside deserialisation, so their
+//! errors carry the line and column of the offending value; cross-field checks (burst
+//! against cost, duplicate rule names) point at the rule's table.
+
+use std::collections::{HashMap, HashSet};
+use std::fmt;
+use std::net::SocketAddr;
+use std::num::NonZeroU64;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use http::header::HeaderName;
+use http::Method;
+use ipnet::IpNet;
+use serde::de::{self, Deserializer};
+use serde::Deserialize;
+
+use crate::limiter::{Algorithm, Quota};
+
+/// A configuration file that could not be loaded, with where and why.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: cannot read: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}:{line}:{column}: {key}: {message}")]
+    Invalid {
+        path: PathBuf,
+        line: usize,
+        column: usize,
+        /// The dotted key path, e.g. `rules[0].rate`.
+        key: String,
+        message: String,
+    },
+}
+
+/// The validated configuration. Built once per load and shared behind an `Arc`.
+#[derive(Debug)]
+pub struct Config {
+    pub server: Server,
+    pub upstream: Upstream,
+    pub store: Store,
+    pub client_ip: ClientIp,
+    pub keys: Keys,
+    pub response: ResponseStyle,
+    pub rules: Vec<Rule>,
+}
+
+#[derive(Debug)]
+pub struct Server {
+    pub listen: SocketAddr,
+    pub admin_listen: Option<SocketAddr>,
+    pub shutdown_grace: Duration,
+}
+
+#[derive(Debug)]
+pub struct Upstream {
+    /// Scheme and authority of the backend, e.g. `http://127.0.0.1:3000`.
+    pub url: http::Uri,
+    /// Path the request path is appended to, without a trailing `/` (empty for `/`).
+    pub base_path: String,
+    pub connect_timeout: Duration,
+    pub timeout: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backend {
+    Memory,
+    Redis { url: String },
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnError {
+    /// Answer 503 while the store fails: no request escapes its limit.
+    Deny,
+    /// Forward without limiting while the store fails: availability over enforcement.
+    Allow,
+}
+
+#[derive(Debug)]
+pub struct Store {
+    pub backend: Backend,
+    pub prefix: String,
+    pub timeout: Duration,
+    pub on_error: OnError,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ForwardingHeader {
+    XForwardedFor,
+    Forwarded,
+    XRealIp,
+}
+
+#[derive(Debug)]
+pub struct ClientIp {
+    pub trusted_proxies: Vec<IpNet>,
+    pub header: ForwardingHeader,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum UnknownKeys {
+    Allow,
+    Reject,
+}
+
+#[derive(Debug)]
+pub struct Keys {
+    pub header: HeaderName,
+    pub unknown: UnknownKeys,
+    /// Raw API key -> plan name. Held in memory only; never logged.
+    pub plans: HashMap<Vec<u8>, String>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResponseStyle {
+    Draft,
+    Legacy,
+    Both,
+    None,
+}
+
+/// Who a rule counts requests for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyKind {
+    ApiKey,
+    ClientIp,
+    Global,
+    Header(HeaderName),
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MissingKey {
+    Reject,
+    ClientIp,
+}
+
+#[derive(Debug, Clone, Default)]
+pub struct Match {
+    pub path_prefix: Option<String>,
+    /// Empty: every method.
+    pub methods: Vec<Method>,
+}
+
+#[derive(Debug, Clone)]
+pub struct Rule {
+    pub name: String,
+    pub matcher: Match,
+    pub key: KeyKind,
+    pub missing_key: MissingKey,
+    /// The quota for requests without a plan, then per plan name.
+    pub quota: Quota,
+    pub plans: HashMap<String, Quota>,
+}
+
+impl Rule {
+    /// The quota that applies to a request whose API key maps to `plan`.
+    pub fn quota_for(&self, plan: Option<&str>) -> &Quota {
+        plan.and_then(|p| self.plans.get(p)).unwrap_or(&self.quota)
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Raw file shape. Every table rejects unknown keys.
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    server: RawServer,
+    upstream: RawUpstream,
+    #[serde(default)]
+    store: RawStore,
+    #[serde(default)]
+    client_ip: RawClientIp,
+    #[serde(default)]
+    keys: RawKeys,
+    #[serde(default)]
+    response: RawResponse,
+    #[serde(default)]
+    rules: Vec<toml::Spanned<RawRule>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawServer {
+    listen: SocketAddr,
+    admin_listen: Option<SocketAddr>,
+    #[serde(default = "default_grace")]
+    shutdown_grace: HumanDuration,
+}
+
+fn default_grace() -> HumanDuration {
+    HumanDuration(Duration::from_secs(10))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawUpstream {
+    url: UpstreamUrl,
+    #[serde(default = "default_connect_timeout")]
+    connect_timeout: HumanDuration,
+    #[serde(default = "default_upstream_timeout")]
+    timeout: HumanDuration,
+}
+
+fn default_connect_timeout() -> HumanDuration {
+    HumanDuration(Duration::from_secs(1))
+}
+fn default_upstream_timeout() -> HumanDuration {
+    HumanDuration(Duration::from_secs(30))
+}
+
+#[derive(Deserialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+enum RawBackend {
+    Memory,
+    Redis,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStore {
+    #[serde(default = "default_backend")]
+    backend: RawBackend,
+    url: Option<RedisUrl>,
+    #[serde(default = "default_prefix")]
+    prefix: Prefix,
+    #[serde(default = "default_store_timeout")]
+    timeout: HumanDuration,
+    #[serde(default = "default_on_error")]
+    on_error: OnError,
+}
+
+impl Default for RawStore {
+    fn default() -> Self {
+        RawStore {
+            backend: default_backend(),
+            url: None,
+            prefix: default_prefix(),
+            timeout: default_store_timeout(),
+            on_error: default_on_error(),
+        }
+    }
+}
+
+fn default_backend() -> RawBackend {
+    RawBackend::Memory
+}
+fn default_prefix() -> Prefix {
+    Prefix("ratewall".into())
+}
+fn default_store_timeout() -> HumanDuration {
+    HumanDuration(Duration::from_millis(50))
+}
+fn default_on_error() -> OnError {
+    OnError::Deny
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawClientIp {
+    #[serde(default = "default_trusted")]
+    trusted_proxies: Vec<Cidr>,
+    #[serde(default = "default_forwarding_header")]
+    header: ForwardingHeader,
+}
+
+impl Default for RawClientIp {
+    fn default() -> Self {
+        RawClientIp {
+            trusted_proxies: default_trusted(),
+            header: default_forwarding_header(),
+        }
+    }
+}
+
+fn default_trusted() -> Vec<Cidr> {
+    Vec::new()
+}
+fn default_forwarding_header() -> ForwardingHeader {
+    ForwardingHeader::XForwardedFor
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKeys {
+    #[serde(default = "default_key_header")]
+    header: Header,
+    #[serde(default = "default_unknown")]
+    unknown: UnknownKeys,
+    #[serde(default)]
+    plans: HashMap<String, PlanName>,
+}
+
+impl Default for RawKeys {
+    fn default() -> Self {
+        RawKeys {
+            header: default_key_header(),
+            unknown: default_unknown(),
+            plans: HashMap::new(),
+        }
+    }
+}
+
+fn default_key_header() -> Header {
+    Header(HeaderName::from_static("x-api-key"))
+}
+fn default_unknown() -> UnknownKeys {
+    UnknownKeys::Allow
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawResponse {
+    #[serde(default = "default_style")]
+    headers: ResponseStyle,
+}
+
+impl Default for RawResponse {
+    fn default() -> Self {
+        RawResponse {
+            headers: default_style(),
+        }
+    }
+}
+
+fn default_style() -> ResponseStyle {
+    ResponseStyle::Draft
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMatch {
+    path_prefix: Option<PathPrefix>,
+    #[serde(default)]
+    methods: Vec<MethodName>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawRule {
+    name: RuleName,
+    #[serde(rename = "match")]
+    matcher: Option<RawMatch>,
+    key: KeySpec,
+    #[serde(default = "default_missing_key")]
+    missing_key: MissingKey,
+    #[serde(default)]
+    algorithm: Algorithm,
+    rate: Rate,
+    burst: Option<NonZeroU64>,
+    #[serde(default = "default_cost")]
+    cost: NonZeroU64,
+    #[serde(default)]
+    mode: Mode,
+    #[serde(default)]
+    plans: HashMap<String, toml::Spanned<RawPlanOverride>>,
+}
+
+fn default_missing_key() -> MissingKey {
+    MissingKey::Reject
+}
+fn default_cost() -> NonZeroU64 {
+    NonZeroU64::MIN
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPlanOverride {
+    rate: Option<Rate>,
+    burst: Option<NonZeroU64>,
+}
+
+#[derive(Deserialize, Default, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+enum Mode {
+    #[default]
+    Enforce,
+    Shadow,
+}
+
+// ---------------------------------------------------------------------------------------
+// Value types that validate while they deserialise, so errors carry line and column.
+
+/// A humantime duration: `"50ms"`, `"2s"`, `"10m"`.
+#[derive(Clone, Copy)]
+struct HumanDuration(Duration);
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let v = humantime::parse_duration(s.trim())
+            .map_err(|e| de::Error::custom(format!("invalid duration {s:?}: {e}")))?;
+        if v.is_zero() {
+            return Err(de::Error::custom(format!(
+                "duration {s:?} must be above zero"
+            )));
+        }
+        Ok(HumanDuration(v))
+    }
+}
+
+/// `"N/s"`, `"N/m"`, `"N/h"`, `"N/d"` or `"N/<duration>"`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rate {
+    pub count: u64,
+    pub period: Duration,
+}
+
+impl Rate {
+    pub fn parse(s: &str) -> Result<Rate, String> {
+        let (n, per) = s
+            .split_once('/')
+            .ok_or_else(|| format!("invalid rate {s:?}: expected \"N/s\", \"N/m\", \"N/h\", \"N/d\" or \"N/<duration>\""))?;
+        let count: u64 = n
+            .trim()
+            .parse()
+            .map_err(|_| format!("invalid rate {s:?}: {n:?} is not a whole number"))?;
+        if count == 0 {
+            return Err(format!("invalid rate {s:?}: the count must be at least 1"));
+        }
+        let per = per.trim();
+        let period = match per {
+            "s" => Duration::from_secs(1),
+            "m" => Duration::from_secs(60),
+            "h" => Duration::from_secs(3600),
+            "d" => Duration::from_secs(86_400),
+            other => humantime::parse_duration(other)
+                .map_err(|e| format!("invalid rate {s:?}: period {other:?}: {e}"))?,
+        };
+        if period.is_zero() || period.subsec_nanos() != 0 {
+            return Err(format!(
+                "invalid rate {s:?}: the period must be a whole number of seconds (RateLimit-Policy's w is in seconds)"
+            ));
+        }
+        Ok(Rate { count, period })
+    }
+}
+
+impl fmt::Display for Rate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.period.as_secs() {
+            1 => write!(f, "{}/s", self.count),
+            60 => write!(f, "{}/m", self.count),
+            3600 => write!(f, "{}/h", self.count),
+            86_400 => write!(f, "{}/d", self.count),
+            s => write!(f, "{}/{}s", self.count, s),
+        }
+    }
+}
+
+impl<'de> Deserialize<'de> for Rate {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Rate::parse(&s).map_err(de::Error::custom)
+    }
+}
+
+struct Cidr(IpNet);
+
+impl<'de> Deserialize<'de> for Cidr {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let s = s.trim();
+        // A bare address means that one host.
+        let net = s
+            .parse::<IpNet>()
+            .or_else(|_| s.parse::<std::net::IpAddr>().map(IpNet::from))
+            .map_err(|_| {
+                de::Error::custom(format!(
+                    "invalid CIDR {s:?}: expected e.g. \"10.0.0.0/8\" or \"::1/128\""
+                ))
+            })?;
+        Ok(Cidr(net.trunc()))
+    }
+}
+
+struct Header(HeaderName);
+
+impl<'de> Deserialize<'de> for Header {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        HeaderName::from_bytes(s.trim().as_bytes())
+            .map(Header)
+            .map_err(|_| de::Error::custom(format!("invalid header name {s:?}")))
+    }
+}
+
+enum KeySpec {
+    ApiKey,
+    ClientIp,
+    Global,
+    Header(HeaderName),
+}
+
+impl<'de> Deserialize<'de> for KeySpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        match s.as_str() {
+            "api_key" => Ok(KeySpec::ApiKey),
+            "client_ip" => Ok(KeySpec::ClientIp),
+            "global" => Ok(KeySpec::Global),
+            other => match other.strip_prefix("header:") {
+                Some(name) => HeaderName::from_bytes(name.trim().as_bytes())
+                    .map(KeySpec::Header)
+                    .map_err(|_| de::Error::custom(format!("invalid header name in key {s:?}"))),
+                None => Err(de::Error::custom(format!(
+                    "invalid key {s:?}: expected \"api_key\", \"client_ip\", \"global\" or \"header:<name>\""
+                ))),
+            },
+        }
+    }
+}
+
+/// Rule names appear in Redis keys, headers and metrics: keep them to a safe alphabet.
+struct RuleName(String);
+
+impl<'de> Deserialize<'de> for RuleName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let ok = !s.is_empty()
+            && s.len() <= 64
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b));
+        if !ok {
+            return Err(de::Error::custom(format!(
+                "invalid rule name {s:?}: 1 to 64 characters of A-Z a-z 0-9 _ - ."
+            )));
+        }
+        Ok(RuleName(s))
+    }
+}
+
+struct PlanName(String);
+
+impl<'de> Deserialize<'de> for PlanName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if s.is_empty() || s.len() > 64 {
+            return Err(de::Error::custom("a plan name is 1 to 64 characters"));
+        }
+        Ok(PlanName(s))
+    }
+}
+
+/// The prefix of every Redis key; `{`, `}` and spaces would break the hash tag.
+struct Prefix(String);
+
+impl<'de> Deserialize<'de> for Prefix {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let ok = !s.is_empty()
+            && s.len() <= 64
+            && s.bytes()
+                .all(|b| b.is_ascii_graphic() && b != b'{' && b != b'}');
+        if !ok {
+            return Err(de::Error::custom(format!(
+                "invalid prefix {s:?}: 1 to 64 printable characters without braces or spaces"
+            )));
+        }
+        Ok(Prefix(s))
+    }
+}
+
+struct PathPrefix(String);
+
+impl<'de> Deserialize<'de> for PathPrefix {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if !s.starts_with('/') {
+            return Err(de::Error::custom(format!(
+                "path_prefix {s:?} must start with \"/\""
+            )));
+        }
+        Ok(PathPrefix(s))
+    }
+}
+
+struct MethodName(Method);
+
+impl<'de> Deserialize<'de> for MethodName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let upper = s.to_ascii_uppercase();
+        Method::from_bytes(upper.as_bytes())
+            .map(MethodName)
+            .map_err(|_| de::Error::custom(format!("invalid method {s:?}")))
+    }
+}
+
+struct UpstreamUrl {
+    uri: http::Uri,
+    base_path: String,
+}
+
+impl<'de> Deserialize<'de> for UpstreamUrl {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let uri: http::Uri = s
+            .parse()
+            .map_err(|e| de::Error::custom(format!("invalid upstream url {s:?}: {e}")))?;
+        if uri.scheme_str() != Some("http") {
+            return Err(de::Error::custom(format!(
+                "invalid upstream url {s:?}: only http:// upstreams are supported"
+            )));
+        }
+        let Some(authority) = uri.authority().cloned() else {
+            return Err(de::Error::custom(format!(
+                "invalid upstream url {s:?}: no host"
+            )));
+        };
+        if uri.query().is_some() {
+            return Err(de::Error::custom(format!(
+                "invalid upstream url {s:?}: no query allowed"
+            )));
+        }
+        let base_path = uri.path().trim_end_matches('/').to_string();
+        let uri = http::Uri::builder()
+            .scheme("http")
+            .authority(authority)
+            .path_and_query("/")
+            .build()
+            .map_err(|e| de::Error::custom(format!("invalid upstream url {s:?}: {e}")))?;
+        Ok(UpstreamUrl { uri, base_path })
+    }
+}
+
+struct RedisUrl(String);
+
+impl<'de> Deserialize<'de> for RedisUrl {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        redis::Client::open(s.as_str())
+            .map_err(|e| de::Error::custom(format!("invalid redis url: {e}")))?;
+        Ok(RedisUrl(s))
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+
+impl Config {
+    /// Read and validate the file at `path`.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        Config::parse(&text, path)
+    }
+
+    /// Validate `text`; `path` only names the file in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        let invalid = |span: Option<Range<usize>>, key: String, message: String| {
+            let (line, column) = line_col(text, span.map(|s| s.start).unwrap_or(0));
+            ConfigError::Invalid {
+                path: path.to_owned(),
+                line,
+                column,
+                key,
+                message,
+            }
+        };
+        let de = toml::Deserializer::parse(text).map_err(|e| {
+            invalid(
+                e.span(),
+                "(document)".into(),
+                e.message().trim().to_string(),
+            )
+        })?;
+        let raw: RawConfig = serde_path_to_error::deserialize(de).map_err(|e| {
+            let key = e
+                .path()
+                .to_string()
+                .replace(".$__serde_spanned_private_value", "");
+            let inner = e.into_inner();
+            invalid(inner.span(), key, inner.message().trim().to_string())
+        })?;
+        Config::validate(raw).map_err(|(span, key, message)| invalid(span, key, message))
+    }
+
+    fn validate(raw: RawConfig) -> Result<Config, (Option<Range<usize>>, String, String)> {
+        let backend = match (raw.store.backend, raw.store.url) {
+            (RawBackend::Memory, _) => Backend::Memory,
+            (RawBackend::Redis, Some(url)) => Backend::Redis { url: url.0 },
+            (RawBackend::Redis, None) => {
+                return Err((
+                    None,
+                    "store.url".into(),
+                    "backend = \"redis\" needs url = \"redis://host:port\"".into(),
+                ))
+            }
+        };
+        let plan_names: HashSet<&str> = raw.keys.plans.values().map(|p| p.0.as_str()).collect();
+
+        let mut names = HashSet::new();
+        let mut rules = Vec::with_capacity(raw.rules.len());
+        for (i, spanned) in raw.rules.iter().enumerate() {
+            let span = Some(spanned.span());
+            let r = spanned.get_ref();
+            let at = |key: &str| format!("rules[{i}].{key}");
+            if !names.insert(r.name.0.as_str()) {
+                return Err((
+                    span.clone(),
+                    at("name"),
+                    format!("duplicate rule name {:?}", r.name.0),
+                ));
+            }
+            if r.mode == Mode::Shadow {
+                return Err((
+                    span.clone(),
+                    at("mode"),
+                    "mode = \"shadow\" is not supported yet; use \"enforce\"".into(),
+                ));
+            }
+            if !r.algorithm.is_available() {
+                return Err((
+                    span.clone(),
+                    at("algorithm"),
+                    format!(
+                        "algorithm {:?} is not supported yet; use \"token_bucket\"",
+                        r.algorithm.name()
+                    ),
+                ));
+            }
+            let quota = Quota::new(r.algorithm, r.rate, r.burst, r.cost)
+                .map_err(|m| (span.clone(), at("rate"), m))?;
+            let mut plans = HashMap::new();
+            for (plan, o) in &r.plans {
+                if !plan_names.contains(plan.as_str()) {
+                    return Err((
+                        Some(o.span()),
+                        at(&format!("plans.{plan}")),
+                        format!("plan {plan:?} is not given to any key in [keys.plans]"),
+                    ));
+                }
+                let o = o.get_ref();
+                let q = Quota::new(
+                    r.algorithm,
+                    o.rate.unwrap_or(r.rate),
+                    o.burst.or(r.burst),
+                    r.cost,
+                )
+                .map_err(|m| (span.clone(), at(&format!("plans.{plan}")), m))?;
+                plans.insert(plan.clone(), q);
+            }
+            let matcher = r
+                .matcher
+                .as_ref()
+                .map(|m| Match {
+                    path_prefix: m.path_prefix.as_ref().map(|p| p.0.clone()),
+                    methods: m.methods.iter().map(|m| m.0.clone()).collect(),
+                })
+                .unwrap_or_default();
+            let key = match &r.key {
+                KeySpec::ApiKey => KeyKind::ApiKey,
+                KeySpec::ClientIp => KeyKind::ClientIp,
+                KeySpec::Global => KeyKind::Global,
+                KeySpec::Header(h) => KeyKind::Header(h.clone()),
+            };
+            rules.push(Rule {
+                name: r.name.0.clone(),
+                matcher,
+                key,
+                missing_key: r.missing_key,
+                quota,
+                plans,
+            });
+        }
+
+        Ok(Config {
+            server: Server {
+                listen: raw.server.listen,
+                admin_listen: raw.server.admin_listen,
+                shutdown_grace: raw.server.shutdown_grace.0,
+            },
+            upstream: Upstream {
+                url: raw.upstream.url.uri,
+                base_path: raw.upstream.url.base_path,
+                connect_timeout: raw.upstream.connect_timeout.0,
+                timeout: raw.upstream.timeout.0,
+            },
+            store: Store {
+                backend,
+                prefix: raw.store.prefix.0,
+                timeout: raw.store.timeout.0,
+                on_error: raw.store.on_error,
+            },
+            client_ip: ClientIp {
+                trusted_proxies: raw
+                    .client_ip
+                    .trusted_proxies
+                    .into_iter()
+                    .map(|c| c.0)
+                    .collect(),
+                header: raw.client_ip.header,
+            },
+            keys: Keys {
+                header: raw.keys.header.0,
+                unknown: raw.keys.unknown,
+                plans: raw
+                    .keys
+                    .plans
+                    .into_iter()
+                    .map(|(k, v)| (k.into_bytes(), v.0))
+                    .collect(),
+            },
+            response: raw.response.headers,
+            rules,
+        })
+    }
+
+    /// The effective configuration, for `ratewall check`. API keys are not printed.
+    pub fn describe(&self) -> String {
+        use std::fmt::Write;
+        let mut out = String::new();
+        let _ = writeln!(out, "listen        {}", self.server.listen);
+        if let Some(a) = self.server.admin_listen {
+            let _ = writeln!(out, "admin_listen  {a}");
+        }
+        let _ = writeln!(
+            out,
+            "upstream      {}{}",
+            self.upstream.url.to_string().trim_end_matches('/'),
+            self.upstream.base_path
+        );
+        let backend = match &self.store.backend {
+            Backend::Memory => "memory (embedded, one instance)".to_string(),
+            Backend::Redis { .. } => "redis".to_string(),
+        };
+        let _ = writeln!(
+            out,
+            "store         {backend}, timeout {}, on_error {}",
+            humantime::format_duration(self.store.timeout),
+            match self.store.on_error {
+                OnError::Deny => "deny",
+                OnError::Allow => "allow",
+            }
+        );
+        let _ = writeln!(
+            out,
+            "keys          header {}, {} keys with plans",
+            self.keys.header,
+            self.keys.plans.len()
+        );
+        let _ = writeln!(out, "rules         {}", self.rules.len());
+        for r in &self.rules {
+            let when = match (&r.matcher.path_prefix, r.matcher.methods.is_empty()) {
+                (None, true) => "every request".to_string(),
+                (p, _) => {
+                    let mut s = String::new();
+                    if !r.matcher.methods.is_empty() {
+                        let m: Vec<&str> = r.matcher.methods.iter().map(|m| m.as_str()).collect();
+                        s.push_str(&m.join("|"));
+                        s.push(' ');
+                    }
+                    s.push_str(p.as_deref().unwrap_or("/"));
+                    if p.is_some() {
+                        s.push('*');
+                    }
+                    s
+                }
+            };
+            let key = match &r.key {
+                KeyKind::ApiKey => match r.missing_key {
+                    MissingKey::Reject => "api_key (missing: 401)".to_string(),
+                    MissingKey::ClientIp => "api_key (missing: client_ip)".to_string(),
+                },
+                KeyKind::ClientIp => "client_ip".to_string(),
+                KeyKind::Global => "global".to_string(),
+                KeyKind::Header(h) => format!("header:{h}"),
+            };
+            let _ = writeln!(
+                out,
+                "  - {}: {} per {}; {}; when {}",
+                r.name,
+                r.quota,
+                key,
+                r.quota.algorithm.name(),
+                when
+            );
+            let mut plans: Vec<_> = r.plans.iter().collect();
+            plans.sort_by(|a, b| a.0.cmp(b.0));
+            for (p, q) in plans {
+                let _ = writeln!(out, "      plan {p}: {q}");
+            }
+        }
+        out
+    }
+}
+
+/// 1-based line and column of byte offset `at` in `text`.
+fn line_col(text: &str, at: usize) -> (usize, usize) {
+    let at = at.min(text.len());
+    let before = &text.as_bytes()[..at];
+    let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
+    let line_start = before
+        .iter()
+        .rposition(|&b| b == b'\n')
+        .map(|p| p + 1)
+        .unwrap_or(0);
+    let column = String::from_utf8_lossy(&before[line_start..])
+        .chars()
+        .count()
+        + 1;
+    (line, column)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const MINIMAL: &str = r#"
+[server]
+listen = "127.0.0.1:8080"
+[upstream]
+url = "http://127.0.0.1:3000"
+"#;
+
+    fn parse(extra: &str) -> Result<Config, ConfigError> {
+        Config::parse(&format!("{MINIMAL}{extra}"), Path::new("limits.toml"))
+    }
+
+    fn err(extra: &str) -> (usize, usize, String, String) {
+        match parse(extra) {
+            Err(ConfigError::Invalid {
+                line,
+                column,
+                key,
+                message,
+                ..
+            }) => (line, column, key, message),
+            Err(e) => panic!("unexpected error {e}"),
+            Ok(_) => panic!("config was accepted"),
+        }
+    }
+
+    #[test]
+    fn shipped_config_is_valid() {
+        let cfg = Config::load(Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/config/limits.toml"
+        )))
+        .expect("the shipped config/limits.toml must be valid");
+        assert_eq!(cfg.store.backend, Backend::Memory);
+        assert!(!cfg.rules.is_empty());
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let cfg = parse("").unwrap();
+        assert_eq!(cfg.store.backend, Backend::Memory);
+        assert_eq!(cfg.store.timeout, Duration::from_millis(50));
+        assert_eq!(cfg.store.on_error, OnError::Deny);
+        assert_eq!(cfg.keys.header.as_str(), "x-api-key");
+        assert_eq!(cfg.response, ResponseStyle::Draft);
+        assert_eq!(cfg.upstream.timeout, Duration::from_secs(30));
+    }
+
+    #[test]
+    fn unknown_key_is_rejected_with_line_column_and_key() {
+        let (line, column, key, message) =
+            err("[store]\nbackend = \"memory\"\nbakend = \"redis\"\n");
+        assert_eq!((line, column), (8, 1));
+        assert_eq!(key, "store.bakend");
+        assert!(message.contains("unknown field `bakend`"), "{message}");
+    }
+
+    #[test]
+    fn bad_rate_points_at_the_value() {
+        let (line, column, key, message) =
+            err("[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"ten/s\"\n");
+        assert_eq!((line, column), (9, 8));
+        assert_eq!(key, "rules[0].rate");
+        assert!(message.contains("not a whole number"), "{message}");
+    }
+
+    #[test]
+    fn bad_cidr_is_rejected() {
+        let (line, _, key, message) =
+            err("[client_ip]\ntrusted_proxies = [\"10.0.0.0/8\", \"10.0.0.0/33\"]\n");
+        assert_eq!(line, 7);
+        assert_eq!(key, "client_ip.trusted_proxies[1]");
+        assert!(message.contains("invalid CIDR"), "{message}");
+    }
+
+    #[test]
+    fn rates_parse() {
+        assert_eq!(
+            Rate::parse("10/s").unwrap(),
+            Rate {
+                count: 10,
+                period: Duration::from_secs(1)
+            }
+        );
+        assert_eq!(
+            Rate::parse("5/10s").unwrap(),
+            Rate {
+                count: 5,
+                period: Duration::from_secs(10)
+            }
+        );
+        assert_eq!(
+            Rate::parse("100/d").unwrap().period,
+            Duration::from_secs(86_400)
+        );
+        assert_eq!(
+            Rate::parse("3/2m").unwrap().period,
+            Duration::from_secs(120)
+        );
+        for bad in ["0/s", "10", "10/", "10/500ms", "-1/s", "1.5/s", "10/x"] {
+            assert!(Rate::parse(bad).is_err(), "{bad} was accepted");
+        }
+    }
+
+    #[test]
+    fn burst_below_cost_is_rejected() {
+        let (_, _, key, message) = err(
+            "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"10/s\"\nburst = 2\ncost = 3\n",
+        );
+        assert_eq!(key, "rules[0].rate");
+        assert!(message.contains("cost"), "{message}");
+    }
+
+    #[test]
+    fn duplicate_rule_names_are_rejected() {
+        let (line, _, key, _) = err(
+            "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\n[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\n",
+        );
+        assert_eq!(key, "rules[1].name");
+        assert_eq!(line, 10, "the second [[rules]] table");
+    }
+
+    #[test]
+    fn redis_backend_needs_a_url() {
+        let (_, _, key, _) = err("[store]\nbackend = \"redis\"\n");
+        assert_eq!(key, "store.url");
+    }
+
+    #[test]
+    fn bad_key_spec_and_header_are_rejected() {
+        let (_, _, key, _) = err("[[rules]]\nname = \"a\"\nkey = \"cookie\"\nrate = \"1/s\"\n");
+        assert_eq!(key, "rules[0].key");
+        let (_, _, key, _) =
+            err("[[rules]]\nname = \"a\"\nkey = \"header:bad header\"\nrate = \"1/s\"\n");
+        assert_eq!(key, "rules[0].key");
+    }
+
+    #[test]
+    fn plan_overrides_must_name_a_known_plan() {
+        let (_, _, key, message) = err(
+            "[keys.plans]\n\"k1\" = \"pro\"\n[[rules]]\nname = \"a\"\nkey = \"api_key\"\nrate = \"1/s\"\n[rules.plans.gold]\nrate = \"5/s\"\n",
+        );
+        assert_eq!(key, "rules[0].plans.gold");
+        assert!(message.contains("gold"), "{message}");
+        let cfg = parse(
+            "[keys.plans]\n\"k1\" = \"pro\"\n[[rules]]\nname = \"a\"\nkey = \"api_key\"\nrate = \"1/s\"\n[rules.plans.pro]\nrate = \"5/s\"\nburst = 9\n",
+        )
+        .unwrap();
+        let r = &cfg.rules[0];
+        assert_eq!(r.quota_for(Some("pro")).burst, 9);
+        assert_eq!(r.quota_for(None).burst, 1);
+    }
+
+    #[test]
+    fn upstream_url_keeps_base_path() {
+        let cfg = Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:3000/base/\"\n",
+            Path::new("x"),
+        )
+        .unwrap();
+        assert_eq!(cfg.upstream.base_path, "/base");
+        assert_eq!(
+            cfg.upstream.url.authority().unwrap().as_str(),
+            "127.0.0.1:3000"
+        );
+        assert!(Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"https://x\"\n",
+            Path::new("x")
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn line_col_counts_from_one() {
+        assert_eq!(line_col("ab\ncd", 0), (1, 1));
+        assert_eq!(line_col("ab\ncd", 4), (2, 2));
+    }
+}

@@ -1,0 +1,266 @@
+//! Decisions -> response headers and problem+json bodies.
+//!
+//! Draft style follows draft-ietf-httpapi-ratelimit-headers-11: `RateLimit-Policy` and
+//! `RateLimit` are Structured Field lists (RFC 9651) with one item per applied rule, named
+//! by the rule (a Structured Field string, since rule names are restricted to
+//! `[A-Za-z0-9_.-]`, no escaping is needed). `q` and `w` are the quota and its window in
+//! seconds; `r` is what remains now and `t` the seconds, rounded up, until the full quota is
+//! back. Legacy style is the earlier drafts' `RateLimit-Limit`/`-Remaining`/`-Reset`,
+//! for the one rule closest to denying.
+
+use std::fmt::Write;
+
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
+use http::StatusCode;
+
+use crate::config::ResponseStyle;
+use crate::limiter::{Decision, Quota};
+
+pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
+pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
+pub static RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("ratelimit-limit");
+pub static RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("ratelimit-remaining");
+pub static RATELIMIT_RESET: HeaderName = HeaderName::from_static("ratelimit-reset");
+
+/// Microseconds to whole seconds, rounded up.
+pub fn ceil_secs(us: u64) -> u64 {
+    us.div_ceil(1_000_000)
+}
+
+/// One applied rule's outcome, as the headers need it.
+pub struct Applied<'a> {
+    pub rule: &'a str,
+    pub quota: &'a Quota,
+    pub decision: Decision,
+}
+
+/// Add the RateLimit headers for `applied` in `style`.
+pub fn add_ratelimit(headers: &mut HeaderMap, style: ResponseStyle, applied: &[Applied<'_>]) {
+    if applied.is_empty() {
+        return;
+    }
+    if matches!(style, ResponseStyle::Draft | ResponseStyle::Both) {
+        let (mut policy, mut state) = (String::new(), String::new());
+        for (i, a) in applied.iter().enumerate() {
+            let sep = if i == 0 { "" } else { ", " };
+            let _ = write!(
+                policy,
+                "{sep}\"{}\";q={};w={}",
+                a.rule,
+                a.quota.rate.count,
+                a.quota.rate.period.as_secs()
+            );
+            let _ = write!(
+                state,
+                "{sep}\"{}\";r={};t={}",
+                a.rule,
+                a.decision.remaining,
+                ceil_secs(a.decision.reset_us)
+            );
+        }
+        insert(headers, &RATELIMIT_POLICY, policy);
+        insert(headers, &RATELIMIT, state);
+    }
+    if matches!(style, ResponseStyle::Legacy | ResponseStyle::Both) {
+        // The rule closest to denying: fewest left, then the longest wait.
+        let Some(a) = applied.iter().min_by_key(|a| {
+            (
+                a.decision.allowed,
+                a.decision.remaining,
+                std::cmp::Reverse(a.decision.reset_us),
+            )
+        }) else {
+            return;
+        };
+        insert(headers, &RATELIMIT_LIMIT, a.quota.rate.count.to_string());
+        insert(
+            headers,
+            &RATELIMIT_REMAINING,
+            a.decision.remaining.to_string(),
+        );
+        insert(
+            headers,
+            &RATELIMIT_RESET,
+            ceil_secs(a.decision.reset_us).to_string(),
+        );
+    }
+}
+
+fn insert(headers: &mut HeaderMap, name: &HeaderName, value: String) {
+    // Rule names and integers only: always a valid header value.
+    if let Ok(v) = HeaderValue::try_from(value) {
+        headers.insert(name.clone(), v);
+    }
+}
+
+/// `Retry-After` for a denial: the longest wait among the denying rules, whole seconds,
+/// rounded up, at least 1.
+pub fn retry_after_secs(applied: &[Applied<'_>]) -> u64 {
+    applied
+        .iter()
+        .filter(|a| !a.decision.allowed)
+        .map(|a| ceil_secs(a.decision.retry_after_us))
+        .max()
+        .unwrap_or(1)
+        .max(1)
+}
+
+/// A problem+json answer (RFC 9457).
+pub struct Problem {
+    pub status: StatusCode,
+    pub body: Bytes,
+    pub retry_after: Option<u64>,
+}
+
+impl Problem {
+    pub fn new(status: StatusCode, detail: &str) -> Problem {
+        let body = serde_json::json!({
+            "type": "about:blank",
+            "title": status.canonical_reason().unwrap_or("Error"),
+            "status": status.as_u16(),
+            "detail": detail,
+        });
+        Problem {
+            status,
+            body: Bytes::from(body.to_string()),
+            retry_after: None,
+        }
+    }
+
+    /// The 429 of the contract, naming the rules that denied.
+    pub fn too_many_requests(applied: &[Applied<'_>]) -> Problem {
+        let retry_after = retry_after_secs(applied);
+        let violated: Vec<&str> = applied
+            .iter()
+            .filter(|a| !a.decision.allowed)
+            .map(|a| a.rule)
+            .collect();
+        let body = serde_json::json!({
+            "type": "https://iana.org/assignments/http-problem-types#quota-exceeded",
+            "title": "Too Many Requests",
+            "status": 429,
+            "violated-policies": violated,
+            "retry_after": retry_after,
+        });
+        Problem {
+            status: StatusCode::TOO_MANY_REQUESTS,
+            body: Bytes::from(body.to_string()),
+            retry_after: Some(retry_after),
+        }
+    }
+
+    pub fn with_retry_after(mut self, secs: u64) -> Problem {
+        self.retry_after = Some(secs);
+        self
+    }
+
+    pub fn headers(&self, headers: &mut HeaderMap) {
+        headers.insert(
+            CONTENT_TYPE,
+            HeaderValue::from_static("application/problem+json"),
+        );
+        if let Some(s) = self.retry_after {
+            headers.insert(RETRY_AFTER, HeaderValue::from(s));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Rate;
+    use crate::limiter::Algorithm;
+    use std::num::NonZeroU64;
+    use std::time::Duration;
+
+    fn quota(count: u64, secs: u64) -> Quota {
+        Quota::new(
+            Algorithm::TokenBucket,
+            Rate {
+                count,
+                period: Duration::from_secs(secs),
+            },
+            None,
+            NonZeroU64::MIN,
+        )
+        .unwrap()
+    }
+
+    fn d(allowed: bool, remaining: u64, retry_after_us: u64, reset_us: u64) -> Decision {
+        Decision {
+            allowed,
+            remaining,
+            retry_after_us,
+            reset_us,
+        }
+    }
+
+    #[test]
+    fn draft_headers_list_every_rule() {
+        let (a, b) = (quota(10, 1), quota(100, 60));
+        let applied = [
+            Applied {
+                rule: "api",
+                quota: &a,
+                decision: d(true, 7, 0, 300_000),
+            },
+            Applied {
+                rule: "ip",
+                quota: &b,
+                decision: d(true, 99, 0, 600_001),
+            },
+        ];
+        let mut h = HeaderMap::new();
+        add_ratelimit(&mut h, ResponseStyle::Draft, &applied);
+        assert_eq!(h[&RATELIMIT_POLICY], "\"api\";q=10;w=1, \"ip\";q=100;w=60");
+        assert_eq!(h[&RATELIMIT], "\"api\";r=7;t=1, \"ip\";r=99;t=1");
+        assert!(h.get(&RATELIMIT_LIMIT).is_none());
+    }
+
+    #[test]
+    fn legacy_headers_name_the_rule_closest_to_denying() {
+        let (a, b) = (quota(10, 1), quota(100, 60));
+        let applied = [
+            Applied {
+                rule: "api",
+                quota: &a,
+                decision: d(true, 7, 0, 300_000),
+            },
+            Applied {
+                rule: "ip",
+                quota: &b,
+                decision: d(true, 2, 0, 59_000_000),
+            },
+        ];
+        let mut h = HeaderMap::new();
+        add_ratelimit(&mut h, ResponseStyle::Legacy, &applied);
+        assert_eq!(h[&RATELIMIT_LIMIT], "100");
+        assert_eq!(h[&RATELIMIT_REMAINING], "2");
+        assert_eq!(h[&RATELIMIT_RESET], "59");
+        assert!(h.get(&RATELIMIT).is_none());
+        let mut h = HeaderMap::new();
+        add_ratelimit(&mut h, ResponseStyle::None, &applied);
+        assert!(h.is_empty());
+    }
+
+    #[test]
+    fn retry_after_rounds_up_and_is_at_least_one() {
+        let a = quota(10, 1);
+        let mk = |us| {
+            [Applied {
+                rule: "api",
+                quota: &a,
+                decision: d(false, 0, us, 1),
+            }]
+        };
+        assert_eq!(retry_after_secs(&mk(1)), 1);
+        assert_eq!(retry_after_secs(&mk(0)), 1);
+        assert_eq!(retry_after_secs(&mk(1_000_001)), 2);
+        let p = Problem::too_many_requests(&mk(2_500_000));
+        let v: serde_json::Value = serde_json::from_slice(&p.body).unwrap();
+        assert_eq!(v["retry_after"], 3);
+        assert_eq!(v["violated-policies"][0], "api");
+        assert_eq!(v["status"], 429);
+    }
+}

@@ -1,0 +1,393 @@
+//! Who a request is: peer address + trusted proxies + headers -> [`IdentityDigest`].
+//! Pure: no I/O, so every case is tested without a network.
+//!
+//! A client IP is believed from a forwarding header only when the TCP peer is a trusted
+//! proxy. The header is then walked from the right — the entry the nearest proxy wrote —
+//! skipping trusted addresses; the first untrusted address is the client. Entries to its
+//! left were written by the client itself and are never believed (the leftmost entry of
+//! X-Forwarded-For is whatever the client wants it to be).
+
+use std::net::{IpAddr, Ipv6Addr};
+
+use http::header::{HeaderMap, HeaderName};
+use ipnet::IpNet;
+use sha2::{Digest, Sha256};
+
+use crate::config::{ClientIp, ForwardingHeader};
+use crate::limiter::IdentityDigest;
+
+/// Hops examined at most in one forwarding header; past them the last trusted hop stands.
+const MAX_HOPS: usize = 64;
+/// Longest API key accepted. Longer values are refused rather than hashed.
+pub const MAX_KEY_LEN: usize = 1024;
+
+/// The client address of a request, by the rules above.
+///
+/// A malformed or `unknown` entry ends the walk at the trusted hop that passed it on (the
+/// entry to its right, or the peer): a client cannot escape its limit by writing garbage,
+/// because garbage never becomes an identity of its own.
+pub fn client_ip(peer: IpAddr, headers: &HeaderMap, cfg: &ClientIp) -> IpAddr {
+    let peer = peer.to_canonical();
+    if !is_trusted(peer, &cfg.trusted_proxies) {
+        return peer;
+    }
+    let mut client = peer;
+    for entry in hops(headers, cfg.header).take(MAX_HOPS) {
+        match entry {
+            Some(ip) if is_trusted(ip, &cfg.trusted_proxies) => client = ip,
+            Some(ip) => return ip,
+            None => return client,
+        }
+    }
+    client
+}
+
+fn is_trusted(ip: IpAddr, nets: &[IpNet]) -> bool {
+    nets.iter().any(|n| n.contains(&ip))
+}
+
+/// The forwarding header's entries, rightmost first; `None` for one that is not an address.
+fn hops(
+    headers: &HeaderMap,
+    kind: ForwardingHeader,
+) -> Box<dyn Iterator<Item = Option<IpAddr>> + '_> {
+    match kind {
+        ForwardingHeader::XForwardedFor => {
+            let lines: Vec<_> = headers.get_all("x-forwarded-for").iter().collect();
+            Box::new(lines.into_iter().rev().flat_map(|v| {
+                let entries: Vec<Option<IpAddr>> = match v.to_str() {
+                    Ok(s) => s.split(',').rev().map(parse_node).collect(),
+                    Err(_) => vec![None],
+                };
+                entries
+            }))
+        }
+        ForwardingHeader::Forwarded => {
+            let lines: Vec<_> = headers.get_all(http::header::FORWARDED).iter().collect();
+            Box::new(lines.into_iter().rev().flat_map(|v| {
+                let entries: Vec<Option<IpAddr>> = match v.to_str() {
+                    Ok(s) => split_elements(s)
+                        .into_iter()
+                        .rev()
+                        .map(forwarded_for)
+                        .collect(),
+                    Err(_) => vec![None],
+                };
+                entries
+            }))
+        }
+        ForwardingHeader::XRealIp => {
+            let mut values = headers.get_all("x-real-ip").iter();
+            let entry = match (values.next(), values.next()) {
+                (None, _) => return Box::new(std::iter::empty()),
+                // Two X-Real-IP lines: someone added one. Believe neither.
+                (Some(_), Some(_)) => None,
+                (Some(v), None) => v.to_str().ok().and_then(parse_node),
+            };
+            Box::new(std::iter::once(entry))
+        }
+    }
+}
+
+/// Split a Forwarded value (RFC 7239) into its comma-separated elements, honouring quotes.
+fn split_elements(s: &str) -> Vec<&str> {
+    let mut out = Vec::new();
+    let (mut start, mut quoted, mut escaped) = (0, false, false);
+    for (i, c) in s.char_indices() {
+        match c {
+            _ if escaped => escaped = false,
+            '\\' if quoted => escaped = true,
+            '"' => quoted = !quoted,
+            ',' if !quoted => {
+                out.push(&s[start..i]);
+                start = i + 1;
+            }
+            _ => {}
+        }
+    }
+    out.push(&s[start..]);
+    out
+}
+
+/// The address in a Forwarded element's `for=` parameter.
+fn forwarded_for(element: &str) -> Option<IpAddr> {
+    let mut found = None;
+    for pair in element.split(';') {
+        let (k, v) = pair.split_once('=')?;
+        if k.trim().eq_ignore_ascii_case("for") {
+            if found.is_some() {
+                return None; // two `for=` in one element: ambiguous
+            }
+            found = Some(v.trim());
+        }
+    }
+    parse_node(found?)
+}
+
+/// One node: `1.2.3.4`, `1.2.3.4:80`, `::1`, `[::1]`, `[::1]:80`, optionally quoted.
+/// `unknown`, obfuscated identifiers (`_x`) and anything else are `None`.
+fn parse_node(s: &str) -> Option<IpAddr> {
+    let s = s.trim();
+    let s = match s.strip_prefix('"') {
+        Some(rest) => rest.strip_suffix('"')?,
+        None => s,
+    };
+    if s.len() > 64 {
+        return None;
+    }
+    let ip = if let Some(rest) = s.strip_prefix('[') {
+        let (inside, after) = rest.split_once(']')?;
+        if !(after.is_empty() || is_port(after.strip_prefix(':')?)) {
+            return None;
+        }
+        IpAddr::V6(inside.parse::<Ipv6Addr>().ok()?)
+    } else if let Ok(ip) = s.parse::<IpAddr>() {
+        ip
+    } else {
+        let (host, port) = s.rsplit_once(':')?;
+        if !is_port(port) {
+            return None;
+        }
+        IpAddr::V4(host.parse().ok()?)
+    };
+    Some(ip.to_canonical())
+}
+
+fn is_port(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 5 && s.bytes().all(|b| b.is_ascii_digit())
+}
+
+/// An API key as sent, checked for shape. `Ok(None)`: no key was sent.
+pub fn api_key<'h>(
+    headers: &'h HeaderMap,
+    name: &HeaderName,
+) -> Result<Option<&'h [u8]>, KeyError> {
+    let mut values = headers.get_all(name).iter();
+    let Some(v) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(KeyError::Repeated);
+    }
+    let v = trim(v.as_bytes());
+    if v.is_empty() {
+        return Ok(None);
+    }
+    if v.len() > MAX_KEY_LEN {
+        return Err(KeyError::TooLong);
+    }
+    Ok(Some(v))
+}
+
+fn trim(b: &[u8]) -> &[u8] {
+    let start = b
+        .iter()
+        .position(|c| !c.is_ascii_whitespace())
+        .unwrap_or(b.len());
+    let end = b
+        .iter()
+        .rposition(|c| !c.is_ascii_whitespace())
+        .map_or(start, |e| e + 1);
+    &b[start..end]
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+pub enum KeyError {
+    #[error("the key header was sent more than once")]
+    Repeated,
+    #[error("the key is longer than {MAX_KEY_LEN} bytes")]
+    TooLong,
+}
+
+/// Digests, domain-separated so an API key can never collide with an IP or a header value.
+pub fn digest_api_key(key: &[u8]) -> IdentityDigest {
+    digest(&[b"ratewall/key\0", key])
+}
+
+pub fn digest_ip(ip: IpAddr) -> IdentityDigest {
+    match ip {
+        IpAddr::V4(v4) => digest(&[b"ratewall/ip4\0", &v4.octets()]),
+        IpAddr::V6(v6) => digest(&[b"ratewall/ip6\0", &v6.octets()]),
+    }
+}
+
+pub fn digest_global() -> IdentityDigest {
+    digest(&[b"ratewall/global"])
+}
+
+pub fn digest_header(name: &HeaderName, value: &[u8]) -> IdentityDigest {
+    digest(&[b"ratewall/header\0", name.as_str().as_bytes(), b"\0", value])
+}
+
+fn digest(parts: &[&[u8]]) -> IdentityDigest {
+    let mut h = Sha256::new();
+    for p in parts {
+        h.update(p);
+    }
+    let full = h.finalize();
+    let mut out = [0u8; 16];
+    out.copy_from_slice(&full[..16]);
+    IdentityDigest(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    fn cfg(header: ForwardingHeader) -> ClientIp {
+        ClientIp {
+            trusted_proxies: vec![
+                "127.0.0.1/32".parse().unwrap(),
+                "10.0.0.0/8".parse().unwrap(),
+                "::1/128".parse().unwrap(),
+            ],
+            header,
+        }
+    }
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    fn headers(name: &str, values: &[&[u8]]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for v in values {
+            h.append(
+                HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                HeaderValue::from_bytes(v).unwrap(),
+            );
+        }
+        h
+    }
+
+    fn xff(peer: &str, values: &[&[u8]]) -> IpAddr {
+        client_ip(
+            ip(peer),
+            &headers("x-forwarded-for", values),
+            &cfg(ForwardingHeader::XForwardedFor),
+        )
+    }
+
+    #[test]
+    fn untrusted_peer_header_is_ignored() {
+        assert_eq!(xff("203.0.113.9", &[b"1.1.1.1"]), ip("203.0.113.9"));
+    }
+
+    #[test]
+    fn rightmost_untrusted_hop_wins() {
+        assert_eq!(
+            xff("127.0.0.1", &[b"6.6.6.6, 198.51.100.7, 10.1.2.3"]),
+            ip("198.51.100.7")
+        );
+        // Across repeated header lines, in order.
+        assert_eq!(
+            xff("127.0.0.1", &[b"6.6.6.6", b"198.51.100.7", b"10.1.2.3"]),
+            ip("198.51.100.7")
+        );
+    }
+
+    #[test]
+    fn all_trusted_hops_give_the_leftmost() {
+        assert_eq!(xff("127.0.0.1", &[b"10.0.0.5, 10.0.0.6"]), ip("10.0.0.5"));
+        assert_eq!(xff("127.0.0.1", &[]), ip("127.0.0.1"));
+    }
+
+    #[test]
+    fn malformed_entries_stop_at_the_trusted_hop_that_passed_them() {
+        assert_eq!(xff("127.0.0.1", &[b"1.2.3.4, garbage"]), ip("127.0.0.1"));
+        assert_eq!(
+            xff("127.0.0.1", &[b"1.2.3.4, unknown, 10.0.0.9"]),
+            ip("10.0.0.9")
+        );
+        assert_eq!(xff("127.0.0.1", &[b"1.2.3.4,,"]), ip("127.0.0.1"));
+        assert_eq!(xff("127.0.0.1", &[b"\xff\xfe"]), ip("127.0.0.1"));
+        assert_eq!(xff("127.0.0.1", &[b"999.1.1.1"]), ip("127.0.0.1"));
+    }
+
+    #[test]
+    fn ports_brackets_and_mapped_addresses() {
+        assert_eq!(
+            xff("127.0.0.1", &[b"198.51.100.7:4711"]),
+            ip("198.51.100.7")
+        );
+        assert_eq!(xff("127.0.0.1", &[b"[2001:db8::1]:80"]), ip("2001:db8::1"));
+        assert_eq!(xff("127.0.0.1", &[b"2001:db8::1"]), ip("2001:db8::1"));
+        assert_eq!(
+            xff("127.0.0.1", &[b"::ffff:198.51.100.7"]),
+            ip("198.51.100.7")
+        );
+        assert_eq!(
+            xff("::ffff:127.0.0.1", &[b"198.51.100.7"]),
+            ip("198.51.100.7")
+        );
+        assert_eq!(xff("127.0.0.1", &[b"[2001:db8::1]:x"]), ip("127.0.0.1"));
+    }
+
+    #[test]
+    fn forwarded_header() {
+        let c = cfg(ForwardingHeader::Forwarded);
+        let f = |v: &[u8]| client_ip(ip("127.0.0.1"), &headers("forwarded", &[v]), &c);
+        assert_eq!(
+            f(b"for=192.0.2.60;proto=http;by=203.0.113.43"),
+            ip("192.0.2.60")
+        );
+        assert_eq!(
+            f(b"for=\"[2001:db8:cafe::17]:4711\""),
+            ip("2001:db8:cafe::17")
+        );
+        assert_eq!(
+            f(b"for=6.6.6.6, For=198.51.100.1, for=10.0.0.1"),
+            ip("198.51.100.1")
+        );
+        assert_eq!(f(b"for=6.6.6.6, for=unknown"), ip("127.0.0.1"));
+        assert_eq!(f(b"for=6.6.6.6, for=_hidden"), ip("127.0.0.1"));
+        assert_eq!(f(b"for=6.6.6.6, proto=http"), ip("127.0.0.1"));
+        assert_eq!(f(b"for=\"6.6.6.6, for=7.7.7.7\""), ip("127.0.0.1"));
+    }
+
+    #[test]
+    fn x_real_ip_header() {
+        let c = cfg(ForwardingHeader::XRealIp);
+        let f = |vs: &[&[u8]]| client_ip(ip("127.0.0.1"), &headers("x-real-ip", vs), &c);
+        assert_eq!(f(&[b"198.51.100.2"]), ip("198.51.100.2"));
+        assert_eq!(f(&[b"198.51.100.2", b"6.6.6.6"]), ip("127.0.0.1"));
+        assert_eq!(f(&[b"1.1.1.1, 2.2.2.2"]), ip("127.0.0.1"));
+    }
+
+    #[test]
+    fn api_keys_are_checked_for_shape() {
+        let name = HeaderName::from_static("x-api-key");
+        assert_eq!(
+            api_key(&headers("x-api-key", &[b" k1 "]), &name),
+            Ok(Some(&b"k1"[..]))
+        );
+        assert_eq!(api_key(&headers("x-api-key", &[b""]), &name), Ok(None));
+        assert_eq!(api_key(&HeaderMap::new(), &name), Ok(None));
+        assert_eq!(
+            api_key(&headers("x-api-key", &[b"a", b"b"]), &name),
+            Err(KeyError::Repeated)
+        );
+        let long = vec![b'a'; MAX_KEY_LEN + 1];
+        assert_eq!(
+            api_key(&headers("x-api-key", &[&long]), &name),
+            Err(KeyError::TooLong)
+        );
+        assert_eq!(
+            api_key(&headers("x-api-key", &[b"\xff\xfek"]), &name),
+            Ok(Some(&b"\xff\xfek"[..]))
+        );
+    }
+
+    #[test]
+    fn digests_are_separated_by_kind() {
+        assert_ne!(digest_api_key(b"1.2.3.4"), digest_ip(ip("1.2.3.4")));
+        assert_ne!(digest_api_key(b"a"), digest_api_key(b"b"));
+        assert_eq!(
+            digest_ip(ip("::ffff:1.2.3.4").to_canonical()),
+            digest_ip(ip("1.2.3.4"))
+        );
+        let d = digest_api_key(b"secret-key").hex();
+        assert!(!d.contains("secret"));
+    }
+}

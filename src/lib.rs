@@ -1,0 +1,29 @@
+//! ratewall: a reverse-proxy gateway that enforces request rate limits at the perimeter.
+//!
+//! An operator runs it in front of an HTTP backend and describes limits in
+//! `config/limits.toml`. Every request is either forwarded upstream with `RateLimit-*`
+//! headers, or answered `429` with an honest `Retry-After`. One instance keeps its state
+//! in memory; many instances share one limit through Redis.
+//!
+//! # Layout
+//!
+//! A request travels one way, and the modules follow it:
+//!
+//! - [`server`]: accept loop, admin listener, graceful shutdown.
+//! - [`gateway`]: one request: identify -> match rules -> limit -> answer or forward.
+//! - [`identity`]: peer + trusted proxies + headers -> an identity digest (pure).
+//! - [`rules`]: request parts -> the rules that apply (pure).
+//! - [`limiter`]: the algorithms as pure integer step functions, and the stores that run
+//!   them: [`limiter::memory`] (embedded) and [`limiter::redis`] (Lua twins in `lua/`).
+//! - [`headers`]: decisions -> `RateLimit-*`, `Retry-After`, problem+json.
+//! - [`proxy`]: the pooled upstream client, hop-by-hop stripping, `X-Forwarded-*`.
+//! - [`config`]: the TOML file -> validated, immutable [`config::Config`].
+
+pub mod config;
+pub mod gateway;
+pub mod headers;
+pub mod identity;
+pub mod limiter;
+pub mod proxy;
+pub mod rules;
+pub mod server;

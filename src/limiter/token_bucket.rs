@@ -1,0 +1,224 @@
+//! The token bucket as a pure, exact step function. Its Redis twin is
+//! `lua/token_bucket.lua`; the two must agree on every decision (tests/stores_agree.rs).
+//!
+//! A bucket holds up to `burst` tokens and refills at `rate`. It is stored as its level in
+//! [`Quota`] units at the time it was last charged; tokens dripped in since then are added
+//! on read. A missing bucket is full, so a bucket is dropped (its TTL ends) at the moment it
+//! refills completely: the time to full refill is exactly how long its state matters.
+
+use super::{Decision, Quota};
+
+/// A bucket's state after its last charge.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct State {
+    /// Level in units, after the charge.
+    pub level: u64,
+    /// When the charge happened, in µs.
+    pub last_us: u64,
+    /// The quota unit the level is counted in; a changed quota rescales whole tokens.
+    pub unit: u64,
+}
+
+/// The result of judging one request against one bucket, before anything is written.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Step {
+    /// The level at `now`, before this request.
+    pub level: u64,
+    pub allowed: bool,
+}
+
+/// Floor division rounding up.
+fn div_ceil(a: u64, b: u64) -> u64 {
+    a.div_ceil(b)
+}
+
+/// The bucket's level at `now_us`, before any charge.
+pub fn level_at(q: &Quota, state: Option<&State>, now_us: u64) -> u64 {
+    let cap = q.capacity();
+    let Some(s) = state else { return cap };
+    let level = if s.unit == q.unit {
+        s.level
+    } else {
+        // The quota changed (reload, plan): carry whole tokens over, drop the fraction.
+        (s.level / s.unit.max(1)).saturating_mul(q.unit)
+    }
+    .min(cap);
+    let elapsed = now_us.saturating_sub(s.last_us);
+    let dripped = u128::from(elapsed) * u128::from(q.per_us);
+    (u128::from(level) + dripped).min(u128::from(cap)) as u64
+}
+
+/// Judge one request of `q.cost` against the bucket at `now_us`.
+pub fn step(q: &Quota, state: Option<&State>, now_us: u64) -> Step {
+    let level = level_at(q, state, now_us);
+    Step {
+        level,
+        allowed: level >= q.need(),
+    }
+}
+
+/// The state to store after charging an allowed step, and how long it matters (µs).
+pub fn charge(q: &Quota, step: &Step, now_us: u64) -> (State, u64) {
+    let level = step.level - q.need();
+    let ttl_us = div_ceil(q.capacity() - level, q.per_us);
+    (
+        State {
+            level,
+            last_us: now_us,
+            unit: q.unit,
+        },
+        ttl_us,
+    )
+}
+
+/// What the client is told. `charged`: the request was allowed and the whole request
+/// passed, so its cost came off the bucket.
+pub fn decision(q: &Quota, step: &Step, charged: bool) -> Decision {
+    let level = if charged {
+        step.level - q.need()
+    } else {
+        step.level
+    };
+    Decision {
+        allowed: step.allowed,
+        remaining: level / q.unit,
+        retry_after_us: if step.allowed {
+            0
+        } else {
+            div_ceil(q.need() - step.level, q.per_us)
+        },
+        reset_us: div_ceil(q.capacity() - level, q.per_us),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::Rate;
+    use crate::limiter::Algorithm;
+    use std::num::NonZeroU64;
+    use std::time::Duration;
+
+    fn quota(count: u64, secs: u64, burst: u64, cost: u64) -> Quota {
+        Quota::new(
+            Algorithm::TokenBucket,
+            Rate {
+                count,
+                period: Duration::from_secs(secs),
+            },
+            NonZeroU64::new(burst),
+            NonZeroU64::new(cost).unwrap(),
+        )
+        .unwrap()
+    }
+
+    /// Runs one request at `now` and commits it when allowed, like a store does.
+    fn hit(q: &Quota, state: &mut Option<State>, now: u64) -> Decision {
+        let s = step(q, state.as_ref(), now);
+        if s.allowed {
+            *state = Some(charge(q, &s, now).0);
+        }
+        decision(q, &s, s.allowed)
+    }
+
+    #[test]
+    fn burst_passes_at_once_then_denies() {
+        let q = quota(10, 1, 5, 1);
+        let mut st = None;
+        for left in (0..5).rev() {
+            let d = hit(&q, &mut st, 0);
+            assert!(d.allowed);
+            assert_eq!(d.remaining, left);
+        }
+        let d = hit(&q, &mut st, 0);
+        assert!(!d.allowed);
+        assert_eq!(d.remaining, 0);
+        // One token every 100 ms.
+        assert_eq!(d.retry_after_us, 100_000);
+        assert_eq!(d.reset_us, 500_000);
+    }
+
+    #[test]
+    fn refill_is_exact_for_rates_that_do_not_divide_a_second() {
+        // 3/s: a token every 333_333.33 µs. Float arithmetic drifts; units do not.
+        let q = quota(3, 1, 2, 1);
+        let mut st = None;
+        assert!(hit(&q, &mut st, 0).allowed);
+        assert!(hit(&q, &mut st, 0).allowed);
+        let d = hit(&q, &mut st, 333_333);
+        assert!(!d.allowed, "a token is not whole before 333_333.33 µs");
+        assert_eq!(d.retry_after_us, 1);
+        // For 3_000 s, ask at the exact µs each token completes: every one passes, and a
+        // second request at the same instant never does.
+        for k in 1..=9_000u64 {
+            let t = (k * 1_000_000).div_ceil(3);
+            assert!(hit(&q, &mut st, t).allowed, "token {k} at {t} µs");
+            assert!(!hit(&q, &mut st, t).allowed, "no extra token at {t} µs");
+        }
+    }
+
+    #[test]
+    fn idle_bucket_refills_to_burst_and_no_more() {
+        let q = quota(1, 1, 3, 1);
+        let mut st = None;
+        for _ in 0..3 {
+            assert!(hit(&q, &mut st, 0).allowed);
+        }
+        let d = hit(&q, &mut st, 3_600_000_000);
+        assert!(d.allowed);
+        assert_eq!(d.remaining, 2, "an hour idle still caps at burst");
+    }
+
+    #[test]
+    fn ttl_is_time_to_full_refill() {
+        let q = quota(2, 1, 4, 1);
+        let s = step(&q, None, 10);
+        let (state, ttl) = charge(&q, &s, 10);
+        assert_eq!(ttl, 500_000, "one token at 2/s refills in 0.5 s");
+        assert_eq!(level_at(&q, Some(&state), 10 + ttl), q.capacity());
+        assert!(level_at(&q, Some(&state), 10 + ttl - 1) < q.capacity());
+    }
+
+    #[test]
+    fn cost_above_one_takes_several_tokens() {
+        let q = quota(10, 1, 10, 4);
+        let mut st = None;
+        assert_eq!(hit(&q, &mut st, 0).remaining, 6);
+        assert_eq!(hit(&q, &mut st, 0).remaining, 2);
+        let d = hit(&q, &mut st, 0);
+        assert!(!d.allowed);
+        assert_eq!(d.remaining, 2, "a denied request takes nothing");
+        assert_eq!(d.retry_after_us, 200_000, "two more tokens at 10/s");
+    }
+
+    #[test]
+    fn clock_going_back_refills_nothing() {
+        let q = quota(1, 1, 1, 1);
+        let mut st = None;
+        assert!(hit(&q, &mut st, 5_000_000).allowed);
+        assert!(!hit(&q, &mut st, 1_000_000).allowed);
+    }
+
+    #[test]
+    fn changed_quota_carries_whole_tokens() {
+        let old = quota(1, 1, 10, 1);
+        let new = quota(1, 2, 10, 1);
+        assert_ne!(old.unit, new.unit);
+        let st = State {
+            level: 4 * old.unit + old.unit / 2,
+            last_us: 0,
+            unit: old.unit,
+        };
+        assert_eq!(level_at(&new, Some(&st), 0), 4 * new.unit);
+    }
+
+    #[test]
+    fn denied_with_uncharged_rules_reports_their_untouched_level() {
+        let q = quota(1, 60, 5, 1);
+        let s = step(&q, None, 0);
+        let d = decision(&q, &s, false);
+        assert!(d.allowed);
+        assert_eq!(d.remaining, 5);
+        assert_eq!(d.reset_us, 0);
+    }
+}

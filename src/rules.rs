@@ -1,0 +1,87 @@
+//! Request parts -> the rules that apply. Pure, and compiled at load.
+
+use http::Method;
+
+use crate::config::Rule;
+
+/// Whether `rule` applies to a request with `method` and (normalised) `path`.
+pub fn applies(rule: &Rule, method: &Method, path: &str) -> bool {
+    let m = &rule.matcher;
+    (m.methods.is_empty() || m.methods.contains(method))
+        && m.path_prefix.as_deref().is_none_or(|p| path.starts_with(p))
+}
+
+/// The path as rules see it: percent-encoded unreserved characters decoded, `.` and `..`
+/// segments resolved and repeated slashes folded, as an upstream would resolve them, so
+/// `/x/../api/` or `//api/` or `/%61pi/` cannot slip past a rule for `/api/`.
+pub fn normalize_path(raw: &str) -> std::borrow::Cow<'_, str> {
+    let clean = !raw.contains("//") && !raw.contains("/.") && !raw.contains('%');
+    if clean {
+        return raw.into();
+    }
+    let decoded = decode_unreserved(raw);
+    let mut out: Vec<&str> = Vec::new();
+    for seg in decoded.split('/') {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                out.pop();
+            }
+            s => out.push(s),
+        }
+    }
+    let mut path = String::with_capacity(decoded.len());
+    for s in &out {
+        path.push('/');
+        path.push_str(s);
+    }
+    if path.is_empty()
+        || decoded.ends_with('/')
+        || decoded.ends_with("/.")
+        || decoded.ends_with("/..")
+    {
+        path.push('/');
+    }
+    path.into()
+}
+
+fn decode_unreserved(raw: &str) -> String {
+    let b = raw.as_bytes();
+    let mut out = String::with_capacity(raw.len());
+    let mut i = 0;
+    while i < b.len() {
+        if b[i] == b'%' && i + 2 < b.len() {
+            let hex = |c: u8| (c as char).to_digit(16);
+            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
+                let c = (h * 16 + l) as u8;
+                if c.is_ascii_alphanumeric() || b"-._~".contains(&c) {
+                    out.push(c as char);
+                    i += 3;
+                    continue;
+                }
+            }
+        }
+        out.push(b[i] as char);
+        i += 1;
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normalises_what_could_dodge_a_prefix() {
+        assert_eq!(normalize_path("/api/x"), "/api/x");
+        assert_eq!(normalize_path("/x/../api/y"), "/api/y");
+        assert_eq!(normalize_path("//api//y"), "/api/y");
+        assert_eq!(normalize_path("/./api/"), "/api/");
+        assert_eq!(normalize_path("/%61pi/y"), "/api/y");
+        assert_eq!(normalize_path("/api%2Fy"), "/api%2Fy");
+        assert_eq!(normalize_path("/../../"), "/");
+        assert_eq!(normalize_path("/api/.."), "/");
+        assert_eq!(normalize_path("/a%"), "/a%");
+        assert_eq!(normalize_path("/a%6"), "/a%6");
+    }
+}

@@ -1,0 +1,367 @@
+//! Real processes for the tests: a redis-server on a free port, an upstream HTTP server,
+//! the `ratewall` binary, and an HTTP client. Everything binds to 127.0.0.1 and is killed
+//! on drop.
+#![allow(dead_code)]
+
+use std::collections::HashMap;
+use std::convert::Infallible;
+use std::net::{IpAddr, SocketAddr, TcpListener as StdListener};
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use http::{HeaderMap, Request, Response, StatusCode};
+use http_body_util::{BodyExt, Full};
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::client::legacy::connect::HttpConnector;
+use hyper_util::client::legacy::Client;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+
+/// A port that was free a moment ago.
+pub fn free_port() -> u16 {
+    StdListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("no free port on 127.0.0.1")
+}
+
+fn wait_for_port(port: u16, within: Duration) -> bool {
+    let end = Instant::now() + within;
+    while Instant::now() < end {
+        if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            return true;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    false
+}
+
+// ---------------------------------------------------------------------------------------
+
+/// A real redis-server, no persistence, on its own port.
+pub struct RedisServer {
+    pub port: u16,
+    child: Option<Child>,
+}
+
+impl RedisServer {
+    pub fn start() -> RedisServer {
+        let mut s = RedisServer { port: free_port(), child: None };
+        s.spawn();
+        s
+    }
+
+    fn spawn(&mut self) {
+        let child = Command::new("redis-server")
+            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .expect("redis-server must be installed (the README's test command installs it)");
+        self.child = Some(child);
+        assert!(wait_for_port(self.port, Duration::from_secs(10)), "redis-server did not start");
+        let end = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < end {
+            if self.connection().is_ok() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        panic!("redis-server does not answer PING");
+    }
+
+    pub fn url(&self) -> String {
+        format!("redis://127.0.0.1:{}", self.port)
+    }
+
+    fn connection(&self) -> redis::RedisResult<redis::Connection> {
+        let client = redis::Client::open(self.url())?;
+        let mut c = client.get_connection_with_timeout(Duration::from_secs(2))?;
+        redis::cmd("PING").query::<String>(&mut c)?;
+        Ok(c)
+    }
+
+    /// A synchronous connection for inspecting what the gateway wrote.
+    pub fn conn(&self) -> redis::Connection {
+        self.connection().expect("redis connection")
+    }
+
+    /// Kill the server (SIGKILL) and wait until it is gone.
+    pub fn kill(&mut self) {
+        if let Some(mut c) = self.child.take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+
+    /// Start it again on the same port (empty: no persistence).
+    pub fn restart(&mut self) {
+        self.kill();
+        self.spawn();
+    }
+}
+
+impl Drop for RedisServer {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+
+/// What the upstream saw of one request.
+#[derive(Debug, Clone)]
+pub struct Seen {
+    pub path: String,
+    pub headers: HeaderMap,
+    pub body_len: usize,
+}
+
+/// A real HTTP upstream in this test process. Paths:
+/// `/slow/<ms>` answers after that many ms; `/stream` answers once the request body's first
+/// chunk is in (then reads the rest); anything else answers 200 "ok" after reading the body.
+pub struct Upstream {
+    pub addr: SocketAddr,
+    pub seen: Arc<Mutex<Vec<Seen>>>,
+    /// Signalled by `/stream` when the first body chunk arrives.
+    pub first_chunk: Arc<tokio::sync::Notify>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl Upstream {
+    pub async fn start() -> Upstream {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind upstream");
+        let addr = listener.local_addr().expect("upstream addr");
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let first_chunk = Arc::new(tokio::sync::Notify::new());
+        let (seen2, first2) = (seen.clone(), first_chunk.clone());
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else { continue };
+                let (seen, first) = (seen2.clone(), first2.clone());
+                tokio::spawn(async move {
+                    let svc = service_fn(move |req: Request<Incoming>| {
+                        let (seen, first) = (seen.clone(), first.clone());
+                        async move { Ok::<_, Infallible>(upstream_answer(req, seen, first).await) }
+                    });
+                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        Upstream { addr, seen, first_chunk, task }
+    }
+
+    pub fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    pub fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+}
+
+impl Drop for Upstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn upstream_answer(
+    req: Request<Incoming>,
+    seen: Arc<Mutex<Vec<Seen>>>,
+    first: Arc<tokio::sync::Notify>,
+) -> Response<Full<Bytes>> {
+    let path = req.uri().path().to_string();
+    let headers = req.headers().clone();
+    let mut body = req.into_body();
+    let mut body_len = 0;
+    let mut notified = false;
+    while let Some(frame) = body.frame().await {
+        let Ok(frame) = frame else { break };
+        if let Some(d) = frame.data_ref() {
+            body_len += d.len();
+            if path == "/stream" && !notified && body_len > 0 {
+                first.notify_one();
+                notified = true;
+            }
+        }
+    }
+    if let Some(ms) = path.strip_prefix("/slow/").and_then(|m| m.parse::<u64>().ok()) {
+        tokio::time::sleep(Duration::from_millis(ms)).await;
+    }
+    seen.lock().unwrap().push(Seen { path, headers, body_len });
+    let mut resp = Response::new(Full::new(Bytes::from(format!("ok {body_len}\n"))));
+    resp.headers_mut().insert("x-upstream", http::HeaderValue::from_static("yes"));
+    // A hop-by-hop header the gateway must not pass back.
+    resp.headers_mut().insert("connection", http::HeaderValue::from_static("x-upstream-hop"));
+    resp.headers_mut().insert("x-upstream-hop", http::HeaderValue::from_static("1"));
+    resp
+}
+
+// ---------------------------------------------------------------------------------------
+
+/// The real `ratewall` binary, run on a generated config.
+pub struct Gateway {
+    pub port: u16,
+    pub admin_port: u16,
+    child: Child,
+    _dir: tempfile::TempDir,
+    pub log: PathBuf,
+}
+
+impl Gateway {
+    /// Start the binary with `body` appended to a `[server]` table on free ports.
+    pub fn start(body: &str) -> Gateway {
+        Self::try_start(body).expect("ratewall did not start")
+    }
+
+    pub fn try_start(body: &str) -> Result<Gateway, String> {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (port, admin_port) = (free_port(), free_port());
+        let text = format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nshutdown_grace = \"2s\"\n{body}"
+        );
+        let cfg = dir.path().join("limits.toml");
+        std::fs::write(&cfg, text).expect("write config");
+        let log = dir.path().join("ratewall.log");
+        let child = Command::new(env!("CARGO_BIN_EXE_ratewall"))
+            .arg("--config")
+            .arg(&cfg)
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log file"))
+            .spawn()
+            .expect("spawn ratewall");
+        let mut g = Gateway { port, admin_port, child, _dir: dir, log };
+        if wait_for_port(port, Duration::from_secs(20)) {
+            Ok(g)
+        } else {
+            let _ = g.child.kill();
+            Err(g.logs())
+        }
+    }
+
+    pub fn url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{}", self.port, path)
+    }
+
+    pub fn admin_url(&self, path: &str) -> String {
+        format!("http://127.0.0.1:{}{}", self.admin_port, path)
+    }
+
+    pub fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Gateway {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+
+/// A response, read whole.
+#[derive(Debug)]
+pub struct Reply {
+    pub status: StatusCode,
+    pub headers: HeaderMap,
+    pub body: Bytes,
+}
+
+impl Reply {
+    pub fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).and_then(|v| v.to_str().ok())
+    }
+
+    pub fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body).expect("json body")
+    }
+}
+
+/// A real HTTP client (hyper-util's pooled client), optionally from a chosen local address.
+#[derive(Clone)]
+pub struct HttpClient {
+    inner: Client<HttpConnector, Full<Bytes>>,
+}
+
+impl HttpClient {
+    pub fn new() -> HttpClient {
+        Self::from_addr(None)
+    }
+
+    /// Connect from `local` (any 127.0.0.0/8 address works on Linux loopback), so tests can
+    /// be a peer other than 127.0.0.1.
+    pub fn from_addr(local: Option<IpAddr>) -> HttpClient {
+        let mut conn = HttpConnector::new();
+        conn.set_local_address(local);
+        HttpClient { inner: Client::builder(TokioExecutor::new()).build(conn) }
+    }
+
+    /// HTTP/2 with prior knowledge (cleartext h2c).
+    pub fn h2() -> HttpClient {
+        HttpClient { inner: Client::builder(TokioExecutor::new()).http2_only(true).build(HttpConnector::new()) }
+    }
+
+    pub async fn get(&self, url: &str, headers: &[(&str, &str)]) -> Reply {
+        self.send("GET", url, headers, Bytes::new()).await
+    }
+
+    pub async fn send(&self, method: &str, url: &str, headers: &[(&str, &str)], body: Bytes) -> Reply {
+        let mut req = Request::builder().method(method).uri(url);
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let req = req.body(Full::new(body)).expect("request");
+        let resp = tokio::time::timeout(Duration::from_secs(30), self.inner.request(req))
+            .await
+            .expect("request timed out")
+            .expect("request failed");
+        let (parts, body) = resp.into_parts();
+        let body = body.collect().await.expect("body").to_bytes();
+        Reply { status: parts.status, headers: parts.headers, body }
+    }
+}
+
+/// The `[upstream]` and `[store]` tables for a test config.
+pub fn upstream_and_store(upstream: &str, store: &Store) -> String {
+    format!("[upstream]\nurl = \"{upstream}\"\nconnect_timeout = \"1s\"\ntimeout = \"5s\"\n{}", store.toml())
+}
+
+/// Which store a gateway under test runs.
+#[derive(Clone)]
+pub enum Store {
+    Memory,
+    Redis { url: String, on_error: &'static str, timeout: &'static str },
+}
+
+impl Store {
+    pub fn redis(r: &RedisServer) -> Store {
+        Store::Redis { url: r.url(), on_error: "deny", timeout: "200ms" }
+    }
+
+    pub fn toml(&self) -> String {
+        match self {
+            Store::Memory => "[store]\nbackend = \"memory\"\n".to_string(),
+            Store::Redis { url, on_error, timeout } => format!(
+                "[store]\nbackend = \"redis\"\nurl = \"{url}\"\nprefix = \"rwtest\"\ntimeout = \"{timeout}\"\non_error = \"{on_error}\"\n"
+            ),
+        }
+    }
+}
+
+/// Count statuses.
+pub fn tally(statuses: impl IntoIterator<Item = StatusCode>) -> HashMap<u16, usize> {
+    let mut m = HashMap::new();
+    for s in statuses {
+        *m.entry(s.as_u16()).or_insert(0) += 1;
+    }
+    m
+}
