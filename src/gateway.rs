@@ -30,9 +30,9 @@ pub struct Gateway {
 
 /// Why a request was answered before any limit was consulted.
 enum Refusal {
-    MissingKey(&'static str),
-    UnknownKey,
-    BadKey(KeyError),
+    Missing(&'static str),
+    Unknown,
+    Malformed(KeyError),
 }
 
 impl Gateway {
@@ -143,21 +143,21 @@ impl Gateway {
                     KeyKind::ApiKey => (&cfg.keys.header, None),
                     KeyKind::Header(h) => (h, Some(h)),
                 };
-                match identity::api_key(headers, name).map_err(Refusal::BadKey)? {
+                match identity::api_key(headers, name).map_err(Refusal::Malformed)? {
                     Some(v) => match value {
                         Some(h) => Ok(identity::digest_header(h, v)),
                         None => {
                             if cfg.keys.unknown == UnknownKeys::Reject
                                 && !cfg.keys.plans.contains_key(v)
                             {
-                                return Err(Refusal::UnknownKey);
+                                return Err(Refusal::Unknown);
                             }
                             Ok(identity::digest_api_key(v))
                         }
                     },
                     None => match rule.missing_key {
                         MissingKey::ClientIp => Ok(identity::digest_ip(client_ip())),
-                        MissingKey::Reject => Err(Refusal::MissingKey(if value.is_some() {
+                        MissingKey::Reject => Err(Refusal::Missing(if value.is_some() {
                             "a header this rule counts by is missing"
                         } else {
                             "an API key is required"
@@ -208,9 +208,9 @@ impl Gateway {
 
 fn refuse(refusal: Refusal, cfg: &Config) -> Response<Body> {
     let p = match refusal {
-        Refusal::MissingKey(why) => Problem::new(StatusCode::UNAUTHORIZED, why),
-        Refusal::UnknownKey => Problem::new(StatusCode::UNAUTHORIZED, "the API key is not known"),
-        Refusal::BadKey(e) => Problem::new(StatusCode::BAD_REQUEST, &e.to_string()),
+        Refusal::Missing(why) => Problem::new(StatusCode::UNAUTHORIZED, why),
+        Refusal::Unknown => Problem::new(StatusCode::UNAUTHORIZED, "the API key is not known"),
+        Refusal::Malformed(e) => Problem::new(StatusCode::BAD_REQUEST, &e.to_string()),
     };
     problem(p, cfg, &[])
 }

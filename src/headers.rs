@@ -106,6 +106,28 @@ pub fn retry_after_secs(applied: &[Applied<'_>]) -> u64 {
         .max(1)
 }
 
+/// The fields of a problem+json body, in the contract's order.
+#[derive(serde::Serialize)]
+struct ProblemBody<'a> {
+    #[serde(rename = "type")]
+    kind: &'a str,
+    title: &'a str,
+    status: u16,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    detail: Option<&'a str>,
+    #[serde(rename = "violated-policies", skip_serializing_if = "Option::is_none")]
+    violated_policies: Option<Vec<&'a str>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    retry_after: Option<u64>,
+}
+
+impl ProblemBody<'_> {
+    fn to_bytes(&self) -> Bytes {
+        // Serialising plain strings and integers cannot fail.
+        Bytes::from(serde_json::to_vec(self).unwrap_or_default())
+    }
+}
+
 /// A problem+json answer (RFC 9457).
 pub struct Problem {
     pub status: StatusCode,
@@ -115,15 +137,17 @@ pub struct Problem {
 
 impl Problem {
     pub fn new(status: StatusCode, detail: &str) -> Problem {
-        let body = serde_json::json!({
-            "type": "about:blank",
-            "title": status.canonical_reason().unwrap_or("Error"),
-            "status": status.as_u16(),
-            "detail": detail,
-        });
+        let body = ProblemBody {
+            kind: "about:blank",
+            title: status.canonical_reason().unwrap_or("Error"),
+            status: status.as_u16(),
+            detail: Some(detail),
+            violated_policies: None,
+            retry_after: None,
+        };
         Problem {
             status,
-            body: Bytes::from(body.to_string()),
+            body: body.to_bytes(),
             retry_after: None,
         }
     }
@@ -136,16 +160,17 @@ impl Problem {
             .filter(|a| !a.decision.allowed)
             .map(|a| a.rule)
             .collect();
-        let body = serde_json::json!({
-            "type": "https://iana.org/assignments/http-problem-types#quota-exceeded",
-            "title": "Too Many Requests",
-            "status": 429,
-            "violated-policies": violated,
-            "retry_after": retry_after,
-        });
+        let body = ProblemBody {
+            kind: "https://iana.org/assignments/http-problem-types#quota-exceeded",
+            title: "Too Many Requests",
+            status: 429,
+            detail: None,
+            violated_policies: Some(violated),
+            retry_after: Some(retry_after),
+        };
         Problem {
             status: StatusCode::TOO_MANY_REQUESTS,
-            body: Bytes::from(body.to_string()),
+            body: body.to_bytes(),
             retry_after: Some(retry_after),
         }
     }
@@ -262,5 +287,9 @@ mod tests {
         assert_eq!(v["retry_after"], 3);
         assert_eq!(v["violated-policies"][0], "api");
         assert_eq!(v["status"], 429);
+        assert_eq!(
+            std::str::from_utf8(&p.body).unwrap(),
+            r#"{"type":"https://iana.org/assignments/http-problem-types#quota-exceeded","title":"Too Many Requests","status":429,"violated-policies":["api"],"retry_after":3}"#
+        );
     }
 }

@@ -1,0 +1,752 @@
+//! End to end: the real `ratewall` binary between a real HTTP client and a real upstream,
+//! on the memory store and on a real redis-server.
+
+mod common;
+
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::{tally, upstream_and_store, Gateway, HttpClient, RedisServer, Store, Upstream};
+use http::StatusCode;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+/// A rule per API key that does not refill during a test: exactly `burst` requests pass.
+fn api_rule(burst: u64) -> String {
+    format!("[[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"1/h\"\nburst = {burst}\n")
+}
+
+async fn burst_is_exact_under_concurrency(store: Store) {
+    const B: usize = 25;
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "{}{}",
+        upstream_and_store(&upstream.url(), &store),
+        api_rule(B as u64)
+    ));
+    let client = HttpClient::new();
+    let tasks: Vec<_> = (0..4 * B)
+        .map(|_| {
+            let (c, url) = (client.clone(), gw.url("/api/thing"));
+            tokio::spawn(async move { c.get(&url, &[("x-api-key", "key-one")]).await.status })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for t in tasks {
+        statuses.push(t.await.expect("request task"));
+    }
+    let counts = tally(statuses);
+    assert_eq!(
+        counts.get(&200),
+        Some(&B),
+        "exactly B pass: {counts:?}\n{}",
+        gw.logs()
+    );
+    assert_eq!(
+        counts.get(&429),
+        Some(&(3 * B)),
+        "the rest are denied: {counts:?}"
+    );
+    assert_eq!(
+        upstream.seen().len(),
+        B,
+        "only allowed requests reach the upstream"
+    );
+    // Other keys are unaffected.
+    let other = client
+        .get(&gw.url("/api/thing"), &[("x-api-key", "key-two")])
+        .await;
+    assert_eq!(other.status, StatusCode::OK);
+    assert_eq!(
+        other.header("ratelimit"),
+        Some(format!("\"api\";r={};t=3600", B - 1).as_str())
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn burst_is_exact_under_concurrency_memory() {
+    burst_is_exact_under_concurrency(Store::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn burst_is_exact_under_concurrency_redis() {
+    let redis = RedisServer::start();
+    // A generous store timeout: this test is about exactness, not about faults.
+    let store = Store::Redis {
+        url: redis.url(),
+        on_error: "deny",
+        timeout: "3s",
+    };
+    burst_is_exact_under_concurrency(store).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarding_header_is_believed_only_from_trusted_peers() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "{}[client_ip]\ntrusted_proxies = [\"127.0.0.1/32\", \"10.0.0.0/8\"]\n\
+         [[rules]]\nname = \"ip\"\nkey = \"client_ip\"\nrate = \"1/h\"\nburst = 2\n",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let url = gw.url("/");
+    let untrusted = HttpClient::from_addr(Some("127.0.0.2".parse::<IpAddr>().unwrap()));
+    let trusted = HttpClient::from_addr(Some("127.0.0.1".parse::<IpAddr>().unwrap()));
+
+    // From an untrusted peer a spoofed header changes nothing: one bucket, the peer's.
+    for (xff, want) in [("1.1.1.1", 200), ("2.2.2.2", 200), ("3.3.3.3", 429)] {
+        let r = untrusted.get(&url, &[("x-forwarded-for", xff)]).await;
+        assert_eq!(
+            r.status.as_u16(),
+            want,
+            "untrusted peer, X-Forwarded-For {xff}"
+        );
+    }
+    // The peer's own bucket is empty whatever it claims.
+    assert_eq!(
+        untrusted.get(&url, &[]).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+
+    // From a trusted peer the rightmost untrusted hop is the client; what the client wrote
+    // to its left does not matter, and trusted hops to its right are skipped.
+    for (xff, want) in [
+        ("6.6.6.6, 198.51.100.7", 200),
+        ("7.7.7.7, 198.51.100.7, 10.1.1.1", 200),
+        ("8.8.8.8, 198.51.100.7", 429),
+        ("198.51.100.8", 200),
+        ("198.51.100.7, 198.51.100.8", 200),
+        ("198.51.100.8", 429),
+    ] {
+        let r = trusted.get(&url, &[("x-forwarded-for", xff)]).await;
+        assert_eq!(
+            r.status.as_u16(),
+            want,
+            "trusted peer, X-Forwarded-For {xff}"
+        );
+    }
+    // Garbage never becomes a fresh identity: it falls back to the trusted peer itself.
+    for (i, xff) in ["not-an-ip", "unknown", "1.2.3.4, bogus", "999.0.0.1"]
+        .iter()
+        .enumerate()
+    {
+        let r = trusted.get(&url, &[("x-forwarded-for", xff)]).await;
+        let want = if i < 2 { 200 } else { 429 };
+        assert_eq!(
+            r.status.as_u16(),
+            want,
+            "malformed X-Forwarded-For {xff:?} counts against 127.0.0.1"
+        );
+    }
+
+    let seen = upstream.seen();
+    let first = &seen[0].headers;
+    assert_eq!(
+        first["x-forwarded-for"], "1.1.1.1, 127.0.0.2",
+        "the peer is appended"
+    );
+}
+
+fn sf_list(value: &str) -> Vec<(String, sfv::Parameters)> {
+    let list = sfv::Parser::parse_list(value.as_bytes())
+        .unwrap_or_else(|e| panic!("{value:?} is not a Structured Field list: {e}"));
+    list.into_iter()
+        .map(|entry| match entry {
+            sfv::ListEntry::Item(item) => {
+                let name = item
+                    .bare_item
+                    .as_str()
+                    .unwrap_or_else(|| panic!("item of {value:?} is not a string"))
+                    .to_string();
+                (name, item.params)
+            }
+            sfv::ListEntry::InnerList(_) => panic!("{value:?} has an inner list"),
+        })
+        .collect()
+}
+
+fn int(params: &sfv::Parameters, key: &str) -> i64 {
+    params
+        .get(key)
+        .and_then(|v| v.as_int())
+        .unwrap_or_else(|| panic!("no integer {key} in {params:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ratelimit_headers_are_structured_fields_that_match_the_bucket() {
+    let redis = RedisServer::start();
+    for store in [
+        Store::Memory,
+        Store::Redis {
+            url: redis.url(),
+            on_error: "deny",
+            timeout: "3s",
+        },
+    ] {
+        let upstream = Upstream::start().await;
+        let gw = Gateway::start(&format!(
+            "{}[[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"10/m\"\nburst = 4\n\
+             [[rules]]\nname = \"site\"\nkey = \"global\"\nrate = \"100/10s\"\nburst = 50\n",
+            upstream_and_store(&upstream.url(), &store)
+        ));
+        let client = HttpClient::new();
+        for n in 1..=4i64 {
+            let r = client.get(&gw.url("/x"), &[("x-api-key", "hdr-key")]).await;
+            assert_eq!(r.status, StatusCode::OK);
+            let policy = sf_list(r.header("ratelimit-policy").expect("RateLimit-Policy"));
+            assert_eq!(policy.len(), 2);
+            assert_eq!(policy[0].0, "api");
+            assert_eq!((int(&policy[0].1, "q"), int(&policy[0].1, "w")), (10, 60));
+            assert_eq!(policy[1].0, "site");
+            assert_eq!((int(&policy[1].1, "q"), int(&policy[1].1, "w")), (100, 10));
+            let state = sf_list(r.header("ratelimit").expect("RateLimit"));
+            assert_eq!(state[0].0, "api");
+            assert_eq!(int(&state[0].1, "r"), 4 - n, "remaining after request {n}");
+            // 10/m: each spent token takes 6 s to come back; within a test second at most
+            // one of them has dripped back in, so t is between 6(n-1) and 6n seconds.
+            let t = int(&state[0].1, "t");
+            assert!(
+                (6 * (n - 1)..=6 * n).contains(&t),
+                "t={t} after {n} requests"
+            );
+            assert_eq!(int(&state[1].1, "r"), 50 - n);
+            assert_eq!(int(&state[1].1, "t"), 1, "100/10s refills a token in 0.1 s");
+        }
+        let r = client.get(&gw.url("/x"), &[("x-api-key", "hdr-key")]).await;
+        assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+        assert_eq!(r.header("content-type"), Some("application/problem+json"));
+        let state = sf_list(r.header("ratelimit").expect("RateLimit on a 429"));
+        assert_eq!(int(&state[0].1, "r"), 0);
+        assert_eq!(
+            int(&state[1].1, "r"),
+            46,
+            "a denied request took nothing from the site rule"
+        );
+        let retry: u64 = r
+            .header("retry-after")
+            .expect("Retry-After")
+            .parse()
+            .expect("whole seconds");
+        assert!(
+            (1..=6).contains(&retry),
+            "a token comes back within 6 s: {retry}"
+        );
+        let body = r.json();
+        assert_eq!(body["status"], 429);
+        assert_eq!(body["violated-policies"], serde_json::json!(["api"]));
+        assert_eq!(body["retry_after"], retry);
+        assert_eq!(upstream.seen().len(), 4);
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn legacy_and_both_header_styles() {
+    let upstream = Upstream::start().await;
+    for (style, draft, legacy) in [
+        ("legacy", false, true),
+        ("both", true, true),
+        ("none", false, false),
+    ] {
+        let gw = Gateway::start(&format!(
+            "{}[response]\nheaders = \"{style}\"\n{}",
+            upstream_and_store(&upstream.url(), &Store::Memory),
+            api_rule(3)
+        ));
+        let r = HttpClient::new()
+            .get(&gw.url("/"), &[("x-api-key", "k")])
+            .await;
+        assert_eq!(r.status, StatusCode::OK);
+        assert_eq!(r.header("ratelimit").is_some(), draft, "{style}");
+        assert_eq!(r.header("ratelimit-policy").is_some(), draft, "{style}");
+        assert_eq!(
+            r.header("ratelimit-limit"),
+            legacy.then_some("1"),
+            "{style}"
+        );
+        assert_eq!(
+            r.header("ratelimit-remaining"),
+            legacy.then_some("2"),
+            "{style}"
+        );
+        assert_eq!(
+            r.header("ratelimit-reset"),
+            legacy.then_some("3600"),
+            "{style}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_deny_answers_503_fast_and_limiting_resumes_when_it_is_back() {
+    let mut redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let store = Store::Redis {
+        url: redis.url(),
+        on_error: "deny",
+        timeout: "100ms",
+    };
+    let gw = Gateway::start(&format!(
+        "{}{}",
+        upstream_and_store(&upstream.url(), &store),
+        api_rule(3)
+    ));
+    let client = HttpClient::new();
+    let url = gw.url("/a");
+    assert_eq!(
+        client.get(&url, &[("x-api-key", "k")]).await.status,
+        StatusCode::OK
+    );
+
+    redis.kill();
+    for _ in 0..5 {
+        let start = Instant::now();
+        let r = client.get(&url, &[("x-api-key", "k")]).await;
+        let took = start.elapsed();
+        assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", gw.logs());
+        assert_eq!(r.header("retry-after"), Some("1"));
+        assert_eq!(r.header("content-type"), Some("application/problem+json"));
+        // Store timeout 100 ms plus a margin for a loaded 2-core machine.
+        assert!(took < Duration::from_millis(600), "503 took {took:?}");
+    }
+    let ready = client.get(&gw.admin_url("/readyz"), &[]).await;
+    assert_eq!(
+        ready.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "not ready while Redis is down"
+    );
+
+    redis.restart();
+    // The gateway reconnects by itself: no restart.
+    let deadline = Instant::now() + Duration::from_secs(15);
+    let mut status = StatusCode::SERVICE_UNAVAILABLE;
+    while Instant::now() < deadline {
+        status = client.get(&url, &[("x-api-key", "k")]).await.status;
+        if status == StatusCode::OK {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        status,
+        StatusCode::OK,
+        "Redis is back, requests pass again\n{}",
+        gw.logs()
+    );
+    // And limits hold again (Redis restarted empty: a fresh bucket of 3, one used above).
+    let statuses: Vec<u16> = {
+        let mut v = Vec::new();
+        for _ in 0..3 {
+            v.push(
+                client
+                    .get(&url, &[("x-api-key", "k")])
+                    .await
+                    .status
+                    .as_u16(),
+            );
+        }
+        v
+    };
+    assert_eq!(statuses, vec![200, 200, 429]);
+    assert_eq!(
+        client.get(&gw.admin_url("/readyz"), &[]).await.status,
+        StatusCode::OK
+    );
+    let logs = gw.logs();
+    assert_eq!(
+        logs.matches("store failed").count(),
+        1,
+        "the outage is logged once:\n{logs}"
+    );
+    assert!(logs.contains("limiting resumed"), "{logs}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redis_down_allow_forwards_unlimited() {
+    let mut redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let store = Store::Redis {
+        url: redis.url(),
+        on_error: "allow",
+        timeout: "100ms",
+    };
+    let gw = Gateway::start(&format!(
+        "{}{}",
+        upstream_and_store(&upstream.url(), &store),
+        api_rule(1)
+    ));
+    let client = HttpClient::new();
+    let url = gw.url("/a");
+    assert_eq!(
+        client.get(&url, &[("x-api-key", "k")]).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        client.get(&url, &[("x-api-key", "k")]).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    redis.kill();
+    for _ in 0..3 {
+        let r = client.get(&url, &[("x-api-key", "k")]).await;
+        assert_eq!(r.status, StatusCode::OK, "on_error = allow forwards");
+        assert_eq!(r.header("x-upstream"), Some("yes"));
+        assert!(
+            r.header("ratelimit").is_none(),
+            "no limit was applied, so none is advertised"
+        );
+    }
+    assert_eq!(
+        client.get(&gw.admin_url("/readyz"), &[]).await.status,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_redis_key_has_a_ttl_and_no_key_name_holds_an_api_key() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "{}[[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"5/m\"\n\
+         [[rules]]\nname = \"ip\"\nkey = \"client_ip\"\nrate = \"100/h\"\n",
+        upstream_and_store(&upstream.url(), &Store::redis(&redis))
+    ));
+    let client = HttpClient::new();
+    let secrets = [
+        "sk_live_secret_0001",
+        "sk_live_secret_0002",
+        "sk_live_secret_0003",
+    ];
+    for s in secrets {
+        for _ in 0..2 {
+            assert_eq!(
+                client.get(&gw.url("/"), &[("x-api-key", s)]).await.status,
+                StatusCode::OK
+            );
+        }
+    }
+    let mut conn = redis.conn();
+    let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).expect("KEYS");
+    assert_eq!(keys.len(), 4, "3 API keys + 1 client IP: {keys:?}");
+    for k in &keys {
+        let ttl: i64 = redis::cmd("PTTL").arg(k).query(&mut conn).expect("PTTL");
+        assert!(ttl > 0, "{k} has no TTL ({ttl})");
+        let max = if k.ends_with(":api") {
+            2 * 12_000
+        } else {
+            6 * 36_000
+        };
+        assert!(
+            ttl <= max,
+            "{k}: TTL {ttl} ms is longer than the time to full refill {max} ms"
+        );
+        for s in secrets {
+            assert!(!k.contains(s), "{k} contains an API key");
+        }
+        assert!(
+            k.starts_with("rwtest:{") && k.contains("}:"),
+            "{k} is <prefix>:{{<hash>}}:<rule>"
+        );
+    }
+    let logs = gw.logs();
+    for s in secrets {
+        assert!(!logs.contains(s), "the log holds an API key");
+    }
+}
+
+/// Send raw bytes and read the whole answer (the connection is closed by the request).
+async fn raw_exchange(port: u16, request: &[u8]) -> String {
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect");
+    s.write_all(request).await.expect("write");
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out))
+        .await
+        .expect("answer within 10 s")
+        .expect("read");
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hop_by_hop_headers_never_reach_the_upstream() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "{}{}",
+        upstream_and_store(&upstream.url(), &Store::Memory),
+        api_rule(5)
+    ));
+    let answer = raw_exchange(
+        gw.port,
+        b"GET /hop HTTP/1.1\r\nHost: app.example\r\nX-Api-Key: k\r\n\
+          Connection: close, X-Secret-Hop, x-other-hop\r\nX-Secret-Hop: 1\r\nX-Other-Hop: 2\r\n\
+          Keep-Alive: timeout=5\r\nProxy-Connection: keep-alive\r\nTE: trailers\r\nX-End-To-End: kept\r\n\r\n",
+    )
+    .await;
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    let seen = upstream.seen();
+    assert_eq!(seen.len(), 1);
+    let h = &seen[0].headers;
+    for gone in [
+        "x-secret-hop",
+        "x-other-hop",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+    ] {
+        assert!(h.get(gone).is_none(), "{gone} reached the upstream: {h:?}");
+    }
+    assert_eq!(h["x-end-to-end"], "kept");
+    assert_eq!(h["host"], "app.example", "the client's Host is kept");
+    assert_eq!(h["x-forwarded-host"], "app.example");
+    assert_eq!(h["x-forwarded-proto"], "http");
+    assert_eq!(h["x-forwarded-for"], "127.0.0.1");
+    let lower = answer.to_ascii_lowercase();
+    assert!(lower.contains("x-upstream: yes"), "{answer}");
+    assert!(
+        !lower.contains("x-upstream-hop"),
+        "the upstream's Connection-named header came back: {answer}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_body_streams_to_the_upstream_without_buffering() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream_and_store(&upstream.url(), &Store::Memory));
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", gw.port))
+        .await
+        .expect("connect");
+    s.write_all(b"POST /stream HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n10\r\n0123456789abcdef\r\n")
+        .await
+        .expect("write head and first chunk");
+    // The upstream must see the first chunk while the client still holds back the rest:
+    // a gateway that buffered the body would wait for the end and time out here.
+    tokio::time::timeout(Duration::from_secs(10), upstream.first_chunk.notified())
+        .await
+        .expect("the first chunk reached the upstream before the body was complete");
+    let chunk = vec![b'z'; 1 << 16];
+    for _ in 0..64 {
+        s.write_all(format!("{:x}\r\n", chunk.len()).as_bytes())
+            .await
+            .expect("chunk size");
+        s.write_all(&chunk).await.expect("chunk");
+        s.write_all(b"\r\n").await.expect("chunk end");
+    }
+    s.write_all(b"0\r\n\r\n").await.expect("last chunk");
+    let mut out = Vec::new();
+    tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut out))
+        .await
+        .expect("answer")
+        .expect("read");
+    let answer = String::from_utf8_lossy(&out);
+    assert!(answer.starts_with("HTTP/1.1 200"), "{answer}");
+    assert!(
+        answer.contains(&format!("ok {}", 16 + 64 * (1 << 16))),
+        "the whole body arrived: {answer}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_refused_is_502_and_slow_is_504() {
+    let dead = format!("http://127.0.0.1:{}", common::free_port());
+    let gw = Gateway::start(&upstream_and_store(&dead, &Store::Memory));
+    let r = HttpClient::new().get(&gw.url("/"), &[]).await;
+    assert_eq!(r.status, StatusCode::BAD_GATEWAY);
+    assert_eq!(r.header("content-type"), Some("application/problem+json"));
+    assert_eq!(r.json()["status"], 502);
+
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "[upstream]\nurl = \"{}\"\ntimeout = \"300ms\"\n",
+        upstream.url()
+    ));
+    let client = HttpClient::new();
+    let start = Instant::now();
+    let r = client.get(&gw.url("/slow/3000"), &[]).await;
+    assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT);
+    assert_eq!(r.json()["status"], 504);
+    assert!(
+        start.elapsed() < Duration::from_millis(2500),
+        "504 after {:?}",
+        start.elapsed()
+    );
+    // A fast request right after is unaffected.
+    assert_eq!(
+        client.get(&gw.url("/fast"), &[]).await.status,
+        StatusCode::OK
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn missing_and_unknown_keys_and_plans() {
+    let upstream = Upstream::start().await;
+    let base = upstream_and_store(&upstream.url(), &Store::Memory);
+    let client = HttpClient::new();
+
+    let gw = Gateway::start(&format!("{base}{}", api_rule(2)));
+    let r = client.get(&gw.url("/"), &[]).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    assert_eq!(r.header("content-type"), Some("application/problem+json"));
+    let r = client
+        .get(&gw.url("/"), &[("x-api-key", "a"), ("x-api-key", "b")])
+        .await;
+    assert_eq!(r.status, StatusCode::BAD_REQUEST, "two keys are ambiguous");
+
+    let gw = Gateway::start(&format!(
+        "{base}[[rules]]\nname = \"api\"\nkey = \"api_key\"\nmissing_key = \"client_ip\"\nrate = \"1/h\"\nburst = 2\n"
+    ));
+    let codes: Vec<u16> = {
+        let mut v = Vec::new();
+        for _ in 0..3 {
+            v.push(client.get(&gw.url("/"), &[]).await.status.as_u16());
+        }
+        v
+    };
+    assert_eq!(
+        codes,
+        vec![200, 200, 429],
+        "keyless requests are counted by client IP"
+    );
+
+    let gw = Gateway::start(&format!(
+        "{base}[keys]\nunknown = \"reject\"\n[keys.plans]\n\"pro-key\" = \"pro\"\n\"free-key\" = \"free\"\n\
+         [[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"1/h\"\nburst = 2\n[rules.plans.pro]\nburst = 5\n"
+    ));
+    assert_eq!(
+        client
+            .get(&gw.url("/"), &[("x-api-key", "stranger")])
+            .await
+            .status,
+        StatusCode::UNAUTHORIZED
+    );
+    for (key, passes) in [("free-key", 2), ("pro-key", 5)] {
+        let mut ok = 0;
+        for _ in 0..8 {
+            if client.get(&gw.url("/"), &[("x-api-key", key)]).await.status == StatusCode::OK {
+                ok += 1;
+            }
+        }
+        assert_eq!(ok, passes, "{key}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn rules_apply_by_path_prefix_and_method() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "{}[[rules]]\nname = \"api\"\nmatch = {{ path_prefix = \"/api/\", methods = [\"GET\"] }}\nkey = \"global\"\nrate = \"1/h\"\nburst = 1\n",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let client = HttpClient::new();
+    let r = client
+        .send("POST", &gw.url("/api/x"), &[], Bytes::from_static(b"{}"))
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert!(
+        r.header("ratelimit").is_none(),
+        "POST is not limited by a GET rule"
+    );
+    assert!(client
+        .get(&gw.url("/other"), &[])
+        .await
+        .header("ratelimit")
+        .is_none());
+    assert_eq!(
+        client.get(&gw.url("/api/x"), &[]).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        client.get(&gw.url("/api/y"), &[]).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    // Dot segments and doubled slashes do not dodge the prefix.
+    for path in ["/x/../api/y", "//api/y", "/%61pi/y"] {
+        let answer = raw_exchange(
+            gw.port,
+            format!("GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n").as_bytes(),
+        )
+        .await;
+        assert!(answer.starts_with("HTTP/1.1 429"), "{path}: {answer}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn h2c_clients_are_served() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "{}{}",
+        upstream_and_store(&upstream.url(), &Store::Memory),
+        api_rule(2)
+    ));
+    let client = HttpClient::h2();
+    let r = client.get(&gw.url("/h2"), &[("x-api-key", "k")]).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.header("ratelimit"), Some("\"api\";r=1;t=3600"));
+    assert_eq!(
+        client
+            .get(&gw.url("/h2"), &[("x-api-key", "k")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        client
+            .get(&gw.url("/h2"), &[("x-api-key", "k")])
+            .await
+            .status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    let seen = upstream.seen();
+    assert_eq!(
+        seen[0].headers["x-forwarded-host"],
+        format!("127.0.0.1:{}", gw.port)
+    );
+}
+
+#[test]
+fn check_validates_and_a_bad_file_stops_startup() {
+    let bin = env!("CARGO_BIN_EXE_ratewall");
+    let shipped = concat!(env!("CARGO_MANIFEST_DIR"), "/config/limits.toml");
+    let out = std::process::Command::new(bin)
+        .args(["check", "--config", shipped])
+        .output()
+        .expect("run check");
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("valid") && text.contains("api: 10/s burst 20"),
+        "{text}"
+    );
+    assert!(
+        !text.contains("demo-pro-key"),
+        "check never prints API keys"
+    );
+
+    let dir = tempfile::tempdir().unwrap();
+    let bad = dir.path().join("bad.toml");
+    std::fs::write(
+        &bad,
+        "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:2\"\n[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"ten/s\"\n",
+    )
+    .unwrap();
+    let out = std::process::Command::new(bin)
+        .args(["check", "--config"])
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("bad.toml:8:8: rules[0].rate:"), "{err}");
+
+    // Running with a bad file exits 1 before binding.
+    let port = common::free_port();
+    std::fs::write(
+        &bad,
+        format!("[server]\nlisten = \"127.0.0.1:{port}\"\nlisten_twice = 1\n[upstream]\nurl = \"http://127.0.0.1:2\"\n"),
+    )
+    .unwrap();
+    let out = std::process::Command::new(bin)
+        .arg("--config")
+        .arg(&bad)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("server.listen_twice"));
+}
