@@ -49,20 +49,35 @@ pub struct RedisServer {
 
 impl RedisServer {
     pub fn start() -> RedisServer {
-        let mut s = RedisServer { port: free_port(), child: None };
+        let mut s = RedisServer {
+            port: free_port(),
+            child: None,
+        };
         s.spawn();
         s
     }
 
     fn spawn(&mut self) {
         let child = Command::new("redis-server")
-            .args(["--port", &self.port.to_string(), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+            .args([
+                "--port",
+                &self.port.to_string(),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+            ])
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
             .expect("redis-server must be installed (the README's test command installs it)");
         self.child = Some(child);
-        assert!(wait_for_port(self.port, Duration::from_secs(10)), "redis-server did not start");
+        assert!(
+            wait_for_port(self.port, Duration::from_secs(10)),
+            "redis-server did not start"
+        );
         let end = Instant::now() + Duration::from_secs(10);
         while Instant::now() < end {
             if self.connection().is_ok() {
@@ -133,14 +148,18 @@ pub struct Upstream {
 
 impl Upstream {
     pub async fn start() -> Upstream {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind upstream");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind upstream");
         let addr = listener.local_addr().expect("upstream addr");
         let seen = Arc::new(Mutex::new(Vec::new()));
         let first_chunk = Arc::new(tokio::sync::Notify::new());
         let (seen2, first2) = (seen.clone(), first_chunk.clone());
         let task = tokio::spawn(async move {
             loop {
-                let Ok((stream, _)) = listener.accept().await else { continue };
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
                 let (seen, first) = (seen2.clone(), first2.clone());
                 tokio::spawn(async move {
                     let svc = service_fn(move |req: Request<Incoming>| {
@@ -153,7 +172,12 @@ impl Upstream {
                 });
             }
         });
-        Upstream { addr, seen, first_chunk, task }
+        Upstream {
+            addr,
+            seen,
+            first_chunk,
+            task,
+        }
     }
 
     pub fn url(&self) -> String {
@@ -191,15 +215,27 @@ async fn upstream_answer(
             }
         }
     }
-    if let Some(ms) = path.strip_prefix("/slow/").and_then(|m| m.parse::<u64>().ok()) {
+    if let Some(ms) = path
+        .strip_prefix("/slow/")
+        .and_then(|m| m.parse::<u64>().ok())
+    {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
-    seen.lock().unwrap().push(Seen { path, headers, body_len });
+    seen.lock().unwrap().push(Seen {
+        path,
+        headers,
+        body_len,
+    });
     let mut resp = Response::new(Full::new(Bytes::from(format!("ok {body_len}\n"))));
-    resp.headers_mut().insert("x-upstream", http::HeaderValue::from_static("yes"));
+    resp.headers_mut()
+        .insert("x-upstream", http::HeaderValue::from_static("yes"));
     // A hop-by-hop header the gateway must not pass back.
-    resp.headers_mut().insert("connection", http::HeaderValue::from_static("x-upstream-hop"));
-    resp.headers_mut().insert("x-upstream-hop", http::HeaderValue::from_static("1"));
+    resp.headers_mut().insert(
+        "connection",
+        http::HeaderValue::from_static("x-upstream-hop"),
+    );
+    resp.headers_mut()
+        .insert("x-upstream-hop", http::HeaderValue::from_static("1"));
     resp
 }
 
@@ -237,7 +273,13 @@ impl Gateway {
             .stderr(std::fs::File::create(&log).expect("log file"))
             .spawn()
             .expect("spawn ratewall");
-        let mut g = Gateway { port, admin_port, child, _dir: dir, log };
+        let mut g = Gateway {
+            port,
+            admin_port,
+            child,
+            _dir: dir,
+            log,
+        };
         if wait_for_port(port, Duration::from_secs(20)) {
             Ok(g)
         } else {
@@ -302,19 +344,31 @@ impl HttpClient {
     pub fn from_addr(local: Option<IpAddr>) -> HttpClient {
         let mut conn = HttpConnector::new();
         conn.set_local_address(local);
-        HttpClient { inner: Client::builder(TokioExecutor::new()).build(conn) }
+        HttpClient {
+            inner: Client::builder(TokioExecutor::new()).build(conn),
+        }
     }
 
     /// HTTP/2 with prior knowledge (cleartext h2c).
     pub fn h2() -> HttpClient {
-        HttpClient { inner: Client::builder(TokioExecutor::new()).http2_only(true).build(HttpConnector::new()) }
+        HttpClient {
+            inner: Client::builder(TokioExecutor::new())
+                .http2_only(true)
+                .build(HttpConnector::new()),
+        }
     }
 
     pub async fn get(&self, url: &str, headers: &[(&str, &str)]) -> Reply {
         self.send("GET", url, headers, Bytes::new()).await
     }
 
-    pub async fn send(&self, method: &str, url: &str, headers: &[(&str, &str)], body: Bytes) -> Reply {
+    pub async fn send(
+        &self,
+        method: &str,
+        url: &str,
+        headers: &[(&str, &str)],
+        body: Bytes,
+    ) -> Reply {
         let mut req = Request::builder().method(method).uri(url);
         for (k, v) in headers {
             req = req.header(*k, *v);
@@ -326,25 +380,40 @@ impl HttpClient {
             .expect("request failed");
         let (parts, body) = resp.into_parts();
         let body = body.collect().await.expect("body").to_bytes();
-        Reply { status: parts.status, headers: parts.headers, body }
+        Reply {
+            status: parts.status,
+            headers: parts.headers,
+            body,
+        }
     }
 }
 
 /// The `[upstream]` and `[store]` tables for a test config.
 pub fn upstream_and_store(upstream: &str, store: &Store) -> String {
-    format!("[upstream]\nurl = \"{upstream}\"\nconnect_timeout = \"1s\"\ntimeout = \"5s\"\n{}", store.toml())
+    format!(
+        "[upstream]\nurl = \"{upstream}\"\nconnect_timeout = \"1s\"\ntimeout = \"5s\"\n{}",
+        store.toml()
+    )
 }
 
 /// Which store a gateway under test runs.
 #[derive(Clone)]
 pub enum Store {
     Memory,
-    Redis { url: String, on_error: &'static str, timeout: &'static str },
+    Redis {
+        url: String,
+        on_error: &'static str,
+        timeout: &'static str,
+    },
 }
 
 impl Store {
     pub fn redis(r: &RedisServer) -> Store {
-        Store::Redis { url: r.url(), on_error: "deny", timeout: "200ms" }
+        Store::Redis {
+            url: r.url(),
+            on_error: "deny",
+            timeout: "200ms",
+        }
     }
 
     pub fn toml(&self) -> String {
