@@ -750,3 +750,65 @@ fn check_validates_and_a_bad_file_stops_startup() {
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("server.listen_twice"));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_identity_counts_by_that_header() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "{}[[rules]]\nname = \"tenant\"\nkey = \"header:x-tenant\"\nrate = \"1/h\"\nburst = 1\n",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let client = HttpClient::new();
+    let url = gw.url("/");
+    assert_eq!(
+        client.get(&url, &[("x-tenant", "acme")]).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        client.get(&url, &[("x-tenant", "acme")]).await.status,
+        StatusCode::TOO_MANY_REQUESTS
+    );
+    assert_eq!(
+        client.get(&url, &[("x-tenant", "globex")]).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        client.get(&url, &[]).await.status,
+        StatusCode::UNAUTHORIZED,
+        "missing header, missing_key = reject"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn scripts_flushed_from_redis_are_loaded_again() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "{}{}",
+        upstream_and_store(&upstream.url(), &Store::redis(&redis)),
+        api_rule(3)
+    ));
+    let client = HttpClient::new();
+    let url = gw.url("/");
+    assert_eq!(
+        client.get(&url, &[("x-api-key", "k")]).await.status,
+        StatusCode::OK
+    );
+    let mut conn = redis.conn();
+    let _: () = redis::cmd("SCRIPT")
+        .arg("FLUSH")
+        .query(&mut conn)
+        .expect("SCRIPT FLUSH");
+    // EVALSHA now answers NOSCRIPT; the gateway loads the script again and carries on.
+    let r = client.get(&url, &[("x-api-key", "k")]).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", gw.logs());
+    assert_eq!(r.header("ratelimit"), Some("\"api\";r=1;t=7200"));
+    let cmds: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut conn)
+        .expect("INFO");
+    assert!(
+        cmds.contains("cmdstat_script|load:calls=1,"),
+        "the script was loaded: {cmds}"
+    );
+}
