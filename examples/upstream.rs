@@ -14,7 +14,9 @@ use hyper_util::rt::{TokioExecutor, TokioIo};
 
 #[tokio::main]
 async fn main() -> std::io::Result<()> {
-    let addr = std::env::args().nth(1).unwrap_or_else(|| "127.0.0.1:3000".into());
+    let addr = std::env::args()
+        .nth(1)
+        .unwrap_or_else(|| "127.0.0.1:3000".into());
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     println!("demo upstream listening on http://{addr}");
     loop {

@@ -27,9 +27,9 @@ pub struct Step {
     pub allowed: bool,
 }
 
-/// Floor division rounding up.
+/// Division rounding up; `per_us` is never zero (a quota's count is at least 1).
 fn div_ceil(a: u64, b: u64) -> u64 {
-    a.div_ceil(b)
+    a.div_ceil(b.max(1))
 }
 
 /// The bucket's level at `now_us`, before any charge.
@@ -59,8 +59,8 @@ pub fn step(q: &Quota, state: Option<&State>, now_us: u64) -> Step {
 
 /// The state to store after charging an allowed step, and how long it matters (µs).
 pub fn charge(q: &Quota, step: &Step, now_us: u64) -> (State, u64) {
-    let level = step.level - q.need();
-    let ttl_us = div_ceil(q.capacity() - level, q.per_us);
+    let level = step.level.saturating_sub(q.need());
+    let ttl_us = div_ceil(q.capacity().saturating_sub(level), q.per_us);
     (
         State {
             level,
@@ -85,9 +85,9 @@ pub fn decision(q: &Quota, step: &Step, charged: bool) -> Decision {
         retry_after_us: if step.allowed {
             0
         } else {
-            div_ceil(q.need() - step.level, q.per_us)
+            div_ceil(q.need().saturating_sub(step.level), q.per_us)
         },
-        reset_us: div_ceil(q.capacity() - level, q.per_us),
+        reset_us: div_ceil(q.capacity().saturating_sub(level), q.per_us),
     }
 }
 
