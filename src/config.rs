@@ -723,16 +723,6 @@ impl Config {
                     "mode = \"shadow\" is not supported yet; use \"enforce\"".into(),
                 ));
             }
-            if !r.algorithm.is_available() {
-                return Err((
-                    span.clone(),
-                    at("algorithm"),
-                    format!(
-                        "algorithm {:?} is not supported yet; use \"token_bucket\"",
-                        r.algorithm.name()
-                    ),
-                ));
-            }
             let quota = Quota::new(r.algorithm, r.rate, r.burst, r.cost)
                 .map_err(|m| (span.clone(), at("rate"), m))?;
             let mut plans = HashMap::new();

@@ -517,15 +517,16 @@ async fn redis_key_names_never_contain_the_raw_api_key() {
         );
         assert_eq!(digest, hex, "{key}: digest is not the identity's");
         assert!(rule == "per_sec" || rule == "per_min", "{key}: rule {rule}");
-        // The value is the bucket's numbers only.
+        // The value is the bucket's tag and numbers only.
         let value = get(&mut conn, key).expect("value");
         let parts: Vec<&str> = value.split(':').collect();
         assert!(
-            parts.len() == 3
-                && parts
+            parts.len() == 4
+                && parts[0] == "t"
+                && parts[1..]
                     .iter()
                     .all(|p| !p.is_empty() && p.bytes().all(|b| b.is_ascii_digit())),
-            "{key} = {value:?}: not level:last:unit"
+            "{key} = {value:?}: not t:level:last:unit"
         );
     }
 }

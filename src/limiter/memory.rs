@@ -8,8 +8,7 @@ use std::collections::HashMap;
 use std::hash::{BuildHasherDefault, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use super::token_bucket::{self, State};
-use super::{Check, Clock, Decision};
+use super::{Check, Clock, Decision, State};
 
 const SHARDS: usize = 64;
 
@@ -93,7 +92,7 @@ impl MemoryStore {
             guards.iter().position(|(j, _)| *j == i).unwrap_or(0)
         };
 
-        let mut steps = Vec::with_capacity(checks.len());
+        let mut outcomes = Vec::with_capacity(checks.len());
         for (check, &key) in checks.iter().zip(&keys) {
             let g = shard(&guards, key);
             let state = guards[g]
@@ -101,26 +100,24 @@ impl MemoryStore {
                 .get(&key)
                 .filter(|e| e.expires_us > now)
                 .map(|e| e.state);
-            steps.push(token_bucket::step(check.quota, state.as_ref(), now));
+            outcomes.push(super::decide(check.quota, state.as_ref(), now));
         }
-        let all = steps.iter().all(|s| s.allowed);
+        let all = outcomes.iter().all(|o| o.allowed);
         if all {
-            for ((check, &key), s) in checks.iter().zip(&keys).zip(&steps) {
-                let (state, ttl_us) = token_bucket::charge(check.quota, s, now);
+            for (o, &key) in outcomes.iter().zip(&keys) {
                 let g = shard(&guards, key);
                 guards[g].1.insert(
                     key,
                     Entry {
-                        state,
-                        expires_us: now + ttl_us,
+                        state: o.next,
+                        expires_us: now + o.ttl_us,
                     },
                 );
             }
         }
-        checks
+        outcomes
             .iter()
-            .zip(&steps)
-            .map(|(c, s)| token_bucket::decision(c.quota, s, all))
+            .map(|o| if all { o.charged } else { o.uncharged })
             .collect()
     }
 

@@ -1,12 +1,20 @@
 //! Rate-limit decisions: the algorithms as pure integer step functions
-//! ([`token_bucket`]) and the stores that run them ([`memory`], [`redis`]).
+//! ([`token_bucket`], [`gcra`], [`sliding_window`], [`fixed_window`]) and the stores that
+//! run them ([`memory`], [`redis`]).
+//!
+//! Every algorithm has one shape: `decide(quota, state, now) -> Outcome`, pure, in
+//! integers, with time injected. The outcome says what to answer whether or not the
+//! request is finally charged, and what to store if it is.
 //!
 //! The store boundary is one call per request, [`Store::decide`]: every rule that applies
 //! to the request is checked together, and either all of them are charged or none is, so a
 //! request that one rule denies consumes nothing from the others.
 
+pub mod fixed_window;
+pub mod gcra;
 pub mod memory;
 pub mod redis;
+pub mod sliding_window;
 pub mod token_bucket;
 
 use std::fmt;
@@ -42,18 +50,29 @@ impl Algorithm {
         }
     }
 
-    /// Whether this build runs the algorithm (the others are rejected at load).
-    pub fn is_available(self) -> bool {
-        matches!(self, Algorithm::TokenBucket)
+    /// Whether `burst` means anything: the windows admit the rate's N per window.
+    pub fn has_burst(self) -> bool {
+        matches!(self, Algorithm::TokenBucket | Algorithm::Gcra)
+    }
+
+    /// The algorithm's number in the Redis script's arguments (`lua/decide.lua`).
+    pub fn code(self) -> u8 {
+        match self {
+            Algorithm::TokenBucket => 1,
+            Algorithm::Gcra => 2,
+            Algorithm::FixedWindow => 3,
+            Algorithm::SlidingWindow => 4,
+        }
     }
 }
 
 /// A rule's limit, in the exact integer form the step functions use.
 ///
-/// A token bucket holding `burst` tokens and refilling `rate.count` tokens per
+/// A token bucket (or GCRA) holding `burst` tokens and refilling `rate.count` tokens per
 /// `rate.period` is kept in *units*: one token is `unit` units and `per_us` units drip in
 /// every microsecond. `unit / per_us` is the period divided by the count, reduced by their
-/// greatest common divisor, so no refill is ever rounded.
+/// greatest common divisor, so no refill is ever rounded. The windows count requests
+/// against `rate.count` per `rate.period`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Quota {
     pub algorithm: Algorithm,
@@ -71,19 +90,38 @@ impl Quota {
         burst: Option<NonZeroU64>,
         cost: NonZeroU64,
     ) -> Result<Quota, String> {
-        let burst = burst.map_or(rate.count, NonZeroU64::get);
         let cost = cost.get();
-        if cost > burst {
+        let period_us = u64::try_from(rate.period.as_micros())
+            .ok()
+            .filter(|&p| p <= MAX_LEVEL)
+            .ok_or_else(|| format!("rate {rate}: the period is too long"))?;
+        let burst = if algorithm.has_burst() {
+            burst.map_or(rate.count, NonZeroU64::get)
+        } else if let Some(b) = burst {
             return Err(format!(
-                "cost {cost} is more than burst {burst}: no request could ever pass"
+                "burst = {b} does not apply to {}: a window admits the rate's N ({}) per window",
+                algorithm.name(),
+                rate.count
+            ));
+        } else {
+            rate.count
+        };
+        if cost > burst {
+            let what = if algorithm.has_burst() { "burst" } else { "the rate's N" };
+            return Err(format!(
+                "cost {cost} is more than {what} {burst}: no request could ever pass"
             ));
         }
-        let period_us = u64::try_from(rate.period.as_micros())
-            .map_err(|_| format!("rate {rate}: the period is too long"))?;
         let g = gcd(rate.count, period_us);
         let (unit, per_us) = (period_us / g, rate.count / g);
-        let capacity = burst.checked_mul(unit).filter(|&c| c <= MAX_LEVEL);
-        if capacity.is_none() {
+        // The largest product each algorithm computes must stay exact in Lua's doubles.
+        let largest = match algorithm {
+            Algorithm::TokenBucket | Algorithm::Gcra => burst.checked_mul(unit),
+            // prev·(P-e) + cur·P + cost·P, each term at most N·P.
+            Algorithm::SlidingWindow => rate.count.checked_mul(period_us).and_then(|v| v.checked_mul(3)),
+            Algorithm::FixedWindow => Some(rate.count),
+        };
+        if largest.is_none_or(|v| v > MAX_LEVEL) {
             return Err(format!(
                 "rate {rate} with burst {burst} needs more precision than Redis' Lua numbers hold (2^52); lower the burst or use a rounder rate"
             ));
@@ -96,6 +134,11 @@ impl Quota {
             unit,
             per_us,
         })
+    }
+
+    /// The period in µs (validated to fit at load).
+    pub fn period_us(&self) -> u64 {
+        self.rate.period.as_micros() as u64
     }
 
     /// The bucket's size, in units.
@@ -111,7 +154,10 @@ impl Quota {
 
 impl fmt::Display for Quota {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{} burst {}", self.rate, self.burst)?;
+        write!(f, "{}", self.rate)?;
+        if self.algorithm.has_burst() {
+            write!(f, " burst {}", self.burst)?;
+        }
         if self.cost != 1 {
             write!(f, " cost {}", self.cost)?;
         }
@@ -136,6 +182,51 @@ pub struct Decision {
     pub retry_after_us: u64,
     /// Microseconds until the full quota is available again.
     pub reset_us: u64,
+}
+
+/// One rule's verdict on one request, before anything is written. A request passes only
+/// if every rule allows it; then each rule's `next` state is stored (for `ttl_us`) and
+/// `charged` is reported, else nothing is stored and `uncharged` is reported.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Outcome<S> {
+    pub allowed: bool,
+    pub charged: Decision,
+    pub uncharged: Decision,
+    pub next: S,
+    /// How long `next` matters: past it, no state means the same as this state.
+    pub ttl_us: u64,
+}
+
+/// One key's state, whichever algorithm keeps it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum State {
+    TokenBucket(token_bucket::State),
+    Gcra(gcra::State),
+    FixedWindow(fixed_window::State),
+    SlidingWindow(sliding_window::State),
+}
+
+/// Run `q`'s algorithm on `state`. State kept by another algorithm (the rule changed on
+/// reload) counts as none.
+pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
+    fn wrap<S>(o: Outcome<S>, f: impl FnOnce(S) -> State) -> Outcome<State> {
+        Outcome {
+            allowed: o.allowed,
+            charged: o.charged,
+            uncharged: o.uncharged,
+            next: f(o.next),
+            ttl_us: o.ttl_us,
+        }
+    }
+    fn pick<S: TryFrom<State>>(state: Option<&State>) -> Option<S> {
+        state.and_then(|s| S::try_from(*s).ok())
+    }
+    match q.algorithm {
+        Algorithm::TokenBucket => wrap(token_bucket::decide(q, pick(state).as_ref(), now_us), State::TokenBucket),
+        Algorithm::Gcra => wrap(gcra::decide(q, pick(state).as_ref(), now_us), State::Gcra),
+        Algorithm::FixedWindow => wrap(fixed_window::decide(q, pick(state).as_ref(), now_us), State::FixedWindow),
+        Algorithm::SlidingWindow => wrap(sliding_window::decide(q, pick(state).as_ref(), now_us), State::SlidingWindow),
+    }
 }
 
 /// One identity under one rule: what a store needs to find and judge its state.
@@ -248,9 +339,32 @@ impl Store {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
     use std::time::Duration;
+
+    /// A validated quota, for the algorithms' tests.
+    pub(crate) fn quota(algorithm: Algorithm, rate: &str, burst: Option<u64>, cost: u64) -> Quota {
+        Quota::new(
+            algorithm,
+            Rate::parse(rate).unwrap(),
+            burst.and_then(NonZeroU64::new),
+            NonZeroU64::new(cost).unwrap(),
+        )
+        .unwrap()
+    }
+
+    /// One request at `now` against one key, committed when allowed, like a store does.
+    pub(crate) fn run<S: Copy + Into<State> + TryFrom<State>>(q: &Quota, st: &mut Option<S>, now: u64) -> Decision {
+        let state = st.map(Into::into);
+        let o = decide(q, state.as_ref(), now);
+        if o.allowed {
+            *st = S::try_from(o.next).ok();
+            o.charged
+        } else {
+            o.uncharged
+        }
+    }
 
     fn rate(count: u64, secs: u64) -> Rate {
         Rate {
@@ -279,6 +393,13 @@ mod tests {
     fn quota_rejects_cost_above_burst_and_overflow() {
         let c3 = NonZeroU64::new(3).unwrap();
         assert!(Quota::new(Algorithm::TokenBucket, rate(10, 1), NonZeroU64::new(2), c3).is_err());
+        assert!(Quota::new(Algorithm::FixedWindow, rate(2, 1), None, c3).is_err());
+        assert!(Quota::new(Algorithm::SlidingWindow, rate(3, 1), None, c3).is_ok());
+        let burst_on_window = Quota::new(Algorithm::SlidingWindow, rate(3, 1), NonZeroU64::new(3), NonZeroU64::MIN);
+        assert!(burst_on_window.unwrap_err().contains("does not apply"));
+        // 2^52 / 86_400_000_000 µs is about 52_000 per day for a sliding window.
+        assert!(Quota::new(Algorithm::SlidingWindow, rate(60_000, 86_400), None, NonZeroU64::MIN).is_err());
+        assert!(Quota::new(Algorithm::FixedWindow, rate(60_000, 86_400), None, NonZeroU64::MIN).is_ok());
         assert!(Quota::new(
             Algorithm::TokenBucket,
             rate(7, 86_400),
@@ -294,3 +415,29 @@ mod tests {
         assert_eq!(d.hex(), "ab".repeat(16));
     }
 }
+
+macro_rules! state_conversions {
+    ($($variant:ident => $module:ident),*) => {$(
+        impl From<$module::State> for State {
+            fn from(s: $module::State) -> State {
+                State::$variant(s)
+            }
+        }
+        impl TryFrom<State> for $module::State {
+            type Error = State;
+            fn try_from(s: State) -> Result<Self, State> {
+                match s {
+                    State::$variant(s) => Ok(s),
+                    other => Err(other),
+                }
+            }
+        }
+    )*};
+}
+
+state_conversions!(
+    TokenBucket => token_bucket,
+    Gcra => gcra,
+    FixedWindow => fixed_window,
+    SlidingWindow => sliding_window
+);

@@ -1,15 +1,24 @@
 //! The shared store: one Redis, one multiplexed connection for every request, and the Lua
-//! twin of each step function run atomically with EVALSHA (reloaded on NOSCRIPT by
-//! `redis::Script`). Time is Redis' own `TIME`, so every gateway shares one clock.
+//! twins of the step functions (`lua/`), run atomically with EVALSHA (reloaded on NOSCRIPT
+//! by `redis::Script`): one call decides every rule of a request. Time is Redis' own
+//! `TIME`, so every gateway shares one clock.
 
 use std::time::Duration;
 
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 
-use super::{Check, Decision, StoreError};
+use super::{Algorithm, Check, Decision, StoreError};
 
-/// `lua/token_bucket.lua`, compiled into the binary so it always matches the Rust twin.
-pub const TOKEN_BUCKET_LUA: &str = include_str!("../../lua/token_bucket.lua");
+/// The script Redis runs: the prelude, each algorithm's file, and the dispatcher, compiled
+/// into the binary so it always matches the Rust twins.
+pub const SCRIPT: &str = concat!(
+    include_str!("../../lua/prelude.lua"),
+    include_str!("../../lua/token_bucket.lua"),
+    include_str!("../../lua/gcra.lua"),
+    include_str!("../../lua/fixed_window.lua"),
+    include_str!("../../lua/sliding_window.lua"),
+    include_str!("../../lua/decide.lua"),
+);
 
 pub struct RedisStore {
     conn: ConnectionManager,
@@ -32,7 +41,7 @@ impl RedisStore {
         let conn = ConnectionManager::new_lazy_with_config(client, config)?;
         Ok(RedisStore {
             conn,
-            script: redis::Script::new(TOKEN_BUCKET_LUA),
+            script: redis::Script::new(SCRIPT),
             prefix: prefix.to_string(),
             timeout,
         })
@@ -62,11 +71,15 @@ impl RedisStore {
         };
         for c in checks {
             let q = c.quota;
-            inv.key(self.key(c))
-                .arg(q.unit)
-                .arg(q.per_us)
-                .arg(q.capacity())
-                .arg(q.need());
+            inv.key(self.key(c)).arg(q.algorithm.code());
+            match q.algorithm {
+                Algorithm::TokenBucket | Algorithm::Gcra => {
+                    inv.arg(q.unit).arg(q.per_us).arg(q.capacity()).arg(q.need())
+                }
+                Algorithm::FixedWindow | Algorithm::SlidingWindow => {
+                    inv.arg(q.period_us()).arg(q.rate.count).arg(q.cost).arg(0)
+                }
+            };
         }
         let mut conn = self.conn.clone();
         let reply: Vec<i64> = tokio::time::timeout(self.timeout, inv.invoke_async(&mut conn))
@@ -74,7 +87,7 @@ impl RedisStore {
             .map_err(|_| StoreError::Timeout(self.timeout))??;
         if reply.len() != checks.len() * 4 {
             return Err(StoreError::Protocol(format!(
-                "token_bucket.lua returned {} numbers for {} keys",
+                "the script returned {} numbers for {} keys",
                 reply.len(),
                 checks.len()
             )));

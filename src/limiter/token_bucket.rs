@@ -6,7 +6,7 @@
 //! on read. A missing bucket is full, so a bucket is dropped (its TTL ends) at the moment it
 //! refills completely: the time to full refill is exactly how long its state matters.
 
-use super::{Decision, Quota};
+use super::{Decision, Outcome, Quota};
 
 /// A bucket's state after its last charge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,19 +17,6 @@ pub struct State {
     pub last_us: u64,
     /// The quota unit the level is counted in; a changed quota rescales whole tokens.
     pub unit: u64,
-}
-
-/// The result of judging one request against one bucket, before anything is written.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Step {
-    /// The level at `now`, before this request.
-    pub level: u64,
-    pub allowed: bool,
-}
-
-/// Division rounding up; `per_us` is never zero (a quota's count is at least 1).
-fn div_ceil(a: u64, b: u64) -> u64 {
-    a.div_ceil(b.max(1))
 }
 
 /// The bucket's level at `now_us`, before any charge.
@@ -49,76 +36,49 @@ pub fn level_at(q: &Quota, state: Option<&State>, now_us: u64) -> u64 {
 }
 
 /// Judge one request of `q.cost` against the bucket at `now_us`.
-pub fn step(q: &Quota, state: Option<&State>, now_us: u64) -> Step {
+pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
+    let cap = q.capacity();
+    let need = q.need();
     let level = level_at(q, state, now_us);
-    Step {
-        level,
-        allowed: level >= q.need(),
-    }
-}
-
-/// The state to store after charging an allowed step, and how long it matters (µs).
-pub fn charge(q: &Quota, step: &Step, now_us: u64) -> (State, u64) {
-    let level = step.level.saturating_sub(q.need());
-    let ttl_us = div_ceil(q.capacity().saturating_sub(level), q.per_us);
-    (
-        State {
-            level,
+    let allowed = level >= need;
+    let after = level.saturating_sub(need);
+    let until_full = |level: u64| (cap - level).div_ceil(q.per_us);
+    Outcome {
+        allowed,
+        charged: Decision {
+            allowed,
+            remaining: after / q.unit,
+            retry_after_us: 0,
+            reset_us: until_full(after),
+        },
+        uncharged: Decision {
+            allowed,
+            remaining: level / q.unit,
+            retry_after_us: if allowed { 0 } else { (need - level).div_ceil(q.per_us) },
+            reset_us: until_full(level),
+        },
+        next: State {
+            level: after,
             last_us: now_us,
             unit: q.unit,
         },
-        ttl_us,
-    )
-}
-
-/// What the client is told. `charged`: the request was allowed and the whole request
-/// passed, so its cost came off the bucket.
-pub fn decision(q: &Quota, step: &Step, charged: bool) -> Decision {
-    let level = if charged {
-        step.level - q.need()
-    } else {
-        step.level
-    };
-    Decision {
-        allowed: step.allowed,
-        remaining: level / q.unit,
-        retry_after_us: if step.allowed {
-            0
-        } else {
-            div_ceil(q.need().saturating_sub(step.level), q.per_us)
-        },
-        reset_us: div_ceil(q.capacity().saturating_sub(level), q.per_us),
+        // A missing bucket is full: the state matters until the bucket refills.
+        ttl_us: until_full(after),
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Rate;
-    use crate::limiter::Algorithm;
-    use std::num::NonZeroU64;
-    use std::time::Duration;
+    use crate::limiter::Algorithm::TokenBucket;
 
     fn quota(count: u64, secs: u64, burst: u64, cost: u64) -> Quota {
-        Quota::new(
-            Algorithm::TokenBucket,
-            Rate {
-                count,
-                period: Duration::from_secs(secs),
-            },
-            NonZeroU64::new(burst),
-            NonZeroU64::new(cost).unwrap(),
-        )
-        .unwrap()
+        crate::limiter::tests::quota(TokenBucket, &format!("{count}/{secs}s"), Some(burst), cost)
     }
 
     /// Runs one request at `now` and commits it when allowed, like a store does.
     fn hit(q: &Quota, state: &mut Option<State>, now: u64) -> Decision {
-        let s = step(q, state.as_ref(), now);
-        if s.allowed {
-            *state = Some(charge(q, &s, now).0);
-        }
-        decision(q, &s, s.allowed)
+        crate::limiter::tests::run(q, state, now)
     }
 
     #[test]
@@ -172,8 +132,8 @@ mod tests {
     #[test]
     fn ttl_is_time_to_full_refill() {
         let q = quota(2, 1, 4, 1);
-        let s = step(&q, None, 10);
-        let (state, ttl) = charge(&q, &s, 10);
+        let o = decide(&q, None, 10);
+        let (state, ttl) = (o.next, o.ttl_us);
         assert_eq!(ttl, 500_000, "one token at 2/s refills in 0.5 s");
         assert_eq!(level_at(&q, Some(&state), 10 + ttl), q.capacity());
         assert!(level_at(&q, Some(&state), 10 + ttl - 1) < q.capacity());
@@ -215,8 +175,7 @@ mod tests {
     #[test]
     fn denied_with_uncharged_rules_reports_their_untouched_level() {
         let q = quota(1, 60, 5, 1);
-        let s = step(&q, None, 0);
-        let d = decision(&q, &s, false);
+        let d = decide(&q, None, 0).uncharged;
         assert!(d.allowed);
         assert_eq!(d.remaining, 5);
         assert_eq!(d.reset_us, 0);

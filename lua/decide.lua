@@ -1,0 +1,36 @@
+-- Decide one request against every key: read all, judge all, then write all or none.
+local n = #KEYS
+local results = {}
+local all = true
+for i = 1, n do
+  local a = 2 + 5 * (i - 1)
+  local algorithm = ALGORITHMS[tonumber(ARGV[a])]
+  if not algorithm then
+    return redis.error_reply('ratewall: unknown algorithm ' .. tostring(ARGV[a]))
+  end
+  local raw = redis.call('GET', KEYS[i])
+  if not raw then raw = nil end
+  local r, err = algorithm(raw, now, tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]),
+    tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]))
+  if not r then
+    return redis.error_reply('ratewall: ' .. err .. ' at ' .. KEYS[i])
+  end
+  results[i] = r
+  if not r.allowed then all = false end
+end
+
+local out = {}
+for i = 1, n do
+  local r = results[i]
+  local d = r.uncharged
+  if all then
+    redis.call('SET', KEYS[i], r.value, 'PX', cdiv(r.ttl, 1000))
+    d = r.charged
+  end
+  local o = 4 * (i - 1)
+  out[o + 1] = r.allowed and 1 or 0
+  out[o + 2] = d[1]
+  out[o + 3] = d[2]
+  out[o + 4] = d[3]
+end
+return out

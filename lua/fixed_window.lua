@@ -1,0 +1,32 @@
+-- Fixed window: the twin of src/limiter/fixed_window.rs.
+-- Parameters: period (µs), limit (the rate's N), cost.
+-- State: "f:<window start, µs>:<count>"; its TTL is the window's end, set with the count.
+ALGORITHMS[3] = function(raw, now, period, limit, cost)
+  local start, count = now, 0
+  if raw and string.sub(raw, 1, 2) == 'f:' then
+    local s, c = string.match(raw, '^f:(%d+):(%d+)$')
+    s, c = tonumber(s), tonumber(c)
+    if not (s and c) then return nil, 'corrupt fixed window state' end
+    if s <= now and now < s + period then start, count = s, c end
+  elseif raw and not ours(raw) then
+    return nil, 'not a ratewall state'
+  end
+  local ends_in = start + period - now
+  local allowed = count + cost <= limit
+  local after = count + cost
+  local left = limit - after
+  if left < 0 then left = 0 end
+  local shown = count
+  if shown > limit then shown = limit end
+  local retry, reset = 0, ends_in
+  if not allowed then retry = ends_in end
+  if count == 0 then reset = 0 end
+  return {
+    allowed = allowed,
+    charged = { left, 0, ends_in },
+    uncharged = { limit - shown, retry, reset },
+    value = string.format('f:%d:%d', start, after),
+    ttl = ends_in,
+  }
+end
+

@@ -1,0 +1,49 @@
+-- Sliding window (two-window weighted counter): the twin of src/limiter/sliding_window.rs.
+-- Parameters: p (period, µs), n (the rate's N), cost.
+-- State: "s:<window index now/p>:<its count>:<the previous window's count>".
+ALGORITHMS[4] = function(raw, now, p, n, cost)
+  local w = idiv(now, p)
+  local e = now - w * p
+  local prev, cur = 0, 0
+  if raw and string.sub(raw, 1, 2) == 's:' then
+    local sw, sc, sp = string.match(raw, '^s:(%d+):(%d+):(%d+)$')
+    sw, sc, sp = tonumber(sw), tonumber(sc), tonumber(sp)
+    if not (sw and sc and sp) then return nil, 'corrupt sliding window state' end
+    if sw == w then
+      prev, cur = sp, sc
+    elseif sw + 1 == w then
+      prev, cur = sc, 0
+    end
+  elseif raw and not ours(raw) then
+    return nil, 'not a ratewall state'
+  end
+  if prev > n then prev = n end
+  if cur > n then cur = n end
+  local budget = n * p
+  local wprev = prev * (p - e)
+  local allowed = wprev + cur * p + cost * p <= budget
+  local function remaining(c)
+    local left = budget - (wprev + c * p)
+    if left < 0 then left = 0 end
+    return idiv(left, p)
+  end
+  local function reset(c)
+    if c > 0 then return 2 * p - e elseif prev > 0 then return p - e else return 0 end
+  end
+  local retry = 0
+  if not allowed then
+    if cur + cost <= n then
+      retry = (p - idiv((n - cur - cost) * p, prev)) - e
+    else
+      retry = (p - e) + (p - idiv((n - cost) * p, cur))
+    end
+  end
+  return {
+    allowed = allowed,
+    charged = { remaining(cur + cost), 0, reset(cur + cost) },
+    uncharged = { remaining(cur), retry, reset(cur) },
+    value = string.format('s:%d:%d:%d', w, cur + cost, prev),
+    ttl = 2 * p - e,
+  }
+end
+

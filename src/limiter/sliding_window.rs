@@ -1,0 +1,171 @@
+//! Sliding window (the two-window weighted counter) as a pure, exact step function. Its
+//! Redis twin is `lua/sliding_window.lua`.
+//!
+//! Time is cut into windows of one period (aligned to the clock's zero). A request at `e`
+//! µs into window `w` sees an estimate of the last period's traffic:
+//!
+//! ```text
+//! estimate = prev * (P - e) / P + cur
+//! ```
+//!
+//! — the previous window's count weighted by how much of it still overlaps the last
+//! period, plus the current window's count. It passes if `estimate + cost <= N`. The
+//! comparison is done multiplied through by `P`, in integers, so it is exact.
+//!
+//! Error bound: the estimate assumes the previous window's requests were spread evenly.
+//! Whatever their spread, in any interval of length `d <= P` at most `N + N·d/P` (plus
+//! one request's cost) pass, and never more than `2N` in any period: there is no burst
+//! of 2N at a boundary, unlike a fixed window, where 2N can pass within a microsecond.
+
+use super::{Decision, Outcome, Quota};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct State {
+    /// The index of the window `cur` counts (`now / P`).
+    pub window: u64,
+    pub cur: u64,
+    pub prev: u64,
+}
+
+pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
+    let p = q.period_us();
+    let n = q.rate.count;
+    let cost = q.cost;
+    let (w, e) = (now_us / p, now_us % p);
+    let (prev, cur) = match state {
+        Some(s) if s.window == w => (s.prev, s.cur),
+        Some(s) if s.window + 1 == w => (s.cur, 0),
+        _ => (0, 0),
+    };
+    let (prev, cur) = (prev.min(n), cur.min(n));
+    let budget = n * p;
+    let weighted_prev = prev * (p - e);
+    let used = |cur: u64| weighted_prev + cur * p;
+    let allowed = used(cur) + cost * p <= budget;
+    // Whole requests of cost 1 that would still pass now.
+    let remaining = |cur: u64| budget.saturating_sub(used(cur)) / p;
+    // Until the estimate is back to zero: `cur` must age through the next window too.
+    let reset = |cur: u64| {
+        if cur > 0 {
+            2 * p - e
+        } else if prev > 0 {
+            p - e
+        } else {
+            0
+        }
+    };
+    let retry = if allowed {
+        0
+    } else if cur + cost <= n {
+        // Within this window, once enough of `prev` has slid out: the first e' with
+        // prev * (P - e') <= (N - cur - cost) * P.
+        let e_pass = p - ((n - cur - cost) * p) / prev;
+        e_pass - e
+    } else {
+        // In the next window, where `cur` becomes the weighted previous count.
+        let e_pass = p - ((n - cost) * p) / cur;
+        (p - e) + e_pass
+    };
+    let next = State {
+        window: w,
+        cur: cur + cost,
+        prev,
+    };
+    Outcome {
+        allowed,
+        charged: Decision {
+            allowed,
+            remaining: remaining(next.cur),
+            retry_after_us: 0,
+            reset_us: reset(next.cur),
+        },
+        uncharged: Decision {
+            allowed,
+            remaining: remaining(cur),
+            retry_after_us: retry,
+            reset_us: reset(cur),
+        },
+        next,
+        ttl_us: 2 * p - e,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::tests::quota;
+    use crate::limiter::Decision;
+
+    fn run(q: &Quota, st: &mut Option<State>, now: u64) -> Decision {
+        crate::limiter::tests::run(q, st, now)
+    }
+    use crate::limiter::Algorithm::SlidingWindow;
+
+    #[test]
+    fn previous_window_is_weighted_by_its_overlap() {
+        let q = quota(SlidingWindow, "10/s", None, 1);
+        let mut st = None;
+        for _ in 0..10 {
+            assert!(run(&q, &mut st, 500_000).allowed);
+        }
+        assert!(!run(&q, &mut st, 999_999).allowed);
+        // At 1.25 s the previous window (10) still counts 75%: 7.5, so 2 more fit.
+        let d = run(&q, &mut st, 1_250_000);
+        assert!(d.allowed);
+        assert_eq!(d.remaining, 1);
+        assert!(run(&q, &mut st, 1_250_000).allowed);
+        let d = run(&q, &mut st, 1_250_000);
+        assert!(!d.allowed);
+        // 7.5 + 2 + 1 > 10 until prev weighs 7: at 1.3 s.
+        assert_eq!(d.retry_after_us, 50_000);
+        assert!(!run(&q, &mut st, 1_299_999).allowed);
+        assert!(run(&q, &mut st, 1_300_000).allowed);
+    }
+
+    #[test]
+    fn no_burst_of_two_n_at_a_boundary() {
+        let q = quota(SlidingWindow, "5/s", None, 1);
+        let mut st = None;
+        let mut passed = 0;
+        for t in [999_990; 5].into_iter().chain([1_000_000; 5]) {
+            passed += u32::from(run(&q, &mut st, t).allowed);
+        }
+        assert_eq!(passed, 5, "a fixed window would pass 10 here");
+    }
+
+    #[test]
+    fn a_full_current_window_waits_for_the_next() {
+        let q = quota(SlidingWindow, "4/s", None, 2);
+        let mut st = None;
+        assert!(run(&q, &mut st, 0).allowed);
+        assert!(run(&q, &mut st, 0).allowed);
+        let d = run(&q, &mut st, 100_000);
+        assert!(!d.allowed);
+        // Next window: prev = 4 must weigh <= 2: half of it slid out, at 1.5 s.
+        assert_eq!(d.retry_after_us, 900_000 + 500_000);
+        assert!(!run(&q, &mut st, 1_499_999).allowed);
+        assert!(run(&q, &mut st, 1_500_000).allowed);
+    }
+
+    #[test]
+    fn idle_windows_forget_and_ttl_covers_the_next_window() {
+        let q = quota(SlidingWindow, "10/m", None, 1);
+        let o = decide(&q, None, 90_000_000);
+        assert_eq!(o.ttl_us, 120_000_000 - 30_000_000);
+        assert_eq!(o.charged.reset_us, o.ttl_us);
+        // Two windows later nothing is left.
+        assert_eq!(decide(&q, Some(&o.next), 180_000_000), decide(&q, None, 180_000_000));
+    }
+
+    #[test]
+    fn clock_at_the_window_edge() {
+        let q = quota(SlidingWindow, "2/s", None, 1);
+        let mut st = None;
+        assert!(run(&q, &mut st, 999_999).allowed);
+        assert!(run(&q, &mut st, 999_999).allowed);
+        // At exactly 1 s the previous window weighs fully: still 2.
+        let d = run(&q, &mut st, 1_000_000);
+        assert!(!d.allowed);
+        assert_eq!(d.retry_after_us, 500_000);
+    }
+}
