@@ -13,6 +13,8 @@
 pub mod fixed_window;
 pub mod gcra;
 pub mod memory;
+#[cfg(test)]
+mod properties;
 pub mod redis;
 pub mod sliding_window;
 pub mod token_bucket;
@@ -107,7 +109,11 @@ impl Quota {
             rate.count
         };
         if cost > burst {
-            let what = if algorithm.has_burst() { "burst" } else { "the rate's N" };
+            let what = if algorithm.has_burst() {
+                "burst"
+            } else {
+                "the rate's N"
+            };
             return Err(format!(
                 "cost {cost} is more than {what} {burst}: no request could ever pass"
             ));
@@ -118,7 +124,10 @@ impl Quota {
         let largest = match algorithm {
             Algorithm::TokenBucket | Algorithm::Gcra => burst.checked_mul(unit),
             // prev·(P-e) + cur·P + cost·P, each term at most N·P.
-            Algorithm::SlidingWindow => rate.count.checked_mul(period_us).and_then(|v| v.checked_mul(3)),
+            Algorithm::SlidingWindow => rate
+                .count
+                .checked_mul(period_us)
+                .and_then(|v| v.checked_mul(3)),
             Algorithm::FixedWindow => Some(rate.count),
         };
         if largest.is_none_or(|v| v > MAX_LEVEL) {
@@ -222,10 +231,19 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
         state.and_then(|s| S::try_from(*s).ok())
     }
     match q.algorithm {
-        Algorithm::TokenBucket => wrap(token_bucket::decide(q, pick(state).as_ref(), now_us), State::TokenBucket),
+        Algorithm::TokenBucket => wrap(
+            token_bucket::decide(q, pick(state).as_ref(), now_us),
+            State::TokenBucket,
+        ),
         Algorithm::Gcra => wrap(gcra::decide(q, pick(state).as_ref(), now_us), State::Gcra),
-        Algorithm::FixedWindow => wrap(fixed_window::decide(q, pick(state).as_ref(), now_us), State::FixedWindow),
-        Algorithm::SlidingWindow => wrap(sliding_window::decide(q, pick(state).as_ref(), now_us), State::SlidingWindow),
+        Algorithm::FixedWindow => wrap(
+            fixed_window::decide(q, pick(state).as_ref(), now_us),
+            State::FixedWindow,
+        ),
+        Algorithm::SlidingWindow => wrap(
+            sliding_window::decide(q, pick(state).as_ref(), now_us),
+            State::SlidingWindow,
+        ),
     }
 }
 
@@ -355,7 +373,11 @@ pub(crate) mod tests {
     }
 
     /// One request at `now` against one key, committed when allowed, like a store does.
-    pub(crate) fn run<S: Copy + Into<State> + TryFrom<State>>(q: &Quota, st: &mut Option<S>, now: u64) -> Decision {
+    pub(crate) fn run<S: Copy + Into<State> + TryFrom<State>>(
+        q: &Quota,
+        st: &mut Option<S>,
+        now: u64,
+    ) -> Decision {
         let state = st.map(Into::into);
         let o = decide(q, state.as_ref(), now);
         if o.allowed {
@@ -395,11 +417,28 @@ pub(crate) mod tests {
         assert!(Quota::new(Algorithm::TokenBucket, rate(10, 1), NonZeroU64::new(2), c3).is_err());
         assert!(Quota::new(Algorithm::FixedWindow, rate(2, 1), None, c3).is_err());
         assert!(Quota::new(Algorithm::SlidingWindow, rate(3, 1), None, c3).is_ok());
-        let burst_on_window = Quota::new(Algorithm::SlidingWindow, rate(3, 1), NonZeroU64::new(3), NonZeroU64::MIN);
+        let burst_on_window = Quota::new(
+            Algorithm::SlidingWindow,
+            rate(3, 1),
+            NonZeroU64::new(3),
+            NonZeroU64::MIN,
+        );
         assert!(burst_on_window.unwrap_err().contains("does not apply"));
         // 2^52 / 86_400_000_000 µs is about 52_000 per day for a sliding window.
-        assert!(Quota::new(Algorithm::SlidingWindow, rate(60_000, 86_400), None, NonZeroU64::MIN).is_err());
-        assert!(Quota::new(Algorithm::FixedWindow, rate(60_000, 86_400), None, NonZeroU64::MIN).is_ok());
+        assert!(Quota::new(
+            Algorithm::SlidingWindow,
+            rate(60_000, 86_400),
+            None,
+            NonZeroU64::MIN
+        )
+        .is_err());
+        assert!(Quota::new(
+            Algorithm::FixedWindow,
+            rate(60_000, 86_400),
+            None,
+            NonZeroU64::MIN
+        )
+        .is_ok());
         assert!(Quota::new(
             Algorithm::TokenBucket,
             rate(7, 86_400),

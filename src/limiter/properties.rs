@@ -1,0 +1,178 @@
+//! Property tests of the pure step functions: random timelines, exact claims.
+
+use std::num::NonZeroU64;
+use std::time::Duration;
+
+use proptest::prelude::*;
+
+use super::{decide, Algorithm, Decision, Quota, State};
+use crate::config::Rate;
+
+fn quota(algorithm: Algorithm, count: u64, secs: u64, burst: Option<u64>, cost: u64) -> Quota {
+    Quota::new(
+        algorithm,
+        Rate {
+            count,
+            period: Duration::from_secs(secs),
+        },
+        burst.and_then(NonZeroU64::new),
+        NonZeroU64::new(cost).unwrap(),
+    )
+    .unwrap()
+}
+
+/// One request against one key's state, committed when allowed.
+fn run(q: &Quota, st: &mut Option<State>, now: u64) -> Decision {
+    let o = decide(q, st.as_ref(), now);
+    if o.allowed {
+        *st = Some(o.next);
+        o.charged
+    } else {
+        o.uncharged
+    }
+}
+
+/// Gaps between requests in µs: bursts, small steps, around a token, long idles.
+fn gaps() -> impl Strategy<Value = Vec<u64>> {
+    prop::collection::vec(
+        prop_oneof![
+            3 => Just(0u64),
+            3 => 1u64..2_000,
+            3 => 2_000u64..2_000_000,
+            1 => 2_000_000u64..600_000_000,
+        ],
+        1..300,
+    )
+}
+
+/// A rate with awkward counts and a few periods.
+fn rate() -> impl Strategy<Value = (u64, u64)> {
+    (
+        prop_oneof![Just(1u64), Just(3), Just(7), Just(10), Just(999), 1u64..50],
+        prop_oneof![Just(1u64), Just(2), Just(10), Just(60)],
+    )
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(300))]
+
+    /// For the same rate and burst, token bucket and GCRA admit exactly the same
+    /// requests, and tell the client exactly the same numbers, on any timeline, whatever
+    /// each request's cost.
+    #[test]
+    fn token_bucket_and_gcra_are_the_same_limit(
+        (count, secs) in rate(),
+        burst in 1u64..40,
+        start in 0u64..1_000_000_000_000,
+        requests in prop::collection::vec((prop_oneof![Just(0u64), 1u64..2_000, 2_000u64..3_000_000, 3_000_000u64..400_000_000], 1u64..6), 1..300),
+    ) {
+        let (mut tb, mut gcra) = (None, None);
+        let mut now = start;
+        let (mut allowed, mut denied) = (0, 0);
+        for (i, (gap, cost)) in requests.into_iter().enumerate() {
+            now += gap;
+            let cost = cost.min(burst);
+            let a = run(&quota(Algorithm::TokenBucket, count, secs, Some(burst), cost), &mut tb, now);
+            let b = run(&quota(Algorithm::Gcra, count, secs, Some(burst), cost), &mut gcra, now);
+            prop_assert_eq!(a, b, "request {} at {} µs, cost {}", i, now, cost);
+            if a.allowed { allowed += 1 } else { denied += 1 }
+        }
+        prop_assert!(allowed > 0 || denied == 0);
+    }
+
+    /// The sliding window's bound: in any interval of length d < P, at most N + N·d/P
+    /// pass; so never a burst of 2N at a boundary, and at most 2N in any period.
+    #[test]
+    fn sliding_window_admits_at_most_n_plus_n_d_over_p(
+        (count, secs) in rate(),
+        cost in 1u64..4,
+        start in 0u64..1_000_000_000_000,
+        gaps in gaps(),
+    ) {
+        let cost = cost.min(count);
+        let q = quota(Algorithm::SlidingWindow, count, secs, None, cost);
+        let p = q.period_us();
+        let mut st = None;
+        let mut now = start;
+        let mut admitted: Vec<u64> = Vec::new();
+        for gap in gaps {
+            now += gap;
+            if run(&q, &mut st, now).allowed {
+                admitted.push(now);
+            }
+        }
+        for (j, &b) in admitted.iter().enumerate() {
+            for (i, &a) in admitted[..=j].iter().enumerate().rev() {
+                let d = b - a;
+                if d >= p {
+                    break;
+                }
+                let passed = (j - i + 1) as u64 * cost;
+                // passed <= N + N·d/P, multiplied through by P.
+                prop_assert!(
+                    passed * p <= count * p + count * d,
+                    "{} passed within {} µs of a {} µs period at N = {}", passed, d, p, count
+                );
+            }
+        }
+    }
+
+    /// A fixed window never admits more than N within one window, however the requests fall.
+    #[test]
+    fn fixed_window_admits_at_most_n_per_window(
+        (count, secs) in rate(),
+        cost in 1u64..4,
+        start in 0u64..1_000_000_000_000,
+        gaps in gaps(),
+    ) {
+        let cost = cost.min(count);
+        let q = quota(Algorithm::FixedWindow, count, secs, None, cost);
+        let mut st = None;
+        let mut now = start;
+        let mut used = 0u64;
+        let mut window_start = None;
+        for gap in gaps {
+            now += gap;
+            let d = run(&q, &mut st, now);
+            let Some(State::FixedWindow(s)) = st else { continue };
+            if window_start != Some(s.start_us) {
+                window_start = Some(s.start_us);
+                used = 0;
+            }
+            if d.allowed {
+                used += cost;
+            }
+            prop_assert!(used <= count, "{} admitted in one window of N = {}", used, count);
+            prop_assert_eq!(d.remaining, count - used.min(count));
+        }
+    }
+
+    /// Every algorithm's Retry-After is exact: the request passes at now + retry and not
+    /// a microsecond earlier; every allowed answer's remaining is what the next requests get.
+    #[test]
+    fn retry_after_is_exact_for_every_algorithm(
+        alg in prop_oneof![Just(Algorithm::TokenBucket), Just(Algorithm::Gcra), Just(Algorithm::FixedWindow), Just(Algorithm::SlidingWindow)],
+        (count, secs) in rate(),
+        burst in 1u64..20,
+        cost in 1u64..4,
+        start in 0u64..1_000_000_000_000,
+        gaps in gaps(),
+    ) {
+        let burst = alg.has_burst().then_some(burst);
+        let cost = cost.min(burst.unwrap_or(count));
+        let q = quota(alg, count, secs, burst, cost);
+        let mut st = None;
+        let mut now = start;
+        for gap in gaps {
+            now += gap;
+            let d = run(&q, &mut st, now);
+            if !d.allowed {
+                prop_assert!(d.retry_after_us > 0);
+                let at = decide(&q, st.as_ref(), now + d.retry_after_us);
+                prop_assert!(at.allowed, "{:?}: not allowed at now + retry {}", alg, d.retry_after_us);
+                let before = decide(&q, st.as_ref(), now + d.retry_after_us - 1);
+                prop_assert!(!before.allowed, "{:?}: allowed already at now + retry - 1", alg);
+            }
+        }
+    }
+}
