@@ -62,7 +62,13 @@ mod tests {
         let q = quota(FixedWindow, "3/10s", None, 1);
         let mut st = None;
         assert!(run(&q, &mut st, 7_000_000).allowed);
-        assert_eq!(st, Some(State { start_us: 7_000_000, count: 1 }));
+        assert_eq!(
+            st,
+            Some(State {
+                start_us: 7_000_000,
+                count: 1
+            })
+        );
         assert!(run(&q, &mut st, 9_000_000).allowed);
         let d = run(&q, &mut st, 16_999_999);
         assert!(d.allowed);
@@ -82,10 +88,16 @@ mod tests {
         let mut st = None;
         assert!(run(&q, &mut st, 0).allowed);
         let mut passed = 0;
-        for t in [999_999, 999_999, 999_999, 999_999, 1_000_000, 1_000_000, 1_000_000, 1_000_000, 1_000_000, 1_000_000] {
+        for t in [
+            999_999, 999_999, 999_999, 999_999, 1_000_000, 1_000_000, 1_000_000, 1_000_000,
+            1_000_000, 1_000_000,
+        ] {
             passed += u32::from(run(&q, &mut st, t).allowed);
         }
-        assert_eq!(passed, 9, "4 at the end of one window and 5 at the start of the next, 1 µs apart");
+        assert_eq!(
+            passed, 9,
+            "4 at the end of one window and 5 at the start of the next, 1 µs apart"
+        );
     }
 
     #[test]

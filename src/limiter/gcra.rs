@@ -45,7 +45,11 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
     let uncharged = Decision {
         allowed,
         remaining: (cap - debt) / q.unit,
-        retry_after_us: if allowed { 0 } else { (after - cap).div_ceil(q.per_us) },
+        retry_after_us: if allowed {
+            0
+        } else {
+            (after - cap).div_ceil(q.per_us)
+        },
         reset_us: reset(debt),
     };
     let charged = Decision {
@@ -94,11 +98,23 @@ mod tests {
         let q = quota(Gcra, "3/s", Some(1), 1);
         let mut st = None;
         assert!(run(&q, &mut st, 0).allowed);
-        assert_eq!(st, Some(State { tat_us: 333_333, frac: 1 }));
+        assert_eq!(
+            st,
+            Some(State {
+                tat_us: 333_333,
+                frac: 1
+            })
+        );
         assert!(!run(&q, &mut st, 333_333).allowed, "a third of a µs short");
         assert!(run(&q, &mut st, 333_334).allowed);
         // TAT = max(TAT, now) + T = 333_334 + 333_333⅓.
-        assert_eq!(st, Some(State { tat_us: 666_667, frac: 1 }));
+        assert_eq!(
+            st,
+            Some(State {
+                tat_us: 666_667,
+                frac: 1
+            })
+        );
     }
 
     #[test]
@@ -119,15 +135,27 @@ mod tests {
         let q = quota(Gcra, "2/s", Some(4), 1);
         let o = decide(&q, None, 1_000);
         assert_eq!(o.ttl_us, 500_000);
-        assert_eq!(o.next, State { tat_us: 501_000, frac: 0 });
+        assert_eq!(
+            o.next,
+            State {
+                tat_us: 501_000,
+                frac: 0
+            }
+        );
         // Past the TAT the state no longer matters: same as no state.
-        assert_eq!(decide(&q, Some(&o.next), 501_000), decide(&q, None, 501_000));
+        assert_eq!(
+            decide(&q, Some(&o.next), 501_000),
+            decide(&q, None, 501_000)
+        );
     }
 
     #[test]
     fn a_tat_beyond_a_shrunk_burst_is_capped() {
         let q = quota(Gcra, "1/s", Some(2), 1);
-        let far = State { tat_us: 1_000_000_000, frac: 0 };
+        let far = State {
+            tat_us: 1_000_000_000,
+            frac: 0,
+        };
         let o = decide(&q, Some(&far), 0);
         assert!(!o.allowed);
         assert_eq!(o.uncharged.remaining, 0);

@@ -5,17 +5,26 @@
 //! absent, so a flood of distinct keys costs memory for at most one refill time.
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::{BuildHasherDefault, Hash, Hasher};
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use super::{Check, Clock, Decision, State};
 
 const SHARDS: usize = 64;
 
-/// An entry's key: the identity digest folded with the rule name. Both halves are already
-/// uniformly distributed, so the map hashes it by taking bits, not by rehashing.
-type Key = u128;
+/// An entry's key: the identity digest folded with the rule name, 128 bits. Two `u64`s
+/// rather than a `u128`: 8-byte alignment keeps a map slot at 56 bytes, not 64.
+#[derive(Clone, Copy, PartialEq, Eq)]
+struct Key(u64, u64);
 
+impl Hash for Key {
+    fn hash<H: Hasher>(&self, state: &mut H) {
+        // Both halves are already uniformly distributed: no need to rehash.
+        state.write_u64(self.0 ^ self.1);
+    }
+}
+
+/// Passes a key's precomputed hash through.
 #[derive(Default)]
 struct KeyHasher(u64);
 
@@ -24,13 +33,13 @@ impl Hasher for KeyHasher {
         self.0
     }
     fn write(&mut self, bytes: &[u8]) {
-        // Only u128 keys are hashed here; this path is a fallback.
+        // Only `Key`s are hashed here, through write_u64; this path is a fallback.
         for &b in bytes {
             self.0 = self.0.rotate_left(8) ^ u64::from(b);
         }
     }
-    fn write_u128(&mut self, k: u128) {
-        self.0 = (k as u64) ^ ((k >> 64) as u64);
+    fn write_u64(&mut self, k: u64) {
+        self.0 = k;
     }
 }
 
@@ -63,11 +72,12 @@ impl MemoryStore {
             h ^= u128::from(b);
             h = h.wrapping_mul(0x0000000001000000000000000000013B);
         }
-        id ^ h
+        let k = id ^ h;
+        Key(k as u64, (k >> 64) as u64)
     }
 
     fn shard_of(key: Key) -> usize {
-        (key >> 120) as usize % SHARDS
+        (key.1 >> 56) as usize % SHARDS
     }
 
     fn lock(&self, i: usize) -> MutexGuard<'_, Shard> {

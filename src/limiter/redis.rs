@@ -73,9 +73,11 @@ impl RedisStore {
             let q = c.quota;
             inv.key(self.key(c)).arg(q.algorithm.code());
             match q.algorithm {
-                Algorithm::TokenBucket | Algorithm::Gcra => {
-                    inv.arg(q.unit).arg(q.per_us).arg(q.capacity()).arg(q.need())
-                }
+                Algorithm::TokenBucket | Algorithm::Gcra => inv
+                    .arg(q.unit)
+                    .arg(q.per_us)
+                    .arg(q.capacity())
+                    .arg(q.need()),
                 Algorithm::FixedWindow | Algorithm::SlidingWindow => {
                     inv.arg(q.period_us()).arg(q.rate.count).arg(q.cost).arg(0)
                 }

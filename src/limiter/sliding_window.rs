@@ -154,7 +154,10 @@ mod tests {
         assert_eq!(o.ttl_us, 120_000_000 - 30_000_000);
         assert_eq!(o.charged.reset_us, o.ttl_us);
         // Two windows later nothing is left.
-        assert_eq!(decide(&q, Some(&o.next), 180_000_000), decide(&q, None, 180_000_000));
+        assert_eq!(
+            decide(&q, Some(&o.next), 180_000_000),
+            decide(&q, None, 180_000_000)
+        );
     }
 
     #[test]

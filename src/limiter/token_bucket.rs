@@ -54,7 +54,11 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
         uncharged: Decision {
             allowed,
             remaining: level / q.unit,
-            retry_after_us: if allowed { 0 } else { (need - level).div_ceil(q.per_us) },
+            retry_after_us: if allowed {
+                0
+            } else {
+                (need - level).div_ceil(q.per_us)
+            },
             reset_us: until_full(level),
         },
         next: State {
