@@ -47,15 +47,26 @@ const ALGORITHMS: [Algorithm; 4] = [
 
 fn quota(algorithm: Algorithm) -> Quota {
     let burst = algorithm.has_burst().then(|| NonZeroU64::new(20)).flatten();
-    Quota::new(algorithm, Rate::parse("10/s").expect("rate"), burst, NonZeroU64::MIN).expect("quota")
+    Quota::new(
+        algorithm,
+        Rate::parse("10/s").expect("rate"),
+        burst,
+        NonZeroU64::MIN,
+    )
+    .expect("quota")
 }
 
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     let redis_url = std::env::args().nth(1);
     println!("memory store: heap bytes per tracked key (all keys live, after N distinct keys)");
-    println!("{:<16} {:>12} {:>12} {:>12}", "algorithm", "10,000", "100,000", "1,000,000");
-    let digests: Vec<_> = (0..1_000_000u32).map(|i| digest_api_key(&i.to_le_bytes())).collect();
+    println!(
+        "{:<16} {:>12} {:>12} {:>12}",
+        "algorithm", "10,000", "100,000", "1,000,000"
+    );
+    let digests: Vec<_> = (0..1_000_000u32)
+        .map(|i| digest_api_key(&i.to_le_bytes()))
+        .collect();
     for alg in ALGORITHMS {
         let q = quota(alg);
         let mut row = format!("{:<16}", alg.name());
@@ -64,7 +75,11 @@ async fn main() {
             let before = LIVE.load(Relaxed);
             let store = MemoryStore::new(clock);
             for d in &digests[..n] {
-                store.decide(&[Check { identity: d, rule: "api", quota: &q }]);
+                store.decide(&[Check {
+                    identity: d,
+                    rule: "api",
+                    quota: &q,
+                }]);
             }
             let bytes = LIVE.load(Relaxed) - before;
             assert_eq!(store.len(), n);
@@ -77,22 +92,55 @@ async fn main() {
         println!("\n(give a Redis URL to measure MEMORY USAGE per key in Redis)");
         return;
     };
-    let store = RedisStore::new(&url, "ratewall-measure", std::time::Duration::from_secs(2)).expect("redis url");
+    let store = RedisStore::new(&url, "ratewall-measure", std::time::Duration::from_secs(2))
+        .expect("redis url");
     let client = redis::Client::open(url.as_str()).expect("redis url");
-    let mut conn = client.get_multiplexed_async_connection().await.expect("connect to Redis");
+    let mut conn = client
+        .get_multiplexed_async_connection()
+        .await
+        .expect("connect to Redis");
     println!("\nRedis: MEMORY USAGE of one key, bytes (key name <prefix>:{{<32 hex>}}:api, prefix \"ratewall-measure\")");
     let now = 1_700_000_000_000_000u64;
     for alg in ALGORITHMS {
         let q = quota(alg);
         let d = digest_api_key(b"measure");
-        let check = Check { identity: &d, rule: "api", quota: &q };
+        let check = Check {
+            identity: &d,
+            rule: "api",
+            quota: &q,
+        };
         // Two requests 1 ms apart, so every state holds non-trivial numbers.
-        store.decide(std::slice::from_ref(&check), Some(now)).await.expect("decide");
-        store.decide(std::slice::from_ref(&check), Some(now + 1_000)).await.expect("decide");
+        store
+            .decide(std::slice::from_ref(&check), Some(now))
+            .await
+            .expect("decide");
+        store
+            .decide(std::slice::from_ref(&check), Some(now + 1_000))
+            .await
+            .expect("decide");
         let key = store.key(&check);
-        let usage: i64 = redis::cmd("MEMORY").arg("USAGE").arg(&key).query_async(&mut conn).await.expect("MEMORY USAGE");
-        let value: String = redis::cmd("GET").arg(&key).query_async(&mut conn).await.expect("GET");
-        println!("{:<16} {:>5}   value {:?} ({} bytes)", alg.name(), usage, value, value.len());
-        let _: i64 = redis::cmd("DEL").arg(&key).query_async(&mut conn).await.expect("DEL");
+        let usage: i64 = redis::cmd("MEMORY")
+            .arg("USAGE")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .expect("MEMORY USAGE");
+        let value: String = redis::cmd("GET")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .expect("GET");
+        println!(
+            "{:<16} {:>5}   value {:?} ({} bytes)",
+            alg.name(),
+            usage,
+            value,
+            value.len()
+        );
+        let _: i64 = redis::cmd("DEL")
+            .arg(&key)
+            .query_async(&mut conn)
+            .await
+            .expect("DEL");
     }
 }
