@@ -1,4 +1,7 @@
 -- Decide one request against every key: read all, judge all, then write all or none.
+-- A key that cannot be read as a state (wrong type, corrupt) fails the call with the error
+-- code RATEWALL and the key's name: one key's problem, which the gateway tells apart from
+-- the store being down.
 local n = #KEYS
 local results = {}
 local all = true
@@ -6,14 +9,18 @@ for i = 1, n do
   local a = 2 + 5 * (i - 1)
   local algorithm = ALGORITHMS[tonumber(ARGV[a])]
   if not algorithm then
-    return redis.error_reply('ratewall: unknown algorithm ' .. tostring(ARGV[a]))
+    return redis.error_reply('RATEWALL unknown algorithm ' .. tostring(ARGV[a]))
   end
-  local raw = redis.call('GET', KEYS[i])
+  local ok, raw = pcall(redis.call, 'GET', KEYS[i])
+  if not ok then
+    local why = type(raw) == 'table' and raw.err or tostring(raw)
+    return redis.error_reply('RATEWALL ' .. KEYS[i] .. ': ' .. tostring(why))
+  end
   if not raw then raw = nil end
   local r, err = algorithm(raw, now, tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]),
     tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]))
   if not r then
-    return redis.error_reply('ratewall: ' .. err .. ' at ' .. KEYS[i])
+    return redis.error_reply('RATEWALL ' .. KEYS[i] .. ': ' .. err)
   end
   results[i] = r
   if not r.allowed then all = false end

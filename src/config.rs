@@ -8,7 +8,7 @@
 use std::collections::{HashMap, HashSet};
 use std::fmt;
 use std::net::SocketAddr;
-use std::num::NonZeroU64;
+use std::num::{NonZeroU32, NonZeroU64};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -59,7 +59,7 @@ pub struct Server {
     pub shutdown_grace: Duration,
 }
 
-#[derive(Debug)]
+#[derive(Debug, PartialEq)]
 pub struct Upstream {
     /// Scheme and authority of the backend, e.g. `http://127.0.0.1:3000`.
     pub url: http::Uri,
@@ -82,14 +82,31 @@ pub enum OnError {
     Deny,
     /// Forward without limiting while the store fails: availability over enforcement.
     Allow,
+    /// Enforce the same rules in this process until the store answers again. With N
+    /// instances behind a balancer, up to N times the limit passes meanwhile.
+    Local,
 }
 
-#[derive(Debug)]
+impl OnError {
+    pub fn name(self) -> &'static str {
+        match self {
+            OnError::Deny => "deny",
+            OnError::Allow => "allow",
+            OnError::Local => "local",
+        }
+    }
+}
+
+#[derive(Debug, PartialEq)]
 pub struct Store {
     pub backend: Backend,
     pub prefix: String,
     pub timeout: Duration,
     pub on_error: OnError,
+    /// Outages in a row that open the circuit breaker.
+    pub breaker_failures: u32,
+    /// How long an open breaker stops calls before a probe may close it.
+    pub breaker_cooldown: Duration,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -240,6 +257,10 @@ struct RawStore {
     timeout: HumanDuration,
     #[serde(default = "default_on_error")]
     on_error: OnError,
+    #[serde(default = "default_breaker_failures")]
+    breaker_failures: NonZeroU32,
+    #[serde(default = "default_breaker_cooldown")]
+    breaker_cooldown: HumanDuration,
 }
 
 impl Default for RawStore {
@@ -250,8 +271,17 @@ impl Default for RawStore {
             prefix: default_prefix(),
             timeout: default_store_timeout(),
             on_error: default_on_error(),
+            breaker_failures: default_breaker_failures(),
+            breaker_cooldown: default_breaker_cooldown(),
         }
     }
+}
+
+fn default_breaker_failures() -> NonZeroU32 {
+    NonZeroU32::new(5).unwrap_or(NonZeroU32::MIN)
+}
+fn default_breaker_cooldown() -> HumanDuration {
+    HumanDuration(Duration::from_secs(1))
 }
 
 fn default_backend() -> RawBackend {
@@ -785,6 +815,8 @@ impl Config {
                 prefix: raw.store.prefix.0,
                 timeout: raw.store.timeout.0,
                 on_error: raw.store.on_error,
+                breaker_failures: raw.store.breaker_failures.get(),
+                breaker_cooldown: raw.store.breaker_cooldown.0,
             },
             client_ip: ClientIp {
                 trusted_proxies: raw
@@ -832,10 +864,7 @@ impl Config {
             out,
             "store         {backend}, timeout {}, on_error {}",
             humantime::format_duration(self.store.timeout),
-            match self.store.on_error {
-                OnError::Deny => "deny",
-                OnError::Allow => "allow",
-            }
+            self.store.on_error.name()
         );
         let _ = writeln!(
             out,

@@ -1,31 +1,86 @@
-//! One request: identify -> match rules -> limit -> answer or forward.
+//! One request: identify -> match rules -> limit -> answer or forward. And the live
+//! configuration each request runs on, swapped whole on reload.
 
 use std::net::{IpAddr, SocketAddr};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::path::PathBuf;
 use std::sync::Arc;
 
+use arc_swap::ArcSwap;
 use bytes::Bytes;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 
-use crate::config::{Config, KeyKind, MissingKey, OnError, Rule, UnknownKeys};
+use crate::config::{
+    Backend, Config, ConfigError, KeyKind, MissingKey, OnError, Rule, UnknownKeys,
+};
 use crate::headers::{self, Applied, Problem};
 use crate::identity::{self, KeyError};
-use crate::limiter::{Check, IdentityDigest, Store};
+use crate::limiter::guard::{Answer, Limiter};
+use crate::limiter::memory::MemoryStore;
+use crate::limiter::redis::RedisStore;
+use crate::limiter::{Check, IdentityDigest, MonotonicClock, Store, StoreError};
 use crate::proxy::{Proxy, ProxyError};
 use crate::rules;
 
 /// What a client receives: the upstream's streamed body, or one the gateway wrote.
 pub type Body = Either<Incoming, Full<Bytes>>;
 
+/// Everything a request runs on. A request takes the current one when it starts and keeps
+/// it to the end, so a reload never changes the rules under a request in flight.
+pub struct Live {
+    pub config: Arc<Config>,
+    pub proxy: Arc<Proxy>,
+    pub limiter: Arc<Limiter>,
+}
+
+impl Live {
+    /// Build what `config` needs, reusing `old`'s store and upstream pool where the
+    /// config did not change them: limit state and pooled connections survive a reload.
+    pub fn build(config: Config, old: Option<&Live>) -> Result<Live, StoreError> {
+        let limiter = match old {
+            Some(o) if o.config.store == config.store => o.limiter.clone(),
+            _ => {
+                let store = match &config.store.backend {
+                    Backend::Memory => {
+                        Store::Memory(MemoryStore::new(Arc::new(MonotonicClock::new())))
+                    }
+                    Backend::Redis { url } => Store::Redis(RedisStore::new(
+                        url,
+                        &config.store.prefix,
+                        config.store.timeout,
+                    )?),
+                };
+                let s = &config.store;
+                Limiter::new(store, s.on_error, s.breaker_failures, s.breaker_cooldown)
+            }
+        };
+        let proxy = match old {
+            Some(o) if o.config.upstream == config.upstream => o.proxy.clone(),
+            _ => Arc::new(Proxy::new(&config.upstream)),
+        };
+        Ok(Live {
+            config: Arc::new(config),
+            proxy,
+            limiter,
+        })
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error("no config file to reload from")]
+    NoFile,
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+}
+
 pub struct Gateway {
-    config: Arc<Config>,
-    store: Store,
-    proxy: Proxy,
-    /// Whether the last store call failed: store trouble is logged when it starts and
-    /// when it ends, not once per request.
-    store_failing: AtomicBool,
+    live: ArcSwap<Live>,
+    /// The file SIGHUP re-reads.
+    config_path: Option<PathBuf>,
 }
 
 /// Why a request was answered before any limit was consulted.
@@ -36,26 +91,42 @@ enum Refusal {
 }
 
 impl Gateway {
-    pub fn new(config: Arc<Config>, store: Store) -> Gateway {
-        let proxy = Proxy::new(&config.upstream);
+    pub fn new(live: Live, config_path: Option<PathBuf>) -> Gateway {
         Gateway {
-            config,
-            store,
-            proxy,
-            store_failing: AtomicBool::new(false),
+            live: ArcSwap::from_pointee(live),
+            config_path,
         }
     }
 
-    pub fn config(&self) -> &Arc<Config> {
-        &self.config
+    /// The configuration requests start on now.
+    pub fn live(&self) -> Arc<Live> {
+        self.live.load_full()
     }
 
-    pub fn store(&self) -> &Store {
-        &self.store
+    /// Re-read the config file; on success new requests run on it, on failure nothing
+    /// changes. Requests in flight finish on the configuration they started with.
+    pub fn reload(&self) -> Result<(), ReloadError> {
+        let path = self.config_path.as_ref().ok_or(ReloadError::NoFile)?;
+        let config = Config::load(path)?;
+        let old = self.live.load_full();
+        if config.server.listen != old.config.server.listen
+            || config.server.admin_listen != old.config.server.admin_listen
+        {
+            tracing::warn!(
+                "listen addresses changed in the file; they take effect on restart only"
+            );
+        }
+        if config.store != old.config.store {
+            tracing::warn!("[store] changed: limits start from a fresh store");
+        }
+        let live = Live::build(config, Some(&old))?;
+        self.live.store(Arc::new(live));
+        Ok(())
     }
 
     pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
-        let cfg = &*self.config;
+        let live = self.live.load_full();
+        let cfg = &*live.config;
         let path = rules::normalize_path(req.uri().path());
         let applied_rules: Vec<&Rule> = cfg
             .rules
@@ -63,14 +134,14 @@ impl Gateway {
             .filter(|r| rules::applies(r, req.method(), &path))
             .collect();
         if applied_rules.is_empty() {
-            return self.forward(req, peer.ip(), &[]).await;
+            return forward(&live, req, peer.ip(), &[]).await;
         }
 
-        let identities = match self.identify(&applied_rules, req.headers(), peer.ip()) {
+        let identities = match identify(cfg, &applied_rules, req.headers(), peer.ip()) {
             Ok(ids) => ids,
             Err(refusal) => return refuse(refusal, cfg),
         };
-        let plan = self.plan(req.headers());
+        let plan = plan(cfg, req.headers());
         let checks: Vec<Check<'_>> = applied_rules
             .iter()
             .zip(&identities)
@@ -81,19 +152,12 @@ impl Gateway {
             })
             .collect();
 
-        let decisions = match self.store.decide(&checks).await {
-            Ok(d) => {
-                if self.store_failing.swap(false, Ordering::Relaxed) {
-                    tracing::info!("store answers again; limiting resumed");
-                }
-                d
-            }
-            Err(e) => {
-                if !self.store_failing.swap(true, Ordering::Relaxed) {
-                    tracing::warn!(error = %e, on_error = ?cfg.store.on_error, "store failed; applying on_error until it answers");
-                }
+        let decisions = match live.limiter.decide(&checks).await {
+            Answer::Store(d) | Answer::Local(d) => d,
+            Answer::Failed(_) => {
                 return match cfg.store.on_error {
-                    OnError::Deny => problem(
+                    OnError::Allow => forward(&live, req, peer.ip(), &[]).await,
+                    OnError::Deny | OnError::Local => problem(
                         Problem::new(
                             StatusCode::SERVICE_UNAVAILABLE,
                             "the rate-limit store is unavailable",
@@ -102,7 +166,6 @@ impl Gateway {
                         cfg,
                         &[],
                     ),
-                    OnError::Allow => self.forward(req, peer.ip(), &[]).await,
                 };
             }
         };
@@ -120,88 +183,87 @@ impl Gateway {
             tracing::debug!(path = %path, "denied");
             return problem(Problem::too_many_requests(&applied), cfg, &applied);
         }
-        self.forward(req, peer.ip(), &applied).await
+        forward(&live, req, peer.ip(), &applied).await
     }
+}
 
-    /// The identity digest of the request under each rule, in order.
-    fn identify(
-        &self,
-        rules: &[&Rule],
-        headers: &HeaderMap,
-        peer: IpAddr,
-    ) -> Result<Vec<IdentityDigest>, Refusal> {
-        let cfg = &*self.config;
-        let mut ip = None;
-        let mut client_ip =
-            || *ip.get_or_insert_with(|| identity::client_ip(peer, headers, &cfg.client_ip));
-        rules
-            .iter()
-            .map(|rule| {
-                let (name, value) = match &rule.key {
-                    KeyKind::Global => return Ok(identity::digest_global()),
-                    KeyKind::ClientIp => return Ok(identity::digest_ip(client_ip())),
-                    KeyKind::ApiKey => (&cfg.keys.header, None),
-                    KeyKind::Header(h) => (h, Some(h)),
-                };
-                match identity::api_key(headers, name).map_err(Refusal::Malformed)? {
-                    Some(v) => match value {
-                        Some(h) => Ok(identity::digest_header(h, v)),
-                        None => {
-                            if cfg.keys.unknown == UnknownKeys::Reject
-                                && !cfg.keys.plans.contains_key(v)
-                            {
-                                return Err(Refusal::Unknown);
-                            }
-                            Ok(identity::digest_api_key(v))
+/// The identity digest of the request under each rule, in order.
+fn identify(
+    cfg: &Config,
+    rules: &[&Rule],
+    headers: &HeaderMap,
+    peer: IpAddr,
+) -> Result<Vec<IdentityDigest>, Refusal> {
+    let mut ip = None;
+    let mut client_ip =
+        || *ip.get_or_insert_with(|| identity::client_ip(peer, headers, &cfg.client_ip));
+    rules
+        .iter()
+        .map(|rule| {
+            let (name, value) = match &rule.key {
+                KeyKind::Global => return Ok(identity::digest_global()),
+                KeyKind::ClientIp => return Ok(identity::digest_ip(client_ip())),
+                KeyKind::ApiKey => (&cfg.keys.header, None),
+                KeyKind::Header(h) => (h, Some(h)),
+            };
+            match identity::api_key(headers, name).map_err(Refusal::Malformed)? {
+                Some(v) => match value {
+                    Some(h) => Ok(identity::digest_header(h, v)),
+                    None => {
+                        if cfg.keys.unknown == UnknownKeys::Reject
+                            && !cfg.keys.plans.contains_key(v)
+                        {
+                            return Err(Refusal::Unknown);
                         }
-                    },
-                    None => match rule.missing_key {
-                        MissingKey::ClientIp => Ok(identity::digest_ip(client_ip())),
-                        MissingKey::Reject => Err(Refusal::Missing(if value.is_some() {
-                            "a header this rule counts by is missing"
-                        } else {
-                            "an API key is required"
-                        })),
-                    },
-                }
-            })
-            .collect()
-    }
+                        Ok(identity::digest_api_key(v))
+                    }
+                },
+                None => match rule.missing_key {
+                    MissingKey::ClientIp => Ok(identity::digest_ip(client_ip())),
+                    MissingKey::Reject => Err(Refusal::Missing(if value.is_some() {
+                        "a header this rule counts by is missing"
+                    } else {
+                        "an API key is required"
+                    })),
+                },
+            }
+        })
+        .collect()
+}
 
-    /// The plan the request's API key maps to, if any.
-    fn plan(&self, headers: &HeaderMap) -> Option<&str> {
-        let keys = &self.config.keys;
-        if keys.plans.is_empty() {
-            return None;
+/// The plan the request's API key maps to, if any.
+fn plan<'c>(cfg: &'c Config, headers: &HeaderMap) -> Option<&'c str> {
+    let keys = &cfg.keys;
+    if keys.plans.is_empty() {
+        return None;
+    }
+    let key = identity::api_key(headers, &keys.header).ok().flatten()?;
+    keys.plans.get(key).map(String::as_str)
+}
+
+async fn forward(
+    live: &Live,
+    req: Request<Incoming>,
+    peer: IpAddr,
+    applied: &[Applied<'_>],
+) -> Response<Body> {
+    match live.proxy.forward(req, peer).await {
+        Ok(resp) => {
+            let mut resp = resp.map(Either::Left);
+            headers::add_ratelimit(resp.headers_mut(), live.config.response, applied);
+            resp
         }
-        let key = identity::api_key(headers, &keys.header).ok().flatten()?;
-        keys.plans.get(key).map(String::as_str)
-    }
-
-    async fn forward(
-        &self,
-        req: Request<Incoming>,
-        peer: IpAddr,
-        applied: &[Applied<'_>],
-    ) -> Response<Body> {
-        match self.proxy.forward(req, peer).await {
-            Ok(resp) => {
-                let mut resp = resp.map(Either::Left);
-                headers::add_ratelimit(resp.headers_mut(), self.config.response, applied);
-                resp
-            }
-            Err(e) => {
-                let status = match e {
-                    ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
-                    ProxyError::Unreachable(_) | ProxyError::Failed(_) => StatusCode::BAD_GATEWAY,
-                };
-                tracing::warn!(error = %e, status = status.as_u16(), "upstream failed");
-                let detail = match status {
-                    StatusCode::GATEWAY_TIMEOUT => "the upstream did not answer in time",
-                    _ => "the upstream could not be reached",
-                };
-                problem(Problem::new(status, detail), &self.config, applied)
-            }
+        Err(e) => {
+            let status = match e {
+                ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+                ProxyError::Unreachable(_) | ProxyError::Failed(_) => StatusCode::BAD_GATEWAY,
+            };
+            tracing::warn!(error = %e, status = status.as_u16(), "upstream failed");
+            let detail = match status {
+                StatusCode::GATEWAY_TIMEOUT => "the upstream did not answer in time",
+                _ => "the upstream could not be reached",
+            };
+            problem(Problem::new(status, detail), &live.config, applied)
         }
     }
 }

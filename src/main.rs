@@ -61,7 +61,7 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(ratewall::server::run(config)) {
+    match runtime.block_on(ratewall::server::run(config, Some(cli.config))) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("ratewall: {e}");

@@ -16,11 +16,9 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 
-use crate::config::{Backend, Config, OnError};
-use crate::gateway::Gateway;
-use crate::limiter::memory::MemoryStore;
-use crate::limiter::redis::RedisStore;
-use crate::limiter::{MonotonicClock, Store};
+use crate::config::{Config, OnError};
+use crate::gateway::{Gateway, Live};
+use crate::limiter::guard::Health;
 
 /// How often the memory store drops buckets that have refilled.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
@@ -36,26 +34,20 @@ pub enum StartError {
     Store(#[from] crate::limiter::StoreError),
 }
 
-/// Build the store the config names.
-pub fn build_store(cfg: &Config) -> Result<Store, StartError> {
-    Ok(match &cfg.store.backend {
-        Backend::Memory => Store::Memory(MemoryStore::new(Arc::new(MonotonicClock::new()))),
-        Backend::Redis { url } => {
-            Store::Redis(RedisStore::new(url, &cfg.store.prefix, cfg.store.timeout)?)
-        }
-    })
-}
-
-/// Run the gateway until SIGTERM or SIGINT, then drain and return.
-pub async fn run(config: Config) -> Result<(), StartError> {
-    let config = Arc::new(config);
-    let store = build_store(&config)?;
+/// Run the gateway until SIGTERM or SIGINT, then drain and return. SIGHUP re-reads
+/// `config_path`.
+pub async fn run(
+    config: Config,
+    config_path: Option<std::path::PathBuf>,
+) -> Result<(), StartError> {
+    let live = Live::build(config, None)?;
+    let config = live.config.clone();
     let listener = bind(config.server.listen).await?;
     let admin = match config.server.admin_listen {
         Some(addr) => Some(bind(addr).await?),
         None => None,
     };
-    let gateway = Arc::new(Gateway::new(config.clone(), store));
+    let gateway = Arc::new(Gateway::new(live, config_path));
     tracing::info!(
         listen = %config.server.listen,
         admin = ?config.server.admin_listen,
@@ -65,6 +57,7 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     );
 
     let upkeep = tokio::spawn(upkeep(gateway.clone()));
+    let reloads = tokio::spawn(reload_on_sighup(gateway.clone()));
     let admin_task = admin.map(|l| tokio::spawn(serve_admin(l, gateway.clone())));
 
     serve(
@@ -75,10 +68,38 @@ pub async fn run(config: Config) -> Result<(), StartError> {
     )
     .await;
     upkeep.abort();
+    reloads.abort();
     if let Some(t) = admin_task {
         t.abort();
     }
     Ok(())
+}
+
+/// SIGHUP: re-read the config. A bad file is logged and changes nothing.
+async fn reload_on_sighup(gateway: Arc<Gateway>) {
+    #[cfg(unix)]
+    {
+        use tokio::signal::unix::{signal, SignalKind};
+        let mut hup = match signal(SignalKind::hangup()) {
+            Ok(s) => s,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot listen for SIGHUP; reloads are off");
+                return;
+            }
+        };
+        while hup.recv().await.is_some() {
+            match gateway.reload() {
+                Ok(()) => {
+                    tracing::info!(rules = gateway.live().config.rules.len(), "config reloaded")
+                }
+                Err(e) => {
+                    tracing::error!(error = %e, "config reload rejected; the old config keeps serving")
+                }
+            }
+        }
+    }
+    #[cfg(not(unix))]
+    let _ = gateway;
 }
 
 async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
@@ -169,13 +190,15 @@ async fn upkeep(gateway: Arc<Gateway>) {
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        if let Store::Memory(m) = gateway.store() {
-            m.sweep();
-        }
+        gateway.live().limiter.sweep();
     }
 }
 
 /// The admin listener: `/healthz`, `/readyz`.
+///
+/// `/readyz` is 200 while traffic is served as configured: the store answers, or it fails
+/// and `on_error` (allow, local) lets traffic through; 503 while `on_error = "deny"` turns
+/// requests away. The body says which, and the breaker's state.
 pub async fn serve_admin(listener: TcpListener, gateway: Arc<Gateway>) {
     loop {
         let (stream, _) = match listener.accept().await {
@@ -211,17 +234,31 @@ async fn admin(gw: &Gateway, req: &Request<Incoming>) -> Response<Full<Bytes>> {
     };
     match req.uri().path() {
         "/healthz" => text(StatusCode::OK, "ok\n"),
-        "/readyz" => match gw.store().ping().await {
-            Ok(()) => text(StatusCode::OK, "ready\n"),
-            Err(e) if gw.config().store.on_error == OnError::Allow => text(
-                StatusCode::OK,
-                &format!("ready: store failing ({e}); on_error = allow forwards traffic\n"),
-            ),
-            Err(e) => text(
-                StatusCode::SERVICE_UNAVAILABLE,
-                &format!("not ready: store failing ({e})\n"),
-            ),
-        },
+        "/readyz" => {
+            let live = gw.live();
+            let limiter = &live.limiter;
+            let on_error = limiter.on_error();
+            let breaker = match limiter.health() {
+                Health::Open => "open",
+                Health::Healthy | Health::Failing => "closed",
+            };
+            match limiter.ping().await {
+                Ok(()) => text(StatusCode::OK, "ready: store answers; breaker closed\n"),
+                Err(e) => {
+                    let serving = on_error != OnError::Deny;
+                    let (status, verdict) = if serving {
+                        (StatusCode::OK, "ready")
+                    } else {
+                        (StatusCode::SERVICE_UNAVAILABLE, "not ready")
+                    };
+                    let body = format!(
+                        "{verdict}: store failing ({e}); breaker {breaker}; on_error = {}\n",
+                        on_error.name()
+                    );
+                    text(status, &body)
+                }
+            }
+        }
         _ => text(StatusCode::NOT_FOUND, "not found\n"),
     }
 }

@@ -12,6 +12,7 @@
 
 pub mod fixed_window;
 pub mod gcra;
+pub mod guard;
 pub mod memory;
 #[cfg(test)]
 mod properties;
@@ -280,6 +281,20 @@ pub enum StoreError {
     Redis(#[from] ::redis::RedisError),
     #[error("store answered unexpectedly: {0}")]
     Protocol(String),
+    #[error("circuit breaker open: the store is not tried")]
+    CircuitOpen,
+}
+
+impl StoreError {
+    /// A problem with one key's data (wrong type, corrupt state), not with the store: the
+    /// store answered, so it says nothing about the store's health. The script reports
+    /// these with the error code `RATEWALL` and the key (`lua/decide.lua`).
+    pub fn is_data_error(&self) -> bool {
+        match self {
+            StoreError::Redis(e) => matches!(e.code(), Some("RATEWALL" | "WRONGTYPE")),
+            _ => false,
+        }
+    }
 }
 
 /// Microseconds on a clock the limiter math may trust to never go backwards much.

@@ -1,0 +1,188 @@
+//! What the gateway calls: the configured store behind a circuit breaker, with the
+//! `on_error = "local"` fallback.
+//!
+//! Two kinds of store failure are told apart:
+//! - **outages** (connection refused or dropped, timeouts): after `breaker_failures` of them
+//!   in a row the breaker opens, and for the next `breaker_cooldown` requests stop waiting
+//!   on the store and get `on_error` at once, while a background task probes the store;
+//!   the first answer closes the breaker. Transitions are logged once, not per request.
+//! - **data errors** (a key of the wrong type, a corrupt state someone else wrote): one
+//!   key's problem, not the store's. That request gets `on_error`, the key is logged (at
+//!   most once a second), and the breaker is not moved.
+
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use super::memory::MemoryStore;
+use super::{Check, Decision, MonotonicClock, Store, StoreError};
+use crate::config::OnError;
+
+/// The store's health, as /readyz and the logs tell it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Health {
+    /// The last call answered.
+    Healthy,
+    /// Calls are failing; the breaker is still closed.
+    Failing,
+    /// The breaker is open: calls are not even tried until a probe succeeds.
+    Open,
+}
+
+/// How a request's limits were decided.
+#[derive(Debug)]
+pub enum Answer {
+    /// By the configured store.
+    Store(Vec<Decision>),
+    /// The store failed and `on_error = "local"`: by this process alone.
+    Local(Vec<Decision>),
+    /// The store failed; `on_error` (deny or allow) decides.
+    Failed(StoreError),
+}
+
+pub struct Limiter {
+    store: Store,
+    on_error: OnError,
+    /// In-process limits for `on_error = "local"`: the same rules, this instance's share.
+    local: MemoryStore,
+    threshold: u32,
+    cooldown: Duration,
+    failures: AtomicU32,
+    open: AtomicBool,
+    /// When a data error was last logged (ms since `started`), to log at most once a second.
+    data_logged_ms: AtomicU64,
+    started: Instant,
+}
+
+impl Limiter {
+    pub fn new(
+        store: Store,
+        on_error: OnError,
+        breaker_failures: u32,
+        breaker_cooldown: Duration,
+    ) -> Arc<Limiter> {
+        Arc::new(Limiter {
+            store,
+            on_error,
+            local: MemoryStore::new(Arc::new(MonotonicClock::new())),
+            threshold: breaker_failures.max(1),
+            cooldown: breaker_cooldown,
+            failures: AtomicU32::new(0),
+            open: AtomicBool::new(false),
+            data_logged_ms: AtomicU64::new(0),
+            started: Instant::now(),
+        })
+    }
+
+    pub fn store(&self) -> &Store {
+        &self.store
+    }
+
+    pub fn on_error(&self) -> OnError {
+        self.on_error
+    }
+
+    pub fn health(&self) -> Health {
+        if self.open.load(Relaxed) {
+            Health::Open
+        } else if self.failures.load(Relaxed) > 0 {
+            Health::Failing
+        } else {
+            Health::Healthy
+        }
+    }
+
+    /// Decide one request against every rule in `checks`, all or nothing.
+    pub async fn decide(self: &Arc<Self>, checks: &[Check<'_>]) -> Answer {
+        if self.open.load(Relaxed) {
+            return self.fallback(checks, StoreError::CircuitOpen);
+        }
+        match self.store.decide(checks).await {
+            Ok(d) => {
+                self.succeeded();
+                Answer::Store(d)
+            }
+            Err(e) if e.is_data_error() => {
+                self.log_data_error(&e);
+                self.fallback(checks, e)
+            }
+            Err(e) => {
+                self.failed(&e);
+                self.fallback(checks, e)
+            }
+        }
+    }
+
+    /// Whether the store answers now, without waiting on an open breaker.
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        if self.open.load(Relaxed) {
+            return Err(StoreError::CircuitOpen);
+        }
+        self.store.ping().await
+    }
+
+    /// Drop refilled state from the in-process stores.
+    pub fn sweep(&self) {
+        if let Store::Memory(m) = &self.store {
+            m.sweep();
+        }
+        self.local.sweep();
+    }
+
+    fn fallback(&self, checks: &[Check<'_>], e: StoreError) -> Answer {
+        match self.on_error {
+            OnError::Local => Answer::Local(self.local.decide(checks)),
+            OnError::Deny | OnError::Allow => Answer::Failed(e),
+        }
+    }
+
+    fn succeeded(&self) {
+        if self.failures.swap(0, Relaxed) > 0 {
+            tracing::info!("store answers again; limiting by the store resumed");
+        }
+    }
+
+    fn failed(self: &Arc<Self>, e: &StoreError) {
+        let n = self.failures.fetch_add(1, Relaxed) + 1;
+        if n == 1 {
+            tracing::warn!(error = %e, on_error = self.on_error.name(), "store failing; applying on_error");
+        }
+        if n >= self.threshold && !self.open.swap(true, Relaxed) {
+            tracing::warn!(
+                failures = n,
+                cooldown = ?self.cooldown,
+                "circuit breaker open: not waiting on the store; probing it in the background"
+            );
+            tokio::spawn(Self::probe(self.clone()));
+        }
+    }
+
+    /// While the breaker is open: ping the store every cool-down; close on the first answer.
+    async fn probe(this: Arc<Self>) {
+        loop {
+            tokio::time::sleep(this.cooldown).await;
+            match this.store.ping().await {
+                Ok(()) => {
+                    this.failures.store(0, Relaxed);
+                    this.open.store(false, Relaxed);
+                    tracing::info!("store answers again; circuit breaker closed");
+                    return;
+                }
+                Err(e) => tracing::debug!(error = %e, "store probe failed; breaker stays open"),
+            }
+        }
+    }
+
+    fn log_data_error(&self, e: &StoreError) {
+        let now = self.started.elapsed().as_millis() as u64;
+        let last = self.data_logged_ms.load(Relaxed);
+        if (last == 0 || now >= last + 1_000)
+            && self
+                .data_logged_ms
+                .compare_exchange(last, now.max(1), Relaxed, Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(error = %e, on_error = self.on_error.name(), "store data error; applying on_error to this request");
+        }
+    }
+}
