@@ -137,7 +137,8 @@ pub struct Seen {
 
 /// A real HTTP upstream in this test process. Paths:
 /// `/slow/<ms>` answers after that many ms; `/stream` answers once the request body's first
-/// chunk is in (then reads the rest); anything else answers 200 "ok" after reading the body.
+/// chunk is in (then reads the rest); `/reset` sends its head and part of a declared body,
+/// then fails the connection; anything else answers 200 "ok" after reading the body.
 pub struct Upstream {
     pub addr: SocketAddr,
     pub seen: Arc<Mutex<Vec<Seen>>>,
@@ -195,11 +196,39 @@ impl Drop for Upstream {
     }
 }
 
+/// A body that sends one chunk, then fails: the connection is cut mid-response.
+pub struct ResetBody {
+    sent: bool,
+}
+
+impl hyper::body::Body for ResetBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, std::io::Error>>> {
+        if self.sent {
+            std::task::Poll::Ready(Some(Err(std::io::Error::other(
+                "upstream cut the response",
+            ))))
+        } else {
+            self.sent = true;
+            std::task::Poll::Ready(Some(Ok(hyper::body::Frame::data(Bytes::from_static(
+                b"partial",
+            )))))
+        }
+    }
+}
+
+type UpstreamBody = http_body_util::Either<Full<Bytes>, ResetBody>;
+
 async fn upstream_answer(
     req: Request<Incoming>,
     seen: Arc<Mutex<Vec<Seen>>>,
     first: Arc<tokio::sync::Notify>,
-) -> Response<Full<Bytes>> {
+) -> Response<UpstreamBody> {
     let path = req.uri().path().to_string();
     let headers = req.headers().clone();
     let mut body = req.into_body();
@@ -221,12 +250,21 @@ async fn upstream_answer(
     {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
+    let reset = path == "/reset";
     seen.lock().unwrap().push(Seen {
         path,
         headers,
         body_len,
     });
-    let mut resp = Response::new(Full::new(Bytes::from(format!("ok {body_len}\n"))));
+    if reset {
+        let mut resp = Response::new(http_body_util::Either::Right(ResetBody { sent: false }));
+        resp.headers_mut()
+            .insert("content-length", http::HeaderValue::from_static("1000"));
+        return resp;
+    }
+    let mut resp = Response::new(http_body_util::Either::Left(Full::new(Bytes::from(
+        format!("ok {body_len}\n"),
+    ))));
     resp.headers_mut()
         .insert("x-upstream", http::HeaderValue::from_static("yes"));
     // A hop-by-hop header the gateway must not pass back.
@@ -248,6 +286,10 @@ pub struct Gateway {
     child: Child,
     _dir: tempfile::TempDir,
     pub log: PathBuf,
+    /// The config file the gateway reads (rewrite it, then `signal("HUP")` to reload).
+    pub config: PathBuf,
+    /// The `[server]` table the config starts with; `rewrite_config` keeps it.
+    server: String,
 }
 
 impl Gateway {
@@ -257,13 +299,18 @@ impl Gateway {
     }
 
     pub fn try_start(body: &str) -> Result<Gateway, String> {
+        Self::try_start_with_grace(body, "2s")
+    }
+
+    /// Start with a `shutdown_grace` of `grace`.
+    pub fn try_start_with_grace(body: &str, grace: &str) -> Result<Gateway, String> {
         let dir = tempfile::tempdir().expect("tempdir");
         let (port, admin_port) = (free_port(), free_port());
-        let text = format!(
-            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nshutdown_grace = \"2s\"\n{body}"
+        let server = format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin_port}\"\nshutdown_grace = \"{grace}\"\n"
         );
         let cfg = dir.path().join("limits.toml");
-        std::fs::write(&cfg, text).expect("write config");
+        std::fs::write(&cfg, format!("{server}{body}")).expect("write config");
         let log = dir.path().join("ratewall.log");
         let child = Command::new(env!("CARGO_BIN_EXE_ratewall"))
             .arg("--config")
@@ -279,6 +326,8 @@ impl Gateway {
             child,
             _dir: dir,
             log,
+            config: cfg,
+            server,
         };
         if wait_for_port(port, Duration::from_secs(20)) {
             Ok(g)
@@ -298,6 +347,47 @@ impl Gateway {
 
     pub fn logs(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Replace everything after the `[server]` table with `body` (not yet reloaded).
+    pub fn rewrite_config(&self, body: &str) {
+        std::fs::write(&self.config, format!("{}{body}", self.server)).expect("rewrite config");
+    }
+
+    /// Send a signal by name ("HUP", "TERM", "INT", "KILL") to the gateway process.
+    pub fn signal(&self, name: &str) {
+        let status = Command::new("kill")
+            .arg(format!("-{name}"))
+            .arg(self.child.id().to_string())
+            .status()
+            .expect("run kill");
+        assert!(status.success(), "kill -{name} failed");
+    }
+
+    /// Wait up to `within` for the process to exit; its status, or `None` if it still runs.
+    pub fn wait_exit(&mut self, within: Duration) -> Option<std::process::ExitStatus> {
+        let end = Instant::now() + within;
+        loop {
+            if let Ok(Some(status)) = self.child.try_wait() {
+                return Some(status);
+            }
+            if Instant::now() >= end {
+                return None;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// Wait until the log contains `needle` `count` times (at most `within`).
+    pub fn wait_for_log(&self, needle: &str, count: usize, within: Duration) -> bool {
+        let end = Instant::now() + within;
+        while Instant::now() < end {
+            if self.logs().matches(needle).count() >= count {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        false
     }
 }
 
