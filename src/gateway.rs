@@ -127,6 +127,10 @@ impl Gateway {
     pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
         let live = self.live.load_full();
         let cfg = &*live.config;
+        if let Some(p) = framing_problem(req.headers()) {
+            tracing::debug!(peer = %peer, "ambiguous request framing refused");
+            return problem(p, cfg, &[]);
+        }
         let path = rules::normalize_path(req.uri().path());
         let applied_rules: Vec<&Rule> = cfg
             .rules
@@ -185,6 +189,45 @@ impl Gateway {
         }
         forward(&live, req, peer.ip(), &applied).await
     }
+}
+
+/// Requests a front proxy and its upstream could read differently (request smuggling),
+/// refused before anything else. hyper's HTTP/1 parser already answers 400 to conflicting
+/// `Content-Length`s, `Transfer-Encoding` on HTTP/1.0 and codings that do not end in
+/// `chunked`; and for `Transfer-Encoding` with `Content-Length` it does what RFC 9112 §6.3
+/// asks of an intermediary that forwards such a message: it drops the `Content-Length`,
+/// reads the body as chunked, and closes the connection after the answer, so nothing queued
+/// behind the request is ever read. This refuses what it lets through:
+/// - a `Transfer-Encoding` other than one plain `chunked` (`gzip, chunked`, repeated
+///   lines): the only coding a proxy may pass on without knowing it (RFC 9112 §6.1);
+/// - more than one `Host`: RFC 9112 §3.2 requires a 400.
+fn framing_problem(headers: &HeaderMap) -> Option<Problem> {
+    use http::header::{HOST, TRANSFER_ENCODING};
+    let mut te = headers.get_all(TRANSFER_ENCODING).iter();
+    match (te.next(), te.next()) {
+        (None, _) => {}
+        (Some(_), Some(_)) => {
+            return Some(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "Transfer-Encoding sent more than once",
+            ));
+        }
+        (Some(v), None) => {
+            if !v.as_bytes().trim_ascii().eq_ignore_ascii_case(b"chunked") {
+                return Some(Problem::new(
+                    StatusCode::NOT_IMPLEMENTED,
+                    "only Transfer-Encoding: chunked is supported",
+                ));
+            }
+        }
+    }
+    if headers.get_all(HOST).iter().nth(1).is_some() {
+        return Some(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "more than one Host header",
+        ));
+    }
+    None
 }
 
 /// The identity digest of the request under each rule, in order.
