@@ -19,7 +19,8 @@ use ipnet::IpNet;
 use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
-use crate::limiter::{Algorithm, Quota};
+use crate::limiter::{Algorithm, Quota, QuotaError};
+use toml::Spanned;
 
 /// A configuration file that could not be loaded, with where and why.
 #[derive(Debug, thiserror::Error)]
@@ -196,8 +197,7 @@ impl Rule {
 struct RawConfig {
     server: RawServer,
     upstream: RawUpstream,
-    #[serde(default)]
-    store: RawStore,
+    store: Option<Spanned<RawStore>>,
     #[serde(default)]
     client_ip: RawClientIp,
     #[serde(default)]
@@ -380,7 +380,7 @@ struct RawMatch {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawRule {
-    name: RuleName,
+    name: Spanned<RuleName>,
     #[serde(rename = "match")]
     matcher: Option<RawMatch>,
     key: KeySpec,
@@ -388,21 +388,16 @@ struct RawRule {
     missing_key: MissingKey,
     #[serde(default)]
     algorithm: Algorithm,
-    rate: Rate,
-    burst: Option<NonZeroU64>,
-    #[serde(default = "default_cost")]
-    cost: NonZeroU64,
+    rate: Spanned<Rate>,
+    burst: Option<Spanned<NonZeroU64>>,
+    cost: Option<Spanned<NonZeroU64>>,
+    mode: Option<Spanned<Mode>>,
     #[serde(default)]
-    mode: Mode,
-    #[serde(default)]
-    plans: HashMap<String, toml::Spanned<RawPlanOverride>>,
+    plans: HashMap<String, Spanned<RawPlanOverride>>,
 }
 
 fn default_missing_key() -> MissingKey {
     MissingKey::Reject
-}
-fn default_cost() -> NonZeroU64 {
-    NonZeroU64::MIN
 }
 
 #[derive(Deserialize)]
@@ -709,10 +704,14 @@ impl Config {
             )
         })?;
         let raw: RawConfig = serde_path_to_error::deserialize(de).map_err(|e| {
-            let key = e
+            let key = match e
                 .path()
                 .to_string()
-                .replace(".$__serde_spanned_private_value", "");
+                .replace(".$__serde_spanned_private_value", "")
+            {
+                k if k == "." => "(top level)".to_string(),
+                k => k,
+            };
             let inner = e.into_inner();
             invalid(inner.span(), key, inner.message().trim().to_string())
         })?;
@@ -720,12 +719,16 @@ impl Config {
     }
 
     fn validate(raw: RawConfig) -> Result<Config, (Option<Range<usize>>, String, String)> {
-        let backend = match (raw.store.backend, raw.store.url) {
+        let (store_span, store) = match raw.store {
+            Some(s) => (Some(s.span()), s.into_inner()),
+            None => (None, RawStore::default()),
+        };
+        let backend = match (store.backend, store.url) {
             (RawBackend::Memory, _) => Backend::Memory,
             (RawBackend::Redis, Some(url)) => Backend::Redis { url: url.0 },
             (RawBackend::Redis, None) => {
                 return Err((
-                    None,
+                    store_span,
                     "store.url".into(),
                     "backend = \"redis\" needs url = \"redis://host:port\"".into(),
                 ))
@@ -736,42 +739,59 @@ impl Config {
         let mut names = HashSet::new();
         let mut rules = Vec::with_capacity(raw.rules.len());
         for (i, spanned) in raw.rules.iter().enumerate() {
-            let span = Some(spanned.span());
             let r = spanned.get_ref();
             let at = |key: &str| format!("rules[{i}].{key}");
-            if !names.insert(r.name.0.as_str()) {
+            let name = r.name.get_ref().0.as_str();
+            if !names.insert(name) {
                 return Err((
-                    span.clone(),
+                    Some(r.name.span()),
                     at("name"),
-                    format!("duplicate rule name {:?}", r.name.0),
+                    format!("duplicate rule name {name:?}"),
                 ));
             }
-            if r.mode == Mode::Shadow {
+            if let Some(mode) = r.mode.as_ref().filter(|m| *m.get_ref() == Mode::Shadow) {
                 return Err((
-                    span.clone(),
+                    Some(mode.span()),
                     at("mode"),
                     "mode = \"shadow\" is not supported yet; use \"enforce\"".into(),
                 ));
             }
-            let quota = Quota::new(r.algorithm, r.rate, r.burst, r.cost)
-                .map_err(|m| (span.clone(), at("rate"), m))?;
+            let burst = r.burst.as_ref().map(|b| *b.get_ref());
+            let cost = r.cost.as_ref().map_or(NonZeroU64::MIN, |c| *c.get_ref());
+            // Blame the setting the quota names, where the file has it.
+            let blame = |e: QuotaError| {
+                let span = match e.field {
+                    crate::limiter::QuotaField::Burst => r.burst.as_ref().map(Spanned::span),
+                    crate::limiter::QuotaField::Cost => r.cost.as_ref().map(Spanned::span),
+                    crate::limiter::QuotaField::Rate => None,
+                };
+                (span.or(Some(r.rate.span())), at(e.field.name()), e.message)
+            };
+            let quota = Quota::new(r.algorithm, *r.rate.get_ref(), burst, cost).map_err(blame)?;
             let mut plans = HashMap::new();
             for (plan, o) in &r.plans {
+                let key = at(&format!("plans.{plan}"));
                 if !plan_names.contains(plan.as_str()) {
                     return Err((
                         Some(o.span()),
-                        at(&format!("plans.{plan}")),
+                        key,
                         format!("plan {plan:?} is not given to any key in [keys.plans]"),
                     ));
                 }
-                let o = o.get_ref();
+                let over = o.get_ref();
                 let q = Quota::new(
                     r.algorithm,
-                    o.rate.unwrap_or(r.rate),
-                    o.burst.or(r.burst),
-                    r.cost,
+                    over.rate.unwrap_or(*r.rate.get_ref()),
+                    over.burst.or(burst),
+                    cost,
                 )
-                .map_err(|m| (span.clone(), at(&format!("plans.{plan}")), m))?;
+                .map_err(|e| {
+                    (
+                        Some(o.span()),
+                        format!("{key}.{}", e.field.name()),
+                        e.message,
+                    )
+                })?;
                 plans.insert(plan.clone(), q);
             }
             let matcher = r
@@ -789,7 +809,7 @@ impl Config {
                 KeySpec::Header(h) => KeyKind::Header(h.clone()),
             };
             rules.push(Rule {
-                name: r.name.0.clone(),
+                name: name.to_string(),
                 matcher,
                 key,
                 missing_key: r.missing_key,
@@ -812,11 +832,11 @@ impl Config {
             },
             store: Store {
                 backend,
-                prefix: raw.store.prefix.0,
-                timeout: raw.store.timeout.0,
-                on_error: raw.store.on_error,
-                breaker_failures: raw.store.breaker_failures.get(),
-                breaker_cooldown: raw.store.breaker_cooldown.0,
+                prefix: store.prefix.0,
+                timeout: store.timeout.0,
+                on_error: store.on_error,
+                breaker_failures: store.breaker_failures.get(),
+                breaker_cooldown: store.breaker_cooldown.0,
             },
             client_ip: ClientIp {
                 trusted_proxies: raw
@@ -1047,8 +1067,8 @@ url = "http://127.0.0.1:3000"
         let (_, _, key, message) = err(
             "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"10/s\"\nburst = 2\ncost = 3\n",
         );
-        assert_eq!(key, "rules[0].rate");
-        assert!(message.contains("cost"), "{message}");
+        assert_eq!(key, "rules[0].cost");
+        assert!(message.contains("cost 3 is more than burst 2"), "{message}");
     }
 
     #[test]
@@ -1057,7 +1077,7 @@ url = "http://127.0.0.1:3000"
             "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\n[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\n",
         );
         assert_eq!(key, "rules[1].name");
-        assert_eq!(line, 10, "the second [[rules]] table");
+        assert_eq!(line, 11, "the second rule's name");
     }
 
     #[test]

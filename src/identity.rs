@@ -390,4 +390,107 @@ mod tests {
         let d = digest_api_key(b"secret-key").hex();
         assert!(!d.contains("secret"));
     }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// Bytes a header value may hold: visible ASCII, space, tab, obs-text.
+        fn header_bytes() -> impl Strategy<Value = Vec<u8>> {
+            prop::collection::vec(
+                prop_oneof![
+                    0x20u8..0x7f,
+                    Just(b'\t'),
+                    0x80u8..=0xff,
+                    Just(b','),
+                    Just(b':'),
+                    Just(b'['),
+                    Just(b']'),
+                    Just(b';'),
+                    Just(b'=')
+                ],
+                0..80,
+            )
+        }
+
+        /// One forwarding entry: a client address, a trusted proxy, or something else.
+        fn entry() -> impl Strategy<Value = String> {
+            prop_oneof![
+                (1u8..=223, any::<u8>(), any::<u8>(), 1u8..=254)
+                    .prop_map(|(a, b, c, d)| format!("{a}.{b}.{c}.{d}")),
+                any::<u8>().prop_map(|d| format!("10.0.0.{d}")),
+                (any::<u16>(), 1u16..9999).prop_map(|(x, p)| format!("[2001:db8::{x:x}]:{p}")),
+                Just("unknown".to_string()),
+                "[a-z_ :.\\[\\]0-9]{0,12}",
+            ]
+        }
+
+        fn value(h: &HeaderMap, name: &str) -> Vec<IpAddr> {
+            h.get_all(name)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .flat_map(|v| v.split(|c| c == ',' || c == ';' || c == '"' || c == '='))
+                .filter_map(parse_node)
+                .collect()
+        }
+
+        proptest! {
+            #![proptest_config(ProptestConfig::with_cases(2_000))]
+
+            /// Whatever bytes arrive, the answer is the peer or an address written in the
+            /// header; from an untrusted peer it is always the peer.
+            #[test]
+            fn any_forwarding_header_yields_the_peer_or_a_listed_address(
+                lines in prop::collection::vec(header_bytes(), 0..4),
+                kind in prop_oneof![Just(ForwardingHeader::XForwardedFor), Just(ForwardingHeader::Forwarded), Just(ForwardingHeader::XRealIp)],
+                trusted_peer in any::<bool>(),
+            ) {
+                let name = match kind {
+                    ForwardingHeader::XForwardedFor => "x-forwarded-for",
+                    ForwardingHeader::Forwarded => "forwarded",
+                    ForwardingHeader::XRealIp => "x-real-ip",
+                };
+                let lines: Vec<&[u8]> = lines.iter().map(Vec::as_slice).collect();
+                let h = headers(name, &lines);
+                let peer = if trusted_peer { ip("127.0.0.1") } else { ip("203.0.113.5") };
+                let got = client_ip(peer, &h, &cfg(kind));
+                if !trusted_peer {
+                    prop_assert_eq!(got, peer);
+                } else {
+                    prop_assert!(got == peer || value(&h, name).contains(&got), "{} is neither the peer nor listed", got);
+                }
+            }
+
+            /// What a client writes to the left of the first untrusted (or unreadable) hop
+            /// never changes its identity: no spoofing by prepending.
+            #[test]
+            fn prepended_entries_never_change_the_client(
+                prefix in prop::collection::vec(entry(), 1..5),
+                tail in prop::collection::vec(entry(), 1..6),
+            ) {
+                let untrusted_or_bad = tail.iter().any(|e| match parse_node(e) {
+                    Some(a) => !is_trusted(a, &cfg(ForwardingHeader::XForwardedFor).trusted_proxies),
+                    None => true,
+                });
+                prop_assume!(untrusted_or_bad);
+                let c = cfg(ForwardingHeader::XForwardedFor);
+                let alone = tail.join(", ");
+                let spoofed = format!("{}, {}", prefix.join(", "), alone);
+                let a = client_ip(ip("127.0.0.1"), &headers("x-forwarded-for", &[alone.as_bytes()]), &c);
+                let b = client_ip(ip("127.0.0.1"), &headers("x-forwarded-for", &[spoofed.as_bytes()]), &c);
+                prop_assert_eq!(a, b, "{:?} vs {:?}", alone, spoofed);
+            }
+
+            /// Any key header bytes: a clean answer, never a panic; accepted keys are bounded.
+            #[test]
+            fn any_key_header_is_handled(lines in prop::collection::vec(prop::collection::vec(prop_oneof![0x20u8..0x7f, 0x80u8..=0xff], 0..1100), 0..3)) {
+                let lines: Vec<&[u8]> = lines.iter().map(Vec::as_slice).collect();
+                let h = headers("x-api-key", &lines);
+                if let Ok(Some(k)) = api_key(&h, &HeaderName::from_static("x-api-key")) {
+                    prop_assert!(!k.is_empty() && k.len() <= MAX_KEY_LEN);
+                    prop_assert_eq!(lines.len(), 1);
+                }
+            }
+        }
+    }
 }

@@ -86,25 +86,59 @@ pub struct Quota {
     pub per_us: u64,
 }
 
+/// Why a quota cannot be, and which of its settings to blame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct QuotaError {
+    pub field: QuotaField,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuotaField {
+    Rate,
+    Burst,
+    Cost,
+}
+
+impl QuotaField {
+    pub fn name(self) -> &'static str {
+        match self {
+            QuotaField::Rate => "rate",
+            QuotaField::Burst => "burst",
+            QuotaField::Cost => "cost",
+        }
+    }
+}
+
 impl Quota {
     pub fn new(
         algorithm: Algorithm,
         rate: Rate,
         burst: Option<NonZeroU64>,
         cost: NonZeroU64,
-    ) -> Result<Quota, String> {
+    ) -> Result<Quota, QuotaError> {
+        let fail = |field, message| QuotaError { field, message };
         let cost = cost.get();
         let period_us = u64::try_from(rate.period.as_micros())
             .ok()
             .filter(|&p| p <= MAX_LEVEL)
-            .ok_or_else(|| format!("rate {rate}: the period is too long"))?;
+            .ok_or_else(|| {
+                fail(
+                    QuotaField::Rate,
+                    format!("rate {rate}: the period is too long"),
+                )
+            })?;
         let burst = if algorithm.has_burst() {
             burst.map_or(rate.count, NonZeroU64::get)
         } else if let Some(b) = burst {
-            return Err(format!(
-                "burst = {b} does not apply to {}: a window admits the rate's N ({}) per window",
-                algorithm.name(),
-                rate.count
+            return Err(fail(
+                QuotaField::Burst,
+                format!(
+                    "burst = {b} does not apply to {}: a window admits the rate's N ({}) per window",
+                    algorithm.name(),
+                    rate.count
+                ),
             ));
         } else {
             rate.count
@@ -115,8 +149,9 @@ impl Quota {
             } else {
                 "the rate's N"
             };
-            return Err(format!(
-                "cost {cost} is more than {what} {burst}: no request could ever pass"
+            return Err(fail(
+                QuotaField::Cost,
+                format!("cost {cost} is more than {what} {burst}: no request could ever pass"),
             ));
         }
         let g = gcd(rate.count, period_us);
@@ -132,8 +167,16 @@ impl Quota {
             Algorithm::FixedWindow => Some(rate.count),
         };
         if largest.is_none_or(|v| v > MAX_LEVEL) {
-            return Err(format!(
-                "rate {rate} with burst {burst} needs more precision than Redis' Lua numbers hold (2^52); lower the burst or use a rounder rate"
+            let field = if algorithm.has_burst() {
+                QuotaField::Burst
+            } else {
+                QuotaField::Rate
+            };
+            return Err(fail(
+                field,
+                format!(
+                    "rate {rate} with burst {burst} needs more precision than Redis' Lua numbers hold (2^52); lower the burst or use a rounder rate"
+                ),
             ));
         }
         Ok(Quota {
@@ -438,7 +481,10 @@ pub(crate) mod tests {
             NonZeroU64::new(3),
             NonZeroU64::MIN,
         );
-        assert!(burst_on_window.unwrap_err().contains("does not apply"));
+        assert!(burst_on_window
+            .unwrap_err()
+            .message
+            .contains("does not apply"));
         // 2^52 / 86_400_000_000 µs is about 52_000 per day for a sliding window.
         assert!(Quota::new(
             Algorithm::SlidingWindow,
