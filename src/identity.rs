@@ -429,7 +429,7 @@ mod tests {
             h.get_all(name)
                 .iter()
                 .filter_map(|v| v.to_str().ok())
-                .flat_map(|v| v.split(|c| c == ',' || c == ';' || c == '"' || c == '='))
+                .flat_map(|v| v.split([',', ';', '"', '=']))
                 .filter_map(parse_node)
                 .collect()
         }
