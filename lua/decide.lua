@@ -1,12 +1,15 @@
 -- Decide one request against every key: read all, judge all, then write all or none.
+-- ARGV[2] = "peek" only looks: nothing is written and the answers are what a request
+-- would be told now without being charged (the admin API's inspect).
 -- A key that cannot be read as a state (wrong type, corrupt) fails the call with the error
 -- code RATEWALL and the key's name: one key's problem, which the gateway tells apart from
 -- the store being down.
+local peek = ARGV[2] == 'peek'
 local n = #KEYS
 local results = {}
 local all = true
 for i = 1, n do
-  local a = 2 + 5 * (i - 1)
+  local a = 3 + 5 * (i - 1)
   local algorithm = ALGORITHMS[tonumber(ARGV[a])]
   if not algorithm then
     return redis.error_reply('RATEWALL unknown algorithm ' .. tostring(ARGV[a]))
@@ -30,7 +33,7 @@ local out = {}
 for i = 1, n do
   local r = results[i]
   local d = r.uncharged
-  if all then
+  if all and not peek then
     redis.call('SET', KEYS[i], r.value, 'PX', cdiv(r.ttl, 1000))
     d = r.charged
   end

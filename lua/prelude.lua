@@ -7,7 +7,8 @@
 --
 -- KEYS[i]  one rule's state for one identity: "<prefix>:{<identity-hash>}:<rule>"
 -- ARGV[1]  now in microseconds, or "" to read Redis TIME (production always does)
--- ARGV[2 + 5(i-1) ..] for KEYS[i]: algorithm code, then four parameters (see each file)
+-- ARGV[2]  "peek" to only look (write nothing), or ""
+-- ARGV[3 + 5(i-1) ..] for KEYS[i]: algorithm code, then four parameters (see each file)
 -- Returns 4 integers per key: allowed (1/0), remaining, retry-after µs, reset µs.
 --
 -- Lua 5.1 numbers are doubles: the gateway keeps every value below 2^52 at load, so all

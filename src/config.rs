@@ -45,6 +45,7 @@ pub enum ConfigError {
 #[derive(Debug)]
 pub struct Config {
     pub server: Server,
+    pub admin: Admin,
     pub upstream: Upstream,
     pub store: Store,
     pub client_ip: ClientIp,
@@ -58,6 +59,22 @@ pub struct Server {
     pub listen: SocketAddr,
     pub admin_listen: Option<SocketAddr>,
     pub shutdown_grace: Duration,
+}
+
+/// The admin API's protection.
+pub struct Admin {
+    /// Bearer token for mutating admin calls (reset). From `[admin].token`, or the
+    /// `RATEWALL_ADMIN_TOKEN` environment variable, which wins. None: mutating calls are off.
+    pub token: Option<String>,
+}
+
+impl fmt::Debug for Admin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never print the token.
+        f.debug_struct("Admin")
+            .field("token", &self.token.as_ref().map(|_| "<set>"))
+            .finish()
+    }
 }
 
 #[derive(Debug, PartialEq)]
@@ -182,6 +199,29 @@ pub struct Rule {
     pub plans: HashMap<String, Quota>,
 }
 
+impl Match {
+    /// `GET|POST /api/*`, or `every request`.
+    pub fn describe(&self) -> String {
+        if self.path_prefix.is_none() && self.methods.is_empty() {
+            return "every request".to_string();
+        }
+        let mut s = String::new();
+        if !self.methods.is_empty() {
+            let m: Vec<&str> = self.methods.iter().map(|m| m.as_str()).collect();
+            s.push_str(&m.join("|"));
+            s.push(' ');
+        }
+        match &self.path_prefix {
+            Some(p) => {
+                s.push_str(p);
+                s.push('*');
+            }
+            None => s.push_str("any path"),
+        }
+        s
+    }
+}
+
 impl Rule {
     /// The quota that applies to a request whose API key maps to `plan`.
     pub fn quota_for(&self, plan: Option<&str>) -> &Quota {
@@ -196,6 +236,8 @@ impl Rule {
 #[serde(deny_unknown_fields)]
 struct RawConfig {
     server: RawServer,
+    #[serde(default)]
+    admin: RawAdmin,
     upstream: RawUpstream,
     store: Option<Spanned<RawStore>>,
     #[serde(default)]
@@ -219,6 +261,27 @@ struct RawServer {
 
 fn default_grace() -> HumanDuration {
     HumanDuration(Duration::from_secs(10))
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct RawAdmin {
+    token: Option<AdminToken>,
+}
+
+/// An admin token: long enough not to be guessed.
+struct AdminToken(String);
+
+impl<'de> Deserialize<'de> for AdminToken {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if s.len() < 16 || s.bytes().any(|b| !b.is_ascii_graphic()) {
+            return Err(de::Error::custom(
+                "an admin token is at least 16 printable characters without spaces",
+            ));
+        }
+        Ok(AdminToken(s))
+    }
 }
 
 #[derive(Deserialize)]
@@ -818,7 +881,12 @@ impl Config {
             });
         }
 
+        let token = std::env::var("RATEWALL_ADMIN_TOKEN")
+            .ok()
+            .filter(|t| !t.is_empty())
+            .or(raw.admin.token.map(|t| t.0));
         Ok(Config {
+            admin: Admin { token },
             server: Server {
                 listen: raw.server.listen,
                 admin_listen: raw.server.admin_listen,
@@ -894,22 +962,7 @@ impl Config {
         );
         let _ = writeln!(out, "rules         {}", self.rules.len());
         for r in &self.rules {
-            let when = match (&r.matcher.path_prefix, r.matcher.methods.is_empty()) {
-                (None, true) => "every request".to_string(),
-                (p, _) => {
-                    let mut s = String::new();
-                    if !r.matcher.methods.is_empty() {
-                        let m: Vec<&str> = r.matcher.methods.iter().map(|m| m.as_str()).collect();
-                        s.push_str(&m.join("|"));
-                        s.push(' ');
-                    }
-                    s.push_str(p.as_deref().unwrap_or("/"));
-                    if p.is_some() {
-                        s.push('*');
-                    }
-                    s
-                }
-            };
+            let when = r.matcher.describe();
             let key = match &r.key {
                 KeyKind::ApiKey => match r.missing_key {
                     MissingKey::Reject => "api_key (missing: 401)".to_string(),

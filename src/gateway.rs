@@ -4,6 +4,7 @@
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
@@ -20,6 +21,10 @@ use crate::limiter::guard::{Answer, Limiter};
 use crate::limiter::memory::MemoryStore;
 use crate::limiter::redis::RedisStore;
 use crate::limiter::{Check, IdentityDigest, MonotonicClock, Store, StoreError};
+use crate::metrics::{
+    status_class, ClassLabels, InFlight, Limited, Metrics, ReloadLabels, ReloadResult,
+    ResponseLabels, Verdict,
+};
 use crate::proxy::{Proxy, ProxyError};
 use crate::rules;
 
@@ -37,7 +42,11 @@ pub struct Live {
 impl Live {
     /// Build what `config` needs, reusing `old`'s store and upstream pool where the
     /// config did not change them: limit state and pooled connections survive a reload.
-    pub fn build(config: Config, old: Option<&Live>) -> Result<Live, StoreError> {
+    pub fn build(
+        config: Config,
+        old: Option<&Live>,
+        metrics: &Arc<Metrics>,
+    ) -> Result<Live, StoreError> {
         let limiter = match old {
             Some(o) if o.config.store == config.store => o.limiter.clone(),
             _ => {
@@ -52,7 +61,13 @@ impl Live {
                     )?),
                 };
                 let s = &config.store;
-                Limiter::new(store, s.on_error, s.breaker_failures, s.breaker_cooldown)
+                Limiter::new(
+                    store,
+                    s.on_error,
+                    s.breaker_failures,
+                    s.breaker_cooldown,
+                    metrics.clone(),
+                )
             }
         };
         let proxy = match old {
@@ -81,6 +96,7 @@ pub struct Gateway {
     live: ArcSwap<Live>,
     /// The file SIGHUP re-reads.
     config_path: Option<PathBuf>,
+    metrics: Arc<Metrics>,
 }
 
 /// Why a request was answered before any limit was consulted.
@@ -90,11 +106,33 @@ enum Refusal {
     Malformed(KeyError),
 }
 
+/// How a request was answered, for the access log and the metrics.
+struct Note<'a> {
+    /// The rule that decided: the one that denied, or the one closest to denying.
+    rule: Option<&'a str>,
+    decision: &'static str,
+    identity: Option<IdentityDigest>,
+    /// Whether the upstream answered (rather than the gateway).
+    upstream: bool,
+}
+
+impl Note<'_> {
+    fn gateway(decision: &'static str) -> Self {
+        Note {
+            rule: None,
+            decision,
+            identity: None,
+            upstream: false,
+        }
+    }
+}
+
 impl Gateway {
-    pub fn new(live: Live, config_path: Option<PathBuf>) -> Gateway {
+    pub fn new(live: Live, config_path: Option<PathBuf>, metrics: Arc<Metrics>) -> Gateway {
         Gateway {
             live: ArcSwap::from_pointee(live),
             config_path,
+            metrics,
         }
     }
 
@@ -103,9 +141,27 @@ impl Gateway {
         self.live.load_full()
     }
 
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
     /// Re-read the config file; on success new requests run on it, on failure nothing
     /// changes. Requests in flight finish on the configuration they started with.
     pub fn reload(&self) -> Result<(), ReloadError> {
+        let result = self.try_reload();
+        let outcome = if result.is_ok() {
+            ReloadResult::Ok
+        } else {
+            ReloadResult::Rejected
+        };
+        self.metrics
+            .reloads
+            .get_or_create(&ReloadLabels { result: outcome })
+            .inc();
+        result
+    }
+
+    fn try_reload(&self) -> Result<(), ReloadError> {
         let path = self.config_path.as_ref().ok_or(ReloadError::NoFile)?;
         let config = Config::load(path)?;
         let old = self.live.load_full();
@@ -119,17 +175,55 @@ impl Gateway {
         if config.store != old.config.store {
             tracing::warn!("[store] changed: limits start from a fresh store");
         }
-        let live = Live::build(config, Some(&old))?;
+        let live = Live::build(config, Some(&old), &self.metrics)?;
         self.live.store(Arc::new(live));
         Ok(())
     }
 
     pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+        let _in_flight = InFlight::new(&self.metrics.in_flight);
+        let started = Instant::now();
         let live = self.live.load_full();
+        let logged = tracing::enabled!(target: "ratewall::access", tracing::Level::INFO);
+        // Only what the access log needs, and only when it is on. Never the query string:
+        // it may hold secrets.
+        let line = logged.then(|| (req.method().clone(), req.uri().path().to_string()));
+        let (resp, note) = self.serve(&live, req, peer).await;
+        let status = resp.status().as_u16();
+        let source = if note.upstream { "upstream" } else { "gateway" };
+        self.metrics
+            .responses
+            .get_or_create(&ResponseLabels {
+                class: status_class(status),
+                source,
+            })
+            .inc();
+        if let Some((method, path)) = line {
+            let id = note.identity.map(|d| d.hex()[..8].to_string());
+            tracing::info!(
+                target: "ratewall::access",
+                method = %method,
+                path = %path,
+                status,
+                rule = note.rule.unwrap_or("-"),
+                decision = note.decision,
+                id = id.as_deref().unwrap_or("-"),
+                latency_us = started.elapsed().as_micros() as u64,
+            );
+        }
+        resp
+    }
+
+    async fn serve<'a>(
+        &self,
+        live: &'a Live,
+        req: Request<Incoming>,
+        peer: SocketAddr,
+    ) -> (Response<Body>, Note<'a>) {
         let cfg = &*live.config;
         if let Some(p) = framing_problem(req.headers()) {
             tracing::debug!(peer = %peer, "ambiguous request framing refused");
-            return problem(p, cfg, &[]);
+            return (problem(p, cfg, &[]), Note::gateway("bad_request"));
         }
         let path = rules::normalize_path(req.uri().path());
         let applied_rules: Vec<&Rule> = cfg
@@ -138,12 +232,20 @@ impl Gateway {
             .filter(|r| rules::applies(r, req.method(), &path))
             .collect();
         if applied_rules.is_empty() {
-            return forward(&live, req, peer.ip(), &[]).await;
+            return self
+                .forward(live, req, peer.ip(), &[], Note::gateway("unlimited"))
+                .await;
         }
 
         let identities = match identify(cfg, &applied_rules, req.headers(), peer.ip()) {
             Ok(ids) => ids,
-            Err(refusal) => return refuse(refusal, cfg),
+            Err(refusal) => {
+                let decision = match refusal {
+                    Refusal::Malformed(_) => "bad_key",
+                    Refusal::Missing(_) | Refusal::Unknown => "unauthorized",
+                };
+                return (refuse(refusal, cfg), Note::gateway(decision));
+            }
         };
         let plan = plan(cfg, req.headers());
         let checks: Vec<Check<'_>> = applied_rules
@@ -159,17 +261,24 @@ impl Gateway {
         let decisions = match live.limiter.decide(&checks).await {
             Answer::Store(d) | Answer::Local(d) => d,
             Answer::Failed(_) => {
+                for c in &checks {
+                    self.metrics.rule(c.rule, Verdict::Error);
+                }
+                let note = Note {
+                    rule: applied_rules.first().map(|r| r.name.as_str()),
+                    decision: "store_error",
+                    identity: identities.first().copied(),
+                    upstream: false,
+                };
                 return match cfg.store.on_error {
-                    OnError::Allow => forward(&live, req, peer.ip(), &[]).await,
-                    OnError::Deny | OnError::Local => problem(
-                        Problem::new(
+                    OnError::Allow => self.forward(live, req, peer.ip(), &[], note).await,
+                    OnError::Deny | OnError::Local => {
+                        let p = Problem::new(
                             StatusCode::SERVICE_UNAVAILABLE,
                             "the rate-limit store is unavailable",
-                        )
-                        .with_retry_after(1),
-                        cfg,
-                        &[],
-                    ),
+                        );
+                        (problem(p.with_retry_after(1), cfg, &[]), note)
+                    }
                 };
             }
         };
@@ -183,11 +292,121 @@ impl Gateway {
                 decision,
             })
             .collect();
-        if applied.iter().any(|a| !a.decision.allowed) {
-            tracing::debug!(path = %path, "denied");
-            return problem(Problem::too_many_requests(&applied), cfg, &applied);
+        for a in &applied {
+            let verdict = if a.decision.allowed {
+                Verdict::Allowed
+            } else {
+                Verdict::Denied
+            };
+            self.metrics.rule(a.rule, verdict);
         }
-        forward(&live, req, peer.ip(), &applied).await
+        let denied = applied.iter().position(|a| !a.decision.allowed);
+        self.metrics.stats.record(denied.is_none());
+        if let Some(i) = denied {
+            self.metrics.stats.limited(Limited {
+                id: identities[i].hex()[..8].to_string(),
+                hint: hint(cfg, applied_rules[i], req.headers(), peer.ip()),
+                rule: applied_rules[i].name.clone(),
+            });
+            let note = Note {
+                rule: Some(applied_rules[i].name.as_str()),
+                decision: "denied",
+                identity: Some(identities[i]),
+                upstream: false,
+            };
+            return (
+                problem(Problem::too_many_requests(&applied), cfg, &applied),
+                note,
+            );
+        }
+        // The rule closest to denying speaks for the request.
+        let closest = (0..applied.len())
+            .min_by_key(|&i| applied[i].decision.remaining)
+            .unwrap_or(0);
+        let note = Note {
+            rule: applied_rules.get(closest).map(|r| r.name.as_str()),
+            decision: "allowed",
+            identity: identities.get(closest).copied(),
+            upstream: false,
+        };
+        self.forward(live, req, peer.ip(), &applied, note).await
+    }
+
+    async fn forward<'a>(
+        &self,
+        live: &Live,
+        req: Request<Incoming>,
+        peer: IpAddr,
+        applied: &[Applied<'_>],
+        mut note: Note<'a>,
+    ) -> (Response<Body>, Note<'a>) {
+        let started = Instant::now();
+        let result = live.proxy.forward(req, peer).await;
+        self.metrics
+            .upstream_duration
+            .observe(started.elapsed().as_secs_f64());
+        let class = match &result {
+            Ok(resp) => status_class(resp.status().as_u16()),
+            Err(_) => "error",
+        };
+        self.metrics
+            .upstream_responses
+            .get_or_create(&ClassLabels { class })
+            .inc();
+        match result {
+            Ok(resp) => {
+                let mut resp = resp.map(Either::Left);
+                headers::add_ratelimit(resp.headers_mut(), live.config.response, applied);
+                note.upstream = true;
+                (resp, note)
+            }
+            Err(e) => {
+                let status = match e {
+                    ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
+                    ProxyError::Unreachable(_) | ProxyError::Failed(_) => StatusCode::BAD_GATEWAY,
+                };
+                tracing::warn!(error = %e, status = status.as_u16(), "upstream failed");
+                let detail = match status {
+                    StatusCode::GATEWAY_TIMEOUT => "the upstream did not answer in time",
+                    _ => "the upstream could not be reached",
+                };
+                (
+                    problem(Problem::new(status, detail), &live.config, applied),
+                    note,
+                )
+            }
+        }
+    }
+}
+
+/// What an operator may see of a limited identity: enough to recognise it, never a whole
+/// API key. Keys show their last 4 characters when they are long enough to keep the rest
+/// secret; addresses show their network (/24, /48).
+fn hint(cfg: &Config, rule: &Rule, headers: &HeaderMap, peer: IpAddr) -> String {
+    let ip_hint = |ip: IpAddr| match ip {
+        IpAddr::V4(v4) => {
+            let o = v4.octets();
+            format!("ip {}.{}.{}.x", o[0], o[1], o[2])
+        }
+        IpAddr::V6(v6) => {
+            let s = v6.segments();
+            format!("ip {:x}:{:x}:{:x}::/48", s[0], s[1], s[2])
+        }
+    };
+    let client_ip = || identity::client_ip(peer, headers, &cfg.client_ip);
+    let (name, label) = match &rule.key {
+        KeyKind::Global => return "everyone".to_string(),
+        KeyKind::ClientIp => return ip_hint(client_ip()),
+        KeyKind::ApiKey => (&cfg.keys.header, "key"),
+        KeyKind::Header(h) => (h, "header"),
+    };
+    match identity::api_key(headers, name) {
+        Ok(Some(v)) if v.len() >= 12 => {
+            let tail = String::from_utf8_lossy(&v[v.len() - 4..]).into_owned();
+            format!("{label} …{tail}")
+        }
+        Ok(Some(v)) => format!("{label} ({} bytes)", v.len()),
+        _ => ip_hint(client_ip()),
     }
 }
 
@@ -282,33 +501,6 @@ fn plan<'c>(cfg: &'c Config, headers: &HeaderMap) -> Option<&'c str> {
     }
     let key = identity::api_key(headers, &keys.header).ok().flatten()?;
     keys.plans.get(key).map(String::as_str)
-}
-
-async fn forward(
-    live: &Live,
-    req: Request<Incoming>,
-    peer: IpAddr,
-    applied: &[Applied<'_>],
-) -> Response<Body> {
-    match live.proxy.forward(req, peer).await {
-        Ok(resp) => {
-            let mut resp = resp.map(Either::Left);
-            headers::add_ratelimit(resp.headers_mut(), live.config.response, applied);
-            resp
-        }
-        Err(e) => {
-            let status = match e {
-                ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
-                ProxyError::Unreachable(_) | ProxyError::Failed(_) => StatusCode::BAD_GATEWAY,
-            };
-            tracing::warn!(error = %e, status = status.as_u16(), "upstream failed");
-            let detail = match status {
-                StatusCode::GATEWAY_TIMEOUT => "the upstream did not answer in time",
-                _ => "the upstream could not be reached",
-            };
-            problem(Problem::new(status, detail), &live.config, applied)
-        }
-    }
 }
 
 fn refuse(refusal: Refusal, cfg: &Config) -> Response<Body> {

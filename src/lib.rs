@@ -9,7 +9,9 @@
 //!
 //! A request travels one way, and the modules follow it:
 //!
-//! - [`server`]: accept loop, admin listener, graceful shutdown.
+//! - [`server`]: accept loop, graceful shutdown, SIGHUP reload.
+//! - [`admin`]: the admin listener: metrics, health, the admin API, the status page.
+//! - [`metrics`]: Prometheus metrics and the in-process stats the status page shows.
 //! - [`gateway`]: one request: identify -> match rules -> limit -> answer or forward.
 //! - [`identity`]: peer + trusted proxies + headers -> an identity digest (pure).
 //! - [`rules`]: request parts -> the rules that apply (pure).
@@ -19,11 +21,13 @@
 //! - [`proxy`]: the pooled upstream client, hop-by-hop stripping, `X-Forwarded-*`.
 //! - [`config`]: the TOML file -> validated, immutable [`config::Config`].
 
+pub mod admin;
 pub mod config;
 pub mod gateway;
 pub mod headers;
 pub mod identity;
 pub mod limiter;
+pub mod metrics;
 pub mod proxy;
 pub mod rules;
 pub mod server;

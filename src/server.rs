@@ -1,14 +1,12 @@
-//! Listeners: the gateway's accept loop, the admin listener, background upkeep, and
-//! graceful shutdown on SIGTERM/SIGINT.
+//! Listeners: the gateway's accept loop, background upkeep, SIGHUP reload, and graceful
+//! shutdown on SIGTERM/SIGINT. The admin listener is [`crate::admin`].
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
-use bytes::Bytes;
-use http::{Request, Response, StatusCode};
-use http_body_util::Full;
+use http::Request;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
@@ -16,9 +14,8 @@ use hyper_util::server::conn::auto;
 use hyper_util::server::graceful::GracefulShutdown;
 use tokio::net::TcpListener;
 
-use crate::config::{Config, OnError};
+use crate::config::Config;
 use crate::gateway::{Gateway, Live};
-use crate::limiter::guard::Health;
 
 /// How often the memory store drops buckets that have refilled.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
@@ -40,14 +37,15 @@ pub async fn run(
     config: Config,
     config_path: Option<std::path::PathBuf>,
 ) -> Result<(), StartError> {
-    let live = Live::build(config, None)?;
+    let metrics = Arc::new(crate::metrics::Metrics::new());
+    let live = Live::build(config, None, &metrics)?;
     let config = live.config.clone();
     let listener = bind(config.server.listen).await?;
     let admin = match config.server.admin_listen {
         Some(addr) => Some(bind(addr).await?),
         None => None,
     };
-    let gateway = Arc::new(Gateway::new(live, config_path));
+    let gateway = Arc::new(Gateway::new(live, config_path, metrics));
     tracing::info!(
         listen = %config.server.listen,
         admin = ?config.server.admin_listen,
@@ -58,7 +56,7 @@ pub async fn run(
 
     let upkeep = tokio::spawn(upkeep(gateway.clone()));
     let reloads = tokio::spawn(reload_on_sighup(gateway.clone()));
-    let admin_task = admin.map(|l| tokio::spawn(serve_admin(l, gateway.clone())));
+    let admin_task = admin.map(|l| tokio::spawn(crate::admin::serve(l, gateway.clone())));
 
     serve(
         listener,
@@ -191,74 +189,5 @@ async fn upkeep(gateway: Arc<Gateway>) {
     loop {
         tick.tick().await;
         gateway.live().limiter.sweep();
-    }
-}
-
-/// The admin listener: `/healthz`, `/readyz`.
-///
-/// `/readyz` is 200 while traffic is served as configured: the store answers, or it fails
-/// and `on_error` (allow, local) lets traffic through; 503 while `on_error = "deny"` turns
-/// requests away. The body says which, and the breaker's state.
-pub async fn serve_admin(listener: TcpListener, gateway: Arc<Gateway>) {
-    loop {
-        let (stream, _) = match listener.accept().await {
-            Ok(a) => a,
-            Err(e) => {
-                tracing::warn!(error = %e, "admin accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
-                continue;
-            }
-        };
-        let gw = gateway.clone();
-        tokio::spawn(async move {
-            let service = service_fn(move |req: Request<Incoming>| {
-                let gw = gw.clone();
-                async move { Ok::<_, Infallible>(admin(&gw, &req).await) }
-            });
-            let _ = auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
-        });
-    }
-}
-
-async fn admin(gw: &Gateway, req: &Request<Incoming>) -> Response<Full<Bytes>> {
-    let text = |status: StatusCode, body: &str| {
-        let mut r = Response::new(Full::new(Bytes::from(body.to_string())));
-        *r.status_mut() = status;
-        r.headers_mut().insert(
-            http::header::CONTENT_TYPE,
-            http::HeaderValue::from_static("text/plain; charset=utf-8"),
-        );
-        r
-    };
-    match req.uri().path() {
-        "/healthz" => text(StatusCode::OK, "ok\n"),
-        "/readyz" => {
-            let live = gw.live();
-            let limiter = &live.limiter;
-            let on_error = limiter.on_error();
-            let breaker = match limiter.health() {
-                Health::Open => "open",
-                Health::Healthy | Health::Failing => "closed",
-            };
-            match limiter.ping().await {
-                Ok(()) => text(StatusCode::OK, "ready: store answers; breaker closed\n"),
-                Err(e) => {
-                    let serving = on_error != OnError::Deny;
-                    let (status, verdict) = if serving {
-                        (StatusCode::OK, "ready")
-                    } else {
-                        (StatusCode::SERVICE_UNAVAILABLE, "not ready")
-                    };
-                    let body = format!(
-                        "{verdict}: store failing ({e}); breaker {breaker}; on_error = {}\n",
-                        on_error.name()
-                    );
-                    text(status, &body)
-                }
-            }
-        }
-        _ => text(StatusCode::NOT_FOUND, "not found\n"),
     }
 }

@@ -17,6 +17,7 @@ use std::time::{Duration, Instant};
 use super::memory::MemoryStore;
 use super::{Check, Decision, MonotonicClock, Store, StoreError};
 use crate::config::OnError;
+use crate::metrics::{Metrics, StoreErrorKind, StoreErrorLabels, StoreLabels};
 
 /// The store's health, as /readyz and the logs tell it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -52,6 +53,7 @@ pub struct Limiter {
     /// When a data error was last logged (ms since `started`), to log at most once a second.
     data_logged_ms: AtomicU64,
     started: Instant,
+    metrics: Arc<Metrics>,
 }
 
 impl Limiter {
@@ -60,6 +62,7 @@ impl Limiter {
         on_error: OnError,
         breaker_failures: u32,
         breaker_cooldown: Duration,
+        metrics: Arc<Metrics>,
     ) -> Arc<Limiter> {
         Arc::new(Limiter {
             store,
@@ -71,6 +74,7 @@ impl Limiter {
             open: AtomicBool::new(false),
             data_logged_ms: AtomicU64::new(0),
             started: Instant::now(),
+            metrics,
         })
     }
 
@@ -95,9 +99,23 @@ impl Limiter {
     /// Decide one request against every rule in `checks`, all or nothing.
     pub async fn decide(self: &Arc<Self>, checks: &[Check<'_>]) -> Answer {
         if self.open.load(Relaxed) {
+            self.count_error(&StoreError::CircuitOpen);
             return self.fallback(checks, StoreError::CircuitOpen);
         }
-        match self.store.decide(checks).await {
+        let started = Instant::now();
+        let result = self.store.decide(checks).await;
+        let backend = match self.store {
+            Store::Memory(_) => "memory",
+            Store::Redis(_) => "redis",
+        };
+        self.metrics
+            .store_duration
+            .get_or_create(&StoreLabels { backend })
+            .observe(started.elapsed().as_secs_f64());
+        if let Err(e) = &result {
+            self.count_error(e);
+        }
+        match result {
             Ok(d) => {
                 self.succeeded();
                 Answer::Store(d)
@@ -121,12 +139,48 @@ impl Limiter {
         self.store.ping().await
     }
 
+    /// What `checks` would be told now (the admin API's inspect); no breaker, no fallback.
+    pub async fn peek(&self, checks: &[Check<'_>]) -> Result<Vec<Decision>, StoreError> {
+        if self.open.load(Relaxed) {
+            return Err(StoreError::CircuitOpen);
+        }
+        self.store.peek(checks).await
+    }
+
+    /// Forget one identity's state under one rule, in the store and in the local fallback.
+    pub async fn reset(&self, check: &Check<'_>) -> Result<(), StoreError> {
+        self.local.reset(check);
+        self.store.reset(check).await
+    }
+
     /// Drop refilled state from the in-process stores.
     pub fn sweep(&self) {
         if let Store::Memory(m) = &self.store {
             m.sweep();
         }
         self.local.sweep();
+    }
+
+    fn count_error(&self, e: &StoreError) {
+        let kind = match e {
+            StoreError::CircuitOpen => StoreErrorKind::BreakerOpen,
+            StoreError::Timeout(_) => StoreErrorKind::Timeout,
+            e if e.is_data_error() => StoreErrorKind::Data,
+            StoreError::Redis(r) if r.is_timeout() => StoreErrorKind::Timeout,
+            StoreError::Redis(r)
+                if r.is_io_error()
+                    || r.is_connection_dropped()
+                    || r.is_connection_refusal()
+                    || r.is_unrecoverable_error() =>
+            {
+                StoreErrorKind::Connection
+            }
+            _ => StoreErrorKind::Other,
+        };
+        self.metrics
+            .store_errors
+            .get_or_create(&StoreErrorLabels { kind })
+            .inc();
     }
 
     fn fallback(&self, checks: &[Check<'_>], e: StoreError) -> Answer {
@@ -148,6 +202,7 @@ impl Limiter {
             tracing::warn!(error = %e, on_error = self.on_error.name(), "store failing; applying on_error");
         }
         if n >= self.threshold && !self.open.swap(true, Relaxed) {
+            self.metrics.breaker_open.set(1);
             tracing::warn!(
                 failures = n,
                 cooldown = ?self.cooldown,
@@ -165,6 +220,7 @@ impl Limiter {
                 Ok(()) => {
                     this.failures.store(0, Relaxed);
                     this.open.store(false, Relaxed);
+                    this.metrics.breaker_open.set(0);
                     tracing::info!("store answers again; circuit breaker closed");
                     return;
                 }

@@ -88,6 +88,21 @@ impl MemoryStore {
 
     /// Decide all `checks` at the store's clock, all or nothing.
     pub fn decide(&self, checks: &[Check<'_>]) -> Vec<Decision> {
+        self.run(checks, true)
+    }
+
+    /// What `checks` would be told now, without charging anything.
+    pub fn peek(&self, checks: &[Check<'_>]) -> Vec<Decision> {
+        self.run(checks, false)
+    }
+
+    /// Forget one identity's state under one rule.
+    pub fn reset(&self, check: &Check<'_>) {
+        let key = Self::key(check);
+        self.lock(Self::shard_of(key)).remove(&key);
+    }
+
+    fn run(&self, checks: &[Check<'_>], commit: bool) -> Vec<Decision> {
         let now = self.clock.now_us();
         let keys: Vec<Key> = checks.iter().map(Self::key).collect();
         // Lock every shard involved, in index order so two requests never deadlock.
@@ -112,7 +127,7 @@ impl MemoryStore {
                 .map(|e| e.state);
             outcomes.push(super::decide(check.quota, state.as_ref(), now));
         }
-        let all = outcomes.iter().all(|o| o.allowed);
+        let all = commit && outcomes.iter().all(|o| o.allowed);
         if all {
             for (o, &key) in outcomes.iter().zip(&keys) {
                 let g = shard(&guards, key);

@@ -405,6 +405,25 @@ impl Store {
         }
     }
 
+    /// What `checks` would be told now, charging nothing (the admin API's inspect).
+    pub async fn peek(&self, checks: &[Check<'_>]) -> Result<Vec<Decision>, StoreError> {
+        match self {
+            Store::Memory(m) => Ok(m.peek(checks)),
+            Store::Redis(r) => r.peek(checks, None).await,
+        }
+    }
+
+    /// Forget one identity's state under one rule (the admin API's reset).
+    pub async fn reset(&self, check: &Check<'_>) -> Result<(), StoreError> {
+        match self {
+            Store::Memory(m) => {
+                m.reset(check);
+                Ok(())
+            }
+            Store::Redis(r) => r.reset(check).await,
+        }
+    }
+
     /// Whether the store answers now (for /readyz).
     pub async fn ping(&self) -> Result<(), StoreError> {
         match self {

@@ -64,11 +64,44 @@ impl RedisStore {
         checks: &[Check<'_>],
         now_us: Option<u64>,
     ) -> Result<Vec<Decision>, StoreError> {
+        self.run(checks, now_us, false).await
+    }
+
+    /// What `checks` would be told now, without charging or writing anything.
+    pub async fn peek(
+        &self,
+        checks: &[Check<'_>],
+        now_us: Option<u64>,
+    ) -> Result<Vec<Decision>, StoreError> {
+        self.run(checks, now_us, true).await
+    }
+
+    /// Forget one identity's state under one rule.
+    pub async fn reset(&self, check: &Check<'_>) -> Result<(), StoreError> {
+        let mut conn = self.conn.clone();
+        let _: i64 = tokio::time::timeout(
+            self.timeout,
+            redis::cmd("DEL")
+                .arg(self.key(check))
+                .query_async(&mut conn),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(self.timeout))??;
+        Ok(())
+    }
+
+    async fn run(
+        &self,
+        checks: &[Check<'_>],
+        now_us: Option<u64>,
+        peek: bool,
+    ) -> Result<Vec<Decision>, StoreError> {
         let mut inv = self.script.prepare_invoke();
         match now_us {
             Some(t) => inv.arg(t),
             None => inv.arg(""),
         };
+        inv.arg(if peek { "peek" } else { "" });
         for c in checks {
             let q = c.quota;
             inv.key(self.key(c)).arg(q.algorithm.code());

@@ -1,0 +1,430 @@
+//! The admin listener: `/metrics`, `/healthz`, `/readyz`, the admin API and the status page.
+//!
+//! | call | what |
+//! | --- | --- |
+//! | `GET /` | the status page (self-contained HTML; refreshes itself) |
+//! | `GET /metrics` | Prometheus metrics (OpenMetrics text) |
+//! | `GET /healthz` | 200 while the process runs |
+//! | `GET /readyz` | 200 while traffic is served as configured, else 503 |
+//! | `GET /admin/stats` | what the status page shows, as JSON |
+//! | `GET /admin/top?minutes=5&n=20` | the most limited identities (hash + hint, never a key) |
+//! | `GET /admin/state?rule=R&key=K` (or `ip=`, `header=`, nothing for `global`) | one identity's state |
+//! | `POST /admin/reset?rule=R&key=K` (likewise) | forget one identity's state; needs `Authorization: Bearer <token>` |
+//!
+//! The identity is given raw (the key, the address) and hashed here, as on the request
+//! path; answers name it by its hash only.
+
+use std::convert::Infallible;
+use std::net::IpAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::{header, HeaderValue, Method, Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+use hyper_util::server::conn::auto;
+use serde::Serialize;
+use tokio::net::TcpListener;
+
+use crate::config::{Backend, Config, KeyKind, OnError, Rule};
+use crate::gateway::Gateway;
+use crate::headers::ceil_secs;
+use crate::identity;
+use crate::limiter::guard::Health;
+use crate::limiter::{Check, IdentityDigest, Quota};
+use crate::metrics::HISTORY_SECS;
+
+const STATUS_PAGE: &str = include_str!("status.html");
+
+type Answer = Response<Full<Bytes>>;
+
+pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>) {
+    loop {
+        let (stream, _) = match listener.accept().await {
+            Ok(a) => a,
+            Err(e) => {
+                tracing::warn!(error = %e, "admin accept failed");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+                continue;
+            }
+        };
+        let gw = gateway.clone();
+        tokio::spawn(async move {
+            let service = service_fn(move |req: Request<Incoming>| {
+                let gw = gw.clone();
+                async move { Ok::<_, Infallible>(handle(&gw, &req).await) }
+            });
+            let _ = auto::Builder::new(TokioExecutor::new())
+                .serve_connection(TokioIo::new(stream), service)
+                .await;
+        });
+    }
+}
+
+fn reply(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Answer {
+    let mut r = Response::new(Full::new(body.into()));
+    *r.status_mut() = status;
+    r.headers_mut()
+        .insert(header::CONTENT_TYPE, HeaderValue::from_static(content_type));
+    r.headers_mut()
+        .insert(header::CACHE_CONTROL, HeaderValue::from_static("no-store"));
+    r
+}
+
+fn text(status: StatusCode, body: impl Into<String>) -> Answer {
+    reply(status, "text/plain; charset=utf-8", body.into())
+}
+
+fn json(status: StatusCode, value: &impl Serialize) -> Answer {
+    match serde_json::to_vec(value) {
+        Ok(body) => reply(status, "application/json", body),
+        Err(e) => text(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("cannot encode: {e}\n"),
+        ),
+    }
+}
+
+fn error(status: StatusCode, message: &str) -> Answer {
+    json(status, &serde_json::json!({ "error": message }))
+}
+
+async fn handle(gw: &Gateway, req: &Request<Incoming>) -> Answer {
+    let query = parse_query(req.uri().query().unwrap_or(""));
+    match (req.method(), req.uri().path()) {
+        (&Method::GET, "/") => reply(StatusCode::OK, "text/html; charset=utf-8", STATUS_PAGE),
+        (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
+        (&Method::GET, "/readyz") => readyz(gw).await,
+        (&Method::GET, "/metrics") => reply(
+            StatusCode::OK,
+            "application/openmetrics-text; version=1.0.0; charset=utf-8",
+            gw.metrics().encode(),
+        ),
+        (&Method::GET, "/admin/stats") => json(StatusCode::OK, &stats(gw)),
+        (&Method::GET, "/admin/top") => {
+            let minutes = number(&query, "minutes").unwrap_or(5).clamp(1, 10);
+            let n = number(&query, "n").unwrap_or(20).clamp(1, 100) as usize;
+            json(StatusCode::OK, &gw.metrics().stats.top(minutes, n))
+        }
+        (&Method::GET, "/admin/state") => state(gw, &query).await,
+        (&Method::POST, "/admin/reset") => match authorized(gw, req) {
+            Ok(()) => reset(gw, &query).await,
+            Err(answer) => answer,
+        },
+        (
+            _,
+            "/" | "/healthz" | "/readyz" | "/metrics" | "/admin/stats" | "/admin/top"
+            | "/admin/state" | "/admin/reset",
+        ) => error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed"),
+        _ => error(StatusCode::NOT_FOUND, "not found"),
+    }
+}
+
+/// 200 while traffic is served as configured: the store answers, or it fails and
+/// `on_error` (allow, local) lets traffic through; 503 while `on_error = "deny"` turns
+/// requests away. The body says which, and the breaker's state.
+async fn readyz(gw: &Gateway) -> Answer {
+    let live = gw.live();
+    let limiter = &live.limiter;
+    let on_error = limiter.on_error();
+    let breaker = match limiter.health() {
+        Health::Open => "open",
+        Health::Healthy | Health::Failing => "closed",
+    };
+    match limiter.ping().await {
+        Ok(()) => text(StatusCode::OK, "ready: store answers; breaker closed\n"),
+        Err(e) => {
+            let (status, verdict) = if on_error == OnError::Deny {
+                (StatusCode::SERVICE_UNAVAILABLE, "not ready")
+            } else {
+                (StatusCode::OK, "ready")
+            };
+            text(
+                status,
+                format!(
+                    "{verdict}: store failing ({e}); breaker {breaker}; on_error = {}\n",
+                    on_error.name()
+                ),
+            )
+        }
+    }
+}
+
+/// Mutating calls need `Authorization: Bearer <token>`; with no token configured they are off.
+fn authorized(gw: &Gateway, req: &Request<Incoming>) -> Result<(), Answer> {
+    let live = gw.live();
+    let Some(token) = live.config.admin.token.as_deref() else {
+        return Err(error(
+            StatusCode::FORBIDDEN,
+            "mutating admin calls are off: set [admin].token or RATEWALL_ADMIN_TOKEN",
+        ));
+    };
+    let given = req
+        .headers()
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
+        .unwrap_or_default();
+    if constant_time_eq(given, token.as_bytes()) {
+        Ok(())
+    } else {
+        Err(error(
+            StatusCode::UNAUTHORIZED,
+            "a valid admin token is required",
+        ))
+    }
+}
+
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
+#[derive(Serialize)]
+struct StateAnswer<'a> {
+    rule: &'a str,
+    /// The identity's hash (first 8 hex digits), as logs and /admin/top show it.
+    identity: String,
+    algorithm: &'static str,
+    limit: u64,
+    window_s: u64,
+    burst: u64,
+    cost: u64,
+    /// Requests (of cost 1) still allowed now.
+    remaining: u64,
+    /// Seconds, rounded up, until the full quota is back.
+    reset_s: u64,
+    /// Whether a request of the rule's cost would pass now.
+    allowed_now: bool,
+}
+
+/// The rule and identity a `state` or `reset` call names.
+fn target<'c>(
+    cfg: &'c Config,
+    query: &[(String, Vec<u8>)],
+) -> Result<(&'c Rule, IdentityDigest, &'c Quota), Answer> {
+    let rule_name =
+        param(query, "rule").ok_or_else(|| error(StatusCode::BAD_REQUEST, "rule= is required"))?;
+    let rule = cfg
+        .rules
+        .iter()
+        .find(|r| r.name.as_bytes() == rule_name)
+        .ok_or_else(|| error(StatusCode::NOT_FOUND, "no such rule"))?;
+    let need = |name: &str| {
+        param(query, name).filter(|v| !v.is_empty()).ok_or_else(|| {
+            error(
+                StatusCode::BAD_REQUEST,
+                &format!("this rule counts by {name}: give {name}="),
+            )
+        })
+    };
+    let (digest, quota) = match &rule.key {
+        KeyKind::Global => (identity::digest_global(), &rule.quota),
+        KeyKind::ClientIp => {
+            let raw = need("ip")?;
+            let ip: IpAddr = std::str::from_utf8(raw)
+                .ok()
+                .and_then(|s| s.trim().parse().ok())
+                .ok_or_else(|| error(StatusCode::BAD_REQUEST, "ip= is not an IP address"))?;
+            (identity::digest_ip(ip.to_canonical()), &rule.quota)
+        }
+        KeyKind::ApiKey => {
+            let key = need("key")?;
+            let plan = cfg.keys.plans.get(key).map(String::as_str);
+            (identity::digest_api_key(key), rule.quota_for(plan))
+        }
+        KeyKind::Header(h) => (identity::digest_header(h, need("header")?), &rule.quota),
+    };
+    Ok((rule, digest, quota))
+}
+
+async fn state(gw: &Gateway, query: &[(String, Vec<u8>)]) -> Answer {
+    let live = gw.live();
+    let (rule, digest, quota) = match target(&live.config, query) {
+        Ok(t) => t,
+        Err(answer) => return answer,
+    };
+    let check = Check {
+        identity: &digest,
+        rule: &rule.name,
+        quota,
+    };
+    match live.limiter.peek(std::slice::from_ref(&check)).await {
+        Ok(d) => {
+            let Some(d) = d.first() else {
+                return error(StatusCode::BAD_GATEWAY, "the store gave no answer");
+            };
+            json(
+                StatusCode::OK,
+                &StateAnswer {
+                    rule: &rule.name,
+                    identity: digest.hex()[..8].to_string(),
+                    algorithm: quota.algorithm.name(),
+                    limit: quota.rate.count,
+                    window_s: quota.rate.period.as_secs(),
+                    burst: quota.burst,
+                    cost: quota.cost,
+                    remaining: d.remaining,
+                    reset_s: ceil_secs(d.reset_us),
+                    allowed_now: d.allowed,
+                },
+            )
+        }
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &format!("store: {e}")),
+    }
+}
+
+async fn reset(gw: &Gateway, query: &[(String, Vec<u8>)]) -> Answer {
+    let live = gw.live();
+    let (rule, digest, quota) = match target(&live.config, query) {
+        Ok(t) => t,
+        Err(answer) => return answer,
+    };
+    let check = Check {
+        identity: &digest,
+        rule: &rule.name,
+        quota,
+    };
+    match live.limiter.reset(&check).await {
+        Ok(()) => {
+            tracing::info!(rule = %rule.name, id = &digest.hex()[..8], "admin reset an identity's state");
+            json(
+                StatusCode::OK,
+                &serde_json::json!({ "rule": rule.name, "identity": &digest.hex()[..8], "reset": true }),
+            )
+        }
+        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &format!("store: {e}")),
+    }
+}
+
+#[derive(Serialize)]
+struct RuleView<'a> {
+    name: &'a str,
+    algorithm: &'static str,
+    rate: String,
+    burst: Option<u64>,
+    cost: u64,
+    key: String,
+    applies_to: String,
+    plans: Vec<String>,
+}
+
+fn stats(gw: &Gateway) -> serde_json::Value {
+    let live = gw.live();
+    let cfg = &live.config;
+    let st = &gw.metrics().stats;
+    let rules: Vec<RuleView<'_>> = cfg
+        .rules
+        .iter()
+        .map(|r| RuleView {
+            name: &r.name,
+            algorithm: r.quota.algorithm.name(),
+            rate: r.quota.rate.to_string(),
+            burst: r.quota.algorithm.has_burst().then_some(r.quota.burst),
+            cost: r.quota.cost,
+            key: match &r.key {
+                KeyKind::ApiKey => "api_key".into(),
+                KeyKind::ClientIp => "client_ip".into(),
+                KeyKind::Global => "global".into(),
+                KeyKind::Header(h) => format!("header:{h}"),
+            },
+            applies_to: r.matcher.describe(),
+            plans: {
+                let mut p: Vec<String> = r.plans.iter().map(|(n, q)| format!("{n}: {q}")).collect();
+                p.sort();
+                p
+            },
+        })
+        .collect();
+    let health = match live.limiter.health() {
+        Health::Healthy => "healthy",
+        Health::Failing => "failing",
+        Health::Open => "breaker open",
+    };
+    serde_json::json!({
+        "now": st.now(),
+        "history_s": HISTORY_SECS,
+        "rules": rules,
+        "totals": {
+            "allowed": st.allowed.load(std::sync::atomic::Ordering::Relaxed),
+            "denied": st.denied.load(std::sync::atomic::Ordering::Relaxed),
+        },
+        "history": st.history(HISTORY_SECS),
+        "top": st.top(10, 20),
+        "store": {
+            "backend": match cfg.store.backend { Backend::Memory => "memory", Backend::Redis { .. } => "redis" },
+            "health": health,
+            "on_error": cfg.store.on_error.name(),
+        },
+    })
+}
+
+// ---------------------------------------------------------------------------------------
+
+/// `a=1&b=x%20y` -> pairs, values percent-decoded to bytes (API keys may hold anything).
+fn parse_query(q: &str) -> Vec<(String, Vec<u8>)> {
+    q.split('&')
+        .filter(|p| !p.is_empty())
+        .map(|p| {
+            let (k, v) = p.split_once('=').unwrap_or((p, ""));
+            (
+                String::from_utf8_lossy(&percent_decode(k)).into_owned(),
+                percent_decode(v),
+            )
+        })
+        .collect()
+}
+
+fn percent_decode(s: &str) -> Vec<u8> {
+    let b = s.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    let hex = |c: u8| (c as char).to_digit(16);
+    while i < b.len() {
+        if b[i] == b'%' && i + 2 < b.len() {
+            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
+                out.push((h * 16 + l) as u8);
+                i += 3;
+                continue;
+            }
+        }
+        out.push(if b[i] == b'+' { b' ' } else { b[i] });
+        i += 1;
+    }
+    out
+}
+
+fn param<'q>(query: &'q [(String, Vec<u8>)], name: &str) -> Option<&'q [u8]> {
+    query
+        .iter()
+        .find(|(k, _)| k == name)
+        .map(|(_, v)| v.as_slice())
+}
+
+fn number(query: &[(String, Vec<u8>)], name: &str) -> Option<u64> {
+    std::str::from_utf8(param(query, name)?).ok()?.parse().ok()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn queries_decode_to_bytes() {
+        let q = parse_query("rule=api&key=a%2Bb%20c+d%ff&x");
+        assert_eq!(param(&q, "rule"), Some(&b"api"[..]));
+        assert_eq!(param(&q, "key"), Some(&b"a+b c d\xff"[..]));
+        assert_eq!(param(&q, "x"), Some(&b""[..]));
+        assert_eq!(percent_decode("%"), b"%");
+        assert_eq!(percent_decode("%4"), b"%4");
+        assert_eq!(percent_decode("%zz"), b"%zz");
+    }
+
+    #[test]
+    fn tokens_compare_whole() {
+        assert!(constant_time_eq(b"secret-token-123", b"secret-token-123"));
+        assert!(!constant_time_eq(b"secret-token-12", b"secret-token-123"));
+        assert!(!constant_time_eq(b"", b"x"));
+    }
+}

@@ -1,0 +1,514 @@
+//! Prometheus metrics (`GET /metrics` on the admin listener) and the in-process stats the
+//! status page and `/admin/*` read: per-second allowed/denied counts for the last minutes
+//! and the top limited identities.
+//!
+//! Label sets are bounded: rule names (from the config), fixed enums, status classes.
+//! Never an API key, never an IP.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
+use std::sync::Mutex;
+use std::time::{Instant, SystemTime, UNIX_EPOCH};
+
+use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+/// A rule's verdict on one request, as counted.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum Verdict {
+    /// The rule allowed the request (charged, or not charged because another rule denied).
+    Allowed,
+    /// The rule denied the request.
+    Denied,
+    /// A shadow rule would have denied it, but let it pass.
+    ShadowDenied,
+    /// The store failed; `on_error` answered.
+    Error,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RuleLabels {
+    pub rule: String,
+    pub decision: Verdict,
+}
+
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum StoreErrorKind {
+    /// No answer within `[store].timeout`.
+    Timeout,
+    /// Refused, dropped or otherwise unreachable.
+    Connection,
+    /// One key's data (wrong type, corrupt state).
+    Data,
+    /// Not tried: the circuit breaker is open.
+    BreakerOpen,
+    /// Anything else the store answered unexpectedly.
+    Other,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StoreErrorLabels {
+    pub kind: StoreErrorKind,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StoreLabels {
+    pub backend: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClassLabels {
+    /// `2xx`..`5xx` from the upstream, or `error` (refused, timed out, reset).
+    pub class: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResponseLabels {
+    /// The status class the client got.
+    pub class: &'static str,
+    /// Who answered: `upstream` or `gateway` (401, 429, 502, 503, 504...).
+    pub source: &'static str,
+}
+
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum ReloadResult {
+    Ok,
+    Rejected,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReloadLabels {
+    pub result: ReloadResult,
+}
+
+/// Label values in snake_case, as Prometheus conventions have them.
+macro_rules! label_values {
+    ($($ty:ident { $($variant:ident => $name:literal),* })*) => {$(
+        impl $ty {
+            pub fn name(self) -> &'static str {
+                match self { $($ty::$variant => $name),* }
+            }
+        }
+        impl EncodeLabelValue for $ty {
+            fn encode(&self, e: &mut LabelValueEncoder<'_>) -> Result<(), std::fmt::Error> {
+                std::fmt::Write::write_str(e, self.name())
+            }
+        }
+    )*};
+}
+
+label_values! {
+    Verdict { Allowed => "allowed", Denied => "denied", ShadowDenied => "shadow_denied", Error => "error" }
+    StoreErrorKind { Timeout => "timeout", Connection => "connection", Data => "data", BreakerOpen => "breaker_open", Other => "other" }
+    ReloadResult { Ok => "ok", Rejected => "rejected" }
+}
+
+pub fn status_class(status: u16) -> &'static str {
+    match status {
+        100..=199 => "1xx",
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        _ => "5xx",
+    }
+}
+
+pub struct Metrics {
+    registry: Registry,
+    pub requests: Family<RuleLabels, Counter>,
+    pub responses: Family<ResponseLabels, Counter>,
+    pub store_duration: Family<StoreLabels, Histogram>,
+    pub store_errors: Family<StoreErrorLabels, Counter>,
+    pub upstream_duration: Histogram,
+    pub upstream_responses: Family<ClassLabels, Counter>,
+    pub deny_cache_hits: Counter,
+    pub breaker_open: Gauge,
+    pub reloads: Family<ReloadLabels, Counter>,
+    pub in_flight: Gauge,
+    pub stats: Stats,
+}
+
+impl Metrics {
+    pub fn new() -> Metrics {
+        let mut registry = Registry::with_prefix("ratewall");
+        let requests = Family::<RuleLabels, Counter>::default();
+        registry.register(
+            "requests",
+            "Decisions by rule: allowed, denied, shadow_denied (shadow rules), error (store failed)",
+            requests.clone(),
+        );
+        let responses = Family::<ResponseLabels, Counter>::default();
+        registry.register(
+            "responses",
+            "Responses sent to clients, by status class and by who answered (upstream or gateway)",
+            responses.clone(),
+        );
+        let store_duration = Family::<StoreLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new([
+                0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                0.25, 0.5, 1.0,
+            ])
+        });
+        registry.register(
+            "store_call_duration_seconds",
+            "Time of one store call (one per limited request), by backend",
+            store_duration.clone(),
+        );
+        let store_errors = Family::<StoreErrorLabels, Counter>::default();
+        registry.register(
+            "store_errors",
+            "Store calls that failed, by kind",
+            store_errors.clone(),
+        );
+        let upstream_duration = Histogram::new([
+            0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+            30.0,
+        ]);
+        registry.register(
+            "upstream_duration_seconds",
+            "Time until the upstream's response head (or its failure)",
+            upstream_duration.clone(),
+        );
+        let upstream_responses = Family::<ClassLabels, Counter>::default();
+        registry.register(
+            "upstream_responses",
+            "Upstream answers by status class, or error (refused, timed out, reset)",
+            upstream_responses.clone(),
+        );
+        let deny_cache_hits = Counter::default();
+        registry.register(
+            "deny_cache_hits",
+            "Requests denied from the local cache of denials, without a store call",
+            deny_cache_hits.clone(),
+        );
+        let breaker_open = Gauge::default();
+        registry.register(
+            "store_breaker_open",
+            "1 while the store's circuit breaker is open (on_error applied without trying the store)",
+            breaker_open.clone(),
+        );
+        let reloads = Family::<ReloadLabels, Counter>::default();
+        registry.register(
+            "config_reloads",
+            "Config reloads (SIGHUP) by result",
+            reloads.clone(),
+        );
+        let in_flight = Gauge::default();
+        registry.register(
+            "in_flight_requests",
+            "Requests being handled now",
+            in_flight.clone(),
+        );
+        Metrics {
+            registry,
+            requests,
+            responses,
+            store_duration,
+            store_errors,
+            upstream_duration,
+            upstream_responses,
+            deny_cache_hits,
+            breaker_open,
+            reloads,
+            in_flight,
+            stats: Stats::new(),
+        }
+    }
+
+    /// The OpenMetrics text of every metric.
+    pub fn encode(&self) -> String {
+        let mut out = String::new();
+        // Writing to a String cannot fail.
+        let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
+        out
+    }
+
+    /// Count one rule's verdict.
+    pub fn rule(&self, rule: &str, decision: Verdict) {
+        self.requests
+            .get_or_create(&RuleLabels {
+                rule: rule.to_string(),
+                decision,
+            })
+            .inc();
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// A guard that counts a request in flight until dropped.
+pub struct InFlight<'a>(&'a Gauge);
+
+impl<'a> InFlight<'a> {
+    pub fn new(g: &'a Gauge) -> Self {
+        g.inc();
+        InFlight(g)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+
+/// Seconds of history kept for the status page's chart.
+pub const HISTORY_SECS: u64 = 600;
+/// Identities tracked per minute by the space-saving top-k.
+const TOP_K: usize = 64;
+
+/// Requests limited, per second, for the last [`HISTORY_SECS`], and the most limited
+/// identities per minute for the last 10 minutes. Bounded memory whatever the traffic.
+pub struct Stats {
+    started: Instant,
+    /// Unix seconds when `started` was taken, so the page can show wall-clock times.
+    started_unix: u64,
+    seconds: Mutex<VecDeque<Second>>,
+    top: Mutex<VecDeque<(u64, SpaceSaving)>>,
+    /// Requests since start that the rules allowed / denied, for exact totals.
+    pub allowed: AtomicI64,
+    pub denied: AtomicI64,
+}
+
+#[derive(Clone, Copy, Debug, serde::Serialize)]
+pub struct Second {
+    /// Unix seconds.
+    pub t: u64,
+    pub allowed: u64,
+    pub denied: u64,
+}
+
+/// One limited identity: its digest (short hex), a hint an operator can recognise, the rule.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize)]
+pub struct Limited {
+    pub id: String,
+    pub hint: String,
+    pub rule: String,
+}
+
+#[derive(Clone, Debug, serde::Serialize)]
+pub struct TopEntry {
+    #[serde(flatten)]
+    pub who: Limited,
+    /// Denials counted (space-saving: may over-count by at most `error`).
+    pub denied: u64,
+    pub error: u64,
+}
+
+impl Stats {
+    fn new() -> Stats {
+        Stats {
+            started: Instant::now(),
+            started_unix: SystemTime::now()
+                .duration_since(UNIX_EPOCH)
+                .map_or(0, |d| d.as_secs()),
+            seconds: Mutex::new(VecDeque::with_capacity(HISTORY_SECS as usize + 1)),
+            top: Mutex::new(VecDeque::new()),
+            allowed: AtomicI64::new(0),
+            denied: AtomicI64::new(0),
+        }
+    }
+
+    /// Unix seconds now, on the clock the history uses.
+    pub fn now(&self) -> u64 {
+        self.now_unix()
+    }
+
+    fn now_unix(&self) -> u64 {
+        self.started_unix + self.started.elapsed().as_secs()
+    }
+
+    /// Count one request the rules allowed or denied.
+    pub fn record(&self, allowed: bool) {
+        let t = self.now_unix();
+        if allowed {
+            self.allowed.fetch_add(1, Relaxed);
+        } else {
+            self.denied.fetch_add(1, Relaxed);
+        }
+        let mut secs = self.seconds.lock().unwrap_or_else(|p| p.into_inner());
+        match secs.back_mut() {
+            Some(s) if s.t == t => {
+                if allowed {
+                    s.allowed += 1
+                } else {
+                    s.denied += 1
+                }
+            }
+            _ => {
+                secs.push_back(Second {
+                    t,
+                    allowed: u64::from(allowed),
+                    denied: u64::from(!allowed),
+                });
+                while secs.front().is_some_and(|s| s.t + HISTORY_SECS <= t) {
+                    secs.pop_front();
+                }
+            }
+        }
+    }
+
+    /// Count one denial of `who`.
+    pub fn limited(&self, who: Limited) {
+        let minute = self.now_unix() / 60;
+        let mut top = self.top.lock().unwrap_or_else(|p| p.into_inner());
+        if top.back().is_none_or(|(m, _)| *m != minute) {
+            top.push_back((minute, SpaceSaving::default()));
+            while top.front().is_some_and(|(m, _)| m + 10 <= minute) {
+                top.pop_front();
+            }
+        }
+        if let Some((_, s)) = top.back_mut() {
+            s.add(who);
+        }
+    }
+
+    /// Per-second counts of the last `secs` seconds that had traffic.
+    pub fn history(&self, secs: u64) -> Vec<Second> {
+        let now = self.now_unix();
+        let s = self.seconds.lock().unwrap_or_else(|p| p.into_inner());
+        s.iter().filter(|s| s.t + secs > now).copied().collect()
+    }
+
+    /// The most limited identities over the last `minutes` minutes, most first.
+    pub fn top(&self, minutes: u64, n: usize) -> Vec<TopEntry> {
+        let now = self.now_unix() / 60;
+        let top = self.top.lock().unwrap_or_else(|p| p.into_inner());
+        let mut merged: HashMap<&Limited, (u64, u64)> = HashMap::new();
+        for (m, s) in top.iter().filter(|(m, _)| m + minutes > now) {
+            let _ = m;
+            for e in &s.entries {
+                let c = merged.entry(&e.who).or_default();
+                c.0 += e.denied;
+                c.1 += e.error;
+            }
+        }
+        let mut out: Vec<TopEntry> = merged
+            .into_iter()
+            .map(|(who, (denied, error))| TopEntry {
+                who: who.clone(),
+                denied,
+                error,
+            })
+            .collect();
+        out.sort_by(|a, b| {
+            b.denied
+                .cmp(&a.denied)
+                .then_with(|| a.who.id.cmp(&b.who.id))
+        });
+        out.truncate(n);
+        out
+    }
+}
+
+/// The space-saving heavy-hitters sketch (Metwally et al.): `TOP_K` counters; a new item
+/// when full replaces the smallest, inheriting its count as its possible error.
+#[derive(Default)]
+struct SpaceSaving {
+    entries: Vec<TopEntry>,
+}
+
+impl SpaceSaving {
+    fn add(&mut self, who: Limited) {
+        if let Some(e) = self.entries.iter_mut().find(|e| e.who == who) {
+            e.denied += 1;
+            return;
+        }
+        if self.entries.len() < TOP_K {
+            self.entries.push(TopEntry {
+                who,
+                denied: 1,
+                error: 0,
+            });
+            return;
+        }
+        if let Some(min) = self.entries.iter_mut().min_by_key(|e| e.denied) {
+            let floor = min.denied;
+            *min = TopEntry {
+                who,
+                denied: floor + 1,
+                error: floor,
+            };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn who(i: u32) -> Limited {
+        Limited {
+            id: format!("{i:08x}"),
+            hint: String::new(),
+            rule: "api".into(),
+        }
+    }
+
+    #[test]
+    fn space_saving_keeps_the_heavy_hitters() {
+        let mut s = SpaceSaving::default();
+        // Three heavy identities among a flood of one-off ones.
+        for round in 0..1_000u32 {
+            for heavy in 0..3 {
+                s.add(who(heavy));
+            }
+            s.add(who(1_000 + round));
+        }
+        assert_eq!(s.entries.len(), TOP_K);
+        let mut top: Vec<&TopEntry> = s.entries.iter().collect();
+        top.sort_by(|a, b| b.denied.cmp(&a.denied));
+        let ids: Vec<&str> = top[..3].iter().map(|e| e.who.id.as_str()).collect();
+        assert_eq!(ids.len(), 3);
+        for heavy in 0..3 {
+            assert!(ids.contains(&who(heavy).id.as_str()));
+        }
+        for e in &top[..3] {
+            assert!(e.denied >= 1_000 && e.denied - e.error <= 1_000);
+        }
+    }
+
+    #[test]
+    fn stats_count_exactly_and_top_merges_minutes() {
+        let st = Stats::new();
+        for _ in 0..7 {
+            st.record(true);
+        }
+        for _ in 0..3 {
+            st.record(false);
+            st.limited(who(9));
+        }
+        let h = st.history(60);
+        assert_eq!(h.iter().map(|s| s.allowed).sum::<u64>(), 7);
+        assert_eq!(h.iter().map(|s| s.denied).sum::<u64>(), 3);
+        let top = st.top(5, 10);
+        assert_eq!(top.len(), 1);
+        assert_eq!((top[0].denied, top[0].error), (3, 0));
+    }
+
+    #[test]
+    fn metrics_encode_with_the_prefix_and_no_identities() {
+        let m = Metrics::new();
+        m.rule("api", Verdict::Denied);
+        let text = m.encode();
+        assert!(
+            text.contains("ratewall_requests_total{rule=\"api\",decision=\"denied\"} 1"),
+            "{text}"
+        );
+        assert!(
+            text.contains("# TYPE ratewall_upstream_duration_seconds histogram"),
+            "{text}"
+        );
+        assert!(text.contains("ratewall_in_flight_requests 0"), "{text}");
+    }
+}
