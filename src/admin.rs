@@ -41,6 +41,13 @@ const STATUS_PAGE: &str = include_str!("status.html");
 
 type Answer = Response<Full<Bytes>>;
 
+/// A refusal, turned into a JSON error answer by [`refused`].
+type Refusal = (StatusCode, String);
+
+fn refused((status, message): Refusal) -> Answer {
+    error(status, &message)
+}
+
 pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>) {
     loop {
         let (stream, _) = match listener.accept().await {
@@ -112,7 +119,7 @@ async fn handle(gw: &Gateway, req: &Request<Incoming>) -> Answer {
         (&Method::GET, "/admin/state") => state(gw, &query).await,
         (&Method::POST, "/admin/reset") => match authorized(gw, req) {
             Ok(()) => reset(gw, &query).await,
-            Err(answer) => answer,
+            Err(r) => refused(r),
         },
         (
             _,
@@ -154,12 +161,12 @@ async fn readyz(gw: &Gateway) -> Answer {
 }
 
 /// Mutating calls need `Authorization: Bearer <token>`; with no token configured they are off.
-fn authorized(gw: &Gateway, req: &Request<Incoming>) -> Result<(), Answer> {
+fn authorized(gw: &Gateway, req: &Request<Incoming>) -> Result<(), Refusal> {
     let live = gw.live();
     let Some(token) = live.config.admin.token.as_deref() else {
-        return Err(error(
+        return Err((
             StatusCode::FORBIDDEN,
-            "mutating admin calls are off: set [admin].token or RATEWALL_ADMIN_TOKEN",
+            "mutating admin calls are off: set [admin].token or RATEWALL_ADMIN_TOKEN".into(),
         ));
     };
     let given = req
@@ -170,9 +177,9 @@ fn authorized(gw: &Gateway, req: &Request<Incoming>) -> Result<(), Answer> {
     if constant_time_eq(given, token.as_bytes()) {
         Ok(())
     } else {
-        Err(error(
+        Err((
             StatusCode::UNAUTHORIZED,
-            "a valid admin token is required",
+            "a valid admin token is required".into(),
         ))
     }
 }
@@ -203,19 +210,19 @@ struct StateAnswer<'a> {
 fn target<'c>(
     cfg: &'c Config,
     query: &[(String, Vec<u8>)],
-) -> Result<(&'c Rule, IdentityDigest, &'c Quota), Answer> {
-    let rule_name =
-        param(query, "rule").ok_or_else(|| error(StatusCode::BAD_REQUEST, "rule= is required"))?;
+) -> Result<(&'c Rule, IdentityDigest, &'c Quota), Refusal> {
+    let rule_name = param(query, "rule")
+        .ok_or_else(|| (StatusCode::BAD_REQUEST, "rule= is required".to_string()))?;
     let rule = cfg
         .rules
         .iter()
         .find(|r| r.name.as_bytes() == rule_name)
-        .ok_or_else(|| error(StatusCode::NOT_FOUND, "no such rule"))?;
+        .ok_or_else(|| (StatusCode::NOT_FOUND, "no such rule".to_string()))?;
     let need = |name: &str| {
         param(query, name).filter(|v| !v.is_empty()).ok_or_else(|| {
-            error(
+            (
                 StatusCode::BAD_REQUEST,
-                &format!("this rule counts by {name}: give {name}="),
+                format!("this rule counts by {name}: give {name}="),
             )
         })
     };
@@ -226,7 +233,12 @@ fn target<'c>(
             let ip: IpAddr = std::str::from_utf8(raw)
                 .ok()
                 .and_then(|s| s.trim().parse().ok())
-                .ok_or_else(|| error(StatusCode::BAD_REQUEST, "ip= is not an IP address"))?;
+                .ok_or_else(|| {
+                    (
+                        StatusCode::BAD_REQUEST,
+                        "ip= is not an IP address".to_string(),
+                    )
+                })?;
             (identity::digest_ip(ip.to_canonical()), &rule.quota)
         }
         KeyKind::ApiKey => {
@@ -243,7 +255,7 @@ async fn state(gw: &Gateway, query: &[(String, Vec<u8>)]) -> Answer {
     let live = gw.live();
     let (rule, digest, quota) = match target(&live.config, query) {
         Ok(t) => t,
-        Err(answer) => return answer,
+        Err(r) => return refused(r),
     };
     let check = Check {
         identity: &digest,
@@ -279,7 +291,7 @@ async fn reset(gw: &Gateway, query: &[(String, Vec<u8>)]) -> Answer {
     let live = gw.live();
     let (rule, digest, quota) = match target(&live.config, query) {
         Ok(t) => t,
-        Err(answer) => return answer,
+        Err(r) => return refused(r),
     };
     let check = Check {
         identity: &digest,

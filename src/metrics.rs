@@ -467,7 +467,7 @@ mod tests {
         }
         assert_eq!(s.entries.len(), TOP_K);
         let mut top: Vec<&TopEntry> = s.entries.iter().collect();
-        top.sort_by(|a, b| b.denied.cmp(&a.denied));
+        top.sort_by_key(|e| std::cmp::Reverse(e.denied));
         let ids: Vec<&str> = top[..3].iter().map(|e| e.who.id.as_str()).collect();
         assert_eq!(ids.len(), 3);
         for heavy in 0..3 {
