@@ -25,7 +25,22 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Validate the config file and print the effective rules; exit 0 if valid, 1 if not.
-    Check,
+    /// With --path (and --method, --header, --peer), also show which rules would apply to
+    /// that request and how each would count it.
+    Check {
+        /// A sample request's path (and query), e.g. /api/orders.
+        #[arg(long)]
+        path: Option<String>,
+        /// The sample request's method.
+        #[arg(long, default_value = "GET")]
+        method: String,
+        /// A sample request header, "name: value"; repeat for more.
+        #[arg(long = "header", value_name = "NAME: VALUE")]
+        headers: Vec<String>,
+        /// The sample request's TCP peer address.
+        #[arg(long, default_value = "127.0.0.1")]
+        peer: std::net::IpAddr,
+    },
 }
 
 #[derive(Clone, Copy, ValueEnum)]
@@ -45,9 +60,30 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    if let Some(Command::Check) = cli.command {
+    if let Some(Command::Check {
+        path,
+        method,
+        headers,
+        peer,
+    }) = cli.command
+    {
         println!("{}: valid", cli.config.display());
         print!("{}", config.describe());
+        if let Some(path) = path {
+            match sample_request(&method, &headers) {
+                Ok((method, headers)) => {
+                    println!();
+                    print!(
+                        "{}",
+                        ratewall::rules::explain(&config, &method, &path, &headers, peer)
+                    );
+                }
+                Err(e) => {
+                    eprintln!("ratewall: {e}");
+                    return ExitCode::FAILURE;
+                }
+            }
+        }
         return ExitCode::SUCCESS;
     }
 
@@ -68,6 +104,27 @@ fn main() -> ExitCode {
             ExitCode::FAILURE
         }
     }
+}
+
+/// The method and headers of `ratewall check`'s sample request.
+fn sample_request(
+    method: &str,
+    headers: &[String],
+) -> Result<(http::Method, http::HeaderMap), String> {
+    let method = http::Method::from_bytes(method.to_ascii_uppercase().as_bytes())
+        .map_err(|_| format!("--method {method:?} is not a method"))?;
+    let mut map = http::HeaderMap::new();
+    for h in headers {
+        let (name, value) = h
+            .split_once(':')
+            .ok_or_else(|| format!("--header {h:?}: expected \"name: value\""))?;
+        let name = http::HeaderName::from_bytes(name.trim().as_bytes())
+            .map_err(|_| format!("--header {h:?}: bad header name"))?;
+        let value = http::HeaderValue::from_str(value.trim())
+            .map_err(|_| format!("--header {h:?}: bad header value"))?;
+        map.append(name, value);
+    }
+    Ok((method, map))
 }
 
 fn init_logging(format: LogFormat) {

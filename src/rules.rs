@@ -85,3 +85,95 @@ mod tests {
         assert_eq!(normalize_path("/a%6"), "/a%6");
     }
 }
+
+/// Which rules apply to a sample request, and how each would count it: what
+/// `ratewall check --path ... --method ... --header ...` prints. Pure: no store is asked.
+pub fn explain(
+    cfg: &crate::config::Config,
+    method: &Method,
+    raw_path: &str,
+    headers: &http::HeaderMap,
+    peer: std::net::IpAddr,
+) -> String {
+    use crate::config::{KeyKind, MissingKey, UnknownKeys};
+    use crate::identity;
+    use std::fmt::Write;
+
+    let path = normalize_path(raw_path);
+    let mut out = String::new();
+    let _ = writeln!(out, "sample request: {method} {raw_path}");
+    if path != raw_path {
+        let _ = writeln!(out, "  (rules see the path as {path})");
+    }
+    let applied: Vec<&Rule> = cfg
+        .rules
+        .iter()
+        .filter(|r| applies(r, method, &path))
+        .collect();
+    if applied.is_empty() {
+        let _ = writeln!(out, "no rule applies: forwarded without limits");
+        return out;
+    }
+    let key = identity::api_key(headers, &cfg.keys.header);
+    let plan = match &key {
+        Ok(Some(k)) => cfg.keys.plans.get(*k).map(String::as_str),
+        _ => None,
+    };
+    let client = identity::client_ip(peer, headers, &cfg.client_ip);
+    let _ = writeln!(
+        out,
+        "{} rule(s) apply; the request passes only if all allow it:",
+        applied.len()
+    );
+    for r in applied {
+        let q = r.quota_for(plan);
+        let plan_note = match plan {
+            Some(p) if r.plans.contains_key(p) => format!(" (plan {p})"),
+            _ => String::new(),
+        };
+        let who = match &r.key {
+            KeyKind::Global => "everyone, one shared limit".to_string(),
+            KeyKind::ClientIp => format!("client IP {client}"),
+            KeyKind::ApiKey | KeyKind::Header(_) => {
+                let name = match &r.key {
+                    KeyKind::Header(h) => h,
+                    _ => &cfg.keys.header,
+                };
+                match identity::api_key(headers, name) {
+                    Err(e) => format!("refused with 400: {e}"),
+                    Ok(Some(v)) => {
+                        let unknown = matches!(r.key, KeyKind::ApiKey)
+                            && cfg.keys.unknown == UnknownKeys::Reject
+                            && !cfg.keys.plans.contains_key(v);
+                        if unknown {
+                            "refused with 401: the API key is not known (unknown = \"reject\")"
+                                .to_string()
+                        } else {
+                            let d = match &r.key {
+                                KeyKind::Header(h) => identity::digest_header(h, v),
+                                _ => identity::digest_api_key(v),
+                            };
+                            format!("{name} (identity {})", &d.hex()[..8])
+                        }
+                    }
+                    Ok(None) => match r.missing_key {
+                        MissingKey::Reject => format!("refused with 401: no {name} header"),
+                        MissingKey::ClientIp => format!("no {name}: client IP {client}"),
+                    },
+                }
+            }
+        };
+        let how = if who.starts_with("refused") {
+            who
+        } else {
+            format!("counted per {who}")
+        };
+        let _ = writeln!(
+            out,
+            "  - {}: {q}{plan_note}, {}; {how}",
+            r.name,
+            q.algorithm.name()
+        );
+    }
+    out
+}
