@@ -304,6 +304,21 @@ impl Gateway {
 
     /// Start with a `shutdown_grace` of `grace`.
     pub fn try_start_with_grace(body: &str, grace: &str) -> Result<Gateway, String> {
+        Self::try_start_with(body, grace, &[], &[])
+    }
+
+    /// Start with extra command-line `args` (e.g. `["--log-format", "json"]`) and
+    /// environment variables.
+    pub fn start_with(body: &str, args: &[&str], env: &[(&str, &str)]) -> Gateway {
+        Self::try_start_with(body, "2s", args, env).expect("ratewall did not start")
+    }
+
+    pub fn try_start_with(
+        body: &str,
+        grace: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Gateway, String> {
         let dir = tempfile::tempdir().expect("tempdir");
         let (port, admin_port) = (free_port(), free_port());
         let server = format!(
@@ -315,7 +330,9 @@ impl Gateway {
         let child = Command::new(env!("CARGO_BIN_EXE_ratewall"))
             .arg("--config")
             .arg(&cfg)
+            .args(args)
             .env("RUST_LOG", "info")
+            .envs(env.iter().copied())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).expect("log file"))
             .spawn()
