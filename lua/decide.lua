@@ -1,10 +1,12 @@
 -- Decide one request against every key: read all, judge all, then write all or none.
 -- ARGV[2] = "peek" only looks: nothing is written and the answers are what a request
--- would be told now without being charged (the admin API's inspect).
+-- would be told now without being charged (the admin API's inspect). ARGV[2] = "refund"
+-- gives back one charge per key, then answers like "peek".
 -- A key that cannot be read as a state (wrong type, corrupt) fails the call with the error
 -- code RATEWALL and the key's name: one key's problem, which the gateway tells apart from
 -- the store being down.
-local peek = ARGV[2] == 'peek'
+local mode = ARGV[2]
+local peek = mode == 'peek' or mode == 'refund'
 local n = #KEYS
 local results = {}
 local all = true
@@ -20,8 +22,20 @@ for i = 1, n do
     return redis.error_reply('RATEWALL ' .. KEYS[i] .. ': ' .. tostring(why))
   end
   if not raw then raw = nil end
-  local r, err = algorithm(raw, now, tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]),
-    tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]))
+  local p1, p2, p3, p4 = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+  if mode == 'refund' then
+    local value, ttl = REFUNDS[tonumber(ARGV[a])](raw, now, p1, p2, p3, p4)
+    if value == nil then
+      return redis.error_reply('RATEWALL ' .. KEYS[i] .. ': ' .. tostring(ttl))
+    elseif value then
+      redis.call('SET', KEYS[i], value, 'PX', cdiv(ttl, 1000))
+      raw = value
+    else
+      redis.call('DEL', KEYS[i])
+      raw = nil
+    end
+  end
+  local r, err = algorithm(raw, now, p1, p2, p3, p4)
   if not r then
     return redis.error_reply('RATEWALL ' .. KEYS[i] .. ': ' .. err)
   end

@@ -1,16 +1,23 @@
 -- Fixed window: the twin of src/limiter/fixed_window.rs.
 -- Parameters: period (µs), limit (the rate's N), cost.
 -- State: "f:<window start, µs>:<count>"; its TTL is the window's end, set with the count.
-ALGORITHMS[3] = function(raw, now, period, limit, cost)
-  local start, count = now, 0
-  if raw and string.sub(raw, 1, 2) == 'f:' then
-    local s, c = string.match(raw, '^f:(%d+):(%d+)$')
-    s, c = tonumber(s), tonumber(c)
-    if not (s and c) then return nil, 'corrupt fixed window state' end
-    if s <= now and now < s + period then start, count = s, c end
-  elseif raw and not ours(raw) then
-    return nil, 'not a ratewall state'
+
+-- The live window's start and count at now (a fresh window if none is live).
+local function fw_window(raw, now, period)
+  if not (raw and string.sub(raw, 1, 2) == 'f:') then
+    if raw and not ours(raw) then return nil, 'not a ratewall state' end
+    return now, 0
   end
+  local s, c = string.match(raw, '^f:(%d+):(%d+)$')
+  s, c = tonumber(s), tonumber(c)
+  if not (s and c) then return nil, 'corrupt fixed window state' end
+  if s <= now and now < s + period then return s, c end
+  return now, 0
+end
+
+ALGORITHMS[3] = function(raw, now, period, limit, cost)
+  local start, count = fw_window(raw, now, period)
+  if not start then return nil, count end
   local ends_in = start + period - now
   local allowed = count + cost <= limit
   local after = count + cost
@@ -28,5 +35,13 @@ ALGORITHMS[3] = function(raw, now, period, limit, cost)
     value = string.format('f:%d:%d', start, after),
     ttl = ends_in,
   }
+end
+
+REFUNDS[3] = function(raw, now, period, limit, cost)
+  local start, count = fw_window(raw, now, period)
+  if not start then return nil, count end
+  count = count - cost
+  if count <= 0 then return false end
+  return string.format('f:%d:%d', start, count), start + period - now
 end
 

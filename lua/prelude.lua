@@ -7,7 +7,8 @@
 --
 -- KEYS[i]  one rule's state for one identity: "<prefix>:{<identity-hash>}:<rule>"
 -- ARGV[1]  now in microseconds, or "" to read Redis TIME (production always does)
--- ARGV[2]  "peek" to only look (write nothing), or ""
+-- ARGV[2]  "" to decide, "peek" to only look (write nothing), "refund" to give back what a
+--          decision took (a Redis Cluster request denied by a rule on another identity)
 -- ARGV[3 + 5(i-1) ..] for KEYS[i]: algorithm code, then four parameters (see each file)
 -- Returns 4 integers per key: allowed (1/0), remaining, retry-after µs, reset µs.
 --
@@ -19,6 +20,7 @@
 -- the gateway handles by its on_error policy.
 
 local ALGORITHMS = {}
+local REFUNDS = {}
 
 -- floor(a / b) for 0 <= a < 2^53, 0 < b, exactly.
 local function idiv(a, b)

@@ -1,21 +1,29 @@
 -- Sliding window (two-window weighted counter): the twin of src/limiter/sliding_window.rs.
 -- Parameters: p (period, µs), n (the rate's N), cost.
 -- State: "s:<window index now/p>:<its count>:<the previous window's count>".
+
+-- The stored window, count and previous count, as written (nil window when none).
+local function sw_state(raw)
+  if not (raw and string.sub(raw, 1, 2) == 's:') then
+    if raw and not ours(raw) then return nil, 'not a ratewall state' end
+    return false
+  end
+  local sw, sc, sp = string.match(raw, '^s:(%d+):(%d+):(%d+)$')
+  sw, sc, sp = tonumber(sw), tonumber(sc), tonumber(sp)
+  if not (sw and sc and sp) then return nil, 'corrupt sliding window state' end
+  return sw, sc, sp
+end
+
 ALGORITHMS[4] = function(raw, now, p, n, cost)
   local w = idiv(now, p)
   local e = now - w * p
+  local sw, sc, sp = sw_state(raw)
+  if sw == nil then return nil, sc end
   local prev, cur = 0, 0
-  if raw and string.sub(raw, 1, 2) == 's:' then
-    local sw, sc, sp = string.match(raw, '^s:(%d+):(%d+):(%d+)$')
-    sw, sc, sp = tonumber(sw), tonumber(sc), tonumber(sp)
-    if not (sw and sc and sp) then return nil, 'corrupt sliding window state' end
-    if sw == w then
-      prev, cur = sp, sc
-    elseif sw + 1 == w then
-      prev, cur = sc, 0
-    end
-  elseif raw and not ours(raw) then
-    return nil, 'not a ratewall state'
+  if sw == w then
+    prev, cur = sp, sc
+  elseif sw and sw + 1 == w then
+    prev, cur = sc, 0
   end
   if prev > n then prev = n end
   if cur > n then cur = n end
@@ -45,5 +53,16 @@ ALGORITHMS[4] = function(raw, now, p, n, cost)
     value = string.format('s:%d:%d:%d', w, cur + cost, prev),
     ttl = 2 * p - e,
   }
+end
+
+-- The charge went into the window it was written in: take it back there.
+REFUNDS[4] = function(raw, now, p, n, cost)
+  local sw, sc, sp = sw_state(raw)
+  if sw == nil then return nil, sc end
+  if not sw or sw + 1 < idiv(now, p) then return false end
+  sc = sc - cost
+  if sc < 0 then sc = 0 end
+  if sc == 0 and sp == 0 then return false end
+  return string.format('s:%d:%d:%d', sw, sc, sp), (sw + 2) * p - now
 end
 

@@ -2,21 +2,28 @@
 -- Parameters: unit (units in a token), per_us (units dripping in per µs),
 --             cap (burst * unit), need (cost * unit).
 -- State: "t:<level after the last charge>:<its time, µs>:<unit>"; gone when full again.
-ALGORITHMS[1] = function(raw, now, unit, per_us, cap, need)
-  local level = cap
-  if raw and string.sub(raw, 1, 2) == 't:' then
-    local l, last, u = string.match(raw, '^t:(%d+):(%d+):(%d+)$')
-    l, last, u = tonumber(l), tonumber(last), tonumber(u)
-    if not (l and last and u and u > 0) then return nil, 'corrupt token bucket state' end
-    -- A changed quota carries whole tokens over.
-    if u ~= unit then l = idiv(l, u) * unit end
-    if l > cap then l = cap end
-    local elapsed = now - last
-    if elapsed < 0 then elapsed = 0 end
-    if elapsed >= cdiv(cap - l, per_us) then level = cap else level = l + elapsed * per_us end
-  elseif raw and not ours(raw) then
-    return nil, 'not a ratewall state'
+
+-- The bucket's level at now, in units.
+local function tb_level(raw, now, unit, per_us, cap)
+  if not (raw and string.sub(raw, 1, 2) == 't:') then
+    if raw and not ours(raw) then return nil, 'not a ratewall state' end
+    return cap
   end
+  local l, last, u = string.match(raw, '^t:(%d+):(%d+):(%d+)$')
+  l, last, u = tonumber(l), tonumber(last), tonumber(u)
+  if not (l and last and u and u > 0) then return nil, 'corrupt token bucket state' end
+  -- A changed quota carries whole tokens over.
+  if u ~= unit then l = idiv(l, u) * unit end
+  if l > cap then l = cap end
+  local elapsed = now - last
+  if elapsed < 0 then elapsed = 0 end
+  if elapsed >= cdiv(cap - l, per_us) then return cap end
+  return l + elapsed * per_us
+end
+
+ALGORITHMS[1] = function(raw, now, unit, per_us, cap, need)
+  local level, err = tb_level(raw, now, unit, per_us, cap)
+  if not level then return nil, err end
   local allowed = level >= need
   local after = level - need
   if after < 0 then after = 0 end
@@ -29,5 +36,14 @@ ALGORITHMS[1] = function(raw, now, unit, per_us, cap, need)
     value = string.format('t:%d:%d:%d', after, now, unit),
     ttl = cdiv(cap - after, per_us),
   }
+end
+
+-- Give back what a charge took. Returns the state and its TTL, or false when full again.
+REFUNDS[1] = function(raw, now, unit, per_us, cap, need)
+  local level, err = tb_level(raw, now, unit, per_us, cap)
+  if not level then return nil, err end
+  level = level + need
+  if level >= cap then return false end
+  return string.format('t:%d:%d:%d', level, now, unit), cdiv(cap - level, per_us)
 end
 

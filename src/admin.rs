@@ -365,7 +365,11 @@ fn stats(gw: &Gateway) -> serde_json::Value {
         "history": st.history(HISTORY_SECS),
         "top": st.top(10, 20),
         "store": {
-            "backend": match cfg.store.backend { Backend::Memory => "memory", Backend::Redis { .. } => "redis" },
+            "backend": match cfg.store.backend {
+                Backend::Memory => "memory",
+                Backend::Redis { .. } => "redis",
+                Backend::RedisCluster { .. } => "redis_cluster",
+            },
             "health": health,
             "on_error": cfg.store.on_error.name(),
         },

@@ -91,6 +91,7 @@ pub struct Upstream {
 pub enum Backend {
     Memory,
     Redis { url: String },
+    RedisCluster { nodes: Vec<String> },
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -306,6 +307,7 @@ fn default_upstream_timeout() -> HumanDuration {
 enum RawBackend {
     Memory,
     Redis,
+    RedisCluster,
 }
 
 #[derive(Deserialize)]
@@ -314,6 +316,7 @@ struct RawStore {
     #[serde(default = "default_backend")]
     backend: RawBackend,
     url: Option<RedisUrl>,
+    nodes: Option<Vec<RedisUrl>>,
     #[serde(default = "default_prefix")]
     prefix: Prefix,
     #[serde(default = "default_store_timeout")]
@@ -331,6 +334,7 @@ impl Default for RawStore {
         RawStore {
             backend: default_backend(),
             url: None,
+            nodes: None,
             prefix: default_prefix(),
             timeout: default_store_timeout(),
             on_error: default_on_error(),
@@ -786,14 +790,24 @@ impl Config {
             Some(s) => (Some(s.span()), s.into_inner()),
             None => (None, RawStore::default()),
         };
-        let backend = match (store.backend, store.url) {
-            (RawBackend::Memory, _) => Backend::Memory,
-            (RawBackend::Redis, Some(url)) => Backend::Redis { url: url.0 },
-            (RawBackend::Redis, None) => {
+        let backend = match (store.backend, store.url, store.nodes) {
+            (RawBackend::Memory, _, _) => Backend::Memory,
+            (RawBackend::Redis, Some(url), _) => Backend::Redis { url: url.0 },
+            (RawBackend::Redis, None, _) => {
                 return Err((
                     store_span,
                     "store.url".into(),
                     "backend = \"redis\" needs url = \"redis://host:port\"".into(),
+                ))
+            }
+            (RawBackend::RedisCluster, _, Some(nodes)) if !nodes.is_empty() => Backend::RedisCluster {
+                nodes: nodes.into_iter().map(|n| n.0).collect(),
+            },
+            (RawBackend::RedisCluster, _, _) => {
+                return Err((
+                    store_span,
+                    "store.nodes".into(),
+                    "backend = \"redis_cluster\" needs nodes = [\"redis://host:port\", ...] (one or more seed nodes)".into(),
                 ))
             }
         };
@@ -947,6 +961,9 @@ impl Config {
         let backend = match &self.store.backend {
             Backend::Memory => "memory (embedded, one instance)".to_string(),
             Backend::Redis { .. } => "redis".to_string(),
+            Backend::RedisCluster { nodes } => {
+                format!("redis_cluster ({} seed nodes)", nodes.len())
+            }
         };
         let _ = writeln!(
             out,

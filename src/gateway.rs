@@ -19,7 +19,7 @@ use crate::headers::{self, Applied, Problem};
 use crate::identity::{self, KeyError};
 use crate::limiter::guard::{Answer, Limiter};
 use crate::limiter::memory::MemoryStore;
-use crate::limiter::redis::RedisStore;
+use crate::limiter::redis::{RedisClusterStore, RedisStore};
 use crate::limiter::{Check, IdentityDigest, MonotonicClock, Store, StoreError};
 use crate::metrics::{
     status_class, ClassLabels, InFlight, Limited, Metrics, ReloadLabels, ReloadResult,
@@ -59,6 +59,9 @@ impl Live {
                         &config.store.prefix,
                         config.store.timeout,
                     )?),
+                    Backend::RedisCluster { nodes } => Store::RedisCluster(Box::new(
+                        RedisClusterStore::new(nodes, &config.store.prefix, config.store.timeout)?,
+                    )),
                 };
                 let s = &config.store;
                 Limiter::new(

@@ -6,6 +6,9 @@
 //!   in a row the breaker opens, and for the next `breaker_cooldown` requests stop waiting
 //!   on the store and get `on_error` at once, while a background task probes the store;
 //!   the first answer closes the breaker. Transitions are logged once, not per request.
+//!   (With a Redis Cluster the breaker stays closed: one node's outage must not stop the
+//!   slots the other nodes serve; requests on the dead node's slots get `on_error` after
+//!   the store timeout.)
 //! - **data errors** (a key of the wrong type, a corrupt state someone else wrote): one
 //!   key's problem, not the store's. That request gets `on_error`, the key is logged (at
 //!   most once a second), and the breaker is not moved.
@@ -107,6 +110,7 @@ impl Limiter {
         let backend = match self.store {
             Store::Memory(_) => "memory",
             Store::Redis(_) => "redis",
+            Store::RedisCluster(_) => "redis_cluster",
         };
         self.metrics
             .store_duration
@@ -201,7 +205,10 @@ impl Limiter {
         if n == 1 {
             tracing::warn!(error = %e, on_error = self.on_error.name(), "store failing; applying on_error");
         }
-        if n >= self.threshold && !self.open.swap(true, Relaxed) {
+        // In a cluster one node's failure is not the others': its slots get on_error after
+        // the store timeout, and the breaker, which would stop every slot, stays closed.
+        let clustered = matches!(self.store, Store::RedisCluster(_));
+        if !clustered && n >= self.threshold && !self.open.swap(true, Relaxed) {
             self.metrics.breaker_open.set(1);
             tracing::warn!(
                 failures = n,

@@ -389,10 +389,12 @@ impl Clock for ManualClock {
     }
 }
 
-/// The one store a gateway runs: embedded memory, or Redis shared by many gateways.
+/// The one store a gateway runs: embedded memory, or Redis (one, or a cluster) shared by
+/// many gateways.
 pub enum Store {
     Memory(memory::MemoryStore),
     Redis(redis::RedisStore),
+    RedisCluster(Box<redis::RedisClusterStore>),
 }
 
 impl Store {
@@ -402,6 +404,7 @@ impl Store {
         match self {
             Store::Memory(m) => Ok(m.decide(checks)),
             Store::Redis(r) => r.decide(checks, None).await,
+            Store::RedisCluster(c) => c.decide(checks, None).await,
         }
     }
 
@@ -410,6 +413,7 @@ impl Store {
         match self {
             Store::Memory(m) => Ok(m.peek(checks)),
             Store::Redis(r) => r.peek(checks, None).await,
+            Store::RedisCluster(c) => c.peek(checks, None).await,
         }
     }
 
@@ -421,6 +425,7 @@ impl Store {
                 Ok(())
             }
             Store::Redis(r) => r.reset(check).await,
+            Store::RedisCluster(c) => c.reset(check).await,
         }
     }
 
@@ -429,6 +434,7 @@ impl Store {
         match self {
             Store::Memory(_) => Ok(()),
             Store::Redis(r) => r.ping().await,
+            Store::RedisCluster(c) => c.ping().await,
         }
     }
 }

@@ -1,11 +1,20 @@
-//! The shared store: one Redis, one multiplexed connection for every request, and the Lua
-//! twins of the step functions (`lua/`), run atomically with EVALSHA (reloaded on NOSCRIPT
-//! by `redis::Script`): one call decides every rule of a request. Time is Redis' own
-//! `TIME`, so every gateway shares one clock.
+//! The shared stores: one Redis ([`RedisStore`]) or a Redis Cluster
+//! ([`RedisClusterStore`]). Both run the Lua twins of the step functions (`lua/`),
+//! composed into one script and called with EVALSHA (loaded again on NOSCRIPT by
+//! `redis::Script`, on every node of a cluster). Time is Redis' own `TIME`, so every
+//! gateway shares one clock.
+//!
+//! One Redis decides every rule of a request in one atomic call. In a cluster a script
+//! may only touch one slot: keys are hash-tagged on the identity
+//! (`<prefix>:{<identity-hash>}:<rule>`), so all rules on one identity are still one
+//! atomic call; rules on different identities (say, per key and per IP) are decided one
+//! identity at a time, and a denial refunds what the identities before it took.
 
 use std::time::Duration;
 
-use redis::aio::{ConnectionManager, ConnectionManagerConfig};
+use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
+use redis::cluster::ClusterClient;
+use redis::cluster_async::ClusterConnection;
 
 use super::{Algorithm, Check, Decision, StoreError};
 
@@ -20,35 +29,32 @@ pub const SCRIPT: &str = concat!(
     include_str!("../../lua/decide.lua"),
 );
 
-pub struct RedisStore {
-    conn: ConnectionManager,
+/// What the script does with the keys it is given.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Decide,
+    Peek,
+    Refund,
+}
+
+/// The script, the key prefix and the per-call timeout: what both stores share.
+struct Scripted {
     script: redis::Script,
     prefix: String,
     timeout: Duration,
 }
 
-impl RedisStore {
-    /// Set up the connection without waiting for it: a gateway starts while Redis is down
-    /// and answers by `on_error` until Redis is reachable.
-    pub fn new(url: &str, prefix: &str, timeout: Duration) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url)?;
-        let config = ConnectionManagerConfig::new()
-            .set_connection_timeout(Some(timeout.max(Duration::from_millis(250))))
-            .set_response_timeout(Some(timeout))
-            .set_number_of_retries(2)
-            .set_min_delay(Duration::from_millis(10))
-            .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_lazy_with_config(client, config)?;
-        Ok(RedisStore {
-            conn,
+impl Scripted {
+    fn new(prefix: &str, timeout: Duration) -> Scripted {
+        Scripted {
             script: redis::Script::new(SCRIPT),
             prefix: prefix.to_string(),
             timeout,
-        })
+        }
     }
 
-    /// The Redis key of one identity under one rule: `<prefix>:{<identity-hash>}:<rule>`.
-    pub fn key(&self, check: &Check<'_>) -> String {
+    /// `<prefix>:{<identity-hash>}:<rule>`.
+    fn key(&self, check: &Check<'_>) -> String {
         format!(
             "{}:{{{}}}:{}",
             self.prefix,
@@ -57,51 +63,24 @@ impl RedisStore {
         )
     }
 
-    /// Decide all `checks` in one script call. `now_us`: `None` reads Redis `TIME` (always,
-    /// in production); tests pass a time to replay a timeline exactly.
-    pub async fn decide(
+    /// One script call for `checks` (all on one slot, in a cluster).
+    async fn call<C: ConnectionLike>(
         &self,
-        checks: &[Check<'_>],
+        conn: &mut C,
+        checks: &[&Check<'_>],
         now_us: Option<u64>,
-    ) -> Result<Vec<Decision>, StoreError> {
-        self.run(checks, now_us, false).await
-    }
-
-    /// What `checks` would be told now, without charging or writing anything.
-    pub async fn peek(
-        &self,
-        checks: &[Check<'_>],
-        now_us: Option<u64>,
-    ) -> Result<Vec<Decision>, StoreError> {
-        self.run(checks, now_us, true).await
-    }
-
-    /// Forget one identity's state under one rule.
-    pub async fn reset(&self, check: &Check<'_>) -> Result<(), StoreError> {
-        let mut conn = self.conn.clone();
-        let _: i64 = tokio::time::timeout(
-            self.timeout,
-            redis::cmd("DEL")
-                .arg(self.key(check))
-                .query_async(&mut conn),
-        )
-        .await
-        .map_err(|_| StoreError::Timeout(self.timeout))??;
-        Ok(())
-    }
-
-    async fn run(
-        &self,
-        checks: &[Check<'_>],
-        now_us: Option<u64>,
-        peek: bool,
+        mode: Mode,
     ) -> Result<Vec<Decision>, StoreError> {
         let mut inv = self.script.prepare_invoke();
         match now_us {
             Some(t) => inv.arg(t),
             None => inv.arg(""),
         };
-        inv.arg(if peek { "peek" } else { "" });
+        inv.arg(match mode {
+            Mode::Decide => "",
+            Mode::Peek => "peek",
+            Mode::Refund => "refund",
+        });
         for c in checks {
             let q = c.quota;
             inv.key(self.key(c)).arg(q.algorithm.code());
@@ -116,8 +95,7 @@ impl RedisStore {
                 }
             };
         }
-        let mut conn = self.conn.clone();
-        let reply: Vec<i64> = tokio::time::timeout(self.timeout, inv.invoke_async(&mut conn))
+        let reply: Vec<i64> = tokio::time::timeout(self.timeout, inv.invoke_async(conn))
             .await
             .map_err(|_| StoreError::Timeout(self.timeout))??;
         if reply.len() != checks.len() * 4 {
@@ -143,16 +121,251 @@ impl RedisStore {
             .collect()
     }
 
-    pub async fn ping(&self) -> Result<(), StoreError> {
-        let mut conn = self.conn.clone();
-        let pong: String =
-            tokio::time::timeout(self.timeout, redis::cmd("PING").query_async(&mut conn))
-                .await
-                .map_err(|_| StoreError::Timeout(self.timeout))??;
+    async fn ping<C: ConnectionLike>(&self, conn: &mut C) -> Result<(), StoreError> {
+        let pong: String = tokio::time::timeout(self.timeout, redis::cmd("PING").query_async(conn))
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))??;
         if pong == "PONG" {
             Ok(())
         } else {
             Err(StoreError::Protocol(format!("PING answered {pong:?}")))
         }
     }
+
+    async fn delete<C: ConnectionLike>(
+        &self,
+        conn: &mut C,
+        check: &Check<'_>,
+    ) -> Result<(), StoreError> {
+        let _: i64 = tokio::time::timeout(
+            self.timeout,
+            redis::cmd("DEL").arg(self.key(check)).query_async(conn),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(self.timeout))??;
+        Ok(())
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+
+/// One Redis, over one multiplexed connection shared by every request.
+pub struct RedisStore {
+    conn: ConnectionManager,
+    s: Scripted,
+}
+
+impl RedisStore {
+    /// Set up the connection without waiting for it: a gateway starts while Redis is down
+    /// and answers by `on_error` until Redis is reachable.
+    pub fn new(url: &str, prefix: &str, timeout: Duration) -> Result<Self, StoreError> {
+        let client = redis::Client::open(url)?;
+        let config = ConnectionManagerConfig::new()
+            .set_connection_timeout(Some(timeout.max(Duration::from_millis(250))))
+            .set_response_timeout(Some(timeout))
+            .set_number_of_retries(2)
+            .set_min_delay(Duration::from_millis(10))
+            .set_max_delay(Duration::from_millis(500));
+        let conn = ConnectionManager::new_lazy_with_config(client, config)?;
+        Ok(RedisStore {
+            conn,
+            s: Scripted::new(prefix, timeout),
+        })
+    }
+
+    /// The Redis key of one identity under one rule: `<prefix>:{<identity-hash>}:<rule>`.
+    pub fn key(&self, check: &Check<'_>) -> String {
+        self.s.key(check)
+    }
+
+    /// Decide all `checks` in one script call. `now_us`: `None` reads Redis `TIME` (always,
+    /// in production); tests pass a time to replay a timeline exactly.
+    pub async fn decide(
+        &self,
+        checks: &[Check<'_>],
+        now_us: Option<u64>,
+    ) -> Result<Vec<Decision>, StoreError> {
+        let all: Vec<&Check<'_>> = checks.iter().collect();
+        self.s
+            .call(&mut self.conn.clone(), &all, now_us, Mode::Decide)
+            .await
+    }
+
+    /// What `checks` would be told now, without charging or writing anything.
+    pub async fn peek(
+        &self,
+        checks: &[Check<'_>],
+        now_us: Option<u64>,
+    ) -> Result<Vec<Decision>, StoreError> {
+        let all: Vec<&Check<'_>> = checks.iter().collect();
+        self.s
+            .call(&mut self.conn.clone(), &all, now_us, Mode::Peek)
+            .await
+    }
+
+    /// Forget one identity's state under one rule.
+    pub async fn reset(&self, check: &Check<'_>) -> Result<(), StoreError> {
+        self.s.delete(&mut self.conn.clone(), check).await
+    }
+
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.s.ping(&mut self.conn.clone()).await
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+
+/// A Redis Cluster through redis-rs' cluster client, which follows MOVED/ASK redirections
+/// and node failovers by itself.
+pub struct RedisClusterStore {
+    client: ClusterClient,
+    conn: tokio::sync::OnceCell<ClusterConnection>,
+    s: Scripted,
+}
+
+impl RedisClusterStore {
+    /// Set up the client without connecting: the first call connects (and a failed
+    /// connect is tried again by the next call), so the gateway starts while the cluster
+    /// is down and answers by `on_error`.
+    pub fn new(nodes: &[String], prefix: &str, timeout: Duration) -> Result<Self, StoreError> {
+        let client = ClusterClient::builder(nodes.to_vec())
+            .connection_timeout(timeout.max(Duration::from_millis(250)))
+            .response_timeout(timeout)
+            .retries(2)
+            .build()?;
+        Ok(RedisClusterStore {
+            client,
+            conn: tokio::sync::OnceCell::new(),
+            s: Scripted::new(prefix, timeout),
+        })
+    }
+
+    pub fn key(&self, check: &Check<'_>) -> String {
+        self.s.key(check)
+    }
+
+    async fn connection(&self) -> Result<ClusterConnection, StoreError> {
+        let timeout = self.s.timeout.max(Duration::from_millis(250));
+        let conn = tokio::time::timeout(
+            timeout,
+            self.conn
+                .get_or_try_init(|| self.client.get_async_connection()),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(timeout))??;
+        Ok(conn.clone())
+    }
+
+    /// Decide all `checks`: one atomic call per identity (one slot each); when an identity
+    /// denies, the identities already charged are refunded and the rest only looked at,
+    /// so a denied request takes nothing. The answers are in `checks`' order.
+    pub async fn decide(
+        &self,
+        checks: &[Check<'_>],
+        now_us: Option<u64>,
+    ) -> Result<Vec<Decision>, StoreError> {
+        let mut conn = self.connection().await?;
+        let groups = by_identity(checks);
+        if groups.len() == 1 {
+            let all: Vec<&Check<'_>> = checks.iter().collect();
+            return self.s.call(&mut conn, &all, now_us, Mode::Decide).await;
+        }
+        let mut out: Vec<Option<Decision>> = vec![None; checks.len()];
+        let mut charged: Vec<&[usize]> = Vec::new();
+        let mut denied = false;
+        for idx in &groups {
+            let group: Vec<&Check<'_>> = idx.iter().map(|&i| &checks[i]).collect();
+            let mode = if denied { Mode::Peek } else { Mode::Decide };
+            let decisions = match self.s.call(&mut conn, &group, now_us, mode).await {
+                Ok(d) => d,
+                Err(e) => {
+                    self.refund(&mut conn, checks, &charged, now_us, &mut out)
+                        .await;
+                    return Err(e);
+                }
+            };
+            let all_allowed = decisions.iter().all(|d| d.allowed);
+            for (&i, d) in idx.iter().zip(decisions) {
+                out[i] = Some(d);
+            }
+            if !denied {
+                if all_allowed {
+                    charged.push(idx);
+                } else {
+                    denied = true;
+                    self.refund(&mut conn, checks, &charged, now_us, &mut out)
+                        .await;
+                    charged.clear();
+                }
+            }
+        }
+        out.into_iter()
+            .map(|d| d.ok_or_else(|| StoreError::Protocol("a rule went undecided".into())))
+            .collect()
+    }
+
+    /// Give back what `charged` groups took; their answers become what they would be told
+    /// now. Best effort: a refund that fails leaves the charge, which can only make the
+    /// limit stricter, never looser.
+    async fn refund(
+        &self,
+        conn: &mut ClusterConnection,
+        checks: &[Check<'_>],
+        charged: &[&[usize]],
+        now_us: Option<u64>,
+        out: &mut [Option<Decision>],
+    ) {
+        for idx in charged {
+            let group: Vec<&Check<'_>> = idx.iter().map(|&i| &checks[i]).collect();
+            match self.s.call(conn, &group, now_us, Mode::Refund).await {
+                Ok(decisions) => {
+                    for (&i, d) in idx.iter().zip(decisions) {
+                        out[i] = Some(d);
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "refund failed; the charge stands"),
+            }
+        }
+    }
+
+    pub async fn peek(
+        &self,
+        checks: &[Check<'_>],
+        now_us: Option<u64>,
+    ) -> Result<Vec<Decision>, StoreError> {
+        let mut conn = self.connection().await?;
+        let mut out: Vec<Option<Decision>> = vec![None; checks.len()];
+        for idx in by_identity(checks) {
+            let group: Vec<&Check<'_>> = idx.iter().map(|&i| &checks[i]).collect();
+            for (&i, d) in idx
+                .iter()
+                .zip(self.s.call(&mut conn, &group, now_us, Mode::Peek).await?)
+            {
+                out[i] = Some(d);
+            }
+        }
+        out.into_iter()
+            .map(|d| d.ok_or_else(|| StoreError::Protocol("a rule went unanswered".into())))
+            .collect()
+    }
+
+    pub async fn reset(&self, check: &Check<'_>) -> Result<(), StoreError> {
+        self.s.delete(&mut self.connection().await?, check).await
+    }
+
+    pub async fn ping(&self) -> Result<(), StoreError> {
+        self.s.ping(&mut self.connection().await?).await
+    }
+}
+
+/// Indexes of `checks` grouped by identity (so by cluster slot), in first-seen order.
+fn by_identity(checks: &[Check<'_>]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<(super::IdentityDigest, Vec<usize>)> = Vec::new();
+    for (i, c) in checks.iter().enumerate() {
+        match groups.iter_mut().find(|(d, _)| d == c.identity) {
+            Some((_, idx)) => idx.push(i),
+            None => groups.push((*c.identity, vec![i])),
+        }
+    }
+    groups.into_iter().map(|(_, idx)| idx).collect()
 }

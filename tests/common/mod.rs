@@ -541,3 +541,177 @@ pub fn tally(statuses: impl IntoIterator<Item = StatusCode>) -> HashMap<u16, usi
     }
     m
 }
+
+// ---------------------------------------------------------------------------------------
+
+/// A real 3-master Redis Cluster (no replicas) on loopback ports, torn down on drop.
+pub struct RedisCluster {
+    pub ports: Vec<u16>,
+    children: Vec<Option<Child>>,
+    _dir: tempfile::TempDir,
+}
+
+impl RedisCluster {
+    pub fn start() -> RedisCluster {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
+        let mut children = Vec::new();
+        for &port in &ports {
+            let child = Command::new("redis-server")
+                .current_dir(dir.path())
+                .args([
+                    "--port",
+                    &port.to_string(),
+                    "--bind",
+                    "127.0.0.1",
+                    "--cluster-enabled",
+                    "yes",
+                    "--cluster-config-file",
+                    &format!("nodes-{port}.conf"),
+                    "--cluster-node-timeout",
+                    "2000",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ])
+                .stdout(Stdio::null())
+                .stderr(Stdio::null())
+                .spawn()
+                .expect("redis-server must be installed");
+            children.push(Some(child));
+        }
+        for &port in &ports {
+            assert!(
+                wait_for_port(port, Duration::from_secs(10)),
+                "cluster node {port} did not start"
+            );
+        }
+        let mut create = Command::new("redis-cli");
+        create.arg("--cluster").arg("create");
+        for &port in &ports {
+            create.arg(format!("127.0.0.1:{port}"));
+        }
+        let out = create
+            .args(["--cluster-replicas", "0", "--cluster-yes"])
+            .output()
+            .expect("redis-cli must be installed");
+        assert!(
+            out.status.success(),
+            "cluster create failed: {}",
+            String::from_utf8_lossy(&out.stdout)
+        );
+        let cluster = RedisCluster {
+            ports,
+            children,
+            _dir: dir,
+        };
+        let end = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < end {
+            if cluster
+                .ports
+                .iter()
+                .all(|&p| cluster.info(p).contains("cluster_state:ok"))
+            {
+                return cluster;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        panic!("the cluster never reached cluster_state:ok");
+    }
+
+    /// Seed node URLs for `[store].nodes`.
+    pub fn nodes(&self) -> Vec<String> {
+        self.ports
+            .iter()
+            .map(|p| format!("redis://127.0.0.1:{p}"))
+            .collect()
+    }
+
+    /// `[store]` for a gateway on this cluster.
+    pub fn store_toml(&self, on_error: &str, timeout: &str) -> String {
+        let nodes: Vec<String> = self.nodes().iter().map(|n| format!("\"{n}\"")).collect();
+        format!(
+            "[store]\nbackend = \"redis_cluster\"\nnodes = [{}]\nprefix = \"rwtest\"\ntimeout = \"{timeout}\"\non_error = \"{on_error}\"\n",
+            nodes.join(", ")
+        )
+    }
+
+    /// A direct connection to one node (no redirections).
+    pub fn node(&self, i: usize) -> redis::Connection {
+        let client =
+            redis::Client::open(format!("redis://127.0.0.1:{}", self.ports[i])).expect("url");
+        client
+            .get_connection_with_timeout(Duration::from_secs(2))
+            .expect("node connection")
+    }
+
+    fn info(&self, port: u16) -> String {
+        redis::Client::open(format!("redis://127.0.0.1:{port}"))
+            .and_then(|c| c.get_connection_with_timeout(Duration::from_secs(1)))
+            .and_then(|mut c| redis::cmd("CLUSTER").arg("INFO").query::<String>(&mut c))
+            .unwrap_or_default()
+    }
+
+    /// Which node (index) serves `key`'s slot.
+    pub fn node_of(&self, key: &str) -> usize {
+        let mut c = self.node(0);
+        let slot: i64 = redis::cmd("CLUSTER")
+            .arg("KEYSLOT")
+            .arg(key)
+            .query(&mut c)
+            .expect("KEYSLOT");
+        let slots: Vec<(i64, i64, (String, i64))> = redis::cmd("CLUSTER")
+            .arg("SLOTS")
+            .query::<Vec<redis::Value>>(&mut c)
+            .expect("CLUSTER SLOTS")
+            .into_iter()
+            .filter_map(|v| match v {
+                redis::Value::Array(items) if items.len() >= 3 => {
+                    let int = |v: &redis::Value| match v {
+                        redis::Value::Int(i) => Some(*i),
+                        _ => None,
+                    };
+                    let master = match &items[2] {
+                        redis::Value::Array(m) if m.len() >= 2 => {
+                            let host = match &m[0] {
+                                redis::Value::BulkString(b) => {
+                                    String::from_utf8_lossy(b).into_owned()
+                                }
+                                _ => String::new(),
+                            };
+                            (host, int(&m[1])?)
+                        }
+                        _ => return None,
+                    };
+                    Some((int(&items[0])?, int(&items[1])?, master))
+                }
+                _ => None,
+            })
+            .collect();
+        let (_, _, (_, port)) = slots
+            .iter()
+            .find(|(lo, hi, _)| (*lo..=*hi).contains(&slot))
+            .expect("a node serves every slot");
+        self.ports
+            .iter()
+            .position(|p| i64::from(*p) == *port)
+            .expect("a known node")
+    }
+
+    /// Kill node `i` (SIGKILL); its slots have no replica to fail over to.
+    pub fn kill(&mut self, i: usize) {
+        if let Some(mut c) = self.children[i].take() {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+    }
+}
+
+impl Drop for RedisCluster {
+    fn drop(&mut self) {
+        for i in 0..self.children.len() {
+            self.kill(i);
+        }
+    }
+}
