@@ -67,25 +67,6 @@ fn decode_unreserved(raw: &str) -> String {
     out
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn normalises_what_could_dodge_a_prefix() {
-        assert_eq!(normalize_path("/api/x"), "/api/x");
-        assert_eq!(normalize_path("/x/../api/y"), "/api/y");
-        assert_eq!(normalize_path("//api//y"), "/api/y");
-        assert_eq!(normalize_path("/./api/"), "/api/");
-        assert_eq!(normalize_path("/%61pi/y"), "/api/y");
-        assert_eq!(normalize_path("/api%2Fy"), "/api%2Fy");
-        assert_eq!(normalize_path("/../../"), "/");
-        assert_eq!(normalize_path("/api/.."), "/");
-        assert_eq!(normalize_path("/a%"), "/a%");
-        assert_eq!(normalize_path("/a%6"), "/a%6");
-    }
-}
-
 /// Which rules apply to a sample request, and how each would count it: what
 /// `ratewall check --path ... --method ... --header ...` prints. Pure: no store is asked.
 pub fn explain(
@@ -176,4 +157,23 @@ pub fn explain(
         );
     }
     out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normalises_what_could_dodge_a_prefix() {
+        assert_eq!(normalize_path("/api/x"), "/api/x");
+        assert_eq!(normalize_path("/x/../api/y"), "/api/y");
+        assert_eq!(normalize_path("//api//y"), "/api/y");
+        assert_eq!(normalize_path("/./api/"), "/api/");
+        assert_eq!(normalize_path("/%61pi/y"), "/api/y");
+        assert_eq!(normalize_path("/api%2Fy"), "/api%2Fy");
+        assert_eq!(normalize_path("/../../"), "/");
+        assert_eq!(normalize_path("/api/.."), "/");
+        assert_eq!(normalize_path("/a%"), "/a%");
+        assert_eq!(normalize_path("/a%6"), "/a%6");
+    }
 }

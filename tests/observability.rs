@@ -1,0 +1,1332 @@
+//! Observability end to end: `/metrics` parsed as Prometheus text, the JSON access log, the
+//! admin API (state, reset, top), the status page rendered by headless Chromium, and
+//! `ratewall check --path`. Real processes only: the `ratewall` binary, a real upstream,
+//! a real redis-server.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::convert::Infallible;
+use std::net::SocketAddr;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use common::{upstream_and_store, Gateway, HttpClient, RedisServer, Reply, Store, Upstream};
+use http::{Request, Response, StatusCode};
+use http_body_util::Full;
+use hyper::body::Incoming;
+use hyper::service::service_fn;
+use hyper_util::rt::{TokioExecutor, TokioIo};
+
+/// The admin token the tests configure (at least 16 characters).
+const ADMIN_TOKEN: &str = "obs-admin-token-0123456789abcdef";
+
+// ---------------------------------------------------------------------------------------
+// Helpers
+
+/// An upstream that answers 500 to paths ending in `/boom`, answers after `<ms>` to paths
+/// containing `/slow/<ms>`, and 200 "ok" to anything else.
+struct FaultyUpstream {
+    addr: SocketAddr,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl FaultyUpstream {
+    async fn start() -> FaultyUpstream {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind upstream");
+        let addr = listener.local_addr().expect("upstream addr");
+        let task = tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                tokio::spawn(async move {
+                    let svc = service_fn(|req: Request<Incoming>| async move {
+                        let path = req.uri().path().to_string();
+                        if let Some(ms) = path
+                            .split_once("/slow/")
+                            .and_then(|(_, ms)| ms.parse::<u64>().ok())
+                        {
+                            tokio::time::sleep(Duration::from_millis(ms)).await;
+                        }
+                        let mut resp = Response::new(Full::new(Bytes::from_static(b"ok\n")));
+                        if path.ends_with("/boom") {
+                            *resp.status_mut() = StatusCode::INTERNAL_SERVER_ERROR;
+                        }
+                        Ok::<_, Infallible>(resp)
+                    });
+                    let _ = hyper_util::server::conn::auto::Builder::new(TokioExecutor::new())
+                        .serve_connection(TokioIo::new(stream), svc)
+                        .await;
+                });
+            }
+        });
+        FaultyUpstream { addr, task }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+}
+
+impl Drop for FaultyUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+/// The gateway, once both its listeners accept (the harness waits for the public one).
+fn start(body: &str) -> Gateway {
+    admin_ready(Gateway::start(body))
+}
+
+fn start_with(body: &str, args: &[&str], env: &[(&str, &str)]) -> Gateway {
+    admin_ready(Gateway::start_with(body, args, env))
+}
+
+fn admin_ready(gw: Gateway) -> Gateway {
+    let end = Instant::now() + Duration::from_secs(10);
+    while std::net::TcpStream::connect(("127.0.0.1", gw.admin_port)).is_err() {
+        assert!(
+            Instant::now() < end,
+            "the admin listener did not come up:\n{}",
+            gw.logs()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    gw
+}
+
+/// One scrape of `/metrics`, parsed with `prometheus-parse`.
+struct Scrape {
+    text: String,
+    samples: Vec<prometheus_parse::Sample>,
+}
+
+impl Scrape {
+    async fn take(client: &HttpClient, gw: &Gateway) -> Scrape {
+        let r = client.get(&gw.admin_url("/metrics"), &[]).await;
+        assert_eq!(r.status, StatusCode::OK, "GET /metrics");
+        let ct = r.header("content-type").unwrap_or_default().to_string();
+        assert!(
+            ct.starts_with("application/openmetrics-text"),
+            "content-type of /metrics: {ct:?}"
+        );
+        let text = String::from_utf8(r.body.to_vec()).expect("metrics are UTF-8");
+        assert_eq!(
+            text.lines().last(),
+            Some("# EOF"),
+            "OpenMetrics text ends with # EOF"
+        );
+        let lines: Vec<std::io::Result<String>> = text
+            .lines()
+            .filter(|l| *l != "# EOF")
+            .map(|l| Ok(l.to_string()))
+            .collect();
+        let parsed = prometheus_parse::Scrape::parse(lines.into_iter()).expect("parse /metrics");
+        assert!(!parsed.samples.is_empty(), "no samples in:\n{text}");
+        Scrape {
+            text,
+            samples: parsed.samples,
+        }
+    }
+
+    fn number(v: &prometheus_parse::Value) -> Option<f64> {
+        match v {
+            prometheus_parse::Value::Counter(x)
+            | prometheus_parse::Value::Gauge(x)
+            | prometheus_parse::Value::Untyped(x) => Some(*x),
+            _ => None,
+        }
+    }
+
+    /// Every sample of `metric`, keyed by its labels (sorted `k=v` pairs).
+    fn family(&self, metric: &str) -> BTreeMap<Vec<(String, String)>, f64> {
+        self.samples
+            .iter()
+            .filter(|s| s.metric == metric)
+            .filter_map(|s| {
+                let mut labels: Vec<(String, String)> = s
+                    .labels
+                    .iter()
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect();
+                labels.sort();
+                Scrape::number(&s.value).map(|v| (labels, v))
+            })
+            .collect()
+    }
+
+    /// The value of `metric` with exactly `labels`; 0 when the series does not exist yet
+    /// (a labelled counter appears on its first increment).
+    fn get(&self, metric: &str, labels: &[(&str, &str)]) -> f64 {
+        let mut want: Vec<(String, String)> = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .collect();
+        want.sort();
+        self.family(metric).get(&want).copied().unwrap_or(0.0)
+    }
+
+    /// A metric without labels, which must exist.
+    fn scalar(&self, metric: &str) -> f64 {
+        *self
+            .family(metric)
+            .get(&Vec::new())
+            .unwrap_or_else(|| panic!("no {metric} in:\n{}", self.text))
+    }
+
+    /// The non-zero series of a two-label family, as `(a, b) -> value`.
+    fn nonzero2(&self, metric: &str, a: &str, b: &str) -> BTreeMap<(String, String), u64> {
+        self.samples
+            .iter()
+            .filter(|s| s.metric == metric)
+            .filter_map(|s| {
+                let v = Scrape::number(&s.value)?;
+                (v != 0.0).then(|| {
+                    (
+                        (
+                            s.labels.get(a).unwrap_or("?").to_string(),
+                            s.labels.get(b).unwrap_or("?").to_string(),
+                        ),
+                        v as u64,
+                    )
+                })
+            })
+            .collect()
+    }
+
+    /// The non-zero series of a one-label family, as `label -> value`.
+    fn nonzero1(&self, metric: &str, a: &str) -> BTreeMap<String, u64> {
+        self.samples
+            .iter()
+            .filter(|s| s.metric == metric)
+            .filter_map(|s| {
+                let v = Scrape::number(&s.value)?;
+                (v != 0.0).then(|| (s.labels.get(a).unwrap_or("?").to_string(), v as u64))
+            })
+            .collect()
+    }
+
+    /// Every label value of every sample.
+    fn label_values(&self) -> Vec<String> {
+        self.samples
+            .iter()
+            .flat_map(|s| s.labels.values().cloned())
+            .collect()
+    }
+}
+
+fn map2(entries: &[(&str, &str, u64)]) -> BTreeMap<(String, String), u64> {
+    entries
+        .iter()
+        .map(|(a, b, v)| ((a.to_string(), b.to_string()), *v))
+        .collect()
+}
+
+fn map1(entries: &[(&str, u64)]) -> BTreeMap<String, u64> {
+    entries.iter().map(|(a, v)| (a.to_string(), *v)).collect()
+}
+
+/// `after - before`, per series, keeping what changed.
+fn delta<K: Ord + Clone>(after: &BTreeMap<K, u64>, before: &BTreeMap<K, u64>) -> BTreeMap<K, u64> {
+    after
+        .iter()
+        .filter_map(|(k, v)| {
+            let d = v.saturating_sub(before.get(k).copied().unwrap_or(0));
+            (d > 0).then(|| (k.clone(), d))
+        })
+        .collect()
+}
+
+/// The `r` (remaining) parameter of `rule`'s item in the `RateLimit` header.
+fn remaining(r: &Reply, rule: &str) -> i64 {
+    let value = r
+        .header("ratelimit")
+        .unwrap_or_else(|| panic!("no RateLimit header on a {} reply", r.status));
+    let list = sfv::Parser::parse_list(value.as_bytes())
+        .unwrap_or_else(|e| panic!("{value:?} is not a Structured Field list: {e}"));
+    for entry in list {
+        if let sfv::ListEntry::Item(item) = entry {
+            if item.bare_item.as_str() == Some(rule) {
+                return item
+                    .params
+                    .get("r")
+                    .and_then(|v| v.as_int())
+                    .unwrap_or_else(|| panic!("no integer r in {value:?}"));
+            }
+        }
+    }
+    panic!("no item for rule {rule:?} in RateLimit: {value:?}")
+}
+
+fn is_short_id(s: &str) -> bool {
+    s.len() == 8
+        && s.bytes()
+            .all(|b| b.is_ascii_hexdigit() && !b.is_ascii_uppercase())
+}
+
+/// `/admin/state`'s identity (8 hex digits) for one API key under rule `api`.
+async fn identity_of(client: &HttpClient, gw: &Gateway, key: &str) -> String {
+    let r = client
+        .get(
+            &gw.admin_url(&format!("/admin/state?rule=api&key={key}")),
+            &[],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK, "/admin/state for a key");
+    let id = r.json()["identity"]
+        .as_str()
+        .expect("identity is a string")
+        .to_string();
+    assert!(
+        is_short_id(&id),
+        "identity {id:?} is 8 lowercase hex digits"
+    );
+    id
+}
+
+async fn admin_post(client: &HttpClient, url: &str, token: Option<&str>) -> Reply {
+    let auth = token.map(|t| format!("Bearer {t}"));
+    let headers: Vec<(&str, &str)> = auth
+        .as_deref()
+        .map(|a| vec![("authorization", a)])
+        .unwrap_or_default();
+    client.send("POST", url, &headers, Bytes::new()).await
+}
+
+/// Keys `<prefix>:{<hash>}:<rule>` in Redis whose hash starts with `id`.
+fn redis_keys_of(redis: &RedisServer, prefix: &str, id: &str, rule: &str) -> Vec<String> {
+    let mut conn = redis.conn();
+    let mut cursor: u64 = 0;
+    let mut found = Vec::new();
+    loop {
+        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
+            .arg(cursor)
+            .arg("MATCH")
+            .arg(format!("{prefix}:*"))
+            .arg("COUNT")
+            .arg(1000)
+            .query(&mut conn)
+            .expect("SCAN");
+        found.extend(keys.into_iter().filter(|k| {
+            k.starts_with(&format!("{prefix}:{{{id}")) && k.ends_with(&format!("}}:{rule}"))
+        }));
+        if next == 0 {
+            return found;
+        }
+        cursor = next;
+    }
+}
+
+/// The text of the element with `id="<id>"` up to its first child tag.
+fn element_text<'d>(dom: &'d str, id: &str) -> Option<&'d str> {
+    let at = dom.find(&format!("id=\"{id}\""))?;
+    let open_end = at + dom[at..].find('>')? + 1;
+    let len = dom[open_end..].find('<')?;
+    Some(dom[open_end..open_end + len].trim())
+}
+
+/// The inner HTML of the `<tbody id="<id>">`.
+fn tbody<'d>(dom: &'d str, id: &str) -> &'d str {
+    let at = dom
+        .find(&format!("<tbody id=\"{id}\">"))
+        .unwrap_or_else(|| panic!("no tbody #{id} in the DOM:\n{dom}"));
+    let rest = &dom[at..];
+    &rest[..rest.find("</tbody>").expect("</tbody>")]
+}
+
+fn chromium() -> PathBuf {
+    let found = std::env::var_os("PATH").and_then(|paths| {
+        std::env::split_paths(&paths)
+            .map(|d| d.join("chromium"))
+            .find(|p| p.is_file())
+    });
+    let path = found.unwrap_or_else(|| PathBuf::from("/usr/bin/chromium"));
+    assert!(
+        path.is_file(),
+        "chromium is not installed: the status page test needs it (./scripts/test installs \
+         it, or: apt-get install chromium)"
+    );
+    path
+}
+
+/// Run headless Chromium on `url` with `extra` arguments; at most 90 s. Its stdout.
+async fn run_chromium(url: &str, extra: &[String]) -> String {
+    let profile = tempfile::tempdir().expect("profile dir");
+    let mut cmd = tokio::process::Command::new(chromium());
+    cmd.args([
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--disable-dev-shm-usage",
+    ])
+    .arg(format!("--user-data-dir={}", profile.path().display()))
+    .arg("--virtual-time-budget=5000")
+    .args(extra)
+    .arg(url)
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped())
+    .kill_on_drop(true);
+    let child = cmd.spawn().expect("spawn chromium");
+    let out = tokio::time::timeout(Duration::from_secs(90), child.wait_with_output())
+        .await
+        .expect("chromium did not finish within 90 s")
+        .expect("chromium output");
+    assert!(
+        out.status.success(),
+        "chromium failed ({}): {}",
+        out.status,
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("the DOM is UTF-8")
+}
+
+/// Run the `ratewall` binary with `args`, at most 30 s: (exit code, stdout, stderr).
+fn run_ratewall(args: &[&str]) -> (i32, String, String) {
+    let dir = tempfile::tempdir().expect("tempdir");
+    let (out_path, err_path) = (dir.path().join("out"), dir.path().join("err"));
+    let mut child = Command::new(env!("CARGO_BIN_EXE_ratewall"))
+        .args(args)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&out_path).expect("stdout file"))
+        .stderr(std::fs::File::create(&err_path).expect("stderr file"))
+        .spawn()
+        .expect("spawn ratewall");
+    let end = Instant::now() + Duration::from_secs(30);
+    let status = loop {
+        if let Some(s) = child.try_wait().expect("wait ratewall") {
+            break s;
+        }
+        if Instant::now() >= end {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("ratewall {args:?} did not exit within 30 s");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
+    (
+        status.code().unwrap_or(-1),
+        read(&out_path),
+        read(&err_path),
+    )
+}
+
+// ---------------------------------------------------------------------------------------
+// 1. Metrics count known traffic exactly
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_count_known_traffic_exactly() {
+    const K1: &str = "sk_live_metrics_alpha_7c1d";
+    const K2: &str = "sk_live_metrics_bravo_2b9e";
+    let upstream = FaultyUpstream::start().await;
+    // `api` applies under /api/v1/, `site` under all of /api/; /health/* is unlimited.
+    let body = format!(
+        "[upstream]\nurl = \"{}\"\nconnect_timeout = \"1s\"\ntimeout = \"2s\"\n\
+         [store]\nbackend = \"memory\"\n\
+         [[rules]]\nname = \"api\"\nmatch = {{ path_prefix = \"/api/v1/\" }}\nkey = \"api_key\"\n\
+         rate = \"1/h\"\nburst = 3\n\
+         [[rules]]\nname = \"site\"\nmatch = {{ path_prefix = \"/api/\" }}\nkey = \"global\"\n\
+         rate = \"1/h\"\nburst = 100\n",
+        upstream.url()
+    );
+    let gw = start(&body);
+    let client = HttpClient::new();
+    let key1 = [("x-api-key", K1)];
+
+    // 3 allowed, then 2 denied by `api` (which `site` counts as allowed, uncharged).
+    for i in 0..5 {
+        let r = client.get(&gw.url("/api/v1/orders"), &key1).await;
+        let want = if i < 3 { 200 } else { 429 };
+        assert_eq!(r.status.as_u16(), want, "request {i} with K1");
+    }
+    // 2 without a key: 401, before any limit is consulted.
+    for _ in 0..2 {
+        let r = client.get(&gw.url("/api/v1/orders"), &[]).await;
+        assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    }
+    // `site` only.
+    let r = client.get(&gw.url("/api/ping"), &[]).await;
+    assert_eq!(r.status, StatusCode::OK, "/api/ping");
+    // No rule.
+    let r = client.get(&gw.url("/health"), &[]).await;
+    assert_eq!(r.status, StatusCode::OK, "/health");
+    // Allowed by both rules; the upstream answers 500.
+    let r = client
+        .get(&gw.url("/api/v1/boom"), &[("x-api-key", K2)])
+        .await;
+    assert_eq!(r.status, StatusCode::INTERNAL_SERVER_ERROR, "/api/v1/boom");
+    // No rule; the upstream is slower than the 2 s timeout: the gateway answers 504.
+    let r = client.get(&gw.url("/health/slow/6000"), &[]).await;
+    assert_eq!(r.status, StatusCode::GATEWAY_TIMEOUT, "/health/slow/6000");
+
+    // One good reload, one rejected.
+    gw.rewrite_config(&body);
+    gw.signal("HUP");
+    assert!(
+        gw.wait_for_log("config reloaded", 1, Duration::from_secs(15)),
+        "the valid file was not reloaded:\n{}",
+        gw.logs()
+    );
+    gw.rewrite_config("[upstream]\nurl = \"http://127.0.0.1:1\"\nno_such_key = true\n");
+    gw.signal("HUP");
+    assert!(
+        gw.wait_for_log("config reload rejected", 1, Duration::from_secs(15)),
+        "the invalid file was not rejected:\n{}",
+        gw.logs()
+    );
+
+    let m = Scrape::take(&client, &gw).await;
+    let ctx = format!("\n--- /metrics ---\n{}", m.text);
+    assert_eq!(
+        m.nonzero2("ratewall_requests_total", "rule", "decision"),
+        map2(&[
+            ("api", "allowed", 4),
+            ("api", "denied", 2),
+            ("site", "allowed", 3 + 2 + 1 + 1),
+        ]),
+        "ratewall_requests_total by rule and decision{ctx}"
+    );
+    assert_eq!(
+        m.nonzero2("ratewall_responses_total", "class", "source"),
+        map2(&[
+            ("2xx", "upstream", 3 + 1 + 1),
+            ("4xx", "gateway", 2 + 2),
+            ("5xx", "upstream", 1),
+            ("5xx", "gateway", 1),
+        ]),
+        "ratewall_responses_total by class and source{ctx}"
+    );
+    // Limited requests that reached the store: 3 + 2 (api+site) + 1 (site) + 1 (boom).
+    // Should a deny cache answer a denial without a store call, it counts there instead.
+    let cache_hits = m.scalar("ratewall_deny_cache_hits_total");
+    assert!(cache_hits <= 2.0, "only 2 requests were denied{ctx}");
+    assert_eq!(
+        m.get(
+            "ratewall_store_call_duration_seconds_count",
+            &[("backend", "memory")]
+        ),
+        7.0 - cache_hits,
+        "one store call per limited request{ctx}"
+    );
+    assert_eq!(
+        m.nonzero1("ratewall_store_call_duration_seconds_count", "backend"),
+        map1(&[("memory", 7 - cache_hits as u64)]),
+        "only the memory backend{ctx}"
+    );
+    assert_eq!(
+        m.nonzero1("ratewall_upstream_responses_total", "class"),
+        map1(&[("2xx", 5), ("5xx", 1), ("error", 1)]),
+        "ratewall_upstream_responses_total by class{ctx}"
+    );
+    assert_eq!(
+        m.scalar("ratewall_upstream_duration_seconds_count"),
+        7.0,
+        "one upstream timing per forwarded request{ctx}"
+    );
+    assert_eq!(
+        m.nonzero1("ratewall_config_reloads_total", "result"),
+        map1(&[("ok", 1), ("rejected", 1)]),
+        "ratewall_config_reloads_total{ctx}"
+    );
+    assert_eq!(
+        m.nonzero1("ratewall_store_errors_total", "kind"),
+        BTreeMap::new(),
+        "no store errors{ctx}"
+    );
+    assert_eq!(m.scalar("ratewall_in_flight_requests"), 0.0, "{ctx}");
+    assert_eq!(m.scalar("ratewall_store_breaker_open"), 0.0, "{ctx}");
+
+    // No label carries a key or an address; nor does anything else in the text.
+    let values = m.label_values();
+    assert!(values.len() >= 10, "labels were parsed: {values:?}");
+    for v in &values {
+        for secret in [K1, K2, "127.0.0.1"] {
+            assert!(
+                !v.contains(secret),
+                "label value {v:?} carries {secret:?}{ctx}"
+            );
+        }
+    }
+    for secret in [K1, K2, "127.0.0.1"] {
+        assert!(!m.text.contains(secret), "/metrics carries {secret:?}{ctx}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. Store errors and the breaker
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_show_store_errors_and_the_breaker() {
+    const FAILED: usize = 6;
+    let mut redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let gw = start(&format!(
+        "[upstream]\nurl = \"{}\"\nconnect_timeout = \"1s\"\ntimeout = \"5s\"\n\
+         [store]\nbackend = \"redis\"\nurl = \"{}\"\nprefix = \"rwobs\"\ntimeout = \"100ms\"\n\
+         on_error = \"deny\"\nbreaker_failures = 3\nbreaker_cooldown = \"60s\"\n\
+         [[rules]]\nname = \"api\"\nmatch = {{ path_prefix = \"/api/\" }}\nkey = \"api_key\"\n\
+         rate = \"1/h\"\nburst = 100\n\
+         [[rules]]\nname = \"site\"\nkey = \"global\"\nrate = \"1/h\"\nburst = 100\n",
+        upstream.url(),
+        redis.url()
+    ));
+    let client = HttpClient::new();
+    let key = [("x-api-key", "sk_live_breaker_test_0001")];
+
+    // Requests while Redis answers, until one passes: the connection and the scripts are
+    // up. (On a loaded box the very first call may miss the 100 ms store timeout.)
+    let end = Instant::now() + Duration::from_secs(20);
+    loop {
+        let r = client.get(&gw.url("/api/x"), &key).await;
+        if r.status == StatusCode::OK {
+            break;
+        }
+        assert!(
+            Instant::now() < end,
+            "no request passed while Redis was up: {}\n{}",
+            r.status,
+            gw.logs()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Counts so far; what follows is measured from here.
+    let before = Scrape::take(&client, &gw).await;
+    assert_eq!(
+        before.scalar("ratewall_store_breaker_open"),
+        0.0,
+        "the breaker is closed while Redis answers\n{}",
+        before.text
+    );
+
+    tokio::task::block_in_place(|| redis.kill());
+    for i in 0..FAILED {
+        let t = Instant::now();
+        let r = client.get(&gw.url("/api/x"), &key).await;
+        assert_eq!(
+            r.status,
+            StatusCode::SERVICE_UNAVAILABLE,
+            "request {i} with Redis down, on_error = deny"
+        );
+        assert_eq!(r.header("retry-after"), Some("1"));
+        assert!(
+            t.elapsed() < Duration::from_secs(5),
+            "request {i} took {:?}",
+            t.elapsed()
+        );
+    }
+    let ready = client.get(&gw.admin_url("/readyz"), &[]).await;
+    assert_eq!(
+        ready.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "/readyz while on_error = deny turns requests away"
+    );
+
+    let m = Scrape::take(&client, &gw).await;
+    let ctx = format!(
+        "\n--- /metrics before ---\n{}\n--- /metrics after ---\n{}\n--- log ---\n{}",
+        before.text,
+        m.text,
+        gw.logs()
+    );
+    let kind = "kind";
+    let errors = delta(
+        &m.nonzero1("ratewall_store_errors_total", kind),
+        &before.nonzero1("ratewall_store_errors_total", kind),
+    );
+    let outage = errors.get("connection").copied().unwrap_or(0)
+        + errors.get("timeout").copied().unwrap_or(0);
+    assert_eq!(
+        errors.values().sum::<u64>(),
+        FAILED as u64,
+        "one store error per failed request: {errors:?}{ctx}"
+    );
+    assert_eq!(
+        outage, 3,
+        "the first breaker_failures = 3 calls fail as connection or timeout: {errors:?}{ctx}"
+    );
+    assert_eq!(
+        errors.get("breaker_open").copied().unwrap_or(0),
+        FAILED as u64 - 3,
+        "after 3 outages in a row the breaker answers: {errors:?}{ctx}"
+    );
+    assert_eq!(m.scalar("ratewall_store_breaker_open"), 1.0, "{ctx}");
+    let (rule, decision) = ("rule", "decision");
+    assert_eq!(
+        delta(
+            &m.nonzero2("ratewall_requests_total", rule, decision),
+            &before.nonzero2("ratewall_requests_total", rule, decision),
+        ),
+        map2(&[
+            ("api", "error", FAILED as u64),
+            ("site", "error", FAILED as u64),
+        ]),
+        "decision=error: failed requests x rules applied{ctx}"
+    );
+    let error_total = |s: &Scrape| -> f64 {
+        s.samples
+            .iter()
+            .filter(|x| x.metric == "ratewall_requests_total")
+            .filter(|x| x.labels.get("decision") == Some("error"))
+            .filter_map(|x| Scrape::number(&x.value))
+            .sum()
+    };
+    assert_eq!(
+        error_total(&m) - error_total(&before),
+        (FAILED * 2) as f64,
+        "decision=error over every rule{ctx}"
+    );
+    let (class, source) = ("class", "source");
+    assert_eq!(
+        delta(
+            &m.nonzero2("ratewall_responses_total", class, source),
+            &before.nonzero2("ratewall_responses_total", class, source),
+        ),
+        map2(&[("5xx", "gateway", FAILED as u64)]),
+        "{ctx}"
+    );
+    // Calls tried: the 3 that failed; the breaker skips the rest.
+    let calls = |s: &Scrape| {
+        s.get(
+            "ratewall_store_call_duration_seconds_count",
+            &[("backend", "redis")],
+        )
+    };
+    assert!(calls(&before) >= 1.0, "{ctx}");
+    assert_eq!(calls(&m) - calls(&before), 3.0, "{ctx}");
+    assert_eq!(m.scalar("ratewall_in_flight_requests"), 0.0, "{ctx}");
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. The access log
+
+/// One request the access-log test sends.
+struct Sent {
+    method: &'static str,
+    url: &'static str,
+    key: Option<&'static str>,
+    status: u16,
+}
+
+/// What its access event must say.
+struct Logged {
+    path: &'static str,
+    rule: &'static str,
+    decision: &'static str,
+    id: String,
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn access_log_has_one_json_event_per_request() {
+    const K1: &str = "sk_live_access_log_one_a1a1";
+    const K2: &str = "sk_live_access_log_two_b2b2";
+    let upstream = Upstream::start().await;
+    let gw = start_with(
+        &format!(
+            "{}[[rules]]\nname = \"api\"\nmatch = {{ path_prefix = \"/api/v1/\" }}\n\
+             key = \"api_key\"\nrate = \"1/h\"\nburst = 2\n\
+             [[rules]]\nname = \"site\"\nmatch = {{ path_prefix = \"/api/\" }}\nkey = \"global\"\n\
+             rate = \"1/h\"\nburst = 100\n",
+            upstream_and_store(&upstream.url(), &Store::Memory)
+        ),
+        &["--log-format", "json"],
+        &[],
+    );
+    let client = HttpClient::new();
+    let id1 = identity_of(&client, &gw, K1).await;
+    let id2 = identity_of(&client, &gw, K2).await;
+    assert_ne!(id1, id2, "two keys, two identities");
+    let global = {
+        let r = client
+            .get(&gw.admin_url("/admin/state?rule=site"), &[])
+            .await;
+        assert_eq!(r.status, StatusCode::OK, "/admin/state of a global rule");
+        r.json()["identity"].as_str().expect("identity").to_string()
+    };
+    assert!(is_short_id(&global));
+
+    // What each request is, what it gets, and what its access event must say.
+    let sent = |method, url, key, status| Sent {
+        method,
+        url,
+        key,
+        status,
+    };
+    let logged = |path, rule, decision, id: &str| Logged {
+        path,
+        rule,
+        decision,
+        id: id.to_string(),
+    };
+    let cases = [
+        (
+            sent("GET", "/api/v1/orders?token=secret123", Some(K1), 200),
+            logged("/api/v1/orders", "api", "allowed", &id1),
+        ),
+        (
+            sent("POST", "/api/v1/orders", Some(K1), 200),
+            logged("/api/v1/orders", "api", "allowed", &id1),
+        ),
+        (
+            sent("GET", "/api/v1/orders", Some(K1), 429),
+            logged("/api/v1/orders", "api", "denied", &id1),
+        ),
+        (
+            sent("GET", "/api/v1/orders", None, 401),
+            logged("/api/v1/orders", "-", "unauthorized", "-"),
+        ),
+        (
+            sent("GET", "/public/page?token=secret123", None, 200),
+            logged("/public/page", "-", "unlimited", "-"),
+        ),
+        (
+            sent("GET", "/api/status", None, 200),
+            logged("/api/status", "site", "allowed", &global),
+        ),
+        (
+            sent("PUT", "/api/v1/items", Some(K2), 200),
+            logged("/api/v1/items", "api", "allowed", &id2),
+        ),
+    ];
+    for (req, _) in &cases {
+        let headers: Vec<(&str, &str)> =
+            req.key.map(|k| vec![("x-api-key", k)]).unwrap_or_default();
+        let r = client
+            .send(req.method, &gw.url(req.url), &headers, Bytes::new())
+            .await;
+        assert_eq!(r.status.as_u16(), req.status, "{} {}", req.method, req.url);
+    }
+    assert!(
+        gw.wait_for_log("ratewall::access", cases.len(), Duration::from_secs(10)),
+        "access events missing:\n{}",
+        gw.logs()
+    );
+    let logs = gw.logs();
+    let mut events = Vec::new();
+    for line in logs.lines().filter(|l| !l.trim().is_empty()) {
+        let v: serde_json::Value = serde_json::from_str(line)
+            .unwrap_or_else(|e| panic!("a log line is not JSON ({e}): {line}"));
+        if v["target"] == "ratewall::access" {
+            events.push(v);
+        }
+    }
+    assert_eq!(
+        events.len(),
+        cases.len(),
+        "one access event per request:\n{logs}"
+    );
+    for (event, (req, want)) in events.iter().zip(&cases) {
+        let f = &event["fields"];
+        let ctx = format!("{} {}: {event}", req.method, req.url);
+        assert_eq!(event["level"], "INFO", "{ctx}");
+        assert_eq!(f["method"], req.method, "{ctx}");
+        assert_eq!(f["path"], want.path, "{ctx}");
+        assert_eq!(f["status"], req.status, "{ctx}");
+        assert_eq!(f["rule"], want.rule, "{ctx}");
+        assert_eq!(f["decision"], want.decision, "{ctx}");
+        assert_eq!(f["id"], want.id.as_str(), "{ctx}");
+        assert!(f["latency_us"].is_u64(), "latency_us is a number: {ctx}");
+    }
+    for secret in ["secret123", K1, K2, "token="] {
+        assert!(
+            !logs.contains(secret),
+            "{secret:?} appears in the log:\n{logs}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 4. Admin state and reset
+
+fn admin_rules() -> &'static str {
+    "[[rules]]\nname = \"api\"\nmatch = { path_prefix = \"/api/\" }\nkey = \"api_key\"\n\
+     rate = \"1/h\"\nburst = 5\n\
+     [[rules]]\nname = \"by-ip\"\nmatch = { path_prefix = \"/ip/\" }\nkey = \"client_ip\"\n\
+     rate = \"1/h\"\nburst = 5\n"
+}
+
+async fn admin_state_and_reset(store: Store, redis: Option<&RedisServer>) {
+    const KEY: &str = "sk_live_state_reset_5a5a";
+    const BURST: i64 = 5;
+    let upstream = Upstream::start().await;
+    let gw = start(&format!(
+        "[admin]\ntoken = \"{ADMIN_TOKEN}\"\n{}{}",
+        upstream_and_store(&upstream.url(), &store),
+        admin_rules()
+    ));
+    let client = HttpClient::new();
+    let key = [("x-api-key", KEY)];
+    let state_url = gw.admin_url(&format!("/admin/state?rule=api&key={KEY}"));
+    let reset_url = gw.admin_url(&format!("/admin/reset?rule=api&key={KEY}"));
+    let state = || async {
+        let r = client.get(&state_url, &[]).await;
+        assert_eq!(r.status, StatusCode::OK, "/admin/state");
+        r.json()
+    };
+
+    let mut last = None;
+    for _ in 0..2 {
+        let r = client.get(&gw.url("/api/x"), &key).await;
+        assert_eq!(r.status, StatusCode::OK);
+        last = Some(remaining(&r, "api"));
+    }
+    let r_after_two = last.expect("two requests");
+    assert_eq!(r_after_two, BURST - 2);
+
+    let s1 = state().await;
+    let s2 = state().await;
+    assert_eq!(
+        s1["remaining"], r_after_two,
+        "state = last RateLimit r: {s1}"
+    );
+    assert_eq!(
+        s2["remaining"], r_after_two,
+        "inspecting charges nothing: {s2}"
+    );
+    assert_eq!(s1["rule"], "api");
+    assert_eq!(s1["algorithm"], "token_bucket");
+    assert_eq!(s1["limit"], 1);
+    assert_eq!(s1["window_s"], 3600);
+    assert_eq!(s1["burst"], BURST);
+    assert_eq!(s1["cost"], 1);
+    assert_eq!(s1["allowed_now"], true);
+    assert!(s1["reset_s"].as_u64().is_some_and(|t| t > 0), "{s1}");
+    let id = s1["identity"].as_str().expect("identity").to_string();
+    assert!(is_short_id(&id), "{s1}");
+    assert!(
+        !s1.to_string().contains(KEY),
+        "the answer never names the key"
+    );
+
+    let r = client.get(&gw.url("/api/x"), &key).await;
+    assert_eq!(
+        remaining(&r, "api"),
+        r_after_two - 1,
+        "the next real request is the only one charged"
+    );
+    assert_eq!(state().await["remaining"], r_after_two - 1);
+
+    if let Some(redis) = redis {
+        let keys = redis_keys_of(redis, "rwtest", &id, "api");
+        assert_eq!(keys.len(), 1, "the identity's Redis key exists: {keys:?}");
+    }
+
+    // Mutating calls need the token.
+    let r = admin_post(&client, &reset_url, None).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED, "reset without a token");
+    let r = admin_post(
+        &client,
+        &reset_url,
+        Some("obs-admin-token-WRONG-456789abcdef"),
+    )
+    .await;
+    assert_eq!(
+        r.status,
+        StatusCode::UNAUTHORIZED,
+        "reset with a wrong token"
+    );
+    let r = admin_post(
+        &client,
+        &reset_url,
+        Some(&ADMIN_TOKEN[..ADMIN_TOKEN.len() - 1]),
+    )
+    .await;
+    assert_eq!(
+        r.status,
+        StatusCode::UNAUTHORIZED,
+        "reset with a token prefix"
+    );
+    assert_eq!(
+        state().await["remaining"],
+        r_after_two - 1,
+        "refused resets changed nothing"
+    );
+
+    let r = admin_post(&client, &reset_url, Some(ADMIN_TOKEN)).await;
+    assert_eq!(r.status, StatusCode::OK, "reset with the token");
+    let body = r.json();
+    assert_eq!(body["rule"], "api", "{body}");
+    assert_eq!(body["identity"], id.as_str(), "{body}");
+    assert_eq!(body["reset"], true, "{body}");
+    assert!(!body.to_string().contains(KEY));
+    if let Some(redis) = redis {
+        let keys = redis_keys_of(redis, "rwtest", &id, "api");
+        assert!(keys.is_empty(), "reset deleted the Redis key: {keys:?}");
+    }
+    assert_eq!(
+        state().await["remaining"],
+        BURST,
+        "a full bucket after reset"
+    );
+    let r = client.get(&gw.url("/api/x"), &key).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(remaining(&r, "api"), BURST - 1, "the bucket starts over");
+    if let Some(redis) = redis {
+        let keys = redis_keys_of(redis, "rwtest", &id, "api");
+        assert_eq!(
+            keys.len(),
+            1,
+            "the next request wrote the key again: {keys:?}"
+        );
+    }
+
+    // Bad inputs.
+    for (path, want) in [
+        (format!("/admin/state?rule=nope&key={KEY}"), 404),
+        ("/admin/state?rule=api".to_string(), 400),
+        ("/admin/state?rule=api&key=".to_string(), 400),
+        ("/admin/state?key=x".to_string(), 400),
+        ("/admin/state?rule=by-ip&ip=not-an-ip".to_string(), 400),
+        ("/admin/state?rule=by-ip&ip=300.1.2.3".to_string(), 400),
+        ("/admin/state?rule=by-ip".to_string(), 400),
+        ("/admin/state?rule=by-ip&ip=192.0.2.7".to_string(), 200),
+    ] {
+        let r = client.get(&gw.admin_url(&path), &[]).await;
+        assert_eq!(r.status.as_u16(), want, "GET {path}");
+        if want != 200 {
+            assert!(r.json()["error"].is_string(), "GET {path}: a JSON error");
+        }
+    }
+    for (path, want) in [
+        (format!("/admin/reset?rule=nope&key={KEY}"), 404),
+        ("/admin/reset?rule=api".to_string(), 400),
+        ("/admin/reset?rule=by-ip&ip=garbage".to_string(), 400),
+    ] {
+        let r = admin_post(&client, &gw.admin_url(&path), Some(ADMIN_TOKEN)).await;
+        assert_eq!(r.status.as_u16(), want, "POST {path}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_state_and_reset_memory() {
+    admin_state_and_reset(Store::Memory, None).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_state_and_reset_redis() {
+    let redis = RedisServer::start();
+    let store = Store::Redis {
+        url: redis.url(),
+        on_error: "deny",
+        timeout: "2s",
+    };
+    admin_state_and_reset(store, Some(&redis)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_reset_needs_a_configured_token() {
+    const KEY: &str = "sk_live_token_gate_7777";
+    const ENV_TOKEN: &str = "obs-env-token-fedcba9876543210";
+    let upstream = Upstream::start().await;
+    let base = format!(
+        "{}{}",
+        upstream_and_store(&upstream.url(), &Store::Memory),
+        admin_rules()
+    );
+    let client = HttpClient::new();
+    let path = format!("/admin/reset?rule=api&key={KEY}");
+
+    // No token anywhere: mutating calls are off, whatever is sent.
+    let off = start(&base);
+    for token in [None, Some(ADMIN_TOKEN), Some("")] {
+        let r = admin_post(&client, &off.admin_url(&path), token).await;
+        assert_eq!(
+            r.status,
+            StatusCode::FORBIDDEN,
+            "no token configured, sent {token:?}"
+        );
+    }
+    // Reads still work.
+    let r = client
+        .get(
+            &off.admin_url(&format!("/admin/state?rule=api&key={KEY}")),
+            &[],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::OK);
+    drop(off);
+
+    // RATEWALL_ADMIN_TOKEN alone enables them.
+    let env_only = start_with(&base, &[], &[("RATEWALL_ADMIN_TOKEN", ENV_TOKEN)]);
+    let r = admin_post(&client, &env_only.admin_url(&path), Some(ENV_TOKEN)).await;
+    assert_eq!(r.status, StatusCode::OK, "the environment's token");
+    let r = admin_post(&client, &env_only.admin_url(&path), Some(ADMIN_TOKEN)).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED, "another token");
+    drop(env_only);
+
+    // Both: the environment wins.
+    let both = start_with(
+        &format!("[admin]\ntoken = \"{ADMIN_TOKEN}\"\n{base}"),
+        &[],
+        &[("RATEWALL_ADMIN_TOKEN", ENV_TOKEN)],
+    );
+    let r = admin_post(&client, &both.admin_url(&path), Some(ENV_TOKEN)).await;
+    assert_eq!(r.status, StatusCode::OK, "the environment's token wins");
+    let r = admin_post(&client, &both.admin_url(&path), Some(ADMIN_TOKEN)).await;
+    assert_eq!(
+        r.status,
+        StatusCode::UNAUTHORIZED,
+        "the file's token is overridden"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// 5. /admin/top
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn admin_top_names_the_noisy_identity_by_hash_and_hint() {
+    const NOISY: &str = "sk_live_noisy_neighbour_9f3e";
+    const QUIET: &str = "sk_live_quiet_tenant_abcd";
+    const SHORT: &str = "short";
+    let upstream = Upstream::start().await;
+    let gw = start(&format!(
+        "{}[[rules]]\nname = \"api\"\nmatch = {{ path_prefix = \"/api/\" }}\nkey = \"api_key\"\n\
+         rate = \"1/h\"\nburst = 2\n",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let client = HttpClient::new();
+    for (key, denied) in [(NOISY, 30), (QUIET, 3), (SHORT, 2)] {
+        for i in 0..2 + denied {
+            let r = client.get(&gw.url("/api/x"), &[("x-api-key", key)]).await;
+            let want = if i < 2 { 200 } else { 429 };
+            assert_eq!(r.status.as_u16(), want, "{key} request {i}");
+        }
+    }
+    let r = client.get(&gw.admin_url("/admin/top?minutes=5"), &[]).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let text = String::from_utf8(r.body.to_vec()).expect("UTF-8");
+    let top = r.json();
+    let entries = top.as_array().expect("/admin/top is a list");
+    assert_eq!(entries.len(), 3, "three limited identities: {top}");
+    for (entry, (key, denied, hint)) in entries.iter().zip([
+        (NOISY, 30, "key …9f3e"),
+        (QUIET, 3, "key …abcd"),
+        (SHORT, 2, "key (5 bytes)"),
+    ]) {
+        let id = identity_of(&client, &gw, key).await;
+        assert_eq!(entry["id"], id.as_str(), "{key}: {top}");
+        assert_eq!(entry["hint"], hint, "{key}: {top}");
+        assert_eq!(entry["rule"], "api", "{key}: {top}");
+        assert_eq!(entry["denied"], denied, "{key}: {top}");
+        assert_eq!(entry["error"], 0, "{key}: {top}");
+    }
+    let r = client
+        .get(&gw.admin_url("/admin/top?minutes=5&n=1"), &[])
+        .await;
+    let one = r.json();
+    assert_eq!(one.as_array().map(Vec::len), Some(1), "n=1: {one}");
+    assert_eq!(one[0]["denied"], 30, "{one}");
+
+    let stats = client.get(&gw.admin_url("/admin/stats"), &[]).await;
+    let stats_text = String::from_utf8(stats.body.to_vec()).expect("UTF-8");
+    for key in [NOISY, QUIET, "sk_live_"] {
+        assert!(!text.contains(key), "/admin/top names {key:?}: {text}");
+        assert!(
+            !stats_text.contains(key),
+            "/admin/stats names {key:?}: {stats_text}"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 6. The status page in a real browser
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn status_page_renders_the_traffic_in_headless_chromium() {
+    const NOISY: &str = "sk_live_status_page_noisy_c0de";
+    const CALM: &str = "sk_live_status_page_calm_0000";
+    let browser = chromium();
+    let upstream = Upstream::start().await;
+    let gw = start(&format!(
+        "{}[[rules]]\nname = \"api\"\nmatch = {{ path_prefix = \"/api/\" }}\nkey = \"api_key\"\n\
+         rate = \"1/h\"\nburst = 4\n\
+         [[rules]]\nname = \"everyone\"\nmatch = {{ path_prefix = \"/api/\" }}\nkey = \"global\"\n\
+         rate = \"10/s\"\nburst = 500\n",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let client = HttpClient::new();
+    // A = 4 + 2 allowed, D = 7 denied; a 401 and an unlimited request count as neither.
+    let (allowed, denied) = (6, 7);
+    for i in 0..11 {
+        let r = client.get(&gw.url("/api/x"), &[("x-api-key", NOISY)]).await;
+        assert_eq!(r.status.as_u16(), if i < 4 { 200 } else { 429 });
+    }
+    for _ in 0..2 {
+        let r = client.get(&gw.url("/api/x"), &[("x-api-key", CALM)]).await;
+        assert_eq!(r.status, StatusCode::OK);
+    }
+    assert_eq!(
+        client.get(&gw.url("/api/x"), &[]).await.status,
+        StatusCode::UNAUTHORIZED
+    );
+    assert_eq!(
+        client.get(&gw.url("/about"), &[]).await.status,
+        StatusCode::OK
+    );
+    let noisy_id = identity_of(&client, &gw, NOISY).await;
+
+    let stats = client.get(&gw.admin_url("/admin/stats"), &[]).await.json();
+    assert_eq!(stats["totals"]["allowed"], allowed, "{stats}");
+    assert_eq!(stats["totals"]["denied"], denied, "{stats}");
+
+    let page = gw.admin_url("/");
+    let dom = run_chromium(&page, &["--dump-dom".to_string()]).await;
+    assert!(
+        dom.contains("<body data-loaded=\"yes\">"),
+        "the page's script ran and rendered /admin/stats:\n{dom}"
+    );
+    assert_eq!(
+        element_text(&dom, "allowed-total"),
+        Some(allowed.to_string().as_str()),
+        "allowed total:\n{dom}"
+    );
+    assert_eq!(
+        element_text(&dom, "denied-total"),
+        Some(denied.to_string().as_str()),
+        "denied total:\n{dom}"
+    );
+    assert_eq!(element_text(&dom, "store-backend"), Some("memory"));
+    assert_eq!(element_text(&dom, "store-health"), Some("healthy"));
+    let top = tbody(&dom, "top");
+    assert!(
+        top.contains("key …c0de"),
+        "the noisy key's hint in the top table:\n{top}"
+    );
+    assert!(top.contains(&noisy_id), "its identity:\n{top}");
+    assert!(
+        top.contains("data-denied=\"7\""),
+        "its denied count:\n{top}"
+    );
+    let rules = tbody(&dom, "rules");
+    for name in ["<b>api</b>", "<b>everyone</b>"] {
+        assert!(
+            rules.contains(name),
+            "rule {name} in the rules table:\n{rules}"
+        );
+    }
+    for secret in [NOISY, CALM] {
+        assert!(!dom.contains(secret), "the page shows {secret:?}");
+    }
+
+    let shots = tempfile::tempdir().expect("screenshot dir");
+    let png = shots.path().join("s.png");
+    run_chromium(
+        &page,
+        &[
+            format!("--screenshot={}", png.display()),
+            "--window-size=1280,860".to_string(),
+        ],
+    )
+    .await;
+    let bytes = std::fs::read(&png).unwrap_or_else(|e| {
+        panic!(
+            "{} wrote no screenshot at {}: {e}",
+            browser.display(),
+            png.display()
+        )
+    });
+    assert_eq!(
+        &bytes[..8.min(bytes.len())],
+        b"\x89PNG\r\n\x1a\n",
+        "a PNG screenshot"
+    );
+    assert!(
+        bytes.len() > 10 * 1024,
+        "the screenshot is not trivial: {} bytes",
+        bytes.len()
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// 7. ratewall check --path
+
+#[test]
+fn check_explains_a_sample_request() {
+    let config = concat!(env!("CARGO_MANIFEST_DIR"), "/config/limits.toml");
+    let sample = |out: &str| -> String {
+        out.split_once("sample request:")
+            .map(|(_, s)| s.to_string())
+            .unwrap_or_else(|| panic!("no sample request section in:\n{out}"))
+    };
+
+    let (code, out, err) = run_ratewall(&[
+        "check",
+        "--config",
+        config,
+        "--path",
+        "/api/orders",
+        "--method",
+        "post",
+        "--header",
+        "x-api-key: demo-pro-key",
+    ]);
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    assert!(out.contains(": valid"), "{out}");
+    let s = sample(&out);
+    assert!(s.starts_with(" POST /api/orders"), "{s}");
+    assert!(s.contains("2 rule(s) apply"), "{s}");
+    let api = s
+        .lines()
+        .find(|l| l.trim_start().starts_with("- api:"))
+        .unwrap_or_else(|| panic!("no api line:\n{s}"));
+    assert!(api.contains("100/s burst 300"), "{api}");
+    assert!(api.contains("plan pro"), "{api}");
+    assert!(api.contains("token_bucket"), "{api}");
+    let id = api
+        .split_once("(identity ")
+        .and_then(|(_, rest)| rest.get(..8))
+        .unwrap_or_else(|| panic!("no identity in {api}"));
+    assert!(is_short_id(id), "{api}");
+    assert!(
+        !s.contains("demo-pro-key"),
+        "the key itself is not shown: {s}"
+    );
+    let per_ip = s
+        .lines()
+        .find(|l| l.trim_start().starts_with("- per-ip:"))
+        .unwrap_or_else(|| panic!("no per-ip line:\n{s}"));
+    assert!(per_ip.contains("sliding_window"), "{per_ip}");
+    assert!(per_ip.contains("127.0.0.1"), "{per_ip}");
+
+    let (code, out, err) = run_ratewall(&[
+        "check", "--config", config, "--path", "/health", "--method", "DELETE",
+    ]);
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    let s = sample(&out);
+    assert!(s.contains("1 rule(s) apply"), "{s}");
+    let listed: Vec<&str> = s
+        .lines()
+        .filter_map(|l| l.trim_start().strip_prefix("- "))
+        .filter_map(|l| l.split_once(':').map(|(name, _)| name))
+        .collect();
+    assert_eq!(listed, ["per-ip"], "{s}");
+
+    let (code, out, err) = run_ratewall(&["check", "--config", config, "--path", "/api/x"]);
+    assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
+    let s = sample(&out);
+    let api = s
+        .lines()
+        .find(|l| l.trim_start().starts_with("- api:"))
+        .unwrap_or_else(|| panic!("no api line:\n{s}"));
+    assert!(api.contains("refused with 401"), "{api}");
+
+    let (code, out, err) = run_ratewall(&[
+        "check", "--config", config, "--path", "/api/x", "--header", "nocolon",
+    ]);
+    assert_eq!(
+        code, 1,
+        "a bad --header fails: stdout:\n{out}\nstderr:\n{err}"
+    );
+    assert!(err.contains("nocolon"), "the error names the header: {err}");
+}
