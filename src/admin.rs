@@ -116,9 +116,9 @@ async fn handle(gw: &Gateway, req: &Request<Incoming>) -> Answer {
             let n = number(&query, "n").unwrap_or(20).clamp(1, 100) as usize;
             json(StatusCode::OK, &gw.metrics().stats.top(minutes, n))
         }
-        (&Method::GET, "/admin/state") => state(gw, &query).await,
+        (&Method::GET, "/admin/state") => identity_call(gw, &query, false).await,
         (&Method::POST, "/admin/reset") => match authorized(gw, req) {
-            Ok(()) => reset(gw, &query).await,
+            Ok(()) => identity_call(gw, &query, true).await,
             Err(r) => refused(r),
         },
         (
@@ -251,7 +251,8 @@ fn target<'c>(
     Ok((rule, digest, quota))
 }
 
-async fn state(gw: &Gateway, query: &[(String, Vec<u8>)]) -> Answer {
+/// `/admin/state` (`reset` false: look, charge nothing) and `/admin/reset` (`reset` true).
+async fn identity_call(gw: &Gateway, query: &[(String, Vec<u8>)], reset: bool) -> Answer {
     let live = gw.live();
     let (rule, digest, quota) = match target(&live.config, query) {
         Ok(t) => t,
@@ -262,6 +263,19 @@ async fn state(gw: &Gateway, query: &[(String, Vec<u8>)]) -> Answer {
         rule: &rule.name,
         quota,
     };
+    let id = digest.hex()[..8].to_string();
+    if reset {
+        return match live.limiter.reset(&check).await {
+            Ok(()) => {
+                tracing::info!(rule = %rule.name, id = %id, "admin reset an identity's state");
+                json(
+                    StatusCode::OK,
+                    &serde_json::json!({ "rule": rule.name, "identity": id, "reset": true }),
+                )
+            }
+            Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &format!("store: {e}")),
+        };
+    }
     match live.limiter.peek(std::slice::from_ref(&check)).await {
         Ok(d) => {
             let Some(d) = d.first() else {
@@ -271,7 +285,7 @@ async fn state(gw: &Gateway, query: &[(String, Vec<u8>)]) -> Answer {
                 StatusCode::OK,
                 &StateAnswer {
                     rule: &rule.name,
-                    identity: digest.hex()[..8].to_string(),
+                    identity: id,
                     algorithm: quota.algorithm.name(),
                     limit: quota.rate.count,
                     window_s: quota.rate.period.as_secs(),
@@ -281,29 +295,6 @@ async fn state(gw: &Gateway, query: &[(String, Vec<u8>)]) -> Answer {
                     reset_s: ceil_secs(d.reset_us),
                     allowed_now: d.allowed,
                 },
-            )
-        }
-        Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &format!("store: {e}")),
-    }
-}
-
-async fn reset(gw: &Gateway, query: &[(String, Vec<u8>)]) -> Answer {
-    let live = gw.live();
-    let (rule, digest, quota) = match target(&live.config, query) {
-        Ok(t) => t,
-        Err(r) => return refused(r),
-    };
-    let check = Check {
-        identity: &digest,
-        rule: &rule.name,
-        quota,
-    };
-    match live.limiter.reset(&check).await {
-        Ok(()) => {
-            tracing::info!(rule = %rule.name, id = &digest.hex()[..8], "admin reset an identity's state");
-            json(
-                StatusCode::OK,
-                &serde_json::json!({ "rule": rule.name, "identity": &digest.hex()[..8], "reset": true }),
             )
         }
         Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &format!("store: {e}")),
