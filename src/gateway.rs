@@ -261,40 +261,52 @@ impl Gateway {
             })
             .collect();
 
-        let decisions = match live.limiter.decide(&checks).await {
-            Answer::Store(d) | Answer::Local(d) => d,
-            Answer::Failed(_) => {
-                for c in &checks {
-                    self.metrics.rule(c.rule, Verdict::Error);
-                }
-                let note = Note {
-                    rule: applied_rules.first().map(|r| r.name.as_str()),
-                    decision: "store_error",
-                    identity: identities.first().copied(),
-                    upstream: false,
-                };
-                return match cfg.store.on_error {
-                    OnError::Allow => self.forward(live, req, peer.ip(), &[], note).await,
-                    OnError::Deny | OnError::Local => {
-                        let p = Problem::new(
-                            StatusCode::SERVICE_UNAVAILABLE,
-                            "the rate-limit store is unavailable",
-                        );
-                        (problem(p.with_retry_after(1), cfg, &[]), note)
+        let decisions: Vec<Option<crate::limiter::Decision>> =
+            match live.limiter.decide(&checks).await {
+                Answer::Store(d) | Answer::Local(d) => d.into_iter().map(Some).collect(),
+                // Denied locally: only the denying rules are known (and shown).
+                Answer::Cached(d) => d,
+                Answer::Failed(_) => {
+                    for c in &checks {
+                        self.metrics.rule(c.rule, Verdict::Error);
                     }
-                };
-            }
-        };
+                    let note = Note {
+                        rule: applied_rules.first().map(|r| r.name.as_str()),
+                        decision: "store_error",
+                        identity: identities.first().copied(),
+                        upstream: false,
+                    };
+                    return match cfg.store.on_error {
+                        OnError::Allow => self.forward(live, req, peer.ip(), &[], note).await,
+                        OnError::Deny | OnError::Local => {
+                            let p = Problem::new(
+                                StatusCode::SERVICE_UNAVAILABLE,
+                                "the rate-limit store is unavailable",
+                            );
+                            (problem(p.with_retry_after(1), cfg, &[]), note)
+                        }
+                    };
+                }
+            };
 
-        let applied: Vec<Applied<'_>> = checks
+        // The rules with a decision, and which rule each is.
+        let (index, applied): (Vec<usize>, Vec<Applied<'_>>) = checks
             .iter()
             .zip(decisions)
-            .map(|(c, decision)| Applied {
-                rule: c.rule,
-                quota: c.quota,
-                decision,
+            .enumerate()
+            .filter_map(|(i, (c, d))| {
+                d.map(|decision| {
+                    (
+                        i,
+                        Applied {
+                            rule: c.rule,
+                            quota: c.quota,
+                            decision,
+                        },
+                    )
+                })
             })
-            .collect();
+            .unzip();
         for a in &applied {
             let verdict = if a.decision.allowed {
                 Verdict::Allowed
@@ -303,7 +315,10 @@ impl Gateway {
             };
             self.metrics.rule(a.rule, verdict);
         }
-        let denied = applied.iter().position(|a| !a.decision.allowed);
+        let denied = applied
+            .iter()
+            .position(|a| !a.decision.allowed)
+            .map(|j| index[j]);
         self.metrics.stats.record(denied.is_none());
         if let Some(i) = denied {
             self.metrics.stats.limited(Limited {
@@ -324,8 +339,8 @@ impl Gateway {
         }
         // The rule closest to denying speaks for the request.
         let closest = (0..applied.len())
-            .min_by_key(|&i| applied[i].decision.remaining)
-            .unwrap_or(0);
+            .min_by_key(|&j| applied[j].decision.remaining)
+            .map_or(0, |j| index[j]);
         let note = Note {
             rule: applied_rules.get(closest).map(|r| r.name.as_str()),
             decision: "allowed",

@@ -29,6 +29,7 @@ pub fn ceil_secs(us: u64) -> u64 {
 }
 
 /// One applied rule's outcome, as the headers need it.
+#[derive(Clone, Copy)]
 pub struct Applied<'a> {
     pub rule: &'a str,
     pub quota: &'a Quota,

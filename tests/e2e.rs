@@ -403,8 +403,16 @@ async fn redis_down_allow_forwards_unlimited() {
         StatusCode::TOO_MANY_REQUESTS
     );
     redis.kill();
+    // "k" was denied with an hour to wait: that denial is still true, and the gateway
+    // remembers it (the deny cache) without asking Redis.
+    let r = client.get(&url, &[("x-api-key", "k")]).await;
+    assert_eq!(
+        r.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "a known denial stands"
+    );
     for _ in 0..3 {
-        let r = client.get(&url, &[("x-api-key", "k")]).await;
+        let r = client.get(&url, &[("x-api-key", "other")]).await;
         assert_eq!(r.status, StatusCode::OK, "on_error = allow forwards");
         assert_eq!(r.header("x-upstream"), Some("yes"));
         assert!(
@@ -831,4 +839,88 @@ async fn scripts_flushed_from_redis_are_loaded_again() {
         cmds.contains("cmdstat_script|load:calls=2,"),
         "the script was loaded: {cmds}"
     );
+}
+
+fn evalsha_calls(redis: &RedisServer) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut redis.conn())
+        .expect("INFO commandstats");
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(0)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hammering_one_key_costs_redis_almost_nothing() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "{}{}",
+        upstream_and_store(&upstream.url(), &Store::redis(&redis)),
+        api_rule(5)
+    ));
+    let client = HttpClient::new();
+    let url = gw.url("/a");
+    for _ in 0..5 {
+        assert_eq!(
+            client.get(&url, &[("x-api-key", "abuser")]).await.status,
+            StatusCode::OK
+        );
+    }
+    let before = evalsha_calls(&redis);
+    for _ in 0..300 {
+        let r = client.get(&url, &[("x-api-key", "abuser")]).await;
+        assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+        assert!(r.header("retry-after").is_some());
+        assert!(r
+            .header("ratelimit")
+            .is_some_and(|h| h.starts_with("\"api\";r=0;")));
+    }
+    let calls = evalsha_calls(&redis) - before;
+    assert!(
+        calls <= 3,
+        "{calls} Redis calls for 300 denied requests (at most 0.01 each)"
+    );
+    // Another key is decided by Redis as usual.
+    assert_eq!(
+        client
+            .get(&url, &[("x-api-key", "someone-else")])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert!(evalsha_calls(&redis) > before + calls);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cached_denial_ends_at_its_retry_time() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    // 2/s, burst 1: after one request the next token is 500 ms away.
+    let gw = Gateway::start(&format!(
+        "{}[[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"2/s\"\nburst = 1\n",
+        upstream_and_store(&upstream.url(), &Store::redis(&redis))
+    ));
+    let client = HttpClient::new();
+    let url = gw.url("/a");
+    for round in 0..3 {
+        assert_eq!(
+            client.get(&url, &[("x-api-key", "k")]).await.status,
+            StatusCode::OK,
+            "round {round}: the token is back"
+        );
+        let start = Instant::now();
+        for _ in 0..5 {
+            assert_eq!(
+                client.get(&url, &[("x-api-key", "k")]).await.status,
+                StatusCode::TOO_MANY_REQUESTS
+            );
+        }
+        // Wait out the retry time with a margin, then the store (not the cache) decides.
+        let wait = Duration::from_millis(650).saturating_sub(start.elapsed());
+        tokio::time::sleep(wait).await;
+    }
 }

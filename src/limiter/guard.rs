@@ -17,6 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::deny_cache::DenyCache;
 use super::memory::MemoryStore;
 use super::{Check, Decision, MonotonicClock, Store, StoreError};
 use crate::config::OnError;
@@ -40,6 +41,9 @@ pub enum Answer {
     Store(Vec<Decision>),
     /// The store failed and `on_error = "local"`: by this process alone.
     Local(Vec<Decision>),
+    /// Denied from the deny cache, without a store call: the rules known to deny have a
+    /// decision; the others (not known here) have none.
+    Cached(Vec<Option<Decision>>),
     /// The store failed; `on_error` (deny or allow) decides.
     Failed(StoreError),
 }
@@ -57,7 +61,13 @@ pub struct Limiter {
     data_logged_ms: AtomicU64,
     started: Instant,
     metrics: Arc<Metrics>,
+    /// Denials remembered until their retry time (shared stores only: the memory store
+    /// answers as fast as a cache would).
+    denials: Option<DenyCache>,
 }
+
+/// Denials remembered at most; past it, new denials go to the store.
+const DENY_CACHE_ENTRIES: usize = 100_000;
 
 impl Limiter {
     pub fn new(
@@ -67,7 +77,12 @@ impl Limiter {
         breaker_cooldown: Duration,
         metrics: Arc<Metrics>,
     ) -> Arc<Limiter> {
+        let denials = match store {
+            Store::Memory(_) => None,
+            Store::Redis(_) | Store::RedisCluster(_) => Some(DenyCache::new(DENY_CACHE_ENTRIES)),
+        };
         Arc::new(Limiter {
+            denials,
             store,
             on_error,
             local: MemoryStore::new(Arc::new(MonotonicClock::new())),
@@ -105,6 +120,15 @@ impl Limiter {
             self.count_error(&StoreError::CircuitOpen);
             return self.fallback(checks, StoreError::CircuitOpen);
         }
+        let sent_us = self.now_us();
+        if let Some(hit) = self
+            .denials
+            .as_ref()
+            .and_then(|c| c.lookup(checks, sent_us))
+        {
+            self.metrics.deny_cache_hits.inc();
+            return Answer::Cached(hit);
+        }
         let started = Instant::now();
         let result = self.store.decide(checks).await;
         let backend = match self.store {
@@ -122,6 +146,9 @@ impl Limiter {
         match result {
             Ok(d) => {
                 self.succeeded();
+                if let Some(cache) = &self.denials {
+                    cache.remember(checks, &d, sent_us);
+                }
                 Answer::Store(d)
             }
             Err(e) if e.is_data_error() => {
@@ -154,6 +181,9 @@ impl Limiter {
     /// Forget one identity's state under one rule, in the store and in the local fallback.
     pub async fn reset(&self, check: &Check<'_>) -> Result<(), StoreError> {
         self.local.reset(check);
+        if let Some(cache) = &self.denials {
+            cache.forget(check);
+        }
         self.store.reset(check).await
     }
 
@@ -163,6 +193,14 @@ impl Limiter {
             m.sweep();
         }
         self.local.sweep();
+        if let Some(cache) = &self.denials {
+            cache.sweep(self.now_us());
+        }
+    }
+
+    /// Microseconds since this limiter started: the deny cache's clock.
+    fn now_us(&self) -> u64 {
+        self.started.elapsed().as_micros() as u64
     }
 
     fn count_error(&self, e: &StoreError) {

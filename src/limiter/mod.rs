@@ -10,6 +10,7 @@
 //! to the request is checked together, and either all of them are charged or none is, so a
 //! request that one rule denies consumes nothing from the others.
 
+pub mod deny_cache;
 pub mod fixed_window;
 pub mod gcra;
 pub mod guard;
