@@ -37,6 +37,8 @@ pub struct Live {
     pub config: Arc<Config>,
     pub proxy: Arc<Proxy>,
     pub limiter: Arc<Limiter>,
+    /// Whether the deny cache may be used under this config (see [`Limiter::decide`]).
+    pub cache_denials: bool,
 }
 
 impl Live {
@@ -77,10 +79,16 @@ impl Live {
             Some(o) if o.config.upstream == config.upstream => o.proxy.clone(),
             _ => Arc::new(Proxy::new(&config.upstream)),
         };
+        // In a cluster, rules on different identities mean refunds, and a refund can make
+        // a remembered denial stale: cache only when every rule counts the same identity.
+        let one_identity = config.rules.windows(2).all(|w| w[0].key == w[1].key);
+        let cache_denials =
+            !matches!(config.store.backend, Backend::RedisCluster { .. }) || one_identity;
         Ok(Live {
             config: Arc::new(config),
             proxy,
             limiter,
+            cache_denials,
         })
     }
 }
@@ -262,7 +270,7 @@ impl Gateway {
             .collect();
 
         let decisions: Vec<Option<crate::limiter::Decision>> =
-            match live.limiter.decide(&checks).await {
+            match live.limiter.decide(&checks, live.cache_denials).await {
                 Answer::Store(d) | Answer::Local(d) => d.into_iter().map(Some).collect(),
                 // Denied locally: only the denying rules are known (and shown).
                 Answer::Cached(d) => d,

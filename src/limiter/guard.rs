@@ -115,19 +115,22 @@ impl Limiter {
     }
 
     /// Decide one request against every rule in `checks`, all or nothing.
-    pub async fn decide(self: &Arc<Self>, checks: &[Check<'_>]) -> Answer {
+    ///
+    /// `cache_denials`: whether denials may be answered from, and kept in, the deny cache.
+    /// Only when no request can see another's charge that is about to be refunded: always
+    /// with one Redis (a request is one atomic call); in a cluster, only when every rule
+    /// counts the same identity (no request spans slots, so there are no refunds).
+    pub async fn decide(self: &Arc<Self>, checks: &[Check<'_>], cache_denials: bool) -> Answer {
+        // A known denial stands whatever the store is doing: it is still true.
+        let sent_us = self.now_us();
+        let denials = self.denials.as_ref().filter(|_| cache_denials);
+        if let Some(hit) = denials.and_then(|c| c.lookup(checks, sent_us)) {
+            self.metrics.deny_cache_hits.inc();
+            return Answer::Cached(hit);
+        }
         if self.open.load(Relaxed) {
             self.count_error(&StoreError::CircuitOpen);
             return self.fallback(checks, StoreError::CircuitOpen);
-        }
-        let sent_us = self.now_us();
-        if let Some(hit) = self
-            .denials
-            .as_ref()
-            .and_then(|c| c.lookup(checks, sent_us))
-        {
-            self.metrics.deny_cache_hits.inc();
-            return Answer::Cached(hit);
         }
         let started = Instant::now();
         let result = self.store.decide(checks).await;
@@ -146,7 +149,7 @@ impl Limiter {
         match result {
             Ok(d) => {
                 self.succeeded();
-                if let Some(cache) = &self.denials {
+                if let Some(cache) = denials {
                     cache.remember(checks, &d, sent_us);
                 }
                 Answer::Store(d)

@@ -1,0 +1,694 @@
+//! Scale out: several gateway processes on one Redis, gateways on a real 3-master Redis
+//! Cluster, identities spread over every master, one dead master, and the all-or-nothing
+//! promise across rules on different identities (one atomic call on one Redis; charge,
+//! then refund on a denial, in a cluster).
+
+mod common;
+
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{tally, Gateway, HttpClient, RedisCluster, RedisServer, Reply, Upstream};
+use http::StatusCode;
+
+/// The processes these tests start (a cluster, several gateways, thousands of requests)
+/// share two CPUs: one test at a time, so the one latency bound here is not about load.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
+const ALGORITHMS: [&str; 4] = ["token_bucket", "gcra", "fixed_window", "sliding_window"];
+
+const HOUR_MS: i64 = 3_600_000;
+
+/// The limit part of a rule of `algorithm` that lets exactly `n` requests pass during a
+/// test (nothing refills or rolls over within an hour).
+fn exact_limit(algorithm: &str, n: u64) -> String {
+    if algorithm == "token_bucket" || algorithm == "gcra" {
+        format!("rate = \"1/h\"\nburst = {n}\n")
+    } else {
+        format!("rate = \"{n}/h\"\n")
+    }
+}
+
+/// A rule named `name` on `key` that lets exactly `n` requests pass during a test.
+fn exact_rule(name: &str, key: &str, algorithm: &str, n: u64) -> String {
+    format!(
+        "[[rules]]\nname = \"{name}\"\nkey = \"{key}\"\nalgorithm = \"{algorithm}\"\n{}",
+        exact_limit(algorithm, n)
+    )
+}
+
+/// The config after `[server]` for a gateway on one Redis.
+fn single_body(upstream: &Upstream, redis: &RedisServer, timeout: &str) -> String {
+    format!(
+        "[upstream]\nurl = \"{}\"\n[store]\nbackend = \"redis\"\nurl = \"{}\"\nprefix = \"rwtest\"\ntimeout = \"{timeout}\"\non_error = \"deny\"\n",
+        upstream.url(),
+        redis.url()
+    )
+}
+
+/// The config after `[server]` for a gateway on the cluster.
+fn cluster_body(
+    upstream: &Upstream,
+    cluster: &RedisCluster,
+    on_error: &str,
+    timeout: &str,
+) -> String {
+    format!(
+        "[upstream]\nurl = \"{}\"\n{}",
+        upstream.url(),
+        cluster.store_toml(on_error, timeout)
+    )
+}
+
+/// `Gateway::start`, tried again when the free port it picked was taken in the meantime
+/// (other processes here, a cluster node's bus port, outgoing connections).
+fn start_gateway(body: &str) -> Gateway {
+    let mut last = String::new();
+    for _ in 0..5 {
+        match Gateway::try_start(body) {
+            Ok(gw) => return gw,
+            Err(log) if log.contains("Address already in use") => last = log,
+            Err(log) => panic!("ratewall did not start: {log}"),
+        }
+    }
+    panic!("ratewall did not start: {last}");
+}
+
+/// The Redis key the gateway keeps for `api_key` under `rule` (prefix "rwtest").
+fn api_redis_key(api_key: &str, rule: &str) -> String {
+    format!(
+        "rwtest:{{{}}}:{rule}",
+        ratewall::identity::digest_api_key(api_key.as_bytes()).hex()
+    )
+}
+
+/// `r` of `rule`'s item in the draft `RateLimit` header.
+fn remaining(reply: &Reply, rule: &str) -> u64 {
+    try_remaining(reply, rule).unwrap_or_else(|| {
+        panic!(
+            "no {rule:?} item in RateLimit {:?} on a {} reply",
+            reply.header("ratelimit"),
+            reply.status
+        )
+    })
+}
+
+/// `r` of `rule`'s item in the draft `RateLimit` header, if there is one.
+fn try_remaining(reply: &Reply, rule: &str) -> Option<u64> {
+    let item = reply
+        .header("ratelimit")?
+        .split(',')
+        .map(str::trim)
+        .find(|i| i.starts_with(&format!("\"{rule}\";")))?;
+    let r = item.split(';').find_map(|p| p.strip_prefix("r="));
+    Some(
+        r.and_then(|r| r.parse().ok())
+            .unwrap_or_else(|| panic!("no r in {item:?}")),
+    )
+}
+
+/// Whether `key` looks like `rwtest:{<32 lowercase hex>}:<rule>`.
+fn is_hash_tagged(key: &str, rule: &str) -> bool {
+    key.strip_prefix("rwtest:{")
+        .and_then(|rest| rest.strip_suffix(&format!("}}:{rule}")))
+        .is_some_and(|hex| {
+            hex.len() == 32
+                && hex
+                    .chars()
+                    .all(|c| c.is_ascii_digit() || ('a'..='f').contains(&c))
+        })
+}
+
+fn pttl(conn: &mut redis::Connection, key: &str) -> i64 {
+    redis::cmd("PTTL").arg(key).query(conn).expect("PTTL")
+}
+
+fn get(conn: &mut redis::Connection, key: &str) -> Option<String> {
+    redis::cmd("GET").arg(key).query(conn).expect("GET")
+}
+
+fn dbsize(conn: &mut redis::Connection) -> usize {
+    redis::cmd("DBSIZE").query(conn).expect("DBSIZE")
+}
+
+/// Redis' clock, in microseconds.
+fn redis_now_us(conn: &mut redis::Connection) -> u64 {
+    let (s, us): (u64, u64) = redis::cmd("TIME").query(conn).expect("TIME");
+    s * 1_000_000 + us
+}
+
+// ---------------------------------------------------------------------------------------
+// 1, 2: several gateways, one shared limit.
+
+/// Where the gateways keep their state, for looking at it directly.
+enum Backend<'a> {
+    Single(&'a RedisServer),
+    Cluster(&'a RedisCluster),
+}
+
+impl Backend<'_> {
+    fn body(&self, upstream: &Upstream, timeout: &str) -> String {
+        match self {
+            Backend::Single(r) => single_body(upstream, r, timeout),
+            Backend::Cluster(c) => cluster_body(upstream, c, "deny", timeout),
+        }
+    }
+
+    /// A connection to the node that holds `key`.
+    fn conn_for(&self, key: &str) -> redis::Connection {
+        match self {
+            Backend::Single(r) => r.conn(),
+            Backend::Cluster(c) => c.node(c.node_of(key)),
+        }
+    }
+
+    /// Forget everything, on every node.
+    fn flush(&self) {
+        let mut conns = match self {
+            Backend::Single(r) => vec![r.conn()],
+            Backend::Cluster(c) => (0..c.ports.len()).map(|i| c.node(i)).collect(),
+        };
+        for conn in &mut conns {
+            let _: () = redis::cmd("FLUSHALL").query(conn).expect("FLUSHALL");
+        }
+    }
+}
+
+async fn three_gateways_admit_exactly_the_limit(backend: Backend<'_>) {
+    const B: usize = 30;
+    for algorithm in ALGORITHMS {
+        let upstream = Upstream::start().await;
+        // A generous store timeout: this is about exactness, not about faults.
+        let body = format!(
+            "{}{}",
+            backend.body(&upstream, "3s"),
+            exact_rule("api", "api_key", algorithm, B as u64)
+        );
+        let gateways: Vec<Gateway> = (0..3).map(|_| start_gateway(&body)).collect();
+        let client = HttpClient::new();
+        let api_key = format!("shared-{algorithm}");
+        let tasks: Vec<_> = (0..4 * B)
+            .map(|i| {
+                let (c, url, key) = (
+                    client.clone(),
+                    gateways[i % 3].url("/api/thing"),
+                    api_key.clone(),
+                );
+                tokio::spawn(async move { c.get(&url, &[("x-api-key", &key)]).await.status })
+            })
+            .collect();
+        let mut statuses = Vec::new();
+        for t in tasks {
+            statuses.push(t.await.expect("request task"));
+        }
+        let counts = tally(statuses);
+        let logs = || {
+            gateways
+                .iter()
+                .map(Gateway::logs)
+                .collect::<Vec<_>>()
+                .join("\n---\n")
+        };
+        assert_eq!(
+            counts.get(&200),
+            Some(&B),
+            "{algorithm}: exactly B pass over 3 gateways: {counts:?}\n{}",
+            logs()
+        );
+        assert_eq!(
+            counts.get(&429),
+            Some(&(3 * B)),
+            "{algorithm}: the rest are denied: {counts:?}"
+        );
+        assert_eq!(
+            upstream.seen().len(),
+            B,
+            "{algorithm}: only allowed requests reach the upstream"
+        );
+        // Every gateway now denies the key, and another key still has its whole quota.
+        for gw in &gateways {
+            let again = client
+                .get(&gw.url("/api/thing"), &[("x-api-key", &api_key)])
+                .await;
+            assert_eq!(again.status, StatusCode::TOO_MANY_REQUESTS, "{algorithm}");
+            assert_eq!(remaining(&again, "api"), 0, "{algorithm}");
+        }
+        let other = client
+            .get(
+                &gateways[1].url("/api/thing"),
+                &[("x-api-key", "someone-else")],
+            )
+            .await;
+        assert_eq!(other.status, StatusCode::OK, "{algorithm}");
+        assert_eq!(remaining(&other, "api"), B as u64 - 1, "{algorithm}");
+
+        // The one key they shared: hash-tagged, on the node serving its slot, with a TTL
+        // no longer than it needs (time to a full bucket, or the window's end).
+        let key = api_redis_key(&api_key, "api");
+        assert!(is_hash_tagged(&key, "api"), "{key}");
+        let mut conn = backend.conn_for(&key);
+        let value = get(&mut conn, &key).unwrap_or_else(|| panic!("{algorithm}: no {key}"));
+        let ttl = pttl(&mut conn, &key);
+        let minute = 60_000;
+        let (tag, lo, hi) = match algorithm {
+            // Empty: B hours to refill at 1/h.
+            "token_bucket" => ("t:", B as i64 * HOUR_MS - minute, B as i64 * HOUR_MS),
+            "gcra" => ("g:", B as i64 * HOUR_MS - minute, B as i64 * HOUR_MS),
+            // The window opened with the first request.
+            "fixed_window" => ("f:", HOUR_MS - minute, HOUR_MS),
+            // The current window's end plus one period (it still weighs the next one).
+            _ => ("s:", HOUR_MS, 2 * HOUR_MS),
+        };
+        assert!(value.starts_with(tag), "{algorithm}: {key} = {value}");
+        assert!(
+            (lo..=hi).contains(&ttl),
+            "{algorithm}: {key} PTTL {ttl} ms, expected within [{lo}, {hi}]"
+        );
+        if algorithm == "fixed_window" {
+            assert!(
+                value.ends_with(&format!(":{B}")),
+                "{algorithm}: the window counts exactly B: {value}"
+            );
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_gateways_one_redis_admit_exactly_the_limit() {
+    let _serial = SERIAL.lock().await;
+    let redis = RedisServer::start();
+    three_gateways_admit_exactly_the_limit(Backend::Single(&redis)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn three_gateways_one_cluster_admit_exactly_the_limit() {
+    let _serial = SERIAL.lock().await;
+    let cluster = RedisCluster::start();
+    three_gateways_admit_exactly_the_limit(Backend::Cluster(&cluster)).await;
+}
+
+// ---------------------------------------------------------------------------------------
+// 3: identities spread over every master.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn identities_spread_over_every_master() {
+    const KEYS: usize = 10_000;
+    const IN_FLIGHT: usize = 32;
+    let _serial = SERIAL.lock().await;
+    let cluster = RedisCluster::start();
+    let upstream = Upstream::start().await;
+    let gw = start_gateway(&format!(
+        "{}[[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"1/h\"\nburst = 10\n",
+        cluster_body(&upstream, &cluster, "deny", "3s")
+    ));
+    let client = HttpClient::new();
+    let url = gw.url("/api/spread");
+    let next = Arc::new(AtomicUsize::new(0));
+    let workers: Vec<_> = (0..IN_FLIGHT)
+        .map(|_| {
+            let (c, url, next) = (client.clone(), url.clone(), next.clone());
+            tokio::spawn(async move {
+                let mut statuses = Vec::new();
+                loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed);
+                    if i >= KEYS {
+                        return statuses;
+                    }
+                    let key = format!("spread-{i}");
+                    let r = c.get(&url, &[("x-api-key", &key)]).await;
+                    if r.status == StatusCode::OK && remaining(&r, "api") != 9 {
+                        // A fresh identity has its whole burst but one.
+                        statuses.push(StatusCode::IM_A_TEAPOT);
+                    } else {
+                        statuses.push(r.status);
+                    }
+                }
+            })
+        })
+        .collect();
+    let mut statuses = Vec::new();
+    for w in workers {
+        statuses.extend(w.await.expect("worker"));
+    }
+    let counts = tally(statuses);
+    assert_eq!(
+        counts.get(&200),
+        Some(&KEYS),
+        "every fresh key passes with r=9 (418 = wrong r): {counts:?}\n{}",
+        gw.logs()
+    );
+
+    let sizes: Vec<usize> = (0..3).map(|i| dbsize(&mut cluster.node(i))).collect();
+    assert_eq!(
+        sizes.iter().sum::<usize>(),
+        KEYS,
+        "one Redis key per identity, over all masters: {sizes:?}"
+    );
+    for (i, &n) in sizes.iter().enumerate() {
+        assert!(
+            n * 5 > KEYS,
+            "node {i} holds {n} of {KEYS} keys (> 20% each expected): {sizes:?}"
+        );
+    }
+
+    // Every key is `rwtest:{<identity-hash>}:api` and carries a TTL of about an hour (one
+    // token taken at 1/h), never none and never more.
+    for (i, &size) in sizes.iter().enumerate() {
+        let mut conn = cluster.node(i);
+        let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).expect("KEYS");
+        assert_eq!(keys.len(), size, "node {i}");
+        for key in &keys {
+            assert!(is_hash_tagged(key, "api"), "node {i}: {key}");
+        }
+        for key in keys.iter().step_by(50) {
+            let ttl = pttl(&mut conn, key);
+            assert!(
+                (HOUR_MS - 10 * 60_000..=HOUR_MS).contains(&ttl),
+                "node {i}: {key} PTTL {ttl} ms"
+            );
+        }
+    }
+    // The exact key of an API key lives on the master serving its hash tag's slot.
+    for i in (0..KEYS).step_by(500) {
+        let key = api_redis_key(&format!("spread-{i}"), "api");
+        let mut conn = cluster.node(cluster.node_of(&key));
+        let value = get(&mut conn, &key).unwrap_or_else(|| panic!("no {key}"));
+        assert!(value.starts_with("t:"), "{key} = {value}");
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 4: one dead master.
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_master_gets_on_error_for_its_slots_while_others_keep_working() {
+    const BURST: u64 = 40;
+    const IN_A_ROW: u32 = 2;
+    let _serial = SERIAL.lock().await;
+    let mut cluster = RedisCluster::start();
+    // No replicas: once node 0 is flagged as failed, the others would refuse every key
+    // (CLUSTERDOWN) under the default full-coverage rule. Serving the slots one still has
+    // is the setup this test is about.
+    for i in 1..3 {
+        let _: () = redis::cmd("CONFIG")
+            .arg("SET")
+            .arg("cluster-require-full-coverage")
+            .arg("no")
+            .query(&mut cluster.node(i))
+            .expect("CONFIG SET");
+    }
+    let upstream = Upstream::start().await;
+    // A breaker that would open after two outages in a row and stay open long: were it
+    // used for a cluster, the live nodes' keys would get 503 after the first round.
+    let gw = start_gateway(&format!(
+        "{}breaker_failures = {IN_A_ROW}\nbreaker_cooldown = \"30s\"\n\
+         [[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"1/h\"\nburst = {BURST}\n",
+        cluster_body(&upstream, &cluster, "deny", "200ms")
+    ));
+
+    // Two API keys per node: one for the rounds, one to exhaust.
+    let mut on: [Vec<String>; 3] = Default::default();
+    for n in 0.. {
+        if on.iter().all(|keys| keys.len() >= 2) {
+            break;
+        }
+        let key = format!("fault-{n}");
+        let node = cluster.node_of(&api_redis_key(&key, "api"));
+        if on[node].len() < 2 {
+            on[node].push(key);
+        }
+    }
+    let client = HttpClient::new();
+    let url = gw.url("/api/x");
+    let send = |key: String| {
+        let (c, url) = (client.clone(), url.clone());
+        async move { c.get(&url, &[("x-api-key", &key)]).await }
+    };
+
+    // Warm up: the gateway's cluster client knows every node, and every key is charged once.
+    for keys in &on {
+        let r = send(keys[0].clone()).await;
+        assert_eq!(r.status, StatusCode::OK, "{}", gw.logs());
+        assert_eq!(remaining(&r, "api"), BURST - 1);
+    }
+
+    cluster.kill(0);
+    let killed = Instant::now();
+    let flagged = |cluster: &RedisCluster| {
+        let nodes: String = redis::cmd("CLUSTER")
+            .arg("NODES")
+            .query(&mut cluster.node(1))
+            .unwrap_or_default();
+        let port = format!(":{}@", cluster.ports[0]);
+        nodes
+            .lines()
+            .any(|l| l.contains(&port) && l.contains("fail") && !l.contains("fail?"))
+    };
+
+    // Rounds until the survivors have flagged node 0 as failed, then a few more: node 0's
+    // slots get on_error (503) within the store timeout plus a margin, every time (the
+    // breaker never opens for a cluster), and the other slots keep their exact limits.
+    let mut rounds = 0u64;
+    let mut seen_flagged_for = 0;
+    while seen_flagged_for < 3 {
+        assert!(
+            killed.elapsed() < Duration::from_secs(30),
+            "the survivors never flagged node 0 as failed"
+        );
+        rounds += 1;
+        // More outages in a row than the breaker's threshold.
+        for n in 0..IN_A_ROW + 1 {
+            let at = format!("round {rounds}, dead-master request {n}");
+            let started = Instant::now();
+            let r = send(on[0][0].clone()).await;
+            let took = started.elapsed();
+            assert_eq!(
+                r.status,
+                StatusCode::SERVICE_UNAVAILABLE,
+                "{at}: a key on the dead master\n{}",
+                gw.logs()
+            );
+            assert!(
+                took < Duration::from_millis(1500),
+                "{at}: the 503 took {took:?}"
+            );
+            assert_eq!(r.header("retry-after"), Some("1"), "{at}");
+            assert_eq!(
+                r.header("content-type"),
+                Some("application/problem+json"),
+                "{at}"
+            );
+            assert_eq!(r.json()["status"], 503, "{at}");
+        }
+
+        for (node, keys) in on.iter().enumerate().skip(1) {
+            let r = send(keys[0].clone()).await;
+            assert_eq!(
+                r.status,
+                StatusCode::OK,
+                "round {rounds}: a key on live node {node}\n{}",
+                gw.logs()
+            );
+            assert_eq!(
+                remaining(&r, "api"),
+                BURST - 1 - rounds,
+                "round {rounds}: node {node}'s key is charged exactly once a request"
+            );
+        }
+        if flagged(&cluster) {
+            seen_flagged_for += 1;
+        }
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    assert!(rounds >= 3, "rounds before and after the flag: {rounds}");
+
+    // A live node's key still runs out exactly at its burst.
+    let fresh = on[2][1].clone();
+    let statuses = {
+        let mut s = Vec::new();
+        for _ in 0..BURST + 3 {
+            s.push(send(fresh.clone()).await.status);
+        }
+        s
+    };
+    assert!(
+        statuses[..BURST as usize]
+            .iter()
+            .all(|s| *s == StatusCode::OK),
+        "the first BURST pass: {statuses:?}"
+    );
+    assert!(
+        statuses[BURST as usize..]
+            .iter()
+            .all(|s| *s == StatusCode::TOO_MANY_REQUESTS),
+        "then 429: {statuses:?}"
+    );
+    // And the dead master's other key still gets on_error, not a pass.
+    let r = send(on[0][1].clone()).await;
+    assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(
+        upstream.seen().len() as u64,
+        3 + 2 * rounds + BURST,
+        "only allowed requests reach the upstream"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// 5: a request denied by one rule takes nothing from the other.
+
+/// How many requests the state `value` of the roomy `api` rule (10 an hour) has charged,
+/// at Redis time `now_us`.
+fn charged(value: &str, now_us: u64) -> u64 {
+    let fields: Vec<u64> = value[2..]
+        .split(':')
+        .map(|f| f.parse().expect("a number"))
+        .collect();
+    match &value[..2] {
+        // t:<level>:<time>:<unit>: whole tokens left of 10.
+        "t:" => 10 - fields[0] / fields[2],
+        // g:<TAT>[:<frac>]: hours of debt, rounded up.
+        "g:" => fields[0].saturating_sub(now_us).div_ceil(3_600_000_000),
+        // f:<start>:<count>, s:<window>:<count>:<previous count>.
+        "f:" | "s:" => fields[1],
+        _ => panic!("unknown state {value}"),
+    }
+}
+
+async fn denied_by_one_rule_leaves_the_other_unchanged(backend: Backend<'_>) {
+    let a = HttpClient::from_addr(Some("127.0.0.3".parse::<IpAddr>().unwrap()));
+    let b = HttpClient::from_addr(Some("127.0.0.2".parse::<IpAddr>().unwrap()));
+    // (the api rule's algorithm, whether it comes before the ip rule)
+    let variants = [
+        ("token_bucket", true),
+        ("token_bucket", false),
+        ("sliding_window", true),
+        ("gcra", true),
+        ("fixed_window", false),
+    ];
+    for (algorithm, api_first) in variants {
+        let what = format!("api = {algorithm}, api first: {api_first}");
+        backend.flush();
+        let upstream = Upstream::start().await;
+        let api = exact_rule("api", "api_key", algorithm, 10);
+        let ip = exact_rule("ip", "client_ip", "token_bucket", 2);
+        let rules = if api_first { api + &ip } else { ip + &api };
+        let body = format!("{}{rules}", backend.body(&upstream, "3s"));
+        // Gateways 0 and 1 see the passes and a concurrent burst; 2 and 3 only denials.
+        let gws: Vec<Gateway> = (0..4).map(|_| start_gateway(&body)).collect();
+        let gw = &gws[0];
+        let url = gw.url("/api/x");
+        let key = format!("both-{algorithm}-{api_first}");
+        let hdr = [("x-api-key", key.as_str())];
+
+        // Two pass: the ip bucket is then empty, the api rule has 8 left.
+        let mut last = 0;
+        for want_r in [9, 8] {
+            let r = a.get(&url, &hdr).await;
+            assert_eq!(r.status, StatusCode::OK, "{what}\n{}", gw.logs());
+            last = remaining(&r, "api");
+            assert_eq!(last, want_r, "{what}");
+        }
+
+        // Denied by ip, one at a time, on gateways that have not denied anything yet: the
+        // store's answer names only the ip rule and shows the api rule untouched. Later
+        // denials may be answered from what a gateway remembers, naming only the denying
+        // rule; any api item they carry is untouched too.
+        for (n, gw) in gws.iter().enumerate().skip(2) {
+            for m in 0..3 {
+                let at = format!("{what}: gateway {n}, denial {m}");
+                let r = a.get(&gw.url("/api/x"), &hdr).await;
+                assert_denied_by_ip_only(&r, &at);
+                match try_remaining(&r, "api") {
+                    Some(r) => assert_eq!(r, last, "{at} changed the api rule's remaining"),
+                    None if m == 0 => panic!("{at}: the store's denial has no api item"),
+                    None => {}
+                }
+            }
+        }
+
+        // Denied by ip, many at once over two gateways.
+        let tasks: Vec<_> = (0..48)
+            .map(|i| {
+                let (c, url, key) = (a.clone(), gws[i % 2].url("/api/x"), key.clone());
+                tokio::spawn(async move { c.get(&url, &[("x-api-key", &key)]).await.status })
+            })
+            .collect();
+        let mut statuses = Vec::new();
+        for t in tasks {
+            statuses.push(t.await.expect("request task"));
+        }
+        let counts = tally(statuses);
+        assert_eq!(counts.get(&429), Some(&48), "{what}: {counts:?}");
+
+        // In the store: the api state still holds exactly the two allowed requests.
+        let redis_key = api_redis_key(&key, "api");
+        let mut conn = backend.conn_for(&redis_key);
+        let value = get(&mut conn, &redis_key);
+        let value = value.unwrap_or_else(|| panic!("{what}: no {redis_key}"));
+        let now = redis_now_us(&mut conn);
+        assert_eq!(
+            charged(&value, now),
+            2,
+            "{what}: {redis_key} = {value} after the denials"
+        );
+        assert!(
+            pttl(&mut conn, &redis_key) > 0,
+            "{what}: {redis_key} has a TTL"
+        );
+
+        // Another client IP, same API key, through the gateways that saw the burst: both
+        // pass, and the api rule goes down by one each time.
+        for (n, want_r) in [(0, last - 1), (1, last - 2)] {
+            let r = b.get(&gws[n].url("/api/x"), &hdr).await;
+            let at = format!("{what}: another IP on gateway {n}");
+            assert_eq!(
+                r.status,
+                StatusCode::OK,
+                "{at}: the store holds {} for the api rule and {} for 127.0.0.2; {:?} {}",
+                last - n as u64,
+                2 - n,
+                r.header("ratelimit"),
+                String::from_utf8_lossy(&r.body)
+            );
+            assert_eq!(remaining(&r, "api"), want_r, "{at}");
+            assert_eq!(remaining(&r, "ip"), 1 - n as u64, "{at}");
+        }
+        assert_eq!(upstream.seen().len(), 4, "{what}");
+
+        // And the first client is still denied by ip alone there.
+        for (n, gw) in gws.iter().enumerate().take(2) {
+            let at = format!("{what}: gateway {n} after the burst");
+            let r = a.get(&gw.url("/api/x"), &hdr).await;
+            assert_denied_by_ip_only(&r, &at);
+            if let Some(r) = try_remaining(&r, "api") {
+                assert_eq!(r, last - 2, "{at}");
+            }
+        }
+    }
+}
+
+fn assert_denied_by_ip_only(r: &Reply, at: &str) {
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{at}");
+    assert_eq!(
+        r.json()["violated-policies"],
+        serde_json::json!(["ip"]),
+        "{at}"
+    );
+    assert_eq!(remaining(r, "ip"), 0, "{at}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_denied_by_one_rule_leaves_the_other_unchanged_redis() {
+    let _serial = SERIAL.lock().await;
+    let redis = RedisServer::start();
+    denied_by_one_rule_leaves_the_other_unchanged(Backend::Single(&redis)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_denied_by_one_rule_leaves_the_other_unchanged_cluster() {
+    let _serial = SERIAL.lock().await;
+    let cluster = RedisCluster::start();
+    denied_by_one_rule_leaves_the_other_unchanged(Backend::Cluster(&cluster)).await;
+}
