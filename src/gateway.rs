@@ -234,7 +234,14 @@ impl Gateway {
         let cfg = &*live.config;
         if let Some(p) = framing_problem(req.headers()) {
             tracing::debug!(peer = %peer, "ambiguous request framing refused");
-            return (problem(p, cfg, &[]), Note::gateway("bad_request"));
+            // Close the connection: after a request whose framing is in doubt, nothing
+            // more on it can be trusted to start where a request starts.
+            let mut resp = problem(p, cfg, &[]);
+            resp.headers_mut().insert(
+                http::header::CONNECTION,
+                http::HeaderValue::from_static("close"),
+            );
+            return (resp, Note::gateway("bad_request"));
         }
         let path = rules::normalize_path(req.uri().path());
         let applied_rules: Vec<&Rule> = cfg
