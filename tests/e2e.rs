@@ -7,7 +7,10 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{tally, upstream_and_store, Gateway, HttpClient, RedisServer, Store, Upstream};
+use common::{
+    exact_rule, tally, upstream_and_store, Gateway, HttpClient, RedisServer, Store, Upstream,
+    ALGORITHMS,
+};
 use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -16,19 +19,6 @@ fn api_rule(burst: u64) -> String {
     format!("[[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"1/h\"\nburst = {burst}\n")
 }
 
-/// A rule of `algorithm` that lets exactly `n` requests pass during a test (nothing
-/// refills or rolls over within an hour).
-fn exact_rule(algorithm: &str, n: u64) -> String {
-    let limit = if algorithm == "token_bucket" || algorithm == "gcra" {
-        format!("rate = \"1/h\"\nburst = {n}")
-    } else {
-        format!("rate = \"{n}/h\"")
-    };
-    format!("[[rules]]\nname = \"api\"\nkey = \"api_key\"\nalgorithm = \"{algorithm}\"\n{limit}\n")
-}
-
-const ALGORITHMS: [&str; 4] = ["token_bucket", "gcra", "fixed_window", "sliding_window"];
-
 async fn burst_is_exact_under_concurrency(store: Store) {
     const B: usize = 25;
     for algorithm in ALGORITHMS {
@@ -36,7 +26,7 @@ async fn burst_is_exact_under_concurrency(store: Store) {
         let gw = Gateway::start(&format!(
             "{}{}",
             upstream_and_store(&upstream.url(), &store),
-            exact_rule(algorithm, B as u64)
+            exact_rule("api", "api_key", algorithm, B as u64)
         ));
         let client = HttpClient::new();
         let tasks: Vec<_> = (0..4 * B)

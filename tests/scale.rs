@@ -10,34 +10,16 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use common::{tally, Gateway, HttpClient, RedisCluster, RedisServer, Reply, Upstream};
+use common::{
+    exact_rule, tally, Gateway, HttpClient, RedisCluster, RedisServer, Reply, Upstream, ALGORITHMS,
+};
 use http::StatusCode;
 
 /// The processes these tests start (a cluster, several gateways, thousands of requests)
 /// share two CPUs: one test at a time, so the one latency bound here is not about load.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-const ALGORITHMS: [&str; 4] = ["token_bucket", "gcra", "fixed_window", "sliding_window"];
-
 const HOUR_MS: i64 = 3_600_000;
-
-/// The limit part of a rule of `algorithm` that lets exactly `n` requests pass during a
-/// test (nothing refills or rolls over within an hour).
-fn exact_limit(algorithm: &str, n: u64) -> String {
-    if algorithm == "token_bucket" || algorithm == "gcra" {
-        format!("rate = \"1/h\"\nburst = {n}\n")
-    } else {
-        format!("rate = \"{n}/h\"\n")
-    }
-}
-
-/// A rule named `name` on `key` that lets exactly `n` requests pass during a test.
-fn exact_rule(name: &str, key: &str, algorithm: &str, n: u64) -> String {
-    format!(
-        "[[rules]]\nname = \"{name}\"\nkey = \"{key}\"\nalgorithm = \"{algorithm}\"\n{}",
-        exact_limit(algorithm, n)
-    )
-}
 
 /// The config after `[server]` for a gateway on one Redis.
 fn single_body(upstream: &Upstream, redis: &RedisServer, timeout: &str) -> String {

@@ -533,6 +533,20 @@ impl Store {
     }
 }
 
+/// Every algorithm, as the config names them.
+pub const ALGORITHMS: [&str; 4] = ["token_bucket", "gcra", "fixed_window", "sliding_window"];
+
+/// A rule named `name` on `key` with `algorithm` that lets exactly `n` requests pass during
+/// a test: nothing refills or rolls over within an hour.
+pub fn exact_rule(name: &str, key: &str, algorithm: &str, n: u64) -> String {
+    let limit = if algorithm == "token_bucket" || algorithm == "gcra" {
+        format!("rate = \"1/h\"\nburst = {n}\n")
+    } else {
+        format!("rate = \"{n}/h\"\n")
+    };
+    format!("[[rules]]\nname = \"{name}\"\nkey = \"{key}\"\nalgorithm = \"{algorithm}\"\n{limit}")
+}
+
 /// Count statuses.
 pub fn tally(statuses: impl IntoIterator<Item = StatusCode>) -> HashMap<u16, usize> {
     let mut m = HashMap::new();
