@@ -313,7 +313,27 @@ impl Gateway {
         Self::try_start_with(body, "2s", args, env).expect("ratewall did not start")
     }
 
+    /// Start the binary and wait until it says it listens. Ports are picked free just
+    /// before; if one was taken in between (the gateway exits with "cannot listen"), start
+    /// again on new ports.
     pub fn try_start_with(
+        body: &str,
+        grace: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+    ) -> Result<Gateway, String> {
+        let mut last = String::new();
+        for _ in 0..5 {
+            match Self::start_once(body, grace, args, env) {
+                Ok(g) => return Ok(g),
+                Err(logs) if logs.contains("cannot listen") => last = logs,
+                Err(logs) => return Err(logs),
+            }
+        }
+        Err(last)
+    }
+
+    fn start_once(
         body: &str,
         grace: &str,
         args: &[&str],
@@ -346,12 +366,20 @@ impl Gateway {
             config: cfg,
             server,
         };
-        if wait_for_port(port, Duration::from_secs(20)) {
-            Ok(g)
-        } else {
-            let _ = g.child.kill();
-            Err(g.logs())
+        // Its own word that both ports are bound: a bare connect could reach another
+        // process that took the port first.
+        let end = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < end {
+            if g.logs().contains("ratewall listening") {
+                return Ok(g);
+            }
+            if let Ok(Some(_)) = g.child.try_wait() {
+                return Err(g.logs());
+            }
+            std::thread::sleep(Duration::from_millis(20));
         }
+        let _ = g.child.kill();
+        Err(g.logs())
     }
 
     pub fn url(&self, path: &str) -> String {
