@@ -23,7 +23,7 @@ use crate::limiter::redis::{RedisClusterStore, RedisStore};
 use crate::limiter::{Check, IdentityDigest, MonotonicClock, Store, StoreError};
 use crate::metrics::{
     status_class, ClassLabels, InFlight, Limited, Metrics, ReloadLabels, ReloadResult,
-    ResponseLabels, Verdict,
+    ResponseLabels, RuleCounters,
 };
 use crate::proxy::{Proxy, ProxyError};
 use crate::rules;
@@ -39,6 +39,8 @@ pub struct Live {
     pub limiter: Arc<Limiter>,
     /// Whether the deny cache may be used under this config (see [`Limiter::decide`]).
     pub cache_denials: bool,
+    /// `ratewall_requests_total` handles for each of `config.rules`, in order.
+    pub counters: Vec<RuleCounters>,
 }
 
 impl Live {
@@ -85,6 +87,11 @@ impl Live {
         let cache_denials =
             !matches!(config.store.backend, Backend::RedisCluster { .. }) || one_identity;
         Ok(Live {
+            counters: config
+                .rules
+                .iter()
+                .map(|r| metrics.rule_counters(&r.name))
+                .collect(),
             config: Arc::new(config),
             proxy,
             limiter,
@@ -244,11 +251,11 @@ impl Gateway {
             return (resp, Note::gateway("bad_request"));
         }
         let path = rules::normalize_path(req.uri().path());
-        let applied_rules: Vec<&Rule> = cfg
-            .rules
-            .iter()
-            .filter(|r| rules::applies(r, req.method(), &path))
+        // The rules that apply, by their position in the config (which their counters share).
+        let matched: Vec<usize> = (0..cfg.rules.len())
+            .filter(|&i| rules::applies(&cfg.rules[i], req.method(), &path))
             .collect();
+        let applied_rules: Vec<&Rule> = matched.iter().map(|&i| &cfg.rules[i]).collect();
         if applied_rules.is_empty() {
             return self
                 .forward(live, req, peer.ip(), &[], Note::gateway("unlimited"))
@@ -282,8 +289,8 @@ impl Gateway {
                 // Denied locally: only the denying rules are known (and shown).
                 Answer::Cached(d) => d,
                 Answer::Failed(_) => {
-                    for c in &checks {
-                        self.metrics.rule(c.rule, Verdict::Error);
+                    for &i in &matched {
+                        live.counters[i].error.inc();
                     }
                     let note = Note {
                         rule: applied_rules.first().map(|r| r.name.as_str()),
@@ -322,13 +329,13 @@ impl Gateway {
                 })
             })
             .unzip();
-        for a in &applied {
-            let verdict = if a.decision.allowed {
-                Verdict::Allowed
+        for (a, &k) in applied.iter().zip(&index) {
+            let counters = &live.counters[matched[k]];
+            if a.decision.allowed {
+                counters.allowed.inc();
             } else {
-                Verdict::Denied
-            };
-            self.metrics.rule(a.rule, verdict);
+                counters.denied.inc();
+            }
         }
         let denied = applied
             .iter()

@@ -227,15 +227,32 @@ impl Metrics {
         out
     }
 
-    /// Count one rule's verdict.
-    pub fn rule(&self, rule: &str, decision: Verdict) {
-        self.requests
-            .get_or_create(&RuleLabels {
-                rule: rule.to_string(),
-                decision,
-            })
-            .inc();
+    /// One rule's decision counters, resolved once (at config load) so that counting a
+    /// request allocates nothing and takes no lock.
+    pub fn rule_counters(&self, rule: &str) -> RuleCounters {
+        let counter = |decision| {
+            self.requests
+                .get_or_create(&RuleLabels {
+                    rule: rule.to_string(),
+                    decision,
+                })
+                .clone()
+        };
+        RuleCounters {
+            allowed: counter(Verdict::Allowed),
+            denied: counter(Verdict::Denied),
+            error: counter(Verdict::Error),
+        }
     }
+}
+
+/// `ratewall_requests_total` for one rule, one handle per decision (handles share the
+/// registered counters).
+#[derive(Clone)]
+pub struct RuleCounters {
+    pub allowed: Counter,
+    pub denied: Counter,
+    pub error: Counter,
 }
 
 impl Default for Metrics {
@@ -499,7 +516,7 @@ mod tests {
     #[test]
     fn metrics_encode_with_the_prefix_and_no_identities() {
         let m = Metrics::new();
-        m.rule("api", Verdict::Denied);
+        m.rule_counters("api").denied.inc();
         let text = m.encode();
         assert!(
             text.contains("ratewall_requests_total{rule=\"api\",decision=\"denied\"} 1"),
