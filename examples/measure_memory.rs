@@ -75,11 +75,7 @@ async fn main() {
             let before = LIVE.load(Relaxed);
             let store = MemoryStore::new(clock);
             for d in &digests[..n] {
-                store.decide(&[Check {
-                    identity: d,
-                    rule: "api",
-                    quota: &q,
-                }]);
+                store.decide(&[Check::new(d, "api", &q)]);
             }
             let bytes = LIVE.load(Relaxed) - before;
             assert_eq!(store.len(), n);
@@ -104,11 +100,7 @@ async fn main() {
     for alg in ALGORITHMS {
         let q = quota(alg);
         let d = digest_api_key(b"measure");
-        let check = Check {
-            identity: &d,
-            rule: "api",
-            quota: &q,
-        };
+        let check = Check::new(&d, "api", &q);
         // Two requests 1 ms apart, so every state holds non-trivial numbers.
         store
             .decide(std::slice::from_ref(&check), Some(now))

@@ -59,14 +59,7 @@ async fn main() {
     // Warm up (loads the script).
     let d = digest_api_key(b"warm-up");
     store
-        .decide(
-            &[Check {
-                identity: &d,
-                rule: "api",
-                quota: &quota,
-            }],
-            None,
-        )
+        .decide(&[Check::new(&d, "api", &quota)], None)
         .await
         .expect("decide");
 
@@ -83,14 +76,7 @@ async fn main() {
                     let key = format!("key-{t}-{i}");
                     let d = digest_api_key(key.as_bytes());
                     if store
-                        .decide(
-                            &[Check {
-                                identity: &d,
-                                rule: "api",
-                                quota: &quota,
-                            }],
-                            None,
-                        )
+                        .decide(&[Check::new(&d, "api", &quota)], None)
                         .await
                         .is_ok()
                     {

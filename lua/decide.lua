@@ -1,54 +1,104 @@
 -- Decide one request against every key: read all, judge all, then write all or none.
+-- The enforcing keys decide for the request; a shadow key (flag 1) is judged and, when it
+-- allows and the request passes, charged as if it were enforced, but never denies.
 -- ARGV[2] = "peek" only looks: nothing is written and the answers are what a request
 -- would be told now without being charged (the admin API's inspect). ARGV[2] = "refund"
 -- gives back one charge per key, then answers like "peek".
 -- A key that cannot be read as a state (wrong type, corrupt) fails the call with the error
 -- code RATEWALL and the key's name: one key's problem, which the gateway tells apart from
 -- the store being down.
+--
+-- Concurrency (code 5; parameters max, lease µs, lease id): the key is a sorted set of
+-- the leases of requests in flight, scored by the µs they expire at. Live leases are
+-- counted; a request let through adds its own and pushes the key's TTL to the latest
+-- lease. The gateway renews a lease while its request is in flight (lua/lease.lua) and
+-- removes it when the response ends; a gateway that dies leaves leases that expire.
+local STRIDE = 7
 local mode = ARGV[2]
 local peek = mode == 'peek' or mode == 'refund'
 local n = #KEYS
 local results = {}
+local shadow = {}
 local all = true
-for i = 1, n do
-  local a = 3 + 5 * (i - 1)
-  local algorithm = ALGORITHMS[tonumber(ARGV[a])]
-  if not algorithm then
-    return redis.error_reply('RATEWALL unknown algorithm ' .. tostring(ARGV[a]))
-  end
-  local ok, raw = pcall(redis.call, 'GET', KEYS[i])
-  if not ok then
-    local why = type(raw) == 'table' and raw.err or tostring(raw)
-    return redis.error_reply('RATEWALL ' .. KEYS[i] .. ': ' .. tostring(why))
-  end
-  if not raw then raw = nil end
-  local p1, p2, p3, p4 = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4])
+
+local function fail(key, why)
+  return redis.error_reply('RATEWALL ' .. key .. ': ' .. tostring(why))
+end
+
+local function concurrency(key, max, member)
   if mode == 'refund' then
-    local value, ttl = REFUNDS[tonumber(ARGV[a])](raw, now, p1, p2, p3, p4)
-    if value == nil then
-      return redis.error_reply('RATEWALL ' .. KEYS[i] .. ': ' .. tostring(ttl))
-    elseif value then
-      redis.call('SET', KEYS[i], value, 'PX', cdiv(ttl, 1000))
-      raw = value
-    else
-      redis.call('DEL', KEYS[i])
-      raw = nil
+    local ok, err = pcall(redis.call, 'ZREM', key, member)
+    if not ok then return nil, type(err) == 'table' and err.err or err end
+  end
+  local ok, count = pcall(redis.call, 'ZCOUNT', key, string.format('(%d', now), '+inf')
+  if not ok then return nil, type(count) == 'table' and count.err or count end
+  if count > max then count = max end
+  local allowed = count < max
+  local retry = 0
+  if not allowed then retry = 1000000 end
+  local after = count + 1
+  if after > max then after = max end
+  return {
+    allowed = allowed,
+    charged = { max - after, 0, 0 },
+    uncharged = { max - count, retry, 0 },
+    lease = true,
+  }
+end
+
+for i = 1, n do
+  local a = 3 + STRIDE * (i - 1)
+  local code = tonumber(ARGV[a])
+  local p1, p2, p3, p4, p5 = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
+  shadow[i] = (tonumber(ARGV[a + 6]) or 0) % 2 == 1
+  local r, err
+  if code == 5 then
+    r, err = concurrency(KEYS[i], p1, ARGV[a + 3])
+  else
+    local algorithm = ALGORITHMS[code]
+    if not algorithm then
+      return redis.error_reply('RATEWALL unknown algorithm ' .. tostring(ARGV[a]))
     end
+    local ok, raw = pcall(redis.call, 'GET', KEYS[i])
+    if not ok then
+      return fail(KEYS[i], type(raw) == 'table' and raw.err or raw)
+    end
+    if not raw then raw = nil end
+    if mode == 'refund' then
+      local value, ttl = REFUNDS[code](raw, now, p1, p2, p3, p4, p5)
+      if value == nil then
+        return fail(KEYS[i], ttl)
+      elseif value then
+        redis.call('SET', KEYS[i], value, 'PX', cdiv(ttl, 1000))
+        raw = value
+      else
+        redis.call('DEL', KEYS[i])
+        raw = nil
+      end
+    end
+    r, err = algorithm(raw, now, p1, p2, p3, p4, p5)
   end
-  local r, err = algorithm(raw, now, p1, p2, p3, p4)
-  if not r then
-    return redis.error_reply('RATEWALL ' .. KEYS[i] .. ': ' .. err)
-  end
+  if not r then return fail(KEYS[i], err) end
   results[i] = r
-  if not r.allowed then all = false end
+  if not r.allowed and not shadow[i] then all = false end
 end
 
 local out = {}
 for i = 1, n do
   local r = results[i]
   local d = r.uncharged
-  if all and not peek then
-    redis.call('SET', KEYS[i], r.value, 'PX', cdiv(r.ttl, 1000))
+  if all and not peek and r.allowed then
+    if r.lease then
+      local a = 3 + STRIDE * (i - 1)
+      local lease_us = tonumber(ARGV[a + 2])
+      -- Scores are µs near 2^51: formatted whole, never in Lua's %.14g.
+      redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', string.format('%d', now))
+      redis.call('ZADD', KEYS[i], string.format('%d', now + lease_us), ARGV[a + 3])
+      local last = redis.call('ZRANGE', KEYS[i], -1, -1, 'WITHSCORES')
+      redis.call('PEXPIRE', KEYS[i], cdiv(tonumber(last[2]) - now, 1000))
+    else
+      redis.call('SET', KEYS[i], r.value, 'PX', cdiv(r.ttl, 1000))
+    end
     d = r.charged
   end
   local o = 4 * (i - 1)

@@ -1,8 +1,11 @@
 -- GCRA: the twin of src/limiter/gcra.rs.
--- Parameters: as the token bucket's (unit, per_us, cap, need).
+-- Parameters: as the token bucket's (unit, per_us, cap, need, slack).
 -- State: the theoretical arrival time "g:<µs>" or "g:<µs>:<remainder in 1/per_us µs>".
 
--- How far the TAT is ahead of now, in units, capped at the bucket's size.
+-- How far the TAT is ahead of now, in units. Not capped at the bucket's size: a TAT left
+-- by a larger quota is honoured, so a denial's retry is when the request really passes.
+-- Capped only at 2^52, where doubles stop being exact.
+local GCRA_MAX_DEBT = 4503599627370496
 local function gcra_debt(raw, now, per_us, cap)
   if not (raw and string.sub(raw, 1, 2) == 'g:') then
     if raw and not ours(raw) then return nil, 'not a ratewall state' end
@@ -31,29 +34,33 @@ local function gcra_value(now, per_us, debt)
   return string.format('g:%d:%d', now + us, frac)
 end
 
-ALGORITHMS[2] = function(raw, now, unit, per_us, cap, need)
-  local debt, err = gcra_debt(raw, now, per_us, cap)
+ALGORITHMS[2] = function(raw, now, unit, per_us, cap, need, slack)
+  local debt, err = gcra_debt(raw, now, per_us, GCRA_MAX_DEBT)
   if not debt then return nil, err end
   local after = debt + need
-  local allowed = after <= cap
+  local allowed = after <= cap + slack
   local retry = 0
-  if not allowed then retry = cdiv(after - cap, per_us) end
+  if not allowed then retry = cdiv(after - cap - slack, per_us) end
+  -- An allowed request past the burst waits until it conforms.
+  local wait = 0
+  if after > cap then wait = cdiv(after - cap, per_us) end
   local left = cap - after
   if left < 0 then left = 0 end
+  local avail = cap - debt
+  if avail < 0 then avail = 0 end
   return {
     allowed = allowed,
-    charged = { idiv(left, unit), 0, cdiv(after, per_us) },
-    uncharged = { idiv(cap - debt, unit), retry, cdiv(debt, per_us) },
+    charged = { idiv(left, unit), wait, cdiv(after, per_us) },
+    uncharged = { idiv(avail, unit), retry, cdiv(debt, per_us) },
     value = gcra_value(now, per_us, after),
     ttl = cdiv(after, per_us),
   }
 end
 
-REFUNDS[2] = function(raw, now, unit, per_us, cap, need)
-  local debt, err = gcra_debt(raw, now, per_us, cap)
+REFUNDS[2] = function(raw, now, unit, per_us, cap, need, slack)
+  local debt, err = gcra_debt(raw, now, per_us, GCRA_MAX_DEBT)
   if not debt then return nil, err end
   debt = debt - need
   if debt <= 0 then return false end
   return gcra_value(now, per_us, debt), cdiv(debt, per_us)
 end
-

@@ -9,20 +9,23 @@
 -- ARGV[1]  now in microseconds, or "" to read Redis TIME (production always does)
 -- ARGV[2]  "" to decide, "peek" to only look (write nothing), "refund" to give back what a
 --          decision took (a Redis Cluster request denied by a rule on another identity)
--- ARGV[3 + 5(i-1) ..] for KEYS[i]: algorithm code, then four parameters (see each file)
--- Returns 4 integers per key: allowed (1/0), remaining, retry-after µs, reset µs.
+-- ARGV[3 + 7(i-1) ..] for KEYS[i]: algorithm code, five parameters (see each file), then
+--          flags: 1 = shadow (decided and counted, never denies the request)
+-- Returns 4 integers per key: allowed (1/0), remaining, retry-after µs (for an allowed
+-- request: how long it waits for reserved tokens), reset µs.
 --
 -- Lua 5.1 numbers are doubles: the gateway keeps every value below 2^52 at load, so all
 -- the arithmetic here is exact integer arithmetic, like the Rust twins'.
 --
 -- Each state is a string tagged by its algorithm ("t:", "g:", "f:", "s:"). A state left by
 -- another algorithm (the rule changed) counts as none; anything else is an error, which
--- the gateway handles by its on_error policy.
+-- the gateway handles by its on_error policy. A concurrency limit (code 5) keeps a sorted
+-- set of leases instead (see decide.lua).
 
 local ALGORITHMS = {}
 local REFUNDS = {}
 
--- floor(a / b) for 0 <= a < 2^53, 0 < b, exactly.
+-- floor(a / b) for |a| < 2^53, 0 < b, exactly.
 local function idiv(a, b)
   local q = math.floor(a / b)
   if q * b > a then q = q - 1 elseif (q + 1) * b <= a then q = q + 1 end

@@ -1,7 +1,9 @@
 -- Token bucket: the twin of src/limiter/token_bucket.rs.
 -- Parameters: unit (units in a token), per_us (units dripping in per µs),
---             cap (burst * unit), need (cost * unit).
+--             cap (burst * unit), need (cost * unit),
+--             slack (max_delay * per_us: how far below empty waiting requests may reserve).
 -- State: "t:<level after the last charge>:<its time, µs>:<unit>"; gone when full again.
+-- The level is below zero while tokens are reserved for requests waiting on them.
 
 -- The bucket's level at now, in units.
 local function tb_level(raw, now, unit, per_us, cap)
@@ -9,10 +11,10 @@ local function tb_level(raw, now, unit, per_us, cap)
     if raw and not ours(raw) then return nil, 'not a ratewall state' end
     return cap
   end
-  local l, last, u = string.match(raw, '^t:(%d+):(%d+):(%d+)$')
+  local l, last, u = string.match(raw, '^t:(%-?%d+):(%d+):(%d+)$')
   l, last, u = tonumber(l), tonumber(last), tonumber(u)
   if not (l and last and u and u > 0) then return nil, 'corrupt token bucket state' end
-  -- A changed quota carries whole tokens over.
+  -- A changed quota carries whole tokens over (a reserved debt rounds away from zero).
   if u ~= unit then l = idiv(l, u) * unit end
   if l > cap then l = cap end
   local elapsed = now - last
@@ -21,20 +23,29 @@ local function tb_level(raw, now, unit, per_us, cap)
   return l + elapsed * per_us
 end
 
-ALGORITHMS[1] = function(raw, now, unit, per_us, cap, need)
+ALGORITHMS[1] = function(raw, now, unit, per_us, cap, need, slack)
   local level, err = tb_level(raw, now, unit, per_us, cap)
   if not level then return nil, err end
-  local allowed = level >= need
   local after = level - need
-  if after < 0 then after = 0 end
+  local allowed = after >= -slack
+  -- Time for `units` more to drip in.
+  local function drip(units)
+    if units <= 0 then return 0 end
+    return cdiv(units, per_us)
+  end
+  local function whole(l)
+    if l <= 0 then return 0 end
+    return idiv(l, unit)
+  end
   local retry = 0
-  if not allowed then retry = cdiv(need - level, per_us) end
+  if not allowed then retry = drip(-slack - after) end
   return {
     allowed = allowed,
-    charged = { idiv(after, unit), 0, cdiv(cap - after, per_us) },
-    uncharged = { idiv(level, unit), retry, cdiv(cap - level, per_us) },
+    -- An allowed request below empty waits until the bucket is back at zero.
+    charged = { whole(after), drip(-after), drip(cap - after) },
+    uncharged = { whole(level), retry, drip(cap - level) },
     value = string.format('t:%d:%d:%d', after, now, unit),
-    ttl = cdiv(cap - after, per_us),
+    ttl = drip(cap - after),
   }
 end
 
@@ -46,4 +57,3 @@ REFUNDS[1] = function(raw, now, unit, per_us, cap, need)
   if level >= cap then return false end
   return string.format('t:%d:%d:%d', level, now, unit), cdiv(cap - level, per_us)
 end
-

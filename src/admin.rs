@@ -243,7 +243,7 @@ fn target<'c>(
         }
         KeyKind::ApiKey => {
             let key = need("key")?;
-            let plan = cfg.keys.plans.get(key).map(String::as_str);
+            let plan = cfg.keys.plan_of(key);
             (identity::digest_api_key(key), rule.quota_for(plan))
         }
         KeyKind::Header(h) => (identity::digest_header(h, need("header")?), &rule.quota),
@@ -258,11 +258,7 @@ async fn identity_call(gw: &Gateway, query: &[(String, Vec<u8>)], reset: bool) -
         Ok(t) => t,
         Err(r) => return refused(r),
     };
-    let check = Check {
-        identity: &digest,
-        rule: &rule.name,
-        quota,
-    };
+    let check = Check::new(&digest, &rule.name, quota);
     let id = digest.hex()[..8].to_string();
     if reset {
         return match live.limiter.reset(&check).await {
@@ -311,6 +307,8 @@ struct RuleView<'a> {
     key: String,
     applies_to: String,
     plans: Vec<String>,
+    /// How it acts: enforced, shadow, rollout, delay, concurrency leases, jitter.
+    behaviour: String,
 }
 
 fn stats(gw: &Gateway) -> serde_json::Value {
@@ -323,7 +321,10 @@ fn stats(gw: &Gateway) -> serde_json::Value {
         .map(|r| RuleView {
             name: &r.name,
             algorithm: r.quota.algorithm.name(),
-            rate: r.quota.rate.to_string(),
+            rate: match r.quota.algorithm {
+                crate::limiter::Algorithm::Concurrency => r.quota.to_string(),
+                _ => r.quota.rate.to_string(),
+            },
             burst: r.quota.algorithm.has_burst().then_some(r.quota.burst),
             cost: r.quota.cost,
             key: match &r.key {
@@ -338,6 +339,7 @@ fn stats(gw: &Gateway) -> serde_json::Value {
                 p.sort();
                 p
             },
+            behaviour: r.behaviour(),
         })
         .collect();
     let health = match live.limiter.health() {

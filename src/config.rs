@@ -20,6 +20,7 @@ use serde::de::{self, Deserializer};
 use serde::Deserialize;
 
 use crate::limiter::{Algorithm, Quota, QuotaError};
+use crate::rules::{Glob, HostPattern, RuleIndex};
 use toml::Spanned;
 
 /// A configuration file that could not be loaded, with where and why.
@@ -52,6 +53,8 @@ pub struct Config {
     pub keys: Keys,
     pub response: ResponseStyle,
     pub rules: Vec<Rule>,
+    /// `rules`, precompiled for matching (see [`RuleIndex`]).
+    pub index: RuleIndex,
 }
 
 #[derive(Debug)]
@@ -153,8 +156,36 @@ pub enum UnknownKeys {
 pub struct Keys {
     pub header: HeaderName,
     pub unknown: UnknownKeys,
-    /// Raw API key -> plan name. Held in memory only; never logged.
-    pub plans: HashMap<Vec<u8>, String>,
+    /// SHA-256 of an API key -> plan name, from `[keys.plans]` and the keys file. Keys
+    /// are held as digests only, so the process never holds a listed key it has not seen
+    /// in a request.
+    plans: HashMap<[u8; 32], String>,
+    /// The keys file, if any (re-read on every reload).
+    pub file: Option<PathBuf>,
+}
+
+impl Keys {
+    /// The plan `key` maps to, if it is listed.
+    pub fn plan_of(&self, key: &[u8]) -> Option<&str> {
+        if self.plans.is_empty() {
+            return None;
+        }
+        self.plans.get(&sha256(key)).map(String::as_str)
+    }
+
+    /// How many keys are listed.
+    pub fn len(&self) -> usize {
+        self.plans.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.plans.is_empty()
+    }
+}
+
+fn sha256(bytes: &[u8]) -> [u8; 32] {
+    use sha2::Digest;
+    sha2::Sha256::digest(bytes).into()
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -182,11 +213,34 @@ pub enum MissingKey {
     ClientIp,
 }
 
+/// Which paths a rule's `match` takes.
+#[derive(Debug, Clone, Default)]
+pub enum PathMatch {
+    #[default]
+    Any,
+    Prefix(String),
+    Exact(String),
+    Glob(Glob),
+}
+
 #[derive(Debug, Clone, Default)]
 pub struct Match {
-    pub path_prefix: Option<String>,
+    pub path: PathMatch,
     /// Empty: every method.
     pub methods: Vec<Method>,
+    /// Empty: every host.
+    pub hosts: Vec<HostPattern>,
+}
+
+/// Whether a rule blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Mode {
+    /// Denies what its limit does not allow (for `enforce_percent` of identities).
+    #[default]
+    Enforce,
+    /// Decides, counts and logs, adds `RateLimit-Shadow`, never denies.
+    Shadow,
 }
 
 #[derive(Debug, Clone)]
@@ -198,12 +252,20 @@ pub struct Rule {
     /// The quota for requests without a plan, then per plan name.
     pub quota: Quota,
     pub plans: HashMap<String, Quota>,
+    pub mode: Mode,
+    /// With `mode = "enforce"`: the share of identities (by hash) the rule enforces for,
+    /// 0 to 100; the others are treated as in shadow mode.
+    pub enforce_percent: u8,
+    /// With `max_delay`: how many requests may wait on this rule at once in this process.
+    pub max_waiting: u32,
+    /// Up to this much random time is added to a denial's `Retry-After`, in µs.
+    pub retry_jitter_us: u64,
 }
 
 impl Match {
-    /// `GET|POST /api/*`, or `every request`.
+    /// `GET|POST /api/* on api.example.com`, or `every request`.
     pub fn describe(&self) -> String {
-        if self.path_prefix.is_none() && self.methods.is_empty() {
+        if matches!(self.path, PathMatch::Any) && self.methods.is_empty() && self.hosts.is_empty() {
             return "every request".to_string();
         }
         let mut s = String::new();
@@ -212,12 +274,22 @@ impl Match {
             s.push_str(&m.join("|"));
             s.push(' ');
         }
-        match &self.path_prefix {
-            Some(p) => {
+        match &self.path {
+            PathMatch::Prefix(p) => {
                 s.push_str(p);
                 s.push('*');
             }
-            None => s.push_str("any path"),
+            PathMatch::Exact(p) => s.push_str(p),
+            PathMatch::Glob(g) => {
+                s.push_str("glob ");
+                s.push_str(g.pattern());
+            }
+            PathMatch::Any => s.push_str("any path"),
+        }
+        if !self.hosts.is_empty() {
+            let h: Vec<String> = self.hosts.iter().map(ToString::to_string).collect();
+            s.push_str(" on ");
+            s.push_str(&h.join("|"));
         }
         s
     }
@@ -227,6 +299,53 @@ impl Rule {
     /// The quota that applies to a request whose API key maps to `plan`.
     pub fn quota_for(&self, plan: Option<&str>) -> &Quota {
         plan.and_then(|p| self.plans.get(p)).unwrap_or(&self.quota)
+    }
+
+    /// How the rule acts on what its limit says, for `ratewall check`.
+    pub fn behaviour(&self) -> String {
+        let mut s = match (self.mode, self.enforce_percent) {
+            (Mode::Shadow, _) => "shadow: decides and counts, never denies".to_string(),
+            (Mode::Enforce, 100) => "enforced".to_string(),
+            (Mode::Enforce, p) => {
+                format!("enforced for {p}% of identities (by hash), shadow for the rest")
+            }
+        };
+        if self.quota.max_delay_us > 0 {
+            s.push_str(&format!(
+                "; waits up to {} for tokens (at most {} waiting)",
+                humantime::format_duration(Duration::from_micros(self.quota.max_delay_us)),
+                self.max_waiting
+            ));
+        }
+        if self.quota.algorithm == Algorithm::Concurrency {
+            s.push_str(&format!(
+                "; leases live {} in a shared store unless renewed",
+                humantime::format_duration(Duration::from_micros(self.quota.lease_us))
+            ));
+        }
+        if self.retry_jitter_us > 0 {
+            s.push_str(&format!(
+                "; Retry-After + up to {} jitter",
+                humantime::format_duration(Duration::from_micros(self.retry_jitter_us))
+            ));
+        }
+        s
+    }
+
+    /// Whether the rule denies for `identity`, or only watches (shadow mode, or an
+    /// identity outside `enforce_percent`). Stable: by the identity's digest, so the same
+    /// identities are enforced on every gateway and after restarts, and raising the
+    /// percentage only adds identities.
+    pub fn enforces(&self, identity: &crate::limiter::IdentityDigest) -> bool {
+        match self.mode {
+            Mode::Shadow => false,
+            Mode::Enforce if self.enforce_percent >= 100 => true,
+            Mode::Enforce => {
+                let mut b = [0u8; 8];
+                b.copy_from_slice(&identity.0[8..16]);
+                u64::from_le_bytes(b) % 100 < u64::from(self.enforce_percent)
+            }
+        }
     }
 }
 
@@ -397,7 +516,8 @@ struct RawKeys {
     #[serde(default = "default_unknown")]
     unknown: UnknownKeys,
     #[serde(default)]
-    plans: HashMap<String, PlanName>,
+    plans: HashMap<String, Spanned<PlanName>>,
+    file: Option<Spanned<String>>,
 }
 
 impl Default for RawKeys {
@@ -406,8 +526,42 @@ impl Default for RawKeys {
             header: default_key_header(),
             unknown: default_unknown(),
             plans: HashMap::new(),
+            file: None,
         }
     }
+}
+
+/// The keys file: `[plans]`, API key (or `sha256:<hex>` of one) -> plan name.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKeysFile {
+    #[serde(default)]
+    plans: HashMap<String, Spanned<PlanName>>,
+}
+
+/// An API key as listed: the key itself, or `sha256:<64 hex digits>` of it.
+fn key_digest(listed: &str) -> Result<[u8; 32], String> {
+    if let Some(hex) = listed.strip_prefix("sha256:") {
+        let hex = hex.trim();
+        let bytes = hex.as_bytes();
+        if bytes.len() != 64 || !bytes.iter().all(u8::is_ascii_hexdigit) {
+            return Err(format!(
+                "{listed:?}: a sha256: key is 64 hex digits (`printf %s KEY | sha256sum`)"
+            ));
+        }
+        let mut d = [0u8; 32];
+        for (i, pair) in bytes.chunks_exact(2).enumerate() {
+            let hi = (pair[0] as char).to_digit(16).unwrap_or(0);
+            let lo = (pair[1] as char).to_digit(16).unwrap_or(0);
+            d[i] = (hi * 16 + lo) as u8;
+        }
+        return Ok(d);
+    }
+    // A key no client can send (empty, control characters) would never match.
+    if listed.is_empty() || http::HeaderValue::from_str(listed).is_err() {
+        return Err("an API key is a non-empty header value without control characters".into());
+    }
+    Ok(sha256(listed.as_bytes()))
 }
 
 fn default_key_header() -> Header {
@@ -440,8 +594,12 @@ fn default_style() -> ResponseStyle {
 #[serde(deny_unknown_fields)]
 struct RawMatch {
     path_prefix: Option<PathPrefix>,
+    path: Option<PathPrefix>,
+    glob: Option<GlobSpec>,
     #[serde(default)]
     methods: Vec<MethodName>,
+    #[serde(default)]
+    host: Hosts,
 }
 
 #[derive(Deserialize)]
@@ -449,16 +607,21 @@ struct RawMatch {
 struct RawRule {
     name: Spanned<RuleName>,
     #[serde(rename = "match")]
-    matcher: Option<RawMatch>,
+    matcher: Option<Spanned<RawMatch>>,
     key: KeySpec,
     #[serde(default = "default_missing_key")]
     missing_key: MissingKey,
-    #[serde(default)]
-    algorithm: Algorithm,
-    rate: Spanned<Rate>,
+    algorithm: Option<Spanned<Algorithm>>,
+    rate: Option<Spanned<Rate>>,
     burst: Option<Spanned<NonZeroU64>>,
     cost: Option<Spanned<NonZeroU64>>,
     mode: Option<Spanned<Mode>>,
+    enforce_percent: Option<Spanned<u8>>,
+    max_delay: Option<Spanned<HumanDuration>>,
+    max_waiting: Option<Spanned<NonZeroU32>>,
+    max_in_flight: Option<Spanned<NonZeroU64>>,
+    lease_ttl: Option<Spanned<HumanDuration>>,
+    retry_jitter: Option<HumanDuration>,
     #[serde(default)]
     plans: HashMap<String, Spanned<RawPlanOverride>>,
 }
@@ -472,15 +635,15 @@ fn default_missing_key() -> MissingKey {
 struct RawPlanOverride {
     rate: Option<Rate>,
     burst: Option<NonZeroU64>,
+    algorithm: Option<Algorithm>,
+    cost: Option<NonZeroU64>,
+    max_in_flight: Option<NonZeroU64>,
 }
 
-#[derive(Deserialize, Default, Clone, Copy, PartialEq, Eq)]
-#[serde(rename_all = "snake_case")]
-enum Mode {
-    #[default]
-    Enforce,
-    Shadow,
-}
+/// Requests wait at most this many per rule, per gateway, unless `max_waiting` says.
+const DEFAULT_MAX_WAITING: u32 = 1_000;
+/// How long a concurrency lease lives in a shared store without renewal, by default.
+const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
 
 // ---------------------------------------------------------------------------------------
 // Value types that validate while they deserialise, so errors carry line and column.
@@ -671,11 +834,48 @@ impl<'de> Deserialize<'de> for PathPrefix {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
         if !s.starts_with('/') {
-            return Err(de::Error::custom(format!(
-                "path_prefix {s:?} must start with \"/\""
-            )));
+            return Err(de::Error::custom(format!("{s:?} must start with \"/\"")));
         }
         Ok(PathPrefix(s))
+    }
+}
+
+/// A path glob: `*` within one segment, `**` for any number of segments.
+struct GlobSpec(Glob);
+
+impl<'de> Deserialize<'de> for GlobSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Glob::new(&s).map(GlobSpec).map_err(de::Error::custom)
+    }
+}
+
+/// `host = "api.example.com"`, or a list; `*.example.com` for every subdomain.
+#[derive(Default)]
+struct Hosts(Vec<HostPattern>);
+
+impl<'de> Deserialize<'de> for Hosts {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> de::Visitor<'de> for V {
+            type Value = Hosts;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a host name, or a list of them")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Hosts, E> {
+                HostPattern::new(s)
+                    .map(|h| Hosts(vec![h]))
+                    .map_err(E::custom)
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Hosts, A::Error> {
+                let mut out = Vec::new();
+                while let Some(s) = seq.next_element::<String>()? {
+                    out.push(HostPattern::new(&s).map_err(de::Error::custom)?);
+                }
+                Ok(Hosts(out))
+            }
+        }
+        d.deserialize_any(V)
     }
 }
 
@@ -782,10 +982,35 @@ impl Config {
             let inner = e.into_inner();
             invalid(inner.span(), key, inner.message().trim().to_string())
         })?;
-        Config::validate(raw).map_err(|(span, key, message)| invalid(span, key, message))
+        let keys_file = match &raw.keys.file {
+            Some(f) => {
+                let file = path
+                    .parent()
+                    .unwrap_or(Path::new(""))
+                    .join(f.get_ref().trim());
+                let listed = load_keys_file(&file).map_err(|e| match e {
+                    // A missing keys file is the config's error: point at `file =`.
+                    ConfigError::Read { source, .. } => invalid(
+                        Some(f.span()),
+                        "keys.file".into(),
+                        format!(
+                            "cannot read the keys file {:?} (relative to this file's folder): {source}",
+                            f.get_ref()
+                        ),
+                    ),
+                    e => e,
+                })?;
+                Some((file, listed))
+            }
+            None => None,
+        };
+        Config::validate(raw, keys_file).map_err(|(span, key, message)| invalid(span, key, message))
     }
 
-    fn validate(raw: RawConfig) -> Result<Config, (Option<Range<usize>>, String, String)> {
+    fn validate(
+        raw: RawConfig,
+        keys_file: Option<(PathBuf, HashMap<[u8; 32], String>)>,
+    ) -> Result<Config, (Option<Range<usize>>, String, String)> {
         let (store_span, store) = match raw.store {
             Some(s) => (Some(s.span()), s.into_inner()),
             None => (None, RawStore::default()),
@@ -811,7 +1036,39 @@ impl Config {
                 ))
             }
         };
-        let plan_names: HashSet<&str> = raw.keys.plans.values().map(|p| p.0.as_str()).collect();
+        // Every listed key, as a digest: inline ones, then the keys file's.
+        let mut listed: HashMap<[u8; 32], String> = HashMap::new();
+        let mut inline: Vec<(&String, &Spanned<PlanName>)> = raw.keys.plans.iter().collect();
+        inline.sort_by(|a, b| a.0.cmp(b.0));
+        for (k, spanned) in inline {
+            let plan = spanned.get_ref();
+            let d =
+                key_digest(k).map_err(|m| (Some(spanned.span()), "keys.plans".to_string(), m))?;
+            if listed.get(&d).is_some_and(|p| *p != plan.0) {
+                return Err((
+                    Some(spanned.span()),
+                    "keys.plans".into(),
+                    "one API key is listed twice with different plans (as itself and as its sha256:)"
+                        .into(),
+                ));
+            }
+            listed.insert(d, plan.0.clone());
+        }
+        let (keys_path, file_keys) = match keys_file {
+            Some((p, k)) => (Some(p), k),
+            None => (None, HashMap::new()),
+        };
+        for (d, plan) in file_keys {
+            if listed.get(&d).is_some_and(|p| *p != plan) {
+                return Err((
+                    raw.keys.file.as_ref().map(Spanned::span),
+                    "keys.file".into(),
+                    format!("an API key in the keys file has plan {plan:?} there and {:?} in [keys.plans]", listed[&d]),
+                ));
+            }
+            listed.insert(d, plan);
+        }
+        let plan_names: HashSet<&str> = listed.values().map(String::as_str).collect();
 
         let mut names = HashSet::new();
         let mut rules = Vec::with_capacity(raw.rules.len());
@@ -826,74 +1083,9 @@ impl Config {
                     format!("duplicate rule name {name:?}"),
                 ));
             }
-            if let Some(mode) = r.mode.as_ref().filter(|m| *m.get_ref() == Mode::Shadow) {
-                return Err((
-                    Some(mode.span()),
-                    at("mode"),
-                    "mode = \"shadow\" is not supported yet; use \"enforce\"".into(),
-                ));
-            }
-            let burst = r.burst.as_ref().map(|b| *b.get_ref());
-            let cost = r.cost.as_ref().map_or(NonZeroU64::MIN, |c| *c.get_ref());
-            // Blame the setting the quota names, where the file has it.
-            let blame = |e: QuotaError| {
-                let span = match e.field {
-                    crate::limiter::QuotaField::Burst => r.burst.as_ref().map(Spanned::span),
-                    crate::limiter::QuotaField::Cost => r.cost.as_ref().map(Spanned::span),
-                    crate::limiter::QuotaField::Rate => None,
-                };
-                (span.or(Some(r.rate.span())), at(e.field.name()), e.message)
-            };
-            let quota = Quota::new(r.algorithm, *r.rate.get_ref(), burst, cost).map_err(blame)?;
-            let mut plans = HashMap::new();
-            for (plan, o) in &r.plans {
-                let key = at(&format!("plans.{plan}"));
-                if !plan_names.contains(plan.as_str()) {
-                    return Err((
-                        Some(o.span()),
-                        key,
-                        format!("plan {plan:?} is not given to any key in [keys.plans]"),
-                    ));
-                }
-                let over = o.get_ref();
-                let q = Quota::new(
-                    r.algorithm,
-                    over.rate.unwrap_or(*r.rate.get_ref()),
-                    over.burst.or(burst),
-                    cost,
-                )
-                .map_err(|e| {
-                    (
-                        Some(o.span()),
-                        format!("{key}.{}", e.field.name()),
-                        e.message,
-                    )
-                })?;
-                plans.insert(plan.clone(), q);
-            }
-            let matcher = r
-                .matcher
-                .as_ref()
-                .map(|m| Match {
-                    path_prefix: m.path_prefix.as_ref().map(|p| p.0.clone()),
-                    methods: m.methods.iter().map(|m| m.0.clone()).collect(),
-                })
-                .unwrap_or_default();
-            let key = match &r.key {
-                KeySpec::ApiKey => KeyKind::ApiKey,
-                KeySpec::ClientIp => KeyKind::ClientIp,
-                KeySpec::Global => KeyKind::Global,
-                KeySpec::Header(h) => KeyKind::Header(h.clone()),
-            };
-            rules.push(Rule {
-                name: name.to_string(),
-                matcher,
-                key,
-                missing_key: r.missing_key,
-                quota,
-                plans,
-            });
+            rules.push(validate_rule(r, spanned.span(), &at, &plan_names)?);
         }
+        let index = RuleIndex::new(&rules);
 
         let token = std::env::var("RATEWALL_ADMIN_TOKEN")
             .ok()
@@ -932,15 +1124,12 @@ impl Config {
             keys: Keys {
                 header: raw.keys.header.0,
                 unknown: raw.keys.unknown,
-                plans: raw
-                    .keys
-                    .plans
-                    .into_iter()
-                    .map(|(k, v)| (k.into_bytes(), v.0))
-                    .collect(),
+                plans: listed,
+                file: keys_path,
             },
             response: raw.response.headers,
             rules,
+            index,
         })
     }
 
@@ -973,9 +1162,13 @@ impl Config {
         );
         let _ = writeln!(
             out,
-            "keys          header {}, {} keys with plans",
+            "keys          header {}, {} listed with a plan{}",
             self.keys.header,
-            self.keys.plans.len()
+            self.keys.plans.len(),
+            match &self.keys.file {
+                Some(f) => format!(" (with the keys file {})", f.display()),
+                None => String::new(),
+            }
         );
         let _ = writeln!(out, "rules         {}", self.rules.len());
         for r in &self.rules {
@@ -998,14 +1191,297 @@ impl Config {
                 r.quota.algorithm.name(),
                 when
             );
+            let _ = writeln!(out, "      {}", r.behaviour());
             let mut plans: Vec<_> = r.plans.iter().collect();
             plans.sort_by(|a, b| a.0.cmp(b.0));
             for (p, q) in plans {
-                let _ = writeln!(out, "      plan {p}: {q}");
+                let _ = writeln!(out, "      plan {p}: {q} ({})", q.algorithm.name());
             }
         }
         out
     }
+}
+
+type Invalid = (Option<Range<usize>>, String, String);
+
+/// One rule, validated: its limit (a rate or a concurrency cap), its plans, its match, its
+/// mode. `span` is the rule's table; `at` names a key of it.
+fn validate_rule(
+    r: &RawRule,
+    span: Range<usize>,
+    at: &dyn Fn(&str) -> String,
+    plan_names: &HashSet<&str>,
+) -> Result<Rule, Invalid> {
+    let name = r.name.get_ref().0.as_str();
+    let no = |span: Option<Range<usize>>, key: &str, message: String| -> Invalid {
+        (span, at(key), message)
+    };
+    // A rule limits a rate or a concurrency, never both.
+    let concurrency = match (&r.rate, &r.max_in_flight) {
+        (Some(_), Some(m)) => {
+            return Err(no(
+                Some(m.span()),
+                "max_in_flight",
+                "a rule has either rate (a rate limit) or max_in_flight (a concurrency limit), not both; make two rules".into(),
+            ))
+        }
+        (None, None) => {
+            return Err(no(
+                Some(span),
+                "rate",
+                "missing rate (e.g. \"10/s\"), or max_in_flight for a concurrency limit".into(),
+            ))
+        }
+        (None, Some(m)) => Some(*m.get_ref()),
+        (Some(_), None) => None,
+    };
+    let only_rates: [(&str, Option<Range<usize>>); 5] = [
+        ("algorithm", r.algorithm.as_ref().map(Spanned::span)),
+        ("burst", r.burst.as_ref().map(Spanned::span)),
+        ("cost", r.cost.as_ref().map(Spanned::span)),
+        ("max_delay", r.max_delay.as_ref().map(Spanned::span)),
+        ("max_waiting", r.max_waiting.as_ref().map(Spanned::span)),
+    ];
+    if concurrency.is_some() {
+        if let Some((key, span)) = only_rates.into_iter().find(|(_, s)| s.is_some()) {
+            return Err(no(
+                span,
+                key,
+                format!("{key} does not apply to a max_in_flight rule (a concurrency limit)"),
+            ));
+        }
+    } else if let Some(l) = &r.lease_ttl {
+        return Err(no(
+            Some(l.span()),
+            "lease_ttl",
+            "lease_ttl applies to max_in_flight rules only".into(),
+        ));
+    }
+    if let (None, Some(w)) = (&r.max_delay, &r.max_waiting) {
+        return Err(no(
+            Some(w.span()),
+            "max_waiting",
+            "max_waiting bounds requests waiting under max_delay; set max_delay too".into(),
+        ));
+    }
+    let lease = match &r.lease_ttl {
+        Some(l) if l.get_ref().0 < Duration::from_secs(1) => {
+            return Err(no(
+                Some(l.span()),
+                "lease_ttl",
+                "lease_ttl is at least 1s (leases are renewed every third of it)".into(),
+            ))
+        }
+        Some(l) => l.get_ref().0,
+        None => DEFAULT_LEASE_TTL,
+    };
+
+    let algorithm = r
+        .algorithm
+        .as_ref()
+        .map_or(Algorithm::default(), |a| *a.get_ref());
+    let burst = r.burst.as_ref().map(|b| *b.get_ref());
+    let cost = r.cost.as_ref().map_or(NonZeroU64::MIN, |c| *c.get_ref());
+    let max_delay = r.max_delay.as_ref().map(|d| d.get_ref().0);
+    // A rate limit's quota; a plan may change any of its numbers.
+    let rate_quota = |algorithm: Algorithm, rate: Rate, burst, cost| {
+        let q = Quota::new(algorithm, rate, burst, cost)?;
+        match max_delay {
+            Some(d) => q.with_max_delay(d),
+            None => Ok(q),
+        }
+    };
+    // Blame the setting the quota names, where the file has it.
+    let blame = |e: QuotaError| {
+        let named = match e.field {
+            crate::limiter::QuotaField::Burst => r.burst.as_ref().map(Spanned::span),
+            crate::limiter::QuotaField::Cost => r.cost.as_ref().map(Spanned::span),
+            crate::limiter::QuotaField::MaxDelay => r.max_delay.as_ref().map(Spanned::span),
+            crate::limiter::QuotaField::Rate => None,
+        };
+        let fallback = r.rate.as_ref().map_or(span.clone(), Spanned::span);
+        (named.or(Some(fallback)), at(e.field.name()), e.message)
+    };
+    let quota = match (concurrency, &r.rate) {
+        (Some(max), _) => Quota::concurrency(max, lease),
+        (None, Some(rate)) => rate_quota(algorithm, *rate.get_ref(), burst, cost).map_err(blame)?,
+        (None, None) => return Err(no(Some(span), "rate", "missing rate".into())),
+    };
+
+    let mut plans = HashMap::new();
+    for (plan, o) in &r.plans {
+        let key = at(&format!("plans.{plan}"));
+        if !plan_names.contains(plan.as_str()) {
+            return Err((
+                Some(o.span()),
+                key,
+                format!("plan {plan:?} is not given to any key in [keys.plans] or the keys file"),
+            ));
+        }
+        let over = o.get_ref();
+        let q = match concurrency {
+            Some(max) => {
+                let extra = [
+                    ("rate", over.rate.is_some()),
+                    ("burst", over.burst.is_some()),
+                    ("algorithm", over.algorithm.is_some()),
+                    ("cost", over.cost.is_some()),
+                ];
+                if let Some((k, _)) = extra.iter().find(|(_, set)| *set) {
+                    return Err((
+                        Some(o.span()),
+                        format!("{key}.{k}"),
+                        format!("{k} does not apply to a max_in_flight rule; a plan may set max_in_flight"),
+                    ));
+                }
+                Quota::concurrency(over.max_in_flight.unwrap_or(max), lease)
+            }
+            None => {
+                if over.max_in_flight.is_some() {
+                    return Err((
+                        Some(o.span()),
+                        format!("{key}.max_in_flight"),
+                        "max_in_flight applies to concurrency rules only".into(),
+                    ));
+                }
+                let alg = over.algorithm.unwrap_or(algorithm);
+                // The rule's burst carries over only to an algorithm that has one.
+                let burst = over.burst.or(burst.filter(|_| alg.has_burst()));
+                let rate = over
+                    .rate
+                    .or(r.rate.as_ref().map(|r| *r.get_ref()))
+                    .unwrap_or(quota.rate);
+                rate_quota(alg, rate, burst, over.cost.unwrap_or(cost)).map_err(|e| {
+                    (
+                        Some(o.span()),
+                        format!("{key}.{}", e.field.name()),
+                        e.message,
+                    )
+                })?
+            }
+        };
+        plans.insert(plan.clone(), q);
+    }
+
+    let mode = r.mode.as_ref().map_or(Mode::Enforce, |m| *m.get_ref());
+    let enforce_percent = match &r.enforce_percent {
+        Some(p) if *p.get_ref() > 100 => {
+            return Err(no(
+                Some(p.span()),
+                "enforce_percent",
+                format!("enforce_percent is 0 to 100, not {}", p.get_ref()),
+            ))
+        }
+        Some(p) if mode == Mode::Shadow => {
+            return Err(no(
+                Some(p.span()),
+                "enforce_percent",
+                "enforce_percent rolls out an enforcing rule; with mode = \"shadow\" nothing is enforced".into(),
+            ))
+        }
+        Some(p) => *p.get_ref(),
+        None => 100,
+    };
+
+    let matcher = match &r.matcher {
+        None => Match::default(),
+        Some(m) => {
+            let m_span = m.span();
+            let m = m.get_ref();
+            let path = match (&m.path_prefix, &m.path, &m.glob) {
+                (None, None, None) => PathMatch::Any,
+                (Some(p), None, None) => PathMatch::Prefix(p.0.clone()),
+                (None, Some(p), None) => PathMatch::Exact(p.0.clone()),
+                (None, None, Some(g)) => PathMatch::Glob(g.0.clone()),
+                _ => {
+                    return Err(no(
+                        Some(m_span),
+                        "match",
+                        "give one of path_prefix, path and glob".into(),
+                    ))
+                }
+            };
+            Match {
+                path,
+                methods: m.methods.iter().map(|m| m.0.clone()).collect(),
+                hosts: m.host.0.clone(),
+            }
+        }
+    };
+    let key = match &r.key {
+        KeySpec::ApiKey => KeyKind::ApiKey,
+        KeySpec::ClientIp => KeyKind::ClientIp,
+        KeySpec::Global => KeyKind::Global,
+        KeySpec::Header(h) => KeyKind::Header(h.clone()),
+    };
+    Ok(Rule {
+        name: name.to_string(),
+        matcher,
+        key,
+        missing_key: r.missing_key,
+        quota,
+        plans,
+        mode,
+        enforce_percent,
+        max_waiting: r
+            .max_waiting
+            .as_ref()
+            .map_or(DEFAULT_MAX_WAITING, |w| w.get_ref().get()),
+        retry_jitter_us: r
+            .retry_jitter
+            .as_ref()
+            .map_or(0, |j| u64::try_from(j.0.as_micros()).unwrap_or(u64::MAX)),
+    })
+}
+
+/// Read a keys file: `[plans]`, each API key (or `sha256:<hex>`) -> plan name. Errors
+/// name the keys file, its line and column.
+fn load_keys_file(path: &Path) -> Result<HashMap<[u8; 32], String>, ConfigError> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    let invalid = |span: Option<Range<usize>>, key: String, message: String| {
+        let (line, column) = line_col(&text, span.map(|s| s.start).unwrap_or(0));
+        ConfigError::Invalid {
+            path: path.to_owned(),
+            line,
+            column,
+            key,
+            message,
+        }
+    };
+    let de = toml::Deserializer::parse(&text).map_err(|e| {
+        invalid(
+            e.span(),
+            "(document)".into(),
+            e.message().trim().to_string(),
+        )
+    })?;
+    let raw: RawKeysFile = serde_path_to_error::deserialize(de).map_err(|e| {
+        let key = e
+            .path()
+            .to_string()
+            .replace(".$__serde_spanned_private_value", "");
+        let inner = e.into_inner();
+        invalid(inner.span(), key, inner.message().trim().to_string())
+    })?;
+    let mut out = HashMap::with_capacity(raw.plans.len());
+    for (listed, spanned) in raw.plans {
+        let span = spanned.span();
+        let plan = spanned.into_inner();
+        let d = key_digest(&listed).map_err(|m| invalid(Some(span.clone()), "plans".into(), m))?;
+        if out.get(&d).is_some_and(|p: &String| *p != plan.0) {
+            return Err(invalid(
+                Some(span),
+                "plans".into(),
+                "one API key is listed twice with different plans (as itself and as its sha256:)"
+                    .into(),
+            ));
+        }
+        out.insert(d, plan.0);
+    }
+    Ok(out)
 }
 
 /// 1-based line and column of byte offset `at` in `text`.
@@ -1179,6 +1655,92 @@ url = "http://127.0.0.1:3000"
         let r = &cfg.rules[0];
         assert_eq!(r.quota_for(Some("pro")).burst, 9);
         assert_eq!(r.quota_for(None).burst, 1);
+    }
+
+    #[test]
+    fn keys_come_from_the_file_as_digests_and_inline() {
+        let dir = tempfile::tempdir().unwrap();
+        let digest = |k: &str| {
+            use sha2::Digest;
+            sha2::Sha256::digest(k.as_bytes())
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        };
+        std::fs::write(
+            dir.path().join("keys.toml"),
+            format!(
+                "[plans]\n\"sha256:{}\" = \"pro\"\n\"raw-key-2\" = \"team\"\n",
+                digest("secret-1").to_uppercase()
+            ),
+        )
+        .unwrap();
+        let text = format!(
+            "{MINIMAL}[keys]\nfile = \"keys.toml\"\nunknown = \"reject\"\n[keys.plans]\n\"inline-3\" = \"pro\"\n[[rules]]\nname = \"a\"\nkey = \"api_key\"\nrate = \"1/s\"\n[rules.plans.team]\nalgorithm = \"sliding_window\"\nrate = \"5/m\"\ncost = 2\n"
+        );
+        let path = dir.path().join("limits.toml");
+        std::fs::write(&path, &text).unwrap();
+        let cfg = Config::load(&path).unwrap();
+        assert_eq!(cfg.keys.plan_of(b"secret-1"), Some("pro"));
+        assert_eq!(cfg.keys.plan_of(b"raw-key-2"), Some("team"));
+        assert_eq!(cfg.keys.plan_of(b"inline-3"), Some("pro"));
+        assert_eq!(cfg.keys.plan_of(b"sha256:x"), None);
+        assert_eq!(cfg.keys.len(), 3);
+        let team = cfg.rules[0].quota_for(Some("team"));
+        assert_eq!(team.algorithm, Algorithm::SlidingWindow);
+        assert_eq!((team.rate.count, team.cost), (5, 2));
+        // The same key twice with different plans is an error, wherever it is listed.
+        std::fs::write(
+            dir.path().join("keys.toml"),
+            format!("[plans]\n\"sha256:{}\" = \"team\"\n", digest("inline-3")),
+        )
+        .unwrap();
+        let e = Config::load(&path).unwrap_err().to_string();
+        assert!(e.contains("keys.file") && e.contains("\"team\""), "{e}");
+        // An error inside the keys file names the keys file.
+        std::fs::write(dir.path().join("keys.toml"), "[plans]\n\"k\" = \"\"\n").unwrap();
+        let e = Config::load(&path).unwrap_err().to_string();
+        assert!(e.contains("keys.toml:2:7: plans.k:"), "{e}");
+    }
+
+    #[test]
+    fn enforce_percent_picks_a_stable_growing_share_of_identities() {
+        let at = |p: u8| {
+            let cfg = parse(&format!(
+                "[[rules]]\nname = \"a\"\nkey = \"api_key\"\nrate = \"1/s\"\nenforce_percent = {p}\n"
+            ))
+            .unwrap();
+            (0..10_000u32)
+                .filter(|i| {
+                    let id = crate::identity::digest_api_key(format!("key-{i}").as_bytes());
+                    cfg.rules[0].enforces(&id)
+                })
+                .collect::<HashSet<u32>>()
+        };
+        let (ten, fifty, all, none) = (at(10), at(50), at(100), at(0));
+        assert!((900..=1_100).contains(&ten.len()), "{}", ten.len());
+        assert!((4_800..=5_200).contains(&fifty.len()), "{}", fifty.len());
+        assert_eq!((all.len(), none.len()), (10_000, 0));
+        assert!(
+            ten.is_subset(&fifty),
+            "raising the share only adds identities"
+        );
+        assert_eq!(ten, at(10), "the same identities every time");
+    }
+
+    #[test]
+    fn matches_take_exact_paths_globs_and_hosts() {
+        let cfg = parse(
+            "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nmatch = { glob = \"/v1/*/export\", host = [\"API.example.com\", \"*.example.org\"], methods = [\"get\"] }\n[[rules]]\nname = \"b\"\nkey = \"global\"\nmax_in_flight = 3\nmatch = { path = \"/upload\", host = \"x.test\" }\n",
+        )
+        .unwrap();
+        assert_eq!(
+            cfg.rules[0].matcher.describe(),
+            "GET glob /v1/*/export on api.example.com|*.example.org"
+        );
+        assert_eq!(cfg.rules[1].matcher.describe(), "/upload on x.test");
+        assert_eq!(cfg.rules[1].quota.algorithm, Algorithm::Concurrency);
+        assert_eq!(cfg.rules[1].quota.lease_us, 10_000_000);
     }
 
     #[test]

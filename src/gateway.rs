@@ -3,8 +3,9 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use bytes::Bytes;
@@ -18,9 +19,12 @@ use crate::config::{
 use crate::headers::{self, Applied, Problem};
 use crate::identity::{self, KeyError};
 use crate::limiter::guard::{Answer, Limiter};
+use crate::limiter::lease::Leases;
 use crate::limiter::memory::MemoryStore;
 use crate::limiter::redis::{RedisClusterStore, RedisStore};
-use crate::limiter::{Check, IdentityDigest, MonotonicClock, Store, StoreError};
+use crate::limiter::{
+    Algorithm, Check, Decision, IdentityDigest, MonotonicClock, Quota, Store, StoreError,
+};
 use crate::metrics::{
     status_class, ClassLabels, InFlight, Limited, Metrics, ReloadLabels, ReloadResult,
     ResponseLabels, RuleCounters,
@@ -29,7 +33,52 @@ use crate::proxy::{Proxy, ProxyError};
 use crate::rules;
 
 /// What a client receives: the upstream's streamed body, or one the gateway wrote.
-pub type Body = Either<Incoming, Full<Bytes>>;
+pub type Body = Either<Upstream, Full<Bytes>>;
+
+/// The upstream's response body, streamed through, holding the request's concurrency slots
+/// until it ends: dropped when the last frame is written, or when the client goes away.
+pub struct Upstream {
+    body: Incoming,
+    _leases: Option<Leases>,
+}
+
+impl hyper::body::Body for Upstream {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// One place in a rule's queue of requests waiting for reserved tokens (`max_waiting`).
+struct WaitSlot<'a>(&'a AtomicU32);
+
+impl<'a> WaitSlot<'a> {
+    fn take(waiting: &'a AtomicU32, max: u32) -> Option<WaitSlot<'a>> {
+        waiting
+            .fetch_update(Relaxed, Relaxed, |n| (n < max).then_some(n + 1))
+            .ok()
+            .map(|_| WaitSlot(waiting))
+    }
+}
+
+impl Drop for WaitSlot<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
+    }
+}
 
 /// Everything a request runs on. A request takes the current one when it starts and keeps
 /// it to the end, so a reload never changes the rules under a request in flight.
@@ -41,6 +90,8 @@ pub struct Live {
     pub cache_denials: bool,
     /// `ratewall_requests_total` handles for each of `config.rules`, in order.
     pub counters: Vec<RuleCounters>,
+    /// Per rule of `config.rules`: requests waiting on its `max_delay` now.
+    waiting: Vec<AtomicU32>,
 }
 
 impl Live {
@@ -92,6 +143,7 @@ impl Live {
                 .iter()
                 .map(|r| metrics.rule_counters(&r.name))
                 .collect(),
+            waiting: config.rules.iter().map(|_| AtomicU32::new(0)).collect(),
             config: Arc::new(config),
             proxy,
             limiter,
@@ -132,6 +184,10 @@ struct Note<'a> {
     identity: Option<IdentityDigest>,
     /// Whether the upstream answered (rather than the gateway).
     upstream: bool,
+    /// A rule that would have denied had it enforced (shadow mode, rollout).
+    shadow_denied: Option<&'a str>,
+    /// How long the request waited for reserved tokens.
+    waited: Duration,
 }
 
 impl Note<'_> {
@@ -141,6 +197,8 @@ impl Note<'_> {
             decision,
             identity: None,
             upstream: false,
+            shadow_denied: None,
+            waited: Duration::ZERO,
         }
     }
 }
@@ -194,6 +252,12 @@ impl Gateway {
             tracing::warn!("[store] changed: limits start from a fresh store");
         }
         let live = Live::build(config, Some(&old), &self.metrics)?;
+        if !Arc::ptr_eq(&live.limiter, &old.limiter) {
+            tokio::spawn({
+                let limiter = live.limiter.clone();
+                async move { limiter.warm().await }
+            });
+        }
         self.live.store(Arc::new(live));
         Ok(())
     }
@@ -225,6 +289,8 @@ impl Gateway {
                 status,
                 rule = note.rule.unwrap_or("-"),
                 decision = note.decision,
+                shadow_denied = note.shadow_denied.unwrap_or("-"),
+                waited_ms = note.waited.as_millis() as u64,
                 id = id.as_deref().unwrap_or("-"),
                 latency_us = started.elapsed().as_micros() as u64,
             );
@@ -251,18 +317,31 @@ impl Gateway {
             return (resp, Note::gateway("bad_request"));
         }
         let path = rules::normalize_path(req.uri().path());
+        let host = if cfg.index.uses_host {
+            rules::request_host(req.uri(), req.headers())
+        } else {
+            None
+        };
         // The rules that apply, by their position in the config (which their counters share).
-        let matched: Vec<usize> = (0..cfg.rules.len())
-            .filter(|&i| rules::applies(&cfg.rules[i], req.method(), &path))
-            .collect();
-        let applied_rules: Vec<&Rule> = matched.iter().map(|&i| &cfg.rules[i]).collect();
-        if applied_rules.is_empty() {
+        let matched = cfg.index.matching(req.method(), &path, host);
+        if matched.is_empty() {
             return self
-                .forward(live, req, peer.ip(), &[], Note::gateway("unlimited"))
+                .forward(
+                    live,
+                    req,
+                    peer.ip(),
+                    &[],
+                    &[],
+                    None,
+                    Note::gateway("unlimited"),
+                )
                 .await;
         }
+        let applied_rules: Vec<&Rule> = matched.iter().map(|&i| &cfg.rules[i]).collect();
 
-        let identities = match identify(cfg, &applied_rules, req.headers(), peer.ip()) {
+        // The plan of the request's API key (one digest, only when keys are listed).
+        let plan = plan(cfg, req.headers());
+        let identities = match identify(cfg, &applied_rules, req.headers(), peer.ip(), plan) {
             Ok(ids) => ids,
             Err(refusal) => {
                 let decision = match refusal {
@@ -272,22 +351,45 @@ impl Gateway {
                 return (refuse(refusal, cfg), Note::gateway(decision));
             }
         };
-        let plan = plan(cfg, req.headers());
+        // Each rule's quota for this request; whether it enforces for this identity; and,
+        // where it may delay, a place among the requests waiting on it (none left: this
+        // request is decided without waiting).
+        let mut slots = Vec::new();
+        let mut quotas: Vec<Quota> = Vec::with_capacity(applied_rules.len());
+        let mut enforced: Vec<bool> = Vec::with_capacity(applied_rules.len());
+        for ((rule, id), &i) in applied_rules.iter().zip(&identities).zip(&matched) {
+            let mut q = *rule.quota_for(plan);
+            let enforce = rule.enforces(id);
+            if q.max_delay_us > 0 {
+                match WaitSlot::take(&live.waiting[i], rule.max_waiting).filter(|_| enforce) {
+                    Some(slot) => slots.push(slot),
+                    None => q.max_delay_us = 0,
+                }
+            }
+            quotas.push(q);
+            enforced.push(enforce);
+        }
         let checks: Vec<Check<'_>> = applied_rules
             .iter()
             .zip(&identities)
-            .map(|(rule, id)| Check {
-                identity: id,
-                rule: &rule.name,
-                quota: rule.quota_for(plan),
+            .zip(quotas.iter().zip(&enforced))
+            .map(|((rule, id), (quota, &enforce))| Check {
+                shadow: !enforce,
+                lease: if quota.algorithm == Algorithm::Concurrency {
+                    live.limiter.next_lease()
+                } else {
+                    0
+                },
+                ..Check::new(id, &rule.name, quota)
             })
             .collect();
 
-        let decisions: Vec<Option<crate::limiter::Decision>> =
+        let (decisions, local): (Vec<Option<Decision>>, bool) =
             match live.limiter.decide(&checks, live.cache_denials).await {
-                Answer::Store(d) | Answer::Local(d) => d.into_iter().map(Some).collect(),
+                Answer::Store(d) => (d.into_iter().map(Some).collect(), false),
+                Answer::Local(d) => (d.into_iter().map(Some).collect(), true),
                 // Denied locally: only the denying rules are known (and shown).
-                Answer::Cached(d) => d,
+                Answer::Cached(d) => (d, false),
                 Answer::Failed(_) => {
                     for &i in &matched {
                         live.counters[i].error.inc();
@@ -296,10 +398,13 @@ impl Gateway {
                         rule: applied_rules.first().map(|r| r.name.as_str()),
                         decision: "store_error",
                         identity: identities.first().copied(),
-                        upstream: false,
+                        ..Note::gateway("store_error")
                     };
                     return match cfg.store.on_error {
-                        OnError::Allow => self.forward(live, req, peer.ip(), &[], note).await,
+                        OnError::Allow => {
+                            self.forward(live, req, peer.ip(), &[], &[], None, note)
+                                .await
+                        }
                         OnError::Deny | OnError::Local => {
                             let p = Problem::new(
                                 StatusCode::SERVICE_UNAVAILABLE,
@@ -311,31 +416,40 @@ impl Gateway {
                 }
             };
 
-        // The rules with a decision, and which rule each is.
-        let (index, applied): (Vec<usize>, Vec<Applied<'_>>) = checks
-            .iter()
-            .zip(decisions)
-            .enumerate()
-            .filter_map(|(i, (c, d))| {
-                d.map(|decision| {
-                    (
-                        i,
-                        Applied {
-                            rule: c.rule,
-                            quota: c.quota,
-                            decision,
-                        },
-                    )
-                })
-            })
-            .unzip();
-        for (a, &k) in applied.iter().zip(&index) {
+        // The rules with a decision, as the headers show them: the enforcing ones, and
+        // apart, the ones only watching. `index[j]` is the position of `applied[j]` among
+        // the request's rules.
+        let mut index = Vec::with_capacity(checks.len());
+        let mut applied: Vec<Applied<'_>> = Vec::with_capacity(checks.len());
+        let mut shadow: Vec<Applied<'_>> = Vec::new();
+        let mut shadow_denied = None;
+        for (k, (c, d)) in checks.iter().zip(&decisions).enumerate() {
+            let Some(decision) = *d else { continue };
             let counters = &live.counters[matched[k]];
-            if a.decision.allowed {
-                counters.allowed.inc();
-            } else {
-                counters.denied.inc();
+            let a = Applied {
+                rule: c.rule,
+                quota: c.quota,
+                decision,
+            };
+            if c.shadow {
+                if decision.allowed {
+                    counters.allowed.inc();
+                } else {
+                    counters.shadow_denied.inc();
+                    shadow_denied.get_or_insert(applied_rules[k].name.as_str());
+                }
+                shadow.push(a);
+                continue;
             }
+            if !decision.allowed {
+                counters.denied.inc();
+            } else if decision.retry_after_us > 0 {
+                counters.delayed.inc();
+            } else {
+                counters.allowed.inc();
+            }
+            index.push(k);
+            applied.push(a);
         }
         let denied = applied
             .iter()
@@ -352,32 +466,67 @@ impl Gateway {
                 rule: Some(applied_rules[i].name.as_str()),
                 decision: "denied",
                 identity: Some(identities[i]),
-                upstream: false,
+                shadow_denied,
+                ..Note::gateway("denied")
             };
-            return (
-                problem(Problem::too_many_requests(&applied), cfg, &applied),
-                note,
+            // The denying rules' jitter: the largest, drawn once.
+            let jitter = applied
+                .iter()
+                .zip(&index)
+                .filter(|(a, _)| !a.decision.allowed)
+                .map(|(_, &k)| applied_rules[k].retry_jitter_us)
+                .max()
+                .unwrap_or(0);
+            let mut resp = problem(
+                Problem::too_many_requests(&applied, random_below(jitter)),
+                cfg,
+                &applied,
             );
+            headers::add_shadow(resp.headers_mut(), cfg.response, &shadow);
+            return (resp, note);
         }
+        // The slots the request now holds: every enforcing concurrency check, and the
+        // shadow ones that allowed (charged as if enforced).
+        let leases = Leases::taken(&live.limiter, local, &checks, |k| {
+            decisions[k].is_some_and(|d| d.allowed)
+        });
         // The rule closest to denying speaks for the request.
         let closest = (0..applied.len())
             .min_by_key(|&j| applied[j].decision.remaining)
             .map_or(0, |j| index[j]);
-        let note = Note {
+        let mut note = Note {
             rule: applied_rules.get(closest).map(|r| r.name.as_str()),
             decision: "allowed",
             identity: identities.get(closest).copied(),
-            upstream: false,
+            shadow_denied,
+            ..Note::gateway("allowed")
         };
-        self.forward(live, req, peer.ip(), &applied, note).await
+        // Wait for the reserved tokens: the longest wait among the rules.
+        let wait = applied
+            .iter()
+            .map(|a| a.decision.retry_after_us)
+            .max()
+            .unwrap_or(0);
+        if wait > 0 {
+            let _waiting = InFlight::new(&self.metrics.waiting);
+            note.decision = "delayed";
+            note.waited = Duration::from_micros(wait);
+            tokio::time::sleep(note.waited).await;
+        }
+        drop(slots);
+        self.forward(live, req, peer.ip(), &applied, &shadow, leases, note)
+            .await
     }
 
+    #[allow(clippy::too_many_arguments)]
     async fn forward<'a>(
         &self,
         live: &Live,
         req: Request<Incoming>,
         peer: IpAddr,
         applied: &[Applied<'_>],
+        shadow: &[Applied<'_>],
+        leases: Option<Leases>,
         mut note: Note<'a>,
     ) -> (Response<Body>, Note<'a>) {
         let started = Instant::now();
@@ -395,8 +544,14 @@ impl Gateway {
             .inc();
         match result {
             Ok(resp) => {
-                let mut resp = resp.map(Either::Left);
+                let mut resp = resp.map(|body| {
+                    Either::Left(Upstream {
+                        body,
+                        _leases: leases,
+                    })
+                });
                 headers::add_ratelimit(resp.headers_mut(), live.config.response, applied);
+                headers::add_shadow(resp.headers_mut(), live.config.response, shadow);
                 note.upstream = true;
                 (resp, note)
             }
@@ -410,10 +565,10 @@ impl Gateway {
                     StatusCode::GATEWAY_TIMEOUT => "the upstream did not answer in time",
                     _ => "the upstream could not be reached",
                 };
-                (
-                    problem(Problem::new(status, detail), &live.config, applied),
-                    note,
-                )
+                // The request is over: `leases` are dropped here, giving its slots back.
+                let mut resp = problem(Problem::new(status, detail), &live.config, applied);
+                headers::add_shadow(resp.headers_mut(), live.config.response, shadow);
+                (resp, note)
             }
         }
     }
@@ -490,15 +645,20 @@ fn framing_problem(headers: &HeaderMap) -> Option<Problem> {
 }
 
 /// The identity digest of the request under each rule, in order.
+/// `plan`: the API key's plan, if it is listed (with `unknown = "reject"`, an unlisted key
+/// is refused).
 fn identify(
     cfg: &Config,
     rules: &[&Rule],
     headers: &HeaderMap,
     peer: IpAddr,
+    plan: Option<&str>,
 ) -> Result<Vec<IdentityDigest>, Refusal> {
     let mut ip = None;
     let mut client_ip =
         || *ip.get_or_insert_with(|| identity::client_ip(peer, headers, &cfg.client_ip));
+    // One digest of the API key, however many rules count by it.
+    let mut key_digest = None;
     rules
         .iter()
         .map(|rule| {
@@ -512,12 +672,10 @@ fn identify(
                 Some(v) => match value {
                     Some(h) => Ok(identity::digest_header(h, v)),
                     None => {
-                        if cfg.keys.unknown == UnknownKeys::Reject
-                            && !cfg.keys.plans.contains_key(v)
-                        {
+                        if cfg.keys.unknown == UnknownKeys::Reject && plan.is_none() {
                             return Err(Refusal::Unknown);
                         }
-                        Ok(identity::digest_api_key(v))
+                        Ok(*key_digest.get_or_insert_with(|| identity::digest_api_key(v)))
                     }
                 },
                 None => match rule.missing_key {
@@ -536,11 +694,25 @@ fn identify(
 /// The plan the request's API key maps to, if any.
 fn plan<'c>(cfg: &'c Config, headers: &HeaderMap) -> Option<&'c str> {
     let keys = &cfg.keys;
-    if keys.plans.is_empty() {
+    if keys.is_empty() {
         return None;
     }
     let key = identity::api_key(headers, &keys.header).ok().flatten()?;
-    keys.plans.get(key).map(String::as_str)
+    keys.plan_of(key)
+}
+
+/// A uniformly random number of µs in `0..=max` (0 for 0): jitter, not secrecy.
+fn random_below(max: u64) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    if max == 0 {
+        return 0;
+    }
+    // Each RandomState has fresh keys; hashing nothing with them gives 64 random bits.
+    let bits = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    // Multiply-shift: unbiased enough for spreading retries.
+    ((u128::from(bits) * (u128::from(max) + 1)) >> 64) as u64
 }
 
 fn refuse(refusal: Refusal, cfg: &Config) -> Response<Body> {

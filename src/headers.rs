@@ -7,6 +7,13 @@
 //! seconds; `r` is what remains now and `t` the seconds, rounded up, until the full quota is
 //! back. Legacy style is the earlier drafts' `RateLimit-Limit`/`-Remaining`/`-Reset`,
 //! for the one rule closest to denying.
+//!
+//! A concurrency limit is a quota of the unit the draft names `concurrent-requests`
+//! (`qu="concurrent-requests"`, §5.1 of draft-11's quota units): no window and no reset,
+//! so its items carry neither `w` nor `t`. Rules that do not enforce for a request (shadow
+//! mode, or an identity outside `enforce_percent`) are not the client's limits: they are
+//! reported in `RateLimit-Shadow`, an operator's note shaped like `RateLimit`, with a
+//! `denied` flag where the rule would have denied.
 
 use std::fmt::Write;
 
@@ -15,13 +22,14 @@ use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER
 use http::StatusCode;
 
 use crate::config::ResponseStyle;
-use crate::limiter::{Decision, Quota};
+use crate::limiter::{Algorithm, Decision, Quota};
 
 pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
 pub static RATELIMIT_LIMIT: HeaderName = HeaderName::from_static("ratelimit-limit");
 pub static RATELIMIT_REMAINING: HeaderName = HeaderName::from_static("ratelimit-remaining");
 pub static RATELIMIT_RESET: HeaderName = HeaderName::from_static("ratelimit-reset");
+pub static RATELIMIT_SHADOW: HeaderName = HeaderName::from_static("ratelimit-shadow");
 
 /// Microseconds to whole seconds, rounded up.
 pub fn ceil_secs(us: u64) -> u64 {
@@ -45,6 +53,15 @@ pub fn add_ratelimit(headers: &mut HeaderMap, style: ResponseStyle, applied: &[A
         let (mut policy, mut state) = (String::new(), String::new());
         for (i, a) in applied.iter().enumerate() {
             let sep = if i == 0 { "" } else { ", " };
+            if a.quota.algorithm == Algorithm::Concurrency {
+                let _ = write!(
+                    policy,
+                    "{sep}\"{}\";q={};qu=\"concurrent-requests\"",
+                    a.rule, a.quota.burst
+                );
+                let _ = write!(state, "{sep}\"{}\";r={}", a.rule, a.decision.remaining);
+                continue;
+            }
             let _ = write!(
                 policy,
                 "{sep}\"{}\";q={};w={}",
@@ -88,6 +105,26 @@ pub fn add_ratelimit(headers: &mut HeaderMap, style: ResponseStyle, applied: &[A
     }
 }
 
+/// `RateLimit-Shadow` for the rules that watched but did not enforce: one item per rule,
+/// `r` and `t` as in `RateLimit`, and `denied` where the rule would have denied.
+pub fn add_shadow(headers: &mut HeaderMap, style: ResponseStyle, shadow: &[Applied<'_>]) {
+    if shadow.is_empty() || style == ResponseStyle::None {
+        return;
+    }
+    let mut v = String::new();
+    for (i, a) in shadow.iter().enumerate() {
+        let sep = if i == 0 { "" } else { ", " };
+        let _ = write!(v, "{sep}\"{}\";r={}", a.rule, a.decision.remaining);
+        if a.quota.algorithm != Algorithm::Concurrency {
+            let _ = write!(v, ";t={}", ceil_secs(a.decision.reset_us));
+        }
+        if !a.decision.allowed {
+            v.push_str(";denied");
+        }
+    }
+    insert(headers, &RATELIMIT_SHADOW, v);
+}
+
 fn insert(headers: &mut HeaderMap, name: &HeaderName, value: String) {
     // Rule names and integers only: always a valid header value.
     if let Ok(v) = HeaderValue::try_from(value) {
@@ -95,16 +132,16 @@ fn insert(headers: &mut HeaderMap, name: &HeaderName, value: String) {
     }
 }
 
-/// `Retry-After` for a denial: the longest wait among the denying rules, whole seconds,
-/// rounded up, at least 1.
-pub fn retry_after_secs(applied: &[Applied<'_>]) -> u64 {
-    applied
+/// `Retry-After` for a denial: the longest wait among the denying rules, plus `jitter_us`
+/// (the rules' `retry_jitter`, drawn by the caller), whole seconds, rounded up, at least 1.
+pub fn retry_after_secs(applied: &[Applied<'_>], jitter_us: u64) -> u64 {
+    let wait = applied
         .iter()
         .filter(|a| !a.decision.allowed)
-        .map(|a| ceil_secs(a.decision.retry_after_us))
+        .map(|a| a.decision.retry_after_us)
         .max()
-        .unwrap_or(1)
-        .max(1)
+        .unwrap_or(0);
+    ceil_secs(wait.saturating_add(jitter_us)).max(1)
 }
 
 /// The fields of a problem+json body, in the contract's order.
@@ -153,9 +190,10 @@ impl Problem {
         }
     }
 
-    /// The 429 of the contract, naming the rules that denied.
-    pub fn too_many_requests(applied: &[Applied<'_>]) -> Problem {
-        let retry_after = retry_after_secs(applied);
+    /// The 429 of the contract, naming the rules that denied. `jitter_us` is added to the
+    /// wait (`retry_jitter`; 0 for none).
+    pub fn too_many_requests(applied: &[Applied<'_>], jitter_us: u64) -> Problem {
+        let retry_after = retry_after_secs(applied, jitter_us);
         let violated: Vec<&str> = applied
             .iter()
             .filter(|a| !a.decision.allowed)
@@ -245,6 +283,79 @@ mod tests {
     }
 
     #[test]
+    fn concurrency_is_a_quota_of_concurrent_requests_without_window() {
+        let (a, c) = (
+            quota(10, 1),
+            Quota::concurrency(NonZeroU64::new(5).unwrap(), Duration::from_secs(10)),
+        );
+        let applied = [
+            Applied {
+                rule: "api",
+                quota: &a,
+                decision: d(true, 7, 0, 300_000),
+            },
+            Applied {
+                rule: "conc",
+                quota: &c,
+                decision: d(true, 2, 0, 0),
+            },
+        ];
+        let mut h = HeaderMap::new();
+        add_ratelimit(&mut h, ResponseStyle::Draft, &applied);
+        assert_eq!(
+            h[&RATELIMIT_POLICY],
+            "\"api\";q=10;w=1, \"conc\";q=5;qu=\"concurrent-requests\""
+        );
+        assert_eq!(h[&RATELIMIT], "\"api\";r=7;t=1, \"conc\";r=2");
+        // Both parse as Structured Field lists.
+        for name in [&RATELIMIT_POLICY, &RATELIMIT] {
+            let v = h[name].to_str().unwrap();
+            assert!(sfv::Parser::parse_list(v.as_bytes()).is_ok(), "{v}");
+        }
+    }
+
+    #[test]
+    fn shadow_rules_go_to_their_own_header_with_a_denied_flag() {
+        let (a, c) = (
+            quota(10, 1),
+            Quota::concurrency(NonZeroU64::new(5).unwrap(), Duration::from_secs(10)),
+        );
+        let shadow = [
+            Applied {
+                rule: "watch",
+                quota: &a,
+                decision: d(false, 0, 100_000, 1_000_000),
+            },
+            Applied {
+                rule: "conc",
+                quota: &c,
+                decision: d(true, 4, 0, 0),
+            },
+        ];
+        let mut h = HeaderMap::new();
+        add_shadow(&mut h, ResponseStyle::Draft, &shadow);
+        let v = h[&RATELIMIT_SHADOW].to_str().unwrap();
+        assert_eq!(v, "\"watch\";r=0;t=1;denied, \"conc\";r=4");
+        assert!(sfv::Parser::parse_list(v.as_bytes()).is_ok(), "{v}");
+        let mut none = HeaderMap::new();
+        add_shadow(&mut none, ResponseStyle::None, &shadow);
+        assert!(none.is_empty());
+    }
+
+    #[test]
+    fn jitter_is_added_before_rounding() {
+        let a = quota(1, 10);
+        let applied = [Applied {
+            rule: "api",
+            quota: &a,
+            decision: d(false, 0, 2_000_000, 10_000_000),
+        }];
+        assert_eq!(retry_after_secs(&applied, 0), 2);
+        assert_eq!(retry_after_secs(&applied, 1), 3);
+        assert_eq!(retry_after_secs(&applied, 3_000_000), 5);
+    }
+
+    #[test]
     fn legacy_headers_name_the_rule_closest_to_denying() {
         let (a, b) = (quota(10, 1), quota(100, 60));
         let applied = [
@@ -280,10 +391,10 @@ mod tests {
                 decision: d(false, 0, us, 1),
             }]
         };
-        assert_eq!(retry_after_secs(&mk(1)), 1);
-        assert_eq!(retry_after_secs(&mk(0)), 1);
-        assert_eq!(retry_after_secs(&mk(1_000_001)), 2);
-        let p = Problem::too_many_requests(&mk(2_500_000));
+        assert_eq!(retry_after_secs(&mk(1), 0), 1);
+        assert_eq!(retry_after_secs(&mk(0), 0), 1);
+        assert_eq!(retry_after_secs(&mk(1_000_001), 0), 2);
+        let p = Problem::too_many_requests(&mk(2_500_000), 0);
         let v: serde_json::Value = serde_json::from_slice(&p.body).unwrap();
         assert_eq!(v["retry_after"], 3);
         assert_eq!(v["violated-policies"][0], "api");

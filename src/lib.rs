@@ -14,9 +14,12 @@
 //! - [`metrics`]: Prometheus metrics and the in-process stats the status page shows.
 //! - [`gateway`]: one request: identify -> match rules -> limit -> answer or forward.
 //! - [`identity`]: peer + trusted proxies + headers -> an identity digest (pure).
-//! - [`rules`]: request parts -> the rules that apply (pure).
-//! - [`limiter`]: the algorithms as pure integer step functions, and the stores that run
-//!   them: [`limiter::memory`] (embedded) and [`limiter::redis`] (Lua twins in `lua/`).
+//! - [`rules`]: request parts -> the rules that apply (pure, through an index compiled at
+//!   load: exact paths, a prefix trie, globs, methods, hosts).
+//! - [`limiter`]: the algorithms as pure integer step functions (and the concurrency
+//!   limit), and the stores that run them: [`limiter::memory`] (embedded) and
+//!   [`limiter::redis`] (Lua twins in `lua/`); [`limiter::lease`] holds a request's
+//!   concurrency slots until its response ends.
 //! - [`headers`]: decisions -> `RateLimit-*`, `Retry-After`, problem+json.
 //! - [`proxy`]: the pooled upstream client, hop-by-hop stripping, `X-Forwarded-*`.
 //! - [`config`]: the TOML file -> validated, immutable [`config::Config`].

@@ -22,6 +22,8 @@ use prometheus_client::registry::Registry;
 pub enum Verdict {
     /// The rule allowed the request (charged, or not charged because another rule denied).
     Allowed,
+    /// The rule allowed the request after it waited for its tokens (`max_delay`).
+    Delayed,
     /// The rule denied the request.
     Denied,
     /// A shadow rule would have denied it, but let it pass.
@@ -102,7 +104,7 @@ macro_rules! label_values {
 }
 
 label_values! {
-    Verdict { Allowed => "allowed", Denied => "denied", ShadowDenied => "shadow_denied", Error => "error" }
+    Verdict { Allowed => "allowed", Delayed => "delayed", Denied => "denied", ShadowDenied => "shadow_denied", Error => "error" }
     StoreErrorKind { Timeout => "timeout", Connection => "connection", Data => "data", BreakerOpen => "breaker_open", Other => "other" }
     ReloadResult { Ok => "ok", Rejected => "rejected" }
 }
@@ -129,6 +131,8 @@ pub struct Metrics {
     pub breaker_open: Gauge,
     pub reloads: Family<ReloadLabels, Counter>,
     pub in_flight: Gauge,
+    /// Requests waiting for reserved tokens (`max_delay`) now.
+    pub waiting: Gauge,
     pub stats: Stats,
 }
 
@@ -138,7 +142,7 @@ impl Metrics {
         let requests = Family::<RuleLabels, Counter>::default();
         registry.register(
             "requests",
-            "Decisions by rule: allowed, denied, shadow_denied (shadow rules), error (store failed)",
+            "Decisions by rule: allowed, delayed (allowed after waiting, max_delay), denied, shadow_denied (would have denied: shadow mode or outside enforce_percent), error (store failed)",
             requests.clone(),
         );
         let responses = Family::<ResponseLabels, Counter>::default();
@@ -203,7 +207,14 @@ impl Metrics {
             "Requests being handled now",
             in_flight.clone(),
         );
+        let waiting = Gauge::default();
+        registry.register(
+            "waiting_requests",
+            "Requests waiting for their reserved tokens (max_delay) before they are forwarded",
+            waiting.clone(),
+        );
         Metrics {
+            waiting,
             registry,
             requests,
             responses,
@@ -240,7 +251,9 @@ impl Metrics {
         };
         RuleCounters {
             allowed: counter(Verdict::Allowed),
+            delayed: counter(Verdict::Delayed),
             denied: counter(Verdict::Denied),
+            shadow_denied: counter(Verdict::ShadowDenied),
             error: counter(Verdict::Error),
         }
     }
@@ -251,7 +264,9 @@ impl Metrics {
 #[derive(Clone)]
 pub struct RuleCounters {
     pub allowed: Counter,
+    pub delayed: Counter,
     pub denied: Counter,
+    pub shadow_denied: Counter,
     pub error: Counter,
 }
 

@@ -39,6 +39,7 @@ pub async fn run(
 ) -> Result<(), StartError> {
     let metrics = Arc::new(crate::metrics::Metrics::new());
     let live = Live::build(config, None, &metrics)?;
+    live.limiter.warm().await;
     let config = live.config.clone();
     let listener = bind(config.server.listen).await?;
     let admin = match config.server.admin_listen {

@@ -1275,7 +1275,12 @@ fn check_explains_a_sample_request() {
     assert!(out.contains(": valid"), "{out}");
     let s = sample(&out);
     assert!(s.starts_with(" POST /api/orders"), "{s}");
-    assert!(s.contains("2 rule(s) apply"), "{s}");
+    assert!(s.contains("3 rule(s) apply"), "{s}");
+    let daily = s
+        .lines()
+        .find(|l| l.trim_start().starts_with("- daily:"))
+        .unwrap_or_else(|| panic!("no daily line:\n{s}"));
+    assert!(daily.contains("shadow: never denies"), "{daily}");
     let api = s
         .lines()
         .find(|l| l.trim_start().starts_with("- api:"))

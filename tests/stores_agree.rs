@@ -216,11 +216,7 @@ async fn memory_and_redis_agree_on_every_decision() {
 
         let checks: Vec<Check<'_>> = targets
             .iter()
-            .map(|&(id, rule)| Check {
-                identity: &identities[id],
-                rule: rules[rule].0,
-                quota: &rules[rule].1,
-            })
+            .map(|&(id, rule)| Check::new(&identities[id], rules[rule].0, &rules[rule].1))
             .collect();
 
         clock.set(now);
@@ -355,11 +351,7 @@ async fn redis_keys_have_ttl_equal_to_time_to_full_refill() {
     // request, and one token at 2/s takes 500 ms.
     let q = quota("2/s", Some(4), 1);
     let alone = digest_api_key(b"ttl-exact");
-    let check = Check {
-        identity: &alone,
-        rule: "exact",
-        quota: &q,
-    };
+    let check = Check::new(&alone, "exact", &q);
     let before = Instant::now();
     let d = store
         .decide(std::slice::from_ref(&check), Some(EPOCH_US))
@@ -406,11 +398,7 @@ async fn redis_keys_have_ttl_equal_to_time_to_full_refill() {
         now += rng.range(0, 50_000);
         let (name, q) = &rules[rng.below(rules.len())];
         let id = &ids[rng.below(ids.len())];
-        let check = Check {
-            identity: id,
-            rule: name,
-            quota: q,
-        };
+        let check = Check::new(id, name, q);
         let sent = Instant::now();
         let d = store
             .decide(std::slice::from_ref(&check), Some(now))
@@ -466,16 +454,8 @@ async fn redis_key_names_never_contain_the_raw_api_key() {
     let id = digest_api_key(raw);
     let (per_sec, per_min) = (quota("5/s", None, 1), quota("100/m", Some(10), 2));
     let checks = [
-        Check {
-            identity: &id,
-            rule: "per_sec",
-            quota: &per_sec,
-        },
-        Check {
-            identity: &id,
-            rule: "per_min",
-            quota: &per_min,
-        },
+        Check::new(&id, "per_sec", &per_sec),
+        Check::new(&id, "per_min", &per_min),
     ];
     for n in 0..3 {
         let d = store
@@ -538,16 +518,8 @@ async fn wrong_type_key_is_a_store_error_not_a_crash() {
     let store = redis_store(&server, Duration::from_secs(5));
     let q = quota("10/s", None, 1);
     let (victim, bystander) = (digest_api_key(b"victim"), digest_api_key(b"bystander"));
-    let bad = Check {
-        identity: &victim,
-        rule: "r",
-        quota: &q,
-    };
-    let good = Check {
-        identity: &bystander,
-        rule: "r",
-        quota: &q,
-    };
+    let bad = Check::new(&victim, "r", &q);
+    let good = Check::new(&bystander, "r", &q);
     let key = store.key(&bad);
 
     // A hash where the bucket's string should be.
@@ -634,16 +606,8 @@ async fn all_or_nothing_in_redis() {
     let (roomy, tight) = (quota("10/s", None, 1), quota("1/m", Some(1), 1));
     let id = digest_ip(IpAddr::V4(Ipv4Addr::new(203, 0, 113, 9)));
     let both = [
-        Check {
-            identity: &id,
-            rule: "roomy",
-            quota: &roomy,
-        },
-        Check {
-            identity: &id,
-            rule: "tight",
-            quota: &tight,
-        },
+        Check::new(&id, "roomy", &roomy),
+        Check::new(&id, "tight", &tight),
     ];
     let roomy_key = store.key(&both[0]);
 
@@ -702,11 +666,7 @@ async fn redis_restart_is_survived() {
     let store = redis_store(&server, timeout);
     let q = quota("5/s", None, 1);
     let id = digest_api_key(b"restart");
-    let check = [Check {
-        identity: &id,
-        rule: "r",
-        quota: &q,
-    }];
+    let check = [Check::new(&id, "r", &q)];
 
     // The lazy connection may take a moment on a loaded machine: allow a few tries.
     let mut first = None;
@@ -750,4 +710,64 @@ async fn redis_restart_is_survived() {
     assert!(back[0].allowed && back[0].remaining == 4, "{back:?}");
     let d = store.decide(&check, Some(EPOCH_US + 3_000)).await.unwrap();
     assert!(d[0].allowed && d[0].remaining == 3, "{d:?}");
+}
+
+/// Tokens reserved under `max_delay` stay reserved when a reload lowers the limit: for the
+/// token bucket (a level below zero) and GCRA (a TAT beyond the new burst) alike, a denial
+/// then says when the request will really pass, and both stores agree on it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reserved_tokens_outlive_a_shrunk_quota_with_honest_retries() {
+    let server = RedisServer::start();
+    let redis = redis_store(&server, Duration::from_secs(2));
+    for (n, algorithm) in [Algorithm::TokenBucket, Algorithm::Gcra]
+        .into_iter()
+        .enumerate()
+    {
+        let clock = ManualClock::new(EPOCH_US);
+        let memory = MemoryStore::new(clock.clone());
+        let plain = Quota::new(
+            algorithm,
+            Rate::parse("1/s").expect("rate"),
+            None,
+            NonZeroU64::MIN,
+        )
+        .expect("quota");
+        let delayed = plain
+            .with_max_delay(Duration::from_secs(10))
+            .expect("max_delay");
+        let id = digest_api_key(format!("shrunk-{n}").as_bytes());
+        let both = |q: &Quota, at: u64| {
+            let check = [Check::new(&id, "shrunk", q)];
+            clock.set(EPOCH_US + at);
+            let m = memory.decide(&check);
+            let r = block_on(redis.decide(&check, Some(EPOCH_US + at))).expect("redis decides");
+            assert_eq!(m, r, "{algorithm:?} at +{at} µs: memory vs redis");
+            m[0]
+        };
+        // One at once, four waiting 1..4 s: the last one is due at +4 s.
+        for k in 0..5u64 {
+            let d = both(&delayed, 0);
+            assert!(
+                d.allowed && d.retry_after_us == k * 1_000_000,
+                "{algorithm:?} {k}: {d:?}"
+            );
+        }
+        // The reload drops max_delay. A request passes when the reserved ones are served.
+        for (at, retry) in [
+            (0, 5_000_000),
+            (1_000_000, 4_000_000),
+            (3_000_000, 2_000_000),
+        ] {
+            let d = both(&plain, at);
+            assert!(!d.allowed, "{algorithm:?} at +{at}");
+            assert_eq!(d.retry_after_us, retry, "{algorithm:?} at +{at}: {d:?}");
+        }
+        assert!(!both(&plain, 4_999_999).allowed, "{algorithm:?}");
+        assert!(both(&plain, 5_000_000).allowed, "{algorithm:?}");
+    }
+}
+
+/// Run a future to completion on the test's runtime from synchronous code.
+fn block_on<F: std::future::Future>(f: F) -> F::Output {
+    tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f))
 }

@@ -51,10 +51,17 @@ fn key(check: &Check<'_>) -> u128 {
         q.period_us(),
         q.burst,
         q.cost,
+        q.max_delay_us,
     ] {
         eat(&n.to_le_bytes());
     }
     u128::from_le_bytes(check.identity.0) ^ h
+}
+
+/// Whether a check's denial may be remembered: not a shadow check (it denies nothing),
+/// and not a concurrency limit (a slot frees whenever a response ends, before any time).
+fn cacheable(check: &Check<'_>) -> bool {
+    !check.shadow && check.quota.algorithm != super::Algorithm::Concurrency
 }
 
 impl DenyCache {
@@ -78,6 +85,10 @@ impl DenyCache {
         let mut out: Vec<Option<Decision>> = Vec::with_capacity(checks.len());
         let mut hit = false;
         for c in checks {
+            if !cacheable(c) {
+                out.push(None);
+                continue;
+            }
             let k = key(c);
             let found = self
                 .shard(k)
@@ -100,7 +111,7 @@ impl DenyCache {
     /// Remember the denials in `decisions`, counted from `sent_us` (before the store call).
     pub fn remember(&self, checks: &[Check<'_>], decisions: &[Decision], sent_us: u64) {
         for (c, d) in checks.iter().zip(decisions) {
-            if d.allowed || d.retry_after_us == 0 {
+            if d.allowed || d.retry_after_us == 0 || !cacheable(c) {
                 continue;
             }
             let k = key(c);
@@ -157,11 +168,7 @@ mod tests {
         let cache = DenyCache::new(1000);
         let q = quota(Algorithm::TokenBucket, "1/s", None, 1);
         let id = IdentityDigest([7; 16]);
-        let c = [Check {
-            identity: &id,
-            rule: "api",
-            quota: &q,
-        }];
+        let c = [Check::new(&id, "api", &q)];
         cache.remember(&c, &[denied(500)], 1_000);
         let hit = cache.lookup(&c, 1_200).expect("cached");
         assert_eq!(hit[0].map(|d| d.retry_after_us), Some(300));
@@ -180,60 +187,14 @@ mod tests {
             quota(Algorithm::TokenBucket, "2/s", None, 1),
         );
         let (a, b) = (IdentityDigest([1; 16]), IdentityDigest([2; 16]));
-        cache.remember(
-            &[Check {
-                identity: &a,
-                rule: "api",
-                quota: &q1,
-            }],
-            &[denied(1_000)],
-            0,
-        );
-        assert!(cache
-            .lookup(
-                &[Check {
-                    identity: &b,
-                    rule: "api",
-                    quota: &q1
-                }],
-                1
-            )
-            .is_none());
-        assert!(cache
-            .lookup(
-                &[Check {
-                    identity: &a,
-                    rule: "web",
-                    quota: &q1
-                }],
-                1
-            )
-            .is_none());
+        cache.remember(&[Check::new(&a, "api", &q1)], &[denied(1_000)], 0);
+        assert!(cache.lookup(&[Check::new(&b, "api", &q1)], 1).is_none());
+        assert!(cache.lookup(&[Check::new(&a, "web", &q1)], 1).is_none());
         assert!(
-            cache
-                .lookup(
-                    &[Check {
-                        identity: &a,
-                        rule: "api",
-                        quota: &q2
-                    }],
-                    1
-                )
-                .is_none(),
+            cache.lookup(&[Check::new(&a, "api", &q2)], 1).is_none(),
             "a reload with new numbers"
         );
-        let both = [
-            Check {
-                identity: &b,
-                rule: "x",
-                quota: &q1,
-            },
-            Check {
-                identity: &a,
-                rule: "api",
-                quota: &q1,
-            },
-        ];
+        let both = [Check::new(&b, "x", &q1), Check::new(&a, "api", &q1)];
         let hit = cache.lookup(&both, 1).expect("the api rule denies");
         assert!(hit[0].is_none() && hit[1].is_some());
     }
@@ -243,11 +204,7 @@ mod tests {
         let cache = DenyCache::new(1000);
         let q = quota(Algorithm::Gcra, "1/s", None, 1);
         let id = IdentityDigest([3; 16]);
-        let c = [Check {
-            identity: &id,
-            rule: "api",
-            quota: &q,
-        }];
+        let c = [Check::new(&id, "api", &q)];
         let ok = Decision {
             allowed: true,
             remaining: 0,
@@ -274,15 +231,7 @@ mod tests {
             })
             .collect();
         for id in &ids {
-            cache.remember(
-                &[Check {
-                    identity: id,
-                    rule: "api",
-                    quota: &q,
-                }],
-                &[denied(1_000_000)],
-                0,
-            );
+            cache.remember(&[Check::new(id, "api", &q)], &[denied(1_000_000)], 0);
         }
         let held: usize = cache.shards.iter().map(|s| s.lock().unwrap().len()).sum();
         assert!(held <= SHARDS * 4, "{held} entries held");

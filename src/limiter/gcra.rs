@@ -19,7 +19,10 @@ pub struct State {
     pub frac: u64,
 }
 
-/// How far ahead of `now` the TAT is, in units, capped at the bucket's size.
+/// How far ahead of `now` the TAT is, in units. Not capped at the bucket's size: a TAT
+/// left by a larger quota (a reload shrank the burst or the max_delay while tokens were
+/// reserved) is honoured, so a denial's retry is when the request will really pass, as
+/// with the token bucket's level. Capped only where Lua's doubles stop being exact.
 fn debt(q: &Quota, state: Option<&State>, now_us: u64) -> u64 {
     let Some(s) = state else { return 0 };
     let frac = s.frac.min(q.per_us - 1);
@@ -28,42 +31,44 @@ fn debt(q: &Quota, state: Option<&State>, now_us: u64) -> u64 {
     } else {
         0
     };
-    ahead.min(u128::from(q.capacity())) as u64
+    ahead.min(u128::from(super::MAX_LEVEL)) as u64
 }
 
+/// Judge one request. With `max_delay`, a request that would conform within it is allowed
+/// and told to wait until it does (the TAT moves for it now, so later ones wait longer).
 pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
     let cap = q.capacity();
     let need = q.need();
     let debt = debt(q, state, now_us);
-    let allowed = debt + need <= cap;
     let after = debt + need;
+    let allowed = after <= cap + q.slack();
     let next = State {
         tat_us: now_us + after / q.per_us,
         frac: after % q.per_us,
     };
-    let reset = |d: u64| d.div_ceil(q.per_us);
+    let drip = |d: u64| d.div_ceil(q.per_us);
     let uncharged = Decision {
         allowed,
-        remaining: (cap - debt) / q.unit,
+        remaining: cap.saturating_sub(debt) / q.unit,
         retry_after_us: if allowed {
             0
         } else {
-            (after - cap).div_ceil(q.per_us)
+            drip(after - cap - q.slack())
         },
-        reset_us: reset(debt),
+        reset_us: drip(debt),
     };
     let charged = Decision {
         allowed,
         remaining: cap.saturating_sub(after) / q.unit,
-        retry_after_us: 0,
-        reset_us: reset(after),
+        retry_after_us: drip(after.saturating_sub(cap)),
+        reset_us: drip(after),
     };
     Outcome {
         allowed,
         charged,
         uncharged,
         next,
-        ttl_us: reset(after),
+        ttl_us: drip(after),
     }
 }
 
@@ -150,7 +155,35 @@ mod tests {
     }
 
     #[test]
-    fn a_tat_beyond_a_shrunk_burst_is_capped() {
+    fn max_delay_moves_the_tat_ahead_for_waiting_requests() {
+        let q = quota(Gcra, "4/s", Some(2), 1)
+            .with_max_delay(std::time::Duration::from_secs(1))
+            .unwrap();
+        let mut st = None;
+        let waits: Vec<u64> = (0..7)
+            .map(|_| run(&q, &mut st, 0))
+            .map(|d| {
+                if d.allowed {
+                    d.retry_after_us
+                } else {
+                    u64::MAX
+                }
+            })
+            .collect();
+        // Two at once, then four waiting 250 ms apart, then a denial.
+        assert_eq!(
+            waits,
+            [0, 0, 250_000, 500_000, 750_000, 1_000_000, u64::MAX]
+        );
+        let d = run(&q, &mut st, 0);
+        assert_eq!(d.retry_after_us, 250_000);
+        assert_eq!(st.map(|s| s.tat_us), Some(1_500_000));
+    }
+
+    #[test]
+    fn a_tat_beyond_a_shrunk_burst_is_honoured() {
+        // Left by a larger quota: 1_000 s ahead. Under 1/s burst 2 a request passes once
+        // the TAT is within 1 s of now: at 999 s, and the denial says so.
         let q = quota(Gcra, "1/s", Some(2), 1);
         let far = State {
             tat_us: 1_000_000_000,
@@ -159,6 +192,9 @@ mod tests {
         let o = decide(&q, Some(&far), 0);
         assert!(!o.allowed);
         assert_eq!(o.uncharged.remaining, 0);
-        assert_eq!(o.uncharged.retry_after_us, 1_000_000);
+        assert_eq!(o.uncharged.retry_after_us, 999_000_000);
+        assert_eq!(o.uncharged.reset_us, 1_000_000_000);
+        assert!(!decide(&q, Some(&far), 998_999_999).allowed);
+        assert!(decide(&q, Some(&far), 999_000_000).allowed);
     }
 }

@@ -64,6 +64,8 @@ pub struct Limiter {
     /// Denials remembered until their retry time (shared stores only: the memory store
     /// answers as fast as a cache would).
     denials: Option<DenyCache>,
+    /// The last lease number handed out.
+    leases: AtomicU64,
 }
 
 /// Denials remembered at most; past it, new denials go to the store.
@@ -93,6 +95,7 @@ impl Limiter {
             data_logged_ms: AtomicU64::new(0),
             started: Instant::now(),
             metrics,
+            leases: AtomicU64::new(1),
         })
     }
 
@@ -188,6 +191,44 @@ impl Limiter {
             cache.forget(check);
         }
         self.store.reset(check).await
+    }
+
+    /// Give back a concurrency slot taken by `check`. `local`: it was taken from the
+    /// `on_error = "local"` fallback. Best effort: a shared store that cannot be reached
+    /// lets the lease expire by its TTL.
+    pub async fn release(&self, check: &Check<'_>, local: bool) {
+        if local {
+            self.local.release(check);
+            return;
+        }
+        if let Err(e) = self.store.release(check).await {
+            tracing::debug!(error = %e, rule = check.rule, "lease release failed; it expires by its TTL");
+        }
+    }
+
+    /// Renew a concurrency lease in the shared store; `false` once it is gone.
+    pub async fn renew(&self, check: &Check<'_>) -> bool {
+        match self.store.renew(check).await {
+            Ok(live) => live,
+            Err(e) => {
+                // Keep trying: the store may answer before the lease expires.
+                tracing::debug!(error = %e, rule = check.rule, "lease renewal failed");
+                true
+            }
+        }
+    }
+
+    /// Get the store ready for the first request (connect, load scripts). A store that
+    /// does not answer is only logged: requests then get `on_error` until it does.
+    pub async fn warm(&self) {
+        if let Err(e) = self.store.warm().await {
+            tracing::warn!(error = %e, on_error = self.on_error.name(), "store not ready; requests get on_error until it answers");
+        }
+    }
+
+    /// A fresh lease number for a concurrency check.
+    pub fn next_lease(&self) -> u64 {
+        self.leases.fetch_add(1, Relaxed)
     }
 
     /// Drop refilled state from the in-process stores.

@@ -127,23 +127,55 @@ impl MemoryStore {
                 .map(|e| e.state);
             outcomes.push(super::decide(check.quota, state.as_ref(), now));
         }
-        let all = commit && outcomes.iter().all(|o| o.allowed);
-        if all {
-            for (o, &key) in outcomes.iter().zip(&keys) {
+        // The enforcing checks decide for the request; a shadow check is charged only when
+        // it allows too, as if it had been enforced.
+        let all = commit
+            && outcomes
+                .iter()
+                .zip(checks)
+                .all(|(o, c)| o.allowed || c.shadow);
+        let charged = |o: &super::Outcome<State>| all && o.allowed;
+        for (o, &key) in outcomes.iter().zip(&keys) {
+            if charged(o) {
                 let g = shard(&guards, key);
                 guards[g].1.insert(
                     key,
                     Entry {
                         state: o.next,
-                        expires_us: now + o.ttl_us,
+                        expires_us: now.saturating_add(o.ttl_us),
                     },
                 );
             }
         }
         outcomes
             .iter()
-            .map(|o| if all { o.charged } else { o.uncharged })
+            .map(|o| if charged(o) { o.charged } else { o.uncharged })
             .collect()
+    }
+
+    /// A request counted by a concurrency check has ended: give its slot back.
+    pub fn release(&self, check: &Check<'_>) {
+        let key = Self::key(check);
+        let mut shard = self.lock(Self::shard_of(key));
+        let held = match shard.get(&key).map(|e| e.state) {
+            Some(State::Concurrency(s)) => Some(s),
+            // Another algorithm's state now (the rule changed on reload): nothing to give.
+            _ => return,
+        };
+        match super::concurrency::release(held.as_ref()) {
+            Some(s) => {
+                shard.insert(
+                    key,
+                    Entry {
+                        state: State::Concurrency(s),
+                        expires_us: u64::MAX,
+                    },
+                );
+            }
+            None => {
+                shard.remove(&key);
+            }
+        }
     }
 
     /// Drop every entry whose bucket has refilled. Returns how many remain.
@@ -205,11 +237,7 @@ mod tests {
         let store = MemoryStore::new(clock.clone());
         let q = quota(1, 2);
         let (a, b) = (id(1), id(2));
-        let check = |d, rule| Check {
-            identity: d,
-            rule,
-            quota: &q,
-        };
+        let check = |d, rule| Check::new(d, rule, &q);
         assert!(store.decide(&[check(&a, "r1")])[0].allowed);
         assert!(store.decide(&[check(&a, "r1")])[0].allowed);
         assert!(!store.decide(&[check(&a, "r1")])[0].allowed);
@@ -230,16 +258,8 @@ mod tests {
         let (wide, tight) = (quota(10, 10), quota(1, 1));
         let a = id(7);
         let both = [
-            Check {
-                identity: &a,
-                rule: "wide",
-                quota: &wide,
-            },
-            Check {
-                identity: &a,
-                rule: "tight",
-                quota: &tight,
-            },
+            Check::new(&a, "wide", &wide),
+            Check::new(&a, "tight", &tight),
         ];
         let d = store.decide(&both);
         assert!(d[0].allowed && d[1].allowed);
@@ -252,17 +272,80 @@ mod tests {
     }
 
     #[test]
+    fn a_shadow_check_never_denies_and_is_charged_only_when_it_allows() {
+        let clock = ManualClock::new(0);
+        let store = MemoryStore::new(clock.clone());
+        let (wide, tight) = (quota(10, 10), quota(1, 1));
+        let a = id(3);
+        let both = [
+            Check::new(&a, "wide", &wide),
+            Check {
+                shadow: true,
+                ..Check::new(&a, "watch", &tight)
+            },
+        ];
+        let d = store.decide(&both);
+        assert!(d[0].allowed && d[1].allowed);
+        assert_eq!((d[0].remaining, d[1].remaining), (9, 0), "both charged");
+        let d = store.decide(&both);
+        assert!(d[0].allowed, "the shadow denial blocks nothing");
+        assert!(!d[1].allowed, "but is reported");
+        assert_eq!(d[0].remaining, 8, "the enforcing rule was charged");
+        // An enforcing denial charges no shadow rule either.
+        let strict = quota(1, 1);
+        let watch = quota(10, 10);
+        let b = id(4);
+        let deny_then_watch = [
+            Check::new(&b, "strict", &strict),
+            Check {
+                shadow: true,
+                ..Check::new(&b, "watch2", &watch)
+            },
+        ];
+        store.decide(&deny_then_watch);
+        let d = store.decide(&deny_then_watch);
+        assert!(!d[0].allowed);
+        assert_eq!(
+            d[1].remaining, 9,
+            "one charge, from the request that passed"
+        );
+    }
+
+    #[test]
+    fn concurrency_slots_are_taken_and_given_back() {
+        let clock = ManualClock::new(0);
+        let store = MemoryStore::new(clock.clone());
+        let q = Quota::concurrency(NonZeroU64::new(2).unwrap(), Duration::from_secs(10));
+        let a = id(9);
+        let c = [Check::new(&a, "conc", &q)];
+        assert!(store.decide(&c)[0].allowed);
+        assert!(store.decide(&c)[0].allowed);
+        assert!(!store.decide(&c)[0].allowed);
+        // Time frees nothing, and a sweep keeps slots in use.
+        clock.advance(3_600_000_000);
+        store.sweep();
+        assert!(!store.decide(&c)[0].allowed);
+        store.release(&c[0]);
+        assert_eq!(store.decide(&c)[0].remaining, 0, "one freed, taken again");
+        store.release(&c[0]);
+        store.release(&c[0]);
+        assert!(store.is_empty(), "no entry once none is in flight");
+        store.release(&c[0]);
+        assert!(
+            store.decide(&c)[0].allowed,
+            "an extra release frees nothing twice"
+        );
+        assert_eq!(store.decide(&c)[0].remaining, 0);
+    }
+
+    #[test]
     fn idle_keys_are_evicted() {
         let clock = ManualClock::new(0);
         let store = MemoryStore::new(clock.clone());
         let q = quota(10, 10);
         for n in 0..10_000 {
             let d = id(n);
-            store.decide(&[Check {
-                identity: &d,
-                rule: "r",
-                quota: &q,
-            }]);
+            store.decide(&[Check::new(&d, "r", &q)]);
         }
         assert_eq!(store.sweep(), 10_000);
         // One token at 10/s refills in 100 ms: past that every bucket is full again.
@@ -279,11 +362,7 @@ mod tests {
         let store = MemoryStore::new(clock.clone());
         let q = quota(1, 3);
         let a = id(3);
-        let c = [Check {
-            identity: &a,
-            rule: "r",
-            quota: &q,
-        }];
+        let c = [Check::new(&a, "r", &q)];
         store.decide(&c);
         clock.advance(5_000_000);
         assert_eq!(store.decide(&c)[0].remaining, 2);

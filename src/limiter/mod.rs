@@ -10,10 +10,12 @@
 //! to the request is checked together, and either all of them are charged or none is, so a
 //! request that one rule denies consumes nothing from the others.
 
+pub mod concurrency;
 pub mod deny_cache;
 pub mod fixed_window;
 pub mod gcra;
 pub mod guard;
+pub mod lease;
 pub mod memory;
 #[cfg(test)]
 mod properties;
@@ -42,6 +44,10 @@ pub enum Algorithm {
     Gcra,
     SlidingWindow,
     FixedWindow,
+    /// Not a rate: at most N requests in flight per identity (`max_in_flight`, not an
+    /// `algorithm` value in the file).
+    #[serde(skip_deserializing)]
+    Concurrency,
 }
 
 impl Algorithm {
@@ -51,12 +57,19 @@ impl Algorithm {
             Algorithm::Gcra => "gcra",
             Algorithm::SlidingWindow => "sliding_window",
             Algorithm::FixedWindow => "fixed_window",
+            Algorithm::Concurrency => "concurrency",
         }
     }
 
     /// Whether `burst` means anything: the windows admit the rate's N per window.
     pub fn has_burst(self) -> bool {
         matches!(self, Algorithm::TokenBucket | Algorithm::Gcra)
+    }
+
+    /// Whether a request may wait for its tokens (`max_delay`): the buckets can reserve
+    /// tokens ahead; a window cannot.
+    pub fn can_delay(self) -> bool {
+        self.has_burst()
     }
 
     /// The algorithm's number in the Redis script's arguments (`lua/decide.lua`).
@@ -66,6 +79,7 @@ impl Algorithm {
             Algorithm::Gcra => 2,
             Algorithm::FixedWindow => 3,
             Algorithm::SlidingWindow => 4,
+            Algorithm::Concurrency => 5,
         }
     }
 }
@@ -85,6 +99,11 @@ pub struct Quota {
     pub cost: u64,
     pub unit: u64,
     pub per_us: u64,
+    /// How long a request may wait for its tokens instead of being denied, in µs (0: never
+    /// waits). Token bucket and GCRA only.
+    pub max_delay_us: u64,
+    /// Concurrency only: how long a lease in a shared store lives without renewal, in µs.
+    pub lease_us: u64,
 }
 
 /// Why a quota cannot be, and which of its settings to blame.
@@ -100,6 +119,7 @@ pub enum QuotaField {
     Rate,
     Burst,
     Cost,
+    MaxDelay,
 }
 
 impl QuotaField {
@@ -108,6 +128,7 @@ impl QuotaField {
             QuotaField::Rate => "rate",
             QuotaField::Burst => "burst",
             QuotaField::Cost => "cost",
+            QuotaField::MaxDelay => "max_delay",
         }
     }
 }
@@ -165,7 +186,7 @@ impl Quota {
                 .count
                 .checked_mul(period_us)
                 .and_then(|v| v.checked_mul(3)),
-            Algorithm::FixedWindow => Some(rate.count),
+            Algorithm::FixedWindow | Algorithm::Concurrency => Some(rate.count),
         };
         if largest.is_none_or(|v| v > MAX_LEVEL) {
             let field = if algorithm.has_burst() {
@@ -187,7 +208,67 @@ impl Quota {
             cost,
             unit,
             per_us,
+            max_delay_us: 0,
+            lease_us: 0,
         })
+    }
+
+    /// A limit of `max` requests in flight; leases in a shared store live `lease` unless
+    /// renewed.
+    pub fn concurrency(max: NonZeroU64, lease: std::time::Duration) -> Quota {
+        let max = max.get().min(MAX_LEVEL);
+        Quota {
+            algorithm: Algorithm::Concurrency,
+            // q= in RateLimit-Policy; the period is not used.
+            rate: Rate {
+                count: max,
+                period: std::time::Duration::from_secs(1),
+            },
+            burst: max,
+            cost: 1,
+            unit: 1,
+            per_us: 1,
+            max_delay_us: 0,
+            lease_us: u64::try_from(lease.as_micros())
+                .unwrap_or(u64::MAX)
+                .min(MAX_LEVEL),
+        }
+    }
+
+    /// The same limit, letting a request wait up to `max_delay` for its tokens.
+    pub fn with_max_delay(self, max_delay: std::time::Duration) -> Result<Quota, QuotaError> {
+        let fail = |message| QuotaError {
+            field: QuotaField::MaxDelay,
+            message,
+        };
+        if !self.algorithm.can_delay() {
+            return Err(fail(format!(
+                "max_delay applies to token_bucket and gcra, not {}",
+                self.algorithm.name()
+            )));
+        }
+        let us = u64::try_from(max_delay.as_micros()).unwrap_or(u64::MAX);
+        let q = Quota {
+            max_delay_us: us,
+            ..self
+        };
+        let fits = us
+            .checked_mul(q.per_us)
+            .and_then(|s| s.checked_add(q.capacity()))
+            .is_some_and(|v| v <= MAX_LEVEL);
+        if !fits {
+            return Err(fail(format!(
+                "max_delay {} with rate {} needs more precision than Redis' Lua numbers hold (2^52); lower it",
+                humantime::format_duration(max_delay),
+                q.rate
+            )));
+        }
+        Ok(q)
+    }
+
+    /// How far below empty a bucket may go for requests waiting on their tokens, in units.
+    pub fn slack(&self) -> u64 {
+        self.max_delay_us * self.per_us
     }
 
     /// The period in µs (validated to fit at load).
@@ -208,12 +289,19 @@ impl Quota {
 
 impl fmt::Display for Quota {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.algorithm == Algorithm::Concurrency {
+            return write!(f, "{} in flight", self.burst);
+        }
         write!(f, "{}", self.rate)?;
         if self.algorithm.has_burst() {
             write!(f, " burst {}", self.burst)?;
         }
         if self.cost != 1 {
             write!(f, " cost {}", self.cost)?;
+        }
+        if self.max_delay_us > 0 {
+            let d = std::time::Duration::from_micros(self.max_delay_us);
+            write!(f, " max_delay {}", humantime::format_duration(d))?;
         }
         Ok(())
     }
@@ -232,7 +320,8 @@ pub struct Decision {
     pub allowed: bool,
     /// Whole requests (of cost 1) still allowed now, after this request if it was charged.
     pub remaining: u64,
-    /// When denied: microseconds until this request would pass. 0 when allowed.
+    /// When denied: microseconds until this request would pass. When allowed: how long it
+    /// waits for its reserved tokens before it is forwarded (`max_delay`), usually 0.
     pub retry_after_us: u64,
     /// Microseconds until the full quota is available again.
     pub reset_us: u64,
@@ -258,6 +347,7 @@ pub enum State {
     Gcra(gcra::State),
     FixedWindow(fixed_window::State),
     SlidingWindow(sliding_window::State),
+    Concurrency(concurrency::State),
 }
 
 /// Run `q`'s algorithm on `state`. State kept by another algorithm (the rule changed on
@@ -289,6 +379,10 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
             sliding_window::decide(q, pick(state).as_ref(), now_us),
             State::SlidingWindow,
         ),
+        Algorithm::Concurrency => wrap(
+            concurrency::decide(q, pick(state).as_ref(), now_us),
+            State::Concurrency,
+        ),
     }
 }
 
@@ -300,6 +394,25 @@ pub struct Check<'a> {
     /// The rule's name, the last part of the Redis key.
     pub rule: &'a str,
     pub quota: &'a Quota,
+    /// Decided and counted, but never denies the request (`mode = "shadow"`, or an
+    /// identity outside `enforce_percent`). It is charged only when it allows and the
+    /// enforcing checks let the request through, as if it had been enforced.
+    pub shadow: bool,
+    /// Concurrency only: this request's lease number, unique within the process.
+    pub lease: u64,
+}
+
+impl<'a> Check<'a> {
+    /// An enforcing check.
+    pub fn new(identity: &'a IdentityDigest, rule: &'a str, quota: &'a Quota) -> Self {
+        Check {
+            identity,
+            rule,
+            quota,
+            shadow: false,
+            lease: 0,
+        }
+    }
 }
 
 /// A 128-bit digest of an identity. Rendered as hex in Redis key names.
@@ -428,6 +541,42 @@ impl Store {
             Store::Redis(r) => r.reset(check).await,
             Store::RedisCluster(c) => c.reset(check).await,
         }
+    }
+
+    /// Give back the slot of a concurrency check whose request ended.
+    pub async fn release(&self, check: &Check<'_>) -> Result<(), StoreError> {
+        match self {
+            Store::Memory(m) => {
+                m.release(check);
+                Ok(())
+            }
+            Store::Redis(r) => r.release(check).await,
+            Store::RedisCluster(c) => c.release(check).await,
+        }
+    }
+
+    /// Keep a concurrency lease alive while its request is in flight (shared stores; the
+    /// memory store's slots live as long as the process). `false`: the lease was gone.
+    pub async fn renew(&self, check: &Check<'_>) -> Result<bool, StoreError> {
+        match self {
+            Store::Memory(_) => Ok(true),
+            Store::Redis(r) => r.renew(check).await,
+            Store::RedisCluster(c) => c.renew(check).await,
+        }
+    }
+
+    /// Connect and load scripts ahead of the first request (shared stores).
+    pub async fn warm(&self) -> Result<(), StoreError> {
+        match self {
+            Store::Memory(_) => Ok(()),
+            Store::Redis(r) => r.warm().await,
+            Store::RedisCluster(c) => c.warm().await,
+        }
+    }
+
+    /// Whether gateways share this store (and its leases must outlive none of them).
+    pub fn is_shared(&self) -> bool {
+        !matches!(self, Store::Memory(_))
     }
 
     /// Whether the store answers now (for /readyz).
@@ -565,5 +714,6 @@ state_conversions!(
     TokenBucket => token_bucket,
     Gcra => gcra,
     FixedWindow => fixed_window,
-    SlidingWindow => sliding_window
+    SlidingWindow => sliding_window,
+    Concurrency => concurrency
 );

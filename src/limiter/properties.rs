@@ -80,6 +80,45 @@ proptest! {
         prop_assert!(allowed > 0 || denied == 0);
     }
 
+    /// The same with `max_delay`: both reserve the same tokens for waiting requests, tell
+    /// them the same waits, and a wait is never more than max_delay; waits of requests
+    /// at one instant grow in arrival order.
+    #[test]
+    fn token_bucket_and_gcra_delay_alike(
+        (count, secs) in rate(),
+        burst in 1u64..20,
+        delay_ms in prop_oneof![Just(1u64), 1u64..100, 100u64..5_000, Just(60_000)],
+        start in 0u64..1_000_000_000_000,
+        requests in prop::collection::vec((prop_oneof![3 => Just(0u64), 2 => 1u64..2_000, 2 => 2_000u64..3_000_000, 1 => 3_000_000u64..400_000_000], 1u64..4), 1..300),
+    ) {
+        let delay = Duration::from_millis(delay_ms);
+        let with = |alg, cost| quota(alg, count, secs, Some(burst), cost).with_max_delay(delay);
+        let (mut tb, mut gcra) = (None, None);
+        let mut now = start;
+        let mut last_wait: Option<(u64, u64)> = None;
+        for (i, (gap, cost)) in requests.into_iter().enumerate() {
+            now += gap;
+            let cost = cost.min(burst);
+            let (Ok(qa), Ok(qb)) = (with(Algorithm::TokenBucket, cost), with(Algorithm::Gcra, cost)) else {
+                return Ok(());
+            };
+            let a = run(&qa, &mut tb, now);
+            let b = run(&qb, &mut gcra, now);
+            prop_assert_eq!(a, b, "request {} at {} µs, cost {}", i, now, cost);
+            if a.allowed {
+                prop_assert!(a.retry_after_us <= qa.max_delay_us, "waits {} > max_delay", a.retry_after_us);
+                if a.retry_after_us > 0 {
+                    if let Some((t, w)) = last_wait {
+                        if t == now {
+                            prop_assert!(a.retry_after_us > w, "a later arrival waits longer");
+                        }
+                    }
+                    last_wait = Some((now, a.retry_after_us));
+                }
+            }
+        }
+    }
+
     /// The sliding window's bound: in any interval of length d < P, at most N + N·d/P
     /// pass; so never a burst of 2N at a boundary, and at most 2N in any period.
     #[test]

@@ -29,6 +29,9 @@ pub const SCRIPT: &str = concat!(
     include_str!("../../lua/decide.lua"),
 );
 
+/// Renews one concurrency lease while its request is in flight.
+pub const LEASE_SCRIPT: &str = include_str!("../../lua/lease.lua");
+
 /// What the script does with the keys it is given.
 #[derive(Clone, Copy, PartialEq, Eq)]
 enum Mode {
@@ -40,17 +43,85 @@ enum Mode {
 /// The script, the key prefix and the per-call timeout: what both stores share.
 struct Scripted {
     script: redis::Script,
+    lease_script: redis::Script,
     prefix: String,
     timeout: Duration,
+    /// Tells this process's leases from other gateways' in a shared lease set.
+    instance: u64,
 }
 
 impl Scripted {
     fn new(prefix: &str, timeout: Duration) -> Scripted {
+        use std::hash::{BuildHasher, Hasher};
+        // 64 random bits (std's per-process SipHash keys) mixed with the pid and the time.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
         Scripted {
             script: redis::Script::new(SCRIPT),
+            lease_script: redis::Script::new(LEASE_SCRIPT),
             prefix: prefix.to_string(),
             timeout,
+            instance: h.finish(),
         }
+    }
+
+    /// A concurrency lease's member in the rule's lease set: unique across gateways.
+    fn member(&self, check: &Check<'_>) -> String {
+        format!("{:016x}-{:x}", self.instance, check.lease)
+    }
+
+    async fn timed<T, F>(&self, f: F) -> Result<T, StoreError>
+    where
+        F: std::future::Future<Output = Result<T, ::redis::RedisError>>,
+    {
+        Ok(tokio::time::timeout(self.timeout, f)
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))??)
+    }
+
+    /// Connect and load both scripts, so the first request does not pay for it (a script
+    /// load can take longer than a store timeout).
+    async fn warm<C: ConnectionLike>(&self, conn: &mut C) -> Result<(), StoreError> {
+        let t = self.timeout.max(Duration::from_secs(1));
+        for script in [&self.script, &self.lease_script] {
+            tokio::time::timeout(t, script.prepare_invoke().load_async(conn))
+                .await
+                .map_err(|_| StoreError::Timeout(t))??;
+        }
+        Ok(())
+    }
+
+    /// Remove a lease: its request ended.
+    async fn release<C: ConnectionLike>(
+        &self,
+        conn: &mut C,
+        check: &Check<'_>,
+    ) -> Result<(), StoreError> {
+        let cmd = redis::cmd("ZREM")
+            .arg(self.key(check))
+            .arg(self.member(check))
+            .to_owned();
+        let _: i64 = self.timed(cmd.query_async(conn)).await?;
+        Ok(())
+    }
+
+    /// Extend a lease by its TTL from now. `false`: it had already expired or was reset.
+    async fn renew<C: ConnectionLike>(
+        &self,
+        conn: &mut C,
+        check: &Check<'_>,
+    ) -> Result<bool, StoreError> {
+        let mut inv = self.lease_script.prepare_invoke();
+        inv.key(self.key(check))
+            .arg(self.member(check))
+            .arg(check.quota.lease_us);
+        let live: i64 = self.timed(inv.invoke_async(conn)).await?;
+        Ok(live == 1)
     }
 
     /// `<prefix>:{<identity-hash>}:<rule>`.
@@ -89,11 +160,22 @@ impl Scripted {
                     .arg(q.unit)
                     .arg(q.per_us)
                     .arg(q.capacity())
-                    .arg(q.need()),
-                Algorithm::FixedWindow | Algorithm::SlidingWindow => {
-                    inv.arg(q.period_us()).arg(q.rate.count).arg(q.cost).arg(0)
-                }
+                    .arg(q.need())
+                    .arg(q.slack()),
+                Algorithm::FixedWindow | Algorithm::SlidingWindow => inv
+                    .arg(q.period_us())
+                    .arg(q.rate.count)
+                    .arg(q.cost)
+                    .arg(0)
+                    .arg(0),
+                Algorithm::Concurrency => inv
+                    .arg(q.burst)
+                    .arg(q.lease_us)
+                    .arg(self.member(c))
+                    .arg(0)
+                    .arg(0),
             };
+            inv.arg(u8::from(c.shadow));
         }
         let reply: Vec<i64> = tokio::time::timeout(self.timeout, inv.invoke_async(conn))
             .await
@@ -211,6 +293,26 @@ impl RedisStore {
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.s.ping(&mut self.conn.clone()).await
     }
+
+    /// Connect and load the scripts ahead of the first request.
+    pub async fn warm(&self) -> Result<(), StoreError> {
+        self.s.warm(&mut self.conn.clone()).await
+    }
+
+    /// Remove a concurrency lease (its request ended).
+    pub async fn release(&self, check: &Check<'_>) -> Result<(), StoreError> {
+        self.s.release(&mut self.conn.clone(), check).await
+    }
+
+    /// Renew a concurrency lease; `false` if it was already gone.
+    pub async fn renew(&self, check: &Check<'_>) -> Result<bool, StoreError> {
+        self.s.renew(&mut self.conn.clone(), check).await
+    }
+
+    /// The Redis member name of a check's lease (for tests and the admin API).
+    pub fn lease_member(&self, check: &Check<'_>) -> String {
+        self.s.member(check)
+    }
 }
 
 // ---------------------------------------------------------------------------------------
@@ -271,7 +373,8 @@ impl RedisClusterStore {
             return self.s.call(&mut conn, &all, now_us, Mode::Decide).await;
         }
         let mut out: Vec<Option<Decision>> = vec![None; checks.len()];
-        let mut charged: Vec<&[usize]> = Vec::new();
+        // Per group taken so far, the checks it charged (a denying shadow check took nothing).
+        let mut charged: Vec<Vec<usize>> = Vec::new();
         let mut denied = false;
         for idx in &groups {
             let group: Vec<&Check<'_>> = idx.iter().map(|&i| &checks[i]).collect();
@@ -284,13 +387,22 @@ impl RedisClusterStore {
                     return Err(e);
                 }
             };
-            let all_allowed = decisions.iter().all(|d| d.allowed);
+            let all_allowed = group
+                .iter()
+                .zip(&decisions)
+                .all(|(c, d)| d.allowed || c.shadow);
+            let took: Vec<usize> = idx
+                .iter()
+                .zip(&decisions)
+                .filter(|(_, d)| d.allowed)
+                .map(|(&i, _)| i)
+                .collect();
             for (&i, d) in idx.iter().zip(decisions) {
                 out[i] = Some(d);
             }
             if !denied {
                 if all_allowed {
-                    charged.push(idx);
+                    charged.push(took);
                 } else {
                     denied = true;
                     self.refund(&mut conn, checks, &charged, now_us, &mut out)
@@ -311,11 +423,11 @@ impl RedisClusterStore {
         &self,
         conn: &mut ClusterConnection,
         checks: &[Check<'_>],
-        charged: &[&[usize]],
+        charged: &[Vec<usize>],
         now_us: Option<u64>,
         out: &mut [Option<Decision>],
     ) {
-        for idx in charged {
+        for idx in charged.iter().filter(|idx| !idx.is_empty()) {
             let group: Vec<&Check<'_>> = idx.iter().map(|&i| &checks[i]).collect();
             match self.s.call(conn, &group, now_us, Mode::Refund).await {
                 Ok(decisions) => {
@@ -355,6 +467,19 @@ impl RedisClusterStore {
 
     pub async fn ping(&self) -> Result<(), StoreError> {
         self.s.ping(&mut self.connection().await?).await
+    }
+
+    pub async fn release(&self, check: &Check<'_>) -> Result<(), StoreError> {
+        self.s.release(&mut self.connection().await?, check).await
+    }
+
+    /// Connect ahead of the first request (each node loads the script on first use).
+    pub async fn warm(&self) -> Result<(), StoreError> {
+        self.connection().await.map(|_| ())
+    }
+
+    pub async fn renew(&self, check: &Check<'_>) -> Result<bool, StoreError> {
+        self.s.renew(&mut self.connection().await?, check).await
     }
 }
 

@@ -11,54 +11,63 @@ use super::{Decision, Outcome, Quota};
 /// A bucket's state after its last charge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct State {
-    /// Level in units, after the charge.
-    pub level: u64,
+    /// Level in units, after the charge. Below zero when requests wait for tokens already
+    /// reserved for them (`max_delay`).
+    pub level: i64,
     /// When the charge happened, in µs.
     pub last_us: u64,
     /// The quota unit the level is counted in; a changed quota rescales whole tokens.
     pub unit: u64,
 }
 
-/// The bucket's level at `now_us`, before any charge.
-pub fn level_at(q: &Quota, state: Option<&State>, now_us: u64) -> u64 {
-    let cap = q.capacity();
+/// The bucket's level at `now_us`, before any charge: at most the capacity, and below zero
+/// only while tokens are reserved for waiting requests.
+pub fn level_at(q: &Quota, state: Option<&State>, now_us: u64) -> i64 {
+    // Capacities are validated below 2^52 at load: the casts are exact.
+    let cap = q.capacity() as i64;
     let Some(s) = state else { return cap };
     let level = if s.unit == q.unit {
         s.level
     } else {
-        // The quota changed (reload, plan): carry whole tokens over, drop the fraction.
-        (s.level / s.unit.max(1)).saturating_mul(q.unit)
+        // The quota changed (reload, plan): carry whole tokens over, drop the fraction
+        // (rounding down, so a reserved debt is never forgiven).
+        s.level
+            .div_euclid(s.unit.max(1) as i64)
+            .saturating_mul(q.unit as i64)
     }
     .min(cap);
     let elapsed = now_us.saturating_sub(s.last_us);
-    let dripped = u128::from(elapsed) * u128::from(q.per_us);
-    (u128::from(level) + dripped).min(u128::from(cap)) as u64
+    let dripped = i128::from(elapsed) * i128::from(q.per_us);
+    (i128::from(level) + dripped).min(i128::from(cap)) as i64
 }
 
-/// Judge one request of `q.cost` against the bucket at `now_us`.
+/// Judge one request of `q.cost` against the bucket at `now_us`. With `max_delay`, a
+/// request whose tokens drip in within it is allowed and told to wait that long; its
+/// tokens are taken now, so requests waiting behind it wait longer: they pass in order.
 pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
-    let cap = q.capacity();
-    let need = q.need();
+    let cap = q.capacity() as i64;
+    let need = q.need() as i64;
+    let slack = q.slack() as i64;
     let level = level_at(q, state, now_us);
-    let allowed = level >= need;
-    let after = level.saturating_sub(need);
-    let until_full = |level: u64| (cap - level).div_ceil(q.per_us);
+    let after = level - need;
+    let allowed = after >= -slack;
+    // Time for `units` more to drip in.
+    let drip = |units: i64| (units.max(0) as u64).div_ceil(q.per_us);
+    let until_full = |level: i64| drip(cap - level);
+    let whole = |level: i64| level.max(0) as u64 / q.unit;
     Outcome {
         allowed,
         charged: Decision {
             allowed,
-            remaining: after / q.unit,
-            retry_after_us: 0,
+            remaining: whole(after),
+            // Waiting until the bucket is back at zero: the tokens are then there.
+            retry_after_us: drip(-after),
             reset_us: until_full(after),
         },
         uncharged: Decision {
             allowed,
-            remaining: level / q.unit,
-            retry_after_us: if allowed {
-                0
-            } else {
-                (need - level).div_ceil(q.per_us)
-            },
+            remaining: whole(level),
+            retry_after_us: if allowed { 0 } else { drip(-slack - after) },
             reset_us: until_full(level),
         },
         next: State {
@@ -139,8 +148,8 @@ mod tests {
         let o = decide(&q, None, 10);
         let (state, ttl) = (o.next, o.ttl_us);
         assert_eq!(ttl, 500_000, "one token at 2/s refills in 0.5 s");
-        assert_eq!(level_at(&q, Some(&state), 10 + ttl), q.capacity());
-        assert!(level_at(&q, Some(&state), 10 + ttl - 1) < q.capacity());
+        assert_eq!(level_at(&q, Some(&state), 10 + ttl), q.capacity() as i64);
+        assert!(level_at(&q, Some(&state), 10 + ttl - 1) < q.capacity() as i64);
     }
 
     #[test]
@@ -169,11 +178,60 @@ mod tests {
         let new = quota(1, 2, 10, 1);
         assert_ne!(old.unit, new.unit);
         let st = State {
-            level: 4 * old.unit + old.unit / 2,
+            level: (4 * old.unit + old.unit / 2) as i64,
             last_us: 0,
             unit: old.unit,
         };
-        assert_eq!(level_at(&new, Some(&st), 0), 4 * new.unit);
+        assert_eq!(level_at(&new, Some(&st), 0), (4 * new.unit) as i64);
+    }
+
+    #[test]
+    fn max_delay_reserves_tokens_in_order_then_denies() {
+        // 10/s, burst 1, max_delay 500 ms: one now, then five that wait 100..500 ms.
+        let q = quota(10, 1, 1, 1)
+            .with_max_delay(std::time::Duration::from_millis(500))
+            .unwrap();
+        let mut st = None;
+        let d = hit(&q, &mut st, 0);
+        assert!(d.allowed && d.retry_after_us == 0);
+        for k in 1..=5u64 {
+            let d = hit(&q, &mut st, 0);
+            assert!(d.allowed, "request {k} waits");
+            assert_eq!(
+                d.retry_after_us,
+                k * 100_000,
+                "served in order, 100 ms apart"
+            );
+            assert_eq!(d.remaining, 0);
+        }
+        let d = hit(&q, &mut st, 0);
+        assert!(!d.allowed, "past max_delay: denied");
+        assert_eq!(
+            d.retry_after_us, 100_000,
+            "until a wait of 500 ms is enough again"
+        );
+        // 100 ms later the queue has moved by one: one more may wait 500 ms.
+        let d = hit(&q, &mut st, 100_000);
+        assert!(d.allowed);
+        assert_eq!(d.retry_after_us, 500_000);
+        assert!(!hit(&q, &mut st, 100_000).allowed);
+        // The reserved debt drains at the rate: back at zero 600 ms after the start.
+        assert_eq!(st.map(|s| s.level), Some(-5 * q.unit as i64));
+        assert_eq!(level_at(&q, st.as_ref(), 600_000), 0);
+        assert_eq!(level_at(&q, st.as_ref(), 700_000), q.unit as i64);
+    }
+
+    #[test]
+    fn a_reserved_debt_survives_a_unit_change() {
+        let old = quota(1, 1, 10, 1);
+        let new = quota(1, 2, 10, 1);
+        let st = State {
+            level: -(old.unit as i64) - 1,
+            last_us: 0,
+            unit: old.unit,
+        };
+        // -1.000001 tokens rounds down to -2: a debt is never forgiven.
+        assert_eq!(level_at(&new, Some(&st), 0), -2 * new.unit as i64);
     }
 
     #[test]

@@ -1,0 +1,108 @@
+//! The slots a request holds under concurrency limits (`max_in_flight`) while it is in
+//! flight, given back when the guard is dropped: when the response body ends, when the
+//! client goes away mid-response, or when the request fails before a response.
+//!
+//! In a shared store each slot is a lease with a TTL (`lua/decide.lua`); while the request
+//! is in flight a task renews its leases every third of their TTL, so a gateway that dies
+//! (and renews nothing) leaves leases that expire on their own.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::guard::Limiter;
+use super::{Check, IdentityDigest, Quota};
+
+/// One slot taken.
+struct Held {
+    identity: IdentityDigest,
+    rule: String,
+    quota: Quota,
+    lease: u64,
+}
+
+impl Held {
+    fn check(&self) -> Check<'_> {
+        Check {
+            lease: self.lease,
+            ..Check::new(&self.identity, &self.rule, &self.quota)
+        }
+    }
+}
+
+/// A request's concurrency slots; dropping it gives them back.
+pub struct Leases {
+    limiter: Arc<Limiter>,
+    /// Taken from the `on_error = "local"` fallback rather than the store.
+    local: bool,
+    held: Arc<[Held]>,
+    renewer: Option<tokio::task::JoinHandle<()>>,
+}
+
+impl Leases {
+    /// The slots `checks` took, given their decisions: the concurrency checks the store
+    /// charged (every enforcing one of a request let through, and the shadow ones that
+    /// allowed). `None` when there are none.
+    pub fn taken(
+        limiter: &Arc<Limiter>,
+        local: bool,
+        checks: &[Check<'_>],
+        allowed: impl Fn(usize) -> bool,
+    ) -> Option<Leases> {
+        let held: Arc<[Held]> = checks
+            .iter()
+            .enumerate()
+            .filter(|(i, c)| c.quota.algorithm == super::Algorithm::Concurrency && allowed(*i))
+            .map(|(_, c)| Held {
+                identity: *c.identity,
+                rule: c.rule.to_string(),
+                quota: *c.quota,
+                lease: c.lease,
+            })
+            .collect();
+        if held.is_empty() {
+            return None;
+        }
+        let renewer = (!local && limiter.store().is_shared()).then(|| {
+            let (limiter, held) = (limiter.clone(), held.clone());
+            tokio::spawn(async move {
+                let every = held
+                    .iter()
+                    .map(|h| Duration::from_micros(h.quota.lease_us / 3))
+                    .min()
+                    .unwrap_or(Duration::from_secs(1))
+                    .max(Duration::from_millis(100));
+                loop {
+                    tokio::time::sleep(every).await;
+                    for h in held.iter() {
+                        limiter.renew(&h.check()).await;
+                    }
+                }
+            })
+        });
+        Some(Leases {
+            limiter: limiter.clone(),
+            local,
+            held,
+            renewer,
+        })
+    }
+}
+
+impl Drop for Leases {
+    fn drop(&mut self) {
+        if let Some(r) = self.renewer.take() {
+            r.abort();
+        }
+        let (limiter, held, local) = (self.limiter.clone(), self.held.clone(), self.local);
+        let release = async move {
+            for h in held.iter() {
+                limiter.release(&h.check(), local).await;
+            }
+        };
+        // Outside a runtime (a process shutting down) there is nothing to run it on: the
+        // memory store goes with the process, and shared leases expire by their TTL.
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(release);
+        }
+    }
+}
