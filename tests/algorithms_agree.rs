@@ -1,8 +1,10 @@
 //! The Rust step functions (`src/limiter/*.rs`, run by the memory store) and their Lua
 //! twins (`lua/*.lua`, run by the Redis store) must agree on every decision, for all four
-//! algorithms, on random timelines: one rule or several at once (all or nothing), awkward
-//! rates, bursts and costs, and gaps that land exactly on the instants where a decision
-//! flips (a retry instant, a reset, a sliding window's edge).
+//! algorithms, on random timelines: one rule or several at once (all or nothing over the
+//! enforcing rules; shadow checks never deny and are charged only when they allow), awkward
+//! rates, bursts, costs and `max_delay`s (a request may wait for its tokens), and gaps that
+//! land exactly on the instants where a decision flips (a retry instant, the end of a wait,
+//! a reset, a sliding window's edge).
 //!
 //! Every request is replayed three ways: through [`MemoryStore`] on a [`ManualClock`],
 //! through the pure [`limiter::decide`] on a model of what the memory store holds, and
@@ -117,11 +119,13 @@ struct RuleSpec {
     /// Only for token_bucket / gcra: the windows reject a burst.
     burst: Option<u64>,
     cost: u64,
+    /// Only for token_bucket / gcra: how long a request may wait for its tokens, in µs.
+    max_delay_us: Option<u64>,
 }
 
 impl RuleSpec {
     fn quota_with_cost(&self, cost: u64) -> Result<Quota, String> {
-        Quota::new(
+        let q = Quota::new(
             self.algorithm,
             Rate {
                 count: self.count,
@@ -130,7 +134,13 @@ impl RuleSpec {
             self.burst.and_then(NonZeroU64::new),
             NonZeroU64::new(cost).ok_or("cost 0")?,
         )
-        .map_err(|e| e.to_string())
+        .map_err(|e| e.to_string())?;
+        match self.max_delay_us {
+            Some(us) => q
+                .with_max_delay(Duration::from_micros(us))
+                .map_err(|e| e.to_string()),
+            None => Ok(q),
+        }
     }
 
     fn quota(&self) -> Quota {
@@ -162,7 +172,8 @@ enum Gap {
         early: u64,
     },
     /// To the instant the last denial of this request's first key named (now + retry),
-    /// less 0/1 µs. The same instant when that key's last decision was not a denial.
+    /// less 0/1 µs; or, when its last decision was allowed to wait for its tokens, to the
+    /// end of that wait, less 0/1 µs. The same instant when it was neither.
     Retry {
         early: u64,
     },
@@ -181,6 +192,27 @@ struct Req {
     identity: usize,
     /// Indices into the timeline's rules: distinct, in any order.
     rules: Vec<usize>,
+    /// Whether each of `rules` is checked in shadow (decided, never denies).
+    shadow: Vec<bool>,
+}
+
+impl Req {
+    /// This request's checks, on `quotas` (one per rule of the timeline).
+    fn checks<'a>(
+        &self,
+        ids: &'a [IdentityDigest],
+        names: &'a [String],
+        quotas: &'a [Quota],
+    ) -> Vec<Check<'a>> {
+        self.rules
+            .iter()
+            .zip(&self.shadow)
+            .map(|(&r, &shadow)| Check {
+                shadow,
+                ..Check::new(&ids[self.identity], &names[r], &quotas[r])
+            })
+            .collect()
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -190,9 +222,11 @@ struct Timeline {
     requests: Vec<Req>,
 }
 
-fn rule_spec() -> impl Strategy<Value = RuleSpec> {
+/// A rule of one of `algorithms`. A bucket rule has no `max_delay` `no_delay` times in
+/// `4 + no_delay` (see [`max_delay`]).
+fn rule_spec(algorithms: &[Algorithm], no_delay: u32) -> impl Strategy<Value = RuleSpec> {
     (
-        prop::sample::select(ALGORITHMS.to_vec()),
+        prop::sample::select(algorithms.to_vec()),
         prop::sample::select(vec![1u64, 2, 3, 5, 7, 10, 60, 100, 999]),
         prop::sample::select(vec![1u64, 2, 10, 60]),
     )
@@ -209,19 +243,58 @@ fn rule_spec() -> impl Strategy<Value = RuleSpec> {
             };
             (Just(algorithm), Just(count), Just(period_s), burst)
         })
-        .prop_flat_map(|(algorithm, count, period_s, burst)| {
+        .prop_flat_map(move |(algorithm, count, period_s, burst)| {
             // The cost may be anything up to the burst (or the window's N).
             let most = burst.unwrap_or(count);
-            prop_oneof![3 => Just(1), 1 => 1..=most, 1 => Just(most)].prop_map(move |cost| {
-                RuleSpec {
+            let cost = prop_oneof![3 => Just(1), 1 => 1..=most, 1 => Just(most)];
+            let delay = if algorithm.can_delay() {
+                max_delay(count, period_s, no_delay)
+            } else {
+                Just(None).boxed()
+            };
+            (cost, delay).prop_map(move |(cost, max_delay_us)| {
+                let spec = RuleSpec {
                     algorithm,
                     count,
                     period_s,
                     burst,
                     cost,
+                    max_delay_us,
+                };
+                // A delay the library refuses (too precise for Lua) is no delay.
+                match spec.quota_with_cost(cost) {
+                    Err(_) if max_delay_us.is_some() => RuleSpec {
+                        max_delay_us: None,
+                        ..spec
+                    },
+                    _ => spec,
                 }
             })
         })
+}
+
+/// A bucket rule's `max_delay` in µs (`None` `no_delay` times in `4 + no_delay`): 1 ms, a
+/// fraction of the emission interval, a few whole intervals (rounded down or up: a token's
+/// worth of wait, or just short of it), or 60 s; never more than 60 s.
+fn max_delay(count: u64, period_s: u64, no_delay: u32) -> BoxedStrategy<Option<u64>> {
+    const LONGEST: u64 = 60_000_000;
+    // `permille` ‰ of one emission interval (period / count), rounded down or up.
+    let of_interval = move |permille: u64, up: bool| {
+        let (num, den) = (period_s * 1_000_000 * permille, count * 1_000);
+        let us = if up { num.div_ceil(den) } else { num / den };
+        Some(us.clamp(1, LONGEST))
+    };
+    let delay = prop_oneof![
+        Just(Some(1_000)),
+        (1..1_000u64, any::<bool>()).prop_map(move |(p, up)| of_interval(p, up)),
+        (1..=5u64, any::<bool>()).prop_map(move |(k, up)| of_interval(k * 1_000, up)),
+        Just(Some(LONGEST)),
+    ];
+    // (proptest refuses a weight of 0.)
+    match no_delay {
+        0 => delay.boxed(),
+        n => prop_oneof![n => Just(None), 4 => delay].boxed(),
+    }
 }
 
 fn gap(rules: usize) -> impl Strategy<Value = Gap> {
@@ -243,19 +316,36 @@ fn request(rules: usize) -> impl Strategy<Value = Req> {
         (0..rules).prop_map(|r| vec![r]),
         prop::sample::subsequence(all, 1..=rules).prop_shuffle(),
     ];
-    (gap(rules), 0..IDENTITIES, which).prop_map(|(gap, identity, rules)| Req {
+    // Each check is in shadow 1 time in 4.
+    let which = which.prop_flat_map(|rules| {
+        let n = rules.len();
+        (
+            Just(rules),
+            prop::collection::vec(prop::bool::weighted(0.25), n),
+        )
+    });
+    (gap(rules), 0..IDENTITIES, which).prop_map(|(gap, identity, (rules, shadow))| Req {
         gap,
         identity,
         rules,
+        shadow,
     })
 }
 
-/// 1..=`max_rules` rules and 20..=200 requests, starting somewhere in the day after
-/// [`EPOCH_US`] so that window edges fall in varied places.
+/// 1..=`max_rules` rules of any algorithm (a bucket rule has a `max_delay` 1 time in 2) and
+/// 20..=200 requests, starting somewhere in the day after [`EPOCH_US`] so that window
+/// edges fall in varied places.
 fn timeline(max_rules: usize) -> impl Strategy<Value = Timeline> {
+    timeline_of(rule_spec(&ALGORITHMS, 4), max_rules)
+}
+
+fn timeline_of(
+    rule: impl Strategy<Value = RuleSpec>,
+    max_rules: usize,
+) -> impl Strategy<Value = Timeline> {
     (
         0..=86_400_000_000u64,
-        prop::collection::vec(rule_spec(), 1..=max_rules),
+        prop::collection::vec(rule, 1..=max_rules),
     )
         .prop_flat_map(|(offset, rules)| {
             let n = rules.len();
@@ -272,10 +362,11 @@ fn timeline(max_rules: usize) -> impl Strategy<Value = Timeline> {
         })
 }
 
-/// How long `q`'s state can matter after a charge: a full refill, or two periods.
+/// How long `q`'s state can matter after a charge: a full refill (from as far below empty
+/// as waiting requests may reserve), or two periods.
 fn longest_state_us(q: &Quota) -> u64 {
     if q.algorithm.has_burst() {
-        q.capacity().div_ceil(q.per_us)
+        (q.capacity() + q.slack()).div_ceil(q.per_us)
     } else {
         2 * q.period_us()
     }
@@ -305,6 +396,10 @@ fn next_time(
             Some((at, d)) if !d.allowed && at + d.retry_after_us - early >= now => {
                 (at + d.retry_after_us - early, Some(early))
             }
+            // The end of a wait: the reserved tokens are there (nothing to promise then).
+            Some((at, d)) if d.retry_after_us > 0 && at + d.retry_after_us - early >= now => {
+                (at + d.retry_after_us - early, None)
+            }
             _ => (now, None),
         },
         Gap::Reset { early } => match last {
@@ -329,7 +424,46 @@ fn lua_value(s: &State) -> String {
         State::Gcra(g) => format!("g:{}:{}", g.tat_us, g.frac),
         State::FixedWindow(f) => format!("f:{}:{}", f.start_us, f.count),
         State::SlidingWindow(w) => format!("s:{}:{}:{}", w.window, w.cur, w.prev),
+        State::Concurrency(_) => unreachable!("timelines have no concurrency rules"),
     }
+}
+
+/// `q` without its `max_delay`.
+fn without_delay(q: &Quota) -> Quota {
+    Quota {
+        max_delay_us: 0,
+        ..*q
+    }
+}
+
+/// Whether an outcome lets its request through at once, charged, without a wait.
+fn passes_now(o: &Outcome<State>) -> bool {
+    o.allowed && o.charged.retry_after_us == 0
+}
+
+/// `max_delay` only lets requests wait: a request that passes at once without it gets the
+/// very same outcome with it, and one that does not cannot pass at once with it.
+fn delay_changes_only_waits(
+    q: &Quota,
+    state: Option<&State>,
+    now: u64,
+    o: &Outcome<State>,
+) -> Result<(), String> {
+    if q.max_delay_us == 0 {
+        return Ok(());
+    }
+    let plain = limiter::decide(&without_delay(q), state, now);
+    if plain.allowed && plain != *o {
+        return Err(format!(
+            "max_delay changed a request that passes without it\n without: {plain:?}\n    with: {o:?}"
+        ));
+    }
+    if !plain.allowed && passes_now(o) {
+        return Err(format!(
+            "max_delay let a request through without a wait that is denied without it\n without: {plain:?}\n    with: {o:?}"
+        ));
+    }
+    Ok(())
 }
 
 struct Replay<'h> {
@@ -380,14 +514,32 @@ impl<'h> Replay<'h> {
             .zip(&before)
             .map(|(c, s)| limiter::decide(c.quota, s.as_ref(), now))
             .collect();
-        let all = outcomes.iter().all(|o| o.allowed);
-        let from_pure: Vec<Decision> = outcomes
-            .iter()
-            .map(|o| if all { o.charged } else { o.uncharged })
-            .collect();
         let quotas: Vec<String> = checks
             .iter()
-            .map(|c| format!("{} {} ({:?})", c.rule, c.quota, c.quota.algorithm))
+            .map(|c| {
+                let shadow = if c.shadow { ", shadow" } else { "" };
+                format!("{} {} ({:?}{shadow})", c.rule, c.quota, c.quota.algorithm)
+            })
+            .collect();
+        for ((c, s), o) in checks.iter().zip(&before).zip(&outcomes) {
+            delay_changes_only_waits(c.quota, s.as_ref(), now, o).map_err(|e| {
+                format!(
+                    "the pure step function, {}: {e}\n state before: {s:?}",
+                    c.quota
+                )
+            })?;
+        }
+        // The request passes when every enforcing check allows; then each check that allows
+        // (enforcing or shadow) is charged. Otherwise nothing is.
+        let passes = outcomes
+            .iter()
+            .zip(checks)
+            .all(|(o, c)| o.allowed || c.shadow);
+        let charged: Vec<bool> = outcomes.iter().map(|o| passes && o.allowed).collect();
+        let from_pure: Vec<Decision> = outcomes
+            .iter()
+            .zip(&charged)
+            .map(|(o, &ch)| if ch { o.charged } else { o.uncharged })
             .collect();
 
         self.clock.set(now);
@@ -420,18 +572,18 @@ impl<'h> Replay<'h> {
             ));
         }
 
-        for (c, o) in checks.iter().zip(&outcomes) {
+        for ((c, o), &ch) in checks.iter().zip(&outcomes).zip(&charged) {
             let key = self.redis.key(c);
-            if all {
+            if ch {
                 self.model.insert(key.clone(), (o.next, now + o.ttl_us));
             }
-            self.pin(&key, all.then_some(o), sent)?;
+            self.pin(&key, ch.then_some(o), sent)?;
         }
         Ok(from_memory)
     }
 
     /// Check what Redis holds at `key` after a request, then remove its TTL.
-    /// `written`: the outcome the request wrote there, if it was allowed.
+    /// `written`: the outcome the request wrote there, if it was charged.
     fn pin(
         &mut self,
         key: &str,
@@ -450,10 +602,10 @@ impl<'h> Replay<'h> {
             .map_err(|e| format!("PTTL/GET/PERSIST {key}: {e}"))?;
         let expected = self.model.get(key).map(|(s, _)| lua_value(s));
         let Some(o) = written else {
-            // A denied request writes nothing: the key is as the last allowed one left it.
+            // An uncharged check writes nothing: the key is as the last charge left it.
             if value != expected || pttl != if expected.is_some() { -1 } else { -2 } {
                 return Err(format!(
-                    "{key}: a denied request changed it: it holds {value:?} (PTTL {pttl}), expected {expected:?} without a TTL"
+                    "{key}: an uncharged check changed it: it holds {value:?} (PTTL {pttl}), expected {expected:?} without a TTL"
                 ));
             }
             return Ok(());
@@ -463,7 +615,7 @@ impl<'h> Replay<'h> {
         if pttl == -2 {
             if waited < px {
                 return Err(format!(
-                    "{key}: missing right after an allowed request; its TTL should be {px} ms and only {waited} ms passed"
+                    "{key}: missing right after a charge; its TTL should be {px} ms and only {waited} ms passed"
                 ));
             }
             // Redis expired it in real time before it could be pinned: put it back.
@@ -529,6 +681,22 @@ fn rule_names(n: usize) -> Vec<String> {
 // 1. Rust and Lua agree: 1-4 rules of random algorithms, 20-200 requests from 3 identities,
 // each checking a random non-empty subset of the rules.
 
+/// An allowed decision carries a wait only under a `max_delay`, and no longer than it.
+fn check_wait(q: &Quota, d: &Decision) -> Result<(), TestCaseError> {
+    if d.allowed && d.retry_after_us > q.max_delay_us {
+        return Err(TestCaseError::fail(format!(
+            "{q}: allowed with a wait of {} µs, more than max_delay ({} µs): {d:?}",
+            d.retry_after_us, q.max_delay_us
+        )));
+    }
+    if !d.allowed && d.retry_after_us == 0 {
+        return Err(TestCaseError::fail(format!(
+            "{q}: denied without a retry: {d:?}"
+        )));
+    }
+    Ok(())
+}
+
 #[derive(Default)]
 struct AgreeTally {
     cases: AtomicUsize,
@@ -536,8 +704,20 @@ struct AgreeTally {
     multi_rule: AtomicUsize,
     allowed: [AtomicUsize; 4],
     denied: [AtomicUsize; 4],
-    /// A rule said yes in a request another rule denied: it was not charged.
+    /// Allowed, charged, and told to wait for reserved tokens (token_bucket, gcra: the
+    /// first two of [`ALGORITHMS`], the only ones with a `max_delay`).
+    waited: [AtomicUsize; 2],
+    /// Denied under a `max_delay` (token_bucket, gcra): the wait would have been too long.
+    denied_delay: [AtomicUsize; 2],
+    /// A rule said yes in a request an enforcing rule denied: it was not charged.
     uncharged_yes: AtomicUsize,
+    shadow_checks: AtomicUsize,
+    /// A shadow check said no in a request that passed: the others were charged.
+    shadow_no_passed: AtomicUsize,
+    /// A shadow check said yes in a request that passed: it was charged.
+    shadow_yes_charged: AtomicUsize,
+    /// A shadow check said yes in a request an enforcing rule denied: not charged.
+    shadow_yes_uncharged: AtomicUsize,
     at_retry: AtomicUsize,
     before_retry: AtomicUsize,
     restored: AtomicUsize,
@@ -555,43 +735,51 @@ fn agree_case(h: &Harness, tl: &Timeline, tally: &AgreeTally) -> Result<(), Test
         let first = (req.identity, req.rules[0]);
         let (t, boundary) = next_time(req.gap, &quotas, now, last.get(&first).copied());
         now = t;
-        let checks: Vec<Check<'_>> = req
-            .rules
-            .iter()
-            .map(|&r| Check {
-                identity: &ids[req.identity],
-                rule: &names[r],
-                quota: &quotas[r],
-            })
-            .collect();
-        let got = replay.step(&checks, now).map_err(|e| {
+        let checks = req.checks(&ids, &names, &quotas);
+        let at = |e: String| {
             TestCaseError::fail(format!(
                 "request {i} ({req:?}) at +{} µs: {e}",
                 now - tl.start_us
             ))
-        })?;
+        };
+        let got = replay.step(&checks, now).map_err(at)?;
 
-        let all = got.iter().all(|d| d.allowed);
+        // Whether the request passed: every enforcing check allowed it.
+        let passed = got.iter().zip(&checks).all(|(d, c)| d.allowed || c.shadow);
         for (d, c) in got.iter().zip(&checks) {
             let a = algorithm_index(c.quota.algorithm);
+            check_wait(c.quota, d).map_err(|e| at(e.to_string()))?;
             if d.allowed {
                 tally.allowed[a].fetch_add(1, Relaxed);
-                prop_assert_eq!(d.retry_after_us, 0, "request {}: allowed with a retry", i);
-                if !all {
+                if !passed {
                     tally.uncharged_yes.fetch_add(1, Relaxed);
+                    // Not charged: nothing was reserved, so there is nothing to wait for.
+                    prop_assert_eq!(d.retry_after_us, 0, "request {}: {:?}", i, d);
+                } else if d.retry_after_us > 0 {
+                    tally.waited[a].fetch_add(1, Relaxed);
                 }
             } else {
                 tally.denied[a].fetch_add(1, Relaxed);
-                prop_assert!(
-                    d.retry_after_us > 0,
-                    "request {}: denied without a retry: {:?}",
-                    i,
-                    d
-                );
+                if c.quota.max_delay_us > 0 {
+                    tally.denied_delay[a].fetch_add(1, Relaxed);
+                }
+            }
+            if c.shadow {
+                tally.shadow_checks.fetch_add(1, Relaxed);
+                let which = match (d.allowed, passed) {
+                    (false, true) => Some(&tally.shadow_no_passed),
+                    (true, true) => Some(&tally.shadow_yes_charged),
+                    (true, false) => Some(&tally.shadow_yes_uncharged),
+                    (false, false) => None,
+                };
+                if let Some(n) = which {
+                    n.fetch_add(1, Relaxed);
+                }
             }
         }
         // A lone check sent exactly at (or 1 µs before) its key's last retry instant: that
-        // key was not charged since, so the denial's promise must hold.
+        // key was not charged since, so the denial's promise must hold (with `max_delay`,
+        // the request is then let through, maybe told to wait).
         if let (Some(early), [d]) = (boundary, got.as_slice()) {
             if early == 0 {
                 prop_assert!(
@@ -635,18 +823,27 @@ fn rust_and_lua_agree_for_all_four_algorithms() {
 
     let load = |c: &[AtomicUsize; 4]| c.each_ref().map(|v| v.load(Relaxed));
     let (allowed, denied) = (load(&tally.allowed), load(&tally.denied));
+    let waited = tally.waited.each_ref().map(|v| v.load(Relaxed));
+    let denied_delay = tally.denied_delay.each_ref().map(|v| v.load(Relaxed));
+    let n = |c: &AtomicUsize| c.load(Relaxed);
     eprintln!(
         "{} cases, {} requests ({} multi-rule) in {:?}: allowed {allowed:?} / denied {denied:?} \
-         (token_bucket, gcra, fixed_window, sliding_window); {} uncharged yes; retry instant \
-         {} at / {} 1 µs before; {} keys put back after a real-time expiry",
-        tally.cases.load(Relaxed),
-        tally.requests.load(Relaxed),
-        tally.multi_rule.load(Relaxed),
+         (token_bucket, gcra, fixed_window, sliding_window); allowed with a wait {waited:?} / \
+         denied under max_delay {denied_delay:?} (token_bucket, gcra); {} uncharged yes; {} \
+         shadow checks: {} no in a request that passed, {} yes charged, {} yes uncharged; \
+         retry instant {} at / {} 1 µs before; {} keys put back after a real-time expiry",
+        n(&tally.cases),
+        n(&tally.requests),
+        n(&tally.multi_rule),
         started.elapsed(),
-        tally.uncharged_yes.load(Relaxed),
-        tally.at_retry.load(Relaxed),
-        tally.before_retry.load(Relaxed),
-        tally.restored.load(Relaxed),
+        n(&tally.uncharged_yes),
+        n(&tally.shadow_checks),
+        n(&tally.shadow_no_passed),
+        n(&tally.shadow_yes_charged),
+        n(&tally.shadow_yes_uncharged),
+        n(&tally.at_retry),
+        n(&tally.before_retry),
+        n(&tally.restored),
     );
     // The timelines must have exercised both answers of every algorithm.
     for (k, a) in ALGORITHMS.iter().enumerate() {
@@ -661,32 +858,61 @@ fn rust_and_lua_agree_for_all_four_algorithms() {
             denied[k]
         );
     }
+    // And waits, and denials beyond max_delay, of both bucket algorithms (few: in a
+    // multi-rule request another rule often denies first; 2 and 4 test them at length).
+    for (k, a) in ALGORITHMS[..2].iter().enumerate() {
+        assert!(
+            waited[k] >= 5,
+            "{a:?}: only {} requests allowed with a wait",
+            waited[k]
+        );
+        assert!(
+            denied_delay[k] >= 5,
+            "{a:?}: only {} denials under a max_delay",
+            denied_delay[k]
+        );
+    }
     assert!(
-        tally.uncharged_yes.load(Relaxed) >= 50,
+        n(&tally.uncharged_yes) >= 50,
         "all-or-nothing barely exercised"
     );
     assert!(
-        tally.at_retry.load(Relaxed) >= 15,
-        "retry instants barely hit"
+        n(&tally.shadow_no_passed) >= 20,
+        "shadow denials barely exercised"
     );
     assert!(
-        tally.before_retry.load(Relaxed) >= 15,
-        "retry instants barely hit"
+        n(&tally.shadow_yes_charged) >= 20,
+        "charged shadow checks barely exercised"
     );
+    assert!(
+        n(&tally.shadow_yes_uncharged) >= 20,
+        "uncharged shadow checks barely exercised"
+    );
+    assert!(n(&tally.at_retry) >= 15, "retry instants barely hit");
+    assert!(n(&tally.before_retry) >= 15, "retry instants barely hit");
 }
 
 // ---------------------------------------------------------------------------------------
-// 2. A denial's retry is exact. Single-rule timelines, replayed as in 1; for every request,
-// against the state it saw (or left), without committing anything:
-// - denied with retry R: at now + R the same request passes and at now + R - 1 it does not,
-//   by the pure step function and by the Lua script on a copy of the key;
-// - `remaining` is exact: `remaining` more requests of cost 1 pass now, not one more;
+// 2. A denial's retry is exact. Single-rule timelines (of any algorithm, then of buckets
+// that always have a max_delay), replayed as in 1; for every request, against the state it
+// saw (or left), without committing anything:
+// - denied with retry R: at now + R the same request passes (under a max_delay, maybe told
+//   to wait) and at now + R - 1 it does not, by the pure step function and by the Lua
+//   script on a copy of the key;
+// - allowed and told to wait W (max_delay): had it come W later, it would have passed at
+//   once without a wait, and 1 µs earlier than that not;
+// - `remaining` is exact: `remaining` more requests of cost 1 pass now without a wait, not
+//   one more;
 // - `reset` is exact: at now + reset the key answers as a brand-new one, 1 µs earlier not.
 
 #[derive(Default)]
 struct RetryTally {
     /// Denials whose retry instant was tried (in Rust and in Redis), per algorithm.
     denials: [AtomicUsize; 4],
+    /// Of those, denials under a max_delay (token_bucket, gcra).
+    delay_denials: [AtomicUsize; 2],
+    /// Waits whose end was tried (token_bucket, gcra).
+    waits: [AtomicUsize; 2],
     remaining_checked: AtomicUsize,
     resets_checked: AtomicUsize,
 }
@@ -707,9 +933,8 @@ fn retry_case(h: &Harness, tl: &Timeline, tally: &RetryTally) -> Result<(), Test
     for (i, req) in tl.requests.iter().enumerate() {
         now = next_time(req.gap, &[q], now, last.get(&req.identity).copied()).0;
         let check = Check {
-            identity: &ids[req.identity],
-            rule: "r0",
-            quota: &q,
+            shadow: req.shadow[0],
+            ..Check::new(&ids[req.identity], "r0", &q)
         };
         let ctx = |e: String| {
             TestCaseError::fail(format!(
@@ -722,14 +947,33 @@ fn retry_case(h: &Harness, tl: &Timeline, tally: &RetryTally) -> Result<(), Test
             .step(std::slice::from_ref(&check), now)
             .map_err(ctx)?[0];
         last.insert(req.identity, (now, d));
+        check_wait(&q, &d).map_err(|e| ctx(e.to_string()))?;
 
-        if d.allowed {
-            prop_assert_eq!(d.retry_after_us, 0, "request {}: allowed with a retry", i);
-        } else {
+        if d.allowed && d.retry_after_us > 0 {
+            // Its tokens are there in W: had it come then, it would have passed at once.
+            let w = d.retry_after_us;
+            let then = limiter::decide(&q, before.as_ref(), now + w);
+            let sooner = limiter::decide(&q, before.as_ref(), now + w - 1);
+            prop_assert!(
+                passes_now(&then),
+                "request {}: {:?} told to wait {} µs, but then: {:?}",
+                i,
+                before,
+                w,
+                then
+            );
+            prop_assert!(
+                !passes_now(&sooner),
+                "request {}: {:?} told to wait {} µs, but passes at once 1 µs sooner",
+                i,
+                before,
+                w
+            );
+            tally.waits[a].fetch_add(1, Relaxed);
+        } else if !d.allowed {
             // Nothing is charged in between: at now + R the same request passes, and at
             // now + R - 1 it still does not.
             let r = d.retry_after_us;
-            prop_assert!(r > 0, "request {}: denied without a retry: {:?}", i, d);
             let at = limiter::decide(&q, before.as_ref(), now + r);
             let early = limiter::decide(&q, before.as_ref(), now + r - 1);
             prop_assert!(
@@ -763,12 +1007,16 @@ fn retry_case(h: &Harness, tl: &Timeline, tally: &RetryTally) -> Result<(), Test
                 i
             );
             tally.denials[a].fetch_add(1, Relaxed);
+            if q.max_delay_us > 0 {
+                tally.delay_denials[a].fetch_add(1, Relaxed);
+            }
         }
 
         // The state this request left (unchanged when denied).
         let after = replay.state(&check, now);
-        // `remaining` requests of cost 1 still pass now, and not one more: at one instant
-        // that is one request of cost `remaining` passing, and of cost `remaining + 1` not.
+        // `remaining` requests of cost 1 still pass now without a wait, and not one more: at
+        // one instant that is one request of cost `remaining` passing at once, and of cost
+        // `remaining + 1` not.
         if d.remaining > 0 {
             let q_rem = spec.quota_with_cost(d.remaining).map_err(|e| {
                 TestCaseError::fail(format!(
@@ -777,7 +1025,7 @@ fn retry_case(h: &Harness, tl: &Timeline, tally: &RetryTally) -> Result<(), Test
                 ))
             })?;
             prop_assert!(
-                limiter::decide(&q_rem, after.as_ref(), now).allowed,
+                passes_now(&limiter::decide(&q_rem, after.as_ref(), now)),
                 "request {}: {:?} but {} more do not pass",
                 i,
                 d,
@@ -786,7 +1034,7 @@ fn retry_case(h: &Harness, tl: &Timeline, tally: &RetryTally) -> Result<(), Test
         }
         if let Ok(q_more) = spec.quota_with_cost(d.remaining + 1) {
             prop_assert!(
-                !limiter::decide(&q_more, after.as_ref(), now).allowed,
+                !passes_now(&limiter::decide(&q_more, after.as_ref(), now)),
                 "request {}: {:?} but {} more pass",
                 i,
                 d,
@@ -831,16 +1079,32 @@ fn retry_after_is_exact_for_all_four_algorithms() {
     proptest!(config(64), |(tl in timeline(1))| {
         retry_case(&h, &tl, &tally)?;
     });
+    // And more waits: a token bucket or GCRA with a max_delay, every time.
+    let waiting = rule_spec(&[Algorithm::TokenBucket, Algorithm::Gcra], 0);
+    proptest!(config(16), |(tl in timeline_of(waiting, 1))| {
+        retry_case(&h, &tl, &tally)?;
+    });
     let denials = tally.denials.each_ref().map(|v| v.load(Relaxed));
+    let delay_denials = tally.delay_denials.each_ref().map(|v| v.load(Relaxed));
+    let waits = tally.waits.each_ref().map(|v| v.load(Relaxed));
     eprintln!(
         "retry instants tried for {denials:?} denials (token_bucket, gcra, fixed_window, \
-         sliding_window), {} remaining and {} resets checked, in {:?}",
+         sliding_window), {delay_denials:?} of them under a max_delay, and the end of \
+         {waits:?} waits (token_bucket, gcra); {} remaining and {} resets checked, in {:?}",
         tally.remaining_checked.load(Relaxed),
         tally.resets_checked.load(Relaxed),
         started.elapsed()
     );
     for (k, a) in ALGORITHMS.iter().enumerate() {
         assert!(denials[k] >= 20, "{a:?}: only {} denials tried", denials[k]);
+    }
+    for (k, a) in ALGORITHMS[..2].iter().enumerate() {
+        assert!(
+            delay_denials[k] >= 5,
+            "{a:?}: only {} denials under a max_delay tried",
+            delay_denials[k]
+        );
+        assert!(waits[k] >= 10, "{a:?}: only {} waits tried", waits[k]);
     }
 }
 
@@ -857,6 +1121,7 @@ fn wrong_algorithm_state_counts_as_none() {
         period_s,
         burst: None,
         cost,
+        max_delay_us: None,
     };
     let (x, fresh) = (
         digest_api_key(b"changed-rule"),
@@ -877,11 +1142,7 @@ fn wrong_algorithm_state_counts_as_none() {
                     .step(std::slice::from_ref(&c), t)
                     .unwrap_or_else(|e| panic!("{what}: {e}"))[0]
             };
-            let old_check = Check {
-                identity: &x,
-                rule: "r",
-                quota: &q_old,
-            };
+            let old_check = Check::new(&x, "r", &q_old);
             // Exhaust the old quota: its state is far from a fresh one.
             let answers: Vec<bool> = (0..3)
                 .map(|_| step(&mut replay, old_check.clone(), t0).allowed)
@@ -889,24 +1150,8 @@ fn wrong_algorithm_state_counts_as_none() {
             assert_eq!(answers, [true, true, false], "{what}: the old quota");
             let old_state = replay.state(&old_check, t1).expect("the old state");
 
-            let changed = step(
-                &mut replay,
-                Check {
-                    identity: &x,
-                    rule: "r",
-                    quota: &q_new,
-                },
-                t1,
-            );
-            let brand_new = step(
-                &mut replay,
-                Check {
-                    identity: &fresh,
-                    rule: "r",
-                    quota: &q_new,
-                },
-                t1,
-            );
+            let changed = step(&mut replay, Check::new(&x, "r", &q_new), t1);
+            let brand_new = step(&mut replay, Check::new(&fresh, "r", &q_new), t1);
             assert_eq!(
                 changed, brand_new,
                 "{what}: not the same as a brand-new key"
@@ -938,21 +1183,128 @@ fn wrong_algorithm_state_counts_as_none() {
                 Algorithm::Gcra => "g:",
                 Algorithm::FixedWindow => "f:",
                 Algorithm::SlidingWindow => "s:",
+                Algorithm::Concurrency => unreachable!("not among ALGORITHMS"),
             };
             assert!(value.starts_with(tag), "{what}: redis holds {value:?}");
-            let again = step(
-                &mut replay,
-                Check {
-                    identity: &x,
-                    rule: "r",
-                    quota: &q_new,
-                },
-                t1,
-            );
+            let again = step(&mut replay, Check::new(&x, "r", &q_new), t1);
             assert_eq!(
                 again.remaining, 1,
                 "{what}: the new state was not read back"
             );
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// 4. With a max_delay, the token bucket and GCRA still admit exactly the same requests and
+// tell them the same waits and retries: 1-3 bucket rules (most with a max_delay), each
+// replayed as a token bucket and as GCRA, through both stores (as in 1). Their states
+// differ (a level below empty, a TAT ahead); their decisions may not.
+
+#[derive(Default)]
+struct TwinTally {
+    requests: AtomicUsize,
+    allowed: AtomicUsize,
+    waited: AtomicUsize,
+    denied: AtomicUsize,
+    denied_delay: AtomicUsize,
+    shadow_no_passed: AtomicUsize,
+}
+
+fn twins_case(h: &Harness, tl: &Timeline, tally: &TwinTally) -> Result<(), TestCaseError> {
+    let as_quotas = |algorithm| -> Vec<Quota> {
+        tl.rules
+            .iter()
+            .map(|s| RuleSpec { algorithm, ..*s }.quota())
+            .collect()
+    };
+    let (tb, gcra) = (
+        as_quotas(Algorithm::TokenBucket),
+        as_quotas(Algorithm::Gcra),
+    );
+    let names = rule_names(tl.rules.len());
+    let ids = identities();
+    let (mut r_tb, mut r_gcra) = (Replay::new(h), Replay::new(h));
+    let mut last: HashMap<(usize, usize), (u64, Decision)> = HashMap::new();
+    let mut now = tl.start_us;
+    for (i, req) in tl.requests.iter().enumerate() {
+        let first = (req.identity, req.rules[0]);
+        now = next_time(req.gap, &tb, now, last.get(&first).copied()).0;
+        let at = |which: &str, e: String| {
+            TestCaseError::fail(format!(
+                "request {i} ({req:?}) at +{} µs, as {which}: {e}",
+                now - tl.start_us
+            ))
+        };
+        let (checks_tb, checks_gcra) = (
+            req.checks(&ids, &names, &tb),
+            req.checks(&ids, &names, &gcra),
+        );
+        let d_tb = r_tb
+            .step(&checks_tb, now)
+            .map_err(|e| at("token_bucket", e))?;
+        let d_gcra = r_gcra.step(&checks_gcra, now).map_err(|e| at("gcra", e))?;
+        prop_assert_eq!(
+            &d_tb,
+            &d_gcra,
+            "request {} at +{} µs: the token bucket and GCRA disagree (left token_bucket, \
+             right gcra)",
+            i,
+            now - tl.start_us
+        );
+        let passed = d_tb
+            .iter()
+            .zip(&checks_tb)
+            .all(|(d, c)| d.allowed || c.shadow);
+        for (d, c) in d_tb.iter().zip(&checks_tb) {
+            check_wait(c.quota, d).map_err(|e| at("token_bucket", e.to_string()))?;
+            match (d.allowed, d.retry_after_us > 0) {
+                (true, false) => &tally.allowed,
+                (true, true) => &tally.waited,
+                (false, _) if c.quota.max_delay_us > 0 => &tally.denied_delay,
+                (false, _) => &tally.denied,
+            }
+            .fetch_add(1, Relaxed);
+            if c.shadow && !d.allowed && passed {
+                tally.shadow_no_passed.fetch_add(1, Relaxed);
+            }
+        }
+        for (&r, d) in req.rules.iter().zip(&d_tb) {
+            last.insert((req.identity, r), (now, *d));
+        }
+    }
+    tally.requests.fetch_add(tl.requests.len(), Relaxed);
+    Ok(())
+}
+
+#[test]
+fn token_bucket_and_gcra_agree_with_max_delay() {
+    let h = Harness::start();
+    let tally = TwinTally::default();
+    let started = Instant::now();
+    // Bucket rules with a max_delay 4 times in 5.
+    let rules = rule_spec(&[Algorithm::TokenBucket], 1);
+    proptest!(config(16), |(tl in timeline_of(rules, 3))| {
+        twins_case(&h, &tl, &tally)?;
+    });
+    let n = |c: &AtomicUsize| c.load(Relaxed);
+    eprintln!(
+        "token_bucket and gcra agreed on {} requests in {:?}: {} allowed at once, {} allowed \
+         with a wait, {} denied under a max_delay, {} denied without one; {} shadow denials \
+         in requests that passed",
+        n(&tally.requests),
+        started.elapsed(),
+        n(&tally.allowed),
+        n(&tally.waited),
+        n(&tally.denied_delay),
+        n(&tally.denied),
+        n(&tally.shadow_no_passed),
+    );
+    assert!(n(&tally.allowed) >= 100, "too few allowed at once");
+    assert!(n(&tally.waited) >= 50, "too few allowed with a wait");
+    assert!(
+        n(&tally.denied_delay) >= 50,
+        "too few denied under a max_delay"
+    );
+    assert!(n(&tally.shadow_no_passed) >= 10, "too few shadow denials");
 }
