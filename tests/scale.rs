@@ -674,3 +674,83 @@ async fn a_request_denied_by_one_rule_leaves_the_other_unchanged_cluster() {
     let cluster = RedisCluster::start();
     denied_by_one_rule_leaves_the_other_unchanged(Backend::Cluster(&cluster)).await;
 }
+
+// ---------------------------------------------------------------------------------------
+// Concurrency leases across slots: a request whose lease was taken on one identity's slot
+// and which a rule on another identity then denies gives its lease back (a cluster
+// refund), so a denied request never holds a slot.
+
+async fn a_denied_request_holds_no_lease(backend: Backend<'_>) {
+    backend.flush();
+    let upstream = Upstream::start().await;
+    let rules =
+        "[[rules]]\nname = \"conc\"\nkey = \"api_key\"\nmax_in_flight = 1\nlease_ttl = \"30s\"\n"
+            .to_string()
+            + &exact_rule("ip", "client_ip", "token_bucket", 1);
+    let gw = start_gateway(&format!("{}{rules}", backend.body(&upstream, "3s")));
+    let client = |n: u8| HttpClient::from_addr(Some(IpAddr::from([127, 0, 0, n])));
+    let send = |c: HttpClient, path: &str, k: &str| {
+        let (url, k) = (gw.url(path), k.to_string());
+        async move { c.get(&url, &[("x-api-key", k.as_str())]).await }
+    };
+
+    // 127.0.0.2 spends its one ip token; its lease on "k1" ends with the response.
+    assert_eq!(send(client(2), "/x", "k1").await.status, StatusCode::OK);
+    // Again from 127.0.0.2 with "k2": the lease on k2 is taken (conc comes first), then
+    // the ip rule denies, and the lease is given back.
+    let r = send(client(2), "/x", "k2").await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS, "{}", gw.logs());
+    assert_eq!(r.json()["violated-policies"], serde_json::json!(["ip"]));
+    let lease_key = api_redis_key("k2", "conc");
+    let mut conn = backend.conn_for(&lease_key);
+    let live: usize = redis::cmd("ZCARD")
+        .arg(&lease_key)
+        .query(&mut conn)
+        .expect("ZCARD");
+    assert_eq!(live, 0, "the denied request's lease on k2 was removed");
+
+    // So k2's one slot is free: a slow request from another address takes it...
+    let slow = tokio::spawn(send(client(3), "/slow/1500", "k2"));
+    let mut held = false;
+    for _ in 0..100 {
+        let n: usize = redis::cmd("ZCARD")
+            .arg(&lease_key)
+            .query(&mut conn)
+            .expect("ZCARD");
+        if n == 1 {
+            held = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(held, "the slow request holds k2's lease");
+    assert!(pttl(&mut conn, &lease_key) > 0, "the lease set has a TTL");
+    // ...and while it runs, k2 is at its limit, from any address.
+    let r = send(client(4), "/x", "k2").await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(r.json()["violated-policies"], serde_json::json!(["conc"]));
+    assert_eq!(r.header("retry-after"), Some("1"));
+    assert_eq!(
+        slow.await.expect("slow request").status,
+        StatusCode::OK,
+        "{}",
+        gw.logs()
+    );
+    // Released with the response.
+    let r = send(client(5), "/x", "k2").await;
+    assert_eq!(r.status, StatusCode::OK, "{}", gw.logs());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denied_request_holds_no_lease_redis() {
+    let _serial = SERIAL.lock().await;
+    let redis = RedisServer::start();
+    a_denied_request_holds_no_lease(Backend::Single(&redis)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_denied_request_holds_no_lease_cluster() {
+    let _serial = SERIAL.lock().await;
+    let cluster = RedisCluster::start();
+    a_denied_request_holds_no_lease(Backend::Cluster(&cluster)).await;
+}
