@@ -25,13 +25,25 @@ local function fail(key, why)
   return redis.error_reply('RATEWALL ' .. key .. ': ' .. tostring(why))
 end
 
+-- The key's type, as TYPE names it ('string', 'zset', 'none', ...).
+local function key_type(key)
+  local t = redis.call('TYPE', key)
+  return type(t) == 'table' and t.ok or t
+end
+
 local function concurrency(key, max, member)
   if mode == 'refund' then
-    local ok, err = pcall(redis.call, 'ZREM', key, member)
-    if not ok then return nil, type(err) == 'table' and err.err or err end
+    -- Best effort: a key that is no longer a lease set holds no lease to give back.
+    pcall(redis.call, 'ZREM', key, member)
   end
   local ok, count = pcall(redis.call, 'ZCOUNT', key, string.format('(%d', now), '+inf')
-  if not ok then return nil, type(count) == 'table' and count.err or count end
+  local replace = false
+  if not ok then
+    -- A rate rule's state (the rule became a concurrency limit on reload) counts as none.
+    local raw = key_type(key) == 'string' and redis.call('GET', key)
+    if not (raw and ours(raw)) then return nil, type(count) == 'table' and count.err or count end
+    count, replace = 0, true
+  end
   if count > max then count = max end
   local allowed = count < max
   local retry = 0
@@ -43,6 +55,7 @@ local function concurrency(key, max, member)
     charged = { max - after, 0, 0 },
     uncharged = { max - count, retry, 0 },
     lease = true,
+    replace = replace,
   }
 end
 
@@ -61,7 +74,12 @@ for i = 1, n do
     end
     local ok, raw = pcall(redis.call, 'GET', KEYS[i])
     if not ok then
-      return fail(KEYS[i], type(raw) == 'table' and raw.err or raw)
+      -- A concurrency rule's lease set (the rule became a rate limit on reload) counts as
+      -- none; SET replaces it. Anything else is not ours: an error.
+      if key_type(KEYS[i]) ~= 'zset' then
+        return fail(KEYS[i], type(raw) == 'table' and raw.err or raw)
+      end
+      raw = false
     end
     if not raw then raw = nil end
     if mode == 'refund' then
@@ -92,6 +110,7 @@ for i = 1, n do
       local a = 3 + STRIDE * (i - 1)
       local lease_us = tonumber(ARGV[a + 2])
       -- Scores are µs near 2^51: formatted whole, never in Lua's %.14g.
+      if r.replace then redis.call('DEL', KEYS[i]) end
       redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', string.format('%d', now))
       redis.call('ZADD', KEYS[i], string.format('%d', now + lease_us), ARGV[a + 3])
       local last = redis.call('ZRANGE', KEYS[i], -1, -1, 'WITHSCORES')

@@ -62,6 +62,8 @@ pub struct Server {
     pub listen: SocketAddr,
     pub admin_listen: Option<SocketAddr>,
     pub shutdown_grace: Duration,
+    /// Threads serving clients, each with its own event loop and upstream connections.
+    pub workers: usize,
 }
 
 /// The admin API's protection.
@@ -377,6 +379,27 @@ struct RawServer {
     admin_listen: Option<SocketAddr>,
     #[serde(default = "default_grace")]
     shutdown_grace: HumanDuration,
+    workers: Option<Workers>,
+}
+
+/// One worker per CPU the process may use.
+fn default_workers() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+}
+
+/// 1 to 1024 worker threads.
+struct Workers(usize);
+
+impl<'de> Deserialize<'de> for Workers {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = u64::deserialize(d)?;
+        if !(1..=1024).contains(&n) {
+            return Err(de::Error::custom(format!(
+                "workers = {n}: 1 to 1024 (default: one per CPU)"
+            )));
+        }
+        Ok(Workers(n as usize))
+    }
 }
 
 fn default_grace() -> HumanDuration {
@@ -642,6 +665,8 @@ struct RawPlanOverride {
 
 /// Requests wait at most this many per rule, per gateway, unless `max_waiting` says.
 const DEFAULT_MAX_WAITING: u32 = 1_000;
+/// The longest a request may be made to wait for its tokens.
+const MAX_DELAY: Duration = Duration::from_secs(300);
 /// How long a concurrency lease lives in a shared store without renewal, by default.
 const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
 
@@ -836,6 +861,24 @@ impl<'de> Deserialize<'de> for PathPrefix {
         if !s.starts_with('/') {
             return Err(de::Error::custom(format!("{s:?} must start with \"/\"")));
         }
+        if s.contains('*') {
+            return Err(de::Error::custom(format!(
+                "{s:?}: * is literal here; for a pattern use glob = {s:?}"
+            )));
+        }
+        if s.contains(['?', '#']) {
+            return Err(de::Error::custom(format!(
+                "{s:?}: rules match the path only, without ? or #"
+            )));
+        }
+        // Requests are matched by their normalised path: a path written otherwise would
+        // never match.
+        let normal = crate::rules::normalize_path(&s);
+        if normal != s.as_str() {
+            return Err(de::Error::custom(format!(
+                "{s:?} is matched against normalised paths; write it as {normal:?}"
+            )));
+        }
         Ok(PathPrefix(s))
     }
 }
@@ -977,7 +1020,7 @@ impl Config {
                 .replace(".$__serde_spanned_private_value", "")
             {
                 k if k == "." => "(top level)".to_string(),
-                k => k,
+                k => redact_key(k, "keys.plans."),
             };
             let inner = e.into_inner();
             invalid(inner.span(), key, inner.message().trim().to_string())
@@ -1097,6 +1140,7 @@ impl Config {
                 listen: raw.server.listen,
                 admin_listen: raw.server.admin_listen,
                 shutdown_grace: raw.server.shutdown_grace.0,
+                workers: raw.server.workers.map_or_else(default_workers, |w| w.0),
             },
             upstream: Upstream {
                 url: raw.upstream.url.uri,
@@ -1283,6 +1327,16 @@ fn validate_rule(
     let burst = r.burst.as_ref().map(|b| *b.get_ref());
     let cost = r.cost.as_ref().map_or(NonZeroU64::MIN, |c| *c.get_ref());
     let max_delay = r.max_delay.as_ref().map(|d| d.get_ref().0);
+    if let Some(d) = r.max_delay.as_ref().filter(|d| d.get_ref().0 > MAX_DELAY) {
+        return Err(no(
+            Some(d.span()),
+            "max_delay",
+            format!(
+                "max_delay is at most {}: a request held longer has usually been given up on",
+                humantime::format_duration(MAX_DELAY)
+            ),
+        ));
+    }
     // A rate limit's quota; a plan may change any of its numbers.
     let rate_quota = |algorithm: Algorithm, rate: Rate, burst, cost| {
         let q = Quota::new(algorithm, rate, burst, cost)?;
@@ -1379,6 +1433,13 @@ fn validate_rule(
                 "enforce_percent rolls out an enforcing rule; with mode = \"shadow\" nothing is enforced".into(),
             ))
         }
+        Some(p) if matches!(r.key, KeySpec::Global) && *p.get_ref() < 100 => {
+            return Err(no(
+                Some(p.span()),
+                "enforce_percent",
+                "key = \"global\" is one identity: enforce_percent would enforce for everyone or no one; use mode = \"shadow\" or count by api_key or client_ip".into(),
+            ))
+        }
         Some(p) => *p.get_ref(),
         None => 100,
     };
@@ -1459,10 +1520,12 @@ fn load_keys_file(path: &Path) -> Result<HashMap<[u8; 32], String>, ConfigError>
         )
     })?;
     let raw: RawKeysFile = serde_path_to_error::deserialize(de).map_err(|e| {
-        let key = e
-            .path()
-            .to_string()
-            .replace(".$__serde_spanned_private_value", "");
+        let key = redact_key(
+            e.path()
+                .to_string()
+                .replace(".$__serde_spanned_private_value", ""),
+            "plans.",
+        );
         let inner = e.into_inner();
         invalid(inner.span(), key, inner.message().trim().to_string())
     })?;
@@ -1482,6 +1545,15 @@ fn load_keys_file(path: &Path) -> Result<HashMap<[u8; 32], String>, ConfigError>
         out.insert(d, plan.0);
     }
     Ok(out)
+}
+
+/// An error's key path with the API key in it replaced: `keys.plans.<key>` (the line and
+/// column still point at it). API keys never reach messages or logs.
+fn redact_key(path: String, plans: &str) -> String {
+    match path.strip_prefix(plans) {
+        Some(rest) if !rest.is_empty() => format!("{plans}<key>"),
+        _ => path,
+    }
 }
 
 /// 1-based line and column of byte offset `at` in `text`.
@@ -1700,7 +1772,15 @@ url = "http://127.0.0.1:3000"
         // An error inside the keys file names the keys file.
         std::fs::write(dir.path().join("keys.toml"), "[plans]\n\"k\" = \"\"\n").unwrap();
         let e = Config::load(&path).unwrap_err().to_string();
-        assert!(e.contains("keys.toml:2:7: plans.k:"), "{e}");
+        assert!(e.contains("keys.toml:2:7: plans.<key>:"), "{e}");
+        // Nor is a key shown in the config's own errors.
+        let e = parse("[keys.plans]\n\"sk-live-SECRET\" = 5\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            !e.contains("SECRET") && e.contains("keys.plans.<key>"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -36,10 +36,11 @@ use crate::rules;
 pub type Body = Either<Upstream, Full<Bytes>>;
 
 /// The upstream's response body, streamed through, holding the request's concurrency slots
-/// until it ends: dropped when the last frame is written, or when the client goes away.
+/// until it ends: given back as the last frame is handed on (before the client can send
+/// its next request), or when the client goes away.
 pub struct Upstream {
     body: Incoming,
-    _leases: Option<Leases>,
+    leases: Option<Leases>,
 }
 
 impl hyper::body::Body for Upstream {
@@ -50,7 +51,17 @@ impl hyper::body::Body for Upstream {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
-        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+        let polled = std::pin::Pin::new(&mut self.body).poll_frame(cx);
+        let ended = match &polled {
+            std::task::Poll::Ready(None) | std::task::Poll::Ready(Some(Err(_))) => true,
+            std::task::Poll::Ready(Some(Ok(_))) => self.body.is_end_stream(),
+            std::task::Poll::Pending => false,
+        };
+        if ended {
+            // The response is complete: the request is no longer in flight.
+            self.leases = None;
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
@@ -84,7 +95,9 @@ impl Drop for WaitSlot<'_> {
 /// it to the end, so a reload never changes the rules under a request in flight.
 pub struct Live {
     pub config: Arc<Config>,
-    pub proxy: Arc<Proxy>,
+    /// One upstream pool per worker thread: a request's upstream connection is driven by
+    /// the thread that serves its client, so forwarding never wakes another thread.
+    pub proxies: Arc<[Proxy]>,
     pub limiter: Arc<Limiter>,
     /// Whether the deny cache may be used under this config (see [`Limiter::decide`]).
     pub cache_denials: bool,
@@ -128,9 +141,16 @@ impl Live {
                 )
             }
         };
-        let proxy = match old {
-            Some(o) if o.config.upstream == config.upstream => o.proxy.clone(),
-            _ => Arc::new(Proxy::new(&config.upstream)),
+        let proxies = match old {
+            Some(o)
+                if o.config.upstream == config.upstream
+                    && o.proxies.len() == config.server.workers.max(1) =>
+            {
+                o.proxies.clone()
+            }
+            _ => (0..config.server.workers.max(1))
+                .map(|_| Proxy::new(&config.upstream))
+                .collect(),
         };
         // In a cluster, rules on different identities mean refunds, and a refund can make
         // a remembered denial stale: cache only when every rule counts the same identity.
@@ -145,10 +165,29 @@ impl Live {
                 .collect(),
             waiting: config.rules.iter().map(|_| AtomicU32::new(0)).collect(),
             config: Arc::new(config),
-            proxy,
+            proxies,
             limiter,
             cache_denials,
         })
+    }
+}
+
+thread_local! {
+    /// Which worker this thread is (0 outside the workers).
+    static WORKER: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
+}
+
+/// Mark this thread as worker `n` (its requests use upstream pool `n`).
+pub fn set_worker(n: usize) {
+    WORKER.with(|w| w.set(n));
+}
+
+impl Live {
+    /// This worker thread's upstream pool.
+    pub fn proxy(&self) -> &Proxy {
+        let n = WORKER.with(std::cell::Cell::get);
+        // Never empty: built with at least one pool.
+        &self.proxies[n % self.proxies.len().max(1)]
     }
 }
 
@@ -243,9 +282,10 @@ impl Gateway {
         let old = self.live.load_full();
         if config.server.listen != old.config.server.listen
             || config.server.admin_listen != old.config.server.admin_listen
+            || config.server.workers != old.config.server.workers
         {
             tracing::warn!(
-                "listen addresses changed in the file; they take effect on restart only"
+                "listen addresses or workers changed in the file; they take effect on restart only"
             );
         }
         if config.store != old.config.store {
@@ -305,7 +345,9 @@ impl Gateway {
         peer: SocketAddr,
     ) -> (Response<Body>, Note<'a>) {
         let cfg = &*live.config;
-        if let Some(p) = framing_problem(req.headers()) {
+        if let Some(p) =
+            framing_problem(req.headers()).or_else(|| host_problem(req.uri(), req.headers()))
+        {
             tracing::debug!(peer = %peer, "ambiguous request framing refused");
             // Close the connection: after a request whose framing is in doubt, nothing
             // more on it can be trusted to start where a request starts.
@@ -354,18 +396,22 @@ impl Gateway {
         // Each rule's quota for this request; whether it enforces for this identity; and,
         // where it may delay, a place among the requests waiting on it (none left: this
         // request is decided without waiting).
-        let mut slots = Vec::new();
+        // A shadow check keeps its max_delay: it reserves exactly as enforcement would,
+        // but nobody waits on it.
+        let mut slots: Vec<Option<WaitSlot<'_>>> = Vec::with_capacity(applied_rules.len());
         let mut quotas: Vec<Quota> = Vec::with_capacity(applied_rules.len());
         let mut enforced: Vec<bool> = Vec::with_capacity(applied_rules.len());
         for ((rule, id), &i) in applied_rules.iter().zip(&identities).zip(&matched) {
             let mut q = *rule.quota_for(plan);
             let enforce = rule.enforces(id);
-            if q.max_delay_us > 0 {
-                match WaitSlot::take(&live.waiting[i], rule.max_waiting).filter(|_| enforce) {
-                    Some(slot) => slots.push(slot),
-                    None => q.max_delay_us = 0,
+            let mut slot = None;
+            if q.max_delay_us > 0 && enforce {
+                slot = WaitSlot::take(&live.waiting[i], rule.max_waiting);
+                if slot.is_none() {
+                    q.max_delay_us = 0;
                 }
             }
+            slots.push(slot);
             quotas.push(q);
             enforced.push(enforce);
         }
@@ -391,6 +437,9 @@ impl Gateway {
                 // Denied locally: only the denying rules are known (and shown).
                 Answer::Cached(d) => (d, false),
                 Answer::Failed(_) => {
+                    // A call that timed out may still have run: take back any lease it
+                    // could have written (a no-op where it did not).
+                    Leases::abandon(&live.limiter, &checks);
                     for &i in &matched {
                         live.counters[i].error.inc();
                     }
@@ -425,6 +474,10 @@ impl Gateway {
         let mut shadow_denied = None;
         for (k, (c, d)) in checks.iter().zip(&decisions).enumerate() {
             let Some(decision) = *d else { continue };
+            if decision.retry_after_us == 0 || !decision.allowed {
+                // Not waiting on this rule: its place in the queue is free again.
+                slots[k] = None;
+            }
             let counters = &live.counters[matched[k]];
             let a = Applied {
                 rule: c.rule,
@@ -432,7 +485,10 @@ impl Gateway {
                 decision,
             };
             if c.shadow {
-                if decision.allowed {
+                if decision.allowed && decision.retry_after_us > 0 {
+                    // Would have waited for its tokens, not been denied.
+                    counters.delayed.inc();
+                } else if decision.allowed {
                     counters.allowed.inc();
                 } else {
                     counters.shadow_denied.inc();
@@ -490,14 +546,14 @@ impl Gateway {
         let leases = Leases::taken(&live.limiter, local, &checks, |k| {
             decisions[k].is_some_and(|d| d.allowed)
         });
-        // The rule closest to denying speaks for the request.
+        // The enforcing rule closest to denying speaks for the request.
         let closest = (0..applied.len())
             .min_by_key(|&j| applied[j].decision.remaining)
-            .map_or(0, |j| index[j]);
+            .map(|j| index[j]);
         let mut note = Note {
-            rule: applied_rules.get(closest).map(|r| r.name.as_str()),
+            rule: closest.map(|k| applied_rules[k].name.as_str()),
             decision: "allowed",
-            identity: identities.get(closest).copied(),
+            identity: closest.map(|k| identities[k]),
             shadow_denied,
             ..Note::gateway("allowed")
         };
@@ -530,7 +586,7 @@ impl Gateway {
         mut note: Note<'a>,
     ) -> (Response<Body>, Note<'a>) {
         let started = Instant::now();
-        let result = live.proxy.forward(req, peer).await;
+        let result = live.proxy().forward(req, peer).await;
         self.metrics
             .upstream_duration
             .observe(started.elapsed().as_secs_f64());
@@ -544,12 +600,7 @@ impl Gateway {
             .inc();
         match result {
             Ok(resp) => {
-                let mut resp = resp.map(|body| {
-                    Either::Left(Upstream {
-                        body,
-                        _leases: leases,
-                    })
-                });
+                let mut resp = resp.map(|body| Either::Left(Upstream { body, leases }));
                 headers::add_ratelimit(resp.headers_mut(), live.config.response, applied);
                 headers::add_shadow(resp.headers_mut(), live.config.response, shadow);
                 note.upstream = true;
@@ -642,6 +693,24 @@ fn framing_problem(headers: &HeaderMap) -> Option<Problem> {
         ));
     }
     None
+}
+
+/// A request target with an authority (absolute form, or HTTP/2's `:authority`) and a
+/// `Host` that names another host: rules match one and the upstream would be told the
+/// other, so neither can be trusted (RFC 9112 §3.2.2: the two must agree).
+fn host_problem(uri: &http::Uri, headers: &HeaderMap) -> Option<Problem> {
+    let authority = uri.authority()?;
+    let host = headers.get(http::header::HOST)?;
+    if host
+        .as_bytes()
+        .eq_ignore_ascii_case(authority.as_str().as_bytes())
+    {
+        return None;
+    }
+    Some(Problem::new(
+        StatusCode::BAD_REQUEST,
+        "the Host header does not match the request target's authority",
+    ))
 }
 
 /// The identity digest of the request under each rule, in order.

@@ -87,7 +87,11 @@ fn main() -> ExitCode {
         return ExitCode::SUCCESS;
     }
 
+    // The control runtime: signals, reloads, the admin listener, upkeep and the store's
+    // connections. Clients are served by the workers' own event loops (server::run).
     let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .thread_name("ratewall-control")
         .enable_all()
         .build()
     {

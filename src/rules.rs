@@ -67,7 +67,12 @@ impl Glob {
     /// starts with this (so the index can find the glob by prefix).
     pub fn literal_prefix(&self) -> &str {
         let end = self.pattern.find('*').unwrap_or(self.pattern.len());
-        &self.pattern[..end]
+        // Without its last `/`: `/static/**` matches `/static` itself.
+        let lit = &self.pattern[..end];
+        match lit.strip_suffix('/') {
+            Some(l) if !l.is_empty() => l,
+            _ => lit,
+        }
     }
 }
 
@@ -191,11 +196,13 @@ pub fn request_host<'a>(uri: &'a http::Uri, headers: &'a http::HeaderMap) -> Opt
         None => headers.get(http::header::HOST)?.to_str().ok()?,
     };
     let raw = raw.rsplit_once('@').map_or(raw, |(_, h)| h);
-    Some(if raw.starts_with('[') {
+    let host = if raw.starts_with('[') {
         raw.find(']').map_or(raw, |end| &raw[..=end])
     } else {
         raw.split_once(':').map_or(raw, |(h, _)| h)
-    })
+    };
+    // `api.example.com.` is `api.example.com` (the absolute form of the same name).
+    Some(host.strip_suffix('.').unwrap_or(host))
 }
 
 /// The rules of a config, compiled for matching.
@@ -578,6 +585,10 @@ mod tests {
             Some("a.test")
         );
         assert_eq!(h("/x", None), None);
+        assert_eq!(
+            h("/x", Some("api.example.com.:80")).as_deref(),
+            Some("api.example.com")
+        );
     }
 
     fn config(rules: &str) -> crate::config::Config {
@@ -602,6 +613,7 @@ mod tests {
                 rule("export", "glob = \"/api/*/export\""),
                 rule("host", "host = [\"*.example.com\"]"),
                 rule("ap", "path_prefix = \"/ap\""),
+                rule("static", "glob = \"/static/**\""),
             ]
             .concat(),
         );
@@ -631,6 +643,9 @@ mod tests {
         );
         assert_eq!(names("GET", "/apx", Some("example.com")), ["all", "ap"]);
         assert_eq!(names("GET", "/", None), ["all"]);
+        assert_eq!(names("GET", "/static", None), ["all", "static"]);
+        assert_eq!(names("GET", "/static/a/b.css", None), ["all", "static"]);
+        assert_eq!(names("GET", "/staticx", None), ["all"]);
         assert!(cfg.index.uses_host);
     }
 

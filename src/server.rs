@@ -1,5 +1,11 @@
-//! Listeners: the gateway's accept loop, background upkeep, SIGHUP reload, and graceful
+//! Listeners: the gateway's accept loops, background upkeep, SIGHUP reload, and graceful
 //! shutdown on SIGTERM/SIGINT. The admin listener is [`crate::admin`].
+//!
+//! Thread per core: `[server].workers` threads (one per CPU by default) each run their
+//! own single-threaded event loop, accept on the one listening socket, and serve their
+//! connections start to end with their own upstream pool — a request never hops threads,
+//! so no cross-thread wake-ups on the hot path. The thread that calls [`run`] keeps the
+//! rest: signals, reloads, the admin listener, upkeep, and the store's connections.
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
@@ -41,7 +47,7 @@ pub async fn run(
     let live = Live::build(config, None, &metrics)?;
     live.limiter.warm().await;
     let config = live.config.clone();
-    let listener = bind(config.server.listen).await?;
+    let listener = bind_std(config.server.listen)?;
     let admin = match config.server.admin_listen {
         Some(addr) => Some(bind(addr).await?),
         None => None,
@@ -59,13 +65,61 @@ pub async fn run(
     let reloads = tokio::spawn(reload_on_sighup(gateway.clone()));
     let admin_task = admin.map(|l| tokio::spawn(crate::admin::serve(l, gateway.clone())));
 
-    serve(
-        listener,
-        gateway,
-        config.server.shutdown_grace,
-        shutdown_signal(),
-    )
-    .await;
+    // Each worker accepts on its own handle of the one socket, in its own event loop.
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let mut workers = Vec::new();
+    for n in 0..config.server.workers.max(1) {
+        let listener = listener.try_clone().map_err(|source| StartError::Bind {
+            addr: config.server.listen,
+            source,
+        })?;
+        let (gateway, grace, mut stopped) = (
+            gateway.clone(),
+            config.server.shutdown_grace,
+            stopped.clone(),
+        );
+        let (done, finished) = tokio::sync::oneshot::channel::<()>();
+        let thread = std::thread::Builder::new()
+            .name(format!("ratewall-worker-{n}"))
+            .spawn(move || {
+                crate::gateway::set_worker(n);
+                let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                    Ok(rt) => rt,
+                    Err(e) => {
+                        tracing::error!(error = %e, worker = n, "cannot start a worker's event loop");
+                        return;
+                    }
+                };
+                rt.block_on(async move {
+                    let listener = match TcpListener::from_std(listener) {
+                        Ok(l) => l,
+                        Err(e) => {
+                            tracing::error!(error = %e, worker = n, "cannot register the listener");
+                            return;
+                        }
+                    };
+                    let stop = async move {
+                        let _ = stopped.wait_for(|s| *s).await;
+                    };
+                    serve(listener, gateway, grace, stop).await;
+                });
+                let _ = done.send(());
+            })
+            .map_err(|source| StartError::Bind {
+                addr: config.server.listen,
+                source,
+            })?;
+        workers.push((thread, finished));
+    }
+    drop(listener);
+    shutdown_signal().await;
+    tracing::info!(grace = ?config.server.shutdown_grace, "shutting down: draining in-flight requests");
+    let _ = stop.send(true);
+    for (thread, finished) in workers {
+        // A worker that could not start has nothing to drain.
+        let _ = finished.await;
+        let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+    }
     upkeep.abort();
     reloads.abort();
     if let Some(t) = admin_task {
@@ -99,6 +153,16 @@ async fn reload_on_sighup(gateway: Arc<Gateway>) {
     }
     #[cfg(not(unix))]
     let _ = gateway;
+}
+
+/// The gateway's listening socket, shared by the workers (each registers a handle of it
+/// in its own event loop).
+fn bind_std(addr: SocketAddr) -> Result<std::net::TcpListener, StartError> {
+    let bound = std::net::TcpListener::bind(addr).and_then(|l| {
+        l.set_nonblocking(true)?;
+        Ok(l)
+    });
+    bound.map_err(|source| StartError::Bind { addr, source })
 }
 
 async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
@@ -152,7 +216,6 @@ pub async fn serve(
         }
     }
     drop(listener);
-    tracing::info!(grace = ?grace, "shutting down: draining in-flight requests");
     if tokio::time::timeout(grace, graceful.shutdown())
         .await
         .is_err()

@@ -1393,3 +1393,106 @@ async fn retry_jitter_spreads_retry_after_above_the_honest_wait_redis() {
     let redis = RedisServer::start();
     retry_jitter_spreads_retry_after_above_the_honest_wait(redis_store(&redis)).await;
 }
+
+// ---------------------------------------------------------------------------------------
+// Fixes from review: what a client sending one request at a time sees, and hosts.
+
+/// A client that waits for each answer before the next request, on one keep-alive
+/// connection, is never over `max_in_flight = 1`: its slot is back before it can ask again.
+async fn a_sequential_client_never_trips_its_own_concurrency_limit(store: Store) {
+    let upstream = Upstream::start().await;
+    let rule = "[[rules]]\nname = \"one\"\nkey = \"global\"\nmax_in_flight = 1\n";
+    let gw = Gateway::start(&format!(
+        "{}{rule}",
+        upstream_and_store(&upstream.url(), &store)
+    ));
+    let client = HttpClient::new();
+    let mut statuses = Vec::new();
+    for i in 0..200 {
+        // Bodies of a few sizes: empty, small, streamed.
+        let path = ["/", "/stream", "/x"][i % 3];
+        statuses.push(client.get(&gw.url(path), &[]).await.status);
+    }
+    let counts = tally(statuses);
+    assert_eq!(counts.get(&200), Some(&200), "{counts:?}\n{}", gw.logs());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequential_client_never_trips_its_own_concurrency_limit_memory() {
+    a_sequential_client_never_trips_its_own_concurrency_limit(Store::Memory).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_sequential_client_never_trips_its_own_concurrency_limit_redis() {
+    let redis = RedisServer::start();
+    a_sequential_client_never_trips_its_own_concurrency_limit(redis_store(&redis)).await;
+}
+
+/// Send raw HTTP/1.1 and read the status code of the answer.
+async fn raw_status(port: u16, request: &str) -> u16 {
+    let mut s = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .expect("connect to the gateway");
+    s.write_all(request.as_bytes()).await.expect("write");
+    let mut buf = vec![0u8; 4096];
+    let n = tokio::time::timeout(Duration::from_secs(5), s.read(&mut buf))
+        .await
+        .expect("an answer in time")
+        .expect("read");
+    let head = String::from_utf8_lossy(&buf[..n]);
+    head.split(' ')
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("not an HTTP answer: {head}"))
+}
+
+/// A host-scoped rule cannot be dodged: not by an absolute-form target naming another host
+/// than `Host` (refused with 400), not by a trailing dot; and `/static/**` covers `/static`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn host_scoped_and_glob_rules_cannot_be_dodged() {
+    let upstream = Upstream::start().await;
+    let rules = "[[rules]]\nname = \"search\"\nmatch = { path = \"/search\", host = \"api.example.com\" }\nkey = \"global\"\nrate = \"1/h\"\nburst = 1\n\
+                 [[rules]]\nname = \"static\"\nmatch = { glob = \"/static/**\" }\nkey = \"global\"\nrate = \"1/h\"\nburst = 1\n";
+    let gw = Gateway::start(&format!(
+        "{}{rules}",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let get = |target: &str, host: &str| {
+        format!("GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n")
+    };
+    assert_eq!(
+        raw_status(gw.port, &get("/search", "api.example.com")).await,
+        200
+    );
+    assert_eq!(
+        raw_status(gw.port, &get("/search", "api.example.com")).await,
+        429
+    );
+    assert_eq!(
+        raw_status(gw.port, &get("/search", "API.example.com.:8080")).await,
+        429,
+        "a trailing dot and a port are the same host"
+    );
+    assert_eq!(
+        raw_status(gw.port, &get("http://decoy.test/search", "api.example.com")).await,
+        400,
+        "the target's authority and Host disagree"
+    );
+    assert_eq!(
+        raw_status(
+            gw.port,
+            &get("http://api.example.com/search", "api.example.com")
+        )
+        .await,
+        429,
+        "absolute form naming the same host is the same request"
+    );
+    assert_eq!(raw_status(gw.port, &get("/static", "x")).await, 200);
+    assert_eq!(raw_status(gw.port, &get("/static/app.js", "x")).await, 429);
+    let seen = upstream.seen();
+    assert_eq!(
+        seen.len(),
+        2,
+        "only the two allowed requests reached the upstream"
+    );
+}

@@ -771,3 +771,46 @@ async fn reserved_tokens_outlive_a_shrunk_quota_with_honest_retries() {
 fn block_on<F: std::future::Future>(f: F) -> F::Output {
     tokio::task::block_in_place(|| tokio::runtime::Handle::current().block_on(f))
 }
+
+/// A rule that changes between a rate limit and a concurrency limit on reload keeps its
+/// Redis key name: the other kind's state counts as none, in Redis as in memory, instead
+/// of failing every request of the identity until the old key expires.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_rule_changing_kind_starts_afresh_in_both_stores() {
+    let server = RedisServer::start();
+    let redis = redis_store(&server, Duration::from_secs(2));
+    let clock = ManualClock::new(EPOCH_US);
+    let memory = MemoryStore::new(clock.clone());
+    let rate = quota("1/m", Some(2), 1);
+    let conc = Quota::concurrency(NonZeroU64::new(1).expect("1"), Duration::from_secs(30));
+    let id = digest_api_key(b"changing-kind");
+    let both = |q: &Quota, lease: u64| {
+        let check = [Check {
+            lease,
+            ..Check::new(&id, "flip", q)
+        }];
+        let m = memory.decide(&check);
+        let r = block_on(redis.decide(&check, Some(EPOCH_US))).expect("redis decides");
+        assert_eq!(m, r, "memory vs redis");
+        m[0]
+    };
+    assert!(both(&rate, 0).allowed);
+    // Now a concurrency limit: the rate state is none; one slot, then full.
+    let d = both(&conc, 1);
+    assert!(d.allowed && d.remaining == 0, "{d:?}");
+    assert!(!both(&conc, 2).allowed);
+    // Back to a rate limit: the lease set is none; the full burst again.
+    let d = both(&rate, 0);
+    assert!(d.allowed && d.remaining == 1, "{d:?}");
+    // Foreign data at a key is still an error, not silently replaced.
+    let mut conn = server.conn();
+    let key = redis.key(&Check::new(&id, "flip", &conc));
+    let _: () = redis::cmd("SET")
+        .arg(&key)
+        .arg("not ours")
+        .query(&mut conn)
+        .expect("SET");
+    let err = block_on(redis.decide(&[Check::new(&id, "flip", &conc)], Some(EPOCH_US)))
+        .expect_err("foreign data is an error");
+    assert!(err.is_data_error(), "{err}");
+}

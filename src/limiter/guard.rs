@@ -206,6 +206,17 @@ impl Limiter {
         }
     }
 
+    /// Give back a slot held in this process: the local fallback's (`local`), or the
+    /// memory store's. Synchronous: a mutex, no I/O.
+    pub fn release_in_process(&self, check: &Check<'_>, local: bool) {
+        match (&self.store, local) {
+            (_, true) => self.local.release(check),
+            (Store::Memory(m), false) => m.release(check),
+            // A shared store's leases are released with `release`.
+            _ => {}
+        }
+    }
+
     /// Renew a concurrency lease in the shared store; `false` once it is gone.
     pub async fn renew(&self, check: &Check<'_>) -> bool {
         match self.store.renew(check).await {

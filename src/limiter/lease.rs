@@ -48,17 +48,7 @@ impl Leases {
         checks: &[Check<'_>],
         allowed: impl Fn(usize) -> bool,
     ) -> Option<Leases> {
-        let held: Arc<[Held]> = checks
-            .iter()
-            .enumerate()
-            .filter(|(i, c)| c.quota.algorithm == super::Algorithm::Concurrency && allowed(*i))
-            .map(|(_, c)| Held {
-                identity: *c.identity,
-                rule: c.rule.to_string(),
-                quota: *c.quota,
-                lease: c.lease,
-            })
-            .collect();
+        let held = held(checks, allowed);
         if held.is_empty() {
             return None;
         }
@@ -71,10 +61,12 @@ impl Leases {
                     .min()
                     .unwrap_or(Duration::from_secs(1))
                     .max(Duration::from_millis(100));
-                loop {
+                // Renew each lease until it is found gone (an admin reset): then stop.
+                let mut live = vec![true; held.len()];
+                while live.iter().any(|l| *l) {
                     tokio::time::sleep(every).await;
-                    for h in held.iter() {
-                        limiter.renew(&h.check()).await;
+                    for (h, l) in held.iter().zip(live.iter_mut()).filter(|(_, l)| **l) {
+                        *l = limiter.renew(&h.check()).await;
                     }
                 }
             })
@@ -86,6 +78,39 @@ impl Leases {
             renewer,
         })
     }
+
+    /// A store call that failed (timed out) for `checks` may still have written their
+    /// leases: remove them, best effort (removing a lease that is not there is a no-op).
+    pub fn abandon(limiter: &Arc<Limiter>, checks: &[Check<'_>]) {
+        if !limiter.store().is_shared() {
+            return;
+        }
+        let held = held(checks, |_| true);
+        if !held.is_empty() {
+            // Dropped at once: released.
+            drop(Leases {
+                limiter: limiter.clone(),
+                local: false,
+                held,
+                renewer: None,
+            });
+        }
+    }
+}
+
+/// The concurrency checks among `checks` for which `taken(index)` holds.
+fn held(checks: &[Check<'_>], taken: impl Fn(usize) -> bool) -> Arc<[Held]> {
+    checks
+        .iter()
+        .enumerate()
+        .filter(|(i, c)| c.quota.algorithm == super::Algorithm::Concurrency && taken(*i))
+        .map(|(_, c)| Held {
+            identity: *c.identity,
+            rule: c.rule.to_string(),
+            quota: *c.quota,
+            lease: c.lease,
+        })
+        .collect()
 }
 
 impl Drop for Leases {
@@ -93,14 +118,22 @@ impl Drop for Leases {
         if let Some(r) = self.renewer.take() {
             r.abort();
         }
-        let (limiter, held, local) = (self.limiter.clone(), self.held.clone(), self.local);
+        // In process (memory store, or the on_error = "local" fallback): given back now,
+        // before the client can send its next request.
+        if self.local || !self.limiter.store().is_shared() {
+            for h in self.held.iter() {
+                self.limiter.release_in_process(&h.check(), self.local);
+            }
+            return;
+        }
+        let (limiter, held) = (self.limiter.clone(), self.held.clone());
         let release = async move {
             for h in held.iter() {
-                limiter.release(&h.check(), local).await;
+                limiter.release(&h.check(), false).await;
             }
         };
-        // Outside a runtime (a process shutting down) there is nothing to run it on: the
-        // memory store goes with the process, and shared leases expire by their TTL.
+        // Outside a runtime (a process shutting down) there is nothing to run it on:
+        // shared leases then expire by their TTL.
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(release);
         }

@@ -381,6 +381,21 @@ impl RedisClusterStore {
             let mode = if denied { Mode::Peek } else { Mode::Decide };
             let decisions = match self.s.call(&mut conn, &group, now_us, mode).await {
                 Ok(d) => d,
+                // Already denied: these are only looked at for the headers. Their node
+                // failing must not turn a denial into a store error (which `on_error =
+                // "allow"` would forward): show them as having nothing left.
+                Err(e) if denied => {
+                    tracing::debug!(error = %e, "peek after a denial failed");
+                    vec![
+                        Decision {
+                            allowed: true,
+                            remaining: 0,
+                            retry_after_us: 0,
+                            reset_us: 0,
+                        };
+                        group.len()
+                    ]
+                }
                 Err(e) => {
                     self.refund(&mut conn, checks, &charged, now_us, &mut out)
                         .await;
