@@ -1,5 +1,7 @@
 //! Measures what one tracked key costs, per algorithm: in the memory store (heap bytes,
-//! counted by a wrapping allocator) and, given a Redis URL, in Redis (`MEMORY USAGE`).
+//! counted by a wrapping allocator; also the worst over every size from 10,000 to 1,000,000
+//! keys, and what is left once a sweep has dropped them) and, given a Redis URL, in Redis
+//! (`MEMORY USAGE`).
 //!
 //!     cargo run --release --example measure_memory [-- redis://127.0.0.1:6379]
 //!
@@ -83,6 +85,30 @@ async fn main() {
         }
         println!("{row}");
     }
+
+    // Not only at three sizes: the bytes per key after every key from 10,000 to 1,000,000,
+    // whose worst is just after a resize. One algorithm: every state takes the same slot.
+    let q = quota(Algorithm::TokenBucket);
+    let clock = ManualClock::new(1);
+    let before = LIVE.load(Relaxed);
+    let store = MemoryStore::new(clock.clone());
+    let (mut worst, mut at) = (0.0, 0);
+    for (i, d) in digests.iter().enumerate() {
+        store.decide(&[Check::new(d, "api", &q)]);
+        let n = i + 1;
+        let per_key = (LIVE.load(Relaxed) - before) as f64 / n as f64;
+        if n >= 10_000 && per_key > worst {
+            (worst, at) = (per_key, n);
+        }
+    }
+    println!("worst from 10,000 to 1,000,000 keys: {worst:.1} bytes/key (at {at} keys)");
+    // Then every bucket refills and a sweep drops them all.
+    clock.advance(60_000_000);
+    assert_eq!(store.sweep(), 0);
+    println!(
+        "after a sweep that drops all 1,000,000: {} bytes held",
+        LIVE.load(Relaxed) - before
+    );
 
     let Some(url) = redis_url else {
         println!("\n(give a Redis URL to measure MEMORY USAGE per key in Redis)");
