@@ -19,7 +19,7 @@ use crate::config::{
 use crate::headers::{self, Applied, Problem};
 use crate::identity::{self, KeyError};
 use crate::limiter::guard::{Answer, Limiter};
-use crate::limiter::lease::Leases;
+use crate::limiter::lease::{Leases, Releasing};
 use crate::limiter::memory::MemoryStore;
 use crate::limiter::redis::{RedisClusterStore, RedisStore};
 use crate::limiter::{
@@ -41,6 +41,19 @@ pub type Body = Either<Upstream, Full<Bytes>>;
 pub struct Upstream {
     body: Incoming,
     leases: Option<Leases>,
+    /// The leases' release in a shared store, and the last frame held back until it is
+    /// done (`None` inside: the end of the body).
+    releasing: Option<(Releasing, Option<hyper::body::Frame<Bytes>>)>,
+}
+
+impl Upstream {
+    fn new(body: Incoming, leases: Option<Leases>) -> Upstream {
+        Upstream {
+            body,
+            leases,
+            releasing: None,
+        }
+    }
 }
 
 impl hyper::body::Body for Upstream {
@@ -51,21 +64,42 @@ impl hyper::body::Body for Upstream {
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
-        let polled = std::pin::Pin::new(&mut self.body).poll_frame(cx);
-        let ended = match &polled {
-            std::task::Poll::Ready(None) | std::task::Poll::Ready(Some(Err(_))) => true,
-            std::task::Poll::Ready(Some(Ok(_))) => self.body.is_end_stream(),
-            std::task::Poll::Pending => false,
-        };
-        if ended {
-            // The response is complete: the request is no longer in flight.
-            self.leases = None;
+        use std::task::Poll;
+        let this = &mut *self;
+        if this.releasing.is_none() {
+            let polled = std::pin::Pin::new(&mut this.body).poll_frame(cx);
+            let last = match polled {
+                Poll::Ready(Some(Ok(frame))) if this.body.is_end_stream() => Some(frame),
+                Poll::Ready(None) => None,
+                Poll::Ready(Some(Err(e))) => {
+                    this.leases = None;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                other => return other,
+            };
+            // The response is complete: the request is no longer in flight. Its slots
+            // are given back before the last bytes go out.
+            match this.leases.take().and_then(Leases::release) {
+                Some(release) => this.releasing = Some((release, last)),
+                None => return Poll::Ready(last.map(Ok)),
+            }
         }
-        polled
+        match &mut this.releasing {
+            Some((release, _)) => {
+                if release.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+            }
+            None => return Poll::Ready(None),
+        }
+        let last = this.releasing.take().and_then(|(_, last)| last);
+        Poll::Ready(last.map(Ok))
     }
 
     fn is_end_stream(&self) -> bool {
-        self.body.is_end_stream()
+        // Not while slots remain to give back: hyper then polls once more, and the
+        // release runs before the response is over (an empty body included).
+        self.leases.is_none() && self.releasing.is_none() && self.body.is_end_stream()
     }
 
     fn size_hint(&self) -> hyper::body::SizeHint {
@@ -122,10 +156,11 @@ impl Live {
                     Backend::Memory => {
                         Store::Memory(MemoryStore::new(Arc::new(MonotonicClock::new())))
                     }
-                    Backend::Redis { url } => Store::Redis(RedisStore::new(
+                    Backend::Redis { url } => Store::Redis(RedisStore::for_workers(
                         url,
                         &config.store.prefix,
                         config.store.timeout,
+                        config.server.workers,
                     )?),
                     Backend::RedisCluster { nodes } => Store::RedisCluster(Box::new(
                         RedisClusterStore::new(nodes, &config.store.prefix, config.store.timeout)?,
@@ -172,20 +207,10 @@ impl Live {
     }
 }
 
-thread_local! {
-    /// Which worker this thread is (0 outside the workers).
-    static WORKER: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
-}
-
-/// Mark this thread as worker `n` (its requests use upstream pool `n`).
-pub fn set_worker(n: usize) {
-    WORKER.with(|w| w.set(n));
-}
-
 impl Live {
-    /// This worker thread's upstream pool.
+    /// This worker thread's upstream pool (the first one off the workers).
     pub fn proxy(&self) -> &Proxy {
-        let n = WORKER.with(std::cell::Cell::get);
+        let n = crate::worker::current().unwrap_or(0);
         // Never empty: built with at least one pool.
         &self.proxies[n % self.proxies.len().max(1)]
     }
@@ -600,7 +625,7 @@ impl Gateway {
             .inc();
         match result {
             Ok(resp) => {
-                let mut resp = resp.map(|body| Either::Left(Upstream { body, leases }));
+                let mut resp = resp.map(|body| Either::Left(Upstream::new(body, leases)));
                 headers::add_ratelimit(resp.headers_mut(), live.config.response, applied);
                 headers::add_shadow(resp.headers_mut(), live.config.response, shadow);
                 note.upstream = true;

@@ -23,6 +23,7 @@
 //! - [`headers`]: decisions -> `RateLimit-*`, `Retry-After`, problem+json.
 //! - [`proxy`]: the pooled upstream client, hop-by-hop stripping, `X-Forwarded-*`.
 //! - [`config`]: the TOML file -> validated, immutable [`config::Config`].
+//! - [`worker`]: which worker thread runs the current request (per-thread pools).
 
 pub mod admin;
 pub mod config;
@@ -34,3 +35,4 @@ pub mod metrics;
 pub mod proxy;
 pub mod rules;
 pub mod server;
+pub mod worker;

@@ -82,7 +82,7 @@ pub async fn run(
         let thread = std::thread::Builder::new()
             .name(format!("ratewall-worker-{n}"))
             .spawn(move || {
-                crate::gateway::set_worker(n);
+                crate::worker::set(n);
                 let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
                     Ok(rt) => rt,
                     Err(e) => {

@@ -113,14 +113,48 @@ fn held(checks: &[Check<'_>], taken: impl Fn(usize) -> bool) -> Arc<[Held]> {
         .collect()
 }
 
+/// A release of leases in a shared store, under way.
+pub type Releasing = std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>;
+
+impl Leases {
+    /// Give the slots back now. In process this is done when it returns (`None`); in a
+    /// shared store, the returned future removes the leases: a response's last bytes wait
+    /// on it, so the client's next request cannot reach the store before the release.
+    pub fn release(mut self) -> Option<Releasing> {
+        if let Some(r) = self.renewer.take() {
+            r.abort();
+        }
+        if self.in_process() {
+            // Drop gives them back synchronously.
+            return None;
+        }
+        // Taken out, so that Drop has nothing left to release.
+        let held = std::mem::replace(&mut self.held, Arc::from(Vec::new()));
+        let limiter = self.limiter.clone();
+        Some(Box::pin(async move {
+            for h in held.iter() {
+                limiter.release(&h.check(), false).await;
+            }
+        }))
+    }
+
+    /// Whether the slots live in this process (the memory store, or the `on_error =
+    /// "local"` fallback).
+    fn in_process(&self) -> bool {
+        self.local || !self.limiter.store().is_shared()
+    }
+}
+
 impl Drop for Leases {
     fn drop(&mut self) {
         if let Some(r) = self.renewer.take() {
             r.abort();
         }
-        // In process (memory store, or the on_error = "local" fallback): given back now,
-        // before the client can send its next request.
-        if self.local || !self.limiter.store().is_shared() {
+        if self.held.is_empty() {
+            return;
+        }
+        // In process: given back now, before the client can send its next request.
+        if self.in_process() {
             for h in self.held.iter() {
                 self.limiter.release_in_process(&h.check(), self.local);
             }

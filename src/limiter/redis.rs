@@ -231,9 +231,11 @@ impl Scripted {
 
 // ---------------------------------------------------------------------------------------
 
-/// One Redis, over one multiplexed connection shared by every request.
+/// One Redis, over multiplexed connections: one per worker thread (so a request's Redis
+/// I/O runs on the thread that serves it), and one for everything else (start-up, admin).
 pub struct RedisStore {
     conn: ConnectionManager,
+    workers: Box<[ConnectionManager]>,
     s: Scripted,
 }
 
@@ -241,6 +243,17 @@ impl RedisStore {
     /// Set up the connection without waiting for it: a gateway starts while Redis is down
     /// and answers by `on_error` until Redis is reachable.
     pub fn new(url: &str, prefix: &str, timeout: Duration) -> Result<Self, StoreError> {
+        Self::for_workers(url, prefix, timeout, 0)
+    }
+
+    /// The same, with a connection of its own for each of `workers` worker threads, made
+    /// on the worker's first request (its I/O is then driven by that worker).
+    pub fn for_workers(
+        url: &str,
+        prefix: &str,
+        timeout: Duration,
+        workers: usize,
+    ) -> Result<Self, StoreError> {
         let client = redis::Client::open(url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout.max(Duration::from_millis(250))))
@@ -248,11 +261,23 @@ impl RedisStore {
             .set_number_of_retries(2)
             .set_min_delay(Duration::from_millis(10))
             .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_lazy_with_config(client, config)?;
+        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config.clone())?;
+        let workers = (0..workers)
+            .map(|_| ConnectionManager::new_lazy_with_config(client.clone(), config.clone()))
+            .collect::<Result<_, _>>()?;
         Ok(RedisStore {
             conn,
+            workers,
             s: Scripted::new(prefix, timeout),
         })
+    }
+
+    /// This thread's connection: its worker's own, or the shared one.
+    fn conn(&self) -> ConnectionManager {
+        match crate::worker::current().and_then(|n| self.workers.get(n)) {
+            Some(c) => c.clone(),
+            None => self.conn.clone(),
+        }
     }
 
     /// The Redis key of one identity under one rule: `<prefix>:{<identity-hash>}:<rule>`.
@@ -268,9 +293,22 @@ impl RedisStore {
         now_us: Option<u64>,
     ) -> Result<Vec<Decision>, StoreError> {
         let all: Vec<&Check<'_>> = checks.iter().collect();
-        self.s
-            .call(&mut self.conn.clone(), &all, now_us, Mode::Decide)
+        match self
+            .s
+            .call(&mut self.conn(), &all, now_us, Mode::Decide)
             .await
+        {
+            // This worker's connection had dropped (Redis restarted, say) while another's
+            // already reconnected: one more try on the connection the manager is
+            // re-establishing, so each worker does not fail one request of its own. If the
+            // lost call had run, the retry charges twice: stricter, never looser.
+            Err(e) if dropped(&e) => {
+                self.s
+                    .call(&mut self.conn(), &all, now_us, Mode::Decide)
+                    .await
+            }
+            other => other,
+        }
     }
 
     /// What `checks` would be told now, without charging or writing anything.
@@ -281,32 +319,36 @@ impl RedisStore {
     ) -> Result<Vec<Decision>, StoreError> {
         let all: Vec<&Check<'_>> = checks.iter().collect();
         self.s
-            .call(&mut self.conn.clone(), &all, now_us, Mode::Peek)
+            .call(&mut self.conn(), &all, now_us, Mode::Peek)
             .await
     }
 
     /// Forget one identity's state under one rule.
     pub async fn reset(&self, check: &Check<'_>) -> Result<(), StoreError> {
-        self.s.delete(&mut self.conn.clone(), check).await
+        self.s.delete(&mut self.conn(), check).await
     }
 
     pub async fn ping(&self) -> Result<(), StoreError> {
-        self.s.ping(&mut self.conn.clone()).await
+        match self.s.ping(&mut self.conn()).await {
+            // A connection left broken by a Redis restart: the next try reconnects.
+            Err(e) if dropped(&e) => self.s.ping(&mut self.conn()).await,
+            other => other,
+        }
     }
 
     /// Connect and load the scripts ahead of the first request.
     pub async fn warm(&self) -> Result<(), StoreError> {
-        self.s.warm(&mut self.conn.clone()).await
+        self.s.warm(&mut self.conn()).await
     }
 
     /// Remove a concurrency lease (its request ended).
     pub async fn release(&self, check: &Check<'_>) -> Result<(), StoreError> {
-        self.s.release(&mut self.conn.clone(), check).await
+        self.s.release(&mut self.conn(), check).await
     }
 
     /// Renew a concurrency lease; `false` if it was already gone.
     pub async fn renew(&self, check: &Check<'_>) -> Result<bool, StoreError> {
-        self.s.renew(&mut self.conn.clone(), check).await
+        self.s.renew(&mut self.conn(), check).await
     }
 
     /// The Redis member name of a check's lease (for tests and the admin API).
@@ -495,6 +537,18 @@ impl RedisClusterStore {
 
     pub async fn renew(&self, check: &Check<'_>) -> Result<bool, StoreError> {
         self.s.renew(&mut self.connection().await?, check).await
+    }
+}
+
+/// Whether a call failed because its connection had dropped (worth one more try on the
+/// connection being re-established), not because Redis refused or timed out.
+fn dropped(e: &StoreError) -> bool {
+    match e {
+        StoreError::Redis(r) => {
+            r.is_connection_dropped()
+                || (r.is_io_error() && !r.is_connection_refusal() && !r.is_timeout())
+        }
+        _ => false,
     }
 }
 
