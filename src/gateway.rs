@@ -25,10 +25,7 @@ use crate::limiter::redis::{RedisClusterStore, RedisStore};
 use crate::limiter::{
     Algorithm, Check, Decision, IdentityDigest, MonotonicClock, Quota, Store, StoreError,
 };
-use crate::metrics::{
-    status_class, ClassLabels, InFlight, Limited, Metrics, ReloadLabels, ReloadResult,
-    ResponseLabels, RuleCounters,
-};
+use crate::metrics::{status_class, InFlight, Metrics, ReloadLabels, ReloadResult, RuleCounters};
 use crate::proxy::{Proxy, ProxyError};
 use crate::rules;
 
@@ -337,14 +334,8 @@ impl Gateway {
         let line = logged.then(|| (req.method().clone(), req.uri().path().to_string()));
         let (resp, note) = self.serve(&live, req, peer).await;
         let status = resp.status().as_u16();
-        let source = if note.upstream { "upstream" } else { "gateway" };
         self.metrics
-            .responses
-            .get_or_create(&ResponseLabels {
-                class: status_class(status),
-                source,
-            })
-            .inc();
+            .count_response(status_class(status), note.upstream);
         if let Some((method, path)) = line {
             let id = note.identity.map(|d| d.hex()[..8].to_string());
             tracing::info!(
@@ -538,11 +529,12 @@ impl Gateway {
             .map(|j| index[j]);
         self.metrics.stats.record(denied.is_none());
         if let Some(i) = denied {
-            self.metrics.stats.limited(Limited {
-                id: identities[i].hex()[..8].to_string(),
-                hint: hint(cfg, applied_rules[i], req.headers(), peer.ip()),
-                rule: applied_rules[i].name.clone(),
-            });
+            let id = identities[i].short_hex();
+            self.metrics
+                .stats
+                .limited(id.as_str(), &applied_rules[i].name, || {
+                    hint(cfg, applied_rules[i], req.headers(), peer.ip())
+                });
             let note = Note {
                 rule: Some(applied_rules[i].name.as_str()),
                 decision: "denied",
@@ -619,10 +611,7 @@ impl Gateway {
             Ok(resp) => status_class(resp.status().as_u16()),
             Err(_) => "error",
         };
-        self.metrics
-            .upstream_responses
-            .get_or_create(&ClassLabels { class })
-            .inc();
+        self.metrics.count_upstream(class);
         match result {
             Ok(resp) => {
                 let mut resp = resp.map(|body| Either::Left(Upstream::new(body, leases)));

@@ -109,6 +109,16 @@ label_values! {
     ReloadResult { Ok => "ok", Rejected => "rejected" }
 }
 
+/// The classes [`status_class`] names, in order, and "error" (upstream failures).
+const CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "error"];
+
+fn class_index(class: &str) -> usize {
+    CLASSES
+        .iter()
+        .position(|c| *c == class)
+        .unwrap_or(CLASSES.len() - 1)
+}
+
 pub fn status_class(status: u16) -> &'static str {
     match status {
         100..=199 => "1xx",
@@ -133,6 +143,11 @@ pub struct Metrics {
     pub in_flight: Gauge,
     /// Requests waiting for reserved tokens (`max_delay`) now.
     pub waiting: Gauge,
+    /// `responses` and `upstream_responses` handles, resolved on first use: counting a
+    /// response then takes no lock and hashes no labels (a series still appears only once
+    /// it has been counted).
+    response_handles: [[std::sync::OnceLock<Counter>; 2]; 6],
+    upstream_handles: [std::sync::OnceLock<Counter>; 6],
     pub stats: Stats,
 }
 
@@ -214,6 +229,8 @@ impl Metrics {
             waiting.clone(),
         );
         Metrics {
+            response_handles: Default::default(),
+            upstream_handles: Default::default(),
             waiting,
             registry,
             requests,
@@ -228,6 +245,30 @@ impl Metrics {
             in_flight,
             stats: Stats::new(),
         }
+    }
+
+    /// Count one response to a client, of `class` (see [`status_class`]), answered by the
+    /// upstream or by the gateway.
+    pub fn count_response(&self, class: &'static str, upstream: bool) {
+        let source = if upstream { "upstream" } else { "gateway" };
+        self.response_handles[class_index(class)][usize::from(upstream)]
+            .get_or_init(|| {
+                self.responses
+                    .get_or_create(&ResponseLabels { class, source })
+                    .clone()
+            })
+            .inc();
+    }
+
+    /// Count one upstream answer of `class`, or "error".
+    pub fn count_upstream(&self, class: &'static str) {
+        self.upstream_handles[class_index(class)]
+            .get_or_init(|| {
+                self.upstream_responses
+                    .get_or_create(&ClassLabels { class })
+                    .clone()
+            })
+            .inc();
     }
 
     /// The OpenMetrics text of every metric.
@@ -390,8 +431,10 @@ impl Stats {
         }
     }
 
-    /// Count one denial of `who`.
-    pub fn limited(&self, who: Limited) {
+    /// Count one denial of the identity shown as `id` under `rule`. `hint` is only made
+    /// when the identity is new to the current minute's heavy hitters: a key hammering
+    /// past its limit costs no allocation per denial.
+    pub fn limited(&self, id: &str, rule: &str, hint: impl FnOnce() -> String) {
         let minute = self.now_unix() / 60;
         let mut top = self.top.lock().unwrap_or_else(|p| p.into_inner());
         if top.back().is_none_or(|(m, _)| *m != minute) {
@@ -401,7 +444,7 @@ impl Stats {
             }
         }
         if let Some((_, s)) = top.back_mut() {
-            s.add(who);
+            s.add(id, rule, hint);
         }
     }
 
@@ -451,11 +494,20 @@ struct SpaceSaving {
 }
 
 impl SpaceSaving {
-    fn add(&mut self, who: Limited) {
-        if let Some(e) = self.entries.iter_mut().find(|e| e.who == who) {
+    fn add(&mut self, id: &str, rule: &str, hint: impl FnOnce() -> String) {
+        if let Some(e) = self
+            .entries
+            .iter_mut()
+            .find(|e| e.who.id == id && e.who.rule == rule)
+        {
             e.denied += 1;
             return;
         }
+        let who = Limited {
+            id: id.to_string(),
+            hint: hint(),
+            rule: rule.to_string(),
+        };
         if self.entries.len() < TOP_K {
             self.entries.push(TopEntry {
                 who,
@@ -479,6 +531,10 @@ impl SpaceSaving {
 mod tests {
     use super::*;
 
+    fn add(s: &mut SpaceSaving, w: Limited) {
+        s.add(&w.id, &w.rule, || w.hint.clone());
+    }
+
     fn who(i: u32) -> Limited {
         Limited {
             id: format!("{i:08x}"),
@@ -493,9 +549,9 @@ mod tests {
         // Three heavy identities among a flood of one-off ones.
         for round in 0..1_000u32 {
             for heavy in 0..3 {
-                s.add(who(heavy));
+                add(&mut s, who(heavy));
             }
-            s.add(who(1_000 + round));
+            add(&mut s, who(1_000 + round));
         }
         assert_eq!(s.entries.len(), TOP_K);
         let mut top: Vec<&TopEntry> = s.entries.iter().collect();
@@ -518,7 +574,8 @@ mod tests {
         }
         for _ in 0..3 {
             st.record(false);
-            st.limited(who(9));
+            let w = who(9);
+            st.limited(&w.id, &w.rule, || w.hint.clone());
         }
         let h = st.history(60);
         assert_eq!(h.iter().map(|s| s.allowed).sum::<u64>(), 7);

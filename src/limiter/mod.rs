@@ -420,6 +420,16 @@ impl<'a> Check<'a> {
 pub struct IdentityDigest(pub [u8; 16]);
 
 impl IdentityDigest {
+    /// The first 8 hex digits, as logs and the status page show an identity; no allocation.
+    pub fn short_hex(&self) -> ShortHex {
+        let mut s = [0u8; 8];
+        for (i, b) in self.0[..4].iter().enumerate() {
+            s[2 * i] = b"0123456789abcdef"[usize::from(b >> 4)];
+            s[2 * i + 1] = b"0123456789abcdef"[usize::from(b & 0xf)];
+        }
+        ShortHex(s)
+    }
+
     pub fn hex(&self) -> String {
         let mut s = String::with_capacity(32);
         for b in self.0 {
@@ -427,6 +437,17 @@ impl IdentityDigest {
             s.push(char::from_digit((b & 0xf) as u32, 16).unwrap_or('0'));
         }
         s
+    }
+}
+
+/// 8 lowercase hex digits of an identity digest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShortHex([u8; 8]);
+
+impl ShortHex {
+    pub fn as_str(&self) -> &str {
+        // Hex digits are ASCII.
+        std::str::from_utf8(&self.0).unwrap_or("????????")
     }
 }
 
@@ -688,6 +709,11 @@ pub(crate) mod tests {
     fn digest_hex_is_32_lowercase_chars() {
         let d = IdentityDigest([0xab; 16]);
         assert_eq!(d.hex(), "ab".repeat(16));
+        let mut b = [0u8; 16];
+        b[..4].copy_from_slice(&[0x01, 0x9f, 0xe0, 0x7c]);
+        let d = IdentityDigest(b);
+        assert_eq!(d.short_hex().as_str(), &d.hex()[..8]);
+        assert_eq!(d.short_hex().as_str(), "019fe07c");
     }
 }
 
