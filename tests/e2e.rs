@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{
-    exact_rule, tally, upstream_and_store, Gateway, HttpClient, RedisServer, Store, Upstream,
-    ALGORITHMS,
+    exact_rule, int, sf_list, tally, upstream_and_store, Gateway, HttpClient, RedisServer, Store,
+    Upstream, ALGORITHMS,
 };
 use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -153,31 +153,6 @@ async fn forwarding_header_is_believed_only_from_trusted_peers() {
         first["x-forwarded-for"], "1.1.1.1, 127.0.0.2",
         "the peer is appended"
     );
-}
-
-fn sf_list(value: &str) -> Vec<(String, sfv::Parameters)> {
-    let list = sfv::Parser::parse_list(value.as_bytes())
-        .unwrap_or_else(|e| panic!("{value:?} is not a Structured Field list: {e}"));
-    list.into_iter()
-        .map(|entry| match entry {
-            sfv::ListEntry::Item(item) => {
-                let name = item
-                    .bare_item
-                    .as_str()
-                    .unwrap_or_else(|| panic!("item of {value:?} is not a string"))
-                    .to_string();
-                (name, item.params)
-            }
-            sfv::ListEntry::InnerList(_) => panic!("{value:?} has an inner list"),
-        })
-        .collect()
-}
-
-fn int(params: &sfv::Parameters, key: &str) -> i64 {
-    params
-        .get(key)
-        .and_then(|v| v.as_int())
-        .unwrap_or_else(|| panic!("no integer {key} in {params:?}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

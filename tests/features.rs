@@ -13,7 +13,10 @@ use std::path::Path;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{tally, upstream_and_store, Gateway, HttpClient, RedisServer, Reply, Store, Upstream};
+use common::{
+    int, sf_list, tally, upstream_and_store, Gateway, HttpClient, RedisServer, Reply, Store,
+    Upstream,
+};
 use http::StatusCode;
 use sha2::Digest;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -65,31 +68,6 @@ fn reload(gw: &Gateway, nth: usize) {
         gw.wait_for_log("config reloaded", nth, Duration::from_secs(15))
     });
     assert!(ok, "reload #{nth} was not logged:\n{}", gw.logs());
-}
-
-fn sf_list(value: &str) -> Vec<(String, sfv::Parameters)> {
-    let list = sfv::Parser::parse_list(value.as_bytes())
-        .unwrap_or_else(|e| panic!("{value:?} is not a Structured Field list: {e}"));
-    list.into_iter()
-        .map(|entry| match entry {
-            sfv::ListEntry::Item(item) => {
-                let name = item
-                    .bare_item
-                    .as_str()
-                    .unwrap_or_else(|| panic!("item of {value:?} is not a string"))
-                    .to_string();
-                (name, item.params)
-            }
-            sfv::ListEntry::InnerList(_) => panic!("{value:?} has an inner list"),
-        })
-        .collect()
-}
-
-fn int(params: &sfv::Parameters, key: &str) -> i64 {
-    params
-        .get(key)
-        .and_then(|v| v.as_int())
-        .unwrap_or_else(|| panic!("no integer {key} in {params:?}"))
 }
 
 /// The rule names in a Structured Field list header, in order; empty when it is absent.

@@ -757,3 +757,33 @@ impl Drop for RedisCluster {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------
+
+/// A Structured Field list header (RFC 9651) of string items: each item's name and
+/// parameters, in order. Panics (failing the test) on anything else.
+pub fn sf_list(value: &str) -> Vec<(String, sfv::Parameters)> {
+    let list = sfv::Parser::parse_list(value.as_bytes())
+        .unwrap_or_else(|e| panic!("{value:?} is not a Structured Field list: {e}"));
+    list.into_iter()
+        .map(|entry| match entry {
+            sfv::ListEntry::Item(item) => {
+                let name = item
+                    .bare_item
+                    .as_str()
+                    .unwrap_or_else(|| panic!("item of {value:?} is not a string"))
+                    .to_string();
+                (name, item.params)
+            }
+            sfv::ListEntry::InnerList(_) => panic!("{value:?} has an inner list"),
+        })
+        .collect()
+}
+
+/// An integer parameter of an item.
+pub fn int(params: &sfv::Parameters, key: &str) -> i64 {
+    params
+        .get(key)
+        .and_then(|v| v.as_int())
+        .unwrap_or_else(|| panic!("no integer {key} in {params:?}"))
+}
