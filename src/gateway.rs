@@ -411,9 +411,8 @@ impl Gateway {
         };
         // Each rule's quota for this request; whether it enforces for this identity; and,
         // where it may delay, a place among the requests waiting on it (none left: this
-        // request is decided without waiting).
-        // A shadow check keeps its max_delay: it reserves exactly as enforcement would,
-        // but nobody waits on it.
+        // request is decided without waiting). A shadow check keeps its max_delay: it
+        // reserves exactly as enforcement would, but nobody waits on it.
         let mut slots: Vec<Option<WaitSlot<'_>>> = Vec::with_capacity(applied_rules.len());
         let mut quotas: Vec<Quota> = Vec::with_capacity(applied_rules.len());
         let mut enforced: Vec<bool> = Vec::with_capacity(applied_rules.len());
