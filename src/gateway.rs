@@ -18,7 +18,7 @@ use crate::config::{
 };
 use crate::headers::{self, Applied, Problem};
 use crate::identity::{self, KeyError};
-use crate::limiter::guard::{Answer, Limiter};
+use crate::limiter::guard::{Answer, Limiter, Now};
 use crate::limiter::lease::{Leases, Releasing};
 use crate::limiter::memory::MemoryStore;
 use crate::limiter::redis::{RedisClusterStore, RedisStore};
@@ -445,40 +445,50 @@ impl Gateway {
             })
             .collect();
 
-        let (decisions, local): (Vec<Option<Decision>>, bool) =
-            match live.limiter.decide(&checks, live.cache_denials).await {
-                Answer::Store(d) => (d.into_iter().map(Some).collect(), false),
-                Answer::Local(d) => (d.into_iter().map(Some).collect(), true),
-                // Denied locally: only the denying rules are known (and shown).
-                Answer::Cached(d) => (d, false),
-                Answer::Failed(_) => {
-                    // A call that timed out may still have run: take back any lease it
-                    // could have written (a no-op where it did not).
-                    Leases::abandon(&live.limiter, &checks);
-                    for &i in &matched {
-                        live.counters[i].error.inc();
-                    }
-                    let note = Note {
-                        rule: applied_rules.first().map(|r| r.name.as_str()),
-                        decision: "store_error",
-                        identity: identities.first().copied(),
-                        ..Note::gateway("store_error")
-                    };
-                    return match cfg.store.on_error {
-                        OnError::Allow => {
-                            self.forward(live, req, peer.ip(), &[], &[], None, note)
-                                .await
-                        }
-                        OnError::Deny | OnError::Local => {
-                            let p = Problem::new(
-                                StatusCode::SERVICE_UNAVAILABLE,
-                                "the rate-limit store is unavailable",
-                            );
-                            (problem(p.with_retry_after(1), cfg, &[]), note)
-                        }
-                    };
+        let answer = match live.limiter.decide_now(&checks, live.cache_denials) {
+            Now::Answered(answer) => answer,
+            // Boxed: the shared store's call is the one large future on this path.
+            Now::Ask { sent_us, started } => {
+                Box::pin(
+                    live.limiter
+                        .ask(&checks, live.cache_denials, sent_us, started),
+                )
+                .await
+            }
+        };
+        let (decisions, local): (Vec<Option<Decision>>, bool) = match answer {
+            Answer::Store(d) => (d.into_iter().map(Some).collect(), false),
+            Answer::Local(d) => (d.into_iter().map(Some).collect(), true),
+            // Denied locally: only the denying rules are known (and shown).
+            Answer::Cached(d) => (d, false),
+            Answer::Failed(_) => {
+                // A call that timed out may still have run: take back any lease it
+                // could have written (a no-op where it did not).
+                Leases::abandon(&live.limiter, &checks);
+                for &i in &matched {
+                    live.counters[i].error.inc();
                 }
-            };
+                let note = Note {
+                    rule: applied_rules.first().map(|r| r.name.as_str()),
+                    decision: "store_error",
+                    identity: identities.first().copied(),
+                    ..Note::gateway("store_error")
+                };
+                return match cfg.store.on_error {
+                    OnError::Allow => {
+                        self.forward(live, req, peer.ip(), &[], &[], None, note)
+                            .await
+                    }
+                    OnError::Deny | OnError::Local => {
+                        let p = Problem::new(
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "the rate-limit store is unavailable",
+                        );
+                        (problem(p.with_retry_after(1), cfg, &[]), note)
+                    }
+                };
+            }
+        };
 
         // The rules with a decision, as the headers show them: the enforcing ones, and
         // apart, the ones only watching. `index[j]` is the position of `applied[j]` among

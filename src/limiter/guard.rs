@@ -34,6 +34,16 @@ pub enum Health {
     Open,
 }
 
+/// What [`Limiter::decide_now`] could do without waiting.
+pub enum Now {
+    Answered(Answer),
+    /// The shared store must be asked ([`Limiter::ask`]).
+    Ask {
+        sent_us: u64,
+        started: Instant,
+    },
+}
+
 /// How a request's limits were decided.
 #[derive(Debug)]
 pub enum Answer {
@@ -66,6 +76,8 @@ pub struct Limiter {
     denials: Option<DenyCache>,
     /// The last lease number handed out.
     leases: AtomicU64,
+    /// `ratewall_store_duration_seconds` of this store, looked up once.
+    store_seconds: prometheus_client::metrics::histogram::Histogram,
 }
 
 /// Denials remembered at most; past it, new denials go to the store.
@@ -83,7 +95,17 @@ impl Limiter {
             Store::Memory(_) => None,
             Store::Redis(_) | Store::RedisCluster(_) => Some(DenyCache::new(DENY_CACHE_ENTRIES)),
         };
+        let backend = match store {
+            Store::Memory(_) => "memory",
+            Store::Redis(_) => "redis",
+            Store::RedisCluster(_) => "redis_cluster",
+        };
+        let store_seconds = metrics
+            .store_duration
+            .get_or_create(&StoreLabels { backend })
+            .clone();
         Arc::new(Limiter {
+            store_seconds,
             denials,
             store,
             on_error,
@@ -124,35 +146,70 @@ impl Limiter {
     /// with one Redis (a request is one atomic call); in a cluster, only when every rule
     /// counts the same identity (no request spans slots, so there are no refunds).
     pub async fn decide(self: &Arc<Self>, checks: &[Check<'_>], cache_denials: bool) -> Answer {
+        match self.decide_now(checks, cache_denials) {
+            Now::Answered(answer) => answer,
+            Now::Ask { sent_us, started } => {
+                let result = self.store.decide(checks).await;
+                self.settle(checks, cache_denials, result, sent_us, started)
+            }
+        }
+    }
+
+    /// [`Limiter::decide`] as far as it goes without waiting: the whole answer from the
+    /// memory store, the deny cache or an open breaker; else what the store call needs.
+    /// (The request path awaits the shared store's call only when there is one: no
+    /// future of its size for the memory store to carry.)
+    pub fn decide_now(self: &Arc<Self>, checks: &[Check<'_>], cache_denials: bool) -> Now {
         // A known denial stands whatever the store is doing: it is still true.
         let sent_us = self.now_us();
         let denials = self.denials.as_ref().filter(|_| cache_denials);
         if let Some(hit) = denials.and_then(|c| c.lookup(checks, sent_us)) {
             self.metrics.deny_cache_hits.inc();
-            return Answer::Cached(hit);
+            return Now::Answered(Answer::Cached(hit));
         }
         if self.open.load(Relaxed) {
             self.count_error(&StoreError::CircuitOpen);
-            return self.fallback(checks, StoreError::CircuitOpen);
+            return Now::Answered(self.fallback(checks, StoreError::CircuitOpen));
         }
         let started = Instant::now();
+        match &self.store {
+            Store::Memory(m) => {
+                let result = Ok(m.decide(checks));
+                Now::Answered(self.settle(checks, cache_denials, result, sent_us, started))
+            }
+            Store::Redis(_) | Store::RedisCluster(_) => Now::Ask { sent_us, started },
+        }
+    }
+
+    /// The shared store answered (`started`: when it was asked) the call `decide_now`
+    /// left to do (asked when the deny cache's clock read `sent_us`).
+    pub async fn ask(
+        self: &Arc<Self>,
+        checks: &[Check<'_>],
+        cache_denials: bool,
+        sent_us: u64,
+        started: Instant,
+    ) -> Answer {
         let result = self.store.decide(checks).await;
-        let backend = match self.store {
-            Store::Memory(_) => "memory",
-            Store::Redis(_) => "redis",
-            Store::RedisCluster(_) => "redis_cluster",
-        };
-        self.metrics
-            .store_duration
-            .get_or_create(&StoreLabels { backend })
-            .observe(started.elapsed().as_secs_f64());
+        self.settle(checks, cache_denials, result, sent_us, started)
+    }
+
+    fn settle(
+        self: &Arc<Self>,
+        checks: &[Check<'_>],
+        cache_denials: bool,
+        result: Result<Vec<Decision>, StoreError>,
+        sent_us: u64,
+        started: Instant,
+    ) -> Answer {
+        self.store_seconds.observe(started.elapsed().as_secs_f64());
         if let Err(e) = &result {
             self.count_error(e);
         }
         match result {
             Ok(d) => {
                 self.succeeded();
-                if let Some(cache) = denials {
+                if let Some(cache) = self.denials.as_ref().filter(|_| cache_denials) {
                     cache.remember(checks, &d, sent_us);
                 }
                 Answer::Store(d)
