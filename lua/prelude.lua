@@ -10,7 +10,8 @@
 -- ARGV[2]  "" to decide, "peek" to only look (write nothing), "refund" to give back what a
 --          decision took (a Redis Cluster request denied by a rule on another identity)
 -- ARGV[3 + 7(i-1) ..] for KEYS[i]: algorithm code, five parameters (see each file), then
---          flags: 1 = shadow (decided and counted, never denies the request)
+--          flags: 1 = shadow (decided and counted, never denies the request); 2 = this key
+--          starts another request of a batch (decide mode only; see decide.lua)
 -- Returns 4 integers per key: allowed (1/0), remaining, retry-after µs (for an allowed
 -- request: how long it waits for reserved tokens), reset µs.
 --

@@ -451,7 +451,7 @@ impl ShortHex {
     }
 }
 
-#[derive(Debug, thiserror::Error)]
+#[derive(Debug, Clone, thiserror::Error)]
 pub enum StoreError {
     #[error("store timed out after {0:?}")]
     Timeout(std::time::Duration),
@@ -459,6 +459,9 @@ pub enum StoreError {
     Redis(#[from] ::redis::RedisError),
     #[error("store answered unexpectedly: {0}")]
     Protocol(String),
+    /// One key's state could not be used (a request of a batch; `lua/decide.lua`).
+    #[error("redis: {0}")]
+    Data(String),
     #[error("circuit breaker open: the store is not tried")]
     CircuitOpen,
 }
@@ -470,6 +473,7 @@ impl StoreError {
     pub fn is_data_error(&self) -> bool {
         match self {
             StoreError::Redis(e) => matches!(e.code(), Some("RATEWALL" | "WRONGTYPE")),
+            StoreError::Data(_) => true,
             _ => false,
         }
     }

@@ -12,9 +12,12 @@
 
 use std::time::Duration;
 
+use std::sync::{Arc, Mutex, PoisonError};
+
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
+use tokio::sync::oneshot;
 
 use super::{Algorithm, Check, Decision, StoreError};
 
@@ -48,6 +51,32 @@ struct Scripted {
     timeout: Duration,
     /// Tells this process's leases from other gateways' in a shared lease set.
     instance: u64,
+}
+
+/// One check as the script's arguments (see `lua/prelude.lua`).
+struct Encoded {
+    key: String,
+    code: u8,
+    params: [u64; 5],
+    /// A concurrency check's lease, in place of the third parameter.
+    member: Option<String>,
+    shadow: bool,
+}
+
+impl Encoded {
+    /// Add this key and its 7 arguments; `starts` marks the first key of a batch's
+    /// second and later requests (flag 2).
+    fn push(&self, inv: &mut redis::ScriptInvocation<'_>, starts: bool) {
+        let [p1, p2, p3, p4, p5] = self.params;
+        inv.key(&self.key).arg(self.code).arg(p1).arg(p2);
+        match &self.member {
+            Some(m) => inv.arg(m),
+            None => inv.arg(p3),
+        };
+        inv.arg(p4)
+            .arg(p5)
+            .arg(u8::from(self.shadow) | if starts { 2 } else { 0 });
+    }
 }
 
 impl Scripted {
@@ -134,11 +163,43 @@ impl Scripted {
         )
     }
 
+    /// One check as the script takes it: its key and its arguments.
+    fn encode(&self, c: &Check<'_>) -> Encoded {
+        let q = c.quota;
+        let (params, member) = match q.algorithm {
+            Algorithm::TokenBucket | Algorithm::Gcra => {
+                ([q.unit, q.per_us, q.capacity(), q.need(), q.slack()], None)
+            }
+            Algorithm::FixedWindow | Algorithm::SlidingWindow => {
+                ([q.period_us(), q.rate.count, q.cost, 0, 0], None)
+            }
+            Algorithm::Concurrency => ([q.burst, q.lease_us, 0, 0, 0], Some(self.member(c))),
+        };
+        Encoded {
+            key: self.key(c),
+            code: q.algorithm.code(),
+            params,
+            member,
+            shadow: c.shadow,
+        }
+    }
+
     /// One script call for `checks` (all on one slot, in a cluster).
     async fn call<C: ConnectionLike>(
         &self,
         conn: &mut C,
         checks: &[&Check<'_>],
+        now_us: Option<u64>,
+        mode: Mode,
+    ) -> Result<Vec<Decision>, StoreError> {
+        let encoded: Vec<Encoded> = checks.iter().map(|c| self.encode(c)).collect();
+        self.call_encoded(conn, &encoded, now_us, mode).await
+    }
+
+    async fn call_encoded<C: ConnectionLike>(
+        &self,
+        conn: &mut C,
+        checks: &[Encoded],
         now_us: Option<u64>,
         mode: Mode,
     ) -> Result<Vec<Decision>, StoreError> {
@@ -153,29 +214,7 @@ impl Scripted {
             Mode::Refund => "refund",
         });
         for c in checks {
-            let q = c.quota;
-            inv.key(self.key(c)).arg(q.algorithm.code());
-            match q.algorithm {
-                Algorithm::TokenBucket | Algorithm::Gcra => inv
-                    .arg(q.unit)
-                    .arg(q.per_us)
-                    .arg(q.capacity())
-                    .arg(q.need())
-                    .arg(q.slack()),
-                Algorithm::FixedWindow | Algorithm::SlidingWindow => inv
-                    .arg(q.period_us())
-                    .arg(q.rate.count)
-                    .arg(q.cost)
-                    .arg(0)
-                    .arg(0),
-                Algorithm::Concurrency => inv
-                    .arg(q.burst)
-                    .arg(q.lease_us)
-                    .arg(self.member(c))
-                    .arg(0)
-                    .arg(0),
-            };
-            inv.arg(u8::from(c.shadow));
+            c.push(&mut inv, false);
         }
         let reply: Vec<i64> = tokio::time::timeout(self.timeout, inv.invoke_async(conn))
             .await
@@ -201,6 +240,64 @@ impl Scripted {
                 })
             })
             .collect()
+    }
+
+    /// One script call deciding several requests, one after another, each all or nothing
+    /// (at Redis' time). Each request's answers, or its own key error; an `Err` fails all.
+    async fn call_batch<C: ConnectionLike>(
+        &self,
+        conn: &mut C,
+        requests: &[&[Encoded]],
+    ) -> Result<Vec<Result<Vec<Decision>, StoreError>>, StoreError> {
+        let mut inv = self.script.prepare_invoke();
+        inv.arg("").arg("");
+        for (r, checks) in requests.iter().enumerate() {
+            for (k, c) in checks.iter().enumerate() {
+                c.push(&mut inv, r > 0 && k == 0);
+            }
+        }
+        let reply: Vec<redis::Value> = tokio::time::timeout(self.timeout, inv.invoke_async(conn))
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))??;
+        let keys: usize = requests.iter().map(|r| r.len()).sum();
+        if reply.len() != keys * 4 {
+            return Err(StoreError::Protocol(format!(
+                "the script returned {} values for {keys} keys",
+                reply.len()
+            )));
+        }
+        let num = |v: &redis::Value| match v {
+            redis::Value::Int(n) => {
+                u64::try_from(*n).map_err(|_| StoreError::Protocol(format!("negative value {n}")))
+            }
+            other => Err(StoreError::Protocol(format!("not a number: {other:?}"))),
+        };
+        let mut rest = &reply[..];
+        let mut out = Vec::with_capacity(requests.len());
+        for checks in requests {
+            let (mine, after) = rest.split_at(checks.len() * 4);
+            rest = after;
+            let failed = match &mine[0] {
+                redis::Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+                redis::Value::SimpleString(s) => Some(s.clone()),
+                _ => None,
+            };
+            out.push(match failed {
+                Some(why) => Err(StoreError::Data(why)),
+                None => mine
+                    .chunks_exact(4)
+                    .map(|c| {
+                        Ok(Decision {
+                            allowed: num(&c[0])? == 1,
+                            remaining: num(&c[1])?,
+                            retry_after_us: num(&c[2])?,
+                            reset_us: num(&c[3])?,
+                        })
+                    })
+                    .collect(),
+            });
+        }
+        Ok(out)
     }
 
     async fn ping<C: ConnectionLike>(&self, conn: &mut C) -> Result<(), StoreError> {
@@ -231,12 +328,122 @@ impl Scripted {
 
 // ---------------------------------------------------------------------------------------
 
+/// At most this many keys go in one batched script call (Redis runs one script at a time:
+/// this bounds how long one call holds it).
+const MAX_BATCH_KEYS: usize = 256;
+
 /// One Redis, over multiplexed connections: one per worker thread (so a request's Redis
 /// I/O runs on the thread that serves it), and one for everything else (start-up, admin).
+///
+/// Decisions are batched: the requests a worker decides while its event loop goes round
+/// once (say, the 30 connections one `epoll_wait` found readable) go to Redis in one
+/// script call, decided one after another, each all or nothing as if alone — one `TIME`,
+/// one round trip and one script start for all of them. Batches do not wait for each
+/// other: a batch is sent as soon as the requests before it in the loop have had their
+/// turn, while earlier batches may still be in flight on the same connection.
 pub struct RedisStore {
+    /// The shared connection and batch (index 0), then one per worker.
+    batchers: Box<[Arc<Batcher>]>,
+    s: Arc<Scripted>,
+}
+
+/// One connection and the requests waiting to go to Redis on it in the next call.
+struct Batcher {
     conn: ConnectionManager,
-    workers: Box<[ConnectionManager]>,
-    s: Scripted,
+    s: Arc<Scripted>,
+    queue: Mutex<Queue>,
+}
+
+#[derive(Default)]
+struct Queue {
+    waiting: Vec<Waiting>,
+    /// Whether a task that will send `waiting` is already spawned.
+    sending: bool,
+}
+
+struct Waiting {
+    checks: Vec<Encoded>,
+    answer: oneshot::Sender<Result<Vec<Decision>, StoreError>>,
+}
+
+impl Batcher {
+    async fn decide(self: &Arc<Self>, checks: Vec<Encoded>) -> Result<Vec<Decision>, StoreError> {
+        let (answer, answered) = oneshot::channel();
+        let spawn = {
+            let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+            q.waiting.push(Waiting { checks, answer });
+            !std::mem::replace(&mut q.sending, true)
+        };
+        if spawn {
+            // Runs after the tasks already woken on this event loop: the requests they
+            // decide join this batch.
+            tokio::spawn(self.clone().send());
+        }
+        match tokio::time::timeout(self.s.timeout, answered).await {
+            Ok(Ok(answer)) => answer,
+            Ok(Err(_)) => Err(StoreError::Protocol("the batch was dropped".into())),
+            Err(_) => Err(StoreError::Timeout(self.s.timeout)),
+        }
+    }
+
+    /// Send what waits now, and hand each request its answers: one call per
+    /// [`MAX_BATCH_KEYS`] keys. Requests that come meanwhile go in a batch of their own.
+    async fn send(self: Arc<Self>) {
+        let mut waiting = {
+            let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
+            q.sending = false;
+            std::mem::take(&mut q.waiting)
+        };
+        while !waiting.is_empty() {
+            let mut keys = 0;
+            let take = waiting
+                .iter()
+                .take_while(|w| {
+                    keys += w.checks.len();
+                    keys <= MAX_BATCH_KEYS
+                })
+                .count()
+                .max(1);
+            let rest = waiting.split_off(take);
+            let batch = std::mem::replace(&mut waiting, rest);
+            let answers = match self.call(&batch).await {
+                // The connection had dropped: once more on the one being re-established.
+                // If the lost call had run, the retry charges twice: stricter, never looser.
+                Err(e) if dropped(&e) => self.call(&batch).await,
+                other => other,
+            };
+            match answers {
+                Ok(answers) => {
+                    for (w, a) in batch.into_iter().zip(answers) {
+                        // The request may be gone (its client left): nobody to tell.
+                        let _ = w.answer.send(a);
+                    }
+                }
+                Err(e) => {
+                    for w in batch {
+                        let _ = w.answer.send(Err(e.clone()));
+                    }
+                }
+            }
+        }
+    }
+
+    async fn call(
+        &self,
+        batch: &[Waiting],
+    ) -> Result<Vec<Result<Vec<Decision>, StoreError>>, StoreError> {
+        let mut conn = self.conn.clone();
+        if let [one] = batch {
+            // Alone: the plain call, whose key errors are Redis errors.
+            return self
+                .s
+                .call_encoded(&mut conn, &one.checks, None, Mode::Decide)
+                .await
+                .map(|d| vec![Ok(d)]);
+        }
+        let requests: Vec<&[Encoded]> = batch.iter().map(|w| &w.checks[..]).collect();
+        self.s.call_batch(&mut conn, &requests).await
+    }
 }
 
 impl RedisStore {
@@ -261,23 +468,27 @@ impl RedisStore {
             .set_number_of_retries(2)
             .set_min_delay(Duration::from_millis(10))
             .set_max_delay(Duration::from_millis(500));
-        let conn = ConnectionManager::new_lazy_with_config(client.clone(), config.clone())?;
-        let workers = (0..workers)
-            .map(|_| ConnectionManager::new_lazy_with_config(client.clone(), config.clone()))
-            .collect::<Result<_, _>>()?;
-        Ok(RedisStore {
-            conn,
-            workers,
-            s: Scripted::new(prefix, timeout),
-        })
+        let s = Arc::new(Scripted::new(prefix, timeout));
+        let batchers = (0..=workers)
+            .map(|_| {
+                Ok(Arc::new(Batcher {
+                    conn: ConnectionManager::new_lazy_with_config(client.clone(), config.clone())?,
+                    s: s.clone(),
+                    queue: Mutex::default(),
+                }))
+            })
+            .collect::<Result<_, StoreError>>()?;
+        Ok(RedisStore { batchers, s })
     }
 
-    /// This thread's connection: its worker's own, or the shared one.
+    /// This thread's connection and batch: its worker's own, or the shared one.
+    fn batcher(&self) -> &Arc<Batcher> {
+        let n = crate::worker::current().map_or(0, |n| n + 1);
+        &self.batchers[if n < self.batchers.len() { n } else { 0 }]
+    }
+
     fn conn(&self) -> ConnectionManager {
-        match crate::worker::current().and_then(|n| self.workers.get(n)) {
-            Some(c) => c.clone(),
-            None => self.conn.clone(),
-        }
+        self.batcher().conn.clone()
     }
 
     /// The Redis key of one identity under one rule: `<prefix>:{<identity-hash>}:<rule>`.
@@ -285,13 +496,18 @@ impl RedisStore {
         self.s.key(check)
     }
 
-    /// Decide all `checks` in one script call. `now_us`: `None` reads Redis `TIME` (always,
-    /// in production); tests pass a time to replay a timeline exactly.
+    /// Decide all `checks` in one script call, all or nothing. `now_us`: `None` reads Redis
+    /// `TIME` (always, in production), and the request joins its worker's next batch;
+    /// tests pass a time to replay a timeline exactly, in a call of its own.
     pub async fn decide(
         &self,
         checks: &[Check<'_>],
         now_us: Option<u64>,
     ) -> Result<Vec<Decision>, StoreError> {
+        if now_us.is_none() {
+            let encoded = checks.iter().map(|c| self.s.encode(c)).collect();
+            return self.batcher().decide(encoded).await;
+        }
         let all: Vec<&Check<'_>> = checks.iter().collect();
         match self
             .s
