@@ -26,7 +26,7 @@ use crate::limiter::{
     Algorithm, Check, Decision, IdentityDigest, MonotonicClock, Quota, Store, StoreError,
 };
 use crate::metrics::{status_class, InFlight, Metrics, ReloadLabels, ReloadResult, RuleCounters};
-use crate::proxy::{Proxy, ProxyError};
+use crate::proxy::{Proxy, ProxyError, ResponseBody};
 use crate::rules;
 
 /// What a client receives: the upstream's streamed body, or one the gateway wrote.
@@ -36,7 +36,7 @@ pub type Body = Either<Upstream, Full<Bytes>>;
 /// until it ends: given back as the last frame is handed on (before the client can send
 /// its next request), or when the client goes away.
 pub struct Upstream {
-    body: Incoming,
+    body: ResponseBody,
     leases: Option<Leases>,
     /// The leases' release in a shared store, and the last frame held back until it is
     /// done (`None` inside: the end of the body).
@@ -44,7 +44,7 @@ pub struct Upstream {
 }
 
 impl Upstream {
-    fn new(body: Incoming, leases: Option<Leases>) -> Upstream {
+    fn new(body: ResponseBody, leases: Option<Leases>) -> Upstream {
         Upstream {
             body,
             leases,
@@ -55,12 +55,12 @@ impl Upstream {
 
 impl hyper::body::Body for Upstream {
     type Data = Bytes;
-    type Error = hyper::Error;
+    type Error = std::io::Error;
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
         cx: &mut std::task::Context<'_>,
-    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, hyper::Error>>> {
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, std::io::Error>>> {
         use std::task::Poll;
         let this = &mut *self;
         if this.releasing.is_none() {

@@ -1,0 +1,1472 @@
+//! The gateway's upstream HTTP/1.1 client, end to end, against an upstream scripted byte
+//! by byte.
+//!
+//! Each test runs the real `ratewall` binary (one worker, so one connection pool and
+//! connection counts that mean something; the memory store; no rules) in front of a raw
+//! TCP upstream. The upstream reads every request (its head, and its body by whatever
+//! framing it arrives in), records what it read, and answers with exactly the bytes its
+//! script gives, in as many writes as the script splits them into. The clients are raw TCP
+//! too, so every byte of framing is visible on both sides.
+//!
+//! What is pinned, so that a rewrite of the upstream client keeps it:
+//! - response framing: `Content-Length`, chunked (extensions, trailers, sizes split across
+//!   reads), close-delimited, no body for HEAD, 204 and 304, 1xx before the answer, and
+//!   `Transfer-Encoding` with `Content-Length` (RFC 9112 §6.3);
+//! - connection reuse and its limits: one upstream connection for sequential requests,
+//!   none reused after `Connection: close` or once the upstream closed it while idle;
+//! - bad answers: malformed heads, bad chunk sizes, cut bodies, oversized heads, an
+//!   upstream that hangs up or is too slow: 502/504 or a cut client connection, never a
+//!   hang, never a desynchronised connection, and the gateway keeps serving;
+//! - requests: body framing, the request line and the header lines as sent, and the
+//!   `Host`/`X-Forwarded-*` fields the gateway sets;
+//! - streaming: an 8 MB answer reaches the client before the upstream has sent all of it.
+
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use common::{upstream_and_store, Gateway, Store};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::Notify;
+use tokio::task::JoinSet;
+
+/// The longest a test waits on the network for any one thing.
+const WAIT: Duration = Duration::from_secs(10);
+/// How long an upstream connection may sit waiting (for a request, a write, a go-ahead)
+/// before the upstream gives up on it.
+const UPSTREAM_IDLE: Duration = Duration::from_secs(30);
+/// The largest head either side reads before calling it an error.
+const MAX_HEAD: usize = 4 << 20;
+/// What [`RawClient::answer`] says when nothing (or not all) came within [`WAIT`].
+const TIMED_OUT: &str = "no whole answer within the wait";
+
+// ---------------------------------------------------------------------------------------
+// HTTP/1.1 on the wire, by hand
+
+/// A TCP stream and what has been read from it but not yet consumed.
+struct Wire {
+    stream: TcpStream,
+    buf: Vec<u8>,
+}
+
+impl Wire {
+    fn new(stream: TcpStream) -> Wire {
+        let _ = stream.set_nodelay(true);
+        Wire {
+            stream,
+            buf: Vec::new(),
+        }
+    }
+
+    /// Read once more into the buffer; false at the end of the stream.
+    async fn fill(&mut self) -> Result<bool, String> {
+        self.buf.reserve(64 * 1024);
+        let n = self
+            .stream
+            .read_buf(&mut self.buf)
+            .await
+            .map_err(|e| format!("read failed: {e}"))?;
+        Ok(n > 0)
+    }
+
+    /// A head, up to and including the blank line that ends it; `None` if the stream
+    /// ended cleanly before its first byte.
+    async fn head(&mut self) -> Result<Option<Vec<u8>>, String> {
+        let mut from = 0;
+        loop {
+            if let Some(i) = find(&self.buf[from..], b"\r\n\r\n") {
+                let end = from + i + 4;
+                return Ok(Some(self.buf.drain(..end).collect()));
+            }
+            if self.buf.len() > MAX_HEAD {
+                return Err(format!("a head longer than {MAX_HEAD} bytes"));
+            }
+            from = self.buf.len().saturating_sub(3);
+            if !self.fill().await? {
+                return if self.buf.is_empty() {
+                    Ok(None)
+                } else {
+                    Err(format!(
+                        "the stream ended inside a head: {:?}",
+                        String::from_utf8_lossy(&self.buf[..self.buf.len().min(200)])
+                    ))
+                };
+            }
+        }
+    }
+
+    /// One CRLF-terminated line, without its CRLF.
+    async fn line(&mut self) -> Result<Vec<u8>, String> {
+        let mut from = 0;
+        loop {
+            if let Some(i) = find(&self.buf[from..], b"\r\n") {
+                let end = from + i;
+                let line = self.buf[..end].to_vec();
+                self.buf.drain(..end + 2);
+                return Ok(line);
+            }
+            from = self.buf.len().saturating_sub(1);
+            if !self.fill().await? {
+                return Err("the stream ended inside a line".to_string());
+            }
+        }
+    }
+
+    /// Up to `max` bytes: what is buffered, or else one read's worth; empty at the end of
+    /// the stream.
+    async fn some(&mut self, max: usize) -> Result<Vec<u8>, String> {
+        if self.buf.is_empty() && !self.fill().await? {
+            return Ok(Vec::new());
+        }
+        let n = max.min(self.buf.len());
+        Ok(self.buf.drain(..n).collect())
+    }
+}
+
+fn find(haystack: &[u8], needle: &[u8]) -> Option<usize> {
+    haystack.windows(needle.len()).position(|w| w == needle)
+}
+
+/// A request or response head, as it was on the wire.
+#[derive(Clone)]
+struct Head {
+    /// The request line or status line.
+    start: String,
+    /// The field lines in order: lowercased name, value without surrounding whitespace.
+    fields: Vec<(String, Vec<u8>)>,
+}
+
+impl Head {
+    fn parse(raw: &[u8]) -> Result<Head, String> {
+        let text = raw.strip_suffix(b"\r\n\r\n").unwrap_or(raw);
+        let mut lines = text
+            .split(|&b| b == b'\n')
+            .map(|l| l.strip_suffix(b"\r").unwrap_or(l));
+        let start = lines.next().unwrap_or_default();
+        let start = String::from_utf8(start.to_vec())
+            .map_err(|_| format!("a start line that is not UTF-8: {start:?}"))?;
+        let mut fields = Vec::new();
+        for line in lines {
+            let colon = line.iter().position(|&b| b == b':').ok_or_else(|| {
+                format!(
+                    "a field line without ':': {:?}",
+                    String::from_utf8_lossy(line)
+                )
+            })?;
+            let name = String::from_utf8_lossy(&line[..colon]).to_ascii_lowercase();
+            fields.push((name, line[colon + 1..].trim_ascii().to_vec()));
+        }
+        Ok(Head { start, fields })
+    }
+
+    /// Every value of the field `name`, one per line, in order.
+    fn all(&self, name: &str) -> Vec<&[u8]> {
+        self.fields
+            .iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, v)| v.as_slice())
+            .collect()
+    }
+
+    /// The first value of the field `name`, as text.
+    fn get(&self, name: &str) -> Option<String> {
+        self.all(name)
+            .first()
+            .map(|v| String::from_utf8_lossy(v).into_owned())
+    }
+
+    fn has(&self, name: &str) -> bool {
+        !self.all(name).is_empty()
+    }
+
+    /// The status code of a status line.
+    fn status(&self) -> Result<u16, String> {
+        let mut parts = self.start.splitn(3, ' ');
+        match (parts.next(), parts.next()) {
+            (Some(v), Some(code)) if v.starts_with("HTTP/1.") && code.len() == 3 => code
+                .parse()
+                .map_err(|_| format!("a bad status line: {:?}", self.start)),
+            _ => Err(format!("a bad status line: {:?}", self.start)),
+        }
+    }
+}
+
+impl std::fmt::Debug for Head {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let fields: Vec<String> = self
+            .fields
+            .iter()
+            .map(|(n, v)| format!("{n}: {}", lossy(v, 200)))
+            .collect();
+        f.debug_struct("Head")
+            .field("start", &self.start)
+            .field("fields", &fields)
+            .finish()
+    }
+}
+
+/// `bytes` as text, at most `max` bytes of them.
+fn lossy(bytes: &[u8], max: usize) -> String {
+    let shown = String::from_utf8_lossy(&bytes[..bytes.len().min(max)]).into_owned();
+    if bytes.len() > max {
+        format!("{shown}... ({} bytes)", bytes.len())
+    } else {
+        shown
+    }
+}
+
+/// How a message's body is delimited.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Framing {
+    None,
+    Length(usize),
+    Chunked,
+    UntilClose,
+}
+
+fn is_chunked(head: &Head) -> Option<bool> {
+    head.get("transfer-encoding")
+        .map(|te| te.to_ascii_lowercase().trim_end().ends_with("chunked"))
+}
+
+fn content_length(head: &Head) -> Result<Option<usize>, String> {
+    head.get("content-length")
+        .map(|v| {
+            v.parse()
+                .map_err(|_| format!("a bad Content-Length: {v:?}"))
+        })
+        .transpose()
+}
+
+/// A request's framing (RFC 9112 §6.3: no framing fields, no body).
+fn request_framing(head: &Head) -> Result<Framing, String> {
+    match is_chunked(head) {
+        Some(true) => Ok(Framing::Chunked),
+        Some(false) => Err("a request Transfer-Encoding that is not chunked".to_string()),
+        None => Ok(content_length(head)?.map_or(Framing::None, Framing::Length)),
+    }
+}
+
+/// A response's framing (RFC 9112 §6.3).
+fn response_framing(head: &Head, status: u16, head_request: bool) -> Result<Framing, String> {
+    if head_request || status < 200 || status == 204 || status == 304 {
+        return Ok(Framing::None);
+    }
+    match is_chunked(head) {
+        Some(true) => Ok(Framing::Chunked),
+        Some(false) => Ok(Framing::UntilClose),
+        None => Ok(content_length(head)?.map_or(Framing::UntilClose, Framing::Length)),
+    }
+}
+
+/// Reads a body piece by piece, as its framing says.
+struct BodyReader {
+    framing: Framing,
+    /// Bytes left in the body (`Length`) or in the current chunk (`Chunked`).
+    left: usize,
+    /// A chunk's data was read and its CRLF was not.
+    crlf_due: bool,
+    done: bool,
+    /// The trailer section's field lines of a chunked body.
+    trailers: Vec<Vec<u8>>,
+}
+
+impl BodyReader {
+    fn new(framing: Framing) -> BodyReader {
+        BodyReader {
+            framing,
+            left: match framing {
+                Framing::Length(n) => n,
+                _ => 0,
+            },
+            crlf_due: false,
+            done: framing == Framing::None,
+            trailers: Vec::new(),
+        }
+    }
+
+    /// The next piece of the decoded body; `None` at its end.
+    async fn next(&mut self, wire: &mut Wire) -> Result<Option<Vec<u8>>, String> {
+        if self.done {
+            return Ok(None);
+        }
+        match self.framing {
+            Framing::None => {
+                self.done = true;
+                Ok(None)
+            }
+            Framing::Length(n) => {
+                if self.left == 0 {
+                    self.done = true;
+                    return Ok(None);
+                }
+                let piece = wire.some(self.left).await?;
+                if piece.is_empty() {
+                    return Err(format!(
+                        "the stream ended {} bytes short of Content-Length {n}",
+                        self.left
+                    ));
+                }
+                self.left -= piece.len();
+                Ok(Some(piece))
+            }
+            Framing::UntilClose => {
+                let piece = wire.some(usize::MAX).await?;
+                if piece.is_empty() {
+                    self.done = true;
+                    return Ok(None);
+                }
+                Ok(Some(piece))
+            }
+            Framing::Chunked => {
+                if self.left == 0 {
+                    if self.crlf_due {
+                        let end = wire.line().await?;
+                        if !end.is_empty() {
+                            return Err("chunk data not followed by CRLF".to_string());
+                        }
+                        self.crlf_due = false;
+                    }
+                    let size = chunk_size(&wire.line().await?)?;
+                    if size == 0 {
+                        loop {
+                            let field = wire.line().await?;
+                            if field.is_empty() {
+                                break;
+                            }
+                            self.trailers.push(field);
+                        }
+                        self.done = true;
+                        return Ok(None);
+                    }
+                    self.left = size;
+                }
+                let piece = wire.some(self.left).await?;
+                if piece.is_empty() {
+                    return Err("the stream ended inside a chunk".to_string());
+                }
+                self.left -= piece.len();
+                self.crlf_due = self.left == 0;
+                Ok(Some(piece))
+            }
+        }
+    }
+
+    /// The rest of the body, decoded.
+    async fn rest(&mut self, wire: &mut Wire) -> Result<Vec<u8>, String> {
+        let mut body = Vec::new();
+        while let Some(piece) = self.next(wire).await? {
+            body.extend_from_slice(&piece);
+        }
+        Ok(body)
+    }
+}
+
+/// The size on a chunk's size line (extensions after `;` ignored).
+fn chunk_size(line: &[u8]) -> Result<usize, String> {
+    let hex = line.split(|&b| b == b';').next().unwrap_or_default();
+    std::str::from_utf8(hex)
+        .ok()
+        .and_then(|h| usize::from_str_radix(h.trim(), 16).ok())
+        .ok_or_else(|| format!("a bad chunk size line: {:?}", String::from_utf8_lossy(line)))
+}
+
+// ---------------------------------------------------------------------------------------
+// The scripted upstream
+
+/// One request as the upstream read it.
+#[derive(Debug, Clone)]
+struct Received {
+    /// Which upstream connection carried it (0 for the first one accepted).
+    conn: usize,
+    head: Head,
+    framing: Framing,
+    /// The body, decoded from its framing.
+    body: Vec<u8>,
+}
+
+impl Received {
+    fn method(&self) -> &str {
+        self.head.start.split(' ').next().unwrap_or_default()
+    }
+
+    fn target(&self) -> &str {
+        self.head.start.split(' ').nth(1).unwrap_or_default()
+    }
+}
+
+/// What the upstream does in answer to one request, in order.
+enum Step {
+    /// Write these bytes (one write call).
+    Write(Vec<u8>),
+    Sleep(Duration),
+    /// Wait for the test's go-ahead.
+    Wait(Arc<Notify>),
+    /// Send FIN and drop the connection, reading nothing more from it.
+    Close,
+}
+
+type Script = dyn Fn(&Received) -> Vec<Step> + Send + Sync;
+
+/// A raw TCP upstream on 127.0.0.1 that answers each request as its script says; after the
+/// steps it reads the connection's next request, unless a step closed it.
+struct ScriptedUpstream {
+    addr: std::net::SocketAddr,
+    accepted: Arc<AtomicUsize>,
+    received: Arc<Mutex<Vec<Received>>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl ScriptedUpstream {
+    async fn start(script: impl Fn(&Received) -> Vec<Step> + Send + Sync + 'static) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind the upstream");
+        let addr = listener.local_addr().expect("upstream address");
+        let accepted = Arc::new(AtomicUsize::new(0));
+        let received = Arc::new(Mutex::new(Vec::new()));
+        let script: Arc<Script> = Arc::new(script);
+        let (count, log) = (accepted.clone(), received.clone());
+        let task = tokio::spawn(async move {
+            // Dropped (aborting every connection) when the upstream is.
+            let mut conns = JoinSet::new();
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    continue;
+                };
+                let conn = count.fetch_add(1, Ordering::SeqCst);
+                conns.spawn(serve_upstream_conn(
+                    Wire::new(stream),
+                    conn,
+                    script.clone(),
+                    log.clone(),
+                ));
+                while conns.try_join_next().is_some() {}
+            }
+        });
+        ScriptedUpstream {
+            addr,
+            accepted,
+            received,
+            task,
+        }
+    }
+
+    fn url(&self) -> String {
+        format!("http://{}", self.addr)
+    }
+
+    /// How many connections the upstream has accepted.
+    fn accepted(&self) -> usize {
+        self.accepted.load(Ordering::SeqCst)
+    }
+
+    fn received(&self) -> Vec<Received> {
+        self.received.lock().unwrap().clone()
+    }
+}
+
+impl Drop for ScriptedUpstream {
+    fn drop(&mut self) {
+        self.task.abort();
+    }
+}
+
+async fn serve_upstream_conn(
+    mut wire: Wire,
+    conn: usize,
+    script: Arc<Script>,
+    received: Arc<Mutex<Vec<Received>>>,
+) {
+    loop {
+        let Ok(Ok(Some(raw))) = tokio::time::timeout(UPSTREAM_IDLE, wire.head()).await else {
+            return;
+        };
+        let Ok(head) = Head::parse(&raw) else { return };
+        let Ok(framing) = request_framing(&head) else {
+            return;
+        };
+        let mut reader = BodyReader::new(framing);
+        let Ok(Ok(body)) = tokio::time::timeout(UPSTREAM_IDLE, reader.rest(&mut wire)).await else {
+            return;
+        };
+        let request = Received {
+            conn,
+            head,
+            framing,
+            body,
+        };
+        let steps = script(&request);
+        received.lock().unwrap().push(request);
+        for step in steps {
+            match step {
+                Step::Write(bytes) => {
+                    let write = tokio::time::timeout(UPSTREAM_IDLE, wire.stream.write_all(&bytes));
+                    if !matches!(write.await, Ok(Ok(()))) {
+                        return;
+                    }
+                }
+                Step::Sleep(d) => tokio::time::sleep(d).await,
+                Step::Wait(go) => {
+                    let _ = tokio::time::timeout(UPSTREAM_IDLE, go.notified()).await;
+                }
+                Step::Close => {
+                    let _ = wire.stream.shutdown().await;
+                    return;
+                }
+            }
+        }
+    }
+}
+
+/// A whole `200 OK` with a `Content-Length` body.
+fn ok(body: &[u8]) -> Vec<u8> {
+    let mut r = format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\n\r\n", body.len()).into_bytes();
+    r.extend_from_slice(body);
+    r
+}
+
+/// `len` bytes that differ with `seed`, so that one answer is never taken for another.
+fn pattern(seed: u8, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|i| (i.wrapping_mul(31).wrapping_add(usize::from(seed) * 7) % 251) as u8)
+        .collect()
+}
+
+/// `bytes` as writes of `size` bytes with a short pause before each.
+fn in_pieces(bytes: &[u8], size: usize) -> Vec<Step> {
+    bytes
+        .chunks(size)
+        .flat_map(|piece| {
+            [
+                Step::Sleep(Duration::from_millis(5)),
+                Step::Write(piece.to_vec()),
+            ]
+        })
+        .collect()
+}
+
+fn ms(n: u64) -> Duration {
+    Duration::from_millis(n)
+}
+
+// ---------------------------------------------------------------------------------------
+// The gateway and a raw client
+
+/// The gateway in front of `upstream`: one worker, the memory store, no rules, and the
+/// harness's upstream timeouts (connect 1 s, answer 5 s).
+fn gateway(upstream: &ScriptedUpstream) -> Gateway {
+    Gateway::start(&format!(
+        "workers = 1\n{}",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ))
+}
+
+/// The same with the upstream answer timeout `timeout`.
+fn gateway_with_timeout(upstream: &ScriptedUpstream, timeout: &str) -> Gateway {
+    Gateway::start(&format!(
+        "workers = 1\n[upstream]\nurl = \"{}\"\nconnect_timeout = \"1s\"\ntimeout = \"{timeout}\"\n{}",
+        upstream.url(),
+        Store::Memory.toml()
+    ))
+}
+
+fn get(path: &str) -> Vec<u8> {
+    format!("GET {path} HTTP/1.1\r\nHost: upstream.test\r\n\r\n").into_bytes()
+}
+
+/// A response as the raw client read it.
+struct Answer {
+    status: u16,
+    head: Head,
+    body: Vec<u8>,
+    /// The 1xx status codes that came before it.
+    informational: Vec<u16>,
+}
+
+impl std::fmt::Debug for Answer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Answer")
+            .field("status", &self.status)
+            .field("head", &self.head)
+            .field("body", &lossy(&self.body, 300))
+            .field("informational", &self.informational)
+            .finish()
+    }
+}
+
+/// One client connection to the gateway, speaking HTTP/1.1 by hand.
+struct RawClient {
+    wire: Wire,
+}
+
+impl RawClient {
+    async fn connect(port: u16) -> RawClient {
+        let stream = tokio::time::timeout(WAIT, TcpStream::connect(("127.0.0.1", port)))
+            .await
+            .expect("connect to the gateway within the wait")
+            .expect("connect to the gateway");
+        RawClient {
+            wire: Wire::new(stream),
+        }
+    }
+
+    async fn send(&mut self, bytes: &[u8]) {
+        tokio::time::timeout(WAIT, self.wire.stream.write_all(bytes))
+            .await
+            .expect("the gateway takes the request within the wait")
+            .expect("write to the gateway");
+    }
+
+    /// The head of the next final answer (1xx skipped, but listed), and a reader for its
+    /// body.
+    async fn answer_head(
+        &mut self,
+        head_request: bool,
+    ) -> Result<(u16, Head, Vec<u16>, BodyReader), String> {
+        let mut informational = Vec::new();
+        loop {
+            let raw = self
+                .wire
+                .head()
+                .await?
+                .ok_or("the gateway closed the connection before an answer")?;
+            let head = Head::parse(&raw)?;
+            let status = head.status()?;
+            if (100..200).contains(&status) {
+                informational.push(status);
+                continue;
+            }
+            let framing = response_framing(&head, status, head_request)?;
+            return Ok((status, head, informational, BodyReader::new(framing)));
+        }
+    }
+
+    /// The next whole answer. An error if the connection failed or ended inside it, or
+    /// ([`TIMED_OUT`]) if it was not all there within [`WAIT`].
+    async fn answer(&mut self, head_request: bool) -> Result<Answer, String> {
+        let read = async {
+            let (status, head, informational, mut body) = self.answer_head(head_request).await?;
+            let body = body.rest(&mut self.wire).await?;
+            Ok(Answer {
+                status,
+                head,
+                body,
+                informational,
+            })
+        };
+        tokio::time::timeout(WAIT, read)
+            .await
+            .unwrap_or_else(|_| Err(TIMED_OUT.to_string()))
+    }
+
+    /// Send `request` and read its answer, which must come whole.
+    async fn exchange(&mut self, request: &[u8]) -> Answer {
+        self.send(request).await;
+        let line = request.split(|&b| b == b'\r').next().unwrap_or_default();
+        let line = String::from_utf8_lossy(line).into_owned();
+        self.answer(request.starts_with(b"HEAD "))
+            .await
+            .unwrap_or_else(|e| panic!("{line}: {e}"))
+    }
+}
+
+/// `GET path` on a new client connection answers 200 with `body`: the gateway still serves.
+async fn still_serves(gw: &Gateway, path: &str, body: &[u8]) {
+    let a = RawClient::connect(gw.port).await.exchange(&get(path)).await;
+    assert_eq!(a.status, 200, "the gateway stopped serving: {a:?}");
+    assert_eq!(a.body, body, "the gateway stopped serving: {a:?}");
+}
+
+// ---------------------------------------------------------------------------------------
+// Response framing and connection reuse
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn content_length_body_arrives_intact_and_the_upstream_connection_is_reused() {
+    const LEN: usize = 100 * 1024;
+    let up = ScriptedUpstream::start(|req| {
+        let seed: u8 = req.target().trim_start_matches("/r/").parse().unwrap_or(0);
+        let mut steps = vec![Step::Write(
+            format!("HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\nContent-Length: {LEN}\r\n\r\n")
+                .into_bytes(),
+        )];
+        steps.extend(in_pieces(&pattern(seed, LEN), 30_011));
+        steps
+    })
+    .await;
+    let gw = gateway(&up);
+    let mut client = RawClient::connect(gw.port).await;
+    for seed in 0..5u8 {
+        let a = client.exchange(&get(&format!("/r/{seed}"))).await;
+        assert_eq!(a.status, 200, "request {seed}: {:?}", a.head);
+        assert_eq!(a.body.len(), LEN, "request {seed}: body length");
+        assert!(
+            a.body == pattern(seed, LEN),
+            "request {seed}: the body's bytes differ"
+        );
+    }
+    let received = up.received();
+    assert_eq!(received.len(), 5);
+    assert_eq!(
+        up.accepted(),
+        1,
+        "5 sequential requests took {} upstream connections",
+        up.accepted()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_body_with_extensions_and_trailers_arrives_as_exactly_its_bytes() {
+    let up = ScriptedUpstream::start(|req| {
+        if req.target() != "/chunked" {
+            return vec![Step::Write(ok(b"next"))];
+        }
+        // Heads, size lines, data and the trailer section all split across writes; the
+        // second chunk's size line "10" is cut between its digits.
+        let parts: [&[u8]; 8] = [
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-",
+            b"Encoding: chunked\r\nTrailer: X-Checksum\r\n\r\n5;foo=bar\r\nhel",
+            b"lo\r\n1",
+            b"0;a=1;b=\"x y\"\r\n01234567",
+            b"89abcdef\r",
+            b"\n3\r\n!!!\r\n0\r\nX-Check",
+            b"sum: abc\r\nX-Other: 1\r\n",
+            b"\r\n",
+        ];
+        parts
+            .iter()
+            .flat_map(|p| [Step::Sleep(ms(20)), Step::Write(p.to_vec())])
+            .collect()
+    })
+    .await;
+    let gw = gateway(&up);
+    let mut client = RawClient::connect(gw.port).await;
+    let a = client.exchange(&get("/chunked")).await;
+    assert_eq!(a.status, 200, "{:?}", a.head);
+    assert_eq!(
+        String::from_utf8_lossy(&a.body),
+        "hello0123456789abcdef!!!",
+        "the body, and nothing of the framing"
+    );
+    // The trailer section was consumed with the body: the next answer is its own.
+    let a = client.exchange(&get("/next")).await;
+    assert_eq!((a.status, &a.body[..]), (200, &b"next"[..]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn close_delimited_body_arrives_intact_and_the_next_request_gets_a_new_connection() {
+    const LEN: usize = 50 * 1024;
+    let up = ScriptedUpstream::start(|req| {
+        if req.target() != "/until-close" {
+            return vec![Step::Write(ok(b"next"))];
+        }
+        // Neither Content-Length nor Transfer-Encoding: the body ends when the
+        // connection does.
+        let mut steps = vec![Step::Write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: application/octet-stream\r\n\r\n".to_vec(),
+        )];
+        steps.extend(in_pieces(&pattern(9, LEN), 7_001));
+        steps.push(Step::Sleep(ms(50)));
+        steps.push(Step::Close);
+        steps
+    })
+    .await;
+    let gw = gateway(&up);
+    let mut client = RawClient::connect(gw.port).await;
+    let a = client.exchange(&get("/until-close")).await;
+    assert_eq!(a.status, 200, "{:?}", a.head);
+    assert_eq!(a.body.len(), LEN);
+    assert!(a.body == pattern(9, LEN), "the body's bytes differ");
+    let a = client.exchange(&get("/next")).await;
+    assert_eq!((a.status, &a.body[..]), (200, &b"next"[..]));
+    assert_eq!(
+        up.accepted(),
+        2,
+        "the closed connection cannot carry the next request"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connection_close_from_the_upstream_is_honoured_with_a_fresh_connection() {
+    // The upstream says `Connection: close` but leaves the socket open: only the header
+    // tells the gateway not to send anything more on it.
+    let up = ScriptedUpstream::start(|req| match req.target() {
+        "/closing" => vec![Step::Write(
+            b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 7\r\n\r\nclosing".to_vec(),
+        )],
+        _ => vec![Step::Write(ok(b"next"))],
+    })
+    .await;
+    let gw = gateway(&up);
+    let mut client = RawClient::connect(gw.port).await;
+    let a = client.exchange(&get("/closing")).await;
+    assert_eq!((a.status, &a.body[..]), (200, &b"closing"[..]));
+    assert!(
+        a.head
+            .get("connection")
+            .is_none_or(|c| !c.eq_ignore_ascii_case("close")),
+        "the upstream's hop-by-hop Connection reached the client: {:?}",
+        a.head
+    );
+    // The client's own connection stays open and carries the next request.
+    let a = client.exchange(&get("/next")).await;
+    assert_eq!((a.status, &a.body[..]), (200, &b"next"[..]));
+    let received = up.received();
+    assert_eq!(received.len(), 2);
+    assert_ne!(
+        received[0].conn, received[1].conn,
+        "the request after `Connection: close` went on the same upstream connection"
+    );
+    assert_eq!(up.accepted(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn head_answer_has_no_body_and_the_connections_stay_in_step() {
+    let up = ScriptedUpstream::start(|req| match req.method() {
+        // The length a GET would have; no body follows, and the socket stays open.
+        "HEAD" => vec![Step::Write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nContent-Length: 1234\r\n\r\n".to_vec(),
+        )],
+        _ => vec![Step::Write(ok(b"after head"))],
+    })
+    .await;
+    let gw = gateway(&up);
+    let mut client = RawClient::connect(gw.port).await;
+    let start = Instant::now();
+    let a = client
+        .exchange(b"HEAD /doc HTTP/1.1\r\nHost: upstream.test\r\n\r\n")
+        .await;
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "the HEAD answer took {:?}",
+        start.elapsed()
+    );
+    assert_eq!(a.status, 200, "{:?}", a.head);
+    assert_eq!(
+        a.head.get("content-length").as_deref(),
+        Some("1234"),
+        "a HEAD answer keeps the length a GET would have (RFC 9110 §9.3.2): {:?}",
+        a.head
+    );
+    // Nothing after the head: the next answer on the connection must parse as its own.
+    let a = client.exchange(&get("/after")).await;
+    assert_eq!((a.status, &a.body[..]), (200, &b"after head"[..]));
+    let received = up.received();
+    assert_eq!(
+        received.iter().map(Received::method).collect::<Vec<_>>(),
+        ["HEAD", "GET"]
+    );
+    assert_eq!(
+        up.accepted(),
+        1,
+        "the upstream connection is reusable after a HEAD answer"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn no_content_and_not_modified_have_no_body_and_the_connection_stays_in_step() {
+    let up = ScriptedUpstream::start(|req| match req.target() {
+        "/204" => vec![Step::Write(
+            b"HTTP/1.1 204 No Content\r\nX-Kind: none\r\n\r\n".to_vec(),
+        )],
+        // A 304's Content-Length is the representation's, not a body's (RFC 9110 §8.6).
+        "/304" => vec![Step::Write(
+            b"HTTP/1.1 304 Not Modified\r\nETag: \"v1\"\r\nContent-Length: 1234\r\n\r\n".to_vec(),
+        )],
+        _ => vec![Step::Write(ok(b"after"))],
+    })
+    .await;
+    let gw = gateway(&up);
+    let mut client = RawClient::connect(gw.port).await;
+    let a = client.exchange(&get("/204")).await;
+    assert_eq!(a.status, 204, "{:?}", a.head);
+    assert_eq!(a.head.get("x-kind").as_deref(), Some("none"));
+    let a = client.exchange(&get("/after")).await;
+    assert_eq!(
+        (a.status, &a.body[..]),
+        (200, &b"after"[..]),
+        "after the 204"
+    );
+    let a = client
+        .exchange(b"GET /304 HTTP/1.1\r\nHost: upstream.test\r\nIf-None-Match: \"v1\"\r\n\r\n")
+        .await;
+    assert_eq!(a.status, 304, "{:?}", a.head);
+    assert_eq!(a.head.get("etag").as_deref(), Some("\"v1\""));
+    let a = client.exchange(&get("/after")).await;
+    assert_eq!(
+        (a.status, &a.body[..]),
+        (200, &b"after"[..]),
+        "after the 304"
+    );
+    assert_eq!(up.received().len(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn informational_answers_before_the_final_one_leave_the_final_answer_intact() {
+    let up = ScriptedUpstream::start(|req| match req.target() {
+        "/hints" => vec![
+            Step::Write(b"HTTP/1.1 100 Continue\r\n\r\n".to_vec()),
+            Step::Sleep(ms(30)),
+            Step::Write(
+                b"HTTP/1.1 103 Early Hints\r\nLink: </style.css>; rel=preload; as=style\r\n\r\n"
+                    .to_vec(),
+            ),
+            Step::Sleep(ms(30)),
+            Step::Write(
+                b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\nX-Final: yes\r\n\r\nfinal".to_vec(),
+            ),
+        ],
+        _ => vec![Step::Write(ok(b"next"))],
+    })
+    .await;
+    let gw = gateway(&up);
+    let mut client = RawClient::connect(gw.port).await;
+    let a = client.exchange(&get("/hints")).await;
+    assert_eq!((a.status, &a.body[..]), (200, &b"final"[..]), "{a:?}");
+    assert_eq!(a.head.get("x-final").as_deref(), Some("yes"));
+    assert!(
+        a.informational.iter().all(|s| [100, 103].contains(s)),
+        "only the upstream's own 1xx may be passed on: {:?}",
+        a.informational
+    );
+    let a = client.exchange(&get("/next")).await;
+    assert_eq!((a.status, &a.body[..]), (200, &b"next"[..]));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn chunked_with_content_length_is_read_as_chunked_or_refused_never_desynchronised() {
+    // RFC 9112 §6.3: Transfer-Encoding overrides Content-Length. Read by the
+    // Content-Length, the body would be "5\r\n" and the rest would pass for the next
+    // answer on the connection.
+    let up = ScriptedUpstream::start(|req| match req.target() {
+        "/both" => vec![Step::Write(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n"
+                .to_vec(),
+        )],
+        _ => vec![Step::Write(ok(b"second"))],
+    })
+    .await;
+    let gw = gateway(&up);
+    let mut client = RawClient::connect(gw.port).await;
+    client.send(&get("/both")).await;
+    let closing = match client.answer(false).await {
+        Ok(a) if a.status == 502 => a.head.get("connection").as_deref() == Some("close"),
+        Ok(a) => {
+            assert_eq!(a.status, 200, "{a:?}");
+            assert_eq!(
+                String::from_utf8_lossy(&a.body),
+                "hello",
+                "the body was not decoded as chunked: {a:?}"
+            );
+            a.head.get("connection").as_deref() == Some("close")
+        }
+        Err(e) => panic!("neither the chunked body nor a 502: {e}"),
+    };
+    // On the same client connection if it stays open: bytes of the first answer past
+    // its own framing would be read as the start of this one.
+    if closing {
+        client = RawClient::connect(gw.port).await;
+    }
+    let a = client.exchange(&get("/second")).await;
+    assert_eq!(
+        (a.status, String::from_utf8_lossy(&a.body).as_ref()),
+        (200, "second"),
+        "the next request got another answer than its own"
+    );
+}
+
+// ---------------------------------------------------------------------------------------
+// Bad answers
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_response_heads_are_502_and_the_gateway_keeps_serving() {
+    let up = ScriptedUpstream::start(|req| {
+        let bytes: &[u8] = match req.target() {
+            "/garbage" => b"this is not HTTP at all\r\n\r\n",
+            "/binary" => b"\x00\x01\x02\xff\xfe\r\n\r\n",
+            "/bad-code" => b"HTTP/1.1 2x0 OK\r\nContent-Length: 2\r\n\r\nok",
+            "/long-code" => b"HTTP/1.1 2000 OK\r\nContent-Length: 2\r\n\r\nok",
+            "/bad-version" => b"HTTP/9.1 200 OK\r\nContent-Length: 2\r\n\r\nok",
+            "/bad-field" => b"HTTP/1.1 200 OK\r\nBad Name: x\r\nContent-Length: 2\r\n\r\nok",
+            "/no-colon" => b"HTTP/1.1 200 OK\r\nNoColonHere\r\nContent-Length: 2\r\n\r\nok",
+            "/bad-length" => b"HTTP/1.1 200 OK\r\nContent-Length: twelve\r\n\r\nok",
+            _ => return vec![Step::Write(ok(b"fine"))],
+        };
+        // The socket stays open: the parser alone must notice.
+        vec![Step::Write(bytes.to_vec())]
+    })
+    .await;
+    let gw = gateway(&up);
+    for path in [
+        "/garbage",
+        "/binary",
+        "/bad-code",
+        "/long-code",
+        "/bad-version",
+        "/bad-field",
+        "/no-colon",
+        "/bad-length",
+    ] {
+        let start = Instant::now();
+        let a = RawClient::connect(gw.port).await.exchange(&get(path)).await;
+        assert_eq!(a.status, 502, "{path}: {a:?}");
+        assert!(
+            start.elapsed() < Duration::from_secs(2),
+            "{path}: 502 after {:?}",
+            start.elapsed()
+        );
+        still_serves(&gw, "/fine", b"fine").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_chunk_size_never_reaches_the_client_as_a_whole_answer() {
+    // The head is fine, so the answer may have begun; the client must then see it cut,
+    // never completed as if the body were whole.
+    let up = ScriptedUpstream::start(|req| match req.target() {
+        "/bad-chunk" => vec![Step::Write(
+            b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\nhello\r\n0\r\n\r\n"
+                .to_vec(),
+        )],
+        "/bad-later-chunk" => vec![
+            Step::Write(
+                b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n".to_vec(),
+            ),
+            Step::Sleep(ms(50)),
+            Step::Write(b"-1\r\nx\r\n0\r\n\r\n".to_vec()),
+        ],
+        _ => vec![Step::Write(ok(b"fine"))],
+    })
+    .await;
+    let gw = gateway(&up);
+    for path in ["/bad-chunk", "/bad-later-chunk"] {
+        let mut client = RawClient::connect(gw.port).await;
+        client.send(&get(path)).await;
+        match client.answer(false).await {
+            Ok(a) => assert_eq!(
+                a.status, 502,
+                "{path}: a broken body passed as whole: {a:?}"
+            ),
+            Err(e) => assert_ne!(e, TIMED_OUT, "{path}: the client was left hanging"),
+        }
+        still_serves(&gw, "/fine", b"fine").await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn content_length_body_cut_short_never_reaches_the_client_as_whole() {
+    let up = ScriptedUpstream::start(|req| match req.target() {
+        "/cut" => vec![
+            Step::Write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n".to_vec()),
+            Step::Write(pattern(1, 100)),
+            Step::Sleep(ms(50)),
+            Step::Close,
+        ],
+        _ => vec![Step::Write(ok(b"fine"))],
+    })
+    .await;
+    let gw = gateway(&up);
+    let mut client = RawClient::connect(gw.port).await;
+    client.send(&get("/cut")).await;
+    match client.answer(false).await {
+        Ok(a) => assert_eq!(a.status, 502, "a cut body passed as whole: {a:?}"),
+        Err(e) => assert_ne!(e, TIMED_OUT, "the client was left hanging"),
+    }
+    still_serves(&gw, "/fine", b"fine").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_after_a_whole_answer_are_never_taken_for_the_next_answer() {
+    // A second, unasked-for answer right behind the first, in the same write.
+    let up = ScriptedUpstream::start(|req| match req.target() {
+        "/first" => vec![Step::Write(
+            b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nfirstHTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nevil!"
+                .to_vec(),
+        )],
+        _ => vec![Step::Write(ok(b"second"))],
+    })
+    .await;
+    let gw = gateway(&up);
+    let mut client = RawClient::connect(gw.port).await;
+    let a = client.exchange(&get("/first")).await;
+    assert_eq!((a.status, &a.body[..]), (200, &b"first"[..]));
+    tokio::time::sleep(ms(100)).await;
+    let a = client.exchange(&get("/second")).await;
+    assert_eq!(
+        (a.status, String::from_utf8_lossy(&a.body).as_ref()),
+        (200, "second"),
+        "the second request got another answer than its own"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_closing_without_an_answer_is_a_quick_502() {
+    let up = ScriptedUpstream::start(|req| match req.target() {
+        "/vanish" => vec![Step::Close],
+        _ => vec![Step::Write(ok(b"fine"))],
+    })
+    .await;
+    // The upstream timeout is 5 s: the 502 must come from the closed connection, not it.
+    let gw = gateway(&up);
+    let start = Instant::now();
+    let a = RawClient::connect(gw.port)
+        .await
+        .exchange(&get("/vanish"))
+        .await;
+    assert_eq!(a.status, 502, "{a:?}");
+    assert!(
+        start.elapsed() < Duration::from_secs(1),
+        "502 after {:?}",
+        start.elapsed()
+    );
+    assert!(up.received().iter().any(|r| r.target() == "/vanish"));
+    still_serves(&gw, "/fine", b"fine").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn idle_connection_closed_by_the_upstream_does_not_fail_the_next_request() {
+    let up = ScriptedUpstream::start(|req| match req.target() {
+        "/one" => vec![Step::Write(ok(b"one")), Step::Sleep(ms(200)), Step::Close],
+        _ => vec![Step::Write(ok(b"two"))],
+    })
+    .await;
+    let gw = gateway(&up);
+    let mut client = RawClient::connect(gw.port).await;
+    let a = client.exchange(&get("/one")).await;
+    assert_eq!((a.status, &a.body[..]), (200, &b"one"[..]));
+    // The pooled upstream connection goes stale meanwhile.
+    tokio::time::sleep(ms(500)).await;
+    let a = client.exchange(&get("/two")).await;
+    assert_eq!(
+        (a.status, &a.body[..]),
+        (200, &b"two"[..]),
+        "a stale pooled connection failed the request: {a:?}"
+    );
+    assert_eq!(up.accepted(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_head_over_64_kib_is_502_and_the_gateway_keeps_serving() {
+    let up = ScriptedUpstream::start(|req| match req.target() {
+        "/big-head" => {
+            let mut head = b"HTTP/1.1 200 OK\r\nX-Big: ".to_vec();
+            head.extend(std::iter::repeat_n(b'a', 100 * 1024));
+            head.extend_from_slice(b"\r\nContent-Length: 2\r\n\r\nok");
+            vec![Step::Write(head)]
+        }
+        _ => vec![Step::Write(ok(b"fine"))],
+    })
+    .await;
+    let gw = gateway(&up);
+    let start = Instant::now();
+    let mut client = RawClient::connect(gw.port).await;
+    let a = client.exchange(&get("/big-head")).await;
+    assert_eq!(
+        a.status, 502,
+        "status {}, head of {:?}",
+        a.status, a.head.start
+    );
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "after {:?}",
+        start.elapsed()
+    );
+    still_serves(&gw, "/fine", b"fine").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_head_of_a_megabyte_is_502_and_the_gateway_keeps_serving() {
+    // Far beyond any head buffer, and sent without its end: a client without a limit
+    // would wait (and buffer) until the upstream timeout.
+    let up = ScriptedUpstream::start(|req| match req.target() {
+        "/huge-head" => {
+            let mut steps = vec![Step::Write(b"HTTP/1.1 200 OK\r\n".to_vec())];
+            let line = format!("X-Filler: {}\r\n", "b".repeat(8 * 1024)).into_bytes();
+            for _ in 0..128 {
+                steps.push(Step::Write(line.clone()));
+            }
+            steps
+        }
+        _ => vec![Step::Write(ok(b"fine"))],
+    })
+    .await;
+    let gw = gateway(&up);
+    let start = Instant::now();
+    let a = RawClient::connect(gw.port)
+        .await
+        .exchange(&get("/huge-head"))
+        .await;
+    assert_eq!(a.status, 502, "{:?}", a.head);
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "502 after {:?}",
+        start.elapsed()
+    );
+    still_serves(&gw, "/fine", b"fine").await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn response_with_many_header_lines_passes_whole() {
+    // 150 short `Set-Cookie` lines: under 4 KiB of head in all.
+    let up = ScriptedUpstream::start(|_| {
+        let mut r = b"HTTP/1.1 200 OK\r\n".to_vec();
+        for i in 0..150 {
+            r.extend_from_slice(format!("Set-Cookie: c{i}=v\r\n").as_bytes());
+        }
+        r.extend_from_slice(b"Content-Length: 2\r\n\r\nok");
+        vec![Step::Write(r)]
+    })
+    .await;
+    let gw = gateway(&up);
+    let a = RawClient::connect(gw.port)
+        .await
+        .exchange(&get("/cookies"))
+        .await;
+    assert_eq!(
+        (a.status, &a.body[..]),
+        (200, &b"ok"[..]),
+        "{:?}",
+        a.head.start
+    );
+    assert_eq!(
+        a.head.all("set-cookie").len(),
+        150,
+        "every Set-Cookie line arrives"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn upstream_slower_than_the_timeout_is_504() {
+    let up = ScriptedUpstream::start(|req| match req.target() {
+        "/slow" => vec![
+            Step::Sleep(Duration::from_secs(2)),
+            Step::Write(ok(b"late")),
+        ],
+        _ => vec![Step::Write(ok(b"fast"))],
+    })
+    .await;
+    let gw = gateway_with_timeout(&up, "300ms");
+    let mut client = RawClient::connect(gw.port).await;
+    let start = Instant::now();
+    let a = client.exchange(&get("/slow")).await;
+    let took = start.elapsed();
+    assert_eq!(a.status, 504, "{a:?}");
+    assert!(
+        took >= ms(250) && took < ms(1500),
+        "504 after {took:?} with a 300 ms timeout"
+    );
+    let a = client.exchange(&get("/fast")).await;
+    assert_eq!((a.status, &a.body[..]), (200, &b"fast"[..]));
+}
+
+// ---------------------------------------------------------------------------------------
+// Requests as they reach the upstream
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_bodies_arrive_with_their_exact_bytes_and_framing() {
+    let up = ScriptedUpstream::start(|req| {
+        vec![Step::Write(
+            ok(format!("got {}", req.body.len()).as_bytes()),
+        )]
+    })
+    .await;
+    let gw = gateway(&up);
+    let mut client = RawClient::connect(gw.port).await;
+
+    // A Content-Length body, written in pieces.
+    let cl_body = pattern(3, 10_000);
+    client
+        .send(b"POST /cl HTTP/1.1\r\nHost: upstream.test\r\nContent-Type: application/octet-stream\r\nContent-Length: 10000\r\n\r\n")
+        .await;
+    for piece in cl_body.chunks(3_333) {
+        tokio::time::sleep(ms(5)).await;
+        client.send(piece).await;
+    }
+    let a = client.answer(false).await.expect("answer to the CL body");
+    assert_eq!((a.status, &a.body[..]), (200, &b"got 10000"[..]));
+
+    // A chunked body with an extension and a trailer, the chunks in separate writes.
+    let big = pattern(4, 4096);
+    client
+        .send(b"POST /chunked HTTP/1.1\r\nHost: upstream.test\r\nTransfer-Encoding: chunked\r\n\r\n5;ext=1\r\nhello\r\n")
+        .await;
+    tokio::time::sleep(ms(20)).await;
+    client.send(b"1000\r\n").await;
+    client.send(&big).await;
+    client.send(b"\r\n").await;
+    tokio::time::sleep(ms(20)).await;
+    client.send(b"0\r\nX-Trailer: t\r\n\r\n").await;
+    let a = client
+        .answer(false)
+        .await
+        .expect("answer to the chunked body");
+    assert_eq!((a.status, &a.body[..]), (200, &b"got 4101"[..]));
+
+    // An empty body, then none: nothing of the earlier bodies may spill into them.
+    let a = client
+        .exchange(b"PUT /empty HTTP/1.1\r\nHost: upstream.test\r\nContent-Length: 0\r\n\r\n")
+        .await;
+    assert_eq!((a.status, &a.body[..]), (200, &b"got 0"[..]));
+    let a = client.exchange(&get("/after")).await;
+    assert_eq!((a.status, &a.body[..]), (200, &b"got 0"[..]));
+
+    let received = up.received();
+    let targets: Vec<_> = received.iter().map(Received::target).collect();
+    assert_eq!(targets, ["/cl", "/chunked", "/empty", "/after"]);
+    for r in &received {
+        assert!(
+            !(r.head.has("content-length") && r.head.has("transfer-encoding")),
+            "{}: both Content-Length and Transfer-Encoding: {:?}",
+            r.target(),
+            r.head
+        );
+    }
+    assert_eq!(received[0].framing, Framing::Length(10_000));
+    assert!(received[0].body == cl_body, "the CL body's bytes differ");
+    let mut chunked_body = b"hello".to_vec();
+    chunked_body.extend_from_slice(&big);
+    assert!(
+        matches!(
+            received[1].framing,
+            Framing::Chunked | Framing::Length(4101)
+        ),
+        "the chunked body reached the upstream as {:?}",
+        received[1].framing
+    );
+    assert!(
+        received[1].body == chunked_body,
+        "the chunked body's bytes differ"
+    );
+    assert!(
+        matches!(received[2].framing, Framing::Length(0) | Framing::None),
+        "{:?}",
+        received[2].framing
+    );
+    assert!(received[2].body.is_empty());
+    assert!(
+        matches!(received[3].framing, Framing::Length(0) | Framing::None),
+        "a GET without a body reached the upstream as {:?}",
+        received[3].framing
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_line_and_header_lines_arrive_as_sent_with_forwarding_fields() {
+    let up = ScriptedUpstream::start(|_| vec![Step::Write(ok(b"seen"))]).await;
+    let gw = gateway(&up);
+    let mut client = RawClient::connect(gw.port).await;
+    let patch = b"PATCH /a/b?x=1&y=%20 HTTP/1.1\r\nHost: app.example:8443\r\n\
+        X-Multi: one\r\nX-Other: between\r\nX-Multi: two\r\n\
+        X-Bytes: caf\xc3\xa9\t\"q\" ;, =x\r\nX-Forwarded-For: 10.1.2.3\r\n\
+        Content-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+        .to_vec();
+    let a = client.exchange(&patch).await;
+    assert_eq!(a.status, 200, "{a:?}");
+    let others: [&[u8]; 3] = [
+        b"DELETE /items/7?force=true HTTP/1.1\r\nHost: app.example\r\n\r\n",
+        b"OPTIONS /a%2Fb/~c;p=1?q=a+b&q=%C3%A9 HTTP/1.1\r\nHost: app.example\r\n\r\n",
+        b"GET /x?empty=&flag HTTP/1.1\r\nHost: app.example\r\n\r\n",
+    ];
+    for request in others {
+        let a = client.exchange(request).await;
+        assert_eq!(a.status, 200, "{a:?}");
+    }
+
+    let received = up.received();
+    let lines: Vec<_> = received.iter().map(|r| r.head.start.as_str()).collect();
+    assert_eq!(
+        lines,
+        [
+            "PATCH /a/b?x=1&y=%20 HTTP/1.1",
+            "DELETE /items/7?force=true HTTP/1.1",
+            "OPTIONS /a%2Fb/~c;p=1?q=a+b&q=%C3%A9 HTTP/1.1",
+            "GET /x?empty=&flag HTTP/1.1",
+        ]
+    );
+    let h = &received[0].head;
+    assert_eq!(
+        h.all("x-multi"),
+        [&b"one"[..], &b"two"[..]],
+        "both X-Multi lines, in order: {h:?}"
+    );
+    assert_eq!(h.all("x-other"), [&b"between"[..]]);
+    assert_eq!(
+        h.all("x-bytes"),
+        [&b"caf\xc3\xa9\t\"q\" ;, =x"[..]],
+        "the value's bytes"
+    );
+    assert_eq!(h.get("content-type").as_deref(), Some("application/json"));
+    assert_eq!(received[0].body, b"{}");
+    assert_eq!(
+        h.all("host"),
+        [&b"app.example:8443"[..]],
+        "the client's Host, once"
+    );
+    assert_eq!(
+        h.get("x-forwarded-host").as_deref(),
+        Some("app.example:8443")
+    );
+    assert_eq!(h.get("x-forwarded-proto").as_deref(), Some("http"));
+    assert_eq!(
+        h.all("x-forwarded-for"),
+        [&b"10.1.2.3, 127.0.0.1"[..]],
+        "the peer appended to what came in, on one line"
+    );
+    let h = &received[1].head;
+    assert_eq!(h.get("host").as_deref(), Some("app.example"));
+    assert_eq!(h.get("x-forwarded-for").as_deref(), Some("127.0.0.1"));
+    assert_eq!(h.get("x-forwarded-host").as_deref(), Some("app.example"));
+}
+
+// ---------------------------------------------------------------------------------------
+// Streaming
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn large_answer_streams_to_the_client_before_the_upstream_has_sent_it_all() {
+    const MB: usize = 1 << 20;
+    const LEN: usize = 8 * MB;
+    let go = Arc::new(Notify::new());
+    let upstream_go = go.clone();
+    let up = ScriptedUpstream::start(move |_| {
+        let body = pattern(8, LEN);
+        vec![
+            Step::Write(format!("HTTP/1.1 200 OK\r\nContent-Length: {LEN}\r\n\r\n").into_bytes()),
+            Step::Write(body[..MB].to_vec()),
+            // The rest only once the client has read the first megabyte.
+            Step::Wait(upstream_go.clone()),
+            Step::Write(body[MB..].to_vec()),
+        ]
+    })
+    .await;
+    let gw = gateway(&up);
+    let mut client = RawClient::connect(gw.port).await;
+    client.send(&get("/big")).await;
+    let first = async {
+        let (status, _, _, mut reader) = client.answer_head(false).await?;
+        let mut body = Vec::new();
+        while body.len() < MB {
+            let piece = reader
+                .next(&mut client.wire)
+                .await?
+                .ok_or("the body ended early")?;
+            body.extend_from_slice(&piece);
+        }
+        Ok::<_, String>((status, reader, body))
+    };
+    let (status, mut reader, mut body) = tokio::time::timeout(WAIT, first)
+        .await
+        .expect("the first megabyte reached the client while the upstream held back the rest")
+        .expect("the first megabyte");
+    assert_eq!(status, 200);
+    go.notify_one();
+    let rest = tokio::time::timeout(WAIT, reader.rest(&mut client.wire))
+        .await
+        .expect("the rest within the wait")
+        .expect("the rest");
+    body.extend_from_slice(&rest);
+    assert_eq!(body.len(), LEN);
+    assert!(body == pattern(8, LEN), "the body's bytes differ");
+}
