@@ -326,9 +326,9 @@ impl Gateway {
 
     pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
         let _in_flight = InFlight::new(&self.metrics.in_flight);
-        let started = Instant::now();
         let live = self.live.load_full();
         let logged = tracing::enabled!(target: "ratewall::access", tracing::Level::INFO);
+        let started = logged.then(Instant::now);
         // Only what the access log needs, and only when it is on. Never the query string:
         // it may hold secrets.
         let line = logged.then(|| (req.method().clone(), req.uri().path().to_string()));
@@ -348,7 +348,7 @@ impl Gateway {
                 shadow_denied = note.shadow_denied.unwrap_or("-"),
                 waited_ms = note.waited.as_millis() as u64,
                 id = id.as_deref().unwrap_or("-"),
-                latency_us = started.elapsed().as_micros() as u64,
+                latency_us = started.map_or(0, |t| t.elapsed().as_micros() as u64),
             );
         }
         resp

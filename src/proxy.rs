@@ -393,10 +393,15 @@ fn parse_head_into<'b>(
         Ok(httparse::Status::Partial) => return Ok(Ok(Parsed::Partial)),
         Err(e) => return Err(e),
     };
-    Ok(head_parts(n, &res, is_head))
+    Ok(head_parts(buf, n, &res, is_head))
 }
 
-fn head_parts(n: usize, res: &httparse::Response<'_, '_>, is_head: bool) -> Result<Parsed, String> {
+fn head_parts(
+    buf: &[u8],
+    n: usize,
+    res: &httparse::Response<'_, '_>,
+    is_head: bool,
+) -> Result<Parsed, String> {
     let code = res.code.unwrap_or(0);
     let status = StatusCode::from_u16(code).map_err(|_| format!("bad status code {code}"))?;
     if status == StatusCode::SWITCHING_PROTOCOLS {
@@ -411,6 +416,8 @@ fn head_parts(n: usize, res: &httparse::Response<'_, '_>, is_head: bool) -> Resu
         _ => Version::HTTP_10,
     };
     let mut headers = HeaderMap::with_capacity(res.headers.len());
+    // The values are slices of one copy of the head, not a copy each.
+    let raw = Bytes::copy_from_slice(&buf[..n]);
     let mut length: Option<u64> = None;
     let mut chunked = false;
     let mut transfer_coded = false;
@@ -418,8 +425,15 @@ fn head_parts(n: usize, res: &httparse::Response<'_, '_>, is_head: bool) -> Resu
     for f in res.headers.iter() {
         let name = HeaderName::from_bytes(f.name.as_bytes())
             .map_err(|_| format!("bad field name {:?}", f.name))?;
-        let value =
-            HeaderValue::from_bytes(f.value).map_err(|_| format!("bad value of {}", f.name))?;
+        // `f.value` lies inside `buf[..n]`, as its copy's slice does inside `raw`.
+        let at = (f.value.as_ptr() as usize).wrapping_sub(buf.as_ptr() as usize);
+        let value = raw
+            .get(at..at.saturating_add(f.value.len()))
+            .map(|v| raw.slice_ref(v))
+            .ok_or_else(|| format!("bad value of {}", f.name))
+            .and_then(|v| {
+                HeaderValue::from_maybe_shared(v).map_err(|_| format!("bad value of {}", f.name))
+            })?;
         if name == CONTENT_LENGTH {
             let text = std::str::from_utf8(f.value).unwrap_or("");
             for part in text.split(',') {
@@ -750,6 +764,10 @@ impl Body for ResponseBody {
 
 /// Remove the hop-by-hop fields, and every field the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most messages have none: one pass over the names instead of a lookup for each.
+    if !headers.keys().any(|k| HOP_BY_HOP.contains(k)) {
+        return;
+    }
     if headers.contains_key(CONNECTION) {
         let named: Vec<HeaderName> = headers
             .get_all(CONNECTION)

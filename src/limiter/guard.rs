@@ -161,8 +161,9 @@ impl Limiter {
     /// future of its size for the memory store to carry.)
     pub fn decide_now(self: &Arc<Self>, checks: &[Check<'_>], cache_denials: bool) -> Now {
         // A known denial stands whatever the store is doing: it is still true.
-        let sent_us = self.now_us();
         let denials = self.denials.as_ref().filter(|_| cache_denials);
+        // The deny cache's clock, read only where there is a cache.
+        let sent_us = if denials.is_some() { self.now_us() } else { 0 };
         if let Some(hit) = denials.and_then(|c| c.lookup(checks, sent_us)) {
             self.metrics.deny_cache_hits.inc();
             return Now::Answered(Answer::Cached(hit));
