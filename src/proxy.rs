@@ -23,7 +23,8 @@ use http::uri::PathAndQuery;
 use http::{Method, Request, Response, StatusCode, Version};
 use http_body_util::BodyExt;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
-use tokio::io::AsyncWriteExt;
+use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
 use tokio::net::TcpStream;
 
 use crate::config::Upstream;
@@ -107,6 +108,13 @@ impl Pool {
         None
     }
 
+    /// Close the connections idle too long or closed by the upstream (which would
+    /// otherwise sit in CLOSE_WAIT until the next request comes).
+    fn sweep(&self) {
+        let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
+        idle.retain(|(conn, since)| since.elapsed() < IDLE_FOR && still_open(conn));
+    }
+
     fn put(&self, conn: TcpStream) {
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         if idle.len() >= MAX_IDLE {
@@ -118,7 +126,9 @@ impl Pool {
 
 /// Whether an idle connection can take a request: the upstream has neither closed it nor
 /// sent anything unasked (which would be read as the next answer). A syscall only when the
-/// event loop saw it readable since it was last drained.
+/// event loop saw it readable since it was last drained. (A task out of its cooperative
+/// budget sees no readiness: the connection is then taken unchecked, as when the upstream
+/// closes it the very moment it is used; that request gets a 502.)
 fn still_open(conn: &TcpStream) -> bool {
     let mut cx = Context::from_waker(std::task::Waker::noop());
     if conn.poll_read_ready(&mut cx).is_pending() {
@@ -147,11 +157,13 @@ impl Proxy {
             .parse::<IpAddr>()
             .ok()
             .map(|ip| SocketAddr::new(ip, port));
-        let authority = cfg
-            .url
-            .authority()
-            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
-            .unwrap_or_else(|| HeaderValue::from_static("127.0.0.1"));
+        // The Host sent when the client gave none: host and port, never user info.
+        let authority = match cfg.url.port() {
+            Some(p) => format!("{host}:{}", p.as_str()),
+            None => host.clone(),
+        };
+        let authority = HeaderValue::from_str(&authority)
+            .unwrap_or_else(|_| HeaderValue::from_static("127.0.0.1"));
         Proxy {
             host,
             port,
@@ -162,6 +174,11 @@ impl Proxy {
             connect_timeout: cfg.connect_timeout,
             pool: Arc::default(),
         }
+    }
+
+    /// Close idle connections that expired or that the upstream closed.
+    pub fn sweep(&self) {
+        self.pool.sweep();
     }
 
     /// Send `req` from `peer` upstream; the answer's head must arrive within `timeout`.
@@ -205,18 +222,27 @@ impl Proxy {
         // (`still_open`); one closed the very moment it is used fails this request with a
         // 502 rather than sending it twice, as hyper's client did.
         let exchange = async {
-            let conn = match self.pool.take() {
+            let mut conn = match self.pool.take() {
                 Some(conn) => conn,
                 None => self.connect().await?,
             };
-            let mut conn = conn;
-            send(&mut conn, &head, body, &sending)
-                .await
-                .map_err(ProxyError::Failed)?;
-            let (head, buf, framing) = read_head(&mut conn, is_head)
-                .await
-                .map_err(ProxyError::Failed)?;
-            Ok(ResponseBody::answer(head, conn, buf, framing, &self.pool))
+            if matches!(sending, Sending::None) {
+                conn.write_all(&head)
+                    .await
+                    .map_err(|e| ProxyError::Failed(format!("writing the request: {e}")))?;
+                let (parts, buf, framing) = read_head(&mut conn, is_head)
+                    .await
+                    .map_err(ProxyError::Failed)?;
+                return Ok(ResponseBody::answer(
+                    parts,
+                    Conn::Whole(conn),
+                    None,
+                    buf,
+                    framing,
+                    &self.pool,
+                ));
+            }
+            self.duplex(conn, head, body, sending, is_head).await
         };
         let mut resp = match tokio::time::timeout(self.timeout, exchange).await {
             Err(_) => return Err(ProxyError::Timeout(self.timeout)),
@@ -226,25 +252,95 @@ impl Proxy {
         Ok(resp)
     }
 
+    /// A request with a body: the body goes up while the answer is awaited, so an upstream
+    /// that answers early (a 413, a 401) or streams its answer while it reads (an echo) is
+    /// heard at once. An answer that comes before the whole body went up takes the rest of
+    /// the upload along in its body (full duplex), and its connection is not kept.
+    async fn duplex(
+        &self,
+        conn: TcpStream,
+        head: Vec<u8>,
+        body: Incoming,
+        sending: Sending,
+        is_head: bool,
+    ) -> Result<Response<ResponseBody>, ProxyError> {
+        let (mut rd, mut wr) = conn.into_split();
+        let chunked = matches!(sending, Sending::Chunked);
+        let mut upload: Upload = Box::pin(async move {
+            send(&mut wr, &head, body, chunked).await?;
+            Ok(wr)
+        });
+        let mut uploaded: Option<Result<OwnedWriteHalf, String>> = None;
+        let answer = {
+            let reading = read_head(&mut rd, is_head);
+            tokio::pin!(reading);
+            loop {
+                tokio::select! {
+                    done = &mut upload, if uploaded.is_none() => uploaded = Some(done),
+                    answer = &mut reading => break answer,
+                }
+            }
+        };
+        let (parts, buf, framing) = match answer {
+            Ok(answer) => answer,
+            // No answer: a failed write (a reset, say) says most.
+            Err(e) => {
+                return Err(ProxyError::Failed(match uploaded {
+                    Some(Err(wrote)) => wrote,
+                    _ => e,
+                }))
+            }
+        };
+        let (conn, upload) = match uploaded {
+            Some(Ok(wr)) => match rd.reunite(wr) {
+                Ok(conn) => (Conn::Whole(conn), None),
+                Err(e) => (Conn::Half(e.0), None),
+            },
+            Some(Err(_)) => (Conn::Half(rd), None),
+            None => (Conn::Half(rd), Some(upload)),
+        };
+        Ok(ResponseBody::answer(
+            parts, conn, upload, buf, framing, &self.pool,
+        ))
+    }
+
     async fn connect(&self) -> Result<TcpStream, ProxyError> {
-        let connecting = async {
-            match self.addr {
-                Some(addr) => TcpStream::connect(addr).await,
-                None => TcpStream::connect((self.host.as_str(), self.port)).await,
+        let addrs: Vec<SocketAddr> = match self.addr {
+            Some(addr) => vec![addr],
+            None => {
+                let lookup = tokio::net::lookup_host((self.host.as_str(), self.port));
+                match tokio::time::timeout(self.connect_timeout, lookup).await {
+                    Err(_) => {
+                        return Err(ProxyError::Unreachable(format!(
+                            "resolving {} timed out after {:?}",
+                            self.host, self.connect_timeout
+                        )))
+                    }
+                    Ok(Err(e)) => {
+                        return Err(ProxyError::Unreachable(format!(
+                            "resolving {}: {e}",
+                            self.host
+                        )))
+                    }
+                    Ok(Ok(addrs)) => addrs.collect(),
+                }
             }
         };
-        let conn = match tokio::time::timeout(self.connect_timeout, connecting).await {
-            Err(_) => {
-                return Err(ProxyError::Unreachable(format!(
-                    "connect timed out after {:?}",
-                    self.connect_timeout
-                )))
+        // Each address gets its share of the connect timeout, so one that drops packets
+        // does not keep the next from being tried.
+        let each = self.connect_timeout / u32::try_from(addrs.len().max(1)).unwrap_or(u32::MAX);
+        let mut why = format!("{} resolves to no address", self.host);
+        for addr in addrs {
+            match tokio::time::timeout(each, TcpStream::connect(addr)).await {
+                Ok(Ok(conn)) => {
+                    let _ = conn.set_nodelay(true);
+                    return Ok(conn);
+                }
+                Ok(Err(e)) => why = format!("{addr}: {e}"),
+                Err(_) => why = format!("{addr}: connect timed out after {each:?}"),
             }
-            Ok(Err(e)) => return Err(ProxyError::Unreachable(e.to_string())),
-            Ok(Ok(conn)) => conn,
-        };
-        let _ = conn.set_nodelay(true);
-        Ok(conn)
+        }
+        Err(ProxyError::Unreachable(why))
     }
 
     /// `METHOD /base/path?query HTTP/1.1`, the fields, and the blank line.
@@ -285,19 +381,18 @@ impl Proxy {
     }
 }
 
+/// The rest of a request body going up, and the write half once it is all sent.
+type Upload = Pin<Box<dyn std::future::Future<Output = Result<OwnedWriteHalf, String>> + Send>>;
+
 /// Write the head and stream the body after it.
-async fn send(
-    conn: &mut TcpStream,
+async fn send<W: AsyncWrite + Unpin>(
+    conn: &mut W,
     head: &[u8],
     mut body: Incoming,
-    sending: &Sending,
+    chunked: bool,
 ) -> Result<(), String> {
     let wrote = |e: std::io::Error| format!("writing the request: {e}");
     conn.write_all(head).await.map_err(wrote)?;
-    if matches!(sending, Sending::None) {
-        return Ok(());
-    }
-    let chunked = matches!(sending, Sending::Chunked);
     while let Some(frame) = body.frame().await {
         let frame = frame.map_err(|e| format!("reading the client's body: {e}"))?;
         // Trailers are not forwarded (a hop-by-hop `TE: trailers` never reaches here).
@@ -308,10 +403,10 @@ async fn send(
             continue;
         }
         if chunked {
+            // Size line, data and CRLF in one vectored write.
             let size = format!("{:x}\r\n", data.len());
-            conn.write_all(size.as_bytes()).await.map_err(wrote)?;
-            conn.write_all(&data).await.map_err(wrote)?;
-            conn.write_all(b"\r\n").await.map_err(wrote)?;
+            let mut chunk = size.as_bytes().chain(data).chain(&b"\r\n"[..]);
+            conn.write_all_buf(&mut chunk).await.map_err(wrote)?;
         } else {
             conn.write_all(&data).await.map_err(wrote)?;
         }
@@ -324,8 +419,8 @@ async fn send(
 
 /// Read until a final (non-1xx) response head is complete. Returns it, what was read past
 /// it, and how its body is framed.
-async fn read_head(
-    conn: &mut TcpStream,
+async fn read_head<R: AsyncRead + Unpin>(
+    conn: &mut R,
     is_head: bool,
 ) -> Result<(http::response::Parts, BytesMut, Framing), String> {
     let mut buf = BytesMut::with_capacity(READ_SIZE);
@@ -421,7 +516,7 @@ fn head_parts(
     let mut length: Option<u64> = None;
     let mut chunked = false;
     let mut transfer_coded = false;
-    let mut close = version == Version::HTTP_10;
+    let (mut saw_close, mut saw_keep_alive) = (false, false);
     for f in res.headers.iter() {
         let name = HeaderName::from_bytes(f.name.as_bytes())
             .map_err(|_| format!("bad field name {:?}", f.name))?;
@@ -458,14 +553,17 @@ fn head_parts(
         } else if name == CONNECTION {
             let text = std::str::from_utf8(f.value).unwrap_or("");
             for token in text.split(',').map(str::trim) {
-                if token.eq_ignore_ascii_case("close") {
-                    close = true;
-                } else if token.eq_ignore_ascii_case("keep-alive") && version == Version::HTTP_10 {
-                    close = false;
-                }
+                saw_close |= token.eq_ignore_ascii_case("close");
+                saw_keep_alive |= token.eq_ignore_ascii_case("keep-alive");
             }
         }
         headers.append(name, value);
+    }
+    // `close` wins in any order; HTTP/1.0 keeps the connection only when asked to.
+    let mut close = saw_close || (version == Version::HTTP_10 && !saw_keep_alive);
+    if transfer_coded && version == Version::HTTP_10 {
+        // RFC 9112 §6.1: framing an HTTP/1.0 recipient cannot have asked for is faulty.
+        return Err("Transfer-Encoding in an HTTP/1.0 response".into());
     }
     let bodiless =
         is_head || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
@@ -498,6 +596,12 @@ fn head_parts(
     parts.headers = headers;
     if close {
         parts.extensions.insert(Close);
+    }
+    // A reason phrase of the upstream's own is passed on as it was.
+    if let Some(reason) = res.reason.filter(|r| Some(*r) != status.canonical_reason()) {
+        if let Ok(reason) = hyper::ext::ReasonPhrase::try_from(reason.as_bytes()) {
+            parts.extensions.insert(reason);
+        }
     }
     Ok(Parsed::Final(n, parts, framing))
 }
@@ -533,19 +637,27 @@ enum Chunk {
 /// connection goes back to the pool when the body ended cleanly and can carry another
 /// request; a body dropped early takes its connection with it.
 pub struct ResponseBody {
-    conn: Option<TcpStream>,
+    conn: Option<Conn>,
+    /// The rest of the request body, still going up (an early answer).
+    upload: Option<Upload>,
     buf: BytesMut,
     framing: Framing,
     reuse: bool,
     pool: Arc<Pool>,
-    /// Bytes of trailer section seen so far.
-    trailers: usize,
+}
+
+/// The connection an answer is read from: whole (and maybe kept), or the read half of one
+/// whose write half carries an upload (never kept).
+enum Conn {
+    Whole(TcpStream),
+    Half(OwnedReadHalf),
 }
 
 impl ResponseBody {
     fn answer(
         mut parts: http::response::Parts,
-        conn: TcpStream,
+        conn: Conn,
+        upload: Option<Upload>,
         buf: BytesMut,
         framing: Framing,
         pool: &Arc<Pool>,
@@ -553,17 +665,18 @@ impl ResponseBody {
         let reuse = parts.extensions.remove::<Close>().is_none();
         let mut body = ResponseBody {
             conn: Some(conn),
+            upload,
             buf,
             framing,
             reuse,
             pool: pool.clone(),
-            trailers: 0,
         };
         body.finish_if_done();
         Response::from_parts(parts, body)
     }
 
-    /// Once the body is over, give the connection back (or close it).
+    /// Once the body is over, give the connection back (or close it), and drop what is
+    /// left of an upload.
     fn finish_if_done(&mut self) {
         if self.framing == Framing::Length(0) {
             self.framing = Framing::Done;
@@ -571,7 +684,8 @@ impl ResponseBody {
         if self.framing != Framing::Done {
             return;
         }
-        if let Some(conn) = self.conn.take() {
+        self.upload = None;
+        if let Some(Conn::Whole(conn)) = self.conn.take() {
             // Bytes past the end of the answer would be read as the next one: never reuse.
             if self.reuse && self.buf.is_empty() {
                 self.pool.put(conn);
@@ -581,23 +695,30 @@ impl ResponseBody {
 
     /// Read more from the upstream into `buf`; `Ok(0)` at its end.
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<std::io::Result<usize>> {
-        let Some(conn) = self.conn.as_mut() else {
-            return Poll::Ready(Ok(0));
-        };
-        loop {
-            self.buf.reserve(READ_SIZE);
-            match conn.try_read_buf(&mut self.buf) {
-                Ok(n) => return Poll::Ready(Ok(n)),
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    ready!(conn.poll_read_ready(cx))?;
+        match self.conn.as_mut() {
+            None => Poll::Ready(Ok(0)),
+            Some(Conn::Whole(conn)) => loop {
+                self.buf.reserve(READ_SIZE);
+                match conn.try_read_buf(&mut self.buf) {
+                    Ok(n) => return Poll::Ready(Ok(n)),
+                    Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                        ready!(conn.poll_read_ready(cx))?;
+                    }
+                    Err(e) => return Poll::Ready(Err(e)),
                 }
-                Err(e) => return Poll::Ready(Err(e)),
+            },
+            Some(Conn::Half(half)) => {
+                let mut chunk = [0u8; 8192];
+                let mut read = ReadBuf::new(&mut chunk);
+                ready!(Pin::new(half).poll_read(cx, &mut read))?;
+                self.buf.extend_from_slice(read.filled());
+                Poll::Ready(Ok(read.filled().len()))
             }
         }
     }
 
-    /// The next piece of body already in `buf`, or what to do about it.
-    fn next_in_buffer(&mut self) -> Result<Option<Bytes>, BodyError> {
+    /// The next frame already in `buf`, or what to do about it.
+    fn next_in_buffer(&mut self) -> Result<Option<Frame<Bytes>>, BodyError> {
         loop {
             match self.framing {
                 Framing::Done => return Ok(None),
@@ -617,13 +738,13 @@ impl ResponseBody {
                         _ if left == 0 => Framing::Chunked(Chunk::DataEnd),
                         _ => Framing::Chunked(Chunk::Data(left)),
                     };
-                    return Ok(Some(data));
+                    return Ok(Some(Frame::data(data)));
                 }
                 Framing::UntilClose => {
                     if self.buf.is_empty() {
                         return Err(BodyError::NeedMore);
                     }
-                    return Ok(Some(self.buf.split().freeze()));
+                    return Ok(Some(Frame::data(self.buf.split().freeze())));
                 }
                 Framing::Chunked(Chunk::DataEnd) => {
                     if self.buf.len() < 2 {
@@ -636,7 +757,7 @@ impl ResponseBody {
                     self.framing = Framing::Chunked(Chunk::Size);
                 }
                 Framing::Chunked(Chunk::Size) => {
-                    let Some(end) = find_crlf(&self.buf) else {
+                    let Some(end) = find(&self.buf, b"\r\n") else {
                         return Err(if self.buf.len() > MAX_CHUNK_LINE {
                             BodyError::Bad("chunk-size line too long")
                         } else {
@@ -652,26 +773,50 @@ impl ResponseBody {
                     });
                 }
                 Framing::Chunked(Chunk::Trailers) => {
-                    // Trailer fields are read past, not forwarded; the blank line ends them.
-                    let Some(end) = find_crlf(&self.buf) else {
-                        return Err(if self.trailers + self.buf.len() > MAX_TRAILERS {
+                    // The trailer section: fields up to a blank line, passed on as
+                    // trailers (hyper sends them to clients that can take them).
+                    if self.buf.starts_with(b"\r\n") {
+                        self.buf.advance(2);
+                        self.framing = Framing::Done;
+                        return Ok(None);
+                    }
+                    let Some(end) = find(&self.buf, b"\r\n\r\n") else {
+                        return Err(if self.buf.len() > MAX_TRAILERS {
                             BodyError::Bad("trailer section too long")
                         } else {
                             BodyError::NeedMore
                         });
                     };
-                    self.buf.advance(end + 2);
-                    self.trailers += end + 2;
-                    if self.trailers > MAX_TRAILERS {
-                        return Err(BodyError::Bad("trailer section too long"));
-                    }
-                    if end == 0 {
-                        self.framing = Framing::Done;
-                    }
+                    let section = self.buf.split_to(end + 4);
+                    self.framing = Framing::Done;
+                    return Ok(trailers(&section)?.map(Frame::trailers));
                 }
             }
         }
     }
+}
+
+/// A trailer section's fields; `None` when none is worth passing on.
+fn trailers(section: &[u8]) -> Result<Option<HeaderMap>, BodyError> {
+    let mut fields = [httparse::EMPTY_HEADER; FEW_FIELDS];
+    let parsed = httparse::parse_headers(section, &mut fields);
+    let Ok(httparse::Status::Complete((_, fields))) = parsed else {
+        return Err(BodyError::Bad("malformed trailer section"));
+    };
+    let mut map = HeaderMap::new();
+    for f in fields {
+        let name = HeaderName::from_bytes(f.name.as_bytes());
+        let value = HeaderValue::from_bytes(f.value);
+        if let (Ok(name), Ok(value)) = (name, value) {
+            map.append(name, value);
+        }
+    }
+    // Framing and routing fields never belong in trailers (RFC 9110 §6.5.1).
+    strip_hop_by_hop(&mut map);
+    for name in [CONTENT_LENGTH, HOST, http::header::CONTENT_TYPE] {
+        map.remove(name);
+    }
+    Ok((!map.is_empty()).then_some(map))
 }
 
 enum BodyError {
@@ -679,21 +824,31 @@ enum BodyError {
     Bad(&'static str),
 }
 
-fn find_crlf(buf: &[u8]) -> Option<usize> {
-    buf.windows(2).position(|w| w == b"\r\n")
+fn find(buf: &[u8], what: &[u8]) -> Option<usize> {
+    buf.windows(what.len()).position(|w| w == what)
 }
 
-/// A chunk-size line: hex digits, then optional `;` extensions (ignored).
+/// A chunk-size line: hex digits, then optional whitespace and `;` extensions (ignored).
 fn chunk_size(line: &[u8]) -> Result<u64, BodyError> {
-    let digits = line
+    let end = line
         .iter()
-        .position(|&b| b == b';' || b == b' ' || b == b'\t')
-        .map_or(line, |end| &line[..end]);
-    if digits.is_empty() || digits.len() > 15 {
+        .position(|b| !b.is_ascii_hexdigit())
+        .unwrap_or(line.len());
+    let rest = line[end..].trim_ascii_start();
+    if end == 0 || !(rest.is_empty() || rest[0] == b';') {
         return Err(BodyError::Bad("bad chunk size"));
     }
-    let text = std::str::from_utf8(digits).map_err(|_| BodyError::Bad("bad chunk size"))?;
-    u64::from_str_radix(text, 16).map_err(|_| BodyError::Bad("bad chunk size"))
+    let digits = &line[..end];
+    let digits = &digits[digits.iter().take_while(|&&b| b == b'0').count()..];
+    if digits.len() > 15 {
+        return Err(BodyError::Bad("chunk size too large"));
+    }
+    let mut size = 0u64;
+    for &b in digits {
+        // Hex digits only (checked above), at most 15 of them: no overflow.
+        size = size * 16 + u64::from((b as char).to_digit(16).unwrap_or(0));
+    }
+    Ok(size)
 }
 
 impl Body for ResponseBody {
@@ -705,11 +860,18 @@ impl Body for ResponseBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, std::io::Error>>> {
         let this = &mut *self;
+        // The rest of an upload goes up while the answer comes down. Its end (sent, or
+        // failed: the upstream stopped reading) changes nothing about the answer.
+        if let Some(upload) = this.upload.as_mut() {
+            if upload.as_mut().poll(cx).is_ready() {
+                this.upload = None;
+            }
+        }
         loop {
             match this.next_in_buffer() {
-                Ok(Some(data)) => {
+                Ok(Some(frame)) => {
                     this.finish_if_done();
-                    return Poll::Ready(Some(Ok(Frame::data(data))));
+                    return Poll::Ready(Some(Ok(frame)));
                 }
                 Ok(None) => {
                     this.finish_if_done();
@@ -941,16 +1103,20 @@ mod tests {
         let (pool, mut out) = (Arc::new(Pool::default()), Vec::new());
         let mut body = ResponseBody {
             conn: None,
+            upload: None,
             buf: BytesMut::new(),
             framing,
             reuse: false,
             pool,
-            trailers: 0,
         };
         let mut pieces = wire.chunks(step.max(1));
         loop {
             match body.next_in_buffer() {
-                Ok(Some(data)) => out.extend_from_slice(&data),
+                Ok(Some(frame)) => {
+                    if let Ok(data) = frame.into_data() {
+                        out.extend_from_slice(&data);
+                    }
+                }
                 Ok(None) => return Ok(out),
                 Err(BodyError::Bad(why)) => return Err(why),
                 Err(BodyError::NeedMore) => match pieces.next() {
@@ -987,5 +1153,95 @@ mod tests {
         }
         // A size too large for 15 hex digits is refused, not wrapped.
         assert!(decode(Framing::Chunked(Chunk::Size), b"1000000000000000\r\n", 64).is_err());
+    }
+
+    #[test]
+    fn chunk_sizes_are_hex_digits_then_only_extensions() {
+        let size = |line: &[u8]| chunk_size(line).ok();
+        assert_eq!(size(b"1f"), Some(31));
+        assert_eq!(
+            size(b"0000000000000002"),
+            Some(2),
+            "leading zeros are not a size"
+        );
+        assert_eq!(size(b"2 ;name=value"), Some(2));
+        assert_eq!(size(b"2;a;b=\"c\""), Some(2));
+        for bad in [
+            &b"+2"[..],
+            b"-2",
+            b"2 junk",
+            b"",
+            b" 2",
+            b"0x2",
+            b"fffffffffffffffff",
+        ] {
+            assert_eq!(size(bad), None, "{:?}", String::from_utf8_lossy(bad));
+        }
+    }
+
+    #[test]
+    fn trailers_are_passed_on_without_framing_fields() {
+        let wire = b"2\r\nok\r\n0\r\nx-checksum: abc\r\ncontent-length: 9\r\n\r\n";
+        let mut body = ResponseBody {
+            conn: None,
+            upload: None,
+            buf: BytesMut::from(&wire[..]),
+            framing: Framing::Chunked(Chunk::Size),
+            reuse: false,
+            pool: Arc::default(),
+        };
+        let data = body
+            .next_in_buffer()
+            .ok()
+            .flatten()
+            .and_then(|f| f.into_data().ok());
+        assert_eq!(data.as_deref(), Some(&b"ok"[..]));
+        let trailers = body
+            .next_in_buffer()
+            .ok()
+            .flatten()
+            .and_then(|f| f.into_trailers().ok());
+        let trailers = trailers.expect("a trailers frame");
+        assert_eq!(trailers["x-checksum"], "abc");
+        assert!(trailers.get(CONTENT_LENGTH).is_none());
+        assert!(body.is_end_stream());
+    }
+
+    #[test]
+    fn connection_rules_and_reason_phrases() {
+        // `close` wins whatever the order, on either version.
+        for text in [
+            "HTTP/1.0 200 OK\r\nConnection: close, keep-alive\r\nContent-Length: 0\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nConnection: keep-alive, close\r\nContent-Length: 0\r\n\r\n",
+        ] {
+            assert!(
+                head(text, false)
+                    .unwrap()
+                    .1
+                    .extensions
+                    .get::<Close>()
+                    .is_some(),
+                "{text}"
+            );
+        }
+        // Transfer-Encoding in an HTTP/1.0 answer is faulty framing.
+        assert!(head(
+            "HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+            false
+        )
+        .is_err());
+        // An own reason phrase is kept; the standard one needs nothing.
+        let (_, p, _) = head(
+            "HTTP/1.1 599 Custom Thing\r\nContent-Length: 0\r\n\r\n",
+            false,
+        )
+        .unwrap();
+        let reason = p
+            .extensions
+            .get::<hyper::ext::ReasonPhrase>()
+            .expect("reason");
+        assert_eq!(reason.as_bytes(), b"Custom Thing");
+        let (_, p, _) = head("HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n", false).unwrap();
+        assert!(p.extensions.get::<hyper::ext::ReasonPhrase>().is_none());
     }
 }

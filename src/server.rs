@@ -246,12 +246,17 @@ async fn shutdown_signal() {
     }
 }
 
-/// Background work that keeps the store bounded.
+/// Background work that keeps the store bounded, and closes upstream connections that
+/// expired or that the upstream closed while idle.
 async fn upkeep(gateway: Arc<Gateway>) {
     let mut tick = tokio::time::interval(SWEEP_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        gateway.live().limiter.sweep();
+        let live = gateway.live();
+        live.limiter.sweep();
+        for proxy in live.proxies.iter() {
+            proxy.sweep();
+        }
     }
 }

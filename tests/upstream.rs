@@ -1470,3 +1470,236 @@ async fn large_answer_streams_to_the_client_before_the_upstream_has_sent_it_all(
     assert_eq!(body.len(), LEN);
     assert!(body == pattern(8, LEN), "the body's bytes differ");
 }
+
+// ---------------------------------------------------------------------------------------
+// Early answers to uploads, and idle connections the upstream closed
+
+/// An upstream that answers each connection's request as soon as its head is in, without
+/// reading the body; then either closes (`close`) or holds the connection unread.
+async fn early_answerer(
+    answer: &'static [u8],
+    close: bool,
+) -> (String, tokio::task::JoinHandle<()>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let task = tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut wire = Wire::new(stream);
+                if !matches!(wire.head().await, Ok(Some(_))) {
+                    return;
+                }
+                let _ = wire.stream.write_all(answer).await;
+                if !close {
+                    tokio::time::sleep(WAIT).await;
+                }
+            });
+        }
+    });
+    (url, task)
+}
+
+/// Send a request with a 20 MB body (written on its own task), and read the answer's head.
+async fn upload_and_read_head(port: u16) -> Result<(Head, Duration), String> {
+    let stream = TcpStream::connect(("127.0.0.1", port))
+        .await
+        .map_err(|e| e.to_string())?;
+    let (mut rd, mut wr) = stream.into_split();
+    let writer = tokio::spawn(async move {
+        let head =
+            "POST /upload HTTP/1.1\r\nHost: upstream.test\r\nContent-Length: 20000000\r\n\r\n";
+        if wr.write_all(head.as_bytes()).await.is_err() {
+            return;
+        }
+        let chunk = vec![b'x'; 64 * 1024];
+        for _ in 0..(20_000_000 / chunk.len() + 1) {
+            if wr.write_all(&chunk).await.is_err() {
+                return;
+            }
+        }
+    });
+    let start = Instant::now();
+    let mut buf = Vec::new();
+    let head = tokio::time::timeout(WAIT, async {
+        loop {
+            if let Some(i) = find(&buf, b"\r\n\r\n") {
+                return Head::parse(&buf[..i + 4]);
+            }
+            let mut chunk = [0u8; 4096];
+            match rd.read(&mut chunk).await {
+                Ok(0) | Err(_) => return Err("closed before an answer".to_string()),
+                Ok(n) => buf.extend_from_slice(&chunk[..n]),
+            }
+        }
+    })
+    .await
+    .map_err(|_| TIMED_OUT.to_string())??;
+    writer.abort();
+    Ok((head, start.elapsed()))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_before_the_whole_upload_reaches_the_client_at_once() {
+    const TOO_LARGE: &[u8] =
+        b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
+    // The upstream that answers and closes, and the one that answers and stops reading.
+    for close in [true, false] {
+        let (url, upstream) = early_answerer(TOO_LARGE, close).await;
+        let gw = Gateway::start(&format!(
+            "workers = 1\n{}",
+            upstream_and_store(&url, &Store::Memory)
+        ));
+        let (head, took) = upload_and_read_head(gw.port)
+            .await
+            .unwrap_or_else(|e| panic!("close = {close}: {e}"));
+        assert_eq!(head.status(), Ok(413), "close = {close}: {head:?}");
+        assert!(
+            took < Duration::from_secs(3),
+            "close = {close}: the 413 came after {took:?} (the answer timeout is 5 s)"
+        );
+        upstream.abort();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_idle_connection_the_upstream_closed_is_closed_without_waiting_for_traffic() {
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let gw = Gateway::start(&format!(
+        "workers = 1\n{}",
+        upstream_and_store(&url, &Store::Memory)
+    ));
+    let client = tokio::spawn(async move {
+        RawClient::connect(gw.port)
+            .await
+            .exchange(&get("/one"))
+            .await;
+        gw
+    });
+    let (stream, _) = tokio::time::timeout(WAIT, listener.accept())
+        .await
+        .expect("the gateway connects")
+        .expect("accept");
+    let mut wire = Wire::new(stream);
+    assert!(matches!(wire.head().await, Ok(Some(_))));
+    wire.stream.write_all(&ok(b"one")).await.expect("answer");
+    let _gw = client.await.expect("client");
+    // The upstream ends its side, as one does after its keep-alive timeout; the gateway
+    // must close the connection too (not hold it in CLOSE_WAIT until the next request).
+    wire.stream.shutdown().await.expect("shutdown");
+    let closed = tokio::time::timeout(Duration::from_secs(5), async {
+        let mut rest = [0u8; 64];
+        loop {
+            match wire.stream.read(&mut rest).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(
+        closed.is_ok(),
+        "the gateway kept the closed connection open for 5 s"
+    );
+}
+
+/// The body of a chunked message (`wire` holds everything after its head), or `None` while
+/// it is not complete.
+fn dechunk(wire: &[u8]) -> Option<Vec<u8>> {
+    let (mut at, mut body) = (0, Vec::new());
+    loop {
+        let line_end = at + find(&wire[at..], b"\r\n")?;
+        let size = chunk_size(&wire[at..line_end]).ok()?;
+        at = line_end + 2;
+        if size == 0 {
+            return wire[at..].starts_with(b"\r\n").then_some(body);
+        }
+        if wire.len() < at + size + 2 {
+            return None;
+        }
+        body.extend_from_slice(&wire[at..at + size]);
+        at += size + 2;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_that_answers_while_it_reads_streams_both_ways() {
+    const SIZE: usize = 8 << 20;
+    // The upstream echoes the body back, chunk by chunk, as it reads it.
+    let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
+    let url = format!("http://{}", listener.local_addr().expect("addr"));
+    let upstream = tokio::spawn(async move {
+        let Ok((stream, _)) = listener.accept().await else {
+            return;
+        };
+        let mut wire = Wire::new(stream);
+        if !matches!(wire.head().await, Ok(Some(_))) {
+            return;
+        }
+        let head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n";
+        if wire.stream.write_all(head).await.is_err() {
+            return;
+        }
+        let mut echoed = 0;
+        while echoed < SIZE {
+            if wire.buf.is_empty() && !matches!(wire.fill().await, Ok(true)) {
+                return;
+            }
+            let piece: Vec<u8> = wire.buf.drain(..).collect();
+            echoed += piece.len();
+            let mut chunk = format!("{:x}\r\n", piece.len()).into_bytes();
+            chunk.extend_from_slice(&piece);
+            chunk.extend_from_slice(b"\r\n");
+            if wire.stream.write_all(&chunk).await.is_err() {
+                return;
+            }
+        }
+        let _ = wire.stream.write_all(b"0\r\n\r\n").await;
+    });
+    let gw = Gateway::start(&format!(
+        "workers = 1\n{}",
+        upstream_and_store(&url, &Store::Memory)
+    ));
+    let sent = pattern(7, SIZE);
+    let stream = TcpStream::connect(("127.0.0.1", gw.port))
+        .await
+        .expect("connect");
+    let (mut rd, mut wr) = stream.into_split();
+    let body = sent.clone();
+    let writer = tokio::spawn(async move {
+        let head =
+            format!("POST /echo HTTP/1.1\r\nHost: upstream.test\r\nContent-Length: {SIZE}\r\n\r\n");
+        wr.write_all(head.as_bytes()).await.expect("request head");
+        for piece in body.chunks(64 * 1024) {
+            wr.write_all(piece).await.expect("request body");
+        }
+        wr
+    });
+    let mut got = Vec::new();
+    let echoed = tokio::time::timeout(WAIT, async {
+        loop {
+            if let Some(i) = find(&got, b"\r\n\r\n") {
+                if let Some(body) = dechunk(&got[i + 4..]) {
+                    return Ok((Head::parse(&got[..i + 4])?, body));
+                }
+            }
+            let mut chunk = vec![0u8; 64 * 1024];
+            match rd.read(&mut chunk).await {
+                Ok(0) => return Err("closed before the whole echo".to_string()),
+                Ok(n) => got.extend_from_slice(&chunk[..n]),
+                Err(e) => return Err(e.to_string()),
+            }
+        }
+    })
+    .await
+    .expect("the echo came back in time (both ways at once)");
+    let (head, body) = echoed.expect("an answer");
+    assert_eq!(head.status(), Ok(200));
+    assert!(
+        body == sent,
+        "the echo differs: {} bytes of {SIZE}",
+        body.len()
+    );
+    let _ = writer.await;
+    upstream.abort();
+}
