@@ -71,6 +71,13 @@ def evalsha_calls():
     return int(m.group(1)) if m else 0
 
 
+def cpu_seconds(pid):
+    """User and system CPU seconds a process has used so far (all its threads)."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
+
+
 def unit(value, suffix):
     value = float(value)
     return value * {"us": 1e-3, "ms": 1.0, "s": 1e3}[suffix]
@@ -103,30 +110,39 @@ def main():
         os.makedirs(os.path.join(LAB, d), exist_ok=True)
     open(os.path.join(LAB, "nginx.conf"), "w").write(conf)
     subprocess.run(["nginx", "-c", os.path.join(LAB, "nginx.conf")], check=True)
-    start(["haproxy", "-db", "-f", os.path.join(HERE, "peers", "haproxy.cfg")])
+    haproxy = start(["haproxy", "-db", "-f", os.path.join(HERE, "peers", "haproxy.cfg")])
     start(["redis-server", "--port", "16379", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
     env = dict(os.environ, RUST_LOG="warn")  # nginx runs with access_log off: so does ratewall
-    for name in ("ratewall-memory.toml", "ratewall-redis.toml", "ratewall-redis-tight.toml"):
-        start([binary, "--config", os.path.join(HERE, name)], env=env)
+    gateways = {name: start([binary, "--config", os.path.join(HERE, name)], env=env)
+                for name in ("ratewall-memory.toml", "ratewall-redis.toml", "ratewall-redis-tight.toml")}
     for port in (18080, 18081, 18082, 18083, 18084, 16379, 18085, 18086, 18087):
         wait_port(port)
 
+    # (name, port, wrk script, counts Redis calls, the process whose CPU time is measured:
+    # none for nginx, whose proxies share their worker processes with the upstream)
     targets = [
-        ("direct to upstream", 18080, "keys.lua", False),
-        ("nginx proxy_pass", 18081, "keys.lua", False),
-        ("nginx limit_req", 18082, "keys.lua", False),
-        ("HAProxy stick table", 18083, "keys.lua", False),
-        ("ratewall memory", 18085, "keys.lua", False),
-        ("ratewall redis", 18086, "keys.lua", True),
-        ("nginx limit_req, one key (abuse)", 18084, "one-key.lua", False),
-        ("ratewall redis, one key (abuse)", 18087, "one-key.lua", True),
+        ("direct to upstream", 18080, "keys.lua", False, None),
+        ("nginx proxy_pass", 18081, "keys.lua", False, None),
+        ("nginx limit_req", 18082, "keys.lua", False, None),
+        ("HAProxy stick table", 18083, "keys.lua", False, haproxy),
+        ("ratewall memory", 18085, "keys.lua", False, gateways["ratewall-memory.toml"]),
+        ("ratewall redis", 18086, "keys.lua", True, gateways["ratewall-redis.toml"]),
+        ("nginx limit_req, one key (abuse)", 18084, "one-key.lua", False, None),
+        ("ratewall redis, one key (abuse)", 18087, "one-key.lua", True, gateways["ratewall-redis-tight.toml"]),
     ]
     results = {}
     for run in range(RUNS):
-        for name, port, script, redis in targets:
+        for name, port, script, redis, proc in targets:
             before = evalsha_calls()
+            cpu_before = cpu_seconds(proc.pid) if proc else None
             r = wrk(port, script)
             r["redis_per_req"] = (evalsha_calls() - before) / max(r["total"], 1) if redis else None
+            if proc:
+                (u0, s0), (u1, s1) = cpu_before, cpu_seconds(proc.pid)
+                r["user_us"] = (u1 - u0) * 1e6 / max(r["total"], 1)
+                r["sys_us"] = (s1 - s0) * 1e6 / max(r["total"], 1)
+            else:
+                r["user_us"] = r["sys_us"] = None
             results.setdefault(name, []).append(r)
             print(f"  run {run + 1}/{RUNS} {name:34} {r['rps']:>9.0f} req/s  p99 {r['p99']:.2f} ms", flush=True)
 
@@ -136,12 +152,15 @@ def main():
     nginx_proxy = med["nginx proxy_pass"]
     print()
     print(f"median of {RUNS} runs, wrk -t{THREADS} -c{CONNS} -d{SECS}s, {os.cpu_count()} cores")
-    print(f"{'':36}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'non-2xx':>10}{'Redis/req':>11}{'vs nginx lr':>12}{'vs HAProxy':>11}")
-    for name, _, _, _ in targets:
+    print(f"{'':36}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'non-2xx':>10}{'Redis/req':>11}"
+          f"{'CPU us/req':>12}{'vs nginx lr':>12}{'vs HAProxy':>11}")
+    for name, _, _, _, _ in targets:
         m = med[name]
         per = "" if m["redis_per_req"] is None else f"{m['redis_per_req']:.3f}"
-        print(f"{name:36}{m['rps']:>10.0f}{m['p50']:>9.2f}{m['p99']:>9.2f}{m['non2xx']:>10.0f}{per:>11}"
+        cpu = "" if m["user_us"] is None else f"{m['user_us']:.1f}+{m['sys_us']:.1f}"
+        print(f"{name:36}{m['rps']:>10.0f}{m['p50']:>9.2f}{m['p99']:>9.2f}{m['non2xx']:>10.0f}{per:>11}{cpu:>12}"
               f"{m['rps'] / nginx_lr['rps']:>11.2f}x{m['rps'] / haproxy['rps']:>10.2f}x")
+    print("(CPU us/req: user+system CPU time of the server under test per request, where it is one process)")
     abuse_nginx, abuse_rw = med["nginx limit_req, one key (abuse)"], med["ratewall redis, one key (abuse)"]
     print()
     print("targets (issue 8), from the medians above:")
