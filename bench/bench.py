@@ -2,8 +2,9 @@
 """ratewall side by side with nginx and HAProxy, on this machine, in one run.
 
 Starts an upstream that answers at once (nginx `return 200`), nginx as a plain proxy,
-nginx with limit_req, HAProxy with a stick-table limit, redis-server, and ratewall on the
-memory and Redis stores; drives each with the same wrk settings from one process; prints
+nginx with limit_req, HAProxy with a stick-table limit, a bare hyper proxy with no limiting
+(examples/hyper_proxy.rs: the stack ratewall started from), redis-server, and ratewall on
+the memory and Redis stores; drives each with the same wrk settings from one process; prints
 requests/s, p50/p99 latency and ratios (median of RUNS runs). Everything listens on
 127.0.0.1, runs for a bounded time and is stopped at the end.
 
@@ -101,7 +102,8 @@ def main():
         if not shutil.which(tool):
             sys.exit(f"{tool} is missing: bench/run installs it")
     print(f"building ratewall (release)...", flush=True)
-    subprocess.run(["cargo", "build", "--release", "--quiet", "--bin", "ratewall", "--example", "measure_memory"],
+    subprocess.run(["cargo", "build", "--release", "--quiet", "--bin", "ratewall", "--example", "measure_memory",
+                    "--example", "hyper_proxy"],
                    cwd=ROOT, check=True)
     binary = os.path.join(ROOT, "target", "release", "ratewall")
 
@@ -115,7 +117,10 @@ def main():
     env = dict(os.environ, RUST_LOG="warn")  # nginx runs with access_log off: so does ratewall
     gateways = {name: start([binary, "--config", os.path.join(HERE, name)], env=env)
                 for name in ("ratewall-memory.toml", "ratewall-redis.toml", "ratewall-redis-tight.toml")}
-    for port in (18080, 18081, 18082, 18083, 18084, 16379, 18085, 18086, 18087):
+    # hyper's server and client with nothing else: what the stack costs before any limiting
+    bare = start([os.path.join(ROOT, "target", "release", "examples", "hyper_proxy"),
+                  "127.0.0.1:18088", "http://127.0.0.1:18080"])
+    for port in (18080, 18081, 18082, 18083, 18084, 16379, 18085, 18086, 18087, 18088):
         wait_port(port)
 
     # (name, port, wrk script, counts Redis calls, the process whose CPU time is measured:
@@ -125,6 +130,7 @@ def main():
         ("nginx proxy_pass", 18081, "keys.lua", False, None),
         ("nginx limit_req", 18082, "keys.lua", False, None),
         ("HAProxy stick table", 18083, "keys.lua", False, haproxy),
+        ("bare hyper proxy (no limiting)", 18088, "keys.lua", False, bare),
         ("ratewall memory", 18085, "keys.lua", False, gateways["ratewall-memory.toml"]),
         ("ratewall redis", 18086, "keys.lua", True, gateways["ratewall-redis.toml"]),
         ("nginx limit_req, one key (abuse)", 18084, "one-key.lua", False, None),
