@@ -21,8 +21,14 @@ type Body = BoxBody<Bytes, hyper::Error>;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
-    let listen: SocketAddr = args.next().ok_or("usage: hyper_proxy LISTEN UPSTREAM")?.parse()?;
-    let upstream: Uri = args.next().ok_or("usage: hyper_proxy LISTEN UPSTREAM")?.parse()?;
+    let listen: SocketAddr = args
+        .next()
+        .ok_or("usage: hyper_proxy LISTEN UPSTREAM")?
+        .parse()?;
+    let upstream: Uri = args
+        .next()
+        .ok_or("usage: hyper_proxy LISTEN UPSTREAM")?
+        .parse()?;
     let listener = std::net::TcpListener::bind(listen)?;
     listener.set_nonblocking(true)?;
     let workers = std::thread::available_parallelism().map_or(1, |n| n.get());

@@ -11,7 +11,7 @@ use std::num::NonZeroU64;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::RedisServer;
+use common::{evalsha_calls, RedisServer};
 use ratewall::config::Rate;
 use ratewall::identity::digest_api_key;
 use ratewall::limiter::redis::RedisStore;
@@ -27,17 +27,6 @@ fn bucket(rate: &str, burst: u64) -> Quota {
         NonZeroU64::MIN,
     )
     .expect("quota")
-}
-
-fn evalsha_calls(redis: &RedisServer) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut redis.conn())
-        .expect("INFO");
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .map_or(0, |n| n.parse().expect("calls"))
 }
 
 async fn store(redis: &RedisServer) -> Arc<RedisStore> {

@@ -8,8 +8,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{
-    exact_rule, int, sf_list, tally, upstream_and_store, Gateway, HttpClient, RedisServer, Store,
-    Upstream, ALGORITHMS,
+    evalsha_calls, exact_rule, int, sf_list, tally, upstream_and_store, Gateway, HttpClient,
+    RedisServer, Store, Upstream, ALGORITHMS,
 };
 use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -813,18 +813,6 @@ async fn scripts_flushed_from_redis_are_loaded_again() {
         before + 1,
         "the decision script was loaded again after the flush"
     );
-}
-
-fn evalsha_calls(redis: &RedisServer) -> u64 {
-    let info: String = redis::cmd("INFO")
-        .arg("commandstats")
-        .query(&mut redis.conn())
-        .expect("INFO commandstats");
-    info.lines()
-        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
-        .and_then(|rest| rest.split(',').next())
-        .and_then(|n| n.parse().ok())
-        .unwrap_or(0)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -119,6 +119,18 @@ impl RedisServer {
     }
 }
 
+/// How many EVALSHA calls Redis has run since it started (INFO commandstats).
+pub fn evalsha_calls(redis: &RedisServer) -> u64 {
+    let info: String = redis::cmd("INFO")
+        .arg("commandstats")
+        .query(&mut redis.conn())
+        .expect("INFO commandstats");
+    info.lines()
+        .find_map(|l| l.strip_prefix("cmdstat_evalsha:calls="))
+        .and_then(|rest| rest.split(',').next())
+        .map_or(0, |n| n.parse().expect("a number of calls"))
+}
+
 impl Drop for RedisServer {
     fn drop(&mut self) {
         self.kill();
