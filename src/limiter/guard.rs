@@ -149,8 +149,7 @@ impl Limiter {
         match self.decide_now(checks, cache_denials) {
             Now::Answered(answer) => answer,
             Now::Ask { sent_us, started } => {
-                let result = self.store.decide(checks).await;
-                self.settle(checks, cache_denials, result, sent_us, started)
+                self.ask(checks, cache_denials, sent_us, started).await
             }
         }
     }

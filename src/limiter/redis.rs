@@ -10,9 +10,8 @@
 //! atomic call; rules on different identities (say, per key and per IP) are decided one
 //! identity at a time, and a denial refunds what the identities before it took.
 
-use std::time::Duration;
-
 use std::sync::{Arc, Mutex, PoisonError};
+use std::time::Duration;
 
 use redis::aio::{ConnectionLike, ConnectionManager, ConnectionManagerConfig};
 use redis::cluster::ClusterClient;
@@ -216,30 +215,17 @@ impl Scripted {
         for c in checks {
             c.push(&mut inv, false);
         }
-        let reply: Vec<i64> = tokio::time::timeout(self.timeout, inv.invoke_async(conn))
+        let reply: Vec<redis::Value> = tokio::time::timeout(self.timeout, inv.invoke_async(conn))
             .await
             .map_err(|_| StoreError::Timeout(self.timeout))??;
         if reply.len() != checks.len() * 4 {
             return Err(StoreError::Protocol(format!(
-                "the script returned {} numbers for {} keys",
+                "the script returned {} values for {} keys",
                 reply.len(),
                 checks.len()
             )));
         }
-        let num = |v: i64| {
-            u64::try_from(v).map_err(|_| StoreError::Protocol(format!("negative value {v}")))
-        };
-        reply
-            .chunks_exact(4)
-            .map(|c| {
-                Ok(Decision {
-                    allowed: c[0] == 1,
-                    remaining: num(c[1])?,
-                    retry_after_us: num(c[2])?,
-                    reset_us: num(c[3])?,
-                })
-            })
-            .collect()
+        decisions(&reply)
     }
 
     /// One script call deciding several requests, one after another, each all or nothing
@@ -266,12 +252,6 @@ impl Scripted {
                 reply.len()
             )));
         }
-        let num = |v: &redis::Value| match v {
-            redis::Value::Int(n) => {
-                u64::try_from(*n).map_err(|_| StoreError::Protocol(format!("negative value {n}")))
-            }
-            other => Err(StoreError::Protocol(format!("not a number: {other:?}"))),
-        };
         let mut rest = &reply[..];
         let mut out = Vec::with_capacity(requests.len());
         for checks in requests {
@@ -284,17 +264,7 @@ impl Scripted {
             };
             out.push(match failed {
                 Some(why) => Err(StoreError::Data(why)),
-                None => mine
-                    .chunks_exact(4)
-                    .map(|c| {
-                        Ok(Decision {
-                            allowed: num(&c[0])? == 1,
-                            remaining: num(&c[1])?,
-                            retry_after_us: num(&c[2])?,
-                            reset_us: num(&c[3])?,
-                        })
-                    })
-                    .collect(),
+                None => decisions(mine),
             });
         }
         Ok(out)
@@ -754,6 +724,27 @@ impl RedisClusterStore {
     pub async fn renew(&self, check: &Check<'_>) -> Result<bool, StoreError> {
         self.s.renew(&mut self.connection().await?, check).await
     }
+}
+
+/// The script's answers, 4 numbers per key (`lua/decide.lua`).
+fn decisions(reply: &[redis::Value]) -> Result<Vec<Decision>, StoreError> {
+    let num = |v: &redis::Value| match v {
+        redis::Value::Int(n) => {
+            u64::try_from(*n).map_err(|_| StoreError::Protocol(format!("negative value {n}")))
+        }
+        other => Err(StoreError::Protocol(format!("not a number: {other:?}"))),
+    };
+    reply
+        .chunks_exact(4)
+        .map(|c| {
+            Ok(Decision {
+                allowed: num(&c[0])? == 1,
+                remaining: num(&c[1])?,
+                retry_after_us: num(&c[2])?,
+                reset_us: num(&c[3])?,
+            })
+        })
+        .collect()
 }
 
 /// Whether a call failed because its connection had dropped (worth one more try on the
