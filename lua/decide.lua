@@ -14,10 +14,13 @@
 -- counted; a request let through adds its own and pushes the key's TTL to the latest
 -- lease. The gateway renews a lease while its request is in flight (lua/lease.lua) and
 -- removes it when the response ends; a gateway that dies leaves leases that expire.
-local STRIDE = 7
 local mode = ARGV[2]
 local peek = mode == 'peek' or mode == 'refund'
 local n = #KEYS
+
+-- What a concurrency check writes when charged, in place of a state: its lease (and, for
+-- REPLACE, first the rate rule's state it replaces).
+local LEASE, REPLACE = {}, {}
 
 -- The key's type, as TYPE names it ('string', 'zset', 'none', ...).
 local function key_type(key)
@@ -25,12 +28,33 @@ local function key_type(key)
   return type(t) == 'table' and t.ok or t
 end
 
+-- A quota argument as { code, p1, p2, p3, p4, p5 }, parsed once per call however many
+-- keys share it; nil if it is not one.
+local QUOTAS = {}
+local function quota(s)
+  local q = QUOTAS[s]
+  if q then return q end
+  local code, p1, p2, p3, p4, p5 = match(s, '^(%d+):(%d+):(%d+):([^:]+):(%d+):(%d+)$')
+  code = tonumber(code)
+  if code == 5 then
+    -- The lease id stays a string.
+    q = { code, tonumber(p1), tonumber(p2), p3, 0, 0 }
+  else
+    q = { code, tonumber(p1), tonumber(p2), tonumber(p3), tonumber(p4), tonumber(p5) }
+  end
+  for k = 1, 6 do
+    if q[k] == nil then return nil end
+  end
+  QUOTAS[s] = q
+  return q
+end
+
 local function concurrency(key, max, member)
   if mode == 'refund' then
     -- Best effort: a key that is no longer a lease set holds no lease to give back.
     pcall(redis.call, 'ZREM', key, member)
   end
-  local ok, count = pcall(redis.call, 'ZCOUNT', key, string.format('(%d', now), '+inf')
+  local ok, count = pcall(redis.call, 'ZCOUNT', key, format('(%d', now), '+inf')
   local replace = false
   if not ok then
     -- A rate rule's state (the rule became a concurrency limit on reload) counts as none.
@@ -44,114 +68,123 @@ local function concurrency(key, max, member)
   if not allowed then retry = 1000000 end
   local after = count + 1
   if after > max then after = max end
-  return {
-    allowed = allowed,
-    charged = { max - after, 0, 0 },
-    uncharged = { max - count, retry, 0 },
-    lease = true,
-    replace = replace,
-  }
+  return allowed, replace and REPLACE or LEASE, 0,
+    max - after, 0, 0,
+    max - count, retry, 0
 end
 
--- Decide keys first..last: one request, all or nothing. Returns its answers (4 numbers
--- per key), or nil and the failing key's error (nothing written).
-local function decide(first, last)
-  local results = {}
+-- Judge KEYS[i], writing nothing (but a refund): what its algorithm returns (see
+-- prelude.lua), or nil and why.
+local function judge(i)
+  local key, q = KEYS[i], quota(ARGV[1 + 2 * i])
+  if not q then return nil, 'bad quota argument ' .. tostring(ARGV[1 + 2 * i]) end
+  local code = q[1]
+  if code == 5 then return concurrency(key, q[2], q[4]) end
+  local algorithm = ALGORITHMS[code]
+  if not algorithm then return nil, 'unknown algorithm ' .. tostring(code) end
+  local ok, raw = pcall(redis.call, 'GET', key)
+  if not ok then
+    -- A concurrency rule's lease set (the rule became a rate limit on reload) counts
+    -- as none; SET replaces it. Anything else is not ours: an error.
+    if key_type(key) ~= 'zset' then
+      return nil, tostring(type(raw) == 'table' and raw.err or raw)
+    end
+    raw = false
+  end
+  if not raw then raw = nil end
+  if mode == 'refund' then
+    local value, ttl = REFUNDS[code](raw, now, q[2], q[3], q[4], q[5], q[6])
+    if value == nil then
+      return nil, tostring(ttl)
+    elseif value then
+      redis.call('SET', key, value, 'PX', cdiv(ttl, 1000))
+      raw = value
+    else
+      redis.call('DEL', key)
+      raw = nil
+    end
+  end
+  return algorithm(raw, now, q[2], q[3], q[4], q[5], q[6])
+end
+
+-- Write what a charged check leaves: its state for its TTL, or its lease.
+local function charge(i, value, ttl)
+  local key = KEYS[i]
+  if value ~= LEASE and value ~= REPLACE then
+    redis.call('SET', key, value, 'PX', cdiv(ttl, 1000))
+    return
+  end
+  local q = quota(ARGV[1 + 2 * i])
+  -- Scores are µs near 2^51: formatted whole, never in Lua's %.14g.
+  if value == REPLACE then redis.call('DEL', key) end
+  redis.call('ZREMRANGEBYSCORE', key, '-inf', format('%d', now))
+  redis.call('ZADD', key, format('%d', now + q[3]), q[4])
+  local last_lease = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
+  redis.call('PEXPIRE', key, cdiv(tonumber(last_lease[2]) - now, 1000))
+end
+
+-- Each key's judgement while its request is decided, 9 values a key (prelude.lua), flat.
+local R = {}
+
+-- Decide keys first..last: one request, all or nothing. Its answers (4 numbers per key)
+-- go into `reply` from position `at`; returns the position after them, or nil and the
+-- failing key's error (nothing written).
+local function decide(first, last, reply, at)
   local all = true
   for i = first, last do
-    local a = 3 + STRIDE * (i - 1)
-    local code = tonumber(ARGV[a])
-    local p1, p2, p3, p4, p5 = tonumber(ARGV[a + 1]), tonumber(ARGV[a + 2]), tonumber(ARGV[a + 3]), tonumber(ARGV[a + 4]), tonumber(ARGV[a + 5])
-    local shadow = (tonumber(ARGV[a + 6]) or 0) % 2 == 1
-    local r, err
-    if code == 5 then
-      r, err = concurrency(KEYS[i], p1, ARGV[a + 3])
-    else
-      local algorithm = ALGORITHMS[code]
-      if not algorithm then return nil, 'unknown algorithm ' .. tostring(ARGV[a]) end
-      local ok, raw = pcall(redis.call, 'GET', KEYS[i])
-      if not ok then
-        -- A concurrency rule's lease set (the rule became a rate limit on reload) counts
-        -- as none; SET replaces it. Anything else is not ours: an error.
-        if key_type(KEYS[i]) ~= 'zset' then
-          return nil, KEYS[i] .. ': ' .. tostring(type(raw) == 'table' and raw.err or raw)
-        end
-        raw = false
-      end
-      if not raw then raw = nil end
-      if mode == 'refund' then
-        local value, ttl = REFUNDS[code](raw, now, p1, p2, p3, p4, p5)
-        if value == nil then
-          return nil, KEYS[i] .. ': ' .. tostring(ttl)
-        elseif value then
-          redis.call('SET', KEYS[i], value, 'PX', cdiv(ttl, 1000))
-          raw = value
-        else
-          redis.call('DEL', KEYS[i])
-          raw = nil
-        end
-      end
-      r, err = algorithm(raw, now, p1, p2, p3, p4, p5)
+    local allowed, value, ttl, c1, c2, c3, u1, u2, u3 = judge(i)
+    if allowed == nil then return nil, KEYS[i] .. ': ' .. tostring(value) end
+    local b = 9 * (i - first)
+    R[b + 1], R[b + 2], R[b + 3] = allowed, value, ttl
+    R[b + 4], R[b + 5], R[b + 6] = c1, c2, c3
+    R[b + 7], R[b + 8], R[b + 9] = u1, u2, u3
+    if not allowed then
+      local flags = ARGV[2 + 2 * i]
+      if flags ~= '1' and flags ~= '3' then all = false end
     end
-    if not r then return nil, KEYS[i] .. ': ' .. tostring(err) end
-    results[i] = r
-    if not r.allowed and not shadow then all = false end
   end
-
-  local out = {}
   for i = first, last do
-    local r = results[i]
-    local d = r.uncharged
-    if all and not peek and r.allowed then
-      if r.lease then
-        local a = 3 + STRIDE * (i - 1)
-        local lease_us = tonumber(ARGV[a + 2])
-        -- Scores are µs near 2^51: formatted whole, never in Lua's %.14g.
-        if r.replace then redis.call('DEL', KEYS[i]) end
-        redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', string.format('%d', now))
-        redis.call('ZADD', KEYS[i], string.format('%d', now + lease_us), ARGV[a + 3])
-        local last_lease = redis.call('ZRANGE', KEYS[i], -1, -1, 'WITHSCORES')
-        redis.call('PEXPIRE', KEYS[i], cdiv(tonumber(last_lease[2]) - now, 1000))
-      else
-        redis.call('SET', KEYS[i], r.value, 'PX', cdiv(r.ttl, 1000))
-      end
-      d = r.charged
+    local b = 9 * (i - first)
+    local allowed = R[b + 1]
+    if all and not peek and allowed then
+      charge(i, R[b + 2], R[b + 3])
+    else
+      b = b + 3
     end
-    out[#out + 1] = r.allowed and 1 or 0
-    out[#out + 1] = d[1]
-    out[#out + 1] = d[2]
-    out[#out + 1] = d[3]
+    reply[at], reply[at + 1], reply[at + 2], reply[at + 3] =
+      allowed and 1 or 0, R[b + 4], R[b + 5], R[b + 6]
+    at = at + 4
   end
-  return out
+  return at
 end
 
 -- Where each request starts: key 1, and every key flagged 2 (a batch of requests from one
 -- gateway, decided one after another; each sees what the ones before it wrote).
 local starts = { 1 }
 for i = 2, n do
-  if math.floor((tonumber(ARGV[3 + STRIDE * (i - 1) + 6]) or 0) / 2) % 2 == 1 then
-    starts[#starts + 1] = i
-  end
+  local flags = ARGV[2 + 2 * i]
+  if flags == '2' or flags == '3' then starts[#starts + 1] = i end
 end
 
+local reply = {}
 if #starts == 1 then
-  local out, err = decide(1, n)
-  if not out then return redis.error_reply('RATEWALL ' .. err) end
-  return out
+  local ok, err = decide(1, n, reply, 1)
+  if not ok then return redis.error_reply('RATEWALL ' .. err) end
+  return reply
 end
 
 -- A batch: one request's key error fails that request only. Its answers are the error
 -- message, then zeros, in the place of its first key's four numbers and the rest.
-local reply = {}
+local at = 1
 for s = 1, #starts do
   local first = starts[s]
   local last = (starts[s + 1] or (n + 1)) - 1
-  local out, err = decide(first, last)
-  if not out then
-    out = {}
-    for k = 1, 4 * (last - first + 1) do out[k] = 0 end
-    out[1] = 'RATEWALL ' .. err
+  local next_at, err = decide(first, last, reply, at)
+  if not next_at then
+    for k = at, at + 4 * (last - first + 1) - 1 do reply[k] = 0 end
+    reply[at] = 'RATEWALL ' .. err
+    next_at = at + 4 * (last - first + 1)
   end
-  for k = 1, #out do reply[#reply + 1] = out[k] end
+  at = next_at
 end
 return reply

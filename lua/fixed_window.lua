@@ -4,11 +4,11 @@
 
 -- The live window's start and count at now (a fresh window if none is live).
 local function fw_window(raw, now, period)
-  if not (raw and string.sub(raw, 1, 2) == 'f:') then
+  if not (raw and sub(raw, 1, 2) == 'f:') then
     if raw and not ours(raw) then return nil, 'not a ratewall state' end
     return now, 0
   end
-  local s, c = string.match(raw, '^f:(%d+):(%d+)$')
+  local s, c = match(raw, '^f:(%d+):(%d+)$')
   s, c = tonumber(s), tonumber(c)
   if not (s and c) then return nil, 'corrupt fixed window state' end
   if s <= now and now < s + period then return s, c end
@@ -25,16 +25,16 @@ ALGORITHMS[3] = function(raw, now, period, limit, cost)
   if left < 0 then left = 0 end
   local shown = count
   if shown > limit then shown = limit end
-  local retry, reset = 0, ends_in
-  if not allowed then retry = ends_in end
+  local retry, reset, value = 0, ends_in, false
+  if allowed then
+    value = format('f:%d:%d', start, after)
+  else
+    retry = ends_in
+  end
   if count == 0 then reset = 0 end
-  return {
-    allowed = allowed,
-    charged = { left, 0, ends_in },
-    uncharged = { limit - shown, retry, reset },
-    value = string.format('f:%d:%d', start, after),
-    ttl = ends_in,
-  }
+  return allowed, value, ends_in,
+    left, 0, ends_in,
+    limit - shown, retry, reset
 end
 
 REFUNDS[3] = function(raw, now, period, limit, cost)
@@ -42,6 +42,5 @@ REFUNDS[3] = function(raw, now, period, limit, cost)
   if not start then return nil, count end
   count = count - cost
   if count <= 0 then return false end
-  return string.format('f:%d:%d', start, count), start + period - now
+  return format('f:%d:%d', start, count), start + period - now
 end
-

@@ -7,13 +7,13 @@
 -- Capped only at 2^52, where doubles stop being exact.
 local GCRA_MAX_DEBT = 4503599627370496
 local function gcra_debt(raw, now, per_us, cap)
-  if not (raw and string.sub(raw, 1, 2) == 'g:') then
+  if not (raw and sub(raw, 1, 2) == 'g:') then
     if raw and not ours(raw) then return nil, 'not a ratewall state' end
     return 0
   end
-  local tat, frac = string.match(raw, '^g:(%d+):(%d+)$')
+  local tat, frac = match(raw, '^g:(%d+):(%d+)$')
   if not tat then
-    tat, frac = string.match(raw, '^g:(%d+)$'), '0'
+    tat, frac = match(raw, '^g:(%d+)$'), '0'
   end
   tat, frac = tonumber(tat), tonumber(frac)
   if not (tat and frac) then return nil, 'corrupt gcra state' end
@@ -30,8 +30,8 @@ end
 local function gcra_value(now, per_us, debt)
   local us = idiv(debt, per_us)
   local frac = debt - us * per_us
-  if frac == 0 then return string.format('g:%d', now + us) end
-  return string.format('g:%d:%d', now + us, frac)
+  if frac == 0 then return format('g:%d', now + us) end
+  return format('g:%d:%d', now + us, frac)
 end
 
 ALGORITHMS[2] = function(raw, now, unit, per_us, cap, need, slack)
@@ -39,8 +39,12 @@ ALGORITHMS[2] = function(raw, now, unit, per_us, cap, need, slack)
   if not debt then return nil, err end
   local after = debt + need
   local allowed = after <= cap + slack
-  local retry = 0
-  if not allowed then retry = cdiv(after - cap - slack, per_us) end
+  local retry, value = 0, false
+  if allowed then
+    value = gcra_value(now, per_us, after)
+  else
+    retry = cdiv(after - cap - slack, per_us)
+  end
   -- An allowed request past the burst waits until it conforms.
   local wait = 0
   if after > cap then wait = cdiv(after - cap, per_us) end
@@ -48,13 +52,10 @@ ALGORITHMS[2] = function(raw, now, unit, per_us, cap, need, slack)
   if left < 0 then left = 0 end
   local avail = cap - debt
   if avail < 0 then avail = 0 end
-  return {
-    allowed = allowed,
-    charged = { idiv(left, unit), wait, cdiv(after, per_us) },
-    uncharged = { idiv(avail, unit), retry, cdiv(debt, per_us) },
-    value = gcra_value(now, per_us, after),
-    ttl = cdiv(after, per_us),
-  }
+  local ttl = cdiv(after, per_us)
+  return allowed, value, ttl,
+    idiv(left, unit), wait, ttl,
+    idiv(avail, unit), retry, cdiv(debt, per_us)
 end
 
 REFUNDS[2] = function(raw, now, unit, per_us, cap, need, slack)

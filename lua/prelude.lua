@@ -9,11 +9,19 @@
 -- ARGV[1]  now in microseconds, or "" to read Redis TIME (production always does)
 -- ARGV[2]  "" to decide, "peek" to only look (write nothing), "refund" to give back what a
 --          decision took (a Redis Cluster request denied by a rule on another identity)
--- ARGV[3 + 7(i-1) ..] for KEYS[i]: algorithm code, five parameters (see each file), then
---          flags: 1 = shadow (decided and counted, never denies the request); 2 = this key
---          starts another request of a batch (decide mode only; see decide.lua)
+-- ARGV[1 + 2i] for KEYS[i]: its quota, "<algorithm code>:<five parameters>" joined by ':'
+--          (see each file; a concurrency limit's third is its lease id). A batch repeats
+--          one rule's quota for every request: it is parsed once per call.
+-- ARGV[2 + 2i] for KEYS[i]: flags, "0" to "3": 1 = shadow (decided and counted, never
+--          denies the request); 2 = this key starts another request of a batch (decide
+--          mode only; see decide.lua)
 -- Returns 4 integers per key: allowed (1/0), remaining, retry-after µs (for an allowed
 -- request: how long it waits for reserved tokens), reset µs.
+--
+-- Each algorithm is a function of the key's state (nil when none), now and the quota's
+-- five parameters. It returns, flat (no table per key): allowed, the state to write if the
+-- request is charged, that state's TTL in µs, then the answer if charged (remaining,
+-- retry µs, reset µs) and if not (the same three); or nil and why the state is unusable.
 --
 -- Lua 5.1 numbers are doubles: the gateway keeps every value below 2^52 at load, so all
 -- the arithmetic here is exact integer arithmetic, like the Rust twins'.
@@ -26,9 +34,12 @@
 local ALGORITHMS = {}
 local REFUNDS = {}
 
+-- The library functions every key uses, looked up once per call rather than per use.
+local floor, format, match, sub = math.floor, string.format, string.match, string.sub
+
 -- floor(a / b) for |a| < 2^53, 0 < b, exactly.
 local function idiv(a, b)
-  local q = math.floor(a / b)
+  local q = floor(a / b)
   if q * b > a then q = q - 1 elseif (q + 1) * b <= a then q = q + 1 end
   return q
 end
@@ -39,7 +50,7 @@ end
 
 -- A state some ratewall algorithm wrote (maybe not the one asking).
 local function ours(raw)
-  return string.match(raw, '^[tgfs]:') ~= nil
+  return match(raw, '^[tgfs]:') ~= nil
 end
 
 local now = tonumber(ARGV[1])

@@ -4,14 +4,26 @@
 
 -- The stored window, count and previous count, as written (nil window when none).
 local function sw_state(raw)
-  if not (raw and string.sub(raw, 1, 2) == 's:') then
+  if not (raw and sub(raw, 1, 2) == 's:') then
     if raw and not ours(raw) then return nil, 'not a ratewall state' end
     return false
   end
-  local sw, sc, sp = string.match(raw, '^s:(%d+):(%d+):(%d+)$')
+  local sw, sc, sp = match(raw, '^s:(%d+):(%d+):(%d+)$')
   sw, sc, sp = tonumber(sw), tonumber(sc), tonumber(sp)
   if not (sw and sc and sp) then return nil, 'corrupt sliding window state' end
   return sw, sc, sp
+end
+
+-- Requests left with `c` in the current window: what the weighted count leaves of N·p.
+local function sw_remaining(budget, wprev, c, p)
+  local left = budget - (wprev + c * p)
+  if left < 0 then left = 0 end
+  return idiv(left, p)
+end
+
+-- When a count of `c` in the current window (and `prev` before it) has slid out.
+local function sw_reset(c, prev, p, e)
+  if c > 0 then return 2 * p - e elseif prev > 0 then return p - e else return 0 end
 end
 
 ALGORITHMS[4] = function(raw, now, p, n, cost)
@@ -30,29 +42,17 @@ ALGORITHMS[4] = function(raw, now, p, n, cost)
   local budget = n * p
   local wprev = prev * (p - e)
   local allowed = wprev + cur * p + cost * p <= budget
-  local function remaining(c)
-    local left = budget - (wprev + c * p)
-    if left < 0 then left = 0 end
-    return idiv(left, p)
+  local retry, value = 0, false
+  if allowed then
+    value = format('s:%d:%d:%d', w, cur + cost, prev)
+  elseif cur + cost <= n then
+    retry = (p - idiv((n - cur - cost) * p, prev)) - e
+  else
+    retry = (p - e) + (p - idiv((n - cost) * p, cur))
   end
-  local function reset(c)
-    if c > 0 then return 2 * p - e elseif prev > 0 then return p - e else return 0 end
-  end
-  local retry = 0
-  if not allowed then
-    if cur + cost <= n then
-      retry = (p - idiv((n - cur - cost) * p, prev)) - e
-    else
-      retry = (p - e) + (p - idiv((n - cost) * p, cur))
-    end
-  end
-  return {
-    allowed = allowed,
-    charged = { remaining(cur + cost), 0, reset(cur + cost) },
-    uncharged = { remaining(cur), retry, reset(cur) },
-    value = string.format('s:%d:%d:%d', w, cur + cost, prev),
-    ttl = 2 * p - e,
-  }
+  return allowed, value, 2 * p - e,
+    sw_remaining(budget, wprev, cur + cost, p), 0, sw_reset(cur + cost, prev, p, e),
+    sw_remaining(budget, wprev, cur, p), retry, sw_reset(cur, prev, p, e)
 end
 
 -- The charge went into the window it was written in: take it back there.
@@ -63,6 +63,5 @@ REFUNDS[4] = function(raw, now, p, n, cost)
   sc = sc - cost
   if sc < 0 then sc = 0 end
   if sc == 0 and sp == 0 then return false end
-  return string.format('s:%d:%d:%d', sw, sc, sp), (sw + 2) * p - now
+  return format('s:%d:%d:%d', sw, sc, sp), (sw + 2) * p - now
 end
-

@@ -7,11 +7,11 @@
 
 -- The bucket's level at now, in units.
 local function tb_level(raw, now, unit, per_us, cap)
-  if not (raw and string.sub(raw, 1, 2) == 't:') then
+  if not (raw and sub(raw, 1, 2) == 't:') then
     if raw and not ours(raw) then return nil, 'not a ratewall state' end
     return cap
   end
-  local l, last, u = string.match(raw, '^t:(%-?%d+):(%d+):(%d+)$')
+  local l, last, u = match(raw, '^t:(%-?%d+):(%d+):(%d+)$')
   l, last, u = tonumber(l), tonumber(last), tonumber(u)
   if not (l and last and u and u > 0) then return nil, 'corrupt token bucket state' end
   -- A changed quota carries whole tokens over (a reserved debt rounds away from zero).
@@ -23,30 +23,34 @@ local function tb_level(raw, now, unit, per_us, cap)
   return l + elapsed * per_us
 end
 
+-- Time for `units` more to drip in.
+local function tb_drip(units, per_us)
+  if units <= 0 then return 0 end
+  return cdiv(units, per_us)
+end
+
+-- Whole tokens in a level.
+local function tb_whole(l, unit)
+  if l <= 0 then return 0 end
+  return idiv(l, unit)
+end
+
 ALGORITHMS[1] = function(raw, now, unit, per_us, cap, need, slack)
   local level, err = tb_level(raw, now, unit, per_us, cap)
   if not level then return nil, err end
   local after = level - need
   local allowed = after >= -slack
-  -- Time for `units` more to drip in.
-  local function drip(units)
-    if units <= 0 then return 0 end
-    return cdiv(units, per_us)
+  local retry, value = 0, false
+  if allowed then
+    value = format('t:%d:%d:%d', after, now, unit)
+  else
+    retry = tb_drip(-slack - after, per_us)
   end
-  local function whole(l)
-    if l <= 0 then return 0 end
-    return idiv(l, unit)
-  end
-  local retry = 0
-  if not allowed then retry = drip(-slack - after) end
-  return {
-    allowed = allowed,
-    -- An allowed request below empty waits until the bucket is back at zero.
-    charged = { whole(after), drip(-after), drip(cap - after) },
-    uncharged = { whole(level), retry, drip(cap - level) },
-    value = string.format('t:%d:%d:%d', after, now, unit),
-    ttl = drip(cap - after),
-  }
+  local full = tb_drip(cap - after, per_us)
+  -- An allowed request below empty waits until the bucket is back at zero.
+  return allowed, value, full,
+    tb_whole(after, unit), tb_drip(-after, per_us), full,
+    tb_whole(level, unit), retry, tb_drip(cap - level, per_us)
 end
 
 -- Give back what a charge took. Returns the state and its TTL, or false when full again.
@@ -55,5 +59,5 @@ REFUNDS[1] = function(raw, now, unit, per_us, cap, need)
   if not level then return nil, err end
   level = level + need
   if level >= cap then return false end
-  return string.format('t:%d:%d:%d', level, now, unit), cdiv(cap - level, per_us)
+  return format('t:%d:%d:%d', level, now, unit), cdiv(cap - level, per_us)
 end

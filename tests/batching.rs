@@ -227,3 +227,58 @@ async fn concurrency_leases_in_one_batch_stop_at_the_limit() {
         "one lease per request let through, none for the others"
     );
 }
+
+#[tokio::test]
+async fn a_shadow_rule_first_in_a_request_never_denies_inside_a_batch() {
+    let redis = RedisServer::start();
+    let store = store(&redis).await;
+    let shared = bucket("1/h", 10);
+    let per_key = bucket("1/h", 100);
+    // 30 requests, each a shadow rule shared by all (its first key: in a batch, the flag
+    // that starts a request and the shadow flag together), then an enforcing one of its own.
+    let before = evalsha_calls(&redis);
+    let tasks: Vec<_> = (0..30)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let (everyone, own) = (
+                    digest_api_key(b"everyone"),
+                    digest_api_key(format!("key-{i}").as_bytes()),
+                );
+                let checks = [
+                    Check {
+                        shadow: true,
+                        ..Check::new(&everyone, "watch", &shared)
+                    },
+                    Check::new(&own, "per-key", &per_key),
+                ];
+                store.decide(&checks, None).await
+            })
+        })
+        .collect();
+    let mut would_deny = 0;
+    for t in tasks {
+        let d = t.await.expect("task").expect("decided");
+        assert!(
+            d[1].allowed,
+            "the enforcing rule lets every request through"
+        );
+        assert_eq!(d[1].remaining, 99, "and charges each its own key: {d:?}");
+        would_deny += usize::from(!d[0].allowed);
+    }
+    assert!(evalsha_calls(&redis) - before < 30, "not batched");
+    assert_eq!(
+        would_deny, 20,
+        "the shadow rule would have denied all past its 10"
+    );
+    // Charged as if enforced: exactly its 10, none for the requests it would have denied.
+    let shadow_key = store.key(&Check::new(&digest_api_key(b"everyone"), "watch", &shared));
+    let value: String = redis::cmd("GET")
+        .arg(&shadow_key)
+        .query(&mut redis.conn())
+        .expect("GET");
+    assert!(
+        value.starts_with("t:0:"),
+        "the shadow bucket is empty: {value}"
+    );
+}

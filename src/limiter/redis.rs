@@ -55,26 +55,19 @@ struct Scripted {
 /// One check as the script's arguments (see `lua/prelude.lua`).
 struct Encoded {
     key: String,
-    code: u8,
-    params: [u64; 5],
-    /// A concurrency check's lease, in place of the third parameter.
-    member: Option<String>,
+    /// `<algorithm code>:<five parameters>`: the same string for every request on one
+    /// rule's quota, which the script parses once per call.
+    quota: String,
     shadow: bool,
 }
 
 impl Encoded {
-    /// Add this key and its 7 arguments; `starts` marks the first key of a batch's
+    /// Add this key and its 2 arguments; `starts` marks the first key of a batch's
     /// second and later requests (flag 2).
     fn push(&self, inv: &mut redis::ScriptInvocation<'_>, starts: bool) {
-        let [p1, p2, p3, p4, p5] = self.params;
-        inv.key(&self.key).arg(self.code).arg(p1).arg(p2);
-        match &self.member {
-            Some(m) => inv.arg(m),
-            None => inv.arg(p3),
-        };
-        inv.arg(p4)
-            .arg(p5)
-            .arg(u8::from(self.shadow) | if starts { 2 } else { 0 });
+        inv.key(&self.key)
+            .arg(&self.quota)
+            .arg(["0", "1", "2", "3"][usize::from(self.shadow) | if starts { 2 } else { 0 }]);
     }
 }
 
@@ -164,21 +157,31 @@ impl Scripted {
 
     /// One check as the script takes it: its key and its arguments.
     fn encode(&self, c: &Check<'_>) -> Encoded {
+        use std::fmt::Write;
         let q = c.quota;
-        let (params, member) = match q.algorithm {
-            Algorithm::TokenBucket | Algorithm::Gcra => {
-                ([q.unit, q.per_us, q.capacity(), q.need(), q.slack()], None)
-            }
+        let mut quota = String::with_capacity(48);
+        let _ = write!(quota, "{}:", q.algorithm.code());
+        let _ = match q.algorithm {
+            Algorithm::TokenBucket | Algorithm::Gcra => write!(
+                quota,
+                "{}:{}:{}:{}:{}",
+                q.unit,
+                q.per_us,
+                q.capacity(),
+                q.need(),
+                q.slack()
+            ),
             Algorithm::FixedWindow | Algorithm::SlidingWindow => {
-                ([q.period_us(), q.rate.count, q.cost, 0, 0], None)
+                write!(quota, "{}:{}:{}:0:0", q.period_us(), q.rate.count, q.cost)
             }
-            Algorithm::Concurrency => ([q.burst, q.lease_us, 0, 0, 0], Some(self.member(c))),
+            // The lease id in place of the third parameter.
+            Algorithm::Concurrency => {
+                write!(quota, "{}:{}:{}:0:0", q.burst, q.lease_us, self.member(c))
+            }
         };
         Encoded {
             key: self.key(c),
-            code: q.algorithm.code(),
-            params,
-            member,
+            quota,
             shadow: c.shadow,
         }
     }
