@@ -1,7 +1,7 @@
 //! One request: identify -> match rules -> limit -> answer or forward. And the live
 //! configuration each request runs on, swapped whole on reload.
 
-use std::net::{IpAddr, SocketAddr};
+use std::net::IpAddr;
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
@@ -26,7 +26,7 @@ use crate::limiter::{
     Algorithm, Check, Decision, IdentityDigest, MonotonicClock, Quota, Store, StoreError,
 };
 use crate::metrics::{status_class, InFlight, Metrics, ReloadLabels, ReloadResult, RuleCounters};
-use crate::proxy::{Proxy, ProxyError, ResponseBody};
+use crate::proxy::{Peer, Proxy, ProxyError, ResponseBody};
 use crate::rules;
 
 /// What a client receives: the upstream's streamed body, or one the gateway wrote.
@@ -324,7 +324,7 @@ impl Gateway {
         Ok(())
     }
 
-    pub async fn handle(&self, req: Request<Incoming>, peer: SocketAddr) -> Response<Body> {
+    pub async fn handle(&self, req: Request<Incoming>, peer: &Peer) -> Response<Body> {
         let _in_flight = InFlight::new(&self.metrics.in_flight);
         let live = self.live.load_full();
         let logged = tracing::enabled!(target: "ratewall::access", tracing::Level::INFO);
@@ -358,13 +358,13 @@ impl Gateway {
         &self,
         live: &'a Live,
         req: Request<Incoming>,
-        peer: SocketAddr,
+        peer: &Peer,
     ) -> (Response<Body>, Note<'a>) {
         let cfg = &*live.config;
         if let Some(p) =
             framing_problem(req.headers()).or_else(|| host_problem(req.uri(), req.headers()))
         {
-            tracing::debug!(peer = %peer, "ambiguous request framing refused");
+            tracing::debug!(peer = %peer.addr, "ambiguous request framing refused");
             // Close the connection: after a request whose framing is in doubt, nothing
             // more on it can be trusted to start where a request starts.
             let mut resp = problem(p, cfg, &[]);
@@ -384,15 +384,7 @@ impl Gateway {
         let matched = cfg.index.matching(req.method(), &path, host);
         if matched.is_empty() {
             return self
-                .forward(
-                    live,
-                    req,
-                    peer.ip(),
-                    &[],
-                    &[],
-                    None,
-                    Note::gateway("unlimited"),
-                )
+                .forward(live, req, peer, &[], &[], None, Note::gateway("unlimited"))
                 .await;
         }
         let applied_rules: Vec<&Rule> = matched.iter().map(|&i| &cfg.rules[i]).collect();
@@ -475,10 +467,7 @@ impl Gateway {
                     ..Note::gateway("store_error")
                 };
                 return match cfg.store.on_error {
-                    OnError::Allow => {
-                        self.forward(live, req, peer.ip(), &[], &[], None, note)
-                            .await
-                    }
+                    OnError::Allow => self.forward(live, req, peer, &[], &[], None, note).await,
                     OnError::Deny | OnError::Local => {
                         let p = Problem::new(
                             StatusCode::SERVICE_UNAVAILABLE,
@@ -596,7 +585,7 @@ impl Gateway {
             tokio::time::sleep(note.waited).await;
         }
         drop(slots);
-        self.forward(live, req, peer.ip(), &applied, &shadow, leases, note)
+        self.forward(live, req, peer, &applied, &shadow, leases, note)
             .await
     }
 
@@ -605,7 +594,7 @@ impl Gateway {
         &self,
         live: &Live,
         req: Request<Incoming>,
-        peer: IpAddr,
+        peer: &Peer,
         applied: &[Applied<'_>],
         shadow: &[Applied<'_>],
         leases: Option<Leases>,

@@ -48,6 +48,23 @@ static HOP_BY_HOP: [HeaderName; 9] = [
     http::header::PROXY_AUTHORIZATION,
 ];
 
+/// Whether `name` is one of [`HOP_BY_HOP`]: one match on the lowercase name, where a
+/// search of the list compares it with each.
+fn is_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "proxy-connection"
+            | "keep-alive"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+    )
+}
+
 /// The most a response head (status line and fields) may take, and the most field lines
 /// (room for `FEW_FIELDS` is made on the stack; more, up to `MAX_FIELDS`, on the heap).
 const MAX_HEAD: usize = 64 * 1024;
@@ -185,7 +202,7 @@ impl Proxy {
     pub async fn forward(
         &self,
         req: Request<Incoming>,
-        peer: IpAddr,
+        peer: &Peer,
     ) -> Result<Response<ResponseBody>, ProxyError> {
         let (mut parts, body) = req.into_parts();
         let original_host = parts.headers.get(HOST).cloned().or_else(|| {
@@ -244,12 +261,11 @@ impl Proxy {
             }
             self.duplex(conn, head, body, sending, is_head).await
         };
-        let mut resp = match tokio::time::timeout(self.timeout, exchange).await {
-            Err(_) => return Err(ProxyError::Timeout(self.timeout)),
-            Ok(result) => result?,
-        };
-        strip_hop_by_hop(resp.headers_mut());
-        Ok(resp)
+        // The answer's hop-by-hop fields were left out as its head was read (`head_parts`).
+        match tokio::time::timeout(self.timeout, exchange).await {
+            Err(_) => Err(ProxyError::Timeout(self.timeout)),
+            Ok(result) => result,
+        }
     }
 
     /// A request with a body: the body goes up while the answer is awaited, so an upstream
@@ -517,6 +533,8 @@ fn head_parts(
     let mut chunked = false;
     let mut transfer_coded = false;
     let (mut saw_close, mut saw_keep_alive) = (false, false);
+    // Fields the `Connection` header names: hop-by-hop too, removed once all are in.
+    let mut named: Vec<&str> = Vec::new();
     for f in res.headers.iter() {
         let name = HeaderName::from_bytes(f.name.as_bytes())
             .map_err(|_| format!("bad field name {:?}", f.name))?;
@@ -553,11 +571,24 @@ fn head_parts(
         } else if name == CONNECTION {
             let text = std::str::from_utf8(f.value).unwrap_or("");
             for token in text.split(',').map(str::trim) {
-                saw_close |= token.eq_ignore_ascii_case("close");
-                saw_keep_alive |= token.eq_ignore_ascii_case("keep-alive");
+                if token.eq_ignore_ascii_case("close") {
+                    saw_close = true;
+                } else if token.eq_ignore_ascii_case("keep-alive") {
+                    saw_keep_alive = true;
+                } else if !token.is_empty() {
+                    named.push(token);
+                }
             }
         }
-        headers.append(name, value);
+        // Hop-by-hop fields (RFC 9110 §7.6.1) are read for framing, never passed on.
+        if !is_hop_by_hop(&name) {
+            headers.append(name, value);
+        }
+    }
+    for token in named {
+        if let Ok(name) = HeaderName::from_bytes(token.as_bytes()) {
+            headers.remove(name);
+        }
     }
     // `close` wins in any order; HTTP/1.0 keeps the connection only when asked to.
     let mut close = saw_close || (version == Version::HTTP_10 && !saw_keep_alive);
@@ -927,7 +958,7 @@ impl Body for ResponseBody {
 /// Remove the hop-by-hop fields, and every field the `Connection` header names.
 pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     // Most messages have none: one pass over the names instead of a lookup for each.
-    if !headers.keys().any(|k| HOP_BY_HOP.contains(k)) {
+    if !headers.keys().any(is_hop_by_hop) {
         return;
     }
     if headers.contains_key(CONNECTION) {
@@ -947,31 +978,46 @@ pub fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
+/// A client connection's peer, with its address as `X-Forwarded-For` shows it: rendered
+/// once per connection, not once per request.
+#[derive(Clone)]
+pub struct Peer {
+    pub addr: SocketAddr,
+    forwarded: HeaderValue,
+}
+
+impl Peer {
+    pub fn new(addr: SocketAddr) -> Peer {
+        let text = addr.ip().to_canonical().to_string();
+        Peer {
+            addr,
+            // An address's text is always a valid header value.
+            forwarded: HeaderValue::from_maybe_shared(Bytes::from(text))
+                .unwrap_or_else(|_| HeaderValue::from_static("unknown")),
+        }
+    }
+
+    pub fn ip(&self) -> IpAddr {
+        self.addr.ip()
+    }
+}
+
 /// `X-Forwarded-For: <what came in>, <peer>`, folding repeated lines into one.
-fn append_forwarded_for(headers: &mut HeaderMap, peer: IpAddr) {
-    let peer = peer.to_canonical().to_string();
+fn append_forwarded_for(headers: &mut HeaderMap, peer: &Peer) {
     let mut value = Vec::new();
     for v in headers.get_all(&X_FORWARDED_FOR) {
-        if !value.is_empty() {
-            value.extend_from_slice(b", ");
-        }
         value.extend_from_slice(v.as_bytes());
-    }
-    if !value.is_empty() {
         value.extend_from_slice(b", ");
     }
-    value.extend_from_slice(peer.as_bytes());
-    match HeaderValue::from_bytes(&value) {
-        Ok(v) => {
-            headers.insert(X_FORWARDED_FOR.clone(), v);
-        }
-        Err(_) => {
-            // Cannot happen (the parts were header values), but never drop the peer.
-            if let Ok(v) = HeaderValue::from_str(&peer) {
-                headers.insert(X_FORWARDED_FOR.clone(), v);
-            }
-        }
+    if value.is_empty() {
+        headers.insert(X_FORWARDED_FOR.clone(), peer.forwarded.clone());
+        return;
     }
+    value.extend_from_slice(peer.forwarded.as_bytes());
+    // The parts were header values, so their join is one; never drop the peer.
+    let joined = HeaderValue::from_maybe_shared(Bytes::from(value))
+        .unwrap_or_else(|_| peer.forwarded.clone());
+    headers.insert(X_FORWARDED_FOR.clone(), joined);
 }
 
 #[cfg(test)]
@@ -997,14 +1043,27 @@ mod tests {
     }
 
     #[test]
+    fn the_hop_by_hop_match_is_the_list() {
+        for name in &HOP_BY_HOP {
+            assert!(is_hop_by_hop(name), "{name}");
+        }
+        for name in ["host", "content-length", "x-connection", "tee", "upgrades"] {
+            assert!(!is_hop_by_hop(&HeaderName::from_static(name)), "{name}");
+        }
+    }
+
+    #[test]
     fn forwarded_for_appends_the_peer() {
         let mut h = HeaderMap::new();
-        append_forwarded_for(&mut h, "10.0.0.1".parse().unwrap());
+        append_forwarded_for(&mut h, &Peer::new("10.0.0.1:4000".parse().unwrap()));
         assert_eq!(h[&X_FORWARDED_FOR], "10.0.0.1");
         let mut h = HeaderMap::new();
         h.append(&X_FORWARDED_FOR, HeaderValue::from_static("1.1.1.1"));
         h.append(&X_FORWARDED_FOR, HeaderValue::from_static("2.2.2.2"));
-        append_forwarded_for(&mut h, "::ffff:10.0.0.1".parse().unwrap());
+        append_forwarded_for(
+            &mut h,
+            &Peer::new("[::ffff:10.0.0.1]:4000".parse().unwrap()),
+        );
         assert_eq!(h.get_all(&X_FORWARDED_FOR).iter().count(), 1);
         assert_eq!(h[&X_FORWARDED_FOR], "1.1.1.1, 2.2.2.2, 10.0.0.1");
     }

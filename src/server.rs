@@ -22,6 +22,7 @@ use tokio::net::TcpListener;
 
 use crate::config::Config;
 use crate::gateway::{Gateway, Live};
+use crate::proxy::Peer;
 
 /// How often the memory store drops buckets that have refilled.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
@@ -200,9 +201,11 @@ pub async fn serve(
                 };
                 let _ = stream.set_nodelay(true);
                 let gw = gateway.clone();
+                // Rendered once for all the connection's requests.
+                let client = Peer::new(peer);
                 let service = service_fn(move |req: Request<Incoming>| {
-                    let gw = gw.clone();
-                    async move { Ok::<_, Infallible>(gw.handle(req, peer).await) }
+                    let (gw, client) = (gw.clone(), client.clone());
+                    async move { Ok::<_, Infallible>(gw.handle(req, &client).await) }
                 });
                 let conn = builder.serve_connection(TokioIo::new(stream), service).into_owned();
                 let conn = graceful.watch(conn);
