@@ -432,11 +432,17 @@ impl IdentityDigest {
 
     pub fn hex(&self) -> String {
         let mut s = String::with_capacity(32);
-        for b in self.0 {
-            s.push(char::from_digit((b >> 4) as u32, 16).unwrap_or('0'));
-            s.push(char::from_digit((b & 0xf) as u32, 16).unwrap_or('0'));
-        }
+        self.push_hex(&mut s);
         s
+    }
+
+    /// Append the 32 lowercase hex digits to `out`.
+    pub fn push_hex(&self, out: &mut String) {
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
+        for b in self.0 {
+            out.push(char::from(DIGITS[usize::from(b >> 4)]));
+            out.push(char::from(DIGITS[usize::from(b & 0xf)]));
+        }
     }
 }
 

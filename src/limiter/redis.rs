@@ -147,38 +147,39 @@ impl Scripted {
 
     /// `<prefix>:{<identity-hash>}:<rule>`.
     fn key(&self, check: &Check<'_>) -> String {
-        format!(
-            "{}:{{{}}}:{}",
-            self.prefix,
-            check.identity.hex(),
-            check.rule
-        )
+        let mut key = String::with_capacity(self.prefix.len() + check.rule.len() + 36);
+        key.push_str(&self.prefix);
+        key.push_str(":{");
+        check.identity.push_hex(&mut key);
+        key.push_str("}:");
+        key.push_str(check.rule);
+        key
     }
 
     /// One check as the script takes it: its key and its arguments.
     fn encode(&self, c: &Check<'_>) -> Encoded {
-        use std::fmt::Write;
         let q = c.quota;
-        let mut quota = String::with_capacity(48);
-        let _ = write!(quota, "{}:", q.algorithm.code());
-        let _ = match q.algorithm {
-            Algorithm::TokenBucket | Algorithm::Gcra => write!(
-                quota,
-                "{}:{}:{}:{}:{}",
-                q.unit,
-                q.per_us,
-                q.capacity(),
-                q.need(),
-                q.slack()
-            ),
+        let numbers = match q.algorithm {
+            Algorithm::TokenBucket | Algorithm::Gcra => {
+                [q.unit, q.per_us, q.capacity(), q.need(), q.slack()]
+            }
             Algorithm::FixedWindow | Algorithm::SlidingWindow => {
-                write!(quota, "{}:{}:{}:0:0", q.period_us(), q.rate.count, q.cost)
+                [q.period_us(), q.rate.count, q.cost, 0, 0]
             }
-            // The lease id in place of the third parameter.
-            Algorithm::Concurrency => {
-                write!(quota, "{}:{}:{}:0:0", q.burst, q.lease_us, self.member(c))
-            }
+            Algorithm::Concurrency => [q.burst, q.lease_us, 0, 0, 0],
         };
+        let mut quota = String::with_capacity(64);
+        quota.push(char::from(b'0' + q.algorithm.code()));
+        let mut n = itoa::Buffer::new();
+        for (i, p) in numbers.into_iter().enumerate() {
+            quota.push(':');
+            if i == 2 && q.algorithm == Algorithm::Concurrency {
+                // The lease id in place of the third parameter.
+                quota.push_str(&self.member(c));
+            } else {
+                quota.push_str(n.format(p));
+            }
+        }
         Encoded {
             key: self.key(c),
             quota,
