@@ -4,7 +4,7 @@
 Starts an upstream that answers at once (nginx `return 200`), nginx as a plain proxy,
 nginx with limit_req, HAProxy with a stick-table limit, a bare hyper proxy with no limiting
 (examples/hyper_proxy.rs: the stack ratewall started from), redis-server, and ratewall on
-the memory and Redis stores; drives each with the same wrk settings from one process; prints
+the memory and Redis stores (and, for information, with one worker thread); drives each with the same wrk settings from one process; prints
 requests/s, p50/p99 latency and ratios (median of RUNS runs). Everything listens on
 127.0.0.1, runs for a bounded time and is stopped at the end.
 
@@ -117,10 +117,18 @@ def main():
     env = dict(os.environ, RUST_LOG="warn")  # nginx runs with access_log off: so does ratewall
     gateways = {name: start([binary, "--config", os.path.join(HERE, name)], env=env)
                 for name in ("ratewall-memory.toml", "ratewall-redis.toml", "ratewall-redis-tight.toml")}
+    # The same two gateways with one worker thread instead of one per core: on a machine the
+    # gateway shares with wrk and the upstream, how much its own parallelism costs it.
+    for name, port in (("ratewall-memory.toml", 18089), ("ratewall-redis-tight.toml", 18090)):
+        text = open(os.path.join(HERE, name)).read()
+        text = re.sub(r'listen = "127.0.0.1:\d+"', f'listen = "127.0.0.1:{port}"\nworkers = 1', text)
+        path = os.path.join(LAB, "one-worker-" + name)
+        open(path, "w").write(text)
+        gateways["one-worker-" + name] = start([binary, "--config", path], env=env)
     # hyper's server and client with nothing else: what the stack costs before any limiting
     bare = start([os.path.join(ROOT, "target", "release", "examples", "hyper_proxy"),
                   "127.0.0.1:18088", "http://127.0.0.1:18080"])
-    for port in (18080, 18081, 18082, 18083, 18084, 16379, 18085, 18086, 18087, 18088):
+    for port in (18080, 18081, 18082, 18083, 18084, 16379, 18085, 18086, 18087, 18088, 18089, 18090):
         wait_port(port)
 
     # (name, port, wrk script, counts Redis calls, the process whose CPU time is measured:
@@ -133,8 +141,11 @@ def main():
         ("bare hyper proxy (no limiting)", 18088, "keys.lua", False, bare),
         ("ratewall memory", 18085, "keys.lua", False, gateways["ratewall-memory.toml"]),
         ("ratewall redis", 18086, "keys.lua", True, gateways["ratewall-redis.toml"]),
+        ("ratewall memory, 1 worker", 18089, "keys.lua", False, gateways["one-worker-ratewall-memory.toml"]),
         ("nginx limit_req, one key (abuse)", 18084, "one-key.lua", False, None),
         ("ratewall redis, one key (abuse)", 18087, "one-key.lua", True, gateways["ratewall-redis-tight.toml"]),
+        ("ratewall redis, abuse, 1 worker", 18090, "one-key.lua", True,
+         gateways["one-worker-ratewall-redis-tight.toml"]),
     ]
     results = {}
     for run in range(RUNS):
@@ -166,7 +177,8 @@ def main():
         cpu = "" if m["user_us"] is None else f"{m['user_us']:.1f}+{m['sys_us']:.1f}"
         print(f"{name:36}{m['rps']:>10.0f}{m['p50']:>9.2f}{m['p99']:>9.2f}{m['non2xx']:>10.0f}{per:>11}{cpu:>12}"
               f"{m['rps'] / nginx_lr['rps']:>11.2f}x{m['rps'] / haproxy['rps']:>10.2f}x")
-    print("(CPU us/req: user+system CPU time of the server under test per request, where it is one process)")
+    print("(CPU us/req: user+system CPU time of the server under test per request, where it is one process;")
+    print(" the 1-worker rows: ratewall with [server] workers = 1, for information, not a target)")
     abuse_nginx, abuse_rw = med["nginx limit_req, one key (abuse)"], med["ratewall redis, one key (abuse)"]
     print()
     print("targets (issue 8), from the medians above:")
