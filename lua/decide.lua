@@ -32,6 +32,7 @@ end
 -- keys share it; nil if it is not one.
 local QUOTAS = {}
 local function quota(s)
+  if type(s) ~= 'string' then return nil end
   local q = QUOTAS[s]
   if q then return q end
   local code, p1, p2, p3, p4, p5 = match(s, '^(%d+):(%d+):(%d+):([^:]+):(%d+):(%d+)$')

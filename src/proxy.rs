@@ -571,11 +571,10 @@ fn head_parts(
         } else if name == CONNECTION {
             let text = std::str::from_utf8(f.value).unwrap_or("");
             for token in text.split(',').map(str::trim) {
-                if token.eq_ignore_ascii_case("close") {
-                    saw_close = true;
-                } else if token.eq_ignore_ascii_case("keep-alive") {
-                    saw_keep_alive = true;
-                } else if !token.is_empty() {
+                saw_close |= token.eq_ignore_ascii_case("close");
+                saw_keep_alive |= token.eq_ignore_ascii_case("keep-alive");
+                // Every option names a field to drop, `close` included (§7.6.1).
+                if !token.is_empty() {
                     named.push(token);
                 }
             }
@@ -1302,5 +1301,22 @@ mod tests {
         assert_eq!(reason.as_bytes(), b"Custom Thing");
         let (_, p, _) = head("HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n", false).unwrap();
         assert!(p.extensions.get::<hyper::ext::ReasonPhrase>().is_none());
+    }
+
+    #[test]
+    fn an_answers_hop_by_hop_fields_are_left_out_as_it_is_parsed() {
+        // Every Connection option names a field to drop, whichever side of it that field
+        // stands and whatever its case: `close` and `keep-alive` too.
+        let (_, p, _) = head(
+            "HTTP/1.1 200 OK\r\nX-Early: 1\r\nClose: secret\r\nConnection: close, X-EARLY\r\n\
+             Connection: x-late ,\r\nKeep-Alive: timeout=5\r\nX-Late: 2\r\nTE: trailers\r\n\
+             Upgrade: h2c\r\nTrailer: x\r\nProxy-Authenticate: Basic\r\nX-Kept: 3\r\n\
+             Content-Length: 0\r\n\r\n",
+            false,
+        )
+        .unwrap();
+        let names: Vec<&str> = p.headers.keys().map(HeaderName::as_str).collect();
+        assert_eq!(names, ["x-kept", "content-length"]);
+        assert!(p.extensions.get::<Close>().is_some());
     }
 }
