@@ -533,7 +533,8 @@ fn head_parts(
     let mut chunked = false;
     let mut transfer_coded = false;
     let (mut saw_close, mut saw_keep_alive) = (false, false);
-    // Fields the `Connection` header names: hop-by-hop too, removed once all are in.
+    // Fields the `Connection` header names: hop-by-hop too, removed once all are in (no
+    // allocation for the usual `Connection: keep-alive`).
     let mut named: Vec<&str> = Vec::new();
     for f in res.headers.iter() {
         let name = HeaderName::from_bytes(f.name.as_bytes())
@@ -573,8 +574,13 @@ fn head_parts(
             for token in text.split(',').map(str::trim) {
                 saw_close |= token.eq_ignore_ascii_case("close");
                 saw_keep_alive |= token.eq_ignore_ascii_case("keep-alive");
-                // Every option names a field to drop, `close` included (§7.6.1).
-                if !token.is_empty() {
+                // Every option names a field to drop, `close` included (§7.6.1); the
+                // hop-by-hop ones (`keep-alive`, say) are left out below anyway.
+                if !token.is_empty()
+                    && !HOP_BY_HOP
+                        .iter()
+                        .any(|h| token.eq_ignore_ascii_case(h.as_str()))
+                {
                     named.push(token);
                 }
             }

@@ -159,25 +159,31 @@ impl Scripted {
     /// One check as the script takes it: its key and its arguments.
     fn encode(&self, c: &Check<'_>) -> Encoded {
         let q = c.quota;
-        let numbers = match q.algorithm {
-            Algorithm::TokenBucket | Algorithm::Gcra => {
-                [q.unit, q.per_us, q.capacity(), q.need(), q.slack()]
-            }
-            Algorithm::FixedWindow | Algorithm::SlidingWindow => {
-                [q.period_us(), q.rate.count, q.cost, 0, 0]
-            }
-            Algorithm::Concurrency => [q.burst, q.lease_us, 0, 0, 0],
-        };
+        let mut n = itoa::Buffer::new();
         let mut quota = String::with_capacity(64);
         quota.push(char::from(b'0' + q.algorithm.code()));
-        let mut n = itoa::Buffer::new();
-        for (i, p) in numbers.into_iter().enumerate() {
+        let mut param = |p: &str| {
             quota.push(':');
-            if i == 2 && q.algorithm == Algorithm::Concurrency {
-                // The lease id in place of the third parameter.
-                quota.push_str(&self.member(c));
-            } else {
-                quota.push_str(n.format(p));
+            quota.push_str(p);
+        };
+        match q.algorithm {
+            Algorithm::TokenBucket | Algorithm::Gcra => {
+                for p in [q.unit, q.per_us, q.capacity(), q.need(), q.slack()] {
+                    param(n.format(p));
+                }
+            }
+            Algorithm::FixedWindow | Algorithm::SlidingWindow => {
+                for p in [q.period_us(), q.rate.count, q.cost, 0, 0] {
+                    param(n.format(p));
+                }
+            }
+            // The lease id in place of the third parameter.
+            Algorithm::Concurrency => {
+                param(n.format(q.burst));
+                param(n.format(q.lease_us));
+                param(&self.member(c));
+                param("0");
+                param("0");
             }
         }
         Encoded {
