@@ -1,23 +1,29 @@
 -- Fixed window: the twin of src/limiter/fixed_window.rs.
 -- Parameters: period (µs), limit (the rate's N), cost.
 -- State: "f:<window start, µs>:<count>"; its TTL is the window's end, set with the count.
+-- A request timed before the window's start (a clock stepped back) is decided at the start.
 
--- The live window's start and count at now (a fresh window if none is live).
+-- The live window's start and count at now (a fresh window if none is live), and the time
+-- the request is decided at: now, or the window's start if now is before it (the clock
+-- stepped back: a window never moves backwards).
 local function fw_window(raw, now, period)
   if not (raw and sub(raw, 1, 2) == 'f:') then
     if raw and not ours(raw) then return nil, 'not a ratewall state' end
-    return now, 0
+    return now, 0, now
   end
   local s, c = match(raw, '^f:(%d+):(%d+)$')
   s, c = tonumber(s), tonumber(c)
   if not (s and c) then return nil, 'corrupt fixed window state' end
-  if s <= now and now < s + period then return s, c end
-  return now, 0
+  local at = now
+  if at < s then at = s end
+  if at < s + period then return s, c, at end
+  return at, 0, at
 end
 
 ALGORITHMS[3] = function(raw, now, period, limit, cost)
   local start, count = fw_window(raw, now, period)
   if not start then return nil, count end
+  -- Waits count from now: the window ends at start + period on the state's clock.
   local ends_in = start + period - now
   local allowed = count + cost <= limit
   local after = count + cost

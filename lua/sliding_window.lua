@@ -22,15 +22,20 @@ local function sw_remaining(budget, wprev, c, p)
 end
 
 -- When a count of `c` in the current window (and `prev` before it) has slid out.
-local function sw_reset(c, prev, p, e)
-  if c > 0 then return 2 * p - e elseif prev > 0 then return p - e else return 0 end
+local function sw_reset(c, prev, p, e, skew)
+  if c > 0 then return 2 * p - e + skew elseif prev > 0 then return p - e + skew else return 0 end
 end
 
 ALGORITHMS[4] = function(raw, now, p, n, cost)
-  local w = idiv(now, p)
-  local e = now - w * p
   local sw, sc, sp = sw_state(raw)
   if sw == nil then return nil, sc end
+  -- The windows never move backwards: before the state's window (a clock stepped back),
+  -- decide at its start; waits still count from now.
+  local at = now
+  if sw and at < sw * p then at = sw * p end
+  local skew = at - now
+  local w = idiv(at, p)
+  local e = at - w * p
   local prev, cur = 0, 0
   if sw == w then
     prev, cur = sp, sc
@@ -46,13 +51,13 @@ ALGORITHMS[4] = function(raw, now, p, n, cost)
   if allowed then
     value = format('s:%d:%d:%d', w, cur + cost, prev)
   elseif cur + cost <= n then
-    retry = (p - idiv((n - cur - cost) * p, prev)) - e
+    retry = (p - idiv((n - cur - cost) * p, prev)) - e + skew
   else
-    retry = (p - e) + (p - idiv((n - cost) * p, cur))
+    retry = (p - e) + (p - idiv((n - cost) * p, cur)) + skew
   end
-  return allowed, value, 2 * p - e,
-    sw_remaining(budget, wprev, cur + cost, p), 0, sw_reset(cur + cost, prev, p, e),
-    sw_remaining(budget, wprev, cur, p), retry, sw_reset(cur, prev, p, e)
+  return allowed, value, 2 * p - e + skew,
+    sw_remaining(budget, wprev, cur + cost, p), 0, sw_reset(cur + cost, prev, p, e, skew),
+    sw_remaining(budget, wprev, cur, p), retry, sw_reset(cur, prev, p, e, skew)
 end
 
 -- The charge went into the window it was written in: take it back there.

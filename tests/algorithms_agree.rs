@@ -1308,3 +1308,115 @@ fn token_bucket_and_gcra_agree_with_max_delay() {
     );
     assert!(n(&tally.shadow_no_passed) >= 10, "too few shadow denials");
 }
+
+// ---------------------------------------------------------------------------------------
+// 5. A clock stepped back (Redis failing over to a replica whose clock is behind, an NTP
+// step) never reopens a window, in Lua as in Rust: a timeline that steps back, now and
+// then 1 µs back across a window start, replayed through both stores (as in 1). A request
+// timed before the latest time its window's state knows is decided at that time, so a
+// fixed window's start and a sliding window's index never move back, and fixed windows
+// never overlap: N per window at most.
+
+/// How the clock moves before a request: forward, back, or to just past the next window
+/// start and then back across it.
+#[derive(Debug, Clone, Copy)]
+enum Step {
+    Forward(u64),
+    Back(u64),
+    /// A request at the next window start (a fixed window's end; the next multiple of the
+    /// period), then this one this many µs before it.
+    AcrossEdge(u64),
+}
+
+fn back_case(h: &Harness, spec: RuleSpec, steps: &[Step]) -> Result<(), TestCaseError> {
+    let q = spec.quota();
+    let p = q.period_us();
+    let id = digest_api_key(b"stepped-back");
+    let check = Check::new(&id, "w", &q);
+    let mut replay = Replay::new(h);
+    let key = replay.redis.key(&check);
+    let mut now = EPOCH_US;
+    let mut admitted: HashMap<u64, u64> = HashMap::new();
+    for (i, &step) in steps.iter().enumerate() {
+        let fail = |e: String| TestCaseError::fail(format!("request {i} ({step:?}): {e}"));
+        let held = |r: &Replay<'_>| r.model.get(&key).map(|(s, _)| *s);
+        now = match step {
+            Step::Forward(us) => now + us,
+            Step::Back(us) => now - us,
+            Step::AcrossEdge(back) => {
+                let edge = match held(&replay) {
+                    Some(State::FixedWindow(f)) => f.start_us + p,
+                    _ => (now / p + 1) * p,
+                };
+                replay
+                    .step(std::slice::from_ref(&check), edge)
+                    .map_err(fail)?;
+                edge - back
+            }
+        };
+        let before = held(&replay);
+        let d = replay
+            .step(std::slice::from_ref(&check), now)
+            .map_err(fail)?;
+        match (before, held(&replay)) {
+            (Some(State::FixedWindow(a)), Some(State::FixedWindow(b))) => prop_assert!(
+                b.start_us == a.start_us || b.start_us >= a.start_us + p,
+                "request {}: a window from {} after one from {}: they overlap",
+                i,
+                b.start_us,
+                a.start_us
+            ),
+            (Some(State::SlidingWindow(a)), Some(State::SlidingWindow(b))) => prop_assert!(
+                b.window >= a.window,
+                "request {}: window {} after window {}",
+                i,
+                b.window,
+                a.window
+            ),
+            _ => {}
+        }
+        if let (true, Some(State::FixedWindow(f))) = (d[0].allowed, held(&replay)) {
+            let n = admitted.entry(f.start_us).or_default();
+            *n += q.cost;
+            prop_assert!(
+                *n <= q.rate.count,
+                "{} admitted in the window from {}",
+                n,
+                f.start_us
+            );
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn a_clock_stepped_back_never_reopens_a_window() {
+    let h = Harness::start();
+    let started = Instant::now();
+    let spec = (
+        prop::sample::select(vec![Algorithm::FixedWindow, Algorithm::SlidingWindow]),
+        prop::sample::select(vec![1u64, 2, 3, 5, 10, 60]),
+        prop::sample::select(vec![1u64, 2, 10, 60]),
+        1u64..3,
+    )
+        .prop_map(|(algorithm, count, period_s, cost)| RuleSpec {
+            algorithm,
+            count,
+            period_s,
+            burst: None,
+            cost: cost.min(count),
+            max_delay_us: None,
+        });
+    let steps = prop::collection::vec(
+        prop_oneof![
+            3 => (0u64..3_000_000).prop_map(Step::Forward),
+            1 => (1u64..2_000_000).prop_map(Step::Back),
+            2 => prop_oneof![Just(1u64), 1u64..1_000].prop_map(Step::AcrossEdge),
+        ],
+        5..80,
+    );
+    proptest!(config(40), |(spec in spec, steps in steps)| {
+        back_case(&h, spec, &steps)?;
+    });
+    eprintln!("stepped-back timelines agreed in {:?}", started.elapsed());
+}

@@ -4,6 +4,9 @@
 //! N (in cost units) and then denies until it ends. The state is the window's start and its
 //! count, and the key's TTL is the window's end, set in the same atomic step as the count.
 //!
+//! A window's start is the latest time its state knows: a request timed before it (a clock
+//! stepped back) is decided at it, so a step back never opens a fresh window.
+//!
 //! The boundary effect: N requests at the end of one window and N at the start of the next
 //! pass within moments of each other — up to 2N in a short interval. Choose it for coarse
 //! quotas (per day, per month), where the simplicity and the tiny state matter more.
@@ -19,8 +22,13 @@ pub struct State {
 pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
     let period = q.period_us();
     let limit = q.rate.count;
-    let live = state.filter(|s| now_us < s.start_us.saturating_add(period) && s.start_us <= now_us);
-    let (start_us, count) = live.map_or((now_us, 0), |s| (s.start_us, s.count));
+    // A window never moves backwards: a request timed before its start (the clock stepped
+    // back — a Redis failover, an NTP step) is decided at the start, inside the window,
+    // not as the first request of a fresh one. Its waits are then counted from `now_us`.
+    let at = state.map_or(now_us, |s| now_us.max(s.start_us));
+    let live = state.filter(|s| at < s.start_us.saturating_add(period));
+    let (start_us, count) = live.map_or((at, 0), |s| (s.start_us, s.count));
+    // Never below `now_us`: a fresh window starts at it, a live one at or after it.
     let ends_in = start_us + period - now_us;
     let allowed = count + q.cost <= limit;
     let next = State {

@@ -214,4 +214,77 @@ proptest! {
             }
         }
     }
+
+    /// A clock stepped back (a Redis failover to a replica behind, an NTP step) never
+    /// reopens a window: a request timed before the latest time a window's state knows
+    /// (a fixed window's start, a sliding window's start) is decided as at that time —
+    /// the same verdict, the same count, the same state — and only its waits are longer,
+    /// by exactly the step. So a window's start never moves back, and fixed windows never
+    /// overlap: at most N per window, however the clock jumps.
+    #[test]
+    fn a_window_never_moves_backwards(
+        alg in prop_oneof![Just(Algorithm::FixedWindow), Just(Algorithm::SlidingWindow)],
+        (count, secs) in rate(),
+        cost in 1u64..4,
+        start in 1_000_000_000u64..1_000_000_000_000,
+        steps in prop::collection::vec(
+            prop_oneof![
+                3 => (0i64..2_000_000).prop_map(|d| (d, false)),
+                1 => (-2_000_000i64..0).prop_map(|d| (d, false)),
+                // To just past the next window start, then back before it.
+                2 => (1i64..1_000).prop_map(|back| (-back, true)),
+            ],
+            1..200,
+        ),
+    ) {
+        let cost = cost.min(count);
+        let q = quota(alg, count, secs, None, cost);
+        let p = q.period_us();
+        let latest = |s: &Option<State>| match s {
+            Some(State::FixedWindow(f)) => f.start_us,
+            Some(State::SlidingWindow(w)) => w.window * p,
+            _ => 0,
+        };
+        let mut st: Option<State> = None;
+        let mut now = start;
+        for (i, (step, to_edge)) in steps.into_iter().enumerate() {
+            if to_edge {
+                // The next window's start on the state's clock (the fixed window's end).
+                let edge = match st {
+                    Some(State::FixedWindow(f)) => f.start_us + p,
+                    _ => (now / p + 1) * p,
+                };
+                let _ = run(&q, &mut st, edge);
+            }
+            now = now.saturating_add_signed(step).max(1);
+            let before = st;
+            let at = now.max(latest(&before));
+            let o = decide(&q, before.as_ref(), now);
+            let held = decide(&q, before.as_ref(), at);
+            let skew = at - now;
+            prop_assert_eq!(o.allowed, held.allowed, "request {} at {} (state's time {})", i, now, at);
+            prop_assert_eq!(o.next, held.next, "request {}", i);
+            for (a, b) in [(o.charged, held.charged), (o.uncharged, held.uncharged)] {
+                prop_assert_eq!(a.remaining, b.remaining, "request {}", i);
+                let later = |x: u64| if x == 0 { 0 } else { x + skew };
+                prop_assert_eq!(a.retry_after_us, later(b.retry_after_us), "request {}", i);
+                prop_assert_eq!(a.reset_us, later(b.reset_us), "request {}", i);
+            }
+            prop_assert_eq!(o.ttl_us, held.ttl_us + skew);
+            let _ = run(&q, &mut st, now);
+            match (before, st) {
+                (Some(State::FixedWindow(a)), Some(State::FixedWindow(b))) => {
+                    prop_assert!(
+                        b.start_us == a.start_us || b.start_us >= a.start_us + p,
+                        "request {}: window {} after {}: they overlap", i, b.start_us, a.start_us
+                    );
+                    prop_assert!(b.count <= count);
+                }
+                (Some(State::SlidingWindow(a)), Some(State::SlidingWindow(b))) => {
+                    prop_assert!(b.window >= a.window, "request {}: window {} after {}", i, b.window, a.window);
+                }
+                _ => {}
+            }
+        }
+    }
 }

@@ -31,7 +31,13 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
     let p = q.period_us();
     let n = q.rate.count;
     let cost = q.cost;
-    let (w, e) = (now_us / p, now_us % p);
+    // The windows never move backwards: a request timed before the state's window (the
+    // clock stepped back across a window start — a Redis failover, an NTP step) is decided
+    // at that window's start, where its counts still weigh, not in an earlier window that
+    // knows none of them. Its waits are then counted from `now_us`.
+    let at = state.map_or(now_us, |s| now_us.max(s.window.saturating_mul(p)));
+    let skew = at - now_us;
+    let (w, e) = (at / p, at % p);
     let (prev, cur) = match state {
         Some(s) if s.window == w => (s.prev, s.cur),
         Some(s) if s.window + 1 == w => (s.cur, 0),
@@ -47,9 +53,9 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
     // Until the estimate is back to zero: `cur` must age through the next window too.
     let reset = |cur: u64| {
         if cur > 0 {
-            2 * p - e
+            2 * p - e + skew
         } else if prev > 0 {
-            p - e
+            p - e + skew
         } else {
             0
         }
@@ -60,11 +66,11 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
         // Within this window, once enough of `prev` has slid out: the first e' with
         // prev * (P - e') <= (N - cur - cost) * P.
         let e_pass = p - ((n - cur - cost) * p) / prev;
-        e_pass - e
+        e_pass - e + skew
     } else {
         // In the next window, where `cur` becomes the weighted previous count.
         let e_pass = p - ((n - cost) * p) / cur;
-        (p - e) + e_pass
+        (p - e) + e_pass + skew
     };
     let next = State {
         window: w,
@@ -86,7 +92,7 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
             reset_us: reset(cur),
         },
         next,
-        ttl_us: 2 * p - e,
+        ttl_us: 2 * p - e + skew,
     }
 }
 
