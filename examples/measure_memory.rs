@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
 use ratewall::config::Rate;
 use ratewall::identity::digest_api_key;
-use ratewall::limiter::memory::MemoryStore;
+use ratewall::limiter::memory::{Evictions, MemoryStore};
 use ratewall::limiter::redis::RedisStore;
 use ratewall::limiter::{Algorithm, Check, ManualClock, Quota};
 
@@ -58,6 +58,12 @@ fn quota(algorithm: Algorithm) -> Quota {
     .expect("quota")
 }
 
+/// A memory store whose `max_keys` is well above the million keys measured (its shards
+/// hold an even share each, and keys do not hash perfectly evenly): nothing is evicted.
+fn unbounded(clock: std::sync::Arc<ManualClock>) -> MemoryStore {
+    MemoryStore::bounded(clock, 4_000_000, Evictions::default())
+}
+
 #[tokio::main(flavor = "current_thread")]
 async fn main() {
     let redis_url = std::env::args().nth(1);
@@ -75,9 +81,11 @@ async fn main() {
         for n in [10_000usize, 100_000, 1_000_000] {
             let clock = ManualClock::new(1);
             let before = LIVE.load(Relaxed);
-            let store = MemoryStore::new(clock);
+            let store = unbounded(clock);
             for d in &digests[..n] {
-                store.decide(&[Check::new(d, "api", &q)]);
+                store
+                    .decide(&[Check::new(d, "api", &q)])
+                    .expect("room: the bound is above the keys measured");
             }
             let bytes = LIVE.load(Relaxed) - before;
             assert_eq!(store.len(), n);
@@ -91,10 +99,12 @@ async fn main() {
     let q = quota(Algorithm::TokenBucket);
     let clock = ManualClock::new(1);
     let before = LIVE.load(Relaxed);
-    let store = MemoryStore::new(clock.clone());
+    let store = unbounded(clock.clone());
     let (mut worst, mut at) = (0.0, 0);
     for (i, d) in digests.iter().enumerate() {
-        store.decide(&[Check::new(d, "api", &q)]);
+        store
+            .decide(&[Check::new(d, "api", &q)])
+            .expect("room: the bound is above the keys measured");
         let n = i + 1;
         let per_key = (LIVE.load(Relaxed) - before) as f64 / n as f64;
         if n >= 10_000 && per_key > worst {

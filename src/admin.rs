@@ -3,13 +3,20 @@
 //! | call | what |
 //! | --- | --- |
 //! | `GET /` | the status page (self-contained HTML; refreshes itself) |
+//! | `GET /status.json` | what the status page shows, with no key material |
 //! | `GET /metrics` | Prometheus metrics (OpenMetrics text) |
 //! | `GET /healthz` | 200 while the process runs |
 //! | `GET /readyz` | 200 while traffic is served as configured, else 503 |
-//! | `GET /admin/stats` | what the status page shows, as JSON |
+//! | `GET /admin/stats` | the status page's data, with each limited key's hint |
 //! | `GET /admin/top?minutes=5&n=20` | the most limited identities (hash + hint, never a key) |
 //! | `GET /admin/state?rule=R&key=K` (or `ip=`, `header=`, nothing for `global`) | one identity's state |
-//! | `POST /admin/reset?rule=R&key=K` (likewise) | forget one identity's state; needs `Authorization: Bearer <token>` |
+//! | `POST /admin/reset?rule=R&key=K` (likewise) | forget one identity's state |
+//!
+//! Every `/admin/*` call needs `Authorization: Bearer <token>`, read-only ones too: a
+//! state answer tells whether a key has a plan and how much of it is left, which is what
+//! someone guessing keys wants to know. Without a configured token they answer 403. The
+//! status page, `/status.json` and `/metrics` stay readable without one, and carry no key
+//! material (identities by hash, keys never by their characters).
 //!
 //! The identity is given raw (the key, the address) and hashed here, as on the request
 //! path; answers name it by its hash only.
@@ -17,19 +24,17 @@
 use std::convert::Infallible;
 use std::net::IpAddr;
 use std::sync::Arc;
-use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use hyper_util::rt::{TokioExecutor, TokioIo};
-use hyper_util::server::conn::auto;
 use serde::Serialize;
 use tokio::net::TcpListener;
 
 use crate::config::{Backend, Config, KeyKind, OnError, Rule};
+use crate::connection::{self, InFlight, Registry, Settings, Tracked};
 use crate::gateway::Gateway;
 use crate::headers::ceil_secs;
 use crate::identity;
@@ -45,28 +50,50 @@ type Answer = Response<Full<Bytes>>;
 type Refusal = (StatusCode, String);
 
 fn refused((status, message): Refusal) -> Answer {
-    error(status, &message)
+    let mut answer = error(status, &message);
+    if status == StatusCode::UNAUTHORIZED {
+        answer.headers_mut().insert(
+            header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer realm=\"ratewall admin\""),
+        );
+    }
+    answer
 }
 
-pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>) {
+/// Who a stats answer is for: anyone who can reach the admin listener (the status page),
+/// or a holder of the admin token.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Audience {
+    Public,
+    Admin,
+}
+
+/// Serve the admin listener: the same connection handling as the gateway's (its
+/// timeouts, its head size bound), with a connection bound of its own.
+pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, registry: Arc<Registry>) {
     loop {
-        let (stream, _) = match listener.accept().await {
-            Ok(a) => a,
+        let stream = match listener.accept().await {
+            Ok((stream, _)) => stream,
             Err(e) => {
-                tracing::warn!(error = %e, "admin accept failed");
-                tokio::time::sleep(Duration::from_millis(50)).await;
+                registry.accept_failed(&e).await;
                 continue;
             }
         };
-        let gw = gateway.clone();
+        let permit = registry.admit().await;
+        let (gw, registry) = (gateway.clone(), registry.clone());
+        let settings = Settings::of(&gw.live().config);
         tokio::spawn(async move {
-            let service = service_fn(move |req: Request<Incoming>| {
-                let gw = gw.clone();
-                async move { Ok::<_, Infallible>(handle(&gw, &req).await) }
-            });
-            let _ = auto::Builder::new(TokioExecutor::new())
-                .serve_connection(TokioIo::new(stream), service)
-                .await;
+            connection::serve(stream, &registry, permit, settings, |track| {
+                service_fn(move |req: Request<Incoming>| {
+                    let request = InFlight::new(&track);
+                    let gw = gw.clone();
+                    async move {
+                        let answer = handle(&gw, &req).await;
+                        Ok::<_, Infallible>(answer.map(|body| Tracked::new(body, request)))
+                    }
+                })
+            })
+            .await;
         });
     }
 }
@@ -100,9 +127,31 @@ fn error(status: StatusCode, message: &str) -> Answer {
 }
 
 async fn handle(gw: &Gateway, req: &Request<Incoming>) -> Answer {
-    let query = parse_query(req.uri().query().unwrap_or(""));
-    match (req.method(), req.uri().path()) {
+    let path = req.uri().path();
+    let method = req.method();
+    if path.starts_with("/admin/") {
+        if let Err(r) = authorized(gw, req) {
+            return refused(r);
+        }
+        let query = parse_query(req.uri().query().unwrap_or(""));
+        return match (method, path) {
+            (&Method::GET, "/admin/stats") => json(StatusCode::OK, &stats(gw, Audience::Admin)),
+            (&Method::GET, "/admin/top") => {
+                let minutes = number(&query, "minutes").unwrap_or(5).clamp(1, 10);
+                let n = number(&query, "n").unwrap_or(20).clamp(1, 100) as usize;
+                json(StatusCode::OK, &gw.metrics().stats.top(minutes, n))
+            }
+            (&Method::GET, "/admin/state") => identity_call(gw, &query, false).await,
+            (&Method::POST, "/admin/reset") => identity_call(gw, &query, true).await,
+            (_, "/admin/stats" | "/admin/top" | "/admin/state" | "/admin/reset") => {
+                error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
+            }
+            _ => error(StatusCode::NOT_FOUND, "not found"),
+        };
+    }
+    match (method, path) {
         (&Method::GET, "/") => reply(StatusCode::OK, "text/html; charset=utf-8", STATUS_PAGE),
+        (&Method::GET, "/status.json") => json(StatusCode::OK, &stats(gw, Audience::Public)),
         (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
         (&Method::GET, "/readyz") => readyz(gw).await,
         (&Method::GET, "/metrics") => reply(
@@ -110,22 +159,9 @@ async fn handle(gw: &Gateway, req: &Request<Incoming>) -> Answer {
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
             gw.metrics().encode(),
         ),
-        (&Method::GET, "/admin/stats") => json(StatusCode::OK, &stats(gw)),
-        (&Method::GET, "/admin/top") => {
-            let minutes = number(&query, "minutes").unwrap_or(5).clamp(1, 10);
-            let n = number(&query, "n").unwrap_or(20).clamp(1, 100) as usize;
-            json(StatusCode::OK, &gw.metrics().stats.top(minutes, n))
+        (_, "/" | "/status.json" | "/healthz" | "/readyz" | "/metrics") => {
+            error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
         }
-        (&Method::GET, "/admin/state") => identity_call(gw, &query, false).await,
-        (&Method::POST, "/admin/reset") => match authorized(gw, req) {
-            Ok(()) => identity_call(gw, &query, true).await,
-            Err(r) => refused(r),
-        },
-        (
-            _,
-            "/" | "/healthz" | "/readyz" | "/metrics" | "/admin/stats" | "/admin/top"
-            | "/admin/state" | "/admin/reset",
-        ) => error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed"),
         _ => error(StatusCode::NOT_FOUND, "not found"),
     }
 }
@@ -160,13 +196,13 @@ async fn readyz(gw: &Gateway) -> Answer {
     }
 }
 
-/// Mutating calls need `Authorization: Bearer <token>`; with no token configured they are off.
+/// Admin calls need `Authorization: Bearer <token>`; with no token configured they are off.
 fn authorized(gw: &Gateway, req: &Request<Incoming>) -> Result<(), Refusal> {
     let live = gw.live();
     let Some(token) = live.config.admin.token.as_deref() else {
         return Err((
             StatusCode::FORBIDDEN,
-            "mutating admin calls are off: set [admin].token or RATEWALL_ADMIN_TOKEN".into(),
+            "admin calls are off: set [admin].token or RATEWALL_ADMIN_TOKEN".into(),
         ));
     };
     let given = req
@@ -311,7 +347,7 @@ struct RuleView<'a> {
     behaviour: String,
 }
 
-fn stats(gw: &Gateway) -> serde_json::Value {
+fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
     let live = gw.live();
     let cfg = &live.config;
     let st = &gw.metrics().stats;
@@ -342,6 +378,16 @@ fn stats(gw: &Gateway) -> serde_json::Value {
             behaviour: r.behaviour(),
         })
         .collect();
+    let mut top = st.top(10, 20);
+    if audience == Audience::Public {
+        // A key's hint shows its last characters: key material, for token holders only.
+        for t in &mut top {
+            if !t.who.hint.starts_with("ip ") && t.who.hint != "everyone" {
+                let kind = t.who.hint.split(' ').next().unwrap_or("key");
+                t.who.hint = kind.to_string();
+            }
+        }
+    }
     let health = match live.limiter.health() {
         Health::Healthy => "healthy",
         Health::Failing => "failing",
@@ -356,7 +402,7 @@ fn stats(gw: &Gateway) -> serde_json::Value {
             "denied": st.denied.load(std::sync::atomic::Ordering::Relaxed),
         },
         "history": st.history(HISTORY_SECS),
-        "top": st.top(10, 20),
+        "top": top,
         "store": {
             "backend": match cfg.store.backend {
                 Backend::Memory => "memory",

@@ -64,6 +64,29 @@ pub struct Server {
     pub shutdown_grace: Duration,
     /// Threads serving clients, each with its own event loop and upstream connections.
     pub workers: usize,
+    /// How long a client may take to send a request head (see [`Timeouts`]).
+    pub timeouts: Timeouts,
+    /// Open client connections at most (the gateway listener); past it, idle kept-alive
+    /// connections are closed to make room and new ones wait in the listen backlog.
+    pub max_connections: usize,
+    /// The largest request head (request line and fields; HTTP/2: the header list size)
+    /// a client may send; past it, 431.
+    pub max_header_bytes: usize,
+}
+
+/// How long a client connection may keep the gateway waiting, each a bound on one kind of
+/// silence (nginx: `client_header_timeout`, `keepalive_timeout`, `client_body_timeout`,
+/// `send_timeout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// From accept to a complete request head (an HTTP/2 preface and SETTINGS); on a
+    /// kept-alive connection, from the next request's first byte to its complete head.
+    pub header: Duration,
+    /// A kept-alive or HTTP/2 connection with nothing in flight is closed after this.
+    pub idle: Duration,
+    /// The longest gap between two reads of a request body (408), and between two writes
+    /// of a response the client does not take (the connection is closed).
+    pub body: Duration,
 }
 
 /// The admin API's protection.
@@ -131,6 +154,9 @@ pub struct Store {
     pub breaker_failures: u32,
     /// How long an open breaker stops calls before a probe may close it.
     pub breaker_cooldown: Duration,
+    /// The most keys the memory store (and the `local` fallback) tracks; see
+    /// [`crate::limiter::memory`] for what is evicted when it is full.
+    pub max_keys: usize,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
@@ -380,6 +406,114 @@ struct RawServer {
     #[serde(default = "default_grace")]
     shutdown_grace: HumanDuration,
     workers: Option<Workers>,
+    #[serde(default = "default_header_timeout")]
+    header_timeout: HumanDuration,
+    #[serde(default = "default_idle_timeout")]
+    idle_timeout: HumanDuration,
+    #[serde(default = "default_body_timeout")]
+    body_timeout: HumanDuration,
+    #[serde(default = "default_max_connections")]
+    max_connections: MaxConnections,
+    #[serde(default = "default_max_header_bytes")]
+    max_header_bytes: HeaderBytes,
+}
+
+fn default_header_timeout() -> HumanDuration {
+    HumanDuration(Duration::from_secs(10))
+}
+fn default_idle_timeout() -> HumanDuration {
+    HumanDuration(Duration::from_secs(60))
+}
+fn default_body_timeout() -> HumanDuration {
+    HumanDuration(Duration::from_secs(30))
+}
+fn default_max_connections() -> MaxConnections {
+    MaxConnections(10_000)
+}
+fn default_max_header_bytes() -> HeaderBytes {
+    HeaderBytes(32 * 1024)
+}
+
+/// 1 to 10,000,000 open client connections.
+struct MaxConnections(usize);
+
+impl<'de> Deserialize<'de> for MaxConnections {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = u64::deserialize(d)?;
+        if !(1..=10_000_000).contains(&n) {
+            return Err(de::Error::custom(format!(
+                "max_connections = {n}: 1 to 10000000 (default 10000)"
+            )));
+        }
+        Ok(MaxConnections(n as usize))
+    }
+}
+
+/// A request head's size bound: 1 KiB to 1 MiB, as bytes or `"32KiB"`.
+struct HeaderBytes(usize);
+
+impl<'de> Deserialize<'de> for HeaderBytes {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = ByteSize::deserialize(d)?.0;
+        if !(1024..=1024 * 1024).contains(&n) {
+            return Err(de::Error::custom(format!(
+                "max_header_bytes = {n} bytes: 1KiB to 1MiB (default 32KiB)"
+            )));
+        }
+        Ok(HeaderBytes(n as usize))
+    }
+}
+
+/// A size: a whole number of bytes, or a string with a binary unit: `"512B"`, `"32KiB"`,
+/// `"1MiB"` (`k` and `m`, as nginx writes them, are the same units).
+struct ByteSize(u64);
+
+impl ByteSize {
+    fn parse(s: &str) -> Result<u64, String> {
+        let t = s.trim();
+        let digits = t.bytes().take_while(u8::is_ascii_digit).count();
+        let (n, unit) = t.split_at(digits);
+        let n: u64 = n.parse().map_err(|_| {
+            format!("invalid size {s:?}: expected e.g. 32768, \"32KiB\" or \"1MiB\"")
+        })?;
+        let scale: u64 = match unit.trim() {
+            "" | "B" | "b" => 1,
+            "KiB" | "k" | "K" => 1024,
+            "MiB" | "m" | "M" => 1024 * 1024,
+            "KB" | "kB" | "MB" => {
+                return Err(format!(
+                    "invalid size {s:?}: write KiB or MiB (1024-based), not {unit}"
+                ))
+            }
+            other => return Err(format!("invalid size {s:?}: unknown unit {other:?}")),
+        };
+        n.checked_mul(scale)
+            .ok_or_else(|| format!("invalid size {s:?}: too large"))
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl de::Visitor<'_> for V {
+            type Value = ByteSize;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a number of bytes, or a size such as \"32KiB\"")
+            }
+            fn visit_i64<E: de::Error>(self, n: i64) -> Result<ByteSize, E> {
+                u64::try_from(n)
+                    .map(ByteSize)
+                    .map_err(|_| E::custom(format!("invalid size {n}: below zero")))
+            }
+            fn visit_u64<E: de::Error>(self, n: u64) -> Result<ByteSize, E> {
+                Ok(ByteSize(n))
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<ByteSize, E> {
+                ByteSize::parse(s).map(ByteSize).map_err(E::custom)
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 /// One worker per CPU the process may use.
@@ -469,6 +603,27 @@ struct RawStore {
     breaker_failures: NonZeroU32,
     #[serde(default = "default_breaker_cooldown")]
     breaker_cooldown: HumanDuration,
+    #[serde(default = "default_max_keys")]
+    max_keys: MaxKeys,
+}
+
+fn default_max_keys() -> MaxKeys {
+    MaxKeys(1_000_000)
+}
+
+/// 1 to 1,000,000,000 keys in the memory store.
+struct MaxKeys(usize);
+
+impl<'de> Deserialize<'de> for MaxKeys {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = u64::deserialize(d)?;
+        if !(1..=1_000_000_000).contains(&n) {
+            return Err(de::Error::custom(format!(
+                "max_keys = {n}: 1 to 1000000000 (default 1000000)"
+            )));
+        }
+        Ok(MaxKeys(n as usize))
+    }
 }
 
 impl Default for RawStore {
@@ -482,6 +637,7 @@ impl Default for RawStore {
             on_error: default_on_error(),
             breaker_failures: default_breaker_failures(),
             breaker_cooldown: default_breaker_cooldown(),
+            max_keys: default_max_keys(),
         }
     }
 }
@@ -1141,6 +1297,13 @@ impl Config {
                 admin_listen: raw.server.admin_listen,
                 shutdown_grace: raw.server.shutdown_grace.0,
                 workers: raw.server.workers.map_or_else(default_workers, |w| w.0),
+                timeouts: Timeouts {
+                    header: raw.server.header_timeout.0,
+                    idle: raw.server.idle_timeout.0,
+                    body: raw.server.body_timeout.0,
+                },
+                max_connections: raw.server.max_connections.0,
+                max_header_bytes: raw.server.max_header_bytes.0,
             },
             upstream: Upstream {
                 url: raw.upstream.url.uri,
@@ -1155,6 +1318,7 @@ impl Config {
                 on_error: store.on_error,
                 breaker_failures: store.breaker_failures.get(),
                 breaker_cooldown: store.breaker_cooldown.0,
+                max_keys: store.max_keys.0,
             },
             client_ip: ClientIp {
                 trusted_proxies: raw
@@ -1191,8 +1355,21 @@ impl Config {
             self.upstream.url.to_string().trim_end_matches('/'),
             self.upstream.base_path
         );
+        let t = &self.server.timeouts;
+        let _ = writeln!(
+            out,
+            "clients       header_timeout {}, idle_timeout {}, body_timeout {}, max_connections {}, max_header_bytes {}",
+            humantime::format_duration(t.header),
+            humantime::format_duration(t.idle),
+            humantime::format_duration(t.body),
+            self.server.max_connections,
+            self.server.max_header_bytes
+        );
         let backend = match &self.store.backend {
-            Backend::Memory => "memory (embedded, one instance)".to_string(),
+            Backend::Memory => format!(
+                "memory (embedded, one instance; max_keys {})",
+                self.store.max_keys
+            ),
             Backend::Redis { .. } => "redis".to_string(),
             Backend::RedisCluster { nodes } => {
                 format!("redis_cluster ({} seed nodes)", nodes.len())
@@ -1622,6 +1799,53 @@ url = "http://127.0.0.1:3000"
         assert_eq!(cfg.keys.header.as_str(), "x-api-key");
         assert_eq!(cfg.response, ResponseStyle::Draft);
         assert_eq!(cfg.upstream.timeout, Duration::from_secs(30));
+        let t = cfg.server.timeouts;
+        assert_eq!(
+            (t.header, t.idle, t.body),
+            (
+                Duration::from_secs(10),
+                Duration::from_secs(60),
+                Duration::from_secs(30)
+            )
+        );
+        assert_eq!(cfg.server.max_connections, 10_000);
+        assert_eq!(cfg.server.max_header_bytes, 32 * 1024);
+        assert_eq!(cfg.store.max_keys, 1_000_000);
+    }
+
+    #[test]
+    fn sizes_are_bytes_or_binary_units() {
+        for (text, bytes) in [
+            ("4096", 4096),
+            ("\"4096B\"", 4096),
+            ("\"32KiB\"", 32 * 1024),
+            ("\"8k\"", 8 * 1024),
+            ("\" 1MiB \"", 1024 * 1024),
+        ] {
+            let cfg = Config::parse(
+                &format!("[server]\nlisten = \"127.0.0.1:1\"\nmax_header_bytes = {text}\n[upstream]\nurl = \"http://127.0.0.1:2\"\n"),
+                Path::new("t.toml"),
+            )
+            .unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert_eq!(cfg.server.max_header_bytes, bytes, "{text}");
+        }
+        for bad in [
+            "\"32KB\"",
+            "\"x\"",
+            "\"2GiB\"",
+            "-1",
+            "\"1.5KiB\"",
+            "\"2MiB\"",
+        ] {
+            assert!(
+                Config::parse(
+                    &format!("[server]\nlisten = \"127.0.0.1:1\"\nmax_header_bytes = {bad}\n[upstream]\nurl = \"http://127.0.0.1:2\"\n"),
+                    Path::new("t.toml"),
+                )
+                .is_err(),
+                "{bad} was accepted"
+            );
+        }
     }
 
     #[test]

@@ -26,7 +26,7 @@ use crate::limiter::{
     Algorithm, Check, Decision, IdentityDigest, MonotonicClock, Quota, Store, StoreError,
 };
 use crate::metrics::{status_class, InFlight, Metrics, ReloadLabels, ReloadResult, RuleCounters};
-use crate::proxy::{Peer, Proxy, ProxyError, ResponseBody};
+use crate::proxy::{Downstream, Peer, Proxy, ProxyError, ResponseBody};
 use crate::rules;
 
 /// What a client receives: the upstream's streamed body, or one the gateway wrote.
@@ -150,9 +150,11 @@ impl Live {
             Some(o) if o.config.store == config.store => o.limiter.clone(),
             _ => {
                 let store = match &config.store.backend {
-                    Backend::Memory => {
-                        Store::Memory(MemoryStore::new(Arc::new(MonotonicClock::new())))
-                    }
+                    Backend::Memory => Store::Memory(MemoryStore::bounded(
+                        Arc::new(MonotonicClock::new()),
+                        config.store.max_keys,
+                        metrics.evictions("memory"),
+                    )),
                     Backend::Redis { url } => Store::Redis(RedisStore::for_workers(
                         url,
                         &config.store.prefix,
@@ -169,6 +171,7 @@ impl Live {
                     s.on_error,
                     s.breaker_failures,
                     s.breaker_cooldown,
+                    s.max_keys,
                     metrics.clone(),
                 )
             }
@@ -305,9 +308,10 @@ impl Gateway {
         if config.server.listen != old.config.server.listen
             || config.server.admin_listen != old.config.server.admin_listen
             || config.server.workers != old.config.server.workers
+            || config.server.max_connections != old.config.server.max_connections
         {
             tracing::warn!(
-                "listen addresses or workers changed in the file; they take effect on restart only"
+                "listen addresses, workers or max_connections changed in the file; they take effect on restart only"
             );
         }
         if config.store != old.config.store {
@@ -361,17 +365,17 @@ impl Gateway {
         peer: &Peer,
     ) -> (Response<Body>, Note<'a>) {
         let cfg = &*live.config;
-        if let Some(p) =
-            framing_problem(req.headers()).or_else(|| host_problem(req.uri(), req.headers()))
+        if let Some(p) = method_problem(req.method())
+            .or_else(|| framing_problem(req.headers()))
+            .or_else(|| host_problem(req.version(), req.uri(), req.headers()))
         {
-            tracing::debug!(peer = %peer.addr, "ambiguous request framing refused");
-            // Close the connection: after a request whose framing is in doubt, nothing
-            // more on it can be trusted to start where a request starts.
+            tracing::debug!(peer = %peer.addr, status = p.status.as_u16(), "malformed request refused");
+            // Close the connection: after a request that is malformed or whose framing is
+            // in doubt, nothing more on it can be trusted to start where a request starts.
             let mut resp = problem(p, cfg, &[]);
-            resp.headers_mut().insert(
-                http::header::CONNECTION,
-                http::HeaderValue::from_static("close"),
-            );
+            if req.version() < http::Version::HTTP_2 {
+                close_after(&mut resp);
+            }
             return (resp, Note::gateway("bad_request"));
         }
         let path = rules::normalize_path(req.uri().path());
@@ -601,15 +605,25 @@ impl Gateway {
         mut note: Note<'a>,
     ) -> (Response<Body>, Note<'a>) {
         let started = Instant::now();
-        let result = live.proxy().forward(req, peer).await;
-        self.metrics
-            .upstream_duration
-            .observe(started.elapsed().as_secs_f64());
-        let class = match &result {
-            Ok(resp) => status_class(resp.status().as_u16()),
-            Err(_) => "error",
+        let cfg = &live.config;
+        let down = Downstream {
+            peer,
+            trusted: identity::is_trusted(peer.ip().to_canonical(), &cfg.client_ip.trusted_proxies),
+            body_timeout: cfg.server.timeouts.body,
         };
-        self.metrics.count_upstream(class);
+        let version = req.version();
+        let result = live.proxy().forward(req, &down).await;
+        // A client's own failure (a malformed or stalled body) says nothing of the upstream.
+        if !result.as_ref().is_err_and(ProxyError::is_client_error) {
+            self.metrics
+                .upstream_duration
+                .observe(started.elapsed().as_secs_f64());
+            let class = match &result {
+                Ok(resp) => status_class(resp.status().as_u16()),
+                Err(_) => "error",
+            };
+            self.metrics.count_upstream(class);
+        }
         match result {
             Ok(resp) => {
                 let mut resp = resp.map(|body| Either::Left(Upstream::new(body, leases)));
@@ -619,18 +633,48 @@ impl Gateway {
                 (resp, note)
             }
             Err(e) => {
-                let status = match e {
-                    ProxyError::Timeout(_) => StatusCode::GATEWAY_TIMEOUT,
-                    ProxyError::Unreachable(_) | ProxyError::Failed(_) => StatusCode::BAD_GATEWAY,
+                let (status, detail) = match e {
+                    ProxyError::Timeout(_) => (
+                        StatusCode::GATEWAY_TIMEOUT,
+                        "the upstream did not answer in time",
+                    ),
+                    ProxyError::Unreachable(_) | ProxyError::Failed(_) => {
+                        (StatusCode::BAD_GATEWAY, "the upstream could not be reached")
+                    }
+                    ProxyError::Coding(_) => (
+                        StatusCode::BAD_GATEWAY,
+                        "the upstream's answer uses a transfer coding this client cannot take",
+                    ),
+                    ProxyError::ClientBody(_) => {
+                        (StatusCode::BAD_REQUEST, "the request body is malformed")
+                    }
+                    ProxyError::ClientStalled(_) => (
+                        StatusCode::REQUEST_TIMEOUT,
+                        "the request body stopped arriving",
+                    ),
                 };
-                tracing::warn!(error = %e, status = status.as_u16(), "upstream failed");
-                let detail = match status {
-                    StatusCode::GATEWAY_TIMEOUT => "the upstream did not answer in time",
-                    _ => "the upstream could not be reached",
-                };
+                if e.is_client_error() {
+                    tracing::debug!(error = %e, status = status.as_u16(), peer = %peer.addr, "client request failed");
+                } else {
+                    tracing::warn!(error = %e, status = status.as_u16(), "upstream failed");
+                }
                 // The request is over: `leases` are dropped here, giving its slots back.
                 let mut resp = problem(Problem::new(status, detail), &live.config, applied);
                 headers::add_shadow(resp.headers_mut(), live.config.response, shadow);
+                if matches!(e, ProxyError::ClientStalled(_)) && version < http::Version::HTTP_2 {
+                    self.metrics
+                        .connections_closed
+                        .get_or_create(&crate::metrics::ClosedLabels {
+                            listener: "gateway",
+                            reason: crate::connection::Closed::BodyTimeout.name(),
+                        })
+                        .inc();
+                }
+                if e.is_client_error() && version < http::Version::HTTP_2 {
+                    // The rest of the body is in an unknown state: nothing after it on this
+                    // connection can be trusted to start where a request starts.
+                    close_after(&mut resp);
+                }
                 (resp, note)
             }
         }
@@ -707,10 +751,45 @@ fn framing_problem(headers: &HeaderMap) -> Option<Problem> {
     None
 }
 
-/// A request target with an authority (absolute form, or HTTP/2's `:authority`) and a
-/// `Host` that names another host: rules match one and the upstream would be told the
-/// other, so neither can be trusted (RFC 9112 §3.2.2: the two must agree).
-fn host_problem(uri: &http::Uri, headers: &HeaderMap) -> Option<Problem> {
+/// Methods a rule's filter or the upstream could read differently from the gateway:
+/// - a standard method spelled other than in upper case (`get`): methods are
+///   case-sensitive (RFC 9110 §9.1), so `get` is not `GET` to a `methods = ["GET"]` filter,
+///   yet some backends route it as `GET`; the ambiguity itself is refused (400), as nginx
+///   does;
+/// - `CONNECT`: a tunnel, not a request to forward (501).
+fn method_problem(method: &http::Method) -> Option<Problem> {
+    const STANDARD: [&str; 9] = [
+        "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH",
+    ];
+    if *method == http::Method::CONNECT {
+        return Some(Problem::new(
+            StatusCode::NOT_IMPLEMENTED,
+            "CONNECT is not supported: this gateway forwards requests, it does not open tunnels",
+        ));
+    }
+    let name = method.as_str();
+    let miscased = name.bytes().any(|b| b.is_ascii_lowercase())
+        && STANDARD.iter().any(|s| s.eq_ignore_ascii_case(name));
+    miscased.then(|| {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "method names are case-sensitive: standard methods are upper case",
+        )
+    })
+}
+
+/// Hosts that do not add up (RFC 9112 §3.2): an HTTP/1.1 request without `Host` (400,
+/// whatever its target), and a request target with an authority (absolute form, or
+/// HTTP/2's `:authority`) with a `Host` that names another host: rules match one and the
+/// upstream would be told the other, so neither can be trusted (§3.2.2: the two must
+/// agree).
+fn host_problem(version: http::Version, uri: &http::Uri, headers: &HeaderMap) -> Option<Problem> {
+    if version == http::Version::HTTP_11 && !headers.contains_key(http::header::HOST) {
+        return Some(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "an HTTP/1.1 request must carry a Host header",
+        ));
+    }
     let authority = uri.authority()?;
     let host = headers.get(http::header::HOST)?;
     if host
@@ -803,6 +882,14 @@ fn refuse(refusal: Refusal, cfg: &Config) -> Response<Body> {
         Refusal::Malformed(e) => Problem::new(StatusCode::BAD_REQUEST, &e.to_string()),
     };
     problem(p, cfg, &[])
+}
+
+/// Ask hyper to close the client connection once `resp` is sent (HTTP/1).
+fn close_after<B>(resp: &mut Response<B>) {
+    resp.headers_mut().insert(
+        http::header::CONNECTION,
+        http::HeaderValue::from_static("close"),
+    );
 }
 
 /// A response the gateway writes itself.

@@ -42,7 +42,8 @@ pub fn client_ip(peer: IpAddr, headers: &HeaderMap, cfg: &ClientIp) -> IpAddr {
     client
 }
 
-fn is_trusted(ip: IpAddr, nets: &[IpNet]) -> bool {
+/// Whether `ip` is inside one of the trusted proxies' networks.
+pub fn is_trusted(ip: IpAddr, nets: &[IpNet]) -> bool {
     nets.iter().any(|n| n.contains(&ip))
 }
 

@@ -10,6 +10,8 @@
 //! A request travels one way, and the modules follow it:
 //!
 //! - [`server`]: accept loop, graceful shutdown, SIGHUP reload.
+//! - [`connection`]: one client connection: HTTP/1 or HTTP/2, the clocks on its silences
+//!   (`header_timeout`, `idle_timeout`, stalled writes), `max_connections`.
 //! - [`admin`]: the admin listener: metrics, health, the admin API, the status page.
 //! - [`metrics`]: Prometheus metrics and the in-process stats the status page shows.
 //! - [`gateway`]: one request: identify -> match rules -> limit -> answer or forward.
@@ -27,6 +29,7 @@
 
 pub mod admin;
 pub mod config;
+pub mod connection;
 pub mod gateway;
 pub mod headers;
 pub mod identity;

@@ -48,6 +48,8 @@ pub enum StoreErrorKind {
     Data,
     /// Not tried: the circuit breaker is open.
     BreakerOpen,
+    /// The memory store had no room for a new key (every key in the way is being denied).
+    Full,
     /// Anything else the store answered unexpectedly.
     Other,
 }
@@ -60,6 +62,34 @@ pub struct StoreErrorLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StoreLabels {
     pub backend: &'static str,
+}
+
+/// An in-process store: `memory` (the configured backend) or `local` (the `on_error =
+/// "local"` fallback).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MemoryLabels {
+    pub store: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ListenerLabels {
+    /// `gateway` or `admin`.
+    pub listener: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClosedLabels {
+    pub listener: &'static str,
+    /// The clock that ran out (`header_timeout`, `idle_timeout`, `body_timeout`,
+    /// `send_timeout`), or `make_room` (idle, closed at `max_connections`).
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EvictionLabels {
+    pub store: &'static str,
+    /// `expired` (equivalent to no entry) or `lru` (live, not being denied).
+    pub reason: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -105,7 +135,7 @@ macro_rules! label_values {
 
 label_values! {
     Verdict { Allowed => "allowed", Delayed => "delayed", Denied => "denied", ShadowDenied => "shadow_denied", Error => "error" }
-    StoreErrorKind { Timeout => "timeout", Connection => "connection", Data => "data", BreakerOpen => "breaker_open", Other => "other" }
+    StoreErrorKind { Timeout => "timeout", Connection => "connection", Data => "data", BreakerOpen => "breaker_open", Full => "full", Other => "other" }
     ReloadResult { Ok => "ok", Rejected => "rejected" }
 }
 
@@ -143,6 +173,13 @@ pub struct Metrics {
     pub in_flight: Gauge,
     /// Requests waiting for reserved tokens (`max_delay`) now.
     pub waiting: Gauge,
+    /// Keys the in-process stores hold, as of the last sweep.
+    pub memory_keys: Family<MemoryLabels, Gauge>,
+    /// Entries the in-process stores dropped to make room for new keys.
+    pub memory_evictions: Family<EvictionLabels, Counter>,
+    pub connections_open: Family<ListenerLabels, Gauge>,
+    pub connections_closed: Family<ClosedLabels, Counter>,
+    pub accept_errors: Family<ListenerLabels, Counter>,
     /// `responses` and `upstream_responses` handles, resolved on first use: counting a
     /// response then takes no lock and hashes no labels (a series still appears only once
     /// it has been counted).
@@ -228,7 +265,48 @@ impl Metrics {
             "Requests waiting for their reserved tokens (max_delay) before they are forwarded",
             waiting.clone(),
         );
+        let memory_keys = Family::<MemoryLabels, Gauge>::default();
+        registry.register(
+            "store_keys",
+            "Keys the in-process store holds (store=memory: the memory backend; store=local: the on_error = \"local\" fallback), as of the last sweep",
+            memory_keys.clone(),
+        );
+        let memory_evictions = Family::<EvictionLabels, Counter>::default();
+        registry.register(
+            "store_evictions",
+            "Entries an in-process store dropped to make room for a new key at max_keys: reason=expired (already equivalent to none) or lru (the least recently used not being denied)",
+            memory_evictions.clone(),
+        );
+        for store in ["memory", "local"] {
+            let _ = memory_keys.get_or_create(&MemoryLabels { store });
+            for reason in ["expired", "lru"] {
+                let _ = memory_evictions.get_or_create(&EvictionLabels { store, reason });
+            }
+        }
+        let connections_open = Family::<ListenerLabels, Gauge>::default();
+        registry.register(
+            "connections",
+            "Client connections open now, by listener",
+            connections_open.clone(),
+        );
+        let connections_closed = Family::<ClosedLabels, Counter>::default();
+        registry.register(
+            "connections_closed",
+            "Client connections the gateway closed, by listener and why: the clock that ran out (header_timeout, idle_timeout, body_timeout, send_timeout) or make_room (idle, closed at max_connections)",
+            connections_closed.clone(),
+        );
+        let accept_errors = Family::<ListenerLabels, Counter>::default();
+        registry.register(
+            "accept_errors",
+            "Failed accepts (out of file descriptors, say), by listener",
+            accept_errors.clone(),
+        );
         Metrics {
+            connections_open,
+            connections_closed,
+            accept_errors,
+            memory_keys,
+            memory_evictions,
             response_handles: Default::default(),
             upstream_handles: Default::default(),
             waiting,
@@ -277,6 +355,50 @@ impl Metrics {
         // Writing to a String cannot fail.
         let _ = prometheus_client::encoding::text::encode(&mut out, &self.registry);
         out
+    }
+
+    /// The eviction counters of the in-process store `store` (`memory` or `local`).
+    pub fn evictions(&self, store: &'static str) -> crate::limiter::memory::Evictions {
+        let counter = |reason| {
+            self.memory_evictions
+                .get_or_create(&EvictionLabels { store, reason })
+                .clone()
+        };
+        crate::limiter::memory::Evictions {
+            expired: counter("expired"),
+            lru: counter("lru"),
+        }
+    }
+
+    /// The connection metrics of one listener (`gateway` or `admin`), every series
+    /// created now, at zero.
+    pub fn connections(&self, listener: &'static str) -> crate::connection::ConnectionMetrics {
+        let closed = crate::connection::Closed::ALL.map(|why| {
+            self.connections_closed
+                .get_or_create(&ClosedLabels {
+                    listener,
+                    reason: why.name(),
+                })
+                .clone()
+        });
+        crate::connection::ConnectionMetrics {
+            open: self
+                .connections_open
+                .get_or_create(&ListenerLabels { listener })
+                .clone(),
+            closed,
+            accept_errors: self
+                .accept_errors
+                .get_or_create(&ListenerLabels { listener })
+                .clone(),
+        }
+    }
+
+    /// The key count gauge of the in-process store `store`.
+    pub fn store_keys(&self, store: &'static str) -> Gauge {
+        self.memory_keys
+            .get_or_create(&MemoryLabels { store })
+            .clone()
     }
 
     /// One rule's decision counters, resolved once (at config load) so that counting a

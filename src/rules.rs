@@ -322,15 +322,23 @@ impl RuleIndex {
     }
 }
 
-/// The path as rules see it: percent-encoded unreserved characters decoded, `.` and `..`
-/// segments resolved and repeated slashes folded, as an upstream would resolve them, so
-/// `/x/../api/` or `//api/` or `/%61pi/` cannot slip past a rule for `/api/`.
+/// The path as rules see it: the path a backend will route. Every percent-escape decoded
+/// (`%2F` and `%5C` included: common backends decode them before routing, so `/api%2Fx`
+/// reaches their `/api/x`), a backslash read as a slash (as some backends do), `.` and
+/// `..` segments resolved and repeated slashes folded. So `/x/../api/`, `//api/`,
+/// `/%61pi/`, `/api%2Fx` and `/%2Fapi/x` cannot slip past a rule for `/api/`. Reading more
+/// paths as matching a rule than a given backend would is the safe side: a rule then
+/// limits more requests, never fewer. The request is still forwarded with its original
+/// bytes.
+///
+/// Decoded once, as backends do: `%252F` is the segment text `%2F`, not a slash.
 pub fn normalize_path(raw: &str) -> std::borrow::Cow<'_, str> {
-    let clean = !raw.contains("//") && !raw.contains("/.") && !raw.contains('%');
+    let clean =
+        !raw.contains("//") && !raw.contains("/.") && !raw.contains('%') && !raw.contains('\\');
     if clean {
         return raw.into();
     }
-    let decoded = decode_unreserved(raw);
+    let decoded = decode_path(raw);
     let mut out: Vec<&str> = Vec::new();
     for seg in decoded.split('/') {
         match seg {
@@ -356,26 +364,28 @@ pub fn normalize_path(raw: &str) -> std::borrow::Cow<'_, str> {
     path.into()
 }
 
-fn decode_unreserved(raw: &str) -> String {
+/// Every `%XX` escape decoded (a `%` not followed by two hex digits stays as it is), and
+/// `\` made `/`. Bytes that do not form UTF-8 become U+FFFD: no rule can name them.
+fn decode_path(raw: &str) -> String {
     let b = raw.as_bytes();
-    let mut out = String::with_capacity(raw.len());
+    let mut out = Vec::with_capacity(b.len());
     let mut i = 0;
+    let hex = |c: u8| (c as char).to_digit(16);
     while i < b.len() {
-        if b[i] == b'%' && i + 2 < b.len() {
-            let hex = |c: u8| (c as char).to_digit(16);
-            if let (Some(h), Some(l)) = (hex(b[i + 1]), hex(b[i + 2])) {
-                let c = (h * 16 + l) as u8;
-                if c.is_ascii_alphanumeric() || b"-._~".contains(&c) {
-                    out.push(c as char);
-                    i += 3;
-                    continue;
-                }
+        let mut c = b[i];
+        i += 1;
+        if c == b'%' {
+            if let (Some(h), Some(l)) = (
+                b.get(i).copied().and_then(hex),
+                b.get(i + 1).copied().and_then(hex),
+            ) {
+                c = (h * 16 + l) as u8;
+                i += 2;
             }
         }
-        out.push(b[i] as char);
-        i += 1;
+        out.push(if c == b'\\' { b'/' } else { c });
     }
-    out
+    String::from_utf8_lossy(&out).into_owned()
 }
 
 /// Which rules apply to a sample request, and how each would count it: what
@@ -517,7 +527,16 @@ mod tests {
         assert_eq!(normalize_path("//api//y"), "/api/y");
         assert_eq!(normalize_path("/./api/"), "/api/");
         assert_eq!(normalize_path("/%61pi/y"), "/api/y");
-        assert_eq!(normalize_path("/api%2Fy"), "/api%2Fy");
+        assert_eq!(normalize_path("/api%2Fy"), "/api/y");
+        assert_eq!(normalize_path("/api%2fy"), "/api/y");
+        assert_eq!(normalize_path("/%2Fapi/x"), "/api/x");
+        assert_eq!(normalize_path("/api%5Cx"), "/api/x");
+        assert_eq!(normalize_path("/api\\x"), "/api/x");
+        assert_eq!(normalize_path("/x/%2e%2e/api/y"), "/api/y");
+        assert_eq!(normalize_path("/x%2F..%2Fapi/y"), "/api/y");
+        assert_eq!(normalize_path("/api%252Fy"), "/api%2Fy", "decoded once");
+        assert_eq!(normalize_path("/caf%C3%A9"), "/café");
+        assert_eq!(normalize_path("/a%FF"), "/a\u{FFFD}");
         assert_eq!(normalize_path("/../../"), "/");
         assert_eq!(normalize_path("/api/.."), "/");
         assert_eq!(normalize_path("/a%"), "/a%");

@@ -543,7 +543,10 @@ impl<'h> Replay<'h> {
             .collect();
 
         self.clock.set(now);
-        let from_memory = self.memory.decide(checks);
+        let from_memory = self
+            .memory
+            .decide(checks)
+            .map_err(|e| format!("the memory store failed: {e}"))?;
         if from_memory != from_pure {
             return Err(format!(
                 "the memory store and the pure step functions disagree\n quotas: {quotas:?}\n states before: {before:?}\n memory: {from_memory:?}\n   pure: {from_pure:?}"

@@ -147,11 +147,25 @@ async fn forwarding_header_is_believed_only_from_trusted_peers() {
         );
     }
 
+    // An untrusted peer's own forwarding header is replaced by what the gateway saw; a
+    // trusted one's is appended to.
     let seen = upstream.seen();
     let first = &seen[0].headers;
     assert_eq!(
-        first["x-forwarded-for"], "1.1.1.1, 127.0.0.2",
-        "the peer is appended"
+        first["x-forwarded-for"], "127.0.0.2",
+        "an untrusted peer's X-Forwarded-For is replaced by the peer"
+    );
+    let from_trusted = seen
+        .iter()
+        .find(|s| s.headers["x-forwarded-for"] != "127.0.0.2")
+        .expect("requests from the trusted peer were forwarded");
+    assert!(
+        from_trusted.headers["x-forwarded-for"]
+            .to_str()
+            .unwrap()
+            .ends_with(", 127.0.0.1"),
+        "a trusted peer is appended: {:?}",
+        from_trusted.headers["x-forwarded-for"]
     );
 }
 

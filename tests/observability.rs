@@ -80,12 +80,32 @@ impl Drop for FaultyUpstream {
 }
 
 /// The gateway, once both its listeners accept (the harness waits for the public one).
+/// A gateway with the admin token configured, unless `body` has an `[admin]` table.
 fn start(body: &str) -> Gateway {
-    admin_ready(Gateway::start(body))
+    admin_ready(Gateway::start(&with_token(body)))
+}
+
+fn with_token(body: &str) -> String {
+    if body.contains("[admin]") {
+        body.to_string()
+    } else {
+        format!("[admin]\ntoken = \"{ADMIN_TOKEN}\"\n{body}")
+    }
+}
+
+/// A GET on the admin API, with the admin token.
+async fn admin_get(client: &HttpClient, url: &str) -> Reply {
+    let auth = format!("Bearer {ADMIN_TOKEN}");
+    client.get(url, &[("authorization", auth.as_str())]).await
 }
 
 fn start_with(body: &str, args: &[&str], env: &[(&str, &str)]) -> Gateway {
     admin_ready(Gateway::start_with(body, args, env))
+}
+
+/// [`start_with`], with the admin token configured.
+fn start_with_token(body: &str, args: &[&str], env: &[(&str, &str)]) -> Gateway {
+    start_with(&with_token(body), args, env)
 }
 
 fn admin_ready(gw: Gateway) -> Gateway {
@@ -272,12 +292,11 @@ fn is_short_id(s: &str) -> bool {
 
 /// `/admin/state`'s identity (8 hex digits) for one API key under rule `api`.
 async fn identity_of(client: &HttpClient, gw: &Gateway, key: &str) -> String {
-    let r = client
-        .get(
-            &gw.admin_url(&format!("/admin/state?rule=api&key={key}")),
-            &[],
-        )
-        .await;
+    let r = admin_get(
+        client,
+        &gw.admin_url(&format!("/admin/state?rule=api&key={key}")),
+    )
+    .await;
     assert_eq!(r.status, StatusCode::OK, "/admin/state for a key");
     let id = r.json()["identity"]
         .as_str()
@@ -732,7 +751,7 @@ async fn access_log_has_one_json_event_per_request() {
     const K1: &str = "sk_live_access_log_one_a1a1";
     const K2: &str = "sk_live_access_log_two_b2b2";
     let upstream = Upstream::start().await;
-    let gw = start_with(
+    let gw = start_with_token(
         &format!(
             "{}[[rules]]\nname = \"api\"\nmatch = {{ path_prefix = \"/api/v1/\" }}\n\
              key = \"api_key\"\nrate = \"1/h\"\nburst = 2\n\
@@ -748,9 +767,7 @@ async fn access_log_has_one_json_event_per_request() {
     let id2 = identity_of(&client, &gw, K2).await;
     assert_ne!(id1, id2, "two keys, two identities");
     let global = {
-        let r = client
-            .get(&gw.admin_url("/admin/state?rule=site"), &[])
-            .await;
+        let r = admin_get(&client, &gw.admin_url("/admin/state?rule=site")).await;
         assert_eq!(r.status, StatusCode::OK, "/admin/state of a global rule");
         r.json()["identity"].as_str().expect("identity").to_string()
     };
@@ -870,7 +887,7 @@ async fn admin_state_and_reset(store: Store, redis: Option<&RedisServer>) {
     let state_url = gw.admin_url(&format!("/admin/state?rule=api&key={KEY}"));
     let reset_url = gw.admin_url(&format!("/admin/reset?rule=api&key={KEY}"));
     let state = || async {
-        let r = client.get(&state_url, &[]).await;
+        let r = admin_get(&client, &state_url).await;
         assert_eq!(r.status, StatusCode::OK, "/admin/state");
         r.json()
     };
@@ -992,7 +1009,7 @@ async fn admin_state_and_reset(store: Store, redis: Option<&RedisServer>) {
         ("/admin/state?rule=by-ip".to_string(), 400),
         ("/admin/state?rule=by-ip&ip=192.0.2.7".to_string(), 200),
     ] {
-        let r = client.get(&gw.admin_url(&path), &[]).await;
+        let r = admin_get(&client, &gw.admin_url(&path)).await;
         assert_eq!(r.status.as_u16(), want, "GET {path}");
         if want != 200 {
             assert!(r.json()["error"].is_string(), "GET {path}: a JSON error");
@@ -1037,8 +1054,9 @@ async fn admin_reset_needs_a_configured_token() {
     let client = HttpClient::new();
     let path = format!("/admin/reset?rule=api&key={KEY}");
 
-    // No token anywhere: mutating calls are off, whatever is sent.
-    let off = start(&base);
+    // No token anywhere: admin calls are off, whatever is sent — reads too (a state
+    // answer tells a key guesser which keys have plans, and what is left of them).
+    let off = admin_ready(Gateway::start(&base));
     for token in [None, Some(ADMIN_TOKEN), Some("")] {
         let r = admin_post(&client, &off.admin_url(&path), token).await;
         assert_eq!(
@@ -1047,14 +1065,18 @@ async fn admin_reset_needs_a_configured_token() {
             "no token configured, sent {token:?}"
         );
     }
-    // Reads still work.
     let r = client
         .get(
             &off.admin_url(&format!("/admin/state?rule=api&key={KEY}")),
             &[],
         )
         .await;
-    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.status, StatusCode::FORBIDDEN, "reads are off too");
+    // The status page and the metrics stay readable.
+    for open in ["/", "/status.json", "/metrics", "/healthz"] {
+        let r = client.get(&off.admin_url(open), &[]).await;
+        assert_eq!(r.status, StatusCode::OK, "{open}");
+    }
     drop(off);
 
     // RATEWALL_ADMIN_TOKEN alone enables them.
@@ -1103,7 +1125,7 @@ async fn admin_top_names_the_noisy_identity_by_hash_and_hint() {
             assert_eq!(r.status.as_u16(), want, "{key} request {i}");
         }
     }
-    let r = client.get(&gw.admin_url("/admin/top?minutes=5"), &[]).await;
+    let r = admin_get(&client, &gw.admin_url("/admin/top?minutes=5")).await;
     assert_eq!(r.status, StatusCode::OK);
     let text = String::from_utf8(r.body.to_vec()).expect("UTF-8");
     let top = r.json();
@@ -1121,20 +1143,50 @@ async fn admin_top_names_the_noisy_identity_by_hash_and_hint() {
         assert_eq!(entry["denied"], denied, "{key}: {top}");
         assert_eq!(entry["error"], 0, "{key}: {top}");
     }
-    let r = client
-        .get(&gw.admin_url("/admin/top?minutes=5&n=1"), &[])
-        .await;
+    let r = admin_get(&client, &gw.admin_url("/admin/top?minutes=5&n=1")).await;
     let one = r.json();
     assert_eq!(one.as_array().map(Vec::len), Some(1), "n=1: {one}");
     assert_eq!(one[0]["denied"], 30, "{one}");
 
-    let stats = client.get(&gw.admin_url("/admin/stats"), &[]).await;
+    let stats = admin_get(&client, &gw.admin_url("/admin/stats")).await;
     let stats_text = String::from_utf8(stats.body.to_vec()).expect("UTF-8");
+    let public = client.get(&gw.admin_url("/status.json"), &[]).await;
+    assert_eq!(public.status, StatusCode::OK);
+    let public_text = String::from_utf8(public.body.to_vec()).expect("UTF-8");
     for key in [NOISY, QUIET, "sk_live_"] {
         assert!(!text.contains(key), "/admin/top names {key:?}: {text}");
         assert!(
             !stats_text.contains(key),
             "/admin/stats names {key:?}: {stats_text}"
+        );
+    }
+    // The page anyone on the admin listener can read shows no key material at all: not
+    // even the last characters the token holder's hints show.
+    assert!(stats_text.contains("9f3e"), "{stats_text}");
+    for tail in ["9f3e", "abcd"] {
+        assert!(
+            !public_text.contains(tail),
+            "/status.json shows {tail:?}: {public_text}"
+        );
+    }
+    // And the admin API answers no one without the token.
+    for path in [
+        "/admin/top",
+        "/admin/stats",
+        "/admin/state?rule=api&key=short",
+    ] {
+        let r = client.get(&gw.admin_url(path), &[]).await;
+        assert_eq!(r.status, StatusCode::UNAUTHORIZED, "{path} without a token");
+        let r = client
+            .get(
+                &gw.admin_url(path),
+                &[("authorization", "Bearer wrong-token-0123456789")],
+            )
+            .await;
+        assert_eq!(
+            r.status,
+            StatusCode::UNAUTHORIZED,
+            "{path} with a wrong token"
         );
     }
 }
@@ -1176,7 +1228,7 @@ async fn status_page_renders_the_traffic_in_headless_chromium() {
     );
     let noisy_id = identity_of(&client, &gw, NOISY).await;
 
-    let stats = client.get(&gw.admin_url("/admin/stats"), &[]).await.json();
+    let stats = client.get(&gw.admin_url("/status.json"), &[]).await.json();
     assert_eq!(stats["totals"]["allowed"], allowed, "{stats}");
     assert_eq!(stats["totals"]["denied"], denied, "{stats}");
 
@@ -1184,7 +1236,7 @@ async fn status_page_renders_the_traffic_in_headless_chromium() {
     let dom = run_chromium(&page, &["--dump-dom".to_string()]).await;
     assert!(
         dom.contains("<body data-loaded=\"yes\">"),
-        "the page's script ran and rendered /admin/stats:\n{dom}"
+        "the page's script ran and rendered /status.json:\n{dom}"
     );
     assert_eq!(
         element_text(&dom, "allowed-total"),
@@ -1199,9 +1251,10 @@ async fn status_page_renders_the_traffic_in_headless_chromium() {
     assert_eq!(element_text(&dom, "store-backend"), Some("memory"));
     assert_eq!(element_text(&dom, "store-health"), Some("healthy"));
     let top = tbody(&dom, "top");
+    // By hash and kind only: the key's last characters are for admin token holders.
     assert!(
-        top.contains("key …c0de"),
-        "the noisy key's hint in the top table:\n{top}"
+        top.contains("<td>key</td>") && !top.contains("c0de"),
+        "the noisy key in the top table, without key material:\n{top}"
     );
     assert!(top.contains(&noisy_id), "its identity:\n{top}");
     assert!(

@@ -220,7 +220,7 @@ async fn memory_and_redis_agree_on_every_decision() {
             .collect();
 
         clock.set(now);
-        let from_memory = memory.decide(&checks);
+        let from_memory = memory.decide(&checks).expect("the memory store has room");
         let from_redis = redis_store
             .decide(&checks, Some(now))
             .await
@@ -739,7 +739,7 @@ async fn reserved_tokens_outlive_a_shrunk_quota_with_honest_retries() {
         let both = |q: &Quota, at: u64| {
             let check = [Check::new(&id, "shrunk", q)];
             clock.set(EPOCH_US + at);
-            let m = memory.decide(&check);
+            let m = memory.decide(&check).expect("the memory store has room");
             let r = block_on(redis.decide(&check, Some(EPOCH_US + at))).expect("redis decides");
             assert_eq!(m, r, "{algorithm:?} at +{at} µs: memory vs redis");
             m[0]
@@ -789,7 +789,7 @@ async fn a_rule_changing_kind_starts_afresh_in_both_stores() {
             lease,
             ..Check::new(&id, "flip", q)
         }];
-        let m = memory.decide(&check);
+        let m = memory.decide(&check).expect("the memory store has room");
         let r = block_on(redis.decide(&check, Some(EPOCH_US))).expect("redis decides");
         assert_eq!(m, r, "memory vs redis");
         m[0]

@@ -859,10 +859,13 @@ async fn head_answer_has_no_body_and_the_connections_stay_in_step() {
         received.iter().map(Received::method).collect::<Vec<_>>(),
         ["HEAD", "GET"]
     );
+    // A HEAD answer that announces a body (its Content-Length) has an ambiguous end: a
+    // faulty upstream could still write that body, which the next request on the
+    // connection would read as its answer. Its connection is not used again.
     assert_eq!(
         up.accepted(),
-        1,
-        "the upstream connection is reusable after a HEAD answer"
+        2,
+        "the upstream connection is not reused after a HEAD answer announcing a body"
     );
 }
 
@@ -1410,10 +1413,16 @@ async fn request_line_and_header_lines_arrive_as_sent_with_forwarding_fields() {
         Some("app.example:8443")
     );
     assert_eq!(h.get("x-forwarded-proto").as_deref(), Some("http"));
+    // No trusted proxies: what the client said of its forwarding is replaced by the peer.
     assert_eq!(
         h.all("x-forwarded-for"),
-        [&b"10.1.2.3, 127.0.0.1"[..]],
-        "the peer appended to what came in, on one line"
+        [&b"127.0.0.1"[..]],
+        "an untrusted peer's X-Forwarded-For is replaced, on one line"
+    );
+    assert_eq!(h.get("x-real-ip").as_deref(), Some("127.0.0.1"));
+    assert_eq!(
+        h.get("forwarded").as_deref(),
+        Some("for=127.0.0.1;proto=http")
     );
     let h = &received[1].head;
     assert_eq!(h.get("host").as_deref(), Some("app.example"));
@@ -1702,4 +1711,194 @@ async fn an_upstream_that_answers_while_it_reads_streams_both_ways() {
     );
     let _ = writer.await;
     upstream.abort();
+}
+
+// ---------------------------------------------------------------------------------------
+// The perimeter (issue "Hold the perimeter"): what a client or a faulty upstream must not
+// be able to do through the upstream hop.
+
+/// The gateway's metrics, as text.
+async fn metrics_text(gw: &Gateway) -> String {
+    let mut client = RawClient::connect(gw.admin_port).await;
+    let a = client
+        .exchange(b"GET /metrics HTTP/1.1\r\nHost: admin\r\n\r\n")
+        .await;
+    String::from_utf8_lossy(&a.body).into_owned()
+}
+
+/// A 204 that says it has a body (`Content-Length: 12`) has no body, but a faulty upstream
+/// may still write one — or a whole second answer — a moment later. Reused, its connection
+/// would hand that to the next client as its own answer; it is never reused.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_bodiless_answer_that_announces_a_body_leaves_no_stray_answer_for_another_client() {
+    let up = ScriptedUpstream::start(|req| match req.target() {
+        "/no-content" => vec![
+            Step::Write(b"HTTP/1.1 204 No Content\r\nContent-Length: 12\r\n\r\n".to_vec()),
+            Step::Sleep(ms(300)),
+            Step::Write(ok(b"stray answer")),
+        ],
+        _ => vec![Step::Write(ok(b"mine"))],
+    })
+    .await;
+    let gw = gateway(&up);
+    let a = RawClient::connect(gw.port)
+        .await
+        .exchange(&get("/no-content"))
+        .await;
+    assert_eq!(a.status, 204, "{a:?}");
+    // Another client, well inside the 300 ms.
+    let b = RawClient::connect(gw.port).await.exchange(&get("/b")).await;
+    assert_eq!(
+        (b.status, String::from_utf8_lossy(&b.body).as_ref()),
+        (200, "mine"),
+        "another client's request got the stray answer"
+    );
+    assert_eq!(up.accepted(), 2, "the 204's connection was not used again");
+}
+
+/// A malformed chunked request body is the client's mistake: 400, counted as a gateway
+/// answer, not as an upstream failure (502); and the connection is closed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_malformed_chunked_request_body_is_a_400_not_an_upstream_failure() {
+    let up = ScriptedUpstream::start(|_| vec![Step::Write(ok(b"fine"))]).await;
+    let gw = gateway(&up);
+    let mut client = RawClient::connect(gw.port).await;
+    client
+        .send(
+            b"POST /upload HTTP/1.1\r\nHost: upstream.test\r\nTransfer-Encoding: chunked\r\n\r\n\
+              zz\r\nhello\r\n0\r\n\r\n",
+        )
+        .await;
+    let a = client.answer(false).await.expect("an answer");
+    assert_eq!(a.status, 400, "{a:?}");
+    assert_eq!(a.head.get("connection").as_deref(), Some("close"), "{a:?}");
+    assert!(
+        matches!(client.wire.head().await, Ok(None) | Err(_)),
+        "the connection is closed after it"
+    );
+    let m = metrics_text(&gw).await;
+    assert!(
+        !m.contains("ratewall_upstream_responses_total{class=\"error\"}"),
+        "counted as an upstream failure:\n{m}"
+    );
+    assert!(
+        m.contains("ratewall_responses_total{class=\"4xx\",source=\"gateway\"} 1"),
+        "counted as the gateway's 4xx:\n{m}"
+    );
+    still_serves(&gw, "/fine", b"fine").await;
+}
+
+/// The upstream's `timeout` is for its answer: it starts once the request is all sent. An
+/// upload slower than it (2.4 s against 1 s) is answered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upload_slower_than_the_upstream_timeout_is_answered() {
+    const LEN: usize = 64 * 1024;
+    let up = ScriptedUpstream::start(|req| {
+        vec![Step::Write(
+            ok(format!("got {}", req.body.len()).as_bytes()),
+        )]
+    })
+    .await;
+    let gw = gateway_with_timeout(&up, "1s");
+    let mut client = RawClient::connect(gw.port).await;
+    let body = pattern(3, LEN);
+    client
+        .send(
+            format!("POST /up HTTP/1.1\r\nHost: upstream.test\r\nContent-Length: {LEN}\r\n\r\n")
+                .as_bytes(),
+        )
+        .await;
+    for piece in body.chunks(LEN / 16) {
+        tokio::time::sleep(ms(150)).await;
+        client.send(piece).await;
+    }
+    let a = client.answer(false).await.expect("an answer");
+    assert_eq!(
+        (a.status, String::from_utf8_lossy(&a.body).as_ref()),
+        (200, format!("got {LEN}").as_str()),
+        "{a:?}"
+    );
+    assert_eq!(up.received()[0].body, body, "the upload arrived whole");
+}
+
+/// A client that stops sending its body for `body_timeout` gets a 408 and its connection
+/// is closed; the upstream connection, left in the middle of a request, is dropped, not
+/// pooled.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_upload_gets_408_and_its_upstream_connection_is_dropped() {
+    let up = ScriptedUpstream::start(|_| vec![Step::Write(ok(b"fine"))]).await;
+    let gw = Gateway::start(&format!(
+        "workers = 1\nbody_timeout = \"1s\"\n{}",
+        upstream_and_store(&up.url(), &Store::Memory)
+    ));
+    let mut client = RawClient::connect(gw.port).await;
+    client
+        .send(b"POST /up HTTP/1.1\r\nHost: upstream.test\r\nContent-Length: 10000\r\n\r\n")
+        .await;
+    client.send(&[b'x'; 100]).await;
+    let start = Instant::now();
+    let a = client.answer(false).await.expect("an answer");
+    let took = start.elapsed();
+    assert_eq!(a.status, 408, "{a:?}");
+    assert!(
+        took >= ms(900) && took < Duration::from_secs(4),
+        "408 after {took:?}"
+    );
+    assert!(
+        matches!(client.wire.head().await, Ok(None) | Err(_)),
+        "the client connection is closed after the 408"
+    );
+    // The next request needs a new upstream connection: the stalled one was dropped.
+    still_serves(&gw, "/after", b"fine").await;
+    assert_eq!(
+        up.accepted(),
+        2,
+        "the half-sent upstream connection was not reused"
+    );
+    assert!(
+        metrics_text(&gw).await.contains(
+            "ratewall_connections_closed_total{listener=\"gateway\",reason=\"body_timeout\"} 1"
+        ),
+        "counted as a body_timeout close"
+    );
+}
+
+/// `Transfer-Encoding: gzip, chunked` from the upstream: an HTTP/1.1 client gets the
+/// coding named and the still-coded bytes, chunked; an HTTP/1.0 client, which cannot be
+/// sent a transfer coding, gets a 502 — never the coded bytes with no coding named.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn transfer_codings_reach_an_http11_client_intact_and_others_get_502() {
+    let coded = pattern(9, 3_000);
+    let mut answer =
+        b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
+            .to_vec();
+    for piece in coded.chunks(1_000) {
+        answer.extend_from_slice(format!("{:x}\r\n", piece.len()).as_bytes());
+        answer.extend_from_slice(piece);
+        answer.extend_from_slice(b"\r\n");
+    }
+    answer.extend_from_slice(b"0\r\n\r\n");
+    let up = ScriptedUpstream::start(move |req| match req.target() {
+        "/coded" => vec![Step::Write(answer.clone())],
+        _ => vec![Step::Write(ok(b"fine"))],
+    })
+    .await;
+    let gw = gateway(&up);
+    let a = RawClient::connect(gw.port)
+        .await
+        .exchange(&get("/coded"))
+        .await;
+    assert_eq!(a.status, 200, "{a:?}");
+    assert_eq!(
+        a.head.get("transfer-encoding").as_deref(),
+        Some("gzip, chunked"),
+        "the coding is named: {a:?}"
+    );
+    assert!(a.body == coded, "the coded bytes arrive as they were");
+    let mut old = RawClient::connect(gw.port).await;
+    old.send(b"GET /coded HTTP/1.0\r\nHost: upstream.test\r\n\r\n")
+        .await;
+    let a = old.answer(false).await.expect("an answer");
+    assert_eq!(a.status, 502, "an HTTP/1.0 client: {a:?}");
+    still_serves(&gw, "/fine", b"fine").await;
 }

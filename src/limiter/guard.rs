@@ -78,17 +78,22 @@ pub struct Limiter {
     leases: AtomicU64,
     /// `ratewall_store_duration_seconds` of this store, looked up once.
     store_seconds: prometheus_client::metrics::histogram::Histogram,
+    /// When a full memory store was last logged (ms since `started`).
+    full_logged_ms: AtomicU64,
 }
 
 /// Denials remembered at most; past it, new denials go to the store.
 const DENY_CACHE_ENTRIES: usize = 100_000;
 
 impl Limiter {
+    /// `max_keys` bounds the `on_error = "local"` fallback's memory store (the primary
+    /// store, when it is the memory store, is built with its own bound).
     pub fn new(
         store: Store,
         on_error: OnError,
         breaker_failures: u32,
         breaker_cooldown: Duration,
+        max_keys: usize,
         metrics: Arc<Metrics>,
     ) -> Arc<Limiter> {
         let denials = match store {
@@ -109,7 +114,12 @@ impl Limiter {
             denials,
             store,
             on_error,
-            local: MemoryStore::new(Arc::new(MonotonicClock::new())),
+            local: MemoryStore::bounded(
+                Arc::new(MonotonicClock::new()),
+                max_keys,
+                metrics.evictions("local"),
+            ),
+            full_logged_ms: AtomicU64::new(0),
             threshold: breaker_failures.max(1),
             cooldown: breaker_cooldown,
             failures: AtomicU32::new(0),
@@ -174,7 +184,7 @@ impl Limiter {
         let started = Instant::now();
         match &self.store {
             Store::Memory(m) => {
-                let result = Ok(m.decide(checks));
+                let result = m.decide(checks).map_err(StoreError::from);
                 Now::Answered(self.settle(checks, cache_denials, result, sent_us, started))
             }
             Store::Redis(_) | Store::RedisCluster(_) => Now::Ask { sent_us, started },
@@ -216,6 +226,11 @@ impl Limiter {
             }
             Err(e) if e.is_data_error() => {
                 self.log_data_error(&e);
+                self.fallback(checks, e)
+            }
+            // One request's lack of room, not an outage: the breaker does not move.
+            Err(e @ StoreError::Full(_)) => {
+                self.log_full(&e);
                 self.fallback(checks, e)
             }
             Err(e) => {
@@ -299,12 +314,15 @@ impl Limiter {
         self.leases.fetch_add(1, Relaxed)
     }
 
-    /// Drop refilled state from the in-process stores.
+    /// Drop refilled state from the in-process stores, and report how many keys each
+    /// holds (`ratewall_store_keys`).
     pub fn sweep(&self) {
         if let Store::Memory(m) = &self.store {
-            m.sweep();
+            let n = m.sweep();
+            self.metrics.store_keys("memory").set(n as i64);
         }
-        self.local.sweep();
+        let n = self.local.sweep();
+        self.metrics.store_keys("local").set(n as i64);
         if let Some(cache) = &self.denials {
             cache.sweep(self.now_us());
         }
@@ -318,6 +336,7 @@ impl Limiter {
     fn count_error(&self, e: &StoreError) {
         let kind = match e {
             StoreError::CircuitOpen => StoreErrorKind::BreakerOpen,
+            StoreError::Full(_) => StoreErrorKind::Full,
             StoreError::Timeout(_) => StoreErrorKind::Timeout,
             e if e.is_data_error() => StoreErrorKind::Data,
             StoreError::Redis(r) if r.is_timeout() => StoreErrorKind::Timeout,
@@ -339,7 +358,18 @@ impl Limiter {
 
     fn fallback(&self, checks: &[Check<'_>], e: StoreError) -> Answer {
         match self.on_error {
-            OnError::Local => Answer::Local(self.local.decide(checks)),
+            // The memory store is already in this process: a second one would only start
+            // every identity afresh. Its failure (full) is denied.
+            OnError::Local if matches!(self.store, Store::Memory(_)) => Answer::Failed(e),
+            OnError::Local => match self.local.decide(checks) {
+                Ok(d) => Answer::Local(d),
+                Err(full) => {
+                    let e = StoreError::from(full);
+                    self.count_error(&e);
+                    self.log_full(&e);
+                    Answer::Failed(e)
+                }
+            },
             OnError::Deny | OnError::Allow => Answer::Failed(e),
         }
     }
@@ -383,6 +413,20 @@ impl Limiter {
                 }
                 Err(e) => tracing::debug!(error = %e, "store probe failed; breaker stays open"),
             }
+        }
+    }
+
+    /// A full memory store, logged at most once a second.
+    fn log_full(&self, e: &StoreError) {
+        let now = self.started.elapsed().as_millis() as u64;
+        let last = self.full_logged_ms.load(Relaxed);
+        if (last == 0 || now >= last + 1_000)
+            && self
+                .full_logged_ms
+                .compare_exchange(last, now.max(1), Relaxed, Relaxed)
+                .is_ok()
+        {
+            tracing::warn!(error = %e, on_error = self.on_error.name(), "memory store full: a new key's request gets on_error (raise [store] max_keys, or add a client_ip rule)");
         }
     }
 

@@ -1,52 +1,98 @@
 //! The embedded store: bucket states in a sharded in-process map, for one instance.
 //!
-//! Bounded: an entry is kept only while its bucket is below full (its TTL, exactly as in
-//! Redis); [`MemoryStore::sweep`] drops the rest, and a read treats an expired entry as
-//! absent, so a flood of distinct keys costs memory for at most one refill time.
+//! # Bounded twice
 //!
-//! Small: one tracked key costs a 40-byte slot in a dense array (at most an eighth of it
-//! spare) plus a 4-byte position and a control byte in a hash table over it (44% to 87.5%
-//! full): 50 to 60 bytes per key from a few thousand keys up (`examples/measure_memory.rs`),
-//! where a `HashMap` of 56-byte entries took 65 to 130. Below that, the 64 empty shards'
-//! 4 KiB dominate.
+//! By time: an entry is kept only while its state differs from no state (a bucket below
+//! full, a window not yet over: its TTL, exactly as in Redis); [`MemoryStore::sweep`]
+//! drops the rest every second, and a read treats an expired entry as absent.
+//!
+//! By count: at most `max_keys` entries (`[store] max_keys`), split evenly over the
+//! shards. A shard that is full makes room for a new key in this order:
+//! 1. an entry that has expired — equivalent to no entry, so dropping it changes nothing
+//!    (the least recently used end is looked at first, then the whole shard is swept, at
+//!    most once per [`SWEEP_GAP`]);
+//! 2. the least recently used entry that is not *held*. An entry is held while its
+//!    identity is being denied: from a denial, or from a charge that left it unable to
+//!    pay for its next request, until a charge leaves it able to again, or until it is
+//!    whole again (expired). Dropping a held entry would hand the identity being limited a
+//!    fresh burst — the very client the limit is for could buy one by flooding new keys.
+//!    Concurrency entries are never dropped: requests in flight hold them.
+//! 3. If every entry is held, the new key is not stored and the request fails with
+//!    [`Full`] (the gateway's `on_error`): no limit is silently lost either way.
+//!
+//! Recency is exact within a shard (a linked list through the slots, most recent first);
+//! keys hash evenly over the shards, so a full store evicts close to its globally least
+//! recently used keys.
+//!
+//! The worst case: `max_keys` held entries, each until its state is whole again (a
+//! fixed window's end: up to a day for a `/d` rule). A client rotating API keys fills the
+//! store only as fast as its requests are admitted; a `client_ip` rule bounds that
+//! (docs/operations.md works the numbers).
+//!
+//! # Small
+//!
+//! One tracked key costs a 48-byte slot in a dense array (at most a sixteenth of it spare)
+//! plus a 4-byte position and a control byte in a hash table over it (44% to 87.5% full):
+//! 57 to 65 bytes per key from a few thousand keys up (`examples/measure_memory.rs`).
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use hashbrown::HashTable;
+use prometheus_client::metrics::counter::Counter;
 
 use super::{concurrency, fixed_window, gcra, sliding_window, token_bucket};
 use super::{Check, Clock, Decision, State};
 
-const SHARDS: usize = 64;
+/// Shards at most; a small store has fewer (one per [`KEYS_PER_SHARD`]), so that the
+/// per-shard bound is the whole store's and eviction order is exact.
+const MAX_SHARDS: usize = 64;
+const KEYS_PER_SHARD: usize = 16_384;
+
+/// A full shard sweeps itself for expired entries at most this often (µs): a sweep is a
+/// pass over the shard, and in a flood of short-lived keys the least recently used end
+/// expires first anyway.
+pub const SWEEP_GAP: u64 = 10_000;
+
+/// The default of `[store] max_keys`.
+pub const DEFAULT_MAX_KEYS: usize = 1_000_000;
 
 /// The low bits of a slot's first word that say which algorithm's state it holds.
 const TAG_BITS: u32 = 3;
 const TAG_MASK: u64 = (1 << TAG_BITS) - 1;
+/// The bit after the tag: the entry is held (its identity is being denied).
+const HELD: u64 = 1 << TAG_BITS;
+/// The bits that tell keys apart.
+const KEY_MASK: u64 = !(TAG_MASK | HELD);
 
-/// An entry's key: the identity digest folded with the rule name (128 bits), reduced to 61
-/// bits here plus the 6 bits that pick the shard, so 67 bits tell keys apart. The low
-/// [`TAG_BITS`] are always zero: a slot keeps its state's tag there.
+/// No slot: the end of the recency list.
+const NIL: u32 = u32::MAX;
+
+/// An entry's key: the identity digest folded with the rule name (128 bits), reduced to 60
+/// bits here plus the bits that pick the shard (6 with 64 shards), so 60 to 66 bits tell
+/// keys apart. The low 4 bits are always zero: a slot keeps its state's tag and its held
+/// flag there.
 ///
-/// Two keys that agree on all 67 bits share one entry. For uniformly distributed digests
-/// (SHA-256) the chance that any two of `n` live keys do is about `n² / 2^68`: 3·10⁻⁹ at a
-/// million keys. Under rules of the same algorithm the two identities then share one limit
-/// (stricter, never looser); under rules of different algorithms each reads the other's
-/// state as none, as after a reload that changed the rule's algorithm.
+/// Two keys that agree on all those bits share one entry. For uniformly distributed
+/// digests (SHA-256) the chance that any two of `n` live keys in one shard do is about
+/// `n² / 2^61`: 2·10⁻⁸ at a million keys in 64 shards. Under rules of the same algorithm
+/// the two identities then share one limit (stricter, never looser); under rules of
+/// different algorithms each reads the other's state as none, as after a reload that
+/// changed the rule's algorithm.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, Debug)]
 struct Key(u64);
 
 impl Key {
     /// Where the key's position lives in a shard's index. The key is already uniformly
-    /// distributed; the shift only fills the tag's zero bits, which hashbrown would
-    /// otherwise use to pick a bucket.
+    /// distributed; the shift only fills the flag bits, which hashbrown would otherwise
+    /// use to pick a bucket.
     fn hash(self) -> u64 {
-        self.0 ^ (self.0 >> TAG_BITS)
+        self.0 ^ (self.0 >> 4)
     }
 }
 
-/// One tracked key: its key and state's tag, the state's fields, and its expiry.
-/// 40 bytes, where `(Key, State, u64)` takes 48: the state's enum discriminant lives in
-/// the key's low bits.
+/// One tracked key: its key, state's tag and held flag, the state's fields, its expiry,
+/// and its neighbours in the shard's recency list. 48 bytes: the state's enum
+/// discriminant and the flag live in the key's low bits.
 #[derive(Clone, Copy, Debug)]
 struct Slot {
     key_tag: u64,
@@ -54,9 +100,13 @@ struct Slot {
     /// Past this moment (µs, the store's clock) the entry means the same as no entry; a
     /// concurrency entry never expires (`u64::MAX`), it is removed when its count is 0.
     expires_us: u64,
+    /// The next more recently used slot, or [`NIL`].
+    newer: u32,
+    /// The next less recently used slot, or [`NIL`].
+    older: u32,
 }
 
-const _: () = assert!(std::mem::size_of::<Slot>() == 40);
+const _: () = assert!(std::mem::size_of::<Slot>() == 48);
 
 const TOKEN_BUCKET: u64 = 1;
 const GCRA: u64 = 2;
@@ -65,7 +115,7 @@ const SLIDING_WINDOW: u64 = 4;
 const CONCURRENCY: u64 = 5;
 
 impl Slot {
-    fn new(key: Key, state: State, expires_us: u64) -> Slot {
+    fn new(key: Key, state: State, expires_us: u64, held: bool) -> Slot {
         // Every field is named, so a field added to a state fails to compile here rather
         // than being dropped.
         let (tag, words) = match state {
@@ -86,18 +136,34 @@ impl Slot {
             }
         };
         Slot {
-            key_tag: key.0 | tag,
+            key_tag: key.0 | tag | if held { HELD } else { 0 },
             words,
             expires_us,
+            newer: NIL,
+            older: NIL,
         }
     }
 
     fn key(&self) -> Key {
-        Key(self.key_tag & !TAG_MASK)
+        Key(self.key_tag & KEY_MASK)
     }
 
     fn live(&self, now_us: u64) -> bool {
         self.expires_us > now_us
+    }
+
+    fn held(&self) -> bool {
+        self.key_tag & HELD != 0
+    }
+
+    fn set_held(&mut self, held: bool) {
+        self.key_tag = (self.key_tag & !HELD) | if held { HELD } else { 0 };
+    }
+
+    /// Whether the entry may be dropped to make room for another: expired, or neither held
+    /// nor counting requests in flight.
+    fn evictable(&self, now_us: u64) -> bool {
+        !self.live(now_us) || !(self.held() || self.key_tag & TAG_MASK == CONCURRENCY)
     }
 
     fn state(&self) -> Option<State> {
@@ -124,17 +190,53 @@ impl Slot {
     }
 }
 
+/// The memory store is full and every entry in the way is held: the new key is not
+/// stored, and its request gets the store's `on_error`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the memory store is full (max_keys) and every key in the way is being limited")]
+pub struct Full;
+
+/// Why entries were dropped to make room (`ratewall_store_evictions_total`).
+#[derive(Clone, Default)]
+pub struct Evictions {
+    /// Expired entries (equivalent to none) dropped before the sweep would have.
+    pub expired: Counter,
+    /// Live entries that were not held, least recently used first.
+    pub lru: Counter,
+}
+
 /// One shard's entries: dense in `slots` (no holes: a removal moves the last slot into the
 /// hole), found through `index`, a hash table of positions in `slots` hashed by their
-/// slot's key. Every position in `index` is in bounds and every slot has exactly one
-/// position in `index`; only the methods below change either.
-#[derive(Default)]
+/// slot's key, and ordered by recency through the slots' `newer`/`older` links. Every
+/// position in `index` is in bounds, every slot has exactly one position in `index`, and
+/// every slot is on the recency list exactly once; only the methods below change them.
 struct Shard {
     slots: Vec<Slot>,
     index: HashTable<u32>,
+    /// The most and the least recently used slots ([`NIL`] when empty).
+    newest: u32,
+    oldest: u32,
+    /// The most entries this shard holds.
+    cap: usize,
+    /// No entry expires before this (a lower bound, exact after a sweep).
+    next_expiry: u64,
+    /// When a full shard last swept itself.
+    swept_at: Option<u64>,
 }
 
 impl Shard {
+    fn new(cap: usize) -> Shard {
+        Shard {
+            slots: Vec::new(),
+            index: HashTable::new(),
+            newest: NIL,
+            oldest: NIL,
+            cap: cap.max(1),
+            next_expiry: u64::MAX,
+            swept_at: None,
+        }
+    }
+
     /// Where `key`'s slot is, expired or not.
     fn find(&self, key: Key) -> Option<usize> {
         let slots = &self.slots;
@@ -153,137 +255,282 @@ impl Shard {
             .and_then(Slot::state)
     }
 
-    /// Store `slot` at `at` if that is where its key is (a position [`find`] gave, with no
-    /// removal since), else wherever its key is, else in a new slot.
-    ///
-    /// [`find`]: Shard::find
-    fn put(&mut self, slot: Slot, at: Option<usize>) {
-        let key = slot.key();
-        if let Some(s) = at
-            .and_then(|i| self.slots.get_mut(i))
-            .filter(|s| s.key() == key)
-        {
-            *s = slot;
-            return;
+    /// `at`, if that is where `key`'s slot is (a position [`Shard::find`] gave, with no
+    /// removal since), else wherever its slot is.
+    fn locate(&self, key: Key, at: Option<usize>) -> Option<usize> {
+        match at {
+            Some(i) if self.slots.get(i).is_some_and(|s| s.key() == key) => Some(i),
+            _ => self.find(key),
         }
-        let Shard { slots, index } = self;
-        let Ok(next) = u32::try_from(slots.len()) else {
-            // 2^32 entries in one shard (170 GB): not stored, the key reads as new. Memory
-            // runs out long before.
+    }
+
+    // --- the recency list ----------------------------------------------------------------
+
+    fn link(&mut self, i: u32) -> Option<&mut Slot> {
+        if i == NIL {
+            None
+        } else {
+            self.slots.get_mut(i as usize)
+        }
+    }
+
+    /// Take slot `i` off the recency list.
+    fn unlink(&mut self, i: usize) {
+        let Some(&Slot { newer, older, .. }) = self.slots.get(i) else {
             return;
         };
-        let entry = index.entry(
-            key.hash(),
-            |&i| slots.get(i as usize).is_some_and(|s| s.key() == key),
-            |&i| slots.get(i as usize).map_or(0, |s| s.key().hash()),
-        );
-        match entry {
-            hashbrown::hash_table::Entry::Occupied(o) => {
-                if let Some(s) = slots.get_mut(*o.get() as usize) {
-                    *s = slot;
-                }
+        match self.link(newer) {
+            Some(s) => s.older = older,
+            None => self.newest = older,
+        }
+        match self.link(older) {
+            Some(s) => s.newer = newer,
+            None => self.oldest = newer,
+        }
+    }
+
+    /// Put slot `i` (off the list) at the most recent end.
+    fn push_newest(&mut self, i: usize) {
+        let old_newest = self.newest;
+        let Some(s) = self.slots.get_mut(i) else {
+            return;
+        };
+        s.newer = NIL;
+        s.older = old_newest;
+        // Positions fit in u32: `put` never grows a shard past it.
+        let i = i as u32;
+        match self.link(old_newest) {
+            Some(n) => n.newer = i,
+            None => self.oldest = i,
+        }
+        self.newest = i;
+    }
+
+    /// Slot `i` was just used: make it the most recent.
+    fn touch(&mut self, i: usize) {
+        if self.newest != i as u32 {
+            self.unlink(i);
+            self.push_newest(i);
+        }
+    }
+
+    /// The slot now at `to` came from `from`: point its neighbours (and the index) at `to`.
+    fn relocated(&mut self, from: usize, to: usize) {
+        let Some(&Slot { newer, older, .. }) = self.slots.get(to) else {
+            return;
+        };
+        let t = to as u32;
+        match self.link(newer) {
+            Some(s) => s.older = t,
+            None => self.newest = t,
+        }
+        match self.link(older) {
+            Some(s) => s.newer = t,
+            None => self.oldest = t,
+        }
+        if let Some(key) = self.slots.get(to).map(Slot::key) {
+            let pos = self.index.find_mut(key.hash(), |&p| p as usize == from);
+            debug_assert!(pos.is_some(), "every slot has a position in the index");
+            if let Some(pos) = pos {
+                *pos = t;
             }
-            hashbrown::hash_table::Entry::Vacant(v) => {
-                v.insert(next);
-                if slots.len() == slots.capacity() {
-                    // Grow by an eighth, not double: at most 12.5% of the slots are spare.
-                    slots.reserve_exact((slots.len() / 8).max(4));
-                }
-                slots.push(slot);
-            }
+        }
+    }
+
+    // --- changes -------------------------------------------------------------------------
+
+    /// Write `slot` over its key's slot at `at` (or wherever it is): the state, flags and
+    /// expiry change, its place in the recency list does not. False if the key has none.
+    fn update(&mut self, slot: Slot, at: Option<usize>) -> bool {
+        let Some(i) = self.locate(slot.key(), at) else {
+            return false;
+        };
+        if let Some(s) = self.slots.get_mut(i) {
+            s.key_tag = slot.key_tag;
+            s.words = slot.words;
+            s.expires_us = slot.expires_us;
+        }
+        self.next_expiry = self.next_expiry.min(slot.expires_us);
+        true
+    }
+
+    /// Store `slot` for a key that has none, as the most recent. The caller has made room
+    /// ([`Shard::make_room`]); past 2^32 entries (170 GB) nothing more is stored.
+    fn insert(&mut self, slot: Slot) {
+        let key = slot.key();
+        let Shard { slots, index, .. } = self;
+        let Ok(next) = u32::try_from(slots.len()) else {
+            return;
+        };
+        if next == NIL {
+            return;
+        }
+        index.insert_unique(key.hash(), next, |&i| {
+            slots.get(i as usize).map_or(0, |s| s.key().hash())
+        });
+        if slots.len() == slots.capacity() {
+            // Grow by a sixteenth, not double: at most 6.25% of the slots are spare — and
+            // never past the shard's bound.
+            let room = self.cap.saturating_sub(slots.len()).max(1);
+            slots.reserve_exact((slots.len() / 16).max(4).min(room));
+        }
+        slots.push(slot);
+        self.next_expiry = self.next_expiry.min(slot.expires_us);
+        self.push_newest(next as usize);
+    }
+
+    /// Forget the slot at `i`.
+    fn remove_at(&mut self, i: usize) {
+        let Some(key) = self.slots.get(i).map(Slot::key) else {
+            return;
+        };
+        self.unlink(i);
+        if let Ok(found) = self.index.find_entry(key.hash(), |&p| p as usize == i) {
+            found.remove();
+        }
+        self.slots.swap_remove(i);
+        // The last slot, if it was not the one removed, is at `i` now.
+        let last = self.slots.len();
+        if i < last {
+            self.relocated(last, i);
         }
     }
 
     /// Forget `key`.
     fn remove(&mut self, key: Key) {
-        let Shard { slots, index } = self;
-        let Ok(found) = index.find_entry(key.hash(), |&i| {
-            slots.get(i as usize).is_some_and(|s| s.key() == key)
-        }) else {
-            return;
-        };
-        let (i, _) = found.remove();
-        let i = i as usize;
-        if i >= slots.len() {
-            return;
-        }
-        slots.swap_remove(i);
-        // The last slot, if it was not the one removed, is at `i` now.
-        if let Some(moved) = slots.get(i) {
-            Self::moved(index, moved.key(), slots.len(), i);
+        if let Some(i) = self.find(key) {
+            self.remove_at(i);
         }
     }
 
-    /// The slot of `key` moved from position `from` to `to`: point the index at `to`.
-    fn moved(index: &mut HashTable<u32>, key: Key, from: usize, to: usize) {
-        let pos = index.find_mut(key.hash(), |&i| i as usize == from);
-        debug_assert!(pos.is_some(), "every slot has a position in the index");
-        if let Some(pos) = pos {
-            // `to` < `from`, which fits in a u32.
-            *pos = to as u32;
+    /// Make room for one more entry, dropping one if the shard is full (in the order the
+    /// module describes), never one of the request's own keys (`kept`). Counts what it
+    /// drops in `evictions`.
+    fn make_room(
+        &mut self,
+        now_us: u64,
+        kept: &dyn Fn(Key) -> bool,
+        evictions: &Evictions,
+    ) -> Result<(), Full> {
+        if self.slots.len() < self.cap {
+            return Ok(());
         }
+        // 1. The least recently used, if it has expired; else any expired entry.
+        if let Some(s) = self.slots.get(self.oldest as usize) {
+            if !s.live(now_us) && !kept(s.key()) {
+                self.remove_at(self.oldest as usize);
+                evictions.expired.inc();
+                return Ok(());
+            }
+        }
+        let may_sweep = self
+            .swept_at
+            .is_none_or(|t| now_us >= t.saturating_add(SWEEP_GAP));
+        if now_us >= self.next_expiry && may_sweep {
+            self.swept_at = Some(now_us);
+            let dropped = self.sweep(now_us, kept);
+            if dropped > 0 {
+                evictions.expired.inc_by(dropped as u64);
+                return Ok(());
+            }
+        }
+        // 2. The least recently used entry that is not held. Held ones passed over go to
+        // the recent end, so the next search does not walk past them again (they are not
+        // candidates until a charge clears their flag, which makes them recent anyway, or
+        // until they expire).
+        let mut i = self.oldest;
+        for _ in 0..self.slots.len() {
+            let Some(s) = self.slots.get(i as usize).copied() else {
+                break;
+            };
+            let after_it = s.newer;
+            let own = kept(s.key());
+            if !own && s.evictable(now_us) {
+                self.remove_at(i as usize);
+                if s.live(now_us) {
+                    evictions.lru.inc();
+                } else {
+                    evictions.expired.inc();
+                }
+                return Ok(());
+            }
+            if !own {
+                self.touch(i as usize);
+            }
+            i = after_it;
+        }
+        // 3. Every entry is held (or the request's own).
+        Err(Full)
     }
 
-    /// Drop every slot expired at `now_us`, keeping the live ones at the front, then give
-    /// memory back: the spare slots past an eighth, the index when under 40% full, all of
-    /// it when the shard is empty.
+    /// Drop every slot expired at `now_us` (but `kept` ones), then give memory back: the
+    /// spare slots past an eighth, the index when under 40% full, all of it when the shard
+    /// is empty. Returns how many it dropped.
     ///
-    /// One pass over the slots, in order; the index is touched only for the expired slots
-    /// and the live ones moved into their places.
-    fn sweep(&mut self, now_us: u64) {
-        let Shard { slots, index } = self;
-        let live = |s: Option<&Slot>| s.is_some_and(|s| s.live(now_us));
-        // Forget the position of the (expired) slot at `at`.
-        let unindex = |index: &mut HashTable<u32>, at: usize, slot: Option<&Slot>| {
-            if let Some(slot) = slot {
-                let found = index.find_entry(slot.key().hash(), |&i| i as usize == at);
-                debug_assert!(found.is_ok(), "every slot has a position in the index");
-                if let Ok(found) = found {
-                    found.remove();
+    /// A few are removed one by one; when many are, the survivors are laid out afresh in
+    /// recency order and the index rebuilt, one pass each.
+    fn sweep(&mut self, now_us: u64, kept: &dyn Fn(Key) -> bool) -> usize {
+        let goes = |s: &Slot| !s.live(now_us) && !kept(s.key());
+        let dropped = self.slots.iter().filter(|s| goes(s)).count();
+        if dropped > 0 && dropped * 4 < self.slots.len() {
+            let mut i = 0;
+            while let Some(s) = self.slots.get(i) {
+                if goes(s) {
+                    // The last slot comes to `i`: look at `i` again.
+                    self.remove_at(i);
+                } else {
+                    i += 1;
                 }
             }
-        };
-        // [0, hole) is live and indexed; [end, len) is expired or moved, and unindexed.
-        let (mut hole, mut end) = (0, slots.len());
-        loop {
-            while hole < end && live(slots.get(hole)) {
-                hole += 1;
+        } else if dropped > 0 {
+            let mut kept_slots = Vec::with_capacity(self.slots.len() - dropped);
+            let mut at = self.newest;
+            while let Some(&s) = self.slots.get(at as usize) {
+                at = s.older;
+                if !goes(&s) {
+                    let n = kept_slots.len() as u32;
+                    kept_slots.push(Slot {
+                        newer: if n == 0 { NIL } else { n - 1 },
+                        older: n + 1,
+                        ..s
+                    });
+                }
             }
-            if hole == end {
-                break;
+            if let Some(last) = kept_slots.last_mut() {
+                last.older = NIL;
             }
-            // slots[hole] has expired: fill it with the last live slot, if any is left.
-            unindex(index, hole, slots.get(hole));
-            while end > hole + 1 && !live(slots.get(end - 1)) {
-                unindex(index, end - 1, slots.get(end - 1));
-                end -= 1;
+            self.newest = if kept_slots.is_empty() { NIL } else { 0 };
+            self.oldest = kept_slots.len().checked_sub(1).map_or(NIL, |n| n as u32);
+            self.index.clear();
+            for (i, s) in kept_slots.iter().enumerate() {
+                self.index.insert_unique(s.key().hash(), i as u32, |&p| {
+                    kept_slots.get(p as usize).map_or(0, |s| s.key().hash())
+                });
             }
-            if end == hole + 1 {
-                end = hole;
-                break;
-            }
-            slots.swap(hole, end - 1);
-            if let Some(moved) = slots.get(hole) {
-                Self::moved(index, moved.key(), end - 1, hole);
-            }
-            hole += 1;
-            end -= 1;
+            self.slots = kept_slots;
         }
-        slots.truncate(end);
-        let len = slots.len();
+        self.next_expiry = self
+            .slots
+            .iter()
+            .map(|s| s.expires_us)
+            .min()
+            .unwrap_or(u64::MAX);
+        let len = self.slots.len();
         if len == 0 {
-            *slots = Vec::new();
-            *index = HashTable::new();
-            return;
+            self.slots = Vec::new();
+            self.index = HashTable::new();
+            return dropped;
         }
-        if slots.capacity() > len + len / 8 + 4 {
-            slots.shrink_to(len + len / 16);
+        if self.slots.capacity() > len + len / 8 + 4 {
+            self.slots.shrink_to(len + len / 16);
         }
+        let Shard { slots, index, .. } = self;
         if index.capacity() > 32 && index.len() * 5 < index.capacity() * 2 {
             index.shrink_to(len, |&i| {
                 slots.get(i as usize).map_or(0, |s| s.key().hash())
             });
         }
+        dropped
     }
 
     fn len(&self) -> usize {
@@ -294,18 +541,39 @@ impl Shard {
 pub struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,
     clock: Arc<dyn Clock>,
+    evictions: Evictions,
+}
+
+/// One check's place in the store while a request is decided.
+struct Place {
+    shard: usize,
+    key: Key,
+    /// Its slot's position when the request was looked up.
+    at: Option<usize>,
 }
 
 impl MemoryStore {
+    /// A store of at most [`DEFAULT_MAX_KEYS`] keys.
     pub fn new(clock: Arc<dyn Clock>) -> Self {
+        Self::bounded(clock, DEFAULT_MAX_KEYS, Evictions::default())
+    }
+
+    /// A store of at most `max_keys` keys (at least one per shard), counting what it drops
+    /// to make room in `evictions`.
+    pub fn bounded(clock: Arc<dyn Clock>, max_keys: usize, evictions: Evictions) -> Self {
+        let shards = (max_keys / KEYS_PER_SHARD)
+            .next_power_of_two()
+            .clamp(1, MAX_SHARDS);
+        let cap = (max_keys / shards).max(1);
         MemoryStore {
-            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            shards: (0..shards).map(|_| Mutex::new(Shard::new(cap))).collect(),
             clock,
+            evictions,
         }
     }
 
     /// Which shard holds `check`'s entry, and its key there.
-    fn key(check: &Check<'_>) -> (usize, Key) {
+    fn key(&self, check: &Check<'_>) -> (usize, Key) {
         let id = u128::from_le_bytes(check.identity.0);
         // FNV-1a of the rule name, spread over 128 bits.
         let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
@@ -317,10 +585,10 @@ impl MemoryStore {
         let (lo, hi) = (k as u64, (k >> 64) as u64);
         // The shard from the top bits of one half; the key from all 128 bits, the low half
         // multiplied through so that digests differing only in their low bits (test
-        // identities) still differ in the 61 bits kept.
-        let shard = (hi >> 58) as usize % SHARDS;
+        // identities) still differ in the 60 bits kept.
+        let shard = (hi >> 58) as usize % self.shards.len();
         let folded = lo.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ hi;
-        (shard, Key(folded & !TAG_MASK))
+        (shard, Key(folded & KEY_MASK))
     }
 
     fn lock(&self, i: usize) -> MutexGuard<'_, Shard> {
@@ -330,27 +598,39 @@ impl MemoryStore {
         self.shards[i].lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Decide all `checks` at the store's clock, all or nothing.
-    pub fn decide(&self, checks: &[Check<'_>]) -> Vec<Decision> {
+    /// Decide all `checks` at the store's clock, all or nothing. `Err(Full)`: a key the
+    /// request would add found no room (nothing was charged).
+    pub fn decide(&self, checks: &[Check<'_>]) -> Result<Vec<Decision>, Full> {
         self.run(checks, true)
     }
 
     /// What `checks` would be told now, without charging anything.
     pub fn peek(&self, checks: &[Check<'_>]) -> Vec<Decision> {
-        self.run(checks, false)
+        // Nothing is written: there is never a lack of room.
+        self.run(checks, false).unwrap_or_default()
     }
 
     /// Forget one identity's state under one rule.
     pub fn reset(&self, check: &Check<'_>) {
-        let (shard, key) = Self::key(check);
+        let (shard, key) = self.key(check);
         self.lock(shard).remove(key);
     }
 
-    fn run(&self, checks: &[Check<'_>], commit: bool) -> Vec<Decision> {
+    fn run(&self, checks: &[Check<'_>], commit: bool) -> Result<Vec<Decision>, Full> {
         let now = self.clock.now_us();
-        let keys: Vec<(usize, Key)> = checks.iter().map(Self::key).collect();
         // Lock every shard involved, in index order so two requests never deadlock.
-        let mut shard_ids: Vec<usize> = keys.iter().map(|&(s, _)| s).collect();
+        let mut places: Vec<Place> = checks
+            .iter()
+            .map(|c| {
+                let (shard, key) = self.key(c);
+                Place {
+                    shard,
+                    key,
+                    at: None,
+                }
+            })
+            .collect();
+        let mut shard_ids: Vec<usize> = places.iter().map(|p| p.shard).collect();
         shard_ids.sort_unstable();
         shard_ids.dedup();
         let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> =
@@ -360,40 +640,70 @@ impl MemoryStore {
             guards.iter().position(|(j, _)| *j == i)
         };
 
-        // Each check's outcome, and where its slot was if it has one: nothing is removed
-        // before the writes below, so the position still holds then.
+        // Each check's outcome, and where its slot was if it has one.
         let mut outcomes = Vec::with_capacity(checks.len());
-        for (check, &(s, key)) in checks.iter().zip(&keys) {
-            let shard = held(&guards, s).and_then(|g| guards.get(g));
-            let at = shard.and_then(|(_, shard)| shard.find(key));
-            let state = shard.and_then(|(_, shard)| shard.state_at(at, now));
-            outcomes.push((super::decide(check.quota, state.as_ref(), now), at));
+        for (check, place) in checks.iter().zip(&mut places) {
+            let shard = held(&guards, place.shard).and_then(|g| guards.get(g));
+            place.at = shard.and_then(|(_, shard)| shard.find(place.key));
+            let state = shard.and_then(|(_, shard)| shard.state_at(place.at, now));
+            outcomes.push(super::decide(check.quota, state.as_ref(), now));
         }
         // The enforcing checks decide for the request; a shadow check is charged only when
         // it allows too, as if it had been enforced.
-        let all = commit
-            && outcomes
-                .iter()
-                .zip(checks)
-                .all(|((o, _), c)| o.allowed || c.shadow);
-        let charged = |o: &super::Outcome<State>| all && o.allowed;
-        for ((o, at), &(s, key)) in outcomes.iter().zip(&keys) {
-            if charged(o) {
-                let slot = Slot::new(key, o.next, now.saturating_add(o.ttl_us));
-                if let Some((_, shard)) = held(&guards, s).and_then(|g| guards.get_mut(g)) {
-                    shard.put(slot, *at);
+        let all = outcomes
+            .iter()
+            .zip(checks)
+            .all(|(o, c)| o.allowed || c.shadow);
+        let charged = |o: &super::Outcome<State>| commit && all && o.allowed;
+        let answers = outcomes
+            .iter()
+            .map(|o| if charged(o) { o.charged } else { o.uncharged })
+            .collect();
+        if !commit {
+            return Ok(answers);
+        }
+
+        // Room first, for every key the request adds, so that it is charged all or not at
+        // all; the request's own entries are used now (most recent) and never make room.
+        let own = |key: Key| places.iter().any(|p| p.key == key);
+        for (o, place) in outcomes.iter().zip(&places) {
+            if let Some((_, shard)) = held(&guards, place.shard).and_then(|g| guards.get_mut(g)) {
+                if let Some(i) = shard.locate(place.key, place.at) {
+                    shard.touch(i);
+                } else if charged(o) {
+                    shard.make_room(now, &own, &self.evictions)?;
                 }
             }
         }
-        outcomes
-            .iter()
-            .map(|(o, _)| if charged(o) { o.charged } else { o.uncharged })
-            .collect()
+        for ((o, place), check) in outcomes.iter().zip(&places).zip(checks) {
+            let Some((_, shard)) = held(&guards, place.shard).and_then(|g| guards.get_mut(g))
+            else {
+                continue;
+            };
+            if charged(o) {
+                // Held when the charge left an enforcing rule unable to pay for the
+                // identity's next request now (a shadow rule denies nobody).
+                let next_denied = !check.shadow && o.charged.remaining < check.quota.cost;
+                let slot = Slot::new(place.key, o.next, now.saturating_add(o.ttl_us), next_denied);
+                if !shard.update(slot, place.at) {
+                    shard.insert(slot);
+                }
+            } else if !o.allowed && !check.shadow {
+                // Denied: held until a charge clears it or it expires.
+                if let Some(s) = shard
+                    .locate(place.key, place.at)
+                    .and_then(|i| shard.slots.get_mut(i))
+                {
+                    s.set_held(true);
+                }
+            }
+        }
+        Ok(answers)
     }
 
     /// A request counted by a concurrency check has ended: give its slot back.
     pub fn release(&self, check: &Check<'_>) {
-        let (shard, key) = Self::key(check);
+        let (shard, key) = self.key(check);
         let mut shard = self.lock(shard);
         let at = shard.find(key);
         // Never expired: a concurrency entry lives until its count is 0.
@@ -403,19 +713,21 @@ impl MemoryStore {
             _ => return,
         };
         match super::concurrency::release(held.as_ref()) {
-            Some(s) => shard.put(Slot::new(key, State::Concurrency(s), u64::MAX), at),
+            Some(s) => {
+                shard.update(Slot::new(key, State::Concurrency(s), u64::MAX, false), at);
+            }
             None => shard.remove(key),
         }
     }
 
-    /// Drop every entry whose bucket has refilled, and give back the memory they held.
+    /// Drop every entry whose state is whole again, and give back the memory they held.
     /// Returns how many remain.
     pub fn sweep(&self) -> usize {
         let now = self.clock.now_us();
         let mut left = 0;
         for i in 0..self.shards.len() {
             let mut shard = self.lock(i);
-            shard.sweep(now);
+            shard.sweep(now, &|_| false);
             left += shard.len();
         }
         left
@@ -428,6 +740,11 @@ impl MemoryStore {
 
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The most entries the store holds.
+    pub fn capacity(&self) -> usize {
+        self.shards.len() * self.lock(0).cap
     }
 }
 
@@ -466,15 +783,15 @@ mod tests {
         let q = quota(1, 2);
         let (a, b) = (id(1), id(2));
         let check = |d, rule| Check::new(d, rule, &q);
-        assert!(store.decide(&[check(&a, "r1")])[0].allowed);
-        assert!(store.decide(&[check(&a, "r1")])[0].allowed);
-        assert!(!store.decide(&[check(&a, "r1")])[0].allowed);
+        assert!(store.decide(&[check(&a, "r1")]).unwrap()[0].allowed);
+        assert!(store.decide(&[check(&a, "r1")]).unwrap()[0].allowed);
+        assert!(!store.decide(&[check(&a, "r1")]).unwrap()[0].allowed);
         assert!(
-            store.decide(&[check(&b, "r1")])[0].allowed,
+            store.decide(&[check(&b, "r1")]).unwrap()[0].allowed,
             "other key unaffected"
         );
         assert!(
-            store.decide(&[check(&a, "r2")])[0].allowed,
+            store.decide(&[check(&a, "r2")]).unwrap()[0].allowed,
             "other rule unaffected"
         );
     }
@@ -489,13 +806,13 @@ mod tests {
             Check::new(&a, "wide", &wide),
             Check::new(&a, "tight", &tight),
         ];
-        let d = store.decide(&both);
+        let d = store.decide(&both).unwrap();
         assert!(d[0].allowed && d[1].allowed);
         assert_eq!(d[0].remaining, 9);
-        let d = store.decide(&both);
+        let d = store.decide(&both).unwrap();
         assert!(!d[1].allowed);
         assert_eq!(d[0].remaining, 9, "the wide rule was not charged");
-        let d = store.decide(&both[..1]);
+        let d = store.decide(&both[..1]).unwrap();
         assert_eq!(d[0].remaining, 8);
     }
 
@@ -512,10 +829,10 @@ mod tests {
                 ..Check::new(&a, "watch", &tight)
             },
         ];
-        let d = store.decide(&both);
+        let d = store.decide(&both).unwrap();
         assert!(d[0].allowed && d[1].allowed);
         assert_eq!((d[0].remaining, d[1].remaining), (9, 0), "both charged");
-        let d = store.decide(&both);
+        let d = store.decide(&both).unwrap();
         assert!(d[0].allowed, "the shadow denial blocks nothing");
         assert!(!d[1].allowed, "but is reported");
         assert_eq!(d[0].remaining, 8, "the enforcing rule was charged");
@@ -530,8 +847,8 @@ mod tests {
                 ..Check::new(&b, "watch2", &watch)
             },
         ];
-        store.decide(&deny_then_watch);
-        let d = store.decide(&deny_then_watch);
+        store.decide(&deny_then_watch).unwrap();
+        let d = store.decide(&deny_then_watch).unwrap();
         assert!(!d[0].allowed);
         assert_eq!(
             d[1].remaining, 9,
@@ -546,24 +863,28 @@ mod tests {
         let q = Quota::concurrency(NonZeroU64::new(2).unwrap(), Duration::from_secs(10));
         let a = id(9);
         let c = [Check::new(&a, "conc", &q)];
-        assert!(store.decide(&c)[0].allowed);
-        assert!(store.decide(&c)[0].allowed);
-        assert!(!store.decide(&c)[0].allowed);
+        assert!(store.decide(&c).unwrap()[0].allowed);
+        assert!(store.decide(&c).unwrap()[0].allowed);
+        assert!(!store.decide(&c).unwrap()[0].allowed);
         // Time frees nothing, and a sweep keeps slots in use.
         clock.advance(3_600_000_000);
         store.sweep();
-        assert!(!store.decide(&c)[0].allowed);
+        assert!(!store.decide(&c).unwrap()[0].allowed);
         store.release(&c[0]);
-        assert_eq!(store.decide(&c)[0].remaining, 0, "one freed, taken again");
+        assert_eq!(
+            store.decide(&c).unwrap()[0].remaining,
+            0,
+            "one freed, taken again"
+        );
         store.release(&c[0]);
         store.release(&c[0]);
         assert!(store.is_empty(), "no entry once none is in flight");
         store.release(&c[0]);
         assert!(
-            store.decide(&c)[0].allowed,
+            store.decide(&c).unwrap()[0].allowed,
             "an extra release frees nothing twice"
         );
-        assert_eq!(store.decide(&c)[0].remaining, 0);
+        assert_eq!(store.decide(&c).unwrap()[0].remaining, 0);
     }
 
     #[test]
@@ -573,7 +894,7 @@ mod tests {
         let q = quota(10, 10);
         for n in 0..10_000 {
             let d = id(n);
-            store.decide(&[Check::new(&d, "r", &q)]);
+            store.decide(&[Check::new(&d, "r", &q)]).unwrap();
         }
         assert_eq!(store.sweep(), 10_000);
         // One token at 10/s refills in 100 ms: past that every bucket is full again.
@@ -586,7 +907,7 @@ mod tests {
 
     #[test]
     fn a_slot_holds_every_state_exactly() {
-        let key = Key(0xdead_beef_0bad_f00d & !TAG_MASK);
+        let key = Key(0xdead_beef_0bad_f00d & KEY_MASK);
         let states = [
             State::TokenBucket(token_bucket::State {
                 level: i64::MIN,
@@ -616,7 +937,7 @@ mod tests {
             }),
         ];
         for state in states {
-            let slot = Slot::new(key, state, 42);
+            let slot = Slot::new(key, state, 42, false);
             assert_eq!(slot.key(), key);
             assert_eq!(slot.state(), Some(state));
         }
@@ -624,25 +945,27 @@ mod tests {
 
     #[test]
     fn structured_identities_get_distinct_keys() {
+        let probe = MemoryStore::new(ManualClock::new(0));
         let mut seen = std::collections::HashSet::new();
         let q = quota(1, 1);
         for rule in ["a", "b", "api"] {
             for n in 0..100_000 {
                 let d = id(n);
-                assert!(seen.insert(MemoryStore::key(&Check::new(&d, rule, &q))));
+                assert!(seen.insert(probe.key(&Check::new(&d, rule, &q))));
             }
             for b in 1..=255u8 {
                 let d = IdentityDigest([b; 16]);
-                assert!(seen.insert(MemoryStore::key(&Check::new(&d, rule, &q))));
+                assert!(seen.insert(probe.key(&Check::new(&d, rule, &q))));
             }
         }
     }
 
-    /// A shard against a `HashMap` under random puts, removals and sweeps: same contents,
-    /// and every slot has exactly one position in the index.
+    /// A shard against a `HashMap` and a recency list under random writes, uses, removals
+    /// and sweeps: same contents, every slot has exactly one position in the index, and
+    /// the recency list holds every slot once, in the model's order.
     #[test]
     fn a_shard_agrees_with_a_map() {
-        use std::collections::HashMap;
+        use std::collections::{HashMap, VecDeque};
         let mut rng = 0x2545_f491_4f6c_dd1d_u64;
         let mut next = move || {
             rng ^= rng << 13;
@@ -650,13 +973,15 @@ mod tests {
             rng ^= rng << 17;
             rng
         };
-        let mut shard = Shard::default();
+        let mut shard = Shard::new(usize::MAX);
         let mut model: HashMap<Key, (State, u64)> = HashMap::new();
+        // Most recently used first.
+        let mut recency: VecDeque<Key> = VecDeque::new();
         let mut now = 0;
         for step in 0..200_000u32 {
             // Few distinct keys, so the same ones come back; the size swings up and down.
             let span = if (step / 20_000) % 2 == 0 { 5_000 } else { 300 };
-            let key = Key((next() % span).wrapping_mul(0x9E37_79B9_7F4A_7C15) & !TAG_MASK);
+            let key = Key((next() % span).wrapping_mul(0x9E37_79B9_7F4A_7C15) & KEY_MASK);
             match next() % 16 {
                 0..=9 => {
                     let state = if next() % 4 == 0 {
@@ -678,17 +1003,26 @@ mod tests {
                         1 => None,
                         _ => Some((next() % 6_000) as usize),
                     };
-                    shard.put(Slot::new(key, state, expires), at);
+                    let slot = Slot::new(key, state, expires, next() % 2 == 0);
+                    if !shard.update(slot, at) {
+                        shard.insert(slot);
+                    }
+                    let i = shard.find(key).expect("just written");
+                    shard.touch(i);
                     model.insert(key, (state, expires));
+                    recency.retain(|k| *k != key);
+                    recency.push_front(key);
                 }
                 10..=12 => {
                     shard.remove(key);
                     model.remove(&key);
+                    recency.retain(|k| *k != key);
                 }
                 13 => {
                     now += next() % 200;
-                    shard.sweep(now);
+                    shard.sweep(now, &|_| false);
                     model.retain(|_, (_, e)| *e > now);
+                    recency.retain(|k| model.contains_key(k));
                 }
                 _ => now += 1,
             }
@@ -703,8 +1037,149 @@ mod tests {
                     let slot = shard.slots[at];
                     assert_eq!((slot.state(), slot.expires_us), (Some(state), expires));
                 }
+                let mut listed = Vec::new();
+                let mut i = shard.newest;
+                while i != NIL {
+                    let s = shard.slots[i as usize];
+                    listed.push(s.key());
+                    assert!(listed.len() <= shard.len(), "the recency list loops");
+                    if s.older != NIL {
+                        assert_eq!(shard.slots[s.older as usize].newer, i, "links agree");
+                    } else {
+                        assert_eq!(shard.oldest, i);
+                    }
+                    i = s.older;
+                }
+                assert_eq!(listed, Vec::from(recency.clone()), "step {step}");
             }
         }
+    }
+
+    /// A store of `max_keys` on a manual clock, with its eviction counters.
+    fn bounded(max_keys: usize) -> (Arc<ManualClock>, MemoryStore) {
+        let clock = ManualClock::new(1_000_000);
+        let store = MemoryStore::bounded(clock.clone(), max_keys, Evictions::default());
+        (clock, store)
+    }
+
+    fn evicted(store: &MemoryStore) -> (u64, u64) {
+        (store.evictions.expired.get(), store.evictions.lru.get())
+    }
+
+    #[test]
+    fn a_small_store_is_one_shard_of_exactly_max_keys() {
+        assert_eq!(bounded(3).1.shards.len(), 1);
+        assert_eq!(bounded(3).1.capacity(), 3);
+        let (_, big) = bounded(1_000_000);
+        assert_eq!(big.shards.len(), 64);
+        assert!(big.capacity() <= 1_000_000 && big.capacity() > 999_900);
+    }
+
+    #[test]
+    fn a_full_store_drops_an_expired_entry_first() {
+        let (clock, store) = bounded(3);
+        let (long, short) = (quota(1, 10), quota(1_000, 10));
+        let (a, b, c, d) = (id(1), id(2), id(3), id(4));
+        store.decide(&[Check::new(&a, "r", &long)]).unwrap();
+        store.decide(&[Check::new(&b, "r", &short)]).unwrap();
+        store.decide(&[Check::new(&c, "r", &long)]).unwrap();
+        // b's bucket refills in 1 ms: then it is the same as no entry, though the most
+        // recent but one; a is the least recently used.
+        clock.advance(1_000);
+        store.decide(&[Check::new(&d, "r", &long)]).unwrap();
+        assert_eq!(
+            evicted(&store),
+            (1, 0),
+            "one expired entry dropped, nothing live"
+        );
+        assert_eq!(store.len(), 3);
+        for (who, left) in [(&a, 8), (&c, 8), (&d, 8)] {
+            let p = store.peek(&[Check::new(who, "r", &long)]);
+            assert_eq!(p[0].remaining, left + 1, "{who:?} kept its charge");
+        }
+    }
+
+    #[test]
+    fn then_the_least_recently_used_entry_that_is_not_denied() {
+        let (_, store) = bounded(3);
+        let q = quota(1, 10);
+        let (a, b, c, d) = (id(1), id(2), id(3), id(4));
+        for who in [&a, &b, &c] {
+            store.decide(&[Check::new(who, "r", &q)]).unwrap();
+        }
+        // a used again: b is now the least recently used.
+        store.decide(&[Check::new(&a, "r", &q)]).unwrap();
+        store.decide(&[Check::new(&d, "r", &q)]).unwrap();
+        assert_eq!(evicted(&store), (0, 1));
+        let left = |who| store.peek(&[Check::new(who, "r", &q)])[0].remaining;
+        assert_eq!(
+            (left(&a), left(&b), left(&c), left(&d)),
+            (8, 10, 9, 9),
+            "b was dropped (whole again), the others kept their counts"
+        );
+    }
+
+    #[test]
+    fn a_denied_identity_keeps_its_state_until_it_is_whole_again() {
+        let (clock, store) = bounded(2);
+        let q = quota(1, 2);
+        let (x, y, z, w) = (id(1), id(2), id(3), id(4));
+        let at = |who| [Check::new(who, "r", &q)];
+        // x drains its bucket and is denied; it is the least recently used.
+        store.decide(&at(&x)).unwrap();
+        store.decide(&at(&x)).unwrap();
+        assert!(!store.decide(&at(&x)).unwrap()[0].allowed);
+        store.decide(&at(&y)).unwrap();
+        // Two new keys: y and then z make room, never x.
+        store.decide(&at(&z)).unwrap();
+        store.decide(&at(&w)).unwrap();
+        assert_eq!(evicted(&store), (0, 2));
+        assert!(!store.peek(&at(&x))[0].allowed, "x is still denied");
+        // A bucket drained without a denial is held too: w is at 1 of 2; drain it.
+        store.decide(&at(&w)).unwrap();
+        let v = id(5);
+        assert_eq!(store.decide(&at(&v)), Err(Full), "x and w are both held");
+        assert_eq!(store.len(), 2);
+        // x is whole again after 2 s (1 token a second): then it is dropped as expired.
+        clock.advance(2_000_000);
+        assert!(store.decide(&at(&v)).unwrap()[0].allowed);
+        assert_eq!(evicted(&store), (1, 2));
+        assert_eq!(store.peek(&at(&v))[0].remaining, 1);
+    }
+
+    #[test]
+    fn a_request_that_finds_no_room_charges_nothing() {
+        let (_, store) = bounded(1);
+        let (q, strict) = (quota(1, 5), quota(1, 1));
+        let (x, y) = (id(1), id(2));
+        // x is held under "strict".
+        store.decide(&[Check::new(&x, "strict", &strict)]).unwrap();
+        assert!(!store.decide(&[Check::new(&x, "strict", &strict)]).unwrap()[0].allowed);
+        // A request of y under "wide" needs a new key: no room.
+        let both = [Check::new(&y, "wide", &q)];
+        assert_eq!(store.decide(&both), Err(Full));
+        assert_eq!(store.peek(&both)[0].remaining, 5, "nothing charged");
+    }
+
+    #[test]
+    fn a_flood_of_new_keys_never_passes_max_keys() {
+        let (_, store) = bounded(1_000);
+        let q = quota(1, 20);
+        let hot = id(u32::MAX);
+        for n in 0..50_000 {
+            let d = id(n);
+            store.decide(&[Check::new(&d, "r", &q)]).unwrap();
+            if n % 100 == 0 {
+                store.decide(&[Check::new(&hot, "r", &q)]).unwrap();
+                assert!(store.len() <= 1_000);
+            }
+        }
+        assert_eq!(store.len(), 1_000);
+        assert_eq!(evicted(&store), (0, 49_000 + 1));
+        // The hot key, used every hundred requests (500 times: its 20, then denials), kept
+        // its state: dropped, it would have its whole burst again.
+        let p = store.peek(&[Check::new(&hot, "r", &q)]);
+        assert!(!p[0].allowed && p[0].remaining == 0, "{p:?}");
     }
 
     #[test]
@@ -715,10 +1190,10 @@ mod tests {
         for n in 0..100_000 {
             let d = id(n);
             let q = if n % 100 == 0 { &long } else { &short };
-            store.decide(&[Check::new(&d, "r", q)]);
+            store.decide(&[Check::new(&d, "r", q)]).unwrap();
         }
         let spare = |store: &MemoryStore| {
-            (0..SHARDS)
+            (0..store.shards.len())
                 .map(|i| {
                     let s = store.lock(i);
                     (s.slots.capacity(), s.index.capacity())
@@ -726,14 +1201,20 @@ mod tests {
                 .fold((0, 0), |(a, b), (c, d)| (a + c, b + d))
         };
         let (slots, index) = spare(&store);
-        assert!((100_000..=100_000 + 100_000 / 8 + 4 * SHARDS).contains(&slots));
+        assert!((100_000..=100_000 + 100_000 / 8 + 4 * store.shards.len()).contains(&slots));
         assert!(index >= 100_000);
         // The short buckets refill in 1 ms, the long ones in 1 s.
         clock.advance(1_000);
         assert_eq!(store.sweep(), 1_000);
         let (slots, index) = spare(&store);
-        assert!(slots <= 1_000 + 1_000 / 8 + 4 * SHARDS, "{slots} slots");
-        assert!(index <= 4 * 1_000 + 32 * SHARDS, "{index} positions");
+        assert!(
+            slots <= 1_000 + 1_000 / 8 + 4 * store.shards.len(),
+            "{slots} slots"
+        );
+        assert!(
+            index <= 4 * 1_000 + 32 * store.shards.len(),
+            "{index} positions"
+        );
         for n in (0..100_000).step_by(100) {
             let d = id(n);
             let c = [Check::new(&d, "r", &long)];
@@ -754,8 +1235,8 @@ mod tests {
         let q = quota(1, 3);
         let a = id(3);
         let c = [Check::new(&a, "r", &q)];
-        store.decide(&c);
+        store.decide(&c).unwrap();
         clock.advance(5_000_000);
-        assert_eq!(store.decide(&c)[0].remaining, 2);
+        assert_eq!(store.decide(&c).unwrap()[0].remaining, 2);
     }
 }

@@ -470,6 +470,9 @@ pub enum StoreError {
     Data(String),
     #[error("circuit breaker open: the store is not tried")]
     CircuitOpen,
+    /// The memory store has no room for a key the request would add.
+    #[error(transparent)]
+    Full(#[from] memory::Full),
 }
 
 impl StoreError {
@@ -547,7 +550,7 @@ impl Store {
     /// The answer has one [`Decision`] per check, in order.
     pub async fn decide(&self, checks: &[Check<'_>]) -> Result<Vec<Decision>, StoreError> {
         match self {
-            Store::Memory(m) => Ok(m.decide(checks)),
+            Store::Memory(m) => Ok(m.decide(checks)?),
             Store::Redis(r) => r.decide(checks, None).await,
             Store::RedisCluster(c) => c.decide(checks, None).await,
         }

@@ -291,6 +291,14 @@ async fn upstream_answer(
 
 // ---------------------------------------------------------------------------------------
 
+/// The binary under test: this build's, or the one `RATEWALL_BIN` names (to see a test
+/// fail against an older build).
+pub fn binary() -> PathBuf {
+    std::env::var_os("RATEWALL_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_BIN_EXE_ratewall")))
+}
+
 /// The real `ratewall` binary, run on a generated config.
 pub struct Gateway {
     pub port: u16,
@@ -334,9 +342,25 @@ impl Gateway {
         args: &[&str],
         env: &[(&str, &str)],
     ) -> Result<Gateway, String> {
+        Self::try_start_wrapped(body, grace, args, env, &[])
+    }
+
+    /// Start the binary under `wrapper` (a command that runs the rest of its arguments,
+    /// such as `prlimit --nofile=64:64 --`).
+    pub fn start_wrapped(body: &str, wrapper: &[&str]) -> Gateway {
+        Self::try_start_wrapped(body, "2s", &[], &[], wrapper).expect("ratewall did not start")
+    }
+
+    fn try_start_wrapped(
+        body: &str,
+        grace: &str,
+        args: &[&str],
+        env: &[(&str, &str)],
+        wrapper: &[&str],
+    ) -> Result<Gateway, String> {
         let mut last = String::new();
         for _ in 0..5 {
-            match Self::start_once(body, grace, args, env) {
+            match Self::start_once(body, grace, args, env, wrapper) {
                 Ok(g) => return Ok(g),
                 Err(logs) if logs.contains("cannot listen") => last = logs,
                 Err(logs) => return Err(logs),
@@ -350,6 +374,7 @@ impl Gateway {
         grace: &str,
         args: &[&str],
         env: &[(&str, &str)],
+        wrapper: &[&str],
     ) -> Result<Gateway, String> {
         let dir = tempfile::tempdir().expect("tempdir");
         let (port, admin_port) = (free_port(), free_port());
@@ -359,7 +384,15 @@ impl Gateway {
         let cfg = dir.path().join("limits.toml");
         std::fs::write(&cfg, format!("{server}{body}")).expect("write config");
         let log = dir.path().join("ratewall.log");
-        let child = Command::new(env!("CARGO_BIN_EXE_ratewall"))
+        let mut command = match wrapper.split_first() {
+            Some((first, rest)) => {
+                let mut c = Command::new(first);
+                c.args(rest).arg(binary());
+                c
+            }
+            None => Command::new(binary()),
+        };
+        let child = command
             .arg("--config")
             .arg(&cfg)
             .args(args)
@@ -409,6 +442,11 @@ impl Gateway {
     /// Replace everything after the `[server]` table with `body` (not yet reloaded).
     pub fn rewrite_config(&self, body: &str) {
         std::fs::write(&self.config, format!("{}{body}", self.server)).expect("rewrite config");
+    }
+
+    /// The gateway's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     /// Send a signal by name ("HUP", "TERM", "INT", "KILL") to the gateway process.

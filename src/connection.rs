@@ -1,0 +1,1040 @@
+//! One client connection, from accept to close: which protocol it speaks, the clocks that
+//! bound each of its silences, and the count that bounds how many there are. Both
+//! listeners (the gateway's and the admin one) serve their connections through here.
+//!
+//! A perimeter must not be exhausted by clients that say nothing. Each way of saying
+//! nothing has its clock (`[server]`, defaults in brackets; nginx's equivalents in
+//! docs/operations.md):
+//!
+//! - `header_timeout` [10s]: from accept to a complete request head — for HTTP/2, to the
+//!   connection preface and the client's first SETTINGS frame. On a kept-alive HTTP/1
+//!   connection it runs from the first byte of the next request. Past it the connection is
+//!   closed, after a 408 where a head had started.
+//! - `idle_timeout` [60s]: a kept-alive HTTP/1 connection, or an HTTP/2 connection, with
+//!   no request in flight (HTTP/2 gets a GOAWAY first).
+//! - `body_timeout` [30s]: the longest a response write may wait on a client that takes
+//!   nothing (the connection is closed; the gap between reads of a request *body* is the
+//!   upstream hop's, [`crate::proxy`], and answered 408).
+//!
+//! And their number: [`Registry`] holds every open connection of a listener. At
+//! `max_connections` the accept loop stops taking connections from the listen backlog
+//! (one accepted connection waits in the worker meanwhile), and the connections idle the
+//! longest are closed to make room for it. An accept that fails (out of file descriptors)
+//! makes room the same way and backs off; it is logged once a few seconds, with a count.
+//!
+//! A request head is bounded too (`max_header_bytes`, 431 beyond it: hyper for HTTP/1,
+//! SETTINGS_MAX_HEADER_LIST_SIZE for HTTP/2), and an HTTP/1 head with a bare CR is
+//! answered 400 at once: a CR not followed by LF is no line ending (RFC 9112 §2.2), and
+//! the parser would otherwise wait for the LF that never comes.
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::io;
+use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use atomic_waker::AtomicWaker;
+use bytes::{Buf, Bytes, BytesMut};
+use hyper::body::{Body, Frame, SizeHint};
+use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::gauge::Gauge;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio::net::TcpStream;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::time::{Instant, Sleep};
+
+use crate::config::Timeouts;
+
+/// HTTP/2's connection preface (RFC 9113 §3.4).
+const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+/// A SETTINGS frame larger than the default frame size is refused by the HTTP/2 side; the
+/// preface reader hands it over without waiting for it.
+const MAX_SETTINGS: usize = 16_384;
+/// Connections closed at once to make room at `max_connections`, at most: one per 256 of
+/// the bound (a search of the open connections finds a batch, as nginx drains up to 32).
+const MAKE_ROOM_BATCH: usize = 16;
+/// How long an accept loop backs off after a failed accept.
+const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
+/// At most one warning per this long for a full listener or failing accepts.
+const WARN_EVERY: Duration = Duration::from_secs(10);
+/// After it is asked to close gracefully (HTTP/2 GOAWAY), a connection gets this long.
+const CLOSE_GRACE: Duration = Duration::from_secs(5);
+
+/// Why the gateway closed a connection, as `ratewall_connections_closed_total` counts it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[repr(u8)]
+pub enum Closed {
+    HeaderTimeout = 1,
+    IdleTimeout,
+    BodyTimeout,
+    SendTimeout,
+    /// Idle, closed to make room at `max_connections` (or for lack of file descriptors).
+    MakeRoom,
+}
+
+impl Closed {
+    pub const ALL: [Closed; 5] = [
+        Closed::HeaderTimeout,
+        Closed::IdleTimeout,
+        Closed::BodyTimeout,
+        Closed::SendTimeout,
+        Closed::MakeRoom,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Closed::HeaderTimeout => "header_timeout",
+            Closed::IdleTimeout => "idle_timeout",
+            Closed::BodyTimeout => "body_timeout",
+            Closed::SendTimeout => "send_timeout",
+            Closed::MakeRoom => "make_room",
+        }
+    }
+}
+
+/// The metrics of one listener's connections.
+#[derive(Clone, Default)]
+pub struct ConnectionMetrics {
+    pub open: Gauge,
+    /// One counter per [`Closed`] reason, in the order of [`Closed::ALL`].
+    pub closed: [Counter; 5],
+    pub accept_errors: Counter,
+}
+
+impl ConnectionMetrics {
+    fn count(&self, why: Closed) {
+        if let Some(c) = self.closed.get(why as usize - 1) {
+            c.inc();
+        }
+    }
+}
+
+/// How a listener's connections are served: read from the live config at each accept,
+/// so a reload changes them for new connections.
+#[derive(Debug, Clone, Copy)]
+pub struct Settings {
+    pub timeouts: Timeouts,
+    pub max_header_bytes: usize,
+}
+
+impl Settings {
+    pub fn of(config: &crate::config::Config) -> Settings {
+        Settings {
+            timeouts: config.server.timeouts,
+            max_header_bytes: config.server.max_header_bytes,
+        }
+    }
+}
+
+/// Raise the process's open-file limit to what it is allowed (the soft limit to the hard
+/// one, as nginx's `worker_rlimit_nofile` and Go's runtime do), and warn when
+/// `max_connections` could still need more: each client connection can hold one to its
+/// upstream too.
+pub fn raise_descriptor_limit(max_connections: usize) {
+    let limit = match rlimit::increase_nofile_limit(u64::MAX) {
+        Ok(n) => n,
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot read or raise the open-file limit");
+            return;
+        }
+    };
+    let needed = (max_connections as u64)
+        .saturating_mul(2)
+        .saturating_add(64);
+    if needed > limit {
+        tracing::warn!(
+            max_connections,
+            open_files_limit = limit,
+            "max_connections may need {needed} file descriptors (a client and an upstream connection each) but the process may open {limit}: raise the hard limit (ulimit -Hn, LimitNOFILE=) or lower max_connections; past it, accepts fail and idle connections are closed to make room"
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Every open connection of a listener.
+
+/// One connection's state, shared by its I/O, its requests and the registry.
+pub struct Track {
+    id: u64,
+    /// Requests whose answer is not yet over.
+    in_flight: AtomicU32,
+    /// Requests started on this connection (a request head seen before the last start
+    /// belongs to an earlier request).
+    started: AtomicU64,
+    /// When the connection last had nothing in flight (ms on [`clock_ms`]).
+    idle_since_ms: AtomicU64,
+    /// Asked to close: 1 to make room (once idle), 2 to shut down (after what is in flight).
+    close: AtomicU8,
+    /// The reason the gateway closed it, once.
+    closed_by: AtomicU8,
+    /// Wakes the connection's task where it waits to read the next request: an idle
+    /// connection asked to close sees it at once; a busy one when its task next runs (its
+    /// answer's progress), which is soon enough for a shutdown that waits for it anyway.
+    reader: AtomicWaker,
+}
+
+const CLOSE_MAKE_ROOM: u8 = 1;
+const CLOSE_SHUTDOWN: u8 = 2;
+
+impl Track {
+    fn new(id: u64) -> Track {
+        Track {
+            id,
+            in_flight: AtomicU32::new(0),
+            started: AtomicU64::new(0),
+            idle_since_ms: AtomicU64::new(clock_ms()),
+            close: AtomicU8::new(0),
+            closed_by: AtomicU8::new(0),
+            reader: AtomicWaker::new(),
+        }
+    }
+
+    fn idle(&self) -> bool {
+        self.in_flight.load(Relaxed) == 0
+    }
+
+    /// Remember why the gateway closed the connection (the first reason given).
+    pub fn closed(&self, why: Closed) {
+        let _ = self
+            .closed_by
+            .compare_exchange(0, why as u8, Relaxed, Relaxed);
+    }
+
+    fn ask_to_close(&self, how: u8) {
+        self.close.fetch_max(how, Relaxed);
+        self.reader.wake();
+    }
+}
+
+/// The clock connections' idle times are kept on: its start.
+fn clock_start() -> std::time::Instant {
+    static START: OnceLock<std::time::Instant> = OnceLock::new();
+    *START.get_or_init(std::time::Instant::now)
+}
+
+/// Milliseconds since [`clock_start`].
+fn clock_ms() -> u64 {
+    clock_start().elapsed().as_millis() as u64
+}
+
+/// The moment `ms` milliseconds after [`clock_start`], for a timer.
+fn clock_instant(ms: u64) -> Instant {
+    Instant::from_std(clock_start()) + Duration::from_millis(ms)
+}
+
+/// A request in flight on a connection, from its head to the end of its answer (the
+/// answer's body holds it: [`Tracked`]).
+pub struct InFlight(Arc<Track>);
+
+impl InFlight {
+    pub fn new(track: &Arc<Track>) -> InFlight {
+        track.started.fetch_add(1, Relaxed);
+        track.in_flight.fetch_add(1, Relaxed);
+        InFlight(track.clone())
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        if self.0.in_flight.fetch_sub(1, Relaxed) == 1 {
+            self.0.idle_since_ms.store(clock_ms(), Relaxed);
+            // A connection asked to make room closes once idle: wake its reader to see it.
+            if self.0.close.load(Relaxed) != 0 {
+                self.0.reader.wake();
+            }
+        }
+    }
+}
+
+/// An answer's body, holding its request's [`InFlight`] until the body is done with.
+pub struct Tracked<B> {
+    body: B,
+    _request: InFlight,
+}
+
+impl<B> Tracked<B> {
+    pub fn new(body: B, request: InFlight) -> Tracked<B> {
+        Tracked {
+            body,
+            _request: request,
+        }
+    }
+}
+
+impl<B: Body + Unpin> Body for Tracked<B> {
+    type Data = B::Data;
+    type Error = B::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
+        Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        self.body.size_hint()
+    }
+}
+
+/// Every open connection of one listener, and the bound on their number.
+pub struct Registry {
+    listener: &'static str,
+    max: usize,
+    permits: Arc<Semaphore>,
+    open: Mutex<HashMap<u64, Arc<Track>>>,
+    next_id: AtomicU64,
+    /// Set once shutdown began: new connections are asked to close at once.
+    shutting_down: AtomicBool,
+    drained: tokio::sync::Notify,
+    metrics: ConnectionMetrics,
+    /// When a full listener / a failing accept was last logged (ms on [`clock_ms`]), and
+    /// how many happened since.
+    full_warned: AtomicU64,
+    full_since: AtomicU64,
+    accept_warned: AtomicU64,
+    accept_since: AtomicU64,
+}
+
+impl Registry {
+    pub fn new(listener: &'static str, max: usize, metrics: ConnectionMetrics) -> Arc<Registry> {
+        Arc::new(Registry {
+            listener,
+            max: max.max(1),
+            permits: Arc::new(Semaphore::new(max.max(1))),
+            open: Mutex::new(HashMap::new()),
+            next_id: AtomicU64::new(1),
+            shutting_down: AtomicBool::new(false),
+            drained: tokio::sync::Notify::new(),
+            metrics,
+            full_warned: AtomicU64::new(0),
+            full_since: AtomicU64::new(0),
+            accept_warned: AtomicU64::new(0),
+            accept_since: AtomicU64::new(0),
+        })
+    }
+
+    /// Open connections now.
+    pub fn len(&self) -> usize {
+        self.lock().len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<u64, Arc<Track>>> {
+        self.open.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A place for one more connection: at once, or once enough idle connections were
+    /// closed to make room (or others ended).
+    pub async fn admit(&self) -> OwnedSemaphorePermit {
+        if let Ok(permit) = self.permits.clone().try_acquire_owned() {
+            return permit;
+        }
+        self.full_since.fetch_add(1, Relaxed);
+        if self.due(&self.full_warned) {
+            tracing::warn!(
+                listener = self.listener,
+                max_connections = self.max,
+                times = self.full_since.swap(0, Relaxed),
+                "max_connections reached: closing the longest idle connections to make room; new connections wait in the listen backlog"
+            );
+        }
+        let batch = (self.max / 256).clamp(1, MAKE_ROOM_BATCH);
+        loop {
+            self.make_room(batch);
+            let acquire = self.permits.clone().acquire_owned();
+            tokio::select! {
+                permit = acquire => {
+                    // The semaphore is never closed.
+                    if let Ok(p) = permit {
+                        return p;
+                    }
+                }
+                () = tokio::time::sleep(ACCEPT_BACKOFF) => {}
+            }
+        }
+    }
+
+    /// An accept failed (out of file descriptors, say): make room, and log it now and then.
+    pub async fn accept_failed(&self, e: &io::Error) {
+        self.metrics.accept_errors.inc();
+        self.accept_since.fetch_add(1, Relaxed);
+        if self.due(&self.accept_warned) {
+            tracing::warn!(
+                listener = self.listener,
+                error = %e,
+                times = self.accept_since.swap(0, Relaxed),
+                "accept failed; closing idle connections and retrying"
+            );
+        }
+        self.make_room((self.max / 256).clamp(1, MAKE_ROOM_BATCH));
+        tokio::time::sleep(ACCEPT_BACKOFF).await;
+    }
+
+    /// Whether a warning last given at `last` may be given again now (and mark it given).
+    fn due(&self, last: &AtomicU64) -> bool {
+        let now = clock_ms().max(1);
+        let then = last.load(Relaxed);
+        (then == 0 || now >= then + WARN_EVERY.as_millis() as u64)
+            && last.compare_exchange(then, now, Relaxed, Relaxed).is_ok()
+    }
+
+    /// Ask up to `n` of the connections idle the longest to close.
+    pub fn make_room(&self, n: usize) {
+        let open = self.lock();
+        let mut idle: Vec<(u64, &Arc<Track>)> = open
+            .values()
+            .filter(|t| t.idle() && t.close.load(Relaxed) == 0)
+            .map(|t| (t.idle_since_ms.load(Relaxed), t))
+            .collect();
+        if idle.len() > n {
+            idle.select_nth_unstable_by_key(n, |(since, _)| *since);
+            idle.truncate(n);
+        }
+        for (_, t) in idle {
+            t.closed(Closed::MakeRoom);
+            t.ask_to_close(CLOSE_MAKE_ROOM);
+        }
+    }
+
+    /// Ask every connection to close: idle ones at once, busy ones after the requests in
+    /// flight (HTTP/2: GOAWAY).
+    pub fn shut_down(&self) {
+        self.shutting_down.store(true, Relaxed);
+        for t in self.lock().values() {
+            t.ask_to_close(CLOSE_SHUTDOWN);
+        }
+    }
+
+    /// Until every connection has closed.
+    pub async fn drained(&self) {
+        loop {
+            let notified = self.drained.notified();
+            if self.is_empty() {
+                return;
+            }
+            notified.await;
+        }
+    }
+
+    fn register(self: &Arc<Self>, permit: OwnedSemaphorePermit) -> Registered {
+        let track = Arc::new(Track::new(self.next_id.fetch_add(1, Relaxed)));
+        self.lock().insert(track.id, track.clone());
+        if self.shutting_down.load(Relaxed) {
+            track.ask_to_close(CLOSE_SHUTDOWN);
+        }
+        self.metrics.open.inc();
+        Registered {
+            registry: self.clone(),
+            track,
+            _permit: permit,
+        }
+    }
+}
+
+/// A connection's place in its registry, given back when the connection ends.
+struct Registered {
+    registry: Arc<Registry>,
+    track: Arc<Track>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Drop for Registered {
+    fn drop(&mut self) {
+        let r = &self.registry;
+        let empty = {
+            let mut open = r.lock();
+            open.remove(&self.track.id);
+            open.is_empty()
+        };
+        r.metrics.open.dec();
+        if let Some(why) = Closed::ALL
+            .iter()
+            .find(|c| **c as u8 == self.track.closed_by.load(Relaxed))
+        {
+            r.metrics.count(*why);
+        }
+        if empty {
+            r.drained.notify_waiters();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// Serving one connection.
+
+/// Serve one accepted connection until it ends. `service` makes the connection's
+/// service from its [`Track`] (its requests hold an [`InFlight`] each).
+pub async fn serve<S, B>(
+    stream: TcpStream,
+    registry: &Arc<Registry>,
+    permit: OwnedSemaphorePermit,
+    settings: Settings,
+    service: impl FnOnce(Arc<Track>) -> S,
+) where
+    S: hyper::service::Service<
+            http::Request<hyper::body::Incoming>,
+            Response = http::Response<B>,
+            Error = std::convert::Infallible,
+        > + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let registered = registry.register(permit);
+    let track = registered.track.clone();
+    let accepted = Instant::now();
+    let _ = stream.set_nodelay(true);
+    let mut stream = stream;
+    let mut prefix = BytesMut::with_capacity(1024);
+    let header_deadline = accepted + settings.timeouts.header;
+    let proto =
+        match tokio::time::timeout_at(header_deadline, preface(&mut stream, &mut prefix)).await {
+            Ok(Ok(Some(proto))) => proto,
+            // The client closed, or the read failed: nothing to answer.
+            Ok(Ok(None) | Err(_)) => return,
+            Err(_) => {
+                track.closed(Closed::HeaderTimeout);
+                // Some of a head, but not the whole HTTP/2 preface: an HTTP/1 head started.
+                if !prefix.is_empty() && prefix.len() < PREFACE.len() {
+                    let _ = stream.try_write(&canned(408));
+                }
+                return;
+            }
+        };
+    let io = Guarded {
+        prefix: prefix.freeze(),
+        io: stream,
+        track: track.clone(),
+        settings,
+        h2: proto == Proto::H2,
+        head: (proto == Proto::H1).then_some(Head {
+            since: accepted,
+            request: 0,
+        }),
+        scan: Scan::Line,
+        read_timer: None,
+        write_stalled: None,
+        write_timer: None,
+        goaway_at: None,
+    };
+    let service = service(track.clone());
+    let io = TokioIo::new(io);
+    match proto {
+        Proto::H1 => {
+            // The head's clocks are this module's: hyper's runs from the end of the previous
+            // answer and sends no 408. Set past them both, it only backs them up — and it
+            // makes hyper read again as soon as an answer is done, which starts the idle
+            // clock (without it, an idle connection is not read until the client writes).
+            let t = settings.timeouts;
+            let conn = hyper::server::conn::http1::Builder::new()
+                .max_header_size(settings.max_header_bytes)
+                .timer(TokioTimer::new())
+                .header_read_timeout(t.idle + t.header)
+                .serve_connection(io, service);
+            drive(conn, &track, |c| c.graceful_shutdown()).await;
+        }
+        Proto::H2 => {
+            let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX))
+                .timer(TokioTimer::new())
+                .serve_connection(io, service);
+            drive(conn, &track, |c| c.graceful_shutdown()).await;
+        }
+    }
+    drop(registered);
+}
+
+/// Poll a connection to its end, shutting it down gracefully when asked to close.
+async fn drive<C, E>(conn: C, track: &Track, shut: impl Fn(Pin<&mut C>))
+where
+    C: std::future::Future<Output = Result<(), E>>,
+    E: std::fmt::Display,
+{
+    tokio::pin!(conn);
+    let mut shutting = false;
+    let mut grace: Option<Pin<Box<Sleep>>> = None;
+    let result = std::future::poll_fn(|cx| {
+        if !shutting && track.close.load(Relaxed) != 0 {
+            shutting = true;
+            shut(conn.as_mut());
+            grace = Some(Box::pin(tokio::time::sleep(CLOSE_GRACE)));
+        }
+        if let Poll::Ready(r) = conn.as_mut().poll(cx) {
+            return Poll::Ready(r.map_err(|e| e.to_string()));
+        }
+        // Asked to close and not done within the grace (a request still in flight at
+        // shutdown is the server's grace to bound, not this one's: only idle ones).
+        match grace.as_mut() {
+            Some(g) if track.idle() => match g.as_mut().poll(cx) {
+                Poll::Ready(()) => Poll::Ready(Ok(())),
+                Poll::Pending => Poll::Pending,
+            },
+            _ => Poll::Pending,
+        }
+    })
+    .await;
+    if let Err(e) = result {
+        tracing::debug!(error = %e, "connection ended with an error");
+    }
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Proto {
+    H1,
+    H2,
+}
+
+/// Read until the protocol is known: HTTP/2 once the preface and the client's first
+/// SETTINGS frame are in, HTTP/1 at the first byte that is not the preface's. `None`: the
+/// client closed first.
+async fn preface(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<Option<Proto>> {
+    loop {
+        let n = buf.len().min(PREFACE.len());
+        if buf[..n] != PREFACE[..n] {
+            return Ok(Some(Proto::H1));
+        }
+        if buf.len() >= PREFACE.len() + 9 {
+            let f = &buf[PREFACE.len()..];
+            let length = (usize::from(f[0]) << 16) | (usize::from(f[1]) << 8) | usize::from(f[2]);
+            // Not SETTINGS, or too large to wait for: HTTP/2 will refuse it.
+            if f[3] != 0x4 || length > MAX_SETTINGS || f.len() >= 9 + length {
+                return Ok(Some(Proto::H2));
+            }
+        }
+        if stream.read_buf(buf).await? == 0 {
+            return Ok(None);
+        }
+    }
+}
+
+/// A response the gateway writes straight to the socket, where no HTTP layer is left to
+/// (a head that never completed, or that cannot be parsed).
+fn canned(status: u16) -> Vec<u8> {
+    let (reason, detail) = match status {
+        408 => (
+            "Request Timeout",
+            "the request head did not arrive within header_timeout",
+        ),
+        _ => (
+            "Bad Request",
+            "a bare CR in the request head: lines end with CRLF",
+        ),
+    };
+    let body = format!(
+        "{{\"type\":\"about:blank\",\"title\":\"{reason}\",\"status\":{status},\"detail\":\"{detail}\"}}"
+    );
+    format!(
+        "HTTP/1.1 {status} {reason}\r\nconnection: close\r\ncontent-type: application/problem+json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// The head of the request being read: since when, and for which request.
+#[derive(Debug, Clone, Copy)]
+struct Head {
+    since: Instant,
+    /// [`Track::started`] when its first byte came: a later start means it was read.
+    request: u64,
+}
+
+/// The client's stream, with the clocks of [the module](self) on its reads and writes.
+/// Bytes read before the protocol was known come first.
+struct Guarded {
+    prefix: Bytes,
+    io: TcpStream,
+    track: Arc<Track>,
+    settings: Settings,
+    h2: bool,
+    /// HTTP/1: the head being read, if its first byte came.
+    head: Option<Head>,
+    /// HTTP/1: how far the head being read has been scanned.
+    scan: Scan,
+    read_timer: Option<(Instant, Pin<Box<Sleep>>)>,
+    /// Since when writes have made no progress, and the timer on it.
+    write_stalled: Option<Instant>,
+    write_timer: Option<(Instant, Pin<Box<Sleep>>)>,
+    /// HTTP/2: when the idle connection was asked to go away.
+    goaway_at: Option<Instant>,
+}
+
+/// Whether `deadline` has passed, with a timer to wake the task at it. The timer is moved
+/// only to an earlier time: a deadline that moves later (every request moves the idle one)
+/// lets the armed timer fire early, and it is re-armed then — not reset per request.
+fn expired(
+    timer: &mut Option<(Instant, Pin<Box<Sleep>>)>,
+    deadline: Instant,
+    cx: &mut Context<'_>,
+) -> bool {
+    let (at, sleep) =
+        timer.get_or_insert_with(|| (deadline, Box::pin(tokio::time::sleep_until(deadline))));
+    if deadline < *at {
+        *at = deadline;
+        sleep.as_mut().reset(deadline);
+    }
+    if sleep.as_mut().poll(cx).is_pending() {
+        return false;
+    }
+    if *at >= deadline {
+        return true;
+    }
+    // It fired for an earlier deadline: wait for this one.
+    *at = deadline;
+    sleep.as_mut().reset(deadline);
+    sleep.as_mut().poll(cx).is_ready()
+}
+
+impl Guarded {
+    /// The head being read now (HTTP/1), if its first byte came since the last request.
+    fn current_head(&self) -> Option<Head> {
+        self.head
+            .filter(|h| h.request == self.track.started.load(Relaxed))
+    }
+
+    /// When the silence the connection is in now ends it, and why. Only while nothing is
+    /// in flight: then the client owes the next request.
+    fn deadline(&self) -> (Instant, Closed) {
+        match self.current_head() {
+            Some(h) => (
+                h.since + self.settings.timeouts.header,
+                Closed::HeaderTimeout,
+            ),
+            None => {
+                let since = clock_instant(self.track.idle_since_ms.load(Relaxed));
+                (since + self.settings.timeouts.idle, Closed::IdleTimeout)
+            }
+        }
+    }
+
+    /// Answer `status` and end the connection (a best-effort write: a few hundred bytes
+    /// into an idle socket's buffer). `why`: the clock that ran out, if one did.
+    fn refuse(&mut self, status: u16, why: Option<Closed>) -> Poll<io::Result<()>> {
+        if let Some(why) = why {
+            self.track.closed(why);
+        }
+        let _ = self.io.try_write(&canned(status));
+        Poll::Ready(Err(io::Error::new(
+            io::ErrorKind::InvalidData,
+            format!("request head refused with {status}"),
+        )))
+    }
+}
+
+/// Where a scan of a request head is (HTTP/1 line endings are CRLF, or a lone LF, which
+/// parsers accept; a CR is always followed by LF).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Scan {
+    /// Inside a line.
+    Line,
+    /// After a CR inside a line.
+    Cr,
+    /// At the start of a line.
+    LineStart,
+    /// After a CR at the start of a line.
+    LineStartCr,
+    /// Past the empty line that ends the head: what follows is a body.
+    Done,
+}
+
+impl Scan {
+    /// The state after `b`; `None` at a bare CR.
+    fn next(self, b: u8) -> Option<Scan> {
+        Some(match (self, b) {
+            (Scan::Done, _) => Scan::Done,
+            (Scan::Cr, b'\n') => Scan::LineStart,
+            (Scan::LineStartCr, b'\n') | (Scan::LineStart, b'\n') => Scan::Done,
+            (Scan::Cr | Scan::LineStartCr, _) => return None,
+            (Scan::LineStart, b'\r') => Scan::LineStartCr,
+            (_, b'\r') => Scan::Cr,
+            (_, b'\n') => Scan::LineStart,
+            _ => Scan::Line,
+        })
+    }
+}
+
+/// HTTP/1 head bytes just read (`track`'s connection, nothing in flight): note when the
+/// head started, and find a bare CR before the head's end. `Err`: a CR followed by
+/// anything but LF.
+fn head_bytes(
+    head: &mut Option<Head>,
+    scan: &mut Scan,
+    track: &Track,
+    bytes: &[u8],
+) -> Result<(), ()> {
+    let request = track.started.load(Relaxed);
+    if head.is_none_or(|h| h.request != request) {
+        *head = Some(Head {
+            since: Instant::now(),
+            request,
+        });
+        *scan = Scan::Line;
+    }
+    scan_head(scan, bytes)
+}
+
+/// Run `scan` over `bytes` up to the head's end: [`Scan::next`] byte by byte, but jumping
+/// from one line ending to the next (only they, and the byte after a CR, change it).
+fn scan_head(scan: &mut Scan, bytes: &[u8]) -> Result<(), ()> {
+    let mut at = 0;
+    while *scan != Scan::Done && at < bytes.len() {
+        if matches!(*scan, Scan::Cr | Scan::LineStartCr) {
+            *scan = scan.next(bytes[at]).ok_or(())?;
+            at += 1;
+            continue;
+        }
+        let Some(i) = memchr::memchr2(b'\r', b'\n', &bytes[at..]) else {
+            if *scan == Scan::LineStart {
+                *scan = Scan::Line;
+            }
+            break;
+        };
+        if i > 0 && *scan == Scan::LineStart {
+            *scan = Scan::Line;
+        }
+        *scan = scan.next(bytes[at + i]).ok_or(())?;
+        at += i + 1;
+    }
+    Ok(())
+}
+
+impl Guarded {}
+
+impl AsyncRead for Guarded {
+    fn poll_read(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<io::Result<()>> {
+        let this = &mut *self;
+        let idle = this.track.idle();
+        if idle && !this.h2 && this.track.close.load(Relaxed) != 0 && this.current_head().is_none()
+        {
+            // Asked to close, and between requests: the end of the stream. (HTTP/2 is shut
+            // down with a GOAWAY by the connection's task.)
+            return Poll::Ready(Ok(()));
+        }
+        let before = buf.filled().len();
+        let polled = if this.prefix.is_empty() {
+            Pin::new(&mut this.io).poll_read(cx, buf)
+        } else {
+            let n = this.prefix.len().min(buf.remaining());
+            buf.put_slice(&this.prefix[..n]);
+            this.prefix.advance(n);
+            Poll::Ready(Ok(()))
+        };
+        match polled {
+            Poll::Ready(Ok(())) => {
+                let got = &buf.filled()[before..];
+                if idle && !this.h2 && !got.is_empty() {
+                    let bare_cr = head_bytes(&mut this.head, &mut this.scan, &this.track, got);
+                    if bare_cr.is_err() {
+                        return this.refuse(400, None);
+                    }
+                }
+                Poll::Ready(Ok(()))
+            }
+            Poll::Pending => {
+                if !idle {
+                    return Poll::Pending;
+                }
+                this.track.reader.register(cx.waker());
+                if this.h2 {
+                    if let Some(at) = this.goaway_at {
+                        if expired(&mut this.read_timer, at + CLOSE_GRACE, cx) {
+                            return Poll::Ready(Ok(()));
+                        }
+                        return Poll::Pending;
+                    }
+                }
+                let (deadline, why) = this.deadline();
+                if !expired(&mut this.read_timer, deadline, cx) {
+                    return Poll::Pending;
+                }
+                match (why, this.current_head(), this.h2) {
+                    (Closed::HeaderTimeout, Some(_), false) => this.refuse(408, Some(why)),
+                    (_, _, true) => {
+                        // GOAWAY first: the connection's task sees the close request.
+                        this.track.closed(why);
+                        this.goaway_at = Some(Instant::now());
+                        this.track.close.fetch_max(CLOSE_MAKE_ROOM, Relaxed);
+                        cx.waker().wake_by_ref();
+                        Poll::Pending
+                    }
+                    _ => {
+                        this.track.closed(why);
+                        Poll::Ready(Ok(()))
+                    }
+                }
+            }
+            other => other,
+        }
+    }
+}
+
+impl Guarded {
+    /// A write's outcome, through the send clock: a client that takes nothing for
+    /// `body_timeout` is cut off.
+    fn written<T>(
+        &mut self,
+        polled: Poll<io::Result<T>>,
+        cx: &mut Context<'_>,
+    ) -> Poll<io::Result<T>> {
+        if polled.is_ready() {
+            self.write_stalled = None;
+            return polled;
+        }
+        let since = *self.write_stalled.get_or_insert_with(Instant::now);
+        if expired(
+            &mut self.write_timer,
+            since + self.settings.timeouts.body,
+            cx,
+        ) {
+            self.track.closed(Closed::SendTimeout);
+            return Poll::Ready(Err(io::Error::new(
+                io::ErrorKind::TimedOut,
+                "the client took nothing of the response for body_timeout",
+            )));
+        }
+        Poll::Pending
+    }
+}
+
+impl AsyncWrite for Guarded {
+    fn poll_write(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        buf: &[u8],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.io).poll_write(cx, buf);
+        self.written(polled, cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+        bufs: &[io::IoSlice<'_>],
+    ) -> Poll<io::Result<usize>> {
+        let polled = Pin::new(&mut self.io).poll_write_vectored(cx, bufs);
+        self.written(polled, cx)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
+
+    fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        let polled = Pin::new(&mut self.io).poll_flush(cx);
+        self.written(polled, cx)
+    }
+
+    fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn scan(bytes: &[u8]) -> Option<Scan> {
+        bytes.iter().try_fold(Scan::Line, |s, &b| s.next(b))
+    }
+
+    #[test]
+    fn a_head_scan_finds_bare_crs_and_stops_at_the_head_end() {
+        assert_eq!(scan(b"GET / HTTP/1.1\r\nHost: a\r\n\r\n"), Some(Scan::Done));
+        assert_eq!(scan(b"GET / HTTP/1.1\nHost: a\n\n"), Some(Scan::Done));
+        assert_eq!(scan(b"GET / HTTP/1.1\r\nHost: a\r\n\n"), Some(Scan::Done));
+        assert_eq!(
+            scan(b"GET / HTTP/1.1\r\nHost: a\r\n"),
+            Some(Scan::LineStart)
+        );
+        assert_eq!(
+            scan(b"GET / HTTP/1.1\r"),
+            Some(Scan::Cr),
+            "a CR may end a read"
+        );
+        for bare in [
+            &b"GET / HTTP/1.1\rHost: a\r\n\r\n"[..],
+            b"GET / HTTP/1.1\r\nHost: a\r\r",
+            b"GET / HTTP/1.1\r\nHost: a\rb\r\n\r\n",
+            b"GET / HTTP/1.1\r\n\rX",
+        ] {
+            assert_eq!(scan(bare), None, "{:?}", String::from_utf8_lossy(bare));
+        }
+        // After the head, a body's bytes are not looked at.
+        assert_eq!(
+            scan(b"POST / HTTP/1.1\r\nContent-Length: 3\r\n\r\n\r\rx"),
+            Some(Scan::Done)
+        );
+    }
+
+    /// The jumping scan agrees with the byte-by-byte one on any bytes, however they are
+    /// split across reads.
+    #[test]
+    fn the_fast_head_scan_is_the_byte_scan() {
+        let mut rng = 0x9e37_79b9_7f4a_7c15_u64;
+        let mut next = move || {
+            rng ^= rng << 13;
+            rng ^= rng >> 7;
+            rng ^= rng << 17;
+            rng
+        };
+        for _ in 0..20_000 {
+            let len = (next() % 40) as usize;
+            let bytes: Vec<u8> = (0..len)
+                .map(|_| [b'a', b'b', b'\r', b'\n', b':'][(next() % 5) as usize])
+                .collect();
+            let slow = scan(&bytes);
+            let mut fast = Scan::Line;
+            let mut result = Ok(());
+            let mut rest = &bytes[..];
+            while !rest.is_empty() && result.is_ok() {
+                let take = 1 + (next() as usize % rest.len());
+                result = scan_head(&mut fast, &rest[..take]);
+                rest = &rest[take..];
+            }
+            match slow {
+                None => assert!(result.is_err(), "{bytes:?}"),
+                Some(state) => assert_eq!((result, fast), (Ok(()), state), "{bytes:?}"),
+            }
+        }
+    }
+
+    #[test]
+    fn canned_answers_are_whole_http_responses() {
+        for status in [400u16, 408] {
+            let bytes = canned(status);
+            let mut fields = [httparse::EMPTY_HEADER; 8];
+            let mut resp = httparse::Response::new(&mut fields);
+            let n = match resp.parse(&bytes) {
+                Ok(httparse::Status::Complete(n)) => n,
+                other => panic!("{status}: {other:?}"),
+            };
+            assert_eq!(resp.code, Some(status));
+            let length: usize = resp
+                .headers
+                .iter()
+                .find(|h| h.name == "content-length")
+                .and_then(|h| std::str::from_utf8(h.value).ok()?.parse().ok())
+                .expect("a content-length");
+            assert_eq!(bytes.len() - n, length);
+            let body: serde_json::Value = serde_json::from_slice(&bytes[n..]).expect("json");
+            assert_eq!(body["status"], status);
+        }
+    }
+}

@@ -1,0 +1,781 @@
+//! The perimeter, tried as an attacker would: the real binary, a real upstream, and clients
+//! that speak raw bytes where the bytes matter. Each test is one way a client could exhaust
+//! the gateway or slip past a rule (the issue "Hold the perimeter"), and fails on a gateway
+//! without the defence: silent and slow connections, a connection flood, a key flood,
+//! forged forwarding headers, encoded slashes, lower-case methods, malformed requests,
+//! huge heads, key probing on the admin API, a clock stepped back. (The upstream hop's part
+//! — uploads and their clocks, stray answers, malformed bodies, transfer codings — is in
+//! `tests/upstream.rs`.)
+
+mod common;
+
+use std::net::IpAddr;
+use std::time::{Duration, Instant};
+
+use common::{upstream_and_store, Gateway, HttpClient, RedisServer, Store, Upstream};
+use http::StatusCode;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+/// The longest a test waits on the network for any one thing.
+const WAIT: Duration = Duration::from_secs(10);
+
+async fn connect(port: u16) -> TcpStream {
+    let stream = tokio::time::timeout(WAIT, TcpStream::connect(("127.0.0.1", port)))
+        .await
+        .expect("connect within the wait")
+        .expect("connect");
+    let _ = stream.set_nodelay(true);
+    stream
+}
+
+/// Everything the gateway sends until it closes the connection (or `WAIT` passes: then the
+/// bytes so far and `None`), and how long that took from the call.
+async fn until_closed(stream: &mut TcpStream) -> (Vec<u8>, Option<Duration>) {
+    let start = Instant::now();
+    let mut got = Vec::new();
+    let read = async {
+        let mut buf = [0u8; 16 * 1024];
+        loop {
+            match stream.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(n) => got.extend_from_slice(&buf[..n]),
+            }
+        }
+    };
+    let closed = tokio::time::timeout(WAIT, read).await.is_ok();
+    (got, closed.then(|| start.elapsed()))
+}
+
+/// Send `request` on a new connection; the bytes of the answer (up to the close) and how
+/// long it took.
+async fn raw(port: u16, request: &[u8]) -> (Vec<u8>, Option<Duration>) {
+    let mut s = connect(port).await;
+    s.write_all(request).await.expect("send");
+    until_closed(&mut s).await
+}
+
+/// The status code of the first answer in `bytes`.
+fn status(bytes: &[u8]) -> u16 {
+    let text = String::from_utf8_lossy(bytes);
+    text.strip_prefix("HTTP/1.1 ")
+        .or_else(|| text.strip_prefix("HTTP/1.0 "))
+        .and_then(|rest| rest.get(..3))
+        .and_then(|code| code.parse().ok())
+        .unwrap_or_else(|| panic!("no status line in {:?}", &text[..text.len().min(200)]))
+}
+
+/// One whole answer to a request on a kept-alive connection (head, and a Content-Length
+/// body): its status.
+async fn exchange(stream: &mut TcpStream, request: &[u8]) -> u16 {
+    stream.write_all(request).await.expect("send");
+    let mut got = Vec::new();
+    let mut buf = [0u8; 16 * 1024];
+    let read = async {
+        loop {
+            if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+                let length: usize = head
+                    .lines()
+                    .find_map(|l| l.strip_prefix("content-length:"))
+                    .and_then(|v| v.trim().parse().ok())
+                    .unwrap_or(0);
+                if got.len() >= end + 4 + length {
+                    return status(&got);
+                }
+            }
+            let n = stream.read(&mut buf).await.expect("read");
+            assert!(
+                n > 0,
+                "closed before a whole answer: {:?}",
+                String::from_utf8_lossy(&got)
+            );
+            got.extend_from_slice(&buf[..n]);
+        }
+    };
+    tokio::time::timeout(WAIT, read)
+        .await
+        .expect("an answer within the wait")
+}
+
+/// The value of the metric line that starts with `series` (name and labels).
+async fn metric(gw: &Gateway, series: &str) -> Option<f64> {
+    let text = HttpClient::new()
+        .get(&gw.admin_url("/metrics"), &[])
+        .await
+        .body;
+    String::from_utf8_lossy(&text).lines().find_map(|l| {
+        l.strip_prefix(series)
+            .and_then(|rest| rest.strip_prefix(' '))
+            .and_then(|v| v.trim().parse().ok())
+    })
+}
+
+fn closed_by(reason: &str) -> String {
+    format!("ratewall_connections_closed_total{{listener=\"gateway\",reason=\"{reason}\"}}")
+}
+
+fn get(path: &str) -> Vec<u8> {
+    format!("GET {path} HTTP/1.1\r\nHost: app.test\r\n\r\n").into_bytes()
+}
+
+/// HTTP/2's connection preface and an empty SETTINGS frame.
+const H2_START: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+
+// ---------------------------------------------------------------------------------------
+// 1. Silent and slow connections
+
+/// Every way of keeping a connection while saying nothing ends at its clock: a connection
+/// that sends nothing, part of a head, a head one byte at a time (slowloris), only the
+/// HTTP/2 preface, or nothing after an answer — on the gateway's listener and the admin's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_and_slow_connections_are_closed_by_their_clocks() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "header_timeout = \"1s\"\nidle_timeout = \"2s\"\n{}",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let (between, header) = (Duration::from_millis(800), Duration::from_secs(4));
+
+    // Nothing at all: closed, nothing said.
+    let (bytes, took) = raw(gw.port, b"").await;
+    let took = took.expect("a silent connection is closed");
+    assert!(
+        bytes.is_empty() && took >= between && took < header,
+        "{took:?} {bytes:?}"
+    );
+
+    // Part of a head: 408, then closed.
+    let (bytes, took) = raw(gw.port, b"GET / HTTP/1.1\r\nHost: app.test\r\n").await;
+    let took = took.expect("a half head is closed");
+    assert_eq!(status(&bytes), 408);
+    assert!(took >= between && took < header, "{took:?}");
+
+    // Slowloris: a byte every 200 ms keeps nothing open past the head's clock.
+    let mut s = connect(gw.port).await;
+    let start = Instant::now();
+    let head = b"GET / HTTP/1.1\r\nHost: app.test\r\nX-Slow: aaaaaaaaaaaaaaaaaaaaaaaaaaaa";
+    let mut answer = Vec::new();
+    for &b in head.iter() {
+        if s.write_all(&[b]).await.is_err() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let mut buf = [0u8; 1024];
+        if let Ok(Ok(n)) = tokio::time::timeout(Duration::from_millis(1), s.read(&mut buf)).await {
+            answer.extend_from_slice(&buf[..n]);
+            break;
+        }
+    }
+    let (rest, _) = until_closed(&mut s).await;
+    answer.extend_from_slice(&rest);
+    let took = start.elapsed();
+    assert_eq!(status(&answer), 408, "slowloris");
+    assert!(
+        took >= between && took < header,
+        "slowloris kept it {took:?}"
+    );
+
+    // Only the HTTP/2 preface, no SETTINGS: closed.
+    let (_, took) = raw(gw.port, &H2_START[..24]).await;
+    let took = took.expect("a preface alone is closed");
+    assert!(took >= between && took < header, "{took:?}");
+
+    // An answer, then nothing: kept for idle_timeout (2 s), not header_timeout (1 s).
+    let mut s = connect(gw.port).await;
+    assert_eq!(exchange(&mut s, &get("/kept")).await, 200);
+    let (_, took) = until_closed(&mut s).await;
+    let took = took.expect("an idle kept-alive connection is closed");
+    assert!(
+        took >= Duration::from_millis(1700) && took < Duration::from_secs(6),
+        "idle kept-alive closed after {took:?}"
+    );
+
+    // HTTP/2 with nothing in flight: a GOAWAY at idle_timeout.
+    let mut s = connect(gw.port).await;
+    s.write_all(H2_START).await.expect("send");
+    let start = Instant::now();
+    let mut frames = Vec::new();
+    let goaway = tokio::time::timeout(WAIT, async {
+        let mut buf = [0u8; 4096];
+        loop {
+            let n = s.read(&mut buf).await.unwrap_or(0);
+            if n == 0 {
+                return None;
+            }
+            frames.extend_from_slice(&buf[..n]);
+            // Frames: 3 bytes length, 1 byte type...
+            let mut at = 0;
+            while at + 9 <= frames.len() {
+                let len = (usize::from(frames[at]) << 16)
+                    | (usize::from(frames[at + 1]) << 8)
+                    | usize::from(frames[at + 2]);
+                if frames[at + 3] == 0x7 {
+                    return Some(start.elapsed());
+                }
+                at += 9 + len;
+            }
+        }
+    })
+    .await
+    .ok()
+    .flatten()
+    .expect("a GOAWAY on an idle HTTP/2 connection");
+    assert!(
+        goaway >= Duration::from_millis(1700) && goaway < Duration::from_secs(6),
+        "GOAWAY after {goaway:?}"
+    );
+    drop(s);
+
+    // The admin listener has the same clocks.
+    let (_, took) = raw(gw.admin_port, b"").await;
+    let took = took.expect("a silent admin connection is closed");
+    assert!(took >= between && took < header, "admin: {took:?}");
+
+    // Counted by clock; nothing left open.
+    assert_eq!(metric(&gw, &closed_by("header_timeout")).await, Some(4.0));
+    assert_eq!(metric(&gw, &closed_by("idle_timeout")).await, Some(2.0));
+    let end = Instant::now() + WAIT;
+    while metric(&gw, "ratewall_connections{listener=\"gateway\"}").await != Some(0.0) {
+        assert!(Instant::now() < end, "connections left open");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 2. Too many connections
+
+/// At `max_connections`, a new client is served once the connection idle the longest is
+/// closed to make room; with every connection busy, it waits for one to finish — never an
+/// error, never a crash.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn at_max_connections_idle_ones_make_room_and_busy_ones_are_waited_for() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "workers = 1\nmax_connections = 3\n{}",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let mut idle = Vec::new();
+    for i in 0..3 {
+        let mut s = connect(gw.port).await;
+        assert_eq!(exchange(&mut s, &get(&format!("/idle/{i}"))).await, 200);
+        idle.push(s);
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let start = Instant::now();
+    let mut fourth = connect(gw.port).await;
+    assert_eq!(exchange(&mut fourth, &get("/fourth")).await, 200);
+    assert!(
+        start.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        start.elapsed()
+    );
+    // Exactly one was closed: the one idle the longest.
+    let mut closed = Vec::new();
+    for (i, s) in idle.iter_mut().enumerate() {
+        let mut buf = [0u8; 16];
+        if let Ok(Ok(0)) = tokio::time::timeout(Duration::from_millis(300), s.read(&mut buf)).await
+        {
+            closed.push(i);
+        }
+    }
+    assert_eq!(closed, [0], "the longest idle connection made room");
+    assert_eq!(metric(&gw, &closed_by("make_room")).await, Some(1.0));
+    drop(idle);
+    drop(fourth);
+
+    // Three requests in flight (1.5 s each); a fourth waits for one of them.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let client = HttpClient::new();
+    let busy: Vec<_> = (0..3)
+        .map(|_| {
+            let (c, url) = (client.clone(), gw.url("/slow/1500"));
+            tokio::spawn(async move { c.get(&url, &[]).await.status })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let start = Instant::now();
+    let late = HttpClient::new().get(&gw.url("/late"), &[]).await;
+    assert_eq!(late.status, StatusCode::OK);
+    assert!(
+        start.elapsed() >= Duration::from_millis(700),
+        "served before a busy connection ended: {:?}",
+        start.elapsed()
+    );
+    for b in busy {
+        assert_eq!(b.await.expect("task"), StatusCode::OK);
+    }
+}
+
+/// Out of file descriptors, accepts fail: the gateway closes idle connections to make
+/// room, backs off, logs it once in a while (not once per accept), spends next to no CPU
+/// meanwhile, and serves again as soon as descriptors are free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn out_of_file_descriptors_the_accept_loop_neither_spins_nor_floods_the_log() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start_wrapped(
+        &format!(
+            "workers = 1\n{}",
+            upstream_and_store(&upstream.url(), &Store::Memory)
+        ),
+        &["prlimit", "--nofile=48:48", "--"],
+    );
+    // Connections that each send a byte and then wait: more than there are descriptors.
+    let mut flood = Vec::new();
+    for _ in 0..80 {
+        let mut s = connect(gw.port).await;
+        let _ = s.write_all(b"G").await;
+        flood.push(s);
+    }
+    let cpu = |pid: u32| -> u64 {
+        let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).expect("stat");
+        let fields: Vec<&str> = stat
+            .rsplit(')')
+            .next()
+            .unwrap_or("")
+            .split_whitespace()
+            .collect();
+        // utime and stime, in clock ticks: fields 14 and 15 of the line (11, 12 after ')').
+        fields[11].parse::<u64>().unwrap_or(0) + fields[12].parse::<u64>().unwrap_or(0)
+    };
+    let before = cpu(gw.pid());
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let used = cpu(gw.pid()) - before;
+    assert!(
+        used < 50,
+        "{used} ticks of CPU in 2 s while out of descriptors: the accept loop spins"
+    );
+    let logs = gw.logs();
+    let lines = logs.matches("accept failed").count();
+    assert!(
+        (1..=2).contains(&lines),
+        "{lines} accept-failure lines:\n{logs}"
+    );
+    drop(flood);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let r = HttpClient::new().get(&gw.url("/after"), &[]).await;
+    assert_eq!(r.status, StatusCode::OK, "serving again");
+    assert!(metric(&gw, "ratewall_accept_errors_total{listener=\"gateway\"}").await > Some(0.0));
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. A flood of keys
+
+/// A flood of distinct API keys never grows the memory store past `max_keys`: idle keys are
+/// evicted, least recently used first, while a key being denied keeps its state — the
+/// abuser gets no fresh burst by flooding.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_flood_stays_within_max_keys_and_a_denied_key_stays_denied() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "{}max_keys = 200\n\
+         [[rules]]\nname = \"quota\"\nmatch = {{ path_prefix = \"/q/\" }}\nkey = \"api_key\"\n\
+         algorithm = \"fixed_window\"\nrate = \"1000/d\"\n\
+         [[rules]]\nname = \"strict\"\nmatch = {{ path_prefix = \"/strict/\" }}\nkey = \"api_key\"\n\
+         algorithm = \"fixed_window\"\nrate = \"3/d\"\n",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let client = HttpClient::new();
+    let abuser = [("x-api-key", "sk_abuser_0000000000")];
+    for i in 0..4 {
+        let r = client.get(&gw.url("/strict/x"), &abuser).await;
+        let want = if i < 3 {
+            StatusCode::OK
+        } else {
+            StatusCode::TOO_MANY_REQUESTS
+        };
+        assert_eq!(r.status, want, "abuser request {i}");
+    }
+    for n in 0..1_000 {
+        let key = format!("sk_flood_{n:06}");
+        let r = client.get(&gw.url("/q/x"), &[("x-api-key", &key)]).await;
+        assert_eq!(r.status, StatusCode::OK, "flood key {n}");
+    }
+    let r = client.get(&gw.url("/strict/x"), &abuser).await;
+    assert_eq!(
+        r.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "the flood evicted the abuser's state"
+    );
+    // The key count is reported by the sweep, once a second.
+    tokio::time::sleep(Duration::from_millis(1_300)).await;
+    let keys = metric(&gw, "ratewall_store_keys{store=\"memory\"}").await;
+    assert!(keys.is_some_and(|k| k > 0.0 && k <= 200.0), "{keys:?} keys");
+    let lru = metric(
+        &gw,
+        "ratewall_store_evictions_total{store=\"memory\",reason=\"lru\"}",
+    )
+    .await;
+    assert!(lru.is_some_and(|n| n >= 800.0), "{lru:?} evictions");
+}
+
+// ---------------------------------------------------------------------------------------
+// 4. Forwarding headers
+
+/// From a trusted proxy the forwarding headers tell one story, continued: its
+/// `X-Forwarded-Proto`/`-Host` are kept, and the peer is appended to `X-Forwarded-For` and
+/// `Forwarded`. From anyone else, nothing it says about forwarding reaches the upstream:
+/// every such field is replaced by what the gateway saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forwarding_headers_are_continued_from_trusted_proxies_and_replaced_from_others() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "{}[client_ip]\ntrusted_proxies = [\"127.0.0.1/32\"]\n",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let claims: [(&str, &str); 7] = [
+        ("host", "public.example"),
+        ("x-forwarded-for", "203.0.113.9"),
+        ("x-forwarded-proto", "https"),
+        ("x-forwarded-host", "public.example"),
+        ("x-forwarded-port", "443"),
+        (
+            "forwarded",
+            "for=203.0.113.9;proto=https;host=public.example",
+        ),
+        ("x-real-ip", "203.0.113.9"),
+    ];
+    let trusted = HttpClient::from_addr(Some("127.0.0.1".parse::<IpAddr>().unwrap()));
+    let untrusted = HttpClient::from_addr(Some("127.0.0.2".parse::<IpAddr>().unwrap()));
+    assert_eq!(
+        trusted.get(&gw.url("/t"), &claims).await.status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        untrusted.get(&gw.url("/u"), &claims).await.status,
+        StatusCode::OK
+    );
+    let seen = upstream.seen();
+    let h = |path: &str, name: &str| -> Vec<String> {
+        seen.iter()
+            .find(|s| s.path == path)
+            .expect("forwarded")
+            .headers
+            .get_all(name)
+            .iter()
+            .map(|v| v.to_str().unwrap().to_string())
+            .collect()
+    };
+    assert_eq!(h("/t", "x-forwarded-proto"), ["https"]);
+    assert_eq!(h("/t", "x-forwarded-host"), ["public.example"]);
+    assert_eq!(h("/t", "x-forwarded-for"), ["203.0.113.9, 127.0.0.1"]);
+    assert_eq!(
+        h("/t", "forwarded"),
+        ["for=203.0.113.9;proto=https;host=public.example, for=127.0.0.1"]
+    );
+    assert_eq!(h("/t", "x-forwarded-port"), ["443"]);
+    assert_eq!(h("/t", "x-real-ip"), ["203.0.113.9"]);
+
+    assert_eq!(h("/u", "x-forwarded-proto"), ["http"]);
+    assert_eq!(h("/u", "x-forwarded-host"), ["public.example"]);
+    assert_eq!(h("/u", "x-forwarded-for"), ["127.0.0.2"]);
+    assert_eq!(h("/u", "forwarded"), ["for=127.0.0.2;proto=http"]);
+    assert!(
+        h("/u", "x-forwarded-port").is_empty(),
+        "a forged X-Forwarded-Port passed"
+    );
+    assert_eq!(h("/u", "x-real-ip"), ["127.0.0.2"]);
+}
+
+// ---------------------------------------------------------------------------------------
+// 5. and 6. Paths and methods a backend reads differently
+
+/// `%2F`, `%5C`, a backslash, encoded dots: however a path to `/api/` is spelled, the rule
+/// for `/api/` counts it (a backend such as Flask routes them all to `/api/…`), and the
+/// upstream gets the bytes as sent.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn encoded_slashes_do_not_walk_around_a_path_rule() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "{}[[rules]]\nname = \"api\"\nmatch = {{ path_prefix = \"/api/\" }}\nkey = \"global\"\n\
+         rate = \"1/h\"\nburst = 20\n",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let spellings = [
+        "/api%2Fx",
+        "/%2Fapi/x",
+        "/api%2fx",
+        "/api%5Cx",
+        "/%2e/api/x",
+        "/x/%2E%2E/api/x",
+        "/x%2F..%2Fapi/x",
+        "//api//x",
+    ];
+    let mut passed = 0;
+    for i in 0..40 {
+        let path = spellings[i % spellings.len()];
+        let (bytes, _) = raw(
+            gw.port,
+            format!("GET {path} HTTP/1.1\r\nHost: app.test\r\nConnection: close\r\n\r\n")
+                .as_bytes(),
+        )
+        .await;
+        match status(&bytes) {
+            200 => passed += 1,
+            429 => {}
+            other => panic!("{path}: {other}"),
+        }
+    }
+    assert_eq!(passed, 20, "the burst, and not one more");
+    let seen: Vec<String> = upstream.seen().iter().map(|s| s.path.clone()).collect();
+    assert!(
+        seen.iter().any(|p| p == "/api%2Fx"),
+        "forwarded as sent: {seen:?}"
+    );
+    assert!(
+        seen.iter().any(|p| p == "/x%2F..%2Fapi/x"),
+        "forwarded as sent: {seen:?}"
+    );
+}
+
+/// `get` is not `GET` to a `methods = ["GET"]` filter, yet backends route it as `GET`:
+/// standard methods in any other case are refused, before any rule or the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lower_case_method_is_refused_not_forwarded() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "{}[[rules]]\nname = \"m\"\nmatch = {{ path_prefix = \"/m/\", methods = [\"GET\", \"POST\"] }}\n\
+         key = \"global\"\nrate = \"1/h\"\nburst = 2\n",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    for method in ["get", "Get", "pOST", "delete"] {
+        for _ in 0..3 {
+            let (bytes, _) = raw(
+                gw.port,
+                format!("{method} /m/x HTTP/1.1\r\nHost: app.test\r\n\r\n").as_bytes(),
+            )
+            .await;
+            assert_eq!(status(&bytes), 400, "{method}");
+        }
+    }
+    assert!(
+        upstream.seen().is_empty(),
+        "a miscased method reached the upstream"
+    );
+    // Extension methods are case-sensitive tokens of their own, and pass.
+    let (bytes, _) = raw(
+        gw.port,
+        b"purge /m/x HTTP/1.1\r\nHost: app.test\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status(&bytes), 200);
+}
+
+// ---------------------------------------------------------------------------------------
+// 8. Malformed requests
+
+/// HTTP/1.1 without `Host`, `CONNECT`, and bare CR line endings are refused at once, and
+/// never reach the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_requests_are_refused_at_once() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream_and_store(&upstream.url(), &Store::Memory));
+    let quick = Duration::from_secs(1);
+    for (request, want) in [
+        (&b"GET /no-host HTTP/1.1\r\n\r\n"[..], 400),
+        (
+            b"CONNECT upstream.test:443 HTTP/1.1\r\nHost: upstream.test:443\r\n\r\n",
+            501,
+        ),
+        (b"GET /cr HTTP/1.1\r\nHost: app.test\r\r", 400),
+        (b"GET /cr HTTP/1.1\rHost: app.test\r\n\r\n", 400),
+        (
+            b"GET /cr HTTP/1.1\r\nHost: app.test\r\nX-A: b\rc\r\n\r\n",
+            400,
+        ),
+    ] {
+        let (bytes, took) = raw(gw.port, request).await;
+        let took = took.unwrap_or(WAIT);
+        assert_eq!(
+            status(&bytes),
+            want,
+            "{:?}",
+            String::from_utf8_lossy(request)
+        );
+        assert!(
+            took < quick,
+            "{:?}: closed after {took:?}",
+            String::from_utf8_lossy(request)
+        );
+    }
+    assert!(upstream.seen().is_empty(), "{:?}", upstream.seen());
+    // HTTP/1.0 needs no Host.
+    let (bytes, _) = raw(gw.port, b"GET /old HTTP/1.0\r\n\r\n").await;
+    assert_eq!(status(&bytes), 200);
+}
+
+// ---------------------------------------------------------------------------------------
+// 9. Huge heads
+
+/// A head over `max_header_bytes` (by default 32 KiB) is 431, over HTTP/1 and HTTP/2; many
+/// connections each sending a huge unfinished head cost the gateway at most that much each.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_heads_are_bounded_by_max_header_bytes() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "workers = 1\n{}",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let client = HttpClient::new();
+    let (small, large) = ("a".repeat(30_000), "a".repeat(34_000));
+    let r = client.get(&gw.url("/small"), &[("x-pad", &small)]).await;
+    assert_eq!(r.status, StatusCode::OK);
+    let (bytes, _) = raw(
+        gw.port,
+        format!("GET /large HTTP/1.1\r\nHost: app.test\r\nX-Pad: {large}\r\n\r\n").as_bytes(),
+    )
+    .await;
+    assert_eq!(status(&bytes), 431);
+    let h2 = HttpClient::h2();
+    assert_eq!(
+        h2.get(&gw.url("/small2"), &[("x-pad", &small)])
+            .await
+            .status,
+        StatusCode::OK
+    );
+    assert_eq!(
+        h2.get(&gw.url("/large2"), &[("x-pad", &large)])
+            .await
+            .status,
+        StatusCode::REQUEST_HEADER_FIELDS_TOO_LARGE
+    );
+
+    // 200 connections, each sending 300 KiB of a head that never ends.
+    let rss = || -> u64 {
+        let status = std::fs::read_to_string(format!("/proc/{}/status", gw.pid())).expect("status");
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+            .expect("VmRSS")
+    };
+    let before = rss();
+    let mut conns = Vec::new();
+    let chunk = vec![b'a'; 16 * 1024];
+    for _ in 0..200 {
+        let mut s = connect(gw.port).await;
+        let _ = s
+            .write_all(b"GET /huge HTTP/1.1\r\nHost: app.test\r\nX-Huge: ")
+            .await;
+        for _ in 0..19 {
+            if s.write_all(&chunk).await.is_err() {
+                break;
+            }
+        }
+        conns.push(s);
+    }
+    let grown = rss().saturating_sub(before);
+    assert!(
+        grown < 25 * 1024,
+        "RSS grew {grown} KiB for 200 unfinished heads"
+    );
+    for mut s in conns {
+        let (bytes, _) = until_closed(&mut s).await;
+        assert_eq!(status(&bytes), 431);
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// 10. The admin listener
+
+/// Nobody learns from the admin API which keys exist, or what is left of them, without the
+/// admin token — not even from its read-only calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_admin_api_answers_only_to_its_token() {
+    const TOKEN: &str = "perimeter-admin-token-0123456789";
+    let upstream = Upstream::start().await;
+    let rules = "[keys.plans]\n\"sk_pro_key_0001\" = \"pro\"\n\
+                 [[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"1/h\"\nburst = 5\n\
+                 [rules.plans.pro]\nburst = 50\n";
+    let gw = Gateway::start(&format!(
+        "[admin]\ntoken = \"{TOKEN}\"\n{}{rules}",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let client = HttpClient::new();
+    let probe = gw.admin_url("/admin/state?rule=api&key=sk_pro_key_0001");
+    let r = client.get(&probe, &[]).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let body = String::from_utf8_lossy(&r.body);
+    assert!(
+        !body.contains("50") && !body.contains("remaining"),
+        "{body}"
+    );
+    let auth = format!("Bearer {TOKEN}");
+    let r = client.get(&probe, &[("authorization", &auth)]).await;
+    assert_eq!(r.status, StatusCode::OK);
+    assert_eq!(r.json()["limit"], 1);
+    for open in ["/", "/status.json", "/metrics", "/healthz", "/readyz"] {
+        let r = client.get(&gw.admin_url(open), &[]).await;
+        assert_eq!(r.status, StatusCode::OK, "{open}");
+        assert!(
+            !String::from_utf8_lossy(&r.body).contains("sk_pro"),
+            "{open}"
+        );
+    }
+    // Without a configured token, the admin API is off.
+    let off = Gateway::start(&format!(
+        "{}{rules}",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let r = client
+        .get(
+            &off.admin_url("/admin/state?rule=api&key=sk_pro_key_0001"),
+            &[],
+        )
+        .await;
+    assert_eq!(r.status, StatusCode::FORBIDDEN);
+}
+
+// ---------------------------------------------------------------------------------------
+// 11. A clock stepped back
+
+/// A window left in Redis by a clock that ran ahead (a failover to a replica whose clock is
+/// behind, an NTP step) is not reopened: the request is decided at the window's start, in
+/// the window, and denied — not counted as the first of a fresh one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_window_written_by_a_clock_ahead_is_not_reopened() {
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "{}[[rules]]\nname = \"fw\"\nmatch = {{ path_prefix = \"/fw/\" }}\nkey = \"global\"\n\
+         algorithm = \"fixed_window\"\nrate = \"3/h\"\n\
+         [[rules]]\nname = \"sw\"\nmatch = {{ path_prefix = \"/sw/\" }}\nkey = \"global\"\n\
+         algorithm = \"sliding_window\"\nrate = \"3/h\"\n",
+        upstream_and_store(&upstream.url(), &Store::redis(&redis))
+    ));
+    let mut conn = redis.conn();
+    let (secs, micros): (u64, u64) = redis::cmd("TIME").query(&mut conn).expect("TIME");
+    let now_us = secs * 1_000_000 + micros;
+    let hour_us = 3_600_000_000u64;
+    let id = ratewall::identity::digest_global().hex();
+    // A full window that began 5 s from now on Redis' clock; and a sliding window whose
+    // count is in the next hour's window.
+    let fixed = format!("f:{}:3", now_us + 5_000_000);
+    let sliding = format!("s:{}:3:0", now_us / hour_us + 1);
+    for (rule, value) in [("fw", fixed), ("sw", sliding)] {
+        let _: () = redis::cmd("SET")
+            .arg(format!("rwtest:{{{id}}}:{rule}"))
+            .arg(value)
+            .arg("PX")
+            .arg(2 * hour_us / 1_000)
+            .query(&mut conn)
+            .expect("SET");
+    }
+    let client = HttpClient::new();
+    for path in ["/fw/x", "/sw/x"] {
+        let r = client.get(&gw.url(path), &[]).await;
+        assert_eq!(
+            r.status,
+            StatusCode::TOO_MANY_REQUESTS,
+            "{path}: a window reopened"
+        );
+        let retry: u64 = r
+            .header("retry-after")
+            .and_then(|v| v.parse().ok())
+            .expect("Retry-After");
+        assert!(
+            retry > 3_600,
+            "{path}: Retry-After {retry} counts from now, past the window"
+        );
+    }
+}
