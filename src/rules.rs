@@ -292,8 +292,14 @@ impl RuleIndex {
                 PathMatch::Any => index.others.push(i),
             }
             index.uses_host |= !m.hosts.is_empty();
+            // A rule for GET counts HEAD too: backends answer a HEAD by running their GET
+            // handler (RFC 9110 §9.3.2), so HEAD would otherwise walk around the rule.
+            let mut methods = m.methods.clone();
+            if methods.contains(&Method::GET) && !methods.contains(&Method::HEAD) {
+                methods.push(Method::HEAD);
+            }
             index.rules.push(Filter {
-                methods: m.methods.clone(),
+                methods,
                 hosts: m.hosts.clone(),
                 glob,
             });
@@ -652,6 +658,7 @@ mod tests {
             names("GET", "/api/v1/login", None),
             ["all", "api", "apiv1", "ap"]
         );
+
         assert_eq!(
             names("GET", "/api/v1/login/x", None),
             ["all", "api", "apiv1", "ap"]
@@ -666,6 +673,28 @@ mod tests {
         assert_eq!(names("GET", "/static/a/b.css", None), ["all", "static"]);
         assert_eq!(names("GET", "/staticx", None), ["all"]);
         assert!(cfg.index.uses_host);
+    }
+
+    #[test]
+    fn a_rule_for_get_counts_head_too() {
+        let cfg = config(
+            &[
+                rule("get", "path_prefix = \"/g/\", methods = [\"GET\"]"),
+                rule("post", "path_prefix = \"/g/\", methods = [\"POST\"]"),
+            ]
+            .concat(),
+        );
+        let names = |method: &Method| -> Vec<String> {
+            cfg.index
+                .matching(method, "/g/x", None)
+                .into_iter()
+                .map(|i| cfg.rules[i].name.clone())
+                .collect()
+        };
+        assert_eq!(names(&Method::GET), ["get"]);
+        assert_eq!(names(&Method::HEAD), ["get"], "HEAD runs the GET handler");
+        assert_eq!(names(&Method::POST), ["post"]);
+        assert!(names(&Method::PUT).is_empty());
     }
 
     #[test]
