@@ -380,12 +380,16 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
         .collect();
     let mut top = st.top(10, 20);
     if audience == Audience::Public {
-        // A key's hint shows its last characters: key material, for token holders only.
         for t in &mut top {
+            // A key's hint shows its last characters: key material, for token holders
+            // only. And its id is the digest's first digits, which anyone holding a
+            // candidate key could compute and compare: the public page shows a tag of it
+            // keyed for this process instead, which tells entries apart and nothing else.
             if !t.who.hint.starts_with("ip ") && t.who.hint != "everyone" {
                 let kind = t.who.hint.split(' ').next().unwrap_or("key");
                 t.who.hint = kind.to_string();
             }
+            t.who.id = public_tag(&t.who.id);
         }
     }
     let health = match live.limiter.health() {
@@ -413,6 +417,18 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
             "on_error": cfg.store.on_error.name(),
         },
     })
+}
+
+/// An identity's short id as the public status page shows it: 8 hex digits of a hash keyed
+/// afresh in each process, stable while it runs.
+fn public_tag(id: &str) -> String {
+    use std::hash::BuildHasher;
+    static KEY: std::sync::OnceLock<std::collections::hash_map::RandomState> =
+        std::sync::OnceLock::new();
+    let h = KEY
+        .get_or_init(std::collections::hash_map::RandomState::new)
+        .hash_one(id);
+    format!("{:08x}", h as u32)
 }
 
 // ---------------------------------------------------------------------------------------
