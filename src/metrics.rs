@@ -88,7 +88,8 @@ pub struct ClosedLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EvictionLabels {
     pub store: &'static str,
-    /// `expired` (equivalent to no entry) or `lru` (live, not being denied).
+    /// `expired` (equivalent to no entry), `lru` (live, not being denied) or `held`
+    /// (being denied, when nothing else could make room).
     pub reason: &'static str,
 }
 
@@ -274,12 +275,12 @@ impl Metrics {
         let memory_evictions = Family::<EvictionLabels, Counter>::default();
         registry.register(
             "store_evictions",
-            "Entries an in-process store dropped to make room for a new key at max_keys: reason=expired (already equivalent to none) or lru (the least recently used not being denied)",
+            "Entries an in-process store dropped to make room for a new key at max_keys: reason=expired (already equivalent to none), lru (the least recently used not being denied), held (the least recently denied, when a shard held nothing else)",
             memory_evictions.clone(),
         );
         for store in ["memory", "local"] {
             let _ = memory_keys.get_or_create(&MemoryLabels { store });
-            for reason in ["expired", "lru"] {
+            for reason in ["expired", "lru", "held"] {
                 let _ = memory_evictions.get_or_create(&EvictionLabels { store, reason });
             }
         }
@@ -367,6 +368,7 @@ impl Metrics {
         crate::limiter::memory::Evictions {
             expired: counter("expired"),
             lru: counter("lru"),
+            held: counter("held"),
         }
     }
 

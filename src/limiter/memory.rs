@@ -7,27 +7,32 @@
 //! drops the rest every second, and a read treats an expired entry as absent.
 //!
 //! By count: at most `max_keys` entries (`[store] max_keys`), split evenly over the
-//! shards. A shard that is full makes room for a new key in this order:
+//! shards (a key's shard is picked by a hash keyed afresh in each process, so no client
+//! can aim its keys at one shard). A shard that is full makes room for a new key by
+//! dropping, in this order:
 //! 1. an entry that has expired — equivalent to no entry, so dropping it changes nothing
-//!    (the least recently used end is looked at first, then the whole shard is swept, at
+//!    (the least recently used ends are looked at first, then the whole shard is swept, at
 //!    most once per [`SWEEP_GAP`]);
 //! 2. the least recently used entry that is not *held*. An entry is held while its
 //!    identity is being denied: from a denial, or from a charge that left it unable to
 //!    pay for its next request, until a charge leaves it able to again, or until it is
 //!    whole again (expired). Dropping a held entry would hand the identity being limited a
-//!    fresh burst — the very client the limit is for could buy one by flooding new keys.
-//!    Concurrency entries are never dropped: requests in flight hold them.
-//! 3. If every entry is held, the new key is not stored and the request fails with
-//!    [`Full`] (the gateway's `on_error`): no limit is silently lost either way.
+//!    fresh burst — the very client the limit is for could buy one by flooding new keys;
+//! 3. only when every entry is held: the one held longest ago — denied, or charged, least
+//!    recently. An identity still being hammered is denied again and again, so it is
+//!    never that one; refusing every new identity instead would let a flood of denied
+//!    keys shut everyone else out.
 //!
-//! Recency is exact within a shard (a linked list through the slots, most recent first);
-//! keys hash evenly over the shards, so a full store evicts close to its globally least
-//! recently used keys.
+//! Concurrency entries are never dropped (requests in flight hold them); a request that
+//! finds nothing but those fails with [`Full`] (the gateway's `on_error`).
 //!
-//! The worst case: `max_keys` held entries, each until its state is whole again (a
-//! fixed window's end: up to a day for a `/d` rule). A client rotating API keys fills the
-//! store only as fast as its requests are admitted; a `client_ip` rule bounds that
-//! (docs/operations.md works the numbers).
+//! Recency is exact within a shard: three linked lists through the slots (free, held,
+//! pinned), most recent first, so every step above is O(1). Keys hash evenly over the
+//! shards, so a full store evicts close to its globally least recently used keys.
+//!
+//! The worst case: a client rotating API keys fills the store only as fast as its
+//! requests are admitted; a `client_ip` rule bounds that (docs/operations.md works the
+//! numbers).
 //!
 //! # Small
 //!
@@ -68,8 +73,8 @@ const KEY_MASK: u64 = !(TAG_MASK | HELD);
 const NIL: u32 = u32::MAX;
 
 /// An entry's key: the identity digest folded with the rule name (128 bits), reduced to 60
-/// bits here plus the bits that pick the shard (6 with 64 shards), so 60 to 66 bits tell
-/// keys apart. The low 4 bits are always zero: a slot keeps its state's tag and its held
+/// bits here; the shard comes from a keyed hash of all 128, so 60 to 66 bits tell keys
+/// apart. The low 4 bits are always zero: a slot keeps its state's tag and its held
 /// flag there.
 ///
 /// Two keys that agree on all those bits share one entry. For uniformly distributed
@@ -156,14 +161,15 @@ impl Slot {
         self.key_tag & HELD != 0
     }
 
-    fn set_held(&mut self, held: bool) {
-        self.key_tag = (self.key_tag & !HELD) | if held { HELD } else { 0 };
-    }
-
-    /// Whether the entry may be dropped to make room for another: expired, or neither held
-    /// nor counting requests in flight.
-    fn evictable(&self, now_us: u64) -> bool {
-        !self.live(now_us) || !(self.held() || self.key_tag & TAG_MASK == CONCURRENCY)
+    /// The recency list the slot is on, by its flags.
+    fn list(&self) -> List {
+        if self.key_tag & TAG_MASK == CONCURRENCY {
+            List::Pinned
+        } else if self.held() {
+            List::Held
+        } else {
+            List::Free
+        }
     }
 
     fn state(&self) -> Option<State> {
@@ -190,10 +196,10 @@ impl Slot {
     }
 }
 
-/// The memory store is full and every entry in the way is held: the new key is not
-/// stored, and its request gets the store's `on_error`.
+/// The memory store's shard is full of entries counting requests in flight (concurrency
+/// limits): the new key is not stored, and its request gets the store's `on_error`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("the memory store is full (max_keys) and every key in the way is being limited")]
+#[error("the memory store is full (max_keys) of requests in flight")]
 pub struct Full;
 
 /// Why entries were dropped to make room (`ratewall_store_evictions_total`).
@@ -203,19 +209,42 @@ pub struct Evictions {
     pub expired: Counter,
     /// Live entries that were not held, least recently used first.
     pub lru: Counter,
+    /// Held entries, when a shard held nothing else: the one denied least recently.
+    pub held: Counter,
 }
+
+/// Which recency list a slot is on. Room is made from the least recently used end of
+/// `Free`, then of `Held`; `Pinned` slots (concurrency counts: requests in flight hold
+/// them) are never dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum List {
+    Free = 0,
+    Held = 1,
+    Pinned = 2,
+}
+
+/// A recency list's two ends ([`NIL`] when it is empty).
+#[derive(Debug, Clone, Copy)]
+struct Ends {
+    newest: u32,
+    oldest: u32,
+}
+
+const EMPTY: Ends = Ends {
+    newest: NIL,
+    oldest: NIL,
+};
 
 /// One shard's entries: dense in `slots` (no holes: a removal moves the last slot into the
 /// hole), found through `index`, a hash table of positions in `slots` hashed by their
-/// slot's key, and ordered by recency through the slots' `newer`/`older` links. Every
-/// position in `index` is in bounds, every slot has exactly one position in `index`, and
-/// every slot is on the recency list exactly once; only the methods below change them.
+/// slot's key, and ordered by recency through the slots' `newer`/`older` links, one list
+/// per [`List`]. Every position in `index` is in bounds, every slot has exactly one
+/// position in `index`, and every slot is on exactly one list, the one its flags name;
+/// only the methods below change them.
 struct Shard {
     slots: Vec<Slot>,
     index: HashTable<u32>,
-    /// The most and the least recently used slots ([`NIL`] when empty).
-    newest: u32,
-    oldest: u32,
+    lists: [Ends; 3],
     /// The most entries this shard holds.
     cap: usize,
     /// No entry expires before this (a lower bound, exact after a sweep).
@@ -229,8 +258,7 @@ impl Shard {
         Shard {
             slots: Vec::new(),
             index: HashTable::new(),
-            newest: NIL,
-            oldest: NIL,
+            lists: [EMPTY; 3],
             cap: cap.max(1),
             next_expiry: u64::MAX,
             swept_at: None,
@@ -264,7 +292,7 @@ impl Shard {
         }
     }
 
-    // --- the recency list ----------------------------------------------------------------
+    // --- the recency lists ---------------------------------------------------------------
 
     fn link(&mut self, i: u32) -> Option<&mut Slot> {
         if i == NIL {
@@ -274,41 +302,48 @@ impl Shard {
         }
     }
 
-    /// Take slot `i` off the recency list.
+    /// Take slot `i` off its list (the one its flags name now).
     fn unlink(&mut self, i: usize) {
-        let Some(&Slot { newer, older, .. }) = self.slots.get(i) else {
+        let Some(&s) = self.slots.get(i) else {
             return;
         };
-        match self.link(newer) {
-            Some(s) => s.older = older,
-            None => self.newest = older,
+        let l = s.list() as usize;
+        match self.link(s.newer) {
+            Some(n) => n.older = s.older,
+            None => self.lists[l].newest = s.older,
         }
-        match self.link(older) {
-            Some(s) => s.newer = newer,
-            None => self.oldest = newer,
+        match self.link(s.older) {
+            Some(o) => o.newer = s.newer,
+            None => self.lists[l].oldest = s.newer,
         }
     }
 
-    /// Put slot `i` (off the list) at the most recent end.
+    /// Put slot `i` (off every list) at the most recent end of the list its flags name.
     fn push_newest(&mut self, i: usize) {
-        let old_newest = self.newest;
-        let Some(s) = self.slots.get_mut(i) else {
+        let Some(l) = self.slots.get(i).map(|s| s.list() as usize) else {
             return;
         };
-        s.newer = NIL;
-        s.older = old_newest;
-        // Positions fit in u32: `put` never grows a shard past it.
-        let i = i as u32;
-        match self.link(old_newest) {
-            Some(n) => n.newer = i,
-            None => self.oldest = i,
+        let old_newest = self.lists[l].newest;
+        // Positions fit in u32: `insert` never grows a shard past it.
+        let at = i as u32;
+        if let Some(s) = self.slots.get_mut(i) {
+            s.newer = NIL;
+            s.older = old_newest;
         }
-        self.newest = i;
+        match self.link(old_newest) {
+            Some(n) => n.newer = at,
+            None => self.lists[l].oldest = at,
+        }
+        self.lists[l].newest = at;
     }
 
-    /// Slot `i` was just used: make it the most recent.
+    /// Slot `i` was just used: make it the most recent on its list.
     fn touch(&mut self, i: usize) {
-        if self.newest != i as u32 {
+        let l = match self.slots.get(i) {
+            Some(s) => s.list() as usize,
+            None => return,
+        };
+        if self.lists[l].newest != i as u32 {
             self.unlink(i);
             self.push_newest(i);
         }
@@ -316,46 +351,65 @@ impl Shard {
 
     /// The slot now at `to` came from `from`: point its neighbours (and the index) at `to`.
     fn relocated(&mut self, from: usize, to: usize) {
-        let Some(&Slot { newer, older, .. }) = self.slots.get(to) else {
+        let Some(&s) = self.slots.get(to) else {
             return;
         };
-        let t = to as u32;
-        match self.link(newer) {
-            Some(s) => s.older = t,
-            None => self.newest = t,
+        let (t, l) = (to as u32, s.list() as usize);
+        match self.link(s.newer) {
+            Some(n) => n.older = t,
+            None => self.lists[l].newest = t,
         }
-        match self.link(older) {
-            Some(s) => s.newer = t,
-            None => self.oldest = t,
+        match self.link(s.older) {
+            Some(o) => o.newer = t,
+            None => self.lists[l].oldest = t,
         }
-        if let Some(key) = self.slots.get(to).map(Slot::key) {
-            let pos = self.index.find_mut(key.hash(), |&p| p as usize == from);
-            debug_assert!(pos.is_some(), "every slot has a position in the index");
-            if let Some(pos) = pos {
-                *pos = t;
-            }
+        let pos = self.index.find_mut(s.key().hash(), |&p| p as usize == from);
+        debug_assert!(pos.is_some(), "every slot has a position in the index");
+        if let Some(pos) = pos {
+            *pos = t;
         }
     }
 
     // --- changes -------------------------------------------------------------------------
 
     /// Write `slot` over its key's slot at `at` (or wherever it is): the state, flags and
-    /// expiry change, its place in the recency list does not. False if the key has none.
+    /// expiry change; its place in recency does not, unless its flags move it to another
+    /// list (then it is the most recent there). False if the key has no slot.
     fn update(&mut self, slot: Slot, at: Option<usize>) -> bool {
         let Some(i) = self.locate(slot.key(), at) else {
             return false;
         };
+        let moves = self.slots.get(i).is_some_and(|s| s.list() != slot.list());
+        if moves {
+            self.unlink(i);
+        }
         if let Some(s) = self.slots.get_mut(i) {
             s.key_tag = slot.key_tag;
             s.words = slot.words;
             s.expires_us = slot.expires_us;
         }
+        if moves {
+            self.push_newest(i);
+        }
         self.next_expiry = self.next_expiry.min(slot.expires_us);
         true
     }
 
-    /// Store `slot` for a key that has none, as the most recent. The caller has made room
-    /// ([`Shard::make_room`]); past 2^32 entries (170 GB) nothing more is stored.
+    /// Mark the slot at `i` held: its identity is being denied. (A pinned slot stays as it
+    /// is: it is never dropped anyway.)
+    fn hold(&mut self, i: usize) {
+        if self.slots.get(i).is_some_and(|s| s.list() == List::Free) {
+            self.unlink(i);
+            if let Some(s) = self.slots.get_mut(i) {
+                s.key_tag |= HELD;
+            }
+            self.push_newest(i);
+        }
+    }
+
+    /// Store `slot` for a key that has none, as the most recent on its list. The caller
+    /// has made room ([`Shard::make_room`]); past 2^32 entries (170 GB) nothing more is
+    /// stored.
     fn insert(&mut self, slot: Slot) {
         let key = slot.key();
         let Shard { slots, index, .. } = self;
@@ -374,7 +428,11 @@ impl Shard {
             let room = self.cap.saturating_sub(slots.len()).max(1);
             slots.reserve_exact((slots.len() / 16).max(4).min(room));
         }
-        slots.push(slot);
+        slots.push(Slot {
+            newer: NIL,
+            older: NIL,
+            ..slot
+        });
         self.next_expiry = self.next_expiry.min(slot.expires_us);
         self.push_newest(next as usize);
     }
@@ -403,22 +461,30 @@ impl Shard {
         }
     }
 
-    /// Make room for one more entry, dropping one if the shard is full (in the order the
-    /// module describes), never one of the request's own keys (`kept`). Counts what it
-    /// drops in `evictions`.
+    /// Make room for one more entry, `reserved` being already promised to this request:
+    /// drop one if the shard would be full, in the order the module describes, never one
+    /// of the request's own keys (`kept`). Counts what it drops in `evictions`. `Full` only
+    /// when nothing but pinned slots and the request's own are left.
     fn make_room(
         &mut self,
         now_us: u64,
+        reserved: usize,
         kept: &dyn Fn(Key) -> bool,
         evictions: &Evictions,
     ) -> Result<(), Full> {
-        if self.slots.len() < self.cap {
+        if self.slots.len() + reserved < self.cap {
             return Ok(());
         }
-        // 1. The least recently used, if it has expired; else any expired entry.
-        if let Some(s) = self.slots.get(self.oldest as usize) {
-            if !s.live(now_us) && !kept(s.key()) {
-                self.remove_at(self.oldest as usize);
+        // 1. An expired entry: the least recently used of either list, if it has expired;
+        // else any, by a sweep.
+        for l in [List::Free, List::Held] {
+            let oldest = self.lists[l as usize].oldest as usize;
+            if self
+                .slots
+                .get(oldest)
+                .is_some_and(|s| !s.live(now_us) && !kept(s.key()))
+            {
+                self.remove_at(oldest);
                 evictions.expired.inc();
                 return Ok(());
             }
@@ -434,41 +500,28 @@ impl Shard {
                 return Ok(());
             }
         }
-        // 2. The least recently used entry that is not held. Held ones passed over go to
-        // the recent end, so the next search does not walk past them again (they are not
-        // candidates until a charge clears their flag, which makes them recent anyway, or
-        // until they expire).
-        let mut i = self.oldest;
-        for _ in 0..self.slots.len() {
-            let Some(s) = self.slots.get(i as usize).copied() else {
-                break;
-            };
-            let after_it = s.newer;
-            let own = kept(s.key());
-            if !own && s.evictable(now_us) {
-                self.remove_at(i as usize);
-                if s.live(now_us) {
-                    evictions.lru.inc();
-                } else {
-                    evictions.expired.inc();
+        // 2. The least recently used entry not being denied; 3. only if there is none, the
+        // one being denied that was denied (or charged) least recently.
+        for (l, counter) in [(List::Free, &evictions.lru), (List::Held, &evictions.held)] {
+            let mut i = self.lists[l as usize].oldest;
+            while let Some(s) = self.slots.get(i as usize).copied() {
+                if !kept(s.key()) {
+                    self.remove_at(i as usize);
+                    counter.inc();
+                    return Ok(());
                 }
-                return Ok(());
+                i = s.newer;
             }
-            if !own {
-                self.touch(i as usize);
-            }
-            i = after_it;
         }
-        // 3. Every entry is held (or the request's own).
         Err(Full)
     }
 
     /// Drop every slot expired at `now_us` (but `kept` ones), then give memory back: the
-    /// spare slots past an eighth, the index when under 40% full, all of it when the shard
-    /// is empty. Returns how many it dropped.
+    /// spare slots past a sixteenth, the index when under 40% full, all of it when the
+    /// shard is empty. Returns how many it dropped.
     ///
-    /// A few are removed one by one; when many are, the survivors are laid out afresh in
-    /// recency order and the index rebuilt, one pass each.
+    /// A few are removed one by one; when many are, the survivors are laid out afresh,
+    /// list by list in recency order, and the index rebuilt, one pass each.
     fn sweep(&mut self, now_us: u64, kept: &dyn Fn(Key) -> bool) -> usize {
         let goes = |s: &Slot| !s.live(now_us) && !kept(s.key());
         let dropped = self.slots.iter().filter(|s| goes(s)).count();
@@ -483,31 +536,40 @@ impl Shard {
                 }
             }
         } else if dropped > 0 {
-            let mut kept_slots = Vec::with_capacity(self.slots.len() - dropped);
-            let mut at = self.newest;
-            while let Some(&s) = self.slots.get(at as usize) {
-                at = s.older;
-                if !goes(&s) {
-                    let n = kept_slots.len() as u32;
-                    kept_slots.push(Slot {
-                        newer: if n == 0 { NIL } else { n - 1 },
+            let mut fresh = Vec::with_capacity(self.slots.len() - dropped);
+            let mut lists = [EMPTY; 3];
+            for (l, ends) in lists.iter_mut().enumerate() {
+                let first = fresh.len() as u32;
+                let mut at = self.lists[l].newest;
+                while let Some(&s) = self.slots.get(at as usize) {
+                    at = s.older;
+                    if goes(&s) {
+                        continue;
+                    }
+                    let n = fresh.len() as u32;
+                    fresh.push(Slot {
+                        newer: if n == first { NIL } else { n - 1 },
                         older: n + 1,
                         ..s
                     });
                 }
+                if fresh.len() as u32 > first {
+                    let last = fresh.len() - 1;
+                    fresh[last].older = NIL;
+                    *ends = Ends {
+                        newest: first,
+                        oldest: last as u32,
+                    };
+                }
             }
-            if let Some(last) = kept_slots.last_mut() {
-                last.older = NIL;
-            }
-            self.newest = if kept_slots.is_empty() { NIL } else { 0 };
-            self.oldest = kept_slots.len().checked_sub(1).map_or(NIL, |n| n as u32);
+            self.lists = lists;
             self.index.clear();
-            for (i, s) in kept_slots.iter().enumerate() {
+            for (i, s) in fresh.iter().enumerate() {
                 self.index.insert_unique(s.key().hash(), i as u32, |&p| {
-                    kept_slots.get(p as usize).map_or(0, |s| s.key().hash())
+                    fresh.get(p as usize).map_or(0, |s| s.key().hash())
                 });
             }
-            self.slots = kept_slots;
+            self.slots = fresh;
         }
         self.next_expiry = self
             .slots
@@ -542,6 +604,9 @@ pub struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,
     clock: Arc<dyn Clock>,
     evictions: Evictions,
+    /// Picks a key's shard: keyed afresh in every process, so that no client can choose
+    /// API keys that all land in one shard (and fill it with states it holds).
+    shard_seed: [u64; 3],
 }
 
 /// One check's place in the store while a request is decided.
@@ -569,6 +634,16 @@ impl MemoryStore {
             shards: (0..shards).map(|_| Mutex::new(Shard::new(cap))).collect(),
             clock,
             evictions,
+            shard_seed: {
+                // Random keys, from the standard library's per-process random hasher keys.
+                use std::hash::BuildHasher;
+                let random = std::collections::hash_map::RandomState::new();
+                [
+                    random.hash_one(1u8),
+                    random.hash_one(2u8),
+                    random.hash_one(3u8) | 1,
+                ]
+            },
         }
     }
 
@@ -583,10 +658,20 @@ impl MemoryStore {
         }
         let k = id ^ h;
         let (lo, hi) = (k as u64, (k >> 64) as u64);
-        // The shard from the top bits of one half; the key from all 128 bits, the low half
-        // multiplied through so that digests differing only in their low bits (test
-        // identities) still differ in the 60 bits kept.
-        let shard = (hi >> 58) as usize % self.shards.len();
+        // The key from all 128 bits, the low half multiplied through so that digests
+        // differing only in their low bits (test identities) still differ in the 60 bits
+        // kept; the shard from a keyed hash of all 128.
+        let shard = match self.shards.len() {
+            1 => 0,
+            n => {
+                // A keyed multiply-fold (as seeded hashers such as foldhash do): without the
+                // process's keys, which shard a digest lands in cannot be worked out.
+                let [a, b, m] = self.shard_seed;
+                let x = ((lo ^ a) as u128 * ((hi ^ b) | 1) as u128) as u64;
+                let x = x.wrapping_mul(m) ^ (x >> 29);
+                ((x >> 32) % n as u64) as usize
+            }
+        };
         let folded = lo.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ hi;
         (shard, Key(folded & KEY_MASK))
     }
@@ -663,16 +748,23 @@ impl MemoryStore {
             return Ok(answers);
         }
 
-        // Room first, for every key the request adds, so that it is charged all or not at
-        // all; the request's own entries are used now (most recent) and never make room.
+        // Room first, for every key the request adds (however many in one shard), so that
+        // it is charged all or not at all; the request's own entries are used now (most
+        // recent) and never make room.
         let own = |key: Key| places.iter().any(|p| p.key == key);
+        let mut reserved = vec![0usize; guards.len()];
         for (o, place) in outcomes.iter().zip(&places) {
-            if let Some((_, shard)) = held(&guards, place.shard).and_then(|g| guards.get_mut(g)) {
-                if let Some(i) = shard.locate(place.key, place.at) {
-                    shard.touch(i);
-                } else if charged(o) {
-                    shard.make_room(now, &own, &self.evictions)?;
-                }
+            let Some(g) = held(&guards, place.shard) else {
+                continue;
+            };
+            let Some((_, shard)) = guards.get_mut(g) else {
+                continue;
+            };
+            if let Some(i) = shard.locate(place.key, place.at) {
+                shard.touch(i);
+            } else if charged(o) {
+                shard.make_room(now, reserved[g], &own, &self.evictions)?;
+                reserved[g] += 1;
             }
         }
         for ((o, place), check) in outcomes.iter().zip(&places).zip(checks) {
@@ -690,11 +782,8 @@ impl MemoryStore {
                 }
             } else if !o.allowed && !check.shadow {
                 // Denied: held until a charge clears it or it expires.
-                if let Some(s) = shard
-                    .locate(place.key, place.at)
-                    .and_then(|i| shard.slots.get_mut(i))
-                {
-                    s.set_held(true);
+                if let Some(i) = shard.locate(place.key, place.at) {
+                    shard.hold(i);
                 }
             }
         }
@@ -974,15 +1063,20 @@ mod tests {
             rng
         };
         let mut shard = Shard::new(usize::MAX);
-        let mut model: HashMap<Key, (State, u64)> = HashMap::new();
-        // Most recently used first.
-        let mut recency: VecDeque<Key> = VecDeque::new();
+        let mut model: HashMap<Key, (State, u64, List)> = HashMap::new();
+        // Per list, most recently used first.
+        let mut recency: [VecDeque<Key>; 3] = Default::default();
+        let forget = |recency: &mut [VecDeque<Key>; 3], key: Key| {
+            for r in recency.iter_mut() {
+                r.retain(|k| *k != key);
+            }
+        };
         let mut now = 0;
         for step in 0..200_000u32 {
             // Few distinct keys, so the same ones come back; the size swings up and down.
             let span = if (step / 20_000) % 2 == 0 { 5_000 } else { 300 };
             let key = Key((next() % span).wrapping_mul(0x9E37_79B9_7F4A_7C15) & KEY_MASK);
-            match next() % 16 {
+            match next() % 17 {
                 0..=9 => {
                     let state = if next() % 4 == 0 {
                         State::Concurrency(concurrency::State { in_flight: next() })
@@ -1009,20 +1103,35 @@ mod tests {
                     }
                     let i = shard.find(key).expect("just written");
                     shard.touch(i);
-                    model.insert(key, (state, expires));
-                    recency.retain(|k| *k != key);
-                    recency.push_front(key);
+                    model.insert(key, (state, expires, slot.list()));
+                    forget(&mut recency, key);
+                    recency[slot.list() as usize].push_front(key);
                 }
-                10..=12 => {
+                10 => {
+                    // A denial: held, and the most recent of the held.
+                    if let Some(i) = shard.find(key) {
+                        shard.hold(i);
+                        let m = model.get_mut(&key).expect("in the model");
+                        let was = m.2;
+                        if was == List::Free {
+                            m.2 = List::Held;
+                            forget(&mut recency, key);
+                            recency[List::Held as usize].push_front(key);
+                        }
+                    }
+                }
+                11..=13 => {
                     shard.remove(key);
                     model.remove(&key);
-                    recency.retain(|k| *k != key);
+                    forget(&mut recency, key);
                 }
-                13 => {
+                14 => {
                     now += next() % 200;
                     shard.sweep(now, &|_| false);
-                    model.retain(|_, (_, e)| *e > now);
-                    recency.retain(|k| model.contains_key(k));
+                    model.retain(|_, (_, e, _)| *e > now);
+                    for r in recency.iter_mut() {
+                        r.retain(|k| model.contains_key(k));
+                    }
                 }
                 _ => now += 1,
             }
@@ -1032,25 +1141,33 @@ mod tests {
                 let mut positions: Vec<u32> = shard.index.iter().copied().collect();
                 positions.sort_unstable();
                 assert!(positions.iter().enumerate().all(|(i, &p)| p as usize == i));
-                for (&k, &(state, expires)) in &model {
+                for (&k, &(state, expires, list)) in &model {
                     let at = shard.find(k).expect("every key is found");
                     let slot = shard.slots[at];
                     assert_eq!((slot.state(), slot.expires_us), (Some(state), expires));
+                    assert_eq!(slot.list(), list);
                 }
-                let mut listed = Vec::new();
-                let mut i = shard.newest;
-                while i != NIL {
-                    let s = shard.slots[i as usize];
-                    listed.push(s.key());
-                    assert!(listed.len() <= shard.len(), "the recency list loops");
-                    if s.older != NIL {
-                        assert_eq!(shard.slots[s.older as usize].newer, i, "links agree");
-                    } else {
-                        assert_eq!(shard.oldest, i);
+                for (l, r) in recency.iter().enumerate() {
+                    let mut listed = Vec::new();
+                    let mut i = shard.lists[l].newest;
+                    while i != NIL {
+                        let s = shard.slots[i as usize];
+                        listed.push(s.key());
+                        assert!(listed.len() <= shard.len(), "a recency list loops");
+                        assert_eq!(
+                            s.list() as usize,
+                            l,
+                            "a slot on another list than its flags"
+                        );
+                        if s.older != NIL {
+                            assert_eq!(shard.slots[s.older as usize].newer, i, "links agree");
+                        } else {
+                            assert_eq!(shard.lists[l].oldest, i);
+                        }
+                        i = s.older;
                     }
-                    i = s.older;
+                    assert_eq!(listed, Vec::from(r.clone()), "list {l}, step {step}");
                 }
-                assert_eq!(listed, Vec::from(recency.clone()), "step {step}");
             }
         }
     }
@@ -1062,8 +1179,10 @@ mod tests {
         (clock, store)
     }
 
-    fn evicted(store: &MemoryStore) -> (u64, u64) {
-        (store.evictions.expired.get(), store.evictions.lru.get())
+    /// Evictions so far: (expired, lru, held).
+    fn evicted(store: &MemoryStore) -> (u64, u64, u64) {
+        let e = &store.evictions;
+        (e.expired.get(), e.lru.get(), e.held.get())
     }
 
     #[test]
@@ -1089,7 +1208,7 @@ mod tests {
         store.decide(&[Check::new(&d, "r", &long)]).unwrap();
         assert_eq!(
             evicted(&store),
-            (1, 0),
+            (1, 0, 0),
             "one expired entry dropped, nothing live"
         );
         assert_eq!(store.len(), 3);
@@ -1110,7 +1229,7 @@ mod tests {
         // a used again: b is now the least recently used.
         store.decide(&[Check::new(&a, "r", &q)]).unwrap();
         store.decide(&[Check::new(&d, "r", &q)]).unwrap();
-        assert_eq!(evicted(&store), (0, 1));
+        assert_eq!(evicted(&store), (0, 1, 0));
         let left = |who| store.peek(&[Check::new(who, "r", &q)])[0].remaining;
         assert_eq!(
             (left(&a), left(&b), left(&c), left(&d)),
@@ -1133,32 +1252,93 @@ mod tests {
         // Two new keys: y and then z make room, never x.
         store.decide(&at(&z)).unwrap();
         store.decide(&at(&w)).unwrap();
-        assert_eq!(evicted(&store), (0, 2));
+        assert_eq!(evicted(&store), (0, 2, 0));
         assert!(!store.peek(&at(&x))[0].allowed, "x is still denied");
         // A bucket drained without a denial is held too: w is at 1 of 2; drain it.
         store.decide(&at(&w)).unwrap();
+        // x is whole again 2 s after it was drained (1 token a second): until then it keeps
+        // its state; then it is dropped as expired, the least recently used of the two.
+        clock.advance(2_000_000 - 1);
+        assert_eq!(
+            store.peek(&at(&x))[0].remaining,
+            1,
+            "x's state is kept, not whole yet"
+        );
+        clock.advance(1);
         let v = id(5);
-        assert_eq!(store.decide(&at(&v)), Err(Full), "x and w are both held");
-        assert_eq!(store.len(), 2);
-        // x is whole again after 2 s (1 token a second): then it is dropped as expired.
-        clock.advance(2_000_000);
         assert!(store.decide(&at(&v)).unwrap()[0].allowed);
-        assert_eq!(evicted(&store), (1, 2));
+        assert_eq!(evicted(&store), (1, 2, 0));
         assert_eq!(store.peek(&at(&v))[0].remaining, 1);
+    }
+
+    /// A store that holds nothing but states being denied still takes a new key: it drops
+    /// the one denied least recently (an identity still being hammered is denied again and
+    /// again, so it is never that one), rather than refusing every new identity.
+    #[test]
+    fn a_store_of_denied_identities_drops_the_one_denied_least_recently() {
+        let (_, store) = bounded(3);
+        let q = quota(1, 1);
+        let at = |who| [Check::new(who, "r", &q)];
+        let (a, b, c, d) = (id(1), id(2), id(3), id(4));
+        for who in [&a, &b, &c] {
+            assert!(store.decide(&at(who)).unwrap()[0].allowed);
+            assert!(!store.decide(&at(who)).unwrap()[0].allowed);
+        }
+        // a is hammered again: b is now the one denied least recently.
+        assert!(!store.decide(&at(&a)).unwrap()[0].allowed);
+        assert!(store.decide(&at(&d)).unwrap()[0].allowed);
+        assert_eq!(evicted(&store), (0, 0, 1));
+        assert!(store.peek(&at(&b))[0].allowed, "b was dropped: whole again");
+        for who in [&a, &c, &d] {
+            assert!(!store.peek(&at(who))[0].allowed, "{who:?} kept its state");
+        }
     }
 
     #[test]
     fn a_request_that_finds_no_room_charges_nothing() {
+        // Room only for one key, taken by a request in flight (a concurrency slot is never
+        // dropped): a request that needs a new key in two rules is refused whole.
         let (_, store) = bounded(1);
-        let (q, strict) = (quota(1, 5), quota(1, 1));
-        let (x, y) = (id(1), id(2));
-        // x is held under "strict".
-        store.decide(&[Check::new(&x, "strict", &strict)]).unwrap();
-        assert!(!store.decide(&[Check::new(&x, "strict", &strict)]).unwrap()[0].allowed);
-        // A request of y under "wide" needs a new key: no room.
-        let both = [Check::new(&y, "wide", &q)];
+        let conc = Quota::concurrency(NonZeroU64::new(2).unwrap(), Duration::from_secs(10));
+        let (q, x, y) = (quota(1, 5), id(1), id(2));
+        assert!(store.decide(&[Check::new(&x, "conc", &conc)]).unwrap()[0].allowed);
+        let both = [Check::new(&x, "conc", &conc), Check::new(&y, "wide", &q)];
         assert_eq!(store.decide(&both), Err(Full));
-        assert_eq!(store.peek(&both)[0].remaining, 5, "nothing charged");
+        assert_eq!(store.peek(&both)[0].remaining, 1, "the lease was not taken");
+        assert_eq!(store.peek(&both)[1].remaining, 5, "nothing charged");
+    }
+
+    /// A request adding several keys to one shard makes room for each: the bound holds.
+    #[test]
+    fn a_request_adding_several_keys_keeps_the_bound() {
+        let (_, store) = bounded(3);
+        let q = quota(1, 5);
+        let rules = ["r1", "r2", "r3"];
+        for n in 0..20 {
+            let who = id(n);
+            let checks: Vec<Check<'_>> = rules.iter().map(|r| Check::new(&who, r, &q)).collect();
+            assert!(store.decide(&checks).unwrap().iter().all(|d| d.allowed));
+            assert!(store.len() <= 3, "{} keys after request {n}", store.len());
+        }
+        assert_eq!(store.len(), 3);
+    }
+
+    /// Which shard a key lands in is keyed per process: the same identities spread
+    /// differently in two stores, so nobody can pick keys that all share one shard.
+    #[test]
+    fn shards_are_picked_by_a_keyed_hash() {
+        let (_, a) = bounded(1_000_000);
+        let (_, b) = bounded(1_000_000);
+        let q = quota(1, 1);
+        let ids: Vec<IdentityDigest> = (0..200).map(id).collect();
+        let differ = ids
+            .iter()
+            .filter(|d| a.key(&Check::new(d, "r", &q)).0 != b.key(&Check::new(d, "r", &q)).0)
+            .count();
+        assert!(
+            differ > 150,
+            "{differ} of 200 keys change shard between two stores"
+        );
     }
 
     #[test]
@@ -1175,7 +1355,7 @@ mod tests {
             }
         }
         assert_eq!(store.len(), 1_000);
-        assert_eq!(evicted(&store), (0, 49_000 + 1));
+        assert_eq!(evicted(&store), (0, 49_000 + 1, 0));
         // The hot key, used every hundred requests (500 times: its 20, then denials), kept
         // its state: dropped, it would have its whole burst again.
         let p = store.peek(&[Check::new(&hot, "r", &q)]);
