@@ -86,10 +86,11 @@ pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, registry: Arc<R
             connection::serve(stream, &registry, permit, settings, |track| {
                 service_fn(move |req: Request<Incoming>| {
                     let request = InFlight::new(&track);
+                    let http2 = req.version() == http::Version::HTTP_2;
                     let gw = gw.clone();
                     async move {
                         let answer = handle(&gw, &req).await;
-                        Ok::<_, Infallible>(answer.map(|body| Tracked::new(body, request)))
+                        Ok::<_, Infallible>(answer.map(|body| Tracked::new(body, request, http2)))
                     }
                 })
             })

@@ -61,8 +61,11 @@ const MAKE_ROOM_BATCH: usize = 16;
 const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// At most one warning per this long for a full listener or failing accepts.
 const WARN_EVERY: Duration = Duration::from_secs(10);
-/// After it is asked to close gracefully (HTTP/2 GOAWAY), a connection gets this long.
-const CLOSE_GRACE: Duration = Duration::from_secs(5);
+/// After it is asked to close gracefully (HTTP/2 GOAWAY), a connection with nothing in
+/// flight gets this long (for the GOAWAY to go out, and the client's PING answer).
+const CLOSE_GRACE: Duration = Duration::from_secs(1);
+/// Concurrent HTTP/2 streams per connection (nginx's `http2_max_concurrent_streams`).
+const MAX_STREAMS: u32 = 128;
 
 /// Why the gateway closed a connection, as `ratewall_connections_closed_total` counts it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -175,6 +178,11 @@ pub struct Track {
     /// connection asked to close sees it at once; a busy one when its task next runs (its
     /// answer's progress), which is soon enough for a shutdown that waits for it anyway.
     reader: AtomicWaker,
+    /// HTTP/2: answers whose next bytes are the client's to take, and since when (ms on
+    /// [`clock_ms`]), by answer number. A client that takes nothing (a flow-control
+    /// window left at 0) blocks no socket write, so only this shows it.
+    awaiting: Mutex<Vec<(u64, u64)>>,
+    next_answer: AtomicU64,
 }
 
 const CLOSE_MAKE_ROOM: u8 = 1;
@@ -190,7 +198,30 @@ impl Track {
             close: AtomicU8::new(0),
             closed_by: AtomicU8::new(0),
             reader: AtomicWaker::new(),
+            awaiting: Mutex::new(Vec::new()),
+            next_answer: AtomicU64::new(0),
         }
+    }
+
+    fn awaiting(&self) -> std::sync::MutexGuard<'_, Vec<(u64, u64)>> {
+        self.awaiting.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Answer `n`'s next bytes wait for the client (from now), or (`false`) do not.
+    fn await_pull(&self, n: u64, waiting: bool) {
+        let mut awaiting = self.awaiting();
+        awaiting.retain(|(m, _)| *m != n);
+        if waiting {
+            awaiting.push((n, clock_ms()));
+            drop(awaiting);
+            // The connection's task arms its clock for it when it next waits to read.
+            self.reader.wake();
+        }
+    }
+
+    /// Since when the answer waiting longest for the client has waited, if one does.
+    fn oldest_awaiting(&self) -> Option<u64> {
+        self.awaiting().iter().map(|(_, since)| *since).min()
     }
 
     fn idle(&self) -> bool {
@@ -250,17 +281,28 @@ impl Drop for InFlight {
     }
 }
 
-/// An answer's body, holding its request's [`InFlight`] until the body is done with.
+/// An answer's body, holding its request's [`InFlight`] until the body is done with. Over
+/// HTTP/2 it also tells the connection while its next bytes wait for the client to take
+/// them (see [`Track::await_pull`]).
 pub struct Tracked<B> {
     body: B,
-    _request: InFlight,
+    request: InFlight,
+    /// HTTP/2: this answer's number on its connection.
+    pulled: Option<u64>,
 }
 
 impl<B> Tracked<B> {
-    pub fn new(body: B, request: InFlight) -> Tracked<B> {
+    /// `http2`: the answer goes out on an HTTP/2 stream.
+    pub fn new(body: B, request: InFlight, http2: bool) -> Tracked<B> {
+        let pulled = http2.then(|| {
+            let n = request.0.next_answer.fetch_add(1, Relaxed);
+            request.0.await_pull(n, true);
+            n
+        });
         Tracked {
             body,
-            _request: request,
+            request,
+            pulled,
         }
     }
 }
@@ -273,7 +315,14 @@ impl<B: Body + Unpin> Body for Tracked<B> {
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<B::Data>, B::Error>>> {
-        Pin::new(&mut self.body).poll_frame(cx)
+        let polled = Pin::new(&mut self.body).poll_frame(cx);
+        if let Some(n) = self.pulled {
+            // A frame handed on: the next one is the client's to take. Pending: it waits on
+            // the upstream (whose clock is the upstream hop's); the end: nothing waits.
+            let waiting = matches!(polled, Poll::Ready(Some(Ok(_)))) && !self.body.is_end_stream();
+            self.request.0.await_pull(n, waiting);
+        }
+        polled
     }
 
     fn is_end_stream(&self) -> bool {
@@ -282,6 +331,14 @@ impl<B: Body + Unpin> Body for Tracked<B> {
 
     fn size_hint(&self) -> SizeHint {
         self.body.size_hint()
+    }
+}
+
+impl<B> Drop for Tracked<B> {
+    fn drop(&mut self) {
+        if let Some(n) = self.pulled {
+            self.request.0.await_pull(n, false);
+        }
     }
 }
 
@@ -501,8 +558,17 @@ pub async fn serve<S, B>(
     let mut stream = stream;
     let mut prefix = BytesMut::with_capacity(1024);
     let header_deadline = accepted + settings.timeouts.header;
-    let proto =
-        match tokio::time::timeout_at(header_deadline, preface(&mut stream, &mut prefix)).await {
+    let read = tokio::time::timeout_at(header_deadline, preface(&mut stream, &mut prefix));
+    let asked_to_close = std::future::poll_fn(|cx| {
+        track.reader.register(cx.waker());
+        if track.close.load(Relaxed) != 0 {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    });
+    let proto = tokio::select! {
+        read = read => match read {
             Ok(Ok(Some(proto))) => proto,
             // The client closed, or the read failed: nothing to answer.
             Ok(Ok(None) | Err(_)) => return,
@@ -514,7 +580,10 @@ pub async fn serve<S, B>(
                 }
                 return;
             }
-        };
+        },
+        // To make room, or shutting down: a connection that has said nothing whole yet.
+        () = asked_to_close => return,
+    };
     let io = Guarded {
         prefix: prefix.freeze(),
         io: stream,
@@ -522,7 +591,7 @@ pub async fn serve<S, B>(
         settings,
         h2: proto == Proto::H2,
         head: (proto == Proto::H1).then_some(Head {
-            since: accepted,
+            since: Some(accepted),
             request: 0,
         }),
         scan: Scan::Line,
@@ -536,19 +605,17 @@ pub async fn serve<S, B>(
     match proto {
         Proto::H1 => {
             // The head's clocks are this module's: hyper's runs from the end of the previous
-            // answer and sends no 408. Set past them both, it only backs them up — and it
-            // makes hyper read again as soon as an answer is done, which starts the idle
-            // clock (without it, an idle connection is not read until the client writes).
-            let t = settings.timeouts;
+            // answer and sends no 408.
             let conn = hyper::server::conn::http1::Builder::new()
                 .max_header_size(settings.max_header_bytes)
                 .timer(TokioTimer::new())
-                .header_read_timeout(t.idle + t.header)
+                .header_read_timeout(None)
                 .serve_connection(io, service);
             drive(conn, &track, |c| c.graceful_shutdown()).await;
         }
         Proto::H2 => {
             let conn = hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                .max_concurrent_streams(MAX_STREAMS)
                 .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX))
                 .timer(TokioTimer::new())
                 .serve_connection(io, service);
@@ -647,7 +714,9 @@ fn canned(status: u16) -> Vec<u8> {
 /// The head of the request being read: since when, and for which request.
 #[derive(Debug, Clone, Copy)]
 struct Head {
-    since: Instant,
+    /// Since when (`None`: its first byte came in the last read, and the head may well be
+    /// whole already; the clock is read only if it waits for more).
+    since: Option<Instant>,
     /// [`Track::started`] when its first byte came: a later start means it was read.
     request: u64,
 }
@@ -675,7 +744,7 @@ struct Guarded {
 /// Whether `deadline` has passed, with a timer to wake the task at it. The timer is moved
 /// only to an earlier time: a deadline that moves later (every request moves the idle one)
 /// lets the armed timer fire early, and it is re-armed then — not reset per request.
-fn expired(
+pub(crate) fn expired(
     timer: &mut Option<(Instant, Pin<Box<Sleep>>)>,
     deadline: Instant,
     cx: &mut Context<'_>,
@@ -707,10 +776,11 @@ impl Guarded {
 
     /// When the silence the connection is in now ends it, and why. Only while nothing is
     /// in flight: then the client owes the next request.
-    fn deadline(&self) -> (Instant, Closed) {
-        match self.current_head() {
+    fn deadline(&mut self) -> (Instant, Closed) {
+        let request = self.track.started.load(Relaxed);
+        match self.head.as_mut().filter(|h| h.request == request) {
             Some(h) => (
-                h.since + self.settings.timeouts.header,
+                *h.since.get_or_insert_with(Instant::now) + self.settings.timeouts.header,
                 Closed::HeaderTimeout,
             ),
             None => {
@@ -778,7 +848,7 @@ fn head_bytes(
     let request = track.started.load(Relaxed);
     if head.is_none_or(|h| h.request != request) {
         *head = Some(Head {
-            since: Instant::now(),
+            since: None,
             request,
         });
         *scan = Scan::Line;
@@ -821,10 +891,10 @@ impl AsyncRead for Guarded {
     ) -> Poll<io::Result<()>> {
         let this = &mut *self;
         let idle = this.track.idle();
-        if idle && !this.h2 && this.track.close.load(Relaxed) != 0 && this.current_head().is_none()
-        {
-            // Asked to close, and between requests: the end of the stream. (HTTP/2 is shut
-            // down with a GOAWAY by the connection's task.)
+        if idle && !this.h2 && this.track.close.load(Relaxed) != 0 {
+            // Asked to close, with nothing in flight (between requests, or part way through
+            // a head): the end of the stream. (HTTP/2 is shut down with a GOAWAY by the
+            // connection's task.)
             return Poll::Ready(Ok(()));
         }
         let before = buf.filled().len();
@@ -849,6 +919,45 @@ impl AsyncRead for Guarded {
             }
             Poll::Pending => {
                 if !idle {
+                    // HTTP/2: an answer the client has taken nothing of for body_timeout
+                    // ends the connection (HTTP/1's blocks a write: `written`).
+                    let since = match this.h2 {
+                        true => {
+                            this.track.reader.register(cx.waker());
+                            this.track.oldest_awaiting()
+                        }
+                        false => None,
+                    };
+                    if let Some(since) = since {
+                        let deadline = clock_instant(since) + this.settings.timeouts.body;
+                        if expired(&mut this.read_timer, deadline, cx) {
+                            this.track.closed(Closed::SendTimeout);
+                            return Poll::Ready(Err(io::Error::new(
+                                io::ErrorKind::TimedOut,
+                                "the client took nothing of an answer for body_timeout",
+                            )));
+                        }
+                    } else {
+                        // The idle clock, armed ahead: once the answer is done, hyper does
+                        // not read again until the client writes, so this timer (due no
+                        // later than the idle deadline to come) is what wakes the
+                        // connection to start it. Re-armed only when it fires.
+                        let idle = this.settings.timeouts.idle;
+                        match &this.read_timer {
+                            None => {
+                                let since = this.track.idle_since_ms.load(Relaxed);
+                                let _ =
+                                    expired(&mut this.read_timer, clock_instant(since) + idle, cx);
+                            }
+                            // It came while the answer was still going (a long request): a
+                            // full idle period from now, so that one is still armed.
+                            Some((_, sleep)) if sleep.is_elapsed() => {
+                                let _ = expired(&mut this.read_timer, Instant::now() + idle, cx);
+                            }
+                            // Armed, for this task: nothing to do per request.
+                            Some(_) => {}
+                        }
+                    }
                     return Poll::Pending;
                 }
                 this.track.reader.register(cx.waker());

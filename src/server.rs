@@ -249,10 +249,11 @@ pub async fn serve(
             connection::serve(stream, &registry, permit, settings, |track| {
                 service_fn(move |req: Request<Incoming>| {
                     let request = InFlight::new(&track);
+                    let http2 = req.version() == http::Version::HTTP_2;
                     let (gw, client) = (gw.clone(), client.clone());
                     async move {
                         let resp = gw.handle(req, &client).await;
-                        Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request)))
+                        Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request, http2)))
                     }
                 })
             })

@@ -242,8 +242,117 @@ async fn silent_and_slow_connections_are_closed_by_their_clocks() {
     }
 }
 
+/// An HTTP/2 frame: length, type, flags, stream, payload.
+fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// A GET of `path` as an HPACK header block: static-table `:method GET`, `:scheme http`,
+/// then `:path` and `:authority` as literals.
+fn h2_get(path: &str) -> Vec<u8> {
+    let mut block = vec![0x82, 0x86, 0x44, path.len() as u8];
+    block.extend_from_slice(path.as_bytes());
+    block.extend_from_slice(&[0x41, 8]);
+    block.extend_from_slice(b"app.test");
+    block
+}
+
+/// An HTTP/2 client that opens streams and then never takes a byte of their answers (its
+/// flow-control window left at 0) blocks no socket write: the gateway must still see it,
+/// and end the connection after `body_timeout` — else each such connection holds an
+/// upstream request (and connection) per stream, for ever. (Answers small enough for the
+/// HTTP/2 layer's send buffer are read whole from the upstream at once; these are not.)
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_client_that_takes_nothing_is_cut_off_at_body_timeout() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "body_timeout = \"1s\"\nidle_timeout = \"30s\"\n{}",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let mut s = connect(gw.port).await;
+    let mut start = H2_START[..24].to_vec();
+    // SETTINGS: INITIAL_WINDOW_SIZE (4) = 0.
+    start.extend(h2_frame(0x4, 0, 0, &[0, 4, 0, 0, 0, 0]));
+    for i in 0..5u32 {
+        start.extend(h2_frame(0x1, 0x5, 1 + 2 * i, &h2_get("/big/2000000")));
+    }
+    s.write_all(&start).await.expect("send");
+    let started = Instant::now();
+    let (_, took) = until_closed(&mut s).await;
+    let took = took.expect("the connection is closed");
+    assert!(
+        took >= Duration::from_millis(800) && took < Duration::from_secs(5),
+        "closed after {took:?} with body_timeout 1s"
+    );
+    assert!(started.elapsed() < WAIT);
+    assert_eq!(upstream.seen().len(), 5, "the requests were forwarded");
+    assert_eq!(metric(&gw, &closed_by("send_timeout")).await, Some(1.0));
+}
+
+/// The idle clock starts when an answer ends, however long the request took: one longer
+/// than idle_timeout itself is followed by a full idle period, then the close.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_longer_than_idle_timeout_still_gets_its_idle_clock() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "idle_timeout = \"1s\"\n{}",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let mut s = connect(gw.port).await;
+    assert_eq!(exchange(&mut s, &get("/slow/1600")).await, 200);
+    let (_, took) = until_closed(&mut s).await;
+    let took = took.expect("closed after the idle period");
+    assert!(
+        took >= Duration::from_millis(800) && took < Duration::from_secs(4),
+        "closed {took:?} after the answer"
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // 2. Too many connections
+
+/// At `max_connections`, the connections idle the longest make room whatever they are
+/// doing with it: one that has said nothing, one part way through a head, one that opened
+/// HTTP/2 and sent no stream. Each new client is served at once, not after their clocks.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn silent_half_and_idle_http2_connections_make_room_too() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "workers = 1\nmax_connections = 3\nheader_timeout = \"20s\"\n{}",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let silent = connect(gw.port).await;
+    let mut half = connect(gw.port).await;
+    half.write_all(b"GET / HTTP/1.1\r\nHost: app.test\r\n")
+        .await
+        .expect("send");
+    let mut h2 = connect(gw.port).await;
+    h2.write_all(H2_START).await.expect("send");
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Each new client keeps its connection: the next needs room again.
+    let mut kept = Vec::new();
+    for i in 0..3 {
+        let start = Instant::now();
+        let mut s = connect(gw.port).await;
+        assert_eq!(exchange(&mut s, &get(&format!("/new/{i}"))).await, 200);
+        assert!(
+            start.elapsed() < Duration::from_secs(3),
+            "client {i} waited {:?} for room",
+            start.elapsed()
+        );
+        kept.push(s);
+    }
+    assert_eq!(metric(&gw, &closed_by("make_room")).await, Some(3.0));
+    // The three that made room are the three that had been idle longest: all closed.
+    for (name, mut s) in [("silent", silent), ("half", half), ("http2", h2)] {
+        let (_, took) = until_closed(&mut s).await;
+        assert!(took.is_some(), "the {name} connection is still open");
+    }
+}
 
 /// At `max_connections`, a new client is served once the connection idle the longest is
 /// closed to make room; with every connection busy, it waits for one to finish — never an
@@ -356,6 +465,10 @@ async fn out_of_file_descriptors_the_accept_loop_neither_spins_nor_floods_the_lo
     let r = HttpClient::new().get(&gw.url("/after"), &[]).await;
     assert_eq!(r.status, StatusCode::OK, "serving again");
     assert!(metric(&gw, "ratewall_accept_errors_total{listener=\"gateway\"}").await > Some(0.0));
+    assert!(
+        metric(&gw, &closed_by("make_room")).await > Some(0.0),
+        "idle connections were closed to make room"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -407,6 +520,39 @@ async fn a_key_flood_stays_within_max_keys_and_a_denied_key_stays_denied() {
     )
     .await;
     assert!(lru.is_some_and(|n| n >= 800.0), "{lru:?} evictions");
+}
+
+/// A flood of keys each left unable to pay for its next request (a burst of 1: every
+/// one is held after its first request) fills the store with held states; a new identity
+/// still gets in — the state held longest ago makes room — instead of `on_error` (503).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_full_of_held_keys_still_takes_new_identities() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "{}max_keys = 100\n\
+         [[rules]]\nname = \"login\"\nkey = \"api_key\"\nrate = \"1/m\"\nburst = 1\n",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let client = HttpClient::new();
+    for n in 0..300 {
+        let key = format!("sk_held_{n:04}");
+        let r = client.get(&gw.url("/x"), &[("x-api-key", &key)]).await;
+        assert_eq!(r.status, StatusCode::OK, "new identity {n}");
+    }
+    let held = metric(
+        &gw,
+        "ratewall_store_evictions_total{store=\"memory\",reason=\"held\"}",
+    )
+    .await;
+    assert!(
+        held.is_some_and(|n| n >= 200.0),
+        "{held:?} held states made room"
+    );
+    // The latest keys kept their state: denied.
+    let r = client
+        .get(&gw.url("/x"), &[("x-api-key", "sk_held_0299")])
+        .await;
+    assert_eq!(r.status, StatusCode::TOO_MANY_REQUESTS);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -150,7 +150,8 @@ pub struct Seen {
 /// A real HTTP upstream in this test process. Paths:
 /// `/slow/<ms>` answers after that many ms; `/stream` answers once the request body's first
 /// chunk is in (then reads the rest); `/reset` sends its head and part of a declared body,
-/// then fails the connection; anything else answers 200 "ok" after reading the body.
+/// then fails the connection; `/big/<n>` answers `n` bytes; anything else answers 200 "ok"
+/// after reading the body.
 pub struct Upstream {
     pub addr: SocketAddr,
     pub seen: Arc<Mutex<Vec<Seen>>>,
@@ -262,12 +263,19 @@ async fn upstream_answer(
     {
         tokio::time::sleep(Duration::from_millis(ms)).await;
     }
+    let big: Option<usize> = path.strip_prefix("/big/").and_then(|n| n.parse().ok());
     let reset = path == "/reset";
     seen.lock().unwrap().push(Seen {
         path,
         headers,
         body_len,
     });
+    if let Some(n) = big {
+        return Response::new(http_body_util::Either::Left(Full::new(Bytes::from(vec![
+            b'x';
+            n
+        ]))));
+    }
     if reset {
         let mut resp = Response::new(http_body_util::Either::Right(ResetBody { sent: false }));
         resp.headers_mut()
