@@ -30,9 +30,6 @@ use tokio::net::TcpStream;
 use crate::config::Upstream;
 
 static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
-static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
-static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
-static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
 
 /// Hop-by-hop fields, RFC 9110 §7.6.1: meaningful for one connection only, never
 /// forwarded. `Proxy-Connection` and `Keep-Alive` are the legacy ones the section names;
@@ -135,9 +132,10 @@ pub struct Proxy {
 }
 
 /// Idle keep-alive connections, most recently used last.
-#[derive(Default)]
 struct Pool {
     idle: Mutex<VecDeque<(TcpStream, Instant)>>,
+    /// The upstream's `timeout`: also the longest silence inside an answer's body.
+    timeout: Duration,
 }
 
 impl Pool {
@@ -225,7 +223,10 @@ impl Proxy {
             base_path: cfg.base_path.clone(),
             timeout: cfg.timeout,
             connect_timeout: cfg.connect_timeout,
-            pool: Arc::default(),
+            pool: Arc::new(Pool {
+                idle: Mutex::default(),
+                timeout: cfg.timeout,
+            }),
         }
     }
 
@@ -251,13 +252,14 @@ impl Proxy {
         });
         let headers = &mut parts.headers;
         strip_hop_by_hop(headers);
-        headers.insert(
-            HOST,
-            original_host
-                .clone()
-                .unwrap_or_else(|| self.authority.clone()),
-        );
-        set_forwarding(headers, down, original_host.as_ref());
+        if !headers.contains_key(HOST) {
+            headers.insert(
+                HOST,
+                original_host
+                    .clone()
+                    .unwrap_or_else(|| self.authority.clone()),
+            );
+        }
 
         let sending = if body.is_end_stream() {
             Sending::None
@@ -267,7 +269,12 @@ impl Proxy {
             headers.remove(CONTENT_LENGTH);
             Sending::Chunked
         };
-        let head = self.request_head(&parts, matches!(sending, Sending::Chunked))?;
+        let head = self.request_head(
+            &parts,
+            matches!(sending, Sending::Chunked),
+            down,
+            original_host.as_ref(),
+        )?;
         let is_head = parts.method == Method::HEAD;
         // A kept connection the upstream has closed, or that holds bytes nobody asked for,
         // is found out before it is used (`still_open`); one closed the very moment it is
@@ -289,7 +296,7 @@ impl Proxy {
             let (parts, buf, framing) = tokio::time::timeout(self.timeout, exchange)
                 .await
                 .map_err(|_| ProxyError::Timeout(self.timeout))??;
-            ResponseBody::answer(parts, Conn::Whole(conn), None, buf, framing, &self.pool)
+            ResponseBody::answer(parts, Conn::Whole(conn), None, buf, framing, self)
         } else {
             self.duplex(conn, head, body, sending, is_head, down.body_timeout)
                 .await?
@@ -373,7 +380,7 @@ impl Proxy {
             None => (Conn::Half(rd), Some(upload)),
         };
         Ok(ResponseBody::answer(
-            parts, conn, upload, buf, framing, &self.pool,
+            parts, conn, upload, buf, framing, self,
         ))
     }
 
@@ -416,11 +423,15 @@ impl Proxy {
         Err(ProxyError::Unreachable(why))
     }
 
-    /// `METHOD /base/path?query HTTP/1.1`, the fields, and the blank line.
+    /// `METHOD /base/path?query HTTP/1.1`, the fields, the forwarding fields (see
+    /// [`forwarding`]) and the blank line. The forwarding fields are written here, not
+    /// put in the header map first: no insertion, no growth of the map per request.
     fn request_head(
         &self,
         parts: &http::request::Parts,
         chunked: bool,
+        down: &Downstream<'_>,
+        host: Option<&HeaderValue>,
     ) -> Result<Vec<u8>, ProxyError> {
         let pq = parts.uri.path_and_query().map_or("/", PathAndQuery::as_str);
         let target_ok = pq.starts_with('/') || pq == "*";
@@ -434,18 +445,29 @@ impl Proxy {
             .iter()
             .map(|(n, v)| n.as_str().len() + v.len() + 4)
             .sum();
-        let mut head = Vec::with_capacity(64 + self.base_path.len() + pq.len() + fields);
+        let mut head = Vec::with_capacity(256 + self.base_path.len() + pq.len() + fields);
         head.extend_from_slice(parts.method.as_str().as_bytes());
         head.push(b' ');
         head.extend_from_slice(self.base_path.as_bytes());
         head.extend_from_slice(pq.as_bytes());
         head.extend_from_slice(b" HTTP/1.1\r\n");
+        let mut kept = Kept::default();
         for (name, value) in &parts.headers {
-            head.extend_from_slice(name.as_str().as_bytes());
-            head.extend_from_slice(b": ");
-            head.extend_from_slice(value.as_bytes());
-            head.extend_from_slice(b"\r\n");
+            if let Some(field) = Forwarding::of(name) {
+                if !down.trusted {
+                    continue;
+                }
+                match field {
+                    // Re-written below, the peer appended.
+                    Forwarding::For | Forwarding::Forwarded => continue,
+                    Forwarding::Proto => kept.proto = true,
+                    Forwarding::Host => kept.host = true,
+                    Forwarding::Other => {}
+                }
+            }
+            field_line(&mut head, name.as_str(), &[value.as_bytes()]);
         }
+        forwarding(&mut head, &parts.headers, down, host, kept);
         if chunked {
             head.extend_from_slice(b"transfer-encoding: chunked\r\n");
         }
@@ -812,6 +834,10 @@ enum Chunk {
 /// The upstream's response body, read from its connection as the client takes it. The
 /// connection goes back to the pool when the body ended cleanly and can carry another
 /// request; a body dropped early takes its connection with it.
+///
+/// An upstream that sends nothing of the body for `timeout` (as nginx's
+/// `proxy_read_timeout`: between two reads) fails it: the client's connection is cut, and
+/// neither the client nor the upstream connection is held by a silent upstream.
 pub struct ResponseBody {
     conn: Option<Conn>,
     /// The rest of the request body, still going up (an early answer).
@@ -820,6 +846,14 @@ pub struct ResponseBody {
     framing: Framing,
     reuse: bool,
     pool: Arc<Pool>,
+    /// While the body waits on the upstream: since when, and the clock on it (boxed: most
+    /// answers never wait, and this body is moved whole through every layer).
+    stall: Option<Box<Stall>>,
+}
+
+struct Stall {
+    since: tokio::time::Instant,
+    clock: Option<(tokio::time::Instant, Pin<Box<tokio::time::Sleep>>)>,
 }
 
 /// The connection an answer is read from: whole (and maybe kept), or the read half of one
@@ -836,7 +870,7 @@ impl ResponseBody {
         upload: Option<Upload>,
         buf: BytesMut,
         framing: Framing,
-        pool: &Arc<Pool>,
+        proxy: &Proxy,
     ) -> Response<ResponseBody> {
         let reuse = parts.extensions.remove::<Close>().is_none();
         let mut body = ResponseBody {
@@ -845,7 +879,8 @@ impl ResponseBody {
             buf,
             framing,
             reuse,
-            pool: pool.clone(),
+            pool: proxy.pool.clone(),
+            stall: None,
         };
         body.finish_if_done();
         Response::from_parts(parts, body)
@@ -1063,7 +1098,33 @@ impl Body for ResponseBody {
                 }
                 Err(BodyError::NeedMore) => {}
             }
-            match ready!(this.poll_fill(cx)) {
+            let filled = match this.poll_fill(cx) {
+                Poll::Ready(filled) => {
+                    if let Some(stall) = this.stall.as_mut() {
+                        stall.since = tokio::time::Instant::now();
+                    }
+                    filled
+                }
+                Poll::Pending => {
+                    let timeout = this.pool.timeout;
+                    let stall = this.stall.get_or_insert_with(|| {
+                        Box::new(Stall {
+                            since: tokio::time::Instant::now(),
+                            clock: None,
+                        })
+                    });
+                    if crate::connection::expired(&mut stall.clock, stall.since + timeout, cx) {
+                        this.conn = None;
+                        this.framing = Framing::Done;
+                        return Poll::Ready(Some(Err(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            format!("the upstream sent nothing of its body for {timeout:?}"),
+                        ))));
+                    }
+                    return Poll::Pending;
+                }
+            };
+            match filled {
                 Ok(0) if this.framing == Framing::UntilClose => {
                     this.conn = None;
                     this.framing = Framing::Done;
@@ -1164,86 +1225,122 @@ impl Peer {
     }
 }
 
-/// The forwarding headers the upstream gets. From a trusted proxy they tell a story that
-/// began before it: `X-Forwarded-Proto`, `X-Forwarded-Host` and `X-Real-IP` are kept as
-/// that proxy set them (and set here only where it did not), and the peer is appended to
-/// `X-Forwarded-For` and, where the proxy sent one, to `Forwarded` — so the two chains
-/// agree, and a `Forwarded: proto=https` is never contradicted by an `X-Forwarded-Proto`
-/// written here. From any other peer nothing it says about itself is believed: every
-/// `X-Forwarded-*`, `Forwarded` and `X-Real-IP` field it sent is dropped, and each is
-/// written anew from what the gateway itself saw (the peer, `http`, the `Host`).
-fn set_forwarding(headers: &mut HeaderMap, down: &Downstream<'_>, host: Option<&HeaderValue>) {
+/// The forwarding fields a request came with, as [`forwarding`] treats them.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Forwarding {
+    For,
+    Forwarded,
+    Proto,
+    Host,
+    /// `X-Real-IP` and every other `X-Forwarded-*`.
+    Other,
+}
+
+impl Forwarding {
+    fn of(name: &HeaderName) -> Option<Forwarding> {
+        let n = name.as_str();
+        Some(match n {
+            "x-forwarded-for" => Forwarding::For,
+            "forwarded" => Forwarding::Forwarded,
+            "x-forwarded-proto" => Forwarding::Proto,
+            "x-forwarded-host" => Forwarding::Host,
+            "x-real-ip" => Forwarding::Other,
+            _ if n.starts_with("x-forwarded-") => Forwarding::Other,
+            _ => return None,
+        })
+    }
+}
+
+/// Which forwarding fields a trusted proxy set itself.
+#[derive(Default)]
+struct Kept {
+    proto: bool,
+    host: bool,
+}
+
+/// `name: part1part2...\r\n`.
+fn field_line(head: &mut Vec<u8>, name: &str, parts: &[&[u8]]) {
+    head.extend_from_slice(name.as_bytes());
+    head.extend_from_slice(b": ");
+    for p in parts {
+        head.extend_from_slice(p);
+    }
+    head.extend_from_slice(b"\r\n");
+}
+
+/// `name: <its values, joined>, <element>` on one line.
+fn appended_line(head: &mut Vec<u8>, headers: &HeaderMap, name: &HeaderName, element: &[&[u8]]) {
+    head.extend_from_slice(name.as_str().as_bytes());
+    head.extend_from_slice(b": ");
+    for v in headers.get_all(name) {
+        head.extend_from_slice(v.as_bytes());
+        head.extend_from_slice(b", ");
+    }
+    for p in element {
+        head.extend_from_slice(p);
+    }
+    head.extend_from_slice(b"\r\n");
+}
+
+/// The forwarding fields the upstream gets. From a trusted proxy they tell a story that
+/// began before it: `X-Forwarded-Proto` and `X-Forwarded-Host` are kept as that proxy set
+/// them (and written here only where it did not), `X-Real-IP` as it came, and the peer is
+/// appended to `X-Forwarded-For` and, where the proxy sent one, to `Forwarded` (RFC 7239
+/// §7.1) — so the two chains agree, and a `Forwarded: proto=https` is never contradicted
+/// by an `X-Forwarded-Proto` written here. From any other peer nothing it says about
+/// itself is believed: every `X-Forwarded-*`, `Forwarded` and `X-Real-IP` field it sent
+/// was left out, and each is written anew from what the gateway itself saw (the peer,
+/// `http`, the `Host`).
+fn forwarding(
+    head: &mut Vec<u8>,
+    headers: &HeaderMap,
+    down: &Downstream<'_>,
+    host: Option<&HeaderValue>,
+    kept: Kept,
+) {
     let peer = down.peer;
     if down.trusted {
-        append_forwarded_for(headers, peer);
+        appended_line(
+            head,
+            headers,
+            &X_FORWARDED_FOR,
+            &[peer.forwarded.as_bytes()],
+        );
         if headers.contains_key(http::header::FORWARDED) {
-            append_forwarded(headers, peer);
+            appended_line(
+                head,
+                headers,
+                &http::header::FORWARDED,
+                &[b"for=", &peer.node],
+            );
         }
-        if !headers.contains_key(&X_FORWARDED_PROTO) {
-            headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
+        if !kept.proto {
+            field_line(head, "x-forwarded-proto", &[b"http"]);
         }
-        if let Some(host) = host.filter(|_| !headers.contains_key(&X_FORWARDED_HOST)) {
-            headers.insert(X_FORWARDED_HOST.clone(), host.clone());
+        if let Some(host) = host.filter(|_| !kept.host) {
+            field_line(head, "x-forwarded-host", &[host.as_bytes()]);
         }
         return;
     }
-    let forged = |n: &HeaderName| {
-        let n = n.as_str();
-        n.starts_with("x-forwarded-") || n == "forwarded" || n == "x-real-ip"
-    };
-    // Most requests carry none: one pass over the names, a list only when one is there.
-    if headers.keys().any(forged) {
-        let names: Vec<HeaderName> = headers.keys().filter(|n| forged(n)).cloned().collect();
-        for name in names {
-            headers.remove(name);
-        }
-    }
-    headers.reserve(5);
-    headers.insert(X_FORWARDED_FOR.clone(), peer.forwarded.clone());
-    headers.insert(X_REAL_IP.clone(), peer.forwarded.clone());
-    headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
-    headers.insert(http::header::FORWARDED, peer.element.clone());
+    field_line(head, "x-forwarded-for", &[peer.forwarded.as_bytes()]);
+    field_line(head, "x-real-ip", &[peer.forwarded.as_bytes()]);
+    field_line(head, "x-forwarded-proto", &[b"http"]);
+    field_line(head, "forwarded", &[peer.element.as_bytes()]);
     if let Some(host) = host {
-        headers.insert(X_FORWARDED_HOST.clone(), host.clone());
-    }
-}
-
-/// `X-Forwarded-For: <what came in>, <peer>`, folding repeated lines into one.
-fn append_forwarded_for(headers: &mut HeaderMap, peer: &Peer) {
-    if !headers.contains_key(&X_FORWARDED_FOR) {
-        headers.insert(X_FORWARDED_FOR.clone(), peer.forwarded.clone());
-        return;
-    }
-    append_element(headers, &X_FORWARDED_FOR, peer.forwarded.as_bytes());
-}
-
-/// `Forwarded: <what came in>, for=<peer>` (RFC 7239 §7.1: each proxy appends an element).
-fn append_forwarded(headers: &mut HeaderMap, peer: &Peer) {
-    let mut element = Vec::with_capacity(peer.node.len() + 4);
-    element.extend_from_slice(b"for=");
-    element.extend_from_slice(&peer.node);
-    append_element(headers, &http::header::FORWARDED, &element);
-}
-
-/// `name: <its lines, joined>, <element>`, as one line.
-fn append_element(headers: &mut HeaderMap, name: &HeaderName, element: &[u8]) {
-    let mut value = Vec::new();
-    for v in headers.get_all(name) {
-        value.extend_from_slice(v.as_bytes());
-        value.extend_from_slice(b", ");
-    }
-    value.extend_from_slice(element);
-    // The parts were header values, so their join is one; never drop the element.
-    let joined = HeaderValue::from_maybe_shared(Bytes::from(value))
-        .or_else(|_| HeaderValue::from_bytes(element));
-    if let Ok(v) = joined {
-        headers.insert(name.clone(), v);
+        field_line(head, "x-forwarded-host", &[host.as_bytes()]);
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn test_pool() -> Pool {
+        Pool {
+            idle: Mutex::default(),
+            timeout: Duration::from_secs(1),
+        }
+    }
 
     #[test]
     fn strips_hop_by_hop_and_connection_named_fields() {
@@ -1273,20 +1370,63 @@ mod tests {
         }
     }
 
+    /// The head `request_head` writes for `request` from `peer`, trusted or not.
+    fn forwarded_head(request: Request<()>, peer: &str, trusted: bool) -> String {
+        let proxy = Proxy::new(&Upstream {
+            url: "http://127.0.0.1:3000".parse().unwrap(),
+            base_path: String::new(),
+            connect_timeout: Duration::from_secs(1),
+            timeout: Duration::from_secs(1),
+        });
+        let (parts, ()) = request.into_parts();
+        let peer = Peer::new(peer.parse().unwrap());
+        let down = Downstream {
+            peer: &peer,
+            trusted,
+            body_timeout: Duration::from_secs(1),
+        };
+        let host = parts.headers.get(HOST).cloned();
+        let head = proxy
+            .request_head(&parts, false, &down, host.as_ref())
+            .unwrap();
+        String::from_utf8(head).unwrap()
+    }
+
     #[test]
-    fn forwarded_for_appends_the_peer() {
-        let mut h = HeaderMap::new();
-        append_forwarded_for(&mut h, &Peer::new("10.0.0.1:4000".parse().unwrap()));
-        assert_eq!(h[&X_FORWARDED_FOR], "10.0.0.1");
-        let mut h = HeaderMap::new();
-        h.append(&X_FORWARDED_FOR, HeaderValue::from_static("1.1.1.1"));
-        h.append(&X_FORWARDED_FOR, HeaderValue::from_static("2.2.2.2"));
-        append_forwarded_for(
-            &mut h,
-            &Peer::new("[::ffff:10.0.0.1]:4000".parse().unwrap()),
+    fn forwarding_fields_are_appended_from_trusted_peers_and_replaced_from_others() {
+        let request = || {
+            Request::get("/x")
+                .header("host", "app.test")
+                .header("x-forwarded-for", "1.1.1.1")
+                .header("x-forwarded-for", "2.2.2.2")
+                .header("x-forwarded-proto", "https")
+                .header("forwarded", "for=1.1.1.1;proto=https")
+                .header("x-forwarded-port", "443")
+                .header("x-real-ip", "1.1.1.1")
+                .header("x-other", "kept")
+                .body(())
+                .unwrap()
+        };
+        assert_eq!(
+            forwarded_head(request(), "[::ffff:10.0.0.1]:4000", true),
+            "GET /x HTTP/1.1\r\nhost: app.test\r\nx-forwarded-proto: https\r\n\
+             x-forwarded-port: 443\r\nx-real-ip: 1.1.1.1\r\nx-other: kept\r\n\
+             x-forwarded-for: 1.1.1.1, 2.2.2.2, 10.0.0.1\r\n\
+             forwarded: for=1.1.1.1;proto=https, for=10.0.0.1\r\n\
+             x-forwarded-host: app.test\r\n\r\n"
         );
-        assert_eq!(h.get_all(&X_FORWARDED_FOR).iter().count(), 1);
-        assert_eq!(h[&X_FORWARDED_FOR], "1.1.1.1, 2.2.2.2, 10.0.0.1");
+        assert_eq!(
+            forwarded_head(request(), "[2001:db8::7]:4000", false),
+            "GET /x HTTP/1.1\r\nhost: app.test\r\nx-other: kept\r\n\
+             x-forwarded-for: 2001:db8::7\r\nx-real-ip: 2001:db8::7\r\n\
+             x-forwarded-proto: http\r\nforwarded: for=\"[2001:db8::7]\";proto=http\r\n\
+             x-forwarded-host: app.test\r\n\r\n"
+        );
+        // A trusted proxy that sent no Forwarded gets none: its chain is X-Forwarded-For.
+        let plain = Request::get("/").header("host", "a").body(()).unwrap();
+        let head = forwarded_head(plain, "127.0.0.1:1", true);
+        assert!(!head.contains("forwarded:"), "{head}");
+        assert!(head.contains("x-forwarded-for: 127.0.0.1\r\n"), "{head}");
     }
 
     fn head(text: &str, is_head: bool) -> Result<(usize, http::response::Parts, Framing), String> {
@@ -1432,7 +1572,7 @@ mod tests {
 
     /// Feed `wire` to a body in pieces of `step` bytes, as reads would; the body bytes out.
     fn decode(framing: Framing, wire: &[u8], step: usize) -> Result<Vec<u8>, &'static str> {
-        let (pool, mut out) = (Arc::new(Pool::default()), Vec::new());
+        let (pool, mut out) = (Arc::new(test_pool()), Vec::new());
         let mut body = ResponseBody {
             conn: None,
             upload: None,
@@ -1440,6 +1580,7 @@ mod tests {
             framing,
             reuse: false,
             pool,
+            stall: None,
         };
         let mut pieces = wire.chunks(step.max(1));
         loop {
@@ -1520,7 +1661,8 @@ mod tests {
             buf: BytesMut::from(&wire[..]),
             framing: Framing::Chunked(Chunk::Size),
             reuse: false,
-            pool: Arc::default(),
+            pool: Arc::new(test_pool()),
+            stall: None,
         };
         let data = body
             .next_in_buffer()

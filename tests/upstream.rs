@@ -1756,6 +1756,40 @@ async fn a_bodiless_answer_that_announces_a_body_leaves_no_stray_answer_for_anot
     assert_eq!(up.accepted(), 2, "the 204's connection was not used again");
 }
 
+/// Bytes an upstream writes on an idle pooled connection, answering nothing, are never
+/// read as another request's answer: the connection is discarded when it is next taken.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bytes_written_on_an_idle_pooled_connection_are_never_taken_for_an_answer() {
+    let up = ScriptedUpstream::start(|req| match req.target() {
+        "/first" => vec![
+            Step::Write(ok(b"first")),
+            Step::Sleep(ms(100)),
+            Step::Write(ok(b"stray answer")),
+        ],
+        _ => vec![Step::Write(ok(b"mine"))],
+    })
+    .await;
+    let gw = gateway(&up);
+    let a = RawClient::connect(gw.port)
+        .await
+        .exchange(&get("/first"))
+        .await;
+    assert_eq!((a.status, &a.body[..]), (200, &b"first"[..]));
+    // The stray answer lands on the idle connection 100 ms later; then another client.
+    tokio::time::sleep(ms(400)).await;
+    let b = RawClient::connect(gw.port).await.exchange(&get("/b")).await;
+    assert_eq!(
+        (b.status, String::from_utf8_lossy(&b.body).as_ref()),
+        (200, "mine"),
+        "another client's request got the stray answer"
+    );
+    assert_eq!(
+        up.accepted(),
+        2,
+        "the connection with unread bytes was not used"
+    );
+}
+
 /// A malformed chunked request body is the client's mistake: 400, counted as a gateway
 /// answer, not as an upstream failure (502); and the connection is closed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1900,5 +1934,43 @@ async fn transfer_codings_reach_an_http11_client_intact_and_others_get_502() {
         .await;
     let a = old.answer(false).await.expect("an answer");
     assert_eq!(a.status, 502, "an HTTP/1.0 client: {a:?}");
+    // HTTP/2 has no transfer codings either.
+    let h2 = common::HttpClient::h2();
+    let r = h2
+        .get(&format!("http://127.0.0.1:{}/coded", gw.port), &[])
+        .await;
+    assert_eq!(r.status.as_u16(), 502, "an HTTP/2 client");
+    still_serves(&gw, "/fine", b"fine").await;
+}
+
+/// An upstream that sends a head and part of a body, then nothing, is cut off after its
+/// `timeout` (between two reads, as nginx's `proxy_read_timeout`): neither the client nor
+/// the upstream connection is held by it for ever.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upstream_silent_in_the_middle_of_its_body_is_cut_off_at_its_timeout() {
+    let up = ScriptedUpstream::start(|req| match req.target() {
+        "/hang" => vec![
+            Step::Write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nfirst bytes".to_vec()),
+            Step::Sleep(Duration::from_secs(20)),
+        ],
+        _ => vec![Step::Write(ok(b"fine"))],
+    })
+    .await;
+    let gw = gateway_with_timeout(&up, "1s");
+    let mut client = RawClient::connect(gw.port).await;
+    client.send(&get("/hang")).await;
+    let start = Instant::now();
+    let (status, _, _, mut body) = client.answer_head(false).await.expect("a head");
+    assert_eq!(status, 200);
+    let rest = body.rest(&mut client.wire).await;
+    let took = start.elapsed();
+    assert!(
+        rest.is_err(),
+        "the body was cut short, not passed as whole: {rest:?}"
+    );
+    assert!(
+        took >= ms(900) && took < Duration::from_secs(5),
+        "cut after {took:?}"
+    );
     still_serves(&gw, "/fine", b"fine").await;
 }
