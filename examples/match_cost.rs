@@ -9,7 +9,8 @@ use std::path::Path;
 use std::time::Instant;
 
 use http::Method;
-use ratewall::config::{Config, PathMatch};
+use ratewall::config::Config;
+use ratewall::rules::PathMatch;
 
 fn config(rules: usize) -> Config {
     let mut text = String::from(

@@ -11,11 +11,10 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
-use ratewall::config::Rate;
 use ratewall::identity::digest_api_key;
 use ratewall::limiter::memory::{Evictions, MemoryStore};
 use ratewall::limiter::redis::RedisStore;
-use ratewall::limiter::{Algorithm, Check, ManualClock, Quota};
+use ratewall::limiter::{Algorithm, Check, ManualClock, Quota, Rate};
 
 struct Counting;
 

@@ -13,10 +13,9 @@ use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use ratewall::config::Rate;
 use ratewall::identity::digest_api_key;
 use ratewall::limiter::redis::RedisStore;
-use ratewall::limiter::{Algorithm, Check, Quota};
+use ratewall::limiter::{Algorithm, Check, Quota, Rate};
 
 async fn redis_cpu(conn: &mut redis::aio::MultiplexedConnection) -> f64 {
     let info: String = redis::cmd("INFO")

@@ -33,23 +33,25 @@ use hyper::service::service_fn;
 use serde::Serialize;
 use tokio::net::TcpListener;
 
-use crate::config::{Backend, Config, KeyKind, OnError, Rule};
-use crate::connection::{self, InFlight, Registry, Settings, Tracked};
+use crate::config::Config;
+use crate::connection::{self, InFlight, Registry, Tracked};
 use crate::gateway::Gateway;
 use crate::headers::ceil_secs;
 use crate::identity;
+use crate::identity::{IdentityDigest, KeyKind, Requester};
 use crate::limiter::guard::Health;
-use crate::limiter::{Check, IdentityDigest, Quota};
+use crate::limiter::{Check, OnError, Quota};
 use crate::metrics::HISTORY_SECS;
+use crate::rules::Rule;
 
 const STATUS_PAGE: &str = include_str!("status.html");
 
-type Answer = Response<Full<Bytes>>;
+type Reply = Response<Full<Bytes>>;
 
-/// A refusal, turned into a JSON error answer by [`refused`].
-type Refusal = (StatusCode, String);
+/// A call the admin API refuses, turned into a JSON error reply by [`refused`].
+type BadCall = (StatusCode, String);
 
-fn refused((status, message): Refusal) -> Answer {
+fn refused((status, message): BadCall) -> Reply {
     let mut answer = error(status, &message);
     if status == StatusCode::UNAUTHORIZED {
         answer.headers_mut().insert(
@@ -81,7 +83,7 @@ pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, registry: Arc<R
         };
         let permit = registry.admit().await;
         let (gw, registry) = (gateway.clone(), registry.clone());
-        let settings = Settings::of(&gw.live().config);
+        let settings = gw.live().config.server.connections();
         tokio::spawn(async move {
             connection::serve(stream, &registry, permit, settings, |track| {
                 service_fn(move |req: Request<Incoming>| {
@@ -99,7 +101,7 @@ pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, registry: Arc<R
     }
 }
 
-fn reply(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Answer {
+fn respond(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>) -> Reply {
     let mut r = Response::new(Full::new(body.into()));
     *r.status_mut() = status;
     r.headers_mut()
@@ -109,13 +111,13 @@ fn reply(status: StatusCode, content_type: &'static str, body: impl Into<Bytes>)
     r
 }
 
-fn text(status: StatusCode, body: impl Into<String>) -> Answer {
-    reply(status, "text/plain; charset=utf-8", body.into())
+fn text(status: StatusCode, body: impl Into<String>) -> Reply {
+    respond(status, "text/plain; charset=utf-8", body.into())
 }
 
-fn json(status: StatusCode, value: &impl Serialize) -> Answer {
+fn json(status: StatusCode, value: &impl Serialize) -> Reply {
     match serde_json::to_vec(value) {
-        Ok(body) => reply(status, "application/json", body),
+        Ok(body) => respond(status, "application/json", body),
         Err(e) => text(
             StatusCode::INTERNAL_SERVER_ERROR,
             format!("cannot encode: {e}\n"),
@@ -123,11 +125,11 @@ fn json(status: StatusCode, value: &impl Serialize) -> Answer {
     }
 }
 
-fn error(status: StatusCode, message: &str) -> Answer {
+fn error(status: StatusCode, message: &str) -> Reply {
     json(status, &serde_json::json!({ "error": message }))
 }
 
-async fn handle(gw: &Gateway, req: &Request<Incoming>) -> Answer {
+async fn handle(gw: &Gateway, req: &Request<Incoming>) -> Reply {
     let path = req.uri().path();
     let method = req.method();
     if path.starts_with("/admin/") {
@@ -151,11 +153,11 @@ async fn handle(gw: &Gateway, req: &Request<Incoming>) -> Answer {
         };
     }
     match (method, path) {
-        (&Method::GET, "/") => reply(StatusCode::OK, "text/html; charset=utf-8", STATUS_PAGE),
+        (&Method::GET, "/") => respond(StatusCode::OK, "text/html; charset=utf-8", STATUS_PAGE),
         (&Method::GET, "/status.json") => json(StatusCode::OK, &stats(gw, Audience::Public)),
         (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
         (&Method::GET, "/readyz") => readyz(gw).await,
-        (&Method::GET, "/metrics") => reply(
+        (&Method::GET, "/metrics") => respond(
             StatusCode::OK,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
             gw.metrics().encode(),
@@ -170,7 +172,7 @@ async fn handle(gw: &Gateway, req: &Request<Incoming>) -> Answer {
 /// 200 while traffic is served as configured: the store answers, or it fails and
 /// `on_error` (allow, local) lets traffic through; 503 while `on_error = "deny"` turns
 /// requests away. The body says which, and the breaker's state.
-async fn readyz(gw: &Gateway) -> Answer {
+async fn readyz(gw: &Gateway) -> Reply {
     let live = gw.live();
     let limiter = &live.limiter;
     let on_error = limiter.on_error();
@@ -198,7 +200,7 @@ async fn readyz(gw: &Gateway) -> Answer {
 }
 
 /// Admin calls need `Authorization: Bearer <token>`; with no token configured they are off.
-fn authorized(gw: &Gateway, req: &Request<Incoming>) -> Result<(), Refusal> {
+fn authorized(gw: &Gateway, req: &Request<Incoming>) -> Result<(), BadCall> {
     let live = gw.live();
     let Some(token) = live.config.admin.token.as_deref() else {
         return Err((
@@ -243,11 +245,13 @@ struct StateAnswer<'a> {
     allowed_now: bool,
 }
 
-/// The rule and identity a `state` or `reset` call names.
+/// The rule and identity a `state` or `reset` call names: the request path's own
+/// [`Requester::identify`], given a request that carries the named key (`key=`, or
+/// `header=` for a `header:` rule) or comes from the named address (`ip=`).
 fn target<'c>(
     cfg: &'c Config,
     query: &[(String, Vec<u8>)],
-) -> Result<(&'c Rule, IdentityDigest, &'c Quota), Refusal> {
+) -> Result<(&'c Rule, IdentityDigest, &'c Quota), BadCall> {
     let rule_name = param(query, "rule")
         .ok_or_else(|| (StatusCode::BAD_REQUEST, "rule= is required".to_string()))?;
     let rule = cfg
@@ -263,33 +267,36 @@ fn target<'c>(
             )
         })
     };
-    let (digest, quota) = match &rule.key {
-        KeyKind::Global => (identity::digest_global(), &rule.quota),
+    let bad = |what: &str| (StatusCode::BAD_REQUEST, format!("{what} is not valid"));
+    let (peer, value) = match &rule.key.kind {
+        KeyKind::Global => (IpAddr::from([0, 0, 0, 0]), None),
         KeyKind::ClientIp => {
-            let raw = need("ip")?;
-            let ip: IpAddr = std::str::from_utf8(raw)
+            let ip = std::str::from_utf8(need("ip")?)
                 .ok()
-                .and_then(|s| s.trim().parse().ok())
-                .ok_or_else(|| {
-                    (
-                        StatusCode::BAD_REQUEST,
-                        "ip= is not an IP address".to_string(),
-                    )
-                })?;
-            (identity::digest_ip(ip.to_canonical()), &rule.quota)
+                .and_then(|s| s.trim().parse::<IpAddr>().ok())
+                .ok_or_else(|| bad("ip="))?;
+            (ip.to_canonical(), None)
         }
-        KeyKind::ApiKey => {
-            let key = need("key")?;
-            let plan = cfg.keys.plan_of(key);
-            (identity::digest_api_key(key), rule.quota_for(plan))
-        }
-        KeyKind::Header(h) => (identity::digest_header(h, need("header")?), &rule.quota),
+        KeyKind::ApiKey => (IpAddr::from([0, 0, 0, 0]), Some(need("key")?)),
+        KeyKind::Header(_) => (IpAddr::from([0, 0, 0, 0]), Some(need("header")?)),
     };
-    Ok((rule, digest, quota))
+    let headers = match value {
+        Some(v) => {
+            identity::headers_naming(&rule.key.kind, &cfg.keys, v).ok_or_else(|| bad("the key"))?
+        }
+        None => http::HeaderMap::new(),
+    };
+    // The address is given as the client's own: no forwarding header is read for it.
+    let direct = identity::ClientIp::default();
+    let requester = Requester::new(&headers, peer, &cfg.keys, &direct);
+    let identity = requester
+        .identify(&rule.key)
+        .map_err(|r| (r.status(), r.to_string()))?;
+    Ok((rule, identity.digest, rule.quota_for(requester.plan())))
 }
 
 /// `/admin/state` (`reset` false: look, charge nothing) and `/admin/reset` (`reset` true).
-async fn identity_call(gw: &Gateway, query: &[(String, Vec<u8>)], reset: bool) -> Answer {
+async fn identity_call(gw: &Gateway, query: &[(String, Vec<u8>)], reset: bool) -> Reply {
     let live = gw.live();
     let (rule, digest, quota) = match target(&live.config, query) {
         Ok(t) => t,
@@ -364,12 +371,7 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
             },
             burst: r.quota.algorithm.has_burst().then_some(r.quota.burst),
             cost: r.quota.cost,
-            key: match &r.key {
-                KeyKind::ApiKey => "api_key".into(),
-                KeyKind::ClientIp => "client_ip".into(),
-                KeyKind::Global => "global".into(),
-                KeyKind::Header(h) => format!("header:{h}"),
-            },
+            key: r.key.kind.to_string(),
             applies_to: r.matcher.describe(),
             plans: {
                 let mut p: Vec<String> = r.plans.iter().map(|(n, q)| format!("{n}: {q}")).collect();
@@ -409,11 +411,7 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
         "history": st.history(HISTORY_SECS),
         "top": top,
         "store": {
-            "backend": match cfg.store.backend {
-                Backend::Memory => "memory",
-                Backend::Redis { .. } => "redis",
-                Backend::RedisCluster { .. } => "redis_cluster",
-            },
+            "backend": live.limiter.store().kind().name(),
             "health": health,
             "on_error": cfg.store.on_error.name(),
         },

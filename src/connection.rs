@@ -6,13 +6,13 @@
 //! nothing has its clock (`[server]`, defaults in brackets; nginx's equivalents in
 //! docs/operations.md):
 //!
-//! - `header_timeout` [10s]: from accept to a complete request head — for HTTP/2, to the
+//! - `header_timeout` (default 10s): from accept to a complete request head — for HTTP/2, to the
 //!   connection preface and the client's first SETTINGS frame. On a kept-alive HTTP/1
 //!   connection it runs from the first byte of the next request. Past it the connection is
 //!   closed, after a 408 where a head had started.
-//! - `idle_timeout` [60s]: a kept-alive HTTP/1 connection, or an HTTP/2 connection, with
+//! - `idle_timeout` (default 60s): a kept-alive HTTP/1 connection, or an HTTP/2 connection, with
 //!   no request in flight (HTTP/2 gets a GOAWAY first).
-//! - `body_timeout` [30s]: the longest a response write may wait on a client that takes
+//! - `body_timeout` (default 30s): the longest a response write may wait on a client that takes
 //!   nothing (the connection is closed; the gap between reads of a request *body* is the
 //!   upstream hop's, [`crate::proxy`], and answered 408).
 //!
@@ -47,7 +47,30 @@ use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
 
-use crate::config::Timeouts;
+/// How long a client connection may keep the gateway waiting, each a bound on one kind of
+/// silence (nginx: `client_header_timeout`, `keepalive_timeout`, `client_body_timeout`,
+/// `send_timeout`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Timeouts {
+    /// From accept to a complete request head (an HTTP/2 preface and SETTINGS); on a
+    /// kept-alive connection, from the next request's first byte to its complete head.
+    pub header: Duration,
+    /// A kept-alive or HTTP/2 connection with nothing in flight is closed after this.
+    pub idle: Duration,
+    /// The longest gap between two reads of a request body (408), and between two writes
+    /// of a response the client does not take (the connection is closed).
+    pub body: Duration,
+}
+
+impl Default for Timeouts {
+    fn default() -> Self {
+        Timeouts {
+            header: Duration::from_secs(10),
+            idle: Duration::from_secs(60),
+            body: Duration::from_secs(30),
+        }
+    }
+}
 
 /// HTTP/2's connection preface (RFC 9113 §3.4).
 const PREFACE: &[u8; 24] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
@@ -122,15 +145,6 @@ impl ConnectionMetrics {
 pub struct Settings {
     pub timeouts: Timeouts,
     pub max_header_bytes: usize,
-}
-
-impl Settings {
-    pub fn of(config: &crate::config::Config) -> Settings {
-        Settings {
-            timeouts: config.server.timeouts,
-            max_header_bytes: config.server.max_header_bytes,
-        }
-    }
 }
 
 /// Raise the process's open-file limit to what it is allowed (the soft limit to the hard
@@ -283,7 +297,7 @@ impl Drop for InFlight {
 
 /// An answer's body, holding its request's [`InFlight`] until the body is done with. Over
 /// HTTP/2 it also tells the connection while its next bytes wait for the client to take
-/// them (see [`Track::await_pull`]).
+/// them (see `Track::await_pull`).
 pub struct Tracked<B> {
     body: B,
     request: InFlight,

@@ -19,8 +19,20 @@ use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::StatusCode;
 
-use crate::config::ResponseStyle;
 use crate::limiter::{Algorithm, Decision, Quota};
+
+/// Which rate-limit headers answers carry (`[response] headers`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum ResponseStyle {
+    /// `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers-11).
+    #[default]
+    Draft,
+    /// `RateLimit-Limit`, `-Remaining`, `-Reset` of the earlier drafts.
+    Legacy,
+    Both,
+    None,
+}
 
 pub static RATELIMIT_POLICY: HeaderName = HeaderName::from_static("ratelimit-policy");
 pub static RATELIMIT: HeaderName = HeaderName::from_static("ratelimit");
@@ -38,7 +50,7 @@ pub fn ceil_secs(us: u64) -> u64 {
 #[derive(Clone, Copy)]
 pub struct Applied<'a> {
     pub rule: &'a str,
-    pub quota: &'a Quota,
+    pub quota: Quota,
     pub decision: Decision,
 }
 
@@ -245,8 +257,8 @@ impl Problem {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Rate;
     use crate::limiter::Algorithm;
+    use crate::limiter::Rate;
     use std::num::NonZeroU64;
     use std::time::Duration;
 
@@ -278,12 +290,12 @@ mod tests {
         let applied = [
             Applied {
                 rule: "api",
-                quota: &a,
+                quota: a,
                 decision: d(true, 7, 0, 300_000),
             },
             Applied {
                 rule: "ip",
-                quota: &b,
+                quota: b,
                 decision: d(true, 99, 0, 600_001),
             },
         ];
@@ -303,12 +315,12 @@ mod tests {
         let applied = [
             Applied {
                 rule: "api",
-                quota: &a,
+                quota: a,
                 decision: d(true, 7, 0, 300_000),
             },
             Applied {
                 rule: "conc",
-                quota: &c,
+                quota: c,
                 decision: d(true, 2, 0, 0),
             },
         ];
@@ -335,12 +347,12 @@ mod tests {
         let shadow = [
             Applied {
                 rule: "watch",
-                quota: &a,
+                quota: a,
                 decision: d(false, 0, 100_000, 1_000_000),
             },
             Applied {
                 rule: "conc",
-                quota: &c,
+                quota: c,
                 decision: d(true, 4, 0, 0),
             },
         ];
@@ -359,7 +371,7 @@ mod tests {
         let a = quota(1, 10);
         let applied = [Applied {
             rule: "api",
-            quota: &a,
+            quota: a,
             decision: d(false, 0, 2_000_000, 10_000_000),
         }];
         assert_eq!(retry_after_secs(&applied, 0), 2);
@@ -373,12 +385,12 @@ mod tests {
         let applied = [
             Applied {
                 rule: "api",
-                quota: &a,
+                quota: a,
                 decision: d(true, 7, 0, 300_000),
             },
             Applied {
                 rule: "ip",
-                quota: &b,
+                quota: b,
                 decision: d(true, 2, 0, 59_000_000),
             },
         ];
@@ -399,7 +411,7 @@ mod tests {
         let mk = |us| {
             [Applied {
                 rule: "api",
-                quota: &a,
+                quota: a,
                 decision: d(false, 0, us, 1),
             }]
         };
@@ -423,17 +435,17 @@ mod tests {
         let applied = [
             Applied {
                 rule: "per-key.v2",
-                quota: &a,
+                quota: a,
                 decision: d(false, 0, 1_500_000, 1),
             },
             Applied {
                 rule: "ip",
-                quota: &b,
+                quota: b,
                 decision: d(true, 5, 0, 1),
             },
             Applied {
                 rule: "global_all",
-                quota: &b,
+                quota: b,
                 decision: d(false, 0, 61_000_000, 1),
             },
         ];

@@ -7,24 +7,29 @@
 //!
 //! # Layout
 //!
-//! A request travels one way, and the modules follow it:
+//! A request travels one way, and the modules follow it; each depends only on the ones
+//! after it in this list (`tests/layering.rs` holds them to that: no import cycle):
 //!
-//! - [`server`]: accept loop, graceful shutdown, SIGHUP reload.
-//! - [`connection`]: one client connection: HTTP/1 or HTTP/2, the clocks on its silences
-//!   (`header_timeout`, `idle_timeout`, stalled writes), `max_connections`.
+//! - [`server`]: accept loop, graceful shutdown, SIGHUP reload; hands each connection to
+//! - [`connection`]: one client connection, HTTP/1 or HTTP/2, the clocks on its silences
+//!   (`header_timeout`, `idle_timeout`, stalled bodies), `max_connections`; each request to
+//! - [`gateway`]: one request, top to bottom: screen its head, find its rules, identify
+//!   it, ask the store, one pure verdict, then answer or forward. Also what it runs on
+//!   ([`gateway::Live`], swapped whole on reload) and `ratewall check`'s explanation.
 //! - [`admin`]: the admin listener: metrics, health, the admin API, the status page.
-//! - [`metrics`]: Prometheus metrics and the in-process stats the status page shows.
-//! - [`gateway`]: one request: identify -> match rules -> limit -> answer or forward.
-//! - [`identity`]: peer + trusted proxies + headers -> an identity digest (pure).
+//! - [`config`]: the TOML file -> validated, immutable [`config::Config`], one file per
+//!   table; the types it fills live with their meaning, below.
 //! - [`rules`]: request parts -> the rules that apply (pure, through an index compiled at
 //!   load: exact paths, a prefix trie, globs, methods, hosts).
+//! - [`identity`]: the one place a rule's identity for a request is derived: peer +
+//!   trusted proxies + headers -> an identity digest, or a refusal (pure).
 //! - [`limiter`]: the algorithms as pure integer step functions (and the concurrency
-//!   limit), and the stores that run them: [`limiter::memory`] (embedded) and
-//!   [`limiter::redis`] (Lua twins in `lua/`); [`limiter::lease`] holds a request's
-//!   concurrency slots until its response ends.
+//!   limit); one [`limiter::Store`] boundary with two kinds behind it, [`limiter::memory`]
+//!   (embedded) and [`limiter::redis`] (one Redis or a cluster; Lua twins in `lua/`); the
+//!   [`limiter::guard::Limiter`] around it (breaker, deny cache, `on_error`).
 //! - [`headers`]: decisions -> `RateLimit-*`, `Retry-After`, problem+json.
 //! - [`proxy`]: the pooled upstream client, hop-by-hop stripping, `X-Forwarded-*`.
-//! - [`config`]: the TOML file -> validated, immutable [`config::Config`].
+//! - [`metrics`]: Prometheus metrics and the in-process stats the status page shows.
 //! - [`worker`]: which worker thread runs the current request (per-thread pools).
 
 pub mod admin;

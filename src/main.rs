@@ -7,7 +7,7 @@ use clap::{Parser, Subcommand, ValueEnum};
 use ratewall::config::Config;
 
 /// mimalloc: per-thread free lists suit the workers' many small per-request allocations
-/// (about 12% more requests/s than glibc's malloc in bench/run's memory-store run).
+/// (docs/performance.md has what it was measured to give).
 #[global_allocator]
 static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
@@ -80,7 +80,7 @@ fn main() -> ExitCode {
                     println!();
                     print!(
                         "{}",
-                        ratewall::rules::explain(&config, &method, &path, &headers, peer)
+                        ratewall::gateway::explain(&config, &method, &path, &headers, peer)
                     );
                 }
                 Err(e) => {

@@ -17,9 +17,9 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-/// A rule's verdict on one request, as counted.
+/// How a rule's decision on one request is counted (`decision=`).
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub enum Verdict {
+pub enum DecisionLabel {
     /// The rule allowed the request (charged, or not charged because another rule denied).
     Allowed,
     /// The rule allowed the request after it waited for its tokens (`max_delay`).
@@ -35,7 +35,7 @@ pub enum Verdict {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RuleLabels {
     pub rule: String,
-    pub decision: Verdict,
+    pub decision: DecisionLabel,
 }
 
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -135,7 +135,7 @@ macro_rules! label_values {
 }
 
 label_values! {
-    Verdict { Allowed => "allowed", Delayed => "delayed", Denied => "denied", ShadowDenied => "shadow_denied", Error => "error" }
+    DecisionLabel { Allowed => "allowed", Delayed => "delayed", Denied => "denied", ShadowDenied => "shadow_denied", Error => "error" }
     StoreErrorKind { Timeout => "timeout", Connection => "connection", Data => "data", BreakerOpen => "breaker_open", Full => "full", Other => "other" }
     ReloadResult { Ok => "ok", Rejected => "rejected" }
 }
@@ -358,20 +358,6 @@ impl Metrics {
         out
     }
 
-    /// The eviction counters of the in-process store `store` (`memory` or `local`).
-    pub fn evictions(&self, store: &'static str) -> crate::limiter::memory::Evictions {
-        let counter = |reason| {
-            self.memory_evictions
-                .get_or_create(&EvictionLabels { store, reason })
-                .clone()
-        };
-        crate::limiter::memory::Evictions {
-            expired: counter("expired"),
-            lru: counter("lru"),
-            held: counter("held"),
-        }
-    }
-
     /// The connection metrics of one listener (`gateway` or `admin`), every series
     /// created now, at zero.
     pub fn connections(&self, listener: &'static str) -> crate::connection::ConnectionMetrics {
@@ -415,11 +401,11 @@ impl Metrics {
                 .clone()
         };
         RuleCounters {
-            allowed: counter(Verdict::Allowed),
-            delayed: counter(Verdict::Delayed),
-            denied: counter(Verdict::Denied),
-            shadow_denied: counter(Verdict::ShadowDenied),
-            error: counter(Verdict::Error),
+            allowed: counter(DecisionLabel::Allowed),
+            delayed: counter(DecisionLabel::Delayed),
+            denied: counter(DecisionLabel::Denied),
+            shadow_denied: counter(DecisionLabel::ShadowDenied),
+            error: counter(DecisionLabel::Error),
         }
     }
 }
@@ -441,17 +427,17 @@ impl Default for Metrics {
     }
 }
 
-/// A guard that counts a request in flight until dropped.
-pub struct InFlight<'a>(&'a Gauge);
+/// A guard that holds a gauge one higher until dropped (requests in flight, waiting).
+pub struct Gauged<'a>(&'a Gauge);
 
-impl<'a> InFlight<'a> {
+impl<'a> Gauged<'a> {
     pub fn new(g: &'a Gauge) -> Self {
         g.inc();
-        InFlight(g)
+        Gauged(g)
     }
 }
 
-impl Drop for InFlight<'_> {
+impl Drop for Gauged<'_> {
     fn drop(&mut self) {
         self.0.dec();
     }

@@ -18,7 +18,7 @@ use hyper::service::service_fn;
 use tokio::net::TcpListener;
 
 use crate::config::Config;
-use crate::connection::{self, InFlight, Registry, Settings, Tracked};
+use crate::connection::{self, InFlight, Registry, Tracked};
 use crate::gateway::{Gateway, Live};
 use crate::proxy::Peer;
 
@@ -156,7 +156,8 @@ const PACE: Duration = Duration::from_millis(250);
 /// is set to fire before the earliest one it planned for when it last slept. With only far
 /// timers pending (connections' idle clocks, a minute out), every request's upstream
 /// timeout would be such a timer; with this one due soon, none is. Four wake-ups a second
-/// instead of one per request (measured: a wake on 8–50% of requests without it).
+/// instead of one per request (docs/performance.md, "The perimeter's cost", has what it
+/// was measured to save).
 async fn pace() {
     let mut tick = tokio::time::interval(PACE);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -242,7 +243,7 @@ pub async fn serve(
             () = &mut shutdown => break,
         };
         let (gw, registry) = (gateway.clone(), registry.clone());
-        let settings = Settings::of(&gw.live().config);
+        let settings = gw.live().config.server.connections();
         tokio::spawn(async move {
             // Rendered once for all the connection's requests.
             let client = Peer::new(peer);

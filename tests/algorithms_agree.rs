@@ -31,12 +31,11 @@ use std::time::{Duration, Instant};
 use common::RedisServer;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
-use ratewall::config::Rate;
-use ratewall::identity::digest_api_key;
+use ratewall::identity::{digest_api_key, IdentityDigest};
 use ratewall::limiter::memory::MemoryStore;
 use ratewall::limiter::redis::RedisStore;
 use ratewall::limiter::{
-    self, Algorithm, Check, Decision, IdentityDigest, ManualClock, Outcome, Quota, State,
+    self, Algorithm, Check, Decision, ManualClock, Outcome, Quota, Rate, State,
 };
 
 /// A realistic µs epoch (late 2023), so the times the script sees look like Redis `TIME`.

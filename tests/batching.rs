@@ -12,10 +12,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use common::{evalsha_calls, RedisServer};
-use ratewall::config::Rate;
 use ratewall::identity::digest_api_key;
 use ratewall::limiter::redis::RedisStore;
-use ratewall::limiter::{Algorithm, Check, Decision, Quota, StoreError};
+use ratewall::limiter::{Algorithm, Check, Decision, Quota, Rate, Store, StoreError};
 
 const PREFIX: &str = "rwbatch";
 

@@ -11,13 +11,10 @@ use std::num::NonZeroU64;
 use std::time::{Duration, Instant};
 
 use common::RedisServer;
-use ratewall::config::Rate;
-use ratewall::identity::{digest_api_key, digest_ip};
+use ratewall::identity::{digest_api_key, digest_ip, IdentityDigest};
 use ratewall::limiter::memory::MemoryStore;
 use ratewall::limiter::redis::RedisStore;
-use ratewall::limiter::{
-    Algorithm, Check, Decision, IdentityDigest, ManualClock, Quota, StoreError,
-};
+use ratewall::limiter::{Algorithm, Check, Decision, ManualClock, Quota, Rate, StoreError};
 
 /// A realistic µs epoch (late 2023), so the times the script sees look like Redis `TIME`.
 const EPOCH_US: u64 = 1_700_000_000_000_000;

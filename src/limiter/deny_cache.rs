@@ -17,7 +17,7 @@
 use std::collections::HashMap;
 use std::sync::Mutex;
 
-use super::{Check, Decision, Quota};
+use super::{Check, Decision, Fnv1a, Quota};
 
 const SHARDS: usize = 16;
 
@@ -35,15 +35,9 @@ pub struct DenyCache {
 }
 
 fn key(check: &Check<'_>) -> u128 {
-    // FNV-1a over the rule name and the quota's numbers, folded into the identity digest.
-    let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
-    let mut eat = |bytes: &[u8]| {
-        for &b in bytes {
-            h ^= u128::from(b);
-            h = h.wrapping_mul(0x0000000001000000000000000000013B);
-        }
-    };
-    eat(check.rule.as_bytes());
+    // The rule name and the quota's numbers, folded into the identity digest.
+    let mut h = Fnv1a::new();
+    h.write(check.rule.as_bytes());
     let q: &Quota = check.quota;
     for n in [
         q.algorithm.code() as u64,
@@ -53,9 +47,9 @@ fn key(check: &Check<'_>) -> u128 {
         q.cost,
         q.max_delay_us,
     ] {
-        eat(&n.to_le_bytes());
+        h.write(&n.to_le_bytes());
     }
-    u128::from_le_bytes(check.identity.0) ^ h
+    u128::from_le_bytes(check.identity.0) ^ h.finish()
 }
 
 /// Whether a check's denial may be remembered: not a shadow check (it denies nothing),
@@ -151,8 +145,9 @@ impl DenyCache {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::identity::IdentityDigest;
     use crate::limiter::tests::quota;
-    use crate::limiter::{Algorithm, IdentityDigest};
+    use crate::limiter::Algorithm;
 
     fn denied(retry: u64) -> Decision {
         Decision {

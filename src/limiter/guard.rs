@@ -18,9 +18,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::deny_cache::DenyCache;
-use super::memory::MemoryStore;
-use super::{Check, Decision, MonotonicClock, Store, StoreError};
-use crate::config::OnError;
+use super::memory::{Evictions, MemoryStore};
+use super::store::{self, Call, OnError, Store};
+use super::{Check, Decision, MonotonicClock, StoreError};
 use crate::metrics::{Metrics, StoreErrorKind, StoreErrorLabels, StoreLabels};
 
 /// The store's health, as /readyz and the logs tell it.
@@ -35,13 +35,19 @@ pub enum Health {
 }
 
 /// What [`Limiter::decide_now`] could do without waiting.
-pub enum Now {
+pub enum Now<'a> {
     Answered(Answer),
-    /// The shared store must be asked ([`Limiter::ask`]).
-    Ask {
-        sent_us: u64,
-        started: Instant,
-    },
+    /// The shared store was asked: [`Limiter::ask`] waits for its answer.
+    Ask(Asking<'a>),
+}
+
+/// A store call under way, and when it was made.
+pub struct Asking<'a> {
+    call: std::pin::Pin<
+        Box<dyn std::future::Future<Output = Result<Vec<Decision>, StoreError>> + Send + 'a>,
+    >,
+    sent_us: u64,
+    started: Instant,
 }
 
 /// How a request's limits were decided.
@@ -59,7 +65,7 @@ pub enum Answer {
 }
 
 pub struct Limiter {
-    store: Store,
+    store: Box<dyn Store>,
     on_error: OnError,
     /// In-process limits for `on_error = "local"`: the same rules, this instance's share.
     local: MemoryStore,
@@ -86,42 +92,33 @@ pub struct Limiter {
 const DENY_CACHE_ENTRIES: usize = 100_000;
 
 impl Limiter {
-    /// `max_keys` bounds the `on_error = "local"` fallback's memory store (the primary
-    /// store, when it is the memory store, is built with its own bound).
+    /// `store` behind the breaker and policy `settings` give; the `on_error = "local"`
+    /// fallback is bounded by the same `max_keys`.
     pub fn new(
-        store: Store,
-        on_error: OnError,
-        breaker_failures: u32,
-        breaker_cooldown: Duration,
-        max_keys: usize,
+        store: Box<dyn Store>,
+        settings: &store::Settings,
         metrics: Arc<Metrics>,
     ) -> Arc<Limiter> {
-        let denials = match store {
-            Store::Memory(_) => None,
-            Store::Redis(_) | Store::RedisCluster(_) => Some(DenyCache::new(DENY_CACHE_ENTRIES)),
-        };
-        let backend = match store {
-            Store::Memory(_) => "memory",
-            Store::Redis(_) => "redis",
-            Store::RedisCluster(_) => "redis_cluster",
-        };
+        let kind = store.kind();
         let store_seconds = metrics
             .store_duration
-            .get_or_create(&StoreLabels { backend })
+            .get_or_create(&StoreLabels {
+                backend: kind.name(),
+            })
             .clone();
         Arc::new(Limiter {
             store_seconds,
-            denials,
+            denials: kind.is_shared().then(|| DenyCache::new(DENY_CACHE_ENTRIES)),
             store,
-            on_error,
+            on_error: settings.on_error,
             local: MemoryStore::bounded(
                 Arc::new(MonotonicClock::new()),
-                max_keys,
-                metrics.evictions("local"),
+                settings.max_keys,
+                Evictions::of(&metrics, "local"),
             ),
             full_logged_ms: AtomicU64::new(0),
-            threshold: breaker_failures.max(1),
-            cooldown: breaker_cooldown,
+            threshold: settings.breaker_failures.max(1),
+            cooldown: settings.breaker_cooldown,
             failures: AtomicU32::new(0),
             open: AtomicBool::new(false),
             data_logged_ms: AtomicU64::new(0),
@@ -131,8 +128,8 @@ impl Limiter {
         })
     }
 
-    pub fn store(&self) -> &Store {
-        &self.store
+    pub fn store(&self) -> &dyn Store {
+        &*self.store
     }
 
     pub fn on_error(&self) -> OnError {
@@ -158,17 +155,18 @@ impl Limiter {
     pub async fn decide(self: &Arc<Self>, checks: &[Check<'_>], cache_denials: bool) -> Answer {
         match self.decide_now(checks, cache_denials) {
             Now::Answered(answer) => answer,
-            Now::Ask { sent_us, started } => {
-                self.ask(checks, cache_denials, sent_us, started).await
-            }
+            Now::Ask(asking) => self.ask(checks, cache_denials, asking).await,
         }
     }
 
-    /// [`Limiter::decide`] as far as it goes without waiting: the whole answer from the
-    /// memory store, the deny cache or an open breaker; else what the store call needs.
-    /// (The request path awaits the shared store's call only when there is one: no
-    /// future of its size for the memory store to carry.)
-    pub fn decide_now(self: &Arc<Self>, checks: &[Check<'_>], cache_denials: bool) -> Now {
+    /// [`Limiter::decide`] as far as it goes without waiting: the whole answer from an
+    /// in-process store, the deny cache or an open breaker; else the store's call, under
+    /// way. (The request path awaits a future only when there is one.)
+    pub fn decide_now<'a>(
+        self: &'a Arc<Self>,
+        checks: &'a [Check<'a>],
+        cache_denials: bool,
+    ) -> Now<'a> {
         // A known denial stands whatever the store is doing: it is still true.
         let denials = self.denials.as_ref().filter(|_| cache_denials);
         // The deny cache's clock, read only where there is a cache.
@@ -182,25 +180,31 @@ impl Limiter {
             return Now::Answered(self.fallback(checks, StoreError::CircuitOpen));
         }
         let started = Instant::now();
-        match &self.store {
-            Store::Memory(m) => {
-                let result = m.decide(checks).map_err(StoreError::from);
+        match self.store.decide(checks) {
+            Call::Ready(result) => {
                 Now::Answered(self.settle(checks, cache_denials, result, sent_us, started))
             }
-            Store::Redis(_) | Store::RedisCluster(_) => Now::Ask { sent_us, started },
+            Call::Pending(call) => Now::Ask(Asking {
+                call,
+                sent_us,
+                started,
+            }),
         }
     }
 
-    /// The shared store answered (`started`: when it was asked) the call `decide_now`
-    /// left to do (asked when the deny cache's clock read `sent_us`).
+    /// The answer to the store call [`Limiter::decide_now`] made.
     pub async fn ask(
         self: &Arc<Self>,
         checks: &[Check<'_>],
         cache_denials: bool,
-        sent_us: u64,
-        started: Instant,
+        asking: Asking<'_>,
     ) -> Answer {
-        let result = self.store.decide(checks).await;
+        let Asking {
+            call,
+            sent_us,
+            started,
+        } = asking;
+        let result = call.await;
         self.settle(checks, cache_denials, result, sent_us, started)
     }
 
@@ -281,12 +285,13 @@ impl Limiter {
     /// Give back a slot held in this process: the local fallback's (`local`), or the
     /// memory store's. Synchronous: a mutex, no I/O.
     pub fn release_in_process(&self, check: &Check<'_>, local: bool) {
-        match (&self.store, local) {
-            (_, true) => self.local.release(check),
-            (Store::Memory(m), false) => m.release(check),
-            // A shared store's leases are released with `release`.
-            _ => {}
+        if local {
+            self.local.release(check);
+        } else if !self.store.kind().is_shared() {
+            // Answered at once: nothing to wait for.
+            let _ = self.store.release(check);
         }
+        // A shared store's leases are released with `release`.
     }
 
     /// Renew a concurrency lease in the shared store; `false` once it is gone.
@@ -317,8 +322,7 @@ impl Limiter {
     /// Drop refilled state from the in-process stores, and report how many keys each
     /// holds (`ratewall_store_keys`).
     pub fn sweep(&self) {
-        if let Store::Memory(m) = &self.store {
-            let n = m.sweep();
+        if let Some(n) = self.store.sweep() {
             self.metrics.store_keys("memory").set(n as i64);
         }
         let n = self.local.sweep();
@@ -360,7 +364,7 @@ impl Limiter {
         match self.on_error {
             // The memory store is already in this process: a second one would only start
             // every identity afresh. Its failure (full) is denied.
-            OnError::Local if matches!(self.store, Store::Memory(_)) => Answer::Failed(e),
+            OnError::Local if !self.store.kind().is_shared() => Answer::Failed(e),
             OnError::Local => match self.local.decide(checks) {
                 Ok(d) => Answer::Local(d),
                 Err(full) => {
@@ -387,7 +391,7 @@ impl Limiter {
         }
         // In a cluster one node's failure is not the others': its slots get on_error after
         // the store timeout, and the breaker, which would stop every slot, stays closed.
-        let clustered = matches!(self.store, Store::RedisCluster(_));
+        let clustered = self.store.kind().is_clustered();
         if !clustered && n >= self.threshold && !self.open.swap(true, Relaxed) {
             self.metrics.breaker_open.set(1);
             tracing::warn!(

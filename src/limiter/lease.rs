@@ -10,7 +10,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::guard::Limiter;
-use super::{Check, IdentityDigest, Quota};
+use super::{Check, Quota};
+use crate::identity::IdentityDigest;
 
 /// One slot taken.
 struct Held {
@@ -52,7 +53,7 @@ impl Leases {
         if held.is_empty() {
             return None;
         }
-        let renewer = (!local && limiter.store().is_shared()).then(|| {
+        let renewer = (!local && limiter.store().kind().is_shared()).then(|| {
             let (limiter, held) = (limiter.clone(), held.clone());
             tokio::spawn(async move {
                 let every = held
@@ -82,7 +83,7 @@ impl Leases {
     /// A store call that failed (timed out) for `checks` may still have written their
     /// leases: remove them, best effort (removing a lease that is not there is a no-op).
     pub fn abandon(limiter: &Arc<Limiter>, checks: &[Check<'_>]) {
-        if !limiter.store().is_shared() {
+        if !limiter.store().kind().is_shared() {
             return;
         }
         let held = held(checks, |_| true);
@@ -141,7 +142,7 @@ impl Leases {
     /// Whether the slots live in this process (the memory store, or the `on_error =
     /// "local"` fallback).
     fn in_process(&self) -> bool {
-        self.local || !self.limiter.store().is_shared()
+        self.local || !self.limiter.store().kind().is_shared()
     }
 }
 

@@ -37,16 +37,19 @@
 //! # Small
 //!
 //! One tracked key costs a 48-byte slot in a dense array (at most a sixteenth of it spare)
-//! plus a 4-byte position and a control byte in a hash table over it (44% to 87.5% full):
-//! 57 to 65 bytes per key from a few thousand keys up (`examples/measure_memory.rs`).
+//! plus a 4-byte position and a control byte in a hash table over it (44% to 87.5% full).
+//! `examples/measure_memory.rs` measures the bytes per key; docs/performance.md has the
+//! figures.
 
 use std::sync::{Arc, Mutex, MutexGuard};
 
 use hashbrown::HashTable;
 use prometheus_client::metrics::counter::Counter;
 
+use super::store::{Call, Kind, Store};
 use super::{concurrency, fixed_window, gcra, sliding_window, token_bucket};
-use super::{Check, Clock, Decision, State};
+use super::{Check, Clock, Decision, Fnv1a, State, StoreError};
+use crate::metrics::{EvictionLabels, Metrics};
 
 /// Shards at most; a small store has fewer (one per [`KEYS_PER_SHARD`]), so that the
 /// per-shard bound is the whole store's and eviction order is exact.
@@ -211,6 +214,24 @@ pub struct Evictions {
     pub lru: Counter,
     /// Held entries, when a shard held nothing else: the one denied least recently.
     pub held: Counter,
+}
+
+impl Evictions {
+    /// The counters of the in-process store `store` (`memory`, or `local`: the
+    /// `on_error = "local"` fallback) in `ratewall_store_evictions_total`.
+    pub fn of(metrics: &Metrics, store: &'static str) -> Evictions {
+        let counter = |reason| {
+            metrics
+                .memory_evictions
+                .get_or_create(&EvictionLabels { store, reason })
+                .clone()
+        };
+        Evictions {
+            expired: counter("expired"),
+            lru: counter("lru"),
+            held: counter("held"),
+        }
+    }
 }
 
 /// Which recency list a slot is on. Room is made from the least recently used end of
@@ -649,14 +670,9 @@ impl MemoryStore {
 
     /// Which shard holds `check`'s entry, and its key there.
     fn key(&self, check: &Check<'_>) -> (usize, Key) {
-        let id = u128::from_le_bytes(check.identity.0);
-        // FNV-1a of the rule name, spread over 128 bits.
-        let mut h: u128 = 0x6c62272e07bb014262b821756295c58d;
-        for b in check.rule.bytes() {
-            h ^= u128::from(b);
-            h = h.wrapping_mul(0x0000000001000000000000000000013B);
-        }
-        let k = id ^ h;
+        let mut rule = Fnv1a::new();
+        rule.write(check.rule.as_bytes());
+        let k = u128::from_le_bytes(check.identity.0) ^ rule.finish();
         let (lo, hi) = (k as u64, (k >> 64) as u64);
         // The key from all 128 bits, the low half multiplied through so that digests
         // differing only in their low bits (test identities) still differ in the 60 bits
@@ -837,11 +853,48 @@ impl MemoryStore {
     }
 }
 
+impl Store for MemoryStore {
+    fn kind(&self) -> Kind {
+        Kind::Memory
+    }
+
+    fn decide<'a>(&'a self, checks: &'a [Check<'a>]) -> Call<'a, Vec<Decision>> {
+        Call::Ready(MemoryStore::decide(self, checks).map_err(StoreError::from))
+    }
+
+    fn peek<'a>(&'a self, checks: &'a [Check<'a>]) -> Call<'a, Vec<Decision>> {
+        Call::Ready(Ok(MemoryStore::peek(self, checks)))
+    }
+
+    fn reset<'a>(&'a self, check: &'a Check<'a>) -> Call<'a, ()> {
+        MemoryStore::reset(self, check);
+        Call::Ready(Ok(()))
+    }
+
+    fn release<'a>(&'a self, check: &'a Check<'a>) -> Call<'a, ()> {
+        MemoryStore::release(self, check);
+        Call::Ready(Ok(()))
+    }
+
+    fn renew<'a>(&'a self, _check: &'a Check<'a>) -> Call<'a, bool> {
+        // A slot in process lives until its request gives it back.
+        Call::Ready(Ok(true))
+    }
+
+    fn ping(&self) -> Call<'_, ()> {
+        Call::Ready(Ok(()))
+    }
+
+    fn sweep(&self) -> Option<usize> {
+        Some(MemoryStore::sweep(self))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::config::Rate;
-    use crate::limiter::{Algorithm, IdentityDigest, ManualClock, Quota};
+    use crate::identity::IdentityDigest;
+    use crate::limiter::{Algorithm, ManualClock, Quota, Rate};
     use std::num::NonZeroU64;
     use std::time::Duration;
 

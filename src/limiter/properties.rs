@@ -6,7 +6,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 
 use super::{decide, Algorithm, Decision, Quota, State};
-use crate::config::Rate;
+use crate::limiter::Rate;
 
 fn quota(algorithm: Algorithm, count: u64, secs: u64, burst: Option<u64>, cost: u64) -> Quota {
     Quota::new(

@@ -1,5 +1,4 @@
-//! Who a request is: peer address + trusted proxies + headers -> [`IdentityDigest`].
-//! Pure: no I/O, so every case is tested without a network.
+//! A request's client address: peer address + trusted proxies + forwarding header.
 //!
 //! A client IP is believed from a forwarding header only when the TCP peer is a trusted
 //! proxy. The header is then walked from the right — the entry the nearest proxy wrote —
@@ -9,17 +8,29 @@
 
 use std::net::{IpAddr, Ipv6Addr};
 
-use http::header::{HeaderMap, HeaderName};
+use http::header::HeaderMap;
 use ipnet::IpNet;
-use sha2::{Digest, Sha256};
+use serde::Deserialize;
 
-use crate::config::{ClientIp, ForwardingHeader};
-use crate::limiter::IdentityDigest;
+/// Which header a trusted proxy names the client in.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum ForwardingHeader {
+    #[default]
+    XForwardedFor,
+    Forwarded,
+    XRealIp,
+}
+
+/// `[client_ip]`: whose forwarding headers are believed, and which one.
+#[derive(Debug, Clone, Default)]
+pub struct ClientIp {
+    pub trusted_proxies: Vec<IpNet>,
+    pub header: ForwardingHeader,
+}
 
 /// Hops examined at most in one forwarding header; past them the last trusted hop stands.
 const MAX_HOPS: usize = 64;
-/// Longest API key accepted. Longer values are refused rather than hashed.
-pub const MAX_KEY_LEN: usize = 1024;
 
 /// The client address of a request, by the rules above.
 ///
@@ -158,82 +169,10 @@ fn is_port(s: &str) -> bool {
     !s.is_empty() && s.len() <= 5 && s.bytes().all(|b| b.is_ascii_digit())
 }
 
-/// An API key as sent, checked for shape. `Ok(None)`: no key was sent.
-pub fn api_key<'h>(
-    headers: &'h HeaderMap,
-    name: &HeaderName,
-) -> Result<Option<&'h [u8]>, KeyError> {
-    let mut values = headers.get_all(name).iter();
-    let Some(v) = values.next() else {
-        return Ok(None);
-    };
-    if values.next().is_some() {
-        return Err(KeyError::Repeated);
-    }
-    let v = trim(v.as_bytes());
-    if v.is_empty() {
-        return Ok(None);
-    }
-    if v.len() > MAX_KEY_LEN {
-        return Err(KeyError::TooLong);
-    }
-    Ok(Some(v))
-}
-
-fn trim(b: &[u8]) -> &[u8] {
-    let start = b
-        .iter()
-        .position(|c| !c.is_ascii_whitespace())
-        .unwrap_or(b.len());
-    let end = b
-        .iter()
-        .rposition(|c| !c.is_ascii_whitespace())
-        .map_or(start, |e| e + 1);
-    &b[start..end]
-}
-
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-pub enum KeyError {
-    #[error("the key header was sent more than once")]
-    Repeated,
-    #[error("the key is longer than {MAX_KEY_LEN} bytes")]
-    TooLong,
-}
-
-/// Digests, domain-separated so an API key can never collide with an IP or a header value.
-pub fn digest_api_key(key: &[u8]) -> IdentityDigest {
-    digest(&[b"ratewall/key\0", key])
-}
-
-pub fn digest_ip(ip: IpAddr) -> IdentityDigest {
-    match ip {
-        IpAddr::V4(v4) => digest(&[b"ratewall/ip4\0", &v4.octets()]),
-        IpAddr::V6(v6) => digest(&[b"ratewall/ip6\0", &v6.octets()]),
-    }
-}
-
-pub fn digest_global() -> IdentityDigest {
-    digest(&[b"ratewall/global"])
-}
-
-pub fn digest_header(name: &HeaderName, value: &[u8]) -> IdentityDigest {
-    digest(&[b"ratewall/header\0", name.as_str().as_bytes(), b"\0", value])
-}
-
-fn digest(parts: &[&[u8]]) -> IdentityDigest {
-    let mut h = Sha256::new();
-    for p in parts {
-        h.update(p);
-    }
-    let full = h.finalize();
-    let mut out = [0u8; 16];
-    out.copy_from_slice(&full[..16]);
-    IdentityDigest(out)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+    use http::header::HeaderName;
     use http::HeaderValue;
 
     fn cfg(header: ForwardingHeader) -> ClientIp {
@@ -356,42 +295,6 @@ mod tests {
         assert_eq!(f(&[b"1.1.1.1, 2.2.2.2"]), ip("127.0.0.1"));
     }
 
-    #[test]
-    fn api_keys_are_checked_for_shape() {
-        let name = HeaderName::from_static("x-api-key");
-        assert_eq!(
-            api_key(&headers("x-api-key", &[b" k1 "]), &name),
-            Ok(Some(&b"k1"[..]))
-        );
-        assert_eq!(api_key(&headers("x-api-key", &[b""]), &name), Ok(None));
-        assert_eq!(api_key(&HeaderMap::new(), &name), Ok(None));
-        assert_eq!(
-            api_key(&headers("x-api-key", &[b"a", b"b"]), &name),
-            Err(KeyError::Repeated)
-        );
-        let long = vec![b'a'; MAX_KEY_LEN + 1];
-        assert_eq!(
-            api_key(&headers("x-api-key", &[&long]), &name),
-            Err(KeyError::TooLong)
-        );
-        assert_eq!(
-            api_key(&headers("x-api-key", &[b"\xff\xfek"]), &name),
-            Ok(Some(&b"\xff\xfek"[..]))
-        );
-    }
-
-    #[test]
-    fn digests_are_separated_by_kind() {
-        assert_ne!(digest_api_key(b"1.2.3.4"), digest_ip(ip("1.2.3.4")));
-        assert_ne!(digest_api_key(b"a"), digest_api_key(b"b"));
-        assert_eq!(
-            digest_ip(ip("::ffff:1.2.3.4").to_canonical()),
-            digest_ip(ip("1.2.3.4"))
-        );
-        let d = digest_api_key(b"secret-key").hex();
-        assert!(!d.contains("secret"));
-    }
-
     mod fuzz {
         use super::*;
         use proptest::prelude::*;
@@ -482,16 +385,6 @@ mod tests {
                 prop_assert_eq!(a, b, "{:?} vs {:?}", alone, spoofed);
             }
 
-            /// Any key header bytes: a clean answer, never a panic; accepted keys are bounded.
-            #[test]
-            fn any_key_header_is_handled(lines in prop::collection::vec(prop::collection::vec(prop_oneof![0x20u8..0x7f, 0x80u8..=0xff], 0..1100), 0..3)) {
-                let lines: Vec<&[u8]> = lines.iter().map(Vec::as_slice).collect();
-                let h = headers("x-api-key", &lines);
-                if let Ok(Some(k)) = api_key(&h, &HeaderName::from_static("x-api-key")) {
-                    prop_assert!(!k.is_empty() && k.len() <= MAX_KEY_LEN);
-                    prop_assert_eq!(lines.len(), 1);
-                }
-            }
         }
     }
 }

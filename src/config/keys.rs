@@ -1,0 +1,142 @@
+//! `[client_ip]` and `[keys]`: whose forwarding headers are believed, the API key header,
+//! and the listed keys' plans (inline, or in a keys file of their own).
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use super::values::{Cidr, Header, PlanName};
+use super::{from_toml, ConfigError, Invalid};
+use crate::identity::{sha256, ClientIp, ForwardingHeader, Keys, UnknownKeys, DEFAULT_KEY_HEADER};
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawClientIp {
+    #[serde(default)]
+    trusted_proxies: Vec<Cidr>,
+    #[serde(default)]
+    header: ForwardingHeader,
+}
+
+impl RawClientIp {
+    pub(super) fn validate(self) -> ClientIp {
+        ClientIp {
+            trusted_proxies: self.trusted_proxies.into_iter().map(|c| c.0).collect(),
+            header: self.header,
+        }
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawKeys {
+    header: Option<Header>,
+    #[serde(default)]
+    unknown: UnknownKeys,
+    #[serde(default)]
+    plans: HashMap<String, Spanned<PlanName>>,
+    pub(super) file: Option<Spanned<String>>,
+}
+
+/// The keys file: `[plans]`, API key (or `sha256:<hex>` of one) -> plan name.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawKeysFile {
+    #[serde(default)]
+    plans: HashMap<String, Spanned<PlanName>>,
+}
+
+impl RawKeys {
+    /// Every listed key as a digest: inline ones, then `file`'s (its path, and what
+    /// [`load_keys_file`] read from it).
+    pub(super) fn validate(
+        self,
+        file: Option<(PathBuf, HashMap<[u8; 32], String>)>,
+    ) -> Result<Keys, Invalid> {
+        let mut listed: HashMap<[u8; 32], String> = HashMap::new();
+        let mut inline: Vec<(&String, &Spanned<PlanName>)> = self.plans.iter().collect();
+        inline.sort_by(|a, b| a.0.cmp(b.0));
+        for (k, spanned) in inline {
+            let plan = spanned.get_ref();
+            let d =
+                key_digest(k).map_err(|m| Invalid::new(Some(spanned.span()), "keys.plans", m))?;
+            if listed.get(&d).is_some_and(|p| *p != plan.0) {
+                return Err(Invalid::new(
+                    Some(spanned.span()),
+                    "keys.plans",
+                    "one API key is listed twice with different plans (as itself and as its sha256:)",
+                ));
+            }
+            listed.insert(d, plan.0.clone());
+        }
+        let (path, from_file) = match file {
+            Some((p, k)) => (Some(p), k),
+            None => (None, HashMap::new()),
+        };
+        for (d, plan) in from_file {
+            if let Some(inline) = listed.get(&d).filter(|p| **p != plan) {
+                return Err(Invalid::new(
+                    self.file.as_ref().map(Spanned::span),
+                    "keys.file",
+                    format!("an API key in the keys file has plan {plan:?} there and {inline:?} in [keys.plans]"),
+                ));
+            }
+            listed.insert(d, plan);
+        }
+        Ok(Keys::new(
+            self.header.map_or(DEFAULT_KEY_HEADER, |h| h.0),
+            self.unknown,
+            listed,
+            path,
+        ))
+    }
+}
+
+/// An API key as listed: the key itself, or `sha256:<64 hex digits>` of it.
+fn key_digest(listed: &str) -> Result<[u8; 32], String> {
+    if let Some(hex) = listed.strip_prefix("sha256:") {
+        let hex = hex.trim();
+        let bytes = hex.as_bytes();
+        if bytes.len() != 64 || !bytes.iter().all(u8::is_ascii_hexdigit) {
+            return Err(format!(
+                "{listed:?}: a sha256: key is 64 hex digits (`printf %s KEY | sha256sum`)"
+            ));
+        }
+        let mut d = [0u8; 32];
+        for (i, pair) in bytes.chunks_exact(2).enumerate() {
+            let hi = (pair[0] as char).to_digit(16).unwrap_or(0);
+            let lo = (pair[1] as char).to_digit(16).unwrap_or(0);
+            d[i] = (hi * 16 + lo) as u8;
+        }
+        return Ok(d);
+    }
+    // A key no client can send (empty, control characters) would never match.
+    if listed.is_empty() || http::HeaderValue::from_str(listed).is_err() {
+        return Err("an API key is a non-empty header value without control characters".into());
+    }
+    Ok(sha256(listed.as_bytes()))
+}
+
+/// Read a keys file: `[plans]`, each API key (or `sha256:<hex>`) -> plan name. Errors
+/// name the keys file, its line and column.
+pub(super) fn load_keys_file(path: &Path) -> Result<HashMap<[u8; 32], String>, ConfigError> {
+    let text = super::read(path)?;
+    let raw: RawKeysFile = from_toml(&text, path, "plans.")?;
+    let mut out = HashMap::with_capacity(raw.plans.len());
+    for (listed, spanned) in raw.plans {
+        let span = spanned.span();
+        let plan = spanned.into_inner();
+        let invalid = |m: String| Invalid::new(Some(span.clone()), "plans", m).locate(&text, path);
+        let d = key_digest(&listed).map_err(invalid)?;
+        if out.get(&d).is_some_and(|p: &String| *p != plan.0) {
+            return Err(invalid(
+                "one API key is listed twice with different plans (as itself and as its sha256:)"
+                    .into(),
+            ));
+        }
+        out.insert(d, plan.0);
+    }
+    Ok(out)
+}

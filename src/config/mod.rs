@@ -1,0 +1,623 @@
+//! `config/limits.toml`: raw serde structs (every table `deny_unknown_fields`), then
+//! [`Config::parse`] validates them into immutable, typed values that cannot be wrong.
+//! The types live with their meaning (a rule in [`crate::rules`], a quota in
+//! [`crate::limiter`], an API key's settings in [`crate::identity`]); this module only
+//! parses, validates into them, and reports errors. One file per table; each setting's
+//! default is written once, with the type it configures.
+//!
+//! Value-level checks (a rate, a CIDR, a duration) run inside deserialisation
+//! (`values.rs`), so their errors carry the line and column of the offending value;
+//! cross-field checks (burst against cost, duplicate rule names) point at the rule's table.
+
+mod keys;
+mod rules;
+mod server;
+mod store;
+mod upstream;
+mod values;
+
+use std::collections::HashSet;
+use std::ops::Range;
+use std::path::{Path, PathBuf};
+
+use serde::de::DeserializeOwned;
+use serde::Deserialize;
+use toml::Spanned;
+
+use crate::headers::ResponseStyle;
+use crate::identity::{ClientIp, KeyKind, Keys, MissingKey};
+use crate::limiter::store::{self as store_settings, Backend};
+use crate::rules::{Rule, RuleIndex};
+
+pub use rules::{DEFAULT_LEASE_TTL, DEFAULT_MAX_WAITING, MAX_DELAY};
+pub use server::{Admin, Server, MAX_CONNECTIONS, MAX_HEADER_BYTES, SHUTDOWN_GRACE};
+pub use upstream::{Upstream, CONNECT_TIMEOUT, TIMEOUT as UPSTREAM_TIMEOUT};
+
+/// A configuration file that could not be loaded, with where and why.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    #[error("{path}: cannot read: {source}")]
+    Read {
+        path: PathBuf,
+        source: std::io::Error,
+    },
+    #[error("{path}:{line}:{column}: {key}: {message}")]
+    Invalid {
+        path: PathBuf,
+        line: usize,
+        column: usize,
+        /// The dotted key path, e.g. `rules[0].rate`.
+        key: String,
+        message: String,
+    },
+}
+
+/// The validated configuration. Built once per load and shared behind an `Arc`.
+#[derive(Debug)]
+pub struct Config {
+    pub server: Server,
+    pub admin: Admin,
+    pub upstream: Upstream,
+    pub store: store_settings::Settings,
+    pub client_ip: ClientIp,
+    pub keys: Keys,
+    pub response: ResponseStyle,
+    pub rules: Vec<Rule>,
+    /// `rules`, precompiled for matching (see [`RuleIndex`]).
+    pub index: RuleIndex,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    server: server::RawServer,
+    #[serde(default)]
+    admin: server::RawAdmin,
+    upstream: upstream::RawUpstream,
+    store: Option<Spanned<store::RawStore>>,
+    #[serde(default)]
+    client_ip: keys::RawClientIp,
+    #[serde(default)]
+    keys: keys::RawKeys,
+    #[serde(default)]
+    response: server::RawResponse,
+    #[serde(default)]
+    rules: Vec<Spanned<rules::RawRule>>,
+}
+
+/// A value the file has wrong: where (a byte span of the file), under which key, and why.
+struct Invalid {
+    span: Option<Range<usize>>,
+    key: String,
+    message: String,
+}
+
+impl Invalid {
+    fn new(span: Option<Range<usize>>, key: impl Into<String>, message: impl Into<String>) -> Self {
+        Invalid {
+            span,
+            key: key.into(),
+            message: message.into(),
+        }
+    }
+
+    /// The error, with the line and column of the span in `text` (the file at `path`).
+    fn locate(self, text: &str, path: &Path) -> ConfigError {
+        let (line, column) = line_col(text, self.span.map_or(0, |s| s.start));
+        ConfigError::Invalid {
+            path: path.to_owned(),
+            line,
+            column,
+            key: self.key,
+            message: self.message,
+        }
+    }
+}
+
+fn read(path: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })
+}
+
+/// `text` (the file at `path`) as a `T`, or the first error, located. `plans`: the key path
+/// under which table keys are API keys, to be kept out of the message.
+fn from_toml<T: DeserializeOwned>(text: &str, path: &Path, plans: &str) -> Result<T, ConfigError> {
+    let de = toml::Deserializer::parse(text)
+        .map_err(|e| Invalid::new(e.span(), "(document)", e.message().trim()).locate(text, path))?;
+    serde_path_to_error::deserialize(de).map_err(|e| {
+        let key = match e
+            .path()
+            .to_string()
+            .replace(".$__serde_spanned_private_value", "")
+        {
+            k if k == "." => "(top level)".to_string(),
+            k => redact_key(k, plans),
+        };
+        let inner = e.into_inner();
+        Invalid::new(inner.span(), key, inner.message().trim()).locate(text, path)
+    })
+}
+
+impl Config {
+    /// Read and validate the file at `path`.
+    pub fn load(path: &Path) -> Result<Config, ConfigError> {
+        Config::parse(&read(path)?, path)
+    }
+
+    /// Validate `text`; `path` only names the file in errors, and the keys file is read
+    /// relative to its folder.
+    pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        let raw: RawConfig = from_toml(text, path, "keys.plans.")?;
+        let keys_file = match &raw.keys.file {
+            Some(f) => {
+                let file = path
+                    .parent()
+                    .unwrap_or(Path::new(""))
+                    .join(f.get_ref().trim());
+                let listed = keys::load_keys_file(&file).map_err(|e| match e {
+                    // A missing keys file is the config's error: point at `file =`.
+                    ConfigError::Read { source, .. } => Invalid::new(
+                        Some(f.span()),
+                        "keys.file",
+                        format!(
+                            "cannot read the keys file {:?} (relative to this file's folder): {source}",
+                            f.get_ref()
+                        ),
+                    )
+                    .locate(text, path),
+                    e => e,
+                })?;
+                Some((file, listed))
+            }
+            None => None,
+        };
+        Config::validate(raw, keys_file).map_err(|e| e.locate(text, path))
+    }
+
+    fn validate(
+        raw: RawConfig,
+        keys_file: Option<(PathBuf, std::collections::HashMap<[u8; 32], String>)>,
+    ) -> Result<Config, Invalid> {
+        let store = match raw.store {
+            Some(s) => {
+                let span = s.span();
+                s.into_inner().validate(Some(span))?
+            }
+            None => store::RawStore::default().validate(None)?,
+        };
+        let keys = raw.keys.validate(keys_file)?;
+        let plan_names: HashSet<&str> = keys.plan_names().collect();
+        let mut names = HashSet::new();
+        let mut rules = Vec::with_capacity(raw.rules.len());
+        for (i, spanned) in raw.rules.iter().enumerate() {
+            let r = spanned.get_ref();
+            let name = r.name.get_ref().0.as_str();
+            if !names.insert(name) {
+                return Err(Invalid::new(
+                    Some(r.name.span()),
+                    format!("rules[{i}].name"),
+                    format!("duplicate rule name {name:?}"),
+                ));
+            }
+            rules.push(r.validate(i, spanned.span(), &plan_names)?);
+        }
+        drop(plan_names);
+        let index = RuleIndex::new(&rules);
+        Ok(Config {
+            admin: raw
+                .admin
+                .validate(std::env::var("RATEWALL_ADMIN_TOKEN").ok()),
+            server: raw.server.validate(),
+            upstream: raw.upstream.validate(),
+            store,
+            client_ip: raw.client_ip.validate(),
+            keys,
+            response: raw.response.headers,
+            rules,
+            index,
+        })
+    }
+
+    /// The effective configuration, for `ratewall check`. API keys are not printed.
+    pub fn describe(&self) -> String {
+        use std::fmt::Write;
+        let mut out = String::new();
+        let _ = writeln!(out, "listen        {}", self.server.listen);
+        if let Some(a) = self.server.admin_listen {
+            let _ = writeln!(out, "admin_listen  {a}");
+        }
+        let _ = writeln!(
+            out,
+            "upstream      {}{}",
+            self.upstream.url.to_string().trim_end_matches('/'),
+            self.upstream.base_path
+        );
+        let t = &self.server.timeouts;
+        let _ = writeln!(
+            out,
+            "clients       header_timeout {}, idle_timeout {}, body_timeout {}, max_connections {}, max_header_bytes {}",
+            humantime::format_duration(t.header),
+            humantime::format_duration(t.idle),
+            humantime::format_duration(t.body),
+            self.server.max_connections,
+            self.server.max_header_bytes
+        );
+        let backend = match &self.store.backend {
+            Backend::Memory => format!(
+                "memory (embedded, one instance; max_keys {})",
+                self.store.max_keys
+            ),
+            Backend::Redis { .. } => "redis".to_string(),
+            Backend::RedisCluster { nodes } => {
+                format!("redis_cluster ({} seed nodes)", nodes.len())
+            }
+        };
+        let _ = writeln!(
+            out,
+            "store         {backend}, timeout {}, on_error {}",
+            humantime::format_duration(self.store.timeout),
+            self.store.on_error.name()
+        );
+        let _ = writeln!(
+            out,
+            "keys          header {}, {} listed with a plan{}",
+            self.keys.header,
+            self.keys.len(),
+            match &self.keys.file {
+                Some(f) => format!(" (with the keys file {})", f.display()),
+                None => String::new(),
+            }
+        );
+        let _ = writeln!(out, "rules         {}", self.rules.len());
+        for r in &self.rules {
+            let when = r.matcher.describe();
+            let key = match (&r.key.kind, r.key.missing) {
+                (KeyKind::ApiKey, MissingKey::Reject) => "api_key (missing: 401)".to_string(),
+                (KeyKind::ApiKey, MissingKey::ClientIp) => {
+                    "api_key (missing: client_ip)".to_string()
+                }
+                (kind, _) => kind.to_string(),
+            };
+            let _ = writeln!(
+                out,
+                "  - {}: {} per {}; {}; when {}",
+                r.name,
+                r.quota,
+                key,
+                r.quota.algorithm.name(),
+                when
+            );
+            let _ = writeln!(out, "      {}", r.behaviour());
+            let mut plans: Vec<_> = r.plans.iter().collect();
+            plans.sort_by(|a, b| a.0.cmp(b.0));
+            for (p, q) in plans {
+                let _ = writeln!(out, "      plan {p}: {q} ({})", q.algorithm.name());
+            }
+        }
+        out
+    }
+}
+
+/// An error's key path with the API key in it replaced: `keys.plans.<key>` (the line and
+/// column still point at it). API keys never reach messages or logs.
+fn redact_key(path: String, plans: &str) -> String {
+    match path.strip_prefix(plans) {
+        Some(rest) if !rest.is_empty() => format!("{plans}<key>"),
+        _ => path,
+    }
+}
+
+/// 1-based line and column of byte offset `at` in `text`.
+fn line_col(text: &str, at: usize) -> (usize, usize) {
+    let at = at.min(text.len());
+    let before = &text.as_bytes()[..at];
+    let line = before.iter().filter(|&&b| b == b'\n').count() + 1;
+    let line_start = before
+        .iter()
+        .rposition(|&b| b == b'\n')
+        .map(|p| p + 1)
+        .unwrap_or(0);
+    let column = String::from_utf8_lossy(&before[line_start..])
+        .chars()
+        .count()
+        + 1;
+    (line, column)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::limiter::{Algorithm, OnError};
+    use std::time::Duration;
+
+    const MINIMAL: &str = r#"
+[server]
+listen = "127.0.0.1:8080"
+[upstream]
+url = "http://127.0.0.1:3000"
+"#;
+
+    fn parse(extra: &str) -> Result<Config, ConfigError> {
+        Config::parse(&format!("{MINIMAL}{extra}"), Path::new("limits.toml"))
+    }
+
+    fn err(extra: &str) -> (usize, usize, String, String) {
+        match parse(extra) {
+            Err(ConfigError::Invalid {
+                line,
+                column,
+                key,
+                message,
+                ..
+            }) => (line, column, key, message),
+            Err(e) => panic!("unexpected error {e}"),
+            Ok(_) => panic!("config was accepted"),
+        }
+    }
+
+    #[test]
+    fn shipped_config_is_valid() {
+        let cfg = Config::load(Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/config/limits.toml"
+        )))
+        .expect("the shipped config/limits.toml must be valid");
+        assert_eq!(cfg.store.backend, Backend::Memory);
+        assert!(!cfg.rules.is_empty());
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let cfg = parse("").unwrap();
+        assert_eq!(cfg.store.backend, Backend::Memory);
+        assert_eq!(cfg.store.timeout, Duration::from_millis(50));
+        assert_eq!(cfg.store.on_error, OnError::Deny);
+        assert_eq!(cfg.keys.header.as_str(), "x-api-key");
+        assert_eq!(cfg.response, ResponseStyle::Draft);
+        assert_eq!(cfg.upstream.timeout, Duration::from_secs(30));
+        let t = cfg.server.timeouts;
+        assert_eq!(
+            (t.header, t.idle, t.body),
+            (
+                Duration::from_secs(10),
+                Duration::from_secs(60),
+                Duration::from_secs(30)
+            )
+        );
+        assert_eq!(cfg.server.max_connections, 10_000);
+        assert_eq!(cfg.server.max_header_bytes, 32 * 1024);
+        assert_eq!(cfg.store.max_keys, 1_000_000);
+    }
+
+    #[test]
+    fn sizes_are_bytes_or_binary_units() {
+        for (text, bytes) in [
+            ("4096", 4096),
+            ("\"4096B\"", 4096),
+            ("\"32KiB\"", 32 * 1024),
+            ("\"8k\"", 8 * 1024),
+            ("\" 1MiB \"", 1024 * 1024),
+        ] {
+            let cfg = Config::parse(
+                &format!("[server]\nlisten = \"127.0.0.1:1\"\nmax_header_bytes = {text}\n[upstream]\nurl = \"http://127.0.0.1:2\"\n"),
+                Path::new("t.toml"),
+            )
+            .unwrap_or_else(|e| panic!("{text}: {e}"));
+            assert_eq!(cfg.server.max_header_bytes, bytes, "{text}");
+        }
+        for bad in [
+            "\"32KB\"",
+            "\"x\"",
+            "\"2GiB\"",
+            "-1",
+            "\"1.5KiB\"",
+            "\"2MiB\"",
+        ] {
+            assert!(
+                Config::parse(
+                    &format!("[server]\nlisten = \"127.0.0.1:1\"\nmax_header_bytes = {bad}\n[upstream]\nurl = \"http://127.0.0.1:2\"\n"),
+                    Path::new("t.toml"),
+                )
+                .is_err(),
+                "{bad} was accepted"
+            );
+        }
+    }
+
+    #[test]
+    fn unknown_key_is_rejected_with_line_column_and_key() {
+        let (line, column, key, message) =
+            err("[store]\nbackend = \"memory\"\nbakend = \"redis\"\n");
+        assert_eq!((line, column), (8, 1));
+        assert_eq!(key, "store.bakend");
+        assert!(message.contains("unknown field `bakend`"), "{message}");
+    }
+
+    #[test]
+    fn bad_rate_points_at_the_value() {
+        let (line, column, key, message) =
+            err("[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"ten/s\"\n");
+        assert_eq!((line, column), (9, 8));
+        assert_eq!(key, "rules[0].rate");
+        assert!(message.contains("not a whole number"), "{message}");
+    }
+
+    #[test]
+    fn bad_cidr_is_rejected() {
+        let (line, _, key, message) =
+            err("[client_ip]\ntrusted_proxies = [\"10.0.0.0/8\", \"10.0.0.0/33\"]\n");
+        assert_eq!(line, 7);
+        assert_eq!(key, "client_ip.trusted_proxies[1]");
+        assert!(message.contains("invalid CIDR"), "{message}");
+    }
+
+    #[test]
+    fn burst_below_cost_is_rejected() {
+        let (_, _, key, message) = err(
+            "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"10/s\"\nburst = 2\ncost = 3\n",
+        );
+        assert_eq!(key, "rules[0].cost");
+        assert!(message.contains("cost 3 is more than burst 2"), "{message}");
+    }
+
+    #[test]
+    fn duplicate_rule_names_are_rejected() {
+        let (line, _, key, _) = err(
+            "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\n[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\n",
+        );
+        assert_eq!(key, "rules[1].name");
+        assert_eq!(line, 11, "the second rule's name");
+    }
+
+    #[test]
+    fn redis_backend_needs_a_url() {
+        let (_, _, key, _) = err("[store]\nbackend = \"redis\"\n");
+        assert_eq!(key, "store.url");
+    }
+
+    #[test]
+    fn bad_key_spec_and_header_are_rejected() {
+        let (_, _, key, _) = err("[[rules]]\nname = \"a\"\nkey = \"cookie\"\nrate = \"1/s\"\n");
+        assert_eq!(key, "rules[0].key");
+        let (_, _, key, _) =
+            err("[[rules]]\nname = \"a\"\nkey = \"header:bad header\"\nrate = \"1/s\"\n");
+        assert_eq!(key, "rules[0].key");
+    }
+
+    #[test]
+    fn plan_overrides_must_name_a_known_plan() {
+        let (_, _, key, message) = err(
+            "[keys.plans]\n\"k1\" = \"pro\"\n[[rules]]\nname = \"a\"\nkey = \"api_key\"\nrate = \"1/s\"\n[rules.plans.gold]\nrate = \"5/s\"\n",
+        );
+        assert_eq!(key, "rules[0].plans.gold");
+        assert!(message.contains("gold"), "{message}");
+        let cfg = parse(
+            "[keys.plans]\n\"k1\" = \"pro\"\n[[rules]]\nname = \"a\"\nkey = \"api_key\"\nrate = \"1/s\"\n[rules.plans.pro]\nrate = \"5/s\"\nburst = 9\n",
+        )
+        .unwrap();
+        let r = &cfg.rules[0];
+        assert_eq!(r.quota_for(Some("pro")).burst, 9);
+        assert_eq!(r.quota_for(None).burst, 1);
+    }
+
+    #[test]
+    fn keys_come_from_the_file_as_digests_and_inline() {
+        let dir = tempfile::tempdir().unwrap();
+        let digest = |k: &str| {
+            use sha2::Digest;
+            sha2::Sha256::digest(k.as_bytes())
+                .iter()
+                .map(|b| format!("{b:02x}"))
+                .collect::<String>()
+        };
+        std::fs::write(
+            dir.path().join("keys.toml"),
+            format!(
+                "[plans]\n\"sha256:{}\" = \"pro\"\n\"raw-key-2\" = \"team\"\n",
+                digest("secret-1").to_uppercase()
+            ),
+        )
+        .unwrap();
+        let text = format!(
+            "{MINIMAL}[keys]\nfile = \"keys.toml\"\nunknown = \"reject\"\n[keys.plans]\n\"inline-3\" = \"pro\"\n[[rules]]\nname = \"a\"\nkey = \"api_key\"\nrate = \"1/s\"\n[rules.plans.team]\nalgorithm = \"sliding_window\"\nrate = \"5/m\"\ncost = 2\n"
+        );
+        let path = dir.path().join("limits.toml");
+        std::fs::write(&path, &text).unwrap();
+        let cfg = Config::load(&path).unwrap();
+        assert_eq!(cfg.keys.plan_of(b"secret-1"), Some("pro"));
+        assert_eq!(cfg.keys.plan_of(b"raw-key-2"), Some("team"));
+        assert_eq!(cfg.keys.plan_of(b"inline-3"), Some("pro"));
+        assert_eq!(cfg.keys.plan_of(b"sha256:x"), None);
+        assert_eq!(cfg.keys.len(), 3);
+        let team = cfg.rules[0].quota_for(Some("team"));
+        assert_eq!(team.algorithm, Algorithm::SlidingWindow);
+        assert_eq!((team.rate.count, team.cost), (5, 2));
+        // The same key twice with different plans is an error, wherever it is listed.
+        std::fs::write(
+            dir.path().join("keys.toml"),
+            format!("[plans]\n\"sha256:{}\" = \"team\"\n", digest("inline-3")),
+        )
+        .unwrap();
+        let e = Config::load(&path).unwrap_err().to_string();
+        assert!(e.contains("keys.file") && e.contains("\"team\""), "{e}");
+        // An error inside the keys file names the keys file.
+        std::fs::write(dir.path().join("keys.toml"), "[plans]\n\"k\" = \"\"\n").unwrap();
+        let e = Config::load(&path).unwrap_err().to_string();
+        assert!(e.contains("keys.toml:2:7: plans.<key>:"), "{e}");
+        // Nor is a key shown in the config's own errors.
+        let e = parse("[keys.plans]\n\"sk-live-SECRET\" = 5\n")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            !e.contains("SECRET") && e.contains("keys.plans.<key>"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn enforce_percent_picks_a_stable_growing_share_of_identities() {
+        let at = |p: u8| {
+            let cfg = parse(&format!(
+                "[[rules]]\nname = \"a\"\nkey = \"api_key\"\nrate = \"1/s\"\nenforce_percent = {p}\n"
+            ))
+            .unwrap();
+            (0..10_000u32)
+                .filter(|i| {
+                    let id = crate::identity::digest_api_key(format!("key-{i}").as_bytes());
+                    cfg.rules[0].enforces(&id)
+                })
+                .collect::<HashSet<u32>>()
+        };
+        let (ten, fifty, all, none) = (at(10), at(50), at(100), at(0));
+        assert!((900..=1_100).contains(&ten.len()), "{}", ten.len());
+        assert!((4_800..=5_200).contains(&fifty.len()), "{}", fifty.len());
+        assert_eq!((all.len(), none.len()), (10_000, 0));
+        assert!(
+            ten.is_subset(&fifty),
+            "raising the share only adds identities"
+        );
+        assert_eq!(ten, at(10), "the same identities every time");
+    }
+
+    #[test]
+    fn matches_take_exact_paths_globs_and_hosts() {
+        let cfg = parse(
+            "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nmatch = { glob = \"/v1/*/export\", host = [\"API.example.com\", \"*.example.org\"], methods = [\"get\"] }\n[[rules]]\nname = \"b\"\nkey = \"global\"\nmax_in_flight = 3\nmatch = { path = \"/upload\", host = \"x.test\" }\n",
+        )
+        .unwrap();
+        assert_eq!(
+            cfg.rules[0].matcher.describe(),
+            "GET glob /v1/*/export on api.example.com|*.example.org"
+        );
+        assert_eq!(cfg.rules[1].matcher.describe(), "/upload on x.test");
+        assert_eq!(cfg.rules[1].quota.algorithm, Algorithm::Concurrency);
+        assert_eq!(cfg.rules[1].quota.lease_us, 10_000_000);
+    }
+
+    #[test]
+    fn upstream_url_keeps_base_path() {
+        let cfg = Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:3000/base/\"\n",
+            Path::new("x"),
+        )
+        .unwrap();
+        assert_eq!(cfg.upstream.base_path, "/base");
+        assert_eq!(
+            cfg.upstream.url.authority().unwrap().as_str(),
+            "127.0.0.1:3000"
+        );
+        assert!(Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"https://x\"\n",
+            Path::new("x")
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn line_col_counts_from_one() {
+        assert_eq!(line_col("ab\ncd", 0), (1, 1));
+        assert_eq!(line_col("ab\ncd", 4), (2, 2));
+    }
+}

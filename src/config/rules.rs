@@ -1,0 +1,393 @@
+//! `[[rules]]`: which requests a rule applies to, who it counts them for, its limit (a
+//! rate or a concurrency cap) and its plans, and how it acts (enforce, shadow, rollout).
+
+use std::collections::{HashMap, HashSet};
+use std::num::{NonZeroU32, NonZeroU64};
+use std::ops::Range;
+use std::time::Duration;
+
+use serde::Deserialize;
+use toml::Spanned;
+
+use super::values::{GlobSpec, Hosts, HumanDuration, KeySpec, MethodName, PathPrefix, RuleName};
+use super::Invalid;
+use crate::identity::{Key, KeyKind, MissingKey};
+use crate::limiter::{Algorithm, Quota, QuotaError, QuotaField, Rate};
+use crate::rules::{Match, Mode, PathMatch, Rule};
+
+/// Requests wait at most this many per rule, per gateway, unless `max_waiting` says.
+pub const DEFAULT_MAX_WAITING: u32 = 1_000;
+/// The longest a request may be made to wait for its tokens.
+pub const MAX_DELAY: Duration = Duration::from_secs(300);
+/// How long a concurrency lease lives in a shared store without renewal, by default.
+pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMatch {
+    path_prefix: Option<PathPrefix>,
+    path: Option<PathPrefix>,
+    glob: Option<GlobSpec>,
+    #[serde(default)]
+    methods: Vec<MethodName>,
+    #[serde(default)]
+    host: Hosts,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawRule {
+    pub(super) name: Spanned<RuleName>,
+    #[serde(rename = "match")]
+    matcher: Option<Spanned<RawMatch>>,
+    key: KeySpec,
+    #[serde(default)]
+    missing_key: MissingKey,
+    algorithm: Option<Spanned<Algorithm>>,
+    rate: Option<Spanned<Rate>>,
+    burst: Option<Spanned<NonZeroU64>>,
+    cost: Option<Spanned<NonZeroU64>>,
+    mode: Option<Spanned<Mode>>,
+    enforce_percent: Option<Spanned<u8>>,
+    max_delay: Option<Spanned<HumanDuration>>,
+    max_waiting: Option<Spanned<NonZeroU32>>,
+    max_in_flight: Option<Spanned<NonZeroU64>>,
+    lease_ttl: Option<Spanned<HumanDuration>>,
+    retry_jitter: Option<HumanDuration>,
+    #[serde(default)]
+    plans: HashMap<String, Spanned<RawPlanOverride>>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawPlanOverride {
+    rate: Option<Rate>,
+    burst: Option<NonZeroU64>,
+    algorithm: Option<Algorithm>,
+    cost: Option<NonZeroU64>,
+    max_in_flight: Option<NonZeroU64>,
+}
+
+/// Where in the file a rule is: its table's span, and its index for key paths.
+struct At<'r> {
+    index: usize,
+    span: Range<usize>,
+    rule: &'r RawRule,
+}
+
+impl At<'_> {
+    /// `rules[i].<key>`.
+    fn key(&self, key: &str) -> String {
+        format!("rules[{}].{key}", self.index)
+    }
+
+    fn no(&self, span: Option<Range<usize>>, key: &str, message: impl Into<String>) -> Invalid {
+        Invalid::new(span, self.key(key), message)
+    }
+}
+
+/// The limit a rule's numbers make, before plans: a rate, or a concurrency cap.
+enum Limit {
+    Rate {
+        algorithm: Algorithm,
+        rate: Rate,
+        burst: Option<NonZeroU64>,
+        cost: NonZeroU64,
+        max_delay: Option<Duration>,
+    },
+    Concurrency {
+        max: NonZeroU64,
+        lease: Duration,
+    },
+}
+
+impl Limit {
+    fn quota(&self) -> Result<Quota, QuotaError> {
+        match *self {
+            Limit::Concurrency { max, lease } => Ok(Quota::concurrency(max, lease)),
+            Limit::Rate {
+                algorithm,
+                rate,
+                burst,
+                cost,
+                max_delay,
+            } => rate_quota(algorithm, rate, burst, cost, max_delay),
+        }
+    }
+}
+
+fn rate_quota(
+    algorithm: Algorithm,
+    rate: Rate,
+    burst: Option<NonZeroU64>,
+    cost: NonZeroU64,
+    max_delay: Option<Duration>,
+) -> Result<Quota, QuotaError> {
+    let q = Quota::new(algorithm, rate, burst, cost)?;
+    match max_delay {
+        Some(d) => q.with_max_delay(d),
+        None => Ok(q),
+    }
+}
+
+impl RawRule {
+    /// One rule, validated: its limit, its plans (each named by a listed key), its match,
+    /// its mode. `index` and `span`: where the file has it.
+    pub(super) fn validate(
+        &self,
+        index: usize,
+        span: Range<usize>,
+        plan_names: &HashSet<&str>,
+    ) -> Result<Rule, Invalid> {
+        let at = At {
+            index,
+            span,
+            rule: self,
+        };
+        let limit = at.limit()?;
+        let quota = limit.quota().map_err(|e| at.blame(e))?;
+        let (mode, enforce_percent) = at.mode()?;
+        Ok(Rule {
+            name: self.name.get_ref().0.clone(),
+            matcher: at.matcher()?,
+            key: Key {
+                kind: self.key.0.clone(),
+                missing: self.missing_key,
+            },
+            plans: at.plans(&limit, plan_names)?,
+            quota,
+            mode,
+            enforce_percent,
+            max_waiting: self
+                .max_waiting
+                .as_ref()
+                .map_or(DEFAULT_MAX_WAITING, |w| w.get_ref().get()),
+            retry_jitter_us: self
+                .retry_jitter
+                .as_ref()
+                .map_or(0, |j| u64::try_from(j.0.as_micros()).unwrap_or(u64::MAX)),
+        })
+    }
+}
+
+impl At<'_> {
+    /// A rule limits a rate or a concurrency, never both; each takes only its own keys.
+    fn limit(&self) -> Result<Limit, Invalid> {
+        let r = self.rule;
+        let max = match (&r.rate, &r.max_in_flight) {
+            (Some(_), Some(m)) => return Err(self.no(
+                Some(m.span()),
+                "max_in_flight",
+                "a rule has either rate (a rate limit) or max_in_flight (a concurrency limit), not both; make two rules",
+            )),
+            (None, None) => return Err(self.no(
+                Some(self.span.clone()),
+                "rate",
+                "missing rate (e.g. \"10/s\"), or max_in_flight for a concurrency limit",
+            )),
+            (None, Some(m)) => Some(*m.get_ref()),
+            (Some(_), None) => None,
+        };
+        let only_rates: [(&str, Option<Range<usize>>); 5] = [
+            ("algorithm", r.algorithm.as_ref().map(Spanned::span)),
+            ("burst", r.burst.as_ref().map(Spanned::span)),
+            ("cost", r.cost.as_ref().map(Spanned::span)),
+            ("max_delay", r.max_delay.as_ref().map(Spanned::span)),
+            ("max_waiting", r.max_waiting.as_ref().map(Spanned::span)),
+        ];
+        if let Some(max) = max {
+            if let Some((key, span)) = only_rates.into_iter().find(|(_, s)| s.is_some()) {
+                return Err(self.no(
+                    span,
+                    key,
+                    format!("{key} does not apply to a max_in_flight rule (a concurrency limit)"),
+                ));
+            }
+            return Ok(Limit::Concurrency {
+                max,
+                lease: self.lease_ttl()?,
+            });
+        }
+        if let Some(l) = &r.lease_ttl {
+            return Err(self.no(
+                Some(l.span()),
+                "lease_ttl",
+                "lease_ttl applies to max_in_flight rules only",
+            ));
+        }
+        if let (None, Some(w)) = (&r.max_delay, &r.max_waiting) {
+            return Err(self.no(
+                Some(w.span()),
+                "max_waiting",
+                "max_waiting bounds requests waiting under max_delay; set max_delay too",
+            ));
+        }
+        if let Some(d) = r.max_delay.as_ref().filter(|d| d.get_ref().0 > MAX_DELAY) {
+            return Err(self.no(
+                Some(d.span()),
+                "max_delay",
+                format!(
+                    "max_delay is at most {}: a request held longer has usually been given up on",
+                    humantime::format_duration(MAX_DELAY)
+                ),
+            ));
+        }
+        let rate = r
+            .rate
+            .as_ref()
+            .map(|r| *r.get_ref())
+            .ok_or_else(|| self.no(Some(self.span.clone()), "rate", "missing rate"))?;
+        Ok(Limit::Rate {
+            algorithm: r
+                .algorithm
+                .as_ref()
+                .map_or_else(Algorithm::default, |a| *a.get_ref()),
+            rate,
+            burst: r.burst.as_ref().map(|b| *b.get_ref()),
+            cost: r.cost.as_ref().map_or(NonZeroU64::MIN, |c| *c.get_ref()),
+            max_delay: r.max_delay.as_ref().map(|d| d.get_ref().0),
+        })
+    }
+
+    fn lease_ttl(&self) -> Result<Duration, Invalid> {
+        match &self.rule.lease_ttl {
+            Some(l) if l.get_ref().0 < Duration::from_secs(1) => Err(self.no(
+                Some(l.span()),
+                "lease_ttl",
+                "lease_ttl is at least 1s (leases are renewed every third of it)",
+            )),
+            Some(l) => Ok(l.get_ref().0),
+            None => Ok(DEFAULT_LEASE_TTL),
+        }
+    }
+
+    /// A quota error, blamed on the setting it names where the file has it.
+    fn blame(&self, e: QuotaError) -> Invalid {
+        let r = self.rule;
+        let named = match e.field {
+            QuotaField::Burst => r.burst.as_ref().map(Spanned::span),
+            QuotaField::Cost => r.cost.as_ref().map(Spanned::span),
+            QuotaField::MaxDelay => r.max_delay.as_ref().map(Spanned::span),
+            QuotaField::Rate => None,
+        };
+        let fallback = r.rate.as_ref().map_or(self.span.clone(), Spanned::span);
+        self.no(named.or(Some(fallback)), e.field.name(), e.message)
+    }
+
+    /// Each plan's quota: the rule's, with what the plan changes.
+    fn plans(
+        &self,
+        limit: &Limit,
+        plan_names: &HashSet<&str>,
+    ) -> Result<HashMap<String, Quota>, Invalid> {
+        let mut plans = HashMap::new();
+        for (plan, o) in &self.rule.plans {
+            let key = self.key(&format!("plans.{plan}"));
+            let no = |k: &str, message: String| {
+                let key = if k.is_empty() {
+                    key.clone()
+                } else {
+                    format!("{key}.{k}")
+                };
+                Invalid::new(Some(o.span()), key, message)
+            };
+            if !plan_names.contains(plan.as_str()) {
+                return Err(no(
+                    "",
+                    format!(
+                        "plan {plan:?} is not given to any key in [keys.plans] or the keys file"
+                    ),
+                ));
+            }
+            let over = o.get_ref();
+            let q = match *limit {
+                Limit::Concurrency { max, lease } => {
+                    let extra = [
+                        ("rate", over.rate.is_some()),
+                        ("burst", over.burst.is_some()),
+                        ("algorithm", over.algorithm.is_some()),
+                        ("cost", over.cost.is_some()),
+                    ];
+                    if let Some((k, _)) = extra.iter().find(|(_, set)| *set) {
+                        return Err(no(k, format!("{k} does not apply to a max_in_flight rule; a plan may set max_in_flight")));
+                    }
+                    Quota::concurrency(over.max_in_flight.unwrap_or(max), lease)
+                }
+                Limit::Rate {
+                    algorithm,
+                    rate,
+                    burst,
+                    cost,
+                    max_delay,
+                } => {
+                    if over.max_in_flight.is_some() {
+                        return Err(no(
+                            "max_in_flight",
+                            "max_in_flight applies to concurrency rules only".into(),
+                        ));
+                    }
+                    let alg = over.algorithm.unwrap_or(algorithm);
+                    // The rule's burst carries over only to an algorithm that has one.
+                    let burst = over.burst.or(burst.filter(|_| alg.has_burst()));
+                    let rate = over.rate.unwrap_or(rate);
+                    rate_quota(alg, rate, burst, over.cost.unwrap_or(cost), max_delay)
+                        .map_err(|e| no(e.field.name(), e.message))?
+                }
+            };
+            plans.insert(plan.clone(), q);
+        }
+        Ok(plans)
+    }
+
+    fn mode(&self) -> Result<(Mode, u8), Invalid> {
+        let r = self.rule;
+        let mode = r.mode.as_ref().map_or(Mode::default(), |m| *m.get_ref());
+        let percent = match &r.enforce_percent {
+            Some(p) if *p.get_ref() > 100 => {
+                return Err(self.no(
+                    Some(p.span()),
+                    "enforce_percent",
+                    format!("enforce_percent is 0 to 100, not {}", p.get_ref()),
+                ))
+            }
+            Some(p) if mode == Mode::Shadow => return Err(self.no(
+                Some(p.span()),
+                "enforce_percent",
+                "enforce_percent rolls out an enforcing rule; with mode = \"shadow\" nothing is enforced",
+            )),
+            Some(p) if r.key.0 == KeyKind::Global && *p.get_ref() < 100 => return Err(self.no(
+                Some(p.span()),
+                "enforce_percent",
+                "key = \"global\" is one identity: enforce_percent would enforce for everyone or no one; use mode = \"shadow\" or count by api_key or client_ip",
+            )),
+            Some(p) => *p.get_ref(),
+            None => 100,
+        };
+        Ok((mode, percent))
+    }
+
+    fn matcher(&self) -> Result<Match, Invalid> {
+        let Some(m) = &self.rule.matcher else {
+            return Ok(Match::default());
+        };
+        let (span, m) = (m.span(), m.get_ref());
+        let path = match (&m.path_prefix, &m.path, &m.glob) {
+            (None, None, None) => PathMatch::Any,
+            (Some(p), None, None) => PathMatch::Prefix(p.0.clone()),
+            (None, Some(p), None) => PathMatch::Exact(p.0.clone()),
+            (None, None, Some(g)) => PathMatch::Glob(g.0.clone()),
+            _ => {
+                return Err(self.no(
+                    Some(span),
+                    "match",
+                    "give one of path_prefix, path and glob",
+                ))
+            }
+        };
+        Ok(Match {
+            path,
+            methods: m.methods.iter().map(|m| m.0.clone()).collect(),
+            hosts: m.host.0.clone(),
+        })
+    }
+}

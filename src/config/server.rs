@@ -1,0 +1,125 @@
+//! `[server]`, `[admin]` and `[response]`: where the gateway listens, how it treats client
+//! connections, the admin token, which rate-limit headers answers carry.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use super::values::{AdminToken, HeaderBytes, HumanDuration, MaxConnections, Workers};
+use crate::connection::{self, Timeouts};
+use crate::headers::ResponseStyle;
+
+/// `[server]`, validated.
+#[derive(Debug)]
+pub struct Server {
+    pub listen: SocketAddr,
+    pub admin_listen: Option<SocketAddr>,
+    pub shutdown_grace: Duration,
+    /// Threads serving clients, each with its own event loop and upstream connections.
+    pub workers: usize,
+    /// How long a client may keep a connection silent (see [`Timeouts`]).
+    pub timeouts: Timeouts,
+    /// Open client connections at most (the gateway listener); past it, idle kept-alive
+    /// connections are closed to make room and new ones wait in the listen backlog.
+    pub max_connections: usize,
+    /// The largest request head (request line and fields; HTTP/2: the header list size)
+    /// a client may send; past it, 431.
+    pub max_header_bytes: usize,
+}
+
+/// The defaults of `[server]` not set by a type of their own.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+pub const MAX_CONNECTIONS: usize = 10_000;
+pub const MAX_HEADER_BYTES: usize = 32 * 1024;
+
+impl Server {
+    /// How client connections are served under this config.
+    pub fn connections(&self) -> connection::Settings {
+        connection::Settings {
+            timeouts: self.timeouts,
+            max_header_bytes: self.max_header_bytes,
+        }
+    }
+}
+
+/// One worker per CPU the process may use.
+fn default_workers() -> usize {
+    std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get)
+}
+
+/// The admin API's protection.
+pub struct Admin {
+    /// Bearer token every `/admin/*` call needs. From `[admin].token`, or the
+    /// `RATEWALL_ADMIN_TOKEN` environment variable, which wins. None: the admin API is off.
+    pub token: Option<String>,
+}
+
+impl fmt::Debug for Admin {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        // Never print the token.
+        f.debug_struct("Admin")
+            .field("token", &self.token.as_ref().map(|_| "<set>"))
+            .finish()
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawServer {
+    listen: SocketAddr,
+    admin_listen: Option<SocketAddr>,
+    shutdown_grace: Option<HumanDuration>,
+    workers: Option<Workers>,
+    header_timeout: Option<HumanDuration>,
+    idle_timeout: Option<HumanDuration>,
+    body_timeout: Option<HumanDuration>,
+    max_connections: Option<MaxConnections>,
+    max_header_bytes: Option<HeaderBytes>,
+}
+
+impl RawServer {
+    /// Every setting the file leaves out takes its default.
+    pub(super) fn validate(self) -> Server {
+        let d = Timeouts::default();
+        let or = |v: Option<HumanDuration>, default| v.map_or(default, |v| v.0);
+        Server {
+            listen: self.listen,
+            admin_listen: self.admin_listen,
+            shutdown_grace: or(self.shutdown_grace, SHUTDOWN_GRACE),
+            workers: self.workers.map_or_else(default_workers, |w| w.0),
+            timeouts: Timeouts {
+                header: or(self.header_timeout, d.header),
+                idle: or(self.idle_timeout, d.idle),
+                body: or(self.body_timeout, d.body),
+            },
+            max_connections: self.max_connections.map_or(MAX_CONNECTIONS, |m| m.0),
+            max_header_bytes: self.max_header_bytes.map_or(MAX_HEADER_BYTES, |m| m.0),
+        }
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawAdmin {
+    token: Option<AdminToken>,
+}
+
+impl RawAdmin {
+    /// `env_token`: `RATEWALL_ADMIN_TOKEN`, which wins over the file's.
+    pub(super) fn validate(self, env_token: Option<String>) -> Admin {
+        Admin {
+            token: env_token
+                .filter(|t| !t.is_empty())
+                .or(self.token.map(|t| t.0)),
+        }
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawResponse {
+    #[serde(default)]
+    pub(super) headers: ResponseStyle,
+}

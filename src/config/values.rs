@@ -1,0 +1,402 @@
+//! Values that validate while they deserialise, so that their errors carry the line and
+//! column of the offending value: durations, sizes, bounded counts, names, addresses.
+
+use std::fmt;
+use std::time::Duration;
+
+use http::header::HeaderName;
+use http::Method;
+use ipnet::IpNet;
+use serde::de::{self, Deserializer};
+use serde::Deserialize;
+
+use crate::identity::KeyKind;
+use crate::limiter::Rate;
+use crate::rules::{Glob, HostPattern};
+
+/// A humantime duration: `"50ms"`, `"2s"`, `"10m"`.
+#[derive(Clone, Copy)]
+pub(super) struct HumanDuration(pub(super) Duration);
+
+impl<'de> Deserialize<'de> for HumanDuration {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let v = humantime::parse_duration(s.trim())
+            .map_err(|e| de::Error::custom(format!("invalid duration {s:?}: {e}")))?;
+        if v.is_zero() {
+            return Err(de::Error::custom(format!(
+                "duration {s:?} must be above zero"
+            )));
+        }
+        Ok(HumanDuration(v))
+    }
+}
+
+pub(super) struct Cidr(pub(super) IpNet);
+
+impl<'de> Deserialize<'de> for Cidr {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let s = s.trim();
+        // A bare address means that one host.
+        let net = s
+            .parse::<IpNet>()
+            .or_else(|_| s.parse::<std::net::IpAddr>().map(IpNet::from))
+            .map_err(|_| {
+                de::Error::custom(format!(
+                    "invalid CIDR {s:?}: expected e.g. \"10.0.0.0/8\" or \"::1/128\""
+                ))
+            })?;
+        Ok(Cidr(net.trunc()))
+    }
+}
+
+pub(super) struct Header(pub(super) HeaderName);
+
+impl<'de> Deserialize<'de> for Header {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        HeaderName::from_bytes(s.trim().as_bytes())
+            .map(Header)
+            .map_err(|_| de::Error::custom(format!("invalid header name {s:?}")))
+    }
+}
+
+/// `key = "api_key" | "client_ip" | "global" | "header:<name>"`.
+pub(super) struct KeySpec(pub(super) KeyKind);
+
+impl<'de> Deserialize<'de> for KeySpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let kind = match s.as_str() {
+            "api_key" => KeyKind::ApiKey,
+            "client_ip" => KeyKind::ClientIp,
+            "global" => KeyKind::Global,
+            other => match other.strip_prefix("header:") {
+                Some(name) => HeaderName::from_bytes(name.trim().as_bytes())
+                    .map(KeyKind::Header)
+                    .map_err(|_| de::Error::custom(format!("invalid header name in key {s:?}")))?,
+                None => return Err(de::Error::custom(format!(
+                    "invalid key {s:?}: expected \"api_key\", \"client_ip\", \"global\" or \"header:<name>\""
+                ))),
+            },
+        };
+        Ok(KeySpec(kind))
+    }
+}
+
+/// Rule names appear in Redis keys, headers and metrics: keep them to a safe alphabet.
+pub(super) struct RuleName(pub(super) String);
+
+impl<'de> Deserialize<'de> for RuleName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let ok = !s.is_empty()
+            && s.len() <= 64
+            && s.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b));
+        if !ok {
+            return Err(de::Error::custom(format!(
+                "invalid rule name {s:?}: 1 to 64 characters of A-Z a-z 0-9 _ - ."
+            )));
+        }
+        Ok(RuleName(s))
+    }
+}
+
+pub(super) struct PlanName(pub(super) String);
+
+impl<'de> Deserialize<'de> for PlanName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if s.is_empty() || s.len() > 64 {
+            return Err(de::Error::custom("a plan name is 1 to 64 characters"));
+        }
+        Ok(PlanName(s))
+    }
+}
+
+/// The prefix of every Redis key; `{`, `}` and spaces would break the hash tag.
+pub(super) struct Prefix(pub(super) String);
+
+impl<'de> Deserialize<'de> for Prefix {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let ok = !s.is_empty()
+            && s.len() <= 64
+            && s.bytes()
+                .all(|b| b.is_ascii_graphic() && b != b'{' && b != b'}');
+        if !ok {
+            return Err(de::Error::custom(format!(
+                "invalid prefix {s:?}: 1 to 64 printable characters without braces or spaces"
+            )));
+        }
+        Ok(Prefix(s))
+    }
+}
+
+pub(super) struct PathPrefix(pub(super) String);
+
+impl<'de> Deserialize<'de> for PathPrefix {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if !s.starts_with('/') {
+            return Err(de::Error::custom(format!("{s:?} must start with \"/\"")));
+        }
+        if s.contains('*') {
+            return Err(de::Error::custom(format!(
+                "{s:?}: * is literal here; for a pattern use glob = {s:?}"
+            )));
+        }
+        if s.contains(['?', '#']) {
+            return Err(de::Error::custom(format!(
+                "{s:?}: rules match the path only, without ? or #"
+            )));
+        }
+        // Requests are matched by their normalised path: a path written otherwise would
+        // never match.
+        let normal = crate::rules::normalize_path(&s);
+        if normal != s.as_str() {
+            return Err(de::Error::custom(format!(
+                "{s:?} is matched against normalised paths; write it as {normal:?}"
+            )));
+        }
+        Ok(PathPrefix(s))
+    }
+}
+
+/// A path glob: `*` within one segment, `**` for any number of segments.
+pub(super) struct GlobSpec(pub(super) Glob);
+
+impl<'de> Deserialize<'de> for GlobSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Glob::new(&s).map(GlobSpec).map_err(de::Error::custom)
+    }
+}
+
+/// `host = "api.example.com"`, or a list; `*.example.com` for every subdomain.
+#[derive(Default)]
+pub(super) struct Hosts(pub(super) Vec<HostPattern>);
+
+impl<'de> Deserialize<'de> for Hosts {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> de::Visitor<'de> for V {
+            type Value = Hosts;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a host name, or a list of them")
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<Hosts, E> {
+                HostPattern::new(s)
+                    .map(|h| Hosts(vec![h]))
+                    .map_err(E::custom)
+            }
+            fn visit_seq<A: de::SeqAccess<'de>>(self, mut seq: A) -> Result<Hosts, A::Error> {
+                let mut out = Vec::new();
+                while let Some(s) = seq.next_element::<String>()? {
+                    out.push(HostPattern::new(&s).map_err(de::Error::custom)?);
+                }
+                Ok(Hosts(out))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+pub(super) struct MethodName(pub(super) Method);
+
+impl<'de> Deserialize<'de> for MethodName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let upper = s.to_ascii_uppercase();
+        Method::from_bytes(upper.as_bytes())
+            .map(MethodName)
+            .map_err(|_| de::Error::custom(format!("invalid method {s:?}")))
+    }
+}
+
+pub(super) struct UpstreamUrl {
+    pub(super) uri: http::Uri,
+    pub(super) base_path: String,
+}
+
+impl<'de> Deserialize<'de> for UpstreamUrl {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let uri: http::Uri = s
+            .parse()
+            .map_err(|e| de::Error::custom(format!("invalid upstream url {s:?}: {e}")))?;
+        if uri.scheme_str() != Some("http") {
+            return Err(de::Error::custom(format!(
+                "invalid upstream url {s:?}: only http:// upstreams are supported"
+            )));
+        }
+        let Some(authority) = uri.authority().cloned() else {
+            return Err(de::Error::custom(format!(
+                "invalid upstream url {s:?}: no host"
+            )));
+        };
+        if uri.query().is_some() {
+            return Err(de::Error::custom(format!(
+                "invalid upstream url {s:?}: no query allowed"
+            )));
+        }
+        let base_path = uri.path().trim_end_matches('/').to_string();
+        let uri = http::Uri::builder()
+            .scheme("http")
+            .authority(authority)
+            .path_and_query("/")
+            .build()
+            .map_err(|e| de::Error::custom(format!("invalid upstream url {s:?}: {e}")))?;
+        Ok(UpstreamUrl { uri, base_path })
+    }
+}
+
+pub(super) struct RedisUrl(pub(super) String);
+
+impl<'de> Deserialize<'de> for RedisUrl {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        redis::Client::open(s.as_str())
+            .map_err(|e| de::Error::custom(format!("invalid redis url: {e}")))?;
+        Ok(RedisUrl(s))
+    }
+}
+
+/// 1 to 10,000,000 open client connections.
+pub(super) struct MaxConnections(pub(super) usize);
+
+impl<'de> Deserialize<'de> for MaxConnections {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = u64::deserialize(d)?;
+        if !(1..=10_000_000).contains(&n) {
+            return Err(de::Error::custom(format!(
+                "max_connections = {n}: 1 to 10000000 (default {})",
+                super::MAX_CONNECTIONS
+            )));
+        }
+        Ok(MaxConnections(n as usize))
+    }
+}
+
+/// A request head's size bound: 1 KiB to 1 MiB, as bytes or `"32KiB"`.
+pub(super) struct HeaderBytes(pub(super) usize);
+
+impl<'de> Deserialize<'de> for HeaderBytes {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = ByteSize::deserialize(d)?.0;
+        if !(1024..=1024 * 1024).contains(&n) {
+            return Err(de::Error::custom(format!(
+                "max_header_bytes = {n} bytes: 1KiB to 1MiB (default {}KiB)",
+                super::MAX_HEADER_BYTES / 1024
+            )));
+        }
+        Ok(HeaderBytes(n as usize))
+    }
+}
+
+/// A size: a whole number of bytes, or a string with a binary unit: `"512B"`, `"32KiB"`,
+/// `"1MiB"` (`k` and `m`, as nginx writes them, are the same units).
+pub(super) struct ByteSize(pub(super) u64);
+
+impl ByteSize {
+    fn parse(s: &str) -> Result<u64, String> {
+        let t = s.trim();
+        let digits = t.bytes().take_while(u8::is_ascii_digit).count();
+        let (n, unit) = t.split_at(digits);
+        let n: u64 = n.parse().map_err(|_| {
+            format!("invalid size {s:?}: expected e.g. 32768, \"32KiB\" or \"1MiB\"")
+        })?;
+        let scale: u64 = match unit.trim() {
+            "" | "B" | "b" => 1,
+            "KiB" | "k" | "K" => 1024,
+            "MiB" | "m" | "M" => 1024 * 1024,
+            "KB" | "kB" | "MB" => {
+                return Err(format!(
+                    "invalid size {s:?}: write KiB or MiB (1024-based), not {unit}"
+                ))
+            }
+            other => return Err(format!("invalid size {s:?}: unknown unit {other:?}")),
+        };
+        n.checked_mul(scale)
+            .ok_or_else(|| format!("invalid size {s:?}: too large"))
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteSize {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl de::Visitor<'_> for V {
+            type Value = ByteSize;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a number of bytes, or a size such as \"32KiB\"")
+            }
+            fn visit_i64<E: de::Error>(self, n: i64) -> Result<ByteSize, E> {
+                u64::try_from(n)
+                    .map(ByteSize)
+                    .map_err(|_| E::custom(format!("invalid size {n}: below zero")))
+            }
+            fn visit_u64<E: de::Error>(self, n: u64) -> Result<ByteSize, E> {
+                Ok(ByteSize(n))
+            }
+            fn visit_str<E: de::Error>(self, s: &str) -> Result<ByteSize, E> {
+                ByteSize::parse(s).map(ByteSize).map_err(E::custom)
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
+/// 1 to 1024 worker threads.
+pub(super) struct Workers(pub(super) usize);
+
+impl<'de> Deserialize<'de> for Workers {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = u64::deserialize(d)?;
+        if !(1..=1024).contains(&n) {
+            return Err(de::Error::custom(format!(
+                "workers = {n}: 1 to 1024 (default: one per CPU)"
+            )));
+        }
+        Ok(Workers(n as usize))
+    }
+}
+
+/// An admin token: long enough not to be guessed.
+pub(super) struct AdminToken(pub(super) String);
+
+impl<'de> Deserialize<'de> for AdminToken {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if s.len() < 16 || s.bytes().any(|b| !b.is_ascii_graphic()) {
+            return Err(de::Error::custom(
+                "an admin token is at least 16 printable characters without spaces",
+            ));
+        }
+        Ok(AdminToken(s))
+    }
+}
+
+/// 1 to 1,000,000,000 keys in the memory store.
+pub(super) struct MaxKeys(pub(super) usize);
+
+impl<'de> Deserialize<'de> for MaxKeys {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = u64::deserialize(d)?;
+        if !(1..=1_000_000_000).contains(&n) {
+            return Err(de::Error::custom(format!(
+                "max_keys = {n}: 1 to 1000000000 (default {})",
+                crate::limiter::store::Settings::default().max_keys
+            )));
+        }
+        Ok(MaxKeys(n as usize))
+    }
+}
+
+impl<'de> Deserialize<'de> for Rate {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Rate::parse(&s).map_err(de::Error::custom)
+    }
+}

@@ -1,0 +1,83 @@
+//! What a client receives: an upstream's body streamed through, holding the request's
+//! concurrency slots until it ends, or an answer the gateway wrote.
+
+use bytes::Bytes;
+use http_body_util::{Either, Full};
+
+use crate::limiter::lease::{Leases, Releasing};
+use crate::proxy::ResponseBody;
+
+/// What a client receives: the upstream's streamed body, or one the gateway wrote.
+pub type Body = Either<LeasedBody, Full<Bytes>>;
+
+/// The upstream's response body, streamed through, holding the request's concurrency slots
+/// until it ends: given back as the last frame is handed on (before the client can send
+/// its next request), or when the client goes away.
+pub struct LeasedBody {
+    body: ResponseBody,
+    leases: Option<Leases>,
+    /// The leases' release in a shared store, and the last frame held back until it is
+    /// done (`None` inside: the end of the body).
+    releasing: Option<(Releasing, Option<hyper::body::Frame<Bytes>>)>,
+}
+
+impl LeasedBody {
+    pub(super) fn new(body: ResponseBody, leases: Option<Leases>) -> LeasedBody {
+        LeasedBody {
+            body,
+            leases,
+            releasing: None,
+        }
+    }
+}
+
+impl hyper::body::Body for LeasedBody {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, std::io::Error>>> {
+        use std::task::Poll;
+        let this = &mut *self;
+        if this.releasing.is_none() {
+            let polled = std::pin::Pin::new(&mut this.body).poll_frame(cx);
+            let last = match polled {
+                Poll::Ready(Some(Ok(frame))) if this.body.is_end_stream() => Some(frame),
+                Poll::Ready(None) => None,
+                Poll::Ready(Some(Err(e))) => {
+                    this.leases = None;
+                    return Poll::Ready(Some(Err(e)));
+                }
+                other => return other,
+            };
+            // The response is complete: the request is no longer in flight. Its slots
+            // are given back before the last bytes go out.
+            match this.leases.take().and_then(Leases::release) {
+                Some(release) => this.releasing = Some((release, last)),
+                None => return Poll::Ready(last.map(Ok)),
+            }
+        }
+        match &mut this.releasing {
+            Some((release, _)) => {
+                if release.as_mut().poll(cx).is_pending() {
+                    return Poll::Pending;
+                }
+            }
+            None => return Poll::Ready(None),
+        }
+        let last = this.releasing.take().and_then(|(_, last)| last);
+        Poll::Ready(last.map(Ok))
+    }
+
+    fn is_end_stream(&self) -> bool {
+        // Not while slots remain to give back: hyper then polls once more, and the
+        // release runs before the response is over (an empty body included).
+        self.leases.is_none() && self.releasing.is_none() && self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
+}

@@ -1,0 +1,94 @@
+//! The rules that apply to a request, each as one value built once: the rule, who the
+//! request is under it, the quota its plan gives, whether it enforces for this identity,
+//! its place among the requests waiting on it, its concurrency lease.
+
+use http::request::Parts;
+
+use super::live::{Live, WaitSlot};
+use crate::identity::{Identity, Refusal, Requester};
+use crate::limiter::{Algorithm, Check, Quota};
+use crate::rules::{self, Rule};
+
+/// One rule applied to one request.
+pub struct Limit<'l, 'p> {
+    /// The rule's position in the config (its counters and waiting queue share it).
+    pub index: usize,
+    pub rule: &'l Rule,
+    pub identity: Identity<'p>,
+    /// The rule's quota for the request's plan. A rule that may delay but whose waiting
+    /// queue is full decides without waiting (`max_delay_us` 0).
+    pub quota: Quota,
+    /// Whether the rule denies for this identity; if not, it only watches (shadow mode,
+    /// or an identity outside `enforce_percent`). A watching check keeps its `max_delay`:
+    /// it reserves exactly as enforcement would, but nobody waits on it.
+    pub enforced: bool,
+    /// Held while the request may wait on this rule's reserved tokens.
+    pub slot: Option<WaitSlot<'l>>,
+    /// Concurrency only: the request's lease number (0 otherwise).
+    pub lease: u64,
+}
+
+impl<'l: 'p, 'p> Limit<'l, 'p> {
+    /// The rules of `live` that apply to the request (`parts`), in config order, as
+    /// `requester` is counted by each; or why it is refused before any is consulted.
+    pub fn all(
+        live: &'l Live,
+        parts: &Parts,
+        requester: &Requester<'p>,
+    ) -> Result<Vec<Limit<'l, 'p>>, Refusal> {
+        let cfg = &*live.config;
+        let plan = requester.plan();
+        matching(cfg, parts)
+            .into_iter()
+            .map(|index| {
+                let rule = &cfg.rules[index];
+                let identity = requester.identify(&rule.key)?;
+                let mut quota = *rule.quota_for(plan);
+                let enforced = rule.enforces(&identity.digest);
+                let mut slot = None;
+                if quota.max_delay_us > 0 && enforced {
+                    slot = WaitSlot::take(&live.waiting[index], rule.max_waiting);
+                    if slot.is_none() {
+                        quota.max_delay_us = 0;
+                    }
+                }
+                let lease = match quota.algorithm {
+                    Algorithm::Concurrency => live.limiter.next_lease(),
+                    _ => 0,
+                };
+                Ok(Limit {
+                    index,
+                    rule,
+                    identity,
+                    quota,
+                    enforced,
+                    slot,
+                    lease,
+                })
+            })
+            .collect()
+    }
+
+    /// What the store needs to decide it.
+    pub fn check(&self) -> Check<'_> {
+        Check {
+            identity: &self.identity.digest,
+            rule: &self.rule.name,
+            quota: &self.quota,
+            shadow: !self.enforced,
+            lease: self.lease,
+        }
+    }
+}
+
+/// The positions of the rules that apply to a request, in config order: by its method,
+/// its path as a backend will route it, and its host (parsed only when a rule looks).
+pub fn matching(cfg: &crate::config::Config, parts: &Parts) -> Vec<usize> {
+    let path = rules::normalize_path(parts.uri.path());
+    let host = if cfg.index.uses_host {
+        rules::request_host(&parts.uri, &parts.headers)
+    } else {
+        None
+    };
+    cfg.index.matching(&parts.method, &path, host)
+}

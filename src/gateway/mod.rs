@@ -1,0 +1,639 @@
+//! One request, top to bottom: screen its head (`screen.rs`) -> the rules that apply and
+//! who the request is under each (`limits.rs`) -> the store's answer -> one [`Verdict`]
+//! ([`verdict`], pure) -> an answer written here, or the request forwarded upstream with
+//! its `RateLimit-*` headers. [`Gateway::admit`] does everything up to forwarding (the
+//! part tested in process, with an injected clock and no sockets); [`Gateway::handle`] is
+//! the thin shell around it: admit, wait, forward or answer, record.
+//!
+//! The live configuration each request runs on ([`Live`]) is swapped whole on reload.
+
+mod body;
+mod explain;
+mod limits;
+mod live;
+mod screen;
+pub mod verdict;
+
+use std::net::IpAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arc_swap::ArcSwap;
+use http::request::Parts;
+use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http_body_util::{Either, Full};
+use hyper::body::Incoming;
+
+use crate::config::{Config, ConfigError};
+use crate::headers::{self, Applied, Problem};
+use crate::identity::{IdentityDigest, Requester};
+use crate::limiter::guard::{Answer, Now};
+use crate::limiter::lease::Leases;
+use crate::limiter::{Check, Decision, StoreError};
+use crate::metrics::{status_class, Gauged, Metrics, ReloadLabels, ReloadResult};
+use crate::proxy::{Downstream, Peer, ProxyError};
+use limits::Limit;
+use live::WaitSlot;
+use verdict::{Ruled, Tally, Verdict};
+
+pub use body::{Body, LeasedBody};
+pub use explain::explain;
+pub use live::Live;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ReloadError {
+    #[error("no config file to reload from")]
+    NoFile,
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    #[error("store: {0}")]
+    Store(#[from] StoreError),
+}
+
+pub struct Gateway {
+    live: ArcSwap<Live>,
+    /// The file SIGHUP re-reads.
+    config_path: Option<PathBuf>,
+    metrics: Arc<Metrics>,
+}
+
+/// How a request was answered, for the access log and the metrics.
+#[derive(Debug, Clone)]
+pub struct Note<'l> {
+    /// The rule that decided: the one that denied, or the one closest to denying.
+    pub rule: Option<&'l str>,
+    /// `allowed`, `delayed`, `denied`, `unlimited`, `store_error`, `unauthorized`,
+    /// `bad_key`, `bad_request`.
+    pub decision: &'static str,
+    pub identity: Option<IdentityDigest>,
+    /// Whether the upstream answered (rather than the gateway).
+    pub upstream: bool,
+    /// A rule that would have denied had it enforced (shadow mode, rollout).
+    pub shadow_denied: Option<&'l str>,
+    /// How long the request waited for reserved tokens.
+    pub waited: Duration,
+}
+
+impl Note<'_> {
+    fn gateway(decision: &'static str) -> Self {
+        Note {
+            rule: None,
+            decision,
+            identity: None,
+            upstream: false,
+            shadow_denied: None,
+            waited: Duration::ZERO,
+        }
+    }
+}
+
+/// What the gateway decided about a request, before anything went upstream.
+// Made once per request and matched at once: boxing the answer would cost more than the
+// bytes it saves.
+#[allow(clippy::large_enum_variant)]
+pub enum Admission<'l> {
+    /// Answered by the gateway: a bad request, a refusal, a denial, a failed store.
+    Answer(Response<Body>, Note<'l>),
+    /// To be forwarded.
+    Forward(Pass<'l>),
+}
+
+/// A request let through: what its answer carries, what it holds, how long it waits.
+pub struct Pass<'l> {
+    /// The enforcing rules' decisions (`RateLimit-*`), and apart, the watching ones'
+    /// (`RateLimit-Shadow`).
+    pub applied: Vec<Applied<'l>>,
+    pub shadow: Vec<Applied<'l>>,
+    /// Its concurrency slots, given back when its response ends.
+    leases: Option<Leases>,
+    /// Its places in the queues of the rules it waits on, held while it waits.
+    slots: Vec<WaitSlot<'l>>,
+    pub note: Note<'l>,
+}
+
+impl<'l> Pass<'l> {
+    fn unlimited(note: Note<'l>) -> Pass<'l> {
+        Pass {
+            applied: Vec::new(),
+            shadow: Vec::new(),
+            leases: None,
+            slots: Vec::new(),
+            note,
+        }
+    }
+
+    /// How long the request waits for its reserved tokens before it is forwarded.
+    pub fn wait(&self) -> Duration {
+        self.note.waited
+    }
+
+    /// The rate-limit headers the upstream's answer gets.
+    pub fn decorate(&self, headers: &mut HeaderMap, cfg: &Config) {
+        headers::add_ratelimit(headers, cfg.response, &self.applied);
+        headers::add_shadow(headers, cfg.response, &self.shadow);
+    }
+}
+
+impl Gateway {
+    pub fn new(live: Live, config_path: Option<PathBuf>, metrics: Arc<Metrics>) -> Gateway {
+        Gateway {
+            live: ArcSwap::from_pointee(live),
+            config_path,
+            metrics,
+        }
+    }
+
+    /// The configuration requests start on now.
+    pub fn live(&self) -> Arc<Live> {
+        self.live.load_full()
+    }
+
+    pub fn metrics(&self) -> &Arc<Metrics> {
+        &self.metrics
+    }
+
+    /// Re-read the config file; on success new requests run on it, on failure nothing
+    /// changes. Requests in flight finish on the configuration they started with.
+    pub fn reload(&self) -> Result<(), ReloadError> {
+        let result = self.try_reload();
+        let outcome = if result.is_ok() {
+            ReloadResult::Ok
+        } else {
+            ReloadResult::Rejected
+        };
+        self.metrics
+            .reloads
+            .get_or_create(&ReloadLabels { result: outcome })
+            .inc();
+        result
+    }
+
+    fn try_reload(&self) -> Result<(), ReloadError> {
+        let path = self.config_path.as_ref().ok_or(ReloadError::NoFile)?;
+        let config = Config::load(path)?;
+        let old = self.live.load_full();
+        let (s, o) = (&config.server, &old.config.server);
+        if s.listen != o.listen
+            || s.admin_listen != o.admin_listen
+            || s.workers != o.workers
+            || s.max_connections != o.max_connections
+            || s.shutdown_grace != o.shutdown_grace
+        {
+            tracing::warn!(
+                "listen addresses, workers, max_connections or shutdown_grace changed in the file; they take effect on restart only"
+            );
+        }
+        if config.store != old.config.store {
+            tracing::warn!("[store] changed: limits start from a fresh store");
+        }
+        let live = Live::build(config, Some(&old), &self.metrics)?;
+        if !Arc::ptr_eq(&live.limiter, &old.limiter) {
+            tokio::spawn({
+                let limiter = live.limiter.clone();
+                async move { limiter.warm().await }
+            });
+        }
+        self.live.store(Arc::new(live));
+        Ok(())
+    }
+
+    /// Serve one request: admit it, then answer or forward it, and record how it went.
+    pub async fn handle(&self, req: Request<Incoming>, peer: &Peer) -> Response<Body> {
+        let _in_flight = Gauged::new(&self.metrics.in_flight);
+        let live = self.live.load_full();
+        let log = AccessLine::start(&req);
+        let (parts, body) = req.into_parts();
+        let (resp, note) = match self.admit(&live, &parts, peer.ip()).await {
+            Admission::Answer(resp, note) => (resp, note),
+            Admission::Forward(pass) => {
+                self.forward(&live, Request::from_parts(parts, body), peer, pass)
+                    .await
+            }
+        };
+        let status = resp.status().as_u16();
+        self.metrics
+            .count_response(status_class(status), note.upstream);
+        if let Some(log) = log {
+            log.write(status, &note);
+        }
+        resp
+    }
+
+    /// Everything a request goes through before it is forwarded: screened, matched,
+    /// identified, limited, judged. No socket is touched: the store is asked, and nothing
+    /// else happens outside the process.
+    pub async fn admit<'l>(&self, live: &'l Live, parts: &Parts, peer: IpAddr) -> Admission<'l> {
+        let cfg = &*live.config;
+        if let Some(p) = screen::problem(parts) {
+            tracing::debug!(%peer, status = p.status.as_u16(), "malformed request refused");
+            let mut resp = problem(p, cfg, &[]);
+            if parts.version < http::Version::HTTP_2 {
+                close_after(&mut resp);
+            }
+            return Admission::Answer(resp, Note::gateway("bad_request"));
+        }
+        let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip);
+        let limits = match Limit::all(live, parts, &requester) {
+            Ok(limits) if limits.is_empty() => {
+                return Admission::Forward(Pass::unlimited(Note::gateway("unlimited")))
+            }
+            Ok(limits) => limits,
+            Err(refusal) => {
+                let resp = problem(
+                    Problem::new(refusal.status(), &refusal.to_string()),
+                    cfg,
+                    &[],
+                );
+                return Admission::Answer(resp, Note::gateway(Verdict::Refuse(refusal).decision()));
+            }
+        };
+        let (decisions, verdict, leases) = consult(live, &limits).await;
+        match (verdict, decisions) {
+            (Verdict::Deny { by, jitter_us }, Some(d)) => {
+                self.deny(live, &limits, &d, by, jitter_us)
+            }
+            (Verdict::Forward | Verdict::Delay(_), Some(d)) => {
+                Admission::Forward(self.pass(live, limits, &d, verdict, leases))
+            }
+            (v, _) => store_failed(live, &limits, v),
+        }
+    }
+
+    /// A denied request's 429, and the counts it adds.
+    fn deny<'l>(
+        &self,
+        live: &'l Live,
+        limits: &[Limit<'l, '_>],
+        decisions: &[Option<Decision>],
+        by: usize,
+        jitter_us: u64,
+    ) -> Admission<'l> {
+        let cfg = &*live.config;
+        let shadow_denied = tally(live, limits, decisions);
+        let (applied, shadow) = split(limits, decisions);
+        self.metrics.stats.record(false);
+        let limit = &limits[by];
+        self.metrics.stats.limited(
+            limit.identity.digest.short_hex().as_str(),
+            &limit.rule.name,
+            || limit.identity.hint(),
+        );
+        let note = Note {
+            rule: Some(limit.rule.name.as_str()),
+            identity: Some(limit.identity.digest),
+            shadow_denied,
+            ..Note::gateway("denied")
+        };
+        let p = Problem::too_many_requests(&applied, random_below(jitter_us));
+        let mut resp = problem(p, cfg, &applied);
+        headers::add_shadow(resp.headers_mut(), cfg.response, &shadow);
+        Admission::Answer(resp, note)
+    }
+
+    /// An admitted request's pass, and the counts it adds.
+    fn pass<'l>(
+        &self,
+        live: &'l Live,
+        limits: Vec<Limit<'l, '_>>,
+        decisions: &[Option<Decision>],
+        verdict: Verdict,
+        leases: Option<Leases>,
+    ) -> Pass<'l> {
+        let shadow_denied = tally(live, &limits, decisions);
+        self.metrics.stats.record(true);
+        let (applied, shadow) = split(&limits, decisions);
+        let ruled: Vec<Ruled> = limits.iter().map(Limit::ruled).collect();
+        let closest = verdict::closest(&ruled, decisions).map(|k| &limits[k]);
+        let (decision, waited) = match verdict {
+            Verdict::Delay(us) => ("delayed", Duration::from_micros(us)),
+            _ => ("allowed", Duration::ZERO),
+        };
+        let note = Note {
+            rule: closest.map(|l| l.rule.name.as_str()),
+            identity: closest.map(|l| l.identity.digest),
+            shadow_denied,
+            waited,
+            ..Note::gateway(decision)
+        };
+        // Waiting on a rule holds its place in that rule's queue; the others are free.
+        let slots = limits
+            .into_iter()
+            .zip(decisions)
+            .filter(|(_, d)| d.is_some_and(|d| d.allowed && d.retry_after_us > 0))
+            .filter_map(|(l, _)| l.slot)
+            .collect();
+        Pass {
+            applied,
+            shadow,
+            leases,
+            slots,
+            note,
+        }
+    }
+
+    /// Wait for the reserved tokens, then forward: the upstream's answer with the
+    /// rate-limit headers, or the gateway's answer to what went wrong.
+    async fn forward<'l>(
+        &self,
+        live: &'l Live,
+        req: Request<Incoming>,
+        peer: &Peer,
+        pass: Pass<'l>,
+    ) -> (Response<Body>, Note<'l>) {
+        let mut pass = pass;
+        if !pass.note.waited.is_zero() {
+            let _waiting = Gauged::new(&self.metrics.waiting);
+            tokio::time::sleep(pass.note.waited).await;
+        }
+        pass.slots.clear();
+        let cfg = &*live.config;
+        let down = Downstream {
+            peer,
+            trusted: crate::identity::is_trusted(
+                peer.ip().to_canonical(),
+                &cfg.client_ip.trusted_proxies,
+            ),
+            body_timeout: cfg.server.timeouts.body,
+        };
+        let version = req.version();
+        let started = Instant::now();
+        let result = live.proxy().forward(req, &down).await;
+        self.count_upstream(&result, started);
+        match result {
+            Ok(resp) => {
+                let leases = pass.leases.take();
+                let mut resp = resp.map(|body| Either::Left(LeasedBody::new(body, leases)));
+                pass.decorate(resp.headers_mut(), cfg);
+                pass.note.upstream = true;
+                (resp, pass.note)
+            }
+            Err(e) => {
+                // The request is over: its leases are dropped here, giving its slots back.
+                drop(pass.leases.take());
+                let resp = self.upstream_failed(cfg, e, version, peer, &pass);
+                (resp, pass.note)
+            }
+        }
+    }
+
+    fn count_upstream(
+        &self,
+        result: &Result<Response<crate::proxy::ResponseBody>, ProxyError>,
+        started: Instant,
+    ) {
+        // A client's own failure (a malformed or stalled body) says nothing of the upstream.
+        if result.as_ref().is_err_and(ProxyError::is_client_error) {
+            return;
+        }
+        self.metrics
+            .upstream_duration
+            .observe(started.elapsed().as_secs_f64());
+        let class = match result {
+            Ok(resp) => status_class(resp.status().as_u16()),
+            Err(_) => "error",
+        };
+        self.metrics.count_upstream(class);
+    }
+
+    /// The gateway's answer when forwarding failed: the upstream's fault (502, 504) or
+    /// the client's (400, 408).
+    fn upstream_failed(
+        &self,
+        cfg: &Config,
+        e: ProxyError,
+        version: http::Version,
+        peer: &Peer,
+        pass: &Pass<'_>,
+    ) -> Response<Body> {
+        let (status, detail) = match e {
+            ProxyError::Timeout(_) => (
+                StatusCode::GATEWAY_TIMEOUT,
+                "the upstream did not answer in time",
+            ),
+            ProxyError::Unreachable(_) | ProxyError::Failed(_) => {
+                (StatusCode::BAD_GATEWAY, "the upstream could not be reached")
+            }
+            ProxyError::Coding(_) => (
+                StatusCode::BAD_GATEWAY,
+                "the upstream's answer uses a transfer coding this client cannot take",
+            ),
+            ProxyError::ClientBody(_) => (StatusCode::BAD_REQUEST, "the request body is malformed"),
+            ProxyError::ClientStalled(_) => (
+                StatusCode::REQUEST_TIMEOUT,
+                "the request body stopped arriving",
+            ),
+        };
+        if e.is_client_error() {
+            tracing::debug!(error = %e, status = status.as_u16(), peer = %peer.addr, "client request failed");
+        } else {
+            tracing::warn!(error = %e, status = status.as_u16(), "upstream failed");
+        }
+        let mut resp = problem(Problem::new(status, detail), cfg, &pass.applied);
+        headers::add_shadow(resp.headers_mut(), cfg.response, &pass.shadow);
+        if matches!(e, ProxyError::ClientStalled(_)) && version < http::Version::HTTP_2 {
+            self.metrics
+                .connections_closed
+                .get_or_create(&crate::metrics::ClosedLabels {
+                    listener: "gateway",
+                    reason: crate::connection::Closed::BodyTimeout.name(),
+                })
+                .inc();
+        }
+        if e.is_client_error() && version < http::Version::HTTP_2 {
+            // The rest of the body is in an unknown state: nothing after it on this
+            // connection can be trusted to start where a request starts.
+            close_after(&mut resp);
+        }
+        resp
+    }
+}
+
+impl Verdict {
+    /// The access log's `decision` for a request this verdict answers.
+    fn decision(self) -> &'static str {
+        match self {
+            Verdict::Forward => "allowed",
+            Verdict::Delay(_) => "delayed",
+            Verdict::Deny { .. } => "denied",
+            Verdict::Unlimited | Verdict::Unavailable => "store_error",
+            Verdict::Refuse(r) => r.decision(),
+        }
+    }
+}
+
+impl Limit<'_, '_> {
+    fn ruled(&self) -> Ruled {
+        Ruled {
+            enforced: self.enforced,
+            jitter_us: self.rule.retry_jitter_us,
+        }
+    }
+}
+
+/// Ask the store about every limit at once, and judge its answer: the decisions (none if
+/// the store failed), the verdict, and the concurrency slots the request now holds.
+async fn consult(
+    live: &Live,
+    limits: &[Limit<'_, '_>],
+) -> (Option<Vec<Option<Decision>>>, Verdict, Option<Leases>) {
+    let checks: Vec<Check<'_>> = limits.iter().map(Limit::check).collect();
+    let answer = match live.limiter.decide_now(&checks, live.cache_denials) {
+        Now::Answered(answer) => answer,
+        Now::Ask(asking) => live.limiter.ask(&checks, live.cache_denials, asking).await,
+    };
+    let decisions = verdict::decisions(&answer);
+    let ruled: Vec<Ruled> = limits.iter().map(Limit::ruled).collect();
+    let v = verdict::judge(&ruled, decisions.as_deref(), live.config.store.on_error);
+    let leases = match (&decisions, v) {
+        // A call that timed out may still have run: take back any lease it could have
+        // written (a no-op where it did not).
+        (None, _) => {
+            Leases::abandon(&live.limiter, &checks);
+            None
+        }
+        // Every enforcing concurrency check of a request let through took its slot, and
+        // the watching ones that allowed (charged as if enforced).
+        (Some(d), Verdict::Forward | Verdict::Delay(_)) => {
+            let local = matches!(answer, Answer::Local(_));
+            Leases::taken(&live.limiter, local, &checks, |k| {
+                d[k].is_some_and(|d| d.allowed)
+            })
+        }
+        _ => None,
+    };
+    (decisions, v, leases)
+}
+
+/// Count each rule's decision; the first watching rule that would have denied.
+fn tally<'l>(
+    live: &Live,
+    limits: &[Limit<'l, '_>],
+    decisions: &[Option<Decision>],
+) -> Option<&'l str> {
+    let mut shadow_denied = None;
+    for (l, d) in limits.iter().zip(decisions) {
+        let Some(d) = d else { continue };
+        let counters = &live.counters[l.index];
+        match Tally::of(l.enforced, d) {
+            Tally::Allowed => counters.allowed.inc(),
+            Tally::Delayed => counters.delayed.inc(),
+            Tally::Denied => counters.denied.inc(),
+            Tally::ShadowDenied => {
+                shadow_denied.get_or_insert(l.rule.name.as_str());
+                counters.shadow_denied.inc()
+            }
+        };
+    }
+    shadow_denied
+}
+
+/// The rules with a decision, as the headers show them: the enforcing ones, and apart,
+/// the watching ones.
+fn split<'l>(
+    limits: &[Limit<'l, '_>],
+    decisions: &[Option<Decision>],
+) -> (Vec<Applied<'l>>, Vec<Applied<'l>>) {
+    let mut applied = Vec::with_capacity(limits.len());
+    let mut shadow = Vec::new();
+    for (l, d) in limits.iter().zip(decisions) {
+        let Some(decision) = *d else { continue };
+        let a = Applied {
+            rule: l.rule.name.as_str(),
+            quota: l.quota,
+            decision,
+        };
+        if l.enforced {
+            applied.push(a);
+        } else {
+            shadow.push(a);
+        }
+    }
+    (applied, shadow)
+}
+
+/// The store failed: forward unlimited or answer 503, as `on_error` said.
+fn store_failed<'l>(live: &'l Live, limits: &[Limit<'l, '_>], verdict: Verdict) -> Admission<'l> {
+    for l in limits {
+        live.counters[l.index].error.inc();
+    }
+    let note = Note {
+        rule: limits.first().map(|l| l.rule.name.as_str()),
+        identity: limits.first().map(|l| l.identity.digest),
+        ..Note::gateway("store_error")
+    };
+    if verdict == Verdict::Unlimited {
+        return Admission::Forward(Pass::unlimited(note));
+    }
+    let p = Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the rate-limit store is unavailable",
+    );
+    Admission::Answer(problem(p.with_retry_after(1), &live.config, &[]), note)
+}
+
+/// The access log's line for one request, when the log is on: what it needs of the
+/// request, taken before the request is forwarded. Never the query string: it may hold
+/// secrets.
+struct AccessLine {
+    method: Method,
+    path: String,
+    started: Instant,
+}
+
+impl AccessLine {
+    fn start<B>(req: &Request<B>) -> Option<AccessLine> {
+        tracing::enabled!(target: "ratewall::access", tracing::Level::INFO).then(|| AccessLine {
+            method: req.method().clone(),
+            path: req.uri().path().to_string(),
+            started: Instant::now(),
+        })
+    }
+
+    fn write(self, status: u16, note: &Note<'_>) {
+        let id = note.identity.map(|d| d.short_hex());
+        tracing::info!(
+            target: "ratewall::access",
+            method = %self.method,
+            path = %self.path,
+            status,
+            rule = note.rule.unwrap_or("-"),
+            decision = note.decision,
+            shadow_denied = note.shadow_denied.unwrap_or("-"),
+            waited_ms = note.waited.as_millis() as u64,
+            id = id.as_ref().map_or("-", |h| h.as_str()),
+            latency_us = self.started.elapsed().as_micros() as u64,
+        );
+    }
+}
+
+/// A uniformly random number of µs in `0..=max` (0 for 0): jitter, not secrecy.
+fn random_below(max: u64) -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    if max == 0 {
+        return 0;
+    }
+    // Each RandomState has fresh keys; hashing nothing with them gives 64 random bits.
+    let bits = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    // Multiply-shift: unbiased enough for spreading retries.
+    ((u128::from(bits) * (u128::from(max) + 1)) >> 64) as u64
+}
+
+/// Ask hyper to close the client connection once `resp` is sent (HTTP/1).
+fn close_after<B>(resp: &mut Response<B>) {
+    resp.headers_mut().insert(
+        http::header::CONNECTION,
+        http::HeaderValue::from_static("close"),
+    );
+}
+
+/// A response the gateway writes itself.
+pub fn problem(p: Problem, cfg: &Config, applied: &[Applied<'_>]) -> Response<Body> {
+    let mut resp = Response::new(Either::Right(Full::new(p.body.clone())));
+    *resp.status_mut() = p.status;
+    p.headers(resp.headers_mut());
+    headers::add_ratelimit(resp.headers_mut(), cfg.response, applied);
+    resp
+}

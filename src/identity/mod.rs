@@ -1,0 +1,379 @@
+//! Who a request is: the one place a rule's identity for a request is derived. Pure: no
+//! I/O, so every case is tested without a network.
+//!
+//! A rule counts requests by a [`Key`]: an API key, a header's value, the client IP, or
+//! everyone at once. [`Requester`] holds what a request says about who sent it (headers
+//! and TCP peer), and [`Requester::identify`] turns it into the [`Identity`] a rule counts
+//! it under, or a [`Refusal`]. The request path, `ratewall check` and the admin API all
+//! call it, so they cannot drift; a new source of identity (a client certificate, a
+//! verified token's claim) is one more arm of [`KeyKind`] and of `identify`.
+//!
+//! Identities are kept as [`IdentityDigest`]s: 128 bits of a domain-separated SHA-256,
+//! so raw API keys never reach Redis key names, logs or metrics.
+
+mod client_ip;
+mod keys;
+
+use std::cell::OnceCell;
+use std::fmt;
+use std::net::IpAddr;
+
+use http::header::{HeaderMap, HeaderName, HeaderValue};
+use http::StatusCode;
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+
+pub use client_ip::{client_ip, is_trusted, ClientIp, ForwardingHeader};
+pub use keys::{api_key, sha256, KeyError, Keys, UnknownKeys, DEFAULT_KEY_HEADER, MAX_KEY_LEN};
+
+/// What a rule counts requests by (`key`), and what it does when the request does not
+/// carry it (`missing_key`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Key {
+    pub kind: KeyKind,
+    pub missing: MissingKey,
+}
+
+/// Who a rule counts requests for.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum KeyKind {
+    /// The API key, from `[keys] header`.
+    ApiKey,
+    ClientIp,
+    /// Everyone: one limit for all requests.
+    Global,
+    /// The value of this header.
+    Header(HeaderName),
+}
+
+/// A request without the key (or header) its rule counts by.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum MissingKey {
+    /// 401.
+    #[default]
+    Reject,
+    /// Counted by its client IP instead.
+    ClientIp,
+}
+
+impl fmt::Display for KeyKind {
+    /// As the file writes it: `api_key`, `client_ip`, `global`, `header:<name>`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            KeyKind::ApiKey => f.write_str("api_key"),
+            KeyKind::ClientIp => f.write_str("client_ip"),
+            KeyKind::Global => f.write_str("global"),
+            KeyKind::Header(h) => write!(f, "header:{h}"),
+        }
+    }
+}
+
+/// Who a request is under one rule.
+#[derive(Debug, Clone, Copy)]
+pub struct Identity<'a> {
+    pub digest: IdentityDigest,
+    pub source: Source<'a>,
+}
+
+/// What an identity was derived from.
+#[derive(Debug, Clone, Copy)]
+pub enum Source<'a> {
+    Everyone,
+    ClientIp(IpAddr),
+    ApiKey(&'a [u8]),
+    Header(&'a HeaderName, &'a [u8]),
+}
+
+impl Identity<'_> {
+    /// What an operator may see of it: enough to recognise it, never a whole API key.
+    /// Keys show their last 4 characters when they are long enough to keep the rest
+    /// secret; addresses show their network (/24, /48).
+    pub fn hint(&self) -> String {
+        let (label, value) = match self.source {
+            Source::Everyone => return "everyone".to_string(),
+            Source::ClientIp(IpAddr::V4(v4)) => {
+                let o = v4.octets();
+                return format!("ip {}.{}.{}.x", o[0], o[1], o[2]);
+            }
+            Source::ClientIp(IpAddr::V6(v6)) => {
+                let s = v6.segments();
+                return format!("ip {:x}:{:x}:{:x}::/48", s[0], s[1], s[2]);
+            }
+            Source::ApiKey(v) => ("key", v),
+            Source::Header(_, v) => ("header", v),
+        };
+        if value.len() >= 12 {
+            let tail = String::from_utf8_lossy(&value[value.len() - 4..]);
+            format!("{label} …{tail}")
+        } else {
+            format!("{label} ({} bytes)", value.len())
+        }
+    }
+}
+
+impl fmt::Display for Source<'_> {
+    /// For `ratewall check`: what the request is counted per. Never a key's value.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Source::Everyone => f.write_str("everyone, one shared limit"),
+            Source::ClientIp(ip) => write!(f, "client IP {ip}"),
+            Source::ApiKey(_) => f.write_str("API key"),
+            Source::Header(h, _) => write!(f, "{h}"),
+        }
+    }
+}
+
+/// Why a request is answered before any limit is consulted.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// No API key, and the rule needs one (`missing_key = "reject"`).
+    MissingKey,
+    /// The header the rule counts by is missing (`missing_key = "reject"`).
+    MissingHeader,
+    /// An unlisted API key with `unknown = "reject"`.
+    UnknownKey,
+    /// The key header is malformed (sent twice, too long).
+    Malformed(KeyError),
+}
+
+impl Refusal {
+    pub fn status(self) -> StatusCode {
+        match self {
+            Refusal::Malformed(_) => StatusCode::BAD_REQUEST,
+            _ => StatusCode::UNAUTHORIZED,
+        }
+    }
+
+    /// The access log's `decision`.
+    pub fn decision(self) -> &'static str {
+        match self {
+            Refusal::Malformed(_) => "bad_key",
+            _ => "unauthorized",
+        }
+    }
+}
+
+impl fmt::Display for Refusal {
+    /// The problem+json `detail`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Refusal::MissingKey => f.write_str("an API key is required"),
+            Refusal::MissingHeader => f.write_str("a header this rule counts by is missing"),
+            Refusal::UnknownKey => f.write_str("the API key is not known"),
+            Refusal::Malformed(e) => write!(f, "{e}"),
+        }
+    }
+}
+
+/// What a request says about who sent it: its headers and its TCP peer, read with the
+/// configured keys and trusted proxies. Each part (the client IP, the API key and its
+/// digest and plan) is worked out once, however many rules ask.
+pub struct Requester<'a> {
+    headers: &'a HeaderMap,
+    peer: IpAddr,
+    keys: &'a Keys,
+    trust: &'a ClientIp,
+    client_ip: OnceCell<IpAddr>,
+    /// The API key as sent, and its digest.
+    api_key: OnceCell<SentKey<'a>>,
+}
+
+/// An API key as sent (`None`: none was), and its digest; or why it cannot be used.
+type SentKey<'a> = Result<Option<(&'a [u8], IdentityDigest)>, KeyError>;
+
+impl<'a> Requester<'a> {
+    pub fn new(headers: &'a HeaderMap, peer: IpAddr, keys: &'a Keys, trust: &'a ClientIp) -> Self {
+        Requester {
+            headers,
+            peer,
+            keys,
+            trust,
+            client_ip: OnceCell::new(),
+            api_key: OnceCell::new(),
+        }
+    }
+
+    /// The client's address (see [`client_ip`]).
+    pub fn client_ip(&self) -> IpAddr {
+        *self
+            .client_ip
+            .get_or_init(|| client_ip(self.peer, self.headers, self.trust))
+    }
+
+    fn api_key(&self) -> SentKey<'a> {
+        *self.api_key.get_or_init(|| {
+            Ok(api_key(self.headers, &self.keys.header)?.map(|v| (v, digest_api_key(v))))
+        })
+    }
+
+    /// The plan the request's API key is listed with, if any. A malformed key has none
+    /// (the rules counting by it refuse the request).
+    pub fn plan(&self) -> Option<&'a str> {
+        if self.keys.is_empty() {
+            return None;
+        }
+        let (key, _) = self.api_key().ok().flatten()?;
+        self.keys.plan_of(key)
+    }
+
+    /// Who the request is under a rule counting by `key`.
+    pub fn identify(&self, key: &'a Key) -> Result<Identity<'a>, Refusal> {
+        let by_ip = |missing| match key.missing {
+            MissingKey::ClientIp => Ok(self.ip_identity()),
+            MissingKey::Reject => Err(missing),
+        };
+        match &key.kind {
+            KeyKind::Global => Ok(Identity {
+                digest: digest_global(),
+                source: Source::Everyone,
+            }),
+            KeyKind::ClientIp => Ok(self.ip_identity()),
+            KeyKind::ApiKey => match self.api_key().map_err(Refusal::Malformed)? {
+                Some((v, digest)) => {
+                    if self.keys.unknown == UnknownKeys::Reject && self.plan().is_none() {
+                        return Err(Refusal::UnknownKey);
+                    }
+                    Ok(Identity {
+                        digest,
+                        source: Source::ApiKey(v),
+                    })
+                }
+                None => by_ip(Refusal::MissingKey),
+            },
+            KeyKind::Header(h) => match api_key(self.headers, h).map_err(Refusal::Malformed)? {
+                Some(v) => Ok(Identity {
+                    digest: digest_header(h, v),
+                    source: Source::Header(h, v),
+                }),
+                None => by_ip(Refusal::MissingHeader),
+            },
+        }
+    }
+
+    fn ip_identity(&self) -> Identity<'a> {
+        let ip = self.client_ip();
+        Identity {
+            digest: digest_ip(ip),
+            source: Source::ClientIp(ip),
+        }
+    }
+}
+
+/// The request parts that name an identity directly, as the admin API takes them
+/// (`key=`, `header=`, `ip=`): a key header holding `value`, and `ip` as the peer.
+pub fn headers_naming(key: &KeyKind, keys: &Keys, value: &[u8]) -> Option<HeaderMap> {
+    let name = match key {
+        KeyKind::ApiKey => &keys.header,
+        KeyKind::Header(h) => h,
+        KeyKind::ClientIp | KeyKind::Global => return Some(HeaderMap::new()),
+    };
+    let mut h = HeaderMap::new();
+    h.insert(name.clone(), HeaderValue::from_bytes(value).ok()?);
+    Some(h)
+}
+
+/// A 128-bit digest of an identity. Rendered as hex in Redis key names.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct IdentityDigest(pub [u8; 16]);
+
+impl IdentityDigest {
+    /// The first 8 hex digits, as logs and the status page show an identity; no allocation.
+    pub fn short_hex(&self) -> ShortHex {
+        let mut s = [0u8; 8];
+        for (i, b) in self.0[..4].iter().enumerate() {
+            s[2 * i] = b"0123456789abcdef"[usize::from(b >> 4)];
+            s[2 * i + 1] = b"0123456789abcdef"[usize::from(b & 0xf)];
+        }
+        ShortHex(s)
+    }
+
+    pub fn hex(&self) -> String {
+        let mut s = String::with_capacity(32);
+        self.push_hex(&mut s);
+        s
+    }
+
+    /// Append the 32 lowercase hex digits to `out`.
+    pub fn push_hex(&self, out: &mut String) {
+        const DIGITS: &[u8; 16] = b"0123456789abcdef";
+        for b in self.0 {
+            out.push(char::from(DIGITS[usize::from(b >> 4)]));
+            out.push(char::from(DIGITS[usize::from(b & 0xf)]));
+        }
+    }
+}
+
+/// 8 lowercase hex digits of an identity digest.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ShortHex([u8; 8]);
+
+impl ShortHex {
+    pub fn as_str(&self) -> &str {
+        // Hex digits are ASCII.
+        std::str::from_utf8(&self.0).unwrap_or("????????")
+    }
+}
+
+/// Digests, domain-separated so an API key can never collide with an IP or a header value.
+pub fn digest_api_key(key: &[u8]) -> IdentityDigest {
+    digest(&[b"ratewall/key\0", key])
+}
+
+pub fn digest_ip(ip: IpAddr) -> IdentityDigest {
+    match ip {
+        IpAddr::V4(v4) => digest(&[b"ratewall/ip4\0", &v4.octets()]),
+        IpAddr::V6(v6) => digest(&[b"ratewall/ip6\0", &v6.octets()]),
+    }
+}
+
+pub fn digest_global() -> IdentityDigest {
+    digest(&[b"ratewall/global"])
+}
+
+pub fn digest_header(name: &HeaderName, value: &[u8]) -> IdentityDigest {
+    digest(&[b"ratewall/header\0", name.as_str().as_bytes(), b"\0", value])
+}
+
+fn digest(parts: &[&[u8]]) -> IdentityDigest {
+    let mut h = Sha256::new();
+    for p in parts {
+        h.update(p);
+    }
+    let full = h.finalize();
+    let mut out = [0u8; 16];
+    out.copy_from_slice(&full[..16]);
+    IdentityDigest(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn digests_are_separated_by_kind() {
+        assert_ne!(digest_api_key(b"1.2.3.4"), digest_ip(ip("1.2.3.4")));
+        assert_ne!(digest_api_key(b"a"), digest_api_key(b"b"));
+        assert_eq!(
+            digest_ip(ip("::ffff:1.2.3.4").to_canonical()),
+            digest_ip(ip("1.2.3.4"))
+        );
+        let d = digest_api_key(b"secret-key").hex();
+        assert!(!d.contains("secret"));
+    }
+
+    #[test]
+    fn digest_hex_is_32_lowercase_chars() {
+        let d = IdentityDigest([0xab; 16]);
+        assert_eq!(d.hex(), "ab".repeat(16));
+        let mut b = [0u8; 16];
+        b[..4].copy_from_slice(&[0x01, 0x9f, 0xe0, 0x7c]);
+        let d = IdentityDigest(b);
+        assert_eq!(d.short_hex().as_str(), &d.hex()[..8]);
+        assert_eq!(d.short_hex().as_str(), "019fe07c");
+    }
+}

@@ -1,0 +1,436 @@
+//! A rule's limit: the rate it is written as ([`Rate`]), the algorithm that keeps it
+//! ([`Algorithm`]) and the exact integer form the step functions run on ([`Quota`]).
+
+use std::fmt;
+use std::num::NonZeroU64;
+use std::time::Duration;
+
+use serde::Deserialize;
+
+/// `"N/s"`, `"N/m"`, `"N/h"`, `"N/d"` or `"N/<duration>"`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Rate {
+    pub count: u64,
+    pub period: Duration,
+}
+
+impl Rate {
+    pub fn parse(s: &str) -> Result<Rate, String> {
+        let (n, per) = s
+            .split_once('/')
+            .ok_or_else(|| format!("invalid rate {s:?}: expected \"N/s\", \"N/m\", \"N/h\", \"N/d\" or \"N/<duration>\""))?;
+        let count: u64 = n
+            .trim()
+            .parse()
+            .map_err(|_| format!("invalid rate {s:?}: {n:?} is not a whole number"))?;
+        if count == 0 {
+            return Err(format!("invalid rate {s:?}: the count must be at least 1"));
+        }
+        let per = per.trim();
+        let period = match per {
+            "s" => Duration::from_secs(1),
+            "m" => Duration::from_secs(60),
+            "h" => Duration::from_secs(3600),
+            "d" => Duration::from_secs(86_400),
+            other => humantime::parse_duration(other)
+                .map_err(|e| format!("invalid rate {s:?}: period {other:?}: {e}"))?,
+        };
+        if period.is_zero() || period.subsec_nanos() != 0 {
+            return Err(format!(
+                "invalid rate {s:?}: the period must be a whole number of seconds (RateLimit-Policy's w is in seconds)"
+            ));
+        }
+        Ok(Rate { count, period })
+    }
+}
+
+impl fmt::Display for Rate {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.period.as_secs() {
+            1 => write!(f, "{}/s", self.count),
+            60 => write!(f, "{}/m", self.count),
+            3600 => write!(f, "{}/h", self.count),
+            86_400 => write!(f, "{}/d", self.count),
+            s => write!(f, "{}/{}s", self.count, s),
+        }
+    }
+}
+
+/// Largest level a bucket may hold, in its units. Redis runs Lua 5.1, whose numbers are
+/// IEEE doubles: every integer the script computes must stay below 2^53 to be exact.
+pub const MAX_LEVEL: u64 = 1 << 52;
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Algorithm {
+    #[default]
+    TokenBucket,
+    Gcra,
+    SlidingWindow,
+    FixedWindow,
+    /// Not a rate: at most N requests in flight per identity (`max_in_flight`, not an
+    /// `algorithm` value in the file).
+    #[serde(skip_deserializing)]
+    Concurrency,
+}
+
+impl Algorithm {
+    pub fn name(self) -> &'static str {
+        match self {
+            Algorithm::TokenBucket => "token_bucket",
+            Algorithm::Gcra => "gcra",
+            Algorithm::SlidingWindow => "sliding_window",
+            Algorithm::FixedWindow => "fixed_window",
+            Algorithm::Concurrency => "concurrency",
+        }
+    }
+
+    /// Whether `burst` means anything: the windows admit the rate's N per window.
+    pub fn has_burst(self) -> bool {
+        matches!(self, Algorithm::TokenBucket | Algorithm::Gcra)
+    }
+
+    /// Whether a request may wait for its tokens (`max_delay`): the buckets can reserve
+    /// tokens ahead; a window cannot.
+    pub fn can_delay(self) -> bool {
+        self.has_burst()
+    }
+
+    /// The algorithm's number in the Redis script's arguments (`lua/decide.lua`).
+    pub fn code(self) -> u8 {
+        match self {
+            Algorithm::TokenBucket => 1,
+            Algorithm::Gcra => 2,
+            Algorithm::FixedWindow => 3,
+            Algorithm::SlidingWindow => 4,
+            Algorithm::Concurrency => 5,
+        }
+    }
+}
+
+/// A rule's limit, in the exact integer form the step functions use.
+///
+/// A token bucket (or GCRA) holding `burst` tokens and refilling `rate.count` tokens per
+/// `rate.period` is kept in *units*: one token is `unit` units and `per_us` units drip in
+/// every microsecond. `unit / per_us` is the period divided by the count, reduced by their
+/// greatest common divisor, so no refill is ever rounded. The windows count requests
+/// against `rate.count` per `rate.period`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Quota {
+    pub algorithm: Algorithm,
+    pub rate: Rate,
+    pub burst: u64,
+    pub cost: u64,
+    pub unit: u64,
+    pub per_us: u64,
+    /// How long a request may wait for its tokens instead of being denied, in µs (0: never
+    /// waits). Token bucket and GCRA only.
+    pub max_delay_us: u64,
+    /// Concurrency only: how long a lease in a shared store lives without renewal, in µs.
+    pub lease_us: u64,
+}
+
+/// Why a quota cannot be, and which of its settings to blame.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{message}")]
+pub struct QuotaError {
+    pub field: QuotaField,
+    pub message: String,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum QuotaField {
+    Rate,
+    Burst,
+    Cost,
+    MaxDelay,
+}
+
+impl QuotaField {
+    pub fn name(self) -> &'static str {
+        match self {
+            QuotaField::Rate => "rate",
+            QuotaField::Burst => "burst",
+            QuotaField::Cost => "cost",
+            QuotaField::MaxDelay => "max_delay",
+        }
+    }
+}
+
+impl Quota {
+    pub fn new(
+        algorithm: Algorithm,
+        rate: Rate,
+        burst: Option<NonZeroU64>,
+        cost: NonZeroU64,
+    ) -> Result<Quota, QuotaError> {
+        let fail = |field, message| QuotaError { field, message };
+        let cost = cost.get();
+        let period_us = u64::try_from(rate.period.as_micros())
+            .ok()
+            .filter(|&p| p <= MAX_LEVEL)
+            .ok_or_else(|| {
+                fail(
+                    QuotaField::Rate,
+                    format!("rate {rate}: the period is too long"),
+                )
+            })?;
+        let burst = if algorithm.has_burst() {
+            burst.map_or(rate.count, NonZeroU64::get)
+        } else if let Some(b) = burst {
+            return Err(fail(
+                QuotaField::Burst,
+                format!(
+                    "burst = {b} does not apply to {}: a window admits the rate's N ({}) per window",
+                    algorithm.name(),
+                    rate.count
+                ),
+            ));
+        } else {
+            rate.count
+        };
+        if cost > burst {
+            let what = if algorithm.has_burst() {
+                "burst"
+            } else {
+                "the rate's N"
+            };
+            return Err(fail(
+                QuotaField::Cost,
+                format!("cost {cost} is more than {what} {burst}: no request could ever pass"),
+            ));
+        }
+        let g = gcd(rate.count, period_us);
+        let (unit, per_us) = (period_us / g, rate.count / g);
+        // The largest product each algorithm computes must stay exact in Lua's doubles.
+        let largest = match algorithm {
+            Algorithm::TokenBucket | Algorithm::Gcra => burst.checked_mul(unit),
+            // prev·(P-e) + cur·P + cost·P, each term at most N·P.
+            Algorithm::SlidingWindow => rate
+                .count
+                .checked_mul(period_us)
+                .and_then(|v| v.checked_mul(3)),
+            Algorithm::FixedWindow | Algorithm::Concurrency => Some(rate.count),
+        };
+        if largest.is_none_or(|v| v > MAX_LEVEL) {
+            let field = if algorithm.has_burst() {
+                QuotaField::Burst
+            } else {
+                QuotaField::Rate
+            };
+            return Err(fail(
+                field,
+                format!(
+                    "rate {rate} with burst {burst} needs more precision than Redis' Lua numbers hold (2^52); lower the burst or use a rounder rate"
+                ),
+            ));
+        }
+        Ok(Quota {
+            algorithm,
+            rate,
+            burst,
+            cost,
+            unit,
+            per_us,
+            max_delay_us: 0,
+            lease_us: 0,
+        })
+    }
+
+    /// A limit of `max` requests in flight; leases in a shared store live `lease` unless
+    /// renewed.
+    pub fn concurrency(max: NonZeroU64, lease: Duration) -> Quota {
+        let max = max.get().min(MAX_LEVEL);
+        Quota {
+            algorithm: Algorithm::Concurrency,
+            // q= in RateLimit-Policy; the period is not used.
+            rate: Rate {
+                count: max,
+                period: Duration::from_secs(1),
+            },
+            burst: max,
+            cost: 1,
+            unit: 1,
+            per_us: 1,
+            max_delay_us: 0,
+            lease_us: u64::try_from(lease.as_micros())
+                .unwrap_or(u64::MAX)
+                .min(MAX_LEVEL),
+        }
+    }
+
+    /// The same limit, letting a request wait up to `max_delay` for its tokens.
+    pub fn with_max_delay(self, max_delay: Duration) -> Result<Quota, QuotaError> {
+        let fail = |message| QuotaError {
+            field: QuotaField::MaxDelay,
+            message,
+        };
+        if !self.algorithm.can_delay() {
+            return Err(fail(format!(
+                "max_delay applies to token_bucket and gcra, not {}",
+                self.algorithm.name()
+            )));
+        }
+        let us = u64::try_from(max_delay.as_micros()).unwrap_or(u64::MAX);
+        let q = Quota {
+            max_delay_us: us,
+            ..self
+        };
+        let fits = us
+            .checked_mul(q.per_us)
+            .and_then(|s| s.checked_add(q.capacity()))
+            .is_some_and(|v| v <= MAX_LEVEL);
+        if !fits {
+            return Err(fail(format!(
+                "max_delay {} with rate {} needs more precision than Redis' Lua numbers hold (2^52); lower it",
+                humantime::format_duration(max_delay),
+                q.rate
+            )));
+        }
+        Ok(q)
+    }
+
+    /// How far below empty a bucket may go for requests waiting on their tokens, in units.
+    pub fn slack(&self) -> u64 {
+        self.max_delay_us * self.per_us
+    }
+
+    /// The period in µs (validated to fit at load).
+    pub fn period_us(&self) -> u64 {
+        self.rate.period.as_micros() as u64
+    }
+
+    /// The bucket's size, in units.
+    pub fn capacity(&self) -> u64 {
+        self.burst * self.unit
+    }
+
+    /// What one request takes, in units.
+    pub fn need(&self) -> u64 {
+        self.cost * self.unit
+    }
+}
+
+impl fmt::Display for Quota {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.algorithm == Algorithm::Concurrency {
+            return write!(f, "{} in flight", self.burst);
+        }
+        write!(f, "{}", self.rate)?;
+        if self.algorithm.has_burst() {
+            write!(f, " burst {}", self.burst)?;
+        }
+        if self.cost != 1 {
+            write!(f, " cost {}", self.cost)?;
+        }
+        if self.max_delay_us > 0 {
+            let d = Duration::from_micros(self.max_delay_us);
+            write!(f, " max_delay {}", humantime::format_duration(d))?;
+        }
+        Ok(())
+    }
+}
+
+fn gcd(mut a: u64, mut b: u64) -> u64 {
+    while b != 0 {
+        (a, b) = (b, a % b);
+    }
+    a
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rate(count: u64, secs: u64) -> Rate {
+        Rate {
+            count,
+            period: Duration::from_secs(secs),
+        }
+    }
+
+    #[test]
+    fn quota_units_are_reduced_exactly() {
+        let q = Quota::new(Algorithm::TokenBucket, rate(3, 1), None, NonZeroU64::MIN).unwrap();
+        // 3 tokens per 1_000_000 µs: a token is 1_000_000 units, 3 drip in per µs.
+        assert_eq!((q.unit, q.per_us, q.burst), (1_000_000, 3, 3));
+        let q = Quota::new(
+            Algorithm::TokenBucket,
+            rate(1_000_000, 86_400),
+            None,
+            NonZeroU64::MIN,
+        )
+        .unwrap();
+        assert_eq!((q.unit, q.per_us), (86_400, 1));
+        assert_eq!(q.capacity(), 86_400_000_000);
+    }
+
+    #[test]
+    fn quota_rejects_cost_above_burst_and_overflow() {
+        let c3 = NonZeroU64::new(3).unwrap();
+        assert!(Quota::new(Algorithm::TokenBucket, rate(10, 1), NonZeroU64::new(2), c3).is_err());
+        assert!(Quota::new(Algorithm::FixedWindow, rate(2, 1), None, c3).is_err());
+        assert!(Quota::new(Algorithm::SlidingWindow, rate(3, 1), None, c3).is_ok());
+        let burst_on_window = Quota::new(
+            Algorithm::SlidingWindow,
+            rate(3, 1),
+            NonZeroU64::new(3),
+            NonZeroU64::MIN,
+        );
+        assert!(burst_on_window
+            .unwrap_err()
+            .message
+            .contains("does not apply"));
+        // 2^52 / 86_400_000_000 µs is about 52_000 per day for a sliding window.
+        assert!(Quota::new(
+            Algorithm::SlidingWindow,
+            rate(60_000, 86_400),
+            None,
+            NonZeroU64::MIN
+        )
+        .is_err());
+        assert!(Quota::new(
+            Algorithm::FixedWindow,
+            rate(60_000, 86_400),
+            None,
+            NonZeroU64::MIN
+        )
+        .is_ok());
+        assert!(Quota::new(
+            Algorithm::TokenBucket,
+            rate(7, 86_400),
+            NonZeroU64::new(u64::MAX / 2),
+            NonZeroU64::MIN
+        )
+        .is_err());
+    }
+
+    #[test]
+    fn rates_parse() {
+        assert_eq!(
+            Rate::parse("10/s").unwrap(),
+            Rate {
+                count: 10,
+                period: Duration::from_secs(1)
+            }
+        );
+        assert_eq!(
+            Rate::parse("5/10s").unwrap(),
+            Rate {
+                count: 5,
+                period: Duration::from_secs(10)
+            }
+        );
+        assert_eq!(
+            Rate::parse("100/d").unwrap().period,
+            Duration::from_secs(86_400)
+        );
+        assert_eq!(
+            Rate::parse("3/2m").unwrap().period,
+            Duration::from_secs(120)
+        );
+        for bad in ["0/s", "10", "10/", "10/500ms", "-1/s", "1.5/s", "10/x"] {
+            assert!(Rate::parse(bad).is_err(), "{bad} was accepted");
+        }
+    }
+}

@@ -1,0 +1,422 @@
+//! The shared stores: one Redis ([`RedisStore`]) or a Redis Cluster
+//! ([`RedisClusterStore`]). Both run the Lua twins of the step functions (`lua/`),
+//! composed into one script and called with EVALSHA (loaded again on NOSCRIPT by
+//! `redis::Script`, on every node of a cluster). Time is Redis' own `TIME`, so every
+//! gateway shares one clock.
+//!
+//! One Redis decides every rule of a request in one atomic call. In a cluster a script
+//! may only touch one slot: keys are hash-tagged on the identity
+//! (`<prefix>:{<identity-hash>}:<rule>`), so all rules on one identity are still one
+//! atomic call; rules on different identities (say, per key and per IP) are decided one
+//! identity at a time, and a denial refunds what the identities before it took.
+
+mod cluster;
+mod single;
+
+use std::future::Future;
+use std::time::Duration;
+
+use redis::aio::ConnectionLike;
+
+use super::store::{Call, Kind, Store};
+use super::{Algorithm, Check, Decision, StoreError};
+
+pub use cluster::RedisClusterStore;
+pub use single::RedisStore;
+
+/// The script Redis runs: the prelude, each algorithm's file, and the dispatcher, compiled
+/// into the binary so it always matches the Rust twins.
+pub const SCRIPT: &str = concat!(
+    include_str!("../../../lua/prelude.lua"),
+    include_str!("../../../lua/token_bucket.lua"),
+    include_str!("../../../lua/gcra.lua"),
+    include_str!("../../../lua/fixed_window.lua"),
+    include_str!("../../../lua/sliding_window.lua"),
+    include_str!("../../../lua/decide.lua"),
+);
+
+/// Renews one concurrency lease while its request is in flight.
+pub const LEASE_SCRIPT: &str = include_str!("../../../lua/lease.lua");
+
+/// What the script does with the keys it is given.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    Decide,
+    Peek,
+    Refund,
+}
+
+/// The script, the key prefix and the per-call timeout: what both stores share.
+struct Scripted {
+    script: redis::Script,
+    lease_script: redis::Script,
+    prefix: String,
+    timeout: Duration,
+    /// Tells this process's leases from other gateways' in a shared lease set.
+    instance: u64,
+}
+
+/// One check as the script's arguments (see `lua/prelude.lua`).
+struct Encoded {
+    key: String,
+    /// `<algorithm code>:<five parameters>`: the same string for every request on one
+    /// rule's quota, which the script parses once per call.
+    quota: String,
+    shadow: bool,
+}
+
+impl Encoded {
+    /// Add this key and its 2 arguments; `starts` marks the first key of a batch's
+    /// second and later requests (flag 2).
+    fn push(&self, inv: &mut redis::ScriptInvocation<'_>, starts: bool) {
+        inv.key(&self.key)
+            .arg(&self.quota)
+            .arg(["0", "1", "2", "3"][usize::from(self.shadow) | if starts { 2 } else { 0 }]);
+    }
+}
+
+impl Scripted {
+    fn new(prefix: &str, timeout: Duration) -> Scripted {
+        use std::hash::{BuildHasher, Hasher};
+        // 64 random bits (std's per-process SipHash keys) mixed with the pid and the time.
+        let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+        h.write_u32(std::process::id());
+        h.write_u128(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0, |d| d.as_nanos()),
+        );
+        Scripted {
+            script: redis::Script::new(SCRIPT),
+            lease_script: redis::Script::new(LEASE_SCRIPT),
+            prefix: prefix.to_string(),
+            timeout,
+            instance: h.finish(),
+        }
+    }
+
+    /// A concurrency lease's member in the rule's lease set: unique across gateways.
+    fn member(&self, check: &Check<'_>) -> String {
+        format!("{:016x}-{:x}", self.instance, check.lease)
+    }
+
+    async fn timed<T, F>(&self, f: F) -> Result<T, StoreError>
+    where
+        F: std::future::Future<Output = Result<T, ::redis::RedisError>>,
+    {
+        Ok(tokio::time::timeout(self.timeout, f)
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))??)
+    }
+
+    /// Connect and load both scripts, so the first request does not pay for it (a script
+    /// load can take longer than a store timeout).
+    async fn warm<C: ConnectionLike>(&self, conn: &mut C) -> Result<(), StoreError> {
+        let t = self.timeout.max(Duration::from_secs(1));
+        for script in [&self.script, &self.lease_script] {
+            tokio::time::timeout(t, script.prepare_invoke().load_async(conn))
+                .await
+                .map_err(|_| StoreError::Timeout(t))??;
+        }
+        Ok(())
+    }
+
+    /// Remove a lease: its request ended.
+    async fn release<C: ConnectionLike>(
+        &self,
+        conn: &mut C,
+        check: &Check<'_>,
+    ) -> Result<(), StoreError> {
+        let cmd = redis::cmd("ZREM")
+            .arg(self.key(check))
+            .arg(self.member(check))
+            .to_owned();
+        let _: i64 = self.timed(cmd.query_async(conn)).await?;
+        Ok(())
+    }
+
+    /// Extend a lease by its TTL from now. `false`: it had already expired or was reset.
+    async fn renew<C: ConnectionLike>(
+        &self,
+        conn: &mut C,
+        check: &Check<'_>,
+    ) -> Result<bool, StoreError> {
+        let mut inv = self.lease_script.prepare_invoke();
+        inv.key(self.key(check))
+            .arg(self.member(check))
+            .arg(check.quota.lease_us);
+        let live: i64 = self.timed(inv.invoke_async(conn)).await?;
+        Ok(live == 1)
+    }
+
+    /// `<prefix>:{<identity-hash>}:<rule>`.
+    fn key(&self, check: &Check<'_>) -> String {
+        let mut key = String::with_capacity(self.prefix.len() + check.rule.len() + 36);
+        key.push_str(&self.prefix);
+        key.push_str(":{");
+        check.identity.push_hex(&mut key);
+        key.push_str("}:");
+        key.push_str(check.rule);
+        key
+    }
+
+    /// One check as the script takes it: its key and its arguments.
+    fn encode(&self, c: &Check<'_>) -> Encoded {
+        let q = c.quota;
+        let mut n = itoa::Buffer::new();
+        let mut quota = String::with_capacity(64);
+        quota.push(char::from(b'0' + q.algorithm.code()));
+        let mut param = |p: &str| {
+            quota.push(':');
+            quota.push_str(p);
+        };
+        match q.algorithm {
+            Algorithm::TokenBucket | Algorithm::Gcra => {
+                for p in [q.unit, q.per_us, q.capacity(), q.need(), q.slack()] {
+                    param(n.format(p));
+                }
+            }
+            Algorithm::FixedWindow | Algorithm::SlidingWindow => {
+                for p in [q.period_us(), q.rate.count, q.cost, 0, 0] {
+                    param(n.format(p));
+                }
+            }
+            // The lease id in place of the third parameter.
+            Algorithm::Concurrency => {
+                param(n.format(q.burst));
+                param(n.format(q.lease_us));
+                param(&self.member(c));
+                param("0");
+                param("0");
+            }
+        }
+        Encoded {
+            key: self.key(c),
+            quota,
+            shadow: c.shadow,
+        }
+    }
+
+    /// One script call for `checks` (all on one slot, in a cluster).
+    async fn call<C: ConnectionLike>(
+        &self,
+        conn: &mut C,
+        checks: &[&Check<'_>],
+        now_us: Option<u64>,
+        mode: Mode,
+    ) -> Result<Vec<Decision>, StoreError> {
+        let encoded: Vec<Encoded> = checks.iter().map(|c| self.encode(c)).collect();
+        self.call_encoded(conn, &encoded, now_us, mode).await
+    }
+
+    async fn call_encoded<C: ConnectionLike>(
+        &self,
+        conn: &mut C,
+        checks: &[Encoded],
+        now_us: Option<u64>,
+        mode: Mode,
+    ) -> Result<Vec<Decision>, StoreError> {
+        let mut inv = self.script.prepare_invoke();
+        match now_us {
+            Some(t) => inv.arg(t),
+            None => inv.arg(""),
+        };
+        inv.arg(match mode {
+            Mode::Decide => "",
+            Mode::Peek => "peek",
+            Mode::Refund => "refund",
+        });
+        for c in checks {
+            c.push(&mut inv, false);
+        }
+        let reply: Vec<redis::Value> = tokio::time::timeout(self.timeout, inv.invoke_async(conn))
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))??;
+        if reply.len() != checks.len() * 4 {
+            return Err(StoreError::Protocol(format!(
+                "the script returned {} values for {} keys",
+                reply.len(),
+                checks.len()
+            )));
+        }
+        decisions(&reply)
+    }
+
+    /// One script call deciding several requests, one after another, each all or nothing
+    /// (at Redis' time). Each request's answers, or its own key error; an `Err` fails all.
+    async fn call_batch<C: ConnectionLike>(
+        &self,
+        conn: &mut C,
+        requests: &[&[Encoded]],
+    ) -> Result<Vec<Result<Vec<Decision>, StoreError>>, StoreError> {
+        let mut inv = self.script.prepare_invoke();
+        inv.arg("").arg("");
+        for (r, checks) in requests.iter().enumerate() {
+            for (k, c) in checks.iter().enumerate() {
+                c.push(&mut inv, r > 0 && k == 0);
+            }
+        }
+        let reply: Vec<redis::Value> = tokio::time::timeout(self.timeout, inv.invoke_async(conn))
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))??;
+        let keys: usize = requests.iter().map(|r| r.len()).sum();
+        if reply.len() != keys * 4 {
+            return Err(StoreError::Protocol(format!(
+                "the script returned {} values for {keys} keys",
+                reply.len()
+            )));
+        }
+        let mut rest = &reply[..];
+        let mut out = Vec::with_capacity(requests.len());
+        for checks in requests {
+            let (mine, after) = rest.split_at(checks.len() * 4);
+            rest = after;
+            let failed = match &mine[0] {
+                redis::Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
+                redis::Value::SimpleString(s) => Some(s.clone()),
+                _ => None,
+            };
+            out.push(match failed {
+                Some(why) => Err(StoreError::Data(why)),
+                None => decisions(mine),
+            });
+        }
+        Ok(out)
+    }
+
+    async fn ping<C: ConnectionLike>(&self, conn: &mut C) -> Result<(), StoreError> {
+        let pong: String = tokio::time::timeout(self.timeout, redis::cmd("PING").query_async(conn))
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))??;
+        if pong == "PONG" {
+            Ok(())
+        } else {
+            Err(StoreError::Protocol(format!("PING answered {pong:?}")))
+        }
+    }
+
+    async fn delete<C: ConnectionLike>(
+        &self,
+        conn: &mut C,
+        check: &Check<'_>,
+    ) -> Result<(), StoreError> {
+        let _: i64 = tokio::time::timeout(
+            self.timeout,
+            redis::cmd("DEL").arg(self.key(check)).query_async(conn),
+        )
+        .await
+        .map_err(|_| StoreError::Timeout(self.timeout))??;
+        Ok(())
+    }
+}
+
+/// What tells the two shared stores apart: how a call gets a connection, and how a
+/// request's rules are decided (one atomic call, or one per cluster slot). Everything
+/// else they do is written once, in their [`Store`] implementation below.
+trait Shared: Send + Sync {
+    type Conn: ConnectionLike + Send;
+    const KIND: Kind;
+
+    fn scripted(&self) -> &Scripted;
+
+    /// A connection to run one call on (a multiplexed handle: cheap to clone).
+    fn connection(&self) -> impl Future<Output = Result<Self::Conn, StoreError>> + Send;
+
+    /// Decide `checks` at `now_us` (`None`: Redis' `TIME`, always in production; tests
+    /// replay timelines with their own times).
+    fn decide_at<'a>(
+        &'a self,
+        checks: &'a [Check<'a>],
+        now_us: Option<u64>,
+    ) -> impl Future<Output = Result<Vec<Decision>, StoreError>> + Send + 'a;
+
+    /// What `checks` would be told at `now_us`, charging nothing.
+    fn peek_at<'a>(
+        &'a self,
+        checks: &'a [Check<'a>],
+        now_us: Option<u64>,
+    ) -> impl Future<Output = Result<Vec<Decision>, StoreError>> + Send + 'a;
+
+    fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    fn warm(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+}
+
+impl<S: Shared> Store for S {
+    fn kind(&self) -> Kind {
+        S::KIND
+    }
+
+    fn decide<'a>(&'a self, checks: &'a [Check<'a>]) -> Call<'a, Vec<Decision>> {
+        Call::pending(self.decide_at(checks, None))
+    }
+
+    fn peek<'a>(&'a self, checks: &'a [Check<'a>]) -> Call<'a, Vec<Decision>> {
+        Call::pending(self.peek_at(checks, None))
+    }
+
+    fn reset<'a>(&'a self, check: &'a Check<'a>) -> Call<'a, ()> {
+        Call::pending(async move {
+            self.scripted()
+                .delete(&mut self.connection().await?, check)
+                .await
+        })
+    }
+
+    fn release<'a>(&'a self, check: &'a Check<'a>) -> Call<'a, ()> {
+        Call::pending(async move {
+            self.scripted()
+                .release(&mut self.connection().await?, check)
+                .await
+        })
+    }
+
+    fn renew<'a>(&'a self, check: &'a Check<'a>) -> Call<'a, bool> {
+        Call::pending(async move {
+            self.scripted()
+                .renew(&mut self.connection().await?, check)
+                .await
+        })
+    }
+
+    fn ping(&self) -> Call<'_, ()> {
+        Call::pending(Shared::ping(self))
+    }
+
+    fn warm(&self) -> Call<'_, ()> {
+        Call::pending(Shared::warm(self))
+    }
+}
+
+/// The script's answers, 4 numbers per key (`lua/decide.lua`).
+fn decisions(reply: &[redis::Value]) -> Result<Vec<Decision>, StoreError> {
+    let num = |v: &redis::Value| match v {
+        redis::Value::Int(n) => {
+            u64::try_from(*n).map_err(|_| StoreError::Protocol(format!("negative value {n}")))
+        }
+        other => Err(StoreError::Protocol(format!("not a number: {other:?}"))),
+    };
+    reply
+        .chunks_exact(4)
+        .map(|c| {
+            Ok(Decision {
+                allowed: num(&c[0])? == 1,
+                remaining: num(&c[1])?,
+                retry_after_us: num(&c[2])?,
+                reset_us: num(&c[3])?,
+            })
+        })
+        .collect()
+}
+
+/// Whether a call failed because its connection had dropped (worth one more try on the
+/// connection being re-established), not because Redis refused or timed out.
+fn dropped(e: &StoreError) -> bool {
+    match e {
+        StoreError::Redis(r) => {
+            r.is_connection_dropped()
+                || (r.is_io_error() && !r.is_connection_refusal() && !r.is_timeout())
+        }
+        _ => false,
+    }
+}

@@ -1,0 +1,205 @@
+//! The one boundary between the limiter and where state is kept: [`Store`], the size of
+//! what the gateway needs — decide a batch, give back and renew leases, inspect and reset
+//! one identity, health. [`memory::MemoryStore`](super::memory::MemoryStore) answers in
+//! process; [`redis`](super::redis) shares state between gateways. A new operation is one
+//! method here and one implementation per store.
+
+use std::future::{Future, IntoFuture};
+use std::pin::Pin;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::memory::{Evictions, MemoryStore};
+use super::redis::{RedisClusterStore, RedisStore};
+use super::{Check, Clock, Decision, StoreError};
+use crate::metrics::Metrics;
+
+/// Where limit state lives (`[store] backend`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Backend {
+    /// Embedded: one gateway's own limits.
+    Memory,
+    Redis {
+        url: String,
+    },
+    RedisCluster {
+        nodes: Vec<String>,
+    },
+}
+
+/// What a request gets while the store fails (`[store] on_error`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum OnError {
+    /// Answer 503 while the store fails: no request escapes its limit.
+    #[default]
+    Deny,
+    /// Forward without limiting while the store fails: availability over enforcement.
+    Allow,
+    /// Enforce the same rules in this process until the store answers again. With N
+    /// instances behind a balancer, up to N times the limit passes meanwhile.
+    Local,
+}
+
+impl OnError {
+    pub fn name(self) -> &'static str {
+        match self {
+            OnError::Deny => "deny",
+            OnError::Allow => "allow",
+            OnError::Local => "local",
+        }
+    }
+}
+
+/// `[store]`, validated. Its `Default` holds each setting's default.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Settings {
+    pub backend: Backend,
+    /// The first part of every Redis key.
+    pub prefix: String,
+    /// The longest one store call may take.
+    pub timeout: Duration,
+    pub on_error: OnError,
+    /// Outages in a row that open the circuit breaker.
+    pub breaker_failures: u32,
+    /// How long an open breaker stops calls before a probe may close it.
+    pub breaker_cooldown: Duration,
+    /// The most keys the memory store (and the `local` fallback) tracks; see
+    /// [`crate::limiter::memory`] for what is evicted when it is full.
+    pub max_keys: usize,
+}
+
+impl Default for Settings {
+    fn default() -> Self {
+        Settings {
+            backend: Backend::Memory,
+            prefix: "ratewall".into(),
+            timeout: Duration::from_millis(50),
+            on_error: OnError::Deny,
+            breaker_failures: 5,
+            breaker_cooldown: Duration::from_secs(1),
+            max_keys: 1_000_000,
+        }
+    }
+}
+
+/// Which store it is: what the limiter needs to know of one beyond its calls.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Memory,
+    Redis,
+    RedisCluster,
+}
+
+impl Kind {
+    /// As metrics label it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Memory => "memory",
+            Kind::Redis => "redis",
+            Kind::RedisCluster => "redis_cluster",
+        }
+    }
+
+    /// Whether gateways share it: its answers take a network round trip (worth a deny
+    /// cache and a breaker), and its leases must outlive no gateway (they carry a TTL).
+    pub fn is_shared(self) -> bool {
+        self != Kind::Memory
+    }
+
+    /// Whether one request's rules may span nodes that fail apart from each other.
+    pub fn is_clustered(self) -> bool {
+        self == Kind::RedisCluster
+    }
+}
+
+/// A store's answer: there already (an in-process store), or a call under way. The
+/// request path awaits a future only where there is one, so a memory-store request
+/// carries none.
+pub enum Call<'a, T> {
+    Ready(Result<T, StoreError>),
+    Pending(Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>),
+}
+
+impl<'a, T> Call<'a, T> {
+    pub fn pending(f: impl Future<Output = Result<T, StoreError>> + Send + 'a) -> Self {
+        Call::Pending(Box::pin(f))
+    }
+}
+
+impl<'a, T: Send + 'a> IntoFuture for Call<'a, T> {
+    type Output = Result<T, StoreError>;
+    type IntoFuture = Pin<Box<dyn Future<Output = Result<T, StoreError>> + Send + 'a>>;
+
+    fn into_future(self) -> Self::IntoFuture {
+        match self {
+            Call::Ready(r) => Box::pin(std::future::ready(r)),
+            Call::Pending(f) => f,
+        }
+    }
+}
+
+/// Where limit state is kept.
+pub trait Store: Send + Sync {
+    fn kind(&self) -> Kind;
+
+    /// Decide one request against every rule in `checks`, all or nothing: either every
+    /// enforcing check allows and all are charged, or none is. One [`Decision`] per
+    /// check, in order.
+    fn decide<'a>(&'a self, checks: &'a [Check<'a>]) -> Call<'a, Vec<Decision>>;
+
+    /// What `checks` would be told now, charging nothing (the admin API's inspect).
+    fn peek<'a>(&'a self, checks: &'a [Check<'a>]) -> Call<'a, Vec<Decision>>;
+
+    /// Forget one identity's state under one rule (the admin API's reset).
+    fn reset<'a>(&'a self, check: &'a Check<'a>) -> Call<'a, ()>;
+
+    /// Give back the slot a concurrency check took: its request ended.
+    fn release<'a>(&'a self, check: &'a Check<'a>) -> Call<'a, ()>;
+
+    /// Keep a concurrency lease alive while its request is in flight; `false`: it was
+    /// gone (reset). In-process slots live as long as the process.
+    fn renew<'a>(&'a self, check: &'a Check<'a>) -> Call<'a, bool>;
+
+    /// Whether the store answers now (for /readyz and the breaker's probe).
+    fn ping(&self) -> Call<'_, ()>;
+
+    /// Connect and load scripts ahead of the first request.
+    fn warm(&self) -> Call<'_, ()> {
+        self.ping()
+    }
+
+    /// Drop state that is whole again; the number of keys held, for an in-process store.
+    fn sweep(&self) -> Option<usize> {
+        None
+    }
+}
+
+/// The store `settings` name, set up without waiting on it: a gateway starts while Redis
+/// is down, and answers by `on_error` until it is reachable. `workers`: one Redis
+/// connection each.
+pub fn open(
+    settings: &Settings,
+    workers: usize,
+    clock: Arc<dyn Clock>,
+    metrics: &Metrics,
+) -> Result<Box<dyn Store>, StoreError> {
+    Ok(match &settings.backend {
+        Backend::Memory => Box::new(MemoryStore::bounded(
+            clock,
+            settings.max_keys,
+            Evictions::of(metrics, "memory"),
+        )),
+        Backend::Redis { url } => Box::new(RedisStore::for_workers(
+            url,
+            &settings.prefix,
+            settings.timeout,
+            workers,
+        )?),
+        Backend::RedisCluster { nodes } => Box::new(RedisClusterStore::new(
+            nodes,
+            &settings.prefix,
+            settings.timeout,
+        )?),
+    })
+}

@@ -1,0 +1,356 @@
+//! What a request is matched by: its path as a backend will route it
+//! ([`normalize_path`]), path globs, and its host.
+
+use std::fmt;
+
+/// A path glob: segments split on `/`; `*` matches any characters within one segment,
+/// and a segment that is exactly `**` matches any number of segments (none included).
+#[derive(Debug, Clone)]
+pub struct Glob {
+    pattern: String,
+    segments: Vec<Segment>,
+}
+
+#[derive(Debug, Clone)]
+enum Segment {
+    /// `**`.
+    Any,
+    /// A segment, `*` matching any run of characters in it.
+    Pattern(String),
+}
+
+impl Glob {
+    pub fn new(pattern: &str) -> Result<Glob, String> {
+        if !pattern.starts_with('/') {
+            return Err(format!("glob {pattern:?} must start with \"/\""));
+        }
+        let segments = pattern[1..]
+            .split('/')
+            .map(|seg| match seg {
+                "**" => Ok(Segment::Any),
+                s if s.contains("**") => Err(format!(
+                    "glob {pattern:?}: ** is a whole segment (/**/), not part of one"
+                )),
+                s => Ok(Segment::Pattern(s.to_string())),
+            })
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Glob {
+            pattern: pattern.to_string(),
+            segments,
+        })
+    }
+
+    pub fn pattern(&self) -> &str {
+        &self.pattern
+    }
+
+    /// Whether `path` (normalised, starting with `/`) matches.
+    pub fn matches(&self, path: &str) -> bool {
+        match path.strip_prefix('/') {
+            Some(rest) => match_segments(&self.segments, Some(rest)),
+            None => false,
+        }
+    }
+
+    /// The literal start of the pattern, up to its first wildcard: every path it matches
+    /// starts with this (so the index can find the glob by prefix).
+    pub fn literal_prefix(&self) -> &str {
+        let end = self.pattern.find('*').unwrap_or(self.pattern.len());
+        // Without its last `/`: `/static/**` matches `/static` itself.
+        let lit = &self.pattern[..end];
+        match lit.strip_suffix('/') {
+            Some(l) if !l.is_empty() => l,
+            _ => lit,
+        }
+    }
+}
+
+/// `rest`: the path's segments still to match, `/`-separated; `None` once all are used.
+fn match_segments(pattern: &[Segment], rest: Option<&str>) -> bool {
+    match pattern.split_first() {
+        None => rest.is_none(),
+        Some((Segment::Any, more_pattern)) => {
+            // Skip 0, 1, 2, ... segments.
+            let mut r = rest;
+            loop {
+                if match_segments(more_pattern, r) {
+                    return true;
+                }
+                match r {
+                    None => return false,
+                    Some(s) => r = s.split_once('/').map(|(_, more)| more),
+                }
+            }
+        }
+        Some((Segment::Pattern(p), more_pattern)) => match rest {
+            None => false,
+            Some(r) => {
+                let (seg, more) = match r.split_once('/') {
+                    Some((seg, more)) => (seg, Some(more)),
+                    None => (r, None),
+                };
+                wildcard(p.as_bytes(), seg.as_bytes()) && match_segments(more_pattern, more)
+            }
+        },
+    }
+}
+
+/// `*` matches any run of bytes; everything else matches itself.
+fn wildcard(p: &[u8], s: &[u8]) -> bool {
+    // The classic two-pointer match with one backtrack point: linear in practice.
+    let (mut pi, mut si) = (0, 0);
+    let mut star: Option<(usize, usize)> = None;
+    while si < s.len() {
+        if pi < p.len() && p[pi] == b'*' {
+            star = Some((pi, si));
+            pi += 1;
+        } else if pi < p.len() && p[pi] == s[si] {
+            pi += 1;
+            si += 1;
+        } else if let Some((sp, ss)) = star {
+            pi = sp + 1;
+            si = ss + 1;
+            star = Some((sp, ss + 1));
+        } else {
+            return false;
+        }
+    }
+    p[pi..].iter().all(|&b| b == b'*')
+}
+
+/// A `host` of a rule's match: one name, or every subdomain of one (`*.example.com`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum HostPattern {
+    Exact(String),
+    /// `.example.com` for `*.example.com`.
+    Subdomains(String),
+}
+
+impl HostPattern {
+    pub fn new(s: &str) -> Result<HostPattern, String> {
+        let lower = s.trim().to_ascii_lowercase();
+        let (wild, name) = match lower.strip_prefix("*.") {
+            Some(rest) => (true, rest),
+            None => (false, lower.as_str()),
+        };
+        // A name, or a bracketed IPv6 literal; never a port.
+        let ok = match name.strip_prefix('[').and_then(|n| n.strip_suffix(']')) {
+            Some(v6) => !wild && v6.parse::<std::net::Ipv6Addr>().is_ok(),
+            None => {
+                !name.is_empty()
+                    && name
+                        .bytes()
+                        .all(|b| b.is_ascii_alphanumeric() || b"-._".contains(&b))
+            }
+        };
+        if !ok {
+            return Err(format!(
+                "invalid host {s:?}: a host name (api.example.com) or *.example.com, without port"
+            ));
+        }
+        Ok(if wild {
+            HostPattern::Subdomains(format!(".{name}"))
+        } else {
+            HostPattern::Exact(name.to_string())
+        })
+    }
+
+    /// Whether `host` (without port) matches, ignoring ASCII case.
+    pub fn matches(&self, host: &str) -> bool {
+        match self {
+            HostPattern::Exact(h) => host.eq_ignore_ascii_case(h),
+            HostPattern::Subdomains(suffix) => {
+                host.len() > suffix.len()
+                    && host.is_char_boundary(host.len() - suffix.len())
+                    && host[host.len() - suffix.len()..].eq_ignore_ascii_case(suffix)
+            }
+        }
+    }
+}
+
+impl fmt::Display for HostPattern {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            HostPattern::Exact(h) => f.write_str(h),
+            HostPattern::Subdomains(s) => write!(f, "*{s}"),
+        }
+    }
+}
+
+/// The host a request is for, without port: the URI's authority (HTTP/2, absolute-form),
+/// else the `Host` header. Brackets of an IPv6 literal are kept.
+pub fn request_host<'a>(uri: &'a http::Uri, headers: &'a http::HeaderMap) -> Option<&'a str> {
+    let raw = match uri.authority() {
+        Some(a) => a.as_str(),
+        None => headers.get(http::header::HOST)?.to_str().ok()?,
+    };
+    let raw = raw.rsplit_once('@').map_or(raw, |(_, h)| h);
+    let host = if raw.starts_with('[') {
+        raw.find(']').map_or(raw, |end| &raw[..=end])
+    } else {
+        raw.split_once(':').map_or(raw, |(h, _)| h)
+    };
+    // `api.example.com.` is `api.example.com` (the absolute form of the same name).
+    Some(host.strip_suffix('.').unwrap_or(host))
+}
+
+/// The path as rules see it: the path a backend will route. Every percent-escape decoded
+/// (`%2F` and `%5C` included: common backends decode them before routing, so `/api%2Fx`
+/// reaches their `/api/x`), a backslash read as a slash (as some backends do), `.` and
+/// `..` segments resolved and repeated slashes folded. So `/x/../api/`, `//api/`,
+/// `/%61pi/`, `/api%2Fx` and `/%2Fapi/x` cannot slip past a rule for `/api/`. Reading more
+/// paths as matching a rule than a given backend would is the safe side: a rule then
+/// limits more requests, never fewer. The request is still forwarded with its original
+/// bytes.
+///
+/// Decoded once, as backends do: `%252F` is the segment text `%2F`, not a slash.
+pub fn normalize_path(raw: &str) -> std::borrow::Cow<'_, str> {
+    let clean =
+        !raw.contains("//") && !raw.contains("/.") && !raw.contains('%') && !raw.contains('\\');
+    if clean {
+        return raw.into();
+    }
+    let decoded = decode_path(raw);
+    let mut out: Vec<&str> = Vec::new();
+    for seg in decoded.split('/') {
+        match seg {
+            "" | "." => {}
+            ".." => {
+                out.pop();
+            }
+            s => out.push(s),
+        }
+    }
+    let mut path = String::with_capacity(decoded.len());
+    for s in &out {
+        path.push('/');
+        path.push_str(s);
+    }
+    if path.is_empty()
+        || decoded.ends_with('/')
+        || decoded.ends_with("/.")
+        || decoded.ends_with("/..")
+    {
+        path.push('/');
+    }
+    path.into()
+}
+
+/// Every `%XX` escape decoded (a `%` not followed by two hex digits stays as it is), and
+/// `\` made `/`. Bytes that do not form UTF-8 become U+FFFD: no rule can name them.
+fn decode_path(raw: &str) -> String {
+    let b = raw.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    let hex = |c: u8| (c as char).to_digit(16);
+    while i < b.len() {
+        let mut c = b[i];
+        i += 1;
+        if c == b'%' {
+            if let (Some(h), Some(l)) = (
+                b.get(i).copied().and_then(hex),
+                b.get(i + 1).copied().and_then(hex),
+            ) {
+                c = (h * 16 + l) as u8;
+                i += 2;
+            }
+        }
+        out.push(if c == b'\\' { b'/' } else { c });
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn normalises_what_could_dodge_a_prefix() {
+        assert_eq!(normalize_path("/api/x"), "/api/x");
+        assert_eq!(normalize_path("/x/../api/y"), "/api/y");
+        assert_eq!(normalize_path("//api//y"), "/api/y");
+        assert_eq!(normalize_path("/./api/"), "/api/");
+        assert_eq!(normalize_path("/%61pi/y"), "/api/y");
+        assert_eq!(normalize_path("/api%2Fy"), "/api/y");
+        assert_eq!(normalize_path("/api%2fy"), "/api/y");
+        assert_eq!(normalize_path("/%2Fapi/x"), "/api/x");
+        assert_eq!(normalize_path("/api%5Cx"), "/api/x");
+        assert_eq!(normalize_path("/api\\x"), "/api/x");
+        assert_eq!(normalize_path("/x/%2e%2e/api/y"), "/api/y");
+        assert_eq!(normalize_path("/x%2F..%2Fapi/y"), "/api/y");
+        assert_eq!(normalize_path("/api%252Fy"), "/api%2Fy", "decoded once");
+        assert_eq!(normalize_path("/caf%C3%A9"), "/café");
+        assert_eq!(normalize_path("/a%FF"), "/a\u{FFFD}");
+        assert_eq!(normalize_path("/../../"), "/");
+        assert_eq!(normalize_path("/api/.."), "/");
+        assert_eq!(normalize_path("/a%"), "/a%");
+        assert_eq!(normalize_path("/a%6"), "/a%6");
+    }
+
+    #[test]
+    fn globs_match_within_segments_and_across_with_double_star() {
+        let g = Glob::new("/v1/*/export").unwrap();
+        assert!(g.matches("/v1/orders/export"));
+        assert!(!g.matches("/v1/export"), "* is one whole segment, not none");
+        assert!(!g.matches("/v1/a/b/export"), "* does not cross a /");
+        assert!(!g.matches("/v1/a/export/x"));
+        assert!(!g.matches("/v1/a/exports"));
+        let g = Glob::new("/files/*.csv").unwrap();
+        assert!(g.matches("/files/report.csv"));
+        assert!(g.matches("/files/.csv"));
+        assert!(!g.matches("/files/report.csv.gz"));
+        let g = Glob::new("/v1/**/export").unwrap();
+        for p in ["/v1/export", "/v1/a/export", "/v1/a/b/c/export"] {
+            assert!(g.matches(p), "{p}");
+        }
+        assert!(!g.matches("/v2/a/export"));
+        let g = Glob::new("/static/**").unwrap();
+        assert!(g.matches("/static/a/b.js") && g.matches("/static/") && g.matches("/static"));
+        assert!(Glob::new("v1/*").is_err());
+        assert!(Glob::new("/v1/a**/x").is_err());
+        // A pathological pattern stays linear-ish, not exponential.
+        let g = Glob::new(&format!("/{}b", "*a".repeat(20))).unwrap();
+        assert!(!g.matches(&format!("/{}", "a".repeat(60))));
+    }
+
+    #[test]
+    fn hosts_match_exactly_or_by_subdomain_ignoring_case() {
+        let h = HostPattern::new("API.example.com").unwrap();
+        assert!(h.matches("api.example.com") && h.matches("Api.Example.Com"));
+        assert!(!h.matches("x.api.example.com"));
+        let w = HostPattern::new("*.example.com").unwrap();
+        assert!(w.matches("a.example.com") && w.matches("a.b.EXAMPLE.com"));
+        assert!(!w.matches("example.com"), "*. needs a subdomain");
+        assert!(!w.matches("badexample.com"));
+        assert!(HostPattern::new("[::1]").unwrap().matches("[::1]"));
+        for bad in ["api.example.com:80", "", "*.", "a b", "*.[::1]", "[zz]"] {
+            assert!(HostPattern::new(bad).is_err(), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn the_request_host_drops_the_port() {
+        let h = |uri: &str, host: Option<&str>| {
+            let uri: http::Uri = uri.parse().unwrap();
+            let mut headers = http::HeaderMap::new();
+            if let Some(v) = host {
+                headers.insert(http::header::HOST, v.parse().unwrap());
+            }
+            request_host(&uri, &headers).map(str::to_string)
+        };
+        assert_eq!(
+            h("/x", Some("api.example.com:8080")).as_deref(),
+            Some("api.example.com")
+        );
+        assert_eq!(h("/x", Some("[::1]:80")).as_deref(), Some("[::1]"));
+        assert_eq!(
+            h("http://a.test:1/x", Some("b.test")).as_deref(),
+            Some("a.test")
+        );
+        assert_eq!(h("/x", None), None);
+        assert_eq!(
+            h("/x", Some("api.example.com.:80")).as_deref(),
+            Some("api.example.com")
+        );
+    }
+}
