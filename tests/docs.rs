@@ -1,7 +1,7 @@
 //! The docs stand alone and keep up with the code.
 //!
 //! - Every table and key of `config/limits.toml` (the commented-out ones too), and every
-//!   key the config parser accepts (the fields of the `Raw*` structs in `src/config.rs`),
+//!   key the config parser accepts (the fields of the `Raw*` structs in `src/config/`),
 //!   has a table row of its own in its table's section of `docs/configuration.md`, and
 //!   every table a heading.
 //! - README.md and docs/*.md link only to files inside the repository that exist, and to
@@ -275,7 +275,7 @@ fn every_key_of_the_shipped_config_is_documented() {
     );
 }
 
-/// Where a `Raw*` struct of src/config.rs is documented: its fields are tables (each a
+/// Where a `Raw*` struct of src/config/ is documented: its fields are tables (each a
 /// heading), or keys of one section (`within`: a subsection of another).
 enum Place {
     Tables,
@@ -300,14 +300,15 @@ fn place(name: &str) -> Option<Place> {
     })
 }
 
-/// The serde structs of src/config.rs named `Raw*`, with the keys they accept (a field's
+/// The serde structs of src/config/ named `Raw*`, with the keys they accept (a field's
 /// name, or its `rename`).
 fn raw_structs(src: &str) -> BTreeMap<String, Vec<String>> {
     let mut out = BTreeMap::new();
     let mut lines = src.lines();
     while let Some(line) = lines.next() {
+        let line = line.trim();
+        let line = line.strip_prefix("pub(super) ").unwrap_or(line);
         let Some(name) = line
-            .trim()
             .strip_prefix("struct Raw")
             .and_then(|r| r.strip_suffix(" {"))
         else {
@@ -333,7 +334,12 @@ fn raw_structs(src: &str) -> BTreeMap<String, Vec<String>> {
             if l.is_empty() || l.starts_with("//") {
                 continue;
             }
-            let ident = l.trim_start_matches("pub ").split(':').next().unwrap_or("");
+            let ident = l
+                .trim_start_matches("pub(super) ")
+                .trim_start_matches("pub ")
+                .split(':')
+                .next()
+                .unwrap_or("");
             assert!(
                 !ident.is_empty() && ident.chars().all(|c| c.is_alphanumeric() || c == '_'),
                 "Raw{name}: cannot read the field in {l:?}"
@@ -348,10 +354,22 @@ fn raw_structs(src: &str) -> BTreeMap<String, Vec<String>> {
 #[test]
 fn every_key_the_parser_accepts_is_documented() {
     let doc = Doc::load("docs/configuration.md");
-    let structs = raw_structs(&read("src/config.rs"));
+    let mut sources: Vec<String> = std::fs::read_dir(root().join("src/config"))
+        .expect("src/config/")
+        .filter_map(|e| e.ok())
+        .map(|e| e.file_name().to_string_lossy().into_owned())
+        .filter(|n| n.ends_with(".rs"))
+        .collect();
+    sources.sort();
+    let text: String = sources
+        .iter()
+        .map(|n| read(&format!("src/config/{n}")))
+        .collect::<Vec<_>>()
+        .join("\n");
+    let structs = raw_structs(&text);
     assert!(
         structs.len() >= 12,
-        "src/config.rs: only {} Raw structs read: {:?}",
+        "src/config/: only {} Raw structs read: {:?}",
         structs.len(),
         structs.keys()
     );
@@ -383,7 +401,7 @@ fn every_key_the_parser_accepts_is_documented() {
     }
     assert!(
         missing.is_empty(),
-        "docs/configuration.md does not document these keys src/config.rs accepts:\n  {}",
+        "docs/configuration.md does not document these keys src/config/ accepts:\n  {}",
         missing.join("\n  ")
     );
 }
