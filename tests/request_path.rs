@@ -1,0 +1,356 @@
+//! The request path in process: the gateway's own [`Gateway::admit`] (screen, rules,
+//! identity, store, verdict, answer) on the memory store with a clock moved by hand. No
+//! socket and no sleep: every limit is checked to the microsecond. What only a real
+//! process can show (framing, connections, Redis, the upstream hop) is tested end to end
+//! in the other files.
+
+use std::net::IpAddr;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::{HeaderMap, Method, Request, StatusCode};
+use http_body_util::BodyExt;
+use ratewall::config::Config;
+use ratewall::gateway::{Admission, Gateway, Live, Pass};
+use ratewall::limiter::ManualClock;
+use ratewall::metrics::Metrics;
+
+const UPSTREAM: &str =
+    "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:2\"\n";
+
+/// A gateway on the memory store, its clock at `clock`.
+struct InProcess {
+    gw: Gateway,
+    clock: Arc<ManualClock>,
+}
+
+/// What a request got: the answer's status and headers (for a forwarded request, the
+/// headers the gateway adds to the upstream's answer), and for a forwarded one, its pass.
+struct Seen<'l> {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: String,
+    pass: Option<Pass<'l>>,
+    decision: &'static str,
+}
+
+impl Seen<'_> {
+    fn header(&self, name: &str) -> &str {
+        self.headers
+            .get(name)
+            .map(|v| v.to_str().expect("an ASCII header"))
+            .unwrap_or_else(|| panic!("no {name} in {:?}", self.headers))
+    }
+
+    fn wait(&self) -> Duration {
+        self.pass.as_ref().map_or(Duration::ZERO, Pass::wait)
+    }
+}
+
+/// `"…", r=N, …`: the `r` of `rule` in a `RateLimit` (or `RateLimit-Shadow`) value.
+fn remaining(value: &str, rule: &str) -> u64 {
+    let item = value
+        .split(", ")
+        .find(|i| i.starts_with(&format!("\"{rule}\"")))
+        .unwrap_or_else(|| panic!("no {rule} in {value:?}"));
+    item.split(';')
+        .find_map(|p| p.strip_prefix("r="))
+        .and_then(|r| r.parse().ok())
+        .unwrap_or_else(|| panic!("no r= in {item:?}"))
+}
+
+impl InProcess {
+    fn new(rules: &str) -> InProcess {
+        let text = format!("{UPSTREAM}{rules}");
+        let config = Config::parse(&text, Path::new("inprocess.toml")).expect("a valid config");
+        let metrics = Arc::new(Metrics::new());
+        let clock = ManualClock::new(1_000_000_000);
+        let live =
+            Live::build_with_clock(config, None, &metrics, clock.clone()).expect("a memory store");
+        InProcess {
+            gw: Gateway::new(live, None, metrics),
+            clock,
+        }
+    }
+
+    fn advance(&self, d: Duration) {
+        self.clock.advance(d.as_micros() as u64);
+    }
+
+    async fn send<'l>(
+        &self,
+        live: &'l Live,
+        method: &str,
+        path: &str,
+        headers: &[(&str, &str)],
+        peer: &str,
+    ) -> Seen<'l> {
+        let mut req = Request::builder()
+            .method(Method::from_bytes(method.as_bytes()).unwrap())
+            .uri(path)
+            .header("host", "app.test");
+        for (k, v) in headers {
+            req = req.header(*k, *v);
+        }
+        let parts = req.body(()).unwrap().into_parts().0;
+        let peer: IpAddr = peer.parse().unwrap();
+        match self.gw.admit(live, &parts, peer).await {
+            Admission::Answer(resp, note) => {
+                let (head, body) = resp.into_parts();
+                let body = body.collect().await.expect("a body").to_bytes();
+                Seen {
+                    status: head.status,
+                    headers: head.headers,
+                    body: String::from_utf8_lossy(&body).into_owned(),
+                    pass: None,
+                    decision: note.decision,
+                }
+            }
+            Admission::Forward(pass) => {
+                let mut headers = HeaderMap::new();
+                pass.decorate(&mut headers, &live.config);
+                Seen {
+                    status: StatusCode::OK,
+                    headers,
+                    body: String::new(),
+                    decision: pass.note.decision,
+                    pass: Some(pass),
+                }
+            }
+        }
+    }
+
+    async fn get<'l>(&self, live: &'l Live, path: &str, key: Option<&str>) -> Seen<'l> {
+        let headers: Vec<(&str, &str)> = key.map(|k| ("x-api-key", k)).into_iter().collect();
+        self.send(live, "GET", path, &headers, "203.0.113.7").await
+    }
+}
+
+#[tokio::test]
+async fn remaining_counts_down_exactly_and_refills_with_the_clock() {
+    let t = InProcess::new(
+        "[[rules]]\nname = \"api\"\nkey = \"api_key\"\nalgorithm = \"token_bucket\"\nrate = \"100/10s\"\n",
+    );
+    let live = t.gw.live();
+    for left in (95..100).rev() {
+        let seen = t.get(&live, "/v1/x", Some("k1")).await;
+        assert_eq!(seen.status, StatusCode::OK);
+        assert_eq!(remaining(seen.header("ratelimit"), "api"), left);
+        assert_eq!(seen.header("ratelimit-policy"), "\"api\";q=100;w=10");
+    }
+    // One token drips in every 100 ms.
+    t.advance(Duration::from_millis(250));
+    let seen = t.get(&live, "/v1/x", Some("k1")).await;
+    assert_eq!(remaining(seen.header("ratelimit"), "api"), 96);
+    // Another key has its own bucket.
+    let other = t.get(&live, "/v1/x", Some("k2")).await;
+    assert_eq!(remaining(other.header("ratelimit"), "api"), 99);
+}
+
+#[tokio::test]
+async fn a_denial_says_when_to_come_back_to_the_second() {
+    let t = InProcess::new(
+        "[[rules]]\nname = \"login\"\nkey = \"client_ip\"\nalgorithm = \"fixed_window\"\nrate = \"3/m\"\n",
+    );
+    let live = t.gw.live();
+    for _ in 0..3 {
+        assert_eq!(t.get(&live, "/login", None).await.status, StatusCode::OK);
+    }
+    t.advance(Duration::from_secs(20));
+    let denied = t.get(&live, "/login", None).await;
+    assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(denied.decision, "denied");
+    // The window opened 20 s ago: 40 s left, to the second.
+    assert_eq!(denied.header("retry-after"), "40");
+    assert_eq!(remaining(denied.header("ratelimit"), "login"), 0);
+    assert!(
+        denied.body.contains("\"violated-policies\":[\"login\"]")
+            && denied.body.contains("\"retry_after\":40"),
+        "{}",
+        denied.body
+    );
+    t.advance(Duration::from_secs(40));
+    assert_eq!(t.get(&live, "/login", None).await.status, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn a_request_denied_by_one_rule_takes_nothing_from_the_others() {
+    let t = InProcess::new(concat!(
+        "[[rules]]\nname = \"wide\"\nkey = \"api_key\"\nrate = \"10/s\"\n",
+        "[[rules]]\nname = \"narrow\"\nkey = \"api_key\"\nrate = \"2/s\"\nmatch = { path_prefix = \"/narrow/\" }\n",
+    ));
+    let live = t.gw.live();
+    for _ in 0..2 {
+        assert_eq!(
+            t.get(&live, "/narrow/x", Some("k")).await.status,
+            StatusCode::OK
+        );
+    }
+    for _ in 0..3 {
+        let seen = t.get(&live, "/narrow/x", Some("k")).await;
+        assert_eq!(seen.status, StatusCode::TOO_MANY_REQUESTS);
+        // All or nothing: the wide rule still shows the two admitted requests only.
+        assert_eq!(remaining(seen.header("ratelimit"), "wide"), 8);
+    }
+    let wide = t.get(&live, "/other", Some("k")).await;
+    assert_eq!(remaining(wide.header("ratelimit"), "wide"), 7);
+}
+
+#[tokio::test]
+async fn who_a_request_is_decides_whether_it_is_refused() {
+    let t = InProcess::new(concat!(
+        "[keys]\nunknown = \"reject\"\n[keys.plans]\n\"gold-key\" = \"gold\"\n",
+        "[[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"5/s\"\nmatch = { path_prefix = \"/api/\" }\n",
+        "[rules.plans.gold]\nrate = \"50/s\"\n",
+        "[[rules]]\nname = \"tenant\"\nkey = \"header:x-tenant\"\nrate = \"5/s\"\nmissing_key = \"client_ip\"\nmatch = { path_prefix = \"/t/\" }\n",
+    ));
+    let live = t.gw.live();
+    let missing = t.get(&live, "/api/x", None).await;
+    assert_eq!(
+        (missing.status, missing.decision),
+        (StatusCode::UNAUTHORIZED, "unauthorized")
+    );
+    let unknown = t.get(&live, "/api/x", Some("who-knows")).await;
+    assert_eq!(unknown.status, StatusCode::UNAUTHORIZED);
+    assert!(
+        unknown.body.contains("the API key is not known"),
+        "{}",
+        unknown.body
+    );
+    let twice = t
+        .send(
+            &live,
+            "GET",
+            "/api/x",
+            &[("x-api-key", "a"), ("x-api-key", "b")],
+            "203.0.113.7",
+        )
+        .await;
+    assert_eq!(
+        (twice.status, twice.decision),
+        (StatusCode::BAD_REQUEST, "bad_key")
+    );
+    // A listed key gets its plan's quota.
+    let gold = t.get(&live, "/api/x", Some("gold-key")).await;
+    assert_eq!(gold.header("ratelimit-policy"), "\"api\";q=50;w=1");
+    assert_eq!(remaining(gold.header("ratelimit"), "api"), 49);
+    // Without the header it counts by, the rule counts the client's address instead: the
+    // same bucket for every request from it, apart from any tenant's.
+    let by_ip = t.send(&live, "GET", "/t/x", &[], "198.51.100.9").await;
+    assert_eq!(remaining(by_ip.header("ratelimit"), "tenant"), 4);
+    let by_ip = t.send(&live, "GET", "/t/x", &[], "198.51.100.9").await;
+    assert_eq!(remaining(by_ip.header("ratelimit"), "tenant"), 3);
+    let tenant = t
+        .send(
+            &live,
+            "GET",
+            "/t/x",
+            &[("x-tenant", "acme")],
+            "198.51.100.9",
+        )
+        .await;
+    assert_eq!(remaining(tenant.header("ratelimit"), "tenant"), 4);
+}
+
+#[tokio::test]
+async fn a_shadow_rule_reports_what_it_would_deny_and_denies_nothing() {
+    let t = InProcess::new(concat!(
+        "[[rules]]\nname = \"watch\"\nkey = \"api_key\"\nrate = \"1/m\"\nmode = \"shadow\"\n",
+        "[[rules]]\nname = \"real\"\nkey = \"api_key\"\nrate = \"100/m\"\n",
+    ));
+    let live = t.gw.live();
+    let first = t.get(&live, "/x", Some("k")).await;
+    assert_eq!(first.header("ratelimit-shadow"), "\"watch\";r=0;t=60");
+    let second = t.get(&live, "/x", Some("k")).await;
+    assert_eq!(second.status, StatusCode::OK);
+    assert_eq!(
+        second.header("ratelimit-shadow"),
+        "\"watch\";r=0;t=60;denied"
+    );
+    // The enforcing rule is the client's limit, and only it.
+    assert_eq!(second.header("ratelimit-policy"), "\"real\";q=100;w=60");
+    assert_eq!(
+        second.pass.as_ref().map(|p| p.note.shadow_denied),
+        Some(Some("watch"))
+    );
+}
+
+#[tokio::test]
+async fn a_request_waits_for_reserved_tokens_up_to_max_delay_and_the_queue_is_bounded() {
+    let t = InProcess::new(
+        "[[rules]]\nname = \"smooth\"\nkey = \"global\"\nrate = \"10/s\"\nburst = 1\nmax_delay = \"1s\"\nmax_waiting = 2\n",
+    );
+    let live = t.gw.live();
+    let first = t.get(&live, "/x", None).await;
+    assert_eq!((first.decision, first.wait()), ("allowed", Duration::ZERO));
+    // The next tokens are reserved 100 ms apart; the waiting requests hold their places.
+    let second = t.get(&live, "/x", None).await;
+    assert_eq!(
+        (second.decision, second.wait()),
+        ("delayed", Duration::from_millis(100))
+    );
+    let third = t.get(&live, "/x", None).await;
+    assert_eq!(third.wait(), Duration::from_millis(200));
+    // The queue (max_waiting = 2) is full: decided without waiting, so denied.
+    let fourth = t.get(&live, "/x", None).await;
+    assert_eq!(fourth.status, StatusCode::TOO_MANY_REQUESTS);
+    // A waiting request that is done gives its place back.
+    drop(second);
+    let fifth = t.get(&live, "/x", None).await;
+    assert_eq!(fifth.wait(), Duration::from_millis(300));
+    drop(third);
+}
+
+#[tokio::test]
+async fn concurrency_slots_are_held_until_the_request_is_done() {
+    let t = InProcess::new("[[rules]]\nname = \"slots\"\nkey = \"api_key\"\nmax_in_flight = 2\n");
+    let live = t.gw.live();
+    let a = t.get(&live, "/x", Some("k")).await;
+    let b = t.get(&live, "/x", Some("k")).await;
+    assert_eq!(remaining(b.header("ratelimit"), "slots"), 0);
+    assert_eq!(
+        b.header("ratelimit-policy"),
+        "\"slots\";q=2;qu=\"concurrent-requests\""
+    );
+    let c = t.get(&live, "/x", Some("k")).await;
+    assert_eq!(c.status, StatusCode::TOO_MANY_REQUESTS);
+    // A request that never reached the upstream (its pass dropped) gives its slot back.
+    drop(a);
+    let d = t.get(&live, "/x", Some("k")).await;
+    assert_eq!(d.status, StatusCode::OK);
+    drop((b, d));
+}
+
+#[tokio::test]
+async fn unlimited_requests_and_malformed_ones_never_reach_the_store() {
+    let t = InProcess::new(
+        "[[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"1/m\"\nmatch = { path_prefix = \"/api/\", methods = [\"GET\"] }\n",
+    );
+    let live = t.gw.live();
+    let free = t.get(&live, "/public", Some("k")).await;
+    assert_eq!((free.status, free.decision), (StatusCode::OK, "unlimited"));
+    assert!(free.headers.get("ratelimit").is_none());
+    let lower = t
+        .send(&live, "get", "/api/x", &[("x-api-key", "k")], "203.0.113.7")
+        .await;
+    assert_eq!(
+        (lower.status, lower.decision),
+        (StatusCode::BAD_REQUEST, "bad_request")
+    );
+    assert_eq!(lower.header("connection"), "close");
+    // HEAD runs the GET handler: counted by the GET rule, and an encoded slash routes the
+    // same way.
+    let head = t
+        .send(
+            &live,
+            "HEAD",
+            "/api/x",
+            &[("x-api-key", "k")],
+            "203.0.113.7",
+        )
+        .await;
+    assert_eq!(remaining(head.header("ratelimit"), "api"), 0);
+    let encoded = t.get(&live, "/api%2Fx", Some("k")).await;
+    assert_eq!(encoded.status, StatusCode::TOO_MANY_REQUESTS);
+}
