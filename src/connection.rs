@@ -570,33 +570,10 @@ pub async fn serve<S, B>(
     let accepted = Instant::now();
     let _ = stream.set_nodelay(true);
     let mut stream = stream;
-    let mut prefix = BytesMut::with_capacity(1024);
-    let header_deadline = accepted + settings.timeouts.header;
-    let read = tokio::time::timeout_at(header_deadline, preface(&mut stream, &mut prefix));
-    let asked_to_close = std::future::poll_fn(|cx| {
-        track.reader.register(cx.waker());
-        if track.close.load(Relaxed) != 0 {
-            Poll::Ready(())
-        } else {
-            Poll::Pending
-        }
-    });
-    let proto = tokio::select! {
-        read = read => match read {
-            Ok(Ok(Some(proto))) => proto,
-            // The client closed, or the read failed: nothing to answer.
-            Ok(Ok(None) | Err(_)) => return,
-            Err(_) => {
-                track.closed(Closed::HeaderTimeout);
-                // Some of a head, but not the whole HTTP/2 preface: an HTTP/1 head started.
-                if !prefix.is_empty() && prefix.len() < PREFACE.len() {
-                    let _ = stream.try_write(&canned(408));
-                }
-                return;
-            }
-        },
-        // To make room, or shutting down: a connection that has said nothing whole yet.
-        () = asked_to_close => return,
+    let Some((proto, prefix)) =
+        opening(&mut stream, &track, accepted + settings.timeouts.header).await
+    else {
+        return;
     };
     let io = Guarded {
         prefix: prefix.freeze(),
@@ -637,6 +614,43 @@ pub async fn serve<S, B>(
         }
     }
     drop(registered);
+}
+
+/// Which protocol the client speaks, and the bytes read to tell: the HTTP/2 preface, or
+/// the start of an HTTP/1 head, by `header_deadline`. `None`: the connection is over (the
+/// client closed or stayed silent, or it was asked to close before saying anything whole).
+async fn opening(
+    stream: &mut TcpStream,
+    track: &Track,
+    header_deadline: Instant,
+) -> Option<(Proto, BytesMut)> {
+    let mut prefix = BytesMut::with_capacity(1024);
+    let read = tokio::time::timeout_at(header_deadline, preface(stream, &mut prefix));
+    let asked_to_close = std::future::poll_fn(|cx| {
+        track.reader.register(cx.waker());
+        if track.close.load(Relaxed) != 0 {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    });
+    tokio::select! {
+        read = read => match read {
+            Ok(Ok(Some(proto))) => Some((proto, prefix)),
+            // The client closed, or the read failed: nothing to answer.
+            Ok(Ok(None) | Err(_)) => None,
+            Err(_) => {
+                track.closed(Closed::HeaderTimeout);
+                // Some of a head, but not the whole HTTP/2 preface: an HTTP/1 head started.
+                if !prefix.is_empty() && prefix.len() < PREFACE.len() {
+                    let _ = stream.try_write(&canned(408));
+                }
+                None
+            }
+        },
+        // To make room, or shutting down: a connection that has said nothing whole yet.
+        () = asked_to_close => None,
+    }
 }
 
 /// Poll a connection to its end, shutting it down gracefully when asked to close.
@@ -782,6 +796,83 @@ pub(crate) fn expired(
 }
 
 impl Guarded {
+    /// Nothing to read while a request is in flight: watch what the client owes it (over
+    /// HTTP/2, taking the answer), and keep the idle clock armed for when it is done.
+    fn pending_busy(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // HTTP/2: an answer the client has taken nothing of for body_timeout
+        // ends the connection (HTTP/1's blocks a write: `written`).
+        let since = match self.h2 {
+            true => {
+                self.track.reader.register(cx.waker());
+                self.track.oldest_awaiting()
+            }
+            false => None,
+        };
+        if let Some(since) = since {
+            let deadline = clock_instant(since) + self.settings.timeouts.body;
+            if expired(&mut self.read_timer, deadline, cx) {
+                self.track.closed(Closed::SendTimeout);
+                return Poll::Ready(Err(io::Error::new(
+                    io::ErrorKind::TimedOut,
+                    "the client took nothing of an answer for body_timeout",
+                )));
+            }
+        } else {
+            // The idle clock, armed ahead: once the answer is done, hyper does
+            // not read again until the client writes, so this timer (due no
+            // later than the idle deadline to come) is what wakes the
+            // connection to start it. Re-armed only when it fires.
+            let idle = self.settings.timeouts.idle;
+            match &self.read_timer {
+                None => {
+                    let since = self.track.idle_since_ms.load(Relaxed);
+                    let _ = expired(&mut self.read_timer, clock_instant(since) + idle, cx);
+                }
+                // It came while the answer was still going (a long request): a
+                // full idle period from now, so that one is still armed.
+                Some((_, sleep)) if sleep.is_elapsed() => {
+                    let _ = expired(&mut self.read_timer, Instant::now() + idle, cx);
+                }
+                // Armed, for this task: nothing to do per request.
+                Some(_) => {}
+            }
+        }
+        Poll::Pending
+    }
+
+    /// Nothing to read and nothing in flight: the connection's clocks (header, idle, a
+    /// close request's grace) run.
+    fn pending_idle(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        self.track.reader.register(cx.waker());
+        if self.h2 {
+            if let Some(at) = self.goaway_at {
+                if expired(&mut self.read_timer, at + CLOSE_GRACE, cx) {
+                    return Poll::Ready(Ok(()));
+                }
+                return Poll::Pending;
+            }
+        }
+        let (deadline, why) = self.deadline();
+        if !expired(&mut self.read_timer, deadline, cx) {
+            return Poll::Pending;
+        }
+        match (why, self.current_head(), self.h2) {
+            (Closed::HeaderTimeout, Some(_), false) => self.refuse(408, Some(why)),
+            (_, _, true) => {
+                // GOAWAY first: the connection's task sees the close request.
+                self.track.closed(why);
+                self.goaway_at = Some(Instant::now());
+                self.track.close.fetch_max(CLOSE_MAKE_ROOM, Relaxed);
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            }
+            _ => {
+                self.track.closed(why);
+                Poll::Ready(Ok(()))
+            }
+        }
+    }
+
     /// The head being read now (HTTP/1), if its first byte came since the last request.
     fn current_head(&self) -> Option<Head> {
         self.head
@@ -931,78 +1022,8 @@ impl AsyncRead for Guarded {
                 }
                 Poll::Ready(Ok(()))
             }
-            Poll::Pending => {
-                if !idle {
-                    // HTTP/2: an answer the client has taken nothing of for body_timeout
-                    // ends the connection (HTTP/1's blocks a write: `written`).
-                    let since = match this.h2 {
-                        true => {
-                            this.track.reader.register(cx.waker());
-                            this.track.oldest_awaiting()
-                        }
-                        false => None,
-                    };
-                    if let Some(since) = since {
-                        let deadline = clock_instant(since) + this.settings.timeouts.body;
-                        if expired(&mut this.read_timer, deadline, cx) {
-                            this.track.closed(Closed::SendTimeout);
-                            return Poll::Ready(Err(io::Error::new(
-                                io::ErrorKind::TimedOut,
-                                "the client took nothing of an answer for body_timeout",
-                            )));
-                        }
-                    } else {
-                        // The idle clock, armed ahead: once the answer is done, hyper does
-                        // not read again until the client writes, so this timer (due no
-                        // later than the idle deadline to come) is what wakes the
-                        // connection to start it. Re-armed only when it fires.
-                        let idle = this.settings.timeouts.idle;
-                        match &this.read_timer {
-                            None => {
-                                let since = this.track.idle_since_ms.load(Relaxed);
-                                let _ =
-                                    expired(&mut this.read_timer, clock_instant(since) + idle, cx);
-                            }
-                            // It came while the answer was still going (a long request): a
-                            // full idle period from now, so that one is still armed.
-                            Some((_, sleep)) if sleep.is_elapsed() => {
-                                let _ = expired(&mut this.read_timer, Instant::now() + idle, cx);
-                            }
-                            // Armed, for this task: nothing to do per request.
-                            Some(_) => {}
-                        }
-                    }
-                    return Poll::Pending;
-                }
-                this.track.reader.register(cx.waker());
-                if this.h2 {
-                    if let Some(at) = this.goaway_at {
-                        if expired(&mut this.read_timer, at + CLOSE_GRACE, cx) {
-                            return Poll::Ready(Ok(()));
-                        }
-                        return Poll::Pending;
-                    }
-                }
-                let (deadline, why) = this.deadline();
-                if !expired(&mut this.read_timer, deadline, cx) {
-                    return Poll::Pending;
-                }
-                match (why, this.current_head(), this.h2) {
-                    (Closed::HeaderTimeout, Some(_), false) => this.refuse(408, Some(why)),
-                    (_, _, true) => {
-                        // GOAWAY first: the connection's task sees the close request.
-                        this.track.closed(why);
-                        this.goaway_at = Some(Instant::now());
-                        this.track.close.fetch_max(CLOSE_MAKE_ROOM, Relaxed);
-                        cx.waker().wake_by_ref();
-                        Poll::Pending
-                    }
-                    _ => {
-                        this.track.closed(why);
-                        Poll::Ready(Ok(()))
-                    }
-                }
-            }
+            Poll::Pending if idle => this.pending_idle(cx),
+            Poll::Pending => this.pending_busy(cx),
             other => other,
         }
     }

@@ -638,6 +638,11 @@ struct Place {
     at: Option<usize>,
 }
 
+/// Which of `guards` holds shard `i` (every check's shard is locked).
+fn held(guards: &[(usize, MutexGuard<'_, Shard>)], i: usize) -> Option<usize> {
+    guards.iter().position(|(j, _)| *j == i)
+}
+
 impl MemoryStore {
     /// A store of at most [`DEFAULT_MAX_KEYS`] keys.
     pub fn new(clock: Arc<dyn Clock>) -> Self {
@@ -719,7 +724,6 @@ impl MemoryStore {
 
     fn run(&self, checks: &[Check<'_>], commit: bool) -> Result<Vec<Decision>, Full> {
         let now = self.clock.now_us();
-        // Lock every shard involved, in index order so two requests never deadlock.
         let mut places: Vec<Place> = checks
             .iter()
             .map(|c| {
@@ -731,16 +735,7 @@ impl MemoryStore {
                 }
             })
             .collect();
-        let mut shard_ids: Vec<usize> = places.iter().map(|p| p.shard).collect();
-        shard_ids.sort_unstable();
-        shard_ids.dedup();
-        let mut guards: Vec<(usize, MutexGuard<'_, Shard>)> =
-            shard_ids.iter().map(|&i| (i, self.lock(i))).collect();
-        // Which of `guards` holds shard `i` (every check's shard is locked above).
-        let held = |guards: &[(usize, MutexGuard<'_, Shard>)], i: usize| -> Option<usize> {
-            guards.iter().position(|(j, _)| *j == i)
-        };
-
+        let mut guards = self.lock_shards(&places);
         // Each check's outcome, and where its slot was if it has one.
         let mut outcomes = Vec::with_capacity(checks.len());
         for (check, place) in checks.iter().zip(&mut places) {
@@ -755,22 +750,45 @@ impl MemoryStore {
             .iter()
             .zip(checks)
             .all(|(o, c)| o.allowed || c.shadow);
-        let charged = |o: &super::Outcome<State>| commit && all && o.allowed;
         let answers = outcomes
             .iter()
-            .map(|o| if charged(o) { o.charged } else { o.uncharged })
+            .map(|o| match commit && all && o.allowed {
+                true => o.charged,
+                false => o.uncharged,
+            })
             .collect();
-        if !commit {
-            return Ok(answers);
+        if commit {
+            self.write(now, checks, &places, &outcomes, all, &mut guards)?;
         }
+        Ok(answers)
+    }
 
-        // Room first, for every key the request adds (however many in one shard), so that
-        // it is charged all or not at all; the request's own entries are used now (most
-        // recent) and never make room.
+    /// Lock every shard `places` are in, in index order so two requests never deadlock.
+    fn lock_shards(&self, places: &[Place]) -> Vec<(usize, MutexGuard<'_, Shard>)> {
+        let mut ids: Vec<usize> = places.iter().map(|p| p.shard).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        ids.into_iter().map(|i| (i, self.lock(i))).collect()
+    }
+
+    /// Store a decided request's outcomes (`all`: whether the request passed, so that
+    /// the checks that allowed are charged). Room
+    /// first, for every key the request adds (however many in one shard), so that it is
+    /// charged all or not at all; the request's own entries are used now (most recent)
+    /// and never make room.
+    fn write(
+        &self,
+        now: u64,
+        checks: &[Check<'_>],
+        places: &[Place],
+        outcomes: &[super::Outcome<State>],
+        all: bool,
+        guards: &mut [(usize, MutexGuard<'_, Shard>)],
+    ) -> Result<(), Full> {
         let own = |key: Key| places.iter().any(|p| p.key == key);
         let mut reserved = vec![0usize; guards.len()];
-        for (o, place) in outcomes.iter().zip(&places) {
-            let Some(g) = held(&guards, place.shard) else {
+        for (place, o) in places.iter().zip(outcomes) {
+            let Some(g) = held(guards, place.shard) else {
                 continue;
             };
             let Some((_, shard)) = guards.get_mut(g) else {
@@ -778,17 +796,16 @@ impl MemoryStore {
             };
             if let Some(i) = shard.locate(place.key, place.at) {
                 shard.touch(i);
-            } else if charged(o) {
+            } else if all && o.allowed {
                 shard.make_room(now, reserved[g], &own, &self.evictions)?;
                 reserved[g] += 1;
             }
         }
-        for ((o, place), check) in outcomes.iter().zip(&places).zip(checks) {
-            let Some((_, shard)) = held(&guards, place.shard).and_then(|g| guards.get_mut(g))
-            else {
+        for ((o, place), check) in outcomes.iter().zip(places).zip(checks) {
+            let Some((_, shard)) = held(guards, place.shard).and_then(|g| guards.get_mut(g)) else {
                 continue;
             };
-            if charged(o) {
+            if all && o.allowed {
                 // Held when the charge left an enforcing rule unable to pay for the
                 // identity's next request now (a shadow rule denies nobody).
                 let next_denied = !check.shadow && o.charged.remaining < check.quota.cost;
@@ -803,7 +820,7 @@ impl MemoryStore {
                 }
             }
         }
-        Ok(answers)
+        Ok(())
     }
 
     /// A request counted by a concurrency check has ended: give its slot back.
