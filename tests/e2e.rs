@@ -13,6 +13,7 @@ use common::{
     ALGORITHMS,
 };
 use http::StatusCode;
+use http_body_util::BodyExt;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
 async fn burst_is_exact_under_concurrency(store: Store) {
@@ -726,6 +727,124 @@ async fn h2c_clients_are_served() {
     assert_eq!(
         seen[0].headers["x-forwarded-host"],
         format!("127.0.0.1:{}", gw.port)
+    );
+}
+
+/// `len` bytes that differ from one `seed` to the next.
+fn pattern(seed: usize, len: usize) -> Vec<u8> {
+    (0..len)
+        .map(|j| (j as u8).wrapping_mul(31).wrapping_add(seed as u8) ^ (j >> 8) as u8)
+        .collect()
+}
+
+/// Many HTTP/2 streams on one connection, each uploading its own body in several DATA
+/// frames at the same time: every stream gets its own answer, the limit counts each stream
+/// once, and the upstream receives each admitted body whole and unmixed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_http2_streams_with_bodies_are_each_answered_and_arrive_whole() {
+    const STREAMS: usize = 64;
+    const DENIED: usize = 4;
+    // Several 16 KiB DATA frames each, and a length no two frames split alike.
+    const LEN: usize = 3 * 16 * 1024 + 7;
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "{}{}",
+        upstream_and_store(&upstream.url(), &Store::Memory),
+        api_rule((STREAMS - DENIED) as u64)
+    ));
+    // One TCP connection, one HTTP/2 handshake: every stream below shares it.
+    let tcp = common::connect(gw.port).await;
+    let (sender, conn) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        hyper_util::rt::TokioIo::new(tcp),
+    )
+    .await
+    .expect("HTTP/2 handshake with the gateway");
+    let conn = tokio::spawn(conn);
+    let url = gw.url("/upload");
+    let tasks: Vec<_> = (0..STREAMS)
+        .map(|i| {
+            let (mut sender, url) = (sender.clone(), url.clone());
+            tokio::spawn(async move {
+                sender.ready().await.expect("the connection takes streams");
+                let (tx, body) = common::channel_body();
+                let req = http::Request::post(url)
+                    .header("x-api-key", "h2-bodies")
+                    .header("x-stream", i.to_string())
+                    .body(body)
+                    .expect("request");
+                let answer = sender.send_request(req);
+                let upload = async move {
+                    // Frame by frame, yielding between frames so the streams interleave.
+                    for piece in pattern(i, LEN).chunks(10_000) {
+                        if !tx.send(Bytes::copy_from_slice(piece)).await {
+                            break; // answered before the whole body was sent (a 429)
+                        }
+                        tokio::task::yield_now().await;
+                    }
+                };
+                let (answer, ()) = tokio::join!(answer, upload);
+                let answer = answer.unwrap_or_else(|e| panic!("stream {i}: {e}"));
+                let status = answer.status();
+                let body = answer
+                    .into_body()
+                    .collect()
+                    .await
+                    .unwrap_or_else(|e| panic!("stream {i}: body: {e}"))
+                    .to_bytes();
+                (i, status, body)
+            })
+        })
+        .collect();
+    let mut passed = std::collections::BTreeSet::new();
+    let mut statuses = Vec::new();
+    for t in tasks {
+        let (i, status, body) = tokio::time::timeout(Duration::from_secs(30), t)
+            .await
+            .expect("every stream is answered within 30 s")
+            .expect("stream task");
+        statuses.push(status);
+        if status == StatusCode::OK {
+            assert_eq!(&body[..], format!("ok {LEN}\n").as_bytes(), "stream {i}");
+            passed.insert(i);
+        }
+    }
+    let counts = tally(statuses);
+    assert_eq!(
+        (counts.get(&200), counts.get(&429)),
+        (Some(&(STREAMS - DENIED)), Some(&DENIED)),
+        "each stream counted once against a burst of {}: {counts:?}\n{}",
+        STREAMS - DENIED,
+        gw.logs()
+    );
+    let seen = upstream.seen();
+    assert_eq!(
+        seen.len(),
+        STREAMS - DENIED,
+        "only admitted streams were forwarded"
+    );
+    let mut forwarded = std::collections::BTreeSet::new();
+    for s in &seen {
+        let i: usize = s.headers["x-stream"]
+            .to_str()
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .expect("x-stream reached the upstream");
+        assert_eq!(s.body_len, LEN, "stream {i}'s body length at the upstream");
+        assert_eq!(
+            s.body_hash,
+            common::fnv1a(common::FNV_START, &pattern(i, LEN)),
+            "stream {i}'s body arrived with other bytes than were sent"
+        );
+        forwarded.insert(i);
+    }
+    assert_eq!(
+        forwarded, passed,
+        "the streams answered 200 are the ones forwarded"
+    );
+    assert!(
+        !conn.is_finished(),
+        "the connection stayed up for all the streams"
     );
 }
 
