@@ -609,6 +609,116 @@ async fn reload_under_load_valid_then_invalid() {
     );
 }
 
+/// SIGHUP under load on the Redis store: six request loops run while the config is
+/// reloaded five times (a rule added, then removed, and so on). No request fails or gets
+/// another answer than 200 or 429, and no key passes more than its burst: the `api` rule
+/// keeps its state in Redis through every reload, so a key whose requests all ran gets
+/// exactly its burst, wherever the reloads fell among them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reload_under_load_on_redis_drops_nothing_and_admits_no_more_than_the_burst() {
+    let _serial = serial().await;
+    const BURST: usize = 5;
+    const RELOADS: usize = 5;
+    let redis = RedisServer::start();
+    let upstream = Upstream::start().await;
+    // A roomy store timeout: a 503 here would be a store fault, not what the reload did.
+    let base = upstream_and_store(&upstream.url(), &Store::redis_roomy(&redis));
+    let api = api_rule(BURST as u64);
+    let extra = "[[rules]]\nname = \"other\"\nmatch = { path_prefix = \"/other/\" }\n\
+                 key = \"api_key\"\nrate = \"1/h\"\nburst = 1\n";
+    let gw = Gateway::start(&format!("{base}{api}"));
+    let client = HttpClient::new();
+    let url = gw.url("/api/x");
+
+    let t0 = Instant::now();
+    let run = Duration::from_secs(5);
+    let counter = Arc::new(AtomicUsize::new(0));
+    let loops: Vec<_> = (0..6)
+        .map(|_| {
+            tokio::spawn(load_loop(
+                client.clone(),
+                url.clone(),
+                "hup",
+                counter.clone(),
+                t0,
+                run,
+            ))
+        })
+        .collect();
+    let mut hups = Vec::new();
+    for n in 1..=RELOADS {
+        tokio::time::sleep_until((t0 + Duration::from_millis(700 * n as u64)).into()).await;
+        let body = if n % 2 == 1 {
+            format!("{base}{api}{extra}")
+        } else {
+            format!("{base}{api}")
+        };
+        gw.rewrite_config(&body);
+        hups.push(t0.elapsed());
+        gw.reload(n);
+    }
+    let mut outcomes = Vec::new();
+    for l in loops {
+        outcomes.extend(l.await.expect("load loop"));
+    }
+
+    assert!(
+        outcomes.len() >= 200,
+        "the load ran: {} requests",
+        outcomes.len()
+    );
+    let bad: Vec<&Outcome> = outcomes
+        .iter()
+        .filter(|o| !matches!(o.status, Ok(200 | 429)))
+        .collect();
+    assert!(
+        bad.is_empty(),
+        "{} of {} requests failed or got another answer than 200/429 across the reloads \
+         at {hups:?}, e.g. {:?}\n{}",
+        bad.len(),
+        outcomes.len(),
+        &bad[..bad.len().min(5)],
+        gw.logs()
+    );
+    let mut by_key: BTreeMap<usize, Vec<&Outcome>> = BTreeMap::new();
+    for o in &outcomes {
+        by_key.entry(o.key).or_default().push(o);
+    }
+    let mut whole = 0;
+    let mut spanning = 0;
+    for (k, os) in &by_key {
+        let passed = os.iter().filter(|o| o.status == Ok(200)).count();
+        assert!(
+            passed <= BURST,
+            "key {k} got {passed} 200s with a burst of {BURST} (reloads at {hups:?})"
+        );
+        if os.len() == PER_KEY {
+            assert_eq!(passed, BURST, "key {k}: all {PER_KEY} requests ran");
+            whole += 1;
+            let (first, last) = (
+                os.iter().map(|o| o.start).min().expect("requests"),
+                os.iter().map(|o| o.end()).max().expect("requests"),
+            );
+            if hups.iter().any(|h| (first..last).contains(h)) {
+                spanning += 1;
+            }
+        }
+    }
+    assert!(
+        whole >= 20 && spanning >= 1,
+        "keys whose requests all ran: {whole}, of them across a reload: {spanning}"
+    );
+    // The state was Redis': a key of the load is there under CONTRACT.md's name.
+    let exists: bool = redis::cmd("EXISTS")
+        .arg(redis_key("hup-load-0", "api"))
+        .query(&mut redis.conn())
+        .expect("EXISTS");
+    assert!(exists, "the load was decided by Redis");
+    let logs = gw.logs();
+    assert_eq!(logs.matches("config reloaded").count(), RELOADS, "{logs}");
+    assert!(!logs.contains("config reload rejected"), "{logs}");
+}
+
 // ---------------------------------------------------------------------------------------
 // 4. SIGTERM
 
