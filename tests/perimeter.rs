@@ -849,3 +849,100 @@ async fn a_window_written_by_a_clock_ahead_is_not_reopened() {
         );
     }
 }
+
+/// A body far larger than the gateway should ever hold (512 MiB) streams through it to an
+/// upstream that reads none of it for 2 s, then all of it: the gateway's resident memory
+/// (VmRSS, sampled every 20 ms) stays within 64 MiB of what it was before, the whole body
+/// arrives, and while the upstream read nothing the client could not hand over the bulk
+/// of the body (the gateway stopped reading: backpressure, not a buffer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_streamed_body_is_carried_in_bounded_memory() {
+    const TOTAL: usize = 512 << 20;
+    const CHUNK: usize = 1 << 20;
+    const BOUND_KIB: u64 = 64 << 10;
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "workers = 1\n{}",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    // Warm: the pool, the allocator's first arenas, the upstream connection.
+    let warm = HttpClient::new()
+        .send("POST", &gw.url("/warm"), &[], vec![b'w'; 4 * CHUNK].into())
+        .await;
+    assert_eq!(warm.status, StatusCode::OK);
+    let baseline = gw.rss_kib();
+
+    let sampling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let (sampling, pid) = (sampling.clone(), gw.pid());
+        tokio::spawn(async move {
+            let mut peak = 0;
+            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
+                    let rss = status
+                        .lines()
+                        .find_map(|l| l.strip_prefix("VmRSS:"))
+                        .and_then(|v| v.trim().strip_suffix("kB"))
+                        .and_then(|v| v.trim().parse::<u64>().ok())
+                        .unwrap_or(0);
+                    peak = peak.max(rss);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            peak
+        })
+    };
+
+    let mut s = connect(gw.port).await;
+    s.write_all(
+        format!("POST /hold/2000 HTTP/1.1\r\nHost: big.test\r\nContent-Length: {TOTAL}\r\nConnection: close\r\n\r\n")
+            .as_bytes(),
+    )
+    .await
+    .expect("head");
+    let started = Instant::now();
+    let chunk = vec![b'z'; CHUNK];
+    let mut written = 0;
+    let mut written_in_stall = None;
+    while written < TOTAL {
+        if written_in_stall.is_none() && started.elapsed() >= Duration::from_millis(1800) {
+            written_in_stall = Some(written);
+        }
+        tokio::time::timeout(Duration::from_secs(30), s.write_all(&chunk))
+            .await
+            .unwrap_or_else(|_| panic!("the gateway took nothing for 30 s after {written} bytes"))
+            .unwrap_or_else(|e| panic!("the gateway cut the upload after {written} bytes: {e}"));
+        written += CHUNK;
+    }
+    let (answer, _) = until_closed(&mut s).await;
+    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
+    let peak = sampler.await.expect("sampler");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 200") && answer.ends_with(&format!("ok {TOTAL}\n")),
+        "the whole body reached the upstream: {answer}\n{}",
+        gw.logs()
+    );
+    let stalled = written_in_stall.unwrap_or(TOTAL);
+    eprintln!(
+        "RSS {} KiB before, peak {peak} KiB; {} KiB handed over during the stall; {:?} in all",
+        baseline,
+        stalled >> 10,
+        started.elapsed()
+    );
+    assert!(
+        stalled < TOTAL / 4,
+        "the client handed over {} MiB while the upstream read nothing: the gateway buffered it",
+        stalled >> 20
+    );
+    assert!(
+        peak <= baseline + BOUND_KIB,
+        "the gateway's RSS peaked at {} MiB, from {} MiB before a {} MiB upload (bound: +{} \
+         MiB); {} MiB were handed over during the upstream's 2 s stall",
+        peak >> 10,
+        baseline >> 10,
+        TOTAL >> 20,
+        BOUND_KIB >> 10,
+        stalled >> 20
+    );
+}
