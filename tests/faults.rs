@@ -719,6 +719,74 @@ async fn reload_under_load_on_redis_drops_nothing_and_admits_no_more_than_the_bu
     assert!(!logs.contains("config reload rejected"), "{logs}");
 }
 
+/// A SIGHUP sent as soon as the gateway says it listens is a reload like any other: the
+/// process neither dies of it (SIGHUP's default action, until a handler is installed) nor
+/// loses it. Twenty starts, each signalled the moment "ratewall listening" is in its log.
+#[test]
+fn a_sighup_right_after_listening_neither_kills_nor_is_lost() {
+    const STARTS: usize = 20;
+    let dir = tempfile::tempdir().expect("tempdir");
+    let mut outcomes = Vec::new();
+    for n in 0..STARTS {
+        let (port, admin) = (common::free_port(), common::free_port());
+        let cfg = dir.path().join(format!("limits-{n}.toml"));
+        std::fs::write(
+            &cfg,
+            format!(
+                "[server]\nlisten = \"127.0.0.1:{port}\"\nadmin_listen = \"127.0.0.1:{admin}\"\n\
+                 [upstream]\nurl = \"http://127.0.0.1:9\"\n[store]\nbackend = \"memory\"\n"
+            ),
+        )
+        .expect("config");
+        let log = dir.path().join(format!("ratewall-{n}.log"));
+        let mut child = std::process::Command::new(common::binary())
+            .arg("--config")
+            .arg(&cfg)
+            .env("RUST_LOG", "info")
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("spawn ratewall");
+        let logs = || std::fs::read_to_string(&log).unwrap_or_default();
+        let end = Instant::now() + Duration::from_secs(20);
+        while !logs().contains("ratewall listening") {
+            if Instant::now() > end || matches!(child.try_wait(), Ok(Some(_))) {
+                let _ = child.kill();
+                panic!("start {n}: ratewall did not start:\n{}", logs());
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+        let hup = std::process::Command::new("kill")
+            .args(["-HUP", &child.id().to_string()])
+            .status()
+            .expect("kill -HUP");
+        assert!(hup.success());
+        let end = Instant::now() + Duration::from_secs(5);
+        let outcome = loop {
+            if let Ok(Some(status)) = child.try_wait() {
+                break Some(format!("start {n}: the process ended: {status}"));
+            }
+            if logs().contains("config reloaded") {
+                break None;
+            }
+            if Instant::now() > end {
+                break Some(format!("start {n}: still running, but the SIGHUP was lost"));
+            }
+            std::thread::sleep(Duration::from_millis(5));
+        };
+        let _ = child.kill();
+        let _ = child.wait();
+        outcomes.extend(outcome);
+    }
+    assert!(
+        outcomes.is_empty(),
+        "{} of {STARTS} gateways signalled SIGHUP right after \"ratewall listening\" did not \
+         reload: {outcomes:#?} (src/server.rs logs that it listens before the task that \
+         installs the SIGHUP handler has run)",
+        outcomes.len()
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // 4. SIGTERM
 
