@@ -10,7 +10,7 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::num::NonZeroU64;
 use std::time::{Duration, Instant};
 
-use common::RedisServer;
+use common::{get, pttl, scan, RedisServer};
 use ratewall::identity::{digest_api_key, digest_ip, IdentityDigest};
 use ratewall::limiter::memory::MemoryStore;
 use ratewall::limiter::redis::RedisStore;
@@ -33,38 +33,6 @@ fn quota(rate: &str, burst: Option<u64>, cost: u64) -> Quota {
 
 fn redis_store(server: &RedisServer, timeout: Duration) -> RedisStore {
     RedisStore::new(&server.url(), PREFIX, timeout).expect("RedisStore::new")
-}
-
-/// Every key matching `pattern`, by SCAN (never KEYS).
-fn scan(conn: &mut redis::Connection, pattern: &str) -> Vec<String> {
-    let mut keys = Vec::new();
-    let mut cursor: u64 = 0;
-    loop {
-        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(pattern)
-            .arg("COUNT")
-            .arg(1000)
-            .query(conn)
-            .expect("SCAN");
-        keys.extend(batch);
-        if next == 0 {
-            break;
-        }
-        cursor = next;
-    }
-    keys.sort();
-    keys.dedup();
-    keys
-}
-
-fn pttl(conn: &mut redis::Connection, key: &str) -> i64 {
-    redis::cmd("PTTL").arg(key).query(conn).expect("PTTL")
-}
-
-fn get(conn: &mut redis::Connection, key: &str) -> Option<String> {
-    redis::cmd("GET").arg(key).query(conn).expect("GET")
 }
 
 /// A small deterministic generator (xorshift64*), so a failing timeline replays exactly.
