@@ -781,8 +781,8 @@ fn a_sighup_right_after_listening_neither_kills_nor_is_lost() {
     assert!(
         outcomes.is_empty(),
         "{} of {STARTS} gateways signalled SIGHUP right after \"ratewall listening\" did not \
-         reload: {outcomes:#?} (src/server.rs logs that it listens before the task that \
-         installs the SIGHUP handler has run)",
+         reload: {outcomes:#?} (the SIGHUP handler must be registered before the gateway \
+         says it listens)",
         outcomes.len()
     );
 }

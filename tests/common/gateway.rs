@@ -27,16 +27,7 @@ pub struct Gateway {
     pub config: PathBuf,
     /// The `[server]` table the config starts with; `rewrite_config` keeps it.
     server: String,
-    /// When it said it listens.
-    listening: Instant,
 }
-
-/// How long after "ratewall listening" [`Gateway::signal`] holds back a SIGHUP: the
-/// gateway installs its SIGHUP handler only after it logs that it listens, and a SIGHUP
-/// before that ends the process (the default action). `faults.rs`,
-/// `a_sighup_right_after_listening_neither_kills_nor_is_lost`, shows that on its own; the
-/// other tests that reload are about the reload, so they wait this long first.
-pub const SIGHUP_SETTLE: Duration = Duration::from_millis(500);
 
 impl Gateway {
     /// Start the binary with `body` appended to a `[server]` table on free ports.
@@ -142,14 +133,12 @@ impl Gateway {
             log,
             config: cfg,
             server,
-            listening: Instant::now(),
         };
         // Its own word that both ports are bound: a bare connect could reach another
         // process that took the port first.
         let end = Instant::now() + Duration::from_secs(20);
         while Instant::now() < end {
             if g.logs().contains("ratewall listening") {
-                g.listening = Instant::now();
                 return Ok(g);
             }
             if let Ok(Some(_)) = g.child.try_wait() {
@@ -195,15 +184,8 @@ impl Gateway {
             .unwrap_or_else(|| panic!("no VmRSS in:\n{status}"))
     }
 
-    /// Send a signal by name ("HUP", "TERM", "INT", "KILL") to the gateway process; a HUP
-    /// no sooner than [`SIGHUP_SETTLE`] after the gateway said it listens.
+    /// Send a signal by name ("HUP", "TERM", "INT", "KILL") to the gateway process.
     pub fn signal(&self, name: &str) {
-        if name == "HUP" {
-            let settled = self.listening + SIGHUP_SETTLE;
-            if let Some(wait) = settled.checked_duration_since(Instant::now()) {
-                std::thread::sleep(wait);
-            }
-        }
         let status = Command::new("kill")
             .arg(format!("-{name}"))
             .arg(self.child.id().to_string())
