@@ -27,7 +27,9 @@ impl RedisClusterStore {
         let client = ClusterClient::builder(nodes.to_vec())
             .connection_timeout(timeout.max(Duration::from_millis(250)))
             .response_timeout(timeout)
-            .retries(2)
+            // redis-rs' default (16): a redirection (MOVED, or ASK while a slot migrates)
+            // is a retry, and a slot in motion can take several; the call as a whole is
+            // still bounded by the store timeout.
             .build()?;
         Ok(RedisClusterStore {
             client,
