@@ -33,7 +33,7 @@ use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use ratewall::identity::{digest_api_key, IdentityDigest};
 use ratewall::limiter::memory::MemoryStore;
-use ratewall::limiter::redis::RedisStore;
+use ratewall::limiter::redis::{DecideAt, RedisStore};
 use ratewall::limiter::{
     self, Algorithm, Check, Decision, ManualClock, Outcome, Quota, Rate, State,
 };
@@ -551,7 +551,7 @@ impl<'h> Replay<'h> {
         let from_redis = self
             .h
             .rt
-            .block_on(self.redis.decide(checks, Some(now)))
+            .block_on(self.redis.decide_at(checks, Some(now)))
             .map_err(|e| format!("the redis store failed: {e}"))?;
         if from_redis != from_memory {
             let held: Vec<Option<String>> = checks
@@ -658,7 +658,7 @@ impl<'h> Replay<'h> {
         let d = self
             .h
             .rt
-            .block_on(self.scratch.decide(std::slice::from_ref(check), Some(at)))
+            .block_on(self.scratch.decide_at(std::slice::from_ref(check), Some(at)))
             .map_err(|e| format!("the redis store failed: {e}"))?;
         Ok(d[0])
     }

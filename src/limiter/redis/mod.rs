@@ -313,20 +313,10 @@ impl Scripted {
     }
 }
 
-/// What tells the two shared stores apart: how a call gets a connection, and how a
-/// request's rules are decided (one atomic call, or one per cluster slot). Everything
-/// else they do is written once, in their [`Store`] implementation below.
-trait Shared: Send + Sync {
-    type Conn: Evaluates;
-    const KIND: Kind;
-
-    fn scripted(&self) -> &Scripted;
-
-    /// A connection to run one call on (a multiplexed handle: cheap to clone).
-    fn connection(&self) -> impl Future<Output = Result<Self::Conn, StoreError>> + Send;
-
-    /// Decide `checks` at `now_us` (`None`: Redis' `TIME`, always in production; tests
-    /// replay timelines with their own times).
+/// A shared store's decisions at a time of the caller's choosing: `None` is Redis' own
+/// `TIME` (always, in production); tests pass their own times to replay timelines.
+pub trait DecideAt {
+    /// Decide `checks` at `now_us`, all or nothing.
     fn decide_at<'a>(
         &'a self,
         checks: &'a [Check<'a>],
@@ -339,6 +329,19 @@ trait Shared: Send + Sync {
         checks: &'a [Check<'a>],
         now_us: Option<u64>,
     ) -> impl Future<Output = Result<Vec<Decision>, StoreError>> + Send + 'a;
+}
+
+/// What tells the two shared stores apart: how a call gets a connection, and how a
+/// request's rules are decided (one atomic call, or one per cluster slot). Everything
+/// else they do is written once, in their [`Store`] implementation below.
+trait Shared: DecideAt + Send + Sync {
+    type Conn: Evaluates;
+    const KIND: Kind;
+
+    fn scripted(&self) -> &Scripted;
+
+    /// A connection to run one call on (a multiplexed handle: cheap to clone).
+    fn connection(&self) -> impl Future<Output = Result<Self::Conn, StoreError>> + Send;
 
     fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
 
