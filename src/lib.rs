@@ -28,7 +28,7 @@
 //!   (embedded) and [`limiter::redis`] (one Redis or a cluster; Lua twins in `lua/`); the
 //!   [`limiter::guard::Limiter`] around it (breaker, deny cache, `on_error`).
 //! - [`headers`]: decisions -> `RateLimit-*`, `Retry-After`, problem+json.
-//! - [`proxy`]: the pooled upstream client, hop-by-hop stripping, `X-Forwarded-*`.
+//! - [`upstream`]: the pooled upstream client, hop-by-hop stripping, `X-Forwarded-*`.
 //! - [`metrics`]: Prometheus metrics and the in-process stats the status page shows.
 //! - [`worker`]: which worker thread runs the current request (per-thread pools).
 
@@ -40,7 +40,7 @@ pub mod headers;
 pub mod identity;
 pub mod limiter;
 pub mod metrics;
-pub mod proxy;
 pub mod rules;
 pub mod server;
+pub mod upstream;
 pub mod worker;

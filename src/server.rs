@@ -20,7 +20,7 @@ use tokio::net::TcpListener;
 use crate::config::Config;
 use crate::connection::{self, InFlight, Registry, Tracked};
 use crate::gateway::{Gateway, Live};
-use crate::proxy::Peer;
+use crate::upstream::Peer;
 
 /// Open connections the admin listener takes at most: enough for dashboards and scrapers,
 /// and a bound of its own, so a flood of gateway clients never locks the operator out.

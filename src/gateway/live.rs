@@ -8,7 +8,7 @@ use crate::config::Config;
 use crate::limiter::guard::Limiter;
 use crate::limiter::{store, Clock, MonotonicClock, StoreError};
 use crate::metrics::{Metrics, RuleCounters};
-use crate::proxy::Proxy;
+use crate::upstream::Proxy;
 
 /// Everything a request runs on. A request takes the current one when it starts and keeps
 /// it to the end, so a reload never changes the rules under a request in flight.

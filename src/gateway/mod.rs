@@ -32,7 +32,7 @@ use crate::limiter::guard::{Answer, Now};
 use crate::limiter::lease::Leases;
 use crate::limiter::{Check, Decision, StoreError};
 use crate::metrics::{status_class, Gauged, Metrics, ReloadLabels, ReloadResult};
-use crate::proxy::{Downstream, Peer, ProxyError};
+use crate::upstream::{Downstream, Peer, ProxyError};
 use limits::Limit;
 use live::WaitSlot;
 use verdict::{Ruled, Tally, Verdict};
@@ -379,7 +379,7 @@ impl Gateway {
 
     fn count_upstream(
         &self,
-        result: &Result<Response<crate::proxy::ResponseBody>, ProxyError>,
+        result: &Result<Response<crate::upstream::ResponseBody>, ProxyError>,
         started: Instant,
     ) {
         // A client's own failure (a malformed or stalled body) says nothing of the upstream.
