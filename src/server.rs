@@ -302,8 +302,8 @@ async fn upkeep(gateway: Arc<Gateway>) {
         tick.tick().await;
         let live = gateway.live();
         live.limiter.sweep();
-        for proxy in live.proxies.iter() {
-            proxy.sweep();
+        for client in live.upstreams.iter() {
+            client.sweep();
         }
     }
 }
