@@ -53,10 +53,10 @@ use tokio::net::TcpStream;
 pub use body::BodyError;
 #[cfg(not(feature = "hyper-upstream"))]
 pub use body::ResponseBody;
-#[cfg(feature = "hyper-upstream")]
-pub use via_hyper::{Client, ResponseBody};
 pub use error::{Error, Malformed};
 pub use forward::{Downstream, Peer};
+#[cfg(feature = "hyper-upstream")]
+pub use via_hyper::{Client, ResponseBody};
 
 use crate::config;
 use body::{Conn, Sending, Upload, UploadError};

@@ -202,6 +202,20 @@ impl Client {
         client: Version,
     ) -> Result<Response<ResponseBody>, Error> {
         let (mut parts, inner) = answer.into_parts();
+        // hyper's client has no limit on the head's size (its server's `max_header_size`
+        // has no client twin): `max_buf_size` is checked only when what was buffered does
+        // not hold a whole head, so a head that arrives within a few reads passes at up to
+        // about twice it. The hand-written client's limit is applied here, to the head as
+        // hyper parsed it (the status line counted without its reason phrase).
+        let head_len = parts
+            .headers
+            .iter()
+            .fold(b"HTTP/1.1 200 \r\n\r\n".len(), |n, (k, v)| {
+                n + k.as_str().len() + v.len() + 4
+            });
+        if head_len > MAX_HEAD {
+            return Err(Malformed::TooLarge.into());
+        }
         if parts.status == StatusCode::SWITCHING_PROTOCOLS {
             return Err(Malformed::SwitchedProtocols.into());
         }
@@ -321,7 +335,11 @@ pub struct UpBody {
 }
 
 impl UpBody {
-    fn new(body: Incoming, sending: Sending, body_timeout: Duration) -> (UpBody, Option<Arc<Upload>>) {
+    fn new(
+        body: Incoming,
+        sending: Sending,
+        body_timeout: Duration,
+    ) -> (UpBody, Option<Arc<Upload>>) {
         let upload = (sending != Sending::None).then(|| {
             Arc::new(Upload {
                 ended: Notify::new(),
@@ -346,7 +364,10 @@ impl UpBody {
 
     fn fail(&self, failure: Failure) -> io::Error {
         if let Some(upload) = &self.upload {
-            *upload.failure.lock().unwrap_or_else(PoisonError::into_inner) = Some(failure);
+            *upload
+                .failure
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner) = Some(failure);
         }
         io::Error::other("the client's request body failed")
     }
@@ -361,14 +382,15 @@ impl Body for UpBody {
         cx: &mut Context<'_>,
     ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
         let this = &mut *self;
-        let Some(inner) = this.inner.as_mut() else {
-            return Poll::Ready(None);
-        };
         loop {
+            let Some(inner) = this.inner.as_mut() else {
+                return Poll::Ready(None);
+            };
             match Pin::new(&mut *inner).poll_frame(cx) {
                 Poll::Ready(Some(Ok(frame))) => {
+                    let ended = inner.is_end_stream();
                     this.since = None;
-                    if inner.is_end_stream() {
+                    if ended {
                         this.end();
                     }
                     if frame.is_trailers() {
