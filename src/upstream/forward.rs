@@ -268,57 +268,6 @@ fn appended_line(head: &mut Vec<u8>, headers: &HeaderMap, name: &HeaderName, ele
     head.extend_from_slice(b"\r\n");
 }
 
-/// EXPERIMENT (`hyper-upstream`): the forwarding fields of [`fields`], put in the header map
-/// hyper writes from, instead of written into a head.
-#[cfg(feature = "hyper-upstream")]
-pub(super) fn into_map(headers: &mut HeaderMap, down: &Downstream<'_>, host: Option<&HeaderValue>) {
-    static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
-    static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
-    static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
-    let peer = down.peer;
-    if !down.trusted {
-        if headers.keys().any(|n| Forwarding::of(n).is_some()) {
-            let sent: Vec<HeaderName> = headers
-                .keys()
-                .filter(|n| Forwarding::of(n).is_some())
-                .cloned()
-                .collect();
-            for name in sent {
-                headers.remove(name);
-            }
-        }
-        headers.insert(X_FORWARDED_FOR.clone(), peer.forwarded.clone());
-        headers.insert(X_REAL_IP.clone(), peer.forwarded.clone());
-        headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
-        headers.insert(http::header::FORWARDED, peer.element.clone());
-        if let Some(host) = host {
-            headers.insert(X_FORWARDED_HOST.clone(), host.clone());
-        }
-        return;
-    }
-    let appended = |headers: &HeaderMap, name: &HeaderName, element: &[&[u8]]| {
-        let mut line = Vec::new();
-        appended_line(&mut line, headers, name, element);
-        // `name: value\r\n` -> value
-        let value = &line[name.as_str().len() + 2..line.len() - 2];
-        HeaderValue::from_bytes(value).ok()
-    };
-    if let Some(v) = appended(headers, &X_FORWARDED_FOR, &[peer.forwarded.as_bytes()]) {
-        headers.insert(X_FORWARDED_FOR.clone(), v);
-    }
-    if headers.contains_key(http::header::FORWARDED) {
-        if let Some(v) = appended(headers, &http::header::FORWARDED, &[b"for=", &peer.node]) {
-            headers.insert(http::header::FORWARDED, v);
-        }
-    }
-    if !headers.contains_key(&X_FORWARDED_PROTO) {
-        headers.insert(X_FORWARDED_PROTO.clone(), HeaderValue::from_static("http"));
-    }
-    if let Some(host) = host.filter(|_| !headers.contains_key(&X_FORWARDED_HOST)) {
-        headers.insert(X_FORWARDED_HOST.clone(), host.clone());
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

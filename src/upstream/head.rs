@@ -19,7 +19,7 @@ use super::{Error, Malformed, ResponseBody, READ_SIZE};
 /// (room for `FEW_FIELDS` is made on the stack; more, up to `MAX_FIELDS`, on the heap).
 pub(super) const MAX_HEAD: usize = 64 * 1024;
 pub(super) const FEW_FIELDS: usize = 48;
-pub(super) const MAX_FIELDS: usize = 2048;
+const MAX_FIELDS: usize = 2048;
 
 /// `METHOD /base/path?query HTTP/1.1`, the fields with the forwarding fields of this hop
 /// ([`forward::fields`]), the body's framing and the blank line.

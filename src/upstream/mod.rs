@@ -30,15 +30,11 @@
 //! status the client gets and whether the request may be sent again; a body that fails
 //! later ends with a [`BodyError`].
 
-#![cfg_attr(feature = "hyper-upstream", allow(dead_code, unused_imports))]
-
 mod body;
 mod error;
 mod forward;
 mod head;
 mod pool;
-#[cfg(feature = "hyper-upstream")]
-mod via_hyper;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -50,13 +46,9 @@ use tokio::io::AsyncWriteExt;
 use tokio::net::tcp::OwnedWriteHalf;
 use tokio::net::TcpStream;
 
-pub use body::BodyError;
-#[cfg(not(feature = "hyper-upstream"))]
-pub use body::ResponseBody;
+pub use body::{BodyError, ResponseBody};
 pub use error::{Error, Malformed};
 pub use forward::{Downstream, Peer};
-#[cfg(feature = "hyper-upstream")]
-pub use via_hyper::{Client, ResponseBody};
 
 use crate::config;
 use body::{Conn, Sending, Upload, UploadError};
@@ -66,7 +58,6 @@ use pool::{Address, Pool};
 const READ_SIZE: usize = 16 * 1024;
 
 /// One worker's way to the upstream: where it is, and the connections kept open to it.
-#[cfg(not(feature = "hyper-upstream"))]
 pub struct Client {
     address: Address,
     /// The `Host` sent when the client gave none: host and port, never user info.
@@ -77,7 +68,6 @@ pub struct Client {
     pool: Arc<Pool>,
 }
 
-#[cfg(not(feature = "hyper-upstream"))]
 impl Client {
     pub fn new(cfg: &config::Upstream) -> Client {
         let host = cfg.url.host().unwrap_or("127.0.0.1");
