@@ -50,12 +50,31 @@ pub use body::{BodyError, ResponseBody};
 pub use error::{Error, Malformed};
 pub use forward::{Downstream, Peer};
 
-use crate::config;
 use body::{Conn, Sending, Upload, UploadError};
 use pool::{Address, Pool};
 
 /// How much is read from the upstream at a time.
 const READ_SIZE: usize = 16 * 1024;
+
+/// `[upstream]`, validated: where requests go and the clocks on the way.
+#[derive(Debug, PartialEq)]
+pub struct Settings {
+    /// Scheme and authority of the backend, e.g. `http://127.0.0.1:3000`.
+    pub url: http::Uri,
+    /// Path the request path is appended to, without a trailing `/` (empty for `/`).
+    pub base_path: String,
+    /// The longest opening a connection may take (resolving included).
+    pub connect_timeout: Duration,
+    /// Counted from the request sent in full, the longest the answer's head may take (then
+    /// 504); also the longest the upstream may stay silent inside an answer's body, or
+    /// take nothing of an upload.
+    pub timeout: Duration,
+}
+
+/// `[upstream] connect_timeout`'s default.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// `[upstream] timeout`'s default.
+pub const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One worker's way to the upstream: where it is, and the connections kept open to it.
 pub struct Client {
@@ -69,7 +88,7 @@ pub struct Client {
 }
 
 impl Client {
-    pub fn new(cfg: &config::Upstream) -> Client {
+    pub fn new(cfg: &Settings) -> Client {
         let host = cfg.url.host().unwrap_or("127.0.0.1");
         let port = cfg.url.port_u16().unwrap_or(80);
         let authority = match cfg.url.port() {
