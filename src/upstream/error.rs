@@ -208,8 +208,26 @@ mod tests {
         Duration::from_secs(1)
     }
 
-    /// The upstream-side errors, each with whether it is retryable (the client's own need a
-    /// `hyper::Error`, which only hyper makes: tested end to end in tests/upstream.rs).
+    /// A `hyper::Error` as a client's malformed request makes one: hyper makes them only
+    /// as it reads.
+    async fn hyper_error() -> hyper::Error {
+        use tokio::io::AsyncWriteExt;
+        let (mut client, server) = tokio::io::duplex(1024);
+        client
+            .write_all(b"NOT HTTP\r\n\r\n")
+            .await
+            .expect("the pipe takes it");
+        let service = hyper::service::service_fn(|_| async {
+            let empty = http_body_util::Empty::<bytes::Bytes>::new();
+            Ok::<_, std::convert::Infallible>(http::Response::new(empty))
+        });
+        hyper::server::conn::http1::Builder::new()
+            .serve_connection(hyper_util::rt::TokioIo::new(server), service)
+            .await
+            .expect_err("these bytes are not HTTP")
+    }
+
+    /// The upstream-side errors, each with whether it is retryable.
     fn upstream_errors() -> Vec<(Error, bool)> {
         use io::ErrorKind::{BrokenPipe, ConnectionRefused, ConnectionReset, NotFound};
         vec![
@@ -297,5 +315,16 @@ mod tests {
             (408, "the request body stopped arriving")
         );
         assert!(stalled.is_client_error());
+    }
+
+    #[tokio::test]
+    async fn a_malformed_client_body_is_the_clients_400_and_never_sent_again() {
+        let e = Error::ClientBody(hyper_error().await);
+        assert_eq!(
+            (e.status().as_u16(), e.detail()),
+            (400, "the request body is malformed")
+        );
+        assert!(e.is_client_error());
+        assert!(!e.retryable());
     }
 }
