@@ -83,7 +83,8 @@ impl Pool {
 /// connection costs no syscall. The loop's view is as fresh as its last turn (well under a
 /// millisecond under load); bytes later than that, like bytes written after this check,
 /// cannot be told from an answer (docs/operations.md). Asking the kernel every time (a
-/// `recv` with `MSG_PEEK` per request) measured 5% fewer requests a second.
+/// `recv` with `MSG_PEEK` per request) costs a syscall per request (docs/performance.md,
+/// "The perimeter's cost").
 fn still_open(conn: &TcpStream) -> bool {
     let mut probe = [0u8; 1];
     // WouldBlock is the one good answer: 0 is the upstream's close, more a stray answer,
