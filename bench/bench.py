@@ -1,14 +1,26 @@
 #!/usr/bin/env python3
 """ratewall side by side with nginx and HAProxy, on this machine, in one run.
 
-Starts an upstream that answers at once (nginx `return 200`), nginx as a plain proxy,
-nginx with limit_req, HAProxy with a stick-table limit, a bare hyper proxy with no limiting
-(examples/hyper_proxy.rs: the stack ratewall started from), redis-server, and ratewall on
-the memory and Redis stores (and, for information, with one worker thread); drives each with the same wrk settings from one process; prints
-requests/s, p50/p99 latency and ratios (median of RUNS runs). Everything listens on
-127.0.0.1, runs for a bounded time and is stopped at the end.
+Two tables, each the median of RUNS runs of the same wrk settings, every server driven in
+turn by one wrk process:
 
-    bench/run                 # BENCH_SECS=10 RUNS=3 CONNECTIONS=64 by default
+- The main table. Starts an upstream that answers at once (nginx `return 200`), nginx as a
+  plain proxy, nginx with limit_req, HAProxy with a stick-table limit, nginx with its Lua
+  module keeping a token bucket per key in Redis (lua-resty-redis, one EVALSHA per request:
+  bench/peers/README.md), a bare hyper proxy with no limiting (examples/hyper_proxy.rs: the
+  stack ratewall started from), redis-server, and ratewall on the memory and Redis stores
+  (and, for information, with one worker thread), each at its default parallelism; prints
+  requests/s, p50/p99 latency, CPU time per request and ratios.
+- The pinned table. Each server under test alone on CPU 1 (`taskset -c 1`) with one worker
+  process or thread; wrk, the upstream and Redis on CPU 0. Prints requests/s and the CPU
+  time per request of the server under test (all its processes, from /proc), and of Redis.
+
+Everything listens on 127.0.0.1, runs for a bounded time and is stopped at the end, also on
+Ctrl-C or a failure.
+
+    bench/run                 # BENCH_SECS=10 RUNS=3 CONNECTIONS=64 THREADS=1 by default
+    BENCH_ONLY=main bench/run     # only the main table (and memory per key)
+    BENCH_ONLY=pinned bench/run   # only the pinned table
 """
 
 import os
@@ -28,14 +40,57 @@ SECS = int(os.environ.get("BENCH_SECS", "10"))
 RUNS = int(os.environ.get("RUNS", "3"))
 CONNS = int(os.environ.get("CONNECTIONS", "64"))
 THREADS = int(os.environ.get("THREADS", "1"))
+ONLY = os.environ.get("BENCH_ONLY", "")
 LAB = tempfile.mkdtemp(prefix="ratewall-bench-")
+RELEASE = os.path.join(ROOT, "target", "release")
+# The pinned table's servers listen on the main table's ports + PINNED_SHIFT (so that a
+# server of the main table still shutting down never answers for one of the pinned table).
+PINNED_SHIFT = 200
+# Where the pinned table puts the server under test, and everything else.
+SERVER_CPU, LOAD_CPU = 1, 0
 procs = []
 
 
-def start(cmd, **kw):
-    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, **kw)
+def start(cmd, cpu=None, env=None):
+    """Starts a process in a process group of its own (so that stop_all reaches its children,
+    as nginx's workers, and Ctrl-C reaches only this script), on CPU `cpu` if given. Not a
+    session of its own: the scheduler's autogroups are per session, and every process of the
+    benchmark stays in one, as wrk is."""
+    if cpu is not None:
+        cmd = ["taskset", "-c", str(cpu), *cmd]
+    p = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                         preexec_fn=os.setpgrp)
     procs.append(p)
     return p
+
+
+def start_nginx(name, text, cpu=None):
+    """An nginx of its own from a config in bench/peers' form (paths under /tmp/lab), in the
+    foreground so that it is one of `procs`; checked first, so a bad config says why."""
+    text = text.replace("/tmp/lab/nginx", LAB).replace("/tmp/lab/lua", os.path.join(HERE, "peers", "lua"))
+    path = os.path.join(LAB, name)
+    open(path, "w").write(text)
+    subprocess.run(["nginx", "-q", "-t", "-c", path], check=True)
+    return start(["nginx", "-c", path, "-g", "daemon off;"], cpu)
+
+
+def stop_all():
+    """Stops every process started so far, with all the processes of its group. A group is
+    signalled only while its leader is not yet reaped, so its id cannot be another's."""
+    def signal_group(p, sig):
+        try:
+            os.killpg(p.pid, sig)
+        except ProcessLookupError:
+            pass
+    for p in procs:
+        signal_group(p, signal.SIGTERM)
+    for p in procs:
+        try:
+            p.wait(timeout=5)
+        except subprocess.TimeoutExpired:
+            signal_group(p, signal.SIGKILL)
+            p.wait()
+    procs.clear()
 
 
 def wait_port(port, secs=10):
@@ -49,34 +104,62 @@ def wait_port(port, secs=10):
     sys.exit(f"nothing listens on {port}")
 
 
-def stop_all():
-    for p in procs:
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    for p in procs:
+def check_free(ports):
+    """Fails if anything listens on these ports already (another bench run, say): its
+    figures would be taken for ours."""
+    for port in ports:
         try:
-            p.wait(timeout=5)
-        except subprocess.TimeoutExpired:
-            p.kill()
-    subprocess.run(["nginx", "-c", os.path.join(LAB, "nginx.conf"), "-s", "quit"],
-                   stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    shutil.rmtree(LAB, ignore_errors=True)
+            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+        except OSError:
+            continue
+        sys.exit(f"something already listens on 127.0.0.1:{port}: is another bench running?")
 
 
-def redis_cli(*args):
-    return subprocess.run(["redis-cli", "-p", "16379", *args], capture_output=True, text=True).stdout
+def shifted(text, shift):
+    """A config with every 127.0.0.1:<port> moved by `shift`."""
+    return re.sub(r"127\.0\.0\.1:(\d+)", lambda m: f"127.0.0.1:{int(m.group(1)) + shift}", text)
 
 
-def evalsha_calls():
-    m = re.search(r"cmdstat_evalsha:calls=(\d+)", redis_cli("INFO", "commandstats"))
-    return int(m.group(1)) if m else 0
+def redis_cli(port, *args):
+    return subprocess.run(["redis-cli", "-p", str(port), *args], capture_output=True, text=True).stdout
+
+
+def script_calls(port):
+    """Script calls Redis has run (EVALSHA, and EVAL when a script was not loaded yet)."""
+    return sum(int(n) for n in re.findall(r"cmdstat_eval(?:sha)?:calls=(\d+)",
+                                          redis_cli(port, "INFO", "commandstats")))
+
+
+def process_tree(pid):
+    """A process and all its descendants (nginx's master and workers)."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                ppid = int(open(f"/proc/{entry}/stat").read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    tree, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        tree.append(p)
+        todo.extend(children.get(p, []))
+    return tree
 
 
 def cpu_seconds(pid):
-    """User and system CPU seconds a process has used so far (all its threads)."""
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    """User and system CPU seconds a process and its descendants have used so far (all
+    their threads; a descendant that exits takes its share with it)."""
+    user = system = 0
+    for p in process_tree(pid):
+        try:
+            fields = open(f"/proc/{p}/stat").read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        user, system = user + int(fields[11]), system + int(fields[12])
     tick = os.sysconf("SC_CLK_TCK")
-    return int(fields[11]) / tick, int(fields[12]) / tick
+    return user / tick, system / tick
 
 
 def unit(value, suffix):
@@ -84,11 +167,12 @@ def unit(value, suffix):
     return value * {"us": 1e-3, "ms": 1.0, "s": 1e3}[suffix]
 
 
-def wrk(port, script):
-    out = subprocess.run(
-        ["wrk", f"-t{THREADS}", f"-c{CONNS}", f"-d{SECS}s", "--latency", "-s", os.path.join(HERE, script),
-         f"http://127.0.0.1:{port}/"],
-        capture_output=True, text=True, check=True).stdout
+def wrk(port, script, cpu=None):
+    cmd = ["wrk", f"-t{THREADS}", f"-c{CONNS}", f"-d{SECS}s", "--latency", "-s", os.path.join(HERE, script),
+           f"http://127.0.0.1:{port}/"]
+    if cpu is not None:
+        cmd = ["taskset", "-c", str(cpu), *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
     rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
     p50 = unit(*re.search(r"50%\s+([\d.]+)(us|ms|s)", out).groups())
     p99 = unit(*re.search(r"99%\s+([\d.]+)(us|ms|s)", out).groups())
@@ -97,23 +181,58 @@ def wrk(port, script):
     return {"rps": rps, "p50": p50, "p99": p99, "total": total, "non2xx": int(non2xx.group(1)) if non2xx else 0}
 
 
-def main():
-    for tool in ("nginx", "haproxy", "wrk", "redis-server", "redis-cli"):
-        if not shutil.which(tool):
-            sys.exit(f"{tool} is missing: bench/run installs it")
-    print(f"building ratewall (release)...", flush=True)
-    subprocess.run(["cargo", "build", "--release", "--quiet", "--bin", "ratewall", "--example", "measure_memory",
-                    "--example", "hyper_proxy"],
-                   cwd=ROOT, check=True)
-    binary = os.path.join(ROOT, "target", "release", "ratewall")
+def measure(targets, redis, wrk_cpu=None, label=""):
+    """Drives each target in turn, RUNS times; returns the medians of each figure by name.
 
-    conf = open(os.path.join(HERE, "peers", "nginx.conf")).read().replace("/tmp/lab/nginx", LAB)
+    A target is (name, port, wrk script, counts Redis calls, the process whose CPU time is
+    measured, with its descendants, or None). `redis` is redis-server's port and process:
+    the Redis calls per request, and Redis' CPU time per request, of each target that
+    counts Redis calls."""
+    redis_port, redis_proc = redis
+    results = {}
+    for run in range(RUNS):
+        for name, port, script, counts_redis, proc in targets:
+            before = script_calls(redis_port) if counts_redis else None
+            cpu_before = cpu_seconds(proc.pid) if proc else None
+            redis_before = cpu_seconds(redis_proc.pid) if counts_redis else None
+            r = wrk(port, script, wrk_cpu)
+            n = max(r["total"], 1)
+            r["redis_per_req"] = (script_calls(redis_port) - before) / n if counts_redis else None
+            r["redis_us"] = sum(cpu_seconds(redis_proc.pid)) - sum(redis_before) if counts_redis else None
+            if r["redis_us"] is not None:
+                r["redis_us"] *= 1e6 / n
+            if proc:
+                (u0, s0), (u1, s1) = cpu_before, cpu_seconds(proc.pid)
+                r["user_us"] = (u1 - u0) * 1e6 / n
+                r["sys_us"] = (s1 - s0) * 1e6 / n
+            else:
+                r["user_us"] = r["sys_us"] = None
+            results.setdefault(name, []).append(r)
+            print(f"  {label}run {run + 1}/{RUNS} {name:40} {r['rps']:>9.0f} req/s  p99 {r['p99']:.2f} ms", flush=True)
+    return {n: {k: statistics.median(x[k] for x in rs) if rs[0][k] is not None else None for k in rs[0]}
+            for n, rs in results.items()}
+
+
+def cpu_us(m):
+    return None if m["user_us"] is None else m["user_us"] + m["sys_us"]
+
+
+def verdict(ok):
+    return "met" if ok else "NOT met"
+
+
+def main_table():
+    """Every server at its default parallelism, sharing the machine with wrk and the upstream."""
+    check_free((18080, 18081, 18082, 18083, 18084, 16379, 18085, 18086, 18087, 18088, 18089, 18090,
+                18091, 18092))
+    binary = os.path.join(RELEASE, "ratewall")
     for d in ("body", "proxy", "fcgi", "uwsgi", "scgi"):
         os.makedirs(os.path.join(LAB, d), exist_ok=True)
-    open(os.path.join(LAB, "nginx.conf"), "w").write(conf)
-    subprocess.run(["nginx", "-c", os.path.join(LAB, "nginx.conf")], check=True)
+    start_nginx("nginx.conf", open(os.path.join(HERE, "peers", "nginx.conf")).read())
     haproxy = start(["haproxy", "-db", "-f", os.path.join(HERE, "peers", "haproxy.cfg")])
-    start(["redis-server", "--port", "16379", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+    redis = start(["redis-server", "--port", "16379", "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"])
+    # An nginx of its own (it loads the Lua module), so its CPU time is its alone.
+    lua = start_nginx("nginx-lua-redis.conf", open(os.path.join(HERE, "peers", "nginx-lua-redis.conf")).read())
     env = dict(os.environ, RUST_LOG="warn")  # nginx runs with access_log off: so does ratewall
     gateways = {name: start([binary, "--config", os.path.join(HERE, name)], env=env)
                 for name in ("ratewall-memory.toml", "ratewall-redis.toml", "ratewall-redis-tight.toml")}
@@ -126,9 +245,8 @@ def main():
         open(path, "w").write(text)
         gateways["one-worker-" + name] = start([binary, "--config", path], env=env)
     # hyper's server and client with nothing else: what the stack costs before any limiting
-    bare = start([os.path.join(ROOT, "target", "release", "examples", "hyper_proxy"),
-                  "127.0.0.1:18088", "http://127.0.0.1:18080"])
-    for port in (18080, 18081, 18082, 18083, 18084, 16379, 18085, 18086, 18087, 18088, 18089, 18090):
+    bare = start([os.path.join(RELEASE, "examples", "hyper_proxy"), "127.0.0.1:18088", "http://127.0.0.1:18080"])
+    for port in (18080, 18081, 18082, 18083, 18084, 16379, 18085, 18086, 18087, 18088, 18089, 18090, 18091, 18092):
         wait_port(port)
 
     # (name, port, wrk script, counts Redis calls, the process whose CPU time is measured:
@@ -138,75 +256,214 @@ def main():
         ("nginx proxy_pass", 18081, "keys.lua", False, None),
         ("nginx limit_req", 18082, "keys.lua", False, None),
         ("HAProxy stick table", 18083, "keys.lua", False, haproxy),
+        ("nginx + Lua + Redis (lua-resty-redis)", 18091, "keys.lua", True, lua),
         ("bare hyper proxy (no limiting)", 18088, "keys.lua", False, bare),
         ("ratewall memory", 18085, "keys.lua", False, gateways["ratewall-memory.toml"]),
         ("ratewall redis", 18086, "keys.lua", True, gateways["ratewall-redis.toml"]),
         ("ratewall memory, 1 worker", 18089, "keys.lua", False, gateways["one-worker-ratewall-memory.toml"]),
         ("nginx limit_req, one key (abuse)", 18084, "one-key.lua", False, None),
+        ("nginx + Lua + Redis, one key (abuse)", 18092, "one-key.lua", True, lua),
         ("ratewall redis, one key (abuse)", 18087, "one-key.lua", True, gateways["ratewall-redis-tight.toml"]),
         ("ratewall redis, abuse, 1 worker", 18090, "one-key.lua", True,
          gateways["one-worker-ratewall-redis-tight.toml"]),
     ]
-    results = {}
-    for run in range(RUNS):
-        for name, port, script, redis, proc in targets:
-            before = evalsha_calls()
-            cpu_before = cpu_seconds(proc.pid) if proc else None
-            r = wrk(port, script)
-            r["redis_per_req"] = (evalsha_calls() - before) / max(r["total"], 1) if redis else None
-            if proc:
-                (u0, s0), (u1, s1) = cpu_before, cpu_seconds(proc.pid)
-                r["user_us"] = (u1 - u0) * 1e6 / max(r["total"], 1)
-                r["sys_us"] = (s1 - s0) * 1e6 / max(r["total"], 1)
-            else:
-                r["user_us"] = r["sys_us"] = None
-            results.setdefault(name, []).append(r)
-            print(f"  run {run + 1}/{RUNS} {name:34} {r['rps']:>9.0f} req/s  p99 {r['p99']:.2f} ms", flush=True)
+    med = measure(targets, (16379, redis))
 
-    med = {n: {k: statistics.median(x[k] for x in rs) if rs[0][k] is not None else None for k in rs[0]}
-           for n, rs in results.items()}
     nginx_lr, haproxy, direct = med["nginx limit_req"], med["HAProxy stick table"], med["direct to upstream"]
     nginx_proxy = med["nginx proxy_pass"]
     print()
     print(f"median of {RUNS} runs, wrk -t{THREADS} -c{CONNS} -d{SECS}s, {os.cpu_count()} cores")
-    print(f"{'':36}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'non-2xx':>10}{'Redis/req':>11}"
+    print(f"{'':40}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'non-2xx':>10}{'Redis/req':>11}"
           f"{'CPU us/req':>12}{'vs nginx lr':>12}{'vs HAProxy':>11}")
     for name, _, _, _, _ in targets:
         m = med[name]
         per = "" if m["redis_per_req"] is None else f"{m['redis_per_req']:.3f}"
         cpu = "" if m["user_us"] is None else f"{m['user_us']:.1f}+{m['sys_us']:.1f}"
-        print(f"{name:36}{m['rps']:>10.0f}{m['p50']:>9.2f}{m['p99']:>9.2f}{m['non2xx']:>10.0f}{per:>11}{cpu:>12}"
+        print(f"{name:40}{m['rps']:>10.0f}{m['p50']:>9.2f}{m['p99']:>9.2f}{m['non2xx']:>10.0f}{per:>11}{cpu:>12}"
               f"{m['rps'] / nginx_lr['rps']:>11.2f}x{m['rps'] / haproxy['rps']:>10.2f}x")
-    print("(CPU us/req: user+system CPU time of the server under test per request, where it is one process;")
+    print("(CPU us/req: user+system CPU time of the server under test per request, where it runs in processes of")
+    print(" its own (nginx + Lua + Redis: its master and workers); Redis/req: script calls (EVALSHA, EVAL) per request;")
     print(" the 1-worker rows: ratewall with [server] workers = 1, for information, not a target)")
+    lua_allowed, lua_abuse = med["nginx + Lua + Redis (lua-resty-redis)"], med["nginx + Lua + Redis, one key (abuse)"]
+    print()
+    print("ratewall's Redis store against nginx + Lua + Redis (requests/s):")
+    for name, peer in (("ratewall redis", lua_allowed), ("ratewall redis, one key (abuse)", lua_abuse),
+                       ("ratewall redis, abuse, 1 worker", lua_abuse)):
+        print(f"  {name:38} {med[name]['rps'] / peer['rps']:5.2f}x  at {med[name]['redis_per_req']:.3f} Redis "
+              f"calls/req against {peer['redis_per_req']:.3f}")
     abuse_nginx, abuse_rw = med["nginx limit_req, one key (abuse)"], med["ratewall redis, one key (abuse)"]
     print()
-    print("targets (issue 8), from the medians above:")
+    print("targets (issues 8 and 15), from the medians above:")
     checks = [
         ("memory store >= 1.0x HAProxy", med["ratewall memory"]["rps"] / haproxy["rps"], 1.0),
         ("memory store >= 1.2x nginx limit_req", med["ratewall memory"]["rps"] / nginx_lr["rps"], 1.2),
         ("redis store >= 1.0x nginx limit_req", med["ratewall redis"]["rps"] / nginx_lr["rps"], 1.0),
+        ("redis store >= 2.0x nginx + Lua + Redis", med["ratewall redis"]["rps"] / lua_allowed["rps"], 2.0),
         ("abuse: denied/s >= 1.0x nginx limit_req", abuse_rw["rps"] / abuse_nginx["rps"], 1.0),
     ]
     for label, ratio, goal in checks:
-        print(f"  {label:44} {ratio:5.2f}x  {'met' if ratio >= goal else 'NOT met'}")
+        print(f"  {label:44} {ratio:5.2f}x  {verdict(ratio >= goal)}")
     per = med["ratewall redis"]["redis_per_req"]
-    print(f"  {'redis calls per allowed request <= 1.00':44} {per:5.3f}   {'met' if round(per, 3) <= 1.0 else 'NOT met'}")
+    print(f"  {'redis calls per allowed request <= 1.00':44} {per:5.3f}   {verdict(round(per, 3) <= 1.0)}")
     per = abuse_rw["redis_per_req"]
-    print(f"  {'redis calls per denied request <= 0.01':44} {per:5.3f}   {'met' if round(per, 3) <= 0.01 else 'NOT met'}")
+    print(f"  {'redis calls per denied request <= 0.01':44} {per:5.3f}   {verdict(round(per, 3) <= 0.01)}")
     added_rw = med["ratewall memory"]["p99"] - direct["p99"]
     added_nginx = nginx_proxy["p99"] - direct["p99"]
     print(f"  {'added p99: ratewall memory vs nginx proxy':44} {added_rw:+.2f} ms vs {added_nginx:+.2f} ms  "
-          f"{'met' if added_rw <= added_nginx else 'NOT met'}")
+          f"{verdict(added_rw <= added_nginx)}")
     print()
     print("memory per tracked key (memory store):")
-    out = subprocess.run([os.path.join(ROOT, "target", "release", "examples", "measure_memory")],
+    out = subprocess.run([os.path.join(RELEASE, "examples", "measure_memory")],
                          capture_output=True, text=True, check=True).stdout
     print("  " + "\n  ".join(out.strip().splitlines()[:6]))
 
 
+def one_worker_nginx(text, keep_upstream):
+    """nginx.conf for the pinned table: one worker, and either only the upstream's server
+    (keep_upstream) or everything but it, each nginx with its own pid file and error log."""
+    upstream = re.compile(r"^\s*server \{ listen 127\.0\.0\.1:18080;.*$", re.M)
+    if not upstream.search(text):
+        sys.exit("bench/peers/nginx.conf: no upstream server on 18080 to move to CPU 0")
+    if keep_upstream:
+        text = re.sub(r"^\s*server \{ listen (?!127\.0\.0\.1:18080;).*$\n?", "", text, flags=re.M)
+        text = text.replace("nginx.pid", "nginx-upstream.pid").replace("error.log", "error-upstream.log")
+    else:
+        text = upstream.sub("", text)
+    text, n = re.subn(r"^worker_processes \w+;", "worker_processes 1;", text, flags=re.M)
+    if n != 1:
+        sys.exit("an nginx config without a worker_processes line")
+    return shifted(text, PINNED_SHIFT)
+
+
+def pinned_table():
+    """Each server under test alone on CPU 1 with one worker process or thread; wrk, the
+    upstream and Redis on CPU 0. What each server spends per request, with the hand-overs
+    between the processes on one CPU out of its figure."""
+    s = PINNED_SHIFT
+    check_free(p + s for p in (18080, 18081, 18082, 18083, 18084, 16379, 18085, 18086, 18087, 18088, 18091, 18092))
+    binary = os.path.join(RELEASE, "ratewall")
+    for d in ("body", "proxy", "fcgi", "uwsgi", "scgi"):
+        os.makedirs(os.path.join(LAB, d), exist_ok=True)
+    nginx_conf = open(os.path.join(HERE, "peers", "nginx.conf")).read()
+    start_nginx("pinned-upstream.conf", one_worker_nginx(nginx_conf, True), LOAD_CPU)
+    redis = start(["redis-server", "--port", str(16379 + s), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
+                  LOAD_CPU)
+    servers = {"nginx": start_nginx("pinned-nginx.conf", one_worker_nginx(nginx_conf, False), SERVER_CPU)}
+    text = shifted(open(os.path.join(HERE, "peers", "haproxy.cfg")).read(), s)
+    text, n = re.subn(r"^global$", "global\n  nbthread 1", text, flags=re.M)
+    if n != 1:
+        sys.exit("bench/peers/haproxy.cfg: no global section")
+    path = os.path.join(LAB, "pinned-haproxy.cfg")
+    open(path, "w").write(text)
+    servers["haproxy"] = start(["haproxy", "-db", "-f", path], SERVER_CPU)
+    text = open(os.path.join(HERE, "peers", "nginx-lua-redis.conf")).read()
+    text = re.sub(r"^worker_processes \w+;", "worker_processes 1;", text, flags=re.M)
+    servers["lua"] = start_nginx("pinned-nginx-lua-redis.conf", shifted(text, s).replace("nginx-lua.pid", "nginx-lua-pinned.pid"),
+                                 SERVER_CPU)
+    env = dict(os.environ, RUST_LOG="warn")
+    for name in ("ratewall-memory.toml", "ratewall-redis.toml", "ratewall-redis-tight.toml"):
+        text = shifted(open(os.path.join(HERE, name)).read(), s)
+        text, n = re.subn(r'^(listen = "127.0.0.1:\d+")$', r"\1\nworkers = 1", text, flags=re.M)
+        if n != 1:
+            sys.exit(f"bench/{name}: no listen line")
+        path = os.path.join(LAB, "pinned-" + name)
+        open(path, "w").write(text)
+        servers[name] = start([binary, "--config", path], SERVER_CPU, env)
+    # available_parallelism() counts the CPUs it may run on: one worker thread
+    servers["bare"] = start([os.path.join(RELEASE, "examples", "hyper_proxy"), f"127.0.0.1:{18088 + s}",
+                             f"http://127.0.0.1:{18080 + s}"], SERVER_CPU)
+    for port in (18080, 18081, 18082, 18083, 18084, 16379, 18085, 18086, 18087, 18088, 18091, 18092):
+        wait_port(port + s)
+    for proc in procs:
+        want = {SERVER_CPU} if proc in servers.values() else {LOAD_CPU}
+        for pid in process_tree(proc.pid):
+            if os.sched_getaffinity(pid) != want:
+                sys.exit(f"process {pid} runs on CPUs {sorted(os.sched_getaffinity(pid))}, not {sorted(want)}")
+
+    # (name, port, wrk script, counts Redis calls, the server under test: all its processes)
+    targets = [
+        ("nginx proxy_pass", 18081 + s, "keys.lua", False, servers["nginx"]),
+        ("nginx limit_req", 18082 + s, "keys.lua", False, servers["nginx"]),
+        ("HAProxy stick table", 18083 + s, "keys.lua", False, servers["haproxy"]),
+        ("bare hyper proxy (no limiting)", 18088 + s, "keys.lua", False, servers["bare"]),
+        ("ratewall memory", 18085 + s, "keys.lua", False, servers["ratewall-memory.toml"]),
+        ("ratewall redis", 18086 + s, "keys.lua", True, servers["ratewall-redis.toml"]),
+        ("nginx + Lua + Redis (lua-resty-redis)", 18091 + s, "keys.lua", True, servers["lua"]),
+        ("nginx limit_req, one key (abuse)", 18084 + s, "one-key.lua", False, servers["nginx"]),
+        ("ratewall redis, one key (abuse)", 18087 + s, "one-key.lua", True, servers["ratewall-redis-tight.toml"]),
+        ("nginx + Lua + Redis, one key (abuse)", 18092 + s, "one-key.lua", True, servers["lua"]),
+    ]
+    med = measure(targets, (16379 + s, redis), LOAD_CPU, "pinned ")
+    haproxy, nginx_lr = med["HAProxy stick table"], med["nginx limit_req"]
+    print()
+    print(f"pinned: the server under test alone on CPU {SERVER_CPU}, one worker/thread; wrk, the upstream (nginx, "
+          f"1 worker) and Redis on CPU {LOAD_CPU}")
+    print(f"median of {RUNS} runs, wrk -t{THREADS} -c{CONNS} -d{SECS}s")
+    print(f"{'':40}{'req/s':>9}{'p99 ms':>8}{'CPU us/req':>12}{'Redis/req':>10}{'Redis us':>9}"
+          f"{'CPU vs':>8}{'CPU vs':>8}{'req/s vs':>9}{'req/s vs':>9}")
+    print(f"{'':40}{'':>9}{'':>8}{'user+sys':>12}{'':>10}{'/req':>9}"
+          f"{'HAProxy':>8}{'nginx lr':>9}{'HAProxy':>8}{'nginx lr':>9}")
+    for name, _, _, _, _ in targets:
+        m = med[name]
+        per = "" if m["redis_per_req"] is None else f"{m['redis_per_req']:.3f}"
+        redis_us = "" if m["redis_us"] is None else f"{m['redis_us']:.1f}"
+        print(f"{name:40}{m['rps']:>9.0f}{m['p99']:>8.2f}{m['user_us']:>6.1f}+{m['sys_us']:<5.1f}{per:>10}{redis_us:>9}"
+              f"{cpu_us(m) / cpu_us(haproxy):>7.2f}x{cpu_us(m) / cpu_us(nginx_lr):>8.2f}x"
+              f"{m['rps'] / haproxy['rps']:>8.2f}x{m['rps'] / nginx_lr['rps']:>8.2f}x")
+    print("(CPU us/req: user+system CPU time of the server under test per request, all its processes (nginx: master")
+    print(" and worker); Redis us/req: redis-server's CPU time per request; CPU vs: the server's CPU per request over")
+    print(" HAProxy's or nginx limit_req's, lower is leaner; the abuse rows are measured against the allowed rows too)")
+    lua_allowed, lua_abuse = med["nginx + Lua + Redis (lua-resty-redis)"], med["nginx + Lua + Redis, one key (abuse)"]
+    print()
+    print("targets (issue 15), from the pinned medians above:")
+    memory = cpu_us(med["ratewall memory"])
+    for label, peer in (("HAProxy", haproxy), ("nginx limit_req", nginx_lr)):
+        print(f"  {'memory store CPU us/req <= ' + label:44} {memory:5.1f} vs {cpu_us(peer):5.1f}  "
+              f"{verdict(memory <= cpu_us(peer))}")
+    for label, ours, peer in (("redis store", med["ratewall redis"], lua_allowed),
+                              ("abuse", med["ratewall redis, one key (abuse)"], lua_abuse)):
+        ratio = ours["rps"] / peer["rps"]
+        print(f"  {label + ' req/s >= 2.0x nginx + Lua + Redis':44} {ratio:5.2f}x  {verdict(ratio >= 2.0)}  "
+              f"(CPU us/req {cpu_us(ours):.1f} + Redis {ours['redis_us']:.1f} against "
+              f"{cpu_us(peer):.1f} + {peer['redis_us']:.1f})")
+
+
+def main():
+    if ONLY not in ("", "main", "pinned"):
+        sys.exit(f"BENCH_ONLY={ONLY}: main, pinned, or unset for both")
+    for tool in ("nginx", "haproxy", "wrk", "redis-server", "redis-cli", "taskset"):
+        if not shutil.which(tool):
+            sys.exit(f"{tool} is missing: bench/run installs it")
+    if not os.path.exists("/usr/share/nginx/modules/ngx_http_lua_module.so"):
+        sys.exit("nginx's Lua module is missing: bench/run installs it (libnginx-mod-http-lua)")
+    if ONLY != "main" and len(os.sched_getaffinity(0) & {SERVER_CPU, LOAD_CPU}) < 2:
+        sys.exit(f"the pinned table needs CPUs {LOAD_CPU} and {SERVER_CPU}")
+    print(f"building ratewall (release)...", flush=True)
+    subprocess.run(["cargo", "build", "--release", "--quiet", "--bin", "ratewall", "--example", "measure_memory",
+                    "--example", "hyper_proxy"],
+                   cwd=ROOT, check=True)
+    if ONLY != "pinned":
+        main_table()
+        stop_all()
+    if ONLY != "main":
+        if ONLY != "pinned":
+            print()
+        pinned_table()
+
+
+def stop(signum, _frame):
+    # As Ctrl-C does: unwinds through main's finally, which stops what was started.
+    sys.exit(128 + signum)
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGHUP, stop)
     try:
         main()
+    except KeyboardInterrupt:
+        print("interrupted: stopping what was started", file=sys.stderr)
+        sys.exit(130)
     finally:
         stop_all()
+        shutil.rmtree(LAB, ignore_errors=True)

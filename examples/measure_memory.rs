@@ -13,7 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
 use ratewall::identity::digest_api_key;
 use ratewall::limiter::memory::{Evictions, MemoryStore};
-use ratewall::limiter::redis::RedisStore;
+use ratewall::limiter::redis::{DecideAt, RedisStore};
 use ratewall::limiter::{Algorithm, Check, ManualClock, Quota, Rate};
 
 struct Counting;
@@ -138,11 +138,11 @@ async fn main() {
         let check = Check::new(&d, "api", &q);
         // Two requests 1 ms apart, so every state holds non-trivial numbers.
         store
-            .decide(std::slice::from_ref(&check), Some(now))
+            .decide_at(std::slice::from_ref(&check), Some(now))
             .await
             .expect("decide");
         store
-            .decide(std::slice::from_ref(&check), Some(now + 1_000))
+            .decide_at(std::slice::from_ref(&check), Some(now + 1_000))
             .await
             .expect("decide");
         let key = store.key(&check);

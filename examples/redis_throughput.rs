@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use ratewall::identity::digest_api_key;
-use ratewall::limiter::redis::RedisStore;
+use ratewall::limiter::redis::{DecideAt, RedisStore};
 use ratewall::limiter::{Algorithm, Check, Quota, Rate};
 
 async fn redis_cpu(conn: &mut redis::aio::MultiplexedConnection) -> f64 {
@@ -58,7 +58,7 @@ async fn main() {
     // Warm up (loads the script).
     let d = digest_api_key(b"warm-up");
     store
-        .decide(&[Check::new(&d, "api", &quota)], None)
+        .decide_at(&[Check::new(&d, "api", &quota)], None)
         .await
         .expect("decide");
 
@@ -75,7 +75,7 @@ async fn main() {
                     let key = format!("key-{t}-{i}");
                     let d = digest_api_key(key.as_bytes());
                     if store
-                        .decide(&[Check::new(&d, "api", &quota)], None)
+                        .decide_at(&[Check::new(&d, "api", &quota)], None)
                         .await
                         .is_ok()
                     {

@@ -53,3 +53,9 @@ pub mod rules;
 pub mod server;
 pub mod upstream;
 pub mod worker;
+
+/// The seeded, time-bounded proptest config the unit tests share with the integration
+/// tests: one file, `tests/common/seed.rs` (`RATEWALL_TEST_SEED` replays another run).
+#[cfg(test)]
+#[path = "../tests/common/seed.rs"]
+pub(crate) mod seed;

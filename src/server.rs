@@ -64,6 +64,9 @@ pub async fn run(
     let admin_registry =
         Registry::new("admin", ADMIN_MAX_CONNECTIONS, metrics.connections("admin"));
     connection::raise_descriptor_limit(config.server.max_connections);
+    // Before the gateway says it listens: until a handler is registered, a signal's default
+    // action ends the process, so a SIGHUP sent on that word would kill it.
+    let signals = Signals::register();
     tracing::info!(
         listen = %config.server.listen,
         admin = ?config.server.admin_listen,
@@ -73,7 +76,7 @@ pub async fn run(
     );
 
     let upkeep = tokio::spawn(upkeep(gateway.clone()));
-    let reloads = tokio::spawn(reload_on_sighup(gateway.clone()));
+    let reloads = tokio::spawn(reload_on_sighup(gateway.clone(), signals.hangup));
     let admin_task = admin.map(|l| {
         tokio::spawn(crate::admin::serve(
             l,
@@ -132,7 +135,7 @@ pub async fn run(
         workers.push((thread, finished));
     }
     drop(listener);
-    shutdown_signal().await;
+    signals.shutdown.await;
     tracing::info!(grace = ?config.server.shutdown_grace, "shutting down: draining in-flight requests");
     let _ = stop.send(true);
     for (thread, finished) in workers {
@@ -166,31 +169,75 @@ async fn pace() {
     }
 }
 
-/// SIGHUP: re-read the config. A bad file is logged and changes nothing.
-async fn reload_on_sighup(gateway: Arc<Gateway>) {
+/// The signals the gateway answers, registered at once (see [`Signals::register`]).
+struct Signals {
+    /// SIGHUP, or `None` where it cannot be listened for (reloads are then off).
+    hangup: Option<Hangups>,
+    /// Resolves on SIGTERM or SIGINT.
+    shutdown: std::pin::Pin<Box<dyn std::future::Future<Output = ()> + Send>>,
+}
+
+#[cfg(unix)]
+type Hangups = tokio::signal::unix::Signal;
+#[cfg(not(unix))]
+type Hangups = std::convert::Infallible;
+
+impl Signals {
+    /// Register SIGHUP, SIGTERM and SIGINT now: a signal that arrives between here and
+    /// the first poll of its stream is kept for it, not met by the default action.
     #[cfg(unix)]
-    {
+    fn register() -> Signals {
         use tokio::signal::unix::{signal, SignalKind};
-        let mut hup = match signal(SignalKind::hangup()) {
-            Ok(s) => s,
-            Err(e) => {
-                tracing::warn!(error = %e, "cannot listen for SIGHUP; reloads are off");
-                return;
+        let hangup = signal(SignalKind::hangup())
+            .map_err(|e| tracing::warn!(error = %e, "cannot listen for SIGHUP; reloads are off"))
+            .ok();
+        let terminate = signal(SignalKind::terminate());
+        let interrupt = signal(SignalKind::interrupt());
+        let shutdown = Box::pin(async move {
+            match (terminate, interrupt) {
+                (Ok(mut term), Ok(mut int)) => {
+                    tokio::select! {
+                        _ = term.recv() => {}
+                        _ = int.recv() => {}
+                    }
+                }
+                (Ok(mut term), Err(_)) => {
+                    term.recv().await;
+                }
+                (Err(_), _) => {
+                    let _ = tokio::signal::ctrl_c().await;
+                }
             }
-        };
-        while hup.recv().await.is_some() {
-            match gateway.reload() {
-                Ok(()) => {
-                    tracing::info!(rules = gateway.live().config.rules.len(), "config reloaded")
-                }
-                Err(e) => {
-                    tracing::error!(error = %e, "config reload rejected; the old config keeps serving")
-                }
+        });
+        Signals { hangup, shutdown }
+    }
+
+    #[cfg(not(unix))]
+    fn register() -> Signals {
+        let shutdown = Box::pin(async {
+            let _ = tokio::signal::ctrl_c().await;
+        });
+        Signals {
+            hangup: None,
+            shutdown,
+        }
+    }
+}
+
+/// SIGHUP: re-read the config. A bad file is logged and changes nothing.
+async fn reload_on_sighup(gateway: Arc<Gateway>, hangups: Option<Hangups>) {
+    let Some(mut hangups) = hangups else { return };
+    #[cfg(unix)]
+    while hangups.recv().await.is_some() {
+        match gateway.reload() {
+            Ok(()) => tracing::info!(rules = gateway.live().config.rules.len(), "config reloaded"),
+            Err(e) => {
+                tracing::error!(error = %e, "config reload rejected; the old config keeps serving")
             }
         }
     }
     #[cfg(not(unix))]
-    let _ = gateway;
+    let _ = (gateway, &mut hangups);
 }
 
 /// The gateway's listening socket, shared by the workers (each registers a handle of it
@@ -268,28 +315,6 @@ pub async fn serve(
         .is_err()
     {
         tracing::warn!("shutdown grace ran out; closing the remaining connections");
-    }
-}
-
-async fn shutdown_signal() {
-    #[cfg(unix)]
-    {
-        use tokio::signal::unix::{signal, SignalKind};
-        match signal(SignalKind::terminate()) {
-            Ok(mut term) => {
-                tokio::select! {
-                    _ = term.recv() => {}
-                    _ = tokio::signal::ctrl_c() => {}
-                }
-            }
-            Err(_) => {
-                let _ = tokio::signal::ctrl_c().await;
-            }
-        }
-    }
-    #[cfg(not(unix))]
-    {
-        let _ = tokio::signal::ctrl_c().await;
     }
 }
 

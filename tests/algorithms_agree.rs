@@ -33,7 +33,7 @@ use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use ratewall::identity::{digest_api_key, IdentityDigest};
 use ratewall::limiter::memory::MemoryStore;
-use ratewall::limiter::redis::RedisStore;
+use ratewall::limiter::redis::{DecideAt, RedisStore};
 use ratewall::limiter::{
     self, Algorithm, Check, Decision, ManualClock, Outcome, Quota, Rate, State,
 };
@@ -95,15 +95,10 @@ impl Harness {
     }
 }
 
-fn config(cases: u32) -> ProptestConfig {
-    ProptestConfig {
-        cases,
-        // A failure prints its shrunk timeline; nothing is written into the repository.
-        failure_persistence: None,
-        max_shrink_iters: 2_000,
-        max_shrink_time: 120_000,
-        ..ProptestConfig::default()
-    }
+/// A seeded, time-bounded proptest config for `cases` cases of `test` (see
+/// `common::seed`: `RATEWALL_TEST_SEED` replays another run).
+fn config(test: &str, cases: u32) -> ProptestConfig {
+    common::proptest_config(test, cases)
 }
 
 // ---------------------------------------------------------------------------------------
@@ -556,7 +551,7 @@ impl<'h> Replay<'h> {
         let from_redis = self
             .h
             .rt
-            .block_on(self.redis.decide(checks, Some(now)))
+            .block_on(self.redis.decide_at(checks, Some(now)))
             .map_err(|e| format!("the redis store failed: {e}"))?;
         if from_redis != from_memory {
             let held: Vec<Option<String>> = checks
@@ -663,7 +658,7 @@ impl<'h> Replay<'h> {
         let d = self
             .h
             .rt
-            .block_on(self.scratch.decide(std::slice::from_ref(check), Some(at)))
+            .block_on(self.scratch.decide_at(std::slice::from_ref(check), Some(at)))
             .map_err(|e| format!("the redis store failed: {e}"))?;
         Ok(d[0])
     }
@@ -819,7 +814,7 @@ fn rust_and_lua_agree_for_all_four_algorithms() {
     let h = Harness::start();
     let tally = AgreeTally::default();
     let started = Instant::now();
-    proptest!(config(64), |(tl in timeline(4))| {
+    proptest!(config("rust_and_lua_agree_for_all_four_algorithms", 64), |(tl in timeline(4))| {
         agree_case(&h, &tl, &tally)?;
     });
 
@@ -1078,12 +1073,12 @@ fn retry_after_is_exact_for_all_four_algorithms() {
     let h = Harness::start();
     let tally = RetryTally::default();
     let started = Instant::now();
-    proptest!(config(64), |(tl in timeline(1))| {
+    proptest!(config("retry_after_is_exact_for_all_four_algorithms", 64), |(tl in timeline(1))| {
         retry_case(&h, &tl, &tally)?;
     });
     // And more waits: a token bucket or GCRA with a max_delay, every time.
     let waiting = rule_spec(&[Algorithm::TokenBucket, Algorithm::Gcra], 0);
-    proptest!(config(16), |(tl in timeline_of(waiting, 1))| {
+    proptest!(config("retry_after_is_exact_for_all_four_algorithms", 16), |(tl in timeline_of(waiting, 1))| {
         retry_case(&h, &tl, &tally)?;
     });
     let denials = tally.denials.each_ref().map(|v| v.load(Relaxed));
@@ -1286,7 +1281,7 @@ fn token_bucket_and_gcra_agree_with_max_delay() {
     let started = Instant::now();
     // Bucket rules with a max_delay 4 times in 5.
     let rules = rule_spec(&[Algorithm::TokenBucket], 1);
-    proptest!(config(16), |(tl in timeline_of(rules, 3))| {
+    proptest!(config("token_bucket_and_gcra_agree_with_max_delay", 16), |(tl in timeline_of(rules, 3))| {
         twins_case(&h, &tl, &tally)?;
     });
     let n = |c: &AtomicUsize| c.load(Relaxed);
@@ -1417,7 +1412,7 @@ fn a_clock_stepped_back_never_reopens_a_window() {
         ],
         5..80,
     );
-    proptest!(config(40), |(spec in spec, steps in steps)| {
+    proptest!(config("a_clock_stepped_back_never_reopens_a_window", 40), |(spec in spec, steps in steps)| {
         back_case(&h, spec, &steps)?;
     });
     eprintln!("stepped-back timelines agreed in {:?}", started.elapsed());

@@ -13,7 +13,7 @@ use std::time::Duration;
 
 use common::{evalsha_calls, RedisServer};
 use ratewall::identity::digest_api_key;
-use ratewall::limiter::redis::RedisStore;
+use ratewall::limiter::redis::{DecideAt, RedisStore};
 use ratewall::limiter::{Algorithm, Check, Decision, Quota, Rate, Store, StoreError};
 
 const PREFIX: &str = "rwbatch";
@@ -56,7 +56,7 @@ async fn decide_all(
                     .zip(&ids)
                     .map(|((_, rule, q), id)| Check::new(id, rule, q))
                     .collect();
-                store.decide(&checks, None).await
+                store.decide_at(&checks, None).await
             })
         })
         .collect();
@@ -206,7 +206,7 @@ async fn concurrency_leases_in_one_batch_stop_at_the_limit() {
                     lease,
                     ..Check::new(&id, "slots", &q)
                 };
-                store.decide(&[check], None).await
+                store.decide_at(&[check], None).await
             })
         })
         .collect();
@@ -251,7 +251,7 @@ async fn a_shadow_rule_first_in_a_request_never_denies_inside_a_batch() {
                     },
                     Check::new(&own, "per-key", &per_key),
                 ];
-                store.decide(&checks, None).await
+                store.decide_at(&checks, None).await
             })
         })
         .collect();

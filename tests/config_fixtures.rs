@@ -2,6 +2,8 @@
 //! (`tests/fixtures/bad-config/<case>.toml` and `<case>.expected`: line, column, key,
 //! message); then random mutations of the shipped file, which must never panic the parser.
 
+mod common;
+
 use std::path::{Path, PathBuf};
 
 use proptest::prelude::*;
@@ -124,7 +126,7 @@ fn apply(text: &str, edits: &[Edit]) -> String {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(2_000))]
+    #![proptest_config(common::proptest_config("mutated_configs_never_panic", 2_000))]
 
     /// Any mutation of the shipped file is either a valid config or a clear error that
     /// points inside the file; the parser never panics.

@@ -13,7 +13,10 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use common::{upstream_and_store, Gateway, HttpClient, RedisServer, Reply, Store, Upstream};
+use common::{
+    api_key_hash, remaining, upstream_and_store, Gateway, HttpClient, RedisServer, Reply, Scrape,
+    Store, Upstream,
+};
 use http::{Request, Response, StatusCode};
 use http_body_util::Full;
 use hyper::body::Incoming;
@@ -121,126 +124,6 @@ fn admin_ready(gw: Gateway) -> Gateway {
     gw
 }
 
-/// One scrape of `/metrics`, parsed with `prometheus-parse`.
-struct Scrape {
-    text: String,
-    samples: Vec<prometheus_parse::Sample>,
-}
-
-impl Scrape {
-    async fn take(client: &HttpClient, gw: &Gateway) -> Scrape {
-        let r = client.get(&gw.admin_url("/metrics"), &[]).await;
-        assert_eq!(r.status, StatusCode::OK, "GET /metrics");
-        let ct = r.header("content-type").unwrap_or_default().to_string();
-        assert!(
-            ct.starts_with("application/openmetrics-text"),
-            "content-type of /metrics: {ct:?}"
-        );
-        let text = String::from_utf8(r.body.to_vec()).expect("metrics are UTF-8");
-        assert_eq!(
-            text.lines().last(),
-            Some("# EOF"),
-            "OpenMetrics text ends with # EOF"
-        );
-        let lines: Vec<std::io::Result<String>> = text
-            .lines()
-            .filter(|l| *l != "# EOF")
-            .map(|l| Ok(l.to_string()))
-            .collect();
-        let parsed = prometheus_parse::Scrape::parse(lines.into_iter()).expect("parse /metrics");
-        assert!(!parsed.samples.is_empty(), "no samples in:\n{text}");
-        Scrape {
-            text,
-            samples: parsed.samples,
-        }
-    }
-
-    fn number(v: &prometheus_parse::Value) -> Option<f64> {
-        match v {
-            prometheus_parse::Value::Counter(x)
-            | prometheus_parse::Value::Gauge(x)
-            | prometheus_parse::Value::Untyped(x) => Some(*x),
-            _ => None,
-        }
-    }
-
-    /// Every sample of `metric`, keyed by its labels (sorted `k=v` pairs).
-    fn family(&self, metric: &str) -> BTreeMap<Vec<(String, String)>, f64> {
-        self.samples
-            .iter()
-            .filter(|s| s.metric == metric)
-            .filter_map(|s| {
-                let mut labels: Vec<(String, String)> = s
-                    .labels
-                    .iter()
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect();
-                labels.sort();
-                Scrape::number(&s.value).map(|v| (labels, v))
-            })
-            .collect()
-    }
-
-    /// The value of `metric` with exactly `labels`; 0 when the series does not exist yet
-    /// (a labelled counter appears on its first increment).
-    fn get(&self, metric: &str, labels: &[(&str, &str)]) -> f64 {
-        let mut want: Vec<(String, String)> = labels
-            .iter()
-            .map(|(k, v)| (k.to_string(), v.to_string()))
-            .collect();
-        want.sort();
-        self.family(metric).get(&want).copied().unwrap_or(0.0)
-    }
-
-    /// A metric without labels, which must exist.
-    fn scalar(&self, metric: &str) -> f64 {
-        *self
-            .family(metric)
-            .get(&Vec::new())
-            .unwrap_or_else(|| panic!("no {metric} in:\n{}", self.text))
-    }
-
-    /// The non-zero series of a two-label family, as `(a, b) -> value`.
-    fn nonzero2(&self, metric: &str, a: &str, b: &str) -> BTreeMap<(String, String), u64> {
-        self.samples
-            .iter()
-            .filter(|s| s.metric == metric)
-            .filter_map(|s| {
-                let v = Scrape::number(&s.value)?;
-                (v != 0.0).then(|| {
-                    (
-                        (
-                            s.labels.get(a).unwrap_or("?").to_string(),
-                            s.labels.get(b).unwrap_or("?").to_string(),
-                        ),
-                        v as u64,
-                    )
-                })
-            })
-            .collect()
-    }
-
-    /// The non-zero series of a one-label family, as `label -> value`.
-    fn nonzero1(&self, metric: &str, a: &str) -> BTreeMap<String, u64> {
-        self.samples
-            .iter()
-            .filter(|s| s.metric == metric)
-            .filter_map(|s| {
-                let v = Scrape::number(&s.value)?;
-                (v != 0.0).then(|| (s.labels.get(a).unwrap_or("?").to_string(), v as u64))
-            })
-            .collect()
-    }
-
-    /// Every label value of every sample.
-    fn label_values(&self) -> Vec<String> {
-        self.samples
-            .iter()
-            .flat_map(|s| s.labels.values().cloned())
-            .collect()
-    }
-}
-
 fn map2(entries: &[(&str, &str, u64)]) -> BTreeMap<(String, String), u64> {
     entries
         .iter()
@@ -261,27 +144,6 @@ fn delta<K: Ord + Clone>(after: &BTreeMap<K, u64>, before: &BTreeMap<K, u64>) ->
             (d > 0).then(|| (k.clone(), d))
         })
         .collect()
-}
-
-/// The `r` (remaining) parameter of `rule`'s item in the `RateLimit` header.
-fn remaining(r: &Reply, rule: &str) -> i64 {
-    let value = r
-        .header("ratelimit")
-        .unwrap_or_else(|| panic!("no RateLimit header on a {} reply", r.status));
-    let list = sfv::Parser::parse_list(value.as_bytes())
-        .unwrap_or_else(|e| panic!("{value:?} is not a Structured Field list: {e}"));
-    for entry in list {
-        if let sfv::ListEntry::Item(item) = entry {
-            if item.bare_item.as_str() == Some(rule) {
-                return item
-                    .params
-                    .get("r")
-                    .and_then(|v| v.as_int())
-                    .unwrap_or_else(|| panic!("no integer r in {value:?}"));
-            }
-        }
-    }
-    panic!("no item for rule {rule:?} in RateLimit: {value:?}")
 }
 
 fn is_short_id(s: &str) -> bool {
@@ -320,26 +182,7 @@ async fn admin_post(client: &HttpClient, url: &str, token: Option<&str>) -> Repl
 
 /// Keys `<prefix>:{<hash>}:<rule>` in Redis whose hash starts with `id`.
 fn redis_keys_of(redis: &RedisServer, prefix: &str, id: &str, rule: &str) -> Vec<String> {
-    let mut conn = redis.conn();
-    let mut cursor: u64 = 0;
-    let mut found = Vec::new();
-    loop {
-        let (next, keys): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(format!("{prefix}:*"))
-            .arg("COUNT")
-            .arg(1000)
-            .query(&mut conn)
-            .expect("SCAN");
-        found.extend(keys.into_iter().filter(|k| {
-            k.starts_with(&format!("{prefix}:{{{id}")) && k.ends_with(&format!("}}:{rule}"))
-        }));
-        if next == 0 {
-            return found;
-        }
-        cursor = next;
-    }
+    common::scan(&mut redis.conn(), &format!("{prefix}:{{{id}*}}:{rule}"))
 }
 
 /// The text of the element with `id="<id>"` up to its first child tag.
@@ -606,20 +449,19 @@ async fn metrics_show_store_errors_and_the_breaker() {
 
     // Requests while Redis answers, until one passes: the connection and the scripts are
     // up. (On a loaded box the very first call may miss the 100 ms store timeout.)
-    let end = Instant::now() + Duration::from_secs(20);
-    loop {
-        let r = client.get(&gw.url("/api/x"), &key).await;
-        if r.status == StatusCode::OK {
-            break;
-        }
-        assert!(
-            Instant::now() < end,
-            "no request passed while Redis was up: {}\n{}",
-            r.status,
-            gw.logs()
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    let passed = client
+        .until_status(
+            &gw.url("/api/x"),
+            &key,
+            StatusCode::OK,
+            Duration::from_secs(20),
+        )
+        .await;
+    assert!(
+        passed.is_some(),
+        "no request passed while Redis was up\n{}",
+        gw.logs()
+    );
     // Counts so far; what follows is measured from here.
     let before = Scrape::take(&client, &gw).await;
     assert_eq!(
@@ -693,14 +535,8 @@ async fn metrics_show_store_errors_and_the_breaker() {
         ]),
         "decision=error: failed requests x rules applied{ctx}"
     );
-    let error_total = |s: &Scrape| -> f64 {
-        s.samples
-            .iter()
-            .filter(|x| x.metric == "ratewall_requests_total")
-            .filter(|x| x.labels.get("decision") == Some("error"))
-            .filter_map(|x| Scrape::number(&x.value))
-            .sum()
-    };
+    let error_total =
+        |s: &Scrape| -> f64 { s.sum("ratewall_requests_total", &[("decision", "error")]) };
     assert_eq!(
         error_total(&m) - error_total(&before),
         (FAILED * 2) as f64,
@@ -1173,7 +1009,7 @@ async fn admin_top_names_the_noisy_identity_by_hash_and_hint() {
         assert_eq!(entry["hint"], "key", "/status.json: {entry}");
         let ids: Vec<String> = [NOISY, QUIET, SHORT]
             .iter()
-            .map(|k| ratewall::identity::digest_api_key(k.as_bytes()).hex()[..8].to_string())
+            .map(|k| api_key_hash(k)[..8].to_string())
             .collect();
         assert!(
             !ids.iter().any(|id| entry["id"] == id.as_str()),

@@ -12,107 +12,21 @@ mod common;
 use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
-use common::{upstream_and_store, Gateway, HttpClient, RedisServer, Store, Upstream};
+use common::{
+    connect, exchange, global_hash, raw_until_closed, series, status_of, until_closed,
+    upstream_and_store, Gateway, HttpClient, RedisServer, Store, Upstream, WAIT,
+};
 use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::TcpStream;
 
-/// The longest a test waits on the network for any one thing.
-const WAIT: Duration = Duration::from_secs(10);
-
-async fn connect(port: u16) -> TcpStream {
-    let stream = tokio::time::timeout(WAIT, TcpStream::connect(("127.0.0.1", port)))
-        .await
-        .expect("connect within the wait")
-        .expect("connect");
-    let _ = stream.set_nodelay(true);
-    stream
-}
-
-/// Everything the gateway sends until it closes the connection (or `WAIT` passes: then the
-/// bytes so far and `None`), and how long that took from the call.
-async fn until_closed(stream: &mut TcpStream) -> (Vec<u8>, Option<Duration>) {
-    let start = Instant::now();
-    let mut got = Vec::new();
-    let read = async {
-        let mut buf = [0u8; 16 * 1024];
-        loop {
-            match stream.read(&mut buf).await {
-                Ok(0) | Err(_) => return,
-                Ok(n) => got.extend_from_slice(&buf[..n]),
-            }
-        }
-    };
-    let closed = tokio::time::timeout(WAIT, read).await.is_ok();
-    (got, closed.then(|| start.elapsed()))
-}
-
-/// Send `request` on a new connection; the bytes of the answer (up to the close) and how
-/// long it took.
-async fn raw(port: u16, request: &[u8]) -> (Vec<u8>, Option<Duration>) {
-    let mut s = connect(port).await;
-    s.write_all(request).await.expect("send");
-    until_closed(&mut s).await
-}
-
-/// The status code of the first answer in `bytes`.
-fn status(bytes: &[u8]) -> u16 {
-    let text = String::from_utf8_lossy(bytes);
-    text.strip_prefix("HTTP/1.1 ")
-        .or_else(|| text.strip_prefix("HTTP/1.0 "))
-        .and_then(|rest| rest.get(..3))
-        .and_then(|code| code.parse().ok())
-        .unwrap_or_else(|| panic!("no status line in {:?}", &text[..text.len().min(200)]))
-}
-
-/// One whole answer to a request on a kept-alive connection (head, and a Content-Length
-/// body): its status.
-async fn exchange(stream: &mut TcpStream, request: &[u8]) -> u16 {
-    stream.write_all(request).await.expect("send");
-    let mut got = Vec::new();
-    let mut buf = [0u8; 16 * 1024];
-    let read = async {
-        loop {
-            if let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") {
-                let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
-                let length: usize = head
-                    .lines()
-                    .find_map(|l| l.strip_prefix("content-length:"))
-                    .and_then(|v| v.trim().parse().ok())
-                    .unwrap_or(0);
-                if got.len() >= end + 4 + length {
-                    return status(&got);
-                }
-            }
-            let n = stream.read(&mut buf).await.expect("read");
-            assert!(
-                n > 0,
-                "closed before a whole answer: {:?}",
-                String::from_utf8_lossy(&got)
-            );
-            got.extend_from_slice(&buf[..n]);
-        }
-    };
-    tokio::time::timeout(WAIT, read)
-        .await
-        .expect("an answer within the wait")
-}
-
-/// The value of the metric line that starts with `series` (name and labels).
-async fn metric(gw: &Gateway, series: &str) -> Option<f64> {
-    let text = HttpClient::new()
-        .get(&gw.admin_url("/metrics"), &[])
-        .await
-        .body;
-    String::from_utf8_lossy(&text).lines().find_map(|l| {
-        l.strip_prefix(series)
-            .and_then(|rest| rest.strip_prefix(' '))
-            .and_then(|v| v.trim().parse().ok())
-    })
-}
-
-fn closed_by(reason: &str) -> String {
-    format!("ratewall_connections_closed_total{{listener=\"gateway\",reason=\"{reason}\"}}")
+/// `ratewall_connections_closed_total` on the gateway's listener for `reason`.
+async fn closed_by(gw: &Gateway, reason: &str) -> Option<f64> {
+    series(
+        gw,
+        "ratewall_connections_closed_total",
+        &[("listener", "gateway"), ("reason", reason)],
+    )
+    .await
 }
 
 fn get(path: &str) -> Vec<u8> {
@@ -138,7 +52,7 @@ async fn silent_and_slow_connections_are_closed_by_their_clocks() {
     let (between, header) = (Duration::from_millis(800), Duration::from_secs(4));
 
     // Nothing at all: closed, nothing said.
-    let (bytes, took) = raw(gw.port, b"").await;
+    let (bytes, took) = raw_until_closed(gw.port, b"").await;
     let took = took.expect("a silent connection is closed");
     assert!(
         bytes.is_empty() && took >= between && took < header,
@@ -146,9 +60,9 @@ async fn silent_and_slow_connections_are_closed_by_their_clocks() {
     );
 
     // Part of a head: 408, then closed.
-    let (bytes, took) = raw(gw.port, b"GET / HTTP/1.1\r\nHost: app.test\r\n").await;
+    let (bytes, took) = raw_until_closed(gw.port, b"GET / HTTP/1.1\r\nHost: app.test\r\n").await;
     let took = took.expect("a half head is closed");
-    assert_eq!(status(&bytes), 408);
+    assert_eq!(status_of(&bytes), 408);
     assert!(took >= between && took < header, "{took:?}");
 
     // Slowloris: a byte every 200 ms keeps nothing open past the head's clock.
@@ -170,14 +84,14 @@ async fn silent_and_slow_connections_are_closed_by_their_clocks() {
     let (rest, _) = until_closed(&mut s).await;
     answer.extend_from_slice(&rest);
     let took = start.elapsed();
-    assert_eq!(status(&answer), 408, "slowloris");
+    assert_eq!(status_of(&answer), 408, "slowloris");
     assert!(
         took >= between && took < header,
         "slowloris kept it {took:?}"
     );
 
     // Only the HTTP/2 preface, no SETTINGS: closed.
-    let (_, took) = raw(gw.port, &H2_START[..24]).await;
+    let (_, took) = raw_until_closed(gw.port, &H2_START[..24]).await;
     let took = took.expect("a preface alone is closed");
     assert!(took >= between && took < header, "{took:?}");
 
@@ -228,15 +142,15 @@ async fn silent_and_slow_connections_are_closed_by_their_clocks() {
     drop(s);
 
     // The admin listener has the same clocks.
-    let (_, took) = raw(gw.admin_port, b"").await;
+    let (_, took) = raw_until_closed(gw.admin_port, b"").await;
     let took = took.expect("a silent admin connection is closed");
     assert!(took >= between && took < header, "admin: {took:?}");
 
     // Counted by clock; nothing left open.
-    assert_eq!(metric(&gw, &closed_by("header_timeout")).await, Some(4.0));
-    assert_eq!(metric(&gw, &closed_by("idle_timeout")).await, Some(2.0));
+    assert_eq!(closed_by(&gw, "header_timeout").await, Some(4.0));
+    assert_eq!(closed_by(&gw, "idle_timeout").await, Some(2.0));
     let end = Instant::now() + WAIT;
-    while metric(&gw, "ratewall_connections{listener=\"gateway\"}").await != Some(0.0) {
+    while series(&gw, "ratewall_connections", &[("listener", "gateway")]).await != Some(0.0) {
         assert!(Instant::now() < end, "connections left open");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
@@ -290,7 +204,7 @@ async fn an_http2_client_that_takes_nothing_is_cut_off_at_body_timeout() {
     );
     assert!(started.elapsed() < WAIT);
     assert_eq!(upstream.seen().len(), 5, "the requests were forwarded");
-    assert_eq!(metric(&gw, &closed_by("send_timeout")).await, Some(1.0));
+    assert_eq!(closed_by(&gw, "send_timeout").await, Some(1.0));
 }
 
 /// The idle clock starts when an answer ends, however long the request took: one longer
@@ -346,7 +260,7 @@ async fn silent_half_and_idle_http2_connections_make_room_too() {
         );
         kept.push(s);
     }
-    assert_eq!(metric(&gw, &closed_by("make_room")).await, Some(3.0));
+    assert_eq!(closed_by(&gw, "make_room").await, Some(3.0));
     // The three that made room are the three that had been idle longest: all closed.
     for (name, mut s) in [("silent", silent), ("half", half), ("http2", h2)] {
         let (_, took) = until_closed(&mut s).await;
@@ -389,7 +303,7 @@ async fn at_max_connections_idle_ones_make_room_and_busy_ones_are_waited_for() {
         }
     }
     assert_eq!(closed, [0], "the longest idle connection made room");
-    assert_eq!(metric(&gw, &closed_by("make_room")).await, Some(1.0));
+    assert_eq!(closed_by(&gw, "make_room").await, Some(1.0));
     drop(idle);
     drop(fourth);
 
@@ -464,9 +378,17 @@ async fn out_of_file_descriptors_the_accept_loop_neither_spins_nor_floods_the_lo
     tokio::time::sleep(Duration::from_millis(300)).await;
     let r = HttpClient::new().get(&gw.url("/after"), &[]).await;
     assert_eq!(r.status, StatusCode::OK, "serving again");
-    assert!(metric(&gw, "ratewall_accept_errors_total{listener=\"gateway\"}").await > Some(0.0));
     assert!(
-        metric(&gw, &closed_by("make_room")).await > Some(0.0),
+        series(
+            &gw,
+            "ratewall_accept_errors_total",
+            &[("listener", "gateway")]
+        )
+        .await
+            > Some(0.0)
+    );
+    assert!(
+        closed_by(&gw, "make_room").await > Some(0.0),
         "idle connections were closed to make room"
     );
 }
@@ -512,11 +434,12 @@ async fn a_key_flood_stays_within_max_keys_and_a_denied_key_stays_denied() {
     );
     // The key count is reported by the sweep, once a second.
     tokio::time::sleep(Duration::from_millis(1_300)).await;
-    let keys = metric(&gw, "ratewall_store_keys{store=\"memory\"}").await;
+    let keys = series(&gw, "ratewall_store_keys", &[("store", "memory")]).await;
     assert!(keys.is_some_and(|k| k > 0.0 && k <= 200.0), "{keys:?} keys");
-    let lru = metric(
+    let lru = series(
         &gw,
-        "ratewall_store_evictions_total{store=\"memory\",reason=\"lru\"}",
+        "ratewall_store_evictions_total",
+        &[("store", "memory"), ("reason", "lru")],
     )
     .await;
     assert!(lru.is_some_and(|n| n >= 800.0), "{lru:?} evictions");
@@ -539,9 +462,10 @@ async fn a_store_full_of_held_keys_still_takes_new_identities() {
         let r = client.get(&gw.url("/x"), &[("x-api-key", &key)]).await;
         assert_eq!(r.status, StatusCode::OK, "new identity {n}");
     }
-    let held = metric(
+    let held = series(
         &gw,
-        "ratewall_store_evictions_total{store=\"memory\",reason=\"held\"}",
+        "ratewall_store_evictions_total",
+        &[("store", "memory"), ("reason", "held")],
     )
     .await;
     assert!(
@@ -650,13 +574,13 @@ async fn encoded_slashes_do_not_walk_around_a_path_rule() {
     let mut passed = 0;
     for i in 0..40 {
         let path = spellings[i % spellings.len()];
-        let (bytes, _) = raw(
+        let (bytes, _) = raw_until_closed(
             gw.port,
             format!("GET {path} HTTP/1.1\r\nHost: app.test\r\nConnection: close\r\n\r\n")
                 .as_bytes(),
         )
         .await;
-        match status(&bytes) {
+        match status_of(&bytes) {
             200 => passed += 1,
             429 => {}
             other => panic!("{path}: {other}"),
@@ -686,12 +610,12 @@ async fn a_lower_case_method_is_refused_not_forwarded() {
     ));
     for method in ["get", "Get", "pOST", "delete"] {
         for _ in 0..3 {
-            let (bytes, _) = raw(
+            let (bytes, _) = raw_until_closed(
                 gw.port,
                 format!("{method} /m/x HTTP/1.1\r\nHost: app.test\r\n\r\n").as_bytes(),
             )
             .await;
-            assert_eq!(status(&bytes), 400, "{method}");
+            assert_eq!(status_of(&bytes), 400, "{method}");
         }
     }
     assert!(
@@ -699,12 +623,12 @@ async fn a_lower_case_method_is_refused_not_forwarded() {
         "a miscased method reached the upstream"
     );
     // Extension methods are case-sensitive tokens of their own, and pass.
-    let (bytes, _) = raw(
+    let (bytes, _) = raw_until_closed(
         gw.port,
         b"purge /m/x HTTP/1.1\r\nHost: app.test\r\nConnection: close\r\n\r\n",
     )
     .await;
-    assert_eq!(status(&bytes), 200);
+    assert_eq!(status_of(&bytes), 200);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -730,10 +654,10 @@ async fn malformed_requests_are_refused_at_once() {
             400,
         ),
     ] {
-        let (bytes, took) = raw(gw.port, request).await;
+        let (bytes, took) = raw_until_closed(gw.port, request).await;
         let took = took.unwrap_or(WAIT);
         assert_eq!(
-            status(&bytes),
+            status_of(&bytes),
             want,
             "{:?}",
             String::from_utf8_lossy(request)
@@ -746,8 +670,8 @@ async fn malformed_requests_are_refused_at_once() {
     }
     assert!(upstream.seen().is_empty(), "{:?}", upstream.seen());
     // HTTP/1.0 needs no Host.
-    let (bytes, _) = raw(gw.port, b"GET /old HTTP/1.0\r\n\r\n").await;
-    assert_eq!(status(&bytes), 200);
+    let (bytes, _) = raw_until_closed(gw.port, b"GET /old HTTP/1.0\r\n\r\n").await;
+    assert_eq!(status_of(&bytes), 200);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -766,12 +690,12 @@ async fn request_heads_are_bounded_by_max_header_bytes() {
     let (small, large) = ("a".repeat(30_000), "a".repeat(34_000));
     let r = client.get(&gw.url("/small"), &[("x-pad", &small)]).await;
     assert_eq!(r.status, StatusCode::OK);
-    let (bytes, _) = raw(
+    let (bytes, _) = raw_until_closed(
         gw.port,
         format!("GET /large HTTP/1.1\r\nHost: app.test\r\nX-Pad: {large}\r\n\r\n").as_bytes(),
     )
     .await;
-    assert_eq!(status(&bytes), 431);
+    assert_eq!(status_of(&bytes), 431);
     let h2 = HttpClient::h2();
     assert_eq!(
         h2.get(&gw.url("/small2"), &[("x-pad", &small)])
@@ -817,7 +741,7 @@ async fn request_heads_are_bounded_by_max_header_bytes() {
     );
     for mut s in conns {
         let (bytes, _) = until_closed(&mut s).await;
-        assert_eq!(status(&bytes), 431);
+        assert_eq!(status_of(&bytes), 431);
     }
 }
 
@@ -893,7 +817,7 @@ async fn a_window_written_by_a_clock_ahead_is_not_reopened() {
     let (secs, micros): (u64, u64) = redis::cmd("TIME").query(&mut conn).expect("TIME");
     let now_us = secs * 1_000_000 + micros;
     let hour_us = 3_600_000_000u64;
-    let id = ratewall::identity::digest_global().hex();
+    let id = global_hash();
     // A full window that began 5 s from now on Redis' clock; and a sliding window whose
     // count is in the next hour's window.
     let fixed = format!("f:{}:3", now_us + 5_000_000);
@@ -924,4 +848,101 @@ async fn a_window_written_by_a_clock_ahead_is_not_reopened() {
             "{path}: Retry-After {retry} counts from now, past the window"
         );
     }
+}
+
+/// A body far larger than the gateway should ever hold (512 MiB) streams through it to an
+/// upstream that reads none of it for 2 s, then all of it: the gateway's resident memory
+/// (VmRSS, sampled every 20 ms) stays within 64 MiB of what it was before, the whole body
+/// arrives, and while the upstream read nothing the client could not hand over the bulk
+/// of the body (the gateway stopped reading: backpressure, not a buffer).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_large_streamed_body_is_carried_in_bounded_memory() {
+    const TOTAL: usize = 512 << 20;
+    const CHUNK: usize = 1 << 20;
+    const BOUND_KIB: u64 = 64 << 10;
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "workers = 1\n{}",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    // Warm: the pool, the allocator's first arenas, the upstream connection.
+    let warm = HttpClient::new()
+        .send("POST", &gw.url("/warm"), &[], vec![b'w'; 4 * CHUNK].into())
+        .await;
+    assert_eq!(warm.status, StatusCode::OK);
+    let baseline = gw.rss_kib();
+
+    let sampling = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(true));
+    let sampler = {
+        let (sampling, pid) = (sampling.clone(), gw.pid());
+        tokio::spawn(async move {
+            let mut peak = 0;
+            while sampling.load(std::sync::atomic::Ordering::Relaxed) {
+                if let Ok(status) = std::fs::read_to_string(format!("/proc/{pid}/status")) {
+                    let rss = status
+                        .lines()
+                        .find_map(|l| l.strip_prefix("VmRSS:"))
+                        .and_then(|v| v.trim().strip_suffix("kB"))
+                        .and_then(|v| v.trim().parse::<u64>().ok())
+                        .unwrap_or(0);
+                    peak = peak.max(rss);
+                }
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            peak
+        })
+    };
+
+    let mut s = connect(gw.port).await;
+    s.write_all(
+        format!("POST /hold/2000 HTTP/1.1\r\nHost: big.test\r\nContent-Length: {TOTAL}\r\nConnection: close\r\n\r\n")
+            .as_bytes(),
+    )
+    .await
+    .expect("head");
+    let started = Instant::now();
+    let chunk = vec![b'z'; CHUNK];
+    let mut written = 0;
+    let mut written_in_stall = None;
+    while written < TOTAL {
+        if written_in_stall.is_none() && started.elapsed() >= Duration::from_millis(1800) {
+            written_in_stall = Some(written);
+        }
+        tokio::time::timeout(Duration::from_secs(30), s.write_all(&chunk))
+            .await
+            .unwrap_or_else(|_| panic!("the gateway took nothing for 30 s after {written} bytes"))
+            .unwrap_or_else(|e| panic!("the gateway cut the upload after {written} bytes: {e}"));
+        written += CHUNK;
+    }
+    let (answer, _) = until_closed(&mut s).await;
+    sampling.store(false, std::sync::atomic::Ordering::Relaxed);
+    let peak = sampler.await.expect("sampler");
+    let answer = String::from_utf8_lossy(&answer);
+    assert!(
+        answer.starts_with("HTTP/1.1 200") && answer.ends_with(&format!("ok {TOTAL}\n")),
+        "the whole body reached the upstream: {answer}\n{}",
+        gw.logs()
+    );
+    let stalled = written_in_stall.unwrap_or(TOTAL);
+    eprintln!(
+        "RSS {} KiB before, peak {peak} KiB; {} KiB handed over during the stall; {:?} in all",
+        baseline,
+        stalled >> 10,
+        started.elapsed()
+    );
+    assert!(
+        stalled < TOTAL / 4,
+        "the client handed over {} MiB while the upstream read nothing: the gateway buffered it",
+        stalled >> 20
+    );
+    assert!(
+        peak <= baseline + BOUND_KIB,
+        "the gateway's RSS peaked at {} MiB, from {} MiB before a {} MiB upload (bound: +{} \
+         MiB); {} MiB were handed over during the upstream's 2 s stall",
+        peak >> 10,
+        baseline >> 10,
+        TOTAL >> 20,
+        BOUND_KIB >> 10,
+        stalled >> 20
+    );
 }

@@ -10,10 +10,10 @@ use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};
 use std::num::NonZeroU64;
 use std::time::{Duration, Instant};
 
-use common::RedisServer;
+use common::{get, pttl, scan, RedisServer};
 use ratewall::identity::{digest_api_key, digest_ip, IdentityDigest};
 use ratewall::limiter::memory::MemoryStore;
-use ratewall::limiter::redis::RedisStore;
+use ratewall::limiter::redis::{DecideAt, RedisStore};
 use ratewall::limiter::{Algorithm, Check, Decision, ManualClock, Quota, Rate, StoreError};
 
 /// A realistic µs epoch (late 2023), so the times the script sees look like Redis `TIME`.
@@ -33,38 +33,6 @@ fn quota(rate: &str, burst: Option<u64>, cost: u64) -> Quota {
 
 fn redis_store(server: &RedisServer, timeout: Duration) -> RedisStore {
     RedisStore::new(&server.url(), PREFIX, timeout).expect("RedisStore::new")
-}
-
-/// Every key matching `pattern`, by SCAN (never KEYS).
-fn scan(conn: &mut redis::Connection, pattern: &str) -> Vec<String> {
-    let mut keys = Vec::new();
-    let mut cursor: u64 = 0;
-    loop {
-        let (next, batch): (u64, Vec<String>) = redis::cmd("SCAN")
-            .arg(cursor)
-            .arg("MATCH")
-            .arg(pattern)
-            .arg("COUNT")
-            .arg(1000)
-            .query(conn)
-            .expect("SCAN");
-        keys.extend(batch);
-        if next == 0 {
-            break;
-        }
-        cursor = next;
-    }
-    keys.sort();
-    keys.dedup();
-    keys
-}
-
-fn pttl(conn: &mut redis::Connection, key: &str) -> i64 {
-    redis::cmd("PTTL").arg(key).query(conn).expect("PTTL")
-}
-
-fn get(conn: &mut redis::Connection, key: &str) -> Option<String> {
-    redis::cmd("GET").arg(key).query(conn).expect("GET")
 }
 
 /// A small deterministic generator (xorshift64*), so a failing timeline replays exactly.
@@ -219,7 +187,7 @@ async fn memory_and_redis_agree_on_every_decision() {
         clock.set(now);
         let from_memory = memory.decide(&checks).expect("the memory store has room");
         let from_redis = redis_store
-            .decide(&checks, Some(now))
+            .decide_at(&checks, Some(now))
             .await
             .unwrap_or_else(|e| panic!("request {i}: redis store failed: {e}"));
         if from_memory != from_redis {
@@ -351,7 +319,7 @@ async fn redis_keys_have_ttl_equal_to_time_to_full_refill() {
     let check = Check::new(&alone, "exact", &q);
     let before = Instant::now();
     let d = store
-        .decide(std::slice::from_ref(&check), Some(EPOCH_US))
+        .decide_at(std::slice::from_ref(&check), Some(EPOCH_US))
         .await
         .unwrap();
     assert_eq!(
@@ -398,7 +366,7 @@ async fn redis_keys_have_ttl_equal_to_time_to_full_refill() {
         let check = Check::new(id, name, q);
         let sent = Instant::now();
         let d = store
-            .decide(std::slice::from_ref(&check), Some(now))
+            .decide_at(std::slice::from_ref(&check), Some(now))
             .await
             .unwrap()[0];
         if d.allowed {
@@ -456,13 +424,13 @@ async fn redis_key_names_never_contain_the_raw_api_key() {
     ];
     for n in 0..3 {
         let d = store
-            .decide(&checks, Some(EPOCH_US + n * 1_000))
+            .decide_at(&checks, Some(EPOCH_US + n * 1_000))
             .await
             .unwrap();
         assert!(d.iter().all(|d| d.allowed), "{d:?}");
     }
     store
-        .decide(&checks[1..], Some(EPOCH_US + 5_000))
+        .decide_at(&checks[1..], Some(EPOCH_US + 5_000))
         .await
         .unwrap();
 
@@ -527,7 +495,7 @@ async fn wrong_type_key_is_a_store_error_not_a_crash() {
         .query(&mut conn)
         .unwrap();
     let r = store
-        .decide(std::slice::from_ref(&bad), Some(EPOCH_US))
+        .decide_at(std::slice::from_ref(&bad), Some(EPOCH_US))
         .await;
     assert!(
         matches!(r, Err(StoreError::Redis(_))),
@@ -536,7 +504,7 @@ async fn wrong_type_key_is_a_store_error_not_a_crash() {
     // Checked together with a healthy bucket: still an error, and the healthy one is
     // not charged (the script fails before it writes anything).
     let r = store
-        .decide(&[good.clone(), bad.clone()], Some(EPOCH_US))
+        .decide_at(&[good.clone(), bad.clone()], Some(EPOCH_US))
         .await;
     assert!(
         matches!(r, Err(StoreError::Redis(_))),
@@ -561,7 +529,7 @@ async fn wrong_type_key_is_a_store_error_not_a_crash() {
             .query(&mut conn)
             .unwrap();
         let r = store
-            .decide(std::slice::from_ref(&bad), Some(EPOCH_US))
+            .decide_at(std::slice::from_ref(&bad), Some(EPOCH_US))
             .await;
         assert!(
             matches!(r, Err(StoreError::Redis(_))),
@@ -576,7 +544,7 @@ async fn wrong_type_key_is_a_store_error_not_a_crash() {
 
     // Another identity is unaffected, and the store still works after the errors.
     let d = store
-        .decide(std::slice::from_ref(&good), Some(EPOCH_US))
+        .decide_at(std::slice::from_ref(&good), Some(EPOCH_US))
         .await
         .expect("a healthy bucket must still be decided");
     assert_eq!(
@@ -591,7 +559,7 @@ async fn wrong_type_key_is_a_store_error_not_a_crash() {
     );
     // And once the bad key is gone, the victim gets a fresh bucket.
     let _: i64 = redis::cmd("DEL").arg(&key).query(&mut conn).unwrap();
-    let d = store.decide(&[bad], Some(EPOCH_US)).await.unwrap();
+    let d = store.decide_at(&[bad], Some(EPOCH_US)).await.unwrap();
     assert!(d[0].allowed && d[0].remaining == 9, "{d:?}");
 }
 
@@ -609,14 +577,14 @@ async fn all_or_nothing_in_redis() {
     let roomy_key = store.key(&both[0]);
 
     let t = EPOCH_US;
-    let d = store.decide(&both, Some(t)).await.unwrap();
+    let d = store.decide_at(&both, Some(t)).await.unwrap();
     assert!(d[0].allowed && d[1].allowed, "{d:?}");
     assert_eq!((d[0].remaining, d[1].remaining), (9, 0));
     let roomy_state = get(&mut conn, &roomy_key).expect("roomy bucket written");
 
     // 1 ms later: the tight rule is exhausted, so the request is denied and the roomy
     // rule, which had room, is not charged.
-    let d = store.decide(&both, Some(t + 1_000)).await.unwrap();
+    let d = store.decide_at(&both, Some(t + 1_000)).await.unwrap();
     assert_eq!(
         d[0],
         Decision {
@@ -644,7 +612,7 @@ async fn all_or_nothing_in_redis() {
 
     // The next request on the roomy rule alone finds its 9 tokens (plus 2 ms of refill,
     // not yet a whole token) and takes one.
-    let d = store.decide(&both[..1], Some(t + 2_000)).await.unwrap();
+    let d = store.decide_at(&both[..1], Some(t + 2_000)).await.unwrap();
     assert_eq!(
         d,
         vec![Decision {
@@ -668,7 +636,7 @@ async fn redis_restart_is_survived() {
     // The lazy connection may take a moment on a loaded machine: allow a few tries.
     let mut first = None;
     for _ in 0..50 {
-        if let Ok(d) = store.decide(&check, Some(EPOCH_US)).await {
+        if let Ok(d) = store.decide_at(&check, Some(EPOCH_US)).await {
             first = Some(d);
             break;
         }
@@ -680,7 +648,7 @@ async fn redis_restart_is_survived() {
     server.kill();
     for n in 0..3 {
         let start = Instant::now();
-        let r = store.decide(&check, Some(EPOCH_US + 1_000)).await;
+        let r = store.decide_at(&check, Some(EPOCH_US + 1_000)).await;
         let took = start.elapsed();
         assert!(r.is_err(), "try {n}: redis is down but decide said {r:?}");
         assert!(
@@ -694,7 +662,7 @@ async fn redis_restart_is_survived() {
     let mut tries = 0;
     let back = loop {
         tries += 1;
-        match store.decide(&check, Some(EPOCH_US + 2_000)).await {
+        match store.decide_at(&check, Some(EPOCH_US + 2_000)).await {
             Ok(d) => break d,
             Err(_) if Instant::now() < deadline => {
                 tokio::time::sleep(Duration::from_millis(100)).await;
@@ -705,7 +673,7 @@ async fn redis_restart_is_survived() {
     // The restarted server is empty (no persistence): a fresh bucket, and the script was
     // loaded again.
     assert!(back[0].allowed && back[0].remaining == 4, "{back:?}");
-    let d = store.decide(&check, Some(EPOCH_US + 3_000)).await.unwrap();
+    let d = store.decide_at(&check, Some(EPOCH_US + 3_000)).await.unwrap();
     assert!(d[0].allowed && d[0].remaining == 3, "{d:?}");
 }
 
@@ -737,7 +705,7 @@ async fn reserved_tokens_outlive_a_shrunk_quota_with_honest_retries() {
             let check = [Check::new(&id, "shrunk", q)];
             clock.set(EPOCH_US + at);
             let m = memory.decide(&check).expect("the memory store has room");
-            let r = block_on(redis.decide(&check, Some(EPOCH_US + at))).expect("redis decides");
+            let r = block_on(redis.decide_at(&check, Some(EPOCH_US + at))).expect("redis decides");
             assert_eq!(m, r, "{algorithm:?} at +{at} µs: memory vs redis");
             m[0]
         };
@@ -787,7 +755,7 @@ async fn a_rule_changing_kind_starts_afresh_in_both_stores() {
             ..Check::new(&id, "flip", q)
         }];
         let m = memory.decide(&check).expect("the memory store has room");
-        let r = block_on(redis.decide(&check, Some(EPOCH_US))).expect("redis decides");
+        let r = block_on(redis.decide_at(&check, Some(EPOCH_US))).expect("redis decides");
         assert_eq!(m, r, "memory vs redis");
         m[0]
     };
@@ -807,7 +775,7 @@ async fn a_rule_changing_kind_starts_afresh_in_both_stores() {
         .arg("not ours")
         .query(&mut conn)
         .expect("SET");
-    let err = block_on(redis.decide(&[Check::new(&id, "flip", &conc)], Some(EPOCH_US)))
+    let err = block_on(redis.decide_at(&[Check::new(&id, "flip", &conc)], Some(EPOCH_US)))
         .expect_err("foreign data is an error");
     assert!(err.is_data_error(), "{err}");
 }

@@ -339,7 +339,7 @@ mod tests {
         }
 
         proptest! {
-            #![proptest_config(ProptestConfig::with_cases(2_000))]
+            #![proptest_config(crate::seed::proptest_config("identity::client_ip::fuzz", 2_000))]
 
             /// Whatever bytes arrive, the answer is the peer or an address written in the
             /// header; from an untrusted peer it is always the peer.

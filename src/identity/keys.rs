@@ -169,6 +169,8 @@ mod tests {
         use proptest::prelude::*;
 
         proptest! {
+            #![proptest_config(crate::seed::proptest_config("identity::keys::fuzz", 256))]
+
             /// Any key header bytes: a clean answer, never a panic; accepted keys are bounded.
             #[test]
             fn any_key_header_is_handled(lines in prop::collection::vec(prop::collection::vec(prop_oneof![0x20u8..0x7f, 0x80u8..=0xff], 0..1100), 0..3)) {

@@ -54,7 +54,7 @@ fn rate() -> impl Strategy<Value = (u64, u64)> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig::with_cases(300))]
+    #![proptest_config(crate::seed::proptest_config("limiter::properties", 300))]
 
     /// For the same rate and burst, token bucket and GCRA admit exactly the same
     /// requests, and tell the client exactly the same numbers, on any timeline, whatever

@@ -6,7 +6,7 @@ use std::time::Duration;
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
 
-use super::{Mode, Scripted, Shared};
+use super::{DecideAt, Mode, Scripted, Shared};
 use crate::identity::IdentityDigest;
 use crate::limiter::store::Kind;
 use crate::limiter::{Check, Decision, StoreError};
@@ -27,7 +27,9 @@ impl RedisClusterStore {
         let client = ClusterClient::builder(nodes.to_vec())
             .connection_timeout(timeout.max(Duration::from_millis(250)))
             .response_timeout(timeout)
-            .retries(2)
+            // redis-rs' default (16): a redirection (MOVED, or ASK while a slot migrates)
+            // is a retry, and a slot in motion can take several; the call as a whole is
+            // still bounded by the store timeout.
             .build()?;
         Ok(RedisClusterStore {
             client,
@@ -52,10 +54,70 @@ impl RedisClusterStore {
         Ok(conn.clone())
     }
 
+    /// Give back what `charged` groups took; their answers become what they would be told
+    /// now. Best effort: a refund that fails leaves the charge, which can only make the
+    /// limit stricter, never looser.
+    async fn refund(
+        &self,
+        conn: &mut ClusterConnection,
+        checks: &[Check<'_>],
+        charged: &[Vec<usize>],
+        now_us: Option<u64>,
+        out: &mut [Option<Decision>],
+    ) {
+        for idx in charged.iter().filter(|idx| !idx.is_empty()) {
+            let group: Vec<&Check<'_>> = idx.iter().map(|&i| &checks[i]).collect();
+            match self.s.call(conn, &group, now_us, Mode::Refund).await {
+                Ok(decisions) => {
+                    for (&i, d) in idx.iter().zip(decisions) {
+                        out[i] = Some(d);
+                    }
+                }
+                Err(e) => tracing::warn!(error = %e, "refund failed; the charge stands"),
+            }
+        }
+    }
+}
+
+/// Indexes of `checks` grouped by identity (so by cluster slot), in first-seen order.
+fn by_identity(checks: &[Check<'_>]) -> Vec<Vec<usize>> {
+    let mut groups: Vec<(IdentityDigest, Vec<usize>)> = Vec::new();
+    for (i, c) in checks.iter().enumerate() {
+        match groups.iter_mut().find(|(d, _)| d == c.identity) {
+            Some((_, idx)) => idx.push(i),
+            None => groups.push((*c.identity, vec![i])),
+        }
+    }
+    groups.into_iter().map(|(_, idx)| idx).collect()
+}
+
+impl Shared for RedisClusterStore {
+    type Conn = ClusterConnection;
+    const KIND: Kind = Kind::RedisCluster;
+
+    fn scripted(&self) -> &Scripted {
+        &self.s
+    }
+
+    async fn connection(&self) -> Result<ClusterConnection, StoreError> {
+        RedisClusterStore::connection(self).await
+    }
+
+    async fn ping(&self) -> Result<(), StoreError> {
+        self.s.ping(&mut self.connection().await?).await
+    }
+
+    /// Connect ahead of the first request (each node loads the script on first use).
+    async fn warm(&self) -> Result<(), StoreError> {
+        self.connection().await.map(|_| ())
+    }
+}
+
+impl DecideAt for RedisClusterStore {
     /// Decide all `checks`: one atomic call per identity (one slot each); when an identity
     /// denies, the identities already charged are refunded and the rest only looked at,
     /// so a denied request takes nothing. The answers are in `checks`' order.
-    pub async fn decide(
+    async fn decide_at(
         &self,
         checks: &[Check<'_>],
         now_us: Option<u64>,
@@ -125,31 +187,8 @@ impl RedisClusterStore {
             .collect()
     }
 
-    /// Give back what `charged` groups took; their answers become what they would be told
-    /// now. Best effort: a refund that fails leaves the charge, which can only make the
-    /// limit stricter, never looser.
-    async fn refund(
-        &self,
-        conn: &mut ClusterConnection,
-        checks: &[Check<'_>],
-        charged: &[Vec<usize>],
-        now_us: Option<u64>,
-        out: &mut [Option<Decision>],
-    ) {
-        for idx in charged.iter().filter(|idx| !idx.is_empty()) {
-            let group: Vec<&Check<'_>> = idx.iter().map(|&i| &checks[i]).collect();
-            match self.s.call(conn, &group, now_us, Mode::Refund).await {
-                Ok(decisions) => {
-                    for (&i, d) in idx.iter().zip(decisions) {
-                        out[i] = Some(d);
-                    }
-                }
-                Err(e) => tracing::warn!(error = %e, "refund failed; the charge stands"),
-            }
-        }
-    }
-
-    pub async fn peek(
+    /// What `checks` would be told, one identity at a time, charging nothing.
+    async fn peek_at(
         &self,
         checks: &[Check<'_>],
         now_us: Option<u64>,
@@ -168,55 +207,5 @@ impl RedisClusterStore {
         out.into_iter()
             .map(|d| d.ok_or_else(|| StoreError::Protocol("a rule went unanswered".into())))
             .collect()
-    }
-}
-
-/// Indexes of `checks` grouped by identity (so by cluster slot), in first-seen order.
-fn by_identity(checks: &[Check<'_>]) -> Vec<Vec<usize>> {
-    let mut groups: Vec<(IdentityDigest, Vec<usize>)> = Vec::new();
-    for (i, c) in checks.iter().enumerate() {
-        match groups.iter_mut().find(|(d, _)| d == c.identity) {
-            Some((_, idx)) => idx.push(i),
-            None => groups.push((*c.identity, vec![i])),
-        }
-    }
-    groups.into_iter().map(|(_, idx)| idx).collect()
-}
-
-impl Shared for RedisClusterStore {
-    type Conn = ClusterConnection;
-    const KIND: Kind = Kind::RedisCluster;
-
-    fn scripted(&self) -> &Scripted {
-        &self.s
-    }
-
-    async fn connection(&self) -> Result<ClusterConnection, StoreError> {
-        RedisClusterStore::connection(self).await
-    }
-
-    async fn decide_at(
-        &self,
-        checks: &[Check<'_>],
-        now_us: Option<u64>,
-    ) -> Result<Vec<Decision>, StoreError> {
-        self.decide(checks, now_us).await
-    }
-
-    async fn peek_at(
-        &self,
-        checks: &[Check<'_>],
-        now_us: Option<u64>,
-    ) -> Result<Vec<Decision>, StoreError> {
-        self.peek(checks, now_us).await
-    }
-
-    async fn ping(&self) -> Result<(), StoreError> {
-        self.s.ping(&mut self.connection().await?).await
-    }
-
-    /// Connect ahead of the first request (each node loads the script on first use).
-    async fn warm(&self) -> Result<(), StoreError> {
-        self.connection().await.map(|_| ())
     }
 }

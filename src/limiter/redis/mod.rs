@@ -1,7 +1,7 @@
 //! The shared stores: one Redis ([`RedisStore`]) or a Redis Cluster
 //! ([`RedisClusterStore`]). Both run the Lua twins of the step functions (`lua/`),
-//! composed into one script and called with EVALSHA (loaded again on NOSCRIPT by
-//! `redis::Script`, on every node of a cluster). Time is Redis' own `TIME`, so every
+//! composed into one script and called with EVALSHA (loaded again on NOSCRIPT, on every
+//! node of a cluster; see `eval`). Time is Redis' own `TIME`, so every
 //! gateway shares one clock.
 //!
 //! One Redis decides every rule of a request in one atomic call. In a cluster a script
@@ -11,12 +11,15 @@
 //! identity at a time, and a denial refunds what the identities before it took.
 
 mod cluster;
+mod eval;
 mod single;
 
 use std::future::Future;
 use std::time::Duration;
 
 use redis::aio::ConnectionLike;
+
+use eval::{eval, Evaluates, Invocation, Lua};
 
 use super::store::{Call, Kind, Store};
 use super::{Algorithm, Check, Decision, StoreError};
@@ -48,8 +51,8 @@ enum Mode {
 
 /// The script, the key prefix and the per-call timeout: what both stores share.
 struct Scripted {
-    script: redis::Script,
-    lease_script: redis::Script,
+    script: Lua,
+    lease_script: Lua,
     prefix: String,
     timeout: Duration,
     /// Tells this process's leases from other gateways' in a shared lease set.
@@ -68,7 +71,7 @@ struct Encoded {
 impl Encoded {
     /// Add this key and its 2 arguments; `starts` marks the first key of a batch's
     /// second and later requests (flag 2).
-    fn push(&self, inv: &mut redis::ScriptInvocation<'_>, starts: bool) {
+    fn push(&self, inv: &mut Invocation<'_>, starts: bool) {
         inv.key(&self.key)
             .arg(&self.quota)
             .arg(["0", "1", "2", "3"][usize::from(self.shadow) | if starts { 2 } else { 0 }]);
@@ -87,8 +90,8 @@ impl Scripted {
                 .map_or(0, |d| d.as_nanos()),
         );
         Scripted {
-            script: redis::Script::new(SCRIPT),
-            lease_script: redis::Script::new(LEASE_SCRIPT),
+            script: Lua::new(SCRIPT),
+            lease_script: Lua::new(LEASE_SCRIPT),
             prefix: prefix.to_string(),
             timeout,
             instance: h.finish(),
@@ -114,7 +117,7 @@ impl Scripted {
     async fn warm<C: ConnectionLike>(&self, conn: &mut C) -> Result<(), StoreError> {
         let t = self.timeout.max(Duration::from_secs(1));
         for script in [&self.script, &self.lease_script] {
-            tokio::time::timeout(t, script.prepare_invoke().load_async(conn))
+            tokio::time::timeout(t, script.load().exec_async(conn))
                 .await
                 .map_err(|_| StoreError::Timeout(t))??;
         }
@@ -136,16 +139,16 @@ impl Scripted {
     }
 
     /// Extend a lease by its TTL from now. `false`: it had already expired or was reset.
-    async fn renew<C: ConnectionLike>(
+    async fn renew<C: Evaluates>(
         &self,
         conn: &mut C,
         check: &Check<'_>,
     ) -> Result<bool, StoreError> {
-        let mut inv = self.lease_script.prepare_invoke();
+        let mut inv = self.lease_script.invocation();
         inv.key(self.key(check))
             .arg(self.member(check))
             .arg(check.quota.lease_us);
-        let live: i64 = self.timed(inv.invoke_async(conn)).await?;
+        let live: i64 = self.timed(eval(conn, &inv)).await?;
         Ok(live == 1)
     }
 
@@ -198,7 +201,7 @@ impl Scripted {
     }
 
     /// One script call for `checks` (all on one slot, in a cluster).
-    async fn call<C: ConnectionLike>(
+    async fn call<C: Evaluates>(
         &self,
         conn: &mut C,
         checks: &[&Check<'_>],
@@ -209,14 +212,14 @@ impl Scripted {
         self.call_encoded(conn, &encoded, now_us, mode).await
     }
 
-    async fn call_encoded<C: ConnectionLike>(
+    async fn call_encoded<C: Evaluates>(
         &self,
         conn: &mut C,
         checks: &[Encoded],
         now_us: Option<u64>,
         mode: Mode,
     ) -> Result<Vec<Decision>, StoreError> {
-        let mut inv = self.script.prepare_invoke();
+        let mut inv = self.script.invocation();
         match now_us {
             Some(t) => inv.arg(t),
             None => inv.arg(""),
@@ -229,7 +232,7 @@ impl Scripted {
         for c in checks {
             c.push(&mut inv, false);
         }
-        let reply: Vec<redis::Value> = tokio::time::timeout(self.timeout, inv.invoke_async(conn))
+        let reply: Vec<redis::Value> = tokio::time::timeout(self.timeout, eval(conn, &inv))
             .await
             .map_err(|_| StoreError::Timeout(self.timeout))??;
         if reply.len() != checks.len() * 4 {
@@ -244,19 +247,19 @@ impl Scripted {
 
     /// One script call deciding several requests, one after another, each all or nothing
     /// (at Redis' time). Each request's answers, or its own key error; an `Err` fails all.
-    async fn call_batch<C: ConnectionLike>(
+    async fn call_batch<C: Evaluates>(
         &self,
         conn: &mut C,
         requests: &[&[Encoded]],
     ) -> Result<Vec<Result<Vec<Decision>, StoreError>>, StoreError> {
-        let mut inv = self.script.prepare_invoke();
+        let mut inv = self.script.invocation();
         inv.arg("").arg("");
         for (r, checks) in requests.iter().enumerate() {
             for (k, c) in checks.iter().enumerate() {
                 c.push(&mut inv, r > 0 && k == 0);
             }
         }
-        let reply: Vec<redis::Value> = tokio::time::timeout(self.timeout, inv.invoke_async(conn))
+        let reply: Vec<redis::Value> = tokio::time::timeout(self.timeout, eval(conn, &inv))
             .await
             .map_err(|_| StoreError::Timeout(self.timeout))??;
         let keys: usize = requests.iter().map(|r| r.len()).sum();
@@ -310,20 +313,10 @@ impl Scripted {
     }
 }
 
-/// What tells the two shared stores apart: how a call gets a connection, and how a
-/// request's rules are decided (one atomic call, or one per cluster slot). Everything
-/// else they do is written once, in their [`Store`] implementation below.
-trait Shared: Send + Sync {
-    type Conn: ConnectionLike + Send;
-    const KIND: Kind;
-
-    fn scripted(&self) -> &Scripted;
-
-    /// A connection to run one call on (a multiplexed handle: cheap to clone).
-    fn connection(&self) -> impl Future<Output = Result<Self::Conn, StoreError>> + Send;
-
-    /// Decide `checks` at `now_us` (`None`: Redis' `TIME`, always in production; tests
-    /// replay timelines with their own times).
+/// A shared store's decisions at a time of the caller's choosing: `None` is Redis' own
+/// `TIME` (always, in production); tests pass their own times to replay timelines.
+pub trait DecideAt {
+    /// Decide `checks` at `now_us`, all or nothing.
     fn decide_at<'a>(
         &'a self,
         checks: &'a [Check<'a>],
@@ -336,6 +329,19 @@ trait Shared: Send + Sync {
         checks: &'a [Check<'a>],
         now_us: Option<u64>,
     ) -> impl Future<Output = Result<Vec<Decision>, StoreError>> + Send + 'a;
+}
+
+/// What tells the two shared stores apart: how a call gets a connection, and how a
+/// request's rules are decided (one atomic call, or one per cluster slot). Everything
+/// else they do is written once, in their [`Store`] implementation below.
+trait Shared: DecideAt + Send + Sync {
+    type Conn: Evaluates;
+    const KIND: Kind;
+
+    fn scripted(&self) -> &Scripted;
+
+    /// A connection to run one call on (a multiplexed handle: cheap to clone).
+    fn connection(&self) -> impl Future<Output = Result<Self::Conn, StoreError>> + Send;
 
     fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
 

@@ -7,7 +7,7 @@ use std::time::Duration;
 use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tokio::sync::oneshot;
 
-use super::{dropped, Encoded, Mode, Scripted, Shared};
+use super::{dropped, DecideAt, Encoded, Mode, Scripted, Shared};
 use crate::limiter::store::Kind;
 use crate::limiter::{Check, Decision, StoreError};
 
@@ -179,10 +179,44 @@ impl RedisStore {
         self.s.key(check)
     }
 
+    /// The Redis member name of a check's lease (for tests and the admin API).
+    pub fn lease_member(&self, check: &Check<'_>) -> String {
+        self.s.member(check)
+    }
+}
+
+impl Shared for RedisStore {
+    type Conn = ConnectionManager;
+    const KIND: Kind = Kind::Redis;
+
+    fn scripted(&self) -> &Scripted {
+        &self.s
+    }
+
+    async fn connection(&self) -> Result<ConnectionManager, StoreError> {
+        Ok(self.conn())
+    }
+
+    /// A connection left broken by a Redis restart is tried once more: the next try
+    /// reconnects.
+    async fn ping(&self) -> Result<(), StoreError> {
+        match self.s.ping(&mut self.conn()).await {
+            Err(e) if dropped(&e) => self.s.ping(&mut self.conn()).await,
+            other => other,
+        }
+    }
+
+    /// Connect and load the scripts ahead of the first request.
+    async fn warm(&self) -> Result<(), StoreError> {
+        self.s.warm(&mut self.conn()).await
+    }
+}
+
+impl DecideAt for RedisStore {
     /// Decide all `checks` in one script call, all or nothing. `now_us`: `None` reads Redis
     /// `TIME` (always, in production), and the request joins its worker's next batch;
     /// tests pass a time to replay a timeline exactly, in a call of its own.
-    pub async fn decide(
+    async fn decide_at(
         &self,
         checks: &[Check<'_>],
         now_us: Option<u64>,
@@ -211,7 +245,7 @@ impl RedisStore {
     }
 
     /// What `checks` would be told now, without charging or writing anything.
-    pub async fn peek(
+    async fn peek_at(
         &self,
         checks: &[Check<'_>],
         now_us: Option<u64>,
@@ -220,53 +254,5 @@ impl RedisStore {
         self.s
             .call(&mut self.conn(), &all, now_us, Mode::Peek)
             .await
-    }
-
-    /// The Redis member name of a check's lease (for tests and the admin API).
-    pub fn lease_member(&self, check: &Check<'_>) -> String {
-        self.s.member(check)
-    }
-}
-
-impl Shared for RedisStore {
-    type Conn = ConnectionManager;
-    const KIND: Kind = Kind::Redis;
-
-    fn scripted(&self) -> &Scripted {
-        &self.s
-    }
-
-    async fn connection(&self) -> Result<ConnectionManager, StoreError> {
-        Ok(self.conn())
-    }
-
-    async fn decide_at(
-        &self,
-        checks: &[Check<'_>],
-        now_us: Option<u64>,
-    ) -> Result<Vec<Decision>, StoreError> {
-        self.decide(checks, now_us).await
-    }
-
-    async fn peek_at(
-        &self,
-        checks: &[Check<'_>],
-        now_us: Option<u64>,
-    ) -> Result<Vec<Decision>, StoreError> {
-        self.peek(checks, now_us).await
-    }
-
-    /// A connection left broken by a Redis restart is tried once more: the next try
-    /// reconnects.
-    async fn ping(&self) -> Result<(), StoreError> {
-        match self.s.ping(&mut self.conn()).await {
-            Err(e) if dropped(&e) => self.s.ping(&mut self.conn()).await,
-            other => other,
-        }
-    }
-
-    /// Connect and load the scripts ahead of the first request.
-    async fn warm(&self) -> Result<(), StoreError> {
-        self.s.warm(&mut self.conn()).await
     }
 }

@@ -1,0 +1,203 @@
+//! One EVALSHA, and what to do when it is refused: a server that lost the script
+//! (NOSCRIPT, after a restart or `SCRIPT FLUSH`) is given it again; a cluster slot being
+//! migrated (ASK) is followed with `ASKING` written together with the call.
+//!
+//! redis-rs' cluster client follows ASK by itself, but sends `ASKING` and the call as two
+//! requests on a connection other calls share: a call that lands between them consumes
+//! the one-time `ASKING`, the target answers MOVED back to the source, which answers ASK
+//! again, until the redirections run out and the call fails. Under load that turned a
+//! slot migration into store errors (tests/scale.rs,
+//! `a_slot_moved_to_another_master_mid_run_keeps_its_state`).
+
+use redis::aio::{ConnectionLike, ConnectionManager};
+use redis::cluster_async::ClusterConnection;
+use redis::cluster_routing::SingleNodeRoutingInfo;
+use redis::{Cmd, ErrorKind, FromRedisValue, RedisError, RedisResult, RetryMethod, Value};
+
+/// A Lua script and its SHA1, as EVALSHA names it.
+pub(super) struct Lua {
+    code: &'static str,
+    hash: String,
+}
+
+impl Lua {
+    pub(super) fn new(code: &'static str) -> Lua {
+        let hash = redis::Script::new(code).get_hash().to_owned();
+        Lua { code, hash }
+    }
+
+    /// A call of this script, keys and arguments to be added.
+    pub(super) fn invocation(&self) -> Invocation<'_> {
+        Invocation {
+            lua: self,
+            keys: Vec::new(),
+            args: Vec::new(),
+        }
+    }
+
+    /// `SCRIPT LOAD` (a cluster client sends it to every master).
+    pub(super) fn load(&self) -> Cmd {
+        let mut cmd = redis::cmd("SCRIPT");
+        cmd.arg("LOAD").arg(self.code);
+        cmd
+    }
+}
+
+/// One call of a [`Lua`] script: its keys and its arguments.
+pub(super) struct Invocation<'l> {
+    lua: &'l Lua,
+    keys: Vec<Vec<u8>>,
+    args: Vec<Vec<u8>>,
+}
+
+impl Invocation<'_> {
+    pub(super) fn key<T: redis::ToRedisArgs>(&mut self, key: T) -> &mut Self {
+        key.write_redis_args(&mut self.keys);
+        self
+    }
+
+    pub(super) fn arg<T: redis::ToRedisArgs>(&mut self, arg: T) -> &mut Self {
+        arg.write_redis_args(&mut self.args);
+        self
+    }
+
+    fn evalsha(&self) -> Cmd {
+        let mut cmd = redis::cmd("EVALSHA");
+        cmd.arg(&self.lua.hash)
+            .arg(self.keys.len())
+            .arg(&self.keys)
+            .arg(&self.args);
+        cmd
+    }
+}
+
+/// A connection scripts are called on: one server's, or a cluster's (which may redirect).
+pub(super) trait Evaluates: ConnectionLike + Send {
+    /// The cluster connection, for following an ASK; `None` for one server.
+    fn cluster(&mut self) -> Option<&mut ClusterConnection> {
+        None
+    }
+}
+
+impl Evaluates for ConnectionManager {}
+
+impl Evaluates for ClusterConnection {
+    fn cluster(&mut self) -> Option<&mut ClusterConnection> {
+        Some(self)
+    }
+}
+
+/// EVALSHA `inv`; on NOSCRIPT, load the script and call it once more; on an ASK that
+/// redis-rs gave up on, call it on the node the ASK names.
+pub(super) async fn eval<C: Evaluates, T: FromRedisValue>(
+    conn: &mut C,
+    inv: &Invocation<'_>,
+) -> RedisResult<T> {
+    let call = inv.evalsha();
+    let answer = match call.query_async(conn).await {
+        Err(e) if no_script(&e) => {
+            inv.lua.load().exec_async(conn).await?;
+            call.query_async(conn).await
+        }
+        answer => answer,
+    };
+    match (answer, conn.cluster()) {
+        (Err(e), Some(cluster)) if matches!(e.retry_method(), RetryMethod::AskRedirect) => {
+            asking(cluster, inv, e).await
+        }
+        (answer, _) => answer,
+    }
+}
+
+fn no_script(e: &RedisError) -> bool {
+    e.kind() == ErrorKind::Server(redis::ServerErrorKind::NoScript)
+}
+
+/// Call `inv` on the node `ask` names, `ASKING` and the call written as one pipeline so
+/// that nothing comes between them; the script first when that node lacks it.
+async fn asking<T: FromRedisValue>(
+    conn: &mut ClusterConnection,
+    inv: &Invocation<'_>,
+    ask: RedisError,
+) -> RedisResult<T> {
+    let Some(route) = ask
+        .redirect_node()
+        .and_then(|(node, _slot)| by_address(node))
+    else {
+        return Err(ask);
+    };
+    let mut pipe = redis::pipe();
+    pipe.cmd("ASKING").add_command(inv.evalsha());
+    let mut answer = only(conn.route_pipeline(pipe, 1, 1, route.clone()).await?)?;
+    if let Value::ServerError(e) = &answer {
+        if no_script(&RedisError::from(e.clone())) {
+            let mut pipe = redis::pipe();
+            pipe.add_command(inv.lua.load())
+                .cmd("ASKING")
+                .add_command(inv.evalsha());
+            answer = only(conn.route_pipeline(pipe, 2, 1, route).await?)?;
+        }
+    }
+    Ok(T::from_redis_value(answer.extract_error()?)?)
+}
+
+/// `host:port` (the host may be an IPv6 address) as a route to that node.
+fn by_address(node: &str) -> Option<SingleNodeRoutingInfo> {
+    let (host, port) = node.rsplit_once(':')?;
+    Some(SingleNodeRoutingInfo::ByAddress {
+        host: host
+            .trim_start_matches('[')
+            .trim_end_matches(']')
+            .to_owned(),
+        port: port.parse().ok()?,
+    })
+}
+
+fn only(mut answers: Vec<Value>) -> RedisResult<Value> {
+    match (answers.pop(), answers.is_empty()) {
+        (Some(answer), true) => Ok(answer),
+        _ => Err(RedisError::from((
+            ErrorKind::Parse,
+            "a redirected script call got other than one answer",
+        ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_node_address_is_a_route() {
+        let route = |host: &str, port: u16| SingleNodeRoutingInfo::ByAddress {
+            host: host.into(),
+            port,
+        };
+        assert_eq!(by_address("127.0.0.1:7001"), Some(route("127.0.0.1", 7001)));
+        assert_eq!(by_address("::1:7001"), Some(route("::1", 7001)));
+        assert_eq!(by_address("[::1]:7001"), Some(route("::1", 7001)));
+        assert_eq!(by_address("node-a:70001"), None);
+        assert_eq!(by_address("no-port"), None);
+    }
+
+    #[test]
+    fn evalsha_names_the_keys_then_the_arguments() {
+        let lua = Lua::new("return 1");
+        let mut inv = lua.invocation();
+        inv.key("k1").arg("a1").key("k2").arg(7u64);
+        let packed = String::from_utf8_lossy(&inv.evalsha().get_packed_command()).into_owned();
+        let words: Vec<&str> = packed
+            .split("\r\n")
+            .filter(|w| !w.starts_with(['*', '$']))
+            .collect();
+        assert_eq!(
+            words,
+            ["EVALSHA", lua.hash.as_str(), "2", "k1", "k2", "a1", "7", ""],
+            "{packed:?}"
+        );
+        assert_eq!(
+            lua.hash, "e0e1f9fabfc9d4800c877a703b823ac0578ff8db",
+            "SHA1 of the code"
+        );
+    }
+}
