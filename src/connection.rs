@@ -14,7 +14,7 @@
 //!   no request in flight (HTTP/2 gets a GOAWAY first).
 //! - `body_timeout` (default 30s): the longest a response write may wait on a client that takes
 //!   nothing (the connection is closed; the gap between reads of a request *body* is the
-//!   upstream hop's, [`crate::proxy`], and answered 408).
+//!   upstream hop's, [`crate::upstream`], and answered 408).
 //!
 //! And their number: [`Registry`] holds every open connection of a listener. At
 //! `max_connections` the accept loop stops taking connections from the listen backlog

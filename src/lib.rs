@@ -7,8 +7,12 @@
 //!
 //! # Layout
 //!
-//! A request travels one way, and the modules follow it; each depends only on the ones
-//! after it in this list (`tests/layering.rs` holds them to that: no import cycle):
+//! A request travels one way: server -> connection -> gateway -> rules -> identity ->
+//! limiter -> headers -> upstream, and this list follows it, with what serves the path
+//! (admin, config, metrics, worker) where it is first needed. Imports go one way only:
+//! `tests/layering.rs` fails on an import cycle among these modules, and
+//! `cargo test --test layering -- --nocapture` prints their layers (`connection`, whose
+//! clocks the upstream hop uses too, and `identity` at the bottom; `server` at the top).
 //!
 //! - [`server`]: accept loop, graceful shutdown, SIGHUP reload; hands each connection to
 //! - [`connection`]: one client connection, HTTP/1 or HTTP/2, the clocks on its silences
@@ -28,7 +32,12 @@
 //!   (embedded) and [`limiter::redis`] (one Redis or a cluster; Lua twins in `lua/`); the
 //!   [`limiter::guard::Limiter`] around it (breaker, deny cache, `on_error`).
 //! - [`headers`]: decisions -> `RateLimit-*`, `Retry-After`, problem+json.
-//! - [`proxy`]: the pooled upstream client, hop-by-hop stripping, `X-Forwarded-*`.
+//! - [`upstream`]: the HTTP/1.1 client to the backend, one per worker with its pool of
+//!   kept connections, a folder in the order a request goes through it: `forward` (the
+//!   hop-by-hop fields stripped, `X-Forwarded-*`), `head` (the request head written, the
+//!   answer's parsed), `pool`, `body` (bodies framed both ways), and `error`: a typed
+//!   [`upstream::Error`] that says the client's status (502, 504, 400, 408) and whether
+//!   the request may go again. Its validated settings, [`upstream::Settings`], live there.
 //! - [`metrics`]: Prometheus metrics and the in-process stats the status page shows.
 //! - [`worker`]: which worker thread runs the current request (per-thread pools).
 
@@ -40,9 +49,9 @@ pub mod headers;
 pub mod identity;
 pub mod limiter;
 pub mod metrics;
-pub mod proxy;
 pub mod rules;
 pub mod server;
+pub mod upstream;
 pub mod worker;
 
 /// The seeded, time-bounded proptest config the unit tests share with the integration

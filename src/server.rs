@@ -20,7 +20,7 @@ use tokio::net::TcpListener;
 use crate::config::Config;
 use crate::connection::{self, InFlight, Registry, Tracked};
 use crate::gateway::{Gateway, Live};
-use crate::proxy::Peer;
+use crate::upstream::Peer;
 
 /// Open connections the admin listener takes at most: enough for dashboards and scrapers,
 /// and a bound of its own, so a flood of gateway clients never locks the operator out.
@@ -327,8 +327,8 @@ async fn upkeep(gateway: Arc<Gateway>) {
         tick.tick().await;
         let live = gateway.live();
         live.limiter.sweep();
-        for proxy in live.proxies.iter() {
-            proxy.sweep();
+        for client in live.upstreams.iter() {
+            client.sweep();
         }
     }
 }

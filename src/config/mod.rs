@@ -1,9 +1,10 @@
 //! `config/limits.toml`: raw serde structs (every table `deny_unknown_fields`), then
 //! [`Config::parse`] validates them into immutable, typed values that cannot be wrong.
 //! The types live with their meaning (a rule in [`crate::rules`], a quota in
-//! [`crate::limiter`], an API key's settings in [`crate::identity`]); this module only
-//! parses, validates into them, and reports errors. One file per table; each setting's
-//! default is written once, with the type it configures.
+//! [`crate::limiter`], an API key's settings in [`crate::identity`], the upstream's in
+//! [`crate::upstream`]); this module only parses, validates into them, and reports errors.
+//! One file per table; each setting's default is written once, with the type it
+//! configures.
 //!
 //! Value-level checks (a rate, a CIDR, a duration) run inside deserialisation
 //! (`values.rs`), so their errors carry the line and column of the offending value;
@@ -31,7 +32,6 @@ use crate::rules::{Rule, RuleIndex};
 
 pub use rules::{DEFAULT_LEASE_TTL, DEFAULT_MAX_WAITING, MAX_DELAY};
 pub use server::{Admin, Server, MAX_CONNECTIONS, MAX_HEADER_BYTES, SHUTDOWN_GRACE};
-pub use upstream::{Upstream, CONNECT_TIMEOUT, TIMEOUT as UPSTREAM_TIMEOUT};
 
 /// A configuration file that could not be loaded, with where and why.
 #[derive(Debug, thiserror::Error)]
@@ -57,7 +57,7 @@ pub enum ConfigError {
 pub struct Config {
     pub server: Server,
     pub admin: Admin,
-    pub upstream: Upstream,
+    pub upstream: crate::upstream::Settings,
     pub store: store_settings::Settings,
     pub client_ip: ClientIp,
     pub keys: Keys,

@@ -1,24 +1,9 @@
 //! `[upstream]`: the backend requests are forwarded to.
 
-use std::time::Duration;
-
 use serde::Deserialize;
 
 use super::values::{HumanDuration, UpstreamUrl};
-
-/// `[upstream]`, validated.
-#[derive(Debug, PartialEq)]
-pub struct Upstream {
-    /// Scheme and authority of the backend, e.g. `http://127.0.0.1:3000`.
-    pub url: http::Uri,
-    /// Path the request path is appended to, without a trailing `/` (empty for `/`).
-    pub base_path: String,
-    pub connect_timeout: Duration,
-    pub timeout: Duration,
-}
-
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
-pub const TIMEOUT: Duration = Duration::from_secs(30);
+use crate::upstream::{Settings, CONNECT_TIMEOUT, TIMEOUT};
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -29,8 +14,8 @@ pub(super) struct RawUpstream {
 }
 
 impl RawUpstream {
-    pub(super) fn validate(self) -> Upstream {
-        Upstream {
+    pub(super) fn validate(self) -> Settings {
+        Settings {
             url: self.url.uri,
             base_path: self.url.base_path,
             connect_timeout: self.connect_timeout.map_or(CONNECT_TIMEOUT, |d| d.0),

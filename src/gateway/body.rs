@@ -5,7 +5,7 @@ use bytes::Bytes;
 use http_body_util::{Either, Full};
 
 use crate::limiter::lease::{Leases, Releasing};
-use crate::proxy::ResponseBody;
+use crate::upstream::ResponseBody;
 
 /// What a client receives: the upstream's streamed body, or one the gateway wrote.
 pub type Body = Either<LeasedBody, Full<Bytes>>;

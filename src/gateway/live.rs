@@ -8,15 +8,16 @@ use crate::config::Config;
 use crate::limiter::guard::Limiter;
 use crate::limiter::{store, Clock, MonotonicClock, StoreError};
 use crate::metrics::{Metrics, RuleCounters};
-use crate::proxy::Proxy;
+use crate::upstream;
 
 /// Everything a request runs on. A request takes the current one when it starts and keeps
 /// it to the end, so a reload never changes the rules under a request in flight.
 pub struct Live {
     pub config: Arc<Config>,
-    /// One upstream pool per worker thread: a request's upstream connection is driven by
-    /// the thread that serves its client, so forwarding never wakes another thread.
-    pub proxies: Arc<[Proxy]>,
+    /// One upstream client (and its pool) per worker thread: a request's upstream
+    /// connection is driven by the thread that serves its client, so forwarding never
+    /// wakes another thread.
+    pub upstreams: Arc<[upstream::Client]>,
     pub limiter: Arc<Limiter>,
     /// Whether the deny cache may be used under this config (see [`Limiter::decide`]).
     pub cache_denials: bool,
@@ -53,11 +54,13 @@ impl Live {
             }
         };
         let workers = config.server.workers.max(1);
-        let proxies = match old {
-            Some(o) if o.config.upstream == config.upstream && o.proxies.len() == workers => {
-                o.proxies.clone()
+        let upstreams = match old {
+            Some(o) if o.config.upstream == config.upstream && o.upstreams.len() == workers => {
+                o.upstreams.clone()
             }
-            _ => (0..workers).map(|_| Proxy::new(&config.upstream)).collect(),
+            _ => (0..workers)
+                .map(|_| upstream::Client::new(&config.upstream))
+                .collect(),
         };
         // In a cluster, rules on different identities mean refunds, and a refund can make
         // a remembered denial stale: cache only when every rule counts the same identity.
@@ -74,17 +77,17 @@ impl Live {
                 .collect(),
             waiting: config.rules.iter().map(|_| AtomicU32::new(0)).collect(),
             config: Arc::new(config),
-            proxies,
+            upstreams,
             limiter,
             cache_denials,
         })
     }
 
-    /// This worker thread's upstream pool (the first one off the workers).
-    pub fn proxy(&self) -> &Proxy {
+    /// This worker thread's upstream client (the first one off the workers).
+    pub fn upstream(&self) -> &upstream::Client {
         let n = crate::worker::current().unwrap_or(0);
-        // Never empty: built with at least one pool.
-        &self.proxies[n % self.proxies.len().max(1)]
+        // Never empty: built with at least one client.
+        &self.upstreams[n % self.upstreams.len().max(1)]
     }
 }
 

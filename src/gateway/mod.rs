@@ -32,7 +32,7 @@ use crate::limiter::guard::{Answer, Now};
 use crate::limiter::lease::Leases;
 use crate::limiter::{Check, Decision, StoreError};
 use crate::metrics::{status_class, Gauged, Metrics, ReloadLabels, ReloadResult};
-use crate::proxy::{Downstream, Peer, ProxyError};
+use crate::upstream::{self, Downstream, Peer};
 use limits::Limit;
 use live::WaitSlot;
 use verdict::{Ruled, Tally, Verdict};
@@ -358,7 +358,7 @@ impl Gateway {
         };
         let version = req.version();
         let started = Instant::now();
-        let result = live.proxy().forward(req, &down).await;
+        let result = live.upstream().forward(req, &down).await;
         self.count_upstream(&result, started);
         match result {
             Ok(resp) => {
@@ -379,11 +379,11 @@ impl Gateway {
 
     fn count_upstream(
         &self,
-        result: &Result<Response<crate::proxy::ResponseBody>, ProxyError>,
+        result: &Result<Response<upstream::ResponseBody>, upstream::Error>,
         started: Instant,
     ) {
         // A client's own failure (a malformed or stalled body) says nothing of the upstream.
-        if result.as_ref().is_err_and(ProxyError::is_client_error) {
+        if result.as_ref().is_err_and(upstream::Error::is_client_error) {
             return;
         }
         self.metrics
@@ -401,29 +401,12 @@ impl Gateway {
     fn upstream_failed(
         &self,
         cfg: &Config,
-        e: ProxyError,
+        e: upstream::Error,
         version: http::Version,
         peer: &Peer,
         pass: &Pass<'_>,
     ) -> Response<Body> {
-        let (status, detail) = match e {
-            ProxyError::Timeout(_) => (
-                StatusCode::GATEWAY_TIMEOUT,
-                "the upstream did not answer in time",
-            ),
-            ProxyError::Unreachable(_) | ProxyError::Failed(_) => {
-                (StatusCode::BAD_GATEWAY, "the upstream could not be reached")
-            }
-            ProxyError::Coding(_) => (
-                StatusCode::BAD_GATEWAY,
-                "the upstream's answer uses a transfer coding this client cannot take",
-            ),
-            ProxyError::ClientBody(_) => (StatusCode::BAD_REQUEST, "the request body is malformed"),
-            ProxyError::ClientStalled(_) => (
-                StatusCode::REQUEST_TIMEOUT,
-                "the request body stopped arriving",
-            ),
-        };
+        let (status, detail) = (e.status(), e.detail());
         if e.is_client_error() {
             tracing::debug!(error = %e, status = status.as_u16(), peer = %peer.addr, "client request failed");
         } else {
@@ -431,7 +414,7 @@ impl Gateway {
         }
         let mut resp = problem(Problem::new(status, detail), cfg, &pass.applied);
         headers::add_shadow(resp.headers_mut(), cfg.response, &pass.shadow);
-        if matches!(e, ProxyError::ClientStalled(_)) && version < http::Version::HTTP_2 {
+        if matches!(e, upstream::Error::ClientStalled(_)) && version < http::Version::HTTP_2 {
             self.metrics
                 .connections_closed
                 .get_or_create(&crate::metrics::ClosedLabels {

@@ -1,0 +1,354 @@
+//! What a request carries up besides its own fields: the forwarding fields of this hop
+//! (`X-Forwarded-*`, `Forwarded`, `X-Real-IP`), written from what the gateway saw of the
+//! client ([`Downstream`], [`Peer`]); and what it must not carry, the hop-by-hop fields
+//! (RFC 9110 §7.6.1), left out both ways.
+
+use std::net::{IpAddr, SocketAddr};
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::header::{HeaderMap, HeaderName, HeaderValue, CONNECTION, HOST};
+
+use super::head::field_line;
+
+static X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+
+/// Hop-by-hop fields, RFC 9110 §7.6.1: meaningful for one connection only, never
+/// forwarded. `Proxy-Connection` and `Keep-Alive` are the legacy ones the section names;
+/// `Proxy-Authenticate`/`-Authorization` are hop-by-hop per RFC 9110 §11.7.
+pub(super) static HOP_BY_HOP: [HeaderName; 9] = [
+    CONNECTION,
+    HeaderName::from_static("proxy-connection"),
+    HeaderName::from_static("keep-alive"),
+    http::header::TE,
+    http::header::TRAILER,
+    http::header::TRANSFER_ENCODING,
+    http::header::UPGRADE,
+    http::header::PROXY_AUTHENTICATE,
+    http::header::PROXY_AUTHORIZATION,
+];
+
+/// Whether `name` is one of [`HOP_BY_HOP`]: one match on the lowercase name, where a
+/// search of the list compares it with each.
+pub(super) fn is_hop_by_hop(name: &HeaderName) -> bool {
+    matches!(
+        name.as_str(),
+        "connection"
+            | "proxy-connection"
+            | "keep-alive"
+            | "te"
+            | "trailer"
+            | "transfer-encoding"
+            | "upgrade"
+            | "proxy-authenticate"
+            | "proxy-authorization"
+    )
+}
+
+/// Remove the hop-by-hop fields, and every field the `Connection` header names.
+pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap) {
+    // Most messages have none: one pass over the names instead of a lookup for each.
+    if !headers.keys().any(is_hop_by_hop) {
+        return;
+    }
+    if headers.contains_key(CONNECTION) {
+        let named: Vec<HeaderName> = headers
+            .get_all(CONNECTION)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .filter_map(|t| HeaderName::from_bytes(t.trim().as_bytes()).ok())
+            .collect();
+        for name in &named {
+            headers.remove(name);
+        }
+    }
+    for name in HOP_BY_HOP.iter() {
+        headers.remove(name);
+    }
+}
+
+/// Ready a request's fields to go up: its hop-by-hop fields dropped, and a `Host` where it
+/// has none (the authority of an absolute target, else the upstream's `default`). Returns
+/// the host the client asked for, which `X-Forwarded-Host` carries.
+pub(super) fn prepare(
+    parts: &mut http::request::Parts,
+    default: &HeaderValue,
+) -> Option<HeaderValue> {
+    let asked = parts.headers.get(HOST).cloned().or_else(|| {
+        parts
+            .uri
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+    });
+    strip_hop_by_hop(&mut parts.headers);
+    if !parts.headers.contains_key(HOST) {
+        let host = asked.clone().unwrap_or_else(|| default.clone());
+        parts.headers.insert(HOST, host);
+    }
+    asked
+}
+
+/// What the upstream hop needs to know of the client side of a request.
+pub struct Downstream<'a> {
+    pub peer: &'a Peer,
+    /// Whether the peer is a trusted proxy: its forwarding headers are kept and appended
+    /// to, where an untrusted peer's are replaced.
+    pub trusted: bool,
+    /// The longest the client may pause between two reads of its request body.
+    pub body_timeout: Duration,
+}
+
+/// A client connection's peer, with its address as the forwarding headers show it:
+/// rendered once per connection, not once per request.
+#[derive(Clone)]
+pub struct Peer {
+    pub addr: SocketAddr,
+    /// `10.0.0.1` or `::1`, as `X-Forwarded-For` and `X-Real-IP` carry it.
+    forwarded: HeaderValue,
+    /// `10.0.0.1` or `"[::1]"`, as a `Forwarded` node (RFC 7239 §6: an IPv6 address is
+    /// bracketed and quoted).
+    node: Bytes,
+    /// `for=<node>;proto=http`: the `Forwarded` element of this hop, what an untrusted
+    /// peer's request carries.
+    element: HeaderValue,
+}
+
+impl Peer {
+    pub fn new(addr: SocketAddr) -> Peer {
+        let ip = addr.ip().to_canonical();
+        let text = ip.to_string();
+        let node = match ip {
+            IpAddr::V4(_) => text.clone(),
+            IpAddr::V6(_) => format!("\"[{text}]\""),
+        };
+        // An address's text is always a valid header value.
+        let value = |s: String| {
+            HeaderValue::from_maybe_shared(Bytes::from(s))
+                .unwrap_or_else(|_| HeaderValue::from_static("unknown"))
+        };
+        Peer {
+            addr,
+            forwarded: value(text),
+            element: value(format!("for={node};proto=http")),
+            node: Bytes::from(node),
+        }
+    }
+
+    pub fn ip(&self) -> IpAddr {
+        self.addr.ip()
+    }
+}
+
+/// The forwarding fields a request came with, as [`fields`] treats them.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Forwarding {
+    For,
+    Forwarded,
+    Proto,
+    Host,
+    /// `X-Real-IP` and every other `X-Forwarded-*`.
+    Other,
+}
+
+impl Forwarding {
+    fn of(name: &HeaderName) -> Option<Forwarding> {
+        let n = name.as_str();
+        Some(match n {
+            "x-forwarded-for" => Forwarding::For,
+            "forwarded" => Forwarding::Forwarded,
+            "x-forwarded-proto" => Forwarding::Proto,
+            "x-forwarded-host" => Forwarding::Host,
+            "x-real-ip" => Forwarding::Other,
+            _ if n.starts_with("x-forwarded-") => Forwarding::Other,
+            _ => return None,
+        })
+    }
+}
+
+/// Which forwarding fields a trusted proxy set itself.
+#[derive(Default)]
+struct Kept {
+    proto: bool,
+    host: bool,
+}
+
+/// The field lines of a request going up: its own fields, then the forwarding fields of
+/// this hop. From a trusted proxy the forwarding fields tell a story that began before
+/// it: `X-Forwarded-Proto` and `X-Forwarded-Host` are kept as that proxy set them (and
+/// written here only where it did not), `X-Real-IP` as it came, and the peer is appended
+/// to `X-Forwarded-For` and, where the proxy sent one, to `Forwarded` (RFC 7239 §7.1) — so
+/// the two chains agree, and a `Forwarded: proto=https` is never contradicted by an
+/// `X-Forwarded-Proto` written here. From any other peer nothing it says about itself is
+/// believed: every `X-Forwarded-*`, `Forwarded` and `X-Real-IP` field it sent is left
+/// out, and each is written anew from what the gateway itself saw (the peer, `http`, the
+/// `Host`). Written straight into the head, not put in the header map first: no
+/// insertion, no growth of the map per request.
+pub(super) fn fields(
+    head: &mut Vec<u8>,
+    headers: &HeaderMap,
+    down: &Downstream<'_>,
+    host: Option<&HeaderValue>,
+) {
+    let mut kept = Kept::default();
+    for (name, value) in headers {
+        if let Some(field) = Forwarding::of(name) {
+            if !down.trusted {
+                continue;
+            }
+            match field {
+                // Re-written below, the peer appended.
+                Forwarding::For | Forwarding::Forwarded => continue,
+                Forwarding::Proto => kept.proto = true,
+                Forwarding::Host => kept.host = true,
+                Forwarding::Other => {}
+            }
+        }
+        field_line(head, name.as_str(), &[value.as_bytes()]);
+    }
+    if down.trusted {
+        appended(head, headers, down.peer, host, kept);
+    } else {
+        replaced(head, down.peer, host);
+    }
+}
+
+/// A trusted proxy's chains with the peer appended, and what it left unsaid.
+fn appended(
+    head: &mut Vec<u8>,
+    headers: &HeaderMap,
+    peer: &Peer,
+    host: Option<&HeaderValue>,
+    kept: Kept,
+) {
+    appended_line(
+        head,
+        headers,
+        &X_FORWARDED_FOR,
+        &[peer.forwarded.as_bytes()],
+    );
+    if headers.contains_key(http::header::FORWARDED) {
+        appended_line(
+            head,
+            headers,
+            &http::header::FORWARDED,
+            &[b"for=", &peer.node],
+        );
+    }
+    if !kept.proto {
+        field_line(head, "x-forwarded-proto", &[b"http"]);
+    }
+    if let Some(host) = host.filter(|_| !kept.host) {
+        field_line(head, "x-forwarded-host", &[host.as_bytes()]);
+    }
+}
+
+/// What the gateway itself saw, in place of all an untrusted peer said.
+fn replaced(head: &mut Vec<u8>, peer: &Peer, host: Option<&HeaderValue>) {
+    field_line(head, "x-forwarded-for", &[peer.forwarded.as_bytes()]);
+    field_line(head, "x-real-ip", &[peer.forwarded.as_bytes()]);
+    field_line(head, "x-forwarded-proto", &[b"http"]);
+    field_line(head, "forwarded", &[peer.element.as_bytes()]);
+    if let Some(host) = host {
+        field_line(head, "x-forwarded-host", &[host.as_bytes()]);
+    }
+}
+
+/// `name: <its values, joined>, <element>` on one line.
+fn appended_line(head: &mut Vec<u8>, headers: &HeaderMap, name: &HeaderName, element: &[&[u8]]) {
+    head.extend_from_slice(name.as_str().as_bytes());
+    head.extend_from_slice(b": ");
+    for v in headers.get_all(name) {
+        head.extend_from_slice(v.as_bytes());
+        head.extend_from_slice(b", ");
+    }
+    for p in element {
+        head.extend_from_slice(p);
+    }
+    head.extend_from_slice(b"\r\n");
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::Request;
+
+    #[test]
+    fn strips_hop_by_hop_and_connection_named_fields() {
+        let mut h = HeaderMap::new();
+        h.insert(
+            CONNECTION,
+            HeaderValue::from_static("keep-alive, X-Secret-Hop , close"),
+        );
+        h.insert("x-secret-hop", HeaderValue::from_static("1"));
+        h.insert("keep-alive", HeaderValue::from_static("timeout=5"));
+        h.insert("te", HeaderValue::from_static("trailers"));
+        h.insert("transfer-encoding", HeaderValue::from_static("chunked"));
+        h.insert("upgrade", HeaderValue::from_static("websocket"));
+        h.insert("x-end-to-end", HeaderValue::from_static("kept"));
+        strip_hop_by_hop(&mut h);
+        assert_eq!(h.len(), 1, "{h:?}");
+        assert_eq!(h["x-end-to-end"], "kept");
+    }
+
+    #[test]
+    fn the_hop_by_hop_match_is_the_list() {
+        for name in &HOP_BY_HOP {
+            assert!(is_hop_by_hop(name), "{name}");
+        }
+        for name in ["host", "content-length", "x-connection", "tee", "upgrades"] {
+            assert!(!is_hop_by_hop(&HeaderName::from_static(name)), "{name}");
+        }
+    }
+
+    /// The head written for `request` from `peer`, trusted or not.
+    fn forwarded_head(request: Request<()>, peer: &str, trusted: bool) -> String {
+        let (parts, ()) = request.into_parts();
+        let peer = Peer::new(peer.parse().unwrap());
+        let down = Downstream {
+            peer: &peer,
+            trusted,
+            body_timeout: Duration::from_secs(1),
+        };
+        let host = parts.headers.get(HOST).cloned();
+        let head = super::super::head::request(&parts, "", false, &down, host.as_ref()).unwrap();
+        String::from_utf8(head).unwrap()
+    }
+
+    #[test]
+    fn forwarding_fields_are_appended_from_trusted_peers_and_replaced_from_others() {
+        let request = || {
+            Request::get("/x")
+                .header("host", "app.test")
+                .header("x-forwarded-for", "1.1.1.1")
+                .header("x-forwarded-for", "2.2.2.2")
+                .header("x-forwarded-proto", "https")
+                .header("forwarded", "for=1.1.1.1;proto=https")
+                .header("x-forwarded-port", "443")
+                .header("x-real-ip", "1.1.1.1")
+                .header("x-other", "kept")
+                .body(())
+                .unwrap()
+        };
+        assert_eq!(
+            forwarded_head(request(), "[::ffff:10.0.0.1]:4000", true),
+            "GET /x HTTP/1.1\r\nhost: app.test\r\nx-forwarded-proto: https\r\n\
+             x-forwarded-port: 443\r\nx-real-ip: 1.1.1.1\r\nx-other: kept\r\n\
+             x-forwarded-for: 1.1.1.1, 2.2.2.2, 10.0.0.1\r\n\
+             forwarded: for=1.1.1.1;proto=https, for=10.0.0.1\r\n\
+             x-forwarded-host: app.test\r\n\r\n"
+        );
+        assert_eq!(
+            forwarded_head(request(), "[2001:db8::7]:4000", false),
+            "GET /x HTTP/1.1\r\nhost: app.test\r\nx-other: kept\r\n\
+             x-forwarded-for: 2001:db8::7\r\nx-real-ip: 2001:db8::7\r\n\
+             x-forwarded-proto: http\r\nforwarded: for=\"[2001:db8::7]\";proto=http\r\n\
+             x-forwarded-host: app.test\r\n\r\n"
+        );
+        // A trusted proxy that sent no Forwarded gets none: its chain is X-Forwarded-For.
+        let plain = Request::get("/").header("host", "a").body(()).unwrap();
+        let head = forwarded_head(plain, "127.0.0.1:1", true);
+        assert!(!head.contains("forwarded:"), "{head}");
+        assert!(head.contains("x-forwarded-for: 127.0.0.1\r\n"), "{head}");
+    }
+}

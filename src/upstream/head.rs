@@ -1,0 +1,622 @@
+//! Heads both ways: the request head written as bytes, and the response head read and
+//! parsed with `httparse` (hyper's own parser) into the parts the client is answered with
+//! and the framing of the body that follows (RFC 9112 §6: `Content-Length`, `chunked`, or
+//! the connection's end).
+
+use bytes::{Buf, Bytes, BytesMut};
+use http::header::{
+    HeaderMap, HeaderName, HeaderValue, CONNECTION, CONTENT_LENGTH, TRANSFER_ENCODING,
+};
+use http::uri::PathAndQuery;
+use http::{Response, StatusCode, Version};
+use tokio::io::{AsyncRead, AsyncReadExt};
+
+use super::body::{Chunk, Framing};
+use super::forward::{self, is_hop_by_hop, Downstream, HOP_BY_HOP};
+use super::{Error, Malformed, ResponseBody, READ_SIZE};
+
+/// The most a response head (status line and fields) may take, and the most field lines
+/// (room for `FEW_FIELDS` is made on the stack; more, up to `MAX_FIELDS`, on the heap).
+pub(super) const MAX_HEAD: usize = 64 * 1024;
+pub(super) const FEW_FIELDS: usize = 48;
+const MAX_FIELDS: usize = 2048;
+
+/// `METHOD /base/path?query HTTP/1.1`, the fields with the forwarding fields of this hop
+/// ([`forward::fields`]), the body's framing and the blank line.
+pub(super) fn request(
+    parts: &http::request::Parts,
+    base_path: &str,
+    chunked: bool,
+    down: &Downstream<'_>,
+    host: Option<&HeaderValue>,
+) -> Result<Vec<u8>, Error> {
+    let pq = parts.uri.path_and_query().map_or("/", PathAndQuery::as_str);
+    let target_ok = pq.starts_with('/') || pq == "*";
+    if !target_ok {
+        return Err(Error::Target(parts.uri.clone()));
+    }
+    let fields: usize = parts
+        .headers
+        .iter()
+        .map(|(n, v)| n.as_str().len() + v.len() + 4)
+        .sum();
+    let mut head = Vec::with_capacity(256 + base_path.len() + pq.len() + fields);
+    head.extend_from_slice(parts.method.as_str().as_bytes());
+    head.push(b' ');
+    head.extend_from_slice(base_path.as_bytes());
+    head.extend_from_slice(pq.as_bytes());
+    head.extend_from_slice(b" HTTP/1.1\r\n");
+    forward::fields(&mut head, &parts.headers, down, host);
+    if chunked {
+        head.extend_from_slice(b"transfer-encoding: chunked\r\n");
+    }
+    head.extend_from_slice(b"\r\n");
+    Ok(head)
+}
+
+/// `name: part1part2...\r\n`.
+pub(super) fn field_line(head: &mut Vec<u8>, name: &str, parts: &[&[u8]]) {
+    head.extend_from_slice(name.as_bytes());
+    head.extend_from_slice(b": ");
+    for p in parts {
+        head.extend_from_slice(p);
+    }
+    head.extend_from_slice(b"\r\n");
+}
+
+/// Read until a final (non-1xx) response head is complete. Returns it, what was read past
+/// it, and how its body is framed. `replayable`: whether the request could go again were
+/// the connection to end before any answer ([`Error::retryable`]).
+pub(super) async fn read<R: AsyncRead + Unpin>(
+    conn: &mut R,
+    is_head: bool,
+    replayable: bool,
+) -> Result<(http::response::Parts, BytesMut, Framing), Error> {
+    let mut buf = BytesMut::with_capacity(READ_SIZE);
+    // Whether any byte of an answer came (a 1xx, skipped, included).
+    let mut answered = false;
+    loop {
+        if !buf.is_empty() {
+            match parse(&buf, is_head)? {
+                Parsed::Partial if buf.len() >= MAX_HEAD => return Err(Malformed::TooLarge.into()),
+                Parsed::Partial => {}
+                Parsed::Interim(n) => {
+                    buf.advance(n);
+                    continue;
+                }
+                Parsed::Final(n, parts, framing) => {
+                    buf.advance(n);
+                    return Ok((parts, buf, framing));
+                }
+            }
+        }
+        buf.reserve(READ_SIZE);
+        let replayable = replayable && !answered;
+        match conn.read_buf(&mut buf).await {
+            Ok(0) if buf.is_empty() => return Err(Error::Closed { replayable }),
+            Ok(0) => return Err(Error::ClosedInHead),
+            Ok(_) => answered = true,
+            Err(source) => return Err(Error::Read { source, replayable }),
+        }
+    }
+}
+
+enum Parsed {
+    Partial,
+    /// An informational (1xx) head of this many bytes, to skip.
+    Interim(usize),
+    Final(usize, http::response::Parts, Framing),
+}
+
+/// Parse one response head at the start of `buf`.
+fn parse(buf: &[u8], is_head: bool) -> Result<Parsed, Malformed> {
+    let mut fields = [httparse::EMPTY_HEADER; FEW_FIELDS];
+    match parse_with(buf, is_head, &mut fields) {
+        Err(Malformed::Syntax(httparse::Error::TooManyHeaders)) => {
+            let mut fields = vec![httparse::EMPTY_HEADER; MAX_FIELDS];
+            parse_with(buf, is_head, &mut fields)
+        }
+        other => other,
+    }
+}
+
+/// [`parse`] with room for `fields.len()` field lines.
+fn parse_with<'b>(
+    buf: &'b [u8],
+    is_head: bool,
+    fields: &mut [httparse::Header<'b>],
+) -> Result<Parsed, Malformed> {
+    let mut res = httparse::Response::new(fields);
+    match res.parse(buf).map_err(Malformed::Syntax)? {
+        httparse::Status::Complete(n) => head_parts(buf, n, &res, is_head),
+        httparse::Status::Partial => Ok(Parsed::Partial),
+    }
+}
+
+/// The parts of a complete head of `n` bytes, and its body's framing.
+fn head_parts(
+    buf: &[u8],
+    n: usize,
+    res: &httparse::Response<'_, '_>,
+    is_head: bool,
+) -> Result<Parsed, Malformed> {
+    let code = res.code.unwrap_or(0);
+    let status = StatusCode::from_u16(code).map_err(|_| Malformed::Status(code))?;
+    if status == StatusCode::SWITCHING_PROTOCOLS {
+        // Never asked for: `Upgrade` is hop-by-hop and not forwarded.
+        return Err(Malformed::SwitchedProtocols);
+    }
+    if status.is_informational() {
+        return Ok(Parsed::Interim(n));
+    }
+    let version = match res.version {
+        Some(1) => Version::HTTP_11,
+        _ => Version::HTTP_10,
+    };
+    let mut fields = Fields::read(buf, n, res.headers)?;
+    let bodiless =
+        is_head || status == StatusCode::NO_CONTENT || status == StatusCode::NOT_MODIFIED;
+    let (framing, close) = fields.framing(version, bodiless)?;
+    let mut parts = Response::new(()).into_parts().0;
+    parts.status = status;
+    parts.version = version;
+    if close {
+        parts.extensions.insert(Close);
+    }
+    if !bodiless && !fields.applied().is_empty() {
+        // The body is still coded (gzip, say) once its chunked framing is read: the
+        // codings go on with it, or the client gets bytes it cannot decode (`pass_codings`).
+        let joined = fields.applied().join(", ");
+        let value = HeaderValue::from_str(&joined).map_err(|_| Malformed::TransferEncoding)?;
+        parts.extensions.insert(Codings(value));
+    }
+    // A reason phrase of the upstream's own is passed on as it was.
+    if let Some(reason) = res.reason.filter(|r| Some(*r) != status.canonical_reason()) {
+        if let Ok(reason) = hyper::ext::ReasonPhrase::try_from(reason.as_bytes()) {
+            parts.extensions.insert(reason);
+        }
+    }
+    parts.headers = fields.headers;
+    Ok(Parsed::Final(n, parts, framing))
+}
+
+/// What the field lines of a response head say, read in one pass.
+struct Fields<'b> {
+    /// Every field but the hop-by-hop ones: what the client is sent.
+    headers: HeaderMap,
+    length: Option<u64>,
+    transfer_coded: bool,
+    /// The transfer codings, in the order they were applied, across every field line.
+    codings: Vec<&'b str>,
+    /// The `Connection` options `close` and `keep-alive`.
+    close: bool,
+    keep_alive: bool,
+}
+
+impl<'b> Fields<'b> {
+    /// The field lines of the head `buf[..n]`.
+    fn read(buf: &'b [u8], n: usize, lines: &[httparse::Header<'b>]) -> Result<Self, Malformed> {
+        let mut fields = Fields {
+            headers: HeaderMap::with_capacity(lines.len()),
+            length: None,
+            transfer_coded: false,
+            codings: Vec::new(),
+            close: false,
+            keep_alive: false,
+        };
+        // The values are slices of one copy of the head, not a copy each.
+        let raw = Bytes::copy_from_slice(&buf[..n]);
+        // Fields the `Connection` header names: hop-by-hop too, removed once all are in (no
+        // allocation for the usual `Connection: keep-alive`).
+        let mut named: Vec<&str> = Vec::new();
+        for line in lines {
+            let name =
+                HeaderName::from_bytes(line.name.as_bytes()).map_err(|_| Malformed::FieldName)?;
+            // `line.value` lies inside `buf[..n]`, as its copy's slice does inside `raw`.
+            let at = (line.value.as_ptr() as usize).wrapping_sub(buf.as_ptr() as usize);
+            let value = raw
+                .get(at..at.saturating_add(line.value.len()))
+                .map(|v| raw.slice_ref(v))
+                .and_then(|v| HeaderValue::from_maybe_shared(v).ok())
+                .ok_or(Malformed::FieldValue)?;
+            if name == CONTENT_LENGTH {
+                fields.length = content_length(line.value, fields.length)?;
+            } else if name == TRANSFER_ENCODING {
+                fields.transfer_coded = true;
+                let text =
+                    std::str::from_utf8(line.value).map_err(|_| Malformed::TransferEncoding)?;
+                let codings = text.split(',').map(str::trim).filter(|c| !c.is_empty());
+                fields.codings.extend(codings);
+            } else if name == CONNECTION {
+                fields.options(line.value, &mut named);
+            }
+            // Hop-by-hop fields (RFC 9110 §7.6.1) are read for framing, never passed on.
+            if !is_hop_by_hop(&name) {
+                fields.headers.append(name, value);
+            }
+        }
+        for token in named {
+            if let Ok(name) = HeaderName::from_bytes(token.as_bytes()) {
+                fields.headers.remove(name);
+            }
+        }
+        Ok(fields)
+    }
+
+    /// The options of a `Connection` field line; those naming fields go into `named`.
+    fn options(&mut self, value: &'b [u8], named: &mut Vec<&'b str>) {
+        let text = std::str::from_utf8(value).unwrap_or("");
+        for token in text.split(',').map(str::trim) {
+            self.close |= token.eq_ignore_ascii_case("close");
+            self.keep_alive |= token.eq_ignore_ascii_case("keep-alive");
+            // Every option names a field to drop, `close` included (§7.6.1); the
+            // hop-by-hop ones (`keep-alive`, say) are left out anyway.
+            if !token.is_empty()
+                && !HOP_BY_HOP
+                    .iter()
+                    .any(|h| token.eq_ignore_ascii_case(h.as_str()))
+            {
+                named.push(token);
+            }
+        }
+    }
+
+    /// Whether the body is chunked: only the last coding says.
+    fn chunked(&self) -> bool {
+        self.codings
+            .last()
+            .is_some_and(|c| c.eq_ignore_ascii_case("chunked"))
+    }
+
+    /// The codings applied before the (last) chunked one, or all of them.
+    fn applied(&self) -> &[&'b str] {
+        &self.codings[..self.codings.len() - usize::from(self.chunked())]
+    }
+
+    /// How the body is delimited (RFC 9112 §6.3), and whether the connection must close
+    /// after it (`true`) instead of carrying another request.
+    fn framing(&mut self, version: Version, bodiless: bool) -> Result<(Framing, bool), Malformed> {
+        // `close` wins in any order; HTTP/1.0 keeps the connection only when asked to.
+        let mut close = self.close || (version == Version::HTTP_10 && !self.keep_alive);
+        if self.transfer_coded && version == Version::HTTP_10 {
+            // RFC 9112 §6.1: framing an HTTP/1.0 recipient cannot have asked for is faulty.
+            return Err(Malformed::CodingInHttp10);
+        }
+        // Only the last coding says whether the body is chunked, and chunked is applied at
+        // most once, last (RFC 9112 §6.1): anything else cannot be framed or passed on.
+        let chunked = self.chunked();
+        let applied = self.applied();
+        if applied.iter().any(|c| c.eq_ignore_ascii_case("chunked")) {
+            return Err(Malformed::TransferEncoding);
+        }
+        // An answer that has no body but says it has one: whatever the upstream writes
+        // after it cannot be told from the next answer, so its connection is not used again.
+        if bodiless && (self.transfer_coded || self.length.is_some_and(|n| n > 0)) {
+            close = true;
+        }
+        let framing = if bodiless {
+            Framing::Length(0)
+        } else if self.transfer_coded {
+            // RFC 9112 §6.3: Transfer-Encoding wins over Content-Length, and a response
+            // with both may be an attack on a later answer: that connection is not used
+            // again.
+            if self.length.is_some() {
+                close = true;
+                self.headers.remove(CONTENT_LENGTH);
+            }
+            if chunked {
+                Framing::Chunked(Chunk::Size)
+            } else {
+                Framing::UntilClose
+            }
+        } else {
+            match self.length {
+                Some(n) => Framing::Length(n),
+                None => Framing::UntilClose,
+            }
+        };
+        Ok((framing, close || framing == Framing::UntilClose))
+    }
+}
+
+/// A `Content-Length` field line (a list of equal lengths is one length), given the length
+/// of the lines before it.
+fn content_length(value: &[u8], before: Option<u64>) -> Result<Option<u64>, Malformed> {
+    let text = std::str::from_utf8(value).unwrap_or("");
+    let mut length = before;
+    for part in text.split(',') {
+        let part = part.trim();
+        let n = (!part.is_empty() && part.bytes().all(|b| b.is_ascii_digit()))
+            .then(|| part.parse::<u64>().ok())
+            .flatten()
+            .ok_or(Malformed::ContentLength)?;
+        if length.is_some_and(|l| l != n) {
+            return Err(Malformed::ConflictingLengths);
+        }
+        length = Some(n);
+    }
+    Ok(length)
+}
+
+/// Marks an answer whose connection must not be used again.
+#[derive(Clone, Copy)]
+pub(super) struct Close;
+
+/// The transfer codings (other than chunked) the upstream applied to an answer's body.
+#[derive(Clone)]
+pub(super) struct Codings(HeaderValue);
+
+/// An answer whose body carries transfer codings other than chunked (`Transfer-Encoding:
+/// gzip, chunked`) keeps them for an HTTP/1.1 client: the codings are named again and
+/// hyper frames the still-coded bytes as chunked after them. HTTP/1.0 has no transfer
+/// codings and HTTP/2 forbids them: such a client gets a 502 rather than bytes that are
+/// not what the upstream's fields describe.
+pub(super) fn pass_codings(
+    mut answer: Response<ResponseBody>,
+    client: Version,
+) -> Result<Response<ResponseBody>, Error> {
+    let Some(Codings(codings)) = answer.extensions_mut().remove::<Codings>() else {
+        return Ok(answer);
+    };
+    if client != Version::HTTP_11 {
+        // Dropping the answer closes its connection: its body is never read.
+        return Err(Error::Coding(codings));
+    }
+    answer.headers_mut().insert(TRANSFER_ENCODING, codings);
+    Ok(answer)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn head(text: &str, is_head: bool) -> Result<(usize, http::response::Parts, Framing), String> {
+        match parse(text.as_bytes(), is_head).map_err(|e| e.to_string())? {
+            Parsed::Final(n, parts, framing) => Ok((n, parts, framing)),
+            Parsed::Interim(n) => Err(format!("interim of {n}")),
+            Parsed::Partial => Err("partial".into()),
+        }
+    }
+
+    #[test]
+    fn response_framing_follows_rfc_9112_lengths() {
+        let (_, p, f) = head("HTTP/1.1 200 OK\r\nContent-Length: 12\r\n\r\n", false).unwrap();
+        assert_eq!((p.status, f), (StatusCode::OK, Framing::Length(12)));
+        assert!(p.extensions.get::<Close>().is_none());
+        // Repeated equal lengths are one length; different ones are an error.
+        let (_, _, f) = head("HTTP/1.1 200 OK\r\nContent-Length: 5, 5\r\n\r\n", false).unwrap();
+        assert_eq!(f, Framing::Length(5));
+        assert!(head(
+            "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nContent-Length: 6\r\n\r\n",
+            false
+        )
+        .is_err());
+        assert!(head("HTTP/1.1 200 OK\r\nContent-Length: -1\r\n\r\n", false).is_err());
+        assert!(head("HTTP/1.1 200 OK\r\nContent-Length: +5\r\n\r\n", false).is_err());
+    }
+
+    #[test]
+    fn response_framing_follows_rfc_9112_transfer_codings() {
+        // Chunked wins over a length, and the connection is not reused after it.
+        let (_, p, f) = head(
+            "HTTP/1.1 200 OK\r\nContent-Length: 5\r\nTransfer-Encoding: chunked\r\n\r\n",
+            false,
+        )
+        .unwrap();
+        assert_eq!(f, Framing::Chunked(Chunk::Size));
+        assert!(p.extensions.get::<Close>().is_some());
+        assert!(p.headers.get(CONTENT_LENGTH).is_none());
+        // A coding other than chunked last: read until close, the coding kept.
+        let (_, p, f) = head("HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\n\r\n", false).unwrap();
+        assert_eq!(f, Framing::UntilClose);
+        assert!(p.extensions.get::<Close>().is_some());
+        assert_eq!(
+            p.extensions.get::<Codings>().map(|c| c.0.clone()),
+            Some(HeaderValue::from_static("gzip"))
+        );
+        // Chunked last: the other codings are kept for the client, across field lines.
+        let (_, p, f) = head(
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: gzip\r\nTransfer-Encoding: br, chunked\r\n\r\n",
+            false,
+        )
+        .unwrap();
+        assert_eq!(f, Framing::Chunked(Chunk::Size));
+        assert_eq!(
+            p.extensions.get::<Codings>().map(|c| c.0.clone()),
+            Some(HeaderValue::from_static("gzip, br"))
+        );
+        assert!(p.extensions.get::<Close>().is_none());
+        // Chunked applied, then something over it: no framing can be trusted.
+        assert!(head(
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, gzip\r\n\r\n",
+            false
+        )
+        .is_err());
+        assert!(head(
+            "HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked, chunked\r\n\r\n",
+            false
+        )
+        .is_err());
+        // No framing at all: until close.
+        let (_, _, f) = head("HTTP/1.1 200 OK\r\n\r\n", false).unwrap();
+        assert_eq!(f, Framing::UntilClose);
+    }
+
+    #[test]
+    fn response_framing_follows_rfc_9112_no_body() {
+        // No body: HEAD, 204, 304, whatever the fields say; and a connection that carried
+        // one that said it had a body is not used again (what follows is ambiguous).
+        for (text, is_head, reuse) in [
+            ("HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", true, true),
+            ("HTTP/1.1 204 No Content\r\n\r\n", false, true),
+            (
+                "HTTP/1.1 304 Not Modified\r\nContent-Length: 0\r\n\r\n",
+                false,
+                true,
+            ),
+            (
+                "HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n",
+                true,
+                false,
+            ),
+            (
+                "HTTP/1.1 204 No Content\r\nContent-Length: 9\r\n\r\n",
+                false,
+                false,
+            ),
+            (
+                "HTTP/1.1 304 Not Modified\r\nTransfer-Encoding: chunked\r\n\r\n",
+                false,
+                false,
+            ),
+        ] {
+            let (_, p, f) = head(text, is_head).unwrap();
+            assert_eq!(f, Framing::Length(0), "{text}");
+            assert_eq!(p.extensions.get::<Close>().is_none(), reuse, "{text}");
+        }
+        for (text, is_head) in [
+            ("HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n", true),
+            (
+                "HTTP/1.1 204 No Content\r\nContent-Length: 9\r\n\r\n",
+                false,
+            ),
+            (
+                "HTTP/1.1 304 Not Modified\r\nTransfer-Encoding: chunked\r\n\r\n",
+                false,
+            ),
+        ] {
+            assert_eq!(head(text, is_head).unwrap().2, Framing::Length(0), "{text}");
+        }
+    }
+
+    #[test]
+    fn response_framing_follows_rfc_9112_connection_end() {
+        // Connection: close and HTTP/1.0 (unless keep-alive) end the connection.
+        let (_, p, _) = head(
+            "HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 0\r\n\r\n",
+            false,
+        )
+        .unwrap();
+        assert!(p.extensions.get::<Close>().is_some());
+        let (_, p, _) = head("HTTP/1.0 200 OK\r\nContent-Length: 0\r\n\r\n", false).unwrap();
+        assert!(p.extensions.get::<Close>().is_some());
+        let (_, p, _) = head(
+            "HTTP/1.0 200 OK\r\nConnection: Keep-Alive\r\nContent-Length: 0\r\n\r\n",
+            false,
+        )
+        .unwrap();
+        assert!(p.extensions.get::<Close>().is_none());
+    }
+
+    #[test]
+    fn interim_answers_are_skipped_and_bad_heads_refused() {
+        assert!(matches!(
+            parse(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 200 OK\r\n", false),
+            Ok(Parsed::Interim(25))
+        ));
+        assert!(matches!(
+            parse(b"HTTP/1.1 200 OK\r\nA: b", false),
+            Ok(Parsed::Partial)
+        ));
+        assert!(matches!(
+            parse(b"HTTP/1.1 101 Switching Protocols\r\n\r\n", false),
+            Err(Malformed::SwitchedProtocols)
+        ));
+        assert!(matches!(
+            parse(b"garbage\r\n\r\n", false),
+            Err(Malformed::Syntax(_))
+        ));
+        assert!(parse(b"HTTP/1.1 999x OK\r\n\r\n", false).is_err());
+    }
+
+    #[test]
+    fn connection_rules_and_reason_phrases() {
+        // `close` wins whatever the order, on either version.
+        for text in [
+            "HTTP/1.0 200 OK\r\nConnection: close, keep-alive\r\nContent-Length: 0\r\n\r\n",
+            "HTTP/1.1 200 OK\r\nConnection: keep-alive, close\r\nContent-Length: 0\r\n\r\n",
+        ] {
+            assert!(
+                head(text, false)
+                    .unwrap()
+                    .1
+                    .extensions
+                    .get::<Close>()
+                    .is_some(),
+                "{text}"
+            );
+        }
+        // Transfer-Encoding in an HTTP/1.0 answer is faulty framing.
+        assert!(matches!(
+            parse(
+                b"HTTP/1.0 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n",
+                false
+            ),
+            Err(Malformed::CodingInHttp10)
+        ));
+        // An own reason phrase is kept; the standard one needs nothing.
+        let (_, p, _) = head(
+            "HTTP/1.1 599 Custom Thing\r\nContent-Length: 0\r\n\r\n",
+            false,
+        )
+        .unwrap();
+        let reason = p
+            .extensions
+            .get::<hyper::ext::ReasonPhrase>()
+            .expect("reason");
+        assert_eq!(reason.as_bytes(), b"Custom Thing");
+        let (_, p, _) = head("HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\n\r\n", false).unwrap();
+        assert!(p.extensions.get::<hyper::ext::ReasonPhrase>().is_none());
+    }
+
+    #[test]
+    fn an_answers_hop_by_hop_fields_are_left_out_as_it_is_parsed() {
+        // Every Connection option names a field to drop, whichever side of it that field
+        // stands and whatever its case: `close` and `keep-alive` too.
+        let (_, p, _) = head(
+            "HTTP/1.1 200 OK\r\nX-Early: 1\r\nClose: secret\r\nConnection: close, X-EARLY\r\n\
+             Connection: x-late ,\r\nKeep-Alive: timeout=5\r\nX-Late: 2\r\nTE: trailers\r\n\
+             Upgrade: h2c\r\nTrailer: x\r\nProxy-Authenticate: Basic\r\nX-Kept: 3\r\n\
+             Content-Length: 0\r\n\r\n",
+            false,
+        )
+        .unwrap();
+        let names: Vec<&str> = p.headers.keys().map(HeaderName::as_str).collect();
+        assert_eq!(names, ["x-kept", "content-length"]);
+        assert!(p.extensions.get::<Close>().is_some());
+    }
+
+    /// What [`read`] makes of an upstream that sends `wire` and closes.
+    async fn read_all(wire: &[u8], replayable: bool) -> Result<u16, Error> {
+        let mut conn = wire;
+        read(&mut conn, false, replayable)
+            .await
+            .map(|(parts, _, _)| parts.status.as_u16())
+    }
+
+    #[tokio::test]
+    async fn a_connection_that_ends_before_any_answer_byte_may_carry_the_request_again() {
+        let ok = read_all(b"HTTP/1.1 204 No Content\r\n\r\n", true).await;
+        assert_eq!(ok.ok(), Some(204));
+        for (wire, replayable, expected) in [
+            // Nothing at all: replayable if the request is.
+            (&b""[..], true, true),
+            (b"", false, false),
+            // An interim answer came: the upstream read the request.
+            (b"HTTP/1.1 100 Continue\r\n\r\n", true, false),
+        ] {
+            match read_all(wire, replayable).await {
+                Err(e @ Error::Closed { .. }) => assert_eq!(e.retryable(), expected, "{wire:?}"),
+                other => panic!("{wire:?}: {other:?}"),
+            }
+        }
+        let cut = read_all(b"HTTP/1.1 200 OK\r\nContent-", true).await;
+        assert!(matches!(cut, Err(Error::ClosedInHead)), "{cut:?}");
+        let big = vec![b'a'; MAX_HEAD + 1];
+        let too_large = read_all(&[&b"HTTP/1.1 200 OK\r\nX: "[..], &big].concat(), true).await;
+        assert!(
+            matches!(too_large, Err(Error::Malformed(Malformed::TooLarge))),
+            "{too_large:?}"
+        );
+    }
+}

@@ -1,0 +1,269 @@
+//! The upstream side: an HTTP/1.1 client written for this one job, hop-by-hop stripping and
+//! `X-Forwarded-*`. Bodies are never buffered: the client's request body streams to the
+//! upstream and the upstream's response body streams back.
+//!
+//! Why not hyper's client: it runs each upstream connection as a task of its own, reached
+//! through a channel, so every request costs two extra task wake-ups and a channel round
+//! trip. Here the request's own task writes the request and reads the answer on a pooled
+//! connection (one per worker thread's pool, so never shared across threads), for less CPU
+//! per request than hyper's `client::conn::http1` on a pool of the same kind
+//! (docs/performance.md has the comparison and its figures). The response head
+//! is parsed with `httparse` (hyper's own parser) and the body framed per RFC 9112 §6:
+//! `Content-Length`, `chunked`, or the connection's end.
+//!
+//! # How a request travels through it
+//!
+//! 1. [`Client::forward`] takes the client's request and what the gateway knows of the
+//!    client ([`Downstream`]). Its hop-by-hop fields are dropped and a `Host` ensured
+//!    (`forward`), and its head is written as bytes (`head`): the request line, the
+//!    client's fields, the forwarding fields of this hop (`forward`), the body's framing.
+//! 2. A connection comes from this worker's pool, if one is idle and clean, or is opened
+//!    (`pool`).
+//! 3. The head goes up, and the body after it as the client sends it (`body`), while the
+//!    answer is awaited: an upstream may answer before it has read the whole body.
+//! 4. The answer's head is read and parsed (`head`): its status and fields (hop-by-hop
+//!    ones left out), how its body is framed, whether its connection can be used again.
+//! 5. The answer goes back to the gateway with a [`ResponseBody`] that reads the rest from
+//!    the connection as the client takes it, and puts the connection back in the pool
+//!    once the body ended where its framing said (`pool` lists the rules).
+//!
+//! Anything that keeps a request from its answer's head is an [`Error`], which says the
+//! status the client gets and whether the request may be sent again; a body that fails
+//! later ends with a [`BodyError`].
+
+mod body;
+mod error;
+mod forward;
+mod head;
+mod pool;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use http::header::HeaderValue;
+use http::{Method, Request, Response};
+use hyper::body::Incoming;
+use tokio::io::AsyncWriteExt;
+use tokio::net::tcp::OwnedWriteHalf;
+use tokio::net::TcpStream;
+
+pub use body::{BodyError, ResponseBody};
+pub use error::{Error, Malformed};
+pub use forward::{Downstream, Peer};
+
+use body::{Conn, Sending, Upload, UploadError};
+use pool::{Address, Pool};
+
+/// How much is read from the upstream at a time.
+const READ_SIZE: usize = 16 * 1024;
+
+/// `[upstream]`, validated: where requests go and the clocks on the way.
+#[derive(Debug, PartialEq)]
+pub struct Settings {
+    /// Scheme and authority of the backend, e.g. `http://127.0.0.1:3000`.
+    pub url: http::Uri,
+    /// Path the request path is appended to, without a trailing `/` (empty for `/`).
+    pub base_path: String,
+    /// The longest opening a connection may take (resolving included).
+    pub connect_timeout: Duration,
+    /// Counted from the request sent in full, the longest the answer's head may take (then
+    /// 504); also the longest the upstream may stay silent inside an answer's body, or
+    /// take nothing of an upload.
+    pub timeout: Duration,
+}
+
+/// `[upstream] connect_timeout`'s default.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// `[upstream] timeout`'s default.
+pub const TIMEOUT: Duration = Duration::from_secs(30);
+
+/// One worker's way to the upstream: where it is, and the connections kept open to it.
+pub struct Client {
+    address: Address,
+    /// The `Host` sent when the client gave none: host and port, never user info.
+    authority: HeaderValue,
+    base_path: String,
+    timeout: Duration,
+    connect_timeout: Duration,
+    pool: Arc<Pool>,
+}
+
+impl Client {
+    pub fn new(cfg: &Settings) -> Client {
+        let host = cfg.url.host().unwrap_or("127.0.0.1");
+        let port = cfg.url.port_u16().unwrap_or(80);
+        let authority = match cfg.url.port() {
+            Some(p) => format!("{host}:{}", p.as_str()),
+            None => host.to_string(),
+        };
+        let authority = HeaderValue::from_str(&authority)
+            .unwrap_or_else(|_| HeaderValue::from_static("127.0.0.1"));
+        Client {
+            address: Address::new(host, port),
+            authority,
+            base_path: cfg.base_path.clone(),
+            timeout: cfg.timeout,
+            connect_timeout: cfg.connect_timeout,
+            pool: Arc::new(Pool::new(cfg.timeout)),
+        }
+    }
+
+    /// Close idle connections that expired or that the upstream closed.
+    pub fn sweep(&self) {
+        self.pool.sweep();
+    }
+
+    /// Send `req` upstream for the client `down` describes. The answer's head must arrive
+    /// within `timeout` of the request having been sent in full: an upload takes as long
+    /// as the client takes to send it, as long as it never pauses for `body_timeout`.
+    pub async fn forward(
+        &self,
+        req: Request<Incoming>,
+        down: &Downstream<'_>,
+    ) -> Result<Response<ResponseBody>, Error> {
+        let (mut parts, body) = req.into_parts();
+        let host = forward::prepare(&mut parts, &self.authority);
+        let sending = Sending::of(&body, &mut parts.headers);
+        let chunked = sending == Sending::Chunked;
+        let out = Outgoing {
+            head: head::request(&parts, &self.base_path, chunked, down, host.as_ref())?,
+            is_head: parts.method == Method::HEAD,
+            // Only an idempotent request may go again after its connection failed under
+            // it (`Error::retryable`).
+            replayable: parts.method.is_idempotent(),
+        };
+        // A kept connection the upstream has closed, or that holds bytes nobody asked for,
+        // is found out before it is used (`pool`); one closed the very moment it is used
+        // fails this request with a 502 rather than sending it twice.
+        let conn = match self.pool.take() {
+            Some(conn) => conn,
+            None => self.address.connect(self.connect_timeout).await?,
+        };
+        let answer = if sending == Sending::None {
+            self.exchange(conn, out).await?
+        } else {
+            self.duplex(conn, out, body, chunked, down.body_timeout)
+                .await?
+        };
+        // The answer's hop-by-hop fields were left out as its head was read; a transfer
+        // coding other than chunked is passed on where the client can take it.
+        head::pass_codings(answer, parts.version)
+    }
+
+    /// A request without a body: the head goes up, and the answer's head must come back
+    /// within `timeout`.
+    async fn exchange(
+        &self,
+        mut conn: TcpStream,
+        out: Outgoing,
+    ) -> Result<Response<ResponseBody>, Error> {
+        let replayable = out.replayable;
+        let exchange = async {
+            conn.write_all(&out.head)
+                .await
+                .map_err(|source| Error::Write { source, replayable })?;
+            head::read(&mut conn, out.is_head, replayable).await
+        };
+        let (parts, buf, framing) = tokio::time::timeout(self.timeout, exchange)
+            .await
+            .unwrap_or(Err(Error::Timeout(self.timeout)))?;
+        let conn = Conn::Whole(conn);
+        Ok(ResponseBody::answer(
+            parts, conn, None, buf, framing, &self.pool,
+        ))
+    }
+
+    /// A request with a body: the body goes up while the answer is awaited, so an upstream
+    /// that answers early (a 413, a 401) or streams its answer while it reads (an echo) is
+    /// heard at once. An answer that comes before the whole body went up takes the rest of
+    /// the upload along in its body (full duplex), and its connection is not kept.
+    ///
+    /// The clocks: while the body goes up, the client may pause at most `body_timeout`
+    /// between two of its reads (then 408), and the upstream may take at most `timeout` to
+    /// accept each write; once the body is all sent, the answer's head must come within
+    /// `timeout` (then 504). A client whose body is malformed or stalls gets its answer at
+    /// once, and the upstream connection, left mid-request, is closed.
+    async fn duplex(
+        &self,
+        conn: TcpStream,
+        out: Outgoing,
+        body: Incoming,
+        chunked: bool,
+        body_timeout: Duration,
+    ) -> Result<Response<ResponseBody>, Error> {
+        let (mut rd, mut wr) = conn.into_split();
+        let (timeout, replayable) = (self.timeout, out.replayable);
+        let mut upload: Upload = Box::pin(async move {
+            let head = out.head;
+            body::send(
+                &mut wr,
+                &head,
+                body,
+                chunked,
+                body_timeout,
+                timeout,
+                replayable,
+            )
+            .await?;
+            Ok(wr)
+        });
+        let mut uploaded: Option<Result<OwnedWriteHalf, UploadError>> = None;
+        let answer = {
+            // Some of the body may have been read by the time the answer fails: the
+            // request cannot go again then (a failed write of its head says so instead).
+            let reading = head::read(&mut rd, out.is_head, false);
+            tokio::pin!(reading);
+            // Armed once the body is all sent (or could not be).
+            let deadline = tokio::time::sleep(Duration::MAX / 4);
+            tokio::pin!(deadline);
+            loop {
+                tokio::select! {
+                    done = &mut upload, if uploaded.is_none() => {
+                        let done = match done {
+                            Err(UploadError::Client(e)) => return Err(Error::ClientBody(e)),
+                            Err(UploadError::Stalled) => {
+                                return Err(Error::ClientStalled(body_timeout))
+                            }
+                            done => done,
+                        };
+                        uploaded = Some(done);
+                        deadline.as_mut().reset(tokio::time::Instant::now() + timeout);
+                    }
+                    answer = &mut reading => break answer,
+                    () = &mut deadline => return Err(Error::Timeout(timeout)),
+                }
+            }
+        };
+        let (parts, buf, framing) = match answer {
+            Ok(answer) => answer,
+            // No answer: a failed write (a reset, say) says most.
+            Err(e) => {
+                return Err(match uploaded {
+                    Some(Err(UploadError::Upstream(wrote))) => wrote,
+                    _ => e,
+                })
+            }
+        };
+        let (conn, upload) = match uploaded {
+            Some(Ok(wr)) => match rd.reunite(wr) {
+                Ok(conn) => (Conn::Whole(conn), None),
+                Err(e) => (Conn::Half(e.0), None),
+            },
+            Some(Err(_)) => (Conn::Half(rd), None),
+            None => (Conn::Half(rd), Some(upload)),
+        };
+        Ok(ResponseBody::answer(
+            parts, conn, upload, buf, framing, &self.pool,
+        ))
+    }
+}
+
+/// A request on its way up: its head as bytes, and what reading the answer needs of it.
+struct Outgoing {
+    head: Vec<u8>,
+    /// A HEAD request: its answer has no body, whatever its fields say.
+    is_head: bool,
+    /// Whether the request may go again should its connection fail before any answer
+    /// ([`Error::retryable`]).
+    replayable: bool,
+}
