@@ -461,9 +461,20 @@ impl Registry {
             && last.compare_exchange(then, now, Relaxed, Relaxed).is_ok()
     }
 
-    /// Ask up to `n` of the connections idle the longest to close.
+    /// Have up to `n` connections on their way out to make room: ask that many of those
+    /// idle the longest to close, less idle ones asked before that have not closed yet (on a
+    /// loaded machine a closing connection can outlast the accept loop's backoff, and
+    /// asking again would close one more than the new client needs).
     pub fn make_room(&self, n: usize) {
         let open = self.lock();
+        let closing = open
+            .values()
+            .filter(|t| t.close.load(Relaxed) == CLOSE_MAKE_ROOM && t.idle())
+            .count();
+        let n = n.saturating_sub(closing);
+        if n == 0 {
+            return;
+        }
         let mut idle: Vec<(u64, &Arc<Track>)> = open
             .values()
             .filter(|t| t.idle() && t.close.load(Relaxed) == 0)
@@ -1093,6 +1104,37 @@ impl AsyncWrite for Guarded {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// Asked twice for room before the first connection asked has closed (the accept
+    /// loop's backoff on a loaded machine), the registry still closes only one: the one
+    /// idle the longest. Once that one has closed, the next ask picks the next.
+    #[tokio::test]
+    async fn make_room_asks_again_only_once_the_one_asked_has_closed() {
+        let registry = Registry::new(
+            "test",
+            3,
+            crate::metrics::Metrics::new().connections("test"),
+        );
+        let mut held = Vec::new();
+        for idle_since in [30, 10, 20] {
+            let permit = registry.permits.clone().try_acquire_owned().expect("room");
+            let r = registry.register(permit);
+            r.track.idle_since_ms.store(idle_since, Relaxed);
+            held.push(r);
+        }
+        let asked = |held: &[Registered]| -> Vec<u64> {
+            held.iter()
+                .filter(|r| r.track.close.load(Relaxed) == CLOSE_MAKE_ROOM)
+                .map(|r| r.track.idle_since_ms.load(Relaxed))
+                .collect()
+        };
+        registry.make_room(1);
+        registry.make_room(1);
+        assert_eq!(asked(&held), [10], "the longest idle, and only it");
+        held.remove(1); // it closes
+        registry.make_room(1);
+        assert_eq!(asked(&held), [20]);
+    }
 
     fn scan(bytes: &[u8]) -> Option<Scan> {
         bytes.iter().try_fold(Scan::Line, |s, &b| s.next(b))
