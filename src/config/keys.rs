@@ -84,10 +84,10 @@ impl RawKeys {
         inline.sort_by(|a, b| a.0.cmp(b.0));
         for (k, spanned) in inline {
             let plan = spanned.get_ref();
-            check_plan(&plan.0, defined)
-                .map_err(|m| Invalid::new(Some(spanned.span()), "keys.plans.<key>", m))?;
             let d =
                 key_digest(k).map_err(|m| Invalid::new(Some(spanned.span()), "keys.plans", m))?;
+            check_plan(&plan.0, defined)
+                .map_err(|m| Invalid::new(Some(spanned.span()), "keys.plans.<key>", m))?;
             if listed.get(&d).is_some_and(|p| *p != plan.0) {
                 return Err(Invalid::new(
                     Some(spanned.span()),
@@ -161,9 +161,9 @@ pub(super) fn load_keys_file(
         let span = spanned.span();
         let plan = spanned.into_inner();
         let invalid = |m: String| Invalid::new(Some(span.clone()), "plans", m).locate(&text, path);
+        let d = key_digest(&listed).map_err(invalid)?;
         check_plan(&plan.0, defined)
             .map_err(|m| Invalid::new(Some(span.clone()), "plans.<key>", m).locate(&text, path))?;
-        let d = key_digest(&listed).map_err(invalid)?;
         if out.get(&d).is_some_and(|p: &String| *p != plan.0) {
             return Err(invalid(
                 "one API key is listed twice with different plans (as itself and as its sha256:)"

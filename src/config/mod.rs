@@ -591,7 +591,7 @@ url = "http://127.0.0.1:3000"
         );
         assert_eq!(
             (line, column, key.as_str()),
-            (12, 1, "rules[0].plans.pro.exempt")
+            (13, 10, "rules[0].plans.pro.exempt")
         );
         assert_eq!(
             message,

@@ -157,8 +157,7 @@ pub(super) struct RawRule {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawPlanOverride {
-    #[serde(default)]
-    exempt: bool,
+    exempt: Option<Spanned<bool>>,
     rate: Option<Rate>,
     burst: Option<NonZeroU64>,
     algorithm: Option<Algorithm>,
@@ -404,7 +403,7 @@ impl At<'_> {
                 ));
             }
             let over = o.get_ref();
-            if over.exempt {
+            if let Some(exempt) = over.exempt.as_ref().filter(|e| *e.get_ref()) {
                 let set = [
                     ("rate", over.rate.is_some()),
                     ("burst", over.burst.is_some()),
@@ -413,8 +412,9 @@ impl At<'_> {
                     ("max_in_flight", over.max_in_flight.is_some()),
                 ];
                 if let Some((k, _)) = set.iter().find(|(_, set)| *set) {
-                    return Err(no(
-                        "exempt",
+                    return Err(Invalid::new(
+                        Some(exempt.span()),
+                        format!("{key}.exempt"),
                         format!("exempt = true: plan {plan:?} is not limited by this rule, so a {k} for it means nothing; drop one or the other"),
                     ));
                 }

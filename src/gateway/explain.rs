@@ -174,3 +174,59 @@ fn counted<'a>(cfg: &'a Config, rule: &'a Rule, requester: &Requester<'a>) -> St
     };
     format!("counted per {who}{mode}")
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    #[test]
+    fn check_says_why_each_rule_does_or_does_not_apply() {
+        let cfg = Config::parse(
+            concat!(
+                "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:2\"\n",
+                "[keys]\nunknown = \"reject\"\n[keys.plans]\n\"pro-key\" = \"pro\"\n",
+                "[[rules]]\nname = \"anon\"\nkey = \"client_ip\"\nrate = \"300/m\"\nmatch = { api_key = \"absent\" }\n",
+                "[[rules]]\nname = \"keyed\"\nkey = \"api_key\"\nrate = \"10/s\"\nmatch = { api_key = \"present\", methods = [\"POST\"] }\n[rules.plans.pro]\n",
+                "[[rules]]\nname = \"users\"\nkey = \"header:x-user\"\nrate = \"1/s\"\nmatch = { \"header:x-user\" = \"present\", host = \"app.test\" }\n",
+            ),
+            std::path::Path::new("t.toml"),
+        )
+        .unwrap();
+        let ask = |method: Method, sent: &[(&'static str, &'static str)]| {
+            let mut h = HeaderMap::new();
+            for (k, v) in sent {
+                h.insert(*k, HeaderValue::from_static(v));
+            }
+            let out = explain(&cfg, &method, "/x", &h, IpAddr::from([192, 0, 2, 1]));
+            out.lines().skip(1).map(str::to_string).collect::<Vec<_>>()
+        };
+        assert_eq!(
+            ask(Method::GET, &[("host", "app.test")]),
+            [
+                "1 rule(s) apply; the request passes only if all allow it:",
+                "  - anon: 300/m burst 300, token_bucket; counted per client IP 192.0.2.1",
+                "2 rule(s) do not apply:",
+                "    keyed: the method is not POST",
+                "    users: match \"header:x-user\" = \"present\", and the request carries no x-user header",
+            ]
+        );
+        assert_eq!(
+            ask(Method::POST, &[("x-api-key", "pro-key"), ("x-user", "u")]),
+            [
+                "1 rule(s) apply; the request passes only if all allow it:",
+                "  - keyed: 10/s burst 10 (plan pro), token_bucket; counted per x-api-key (identity d3101a88)",
+                "2 rule(s) do not apply:",
+                "    anon: match api_key = \"absent\", and the request carries an API key (x-api-key)",
+                "    users: no host, and it applies on app.test only",
+            ]
+        );
+        assert_eq!(
+            ask(Method::GET, &[("x-api-key", "stranger")])[..2],
+            [
+                "1 rule(s) apply; the request passes only if all allow it:",
+                "  - anon: refused with 401: the API key is not known (unknown = \"reject\") (read for its match on api_key)",
+            ]
+        );
+    }
+}
