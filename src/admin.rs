@@ -292,7 +292,14 @@ fn target<'c>(
     let identity = requester
         .identify(&rule.key)
         .map_err(|r| (r.status(), r.to_string()))?;
-    Ok((rule, identity.digest, rule.quota_for(requester.plan())))
+    // Its `match` is not asked: an identity's state is the same on every path.
+    let quota = rule.quota_for(requester.plan()).ok_or_else(|| {
+        (
+            StatusCode::NOT_FOUND,
+            "this key's plan is exempt from the rule: nothing is counted for it".to_string(),
+        )
+    })?;
+    Ok((rule, identity.digest, quota))
 }
 
 /// `/admin/state` (`reset` false: look, charge nothing) and `/admin/reset` (`reset` true).

@@ -331,6 +331,14 @@ fn raw_structs(src: &str) -> BTreeMap<String, Vec<String>> {
                 }
                 continue;
             }
+            // A key a hand-written `Deserialize` reads, named in the field's doc comment.
+            if let Some(k) = l
+                .strip_prefix("/// In the file: `")
+                .and_then(|r| r.strip_suffix('`'))
+            {
+                rename = Some(k.to_string());
+                continue;
+            }
             if l.is_empty() || l.starts_with("//") {
                 continue;
             }

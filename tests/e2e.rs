@@ -639,7 +639,8 @@ async fn missing_and_unknown_keys_and_plans() {
 
     let gw = Gateway::start(&format!(
         "{base}[keys]\nunknown = \"reject\"\n[keys.plans]\n\"pro-key\" = \"pro\"\n\"free-key\" = \"free\"\n\
-         [[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"1/h\"\nburst = 2\n[rules.plans.pro]\nburst = 5\n"
+         [[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"1/h\"\nburst = 2\n[rules.plans.pro]\nburst = 5\n\
+         [rules.plans.free]\n"
     ));
     assert_eq!(
         client
@@ -657,6 +658,48 @@ async fn missing_and_unknown_keys_and_plans() {
         }
         assert_eq!(ok, passes, "{key}");
     }
+}
+
+/// Keyed clients by key, anonymous clients by IP: the issue's operator saw a per-IP 300/min
+/// ceiling cap a pro key behind one address (277 of 320). With `api_key = "absent"` on the
+/// per-IP rule, the pro key gets all 320 and anonymous clients still get exactly 300.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_per_ip_ceiling_for_anonymous_clients_leaves_keyed_ones_to_their_plan() {
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "{}[keys]\nunknown = \"reject\"\n[keys.plans]\n\"pro-key\" = \"pro\"\n\
+         [[rules]]\nname = \"per-ip\"\nkey = \"client_ip\"\nalgorithm = \"sliding_window\"\nrate = \"300/m\"\n\
+         match = {{ api_key = \"absent\" }}\n\
+         [[rules]]\nname = \"api\"\nkey = \"api_key\"\nmatch = {{ api_key = \"present\" }}\nrate = \"10/s\"\nburst = 20\n\
+         [rules.plans.pro]\nrate = \"100/s\"\nburst = 400\n",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let client = HttpClient::new();
+    let url = gw.url("/api/orders");
+    let mut pro = Vec::new();
+    for _ in 0..320 {
+        pro.push(client.get(&url, &[("x-api-key", "pro-key")]).await.status);
+    }
+    assert_eq!(
+        tally(pro),
+        [(200, 320)].into_iter().collect(),
+        "{}",
+        gw.logs()
+    );
+    let mut anonymous = Vec::new();
+    for _ in 0..301 {
+        anonymous.push(client.get(&url, &[]).await.status);
+    }
+    assert_eq!(
+        tally(anonymous),
+        [(200, 300), (429, 1)].into_iter().collect()
+    );
+    let r = client.get(&url, &[("x-api-key", "made-up")]).await;
+    assert_eq!(
+        r.status,
+        StatusCode::UNAUTHORIZED,
+        "an unknown key is not \"present\""
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -174,8 +174,9 @@ async fn plans_reject_mode_401s_unlisted_keys_and_admits_listed_ones(store: Stor
         ],
     );
     let upstream = Upstream::start().await;
+    // "free" keys are listed to be let in, with the rule's own limit: an empty plan table.
     let gw = Gateway::start(&format!(
-        "{}[keys]\nunknown = \"reject\"\nfile = \"{}\"\n[keys.plans]\n\"sk_inline_gold\" = \"gold\"\n{PLAN_RULE}",
+        "{}[keys]\nunknown = \"reject\"\nfile = \"{}\"\n[keys.plans]\n\"sk_inline_gold\" = \"gold\"\n{PLAN_RULE}[rules.plans.free]\n",
         upstream_and_store(&upstream.url(), &store),
         toml_path(&keys)
     ));
@@ -296,6 +297,32 @@ async fn plans_keys_file_is_reread_on_sighup(store: Store) {
         !gw.logs().contains("config reload rejected"),
         "{}",
         gw.logs()
+    );
+
+    // v4 has a typo in a plan name: the reload is rejected, pointing at the keys file's
+    // line, and v3 keeps serving.
+    std::fs::write(
+        &beside,
+        format!("[plans]\n\"{c}\" = \"gold\"\n\"sk_live_reload_d_0004\" = \"Pro\"\n"),
+    )
+    .expect("write keys file");
+    gw.signal("HUP");
+    let rejected = tokio::task::block_in_place(|| {
+        gw.wait_for_log("config reload rejected", 1, Duration::from_secs(15))
+    });
+    let logs = gw.logs();
+    assert!(rejected, "{logs}");
+    let at = format!("{}:3:27: plans.<key>: plan ", beside.display());
+    assert!(
+        logs.contains(&at) && logs.contains("(did you mean"),
+        "{at}\n{logs}"
+    );
+    assert!(!logs.contains("sk_live_reload_d_0004"), "no key in the log");
+    assert_eq!(status(c).await, 429, "c keeps plan gold (its 4 are spent)");
+    assert_eq!(
+        status("sk_live_reload_d_0004").await,
+        401,
+        "d was never listed"
     );
 }
 

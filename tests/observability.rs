@@ -1180,7 +1180,7 @@ fn check_explains_a_sample_request() {
     assert!(out.contains(": valid"), "{out}");
     let s = sample(&out);
     assert!(s.starts_with(" POST /api/orders"), "{s}");
-    assert!(s.contains("3 rule(s) apply"), "{s}");
+    assert!(s.contains("2 rule(s) apply"), "{s}");
     let daily = s
         .lines()
         .find(|l| l.trim_start().starts_with("- daily:"))
@@ -1202,12 +1202,21 @@ fn check_explains_a_sample_request() {
         !s.contains("demo-pro-key"),
         "the key itself is not shown: {s}"
     );
-    let per_ip = s
-        .lines()
-        .find(|l| l.trim_start().starts_with("- per-ip:"))
-        .unwrap_or_else(|| panic!("no per-ip line:\n{s}"));
-    assert!(per_ip.contains("sliding_window"), "{per_ip}");
-    assert!(per_ip.contains("127.0.0.1"), "{per_ip}");
+    // The rules that do not apply, each with why: path, method, plan.
+    let (_, not) = s
+        .split_once("4 rule(s) do not apply:\n")
+        .unwrap_or_else(|| panic!("no rules that do not apply:\n{s}"));
+    let not: Vec<&str> = not.lines().map(str::trim).collect();
+    assert_eq!(
+        not,
+        [
+            "exports: the path does not fit glob /api/*/export",
+            "login: the path is not /api/login",
+            "uploads: the path does not start with /api/upload",
+            "per-ip: plan pro is exempt from it",
+        ],
+        "{s}"
+    );
 
     let (code, out, err) = run_ratewall(&[
         "check", "--config", config, "--path", "/health", "--method", "DELETE",
@@ -1215,6 +1224,12 @@ fn check_explains_a_sample_request() {
     assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
     let s = sample(&out);
     assert!(s.contains("1 rule(s) apply"), "{s}");
+    let per_ip = s
+        .lines()
+        .find(|l| l.trim_start().starts_with("- per-ip:"))
+        .unwrap_or_else(|| panic!("no per-ip line:\n{s}"));
+    assert!(per_ip.contains("sliding_window"), "{per_ip}");
+    assert!(per_ip.contains("127.0.0.1"), "{per_ip}");
     let listed: Vec<&str> = s
         .lines()
         .filter_map(|l| l.trim_start().strip_prefix("- "))

@@ -354,3 +354,157 @@ async fn unlimited_requests_and_malformed_ones_never_reach_the_store() {
     let encoded = t.get(&live, "/api%2Fx", Some("k")).await;
     assert_eq!(encoded.status, StatusCode::TOO_MANY_REQUESTS);
 }
+
+// ---------------------------------------------------------------------------------------
+// Keyed clients by key, anonymous clients by IP (match on what a request carries; plans
+// exempt from a rule).
+
+/// A per-IP ceiling of 300 a minute on every path, and a per-key limit under `/api/` that
+/// lets a pro key send 400 at once. `ip_extra` is added to the per-IP rule.
+fn policy(unknown: &str, ip_extra: &str) -> String {
+    format!(
+        "[keys]\nunknown = \"{unknown}\"\n[keys.plans]\n\"pro-key\" = \"pro\"\n\"free-key\" = \"free\"\n\
+         [[rules]]\nname = \"per-ip\"\nkey = \"client_ip\"\nalgorithm = \"sliding_window\"\nrate = \"300/m\"\n{ip_extra}\n\
+         [[rules]]\nname = \"per-key\"\nkey = \"api_key\"\nmatch = {{ path_prefix = \"/api/\", api_key = \"present\" }}\n\
+         rate = \"10/s\"\nburst = 20\n[rules.plans.pro]\nrate = \"100/s\"\nburst = 400\n[rules.plans.free]\n"
+    )
+}
+
+const PEER: &str = "203.0.113.7";
+
+/// How many of `n` requests to `path` with `headers` from `peer` got each status, in
+/// order of first appearance; and the 429s' violated policies.
+async fn tally(
+    t: &InProcess,
+    live: &Live,
+    n: usize,
+    path: &str,
+    headers: &[(&str, &str)],
+    peer: &str,
+) -> (Vec<(u16, usize)>, Vec<String>) {
+    let mut counts: Vec<(u16, usize)> = Vec::new();
+    let mut violated = Vec::new();
+    for _ in 0..n {
+        let seen = t.send(live, "GET", path, headers, peer).await;
+        let code = seen.status.as_u16();
+        match counts.iter_mut().find(|(c, _)| *c == code) {
+            Some((_, k)) => *k += 1,
+            None => counts.push((code, 1)),
+        }
+        if code == 429 {
+            let v = seen
+                .body
+                .split("\"violated-policies\":")
+                .nth(1)
+                .unwrap_or("");
+            let v = v.split(']').next().unwrap_or("").to_string() + "]";
+            if !violated.contains(&v) {
+                violated.push(v);
+            }
+        }
+    }
+    (counts, violated)
+}
+
+#[tokio::test]
+async fn a_per_ip_ceiling_caps_a_pro_key_unless_the_rule_leaves_keyed_requests_out() {
+    // Today's policy: the per-IP rule counts every request, so a pro key behind one
+    // address gets 300 of its 320.
+    let t = InProcess::new(&policy("reject", ""));
+    let live = t.gw.live();
+    let pro = [("x-api-key", "pro-key")];
+    let (counts, violated) = tally(&t, &live, 320, "/api/x", &pro, PEER).await;
+    assert_eq!(counts, [(200, 300), (429, 20)]);
+    assert_eq!(violated, ["[\"per-ip\"]"]);
+
+    // Keyed clients by key, anonymous clients by IP.
+    for ip_extra in [
+        "match = { api_key = \"absent\" }",
+        "[rules.plans.pro]\nexempt = true",
+    ] {
+        let t = InProcess::new(&policy("reject", ip_extra));
+        let live = t.gw.live();
+        let (counts, _) = tally(&t, &live, 320, "/api/x", &pro, PEER).await;
+        assert_eq!(counts, [(200, 320)], "{ip_extra}");
+        let seen = t.send(&live, "GET", "/api/x", &pro, PEER).await;
+        assert_eq!(
+            seen.header("ratelimit-policy"),
+            "\"per-key\";q=100;w=1",
+            "{ip_extra}: the per-IP rule does not apply to the pro key at all"
+        );
+        // The pro key's 321 took nothing from its address: anonymous requests from it
+        // still get exactly the ceiling.
+        let (counts, violated) = tally(&t, &live, 310, "/public", &[], PEER).await;
+        assert_eq!(counts, [(200, 300), (429, 10)], "{ip_extra}");
+        assert_eq!(violated, ["[\"per-ip\"]"], "{ip_extra}");
+        // And so do anonymous requests under /api/: the per-key rule leaves them out.
+        let (counts, _) = tally(&t, &live, 1, "/api/x", &[], PEER).await;
+        assert_eq!(counts, [(429, 1)], "{ip_extra}");
+        let (counts, _) = tally(&t, &live, 301, "/api/x", &[], "198.51.100.1").await;
+        assert_eq!(counts, [(200, 300), (429, 1)], "{ip_extra}");
+    }
+}
+
+#[tokio::test]
+async fn an_absent_key_is_only_one_no_key_rule_would_refuse() {
+    let t = InProcess::new(&policy("reject", "match = { api_key = \"absent\" }"));
+    let live = t.gw.live();
+    // The per-IP rule alone applies to /public; it reads the key as the per-key rule
+    // would, so a bad key is refused there too instead of passing as "present".
+    let (counts, _) = tally(&t, &live, 1, "/public", &[("x-api-key", "made-up")], PEER).await;
+    assert_eq!(counts, [(401, 1)], "an unknown key, unknown = \"reject\"");
+    let twice = [("x-api-key", "pro-key"), ("x-api-key", "pro-key")];
+    let seen = t.send(&live, "GET", "/public", &twice, PEER).await;
+    assert_eq!(
+        (seen.status, seen.decision),
+        (StatusCode::BAD_REQUEST, "bad_key")
+    );
+    // An empty key is no key: counted by IP.
+    let seen = t
+        .send(&live, "GET", "/public", &[("x-api-key", " ")], PEER)
+        .await;
+    assert_eq!(seen.header("ratelimit-policy"), "\"per-ip\";q=300;w=60");
+    // A listed key skips the per-IP rule: on /public no rule applies.
+    let seen = t.get(&live, "/public", Some("free-key")).await;
+    assert_eq!((seen.status, seen.decision), (StatusCode::OK, "unlimited"));
+    let free = [("x-api-key", "free-key")];
+    let (counts, _) = tally(&t, &live, 25, "/api/x", &free, PEER).await;
+    assert_eq!(counts, [(200, 20), (429, 5)], "the free key's own burst");
+
+    // With unknown = "allow" a made-up key is a key like any other: "absent" lets it past
+    // the per-IP rule. An exempt plan does not: only listed keys have one.
+    let t = InProcess::new(&policy("allow", "match = { api_key = \"absent\" }"));
+    let live = t.gw.live();
+    let seen = t.get(&live, "/public", Some("made-up")).await;
+    assert_eq!(seen.decision, "unlimited");
+    let t = InProcess::new(&policy("allow", "[rules.plans.pro]\nexempt = true"));
+    let live = t.gw.live();
+    let (counts, _) = tally(&t, &live, 301, "/public", &[("x-api-key", "made-up")], PEER).await;
+    assert_eq!(counts, [(200, 300), (429, 1)]);
+    let (counts, _) = tally(&t, &live, 301, "/public", &[("x-api-key", "pro-key")], PEER).await;
+    assert_eq!(counts, [(200, 301)]);
+}
+
+#[tokio::test]
+async fn a_header_condition_asks_only_whether_the_header_is_there() {
+    let t = InProcess::new(concat!(
+        "[[rules]]\nname = \"anon\"\nkey = \"client_ip\"\nrate = \"1/h\"\nburst = 2\nmatch = { \"header:authorization\" = \"absent\" }\n",
+        "[[rules]]\nname = \"users\"\nkey = \"header:authorization\"\nrate = \"1/h\"\nburst = 3\nmatch = { \"header:Authorization\" = \"present\", methods = [\"POST\"] }\n",
+    ));
+    let live = t.gw.live();
+    let long = format!("Bearer {}", "x".repeat(2000));
+    let auth = [("authorization", long.as_str())];
+    let seen = t.send(&live, "GET", "/", &auth, PEER).await;
+    assert_eq!(
+        seen.decision, "unlimited",
+        "a long token is present, not refused"
+    );
+    let seen = t.send(&live, "POST", "/", &auth, PEER).await;
+    assert_eq!(
+        (seen.status, seen.decision),
+        (StatusCode::BAD_REQUEST, "bad_key"),
+        "the rule counting by it refuses a value over 1 KiB"
+    );
+    let (counts, _) = tally(&t, &live, 3, "/", &[("authorization", "")], PEER).await;
+    assert_eq!(counts, [(200, 2), (429, 1)], "an empty header is absent");
+}

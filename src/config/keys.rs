@@ -1,7 +1,7 @@
 //! `[client_ip]` and `[keys]`: whose forwarding headers are believed, the API key header,
 //! and the listed keys' plans (inline, or in a keys file of their own).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
@@ -48,12 +48,36 @@ struct RawKeysFile {
     plans: HashMap<String, Spanned<PlanName>>,
 }
 
+/// A listed key's plan must be one some rule has a `[rules.plans.<plan>]` table for
+/// (`defined`): a typo (`"Pro"` for `"pro"`) would otherwise give the key no plan at all,
+/// and its customer the default limits, without a word.
+fn check_plan(plan: &str, defined: &BTreeSet<&str>) -> Result<(), String> {
+    if defined.contains(plan) {
+        return Ok(());
+    }
+    let mut m = format!("plan {plan:?} is not defined by any rule: ");
+    if defined.is_empty() {
+        m.push_str("no rule has a [rules.plans.<plan>] table");
+    } else {
+        let names: Vec<String> = defined.iter().map(|p| format!("{p:?}")).collect();
+        m.push_str(&format!("the rules define {}", names.join(", ")));
+        if let Some(near) = defined.iter().find(|p| p.eq_ignore_ascii_case(plan)) {
+            m.push_str(&format!(" (did you mean {near:?}?)"));
+        }
+    }
+    m.push_str(
+        "; a key with the rules' default limits needs no plan, or an empty [rules.plans.<plan>] table",
+    );
+    Err(m)
+}
+
 impl RawKeys {
     /// Every listed key as a digest: inline ones, then `file`'s (its path, and what
-    /// [`load_keys_file`] read from it).
+    /// [`load_keys_file`] read from it). Every plan must be one of `defined`.
     pub(super) fn validate(
         self,
         file: Option<(PathBuf, HashMap<[u8; 32], String>)>,
+        defined: &BTreeSet<&str>,
     ) -> Result<Keys, Invalid> {
         let mut listed: HashMap<[u8; 32], String> = HashMap::new();
         let mut inline: Vec<(&String, &Spanned<PlanName>)> = self.plans.iter().collect();
@@ -62,6 +86,8 @@ impl RawKeys {
             let plan = spanned.get_ref();
             let d =
                 key_digest(k).map_err(|m| Invalid::new(Some(spanned.span()), "keys.plans", m))?;
+            check_plan(&plan.0, defined)
+                .map_err(|m| Invalid::new(Some(spanned.span()), "keys.plans.<key>", m))?;
             if listed.get(&d).is_some_and(|p| *p != plan.0) {
                 return Err(Invalid::new(
                     Some(spanned.span()),
@@ -119,17 +145,25 @@ fn key_digest(listed: &str) -> Result<[u8; 32], String> {
     Ok(sha256(listed.as_bytes()))
 }
 
-/// Read a keys file: `[plans]`, each API key (or `sha256:<hex>`) -> plan name. Errors
-/// name the keys file, its line and column.
-pub(super) fn load_keys_file(path: &Path) -> Result<HashMap<[u8; 32], String>, ConfigError> {
+/// Read a keys file: `[plans]`, each API key (or `sha256:<hex>`) -> plan name, each plan
+/// one of `defined`. Errors name the keys file, its line and column.
+pub(super) fn load_keys_file(
+    path: &Path,
+    defined: &BTreeSet<&str>,
+) -> Result<HashMap<[u8; 32], String>, ConfigError> {
     let text = super::read(path)?;
     let raw: RawKeysFile = from_toml(&text, path, "plans.")?;
     let mut out = HashMap::with_capacity(raw.plans.len());
-    for (listed, spanned) in raw.plans {
+    // In file order, so the first bad line is the one reported.
+    let mut entries: Vec<(String, Spanned<PlanName>)> = raw.plans.into_iter().collect();
+    entries.sort_by_key(|(_, p)| p.span().start);
+    for (listed, spanned) in entries {
         let span = spanned.span();
         let plan = spanned.into_inner();
         let invalid = |m: String| Invalid::new(Some(span.clone()), "plans", m).locate(&text, path);
         let d = key_digest(&listed).map_err(invalid)?;
+        check_plan(&plan.0, defined)
+            .map_err(|m| Invalid::new(Some(span.clone()), "plans.<key>", m).locate(&text, path))?;
         if out.get(&d).is_some_and(|p: &String| *p != plan.0) {
             return Err(invalid(
                 "one API key is listed twice with different plans (as itself and as its sha256:)"

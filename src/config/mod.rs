@@ -17,7 +17,7 @@ mod store;
 mod upstream;
 mod values;
 
-use std::collections::HashSet;
+use std::collections::{BTreeSet, HashSet};
 use std::ops::Range;
 use std::path::{Path, PathBuf};
 
@@ -28,7 +28,7 @@ use toml::Spanned;
 use crate::headers::ResponseStyle;
 use crate::identity::{ClientIp, KeyKind, Keys, MissingKey};
 use crate::limiter::store::{self as store_settings, Backend};
-use crate::rules::{Rule, RuleIndex};
+use crate::rules::{Plan, Rule, RuleIndex};
 
 pub use rules::{DEFAULT_LEASE_TTL, DEFAULT_MAX_WAITING, MAX_DELAY};
 pub use server::{Admin, Server, MAX_CONNECTIONS, MAX_HEADER_BYTES, SHUTDOWN_GRACE};
@@ -83,6 +83,15 @@ struct RawConfig {
     response: server::RawResponse,
     #[serde(default)]
     rules: Vec<Spanned<rules::RawRule>>,
+}
+
+/// The plans some rule has a `[rules.plans.<plan>]` table for: the only plans a key may
+/// be given.
+fn defined_plans(rules: &[Spanned<rules::RawRule>]) -> BTreeSet<&str> {
+    rules
+        .iter()
+        .flat_map(|r| r.get_ref().plan_names())
+        .collect()
 }
 
 /// A value the file has wrong: where (a byte span of the file), under which key, and why.
@@ -150,13 +159,14 @@ impl Config {
     /// relative to its folder.
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
         let raw: RawConfig = from_toml(text, path, "keys.plans.")?;
+        let defined = defined_plans(&raw.rules);
         let keys_file = match &raw.keys.file {
             Some(f) => {
                 let file = path
                     .parent()
                     .unwrap_or(Path::new(""))
                     .join(f.get_ref().trim());
-                let listed = keys::load_keys_file(&file).map_err(|e| match e {
+                let listed = keys::load_keys_file(&file, &defined).map_err(|e| match e {
                     // A missing keys file is the config's error: point at `file =`.
                     ConfigError::Read { source, .. } => Invalid::new(
                         Some(f.span()),
@@ -187,7 +197,9 @@ impl Config {
             }
             None => store::RawStore::default().validate(None)?,
         };
-        let keys = raw.keys.validate(keys_file)?;
+        let defined = defined_plans(&raw.rules);
+        let keys = raw.keys.validate(keys_file, &defined)?;
+        drop(defined);
         let plan_names: HashSet<&str> = keys.plan_names().collect();
         let mut names = HashSet::new();
         let mut rules = Vec::with_capacity(raw.rules.len());
@@ -201,7 +213,7 @@ impl Config {
                     format!("duplicate rule name {name:?}"),
                 ));
             }
-            rules.push(r.validate(i, spanned.span(), &plan_names)?);
+            rules.push(r.validate(i, spanned.span(), &plan_names, &keys.header)?);
         }
         drop(plan_names);
         let index = RuleIndex::new(&rules);
@@ -292,8 +304,15 @@ impl Config {
             let _ = writeln!(out, "      {}", r.behaviour());
             let mut plans: Vec<_> = r.plans.iter().collect();
             plans.sort_by(|a, b| a.0.cmp(b.0));
-            for (p, q) in plans {
-                let _ = writeln!(out, "      plan {p}: {q} ({})", q.algorithm.name());
+            for (p, plan) in plans {
+                let _ = match plan {
+                    Plan::Limit(q) => {
+                        writeln!(out, "      plan {p}: {q} ({})", q.algorithm.name())
+                    }
+                    Plan::Exempt => {
+                        writeln!(out, "      plan {p}: exempt, not limited by this rule")
+                    }
+                };
             }
         }
         out
@@ -489,7 +508,7 @@ url = "http://127.0.0.1:3000"
     #[test]
     fn plan_overrides_must_name_a_known_plan() {
         let (_, _, key, message) = err(
-            "[keys.plans]\n\"k1\" = \"pro\"\n[[rules]]\nname = \"a\"\nkey = \"api_key\"\nrate = \"1/s\"\n[rules.plans.gold]\nrate = \"5/s\"\n",
+            "[keys.plans]\n\"k1\" = \"pro\"\n[[rules]]\nname = \"a\"\nkey = \"api_key\"\nrate = \"1/s\"\n[rules.plans.pro]\n[rules.plans.gold]\nrate = \"5/s\"\n",
         );
         assert_eq!(key, "rules[0].plans.gold");
         assert!(message.contains("gold"), "{message}");
@@ -498,8 +517,140 @@ url = "http://127.0.0.1:3000"
         )
         .unwrap();
         let r = &cfg.rules[0];
-        assert_eq!(r.quota_for(Some("pro")).burst, 9);
-        assert_eq!(r.quota_for(None).burst, 1);
+        assert_eq!(r.quota_for(Some("pro")).map(|q| q.burst), Some(9));
+        assert_eq!(r.quota_for(None).map(|q| q.burst), Some(1));
+    }
+
+    /// The rules define `pro` and `partner`: a key given any other plan is a typo that
+    /// would give its customer no plan at all.
+    const PLANNED: &str = "[[rules]]\nname = \"a\"\nkey = \"api_key\"\nrate = \"1/s\"\n[rules.plans.pro]\nrate = \"5/s\"\n[rules.plans.partner]\nexempt = true\n";
+
+    #[test]
+    fn a_key_given_a_plan_no_rule_defines_is_an_error() {
+        let (line, column, key, message) =
+            err(&format!("[keys.plans]\n\"pro-key-0001\" = \"pro\"\n\"partner-key\" = \"partner\"\n\"pro-key-0002\" = \"Pro\"\n{PLANNED}"));
+        assert_eq!((line, column, key.as_str()), (9, 18, "keys.plans.<key>"));
+        assert_eq!(
+            message,
+            "plan \"Pro\" is not defined by any rule: the rules define \"partner\", \"pro\" (did you mean \"pro\"?); a key with the rules' default limits needs no plan, or an empty [rules.plans.<plan>] table"
+        );
+        assert!(!message.contains("pro-key"), "no key in the message");
+        let (_, _, _, message) = err("[keys.plans]\n\"k\" = \"gold\"\n");
+        assert_eq!(
+            message,
+            "plan \"gold\" is not defined by any rule: no rule has a [rules.plans.<plan>] table; a key with the rules' default limits needs no plan, or an empty [rules.plans.<plan>] table"
+        );
+        // An empty table defines a plan with the rule's own limit.
+        let cfg = parse(&format!(
+            "[keys.plans]\n\"k\" = \"free\"\n\"j\" = \"pro\"\n\"l\" = \"partner\"\n{PLANNED}[rules.plans.free]\n"
+        ))
+        .unwrap();
+        assert_eq!(
+            cfg.rules[0].quota_for(Some("free")),
+            Some(&cfg.rules[0].quota)
+        );
+    }
+
+    #[test]
+    fn a_keys_file_plan_no_rule_defines_is_an_error_in_the_keys_file() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("keys.toml"),
+            "[plans]\n\"pro-key-0001\" = \"pro\"\n\"pro-key-0002\" = \"Pro\"\n",
+        )
+        .unwrap();
+        let path = dir.path().join("limits.toml");
+        std::fs::write(
+            &path,
+            format!("{MINIMAL}[keys]\nfile = \"keys.toml\"\n{PLANNED}"),
+        )
+        .unwrap();
+        let e = Config::load(&path).unwrap_err().to_string();
+        let keys = dir.path().join("keys.toml");
+        assert_eq!(
+            e,
+            format!("{}:3:18: plans.<key>: plan \"Pro\" is not defined by any rule: the rules define \"partner\", \"pro\" (did you mean \"pro\"?); a key with the rules' default limits needs no plan, or an empty [rules.plans.<plan>] table", keys.display())
+        );
+    }
+
+    #[test]
+    fn an_exempt_plan_takes_no_limit_of_its_own() {
+        let cfg = parse(&format!(
+            "[keys.plans]\n\"k\" = \"partner\"\n\"j\" = \"pro\"\n{PLANNED}"
+        ))
+        .unwrap();
+        let r = &cfg.rules[0];
+        assert_eq!(r.quota_for(Some("partner")), None);
+        assert!(
+            cfg.describe().contains("plan partner: exempt"),
+            "{}",
+            cfg.describe()
+        );
+        let (line, column, key, message) = err(
+            "[keys.plans]\n\"k\" = \"pro\"\n[[rules]]\nname = \"ip\"\nkey = \"client_ip\"\nrate = \"1/s\"\n[rules.plans.pro]\nexempt = true\nrate = \"5/s\"\n",
+        );
+        assert_eq!(
+            (line, column, key.as_str()),
+            (13, 10, "rules[0].plans.pro.exempt")
+        );
+        assert_eq!(
+            message,
+            "exempt = true: plan \"pro\" is not limited by this rule, so a rate for it means nothing; drop one or the other"
+        );
+    }
+
+    #[test]
+    fn match_takes_conditions_on_what_a_request_carries() {
+        let cfg = parse(
+            "[[rules]]\nname = \"ip\"\nkey = \"client_ip\"\nrate = \"1/s\"\nmatch = { path_prefix = \"/api/\", api_key = \"absent\", \"header:X-User\" = \"present\" }\n",
+        )
+        .unwrap();
+        assert_eq!(
+            cfg.rules[0].matcher.describe(),
+            "/api/*, api_key = \"absent\", \"header:x-user\" = \"present\""
+        );
+        for (text, at, key, message) in [
+            (
+                "match = { api_key = \"sometimes\" }",
+                (10, 21),
+                "rules[0].match.api_key",
+                "unknown variant `sometimes`, expected `present` or `absent`",
+            ),
+            (
+                "match = { apikey = \"absent\" }",
+                (10, 11),
+                "rules[0].match.apikey",
+                "unknown field `apikey`, expected one of `path_prefix`, `path`, `glob`, `methods`, `host`, `api_key`, `header:<name>`",
+            ),
+            (
+                "match = { \"header:bad name\" = \"absent\" }",
+                (10, 11),
+                "rules[0].match.header:bad name",
+                "invalid header name in \"header:bad name\"",
+            ),
+            (
+                "match = { \"header:X-API-Key\" = \"absent\" }",
+                (10, 32),
+                "rules[0].match.header:x-api-key",
+                "x-api-key is the API key header ([keys] header): write api_key = \"absent\", which reads it as a key",
+            ),
+        ] {
+            let (line, column, k, m) = err(&format!(
+                "[[rules]]\nname = \"ip\"\nkey = \"client_ip\"\nrate = \"1/s\"\n{text}\n"
+            ));
+            assert_eq!(((line, column), k.as_str(), m.as_str()), (at, key, message), "{text}");
+        }
+        let (line, column, key, message) = err(
+            "[[rules]]\nname = \"k\"\nkey = \"api_key\"\nrate = \"1/s\"\nmatch = { api_key = \"absent\" }\n",
+        );
+        assert_eq!(
+            (line, column, key.as_str()),
+            (10, 21, "rules[0].match.api_key")
+        );
+        assert_eq!(
+            message,
+            "a rule counting by api_key that applies only when it is absent counts nobody by it; count those requests with key = \"client_ip\""
+        );
     }
 
     #[test]
@@ -521,7 +672,7 @@ url = "http://127.0.0.1:3000"
         )
         .unwrap();
         let text = format!(
-            "{MINIMAL}[keys]\nfile = \"keys.toml\"\nunknown = \"reject\"\n[keys.plans]\n\"inline-3\" = \"pro\"\n[[rules]]\nname = \"a\"\nkey = \"api_key\"\nrate = \"1/s\"\n[rules.plans.team]\nalgorithm = \"sliding_window\"\nrate = \"5/m\"\ncost = 2\n"
+            "{MINIMAL}[keys]\nfile = \"keys.toml\"\nunknown = \"reject\"\n[keys.plans]\n\"inline-3\" = \"pro\"\n[[rules]]\nname = \"a\"\nkey = \"api_key\"\nrate = \"1/s\"\n[rules.plans.team]\nalgorithm = \"sliding_window\"\nrate = \"5/m\"\ncost = 2\n[rules.plans.pro]\n"
         );
         let path = dir.path().join("limits.toml");
         std::fs::write(&path, &text).unwrap();
@@ -531,7 +682,7 @@ url = "http://127.0.0.1:3000"
         assert_eq!(cfg.keys.plan_of(b"inline-3"), Some("pro"));
         assert_eq!(cfg.keys.plan_of(b"sha256:x"), None);
         assert_eq!(cfg.keys.len(), 3);
-        let team = cfg.rules[0].quota_for(Some("team"));
+        let team = cfg.rules[0].quota_for(Some("team")).unwrap();
         assert_eq!(team.algorithm, Algorithm::SlidingWindow);
         assert_eq!((team.rate.count, team.cost), (5, 2));
         // The same key twice with different plans is an error, wherever it is listed.

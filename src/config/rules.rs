@@ -6,14 +6,18 @@ use std::num::{NonZeroU32, NonZeroU64};
 use std::ops::Range;
 use std::time::Duration;
 
-use serde::Deserialize;
+use std::fmt;
+
+use http::HeaderName;
+use serde::de::{self, MapAccess, Visitor};
+use serde::{Deserialize, Deserializer};
 use toml::Spanned;
 
 use super::values::{GlobSpec, Hosts, HumanDuration, KeySpec, MethodName, PathPrefix, RuleName};
 use super::Invalid;
-use crate::identity::{Key, KeyKind, MissingKey};
+use crate::identity::{Carried, Key, KeyKind, MissingKey};
 use crate::limiter::{Algorithm, Quota, QuotaError, QuotaField, Rate};
-use crate::rules::{Match, Mode, PathMatch, Rule};
+use crate::rules::{Condition, Match, Mode, PathMatch, Plan, Rule};
 
 /// Requests wait at most this many per rule, per gateway, unless `max_waiting` says.
 pub const DEFAULT_MAX_WAITING: u32 = 1_000;
@@ -22,16 +26,108 @@ pub const MAX_DELAY: Duration = Duration::from_secs(300);
 /// How long a concurrency lease lives in a shared store without renewal, by default.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
 
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
+/// `match`. Its `Deserialize` is written out (below) for the `"header:<name>"` keys, and
+/// rejects unknown keys at their place in the file as `deny_unknown_fields` would.
+#[derive(Default)]
 struct RawMatch {
     path_prefix: Option<PathPrefix>,
     path: Option<PathPrefix>,
     glob: Option<GlobSpec>,
-    #[serde(default)]
     methods: Vec<MethodName>,
-    #[serde(default)]
     host: Hosts,
+    api_key: Option<Spanned<Presence>>,
+    /// `"header:<name>" = "present" | "absent"`, as written.
+    /// In the file: `header:<name>`
+    headers: Vec<(HeaderName, Spanned<Presence>)>,
+}
+
+/// The value of an identity condition in `match`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+enum Presence {
+    Present,
+    Absent,
+}
+
+/// A key of `match`.
+enum MatchKey {
+    PathPrefix,
+    Path,
+    Glob,
+    Methods,
+    Host,
+    ApiKey,
+    Header(HeaderName),
+}
+
+const MATCH_KEYS: &[&str] = &[
+    "path_prefix",
+    "path",
+    "glob",
+    "methods",
+    "host",
+    "api_key",
+    "header:<name>",
+];
+
+impl<'de> Deserialize<'de> for MatchKey {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Ok(match s.as_str() {
+            "path_prefix" => MatchKey::PathPrefix,
+            "path" => MatchKey::Path,
+            "glob" => MatchKey::Glob,
+            "methods" => MatchKey::Methods,
+            "host" => MatchKey::Host,
+            "api_key" => MatchKey::ApiKey,
+            other => match other.strip_prefix("header:") {
+                Some(name) => HeaderName::from_bytes(name.trim().as_bytes())
+                    .map(MatchKey::Header)
+                    .map_err(|_| de::Error::custom(format!("invalid header name in {s:?}")))?,
+                None => return Err(de::Error::unknown_field(other, MATCH_KEYS)),
+            },
+        })
+    }
+}
+
+impl<'de> Deserialize<'de> for RawMatch {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> Visitor<'de> for Visit {
+            type Value = RawMatch;
+
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(
+                    "a table of path_prefix, path, glob, methods, host, api_key, \"header:<name>\"",
+                )
+            }
+
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawMatch, A::Error> {
+                let mut m = RawMatch::default();
+                while let Some(key) = map.next_key::<MatchKey>()? {
+                    match key {
+                        MatchKey::PathPrefix => m.path_prefix = Some(map.next_value()?),
+                        MatchKey::Path => m.path = Some(map.next_value()?),
+                        MatchKey::Glob => m.glob = Some(map.next_value()?),
+                        MatchKey::Methods => m.methods = map.next_value()?,
+                        MatchKey::Host => m.host = map.next_value()?,
+                        MatchKey::ApiKey => m.api_key = Some(map.next_value()?),
+                        MatchKey::Header(h) => {
+                            let value = map.next_value()?;
+                            if m.headers.iter().any(|(seen, _)| *seen == h) {
+                                return Err(de::Error::custom(format!(
+                                    "header {h} is given twice (header names are case-insensitive)"
+                                )));
+                            }
+                            m.headers.push((h, value));
+                        }
+                    }
+                }
+                Ok(m)
+            }
+        }
+        d.deserialize_map(Visit)
+    }
 }
 
 #[derive(Deserialize)]
@@ -61,6 +157,7 @@ pub(super) struct RawRule {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawPlanOverride {
+    exempt: Option<Spanned<bool>>,
     rate: Option<Rate>,
     burst: Option<NonZeroU64>,
     algorithm: Option<Algorithm>,
@@ -131,6 +228,11 @@ fn rate_quota(
 }
 
 impl RawRule {
+    /// The plans this rule has a `[rules.plans.<plan>]` table for.
+    pub(super) fn plan_names(&self) -> impl Iterator<Item = &str> {
+        self.plans.keys().map(String::as_str)
+    }
+
     /// One rule, validated: its limit, its plans (each named by a listed key), its match,
     /// its mode. `index` and `span`: where the file has it.
     pub(super) fn validate(
@@ -138,6 +240,7 @@ impl RawRule {
         index: usize,
         span: Range<usize>,
         plan_names: &HashSet<&str>,
+        key_header: &HeaderName,
     ) -> Result<Rule, Invalid> {
         let at = At {
             index,
@@ -149,7 +252,7 @@ impl RawRule {
         let (mode, enforce_percent) = at.mode()?;
         Ok(Rule {
             name: self.name.get_ref().0.clone(),
-            matcher: at.matcher()?,
+            matcher: at.matcher(key_header)?,
             key: Key {
                 kind: self.key.0.clone(),
                 missing: self.missing_key,
@@ -274,12 +377,12 @@ impl At<'_> {
         self.no(named.or(Some(fallback)), e.field.name(), e.message)
     }
 
-    /// Each plan's quota: the rule's, with what the plan changes.
+    /// Each plan's quota: the rule's, with what the plan changes; or none, if exempt.
     fn plans(
         &self,
         limit: &Limit,
         plan_names: &HashSet<&str>,
-    ) -> Result<HashMap<String, Quota>, Invalid> {
+    ) -> Result<HashMap<String, Plan>, Invalid> {
         let mut plans = HashMap::new();
         for (plan, o) in &self.rule.plans {
             let key = self.key(&format!("plans.{plan}"));
@@ -300,6 +403,24 @@ impl At<'_> {
                 ));
             }
             let over = o.get_ref();
+            if let Some(exempt) = over.exempt.as_ref().filter(|e| *e.get_ref()) {
+                let set = [
+                    ("rate", over.rate.is_some()),
+                    ("burst", over.burst.is_some()),
+                    ("algorithm", over.algorithm.is_some()),
+                    ("cost", over.cost.is_some()),
+                    ("max_in_flight", over.max_in_flight.is_some()),
+                ];
+                if let Some((k, _)) = set.iter().find(|(_, set)| *set) {
+                    return Err(Invalid::new(
+                        Some(exempt.span()),
+                        format!("{key}.exempt"),
+                        format!("exempt = true: plan {plan:?} is not limited by this rule, so a {k} for it means nothing; drop one or the other"),
+                    ));
+                }
+                plans.insert(plan.clone(), Plan::Exempt);
+                continue;
+            }
             let q = match *limit {
                 Limit::Concurrency { max, lease } => {
                     let extra = [
@@ -334,7 +455,7 @@ impl At<'_> {
                         .map_err(|e| no(e.field.name(), e.message))?
                 }
             };
-            plans.insert(plan.clone(), q);
+            plans.insert(plan.clone(), Plan::Limit(q));
         }
         Ok(plans)
     }
@@ -366,7 +487,7 @@ impl At<'_> {
         Ok((mode, percent))
     }
 
-    fn matcher(&self) -> Result<Match, Invalid> {
+    fn matcher(&self, key_header: &HeaderName) -> Result<Match, Invalid> {
         let Some(m) = &self.rule.matcher else {
             return Ok(Match::default());
         };
@@ -388,6 +509,45 @@ impl At<'_> {
             path,
             methods: m.methods.iter().map(|m| m.0.clone()).collect(),
             hosts: m.host.0.clone(),
+            carrying: self.carrying(m, key_header)?,
         })
+    }
+
+    /// `api_key = …` and `"header:<name>" = …`, refused where they would make a rule that
+    /// never counts anyone, or read the API key header as a plain header.
+    fn carrying(&self, m: &RawMatch, key_header: &HeaderName) -> Result<Vec<Condition>, Invalid> {
+        let written = m.api_key.iter().map(|p| (Carried::ApiKey, p)).chain(
+            m.headers
+                .iter()
+                .map(|(h, p)| (Carried::Header(h.clone()), p)),
+        );
+        let mut out = Vec::new();
+        for (carried, p) in written {
+            let present = *p.get_ref() == Presence::Present;
+            let key = format!("match.{}", carried.to_string().trim_matches('"'));
+            if let Carried::Header(h) = &carried {
+                if h == key_header {
+                    return Err(self.no(
+                        Some(p.span()),
+                        &key,
+                        format!("{h} is the API key header ([keys] header): write api_key = \"{}\", which reads it as a key", if present { "present" } else { "absent" }),
+                    ));
+                }
+            }
+            let counts_by_it = match (&carried, &self.rule.key.0) {
+                (Carried::ApiKey, KeyKind::ApiKey) => true,
+                (Carried::Header(a), KeyKind::Header(b)) => a == b,
+                _ => false,
+            };
+            if counts_by_it && !present {
+                return Err(self.no(
+                    Some(p.span()),
+                    &key,
+                    format!("a rule counting by {} that applies only when it is absent counts nobody by it; count those requests with key = \"client_ip\"", self.rule.key.0),
+                ));
+            }
+            out.push(Condition { carried, present });
+        }
+        Ok(out)
     }
 }

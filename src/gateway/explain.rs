@@ -1,7 +1,7 @@
-//! `ratewall check --path … --method … --header …`: which rules apply to a sample request
-//! and how each would count it, told by the request path's own functions (rule matching,
-//! [`Requester::identify`]), so the explanation cannot drift from what requests get.
-//! Pure: no store is asked.
+//! `ratewall check --path … --method … --header …`: which rules apply to a sample request,
+//! how each would count it, and why each other rule does not apply — told by the request
+//! path's own functions (rule matching, [`Rule::applies`], [`Requester::identify`]), so the
+//! explanation cannot drift from what requests get. Pure: no store is asked.
 
 use std::fmt::Write;
 use std::net::IpAddr;
@@ -10,8 +10,8 @@ use http::{HeaderMap, Method};
 
 use super::limits::matching;
 use crate::config::Config;
-use crate::identity::{KeyKind, Refusal, Requester, Source};
-use crate::rules::{normalize_path, Mode, Rule};
+use crate::identity::{Carried, KeyKind, Refusal, Requester, Source};
+use crate::rules::{self, normalize_path, Applies, Condition, Match, Mode, PathMatch, Rule};
 
 /// What `ratewall check` prints for a request of `method` to `raw_path` with `headers`
 /// from `peer`.
@@ -40,33 +40,112 @@ pub fn explain(
         }
     };
     parts.headers = headers.clone();
-    let applied = matching(cfg, &parts);
-    if applied.is_empty() {
-        let _ = writeln!(out, "no rule applies: forwarded without limits");
-        return out;
-    }
+    let fitting = matching(cfg, &parts);
     let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip);
     let plan = requester.plan();
-    let _ = writeln!(
-        out,
-        "{} rule(s) apply; the request passes only if all allow it:",
-        applied.len()
-    );
-    for r in applied.into_iter().map(|i| &cfg.rules[i]) {
-        let plan_note = match plan {
-            Some(p) if r.plans.contains_key(p) => format!(" (plan {p})"),
-            _ => String::new(),
-        };
+    let mut applied = Vec::new();
+    let mut not = Vec::new();
+    for (i, r) in cfg.rules.iter().enumerate() {
+        if !fitting.contains(&i) {
+            let host = rules::request_host(&parts.uri, &parts.headers);
+            not.push(format!(
+                "{}: {}",
+                r.name,
+                misfit(&r.matcher, method, &path, host)
+            ));
+            continue;
+        }
+        match r.applies(&requester) {
+            Ok(Applies::Limits(quota)) => {
+                let plan_note = match plan {
+                    Some(p) if r.plans.contains_key(p) => format!(" (plan {p})"),
+                    _ => String::new(),
+                };
+                applied.push(format!(
+                    "{}: {quota}{plan_note}, {}; {}",
+                    r.name,
+                    quota.algorithm.name(),
+                    counted(cfg, r, &requester)
+                ));
+            }
+            Ok(Applies::Unmet(c)) => not.push(format!("{}: {}", r.name, unmet(cfg, c))),
+            Ok(Applies::Exempt) => not.push(format!(
+                "{}: plan {} is exempt from it",
+                r.name,
+                plan.unwrap_or_default()
+            )),
+            // Only an API key condition refuses: the key is read as an api_key rule would.
+            Err(refusal) => applied.push(format!(
+                "{}: {} (read for its match on api_key)",
+                r.name,
+                refused(&refusal, &cfg.keys.header),
+            )),
+        }
+    }
+    if applied.is_empty() {
+        let _ = writeln!(out, "no rule applies: forwarded without limits");
+    } else {
         let _ = writeln!(
             out,
-            "  - {}: {}{plan_note}, {}; {}",
-            r.name,
-            r.quota_for(plan),
-            r.quota_for(plan).algorithm.name(),
-            counted(cfg, r, &requester)
+            "{} rule(s) apply; the request passes only if all allow it:",
+            applied.len()
         );
+        for line in applied {
+            let _ = writeln!(out, "  - {line}");
+        }
+    }
+    if !not.is_empty() {
+        let _ = writeln!(out, "{} rule(s) do not apply:", not.len());
+        for line in not {
+            let _ = writeln!(out, "    {line}");
+        }
     }
     out
+}
+
+/// Why a rule's path, method or host does not fit the request (the first that does not).
+fn misfit(m: &Match, method: &Method, path: &str, host: Option<&str>) -> String {
+    if !m.fits_path(path) {
+        return match &m.path {
+            PathMatch::Prefix(p) => format!("the path does not start with {p}"),
+            PathMatch::Exact(p) => format!("the path is not {p}"),
+            PathMatch::Glob(g) => format!("the path does not fit glob {}", g.pattern()),
+            PathMatch::Any => "the path does not fit".to_string(),
+        };
+    }
+    if !m.fits_method(method) {
+        let methods: Vec<&str> = m.methods.iter().map(Method::as_str).collect();
+        return format!("the method is not {}", methods.join("|"));
+    }
+    let hosts: Vec<String> = m.hosts.iter().map(ToString::to_string).collect();
+    match host {
+        Some(h) => format!("the host {h} is not {}", hosts.join("|")),
+        None => format!("no host, and it applies on {} only", hosts.join("|")),
+    }
+}
+
+/// Why a condition of a rule's `match` on what the request carries does not hold.
+fn unmet(cfg: &Config, c: &Condition) -> String {
+    let what = match (&c.carried, c.present) {
+        (Carried::ApiKey, true) => format!("no API key ({})", cfg.keys.header),
+        (Carried::ApiKey, false) => format!("an API key ({})", cfg.keys.header),
+        (Carried::Header(h), true) => format!("no {h} header"),
+        (Carried::Header(h), false) => format!("a {h} header"),
+    };
+    format!("match {c}, and the request carries {what}")
+}
+
+/// A refusal, as `check` tells it; `name`: the header the rule reads.
+fn refused(refusal: &Refusal, name: &http::HeaderName) -> String {
+    match refusal {
+        Refusal::Malformed(e) => format!("refused with 400: {e}"),
+        Refusal::UnknownKey => {
+            "refused with 401: the API key is not known (unknown = \"reject\")".into()
+        }
+        Refusal::MissingKey | Refusal::MissingHeader => {
+            format!("refused with 401: no {name} header")
+        }
+    }
 }
 
 /// How `rule` counts the request: per whom, and whether it enforces; or why it refuses.
@@ -77,13 +156,7 @@ fn counted<'a>(cfg: &'a Config, rule: &'a Rule, requester: &Requester<'a>) -> St
     };
     let identity = match requester.identify(&rule.key) {
         Ok(identity) => identity,
-        Err(Refusal::Malformed(e)) => return format!("refused with 400: {e}"),
-        Err(Refusal::UnknownKey) => {
-            return "refused with 401: the API key is not known (unknown = \"reject\")".into()
-        }
-        Err(Refusal::MissingKey | Refusal::MissingHeader) => {
-            return format!("refused with 401: no {name} header")
-        }
+        Err(refusal) => return refused(&refusal, name),
     };
     let by_key = matches!(rule.key.kind, KeyKind::ApiKey | KeyKind::Header(_));
     let who = match identity.source {
@@ -100,4 +173,60 @@ fn counted<'a>(cfg: &'a Config, rule: &'a Rule, requester: &Requester<'a>) -> St
         _ => ", shadow for this identity (outside enforce_percent)",
     };
     format!("counted per {who}{mode}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use http::HeaderValue;
+
+    #[test]
+    fn check_says_why_each_rule_does_or_does_not_apply() {
+        let cfg = Config::parse(
+            concat!(
+                "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:2\"\n",
+                "[keys]\nunknown = \"reject\"\n[keys.plans]\n\"pro-key\" = \"pro\"\n",
+                "[[rules]]\nname = \"anon\"\nkey = \"client_ip\"\nrate = \"300/m\"\nmatch = { api_key = \"absent\" }\n",
+                "[[rules]]\nname = \"keyed\"\nkey = \"api_key\"\nrate = \"10/s\"\nmatch = { api_key = \"present\", methods = [\"POST\"] }\n[rules.plans.pro]\n",
+                "[[rules]]\nname = \"users\"\nkey = \"header:x-user\"\nrate = \"1/s\"\nmatch = { \"header:x-user\" = \"present\", host = \"app.test\" }\n",
+            ),
+            std::path::Path::new("t.toml"),
+        )
+        .unwrap();
+        let ask = |method: Method, sent: &[(&'static str, &'static str)]| {
+            let mut h = HeaderMap::new();
+            for (k, v) in sent {
+                h.insert(*k, HeaderValue::from_static(v));
+            }
+            let out = explain(&cfg, &method, "/x", &h, IpAddr::from([192, 0, 2, 1]));
+            out.lines().skip(1).map(str::to_string).collect::<Vec<_>>()
+        };
+        assert_eq!(
+            ask(Method::GET, &[("host", "app.test")]),
+            [
+                "1 rule(s) apply; the request passes only if all allow it:",
+                "  - anon: 300/m burst 300, token_bucket; counted per client IP 192.0.2.1",
+                "2 rule(s) do not apply:",
+                "    keyed: the method is not POST",
+                "    users: match \"header:x-user\" = \"present\", and the request carries no x-user header",
+            ]
+        );
+        assert_eq!(
+            ask(Method::POST, &[("x-api-key", "pro-key"), ("x-user", "u")]),
+            [
+                "1 rule(s) apply; the request passes only if all allow it:",
+                "  - keyed: 10/s burst 10 (plan pro), token_bucket; counted per x-api-key (identity d3101a88)",
+                "2 rule(s) do not apply:",
+                "    anon: match api_key = \"absent\", and the request carries an API key (x-api-key)",
+                "    users: no host, and it applies on app.test only",
+            ]
+        );
+        assert_eq!(
+            ask(Method::GET, &[("x-api-key", "stranger")])[..2],
+            [
+                "1 rule(s) apply; the request passes only if all allow it:",
+                "  - anon: refused with 401: the API key is not known (unknown = \"reject\") (read for its match on api_key)",
+            ]
+        );
+    }
 }

@@ -7,7 +7,7 @@ use http::request::Parts;
 use super::live::{Live, WaitSlot};
 use crate::identity::{Identity, Refusal, Requester};
 use crate::limiter::{Algorithm, Check, Quota};
-use crate::rules::{self, Rule};
+use crate::rules::{self, Applies, Rule};
 
 /// One rule applied to one request.
 pub struct Limit<'l, 'p> {
@@ -30,43 +30,58 @@ pub struct Limit<'l, 'p> {
 
 impl<'l: 'p, 'p> Limit<'l, 'p> {
     /// The rules of `live` that apply to the request (`parts`), in config order, as
-    /// `requester` is counted by each; or why it is refused before any is consulted.
+    /// `requester` is counted by each; or why it is refused before any is consulted. A
+    /// rule applies when its path, method and host fit ([`matching`]) and then
+    /// [`Rule::applies`] says so: what the request carries, its plan.
     pub fn all(
         live: &'l Live,
         parts: &Parts,
         requester: &Requester<'p>,
     ) -> Result<Vec<Limit<'l, 'p>>, Refusal> {
         let cfg = &*live.config;
-        let plan = requester.plan();
         matching(cfg, parts)
             .into_iter()
-            .map(|index| {
+            .filter_map(|index| {
                 let rule = &cfg.rules[index];
-                let identity = requester.identify(&rule.key)?;
-                let mut quota = *rule.quota_for(plan);
-                let enforced = rule.enforces(&identity.digest);
-                let mut slot = None;
-                if quota.max_delay_us > 0 && enforced {
-                    slot = WaitSlot::take(&live.waiting[index], rule.max_waiting);
-                    if slot.is_none() {
-                        quota.max_delay_us = 0;
-                    }
+                match rule.applies(requester) {
+                    Ok(Applies::Limits(quota)) => Some(Self::new(live, index, *quota, requester)),
+                    Ok(Applies::Unmet(_) | Applies::Exempt) => None,
+                    Err(refusal) => Some(Err(refusal)),
                 }
-                let lease = match quota.algorithm {
-                    Algorithm::Concurrency => live.limiter.next_lease(),
-                    _ => 0,
-                };
-                Ok(Limit {
-                    index,
-                    rule,
-                    identity,
-                    quota,
-                    enforced,
-                    slot,
-                    lease,
-                })
             })
             .collect()
+    }
+
+    /// `rule` `index` of `live`, limiting the request with `quota`.
+    fn new(
+        live: &'l Live,
+        index: usize,
+        mut quota: Quota,
+        requester: &Requester<'p>,
+    ) -> Result<Limit<'l, 'p>, Refusal> {
+        let rule = &live.config.rules[index];
+        let identity = requester.identify(&rule.key)?;
+        let enforced = rule.enforces(&identity.digest);
+        let mut slot = None;
+        if quota.max_delay_us > 0 && enforced {
+            slot = WaitSlot::take(&live.waiting[index], rule.max_waiting);
+            if slot.is_none() {
+                quota.max_delay_us = 0;
+            }
+        }
+        let lease = match quota.algorithm {
+            Algorithm::Concurrency => live.limiter.next_lease(),
+            _ => 0,
+        };
+        Ok(Limit {
+            index,
+            rule,
+            identity,
+            quota,
+            enforced,
+            slot,
+            lease,
+        })
     }
 
     /// What the store needs to decide it.

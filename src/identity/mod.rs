@@ -46,6 +46,26 @@ pub enum KeyKind {
     Header(HeaderName),
 }
 
+/// What a rule's `match` may ask a request to carry, or not: `api_key = "present"`,
+/// `"header:x-user" = "absent"`. See [`Requester::carries`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Carried {
+    /// The API key, from `[keys] header`.
+    ApiKey,
+    /// This header.
+    Header(HeaderName),
+}
+
+impl fmt::Display for Carried {
+    /// As the file writes it: `api_key`, `"header:<name>"`.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Carried::ApiKey => f.write_str("api_key"),
+            Carried::Header(h) => write!(f, "\"header:{h}\""),
+        }
+    }
+}
+
 /// A request without the key (or header) its rule counts by.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
 #[serde(rename_all = "snake_case")]
@@ -231,7 +251,7 @@ impl<'a> Requester<'a> {
             KeyKind::ClientIp => Ok(self.ip_identity()),
             KeyKind::ApiKey => match self.api_key().map_err(Refusal::Malformed)? {
                 Some((v, digest)) => {
-                    if self.keys.unknown == UnknownKeys::Reject && self.plan().is_none() {
+                    if self.unlisted_refused() {
                         return Err(Refusal::UnknownKey);
                     }
                     Ok(Identity {
@@ -249,6 +269,36 @@ impl<'a> Requester<'a> {
                 None => by_ip(Refusal::MissingHeader),
             },
         }
+    }
+
+    /// Whether the request carries `what`, read exactly as a rule counting by it reads it,
+    /// so that `"absent"` and `"present"` split requests the way that rule would see them
+    /// and none falls between:
+    ///
+    /// - The API key is absent when the header is not sent, or sent empty: where an
+    ///   `api_key` rule would see it missing. It is present when it is a key an `api_key`
+    ///   rule would count the request by. A key such a rule would refuse is refused here
+    ///   too, with the same answer: a malformed one (sent twice, over 1 KiB) with 400, and
+    ///   under `unknown = "reject"` an unlisted one with 401. So a bad key neither passes
+    ///   as absent (and dodges a per-key rule) nor as present (and dodges a per-IP one).
+    /// - A header is absent where a `header:<name>` rule would see it missing (not sent,
+    ///   or one empty value), and present otherwise: a value sent twice or over 1 KiB is
+    ///   present, and the rule counting by it refuses it. Never refused here: a header
+    ///   condition only asks whether it is there (an `authorization` header may be long).
+    pub fn carries(&self, what: &Carried) -> Result<bool, Refusal> {
+        match what {
+            Carried::ApiKey => match self.api_key().map_err(Refusal::Malformed)? {
+                None => Ok(false),
+                Some(_) if self.unlisted_refused() => Err(Refusal::UnknownKey),
+                Some(_) => Ok(true),
+            },
+            Carried::Header(h) => Ok(!matches!(api_key(self.headers, h), Ok(None))),
+        }
+    }
+
+    /// Whether the request's key, well formed and sent, is refused as unknown.
+    fn unlisted_refused(&self) -> bool {
+        self.keys.unknown == UnknownKeys::Reject && self.plan().is_none()
     }
 
     fn ip_identity(&self) -> Identity<'a> {
@@ -364,6 +414,92 @@ mod tests {
         );
         let d = digest_api_key(b"secret-key").hex();
         assert!(!d.contains("secret"));
+    }
+
+    /// `api_key = "absent" | "present"` splits requests exactly as an `api_key` rule sees
+    /// them: absent where it would see no key, present where it would count one, and a key
+    /// it would refuse refused alike, never passed as either.
+    #[test]
+    fn what_a_request_carries_is_read_as_the_rule_counting_by_it_reads_it() {
+        let listed = std::collections::HashMap::from([(sha256(b"pro-key"), "pro".to_string())]);
+        let keys = |unknown| Keys::new(DEFAULT_KEY_HEADER, unknown, listed.clone(), None);
+        let (allow, reject) = (keys(UnknownKeys::Allow), keys(UnknownKeys::Reject));
+        let trust = ClientIp::default();
+        let user = HeaderName::from_static("x-user");
+        // Headers sent; then carries(ApiKey) with unknown = allow, with unknown = reject;
+        // carries(x-user).
+        type Sent<'s> = &'s [(&'s str, &'s [u8])];
+        let cases: [(Sent, _, _, _); 8] = [
+            (&[], Ok(false), Ok(false), Ok(false)),
+            (&[("x-api-key", b"  ")], Ok(false), Ok(false), Ok(false)),
+            (&[("x-api-key", b"pro-key")], Ok(true), Ok(true), Ok(false)),
+            (
+                &[("x-api-key", b"made-up"), ("x-user", b"u")],
+                Ok(true),
+                Err(Refusal::UnknownKey),
+                Ok(true),
+            ),
+            (
+                &[("x-api-key", b"a"), ("x-api-key", b"b")],
+                Err(Refusal::Malformed(KeyError::Repeated)),
+                Err(Refusal::Malformed(KeyError::Repeated)),
+                Ok(false),
+            ),
+            (
+                &[("x-api-key", &[b'k'; MAX_KEY_LEN + 1])],
+                Err(Refusal::Malformed(KeyError::TooLong)),
+                Err(Refusal::Malformed(KeyError::TooLong)),
+                Ok(false),
+            ),
+            // A header condition only asks whether it is there: twice, or long, it is.
+            (
+                &[("x-user", b"a"), ("x-user", b"b")],
+                Ok(false),
+                Ok(false),
+                Ok(true),
+            ),
+            (&[("x-user", &[b'u'; 4096])], Ok(false), Ok(false), Ok(true)),
+        ];
+        for (sent, with_allow, with_reject, has_user) in cases {
+            let mut h = HeaderMap::new();
+            for (name, value) in sent {
+                h.append(
+                    HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                    HeaderValue::from_bytes(value).unwrap(),
+                );
+            }
+            let at = |keys| Requester::new(&h, ip("192.0.2.1"), keys, &trust);
+            let names: Vec<&str> = sent.iter().map(|(n, _)| *n).collect();
+            assert_eq!(
+                at(&allow).carries(&Carried::ApiKey),
+                with_allow,
+                "{names:?}"
+            );
+            assert_eq!(
+                at(&reject).carries(&Carried::ApiKey),
+                with_reject,
+                "{names:?}"
+            );
+            assert_eq!(
+                at(&allow).carries(&Carried::Header(user.clone())),
+                has_user,
+                "{names:?}"
+            );
+            // The api_key rule agrees: missing where absent, counted where present,
+            // refused alike.
+            let rule = Key {
+                kind: KeyKind::ApiKey,
+                missing: MissingKey::Reject,
+            };
+            for keys in [&allow, &reject] {
+                let r = at(keys);
+                match (r.carries(&Carried::ApiKey), r.identify(&rule)) {
+                    (Ok(false), Err(Refusal::MissingKey)) | (Ok(true), Ok(_)) => {}
+                    (Err(a), Err(b)) => assert_eq!(a, b, "{names:?}"),
+                    (c, i) => panic!("{names:?}: carries {c:?}, identify {:?}", i.map(|_| ())),
+                }
+            }
+        }
     }
 
     #[test]

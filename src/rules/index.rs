@@ -2,13 +2,15 @@
 //! by one walk down a byte trie along the path, so the cost grows with the path's length
 //! and the rules that match, not with how many rules the file has. A glob sits in the
 //! trie under its literal start (`/v1/` of `/v1/*/export`) and is checked whole when the
-//! walk meets it; then the candidates' methods and hosts are checked.
+//! walk meets it; then the candidates' methods and hosts are checked. What a request
+//! carries (`api_key = "absent"`) and its plan are not the index's: [`Rule::applies`]
+//! judges those, with the request's identity.
 
 use std::collections::HashMap;
 
 use http::Method;
 
-use super::{Glob, HostPattern, PathMatch, Rule};
+use super::{Match, PathMatch, Rule};
 
 /// The rules of a config, compiled for matching.
 #[derive(Debug, Default)]
@@ -19,15 +21,8 @@ pub struct RuleIndex {
     others: Vec<usize>,
     /// Whether any rule looks at the host (else the host is not even parsed).
     pub uses_host: bool,
-    /// Per rule: its methods and hosts, checked on candidates.
-    rules: Vec<Filter>,
-}
-
-#[derive(Debug)]
-struct Filter {
-    methods: Vec<Method>,
-    hosts: Vec<HostPattern>,
-    glob: Option<Glob>,
+    /// Per rule: its match, whose methods, hosts and glob are checked on candidates.
+    rules: Vec<Match>,
 }
 
 /// A byte trie of path prefixes: walking a path down it meets every prefix it starts with.
@@ -85,29 +80,15 @@ impl RuleIndex {
         let mut index = RuleIndex::default();
         for (i, r) in rules.iter().enumerate() {
             let m = &r.matcher;
-            let mut glob = None;
             match &m.path {
                 PathMatch::Exact(p) => index.exact.entry(p.clone()).or_default().push(i),
                 PathMatch::Prefix(p) => index.prefixes.insert(p, i),
-                PathMatch::Glob(g) => {
-                    // Found by its literal start, then checked whole.
-                    glob = Some(g.clone());
-                    index.prefixes.insert(g.literal_prefix(), i);
-                }
+                // Found by its literal start, then checked whole.
+                PathMatch::Glob(g) => index.prefixes.insert(g.literal_prefix(), i),
                 PathMatch::Any => index.others.push(i),
             }
             index.uses_host |= !m.hosts.is_empty();
-            // A rule for GET counts HEAD too: backends answer a HEAD by running their GET
-            // handler (RFC 9110 §9.3.2), so HEAD would otherwise walk around the rule.
-            let mut methods = m.methods.clone();
-            if methods.contains(&Method::GET) && !methods.contains(&Method::HEAD) {
-                methods.push(Method::HEAD);
-            }
-            index.rules.push(Filter {
-                methods,
-                hosts: m.hosts.clone(),
-                glob,
-            });
+            index.rules.push(m.clone());
         }
         index
     }
@@ -122,11 +103,13 @@ impl RuleIndex {
         self.prefixes.walk(path, &mut out);
         out.extend_from_slice(&self.others);
         out.retain(|&i| {
-            let f = &self.rules[i];
-            (f.methods.is_empty() || f.methods.contains(method))
-                && (f.hosts.is_empty()
-                    || host.is_some_and(|h| f.hosts.iter().any(|p| p.matches(h))))
-                && f.glob.as_ref().is_none_or(|g| g.matches(path))
+            let m = &self.rules[i];
+            m.fits_method(method)
+                && m.fits_host(host)
+                && match &m.path {
+                    PathMatch::Glob(g) => g.matches(path),
+                    _ => true,
+                }
         });
         out.sort_unstable();
         out
@@ -247,15 +230,7 @@ mod tests {
                 _ => format!("/s{}/{}/", n % 9, n % 100),
             };
             let slow: Vec<usize> = (0..cfg.rules.len())
-                .filter(|&i| {
-                    let r = &cfg.rules[i];
-                    match &r.matcher.path {
-                        PathMatch::Prefix(p) => path.starts_with(p.as_str()),
-                        PathMatch::Exact(p) => path == *p,
-                        PathMatch::Glob(g) => g.matches(&path),
-                        PathMatch::Any => true,
-                    }
-                })
+                .filter(|&i| cfg.rules[i].matcher.fits_path(&path))
                 .collect();
             assert_eq!(cfg.index.matching(&get, &path, None), slow, "{path}");
         }

@@ -1,9 +1,10 @@
 //! Request parts -> the rules that apply. Pure, and compiled at load.
 //!
 //! A [`Rule`] says which requests it applies to ([`Match`]), who it counts them for
-//! ([`Key`]), and its limit ([`Quota`], per plan). A request's rules are found through a
-//! [`RuleIndex`] built once per config, on the path a backend will route
-//! ([`normalize_path`]).
+//! ([`Key`]), and its limit ([`Quota`], per plan, or none for an exempt plan). A request's
+//! candidate rules are found through a [`RuleIndex`] built once per config, on the path a
+//! backend will route ([`normalize_path`]); then [`Rule::applies`] looks at who sent it
+//! (what it carries, its plan).
 
 mod index;
 mod path;
@@ -14,7 +15,7 @@ use std::time::Duration;
 use http::Method;
 use serde::Deserialize;
 
-use crate::identity::{IdentityDigest, Key};
+use crate::identity::{Carried, IdentityDigest, Key, Refusal, Requester};
 use crate::limiter::{Algorithm, Quota};
 
 pub use index::RuleIndex;
@@ -37,6 +38,54 @@ pub struct Match {
     pub methods: Vec<Method>,
     /// Empty: every host.
     pub hosts: Vec<HostPattern>,
+    /// What the request must carry, or must not (`api_key = "absent"`); empty: anything.
+    /// Checked after the path, method and host, with the request's [`Requester`].
+    pub carrying: Vec<Condition>,
+}
+
+/// `api_key = "present"`, `"header:x-user" = "absent"`: one condition of a `match` on what
+/// a request carries ([`Requester::carries`] says what counts as carried).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Condition {
+    pub carried: Carried,
+    pub present: bool,
+}
+
+impl std::fmt::Display for Condition {
+    /// As the file writes it: `api_key = "absent"`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let value = if self.present { "present" } else { "absent" };
+        write!(f, "{} = \"{value}\"", self.carried)
+    }
+}
+
+/// What a rule does for a plan: its own limit for it, or none at all.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Plan {
+    Limit(Quota),
+    /// `exempt = true`: requests whose key has the plan are not limited by the rule.
+    Exempt,
+}
+
+impl std::fmt::Display for Plan {
+    /// `100/s burst 300`, or `exempt`.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Plan::Limit(q) => q.fmt(f),
+            Plan::Exempt => f.write_str("exempt"),
+        }
+    }
+}
+
+/// Whether a rule whose path, method and host fit a request limits it.
+#[derive(Debug, Clone, Copy)]
+pub enum Applies<'r> {
+    /// Yes, with this quota (its plan's, if the request's key has one).
+    Limits(&'r Quota),
+    /// No: this condition of its `match` on what the request carries does not hold.
+    Unmet(&'r Condition),
+    /// No: the request's plan is exempt.
+    Exempt,
 }
 
 /// Whether a rule blocks.
@@ -59,7 +108,7 @@ pub struct Rule {
     pub key: Key,
     /// The quota for requests without a plan, then per plan name.
     pub quota: Quota,
-    pub plans: HashMap<String, Quota>,
+    pub plans: HashMap<String, Plan>,
     pub mode: Mode,
     /// With `mode = "enforce"`: the share of identities (by hash) the rule enforces for,
     /// 0 to 100; the others are treated as in shadow mode.
@@ -71,8 +120,43 @@ pub struct Rule {
 }
 
 impl Match {
-    /// `GET|POST /api/* on api.example.com`, or `every request`.
+    /// Whether the request's method is one of the rule's. A rule for GET counts HEAD too:
+    /// backends answer a HEAD by running their GET handler (RFC 9110 §9.3.2), so HEAD
+    /// would otherwise walk around the rule.
+    pub fn fits_method(&self, method: &Method) -> bool {
+        self.methods.is_empty()
+            || self.methods.contains(method)
+            || (method == Method::HEAD && self.methods.contains(&Method::GET))
+    }
+
+    /// Whether the request's host (without port) is one of the rule's.
+    pub fn fits_host(&self, host: Option<&str>) -> bool {
+        self.hosts.is_empty() || host.is_some_and(|h| self.hosts.iter().any(|p| p.matches(h)))
+    }
+
+    /// Whether the (normalised) path fits, checked alone: the [`RuleIndex`] finds the same
+    /// rules without looking at each; this is for explaining, and for testing the index.
+    pub fn fits_path(&self, path: &str) -> bool {
+        match &self.path {
+            PathMatch::Any => true,
+            PathMatch::Prefix(p) => path.starts_with(p.as_str()),
+            PathMatch::Exact(p) => path == p,
+            PathMatch::Glob(g) => g.matches(path),
+        }
+    }
+
+    /// `GET|POST /api/* on api.example.com`, or `every request`; then what it must carry:
+    /// `every request, api_key = "absent"`.
     pub fn describe(&self) -> String {
+        let mut s = self.describe_parts();
+        for c in &self.carrying {
+            s.push_str(", ");
+            s.push_str(&c.to_string());
+        }
+        s
+    }
+
+    fn describe_parts(&self) -> String {
         if matches!(self.path, PathMatch::Any) && self.methods.is_empty() && self.hosts.is_empty() {
             return "every request".to_string();
         }
@@ -104,9 +188,35 @@ impl Match {
 }
 
 impl Rule {
-    /// The quota that applies to a request whose API key maps to `plan`.
-    pub fn quota_for(&self, plan: Option<&str>) -> &Quota {
-        plan.and_then(|p| self.plans.get(p)).unwrap_or(&self.quota)
+    /// The quota that applies to a request whose API key maps to `plan`; `None` if the
+    /// plan is exempt.
+    pub fn quota_for(&self, plan: Option<&str>) -> Option<&Quota> {
+        match plan.and_then(|p| self.plans.get(p)) {
+            Some(Plan::Limit(q)) => Some(q),
+            Some(Plan::Exempt) => None,
+            None => Some(&self.quota),
+        }
+    }
+
+    /// Whether the rule limits a request its path, method and host fit, and with what
+    /// quota: every condition on what the request carries must hold (all are read, so a
+    /// key one of them would refuse is refused whatever the others say), then the
+    /// request's plan must not be exempt. The request path, `ratewall check` and the admin
+    /// API all ask this, with the request's one [`Requester`].
+    pub fn applies(&self, requester: &Requester<'_>) -> Result<Applies<'_>, Refusal> {
+        let mut unmet = None;
+        for c in &self.matcher.carrying {
+            if requester.carries(&c.carried)? != c.present {
+                unmet = unmet.or(Some(c));
+            }
+        }
+        if let Some(c) = unmet {
+            return Ok(Applies::Unmet(c));
+        }
+        Ok(match self.quota_for(requester.plan()) {
+            Some(q) => Applies::Limits(q),
+            None => Applies::Exempt,
+        })
     }
 
     /// How the rule acts on what its limit says, for `ratewall check`.
