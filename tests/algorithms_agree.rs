@@ -658,7 +658,10 @@ impl<'h> Replay<'h> {
         let d = self
             .h
             .rt
-            .block_on(self.scratch.decide_at(std::slice::from_ref(check), Some(at)))
+            .block_on(
+                self.scratch
+                    .decide_at(std::slice::from_ref(check), Some(at)),
+            )
             .map_err(|e| format!("the redis store failed: {e}"))?;
         Ok(d[0])
     }

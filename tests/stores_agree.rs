@@ -673,7 +673,10 @@ async fn redis_restart_is_survived() {
     // The restarted server is empty (no persistence): a fresh bucket, and the script was
     // loaded again.
     assert!(back[0].allowed && back[0].remaining == 4, "{back:?}");
-    let d = store.decide_at(&check, Some(EPOCH_US + 3_000)).await.unwrap();
+    let d = store
+        .decide_at(&check, Some(EPOCH_US + 3_000))
+        .await
+        .unwrap();
     assert!(d[0].allowed && d[0].remaining == 3, "{d:?}");
 }
 
