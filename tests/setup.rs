@@ -245,3 +245,112 @@ fn check_applies_the_overrides_and_says_so() {
         "{stdout}"
     );
 }
+
+/// The shipped `config/limits.toml`, run as the README's Docker example runs it: the
+/// listeners and the upstream from the environment. Killed on drop.
+struct Shipped {
+    child: std::process::Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Shipped {
+    fn start(upstream: &str) -> Shipped {
+        let mut last = String::new();
+        for _ in 0..5 {
+            let dir = tempfile::tempdir().unwrap();
+            let log = dir.path().join("log");
+            let (port, admin) = (free_port(), free_port());
+            let mut child = Command::new(binary())
+                .current_dir(env!("CARGO_MANIFEST_DIR"))
+                .env("RATEWALL_LISTEN", format!("127.0.0.1:{port}"))
+                .env("RATEWALL_ADMIN_LISTEN", format!("127.0.0.1:{admin}"))
+                .env("RATEWALL_UPSTREAM", upstream)
+                .stdout(std::process::Stdio::null())
+                .stderr(std::fs::File::create(&log).unwrap())
+                .spawn()
+                .expect("spawn ratewall");
+            let end = std::time::Instant::now() + Duration::from_secs(20);
+            while std::time::Instant::now() < end {
+                last = std::fs::read_to_string(&log).unwrap_or_default();
+                if last.contains("ratewall listening") {
+                    return Shipped {
+                        child,
+                        port,
+                        _dir: dir,
+                    };
+                }
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+            if !last.contains("cannot listen") {
+                break;
+            }
+        }
+        panic!("the shipped config did not start:\n{last}");
+    }
+}
+
+impl Drop for Shipped {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// The README's quick-start session, on the shipped config (the demo backend replaced by
+/// the test upstream): 20 of a burst of 25 pass, three exports pass and the fourth is a
+/// 429 for about ten minutes, no key is a 401, the pro plan passes.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_readme_session_holds_on_the_shipped_config() {
+    let upstream = Upstream::start().await;
+    let gw = Shipped::start(&upstream.url());
+    let client = HttpClient::new();
+    let free = [("x-api-key", "demo-free-key")];
+    let orders = local(gw.port, "/api/orders");
+    // Warm the connection pool, then wait for the bucket to be full again (2 s at 10/s).
+    assert_eq!(client.get(&orders, &free).await.status, StatusCode::OK);
+    tokio::time::sleep(Duration::from_millis(2_100)).await;
+    let started = std::time::Instant::now();
+    let burst: Vec<_> = (0..25)
+        .map(|i| {
+            let (client, url) = (client.clone(), format!("{orders}?n={i}"));
+            tokio::spawn(async move { client.get(&url, &free).await.status })
+        })
+        .collect();
+    let mut passed = 0;
+    for t in burst {
+        passed += usize::from(t.await.unwrap() == StatusCode::OK);
+    }
+    // 20 at once; one more per 100 ms the burst took (none when it is as quick as curl's).
+    let refilled = (started.elapsed().as_millis() / 100) as usize;
+    assert!(
+        (20..=20 + refilled).contains(&passed),
+        "{passed} of 25 passed in {:?}",
+        started.elapsed()
+    );
+
+    // A reader types the next command well after `api` refilled; each export takes 1 of it.
+    tokio::time::sleep(Duration::from_millis(2_100)).await;
+    let export = local(gw.port, "/api/reports/export");
+    for _ in 0..3 {
+        assert_eq!(client.get(&export, &free).await.status, StatusCode::OK);
+    }
+    let denied = client.get(&export, &free).await;
+    assert_eq!(denied.status, StatusCode::TOO_MANY_REQUESTS);
+    let retry: u64 = denied.header("retry-after").unwrap().parse().unwrap();
+    assert!((590..=600).contains(&retry), "retry-after {retry}");
+    assert_eq!(
+        denied.json()["violated-policies"],
+        serde_json::json!(["exports"])
+    );
+
+    let r = client.get(&orders, &[]).await;
+    assert_eq!(r.status, StatusCode::UNAUTHORIZED);
+    let r = client.get(&orders, &[("x-api-key", "demo-pro-key")]).await;
+    assert_eq!(r.status, StatusCode::OK);
+}
