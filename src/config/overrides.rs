@@ -42,7 +42,7 @@ pub struct Overrides {
     upstream: Option<(http::Uri, String, String)>,
 }
 
-/// `s` read by the deserialiser the file's value goes through.
+/// `given`'s value, read by the deserialiser the file's value goes through.
 fn parse<'a, T: Deserialize<'a>>(given: &'a Given) -> Result<T, OverrideError> {
     T::deserialize(StrDeserializer::<ValueError>::new(given.value.trim())).map_err(|e| {
         OverrideError {
