@@ -1,23 +1,33 @@
 # ratewall: multi-stage build, small non-root runtime image.
 #
 #   docker build -t ratewall .
-#   docker run --rm -p 8080:8080 -v "$PWD/config:/etc/ratewall:ro" ratewall
+#   docker run --rm -p 8080:8080 -p 127.0.0.1:9090:9090 \
+#     -e RATEWALL_LISTEN=0.0.0.0:8080 -e RATEWALL_ADMIN_LISTEN=0.0.0.0:9090 \
+#     -e RATEWALL_UPSTREAM=http://host.docker.internal:3000 \
+#     --add-host=host.docker.internal:host-gateway \
+#     -v "$PWD/config:/etc/ratewall:ro" ratewall
 #
-# Mount the whole config folder: limits.toml names its keys file (keys.toml) relative to
-# itself, and SIGHUP (docker kill -s HUP) re-reads both.
-# The mounted config must listen on 0.0.0.0 (not 127.0.0.1) to be reachable from outside
-# the container, e.g. listen = "0.0.0.0:8080".
+# The config is /etc/ratewall/limits.toml (the shipped one is copied in; mount your config
+# folder over it, with the keys file it names). SIGHUP (docker kill -s HUP) re-reads both.
+# Inside a container 127.0.0.1 is the container itself: RATEWALL_LISTEN and
+# RATEWALL_ADMIN_LISTEN make it listen where a published port reaches it, and
+# RATEWALL_UPSTREAM points it at a backend it can reach (README.md, "Docker"). They
+# override the file and hold across reloads (docs/configuration.md, "Command line").
+# .dockerignore keeps target/ and the rest of the repository out of the build context.
 
 FROM rust:1-slim-bookworm AS build
 WORKDIR /src
-# Dependencies first, so editing src/ does not rebuild them.
+# Dependencies first, so editing src/ does not rebuild them. The workspace's demo backend
+# (demo/) must be there for Cargo to read the workspace; only its manifest is needed.
 COPY Cargo.toml Cargo.lock ./
-RUN mkdir src && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
-    && cargo build --release --locked \
+COPY demo/Cargo.toml ./demo/
+RUN mkdir src demo/src && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
+    && echo 'fn main() {}' > demo/src/main.rs \
+    && cargo build --release --locked --package ratewall \
     && rm -rf src
 COPY src ./src
 COPY lua ./lua
-RUN touch src/main.rs src/lib.rs && cargo build --release --locked --bin ratewall
+RUN touch src/main.rs src/lib.rs && cargo build --release --locked --package ratewall --bin ratewall
 
 FROM debian:bookworm-slim
 RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin ratewall

@@ -3,8 +3,9 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand, ValueEnum};
-use ratewall::config::Config;
+use clap::parser::ValueSource;
+use clap::{ArgMatches, CommandFactory, FromArgMatches, Parser, Subcommand, ValueEnum};
+use ratewall::config::{Given, Overrides, Source};
 
 /// mimalloc: per-thread free lists suit the workers' many small per-request allocations
 /// (docs/performance.md has what it was measured to give).
@@ -23,6 +24,20 @@ struct Cli {
     /// Log line format (RUST_LOG selects what is logged).
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text)]
     log_format: LogFormat,
+    /// Overrides [server] listen, e.g. 0.0.0.0:8080 (also on every reload).
+    #[arg(long, global = true, env = "RATEWALL_LISTEN", value_name = "ADDR")]
+    listen: Option<String>,
+    /// Overrides [server] admin_listen, e.g. 127.0.0.1:9090 (also on every reload).
+    #[arg(
+        long,
+        global = true,
+        env = "RATEWALL_ADMIN_LISTEN",
+        value_name = "ADDR"
+    )]
+    admin_listen: Option<String>,
+    /// Overrides [upstream] url, e.g. http://backend:3000 (also on every reload).
+    #[arg(long, global = true, env = "RATEWALL_UPSTREAM", value_name = "URL")]
+    upstream: Option<String>,
     #[command(subcommand)]
     command: Option<Command>,
 }
@@ -55,10 +70,27 @@ enum LogFormat {
 }
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let matches = Cli::command().get_matches();
+    let cli = match Cli::from_arg_matches(&matches) {
+        Ok(cli) => cli,
+        Err(e) => e.exit(),
+    };
     init_logging(cli.log_format);
 
-    let config = match Config::load(&cli.config) {
+    let given = |id: &str, value: Option<String>| given(&matches, id, value);
+    let overrides = match Overrides::new(
+        given("listen", cli.listen),
+        given("admin_listen", cli.admin_listen),
+        given("upstream", cli.upstream),
+    ) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("ratewall: invalid override: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let source = Source::new(cli.config, overrides);
+    let config = match source.load() {
         Ok(c) => c,
         Err(e) => {
             eprintln!("ratewall: invalid configuration: {e}");
@@ -72,7 +104,10 @@ fn main() -> ExitCode {
         peer,
     }) = cli.command
     {
-        println!("{}: valid", cli.config.display());
+        println!("{}: valid", source.path.display());
+        if !source.overrides.is_empty() {
+            println!("{}", source.overrides);
+        }
         print!("{}", config.describe());
         if let Some(path) = path {
             match sample_request(&method, &headers) {
@@ -106,13 +141,29 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    match runtime.block_on(ratewall::server::run(config, Some(cli.config))) {
+    match runtime.block_on(ratewall::server::run(config, Some(source))) {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("ratewall: {e}");
             ExitCode::FAILURE
         }
     }
+}
+
+/// An override's value and where it came from: the flag, or its environment variable (an
+/// empty variable counts as unset).
+fn given(matches: &ArgMatches, id: &str, value: Option<String>) -> Option<Given> {
+    let arg = Cli::command()
+        .get_arguments()
+        .find(|a| a.get_id() == id)
+        .cloned()?;
+    let origin = match matches.value_source(id) {
+        Some(ValueSource::EnvVariable) => arg.get_env()?.to_string_lossy().into_owned(),
+        _ => format!("--{}", arg.get_long()?),
+    };
+    value
+        .filter(|v| !v.is_empty() || origin.starts_with("--"))
+        .map(|value| Given { value, origin })
 }
 
 /// The method and headers of `ratewall check`'s sample request.

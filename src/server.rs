@@ -41,11 +41,8 @@ pub enum StartError {
 }
 
 /// Run the gateway until SIGTERM or SIGINT, then drain and return. SIGHUP re-reads
-/// `config_path`.
-pub async fn run(
-    config: Config,
-    config_path: Option<std::path::PathBuf>,
-) -> Result<(), StartError> {
+/// `source` (the file, with the same overrides).
+pub async fn run(config: Config, source: Option<crate::config::Source>) -> Result<(), StartError> {
     let metrics = Arc::new(crate::metrics::Metrics::new());
     let live = Live::build(config, None, &metrics)?;
     live.limiter.warm().await;
@@ -55,7 +52,7 @@ pub async fn run(
         Some(addr) => Some(bind(addr).await?),
         None => None,
     };
-    let gateway = Arc::new(Gateway::new(live, config_path, metrics.clone()));
+    let gateway = Arc::new(Gateway::new(live, source, metrics.clone()));
     let registry = Registry::new(
         "gateway",
         config.server.max_connections,

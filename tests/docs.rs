@@ -6,8 +6,14 @@
 //!   every table a heading.
 //! - README.md and docs/*.md link only to files inside the repository that exist, and to
 //!   headings that exist; none mentions a path outside it.
+//! - docs/configuration.md has a row for every option and environment variable
+//!   `ratewall --help` lists; docs/observability.md's metrics table has a row for every
+//!   metric the gateway exports on the shipped config (with its type, labels and their
+//!   fixed values), and none for a metric it does not; its `check` example is what
+//!   `ratewall check` prints.
 //!
-//! Plain text checks on the files as shipped: no gateway is started.
+//! Plain text checks on the files as shipped, and for the last three the binary: its
+//! `--help`, `check`, and `/metrics` of the gateway started on the shipped config.
 
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Component, Path, PathBuf};
@@ -579,4 +585,491 @@ fn the_reference_is_linked_from_readme_and_the_shipped_config() {
             );
         }
     }
+}
+
+// ---------------------------------------------------------------------------------------
+// The command line, the metrics table and the `check` example, against the binary.
+
+/// The binary under test.
+fn ratewall() -> std::process::Command {
+    let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_ratewall"));
+    c.current_dir(root());
+    for v in [
+        "RATEWALL_LISTEN",
+        "RATEWALL_ADMIN_LISTEN",
+        "RATEWALL_UPSTREAM",
+    ] {
+        c.env_remove(v);
+    }
+    c
+}
+
+/// What `ratewall <args>` prints on stdout; it must exit 0.
+fn stdout_of(args: &[&str]) -> String {
+    let out = ratewall().args(args).output().expect("run ratewall");
+    assert!(
+        out.status.success(),
+        "ratewall {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("utf-8 output")
+}
+
+#[test]
+fn every_command_line_option_and_variable_is_documented() {
+    let doc = Doc::load("docs/configuration.md");
+    let mut missing = Vec::new();
+    let start = doc
+        .lines
+        .iter()
+        .position(|l| l == "## Command line")
+        .expect("docs/configuration.md: a `## Command line` section");
+    let end = doc.lines[start + 1..]
+        .iter()
+        .position(|l| heading(l).is_some_and(|(level, _)| level <= 2))
+        .map_or(doc.lines.len(), |p| start + 1 + p);
+    let sec = &doc.lines[start..end];
+    // First cells of the section's table rows.
+    let cells: Vec<&str> = sec
+        .iter()
+        .filter_map(|l| l.trim().strip_prefix('|')?.split('|').next())
+        .collect();
+    for help in [stdout_of(&["--help"]), stdout_of(&["check", "--help"])] {
+        for line in help.lines() {
+            let line = line.trim_start();
+            if let Some(opt) = line.strip_prefix("--") {
+                let opt: String = opt
+                    .chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || *c == '-')
+                    .collect();
+                let opt = format!("--{opt}");
+                if ["--help", "--version"].contains(&opt.as_str()) {
+                    continue;
+                }
+                let written =
+                    |c: &&str| c.contains(&format!("`{opt}")) || c.contains(&format!(" {opt}"));
+                if !cells.iter().any(written) {
+                    missing.push(format!("option {opt}: no row in Command line"));
+                }
+            }
+            if let Some((_, var)) = line.split_once("[env: ") {
+                let var = var.split('=').next().unwrap_or_default();
+                if !cells.iter().any(|c| c.contains(&format!("`{var}`"))) {
+                    missing.push(format!("variable {var}: no row in Command line"));
+                }
+            }
+        }
+    }
+    assert!(
+        missing.is_empty(),
+        "docs/configuration.md, Command line, misses what `ratewall --help` lists:\n  {}",
+        missing.join("\n  ")
+    );
+}
+
+/// A metric as the code registers it, in the name a query uses.
+#[derive(Debug, Default)]
+struct Registered {
+    kind: String,
+    help: String,
+    /// Label -> the values the docs must list (from the series the gateway exports at
+    /// start and the label's enum in the source); empty for free values (rule names).
+    labels: BTreeMap<String, std::collections::BTreeSet<String>>,
+}
+
+/// A free port on 127.0.0.1 (free a moment ago).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// `GET /metrics` of the gateway run on the shipped config, as it stands right after start
+/// (the listeners moved to free ports with `--listen` and `--admin-listen`).
+fn shipped_metrics() -> String {
+    use std::io::{Read, Write};
+    let mut last = String::new();
+    for _ in 0..5 {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let log = dir.path().join("log");
+        let admin = free_port();
+        let mut child = ratewall()
+            .args(["--config", "config/limits.toml", "--listen"])
+            .arg(format!("127.0.0.1:{}", free_port()))
+            .arg("--admin-listen")
+            .arg(format!("127.0.0.1:{admin}"))
+            .stdout(std::process::Stdio::null())
+            .stderr(std::fs::File::create(&log).expect("log"))
+            .spawn()
+            .expect("start ratewall");
+        let end = std::time::Instant::now() + std::time::Duration::from_secs(20);
+        let mut up = false;
+        while std::time::Instant::now() < end {
+            last = std::fs::read_to_string(&log).unwrap_or_default();
+            if last.contains("ratewall listening") {
+                up = true;
+                break;
+            }
+            if let Ok(Some(_)) = child.try_wait() {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(20));
+        }
+        let text = up.then(|| {
+            let mut s = std::net::TcpStream::connect(("127.0.0.1", admin)).expect("connect");
+            s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+                .expect("write");
+            let mut reply = String::new();
+            s.read_to_string(&mut reply).expect("read /metrics");
+            reply
+        });
+        let _ = child.kill();
+        let _ = child.wait();
+        match text {
+            Some(reply) => {
+                let (head, body) = reply.split_once("\r\n\r\n").expect("a reply");
+                assert!(head.starts_with("HTTP/1.1 200"), "{head}");
+                // Chunked or not, the metric lines are whole lines of the body.
+                return body.to_string();
+            }
+            None if last.contains("cannot listen") => continue,
+            None => break,
+        }
+    }
+    panic!("the gateway did not start on the shipped config:\n{last}");
+}
+
+/// A label as the source declares it: the values of its enum, or `None` for a `String`
+/// (rule names: free, not the docs' to list).
+type SourceLabels = BTreeMap<String, Option<Vec<String>>>;
+
+/// Every metric `src/metrics.rs` registers (a family with no series yet is not exported),
+/// its type, its label fields, and the values of those whose type is one of its label
+/// enums: `registry.register("name", ...)` of a `Family::<Labels, Counter>` (or a bare
+/// `Counter::default()`, `Gauge::default()`, `Histogram::new(...)`), `struct Labels { pub
+/// field: Type }`, `label_values! { Type { A => "a" } }`.
+fn source_metrics(src: &str) -> BTreeMap<String, (String, SourceLabels)> {
+    // `let var = Family::<Labels, Kind>` or `let var = Kind::...` -> var -> (Labels, kind).
+    let mut declared: HashMap<String, (Option<String>, String)> = HashMap::new();
+    for line in src.lines() {
+        let l = line.trim();
+        let Some((var, rhs)) = l.strip_prefix("let ").and_then(|r| r.split_once(" = ")) else {
+            continue;
+        };
+        let (labels, kind) = match rhs.strip_prefix("Family::<") {
+            Some(generics) => {
+                let (labels, kind) = generics.split_once(',').unwrap_or((generics, ""));
+                (Some(labels.trim().to_string()), kind.trim())
+            }
+            None => (None, rhs),
+        };
+        let kind: String = kind.chars().take_while(|c| c.is_alphanumeric()).collect();
+        if ["Counter", "Gauge", "Histogram", "Info"].contains(&kind.as_str()) {
+            declared.insert(var.trim().to_string(), (labels, kind.to_lowercase()));
+        }
+    }
+    // `pub struct Labels { pub field: Type, ... }` -> Labels -> [(field, Type)].
+    let mut fields: HashMap<String, Vec<(String, String)>> = HashMap::new();
+    let mut current: Option<String> = None;
+    for line in src.lines() {
+        let l = line.trim();
+        if let Some(rest) = l.strip_prefix("pub struct ") {
+            current = rest.strip_suffix(" {").map(|name| name.trim().to_string());
+            continue;
+        }
+        if let Some(name) = &current {
+            if l == "}" {
+                current = None;
+            } else if let Some((field, ty)) = l.strip_prefix("pub ").and_then(|f| f.split_once(':'))
+            {
+                fields.entry(name.clone()).or_default().push((
+                    field.trim().to_string(),
+                    ty.trim().trim_end_matches(',').to_string(),
+                ));
+            }
+        }
+    }
+    // `Type { A => "a", B => "b" }` lines of label_values!.
+    let mut values: HashMap<String, Vec<String>> = HashMap::new();
+    for line in src.lines() {
+        let l = line.trim();
+        if let Some((ty, rest)) = l.split_once(" { ") {
+            if rest.contains(" => \"") && !ty.contains(' ') {
+                let vals = rest
+                    .split(" => \"")
+                    .skip(1)
+                    .filter_map(|v| v.split('"').next())
+                    .map(str::to_string)
+                    .collect();
+                values.insert(ty.to_string(), vals);
+            }
+        }
+    }
+    // `registry.register(\n "name",\n "help",\n var.clone(),\n)`: name -> var.
+    let mut out = BTreeMap::new();
+    let mut rest = src;
+    while let Some(at) = rest.find("registry.register(") {
+        rest = &rest[at + "registry.register(".len()..];
+        let Some(name) = rest.split('"').nth(1) else {
+            continue;
+        };
+        let Some(call_end) = rest.find(".clone()") else {
+            continue;
+        };
+        let var = rest[..call_end]
+            .rsplit(|c: char| !(c.is_alphanumeric() || c == '_'))
+            .next()
+            .unwrap_or_default();
+        let Some((struct_name, kind)) = declared.get(var) else {
+            continue;
+        };
+        let mut labels = BTreeMap::new();
+        if let Some(set) = struct_name.as_ref().and_then(|l| fields.get(l)) {
+            for (field, ty) in set {
+                let vals = match ty.as_str() {
+                    "String" => None,
+                    ty => Some(values.get(ty).cloned().unwrap_or_default()),
+                };
+                labels.insert(field.clone(), vals);
+            }
+        }
+        out.insert(name.to_string(), (kind.clone(), labels));
+    }
+    out
+}
+
+/// Every metric the gateway registers: names and types from what it exports (a family
+/// with no series yet still has its `# TYPE`), labels from its series and the source.
+fn registered_metrics() -> BTreeMap<String, Registered> {
+    let text = shipped_metrics();
+    let source = source_metrics(&read("src/metrics.rs"));
+    assert!(
+        source.len() >= 10,
+        "tests/docs.rs no longer finds the registrations in src/metrics.rs: {source:?}"
+    );
+    let mut by_family: BTreeMap<String, Registered> = BTreeMap::new();
+    for line in text.lines() {
+        if let Some(rest) = line.strip_prefix("# TYPE ") {
+            let (family, kind) = rest.split_once(' ').expect("# TYPE name type");
+            by_family.entry(family.to_string()).or_default().kind = kind.to_string();
+        } else if let Some(rest) = line.strip_prefix("# HELP ") {
+            let (family, help) = rest.split_once(' ').unwrap_or((rest, ""));
+            by_family.entry(family.to_string()).or_default().help = help.to_string();
+        }
+    }
+    for (short, (kind, _)) in &source {
+        let reg = by_family.entry(format!("ratewall_{short}")).or_default();
+        if reg.kind.is_empty() {
+            reg.kind = kind.clone();
+        }
+    }
+    let families: Vec<String> = by_family.keys().cloned().collect();
+    // Series: `family[_suffix]{a="x",b="y"} value`.
+    for line in text.lines().filter(|l| !l.starts_with('#')) {
+        let Some((name, labels)) = line.split_once('{') else {
+            continue;
+        };
+        let Some(family) = families
+            .iter()
+            .filter(|f| name.starts_with(f.as_str()))
+            .max_by_key(|f| f.len())
+        else {
+            continue;
+        };
+        let labels = labels.rsplit_once('}').map_or("", |(l, _)| l);
+        let reg = by_family.get_mut(family).expect("family");
+        for pair in labels.split(',').filter(|p| !p.is_empty()) {
+            let (k, v) = pair.split_once('=').expect("label=value");
+            if k == "le" && reg.kind == "histogram" {
+                continue;
+            }
+            reg.labels
+                .entry(k.to_string())
+                .or_default()
+                .insert(v.trim_matches('"').to_string());
+        }
+    }
+    for (family, reg) in by_family.iter_mut() {
+        let short = family.strip_prefix("ratewall_").unwrap_or(family);
+        for (label, values) in source.get(short).cloned().unwrap_or_default().1 {
+            let known = reg.labels.entry(label).or_default();
+            match values {
+                Some(values) => known.extend(values),
+                None => known.clear(),
+            }
+        }
+    }
+    by_family
+        .into_iter()
+        .map(|(family, reg)| {
+            let name = match reg.kind.as_str() {
+                "counter" => format!("{family}_total"),
+                "info" => format!("{family}_info"),
+                _ => family,
+            };
+            (name, reg)
+        })
+        .collect()
+}
+
+#[test]
+fn the_metrics_table_lists_every_metric_with_its_type_labels_and_values() {
+    let registered = registered_metrics();
+    assert!(
+        registered.contains_key("ratewall_requests_total"),
+        "{registered:?}"
+    );
+    let doc = Doc::load("docs/observability.md");
+    let sec =
+        section(&doc.lines, "GET /metrics").expect("observability.md: a `GET /metrics` section");
+    // Rows: | `name` | type | labels | what |.
+    let mut rows: BTreeMap<String, (String, String)> = BTreeMap::new();
+    for l in sec {
+        // `\|` inside a cell is a literal bar.
+        let l = l.replace("\\|", "\u{1}");
+        let cells: Vec<String> = l
+            .trim()
+            .split('|')
+            .map(|c| c.trim().replace('\u{1}', "|"))
+            .collect();
+        if cells.len() < 5 || !cells[1].starts_with("`ratewall_") {
+            continue;
+        }
+        rows.insert(
+            cells[1].trim_matches('`').to_string(),
+            (cells[2].clone(), cells[3].clone()),
+        );
+    }
+    let mut wrong = Vec::new();
+    for (name, reg) in &registered {
+        let Some((kind, labels)) = rows.get(name) else {
+            let cell = reg
+                .labels
+                .iter()
+                .map(|(l, vs)| {
+                    let vs: Vec<String> = vs.iter().map(|v| format!("`{v}`")).collect();
+                    if vs.is_empty() {
+                        format!("`{l}`")
+                    } else {
+                        format!("`{l}` = {}", vs.join(" \\| "))
+                    }
+                })
+                .collect::<Vec<_>>()
+                .join(", ");
+            wrong.push(format!(
+                "missing row: | `{name}` | {} | {cell} | {} |",
+                reg.kind, reg.help
+            ));
+            continue;
+        };
+        if kind != &reg.kind {
+            wrong.push(format!(
+                "{name}: type {kind}, the code registers a {}",
+                reg.kind
+            ));
+        }
+        for (label, values) in &reg.labels {
+            if !labels.contains(&format!("`{label}`")) {
+                wrong.push(format!("{name}: label `{label}` is not listed"));
+            }
+            for v in values {
+                if !labels.contains(&format!("`{v}`")) {
+                    wrong.push(format!("{name}: `{label}` value `{v}` is not listed"));
+                }
+            }
+        }
+        if reg.labels.is_empty() && !labels.is_empty() {
+            wrong.push(format!("{name}: has no labels, the row lists {labels}"));
+        }
+    }
+    for name in rows.keys() {
+        if !registered.contains_key(name) {
+            wrong.push(format!(
+                "{name}: a row for a metric the code does not register"
+            ));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "docs/observability.md's metrics table and the metrics the gateway registers disagree:\n  {}",
+        wrong.join("\n  ")
+    );
+}
+
+/// The lines of the first ```console block in `section`, as written.
+fn console_block(rel: &str, heading_text: &str) -> Vec<String> {
+    let text = read(rel);
+    let mut lines = text
+        .lines()
+        .skip_while(|l| !(l.starts_with('#') && l.contains(heading_text)));
+    let _ = lines
+        .next()
+        .unwrap_or_else(|| panic!("{rel}: no heading {heading_text:?}"));
+    lines
+        .skip_while(|l| l.trim() != "```console")
+        .skip(1)
+        .take_while(|l| l.trim() != "```")
+        .map(str::to_string)
+        .collect()
+}
+
+/// `$ ratewall a 'b c'` -> ["a", "b c"] (single quotes only, as the docs write them).
+fn shell_words(command: &str) -> Vec<String> {
+    let mut words = Vec::new();
+    let mut word = String::new();
+    let (mut quoted, mut any) = (false, false);
+    for c in command.chars() {
+        match c {
+            '\'' => {
+                quoted = !quoted;
+                any = true;
+            }
+            c if c.is_whitespace() && !quoted => {
+                if any {
+                    words.push(std::mem::take(&mut word));
+                    any = false;
+                }
+            }
+            c => {
+                word.push(c);
+                any = true;
+            }
+        }
+    }
+    if any {
+        words.push(word);
+    }
+    words
+}
+
+/// Whether `actual` is `expected`, where an expected line `…` stands for one or more lines.
+fn matches_with_ellipsis(expected: &[String], actual: &[&str]) -> bool {
+    match expected.split_first() {
+        None => actual.is_empty(),
+        Some((e, rest)) if e.trim() == "…" => {
+            (1..=actual.len()).any(|n| matches_with_ellipsis(rest, &actual[n..]))
+        }
+        Some((e, rest)) => {
+            actual.first().is_some_and(|a| a.trim_end() == e.trim_end())
+                && matches_with_ellipsis(rest, &actual[1..])
+        }
+    }
+}
+
+#[test]
+fn the_check_example_is_what_check_prints_on_the_shipped_config() {
+    let block = console_block("docs/observability.md", "Testing a config without traffic");
+    let (command, expected) = block.split_first().expect("a console block");
+    let words = shell_words(command.strip_prefix("$ ").expect("a $ command"));
+    assert_eq!(words[0], "ratewall", "{command}");
+    let args: Vec<&str> = words[1..].iter().map(String::as_str).collect();
+    let actual = stdout_of(&args);
+    let actual: Vec<&str> = actual.lines().collect();
+    assert!(
+        matches_with_ellipsis(expected, &actual),
+        "docs/observability.md's `{command}` shows:\n{}\n\nratewall prints:\n{}",
+        expected.join("\n"),
+        actual.join("\n")
+    );
 }

@@ -11,6 +11,7 @@
 //! cross-field checks (burst against cost, duplicate rule names) point at the rule's table.
 
 mod keys;
+mod overrides;
 mod rules;
 mod server;
 mod store;
@@ -30,6 +31,7 @@ use crate::identity::{ClientIp, KeyKind, Keys, MissingKey};
 use crate::limiter::store::{self as store_settings, Backend};
 use crate::rules::{Plan, Rule, RuleIndex};
 
+pub use overrides::{Given, OverrideError, Overrides, Source};
 pub use rules::{DEFAULT_LEASE_TTL, DEFAULT_MAX_WAITING, MAX_DELAY};
 pub use server::{Admin, Server, MAX_CONNECTIONS, MAX_HEADER_BYTES, SHUTDOWN_GRACE};
 

@@ -15,7 +15,6 @@ mod screen;
 pub mod verdict;
 
 use std::net::IpAddr;
-use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -25,7 +24,7 @@ use http::{HeaderMap, Method, Request, Response, StatusCode};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 
-use crate::config::{Config, ConfigError};
+use crate::config::{Config, ConfigError, Source};
 use crate::headers::{self, Applied, Problem};
 use crate::identity::{IdentityDigest, Requester};
 use crate::limiter::guard::{Answer, Now};
@@ -53,8 +52,9 @@ pub enum ReloadError {
 
 pub struct Gateway {
     live: ArcSwap<Live>,
-    /// The file SIGHUP re-reads.
-    config_path: Option<PathBuf>,
+    /// The file SIGHUP re-reads, and the command line's or environment's overrides it
+    /// keeps.
+    source: Option<Source>,
     metrics: Arc<Metrics>,
 }
 
@@ -136,10 +136,10 @@ impl<'l> Pass<'l> {
 }
 
 impl Gateway {
-    pub fn new(live: Live, config_path: Option<PathBuf>, metrics: Arc<Metrics>) -> Gateway {
+    pub fn new(live: Live, source: Option<Source>, metrics: Arc<Metrics>) -> Gateway {
         Gateway {
             live: ArcSwap::from_pointee(live),
-            config_path,
+            source,
             metrics,
         }
     }
@@ -170,8 +170,8 @@ impl Gateway {
     }
 
     fn try_reload(&self) -> Result<(), ReloadError> {
-        let path = self.config_path.as_ref().ok_or(ReloadError::NoFile)?;
-        let config = Config::load(path)?;
+        let source = self.source.as_ref().ok_or(ReloadError::NoFile)?;
+        let config = source.load()?;
         let old = self.live.load_full();
         let (s, o) = (&config.server, &old.config.server);
         if s.listen != o.listen

@@ -14,11 +14,15 @@ pub struct Rate {
     pub period: Duration,
 }
 
+/// The forms a rate is written in, for errors.
+const RATE_FORMS: &str =
+    "expected \"N/s\", \"N/m\", \"N/h\", \"N/d\" or \"N/<duration>\" (e.g. \"5/10s\")";
+
 impl Rate {
     pub fn parse(s: &str) -> Result<Rate, String> {
         let (n, per) = s
             .split_once('/')
-            .ok_or_else(|| format!("invalid rate {s:?}: expected \"N/s\", \"N/m\", \"N/h\", \"N/d\" or \"N/<duration>\""))?;
+            .ok_or_else(|| format!("invalid rate {s:?}: {RATE_FORMS}"))?;
         let count: u64 = n
             .trim()
             .parse()
@@ -33,7 +37,7 @@ impl Rate {
             "h" => Duration::from_secs(3600),
             "d" => Duration::from_secs(86_400),
             other => humantime::parse_duration(other)
-                .map_err(|e| format!("invalid rate {s:?}: period {other:?}: {e}"))?,
+                .map_err(|e| format!("invalid rate {s:?}: {}", bad_period(count, other, e)))?,
         };
         if period.is_zero() || period.subsec_nanos() != 0 {
             return Err(format!(
@@ -42,6 +46,50 @@ impl Rate {
         }
         Ok(Rate { count, period })
     }
+}
+
+/// Why `per` (after the `/` of a rate of `count`) is not a period, in the rate's terms: the
+/// accepted forms, where in the period it went wrong, and for a unit written without its
+/// number (`"10/sec"`, `"10/min"`) the rate it likely means.
+fn bad_period(count: u64, per: &str, e: humantime::DurationError) -> String {
+    use humantime::DurationError as E;
+    if per.is_empty() {
+        return format!("the period is missing; {RATE_FORMS}");
+    }
+    if per.bytes().all(|b| b.is_ascii_alphabetic()) {
+        if let Ok(one) = humantime::parse_duration(&format!("1{per}")) {
+            let meant = match one.as_secs() {
+                _ if one.subsec_nanos() != 0 => None,
+                1 => Some("s".to_string()),
+                60 => Some("m".to_string()),
+                3600 => Some("h".to_string()),
+                86_400 => Some("d".to_string()),
+                _ => Some(format!("1{per}")),
+            };
+            let hint = meant.map_or(String::new(), |m| {
+                format!(": did you mean \"{count}/{m}\"?")
+            });
+            return format!("the period {per:?} has no number; {RATE_FORMS}{hint}");
+        }
+    }
+    // humantime's offsets are bytes into the period; say where, counted from 1.
+    let at = |i: usize| {
+        let c = per[i.min(per.len())..].chars().next();
+        let n = per[..i.min(per.len())].chars().count() + 1;
+        match c {
+            Some(c) => format!("{c:?} at character {n} of the period {per:?}"),
+            None => format!("the end of the period {per:?}"),
+        }
+    };
+    let why = match e {
+        E::InvalidCharacter(i) => format!("unexpected {}", at(i)),
+        E::NumberExpected(i) => format!("expected a number at {}", at(i)),
+        E::UnknownUnit { unit, .. } => format!(
+            "unknown unit {unit:?} in the period {per:?} (s, m, h, d; or ms, min, hours, days, ...)"
+        ),
+        e => format!("the period {per:?}: {e}"),
+    };
+    format!("{why}; {RATE_FORMS}")
 }
 
 impl fmt::Display for Rate {
@@ -431,6 +479,46 @@ mod tests {
         );
         for bad in ["0/s", "10", "10/", "10/500ms", "-1/s", "1.5/s", "10/x"] {
             assert!(Rate::parse(bad).is_err(), "{bad} was accepted");
+        }
+    }
+
+    #[test]
+    fn a_bad_period_says_the_accepted_forms_and_where() {
+        const FORMS: &str =
+            "expected \"N/s\", \"N/m\", \"N/h\", \"N/d\" or \"N/<duration>\" (e.g. \"5/10s\")";
+        for (bad, says) in [
+            (
+                "10/sec",
+                format!("invalid rate \"10/sec\": the period \"sec\" has no number; {FORMS}: did you mean \"10/s\"?"),
+            ),
+            (
+                "10/min",
+                format!("invalid rate \"10/min\": the period \"min\" has no number; {FORMS}: did you mean \"10/m\"?"),
+            ),
+            (
+                "5/week",
+                format!("invalid rate \"5/week\": the period \"week\" has no number; {FORMS}: did you mean \"5/1week\"?"),
+            ),
+            (
+                "10/ms",
+                format!("invalid rate \"10/ms\": the period \"ms\" has no number; {FORMS}"),
+            ),
+            ("10/", format!("invalid rate \"10/\": the period is missing; {FORMS}")),
+            (
+                "10/5 minutez",
+                format!("invalid rate \"10/5 minutez\": unknown unit \"minutez\" in the period \"5 minutez\" (s, m, h, d; or ms, min, hours, days, ...); {FORMS}"),
+            ),
+            (
+                "10/1h x",
+                format!("invalid rate \"10/1h x\": expected a number at 'x' at character 4 of the period \"1h x\"; {FORMS}"),
+            ),
+            (
+                "10/1h!",
+                format!("invalid rate \"10/1h!\": unexpected '!' at character 3 of the period \"1h!\"; {FORMS}"),
+            ),
+            ("10", format!("invalid rate \"10\": {FORMS}")),
+        ] {
+            assert_eq!(Rate::parse(bad).unwrap_err(), says, "{bad}");
         }
     }
 }

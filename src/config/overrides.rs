@@ -1,0 +1,203 @@
+//! What the command line and the environment override in the file: where the gateway and
+//! its admin listener listen, and the upstream. A container or a service manager sets
+//! these without a file of its own (`docker run -e RATEWALL_LISTEN=0.0.0.0:8080`).
+//!
+//! Each is validated once, at start, exactly as the file's value is (the same
+//! deserialisers), and named in its error by where it came from; then applied to every
+//! load of the file, so a SIGHUP reload re-reads the file and keeps them.
+
+use std::fmt;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+
+use serde::de::value::{Error as ValueError, StrDeserializer};
+use serde::Deserialize;
+
+use super::values::UpstreamUrl;
+use super::{Config, ConfigError};
+
+/// A value given on the command line or in the environment, and which of them gave it.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Given {
+    pub value: String,
+    /// The flag (`--listen`) or the environment variable (`RATEWALL_LISTEN`), for errors
+    /// and for `ratewall check`.
+    pub origin: String,
+}
+
+/// An override that is not a valid value: the flag or variable, the value, and why.
+#[derive(Debug, thiserror::Error)]
+#[error("{origin} = {value:?}: {message}")]
+pub struct OverrideError {
+    pub origin: String,
+    pub value: String,
+    pub message: String,
+}
+
+/// The settings that override the file's, validated.
+#[derive(Clone, Debug, Default)]
+pub struct Overrides {
+    listen: Option<(SocketAddr, String)>,
+    admin_listen: Option<(SocketAddr, String)>,
+    upstream: Option<(http::Uri, String, String)>,
+}
+
+/// `given`'s value, read by the deserialiser the file's value goes through.
+fn parse<'a, T: Deserialize<'a>>(given: &'a Given) -> Result<T, OverrideError> {
+    T::deserialize(StrDeserializer::<ValueError>::new(given.value.trim())).map_err(|e| {
+        OverrideError {
+            origin: given.origin.clone(),
+            value: given.value.clone(),
+            message: e.to_string(),
+        }
+    })
+}
+
+impl Overrides {
+    /// Validate `[server] listen`, `[server] admin_listen` and `[upstream] url` overrides.
+    pub fn new(
+        listen: Option<Given>,
+        admin_listen: Option<Given>,
+        upstream: Option<Given>,
+    ) -> Result<Overrides, OverrideError> {
+        let addr = |g: Option<Given>| -> Result<_, OverrideError> {
+            g.map(|g| parse::<SocketAddr>(&g).map(|a| (a, g.origin)))
+                .transpose()
+        };
+        Ok(Overrides {
+            listen: addr(listen)?,
+            admin_listen: addr(admin_listen)?,
+            upstream: upstream
+                .map(|g| parse::<UpstreamUrl>(&g).map(|u| (u.uri, u.base_path, g.origin)))
+                .transpose()?,
+        })
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.listen.is_none() && self.admin_listen.is_none() && self.upstream.is_none()
+    }
+
+    /// Replace the file's values with these.
+    pub fn apply(&self, config: &mut Config) {
+        if let Some((a, _)) = &self.listen {
+            config.server.listen = *a;
+        }
+        if let Some((a, _)) = &self.admin_listen {
+            config.server.admin_listen = Some(*a);
+        }
+        if let Some((uri, base_path, _)) = &self.upstream {
+            config.upstream.url = uri.clone();
+            config.upstream.base_path = base_path.clone();
+        }
+    }
+}
+
+/// For `ratewall check`: `--listen overrides [server] listen, ...`.
+impl fmt::Display for Overrides {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let entries = [
+            self.listen.as_ref().map(|(_, o)| (o, "[server] listen")),
+            self.admin_listen
+                .as_ref()
+                .map(|(_, o)| (o, "[server] admin_listen")),
+            self.upstream
+                .as_ref()
+                .map(|(_, _, o)| (o, "[upstream] url")),
+        ];
+        let mut first = true;
+        for (origin, key) in entries.into_iter().flatten() {
+            if !first {
+                f.write_str(", ")?;
+            }
+            first = false;
+            write!(f, "{origin} overrides {key}")?;
+        }
+        Ok(())
+    }
+}
+
+/// Where the configuration comes from: the file, and what overrides it. Every load (at
+/// start and on each SIGHUP) goes through [`Source::load`].
+#[derive(Clone, Debug)]
+pub struct Source {
+    pub path: PathBuf,
+    pub overrides: Overrides,
+}
+
+impl Source {
+    pub fn new(path: impl Into<PathBuf>, overrides: Overrides) -> Source {
+        Source {
+            path: path.into(),
+            overrides,
+        }
+    }
+
+    /// Read and validate the file, then apply the overrides.
+    pub fn load(&self) -> Result<Config, ConfigError> {
+        let mut config = Config::load(&self.path)?;
+        self.overrides.apply(&mut config);
+        Ok(config)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    fn given(value: &str, origin: &str) -> Option<Given> {
+        Some(Given {
+            value: value.into(),
+            origin: origin.into(),
+        })
+    }
+
+    #[test]
+    fn overrides_replace_the_files_values() {
+        let o = Overrides::new(
+            given("0.0.0.0:8080", "--listen"),
+            given("[::]:9090", "RATEWALL_ADMIN_LISTEN"),
+            given("http://host.docker.internal:3000/base/", "--upstream"),
+        )
+        .unwrap();
+        let mut c = Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:2\"\n",
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        o.apply(&mut c);
+        assert_eq!(c.server.listen, "0.0.0.0:8080".parse().unwrap());
+        assert_eq!(c.server.admin_listen, Some("[::]:9090".parse().unwrap()));
+        assert_eq!(
+            c.upstream.url.authority().unwrap().as_str(),
+            "host.docker.internal:3000"
+        );
+        assert_eq!(c.upstream.base_path, "/base");
+        assert_eq!(
+            o.to_string(),
+            "--listen overrides [server] listen, RATEWALL_ADMIN_LISTEN overrides [server] admin_listen, --upstream overrides [upstream] url"
+        );
+    }
+
+    #[test]
+    fn a_bad_override_names_its_origin_and_says_why_as_the_file_would() {
+        let e = Overrides::new(given("0.0.0.0", "RATEWALL_LISTEN"), None, None).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "RATEWALL_LISTEN = \"0.0.0.0\": invalid socket address syntax"
+        );
+        let e = Overrides::new(None, None, given("https://x", "--upstream")).unwrap_err();
+        assert_eq!(
+            e.to_string(),
+            "--upstream = \"https://x\": invalid upstream url \"https://x\": only http:// upstreams are supported"
+        );
+        // The file says the same of the same value.
+        let file = Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"https://x\"\n",
+            Path::new("t.toml"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(file.ends_with(&e.message), "{file}");
+    }
+}
