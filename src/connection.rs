@@ -810,13 +810,14 @@ impl Guarded {
     /// Nothing to read while a request is in flight: watch what the client owes it (over
     /// HTTP/2, taking the answer), and keep the idle clock armed for when it is done.
     fn pending_busy(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
+        // Once the answer is done, hyper may not read again until the client writes: this
+        // is then the connection's last word on what wakes it, so a request to close (to
+        // make room, or shutting down) must find this task.
+        self.track.reader.register(cx.waker());
         // HTTP/2: an answer the client has taken nothing of for body_timeout
         // ends the connection (HTTP/1's blocks a write: `written`).
         let since = match self.h2 {
-            true => {
-                self.track.reader.register(cx.waker());
-                self.track.oldest_awaiting()
-            }
+            true => self.track.oldest_awaiting(),
             false => None,
         };
         if let Some(since) = since {
