@@ -1,5 +1,6 @@
-//! `[server]`, `[admin]` and `[response]`: where the gateway listens, how it treats client
-//! connections, the admin token, which rate-limit headers answers carry.
+//! `[server]`, `[admin]`, `[response]` and `[log]`: where the gateway listens, how it
+//! treats client connections, the admin token, which rate-limit headers answers carry,
+//! what the access log says.
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -122,4 +123,19 @@ impl RawAdmin {
 pub(super) struct RawResponse {
     #[serde(default)]
     pub(super) headers: ResponseStyle,
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLog {
+    client_ip: Option<bool>,
+}
+
+impl RawLog {
+    pub(super) fn validate(self) -> crate::gateway::AccessLog {
+        let d = crate::gateway::AccessLog::default();
+        crate::gateway::AccessLog {
+            client_ip: self.client_ip.unwrap_or(d.client_ip),
+        }
+    }
 }
