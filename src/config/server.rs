@@ -125,6 +125,21 @@ pub(super) struct RawResponse {
     pub(super) headers: ResponseStyle,
 }
 
+/// `[log]`, validated: what the access log says (`crate::gateway`'s access line).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Log {
+    /// Whether the access log names the client's address (as the gateway resolved it,
+    /// through `[client_ip]`'s trusted proxies). Off where addresses are personal data
+    /// the logs must not keep.
+    pub client_ip: bool,
+}
+
+impl Default for Log {
+    fn default() -> Self {
+        Log { client_ip: true }
+    }
+}
+
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
 pub(super) struct RawLog {
@@ -132,10 +147,9 @@ pub(super) struct RawLog {
 }
 
 impl RawLog {
-    pub(super) fn validate(self) -> crate::gateway::AccessLog {
-        let d = crate::gateway::AccessLog::default();
-        crate::gateway::AccessLog {
-            client_ip: self.client_ip.unwrap_or(d.client_ip),
+    pub(super) fn validate(self) -> Log {
+        Log {
+            client_ip: self.client_ip.unwrap_or(Log::default().client_ip),
         }
     }
 }

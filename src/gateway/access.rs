@@ -15,21 +15,6 @@ use super::Note;
 use crate::config::Config;
 use crate::upstream::Peer;
 
-/// `[log]`, validated.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct AccessLog {
-    /// Whether the access log names the client's address (as the gateway resolved it,
-    /// through `[client_ip]`'s trusted proxies). Off where addresses are personal data
-    /// the logs must not keep.
-    pub client_ip: bool,
-}
-
-impl Default for AccessLog {
-    fn default() -> Self {
-        AccessLog { client_ip: true }
-    }
-}
-
 /// The most of a client-chosen value (host, user agent) a line carries, in bytes before
 /// escaping; past it the value is cut and marked with `…`.
 pub const MAX_FIELD: usize = 256;

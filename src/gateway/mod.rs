@@ -38,7 +38,6 @@ use limits::Limit;
 use live::WaitSlot;
 use verdict::{Ruled, Tally, Verdict};
 
-pub use access::AccessLog;
 pub use body::{Body, LeasedBody};
 pub use explain::explain;
 pub use live::Live;
