@@ -9,6 +9,7 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
+use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -43,6 +44,7 @@ pub enum StartError {
 /// Run the gateway until SIGTERM or SIGINT, then drain and return. SIGHUP re-reads
 /// `source` (the file, with the same overrides).
 pub async fn run(config: Config, source: Option<crate::config::Source>) -> Result<(), StartError> {
+    let started = std::time::Instant::now();
     let metrics = Arc::new(crate::metrics::Metrics::new());
     let live = Live::build(config, None, &metrics)?;
     live.limiter.warm().await;
@@ -64,10 +66,18 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     // Before the gateway says it listens: until a handler is registered, a signal's default
     // action ends the process, so a SIGHUP sent on that word would kill it.
     let signals = Signals::register();
+    // Plain addresses: `none` where there is no admin listener.
+    let admin_listen = config
+        .server
+        .admin_listen
+        .map_or_else(|| "none".to_string(), |a| a.to_string());
     tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
         listen = %config.server.listen,
-        admin = ?config.server.admin_listen,
-        upstream = %config.upstream.url,
+        admin = %admin_listen,
+        upstream = %upstream_of(&config),
+        store = store_of(&config),
+        workers = config.server.workers.max(1),
         rules = config.rules.len(),
         "ratewall listening"
     );
@@ -96,7 +106,8 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
             config.server.shutdown_grace,
             stopped.clone(),
         );
-        let (done, finished) = tokio::sync::oneshot::channel::<()>();
+        // The worker's count of requests served, when it is done.
+        let (done, finished) = tokio::sync::oneshot::channel::<u64>();
         let thread = std::thread::Builder::new()
             .name(format!("ratewall-worker-{n}"))
             .spawn(move || {
@@ -108,22 +119,23 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
                         return;
                     }
                 };
-                rt.block_on(async move {
+                let served = rt.block_on(async move {
                     let listener = match TcpListener::from_std(listener) {
                         Ok(l) => l,
                         Err(e) => {
                             tracing::error!(error = %e, worker = n, "cannot register the listener");
-                            return;
+                            return 0;
                         }
                     };
                     let stop = async move {
                         let _ = stopped.wait_for(|s| *s).await;
                     };
                     let pacer = tokio::spawn(pace());
-                    serve(listener, gateway, &registry, grace, stop).await;
+                    let served = serve(listener, gateway, &registry, grace, stop).await;
                     pacer.abort();
+                    served
                 });
-                let _ = done.send(());
+                let _ = done.send(served);
             })
             .map_err(|source| StartError::Bind {
                 addr: config.server.listen,
@@ -135,9 +147,10 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     signals.shutdown.await;
     tracing::info!(grace = ?config.server.shutdown_grace, "shutting down: draining in-flight requests");
     let _ = stop.send(true);
+    let mut served = 0;
     for (thread, finished) in workers {
         // A worker that could not start has nothing to drain.
-        let _ = finished.await;
+        served += finished.await.unwrap_or(0);
         let _ = tokio::task::spawn_blocking(move || thread.join()).await;
     }
     upkeep.abort();
@@ -145,7 +158,28 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     if let Some(t) = admin_task {
         t.abort();
     }
+    let uptime = humantime::format_duration(Duration::from_secs(started.elapsed().as_secs()));
+    tracing::info!(
+        uptime = %uptime,
+        uptime_s = started.elapsed().as_secs(),
+        requests = served,
+        "ratewall stopped"
+    );
     Ok(())
+}
+
+/// The upstream as the file names it: `http://127.0.0.1:3000/base`.
+fn upstream_of(config: &Config) -> String {
+    let url = config.upstream.url.to_string();
+    format!("{}{}", url.trim_end_matches('/'), config.upstream.base_path)
+}
+
+fn store_of(config: &Config) -> &'static str {
+    match config.store.backend {
+        crate::limiter::store::Backend::Memory => "memory",
+        crate::limiter::store::Backend::Redis { .. } => "redis",
+        crate::limiter::store::Backend::RedisCluster { .. } => "redis_cluster",
+    }
 }
 
 /// How often each worker's timer wakes, whatever else it has to do (see [`pace`]).
@@ -226,8 +260,22 @@ async fn reload_on_sighup(gateway: Arc<Gateway>, hangups: Option<Hangups>) {
     let Some(mut hangups) = hangups else { return };
     #[cfg(unix)]
     while hangups.recv().await.is_some() {
+        let before = gateway.live();
         match gateway.reload() {
-            Ok(()) => tracing::info!(rules = gateway.live().config.rules.len(), "config reloaded"),
+            Ok(()) => {
+                let after = gateway.live();
+                let c = crate::config::Changes::between(&before.config, &after.config);
+                use crate::config::Listed;
+                tracing::info!(
+                    rules = after.config.rules.len(),
+                    added = %Listed(&c.added),
+                    removed = %Listed(&c.removed),
+                    changed = %Listed(&c.changed),
+                    settings = %Listed(&c.settings),
+                    "config reloaded{}",
+                    if c.is_empty() { ": nothing changed" } else { "" }
+                )
+            }
             Err(e) => {
                 tracing::error!(error = %e, "config reload rejected; the old config keeps serving")
             }
@@ -254,7 +302,8 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
 }
 
 /// Accept connections until `shutdown` resolves; then stop accepting, ask every connection
-/// to close once what it has in flight is answered, and give them up to `grace`.
+/// to close once what it has in flight is answered, and give them up to `grace`. Returns
+/// how many requests it served.
 ///
 /// A connection is accepted before it is admitted: at `max_connections` it waits here
 /// while idle connections are closed to make room, and the ones behind it wait in the
@@ -265,7 +314,9 @@ pub async fn serve(
     registry: &Arc<Registry>,
     grace: Duration,
     shutdown: impl std::future::Future<Output = ()>,
-) {
+) -> u64 {
+    // This worker's alone (its connections run on its thread): no other core touches it.
+    let served = Arc::new(AtomicU64::new(0));
     tokio::pin!(shutdown);
     loop {
         let accepted = tokio::select! {
@@ -286,13 +337,14 @@ pub async fn serve(
             permit = registry.admit() => permit,
             () = &mut shutdown => break,
         };
-        let (gw, registry) = (gateway.clone(), registry.clone());
+        let (gw, registry, served) = (gateway.clone(), registry.clone(), served.clone());
         let settings = gw.live().config.server.connections();
         tokio::spawn(async move {
             // Rendered once for all the connection's requests.
             let client = Peer::new(peer);
             connection::serve(stream, &registry, permit, settings, |track| {
                 service_fn(move |req: Request<Incoming>| {
+                    served.fetch_add(1, Relaxed);
                     let request = InFlight::new(&track);
                     let http2 = req.version() == http::Version::HTTP_2;
                     let (gw, client) = (gw.clone(), client.clone());
@@ -313,6 +365,7 @@ pub async fn serve(
     {
         tracing::warn!("shutdown grace ran out; closing the remaining connections");
     }
+    served.load(Relaxed)
 }
 
 /// Background work that keeps the store bounded, and closes upstream connections that

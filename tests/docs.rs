@@ -299,6 +299,7 @@ fn place(name: &str) -> Option<Place> {
         "RawClientIp" => Place::Section("[client_ip]"),
         "RawKeys" => Place::Section("[keys]"),
         "RawResponse" => Place::Section("[response]"),
+        "RawLog" => Place::Section("[log]"),
         "RawRule" => Place::Section("[[rules]]"),
         "RawMatch" => Place::Within("[[rules]]", "match"),
         "RawPlanOverride" => Place::Section("[rules.plans.<plan>]"),

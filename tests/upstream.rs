@@ -20,6 +20,9 @@
 //! - requests: body framing, the request line and the header lines as sent, and the
 //!   `Host`/`X-Forwarded-*` fields the gateway sets;
 //! - streaming: an 8 MB answer reaches the client before the upstream has sent all of it.
+//! - an HTTP/1.0 backend: the client is answered in HTTP/1.1 and keeps its connection, a
+//!   close-delimited body re-framed as chunked (close-delimited for an HTTP/1.0 client),
+//!   as nginx does.
 
 mod common;
 
@@ -1973,4 +1976,187 @@ async fn an_upstream_silent_in_the_middle_of_its_body_is_cut_off_at_its_timeout(
         "cut after {took:?}"
     );
     still_serves(&gw, "/fine", b"fine").await;
+}
+
+// ---------------------------------------------------------------------------------------
+// An HTTP/1.0 backend
+//
+// The gateway answers in its own version (RFC 9110 §6.2), whatever the backend spoke: an
+// HTTP/1.1 client gets `HTTP/1.1` and keeps its connection; a body the backend delimits
+// by closing its connection is re-framed as chunked for that client; the backend's
+// connection of such an answer is never used again. An HTTP/1.0 client gets what HTTP/1.0
+// allows: a `Content-Length` answer on a kept connection if it asked for keep-alive, a
+// close-delimited one otherwise (hyper writes such a client's status line as `HTTP/1.0`).
+//
+// nginx (1.x, `proxy_pass`, defaults) does the same, checked by hand against a raw
+// HTTP/1.0 backend: `HTTP/1.1 200 OK`, `Transfer-Encoding: chunked` and `Connection:
+// keep-alive` for the close-delimited answer to an HTTP/1.1 client; `Content-Length`
+// passed through; HEAD and 204 without a body on the kept connection; an HTTP/1.0 client
+// gets the close-delimited body and `Connection: close`. nginx's status line says
+// `HTTP/1.1` to an HTTP/1.0 client too (its own version; RFC 9110 §6.2 allows either).
+
+/// A raw HTTP/1.0 backend as old servers are: one answer per connection, then its end.
+/// `/until-close` has no length (`body` until the close), `/length` a `Content-Length`,
+/// `/204` and `/304` no body, and a HEAD answer the length a GET would have.
+async fn http10_backend(body: Vec<u8>) -> ScriptedUpstream {
+    ScriptedUpstream::start(move |req| {
+        let mut answer = match (req.method(), req.target()) {
+            ("HEAD", _) => b"HTTP/1.0 200 OK\r\nContent-Length: 1234\r\n\r\n".to_vec(),
+            (_, "/204") => b"HTTP/1.0 204 No Content\r\nX-Kind: none\r\n\r\n".to_vec(),
+            (_, "/304") => b"HTTP/1.0 304 Not Modified\r\nETag: \"v1\"\r\n\r\n".to_vec(),
+            (_, "/length") => {
+                let mut a = format!("HTTP/1.0 200 OK\r\nContent-Length: {}\r\n\r\n", body.len())
+                    .into_bytes();
+                a.extend_from_slice(&body);
+                a
+            }
+            _ => b"HTTP/1.0 200 OK\r\nContent-Type: application/octet-stream\r\n\r\n".to_vec(),
+        };
+        let mut steps = Vec::new();
+        if req.target() == "/until-close" && req.method() == "GET" {
+            steps.push(Step::Write(std::mem::take(&mut answer)));
+            steps.extend(in_pieces(&body, 7_001));
+        } else {
+            steps.push(Step::Write(answer));
+        }
+        steps.push(Step::Close);
+        steps
+    })
+    .await
+}
+
+fn get_10(path: &str, keep_alive: bool) -> Vec<u8> {
+    let ka = if keep_alive {
+        "Connection: keep-alive\r\n"
+    } else {
+        ""
+    };
+    format!("GET {path} HTTP/1.0\r\nHost: upstream.test\r\n{ka}\r\n").into_bytes()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http10_backend_keeps_the_http11_clients_connection_and_its_bytes() {
+    const LEN: usize = 40 * 1024;
+    let body = pattern(3, LEN);
+    let up = http10_backend(body.clone()).await;
+    let gw = gateway(&up);
+    let mut client = RawClient::connect(gw.port).await;
+    // Close-delimited upstream: chunked to the client, every byte, the connection kept.
+    for round in 0..2 {
+        let a = client.exchange(&get("/until-close")).await;
+        assert_eq!(a.head.start, "HTTP/1.1 200 OK", "round {round}: {a:?}");
+        assert_eq!(
+            a.head.get("transfer-encoding").as_deref(),
+            Some("chunked"),
+            "round {round}: re-framed for the client: {a:?}"
+        );
+        assert!(!a.head.has("content-length"), "{a:?}");
+        assert!(
+            a.head
+                .get("connection")
+                .is_none_or(|c| !c.eq_ignore_ascii_case("close")),
+            "round {round}: the client's connection is not closed: {a:?}"
+        );
+        assert!(a.body == body, "round {round}: the body's bytes differ");
+    }
+    // A length from the backend is passed through, on the same client connection.
+    let a = client.exchange(&get("/length")).await;
+    assert_eq!(a.head.start, "HTTP/1.1 200 OK", "{a:?}");
+    assert_eq!(a.head.get("content-length"), Some(LEN.to_string()), "{a:?}");
+    assert!(!a.head.has("transfer-encoding"), "{a:?}");
+    assert!(a.body == body, "the body's bytes differ");
+    // Each answer ended its backend connection: none was used twice.
+    let received = up.received();
+    assert_eq!(received.len(), 3);
+    assert_eq!(up.accepted(), 3, "an HTTP/1.0 connection was reused");
+    still_serves_on(&mut client, &up).await;
+}
+
+/// One more request on `client`'s connection: it is still open and in step.
+async fn still_serves_on(client: &mut RawClient, up: &ScriptedUpstream) {
+    let before = up.received().len();
+    let a = client.exchange(&get("/length")).await;
+    assert_eq!(a.status, 200, "{a:?}");
+    assert_eq!(up.received().len(), before + 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http10_backends_head_204_and_304_have_no_body_and_keep_the_connection() {
+    let up = http10_backend(b"body".to_vec()).await;
+    let gw = gateway(&up);
+    let mut client = RawClient::connect(gw.port).await;
+    let a = client
+        .exchange(b"HEAD /doc HTTP/1.1\r\nHost: upstream.test\r\n\r\n")
+        .await;
+    assert_eq!(a.head.start, "HTTP/1.1 200 OK", "{a:?}");
+    assert_eq!(
+        a.head.get("content-length").as_deref(),
+        Some("1234"),
+        "{a:?}"
+    );
+    assert!(!a.head.has("transfer-encoding"), "{a:?}");
+    let a = client.exchange(&get("/204")).await;
+    assert_eq!(a.head.start, "HTTP/1.1 204 No Content", "{a:?}");
+    assert_eq!(a.head.get("x-kind").as_deref(), Some("none"));
+    assert!(
+        !a.head.has("transfer-encoding") && !a.head.has("content-length"),
+        "{a:?}"
+    );
+    let a = client.exchange(&get("/304")).await;
+    assert_eq!(a.head.start, "HTTP/1.1 304 Not Modified", "{a:?}");
+    assert!(!a.head.has("transfer-encoding"), "{a:?}");
+    // Nothing was sent after those heads: the next answer on the connection is its own.
+    let a = client.exchange(&get("/length")).await;
+    assert_eq!((a.status, &a.body[..]), (200, &b"body"[..]), "{a:?}");
+    assert_eq!(up.accepted(), 4);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http10_client_behind_an_http10_backend_gets_what_http10_allows() {
+    let body = pattern(5, 20 * 1024);
+    let up = http10_backend(body.clone()).await;
+    let gw = gateway(&up);
+    // Keep-alive asked for, and a length to keep it with: the connection stays.
+    let mut client = RawClient::connect(gw.port).await;
+    client.send(&get_10("/length", true)).await;
+    let a = client.answer(false).await.expect("an answer");
+    assert_eq!(a.status, 200, "{a:?}");
+    assert_eq!(a.head.get("content-length"), Some(body.len().to_string()));
+    assert!(a.body == body, "the body's bytes differ");
+    // No length: no chunked for HTTP/1.0, the body ends with the connection.
+    client.send(&get_10("/until-close", true)).await;
+    let a = client.answer(false).await.expect("an answer, to the close");
+    assert!(a.head.start.starts_with("HTTP/1."), "{a:?}");
+    assert_eq!(a.status, 200, "{a:?}");
+    assert!(
+        !a.head.has("transfer-encoding"),
+        "no chunked to HTTP/1.0: {a:?}"
+    );
+    assert!(a.body == body, "the body's bytes differ");
+    assert!(
+        matches!(client.wire.head().await, Ok(None) | Err(_)),
+        "the connection ended with the body"
+    );
+    // Without keep-alive: the same body, close-delimited.
+    let mut client = RawClient::connect(gw.port).await;
+    client.send(&get_10("/until-close", false)).await;
+    let a = client.answer(false).await.expect("an answer, to the close");
+    assert!(!a.head.has("transfer-encoding"), "{a:?}");
+    assert!(a.body == body, "the body's bytes differ");
+}
+
+/// HTTP/2 frames every body itself: a close-delimited answer arrives whole.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http10_backends_close_delimited_answer_reaches_an_http2_client_whole() {
+    let body = pattern(7, 30 * 1024);
+    let up = http10_backend(body.clone()).await;
+    let gw = gateway(&up);
+    let h2 = common::HttpClient::h2();
+    for _ in 0..2 {
+        let r = h2
+            .get(&format!("http://127.0.0.1:{}/until-close", gw.port), &[])
+            .await;
+        assert_eq!(r.status.as_u16(), 200);
+        assert!(r.body == body, "the body's bytes differ");
+    }
 }

@@ -10,6 +10,7 @@
 //! (`values.rs`), so their errors carry the line and column of the offending value;
 //! cross-field checks (burst against cost, duplicate rule names) point at the rule's table.
 
+mod diff;
 mod keys;
 mod overrides;
 mod rules;
@@ -31,9 +32,10 @@ use crate::identity::{ClientIp, KeyKind, Keys, MissingKey};
 use crate::limiter::store::{self as store_settings, Backend};
 use crate::rules::{Plan, Rule, RuleIndex};
 
+pub use diff::{Changes, Listed};
 pub use overrides::{Given, OverrideError, Overrides, Source};
 pub use rules::{DEFAULT_LEASE_TTL, DEFAULT_MAX_WAITING, MAX_DELAY};
-pub use server::{Admin, Server, MAX_CONNECTIONS, MAX_HEADER_BYTES, SHUTDOWN_GRACE};
+pub use server::{Admin, Log, Server, MAX_CONNECTIONS, MAX_HEADER_BYTES, SHUTDOWN_GRACE};
 
 /// A configuration file that could not be loaded, with where and why.
 #[derive(Debug, thiserror::Error)]
@@ -64,6 +66,8 @@ pub struct Config {
     pub client_ip: ClientIp,
     pub keys: Keys,
     pub response: ResponseStyle,
+    /// `[log]`: what the access log says.
+    pub log: Log,
     pub rules: Vec<Rule>,
     /// `rules`, precompiled for matching (see [`RuleIndex`]).
     pub index: RuleIndex,
@@ -83,6 +87,8 @@ struct RawConfig {
     keys: keys::RawKeys,
     #[serde(default)]
     response: server::RawResponse,
+    #[serde(default)]
+    log: server::RawLog,
     #[serde(default)]
     rules: Vec<Spanned<rules::RawRule>>,
 }
@@ -229,6 +235,7 @@ impl Config {
             client_ip: raw.client_ip.validate(),
             keys,
             response: raw.response.headers,
+            log: raw.log.validate(),
             rules,
             index,
         })

@@ -1,5 +1,6 @@
-//! `[server]`, `[admin]` and `[response]`: where the gateway listens, how it treats client
-//! connections, the admin token, which rate-limit headers answers carry.
+//! `[server]`, `[admin]`, `[response]` and `[log]`: where the gateway listens, how it
+//! treats client connections, the admin token, which rate-limit headers answers carry,
+//! what the access log says.
 
 use std::fmt;
 use std::net::SocketAddr;
@@ -122,4 +123,33 @@ impl RawAdmin {
 pub(super) struct RawResponse {
     #[serde(default)]
     pub(super) headers: ResponseStyle,
+}
+
+/// `[log]`, validated: what the access log says (`crate::gateway`'s access line).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Log {
+    /// Whether the access log names the client's address (as the gateway resolved it,
+    /// through `[client_ip]`'s trusted proxies). Off where addresses are personal data
+    /// the logs must not keep.
+    pub client_ip: bool,
+}
+
+impl Default for Log {
+    fn default() -> Self {
+        Log { client_ip: true }
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawLog {
+    client_ip: Option<bool>,
+}
+
+impl RawLog {
+    pub(super) fn validate(self) -> Log {
+        Log {
+            client_ip: self.client_ip.unwrap_or(Log::default().client_ip),
+        }
+    }
 }

@@ -7,6 +7,7 @@
 //!
 //! The live configuration each request runs on ([`Live`]) is swapped whole on reload.
 
+mod access;
 mod body;
 mod explain;
 mod limits;
@@ -20,7 +21,7 @@ use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
 use http::request::Parts;
-use http::{HeaderMap, Method, Request, Response, StatusCode};
+use http::{HeaderMap, Request, Response, StatusCode};
 use http_body_util::{Either, Full};
 use hyper::body::Incoming;
 
@@ -32,6 +33,7 @@ use crate::limiter::lease::Leases;
 use crate::limiter::{Check, Decision, StoreError};
 use crate::metrics::{status_class, Gauged, Metrics, ReloadLabels, ReloadResult};
 use crate::upstream::{self, Downstream, Peer};
+use access::AccessLine;
 use limits::Limit;
 use live::WaitSlot;
 use verdict::{Ruled, Tally, Verdict};
@@ -56,6 +58,8 @@ pub struct Gateway {
     /// keeps.
     source: Option<Source>,
     metrics: Arc<Metrics>,
+    /// Whether the upstream answers, for the log: kept across reloads.
+    upstream_health: upstream::Health,
 }
 
 /// How a request was answered, for the access log and the metrics.
@@ -141,6 +145,7 @@ impl Gateway {
             live: ArcSwap::from_pointee(live),
             source,
             metrics,
+            upstream_health: upstream::Health::default(),
         }
     }
 
@@ -202,7 +207,7 @@ impl Gateway {
     pub async fn handle(&self, req: Request<Incoming>, peer: &Peer) -> Response<Body> {
         let _in_flight = Gauged::new(&self.metrics.in_flight);
         let live = self.live.load_full();
-        let log = AccessLine::start(&req);
+        let log = AccessLine::start(&req, peer, &live.config);
         let (parts, body) = req.into_parts();
         let (resp, note) = match self.admit(&live, &parts, peer.ip()).await {
             Admission::Answer(resp, note) => (resp, note),
@@ -362,6 +367,9 @@ impl Gateway {
         self.count_upstream(&result, started);
         match result {
             Ok(resp) => {
+                if let Some(change) = self.upstream_health.answered() {
+                    log_upstream(change, cfg, None);
+                }
                 let leases = pass.leases.take();
                 let mut resp = resp.map(|body| Either::Left(LeasedBody::new(body, leases)));
                 pass.decorate(resp.headers_mut(), cfg);
@@ -409,8 +417,11 @@ impl Gateway {
         let (status, detail) = (e.status(), e.detail());
         if e.is_client_error() {
             tracing::debug!(error = %e, status = status.as_u16(), peer = %peer.addr, "client request failed");
+        } else if let Some(change) = self.upstream_health.failed(&e) {
+            log_upstream(change, cfg, Some(&e));
         } else {
-            tracing::warn!(error = %e, status = status.as_u16(), "upstream failed");
+            // Inside an outage already logged: its count comes when it ends.
+            tracing::debug!(error = %e, status = status.as_u16(), "upstream failed");
         }
         let mut resp = problem(Problem::new(status, detail), cfg, &pass.applied);
         headers::add_shadow(resp.headers_mut(), cfg.response, &pass.shadow);
@@ -555,38 +566,27 @@ fn store_failed<'l>(live: &'l Live, limits: &[Limit<'l, '_>], verdict: Verdict) 
     Admission::Answer(problem(p.with_retry_after(1), &live.config, &[]), note)
 }
 
-/// The access log's line for one request, when the log is on: what it needs of the
-/// request, taken before the request is forwarded. Never the query string: it may hold
-/// secrets.
-struct AccessLine {
-    method: Method,
-    path: String,
-    started: Instant,
-}
-
-impl AccessLine {
-    fn start<B>(req: &Request<B>) -> Option<AccessLine> {
-        tracing::enabled!(target: "ratewall::access", tracing::Level::INFO).then(|| AccessLine {
-            method: req.method().clone(),
-            path: req.uri().path().to_string(),
-            started: Instant::now(),
-        })
-    }
-
-    fn write(self, status: u16, note: &Note<'_>) {
-        let id = note.identity.map(|d| d.short_hex());
-        tracing::info!(
-            target: "ratewall::access",
-            method = %self.method,
-            path = %self.path,
-            status,
-            rule = note.rule.unwrap_or("-"),
-            decision = note.decision,
-            shadow_denied = note.shadow_denied.unwrap_or("-"),
-            waited_ms = note.waited.as_millis() as u64,
-            id = id.as_ref().map_or("-", |h| h.as_str()),
-            latency_us = self.started.elapsed().as_micros() as u64,
-        );
+/// The upstream's change of state, once per change (`upstream::Health`).
+fn log_upstream(change: upstream::HealthChange, cfg: &Config, error: Option<&upstream::Error>) {
+    let upstream = cfg.upstream.url.to_string();
+    match change {
+        upstream::HealthChange::Failing => tracing::warn!(
+            upstream = upstream.trim_end_matches('/'),
+            error = error.map(tracing::field::display),
+            "upstream failing: its requests get 502 or 504 until it answers again (logged once; the count of failures comes then)"
+        ),
+        upstream::HealthChange::Recovered { failures, down_for } => {
+            let down_for = humantime::format_duration(Duration::from_millis(
+                down_for.as_millis() as u64,
+            ))
+            .to_string();
+            tracing::info!(
+                upstream = upstream.trim_end_matches('/'),
+                failures,
+                down_for = down_for.as_str(),
+                "upstream answers again"
+            )
+        }
     }
 }
 

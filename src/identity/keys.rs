@@ -109,6 +109,11 @@ impl Keys {
         self.plans.values().map(String::as_str)
     }
 
+    /// Whether `other` lists the same keys with the same plans (what a reload compares).
+    pub fn same_plans(&self, other: &Keys) -> bool {
+        self.plans == other.plans
+    }
+
     /// How many keys are listed.
     pub fn len(&self) -> usize {
         self.plans.len()

@@ -159,7 +159,13 @@ fn head_parts(
     let (framing, close) = fields.framing(version, bodiless)?;
     let mut parts = Response::new(()).into_parts().0;
     parts.status = status;
-    parts.version = version;
+    // The upstream's version is of its own connection: only the framing above reads it.
+    // An intermediary answers in its own version (RFC 9110 §6.2), so an HTTP/1.0 backend
+    // does not make an HTTP/1.1 client's answer HTTP/1.0 (and close its connection).
+    // hyper writes the answer in the client's version: HTTP/1.1 frames a body without a
+    // length as chunked and keeps the connection; to an HTTP/1.0 client the same body is
+    // close-delimited, as HTTP/1.0 allows.
+    parts.version = Version::HTTP_11;
     if close {
         parts.extensions.insert(Close);
     }
@@ -506,6 +512,18 @@ mod tests {
         )
         .unwrap();
         assert!(p.extensions.get::<Close>().is_none());
+    }
+
+    #[test]
+    fn an_http10_answer_is_passed_on_in_the_gateways_own_version() {
+        // RFC 9110 §6.2: the client is answered in HTTP/1.1 whatever the upstream spoke;
+        // the upstream's HTTP/1.0 still decides the framing and the connection's end.
+        let (_, p, f) = head("HTTP/1.0 200 OK\r\nContent-Type: a/b\r\n\r\n", false).unwrap();
+        assert_eq!((p.version, f), (Version::HTTP_11, Framing::UntilClose));
+        assert!(p.extensions.get::<Close>().is_some());
+        let (_, p, f) = head("HTTP/1.0 200 OK\r\nContent-Length: 3\r\n\r\n", false).unwrap();
+        assert_eq!((p.version, f), (Version::HTTP_11, Framing::Length(3)));
+        assert_eq!(p.headers[CONTENT_LENGTH], "3");
     }
 
     #[test]

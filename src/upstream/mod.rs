@@ -35,6 +35,7 @@ mod body;
 mod error;
 mod forward;
 mod head;
+mod health;
 mod pool;
 
 use std::sync::Arc;
@@ -50,6 +51,7 @@ use tokio::net::TcpStream;
 pub use body::{BodyError, ResponseBody};
 pub use error::{Error, Malformed};
 pub use forward::{Downstream, Peer};
+pub use health::{Health, HealthChange};
 
 use body::{Conn, Sending, Upload, UploadError};
 use pool::{Address, Pool};

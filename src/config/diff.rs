@@ -1,0 +1,234 @@
+//! What a reload changed: the rules added, removed and changed (by name), and the other
+//! settings that differ (by key). Names only, never values: a value may be a secret (the
+//! admin token, a Redis password, an API key listed with a plan).
+
+use std::fmt;
+
+use super::Config;
+use crate::rules::Rule;
+
+/// The differences between two configurations, in the files' order.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Changes {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    pub changed: Vec<String>,
+    /// Dotted keys of the settings outside `[[rules]]` that differ: `upstream.timeout`,
+    /// `keys.plans` (the keys listed, or their plans).
+    pub settings: Vec<&'static str>,
+}
+
+impl Changes {
+    pub fn between(old: &Config, new: &Config) -> Changes {
+        let find = |rules: &'_ [Rule], name: &str| rules.iter().position(|r| r.name == name);
+        let mut c = Changes::default();
+        for r in &new.rules {
+            match find(&old.rules, &r.name) {
+                None => c.added.push(r.name.clone()),
+                Some(i) if !same_rule(&old.rules[i], r) => c.changed.push(r.name.clone()),
+                Some(_) => {}
+            }
+        }
+        for r in &old.rules {
+            if find(&new.rules, &r.name).is_none() {
+                c.removed.push(r.name.clone());
+            }
+        }
+        c.settings = settings(old, new);
+        c
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.added.is_empty()
+            && self.removed.is_empty()
+            && self.changed.is_empty()
+            && self.settings.is_empty()
+    }
+}
+
+/// Whether two rules of one name limit the same requests the same way (order in the file
+/// aside). A `match` holds compiled patterns without an equality of their own: it is
+/// compared by its description, which names every part of it.
+fn same_rule(a: &Rule, b: &Rule) -> bool {
+    format!("{:?}", a.matcher) == format!("{:?}", b.matcher)
+        && a.key == b.key
+        && a.quota == b.quota
+        && a.plans == b.plans
+        && a.mode == b.mode
+        && a.enforce_percent == b.enforce_percent
+        && a.max_waiting == b.max_waiting
+        && a.retry_jitter_us == b.retry_jitter_us
+}
+
+/// The keys outside `[[rules]]` whose values differ.
+fn settings(o: &Config, n: &Config) -> Vec<&'static str> {
+    let (os, ns) = (&o.server, &n.server);
+    let (ot, nt) = (&os.timeouts, &ns.timeouts);
+    let (ou, nu) = (&o.upstream, &n.upstream);
+    let (ostore, nstore) = (&o.store, &n.store);
+    let (oip, nip) = (&o.client_ip, &n.client_ip);
+    let (ok, nk) = (&o.keys, &n.keys);
+    [
+        ("server.listen", os.listen == ns.listen),
+        ("server.admin_listen", os.admin_listen == ns.admin_listen),
+        (
+            "server.shutdown_grace",
+            os.shutdown_grace == ns.shutdown_grace,
+        ),
+        ("server.workers", os.workers == ns.workers),
+        ("server.header_timeout", ot.header == nt.header),
+        ("server.idle_timeout", ot.idle == nt.idle),
+        ("server.body_timeout", ot.body == nt.body),
+        (
+            "server.max_connections",
+            os.max_connections == ns.max_connections,
+        ),
+        (
+            "server.max_header_bytes",
+            os.max_header_bytes == ns.max_header_bytes,
+        ),
+        ("admin.token", o.admin.token == n.admin.token),
+        (
+            "upstream.url",
+            ou.url == nu.url && ou.base_path == nu.base_path,
+        ),
+        (
+            "upstream.connect_timeout",
+            ou.connect_timeout == nu.connect_timeout,
+        ),
+        ("upstream.timeout", ou.timeout == nu.timeout),
+        ("store.backend", ostore.backend == nstore.backend),
+        ("store.prefix", ostore.prefix == nstore.prefix),
+        ("store.timeout", ostore.timeout == nstore.timeout),
+        ("store.on_error", ostore.on_error == nstore.on_error),
+        (
+            "store.breaker_failures",
+            ostore.breaker_failures == nstore.breaker_failures,
+        ),
+        (
+            "store.breaker_cooldown",
+            ostore.breaker_cooldown == nstore.breaker_cooldown,
+        ),
+        ("store.max_keys", ostore.max_keys == nstore.max_keys),
+        (
+            "client_ip.trusted_proxies",
+            oip.trusted_proxies == nip.trusted_proxies,
+        ),
+        ("client_ip.header", oip.header == nip.header),
+        ("keys.header", ok.header == nk.header),
+        ("keys.unknown", ok.unknown == nk.unknown),
+        ("keys.file", ok.file == nk.file),
+        ("keys.plans", ok.same_plans(nk)),
+        ("response.headers", o.response == n.response),
+        ("log.client_ip", o.log.client_ip == n.log.client_ip),
+    ]
+    .into_iter()
+    .filter(|(_, same)| !same)
+    .map(|(key, _)| key)
+    .collect()
+}
+
+/// A list for a log field: `a, b`, or `-` when empty.
+pub struct Listed<'a, T>(pub &'a [T]);
+
+impl<T: AsRef<str>> fmt::Display for Listed<'_, T> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.0.is_empty() {
+            return f.write_str("-");
+        }
+        for (i, item) in self.0.iter().enumerate() {
+            if i > 0 {
+                f.write_str(", ")?;
+            }
+            f.write_str(item.as_ref())?;
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::path::Path;
+
+    /// A config of `[upstream]` with `upstream` added, then `body`.
+    fn config_with(upstream: &str, body: &str) -> Config {
+        let text = format!(
+            "[server]\nlisten = \"127.0.0.1:8080\"\n[upstream]\nurl = \"http://127.0.0.1:3000\"\n{upstream}{body}"
+        );
+        Config::parse(&text, Path::new("limits.toml")).expect("a valid config")
+    }
+
+    fn config(body: &str) -> Config {
+        config_with("", body)
+    }
+
+    const RULES: &str = "[[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"10/s\"\n\
+        [[rules]]\nname = \"ip\"\nkey = \"client_ip\"\nrate = \"5/s\"\n\
+        [[rules]]\nname = \"old\"\nkey = \"global\"\nrate = \"100/s\"\n";
+
+    #[test]
+    fn the_same_file_changes_nothing() {
+        let c = Changes::between(&config(RULES), &config(RULES));
+        assert!(c.is_empty(), "{c:?}");
+    }
+
+    #[test]
+    fn rules_are_named_as_added_removed_or_changed() {
+        let new = "[[rules]]\nname = \"ip\"\nkey = \"client_ip\"\nrate = \"5/s\"\n\
+            [[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"20/s\"\n\
+            [[rules]]\nname = \"fresh\"\nkey = \"global\"\nrate = \"1/s\"\n";
+        let c = Changes::between(&config(RULES), &config(new));
+        assert_eq!(c.added, ["fresh"]);
+        assert_eq!(c.removed, ["old"]);
+        assert_eq!(c.changed, ["api"], "moving `ip` up changes nothing of it");
+        assert!(c.settings.is_empty(), "{c:?}");
+    }
+
+    #[test]
+    fn a_rules_match_plans_and_mode_are_part_of_it() {
+        let base = "[[rules]]\nname = \"r\"\nkey = \"global\"\nrate = \"5/s\"\n";
+        for changed in [
+            "[[rules]]\nname = \"r\"\nkey = \"global\"\nrate = \"5/s\"\nmatch = { path_prefix = \"/a/\" }\n",
+            "[[rules]]\nname = \"r\"\nkey = \"global\"\nrate = \"5/s\"\nmode = \"shadow\"\n",
+            "[[rules]]\nname = \"r\"\nkey = \"global\"\nrate = \"5/s\"\nburst = 9\n",
+            "[[rules]]\nname = \"r\"\nkey = \"client_ip\"\nrate = \"5/s\"\n",
+        ] {
+            let c = Changes::between(&config(base), &config(changed));
+            assert_eq!(c.changed, ["r"], "{changed}");
+        }
+        let plan = |rate: &str| {
+            config(&format!(
+                "[keys.plans]\n\"k\" = \"pro\"\n{base}[rules.plans.pro]\nrate = \"{rate}\"\n"
+            ))
+        };
+        let c = Changes::between(&plan("5/s"), &plan("9/s"));
+        assert_eq!(c.changed, ["r"], "a plan's limit");
+        assert!(c.settings.is_empty(), "{c:?}");
+    }
+
+    #[test]
+    fn other_settings_are_named_by_key_never_by_value() {
+        let old = config("");
+        let new = config_with(
+            "timeout = \"3s\"\n",
+            "[response]\nheaders = \"legacy\"\n[log]\nclient_ip = false\n\
+             [keys.plans]\n\"secret-key-123\" = \"pro\"\n\
+             [[rules]]\nname = \"r\"\nkey = \"api_key\"\nrate = \"5/s\"\n[rules.plans.pro]\nrate = \"9/s\"\n",
+        );
+        let c = Changes::between(&old, &new);
+        assert_eq!(
+            c.settings,
+            [
+                "upstream.timeout",
+                "keys.plans",
+                "response.headers",
+                "log.client_ip"
+            ]
+        );
+        assert_eq!(c.added, ["r"]);
+        assert!(!format!("{c:?}").contains("secret-key-123"));
+        assert_eq!(Listed(&c.settings[..0]).to_string(), "-");
+        assert_eq!(Listed(&c.added).to_string(), "r");
+    }
+}

@@ -1,0 +1,180 @@
+//! The access log: one event per request, target `ratewall::access`, at `info`.
+//!
+//! What a client sends in it (its `Host`, its `User-Agent`) is the client's to choose, so
+//! it is bounded and escaped: a line can never be split, forged or made to hide another
+//! (log injection). Never the query string, never an API key.
+
+use std::fmt::Write;
+use std::net::IpAddr;
+use std::time::Instant;
+
+use http::header::{HeaderValue, HOST, USER_AGENT};
+use http::{Method, Request};
+
+use super::Note;
+use crate::config::Config;
+use crate::upstream::Peer;
+
+/// The most of a client-chosen value (host, user agent) a line carries, in bytes before
+/// escaping; past it the value is cut and marked with `…`.
+pub const MAX_FIELD: usize = 256;
+
+/// The access log's line for one request, when the log is on: what it needs of the
+/// request, taken before the request is forwarded.
+pub(super) struct AccessLine {
+    method: Method,
+    path: String,
+    client_ip: Option<IpAddr>,
+    host: Option<String>,
+    user_agent: Option<String>,
+    started: Instant,
+}
+
+impl AccessLine {
+    pub(super) fn start<B>(req: &Request<B>, peer: &Peer, cfg: &Config) -> Option<AccessLine> {
+        if !tracing::enabled!(target: "ratewall::access", tracing::Level::INFO) {
+            return None;
+        }
+        let headers = req.headers();
+        // HTTP/2 names the host in `:authority` (the URI), HTTP/1.1 in `Host`.
+        let host = headers
+            .get(HOST)
+            .map(|h| field(h.as_bytes()))
+            .or_else(|| req.uri().authority().map(|a| field(a.as_str().as_bytes())));
+        Some(AccessLine {
+            method: req.method().clone(),
+            path: req.uri().path().to_string(),
+            client_ip: cfg
+                .log
+                .client_ip
+                .then(|| crate::identity::client_ip(peer.ip(), headers, &cfg.client_ip)),
+            host,
+            user_agent: headers
+                .get(USER_AGENT)
+                .map(HeaderValue::as_bytes)
+                .map(field),
+            started: Instant::now(),
+        })
+    }
+
+    pub(super) fn write(self, status: u16, note: &Note<'_>) {
+        let id = note.identity.map(|d| d.short_hex());
+        // Text values go as `&str`: the text format quotes and escapes them, the JSON one
+        // writes them as JSON strings. An absent `Option` leaves its field out.
+        tracing::info!(
+            target: "ratewall::access",
+            method = %self.method,
+            path = %self.path,
+            status,
+            client_ip = self.client_ip.map(tracing::field::display),
+            host = self.host.as_deref().unwrap_or("-"),
+            user_agent = self.user_agent.as_deref().unwrap_or("-"),
+            rule = note.rule.unwrap_or("-"),
+            decision = note.decision,
+            shadow_denied = note.shadow_denied.unwrap_or("-"),
+            waited_ms = note.waited.as_millis() as u64,
+            id = id.as_ref().map_or("-", |h| h.as_str()),
+            latency_us = self.started.elapsed().as_micros() as u64,
+        );
+    }
+}
+
+/// A client-chosen value as a line may carry it: at most [`MAX_FIELD`] bytes of it, cut
+/// at a character's end (then `…`), with every byte that could end, forge or hide part of
+/// a line written as an escape: control characters (`\n`, `\r`, ESC ...) and the Unicode
+/// ones that reorder or hide text as `\u{..}`, bytes that are not UTF-8 as `\xNN`, and
+/// `\` itself as `\\` (so an escape in the log is always the gateway's).
+pub fn field(bytes: &[u8]) -> String {
+    let (bytes, cut) = if bytes.len() > MAX_FIELD {
+        (&bytes[..MAX_FIELD], true)
+    } else {
+        (bytes, false)
+    };
+    let mut out = String::with_capacity(bytes.len() + 8);
+    let mut chunks = bytes.utf8_chunks().peekable();
+    while let Some(chunk) = chunks.next() {
+        for c in chunk.valid().chars() {
+            match c {
+                '\\' => out.push_str("\\\\"),
+                c if hides(c) => {
+                    let _ = write!(out, "{}", c.escape_unicode());
+                }
+                c => out.push(c),
+            }
+        }
+        // The cut may fall inside a character: its first bytes are left out, not escaped.
+        let cut_inside = cut
+            && chunks.peek().is_none()
+            && std::str::from_utf8(chunk.invalid()).is_err_and(|e| e.error_len().is_none());
+        if !cut_inside {
+            for b in chunk.invalid() {
+                let _ = write!(out, "\\x{b:02x}");
+            }
+        }
+    }
+    if cut {
+        out.push('…');
+    }
+    out
+}
+
+/// Characters that break, reorder or hide text on a terminal or in a viewer: controls
+/// (C0, DEL, C1), and Unicode's invisible and bidirectional formatting characters.
+fn hides(c: char) -> bool {
+    c.is_control()
+        || matches!(c,
+            '\u{200B}'..='\u{200F}'   // zero-width spaces and joiners, LRM, RLM
+            | '\u{2028}' | '\u{2029}' // line and paragraph separators
+            | '\u{202A}'..='\u{202E}' // bidirectional embeddings and overrides
+            | '\u{2060}'..='\u{2064}' // word joiner, invisible operators
+            | '\u{2066}'..='\u{2069}' // bidirectional isolates
+            | '\u{FEFF}'              // zero-width no-break space
+        )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn client_values_are_escaped_so_that_a_line_cannot_be_forged() {
+        assert_eq!(field(b"curl/8.5.0"), "curl/8.5.0");
+        assert_eq!(
+            field("Mozilla/5.0 (X11) é".as_bytes()),
+            "Mozilla/5.0 (X11) é"
+        );
+        assert_eq!(
+            field(b"a\r\nINFO ratewall::access: status=200"),
+            "a\\u{d}\\u{a}INFO ratewall::access: status=200"
+        );
+        assert_eq!(field(b"\x1b[31mred\t"), "\\u{1b}[31mred\\u{9}");
+        assert_eq!(
+            field(b"x\\u{a}"),
+            "x\\\\u{a}",
+            "a backslash is escaped itself"
+        );
+        assert_eq!(field(b"\xff\xfeok"), "\\xff\\xfeok");
+        assert_eq!(
+            field("abc\u{202E}gpj.exe".as_bytes()),
+            "abc\\u{202e}gpj.exe"
+        );
+        assert_eq!(field("\u{85}".as_bytes()), "\\u{85}", "C1 controls too");
+    }
+
+    #[test]
+    fn client_values_are_bounded_and_cut_at_a_characters_end() {
+        let long = "a".repeat(10_000);
+        let f = field(long.as_bytes());
+        assert_eq!(f, format!("{}…", "a".repeat(MAX_FIELD)));
+        // A two-byte character across the bound: cut before it, not escaped in halves.
+        let mut s = "a".repeat(MAX_FIELD - 1);
+        s.push('é');
+        let f = field(s.as_bytes());
+        assert_eq!(f, format!("{}…", "a".repeat(MAX_FIELD - 1)));
+        // Exactly at the bound: whole, no mark.
+        assert_eq!(
+            field("b".repeat(MAX_FIELD).as_bytes()),
+            "b".repeat(MAX_FIELD)
+        );
+    }
+}
