@@ -356,6 +356,8 @@ async fn metrics_count_known_traffic_exactly() {
         map2(&[
             ("api", "allowed", 4),
             ("api", "denied", 2),
+            // The two requests without a key: `api` refused them, `site` never saw them.
+            ("api", "refused", 2),
             ("site", "allowed", 3 + 2 + 1 + 1),
         ]),
         "ratewall_requests_total by rule and decision{ctx}"
@@ -424,6 +426,240 @@ async fn metrics_count_known_traffic_exactly() {
     for secret in [K1, K2, "127.0.0.1"] {
         assert!(!m.text.contains(secret), "/metrics carries {secret:?}{ctx}");
     }
+}
+
+/// Every labelled series the config implies, present (at 0) before any traffic: an
+/// alert's query answers 0, not nothing.
+fn assert_series_at_zero(m: &Scrape, rules: &[&str], ctx: &str) {
+    let mut missing = Vec::new();
+    let mut need = |metric: &str, labels: &[(&str, &str)]| {
+        if m.find(metric, labels).is_none() {
+            missing.push(format!("{metric}{labels:?}"));
+        }
+    };
+    for rule in rules {
+        for decision in [
+            "allowed",
+            "delayed",
+            "denied",
+            "shadow_denied",
+            "error",
+            "refused",
+        ] {
+            need(
+                "ratewall_requests_total",
+                &[("rule", rule), ("decision", decision)],
+            );
+        }
+        for outcome in ["upstream_error", "upstream_timeout"] {
+            need(
+                "ratewall_rule_upstream_failures_total",
+                &[("rule", rule), ("outcome", outcome)],
+            );
+        }
+    }
+    for kind in [
+        "timeout",
+        "connection",
+        "data",
+        "breaker_open",
+        "full",
+        "other",
+    ] {
+        need("ratewall_store_errors_total", &[("kind", kind)]);
+    }
+    for result in ["ok", "rejected"] {
+        need("ratewall_config_reloads_total", &[("result", result)]);
+    }
+    for reason in ["missing_key", "unknown_key", "malformed", "not_implemented"] {
+        need("ratewall_refusals_total", &[("reason", reason)]);
+    }
+    for outcome in OUTCOMES {
+        need(
+            "ratewall_request_duration_seconds_count",
+            &[("outcome", outcome)],
+        );
+    }
+    for class in ["1xx", "2xx", "3xx", "4xx", "5xx"] {
+        for source in ["upstream", "gateway"] {
+            need(
+                "ratewall_responses_total",
+                &[("class", class), ("source", source)],
+            );
+        }
+    }
+    for class in ["1xx", "2xx", "3xx", "4xx", "5xx", "error"] {
+        need("ratewall_upstream_responses_total", &[("class", class)]);
+    }
+    assert!(
+        missing.is_empty(),
+        "series missing before their first event:\n  {}{ctx}",
+        missing.join("\n  ")
+    );
+}
+
+/// The request outcomes, as `ratewall_request_duration_seconds{outcome}` and
+/// `/status.json` name them.
+const OUTCOMES: [&str; 7] = [
+    "allowed",
+    "denied",
+    "refused",
+    "store_unavailable",
+    "upstream_error",
+    "upstream_timeout",
+    "client_error",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alertable_series_exist_at_zero_and_a_request_counts_once_per_rule_and_once_in_total() {
+    const K1: &str = "sk_live_alerts_one_1111";
+    const K2: &str = "sk_live_alerts_two_2222";
+    const K3: &str = "sk_live_alerts_three_3333";
+    let upstream = FaultyUpstream::start().await;
+    // `per-key` counts each key (2 each), `all` everyone (4 in all); keys not listed are
+    // refused.
+    let rules = format!(
+        "[upstream]\nurl = \"{}\"\nconnect_timeout = \"1s\"\ntimeout = \"1s\"\n\
+         [store]\nbackend = \"memory\"\n\
+         [keys]\nunknown = \"reject\"\n[keys.plans]\n\"{K1}\" = \"std\"\n\"{K2}\" = \"std\"\n\"{K3}\" = \"std\"\n\
+         [[rules]]\nname = \"per-key\"\nmatch = {{ path_prefix = \"/api/\" }}\nkey = \"api_key\"\n\
+         rate = \"1/h\"\nburst = 2\n[rules.plans.std]\nrate = \"1/h\"\nburst = 2\n\
+         [[rules]]\nname = \"all\"\nmatch = {{ path_prefix = \"/api/\" }}\nkey = \"global\"\n\
+         rate = \"1/h\"\nburst = 4\n",
+        upstream.url()
+    );
+    let gw = start(&rules);
+    let client = HttpClient::new();
+
+    let m = Scrape::take(&client, &gw).await;
+    let ctx = format!("\n--- /metrics ---\n{}", m.text);
+    assert_series_at_zero(&m, &["per-key", "all"], &ctx);
+    assert_eq!(
+        m.find(
+            "ratewall_build_info",
+            &[("version", env!("CARGO_PKG_VERSION"))]
+        ),
+        Some(1.0),
+        "ratewall_build_info{{version}} = 1{ctx}"
+    );
+    assert!(
+        m.text
+            .contains("# TYPE ratewall_request_duration_seconds histogram"),
+        "{ctx}"
+    );
+
+    let get = |key: Option<&'static str>, path: &'static str| {
+        let client = &client;
+        let url = gw.url(path);
+        async move {
+            let headers: Vec<(&str, &str)> = key.map(|k| ("x-api-key", k)).into_iter().collect();
+            client.get(&url, &headers).await.status.as_u16()
+        }
+    };
+    // Both rules allow: per-key K1 2 -> 0, all 4 -> 2.
+    assert_eq!(get(Some(K1), "/api/x").await, 200);
+    assert_eq!(get(Some(K1), "/api/x").await, 200);
+    // Allowed by both, then the upstream is slower than its 1 s timeout: 504.
+    assert_eq!(get(Some(K2), "/api/slow/3000").await, 504);
+    assert_eq!(get(Some(K2), "/api/x").await, 200);
+    // `all` is spent. K1: denied by both rules (per-key is spent too).
+    assert_eq!(get(Some(K1), "/api/x").await, 429);
+    // K3: `per-key` allows (and is not charged), `all` denies.
+    assert_eq!(get(Some(K3), "/api/x").await, 429);
+    // Refused before any limit: no key, a key not listed, a key sent twice.
+    assert_eq!(get(None, "/api/x").await, 401);
+    assert_eq!(get(Some("sk_live_not_listed_0000"), "/api/x").await, 401);
+    let twice = client
+        .get(&gw.url("/api/x"), &[("x-api-key", K1), ("x-api-key", K2)])
+        .await;
+    assert_eq!(twice.status, StatusCode::BAD_REQUEST, "a key sent twice");
+    // A malformed head, refused before any rule: a lower-case standard method.
+    let lower = client
+        .send("get", &gw.url("/api/x"), &[], Bytes::new())
+        .await;
+    assert_eq!(lower.status, StatusCode::BAD_REQUEST, "method get");
+    // No rule applies.
+    assert_eq!(get(None, "/health").await, 200);
+
+    let m = Scrape::take(&client, &gw).await;
+    let ctx = format!("\n--- /metrics ---\n{}", m.text);
+    // Per rule: the rule's own decision, once per rule that applied.
+    assert_eq!(
+        m.nonzero2("ratewall_requests_total", "rule", "decision"),
+        map2(&[
+            ("per-key", "allowed", 5),
+            ("per-key", "denied", 1),
+            ("per-key", "refused", 3),
+            ("all", "allowed", 4),
+            ("all", "denied", 2),
+        ]),
+        "ratewall_requests_total{ctx}"
+    );
+    assert_eq!(
+        m.nonzero2("ratewall_rule_upstream_failures_total", "rule", "outcome"),
+        map2(&[
+            ("per-key", "upstream_timeout", 1),
+            ("all", "upstream_timeout", 1)
+        ]),
+        "ratewall_rule_upstream_failures_total{ctx}"
+    );
+    // In total: every request once. Two 429s, though the per-rule denials add up to 3.
+    let count = |outcome: &str| {
+        m.get(
+            "ratewall_request_duration_seconds_count",
+            &[("outcome", outcome)],
+        ) as u64
+    };
+    let totals: BTreeMap<String, u64> = OUTCOMES
+        .iter()
+        .map(|o| (o.to_string(), count(o)))
+        .filter(|(_, n)| *n > 0)
+        .collect();
+    assert_eq!(
+        totals,
+        map1(&[
+            ("allowed", 4),
+            ("denied", 2),
+            ("refused", 4),
+            ("upstream_timeout", 1)
+        ]),
+        "ratewall_request_duration_seconds_count by outcome{ctx}"
+    );
+    assert_eq!(
+        m.nonzero1("ratewall_refusals_total", "reason"),
+        map1(&[("missing_key", 1), ("unknown_key", 1), ("malformed", 2)]),
+        "ratewall_refusals_total{ctx}"
+    );
+    // The 504 took the upstream's 1 s timeout, end to end; the rest far less.
+    let slow = m.get(
+        "ratewall_request_duration_seconds_sum",
+        &[("outcome", "upstream_timeout")],
+    );
+    assert!((0.9..10.0).contains(&slow), "the 504 took {slow} s{ctx}");
+    // The status page's numbers are these.
+    let stats = client.get(&gw.admin_url("/status.json"), &[]).await.json();
+    for o in OUTCOMES {
+        assert_eq!(
+            stats["totals"][o].as_u64(),
+            Some(count(o)),
+            "/status.json totals.{o}: {stats}"
+        );
+    }
+
+    // A rule added by a reload has its series at once, at zero.
+    gw.rewrite_config(&format!(
+        "{rules}[[rules]]\nname = \"added\"\nmatch = {{ path_prefix = \"/other/\" }}\n\
+         key = \"client_ip\"\nrate = \"5/s\"\n"
+    ));
+    gw.reload(1);
+    let m = Scrape::take(&client, &gw).await;
+    let ctx = format!("\n--- /metrics ---\n{}", m.text);
+    assert_series_at_zero(&m, &["per-key", "all", "added"], &ctx);
+    assert_eq!(
+        m.nonzero1("ratewall_config_reloads_total", "result"),
+        map1(&[("ok", 1)]),
+        "{ctx}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1055,8 +1291,9 @@ async fn status_page_renders_the_traffic_in_headless_chromium() {
         upstream_and_store(&upstream.url(), &Store::Memory)
     ));
     let client = HttpClient::new();
-    // A = 4 + 2 allowed, D = 7 denied; a 401 and an unlimited request count as neither.
-    let (allowed, denied) = (6, 7);
+    // A = 4 + 2 + 1 allowed (the upstream answered; the last one no rule limits), D = 7
+    // denied; the 401 is refused.
+    let (allowed, denied) = (7, 7);
     for i in 0..11 {
         let r = client.get(&gw.url("/api/x"), &[("x-api-key", NOISY)]).await;
         assert_eq!(r.status.as_u16(), if i < 4 { 200 } else { 429 });
