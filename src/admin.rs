@@ -43,6 +43,7 @@ use crate::limiter::guard::Health;
 use crate::limiter::{Check, OnError, Quota};
 use crate::metrics::HISTORY_SECS;
 use crate::rules::Rule;
+use crate::stats::{Window, SAMPLE_SECS};
 
 const STATUS_PAGE: &str = include_str!("status.html");
 
@@ -73,6 +74,19 @@ enum Audience {
 /// Serve the admin listener: the same connection handling as the gateway's (its
 /// timeouts, its head size bound), with a connection bound of its own.
 pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, registry: Arc<Registry>) {
+    // The status page's history: the counts sampled every few seconds, for as long as
+    // the listener serves.
+    let _sampler = AbortOnDrop(tokio::spawn({
+        let metrics = gateway.metrics().clone();
+        async move {
+            let mut every = tokio::time::interval(std::time::Duration::from_secs(SAMPLE_SECS));
+            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                every.tick().await;
+                metrics.stats.sample();
+            }
+        }
+    }));
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
@@ -98,6 +112,14 @@ pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, registry: Arc<R
             })
             .await;
         });
+    }
+}
+
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
@@ -360,6 +382,34 @@ struct RuleView<'a> {
     plans: Vec<String>,
     /// How it acts: enforced, shadow, rollout, delay, concurrency leases, jitter.
     behaviour: String,
+    /// What it decided since start (`ratewall_requests_total`), and how many of the
+    /// requests it let through the upstream did not answer.
+    outcomes: RuleOutcomes,
+}
+
+#[derive(Serialize)]
+struct RuleOutcomes {
+    allowed: u64,
+    delayed: u64,
+    denied: u64,
+    shadow_denied: u64,
+    refused: u64,
+    store_error: u64,
+    upstream_error: u64,
+    upstream_timeout: u64,
+}
+
+/// The backend as the last minute saw it: `idle` (nothing forwarded), `healthy` (every
+/// request answered), `down` (none answered), else `failing`.
+fn upstream_health(w: &Window) -> &'static str {
+    let answered = w.upstream.count;
+    let failed = w.outcomes.upstream_error + w.outcomes.upstream_timeout;
+    match (answered, failed) {
+        (0, 0) => "idle",
+        (_, 0) => "healthy",
+        (0, _) => "down",
+        _ => "failing",
+    }
 }
 
 fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
@@ -369,7 +419,18 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
     let rules: Vec<RuleView<'_>> = cfg
         .rules
         .iter()
-        .map(|r| RuleView {
+        .zip(&live.counters)
+        .map(|(r, c)| RuleView {
+            outcomes: RuleOutcomes {
+                allowed: c.allowed.get(),
+                delayed: c.delayed.get(),
+                denied: c.denied.get(),
+                shadow_denied: c.shadow_denied.get(),
+                refused: c.refused.get(),
+                store_error: c.error.get(),
+                upstream_error: c.upstream_error.get(),
+                upstream_timeout: c.upstream_timeout.get(),
+            },
             name: &r.name,
             algorithm: r.quota.algorithm.name(),
             rate: match r.quota.algorithm {
@@ -407,21 +468,33 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
         Health::Failing => "failing",
         Health::Open => "breaker open",
     };
+    let window = st.window();
+    let (serving, last_reload) = st.loads();
     serde_json::json!({
         "now": st.now(),
+        "version": env!("CARGO_PKG_VERSION"),
+        "uptime_s": st.uptime(),
         "history_s": HISTORY_SECS,
+        "sample_s": SAMPLE_SECS,
         "rules": rules,
-        "totals": {
-            "allowed": st.allowed.load(std::sync::atomic::Ordering::Relaxed),
-            "denied": st.denied.load(std::sync::atomic::Ordering::Relaxed),
-        },
-        "history": st.history(HISTORY_SECS),
+        "totals": st.totals(),
+        "history": st.history(),
+        "window": window,
         "top": top,
         "store": {
             "backend": live.limiter.store().kind().name(),
             "health": health,
             "on_error": cfg.store.on_error.name(),
         },
+        "upstream": {
+            "health": upstream_health(&window),
+        },
+        "config": {
+            "serving": serving,
+            "last_reload": last_reload,
+        },
+        // Certificate expiry comes with TLS (a later issue): none is served yet.
+        "certificates": null,
     })
 }
 

@@ -38,7 +38,9 @@
 //!   answer's parsed), `pool`, `body` (bodies framed both ways), and `error`: a typed
 //!   [`upstream::Error`] that says the client's status (502, 504, 400, 408) and whether
 //!   the request may go again. Its validated settings, [`upstream::Settings`], live there.
-//! - [`metrics`]: Prometheus metrics and the in-process stats the status page shows.
+//! - [`metrics`]: Prometheus metrics, every series a config implies created at zero.
+//! - [`stats`]: what the status page shows: outcomes, latencies, the loads of the config;
+//!   counted with atomics on the request path, sampled into a bounded ring.
 //! - [`worker`]: which worker thread runs the current request (per-thread pools).
 
 pub mod admin;
@@ -51,6 +53,7 @@ pub mod limiter;
 pub mod metrics;
 pub mod rules;
 pub mod server;
+pub mod stats;
 pub mod upstream;
 pub mod worker;
 

@@ -1,21 +1,23 @@
-//! Prometheus metrics (`GET /metrics` on the admin listener) and the in-process stats the
-//! status page and `/admin/*` read: per-second allowed/denied counts for the last minutes
-//! and the top limited identities.
+//! Prometheus metrics (`GET /metrics` on the admin listener), and the in-process
+//! [`Stats`] the status page and `/admin/*` read.
 //!
 //! Label sets are bounded: rule names (from the config), fixed enums, status classes.
-//! Never an API key, never an IP.
+//! Never an API key, never an IP. Every series a config implies exists from the moment it
+//! loads, at zero (rules added by a reload at theirs), so that an alert's query answers 0
+//! rather than nothing. The request path counts through handles resolved beforehand: no
+//! label is hashed and nothing is allocated per request.
 
-use std::collections::{HashMap, VecDeque};
-use std::sync::atomic::{AtomicI64, Ordering::Relaxed};
-use std::sync::Mutex;
-use std::time::{Instant, SystemTime, UNIX_EPOCH};
+use std::time::Duration;
 
 use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
+
+pub use crate::stats::{Outcome, Stats, HISTORY_SECS};
 
 /// How a rule's decision on one request is counted (`decision=`).
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -30,6 +32,9 @@ pub enum DecisionLabel {
     ShadowDenied,
     /// The store failed; `on_error` answered.
     Error,
+    /// The rule refused the request before any limit was consulted: its identity is
+    /// missing (401), unknown (401) or malformed (400).
+    Refused,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -107,6 +112,78 @@ pub struct ResponseLabels {
     pub source: &'static str,
 }
 
+/// Why the gateway refused a request before any limit was consulted
+/// (`ratewall_refusals_total{reason}`).
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum RefusalReason {
+    /// 401: no API key (or no value of the header a rule counts by), and the rule needs one.
+    MissingKey,
+    /// 401: a key not listed, with `unknown = "reject"`.
+    UnknownKey,
+    /// 400: a malformed key header, or a request head the gateway will not pass on.
+    Malformed,
+    /// 501: a method or transfer coding the gateway does not forward (`CONNECT`).
+    NotImplemented,
+}
+
+impl RefusalReason {
+    const ALL: [RefusalReason; 4] = [
+        RefusalReason::MissingKey,
+        RefusalReason::UnknownKey,
+        RefusalReason::Malformed,
+        RefusalReason::NotImplemented,
+    ];
+
+    /// A refusal of a malformed head, by the status it is answered.
+    pub fn of_status(status: u16) -> RefusalReason {
+        match status {
+            501 => RefusalReason::NotImplemented,
+            _ => RefusalReason::Malformed,
+        }
+    }
+}
+
+impl From<crate::identity::Refusal> for RefusalReason {
+    fn from(r: crate::identity::Refusal) -> RefusalReason {
+        use crate::identity::Refusal;
+        match r {
+            Refusal::MissingKey | Refusal::MissingHeader => RefusalReason::MissingKey,
+            Refusal::UnknownKey => RefusalReason::UnknownKey,
+            Refusal::Malformed(_) => RefusalReason::Malformed,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusalLabels {
+    pub reason: RefusalReason,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: Outcome,
+}
+
+/// A forwarded request the upstream did not answer, by what the client got.
+#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+pub enum UpstreamFailure {
+    /// 502.
+    Error,
+    /// 504.
+    Timeout,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RuleFailureLabels {
+    pub rule: String,
+    pub outcome: UpstreamFailure,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct BuildLabels {
+    pub version: &'static str,
+}
+
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum ReloadResult {
     Ok,
@@ -135,9 +212,31 @@ macro_rules! label_values {
 }
 
 label_values! {
-    DecisionLabel { Allowed => "allowed", Delayed => "delayed", Denied => "denied", ShadowDenied => "shadow_denied", Error => "error" }
+    DecisionLabel { Allowed => "allowed", Delayed => "delayed", Denied => "denied", ShadowDenied => "shadow_denied", Error => "error", Refused => "refused" }
     StoreErrorKind { Timeout => "timeout", Connection => "connection", Data => "data", BreakerOpen => "breaker_open", Full => "full", Other => "other" }
     ReloadResult { Ok => "ok", Rejected => "rejected" }
+    RefusalReason { MissingKey => "missing_key", UnknownKey => "unknown_key", Malformed => "malformed", NotImplemented => "not_implemented" }
+    UpstreamFailure { Error => "upstream_error", Timeout => "upstream_timeout" }
+}
+
+// `Outcome` lives with the stats (below this module); its values, as the status page and
+// the metrics name them: allowed, denied, refused, store_unavailable, upstream_error,
+// upstream_timeout, client_error.
+impl EncodeLabelValue for Outcome {
+    fn encode(&self, e: &mut LabelValueEncoder<'_>) -> Result<(), std::fmt::Error> {
+        std::fmt::Write::write_str(e, self.name())
+    }
+}
+
+impl StoreErrorKind {
+    const ALL: [StoreErrorKind; 6] = [
+        StoreErrorKind::Timeout,
+        StoreErrorKind::Connection,
+        StoreErrorKind::Data,
+        StoreErrorKind::BreakerOpen,
+        StoreErrorKind::Full,
+        StoreErrorKind::Other,
+    ];
 }
 
 /// The classes [`status_class`] names, in order, and "error" (upstream failures).
@@ -181,11 +280,19 @@ pub struct Metrics {
     pub connections_open: Family<ListenerLabels, Gauge>,
     pub connections_closed: Family<ClosedLabels, Counter>,
     pub accept_errors: Family<ListenerLabels, Counter>,
-    /// `responses` and `upstream_responses` handles, resolved on first use: counting a
-    /// response then takes no lock and hashes no labels (a series still appears only once
-    /// it has been counted).
-    response_handles: [[std::sync::OnceLock<Counter>; 2]; 6],
-    upstream_handles: [std::sync::OnceLock<Counter>; 6],
+    /// End to end, by outcome: from the request's head read to its answer's head handed
+    /// to the connection.
+    pub request_duration: Family<OutcomeLabels, Histogram>,
+    pub refusals: Family<RefusalLabels, Counter>,
+    /// Forwarded requests the upstream did not answer, per rule that let them through.
+    pub rule_upstream_failures: Family<RuleFailureLabels, Counter>,
+    /// `responses` (by class, then gateway / upstream), `upstream_responses`,
+    /// `request_duration` and `refusals` handles, resolved once: counting then takes no
+    /// lock on the family and hashes no labels.
+    response_handles: [[Counter; 2]; 6],
+    upstream_handles: [Counter; 6],
+    duration_handles: [Histogram; Outcome::ALL.len()],
+    refusal_handles: [Counter; RefusalReason::ALL.len()],
     pub stats: Stats,
 }
 
@@ -195,7 +302,7 @@ impl Metrics {
         let requests = Family::<RuleLabels, Counter>::default();
         registry.register(
             "requests",
-            "Decisions by rule: allowed, delayed (allowed after waiting, max_delay), denied, shadow_denied (would have denied: shadow mode or outside enforce_percent), error (store failed)",
+            "Decisions by rule: allowed, delayed (allowed after waiting, max_delay), denied, shadow_denied (would have denied: shadow mode or outside enforce_percent), error (store failed), refused (this rule refused the request before any limit: its key missing, unknown or malformed)",
             requests.clone(),
         );
         let responses = Family::<ResponseLabels, Counter>::default();
@@ -302,14 +409,81 @@ impl Metrics {
             "Failed accepts (out of file descriptors, say), by listener",
             accept_errors.clone(),
         );
+        let request_duration = Family::<OutcomeLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new([
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                10.0, 30.0, 60.0,
+            ])
+        });
+        registry.register(
+            "request_duration_seconds",
+            "Requests end to end, from the head read to the answer's head sent, by outcome: allowed (the upstream answered), denied (429), refused (401, 400, 501 before any limit), store_unavailable (503), upstream_error (502), upstream_timeout (504), client_error (the client's body malformed or stalled while forwarding). Its _count is every request once",
+            request_duration.clone(),
+        );
+        let refusals = Family::<RefusalLabels, Counter>::default();
+        registry.register(
+            "refusals",
+            "Requests refused before any limit was consulted, by reason: missing_key (401), unknown_key (401), malformed (400), not_implemented (501)",
+            refusals.clone(),
+        );
+        let rule_upstream_failures = Family::<RuleFailureLabels, Counter>::default();
+        registry.register(
+            "rule_upstream_failures",
+            "Requests a rule let through that the upstream did not answer: upstream_error (502), upstream_timeout (504)",
+            rule_upstream_failures.clone(),
+        );
+        let build_info = Info::new(BuildLabels {
+            version: env!("CARGO_PKG_VERSION"),
+        });
+        registry.register(
+            "build",
+            "The running ratewall's version (always 1)",
+            build_info,
+        );
+        // Every series the config does not name, created now at zero.
+        for kind in StoreErrorKind::ALL {
+            let _ = store_errors.get_or_create(&StoreErrorLabels { kind });
+        }
+        for result in [ReloadResult::Ok, ReloadResult::Rejected] {
+            let _ = reloads.get_or_create(&ReloadLabels { result });
+        }
+        let response_handles = CLASSES.map(|class| {
+            [false, true].map(|upstream| match class {
+                // The upstream's failures only: a client always gets a status.
+                "error" => Counter::default(),
+                _ => responses
+                    .get_or_create(&ResponseLabels {
+                        class,
+                        source: if upstream { "upstream" } else { "gateway" },
+                    })
+                    .clone(),
+            })
+        });
+        let upstream_handles = CLASSES.map(|class| {
+            upstream_responses
+                .get_or_create(&ClassLabels { class })
+                .clone()
+        });
+        let duration_handles = Outcome::ALL.map(|outcome| {
+            request_duration
+                .get_or_create(&OutcomeLabels { outcome })
+                .clone()
+        });
+        let refusal_handles = RefusalReason::ALL
+            .map(|reason| refusals.get_or_create(&RefusalLabels { reason }).clone());
         Metrics {
+            request_duration,
+            refusals,
+            rule_upstream_failures,
+            duration_handles,
+            refusal_handles,
             connections_open,
             connections_closed,
             accept_errors,
             memory_keys,
             memory_evictions,
-            response_handles: Default::default(),
-            upstream_handles: Default::default(),
+            response_handles,
+            upstream_handles,
             waiting,
             registry,
             requests,
@@ -329,25 +503,23 @@ impl Metrics {
     /// Count one response to a client, of `class` (see [`status_class`]), answered by the
     /// upstream or by the gateway.
     pub fn count_response(&self, class: &'static str, upstream: bool) {
-        let source = if upstream { "upstream" } else { "gateway" };
-        self.response_handles[class_index(class)][usize::from(upstream)]
-            .get_or_init(|| {
-                self.responses
-                    .get_or_create(&ResponseLabels { class, source })
-                    .clone()
-            })
-            .inc();
+        self.response_handles[class_index(class)][usize::from(upstream)].inc();
     }
 
     /// Count one upstream answer of `class`, or "error".
     pub fn count_upstream(&self, class: &'static str) {
-        self.upstream_handles[class_index(class)]
-            .get_or_init(|| {
-                self.upstream_responses
-                    .get_or_create(&ClassLabels { class })
-                    .clone()
-            })
-            .inc();
+        self.upstream_handles[class_index(class)].inc();
+    }
+
+    /// Count one request, ended as `outcome` after `took` (end to end).
+    pub fn count_outcome(&self, outcome: Outcome, took: Duration) {
+        self.duration_handles[outcome.index()].observe(took.as_secs_f64());
+        self.stats.ended(outcome);
+    }
+
+    /// Count one request refused before any limit was consulted.
+    pub fn count_refusal(&self, reason: RefusalReason) {
+        self.refusal_handles[reason as usize].inc();
     }
 
     /// The OpenMetrics text of every metric.
@@ -400,18 +572,29 @@ impl Metrics {
                 })
                 .clone()
         };
+        let failures = |outcome| {
+            self.rule_upstream_failures
+                .get_or_create(&RuleFailureLabels {
+                    rule: rule.to_string(),
+                    outcome,
+                })
+                .clone()
+        };
         RuleCounters {
             allowed: counter(DecisionLabel::Allowed),
             delayed: counter(DecisionLabel::Delayed),
             denied: counter(DecisionLabel::Denied),
             shadow_denied: counter(DecisionLabel::ShadowDenied),
             error: counter(DecisionLabel::Error),
+            refused: counter(DecisionLabel::Refused),
+            upstream_error: failures(UpstreamFailure::Error),
+            upstream_timeout: failures(UpstreamFailure::Timeout),
         }
     }
 }
 
-/// `ratewall_requests_total` for one rule, one handle per decision (handles share the
-/// registered counters).
+/// `ratewall_requests_total` for one rule, one handle per decision, and its
+/// `ratewall_rule_upstream_failures_total` (handles share the registered counters).
 #[derive(Clone)]
 pub struct RuleCounters {
     pub allowed: Counter,
@@ -419,6 +602,9 @@ pub struct RuleCounters {
     pub denied: Counter,
     pub shadow_denied: Counter,
     pub error: Counter,
+    pub refused: Counter,
+    pub upstream_error: Counter,
+    pub upstream_timeout: Counter,
 }
 
 impl Default for Metrics {
@@ -443,257 +629,9 @@ impl Drop for Gauged<'_> {
     }
 }
 
-// ---------------------------------------------------------------------------------------
-
-/// Seconds of history kept for the status page's chart.
-pub const HISTORY_SECS: u64 = 600;
-/// Identities tracked per minute by the space-saving top-k.
-const TOP_K: usize = 64;
-
-/// Requests limited, per second, for the last [`HISTORY_SECS`], and the most limited
-/// identities per minute for the last 10 minutes. Bounded memory whatever the traffic.
-pub struct Stats {
-    started: Instant,
-    /// Unix seconds when `started` was taken, so the page can show wall-clock times.
-    started_unix: u64,
-    seconds: Mutex<VecDeque<Second>>,
-    top: Mutex<VecDeque<(u64, SpaceSaving)>>,
-    /// Requests since start that the rules allowed / denied, for exact totals.
-    pub allowed: AtomicI64,
-    pub denied: AtomicI64,
-}
-
-#[derive(Clone, Copy, Debug, serde::Serialize)]
-pub struct Second {
-    /// Unix seconds.
-    pub t: u64,
-    pub allowed: u64,
-    pub denied: u64,
-}
-
-/// One limited identity: its digest (short hex), a hint an operator can recognise, the rule.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, serde::Serialize)]
-pub struct Limited {
-    pub id: String,
-    pub hint: String,
-    pub rule: String,
-}
-
-#[derive(Clone, Debug, serde::Serialize)]
-pub struct TopEntry {
-    #[serde(flatten)]
-    pub who: Limited,
-    /// Denials counted (space-saving: may over-count by at most `error`).
-    pub denied: u64,
-    pub error: u64,
-}
-
-impl Stats {
-    fn new() -> Stats {
-        Stats {
-            started: Instant::now(),
-            started_unix: SystemTime::now()
-                .duration_since(UNIX_EPOCH)
-                .map_or(0, |d| d.as_secs()),
-            seconds: Mutex::new(VecDeque::with_capacity(HISTORY_SECS as usize + 1)),
-            top: Mutex::new(VecDeque::new()),
-            allowed: AtomicI64::new(0),
-            denied: AtomicI64::new(0),
-        }
-    }
-
-    /// Unix seconds now, on the clock the history uses.
-    pub fn now(&self) -> u64 {
-        self.now_unix()
-    }
-
-    fn now_unix(&self) -> u64 {
-        self.started_unix + self.started.elapsed().as_secs()
-    }
-
-    /// Count one request the rules allowed or denied.
-    pub fn record(&self, allowed: bool) {
-        let t = self.now_unix();
-        if allowed {
-            self.allowed.fetch_add(1, Relaxed);
-        } else {
-            self.denied.fetch_add(1, Relaxed);
-        }
-        let mut secs = self.seconds.lock().unwrap_or_else(|p| p.into_inner());
-        match secs.back_mut() {
-            Some(s) if s.t == t => {
-                if allowed {
-                    s.allowed += 1
-                } else {
-                    s.denied += 1
-                }
-            }
-            _ => {
-                secs.push_back(Second {
-                    t,
-                    allowed: u64::from(allowed),
-                    denied: u64::from(!allowed),
-                });
-                while secs.front().is_some_and(|s| s.t + HISTORY_SECS <= t) {
-                    secs.pop_front();
-                }
-            }
-        }
-    }
-
-    /// Count one denial of the identity shown as `id` under `rule`. `hint` is only made
-    /// when the identity is new to the current minute's heavy hitters: a key hammering
-    /// past its limit costs no allocation per denial.
-    pub fn limited(&self, id: &str, rule: &str, hint: impl FnOnce() -> String) {
-        let minute = self.now_unix() / 60;
-        let mut top = self.top.lock().unwrap_or_else(|p| p.into_inner());
-        if top.back().is_none_or(|(m, _)| *m != minute) {
-            top.push_back((minute, SpaceSaving::default()));
-            while top.front().is_some_and(|(m, _)| m + 10 <= minute) {
-                top.pop_front();
-            }
-        }
-        if let Some((_, s)) = top.back_mut() {
-            s.add(id, rule, hint);
-        }
-    }
-
-    /// Per-second counts of the last `secs` seconds that had traffic.
-    pub fn history(&self, secs: u64) -> Vec<Second> {
-        let now = self.now_unix();
-        let s = self.seconds.lock().unwrap_or_else(|p| p.into_inner());
-        s.iter().filter(|s| s.t + secs > now).copied().collect()
-    }
-
-    /// The most limited identities over the last `minutes` minutes, most first.
-    pub fn top(&self, minutes: u64, n: usize) -> Vec<TopEntry> {
-        let now = self.now_unix() / 60;
-        let top = self.top.lock().unwrap_or_else(|p| p.into_inner());
-        let mut merged: HashMap<&Limited, (u64, u64)> = HashMap::new();
-        for (m, s) in top.iter().filter(|(m, _)| m + minutes > now) {
-            let _ = m;
-            for e in &s.entries {
-                let c = merged.entry(&e.who).or_default();
-                c.0 += e.denied;
-                c.1 += e.error;
-            }
-        }
-        let mut out: Vec<TopEntry> = merged
-            .into_iter()
-            .map(|(who, (denied, error))| TopEntry {
-                who: who.clone(),
-                denied,
-                error,
-            })
-            .collect();
-        out.sort_by(|a, b| {
-            b.denied
-                .cmp(&a.denied)
-                .then_with(|| a.who.id.cmp(&b.who.id))
-        });
-        out.truncate(n);
-        out
-    }
-}
-
-/// The space-saving heavy-hitters sketch (Metwally et al.): `TOP_K` counters; a new item
-/// when full replaces the smallest, inheriting its count as its possible error.
-#[derive(Default)]
-struct SpaceSaving {
-    entries: Vec<TopEntry>,
-}
-
-impl SpaceSaving {
-    fn add(&mut self, id: &str, rule: &str, hint: impl FnOnce() -> String) {
-        if let Some(e) = self
-            .entries
-            .iter_mut()
-            .find(|e| e.who.id == id && e.who.rule == rule)
-        {
-            e.denied += 1;
-            return;
-        }
-        let who = Limited {
-            id: id.to_string(),
-            hint: hint(),
-            rule: rule.to_string(),
-        };
-        if self.entries.len() < TOP_K {
-            self.entries.push(TopEntry {
-                who,
-                denied: 1,
-                error: 0,
-            });
-            return;
-        }
-        if let Some(min) = self.entries.iter_mut().min_by_key(|e| e.denied) {
-            let floor = min.denied;
-            *min = TopEntry {
-                who,
-                denied: floor + 1,
-                error: floor,
-            };
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn add(s: &mut SpaceSaving, w: Limited) {
-        s.add(&w.id, &w.rule, || w.hint.clone());
-    }
-
-    fn who(i: u32) -> Limited {
-        Limited {
-            id: format!("{i:08x}"),
-            hint: String::new(),
-            rule: "api".into(),
-        }
-    }
-
-    #[test]
-    fn space_saving_keeps_the_heavy_hitters() {
-        let mut s = SpaceSaving::default();
-        // Three heavy identities among a flood of one-off ones.
-        for round in 0..1_000u32 {
-            for heavy in 0..3 {
-                add(&mut s, who(heavy));
-            }
-            add(&mut s, who(1_000 + round));
-        }
-        assert_eq!(s.entries.len(), TOP_K);
-        let mut top: Vec<&TopEntry> = s.entries.iter().collect();
-        top.sort_by_key(|e| std::cmp::Reverse(e.denied));
-        let ids: Vec<&str> = top[..3].iter().map(|e| e.who.id.as_str()).collect();
-        assert_eq!(ids.len(), 3);
-        for heavy in 0..3 {
-            assert!(ids.contains(&who(heavy).id.as_str()));
-        }
-        for e in &top[..3] {
-            assert!(e.denied >= 1_000 && e.denied - e.error <= 1_000);
-        }
-    }
-
-    #[test]
-    fn stats_count_exactly_and_top_merges_minutes() {
-        let st = Stats::new();
-        for _ in 0..7 {
-            st.record(true);
-        }
-        for _ in 0..3 {
-            st.record(false);
-            let w = who(9);
-            st.limited(&w.id, &w.rule, || w.hint.clone());
-        }
-        let h = st.history(60);
-        assert_eq!(h.iter().map(|s| s.allowed).sum::<u64>(), 7);
-        assert_eq!(h.iter().map(|s| s.denied).sum::<u64>(), 3);
-        let top = st.top(5, 10);
-        assert_eq!(top.len(), 1);
-        assert_eq!((top[0].denied, top[0].error), (3, 0));
-    }
 
     #[test]
     fn metrics_encode_with_the_prefix_and_no_identities() {

@@ -815,13 +815,18 @@ fn source_metrics(src: &str) -> BTreeMap<String, (String, SourceLabels)> {
         let Some(name) = rest.split('"').nth(1) else {
             continue;
         };
-        let Some(call_end) = rest.find(".clone()") else {
+        // The last argument: `var.clone()` or `var` (an `Info`, registered by value).
+        let Some(call_end) = rest.find(");") else {
             continue;
         };
-        let var = rest[..call_end]
-            .rsplit(|c: char| !(c.is_alphanumeric() || c == '_'))
+        let last = rest[..call_end]
+            .trim_end()
+            .trim_end_matches(',')
+            .rsplit(',')
             .next()
-            .unwrap_or_default();
+            .unwrap_or_default()
+            .trim();
+        let var = last.strip_suffix(".clone()").unwrap_or(last);
         let Some((struct_name, kind)) = declared.get(var) else {
             continue;
         };
@@ -892,6 +897,10 @@ fn registered_metrics() -> BTreeMap<String, Registered> {
         }
     }
     for (family, reg) in by_family.iter_mut() {
+        if reg.kind == "info" {
+            // An info's labels are its text (a version): named, their values free.
+            reg.labels.values_mut().for_each(|v| v.clear());
+        }
         let short = family.strip_prefix("ratewall_").unwrap_or(family);
         for (label, values) in source.get(short).cloned().unwrap_or_default().1 {
             let known = reg.labels.entry(label).or_default();

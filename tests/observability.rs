@@ -356,6 +356,8 @@ async fn metrics_count_known_traffic_exactly() {
         map2(&[
             ("api", "allowed", 4),
             ("api", "denied", 2),
+            // The two requests without a key: `api` refused them, `site` never saw them.
+            ("api", "refused", 2),
             ("site", "allowed", 3 + 2 + 1 + 1),
         ]),
         "ratewall_requests_total by rule and decision{ctx}"
@@ -424,6 +426,240 @@ async fn metrics_count_known_traffic_exactly() {
     for secret in [K1, K2, "127.0.0.1"] {
         assert!(!m.text.contains(secret), "/metrics carries {secret:?}{ctx}");
     }
+}
+
+/// Every labelled series the config implies, present (at 0) before any traffic: an
+/// alert's query answers 0, not nothing.
+fn assert_series_at_zero(m: &Scrape, rules: &[&str], ctx: &str) {
+    let mut missing = Vec::new();
+    let mut need = |metric: &str, labels: &[(&str, &str)]| {
+        if m.find(metric, labels).is_none() {
+            missing.push(format!("{metric}{labels:?}"));
+        }
+    };
+    for rule in rules {
+        for decision in [
+            "allowed",
+            "delayed",
+            "denied",
+            "shadow_denied",
+            "error",
+            "refused",
+        ] {
+            need(
+                "ratewall_requests_total",
+                &[("rule", rule), ("decision", decision)],
+            );
+        }
+        for outcome in ["upstream_error", "upstream_timeout"] {
+            need(
+                "ratewall_rule_upstream_failures_total",
+                &[("rule", rule), ("outcome", outcome)],
+            );
+        }
+    }
+    for kind in [
+        "timeout",
+        "connection",
+        "data",
+        "breaker_open",
+        "full",
+        "other",
+    ] {
+        need("ratewall_store_errors_total", &[("kind", kind)]);
+    }
+    for result in ["ok", "rejected"] {
+        need("ratewall_config_reloads_total", &[("result", result)]);
+    }
+    for reason in ["missing_key", "unknown_key", "malformed", "not_implemented"] {
+        need("ratewall_refusals_total", &[("reason", reason)]);
+    }
+    for outcome in OUTCOMES {
+        need(
+            "ratewall_request_duration_seconds_count",
+            &[("outcome", outcome)],
+        );
+    }
+    for class in ["1xx", "2xx", "3xx", "4xx", "5xx"] {
+        for source in ["upstream", "gateway"] {
+            need(
+                "ratewall_responses_total",
+                &[("class", class), ("source", source)],
+            );
+        }
+    }
+    for class in ["1xx", "2xx", "3xx", "4xx", "5xx", "error"] {
+        need("ratewall_upstream_responses_total", &[("class", class)]);
+    }
+    assert!(
+        missing.is_empty(),
+        "series missing before their first event:\n  {}{ctx}",
+        missing.join("\n  ")
+    );
+}
+
+/// The request outcomes, as `ratewall_request_duration_seconds{outcome}` and
+/// `/status.json` name them.
+const OUTCOMES: [&str; 7] = [
+    "allowed",
+    "denied",
+    "refused",
+    "store_unavailable",
+    "upstream_error",
+    "upstream_timeout",
+    "client_error",
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alertable_series_exist_at_zero_and_a_request_counts_once_per_rule_and_once_in_total() {
+    const K1: &str = "sk_live_alerts_one_1111";
+    const K2: &str = "sk_live_alerts_two_2222";
+    const K3: &str = "sk_live_alerts_three_3333";
+    let upstream = FaultyUpstream::start().await;
+    // `per-key` counts each key (2 each), `all` everyone (4 in all); keys not listed are
+    // refused.
+    let rules = format!(
+        "[upstream]\nurl = \"{}\"\nconnect_timeout = \"1s\"\ntimeout = \"1s\"\n\
+         [store]\nbackend = \"memory\"\n\
+         [keys]\nunknown = \"reject\"\n[keys.plans]\n\"{K1}\" = \"std\"\n\"{K2}\" = \"std\"\n\"{K3}\" = \"std\"\n\
+         [[rules]]\nname = \"per-key\"\nmatch = {{ path_prefix = \"/api/\" }}\nkey = \"api_key\"\n\
+         rate = \"1/h\"\nburst = 2\n[rules.plans.std]\nrate = \"1/h\"\nburst = 2\n\
+         [[rules]]\nname = \"all\"\nmatch = {{ path_prefix = \"/api/\" }}\nkey = \"global\"\n\
+         rate = \"1/h\"\nburst = 4\n",
+        upstream.url()
+    );
+    let gw = start(&rules);
+    let client = HttpClient::new();
+
+    let m = Scrape::take(&client, &gw).await;
+    let ctx = format!("\n--- /metrics ---\n{}", m.text);
+    assert_series_at_zero(&m, &["per-key", "all"], &ctx);
+    assert_eq!(
+        m.find(
+            "ratewall_build_info",
+            &[("version", env!("CARGO_PKG_VERSION"))]
+        ),
+        Some(1.0),
+        "ratewall_build_info{{version}} = 1{ctx}"
+    );
+    assert!(
+        m.text
+            .contains("# TYPE ratewall_request_duration_seconds histogram"),
+        "{ctx}"
+    );
+
+    let get = |key: Option<&'static str>, path: &'static str| {
+        let client = &client;
+        let url = gw.url(path);
+        async move {
+            let headers: Vec<(&str, &str)> = key.map(|k| ("x-api-key", k)).into_iter().collect();
+            client.get(&url, &headers).await.status.as_u16()
+        }
+    };
+    // Both rules allow: per-key K1 2 -> 0, all 4 -> 2.
+    assert_eq!(get(Some(K1), "/api/x").await, 200);
+    assert_eq!(get(Some(K1), "/api/x").await, 200);
+    // Allowed by both, then the upstream is slower than its 1 s timeout: 504.
+    assert_eq!(get(Some(K2), "/api/slow/3000").await, 504);
+    assert_eq!(get(Some(K2), "/api/x").await, 200);
+    // `all` is spent. K1: denied by both rules (per-key is spent too).
+    assert_eq!(get(Some(K1), "/api/x").await, 429);
+    // K3: `per-key` allows (and is not charged), `all` denies.
+    assert_eq!(get(Some(K3), "/api/x").await, 429);
+    // Refused before any limit: no key, a key not listed, a key sent twice.
+    assert_eq!(get(None, "/api/x").await, 401);
+    assert_eq!(get(Some("sk_live_not_listed_0000"), "/api/x").await, 401);
+    let twice = client
+        .get(&gw.url("/api/x"), &[("x-api-key", K1), ("x-api-key", K2)])
+        .await;
+    assert_eq!(twice.status, StatusCode::BAD_REQUEST, "a key sent twice");
+    // A malformed head, refused before any rule: a lower-case standard method.
+    let lower = client
+        .send("get", &gw.url("/api/x"), &[], Bytes::new())
+        .await;
+    assert_eq!(lower.status, StatusCode::BAD_REQUEST, "method get");
+    // No rule applies.
+    assert_eq!(get(None, "/health").await, 200);
+
+    let m = Scrape::take(&client, &gw).await;
+    let ctx = format!("\n--- /metrics ---\n{}", m.text);
+    // Per rule: the rule's own decision, once per rule that applied.
+    assert_eq!(
+        m.nonzero2("ratewall_requests_total", "rule", "decision"),
+        map2(&[
+            ("per-key", "allowed", 5),
+            ("per-key", "denied", 1),
+            ("per-key", "refused", 3),
+            ("all", "allowed", 4),
+            ("all", "denied", 2),
+        ]),
+        "ratewall_requests_total{ctx}"
+    );
+    assert_eq!(
+        m.nonzero2("ratewall_rule_upstream_failures_total", "rule", "outcome"),
+        map2(&[
+            ("per-key", "upstream_timeout", 1),
+            ("all", "upstream_timeout", 1)
+        ]),
+        "ratewall_rule_upstream_failures_total{ctx}"
+    );
+    // In total: every request once. Two 429s, though the per-rule denials add up to 3.
+    let count = |outcome: &str| {
+        m.get(
+            "ratewall_request_duration_seconds_count",
+            &[("outcome", outcome)],
+        ) as u64
+    };
+    let totals: BTreeMap<String, u64> = OUTCOMES
+        .iter()
+        .map(|o| (o.to_string(), count(o)))
+        .filter(|(_, n)| *n > 0)
+        .collect();
+    assert_eq!(
+        totals,
+        map1(&[
+            ("allowed", 4),
+            ("denied", 2),
+            ("refused", 4),
+            ("upstream_timeout", 1)
+        ]),
+        "ratewall_request_duration_seconds_count by outcome{ctx}"
+    );
+    assert_eq!(
+        m.nonzero1("ratewall_refusals_total", "reason"),
+        map1(&[("missing_key", 1), ("unknown_key", 1), ("malformed", 2)]),
+        "ratewall_refusals_total{ctx}"
+    );
+    // The 504 took the upstream's 1 s timeout, end to end; the rest far less.
+    let slow = m.get(
+        "ratewall_request_duration_seconds_sum",
+        &[("outcome", "upstream_timeout")],
+    );
+    assert!((0.9..10.0).contains(&slow), "the 504 took {slow} s{ctx}");
+    // The status page's numbers are these.
+    let stats = client.get(&gw.admin_url("/status.json"), &[]).await.json();
+    for o in OUTCOMES {
+        assert_eq!(
+            stats["totals"][o].as_u64(),
+            Some(count(o)),
+            "/status.json totals.{o}: {stats}"
+        );
+    }
+
+    // A rule added by a reload has its series at once, at zero.
+    gw.rewrite_config(&format!(
+        "{rules}[[rules]]\nname = \"added\"\nmatch = {{ path_prefix = \"/other/\" }}\n\
+         key = \"client_ip\"\nrate = \"5/s\"\n"
+    ));
+    gw.reload(1);
+    let m = Scrape::take(&client, &gw).await;
+    let ctx = format!("\n--- /metrics ---\n{}", m.text);
+    assert_series_at_zero(&m, &["per-key", "all", "added"], &ctx);
+    assert_eq!(
+        m.nonzero1("ratewall_config_reloads_total", "result"),
+        map1(&[("ok", 1)]),
+        "{ctx}"
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1041,62 +1277,289 @@ async fn admin_top_names_the_noisy_identity_by_hash_and_hint() {
 // ---------------------------------------------------------------------------------------
 // 6. The status page in a real browser
 
+/// The numbers `data-<attr>="N"` carries on the elements of `dom` that also carry
+/// `data-class="<class>"`, summed (the chart's bars of one outcome).
+fn chart_sum(dom: &str, class: &str) -> u64 {
+    let needle = format!("data-class=\"{class}\" data-n=\"");
+    dom.match_indices(&needle)
+        .filter_map(|(at, _)| {
+            let rest = &dom[at + needle.len()..];
+            rest[..rest.find('"')?].parse::<u64>().ok()
+        })
+        .sum()
+}
+
+/// The text of the rules table's cell for `rule` and `outcome`.
+fn rule_cell<'d>(rules: &'d str, rule: &str, outcome: &str) -> Option<&'d str> {
+    let needle = format!("data-rule=\"{rule}\" data-k=\"{outcome}\">");
+    let at = rules.find(&needle)? + needle.len();
+    Some(&rules[at..at + rules[at..].find('<')?])
+}
+
+/// A number of milliseconds as the page shows it ("12.5 ms").
+fn page_ms(text: Option<&str>) -> Option<f64> {
+    text?.strip_suffix(" ms")?.parse().ok()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn status_page_renders_the_traffic_in_headless_chromium() {
+async fn status_page_shows_every_outcome_backend_store_and_reloads_in_headless_chromium() {
     const NOISY: &str = "sk_live_status_page_noisy_c0de";
     const CALM: &str = "sk_live_status_page_calm_0000";
     let browser = chromium();
-    let upstream = Upstream::start().await;
-    let gw = start(&format!(
-        "{}[[rules]]\nname = \"api\"\nmatch = {{ path_prefix = \"/api/\" }}\nkey = \"api_key\"\n\
+    let mut redis = RedisServer::start();
+    let upstream = FaultyUpstream::start().await;
+    let rules =
+        "[[rules]]\nname = \"api\"\nmatch = { path_prefix = \"/api/\" }\nkey = \"api_key\"\n\
          rate = \"1/h\"\nburst = 4\n\
-         [[rules]]\nname = \"everyone\"\nmatch = {{ path_prefix = \"/api/\" }}\nkey = \"global\"\n\
-         rate = \"10/s\"\nburst = 500\n",
-        upstream_and_store(&upstream.url(), &Store::Memory)
-    ));
+         [[rules]]\nname = \"everyone\"\nmatch = { path_prefix = \"/api/\" }\nkey = \"global\"\n\
+         rate = \"10/s\"\nburst = 500\n";
+    let store = format!(
+        "[store]\nbackend = \"redis\"\nurl = \"{}\"\nprefix = \"rwpage\"\ntimeout = \"1s\"\n\
+         on_error = \"deny\"\n",
+        redis.url()
+    );
+    let body = |upstream: &str| {
+        format!(
+            "[upstream]\nurl = \"{upstream}\"\nconnect_timeout = \"1s\"\ntimeout = \"5s\"\n{store}{rules}"
+        )
+    };
+    let gw = start(&body(&upstream.url()));
     let client = HttpClient::new();
-    // A = 4 + 2 allowed, D = 7 denied; a 401 and an unlimited request count as neither.
-    let (allowed, denied) = (6, 7);
-    for i in 0..11 {
-        let r = client.get(&gw.url("/api/x"), &[("x-api-key", NOISY)]).await;
-        assert_eq!(r.status.as_u16(), if i < 4 { 200 } else { 429 });
+    let get = |key: Option<&'static str>, path: &'static str| {
+        let client = &client;
+        let url = gw.url(path);
+        async move {
+            let headers: Vec<(&str, &str)> = key.map(|k| ("x-api-key", k)).into_iter().collect();
+            client.get(&url, &headers).await.status.as_u16()
+        }
+    };
+
+    // While everything answers: NOISY 4 allowed then 7 denied; CALM 2 allowed, one of them
+    // answered after 300 ms; a 401; a request no rule limits.
+    let passed = client
+        .until_status(
+            &gw.url("/api/x"),
+            &[("x-api-key", NOISY)],
+            StatusCode::OK,
+            Duration::from_secs(20),
+        )
+        .await;
+    assert!(passed.is_some(), "no request passed\n{}", gw.logs());
+    for i in 1..11 {
+        let want = if i < 4 { 200 } else { 429 };
+        assert_eq!(get(Some(NOISY), "/api/x").await, want, "NOISY request {i}");
     }
-    for _ in 0..2 {
-        let r = client.get(&gw.url("/api/x"), &[("x-api-key", CALM)]).await;
-        assert_eq!(r.status, StatusCode::OK);
-    }
-    assert_eq!(
-        client.get(&gw.url("/api/x"), &[]).await.status,
-        StatusCode::UNAUTHORIZED
-    );
-    assert_eq!(
-        client.get(&gw.url("/about"), &[]).await.status,
-        StatusCode::OK
-    );
+    assert_eq!(get(Some(CALM), "/api/slow/300").await, 200);
+    assert_eq!(get(Some(CALM), "/api/x").await, 200);
+    assert_eq!(get(None, "/api/x").await, 401);
+    assert_eq!(get(None, "/about").await, 200);
     let noisy_id = identity_of(&client, &gw, NOISY).await;
 
-    let stats = client.get(&gw.admin_url("/status.json"), &[]).await.json();
-    assert_eq!(stats["totals"]["allowed"], allowed, "{stats}");
-    assert_eq!(stats["totals"]["denied"], denied, "{stats}");
+    // The backend goes away (a reload to a port nobody listens on): 2 × 502.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .expect("a free port");
+    gw.rewrite_config(&with_token(&body(&format!("http://{dead}"))));
+    gw.reload(1);
+    let serving = common::sha256_hex(&std::fs::read(&gw.config).expect("the config file"));
+    for _ in 0..2 {
+        assert_eq!(get(Some(CALM), "/api/x").await, 502);
+    }
+    // Then the store: 3 × 503.
+    redis.kill();
+    for _ in 0..3 {
+        assert_eq!(get(Some(CALM), "/api/x").await, 503);
+    }
+    // A reload the gateway rejects: the last one serves on.
+    gw.rewrite_config("[upstream]\nurl = \"http://127.0.0.1:1\"\nno_such_key = true\n");
+    let rejected = common::sha256_hex(&std::fs::read(&gw.config).expect("the config file"));
+    gw.signal("HUP");
+    assert!(
+        gw.wait_for_log("config reload rejected", 1, Duration::from_secs(15)),
+        "{}",
+        gw.logs()
+    );
 
+    let want: [(&str, u64); 7] = [
+        ("allowed", 4 + 2 + 1),
+        ("denied", 7),
+        ("refused", 1),
+        ("store_unavailable", 3),
+        ("upstream_error", 2),
+        ("upstream_timeout", 0),
+        ("client_error", 0),
+    ];
+    let stats = client.get(&gw.admin_url("/status.json"), &[]).await.json();
+    for (k, n) in want {
+        assert_eq!(stats["totals"][k], n, "totals.{k}: {stats}");
+        assert_eq!(
+            stats["window"]["outcomes"][k], n,
+            "last minute {k}: {stats}"
+        );
+        let charted: u64 = stats["history"]
+            .as_array()
+            .expect("history")
+            .iter()
+            .map(|p| p[k].as_u64().unwrap_or(0))
+            .sum();
+        assert_eq!(charted, n, "the chart's {k}: {stats}");
+    }
+    // Per rule, the page's numbers are the metrics'.
+    let m = Scrape::take(&client, &gw).await;
+    for rule in stats["rules"].as_array().expect("rules") {
+        let name = rule["name"].as_str().expect("a name");
+        for (k, decision) in [
+            ("allowed", "allowed"),
+            ("denied", "denied"),
+            ("refused", "refused"),
+            ("store_error", "error"),
+        ] {
+            let metric = m.get(
+                "ratewall_requests_total",
+                &[("rule", name), ("decision", decision)],
+            );
+            assert_eq!(rule["outcomes"][k], metric as u64, "{name} {k}: {rule}");
+        }
+        let failed = m.get(
+            "ratewall_rule_upstream_failures_total",
+            &[("rule", name), ("outcome", "upstream_error")],
+        );
+        assert_eq!(rule["outcomes"]["upstream_error"], failed as u64, "{rule}");
+    }
+    let api = &stats["rules"][0]["outcomes"];
+    assert_eq!(
+        (
+            &api["allowed"],
+            &api["denied"],
+            &api["refused"],
+            &api["store_error"],
+            &api["upstream_error"]
+        ),
+        (
+            &serde_json::json!(4 + 2 + 2),
+            &serde_json::json!(7),
+            &serde_json::json!(1),
+            &serde_json::json!(3),
+            &serde_json::json!(2)
+        ),
+        "{stats}"
+    );
+    // The backend: 7 answers, one of them after 300 ms; 2 failures.
+    let w = &stats["window"];
+    assert_eq!(w["upstream"]["count"], 7, "{w}");
+    let p50 = w["upstream"]["p50_ms"].as_f64().expect("a p50");
+    let p99 = w["upstream"]["p99_ms"].as_f64().expect("a p99");
+    assert!(p50 < 250.0, "p50 {p50} ms: {w}");
+    assert!((300.0..2_000.0).contains(&p99), "p99 {p99} ms: {w}");
+    assert_eq!(stats["upstream"]["health"], "failing", "{stats}");
+    // The store: every request with a rule asked it once (the deny cache aside); the
+    // last 3 failed.
+    let errors = w["store_errors"].as_u64().expect("store errors");
+    assert!(errors >= 3, "{w}");
+    assert!(
+        w["store_error_rate"].as_f64().is_some_and(|r| r > 0.0),
+        "{w}"
+    );
+    assert!(w["store"]["p50_ms"].as_f64().is_some(), "{w}");
+    assert_ne!(stats["store"]["health"], "healthy", "{stats}");
+    // The config: the accepted reload serves; the last reload was rejected, and why.
+    let reload = &stats["config"]["last_reload"];
+    assert_eq!(
+        stats["config"]["serving"]["sha256"],
+        serving.as_str(),
+        "{stats}"
+    );
+    assert_eq!(reload["accepted"], false, "{reload}");
+    assert_eq!(reload["sha256"], rejected.as_str(), "{reload}");
+    assert!(
+        reload["error"]
+            .as_str()
+            .is_some_and(|e| e.contains("no_such_key")),
+        "{reload}"
+    );
+    assert_eq!(stats["version"], env!("CARGO_PKG_VERSION"));
+    assert!(stats["uptime_s"].as_u64().is_some(), "{stats}");
+
+    // The page, rendered by a real browser, shows the same.
     let page = gw.admin_url("/");
     let dom = run_chromium(&page, &["--dump-dom".to_string()]).await;
     assert!(
         dom.contains("<body data-loaded=\"yes\">"),
         "the page's script ran and rendered /status.json:\n{dom}"
     );
+    for (k, n) in want {
+        assert_eq!(
+            element_text(&dom, &format!("total-{k}")),
+            Some(n.to_string().as_str()),
+            "total {k}:\n{dom}"
+        );
+        assert_eq!(
+            element_text(&dom, &format!("minute-{k}")),
+            Some(format!("{n} last minute").as_str()),
+            "last minute {k}"
+        );
+        assert_eq!(chart_sum(&dom, k), n, "the chart's bars of {k}");
+    }
+    assert!(
+        dom.matches("class=\"tick\"").count() >= 4,
+        "a time axis (a tick every 2 minutes over 10):\n{dom}"
+    );
+    let rules_html = tbody(&dom, "rules");
+    for (k, n) in [
+        ("allowed", 8),
+        ("denied", 7),
+        ("refused", 1),
+        ("store_error", 3),
+        ("upstream_error", 2),
+        ("upstream_timeout", 0),
+    ] {
+        let n = n.to_string();
+        assert_eq!(
+            rule_cell(rules_html, "api", k),
+            Some(n.as_str()),
+            "api {k}:\n{rules_html}"
+        );
+    }
     assert_eq!(
-        element_text(&dom, "allowed-total"),
-        Some(allowed.to_string().as_str()),
-        "allowed total:\n{dom}"
+        rule_cell(rules_html, "everyone", "upstream_error"),
+        Some("2"),
+        "{rules_html}"
+    );
+    assert_eq!(element_text(&dom, "upstream-health"), Some("failing"));
+    assert_eq!(element_text(&dom, "upstream-answered"), Some("7"));
+    assert_eq!(element_text(&dom, "upstream-502"), Some("2"));
+    let shown_p99 = page_ms(element_text(&dom, "upstream-p99"));
+    assert!(
+        shown_p99.is_some_and(|v| (300.0..2_000.0).contains(&v)),
+        "p99 {shown_p99:?}"
+    );
+    assert!(page_ms(element_text(&dom, "upstream-p50")).is_some_and(|v| v < 250.0));
+    assert!(page_ms(element_text(&dom, "store-p50")).is_some());
+    assert_eq!(element_text(&dom, "store-backend"), Some("redis"));
+    assert_ne!(element_text(&dom, "store-health"), Some("healthy"));
+    assert_eq!(element_text(&dom, "store-503"), Some("3"));
+    assert!(
+        element_text(&dom, "store-error-rate").is_some_and(|r| r.ends_with(" %") && r != "0.0 %"),
+        "{:?}",
+        element_text(&dom, "store-error-rate")
+    );
+    assert_eq!(element_text(&dom, "config-sha"), Some(&serving[..12]));
+    assert_eq!(element_text(&dom, "reload-result"), Some("rejected"));
+    assert_eq!(element_text(&dom, "reload-sha"), Some(&rejected[..12]));
+    assert!(
+        element_text(&dom, "reload-error").is_some_and(|e| e.contains("no_such_key")),
+        "{:?}",
+        element_text(&dom, "reload-error")
     );
     assert_eq!(
-        element_text(&dom, "denied-total"),
-        Some(denied.to_string().as_str()),
-        "denied total:\n{dom}"
+        element_text(&dom, "version"),
+        Some(env!("CARGO_PKG_VERSION"))
     );
-    assert_eq!(element_text(&dom, "store-backend"), Some("memory"));
-    assert_eq!(element_text(&dom, "store-health"), Some("healthy"));
+    assert!(element_text(&dom, "uptime").is_some_and(|u| u.ends_with('s')));
+    assert!(
+        element_text(&dom, "certificates").is_some_and(|c| c.contains("TLS is not configured")),
+        "the place kept for certificate expiry"
+    );
     let top = tbody(&dom, "top");
     // By hash and kind only: the key's last characters are for admin token holders.
     assert!(
@@ -1113,24 +1576,19 @@ async fn status_page_renders_the_traffic_in_headless_chromium() {
         top.contains("data-denied=\"7\""),
         "its denied count:\n{top}"
     );
-    let rules = tbody(&dom, "rules");
-    for name in ["<b>api</b>", "<b>everyone</b>"] {
-        assert!(
-            rules.contains(name),
-            "rule {name} in the rules table:\n{rules}"
-        );
-    }
     for secret in [NOISY, CALM] {
         assert!(!dom.contains(secret), "the page shows {secret:?}");
     }
 
+    // A screenshot (RATEWALL_WRITE_STATUS_PNG=1 writes it to docs/status.png).
     let shots = tempfile::tempdir().expect("screenshot dir");
     let png = shots.path().join("s.png");
     run_chromium(
         &page,
         &[
             format!("--screenshot={}", png.display()),
-            "--window-size=1280,860".to_string(),
+            "--window-size=1280,1400".to_string(),
+            "--hide-scrollbars".to_string(),
         ],
     )
     .await;
@@ -1151,6 +1609,10 @@ async fn status_page_renders_the_traffic_in_headless_chromium() {
         "the screenshot is not trivial: {} bytes",
         bytes.len()
     );
+    if std::env::var_os("RATEWALL_WRITE_STATUS_PNG").is_some() {
+        let docs = concat!(env!("CARGO_MANIFEST_DIR"), "/docs/status.png");
+        std::fs::write(docs, &bytes).expect("write docs/status.png");
+    }
 }
 
 // ---------------------------------------------------------------------------------------

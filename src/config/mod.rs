@@ -71,6 +71,20 @@ pub struct Config {
     pub rules: Vec<Rule>,
     /// `rules`, precompiled for matching (see [`RuleIndex`]).
     pub index: RuleIndex,
+    /// The SHA-256 (hex) of the file's text, as `sha256sum` prints it: which file is
+    /// serving, on the status page. (The keys file it names is not included.)
+    pub sha256: Option<String>,
+}
+
+/// `bytes`' SHA-256 in lower-case hex.
+pub fn sha256_hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    crate::identity::sha256(bytes)
+        .iter()
+        .fold(String::with_capacity(64), |mut out, b| {
+            let _ = write!(out, "{b:02x}");
+            out
+        })
 }
 
 #[derive(Deserialize)]
@@ -191,7 +205,9 @@ impl Config {
             }
             None => None,
         };
-        Config::validate(raw, keys_file).map_err(|e| e.locate(text, path))
+        let mut config = Config::validate(raw, keys_file).map_err(|e| e.locate(text, path))?;
+        config.sha256 = Some(sha256_hex(text.as_bytes()));
+        Ok(config)
     }
 
     fn validate(
@@ -238,6 +254,7 @@ impl Config {
             log: raw.log.validate(),
             rules,
             index,
+            sha256: None,
         })
     }
 

@@ -9,6 +9,14 @@ use crate::identity::{Identity, Refusal, Requester};
 use crate::limiter::{Algorithm, Check, Quota};
 use crate::rules::{self, Applies, Rule};
 
+/// A request one rule refused before any limit was consulted: the rule's position in
+/// the config, and why.
+#[derive(Debug, Clone, Copy)]
+pub struct Refused {
+    pub index: usize,
+    pub refusal: Refusal,
+}
+
 /// One rule applied to one request.
 pub struct Limit<'l, 'p> {
     /// The rule's position in the config (its counters and waiting queue share it).
@@ -37,17 +45,18 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
         live: &'l Live,
         parts: &Parts,
         requester: &Requester<'p>,
-    ) -> Result<Vec<Limit<'l, 'p>>, Refusal> {
+    ) -> Result<Vec<Limit<'l, 'p>>, Refused> {
         let cfg = &*live.config;
         matching(cfg, parts)
             .into_iter()
             .filter_map(|index| {
                 let rule = &cfg.rules[index];
-                match rule.applies(requester) {
-                    Ok(Applies::Limits(quota)) => Some(Self::new(live, index, *quota, requester)),
-                    Ok(Applies::Unmet(_) | Applies::Exempt) => None,
-                    Err(refusal) => Some(Err(refusal)),
-                }
+                let limit = match rule.applies(requester) {
+                    Ok(Applies::Limits(quota)) => Self::new(live, index, *quota, requester),
+                    Ok(Applies::Unmet(_) | Applies::Exempt) => return None,
+                    Err(refusal) => Err(refusal),
+                };
+                Some(limit.map_err(|refusal| Refused { index, refusal }))
             })
             .collect()
     }

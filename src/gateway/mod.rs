@@ -31,7 +31,9 @@ use crate::identity::{IdentityDigest, Requester};
 use crate::limiter::guard::{Answer, Now};
 use crate::limiter::lease::Leases;
 use crate::limiter::{Check, Decision, StoreError};
-use crate::metrics::{status_class, Gauged, Metrics, ReloadLabels, ReloadResult};
+use crate::metrics::{
+    status_class, Gauged, Metrics, Outcome, RefusalReason, ReloadLabels, ReloadResult,
+};
 use crate::upstream::{self, Downstream, Peer};
 use access::AccessLine;
 use limits::Limit;
@@ -141,6 +143,7 @@ impl<'l> Pass<'l> {
 
 impl Gateway {
     pub fn new(live: Live, source: Option<Source>, metrics: Arc<Metrics>) -> Gateway {
+        metrics.stats.started_with(live.config.sha256.clone());
         Gateway {
             live: ArcSwap::from_pointee(live),
             source,
@@ -171,6 +174,17 @@ impl Gateway {
             .reloads
             .get_or_create(&ReloadLabels { result: outcome })
             .inc();
+        let sha256 = match &result {
+            Ok(()) => self.live.load().config.sha256.clone(),
+            // What the rejected file holds, where it can be read.
+            Err(_) => self
+                .source
+                .as_ref()
+                .and_then(|s| std::fs::read(&s.path).ok())
+                .map(|bytes| crate::config::sha256_hex(&bytes)),
+        };
+        let shown = result.as_ref().map(|_| ()).map_err(ToString::to_string);
+        self.metrics.stats.reloaded(shown, sha256);
         result
     }
 
@@ -205,20 +219,28 @@ impl Gateway {
 
     /// Serve one request: admit it, then answer or forward it, and record how it went.
     pub async fn handle(&self, req: Request<Incoming>, peer: &Peer) -> Response<Body> {
+        let started = Instant::now();
         let _in_flight = Gauged::new(&self.metrics.in_flight);
         let live = self.live.load_full();
         let log = AccessLine::start(&req, peer, &live.config);
         let (parts, body) = req.into_parts();
-        let (resp, note) = match self.admit(&live, &parts, peer.ip()).await {
-            Admission::Answer(resp, note) => (resp, note),
+        let (resp, note, forwarded) = match self.admit(&live, &parts, peer.ip()).await {
+            Admission::Answer(resp, note) => (resp, note, false),
             Admission::Forward(pass) => {
-                self.forward(&live, Request::from_parts(parts, body), peer, pass)
-                    .await
+                let (resp, note) = self
+                    .forward(&live, Request::from_parts(parts, body), peer, pass)
+                    .await;
+                (resp, note, true)
             }
         };
         let status = resp.status().as_u16();
         self.metrics
             .count_response(status_class(status), note.upstream);
+        let outcome = match forwarded {
+            true => Outcome::forwarded(note.upstream, status),
+            false => Outcome::answered(status),
+        };
+        self.metrics.count_outcome(outcome, started.elapsed());
         if let Some(log) = log {
             log.write(status, &note);
         }
@@ -232,6 +254,8 @@ impl Gateway {
         let cfg = &*live.config;
         if let Some(p) = screen::problem(parts) {
             tracing::debug!(%peer, status = p.status.as_u16(), "malformed request refused");
+            self.metrics
+                .count_refusal(RefusalReason::of_status(p.status.as_u16()));
             let mut resp = problem(p, cfg, &[]);
             if parts.version < http::Version::HTTP_2 {
                 close_after(&mut resp);
@@ -244,7 +268,9 @@ impl Gateway {
                 return Admission::Forward(Pass::unlimited(Note::gateway("unlimited")))
             }
             Ok(limits) => limits,
-            Err(refusal) => {
+            Err(limits::Refused { index, refusal }) => {
+                live.counters[index].refused.inc();
+                self.metrics.count_refusal(refusal.into());
                 let resp = problem(
                     Problem::new(refusal.status(), &refusal.to_string()),
                     cfg,
@@ -277,7 +303,6 @@ impl Gateway {
         let cfg = &*live.config;
         let shadow_denied = tally(live, limits, decisions);
         let (applied, shadow) = split(limits, decisions);
-        self.metrics.stats.record(false);
         let limit = &limits[by];
         self.metrics.stats.limited(
             limit.identity.digest.short_hex().as_str(),
@@ -306,7 +331,6 @@ impl Gateway {
         leases: Option<Leases>,
     ) -> Pass<'l> {
         let shadow_denied = tally(live, &limits, decisions);
-        self.metrics.stats.record(true);
         let (applied, shadow) = split(&limits, decisions);
         let ruled: Vec<Ruled> = limits.iter().map(Limit::ruled).collect();
         let closest = verdict::closest(&ruled, decisions).map(|k| &limits[k]);
@@ -365,6 +389,9 @@ impl Gateway {
         let started = Instant::now();
         let result = live.upstream().forward(req, &down).await;
         self.count_upstream(&result, started);
+        if let Err(e) = &result {
+            count_rule_failures(live, &pass, e);
+        }
         match result {
             Ok(resp) => {
                 if let Some(change) = self.upstream_health.answered() {
@@ -398,7 +425,10 @@ impl Gateway {
             .upstream_duration
             .observe(started.elapsed().as_secs_f64());
         let class = match result {
-            Ok(resp) => status_class(resp.status().as_u16()),
+            Ok(resp) => {
+                self.metrics.stats.upstream_answered(started.elapsed());
+                status_class(resp.status().as_u16())
+            }
             Err(_) => "error",
         };
         self.metrics.count_upstream(class);
@@ -520,6 +550,26 @@ fn tally<'l>(
         };
     }
     shadow_denied
+}
+
+/// A forwarded request the upstream did not answer (502, 504), counted under each rule
+/// that let it through. (The upstream's failures are rare: finding the rules by name is
+/// cheaper than carrying their positions on every request.)
+fn count_rule_failures(live: &Live, pass: &Pass<'_>, e: &upstream::Error) {
+    if e.is_client_error() {
+        return;
+    }
+    let timeout = e.status() == StatusCode::GATEWAY_TIMEOUT;
+    for a in pass.applied.iter().chain(&pass.shadow) {
+        if let Some(k) = live.config.rules.iter().position(|r| r.name == a.rule) {
+            let c = &live.counters[k];
+            if timeout {
+                c.upstream_timeout.inc();
+            } else {
+                c.upstream_error.inc();
+            }
+        }
+    }
 }
 
 /// The rules with a decision, as the headers show them: the enforcing ones, and apart,

@@ -177,6 +177,7 @@ impl Limiter {
         }
         if self.open.load(Relaxed) {
             self.count_error(&StoreError::CircuitOpen);
+            self.metrics.stats.store_skipped();
             return Now::Answered(self.fallback(checks, StoreError::CircuitOpen));
         }
         let started = Instant::now();
@@ -216,7 +217,9 @@ impl Limiter {
         sent_us: u64,
         started: Instant,
     ) -> Answer {
-        self.store_seconds.observe(started.elapsed().as_secs_f64());
+        let took = started.elapsed();
+        self.store_seconds.observe(took.as_secs_f64());
+        self.metrics.stats.store_called(took, result.is_err());
         if let Err(e) = &result {
             self.count_error(e);
         }
