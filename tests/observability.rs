@@ -941,8 +941,10 @@ async fn access_log_has_one_json_event_per_request() {
 fn admin_rules() -> &'static str {
     "[[rules]]\nname = \"api\"\nmatch = { path_prefix = \"/api/\" }\nkey = \"api_key\"\n\
      rate = \"1/h\"\nburst = 5\n\
+     [rules.plans.vip]\nexempt = true\n\
      [[rules]]\nname = \"by-ip\"\nmatch = { path_prefix = \"/ip/\" }\nkey = \"client_ip\"\n\
-     rate = \"1/h\"\nburst = 5\n"
+     rate = \"1/h\"\nburst = 5\n\
+     [keys.plans]\n\"sk_vip_exempt_from_api\" = \"vip\"\n"
 }
 
 async fn admin_state_and_reset(store: Store, redis: Option<&RedisServer>) {
@@ -1071,6 +1073,17 @@ async fn admin_state_and_reset(store: Store, redis: Option<&RedisServer>) {
     }
 
     // Bad inputs.
+    // A key whose plan is exempt from the rule has no state under it: 404, saying why.
+    let r = admin_get(
+        &client,
+        &gw.admin_url("/admin/state?rule=api&key=sk_vip_exempt_from_api"),
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::NOT_FOUND, "an exempt plan's key");
+    let error = r.json()["error"].to_string();
+    assert!(error.contains("exempt"), "{error}");
+    assert!(!error.contains("sk_vip"), "no key material: {error}");
+
     for (path, want) in [
         (format!("/admin/state?rule=nope&key={KEY}"), 404),
         ("/admin/state?rule=api".to_string(), 400),
