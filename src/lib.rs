@@ -41,6 +41,8 @@
 //! - [`metrics`]: Prometheus metrics, every series a config implies created at zero.
 //! - [`stats`]: what the status page shows: outcomes, latencies, the loads of the config;
 //!   counted with atomics on the request path, sampled into a bounded ring.
+//! - [`tls`]: `[server.tls]`: the certificates (chosen by SNI), client certificates, the
+//!   rustls server config the TLS listener's handshakes run on.
 //! - [`worker`]: which worker thread runs the current request (per-thread pools).
 
 pub mod admin;
@@ -54,6 +56,7 @@ pub mod metrics;
 pub mod rules;
 pub mod server;
 pub mod stats;
+pub mod tls;
 pub mod upstream;
 pub mod worker;
 

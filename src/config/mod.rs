@@ -16,6 +16,7 @@ mod overrides;
 mod rules;
 mod server;
 mod store;
+mod tls;
 mod upstream;
 mod values;
 
@@ -205,7 +206,14 @@ impl Config {
             }
             None => None,
         };
-        let mut config = Config::validate(raw, keys_file).map_err(|e| e.locate(text, path))?;
+        let tls = match &raw.server.tls {
+            Some(t) => Some(
+                t.load(path.parent().unwrap_or(Path::new("")))
+                    .map_err(|e| e.locate(text, path))?,
+            ),
+            None => None,
+        };
+        let mut config = Config::validate(raw, keys_file, tls).map_err(|e| e.locate(text, path))?;
         config.sha256 = Some(sha256_hex(text.as_bytes()));
         Ok(config)
     }
@@ -213,6 +221,7 @@ impl Config {
     fn validate(
         raw: RawConfig,
         keys_file: Option<(PathBuf, std::collections::HashMap<[u8; 32], String>)>,
+        tls: Option<crate::tls::Settings>,
     ) -> Result<Config, Invalid> {
         let store = match raw.store {
             Some(s) => {
@@ -245,7 +254,7 @@ impl Config {
             admin: raw
                 .admin
                 .validate(std::env::var("RATEWALL_ADMIN_TOKEN").ok()),
-            server: raw.server.validate(),
+            server: raw.server.validate(tls),
             upstream: raw.upstream.validate(),
             store,
             client_ip: raw.client_ip.validate(),
