@@ -1,0 +1,155 @@
+//! The TLS listener (`[server.tls]`) against the real binary: certificates made by the
+//! harness's throw-away CA, a rustls client and curl.
+
+mod common;
+
+use std::time::Duration;
+
+use common::*;
+
+/// A gateway with a TLS listener on `tls_port` presenting `certs` (the first the
+/// default), forwarding to `upstream`, with `extra` lines in `[server.tls]` and `rules`.
+fn tls_gateway(
+    tls_port: u16,
+    certs: &[(std::path::PathBuf, std::path::PathBuf)],
+    extra: &str,
+    upstream: &Upstream,
+    rules: &str,
+) -> Gateway {
+    Gateway::start(&format!(
+        "{}{}{rules}",
+        tls_table(tls_port, certs, extra),
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sni_picks_the_certificate_and_the_first_is_the_default() {
+    let pki = Pki::new("sni");
+    let a = pki.server_cert("a", &["a.test"], 90);
+    let b = pki.server_cert("b", &["*.b.test"], 90);
+    let upstream = Upstream::start().await;
+    let port = free_port();
+    let _gw = tls_gateway(port, &[a.clone(), b.clone()], "", &upstream, "");
+    let roots = [pki.ca_der()];
+    let http1 = client_config(&roots, &[b"http/1.1"], None);
+    let r = tls_get(port, "x.b.test", http1.clone(), "/hello", &[])
+        .await
+        .expect("x.b.test");
+    assert_eq!(r.status, 200);
+    assert_eq!(r.server_cert, cert_der(&b.0), "the wildcard certificate for x.b.test");
+    let r = tls_get(port, "a.test", http1.clone(), "/", &[])
+        .await
+        .expect("a.test");
+    assert_eq!(r.server_cert, cert_der(&a.0));
+    // A name no certificate covers gets the default (and the client, rightly, refuses it).
+    let e = tls_get(port, "c.test", http1, "/", &[]).await.unwrap_err();
+    assert!(e.contains("handshake"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn alpn_gives_http2_and_the_upstream_learns_the_scheme() {
+    let pki = Pki::new("alpn");
+    let cert = pki.server_cert("gw", &["gw.test"], 90);
+    let upstream = Upstream::start().await;
+    let port = free_port();
+    let _gw = tls_gateway(port, &[cert], "", &upstream, "");
+    let roots = [pki.ca_der()];
+    let h2 = client_config(&roots, &[b"h2", b"http/1.1"], None);
+    let r = tls_get(port, "gw.test", h2, "/two", &[]).await.expect("h2");
+    assert_eq!(r.status, 200);
+    assert_eq!(r.alpn.as_deref(), Some(&b"h2"[..]));
+    assert_eq!(r.version, Some(rustls::ProtocolVersion::TLSv1_3));
+    let h1 = client_config(&roots, &[b"http/1.1"], None);
+    let r = tls_get(port, "gw.test", h1, "/one", &[("x-forwarded-proto", "http")])
+        .await
+        .expect("http/1.1");
+    assert_eq!(r.status, 200);
+    assert_eq!(r.alpn.as_deref(), Some(&b"http/1.1"[..]));
+    let seen = upstream.seen();
+    assert_eq!(seen.len(), 2);
+    for s in &seen {
+        assert_eq!(s.headers["x-forwarded-proto"], "https", "{}", s.path);
+        let fwd = s.headers["forwarded"].to_str().unwrap();
+        assert!(fwd.ends_with("proto=https"), "{fwd}");
+    }
+}
+
+/// TLS 1.2 is spoken too (rustls' safe suites), for clients that have nothing newer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn tls12_clients_are_served() {
+    let pki = Pki::new("v12");
+    let cert = pki.server_cert("gw", &["gw.test"], 90);
+    let upstream = Upstream::start().await;
+    let port = free_port();
+    let _gw = tls_gateway(port, &[cert], "", &upstream, "");
+    let mut store = rustls::RootCertStore::empty();
+    store.add(pki.ca_der()).unwrap();
+    let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+        rustls::crypto::ring::default_provider(),
+    ))
+    .with_protocol_versions(&[&rustls::version::TLS12])
+    .unwrap()
+    .with_root_certificates(store)
+    .with_no_client_auth();
+    let r = tls_get(port, "gw.test", std::sync::Arc::new(config), "/", &[])
+        .await
+        .expect("TLS 1.2");
+    assert_eq!(r.status, 200);
+    assert_eq!(r.version, Some(rustls::ProtocolVersion::TLSv1_2));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn curl_speaks_http2_over_tls() {
+    if std::process::Command::new("curl").arg("--version").output().is_err() {
+        eprintln!("no curl here: skipped");
+        return;
+    }
+    let pki = Pki::new("curl");
+    let cert = pki.server_cert("gw", &["localhost"], 90);
+    let upstream = Upstream::start().await;
+    let port = free_port();
+    let _gw = tls_gateway(port, &[cert], "", &upstream, "");
+    let out = tokio::process::Command::new("curl")
+        .args(["-sS", "--http2", "-o", "/dev/null", "-w", "%{http_code} %{http_version}"])
+        .arg("--cacert")
+        .arg(&pki.ca_pem)
+        .arg(format!("https://localhost:{port}/x"))
+        .output()
+        .await
+        .expect("curl");
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(said, "200 2", "curl: {}", String::from_utf8_lossy(&out.stderr));
+}
+
+/// A client that opens a connection and stalls in the handshake is closed at
+/// header_timeout, and counted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_handshake_is_closed_at_header_timeout() {
+    let pki = Pki::new("stall");
+    let cert = pki.server_cert("gw", &["gw.test"], 90);
+    let upstream = Upstream::start().await;
+    let port = free_port();
+    let gw = Gateway::start(&format!(
+        "header_timeout = \"1s\"\n{}{}",
+        tls_table(port, &[cert], ""),
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
+        .await
+        .unwrap();
+    // The first bytes of a ClientHello record, then nothing.
+    use tokio::io::AsyncWriteExt;
+    stream.write_all(&[0x16, 0x03, 0x01, 0x01, 0x00, 0x01]).await.unwrap();
+    let started = std::time::Instant::now();
+    let (_, closed) = until_closed(&mut stream).await;
+    let took = closed.unwrap_or_else(|| started.elapsed());
+    assert!(
+        took >= Duration::from_millis(800) && took < Duration::from_secs(5),
+        "closed after {took:?}"
+    );
+    assert_eq!(
+        metric(&gw, "ratewall_tls_handshakes_total", &[("result", "timeout")]).await,
+        1.0
+    );
+}
