@@ -87,6 +87,9 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
         "ratewall listening"
     );
 
+    for warning in config.server.tls.iter().flat_map(|t| t.warnings()) {
+        tracing::warn!("{warning}");
+    }
     let upkeep = tokio::spawn(upkeep(gateway.clone()));
     let reloads = tokio::spawn(reload_on_sighup(gateway.clone(), signals.hangup));
     let admin_task = admin.map(|l| {
@@ -297,6 +300,9 @@ async fn reload_on_sighup(gateway: Arc<Gateway>, hangups: Option<Hangups>) {
         match gateway.reload() {
             Ok(()) => {
                 let after = gateway.live();
+                for warning in after.config.server.tls.iter().flat_map(|t| t.warnings()) {
+                    tracing::warn!("{warning}");
+                }
                 let c = crate::config::Changes::between(&before.config, &after.config);
                 use crate::config::Listed;
                 tracing::info!(
@@ -383,7 +389,10 @@ pub async fn serve(
         };
         let tls_config = match (&live.config.server.tls, tls) {
             (Some(t), true) => Some(t.server_config.clone()),
-            _ => None,
+            // `[server.tls]` taken out by a reload: its listener, bound at start, takes
+            // no more connections than it can serve (none) until a restart.
+            (None, true) => continue,
+            (_, false) => None,
         };
         drop(live);
         // The connection's service: its requests, each tracked as in flight until its

@@ -64,6 +64,8 @@ pub struct Certificate {
     pub names: Vec<String>,
     /// Its `notAfter`, in seconds since the Unix epoch.
     pub not_after: i64,
+    /// The SHA-256 of the chain's certificates (DER): whether a reload changed it.
+    pub sha256: [u8; 32],
     key: Arc<CertifiedKey>,
 }
 
@@ -145,6 +147,7 @@ pub fn load_certificate(cert_path: &Path, key_path: &Path) -> Result<Certificate
         .map_err(|e| invalid(key_path, format!("no private key in the file: {e}")))?;
     let (not_after, names) =
         der::summary(&chain[0]).ok_or_else(|| invalid(cert_path, "cannot parse the certificate"))?;
+    let sha256 = crate::identity::sha256(&chain.iter().flat_map(|c| c.iter().copied()).collect::<Vec<u8>>());
     let key = CertifiedKey::from_der(chain, key, &provider()).map_err(|e| match e {
         rustls::Error::InconsistentKeys(_) => invalid(
             key_path,
@@ -157,6 +160,7 @@ pub fn load_certificate(cert_path: &Path, key_path: &Path) -> Result<Certificate
         key_path: key_path.to_owned(),
         names,
         not_after,
+        sha256,
         key: Arc::new(key),
     })
 }
@@ -210,6 +214,80 @@ impl Settings {
             redirect_https,
             server_config: Arc::new(config),
         })
+    }
+}
+
+impl Settings {
+    /// Whether `other` presents the same certificates, in the same order.
+    pub fn same_certificates(&self, other: &Settings) -> bool {
+        self.certificates.len() == other.certificates.len()
+            && self
+                .certificates
+                .iter()
+                .zip(&other.certificates)
+                .all(|(a, b)| a.sha256 == b.sha256)
+    }
+
+    /// What `ratewall check` prints of the listener: one line, then one per certificate.
+    pub fn describe(&self) -> String {
+        use std::fmt::Write;
+        let mut out = String::new();
+        let clients = match &self.client_auth {
+            None => "no client certificates".to_string(),
+            Some(a) => format!(
+                "client certificates {} (CA {})",
+                if a.required { "required" } else { "optional" },
+                a.ca.display()
+            ),
+        };
+        let _ = writeln!(
+            out,
+            "tls           listen {}, TLS 1.2 and 1.3, ALPN h2 and http/1.1, {clients}, redirect_https {}",
+            self.listen,
+            if self.redirect_https { "on" } else { "off" }
+        );
+        for (i, c) in self.certificates.iter().enumerate() {
+            let left = c.expires_in();
+            let when = match left {
+                l if l < 0 => "EXPIRED".to_string(),
+                l => format!("in {} days", l / 86_400),
+            };
+            let _ = writeln!(
+                out,
+                "  - {}{}: {}; expires {} ({when})",
+                c.cert_path.display(),
+                if i == 0 { " (default)" } else { "" },
+                if c.names.is_empty() {
+                    "no subjectAltName".to_string()
+                } else {
+                    c.names.join(", ")
+                },
+                c.not_after_text(),
+            );
+        }
+        out
+    }
+
+    /// Certificates expired or expiring within [`EXPIRY_WARNING`]: one line each.
+    pub fn warnings(&self) -> Vec<String> {
+        let soon = i64::try_from(EXPIRY_WARNING.as_secs()).unwrap_or(i64::MAX);
+        self.certificates
+            .iter()
+            .filter(|c| c.expires_in() < soon)
+            .map(|c| match c.expires_in() {
+                l if l < 0 => format!(
+                    "certificate {} expired at {}",
+                    c.cert_path.display(),
+                    c.not_after_text()
+                ),
+                l => format!(
+                    "certificate {} expires within 14 days: at {} (in {}h)",
+                    c.cert_path.display(),
+                    c.not_after_text(),
+                    l / 3600
+                ),
+            })
+            .collect()
     }
 }
 

@@ -153,3 +153,155 @@ async fn a_stalled_handshake_is_closed_at_header_timeout() {
         1.0
     );
 }
+
+/// Certificates rotate on SIGHUP while clients keep connecting: every request of the load
+/// succeeds, and connections after the reload get the new certificate. A bad file on a
+/// later SIGHUP is refused with its reason, and the new certificate keeps serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sighup_rotates_certificates_under_load_and_a_bad_file_keeps_the_old() {
+    let pki = Pki::new("rotate");
+    let old = pki.server_cert("old", &["gw.test"], 90);
+    let upstream = Upstream::start().await;
+    let port = free_port();
+    let body = |certs: &[(std::path::PathBuf, std::path::PathBuf)]| {
+        format!(
+            "{}{}",
+            tls_table(port, certs, ""),
+            upstream_and_store(&upstream.url(), &Store::Memory)
+        )
+    };
+    // The config names fixed file names; rotation replaces their contents.
+    let (cert, key) = (pki.path("live.pem"), pki.path("live-key.pem"));
+    std::fs::copy(&old.0, &cert).unwrap();
+    std::fs::copy(&old.1, &key).unwrap();
+    let live = (cert.clone(), key.clone());
+    let gw = Gateway::start(&body(std::slice::from_ref(&live)));
+    let config = client_config(&[pki.ca_der()], &[b"h2", b"http/1.1"], None);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let load: Vec<_> = (0..4)
+        .map(|_| {
+            let (config, stop) = (config.clone(), stop.clone());
+            tokio::spawn(async move {
+                let (mut ok, mut failed) = (0u32, Vec::new());
+                while !stop.load(std::sync::atomic::Ordering::Relaxed) {
+                    match tls_get(port, "gw.test", config.clone(), "/", &[]).await {
+                        Ok(r) if r.status == 200 => ok += 1,
+                        Ok(r) => failed.push(format!("status {}", r.status)),
+                        Err(e) => failed.push(e),
+                    }
+                }
+                (ok, failed)
+            })
+        })
+        .collect();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let new = pki.server_cert("new", &["gw.test"], 60);
+    // The key first would leave a moment where the pair does not match: a reload then
+    // would be refused, and the old pair keep serving. Both in place, then SIGHUP.
+    std::fs::copy(&new.0, &cert).unwrap();
+    std::fs::copy(&new.1, &key).unwrap();
+    gw.reload(1);
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    let mut total = 0;
+    for l in load {
+        let (ok, failed) = l.await.unwrap();
+        assert!(failed.is_empty(), "failed during rotation: {failed:?}");
+        total += ok;
+    }
+    assert!(total > 10, "only {total} requests under load");
+    let r = tls_get(port, "gw.test", config.clone(), "/", &[]).await.unwrap();
+    assert_eq!(r.server_cert, cert_der(&new.0), "the new certificate after SIGHUP");
+    assert!(gw.logs().contains("server.tls.certificates"), "{}", gw.logs());
+
+    // A key that does not match the certificate: refused, the new pair keeps serving.
+    std::fs::copy(&old.1, &key).unwrap();
+    gw.signal("HUP");
+    assert!(
+        gw.wait_for_log("config reload rejected", 1, Duration::from_secs(10)),
+        "{}",
+        gw.logs()
+    );
+    assert!(
+        gw.logs().contains("the key does not match the certificate"),
+        "{}",
+        gw.logs()
+    );
+    let r = tls_get(port, "gw.test", config.clone(), "/", &[]).await.unwrap();
+    assert_eq!(r.server_cert, cert_der(&new.0));
+    // A missing file: the same.
+    std::fs::remove_file(&cert).unwrap();
+    gw.signal("HUP");
+    assert!(
+        gw.wait_for_log("config reload rejected", 2, Duration::from_secs(10)),
+        "{}",
+        gw.logs()
+    );
+    let r = tls_get(port, "gw.test", config, "/", &[]).await.unwrap();
+    assert_eq!(r.status, 200);
+}
+
+/// `ratewall check` on a config with `[server.tls]`.
+fn check(body: &str) -> (bool, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let cfg = dir.path().join("limits.toml");
+    std::fs::write(
+        &cfg,
+        format!("[server]\nlisten = \"127.0.0.1:1\"\n{body}[upstream]\nurl = \"http://127.0.0.1:2\"\n"),
+    )
+    .unwrap();
+    let out = std::process::Command::new(binary())
+        .arg("check")
+        .arg("--config")
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    (
+        out.status.success(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[test]
+fn check_shows_certificates_and_their_expiry_and_warns_within_14_days() {
+    let pki = Pki::new("check");
+    let long = pki.server_cert("long", &["a.test", "*.a.test"], 90);
+    let short = pki.server_cert("short", &["b.test"], 5);
+    let (ok, out, err) = check(&tls_table(8443, &[long.clone(), short.clone()], ""));
+    assert!(ok, "{out}{err}");
+    assert!(out.contains("tls           listen 127.0.0.1:8443"), "{out}");
+    assert!(
+        out.contains(&format!("{} (default): a.test, *.a.test; expires ", long.0.display())),
+        "{out}"
+    );
+    assert!(out.contains("(in 89 days)") || out.contains("(in 90 days)"), "{out}");
+    assert!(
+        err.contains(&format!("warning: certificate {} expires within 14 days", short.0.display())),
+        "{err}"
+    );
+    assert!(!err.contains(&long.0.display().to_string()), "{err}");
+}
+
+#[test]
+fn check_refuses_unreadable_files_and_mismatched_keys() {
+    let pki = Pki::new("bad");
+    let a = pki.server_cert("a", &["a.test"], 90);
+    let b = pki.server_cert("b", &["b.test"], 90);
+    let (ok, _, err) = check(&tls_table(8443, &[(a.0.clone(), b.1.clone())], ""));
+    assert!(!ok);
+    assert!(err.contains("server.tls.certificates[0]"), "{err}");
+    assert!(err.contains("the key does not match the certificate"), "{err}");
+    let missing = pki.path("nope.pem");
+    let (ok, _, err) = check(&tls_table(8443, &[a.clone(), (missing, a.1.clone())], ""));
+    assert!(!ok);
+    assert!(err.contains("server.tls.certificates[1]"), "{err}");
+    assert!(err.contains("cannot read"), "{err}");
+    // A key file holding a certificate, not a key.
+    let (ok, _, err) = check(&tls_table(8443, &[(a.0.clone(), a.0.clone())], ""));
+    assert!(!ok);
+    assert!(err.contains("no private key"), "{err}");
+    let (ok, _, err) = check(&tls_table(8443, &[a], "client_auth = \"optional\"\n"));
+    assert!(!ok);
+    assert!(err.contains("client_auth needs client_ca"), "{err}");
+}

@@ -291,6 +291,9 @@ impl Config {
             self.server.max_connections,
             self.server.max_header_bytes
         );
+        if let Some(tls) = &self.server.tls {
+            out.push_str(&tls.describe());
+        }
         let backend = match &self.store.backend {
             Backend::Memory => format!(
                 "memory (embedded, one instance; max_keys {})",
