@@ -169,7 +169,9 @@ impl From<crate::identity::Refusal> for RefusalReason {
     fn from(r: crate::identity::Refusal) -> RefusalReason {
         use crate::identity::Refusal;
         match r {
-            Refusal::MissingKey | Refusal::MissingHeader => RefusalReason::MissingKey,
+            Refusal::MissingKey | Refusal::MissingHeader | Refusal::MissingCert => {
+                RefusalReason::MissingKey
+            }
             Refusal::UnknownKey => RefusalReason::UnknownKey,
             Refusal::Malformed(_) => RefusalReason::Malformed,
         }

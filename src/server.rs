@@ -398,7 +398,16 @@ pub async fn serve(
         // The connection's service: its requests, each tracked as in flight until its
         // answer's body is done.
         let service = move |client: Peer, track: Arc<connection::Track>| {
-            service_fn(move |req: Request<Incoming>| {
+            // The verified client certificate, given to each request (see `ClientCert`).
+            let cert = client
+                .tls
+                .as_ref()
+                .and_then(|t| t.client_cert)
+                .map(crate::identity::ClientCert);
+            service_fn(move |mut req: Request<Incoming>| {
+                if let Some(cert) = cert {
+                    req.extensions_mut().insert(cert);
+                }
                 served.fetch_add(1, Relaxed);
                 let request = InFlight::new(&track);
                 let http2 = req.version() == http::Version::HTTP_2;

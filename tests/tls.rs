@@ -305,3 +305,105 @@ fn check_refuses_unreadable_files_and_mismatched_keys() {
     assert!(!ok);
     assert!(err.contains("client_auth needs client_ca"), "{err}");
 }
+
+/// mTLS with `client_auth = "required"`: a client without a certificate, or with one
+/// from another CA, fails the handshake; with `key = "client_cert"` each certificate has
+/// its own exact count.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn required_client_certificates_are_each_limited_exactly() {
+    let pki = Pki::new("mtls");
+    let clients = Pki::new("clients");
+    let strangers = Pki::new("strangers");
+    let cert = pki.server_cert("gw", &["gw.test"], 90);
+    let upstream = Upstream::start().await;
+    let port = free_port();
+    let extra = format!("client_ca = \"{}\"\n", toml_path(&clients.ca_pem));
+    let gw = tls_gateway(
+        port,
+        &[cert],
+        &extra,
+        &upstream,
+        &exact_rule("per-cert", "client_cert", "token_bucket", 3),
+    );
+    let roots = [pki.ca_der()];
+    let (alice, bob) = (clients.client_cert("alice"), clients.client_cert("bob"));
+    for (who, id) in [("alice", &alice), ("bob", &bob)] {
+        let config = client_config(&roots, &[b"h2", b"http/1.1"], Some(id.clone()));
+        let mut statuses = Vec::new();
+        for _ in 0..5 {
+            let r = tls_get(port, "gw.test", config.clone(), "/", &[]).await.expect(who);
+            statuses.push(r.status.as_u16());
+        }
+        assert_eq!(statuses, [200, 200, 200, 429, 429], "{who}");
+    }
+    // No certificate, or one this CA did not sign: no connection at all. (TLS 1.3: the
+    // server's refusal arrives after the client's handshake is done, with the first read.)
+    for (what, id) in [("none", None), ("stranger", Some(strangers.client_cert("eve")))] {
+        let config = client_config(&roots, &[b"http/1.1"], id);
+        let r = tls_get(port, "gw.test", config, "/", &[]).await;
+        assert!(r.is_err(), "{what}: {r:?}");
+    }
+    assert_eq!(upstream.seen().len(), 6);
+    assert!(metric(&gw, "ratewall_tls_handshakes_total", &[("result", "failed")]).await >= 2.0);
+    // The fingerprint never reaches the log.
+    let fp: String = sha2_hex(&alice.chain[0]);
+    assert!(!gw.logs().contains(&fp), "the raw fingerprint in the log");
+}
+
+/// `client_auth = "optional"`: a client without a certificate is served, and the
+/// `client_cert` rule applies its `missing_key`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn optional_client_certificates_fall_back_to_missing_key() {
+    let pki = Pki::new("opt");
+    let cert = pki.server_cert("gw", &["gw.test"], 90);
+    let upstream = Upstream::start().await;
+    let port = free_port();
+    let extra = format!(
+        "client_ca = \"{}\"\nclient_auth = \"optional\"\n",
+        toml_path(&pki.ca_pem)
+    );
+    let rules = "[[rules]]\nname = \"certs\"\nkey = \"client_cert\"\nrate = \"1/h\"\nburst = 2\nmatch = { path_prefix = \"/x\" }\n\
+                 [[rules]]\nname = \"lenient\"\nkey = \"client_cert\"\nmissing_key = \"client_ip\"\nrate = \"1/h\"\nburst = 1\nmatch = { path_prefix = \"/lenient\" }\n";
+    let _gw = tls_gateway(port, &[cert], &extra, &upstream, rules);
+    let roots = [pki.ca_der()];
+    let anonymous = client_config(&roots, &[b"http/1.1"], None);
+    // The first rule (missing_key = "reject" by default) refuses a client without one.
+    let r = tls_get(port, "gw.test", anonymous.clone(), "/x", &[]).await.unwrap();
+    assert_eq!(r.status, 401);
+    assert!(String::from_utf8_lossy(&r.body).contains("client certificate"));
+    let with = client_config(&roots, &[b"http/1.1"], Some(pki.client_cert("carol")));
+    let statuses: Vec<u16> = {
+        let mut v = Vec::new();
+        for _ in 0..3 {
+            v.push(tls_get(port, "gw.test", with.clone(), "/x", &[]).await.unwrap().status.as_u16());
+        }
+        v
+    };
+    assert_eq!(statuses, [200, 200, 429]);
+    // missing_key = "client_ip": counted by address instead.
+    for want in [200, 429] {
+        let r = tls_get(port, "gw.test", anonymous.clone(), "/lenient", &[]).await.unwrap();
+        assert_eq!(r.status, want);
+    }
+}
+
+fn sha2_hex(der: &[u8]) -> String {
+    use sha2::Digest;
+    sha2::Sha256::digest(der)
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+#[test]
+fn client_cert_rules_need_client_certificates() {
+    let pki = Pki::new("norules");
+    let cert = pki.server_cert("gw", &["gw.test"], 90);
+    let (ok, _, err) = check(&format!(
+        "{}{}",
+        tls_table(8443, &[cert], ""),
+        exact_rule("c", "client_cert", "gcra", 1)
+    ));
+    assert!(!ok);
+    assert!(err.contains("needs client certificates"), "{err}");
+}

@@ -247,6 +247,15 @@ impl Config {
                 ));
             }
             rules.push(r.validate(i, spanned.span(), &plan_names, &keys.header)?);
+            if rules[i].key.kind == KeyKind::ClientCert
+                && tls.as_ref().is_none_or(|t| t.client_auth.is_none())
+            {
+                return Err(Invalid::new(
+                    Some(spanned.span()),
+                    format!("rules[{i}].key"),
+                    "key = \"client_cert\" needs client certificates: [server.tls] with client_ca",
+                ));
+            }
         }
         drop(plan_names);
         let index = RuleIndex::new(&rules);

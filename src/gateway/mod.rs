@@ -263,7 +263,8 @@ impl Gateway {
             }
             return Admission::Answer(resp, Note::gateway("bad_request"));
         }
-        let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip);
+        let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip)
+            .with_client_cert(parts.extensions.get());
         let limits = match Limit::all(live, parts, &requester) {
             Ok(limits) if limits.is_empty() => {
                 return Admission::Forward(Pass::unlimited(Note::gateway("unlimited")))
