@@ -107,6 +107,18 @@ pub struct TlsSessionLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProtocolLabels {
+    /// `HTTP/1.0`, `HTTP/1.1` or `HTTP/2`.
+    pub protocol: &'static str,
+    /// `TLSv1.3` or `TLSv1.2` over the TLS listener; `none` in cleartext.
+    pub tls: &'static str,
+}
+
+/// The protocols and TLS versions `ratewall_client_requests_total` counts by.
+const PROTOCOLS: [&str; 3] = ["HTTP/1.0", "HTTP/1.1", "HTTP/2"];
+const TLS_VERSIONS: [&str; 3] = ["none", "TLSv1.2", "TLSv1.3"];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CertificateLabels {
     /// The certificate file, as `[server.tls] certificates` names it (resolved).
     pub cert: String,
@@ -323,6 +335,9 @@ pub struct Metrics {
     pub tls_sessions: Family<TlsSessionLabels, Counter>,
     /// Seconds until each configured certificate expires (negative: expired).
     pub tls_certificate_expiry: Family<CertificateLabels, Gauge>,
+    /// Requests by HTTP version and TLS version, and their handles (see `PROTOCOLS`).
+    pub client_requests: Family<ProtocolLabels, Counter>,
+    protocol_handles: [[Counter; TLS_VERSIONS.len()]; PROTOCOLS.len()],
     /// The certificates `tls_certificate_expiry` has series for.
     tls_certificates_shown: std::sync::Mutex<Vec<CertificateLabels>>,
     pub stats: Stats,
@@ -482,6 +497,19 @@ impl Metrics {
             "Seconds until each certificate of [server.tls] expires (negative: expired), by file",
             tls_certificate_expiry.clone(),
         );
+        let client_requests = Family::<ProtocolLabels, Counter>::default();
+        registry.register(
+            "client_requests",
+            "Requests from clients by HTTP version (HTTP/1.0, HTTP/1.1, HTTP/2) and TLS version (TLSv1.3, TLSv1.2; none in cleartext)",
+            client_requests.clone(),
+        );
+        let protocol_handles = PROTOCOLS.map(|protocol| {
+            TLS_VERSIONS.map(|tls| {
+                client_requests
+                    .get_or_create(&ProtocolLabels { protocol, tls })
+                    .clone()
+            })
+        });
         let build_info = Info::new(BuildLabels {
             version: env!("CARGO_PKG_VERSION"),
         });
@@ -550,8 +578,25 @@ impl Metrics {
             tls_sessions,
             tls_certificate_expiry,
             tls_certificates_shown: std::sync::Mutex::default(),
+            client_requests,
+            protocol_handles,
             stats: Stats::new(),
         }
+    }
+
+    /// Count one request by its HTTP version and, over TLS, its TLS version.
+    pub fn count_protocol(&self, version: http::Version, tls: Option<&'static str>) {
+        let p = match version {
+            http::Version::HTTP_10 | http::Version::HTTP_09 => 0,
+            http::Version::HTTP_2 => 2,
+            _ => 1,
+        };
+        let t = match tls {
+            None => 0,
+            Some("TLSv1.2") => 1,
+            Some(_) => 2,
+        };
+        self.protocol_handles[p][t].inc();
     }
 
     /// Count one TLS handshake, and the version and ALPN of a done one.

@@ -53,7 +53,7 @@ async fn alpn_gives_http2_and_the_upstream_learns_the_scheme() {
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
     let port = free_port();
-    let _gw = tls_gateway(port, &[cert], "", &upstream, "");
+    let gw = tls_gateway(port, &[cert], "", &upstream, "");
     let roots = [pki.ca_der()];
     let h2 = client_config(&roots, &[b"h2", b"http/1.1"], None);
     let r = tls_get(port, "gw.test", h2, "/two", &[]).await.expect("h2");
@@ -73,6 +73,31 @@ async fn alpn_gives_http2_and_the_upstream_learns_the_scheme() {
         let fwd = s.headers["forwarded"].to_str().unwrap();
         assert!(fwd.ends_with("proto=https"), "{fwd}");
     }
+    // The access log and the metrics name the protocol and the TLS version.
+    let logs = gw.logs();
+    assert!(
+        logs.contains(r#"path=/two protocol="HTTP/2" tls="TLSv1.3""#),
+        "{logs}"
+    );
+    assert!(
+        logs.contains(r#"path=/one protocol="HTTP/1.1" tls="TLSv1.3""#),
+        "{logs}"
+    );
+    for (protocol, alpn) in [("HTTP/2", "h2"), ("HTTP/1.1", "http/1.1")] {
+        let labels = [("protocol", protocol), ("tls", "TLSv1.3")];
+        assert_eq!(metric(&gw, "ratewall_client_requests_total", &labels).await, 1.0);
+        let labels = [("version", "TLSv1.3"), ("alpn", alpn)];
+        assert_eq!(metric(&gw, "ratewall_tls_connections_total", &labels).await, 1.0);
+    }
+    assert_eq!(
+        metric(&gw, "ratewall_tls_handshakes_total", &[("result", "ok")]).await,
+        2.0
+    );
+    let expiry = metric(&gw, "ratewall_tls_certificate_expiry_seconds", &[]).await;
+    assert!(
+        (89.0 * 86_400.0..=90.0 * 86_400.0).contains(&expiry),
+        "{expiry}"
+    );
 }
 
 /// TLS 1.2 is spoken too (rustls' safe suites), for clients that have nothing newer.

@@ -224,6 +224,8 @@ impl Gateway {
         let _in_flight = Gauged::new(&self.metrics.in_flight);
         let live = self.live.load_full();
         let log = AccessLine::start(&req, peer, &live.config);
+        self.metrics
+            .count_protocol(req.version(), peer.tls.as_ref().map(|t| t.version));
         let (parts, body) = req.into_parts();
         let (resp, note, forwarded) = match self.admit(&live, &parts, peer.ip()).await {
             Admission::Answer(resp, note) => (resp, note, false),
