@@ -517,9 +517,30 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
             "serving": serving,
             "last_reload": last_reload,
         },
-        // Certificate expiry comes with TLS (a later issue): none is served yet.
-        "certificates": null,
+        // `null` without `[server.tls]`.
+        "certificates": cfg.server.tls.as_ref().map(certificates),
     })
+}
+
+/// The TLS listener's certificates as the status page shows them: the file's name (not
+/// its folder), the names it covers, when it expires. No key material.
+fn certificates(tls: &crate::tls::Settings) -> serde_json::Value {
+    let soon = i64::try_from(crate::tls::EXPIRY_WARNING.as_secs()).unwrap_or(i64::MAX);
+    tls.certificates
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let left = c.expires_in();
+            serde_json::json!({
+                "file": c.cert_path.file_name().map(|f| f.to_string_lossy().into_owned()),
+                "names": c.names,
+                "default": i == 0,
+                "not_after": c.not_after_text(),
+                "expires_in_s": left,
+                "state": if left < 0 { "expired" } else if left < soon { "expiring" } else { "valid" },
+            })
+        })
+        .collect()
 }
 
 /// An identity's short id as the public status page shows it: 8 hex digits of a hash keyed

@@ -30,7 +30,7 @@ async fn sni_picks_the_certificate_and_the_first_is_the_default() {
     let b = pki.server_cert("b", &["*.b.test"], 90);
     let upstream = Upstream::start().await;
     let port = free_port();
-    let _gw = tls_gateway(port, &[a.clone(), b.clone()], "", &upstream, "");
+    let gw = tls_gateway(port, &[a.clone(), b.clone()], "", &upstream, "");
     let roots = [pki.ca_der()];
     let http1 = client_config(&roots, &[b"http/1.1"], None);
     let r = tls_get(port, "x.b.test", http1.clone(), "/hello", &[])
@@ -45,6 +45,17 @@ async fn sni_picks_the_certificate_and_the_first_is_the_default() {
     // A name no certificate covers gets the default (and the client, rightly, refuses it).
     let e = tls_get(port, "c.test", http1, "/", &[]).await.unwrap_err();
     assert!(e.contains("handshake"), "{e}");
+    // The status page lists both, by file name, with their names and expiry.
+    let status = HttpClient::new().get(&gw.admin_url("/status.json"), &[]).await.json();
+    let certs = status["certificates"].as_array().expect("certificates");
+    assert_eq!(certs.len(), 2, "{status}");
+    assert_eq!(certs[0]["file"], "a.pem");
+    assert_eq!(certs[0]["default"], true);
+    assert_eq!(certs[1]["names"], serde_json::json!(["*.b.test"]));
+    assert_eq!(certs[1]["state"], "valid");
+    let left = certs[1]["expires_in_s"].as_i64().unwrap();
+    assert!((89 * 86_400..=90 * 86_400).contains(&left), "{left}");
+    assert!(!status.to_string().contains(&pki.dir.path().display().to_string()), "no folder");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
