@@ -443,3 +443,49 @@ fn client_cert_rules_need_client_certificates() {
     assert!(!ok);
     assert!(err.contains("needs client certificates"), "{err}");
 }
+
+/// The status page, rendered by headless Chromium, lists the certificates with their
+/// expiry, the one expiring within 14 days flagged.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_status_page_shows_certificates_and_flags_one_expiring_soon() {
+    if !std::path::Path::new("/usr/bin/chromium").is_file() {
+        eprintln!("no chromium here: skipped");
+        return;
+    }
+    let pki = Pki::new("page");
+    let long = pki.server_cert("long", &["a.test"], 90);
+    let short = pki.server_cert("short", &["b.test"], 5);
+    let upstream = Upstream::start().await;
+    let gw = tls_gateway(free_port(), &[long, short], "", &upstream, "");
+    let profile = tempfile::tempdir().unwrap();
+    let out = tokio::time::timeout(
+        Duration::from_secs(90),
+        tokio::process::Command::new("/usr/bin/chromium")
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--no-first-run",
+                "--disable-dev-shm-usage",
+                "--virtual-time-budget=5000",
+                "--dump-dom",
+            ])
+            .arg(format!("--user-data-dir={}", profile.path().display()))
+            .arg(gw.admin_url("/"))
+            .stdin(std::process::Stdio::null())
+            .kill_on_drop(true)
+            .output(),
+    )
+    .await
+    .expect("chromium within 90 s")
+    .expect("chromium");
+    let dom = String::from_utf8_lossy(&out.stdout);
+    let at = dom.find("id=\"certificates\"").expect("the certificates section");
+    let section = &dom[at..at + dom[at..].find("</section>").unwrap()];
+    assert!(!section.contains("TLS is not configured"), "{section}");
+    assert!(section.contains("<code>long.pem</code>"), "{section}");
+    assert!(section.contains("<code>short.pem</code>"), "{section}");
+    assert!(section.contains("data-state=\"expiring\""), "{section}");
+    assert_eq!(section.matches("data-state=\"valid\"").count(), 1, "{section}");
+    assert!(section.contains("a.test") && section.contains("b.test"), "{section}");
+}
