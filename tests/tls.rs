@@ -489,3 +489,32 @@ async fn the_status_page_shows_certificates_and_flags_one_expiring_soon() {
     assert_eq!(section.matches("data-state=\"valid\"").count(), 1, "{section}");
     assert!(section.contains("a.test") && section.contains("b.test"), "{section}");
 }
+
+/// `redirect_https = true`: the cleartext listener answers every request with a 308 to
+/// the same path and query on the TLS listener, and forwards nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn redirect_https_sends_cleartext_clients_to_the_tls_listener() {
+    let pki = Pki::new("redirect");
+    let cert = pki.server_cert("gw", &["gw.test"], 90);
+    let upstream = Upstream::start().await;
+    let port = free_port();
+    let gw = tls_gateway(port, &[cert], "redirect_https = true\n", &upstream, "");
+    let r = raw_exchange(
+        gw.port,
+        b"POST /a/b?x=1 HTTP/1.1\r\nHost: gw.test:8080\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert_eq!(r.status, 308, "{}", r.text);
+    assert!(
+        r.text
+            .to_ascii_lowercase()
+            .contains(&format!("location: https://gw.test:{port}/a/b?x=1\r\n")),
+        "{}",
+        r.text
+    );
+    // Over TLS the request is served.
+    let config = client_config(&[pki.ca_der()], &[b"http/1.1"], None);
+    let r = tls_get(port, "gw.test", config, "/a/b", &[]).await.unwrap();
+    assert_eq!(r.status, 200);
+    assert_eq!(upstream.seen().len(), 1);
+}
