@@ -518,3 +518,82 @@ async fn redirect_https_sends_cleartext_clients_to_the_tls_listener() {
     assert_eq!(r.status, 200);
     assert_eq!(upstream.seen().len(), 1);
 }
+
+/// The README's TLS quick start on the shipped config: a certificate from `openssl req`
+/// next to it, `[server.tls]`'s `listen` and `certificates` uncommented, curl --cacert
+/// over HTTP/2.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_readme_tls_quick_start_holds_on_the_shipped_config() {
+    let has = |cmd: &str| std::process::Command::new(cmd).arg("version").output().is_ok();
+    if !has("openssl") || !has("curl") {
+        eprintln!("no openssl or curl here: skipped");
+        return;
+    }
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config");
+    std::fs::create_dir(&config).unwrap();
+    let tls_port = free_port();
+    let shipped = std::fs::read_to_string(root.join("config/limits.toml")).unwrap();
+    let mut uncommented = 0;
+    let text: String = shipped
+        .lines()
+        .map(|l| match l {
+            "# [server.tls]" | "# listen = \"0.0.0.0:8443\"" => {
+                uncommented += 1;
+                l[2..].replace("0.0.0.0:8443", &format!("127.0.0.1:{tls_port}")) + "\n"
+            }
+            l if l.starts_with("# certificates = ") => {
+                uncommented += 1;
+                l[2..].to_string() + "\n"
+            }
+            l => l.to_string() + "\n",
+        })
+        .collect();
+    assert_eq!(uncommented, 3, "the lines the README says to uncomment");
+    std::fs::write(config.join("limits.toml"), text).unwrap();
+    for f in std::fs::read_dir(root.join("config")).unwrap() {
+        let f = f.unwrap().path();
+        if f.extension().is_some_and(|e| e == "toml") && !f.ends_with("limits.toml") {
+            std::fs::copy(&f, config.join(f.file_name().unwrap())).unwrap();
+        }
+    }
+    // The README's command, run in the folder above config/.
+    let made = std::process::Command::new("openssl")
+        .current_dir(dir.path())
+        .args(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"])
+        .args(["-days", "30", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"])
+        .args(["-keyout", "config/key.pem", "-out", "config/cert.pem"])
+        .output()
+        .unwrap();
+    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    let upstream = Upstream::start().await;
+    let log = dir.path().join("log");
+    let mut child = std::process::Command::new(binary())
+        .arg("--config")
+        .arg(config.join("limits.toml"))
+        .env("RATEWALL_LISTEN", format!("127.0.0.1:{}", free_port()))
+        .env("RATEWALL_ADMIN_LISTEN", format!("127.0.0.1:{}", free_port()))
+        .env("RATEWALL_UPSTREAM", upstream.url())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let end = std::time::Instant::now() + Duration::from_secs(20);
+    while !std::fs::read_to_string(&log).unwrap_or_default().contains("ratewall listening") {
+        assert!(std::time::Instant::now() < end, "{}", std::fs::read_to_string(&log).unwrap());
+        assert!(child.try_wait().unwrap().is_none(), "{}", std::fs::read_to_string(&log).unwrap());
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let out = tokio::process::Command::new("curl")
+        .current_dir(dir.path())
+        .args(["-s", "-o", "/dev/null", "-w", "%{http_code} %{http_version}\n"])
+        .args(["--cacert", "config/cert.pem", "-H", "x-api-key: demo-free-key"])
+        .arg(format!("https://localhost:{tls_port}/api/orders"))
+        .output()
+        .await
+        .unwrap();
+    let _ = child.kill();
+    let _ = child.wait();
+    assert_eq!(String::from_utf8_lossy(&out.stdout), "200 2\n");
+}
