@@ -508,3 +508,35 @@ async fn upkeep(gateway: Arc<Gateway>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn location(uri: &str, host: Option<&str>, port: u16) -> (u16, Option<String>) {
+        let mut req = Request::get(uri);
+        if let Some(h) = host {
+            req = req.header("host", h);
+        }
+        let resp = to_https(&req.body(()).unwrap(), port);
+        let at = resp
+            .headers()
+            .get(http::header::LOCATION)
+            .map(|l| l.to_str().unwrap().to_string());
+        (resp.status().as_u16(), at)
+    }
+
+    #[test]
+    fn the_redirect_keeps_host_path_and_query_and_names_the_tls_port() {
+        let cases = [
+            ("/a?b=1", Some("app.test:8080"), 8443, "https://app.test:8443/a?b=1"),
+            ("/", Some("app.test"), 443, "https://app.test/"),
+            ("/x", Some("[::1]:8080"), 8443, "https://[::1]:8443/x"),
+            ("http://h2.test:80/y", None, 443, "https://h2.test/y"),
+        ];
+        for (uri, host, port, want) in cases {
+            assert_eq!(location(uri, host, port), (308, Some(want.to_string())), "{uri}");
+        }
+        assert_eq!(location("/", None, 8443), (400, None), "no host to send it to");
+    }
+}

@@ -354,12 +354,16 @@ async fn required_client_certificates_are_each_limited_exactly() {
     let upstream = Upstream::start().await;
     let port = free_port();
     let extra = format!("client_ca = \"{}\"\n", toml_path(&clients.ca_pem));
+    let token = "tls-admin-token-0123456789abcdef";
     let gw = tls_gateway(
         port,
         &[cert],
         &extra,
         &upstream,
-        &exact_rule("per-cert", "client_cert", "token_bucket", 3),
+        &format!(
+            "[admin]\ntoken = \"{token}\"\n{}",
+            exact_rule("per-cert", "client_cert", "token_bucket", 3)
+        ),
     );
     let roots = [pki.ca_der()];
     let (alice, bob) = (clients.client_cert("alice"), clients.client_cert("bob"));
@@ -384,6 +388,26 @@ async fn required_client_certificates_are_each_limited_exactly() {
     // The fingerprint never reaches the log.
     let fp: String = sha2_hex(&alice.chain[0]);
     assert!(!gw.logs().contains(&fp), "the raw fingerprint in the log");
+    // The admin API finds a certificate's state by its fingerprint, as openssl prints it.
+    let colons: Vec<String> = fp
+        .as_bytes()
+        .chunks(2)
+        .map(|p| String::from_utf8_lossy(p).to_uppercase())
+        .collect();
+    let bearer = format!("Bearer {token}");
+    let auth = [("authorization", bearer.as_str())];
+    let state = HttpClient::new()
+        .get(
+            &gw.admin_url(&format!("/admin/state?rule=per-cert&cert={}", colons.join(":"))),
+            &auth,
+        )
+        .await;
+    assert_eq!(state.status, 200, "{:?}", state.body);
+    assert_eq!(state.json()["remaining"], 0, "{}", state.json());
+    let state = HttpClient::new()
+        .get(&gw.admin_url("/admin/state?rule=per-cert&cert=zz"), &auth)
+        .await;
+    assert_eq!(state.status, 400);
 }
 
 /// `client_auth = "optional"`: a client without a certificate is served, and the
