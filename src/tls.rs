@@ -207,6 +207,12 @@ impl Settings {
             keys: certificates.iter().map(|c| c.key.clone()).collect(),
         }));
         config.alpn_protocols = ALPN.iter().map(|p| p.to_vec()).collect();
+        // Session resumption: by stateless tickets (TLS 1.3, and 1.2 clients that ask),
+        // from one ticketer for the process, so that tickets issued before a reload still
+        // resume after it; and rustls' in-memory cache for 1.2 clients without tickets.
+        if let Some(ticketer) = ticketer() {
+            config.ticketer = ticketer;
+        }
         Ok(Settings {
             listen,
             certificates,
@@ -289,6 +295,21 @@ impl Settings {
             })
             .collect()
     }
+}
+
+/// The process's session ticketer (keys rotated by rustls every 6 hours, the previous
+/// key still accepted), or none where it cannot be made (then sessions resume from the
+/// in-memory cache only).
+fn ticketer() -> Option<Arc<dyn rustls::server::ProducesTickets>> {
+    static TICKETER: std::sync::OnceLock<Option<Arc<dyn rustls::server::ProducesTickets>>> =
+        std::sync::OnceLock::new();
+    TICKETER
+        .get_or_init(|| {
+            rustls::crypto::ring::Ticketer::new()
+                .map_err(|e| tracing::warn!(error = %e, "no TLS session tickets"))
+                .ok()
+        })
+        .clone()
 }
 
 /// The certificate for a handshake: the first whose names cover the client's SNI (as

@@ -621,3 +621,58 @@ async fn the_readme_tls_quick_start_holds_on_the_shipped_config() {
     let _ = child.wait();
     assert_eq!(String::from_utf8_lossy(&out.stdout), "200 2\n");
 }
+
+/// A client that comes back resumes its session (a ticket), also after a reload.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sessions_resume_across_connections_and_reloads() {
+    let pki = Pki::new("resume");
+    let cert = pki.server_cert("gw", &["gw.test"], 90);
+    let upstream = Upstream::start().await;
+    let port = free_port();
+    let gw = tls_gateway(port, &[cert], "", &upstream, "");
+    let mut configs = Vec::new();
+    for v in [&rustls::version::TLS13, &rustls::version::TLS12] {
+        let mut store = rustls::RootCertStore::empty();
+        store.add(pki.ca_der()).unwrap();
+        let config = std::sync::Arc::new(
+            rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
+                rustls::crypto::ring::default_provider(),
+            ))
+            .with_protocol_versions(&[v])
+            .unwrap()
+            .with_root_certificates(store)
+            .with_no_client_auth(),
+        );
+        let kind = |s: &tokio_rustls::client::TlsStream<tokio::net::TcpStream>| {
+            s.get_ref().1.handshake_kind()
+        };
+        // TLS 1.3 tickets come after the handshake: read what the server sent.
+        let first = async {
+            let mut s = handshake(port, "gw.test", config.clone()).await.unwrap();
+            use tokio::io::AsyncWriteExt;
+            s.write_all(b"GET / HTTP/1.1\r\nhost: gw.test\r\nconnection: close\r\n\r\n")
+                .await
+                .unwrap();
+            let mut out = Vec::new();
+            use tokio::io::AsyncReadExt;
+            let _ = s.read_to_end(&mut out).await;
+            kind(&s)
+        };
+        assert_eq!(first.await, Some(rustls::HandshakeKind::Full), "{v:?}");
+        let again = handshake(port, "gw.test", config.clone()).await.unwrap();
+        assert_eq!(kind(&again), Some(rustls::HandshakeKind::Resumed), "{v:?}");
+        configs.push(config);
+    }
+    gw.rewrite_config(&format!(
+        "{}\n[log]\nclient_ip = false\n",
+        std::fs::read_to_string(&gw.config)
+            .unwrap()
+            .split_once("[server.tls]")
+            .map(|(_, rest)| format!("[server.tls]{rest}"))
+            .unwrap()
+    ));
+    gw.reload(1);
+    // TLS 1.3: a ticket from before the reload still resumes (one ticketer per process).
+    let after = handshake(port, "gw.test", configs[0].clone()).await.unwrap();
+    assert_eq!(after.get_ref().1.handshake_kind(), Some(rustls::HandshakeKind::Resumed));
+}
