@@ -321,6 +321,10 @@ struct BySni {
 
 impl ResolvesServerCert for BySni {
     fn resolve(&self, hello: ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        // One certificate: it is the default whatever the client names; nothing to parse.
+        if let [only] = &self.keys[..] {
+            return Some(only.clone());
+        }
         let covers = |name: &ServerName<'_>, key: &CertifiedKey| {
             key.end_entity_cert()
                 .ok()
