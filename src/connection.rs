@@ -7,7 +7,8 @@
 //! docs/operations.md):
 //!
 //! - `header_timeout` (default 10s): from accept to a complete request head — for HTTP/2, to the
-//!   connection preface and the client's first SETTINGS frame. On a kept-alive HTTP/1
+//!   connection preface and the client's first SETTINGS frame; on the TLS listener the
+//!   handshake counts in it ([`serve_tls`]). On a kept-alive HTTP/1
 //!   connection it runs from the first byte of the next request. Past it the connection is
 //!   closed, after a 408 where a head had started.
 //! - `idle_timeout` (default 60s): a kept-alive HTTP/1 connection, or an HTTP/2 connection, with

@@ -15,7 +15,8 @@
 //! clocks the upstream hop uses too, and `identity` at the bottom; `server` at the top).
 //!
 //! - [`server`]: accept loop, graceful shutdown, SIGHUP reload; hands each connection to
-//! - [`connection`]: one client connection, HTTP/1 or HTTP/2, the clocks on its silences
+//! - [`connection`]: one client connection (cleartext, or TLS after its handshake), HTTP/1
+//!   or HTTP/2, the clocks on its silences
 //!   (`header_timeout`, `idle_timeout`, stalled bodies), `max_connections`; each request to
 //! - [`gateway`]: one request, top to bottom: screen its head, find its rules, identify
 //!   it, ask the store, one pure verdict, then answer or forward. Also what it runs on
