@@ -306,9 +306,9 @@ fn target<'c>(
     // `cert=`: the certificate's SHA-256 fingerprint, as `openssl x509 -fingerprint
     // -sha256` prints it (colons optional).
     let cert = match rule.key.kind {
-        KeyKind::ClientCert => Some(
-            fingerprint(need("cert")?).ok_or_else(|| bad("cert= (64 hex digits)"))?,
-        ),
+        KeyKind::ClientCert => {
+            Some(fingerprint(need("cert")?).ok_or_else(|| bad("cert= (64 hex digits)"))?)
+        }
         _ => None,
     };
     let headers = match value {

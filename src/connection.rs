@@ -684,7 +684,14 @@ pub async fn serve_tls<S, B>(
     };
     let session = crate::tls::Session::of(stream.get_ref().1);
     handshake(Handshake::Ok, Some(&session));
-    serve_io(stream, registered, accepted, settings, service(track, session)).await;
+    serve_io(
+        stream,
+        registered,
+        accepted,
+        settings,
+        service(track, session),
+    )
+    .await;
 }
 
 /// Serve a connection's stream (TCP, or TLS over it) from its first bytes: which protocol,
@@ -834,7 +841,10 @@ enum Proto {
 /// Read until the protocol is known: HTTP/2 once the preface and the client's first
 /// SETTINGS frame are in, HTTP/1 at the first byte that is not the preface's. `None`: the
 /// client closed first.
-async fn preface<IO: AsyncRead + Unpin>(stream: &mut IO, buf: &mut BytesMut) -> io::Result<Option<Proto>> {
+async fn preface<IO: AsyncRead + Unpin>(
+    stream: &mut IO,
+    buf: &mut BytesMut,
+) -> io::Result<Option<Proto>> {
     loop {
         let n = buf.len().min(PREFACE.len());
         if buf[..n] != PREFACE[..n] {

@@ -463,19 +463,15 @@ pub async fn serve(
 /// The cleartext listener's answer where `redirect_https` is on: 308 to the same URL on
 /// the TLS listener's `port` (RFC 9110 §15.4.9: the method and body are kept).
 fn to_https<B>(req: &Request<B>, port: u16) -> http::Response<crate::gateway::Body> {
-    let host = req
-        .uri()
-        .host()
-        .map(str::to_string)
-        .or_else(|| {
-            let h = req.headers().get(http::header::HOST)?.to_str().ok()?;
-            // The host without its port (an IPv6 literal keeps its brackets).
-            let end = match h.rfind(']') {
-                Some(b) => b + 1,
-                None => h.find(':').unwrap_or(h.len()),
-            };
-            Some(h[..end].to_string())
-        });
+    let host = req.uri().host().map(str::to_string).or_else(|| {
+        let h = req.headers().get(http::header::HOST)?.to_str().ok()?;
+        // The host without its port (an IPv6 literal keeps its brackets).
+        let end = match h.rfind(']') {
+            Some(b) => b + 1,
+            None => h.find(':').unwrap_or(h.len()),
+        };
+        Some(h[..end].to_string())
+    });
     let path = req.uri().path_and_query().map_or("/", |p| p.as_str());
     let location = match (host, port) {
         (Some(h), 443) => Some(format!("https://{h}{path}")),
@@ -502,7 +498,9 @@ async fn upkeep(gateway: Arc<Gateway>) {
         tick.tick().await;
         let live = gateway.live();
         live.limiter.sweep();
-        gateway.metrics().tls_settings(live.config.server.tls.as_ref());
+        gateway
+            .metrics()
+            .tls_settings(live.config.server.tls.as_ref());
         for client in live.upstreams.iter() {
             client.sweep();
         }
@@ -529,14 +527,27 @@ mod tests {
     #[test]
     fn the_redirect_keeps_host_path_and_query_and_names_the_tls_port() {
         let cases = [
-            ("/a?b=1", Some("app.test:8080"), 8443, "https://app.test:8443/a?b=1"),
+            (
+                "/a?b=1",
+                Some("app.test:8080"),
+                8443,
+                "https://app.test:8443/a?b=1",
+            ),
             ("/", Some("app.test"), 443, "https://app.test/"),
             ("/x", Some("[::1]:8080"), 8443, "https://[::1]:8443/x"),
             ("http://h2.test:80/y", None, 443, "https://h2.test/y"),
         ];
         for (uri, host, port, want) in cases {
-            assert_eq!(location(uri, host, port), (308, Some(want.to_string())), "{uri}");
+            assert_eq!(
+                location(uri, host, port),
+                (308, Some(want.to_string())),
+                "{uri}"
+            );
         }
-        assert_eq!(location("/", None, 8443), (400, None), "no host to send it to");
+        assert_eq!(
+            location("/", None, 8443),
+            (400, None),
+            "no host to send it to"
+        );
     }
 }

@@ -145,9 +145,14 @@ pub fn load_certificate(cert_path: &Path, key_path: &Path) -> Result<Certificate
     })?;
     let key = PrivateKeyDer::from_pem_slice(&key_bytes)
         .map_err(|e| invalid(key_path, format!("no private key in the file: {e}")))?;
-    let (not_after, names) =
-        der::summary(&chain[0]).ok_or_else(|| invalid(cert_path, "cannot parse the certificate"))?;
-    let sha256 = crate::identity::sha256(&chain.iter().flat_map(|c| c.iter().copied()).collect::<Vec<u8>>());
+    let (not_after, names) = der::summary(&chain[0])
+        .ok_or_else(|| invalid(cert_path, "cannot parse the certificate"))?;
+    let sha256 = crate::identity::sha256(
+        &chain
+            .iter()
+            .flat_map(|c| c.iter().copied())
+            .collect::<Vec<u8>>(),
+    );
     let key = CertifiedKey::from_der(chain, key, &provider()).map_err(|e| match e {
         rustls::Error::InconsistentKeys(_) => invalid(
             key_path,
@@ -192,7 +197,8 @@ impl Settings {
                         .add(cert)
                         .map_err(|e| invalid(&auth.ca, format!("not a usable CA: {e}")))?;
                 }
-                let verifier = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider());
+                let verifier =
+                    WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider());
                 let verifier = match auth.required {
                     true => verifier,
                     false => verifier.allow_unauthenticated(),
@@ -331,7 +337,10 @@ impl ResolvesServerCert for BySni {
                 .and_then(|der| webpki::EndEntityCert::try_from(der).ok())
                 .is_some_and(|ee| ee.verify_is_valid_for_subject_name(name).is_ok())
         };
-        if let Some(name) = hello.server_name().and_then(|n| ServerName::try_from(n).ok()) {
+        if let Some(name) = hello
+            .server_name()
+            .and_then(|n| ServerName::try_from(n).ok())
+        {
             if let Some(key) = self.keys.iter().find(|k| covers(&name, k)) {
                 return Some(key.clone());
             }
@@ -390,7 +399,9 @@ mod der {
             if n == 0 || n > 4 || b.len() < n {
                 return None;
             }
-            let len = b[..n].iter().fold(0usize, |a, &x| (a << 8) | usize::from(x));
+            let len = b[..n]
+                .iter()
+                .fold(0usize, |a, &x| (a << 8) | usize::from(x));
             b = &b[n..];
             len
         };
@@ -478,7 +489,11 @@ mod der {
             return None;
         }
         let (month, day) = (digits(&rest[..2])?, digits(&rest[2..4])?);
-        let (h, m, s) = (digits(&rest[4..6])?, digits(&rest[6..8])?, digits(&rest[8..10])?);
+        let (h, m, s) = (
+            digits(&rest[4..6])?,
+            digits(&rest[6..8])?,
+            digits(&rest[8..10])?,
+        );
         Some(days_from_civil(year, month, day) * 86_400 + h * 3600 + m * 60 + s)
     }
 
@@ -514,9 +529,11 @@ mod tests {
         let mut params =
             rcgen::CertificateParams::new(vec!["a.test".to_string(), "*.b.test".to_string()])
                 .expect("params");
-        params.subject_alt_names.push(rcgen::SanType::IpAddress(
-            std::net::IpAddr::from([127, 0, 0, 1]),
-        ));
+        params
+            .subject_alt_names
+            .push(rcgen::SanType::IpAddress(std::net::IpAddr::from([
+                127, 0, 0, 1,
+            ])));
         params.not_after = rcgen::date_time_ymd(2031, 5, 17);
         let key = rcgen::KeyPair::generate().expect("key");
         let cert = params.self_signed(&key).expect("cert");

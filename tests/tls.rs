@@ -37,7 +37,11 @@ async fn sni_picks_the_certificate_and_the_first_is_the_default() {
         .await
         .expect("x.b.test");
     assert_eq!(r.status, 200);
-    assert_eq!(r.server_cert, cert_der(&b.0), "the wildcard certificate for x.b.test");
+    assert_eq!(
+        r.server_cert,
+        cert_der(&b.0),
+        "the wildcard certificate for x.b.test"
+    );
     let r = tls_get(port, "a.test", http1.clone(), "/", &[])
         .await
         .expect("a.test");
@@ -46,7 +50,10 @@ async fn sni_picks_the_certificate_and_the_first_is_the_default() {
     let e = tls_get(port, "c.test", http1, "/", &[]).await.unwrap_err();
     assert!(e.contains("handshake"), "{e}");
     // The status page lists both, by file name, with their names and expiry.
-    let status = HttpClient::new().get(&gw.admin_url("/status.json"), &[]).await.json();
+    let status = HttpClient::new()
+        .get(&gw.admin_url("/status.json"), &[])
+        .await
+        .json();
     let certs = status["certificates"].as_array().expect("certificates");
     assert_eq!(certs.len(), 2, "{status}");
     assert_eq!(certs[0]["file"], "a.pem");
@@ -55,7 +62,12 @@ async fn sni_picks_the_certificate_and_the_first_is_the_default() {
     assert_eq!(certs[1]["state"], "valid");
     let left = certs[1]["expires_in_s"].as_i64().unwrap();
     assert!((89 * 86_400..=90 * 86_400).contains(&left), "{left}");
-    assert!(!status.to_string().contains(&pki.dir.path().display().to_string()), "no folder");
+    assert!(
+        !status
+            .to_string()
+            .contains(&pki.dir.path().display().to_string()),
+        "no folder"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -72,9 +84,15 @@ async fn alpn_gives_http2_and_the_upstream_learns_the_scheme() {
     assert_eq!(r.alpn.as_deref(), Some(&b"h2"[..]));
     assert_eq!(r.version, Some(rustls::ProtocolVersion::TLSv1_3));
     let h1 = client_config(&roots, &[b"http/1.1"], None);
-    let r = tls_get(port, "gw.test", h1, "/one", &[("x-forwarded-proto", "http")])
-        .await
-        .expect("http/1.1");
+    let r = tls_get(
+        port,
+        "gw.test",
+        h1,
+        "/one",
+        &[("x-forwarded-proto", "http")],
+    )
+    .await
+    .expect("http/1.1");
     assert_eq!(r.status, 200);
     assert_eq!(r.alpn.as_deref(), Some(&b"http/1.1"[..]));
     let seen = upstream.seen();
@@ -96,9 +114,15 @@ async fn alpn_gives_http2_and_the_upstream_learns_the_scheme() {
     );
     for (protocol, alpn) in [("HTTP/2", "h2"), ("HTTP/1.1", "http/1.1")] {
         let labels = [("protocol", protocol), ("tls", "TLSv1.3")];
-        assert_eq!(metric(&gw, "ratewall_client_requests_total", &labels).await, 1.0);
+        assert_eq!(
+            metric(&gw, "ratewall_client_requests_total", &labels).await,
+            1.0
+        );
         let labels = [("version", "TLSv1.3"), ("alpn", alpn)];
-        assert_eq!(metric(&gw, "ratewall_tls_connections_total", &labels).await, 1.0);
+        assert_eq!(
+            metric(&gw, "ratewall_tls_connections_total", &labels).await,
+            1.0
+        );
     }
     assert_eq!(
         metric(&gw, "ratewall_tls_handshakes_total", &[("result", "ok")]).await,
@@ -137,7 +161,11 @@ async fn tls12_clients_are_served() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn curl_speaks_http2_over_tls() {
-    if std::process::Command::new("curl").arg("--version").output().is_err() {
+    if std::process::Command::new("curl")
+        .arg("--version")
+        .output()
+        .is_err()
+    {
         eprintln!("no curl here: skipped");
         return;
     }
@@ -147,7 +175,14 @@ async fn curl_speaks_http2_over_tls() {
     let port = free_port();
     let _gw = tls_gateway(port, &[cert], "", &upstream, "");
     let out = tokio::process::Command::new("curl")
-        .args(["-sS", "--http2", "-o", "/dev/null", "-w", "%{http_code} %{http_version}"])
+        .args([
+            "-sS",
+            "--http2",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code} %{http_version}",
+        ])
         .arg("--cacert")
         .arg(&pki.ca_pem)
         .arg(format!("https://localhost:{port}/x"))
@@ -155,7 +190,12 @@ async fn curl_speaks_http2_over_tls() {
         .await
         .expect("curl");
     let said = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(said, "200 2", "curl: {}", String::from_utf8_lossy(&out.stderr));
+    assert_eq!(
+        said,
+        "200 2",
+        "curl: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
 
 /// A client that opens a connection and stalls in the handshake is closed at
@@ -176,7 +216,10 @@ async fn a_stalled_handshake_is_closed_at_header_timeout() {
         .unwrap();
     // The first bytes of a ClientHello record, then nothing.
     use tokio::io::AsyncWriteExt;
-    stream.write_all(&[0x16, 0x03, 0x01, 0x01, 0x00, 0x01]).await.unwrap();
+    stream
+        .write_all(&[0x16, 0x03, 0x01, 0x01, 0x00, 0x01])
+        .await
+        .unwrap();
     let started = std::time::Instant::now();
     let (_, closed) = until_closed(&mut stream).await;
     let took = closed.unwrap_or_else(|| started.elapsed());
@@ -187,7 +230,12 @@ async fn a_stalled_handshake_is_closed_at_header_timeout() {
     // Counted as the handshake's task ends, which may be a moment after the socket closed.
     let mut counted = 0.0;
     for _ in 0..100 {
-        counted = metric(&gw, "ratewall_tls_handshakes_total", &[("result", "timeout")]).await;
+        counted = metric(
+            &gw,
+            "ratewall_tls_handshakes_total",
+            &[("result", "timeout")],
+        )
+        .await;
         if counted > 0.0 {
             break;
         }
@@ -255,8 +303,16 @@ async fn sighup_rotates_certificates_under_load_and_a_bad_file_keeps_the_old() {
     // A client of its own: a resumed session would name the certificate of its first.
     let fresh = || client_config(&[pki.ca_der()], &[b"http/1.1"], None);
     let r = tls_get(port, "gw.test", fresh(), "/", &[]).await.unwrap();
-    assert_eq!(r.server_cert, cert_der(&new.0), "the new certificate after SIGHUP");
-    assert!(gw.logs().contains("server.tls.certificates"), "{}", gw.logs());
+    assert_eq!(
+        r.server_cert,
+        cert_der(&new.0),
+        "the new certificate after SIGHUP"
+    );
+    assert!(
+        gw.logs().contains("server.tls.certificates"),
+        "{}",
+        gw.logs()
+    );
 
     // A key that does not match the certificate: refused, the new pair keeps serving.
     std::fs::copy(&old.1, &key).unwrap();
@@ -291,7 +347,9 @@ fn check(body: &str) -> (bool, String, String) {
     let cfg = dir.path().join("limits.toml");
     std::fs::write(
         &cfg,
-        format!("[server]\nlisten = \"127.0.0.1:1\"\n{body}[upstream]\nurl = \"http://127.0.0.1:2\"\n"),
+        format!(
+            "[server]\nlisten = \"127.0.0.1:1\"\n{body}[upstream]\nurl = \"http://127.0.0.1:2\"\n"
+        ),
     )
     .unwrap();
     let out = std::process::Command::new(binary())
@@ -316,12 +374,21 @@ fn check_shows_certificates_and_their_expiry_and_warns_within_14_days() {
     assert!(ok, "{out}{err}");
     assert!(out.contains("tls           listen 127.0.0.1:8443"), "{out}");
     assert!(
-        out.contains(&format!("{} (default): a.test, *.a.test; expires ", long.0.display())),
+        out.contains(&format!(
+            "{} (default): a.test, *.a.test; expires ",
+            long.0.display()
+        )),
         "{out}"
     );
-    assert!(out.contains("(in 89 days)") || out.contains("(in 90 days)"), "{out}");
     assert!(
-        err.contains(&format!("warning: certificate {} expires within 14 days", short.0.display())),
+        out.contains("(in 89 days)") || out.contains("(in 90 days)"),
+        "{out}"
+    );
+    assert!(
+        err.contains(&format!(
+            "warning: certificate {} expires within 14 days",
+            short.0.display()
+        )),
         "{err}"
     );
     assert!(!err.contains(&long.0.display().to_string()), "{err}");
@@ -335,7 +402,10 @@ fn check_refuses_unreadable_files_and_mismatched_keys() {
     let (ok, _, err) = check(&tls_table(8443, &[(a.0.clone(), b.1.clone())], ""));
     assert!(!ok);
     assert!(err.contains("server.tls.certificates[0]"), "{err}");
-    assert!(err.contains("the key does not match the certificate"), "{err}");
+    assert!(
+        err.contains("the key does not match the certificate"),
+        "{err}"
+    );
     let missing = pki.path("nope.pem");
     let (ok, _, err) = check(&tls_table(8443, &[a.clone(), (missing, a.1.clone())], ""));
     assert!(!ok);
@@ -379,20 +449,33 @@ async fn required_client_certificates_are_each_limited_exactly() {
         let config = client_config(&roots, &[b"h2", b"http/1.1"], Some(id.clone()));
         let mut statuses = Vec::new();
         for _ in 0..5 {
-            let r = tls_get(port, "gw.test", config.clone(), "/", &[]).await.expect(who);
+            let r = tls_get(port, "gw.test", config.clone(), "/", &[])
+                .await
+                .expect(who);
             statuses.push(r.status.as_u16());
         }
         assert_eq!(statuses, [200, 200, 200, 429, 429], "{who}");
     }
     // No certificate, or one this CA did not sign: no connection at all. (TLS 1.3: the
     // server's refusal arrives after the client's handshake is done, with the first read.)
-    for (what, id) in [("none", None), ("stranger", Some(strangers.client_cert("eve")))] {
+    for (what, id) in [
+        ("none", None),
+        ("stranger", Some(strangers.client_cert("eve"))),
+    ] {
         let config = client_config(&roots, &[b"http/1.1"], id);
         let r = tls_get(port, "gw.test", config, "/", &[]).await;
         assert!(r.is_err(), "{what}: {r:?}");
     }
     assert_eq!(upstream.seen().len(), 6);
-    assert!(metric(&gw, "ratewall_tls_handshakes_total", &[("result", "failed")]).await >= 2.0);
+    assert!(
+        metric(
+            &gw,
+            "ratewall_tls_handshakes_total",
+            &[("result", "failed")]
+        )
+        .await
+            >= 2.0
+    );
     // The fingerprint never reaches the log.
     let fp: String = sha2_hex(&alice.chain[0]);
     assert!(!gw.logs().contains(&fp), "the raw fingerprint in the log");
@@ -406,7 +489,10 @@ async fn required_client_certificates_are_each_limited_exactly() {
     let auth = [("authorization", bearer.as_str())];
     let state = HttpClient::new()
         .get(
-            &gw.admin_url(&format!("/admin/state?rule=per-cert&cert={}", colons.join(":"))),
+            &gw.admin_url(&format!(
+                "/admin/state?rule=per-cert&cert={}",
+                colons.join(":")
+            )),
             &auth,
         )
         .await;
@@ -436,21 +522,31 @@ async fn optional_client_certificates_fall_back_to_missing_key() {
     let roots = [pki.ca_der()];
     let anonymous = client_config(&roots, &[b"http/1.1"], None);
     // The first rule (missing_key = "reject" by default) refuses a client without one.
-    let r = tls_get(port, "gw.test", anonymous.clone(), "/x", &[]).await.unwrap();
+    let r = tls_get(port, "gw.test", anonymous.clone(), "/x", &[])
+        .await
+        .unwrap();
     assert_eq!(r.status, 401);
     assert!(String::from_utf8_lossy(&r.body).contains("client certificate"));
     let with = client_config(&roots, &[b"http/1.1"], Some(pki.client_cert("carol")));
     let statuses: Vec<u16> = {
         let mut v = Vec::new();
         for _ in 0..3 {
-            v.push(tls_get(port, "gw.test", with.clone(), "/x", &[]).await.unwrap().status.as_u16());
+            v.push(
+                tls_get(port, "gw.test", with.clone(), "/x", &[])
+                    .await
+                    .unwrap()
+                    .status
+                    .as_u16(),
+            );
         }
         v
     };
     assert_eq!(statuses, [200, 200, 429]);
     // missing_key = "client_ip": counted by address instead.
     for want in [200, 429] {
-        let r = tls_get(port, "gw.test", anonymous.clone(), "/lenient", &[]).await.unwrap();
+        let r = tls_get(port, "gw.test", anonymous.clone(), "/lenient", &[])
+            .await
+            .unwrap();
         assert_eq!(r.status, want);
     }
 }
@@ -512,14 +608,23 @@ async fn the_status_page_shows_certificates_and_flags_one_expiring_soon() {
     .expect("chromium within 90 s")
     .expect("chromium");
     let dom = String::from_utf8_lossy(&out.stdout);
-    let at = dom.find("id=\"certificates\"").expect("the certificates section");
+    let at = dom
+        .find("id=\"certificates\"")
+        .expect("the certificates section");
     let section = &dom[at..at + dom[at..].find("</section>").unwrap()];
     assert!(!section.contains("TLS is not configured"), "{section}");
     assert!(section.contains("<code>long.pem</code>"), "{section}");
     assert!(section.contains("<code>short.pem</code>"), "{section}");
     assert!(section.contains("data-state=\"expiring\""), "{section}");
-    assert_eq!(section.matches("data-state=\"valid\"").count(), 1, "{section}");
-    assert!(section.contains("a.test") && section.contains("b.test"), "{section}");
+    assert_eq!(
+        section.matches("data-state=\"valid\"").count(),
+        1,
+        "{section}"
+    );
+    assert!(
+        section.contains("a.test") && section.contains("b.test"),
+        "{section}"
+    );
 }
 
 /// `redirect_https = true`: the cleartext listener answers every request with a 308 to
@@ -556,7 +661,12 @@ async fn redirect_https_sends_cleartext_clients_to_the_tls_listener() {
 /// over HTTP/2.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_readme_tls_quick_start_holds_on_the_shipped_config() {
-    let has = |cmd: &str| std::process::Command::new(cmd).arg("version").output().is_ok();
+    let has = |cmd: &str| {
+        std::process::Command::new(cmd)
+            .arg("version")
+            .output()
+            .is_ok()
+    };
     if !has("openssl") || !has("curl") {
         eprintln!("no openssl or curl here: skipped");
         return;
@@ -593,34 +703,78 @@ async fn the_readme_tls_quick_start_holds_on_the_shipped_config() {
     // The README's command, run in the folder above config/.
     let made = std::process::Command::new("openssl")
         .current_dir(dir.path())
-        .args(["req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes"])
-        .args(["-days", "30", "-subj", "/CN=localhost", "-addext", "subjectAltName=DNS:localhost"])
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+        ])
+        .args([
+            "-days",
+            "30",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost",
+        ])
         .args(["-keyout", "config/key.pem", "-out", "config/cert.pem"])
         .output()
         .unwrap();
-    assert!(made.status.success(), "{}", String::from_utf8_lossy(&made.stderr));
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
     let upstream = Upstream::start().await;
     let log = dir.path().join("log");
     let mut child = std::process::Command::new(binary())
         .arg("--config")
         .arg(config.join("limits.toml"))
         .env("RATEWALL_LISTEN", format!("127.0.0.1:{}", free_port()))
-        .env("RATEWALL_ADMIN_LISTEN", format!("127.0.0.1:{}", free_port()))
+        .env(
+            "RATEWALL_ADMIN_LISTEN",
+            format!("127.0.0.1:{}", free_port()),
+        )
         .env("RATEWALL_UPSTREAM", upstream.url())
         .stdout(std::process::Stdio::null())
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .unwrap();
     let end = std::time::Instant::now() + Duration::from_secs(20);
-    while !std::fs::read_to_string(&log).unwrap_or_default().contains("ratewall listening") {
-        assert!(std::time::Instant::now() < end, "{}", std::fs::read_to_string(&log).unwrap());
-        assert!(child.try_wait().unwrap().is_none(), "{}", std::fs::read_to_string(&log).unwrap());
+    while !std::fs::read_to_string(&log)
+        .unwrap_or_default()
+        .contains("ratewall listening")
+    {
+        assert!(
+            std::time::Instant::now() < end,
+            "{}",
+            std::fs::read_to_string(&log).unwrap()
+        );
+        assert!(
+            child.try_wait().unwrap().is_none(),
+            "{}",
+            std::fs::read_to_string(&log).unwrap()
+        );
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let out = tokio::process::Command::new("curl")
         .current_dir(dir.path())
-        .args(["-s", "-o", "/dev/null", "-w", "%{http_code} %{http_version}\n"])
-        .args(["--cacert", "config/cert.pem", "-H", "x-api-key: demo-free-key"])
+        .args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code} %{http_version}\n",
+        ])
+        .args([
+            "--cacert",
+            "config/cert.pem",
+            "-H",
+            "x-api-key: demo-free-key",
+        ])
         .arg(format!("https://localhost:{tls_port}/api/orders"))
         .output()
         .await
@@ -681,6 +835,11 @@ async fn sessions_resume_across_connections_and_reloads() {
     ));
     gw.reload(1);
     // TLS 1.3: a ticket from before the reload still resumes (one ticketer per process).
-    let after = handshake(port, "gw.test", configs[0].clone()).await.unwrap();
-    assert_eq!(after.get_ref().1.handshake_kind(), Some(rustls::HandshakeKind::Resumed));
+    let after = handshake(port, "gw.test", configs[0].clone())
+        .await
+        .unwrap();
+    assert_eq!(
+        after.get_ref().1.handshake_kind(),
+        Some(rustls::HandshakeKind::Resumed)
+    );
 }

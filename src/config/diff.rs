@@ -100,8 +100,13 @@ fn settings(o: &Config, n: &Config) -> Vec<&'static str> {
         ),
         (
             "server.tls.client_ca",
-            os.tls.as_ref().and_then(|t| t.client_auth.as_ref().map(|a| (&a.ca, a.required)))
-                == ns.tls.as_ref().and_then(|t| t.client_auth.as_ref().map(|a| (&a.ca, a.required))),
+            os.tls
+                .as_ref()
+                .and_then(|t| t.client_auth.as_ref().map(|a| (&a.ca, a.required)))
+                == ns
+                    .tls
+                    .as_ref()
+                    .and_then(|t| t.client_auth.as_ref().map(|a| (&a.ca, a.required))),
         ),
         (
             "server.tls.redirect_https",

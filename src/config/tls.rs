@@ -54,20 +54,21 @@ impl RawTls {
                 (dir.join(c.cert.trim()), dir.join(c.key.trim()))
             })
             .collect();
-        let client_auth = match (&self.client_ca, &self.client_auth) {
-            (None, Some(mode)) => {
-                return Err(Invalid::new(
+        let client_auth =
+            match (&self.client_ca, &self.client_auth) {
+                (None, Some(mode)) => return Err(Invalid::new(
                     Some(mode.span()),
                     "server.tls.client_auth",
                     "client_auth needs client_ca: the CA client certificates are verified against",
-                ))
-            }
-            (None, None) => None,
-            (Some(ca), mode) => Some(ClientAuth {
-                ca: dir.join(ca.get_ref().trim()),
-                required: mode.as_ref().is_none_or(|m| *m.get_ref() == ClientAuthMode::Required),
-            }),
-        };
+                )),
+                (None, None) => None,
+                (Some(ca), mode) => Some(ClientAuth {
+                    ca: dir.join(ca.get_ref().trim()),
+                    required: mode
+                        .as_ref()
+                        .is_none_or(|m| *m.get_ref() == ClientAuthMode::Required),
+                }),
+            };
         Settings::load(
             self.listen,
             &files,
@@ -94,7 +95,11 @@ impl RawTls {
                     "server.tls.client_ca".to_string(),
                 ),
             };
-            Invalid::new(span, key, format!("{e} (paths are relative to this file's folder)"))
+            Invalid::new(
+                span,
+                key,
+                format!("{e} (paths are relative to this file's folder)"),
+            )
         })
     }
 }

@@ -146,7 +146,9 @@ fn refused(refusal: &Refusal, name: &http::HeaderName) -> String {
             format!("refused with 401: no {name} header")
         }
         // `check`'s sample request comes over no TLS connection.
-        Refusal::MissingCert => "refused with 401: no client certificate (over TLS, with [server.tls] client_ca)".into(),
+        Refusal::MissingCert => {
+            "refused with 401: no client certificate (over TLS, with [server.tls] client_ca)".into()
+        }
     }
 }
 

@@ -353,9 +353,7 @@ pub fn headers_naming(key: &KeyKind, keys: &Keys, value: &[u8]) -> Option<Header
     let name = match key {
         KeyKind::ApiKey => &keys.header,
         KeyKind::Header(h) => h,
-        KeyKind::ClientIp | KeyKind::Global | KeyKind::ClientCert => {
-            return Some(HeaderMap::new())
-        }
+        KeyKind::ClientIp | KeyKind::Global | KeyKind::ClientCert => return Some(HeaderMap::new()),
     };
     let mut h = HeaderMap::new();
     h.insert(name.clone(), HeaderValue::from_bytes(value).ok()?);
@@ -464,7 +462,12 @@ mod tests {
     /// same 32 bytes as an API key are another identity); none: `missing_key`.
     #[test]
     fn a_client_certificate_is_an_identity_of_its_own() {
-        let keys = Keys::new(DEFAULT_KEY_HEADER, UnknownKeys::Allow, Default::default(), None);
+        let keys = Keys::new(
+            DEFAULT_KEY_HEADER,
+            UnknownKeys::Allow,
+            Default::default(),
+            None,
+        );
         let trust = ClientIp::default();
         let h = HeaderMap::new();
         let fp = ClientCert([7u8; 32]);

@@ -61,19 +61,22 @@ impl Pki {
     /// A server certificate for `names`, valid for `days` from now, written to
     /// `<file>.pem` and `<file>-key.pem`: (cert path, key path).
     pub fn server_cert(&self, file: &str, names: &[&str], days: i64) -> (PathBuf, PathBuf) {
-        let mut params = rcgen::CertificateParams::new(
-            names.iter().map(|n| n.to_string()).collect::<Vec<_>>(),
-        )
-        .expect("params");
-        params
-            .distinguished_name
-            .push(rcgen::DnType::CommonName, names.first().copied().unwrap_or("x"));
+        let mut params =
+            rcgen::CertificateParams::new(names.iter().map(|n| n.to_string()).collect::<Vec<_>>())
+                .expect("params");
+        params.distinguished_name.push(
+            rcgen::DnType::CommonName,
+            names.first().copied().unwrap_or("x"),
+        );
         let now = time_now();
         params.not_before = now - time::Duration::days(30);
         params.not_after = now + time::Duration::days(days);
         let key = rcgen::KeyPair::generate().expect("key");
         let cert = params.signed_by(&key, &self.ca).expect("sign");
-        let (c, k) = (self.path(&format!("{file}.pem")), self.path(&format!("{file}-key.pem")));
+        let (c, k) = (
+            self.path(&format!("{file}.pem")),
+            self.path(&format!("{file}-key.pem")),
+        );
         std::fs::write(&c, cert.pem()).expect("write cert");
         std::fs::write(&k, key.serialize_pem()).expect("write key");
         (c, k)
@@ -82,7 +85,9 @@ impl Pki {
     /// A client certificate named `cn`, signed by this CA.
     pub fn client_cert(&self, cn: &str) -> ClientIdentity {
         let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).expect("params");
-        params.distinguished_name.push(rcgen::DnType::CommonName, cn);
+        params
+            .distinguished_name
+            .push(rcgen::DnType::CommonName, cn);
         params.extended_key_usages = vec![rcgen::ExtendedKeyUsagePurpose::ClientAuth];
         let key = rcgen::KeyPair::generate().expect("key");
         let cert = params.signed_by(&key, &self.ca).expect("sign");
@@ -173,7 +178,9 @@ pub async fn handshake(
 ) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
     let tcp = TcpStream::connect(("127.0.0.1", port)).await?;
     let name = ServerName::try_from(sni.to_string()).expect("server name");
-    tokio_rustls::TlsConnector::from(config).connect(name, tcp).await
+    tokio_rustls::TlsConnector::from(config)
+        .connect(name, tcp)
+        .await
 }
 
 /// Connect to `port` naming `sni`, and send one GET `path` with `headers` (HTTP/2 where
