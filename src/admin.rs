@@ -301,6 +301,15 @@ fn target<'c>(
         }
         KeyKind::ApiKey => (IpAddr::from([0, 0, 0, 0]), Some(need("key")?)),
         KeyKind::Header(_) => (IpAddr::from([0, 0, 0, 0]), Some(need("header")?)),
+        KeyKind::ClientCert => (IpAddr::from([0, 0, 0, 0]), None),
+    };
+    // `cert=`: the certificate's SHA-256 fingerprint, as `openssl x509 -fingerprint
+    // -sha256` prints it (colons optional).
+    let cert = match rule.key.kind {
+        KeyKind::ClientCert => {
+            Some(fingerprint(need("cert")?).ok_or_else(|| bad("cert= (64 hex digits)"))?)
+        }
+        _ => None,
     };
     let headers = match value {
         Some(v) => {
@@ -310,7 +319,8 @@ fn target<'c>(
     };
     // The address is given as the client's own: no forwarding header is read for it.
     let direct = identity::ClientIp::default();
-    let requester = Requester::new(&headers, peer, &cfg.keys, &direct);
+    let requester =
+        Requester::new(&headers, peer, &cfg.keys, &direct).with_client_cert(cert.as_ref());
     let identity = requester
         .identify(&rule.key)
         .map_err(|r| (r.status(), r.to_string()))?;
@@ -322,6 +332,20 @@ fn target<'c>(
         )
     })?;
     Ok((rule, identity.digest, quota))
+}
+
+/// A SHA-256 fingerprint in hex, colons allowed.
+fn fingerprint(text: &[u8]) -> Option<identity::ClientCert> {
+    let digits: Vec<u8> = text.iter().copied().filter(|b| *b != b':').collect();
+    if digits.len() != 64 {
+        return None;
+    }
+    let mut out = [0u8; 32];
+    for (i, pair) in digits.chunks(2).enumerate() {
+        let s = std::str::from_utf8(pair).ok()?;
+        out[i] = u8::from_str_radix(s, 16).ok()?;
+    }
+    Some(identity::ClientCert(out))
 }
 
 /// `/admin/state` (`reset` false: look, charge nothing) and `/admin/reset` (`reset` true).
@@ -493,9 +517,30 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
             "serving": serving,
             "last_reload": last_reload,
         },
-        // Certificate expiry comes with TLS (a later issue): none is served yet.
-        "certificates": null,
+        // `null` without `[server.tls]`.
+        "certificates": cfg.server.tls.as_ref().map(certificates),
     })
+}
+
+/// The TLS listener's certificates as the status page shows them: the file's name (not
+/// its folder), the names it covers, when it expires. No key material.
+fn certificates(tls: &crate::tls::Settings) -> serde_json::Value {
+    let soon = i64::try_from(crate::tls::EXPIRY_WARNING.as_secs()).unwrap_or(i64::MAX);
+    tls.certificates
+        .iter()
+        .enumerate()
+        .map(|(i, c)| {
+            let left = c.expires_in();
+            serde_json::json!({
+                "file": c.cert_path.file_name().map(|f| f.to_string_lossy().into_owned()),
+                "names": c.names,
+                "default": i == 0,
+                "not_after": c.not_after_text(),
+                "expires_in_s": left,
+                "state": if left < 0 { "expired" } else if left < soon { "expiring" } else { "valid" },
+            })
+        })
+        .collect()
 }
 
 /// An identity's short id as the public status page shows it: 8 hex digits of a hash keyed

@@ -7,7 +7,8 @@
 //! docs/operations.md):
 //!
 //! - `header_timeout` (default 10s): from accept to a complete request head — for HTTP/2, to the
-//!   connection preface and the client's first SETTINGS frame. On a kept-alive HTTP/1
+//!   connection preface and the client's first SETTINGS frame; on the TLS listener the
+//!   handshake counts in it ([`serve_tls`]). On a kept-alive HTTP/1
 //!   connection it runs from the first byte of the next request. Past it the connection is
 //!   closed, after a 408 where a head had started.
 //! - `idle_timeout` (default 60s): a kept-alive HTTP/1 connection, or an HTTP/2 connection, with
@@ -580,7 +581,141 @@ pub async fn serve<S, B>(
     let track = registered.track.clone();
     let accepted = Instant::now();
     let _ = stream.set_nodelay(true);
-    let mut stream = stream;
+    serve_io(stream, registered, accepted, settings, service(track)).await;
+}
+
+/// How a TLS handshake ended, for the metrics: done, or why not.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Handshake {
+    Ok,
+    /// Not done within `header_timeout`.
+    Timeout,
+    /// The client closed or the connection failed before it was done.
+    Closed,
+    /// Refused by TLS: no common version or suite, a bad client certificate, garbage.
+    Failed,
+    /// Asked to close (to make room, or shutting down) before it was done.
+    Asked,
+}
+
+impl Handshake {
+    pub const ALL: [Handshake; 5] = [
+        Handshake::Ok,
+        Handshake::Timeout,
+        Handshake::Closed,
+        Handshake::Failed,
+        Handshake::Asked,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Handshake::Ok => "ok",
+            Handshake::Timeout => "timeout",
+            Handshake::Closed => "closed",
+            Handshake::Failed => "failed",
+            Handshake::Asked => "shutdown",
+        }
+    }
+}
+
+/// Serve one connection accepted on the TLS listener: the handshake (within
+/// `header_timeout`, counted from accept, and ended early when the connection is asked to
+/// close), then the connection as [`serve`] would, over TLS. `handshake` hears how the
+/// handshake ended; `service` makes the connection's service from its [`Track`] and what
+/// the handshake agreed.
+pub async fn serve_tls<S, B>(
+    stream: TcpStream,
+    config: Arc<rustls::ServerConfig>,
+    registry: &Arc<Registry>,
+    permit: OwnedSemaphorePermit,
+    settings: Settings,
+    handshake: impl FnOnce(Handshake, Option<&crate::tls::Session>),
+    service: impl FnOnce(Arc<Track>, crate::tls::Session) -> S,
+) where
+    S: hyper::service::Service<
+            http::Request<hyper::body::Incoming>,
+            Response = http::Response<B>,
+            Error = std::convert::Infallible,
+        > + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let registered = registry.register(permit);
+    let track = registered.track.clone();
+    let accepted = Instant::now();
+    let _ = stream.set_nodelay(true);
+    let accept = tokio::time::timeout_at(
+        accepted + settings.timeouts.header,
+        tokio_rustls::TlsAcceptor::from(config).accept(stream),
+    );
+    let asked_to_close = std::future::poll_fn(|cx| {
+        track.reader.register(cx.waker());
+        if track.close.load(Relaxed) != 0 {
+            Poll::Ready(())
+        } else {
+            Poll::Pending
+        }
+    });
+    let stream = tokio::select! {
+        done = accept => match done {
+            Ok(Ok(stream)) => stream,
+            Ok(Err(e)) => {
+                let why = match e.kind() {
+                    io::ErrorKind::InvalidData => Handshake::Failed,
+                    _ => Handshake::Closed,
+                };
+                tracing::debug!(error = %e, "TLS handshake failed");
+                handshake(why, None);
+                return;
+            }
+            Err(_) => {
+                track.closed(Closed::HeaderTimeout);
+                handshake(Handshake::Timeout, None);
+                return;
+            }
+        },
+        () = asked_to_close => {
+            handshake(Handshake::Asked, None);
+            return;
+        }
+    };
+    let session = crate::tls::Session::of(stream.get_ref().1);
+    handshake(Handshake::Ok, Some(&session));
+    serve_io(
+        stream,
+        registered,
+        accepted,
+        settings,
+        service(track, session),
+    )
+    .await;
+}
+
+/// Serve a connection's stream (TCP, or TLS over it) from its first bytes: which protocol,
+/// then HTTP/1 or HTTP/2 under the clocks. `accepted`: when the header clock started.
+async fn serve_io<IO, S, B>(
+    mut stream: IO,
+    registered: Registered,
+    accepted: Instant,
+    settings: Settings,
+    service: S,
+) where
+    IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
+    S: hyper::service::Service<
+            http::Request<hyper::body::Incoming>,
+            Response = http::Response<B>,
+            Error = std::convert::Infallible,
+        > + Send
+        + 'static,
+    S::Future: Send + 'static,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
+    let track = registered.track.clone();
     let Some((proto, prefix)) =
         opening(&mut stream, &track, accepted + settings.timeouts.header).await
     else {
@@ -602,7 +737,6 @@ pub async fn serve<S, B>(
         write_timer: None,
         goaway_at: None,
     };
-    let service = service(track.clone());
     let io = TokioIo::new(io);
     match proto {
         Proto::H1 => {
@@ -630,8 +764,8 @@ pub async fn serve<S, B>(
 /// Which protocol the client speaks, and the bytes read to tell: the HTTP/2 preface, or
 /// the start of an HTTP/1 head, by `header_deadline`. `None`: the connection is over (the
 /// client closed or stayed silent, or it was asked to close before saying anything whole).
-async fn opening(
-    stream: &mut TcpStream,
+async fn opening<IO: AsyncRead + AsyncWrite + Unpin>(
+    stream: &mut IO,
     track: &Track,
     header_deadline: Instant,
 ) -> Option<(Proto, BytesMut)> {
@@ -654,7 +788,7 @@ async fn opening(
                 track.closed(Closed::HeaderTimeout);
                 // Some of a head, but not the whole HTTP/2 preface: an HTTP/1 head started.
                 if !prefix.is_empty() && prefix.len() < PREFACE.len() {
-                    let _ = stream.try_write(&canned(408));
+                    try_write(stream, &canned(408));
                 }
                 None
             }
@@ -707,7 +841,10 @@ enum Proto {
 /// Read until the protocol is known: HTTP/2 once the preface and the client's first
 /// SETTINGS frame are in, HTTP/1 at the first byte that is not the preface's. `None`: the
 /// client closed first.
-async fn preface(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<Option<Proto>> {
+async fn preface<IO: AsyncRead + Unpin>(
+    stream: &mut IO,
+    buf: &mut BytesMut,
+) -> io::Result<Option<Proto>> {
     loop {
         let n = buf.len().min(PREFACE.len());
         if buf[..n] != PREFACE[..n] {
@@ -725,6 +862,21 @@ async fn preface(stream: &mut TcpStream, buf: &mut BytesMut) -> io::Result<Optio
             return Ok(None);
         }
     }
+}
+
+/// Write `bytes` if the stream takes them now, without waiting: a best effort, for the
+/// last words of a connection about to be closed (over TLS, rustls takes them whole into
+/// its buffer and sends what the socket takes).
+fn try_write<IO: AsyncWrite + Unpin>(stream: &mut IO, bytes: &[u8]) {
+    let mut cx = Context::from_waker(std::task::Waker::noop());
+    let mut written = 0;
+    while written < bytes.len() {
+        match Pin::new(&mut *stream).poll_write(&mut cx, &bytes[written..]) {
+            Poll::Ready(Ok(n)) if n > 0 => written += n,
+            _ => break,
+        }
+    }
+    let _ = Pin::new(stream).poll_flush(&mut cx);
 }
 
 /// A response the gateway writes straight to the socket, where no HTTP layer is left to
@@ -762,9 +914,9 @@ struct Head {
 
 /// The client's stream, with the clocks of [the module](self) on its reads and writes.
 /// Bytes read before the protocol was known come first.
-struct Guarded {
+struct Guarded<IO> {
     prefix: Bytes,
-    io: TcpStream,
+    io: IO,
     track: Arc<Track>,
     settings: Settings,
     h2: bool,
@@ -806,7 +958,7 @@ pub(crate) fn expired(
     sleep.as_mut().poll(cx).is_ready()
 }
 
-impl Guarded {
+impl<IO: AsyncRead + AsyncWrite + Unpin> Guarded<IO> {
     /// Nothing to read while a request is in flight: watch what the client owes it (over
     /// HTTP/2, taking the answer), and keep the idle clock armed for when it is done.
     fn pending_busy(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -913,7 +1065,7 @@ impl Guarded {
         if let Some(why) = why {
             self.track.closed(why);
         }
-        let _ = self.io.try_write(&canned(status));
+        try_write(&mut self.io, &canned(status));
         Poll::Ready(Err(io::Error::new(
             io::ErrorKind::InvalidData,
             format!("request head refused with {status}"),
@@ -998,9 +1150,7 @@ fn scan_head(scan: &mut Scan, bytes: &[u8]) -> Result<(), ()> {
     Ok(())
 }
 
-impl Guarded {}
-
-impl AsyncRead for Guarded {
+impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncRead for Guarded<IO> {
     fn poll_read(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
@@ -1041,7 +1191,7 @@ impl AsyncRead for Guarded {
     }
 }
 
-impl Guarded {
+impl<IO> Guarded<IO> {
     /// A write's outcome, through the send clock: a client that takes nothing for
     /// `body_timeout` is cut off.
     fn written<T>(
@@ -1069,7 +1219,7 @@ impl Guarded {
     }
 }
 
-impl AsyncWrite for Guarded {
+impl<IO: AsyncWrite + Unpin> AsyncWrite for Guarded<IO> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,

@@ -15,7 +15,8 @@
 //! clocks the upstream hop uses too, and `identity` at the bottom; `server` at the top).
 //!
 //! - [`server`]: accept loop, graceful shutdown, SIGHUP reload; hands each connection to
-//! - [`connection`]: one client connection, HTTP/1 or HTTP/2, the clocks on its silences
+//! - [`connection`]: one client connection (cleartext, or TLS after its handshake), HTTP/1
+//!   or HTTP/2, the clocks on its silences
 //!   (`header_timeout`, `idle_timeout`, stalled bodies), `max_connections`; each request to
 //! - [`gateway`]: one request, top to bottom: screen its head, find its rules, identify
 //!   it, ask the store, one pure verdict, then answer or forward. Also what it runs on
@@ -41,6 +42,8 @@
 //! - [`metrics`]: Prometheus metrics, every series a config implies created at zero.
 //! - [`stats`]: what the status page shows: outcomes, latencies, the loads of the config;
 //!   counted with atomics on the request path, sampled into a bounded ring.
+//! - [`tls`]: `[server.tls]`: the certificates (chosen by SNI), client certificates, the
+//!   rustls server config the TLS listener's handshakes run on.
 //! - [`worker`]: which worker thread runs the current request (per-thread pools).
 
 pub mod admin;
@@ -54,6 +57,7 @@ pub mod metrics;
 pub mod rules;
 pub mod server;
 pub mod stats;
+pub mod tls;
 pub mod upstream;
 pub mod worker;
 

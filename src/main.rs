@@ -109,6 +109,9 @@ fn main() -> ExitCode {
             println!("{}", source.overrides);
         }
         print!("{}", config.describe());
+        for warning in config.server.tls.iter().flat_map(|t| t.warnings()) {
+            eprintln!("ratewall: warning: {warning}");
+        }
         if let Some(path) = path {
             match sample_request(&method, &headers) {
                 Ok((method, headers)) => {

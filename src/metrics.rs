@@ -91,6 +91,40 @@ pub struct ClosedLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct HandshakeLabels {
+    /// `ok`, or why not: `timeout` (header_timeout), `closed` (by the client, or the
+    /// connection failed), `failed` (refused by TLS: no common version, a bad client
+    /// certificate, not TLS at all), `shutdown` (asked to close first).
+    pub result: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TlsSessionLabels {
+    /// `TLSv1.3` or `TLSv1.2`.
+    pub version: &'static str,
+    /// The ALPN protocol agreed: `h2`, `http/1.1`, or `none`.
+    pub alpn: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProtocolLabels {
+    /// `HTTP/1.0`, `HTTP/1.1` or `HTTP/2`.
+    pub protocol: &'static str,
+    /// `TLSv1.3` or `TLSv1.2` over the TLS listener; `none` in cleartext.
+    pub tls: &'static str,
+}
+
+/// The protocols and TLS versions `ratewall_client_requests_total` counts by.
+const PROTOCOLS: [&str; 3] = ["HTTP/1.0", "HTTP/1.1", "HTTP/2"];
+const TLS_VERSIONS: [&str; 3] = ["none", "TLSv1.2", "TLSv1.3"];
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CertificateLabels {
+    /// The certificate file, as `[server.tls] certificates` names it (resolved).
+    pub cert: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EvictionLabels {
     pub store: &'static str,
     /// `expired` (equivalent to no entry), `lru` (live, not being denied) or `held`
@@ -147,7 +181,9 @@ impl From<crate::identity::Refusal> for RefusalReason {
     fn from(r: crate::identity::Refusal) -> RefusalReason {
         use crate::identity::Refusal;
         match r {
-            Refusal::MissingKey | Refusal::MissingHeader => RefusalReason::MissingKey,
+            Refusal::MissingKey | Refusal::MissingHeader | Refusal::MissingCert => {
+                RefusalReason::MissingKey
+            }
             Refusal::UnknownKey => RefusalReason::UnknownKey,
             Refusal::Malformed(_) => RefusalReason::Malformed,
         }
@@ -293,6 +329,17 @@ pub struct Metrics {
     upstream_handles: [Counter; 6],
     duration_handles: [Histogram; Outcome::ALL.len()],
     refusal_handles: [Counter; RefusalReason::ALL.len()],
+    /// TLS handshakes on the TLS listener, by result.
+    pub tls_handshakes: Family<HandshakeLabels, Counter>,
+    /// TLS connections by the version and ALPN protocol agreed.
+    pub tls_sessions: Family<TlsSessionLabels, Counter>,
+    /// Seconds until each configured certificate expires (negative: expired).
+    pub tls_certificate_expiry: Family<CertificateLabels, Gauge>,
+    /// Requests by HTTP version and TLS version, and their handles (see `PROTOCOLS`).
+    pub client_requests: Family<ProtocolLabels, Counter>,
+    protocol_handles: [[Counter; TLS_VERSIONS.len()]; PROTOCOLS.len()],
+    /// The certificates `tls_certificate_expiry` has series for.
+    tls_certificates_shown: std::sync::Mutex<Vec<CertificateLabels>>,
     pub stats: Stats,
 }
 
@@ -432,6 +479,37 @@ impl Metrics {
             "Requests a rule let through that the upstream did not answer: upstream_error (502), upstream_timeout (504)",
             rule_upstream_failures.clone(),
         );
+        let tls_handshakes = Family::<HandshakeLabels, Counter>::default();
+        registry.register(
+            "tls_handshakes",
+            "TLS handshakes on the TLS listener ([server.tls]), by result: ok, timeout (not done within header_timeout), closed (by the client, or the connection failed), failed (refused: no common version or suite, a bad client certificate, not TLS), shutdown (asked to close first)",
+            tls_handshakes.clone(),
+        );
+        let tls_sessions = Family::<TlsSessionLabels, Counter>::default();
+        registry.register(
+            "tls_connections",
+            "TLS connections by the protocol version and the ALPN protocol agreed (h2, http/1.1, none)",
+            tls_sessions.clone(),
+        );
+        let tls_certificate_expiry = Family::<CertificateLabels, Gauge>::default();
+        registry.register(
+            "tls_certificate_expiry_seconds",
+            "Seconds until each certificate of [server.tls] expires (negative: expired), by file",
+            tls_certificate_expiry.clone(),
+        );
+        let client_requests = Family::<ProtocolLabels, Counter>::default();
+        registry.register(
+            "client_requests",
+            "Requests from clients by HTTP version (HTTP/1.0, HTTP/1.1, HTTP/2) and TLS version (TLSv1.3, TLSv1.2; none in cleartext)",
+            client_requests.clone(),
+        );
+        let protocol_handles = PROTOCOLS.map(|protocol| {
+            TLS_VERSIONS.map(|tls| {
+                client_requests
+                    .get_or_create(&ProtocolLabels { protocol, tls })
+                    .clone()
+            })
+        });
         let build_info = Info::new(BuildLabels {
             version: env!("CARGO_PKG_VERSION"),
         });
@@ -496,7 +574,94 @@ impl Metrics {
             breaker_open,
             reloads,
             in_flight,
+            tls_handshakes,
+            tls_sessions,
+            tls_certificate_expiry,
+            tls_certificates_shown: std::sync::Mutex::default(),
+            client_requests,
+            protocol_handles,
             stats: Stats::new(),
+        }
+    }
+
+    /// Count one request by its HTTP version and, over TLS, its TLS version.
+    pub fn count_protocol(&self, version: http::Version, tls: Option<&'static str>) {
+        let p = match version {
+            http::Version::HTTP_10 | http::Version::HTTP_09 => 0,
+            http::Version::HTTP_2 => 2,
+            _ => 1,
+        };
+        let t = match tls {
+            None => 0,
+            Some("TLSv1.2") => 1,
+            Some(_) => 2,
+        };
+        self.protocol_handles[p][t].inc();
+    }
+
+    /// Count one TLS handshake, and the version and ALPN of a done one.
+    pub fn tls_handshake(
+        &self,
+        outcome: crate::connection::Handshake,
+        session: Option<&crate::tls::Session>,
+    ) {
+        self.tls_handshakes
+            .get_or_create(&HandshakeLabels {
+                result: outcome.name(),
+            })
+            .inc();
+        if let Some(s) = session {
+            self.tls_sessions
+                .get_or_create(&TlsSessionLabels {
+                    version: s.version,
+                    alpn: s.alpn.unwrap_or("none"),
+                })
+                .inc();
+        }
+    }
+
+    /// The TLS series `tls` implies, at zero where not counted yet, and the certificates'
+    /// expiry now (those of an earlier config dropped). Called at load, on reload and by
+    /// the upkeep every second.
+    pub fn tls_settings(&self, tls: Option<&crate::tls::Settings>) {
+        let Some(tls) = tls else {
+            self.tls_certificate_expiry.clear();
+            return;
+        };
+        for outcome in crate::connection::Handshake::ALL {
+            let _ = self.tls_handshakes.get_or_create(&HandshakeLabels {
+                result: outcome.name(),
+            });
+        }
+        for version in ["TLSv1.3", "TLSv1.2"] {
+            for alpn in ["h2", "http/1.1", "none"] {
+                let _ = self
+                    .tls_sessions
+                    .get_or_create(&TlsSessionLabels { version, alpn });
+            }
+        }
+        let labels: Vec<_> = tls
+            .certificates
+            .iter()
+            .map(|c| CertificateLabels {
+                cert: c.cert_path.display().to_string(),
+            })
+            .collect();
+        {
+            // A reload that changed the files: the old ones' series go.
+            let mut shown = self
+                .tls_certificates_shown
+                .lock()
+                .unwrap_or_else(std::sync::PoisonError::into_inner);
+            if *shown != labels {
+                self.tls_certificate_expiry.clear();
+                shown.clone_from(&labels);
+            }
+        }
+        for (c, l) in tls.certificates.iter().zip(&labels) {
+            self.tls_certificate_expiry
+                .get_or_create(l)
+                .set(c.expires_in());
         }
     }
 

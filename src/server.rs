@@ -50,6 +50,10 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     live.limiter.warm().await;
     let config = live.config.clone();
     let listener = bind_std(config.server.listen)?;
+    let tls_listener = match &config.server.tls {
+        Some(tls) => Some(bind_std(tls.listen)?),
+        None => None,
+    };
     let admin = match config.server.admin_listen {
         Some(addr) => Some(bind(addr).await?),
         None => None,
@@ -74,6 +78,7 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     tracing::info!(
         version = env!("CARGO_PKG_VERSION"),
         listen = %config.server.listen,
+        tls_listen = %config.server.tls.as_ref().map_or_else(|| "none".to_string(), |t| t.listen.to_string()),
         admin = %admin_listen,
         upstream = %upstream_of(&config),
         store = store_of(&config),
@@ -82,6 +87,9 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
         "ratewall listening"
     );
 
+    for warning in config.server.tls.iter().flat_map(|t| t.warnings()) {
+        tracing::warn!("{warning}");
+    }
     let upkeep = tokio::spawn(upkeep(gateway.clone()));
     let reloads = tokio::spawn(reload_on_sighup(gateway.clone(), signals.hangup));
     let admin_task = admin.map(|l| {
@@ -100,6 +108,13 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
             addr: config.server.listen,
             source,
         })?;
+        let tls_listener = match &tls_listener {
+            Some(l) => Some(l.try_clone().map_err(|source| StartError::Bind {
+                addr: l.local_addr().unwrap_or(config.server.listen),
+                source,
+            })?),
+            None => None,
+        };
         let (gateway, registry, grace, mut stopped) = (
             gateway.clone(),
             registry.clone(),
@@ -127,11 +142,31 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
                             return 0;
                         }
                     };
+                    let tls_listener = match tls_listener.map(TcpListener::from_std) {
+                        Some(Ok(l)) => Some(l),
+                        Some(Err(e)) => {
+                            tracing::error!(error = %e, worker = n, "cannot register the TLS listener");
+                            return 0;
+                        }
+                        None => None,
+                    };
+                    let mut tls_stopped = stopped.clone();
                     let stop = async move {
                         let _ = stopped.wait_for(|s| *s).await;
                     };
                     let pacer = tokio::spawn(pace());
-                    let served = serve(listener, gateway, &registry, grace, stop).await;
+                    let cleartext = serve(listener, gateway.clone(), &registry, grace, stop, false);
+                    let served = match tls_listener {
+                        Some(tls_listener) => {
+                            let stop = async move {
+                                let _ = tls_stopped.wait_for(|s| *s).await;
+                            };
+                            let tls = serve(tls_listener, gateway, &registry, grace, stop, true);
+                            let (a, b) = tokio::join!(cleartext, tls);
+                            a + b
+                        }
+                        None => cleartext.await,
+                    };
                     pacer.abort();
                     served
                 });
@@ -144,6 +179,7 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
         workers.push((thread, finished));
     }
     drop(listener);
+    drop(tls_listener);
     signals.shutdown.await;
     tracing::info!(grace = ?config.server.shutdown_grace, "shutting down: draining in-flight requests");
     let _ = stop.send(true);
@@ -264,6 +300,9 @@ async fn reload_on_sighup(gateway: Arc<Gateway>, hangups: Option<Hangups>) {
         match gateway.reload() {
             Ok(()) => {
                 let after = gateway.live();
+                for warning in after.config.server.tls.iter().flat_map(|t| t.warnings()) {
+                    tracing::warn!("{warning}");
+                }
                 let c = crate::config::Changes::between(&before.config, &after.config);
                 use crate::config::Listed;
                 tracing::info!(
@@ -301,7 +340,9 @@ async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
         .map_err(|source| StartError::Bind { addr, source })
 }
 
-/// Accept connections until `shutdown` resolves; then stop accepting, ask every connection
+/// Accept connections until `shutdown` resolves (on the TLS listener where `tls`: each
+/// connection's handshake on the certificates of the config live when it was accepted);
+/// then stop accepting, ask every connection
 /// to close once what it has in flight is answered, and give them up to `grace`. Returns
 /// how many requests it served.
 ///
@@ -314,6 +355,7 @@ pub async fn serve(
     registry: &Arc<Registry>,
     grace: Duration,
     shutdown: impl std::future::Future<Output = ()>,
+    tls: bool,
 ) -> u64 {
     // This worker's alone (its connections run on its thread): no other core touches it.
     let served = Arc::new(AtomicU64::new(0));
@@ -338,24 +380,74 @@ pub async fn serve(
             () = &mut shutdown => break,
         };
         let (gw, registry, served) = (gateway.clone(), registry.clone(), served.clone());
-        let settings = gw.live().config.server.connections();
-        tokio::spawn(async move {
-            // Rendered once for all the connection's requests.
-            let client = Peer::new(peer);
-            connection::serve(stream, &registry, permit, settings, |track| {
-                service_fn(move |req: Request<Incoming>| {
-                    served.fetch_add(1, Relaxed);
-                    let request = InFlight::new(&track);
-                    let http2 = req.version() == http::Version::HTTP_2;
-                    let (gw, client) = (gw.clone(), client.clone());
-                    async move {
-                        let resp = gw.handle(req, &client).await;
-                        Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request, http2)))
-                    }
-                })
+        let live = gw.live();
+        let settings = live.config.server.connections();
+        // Where the client should have gone: the TLS listener's port, for a 308.
+        let redirect = match &live.config.server.tls {
+            Some(t) if t.redirect_https && !tls => Some(t.listen.port()),
+            _ => None,
+        };
+        let tls_config = match (&live.config.server.tls, tls) {
+            (Some(t), true) => Some(t.server_config.clone()),
+            // `[server.tls]` taken out by a reload: its listener, bound at start, takes
+            // no more connections than it can serve (none) until a restart.
+            (None, true) => continue,
+            (_, false) => None,
+        };
+        drop(live);
+        // The connection's service: its requests, each tracked as in flight until its
+        // answer's body is done.
+        let service = move |client: Peer, track: Arc<connection::Track>| {
+            // The verified client certificate, given to each request (see `ClientCert`).
+            let cert = client
+                .tls
+                .as_ref()
+                .and_then(|t| t.client_cert)
+                .map(crate::identity::ClientCert);
+            service_fn(move |mut req: Request<Incoming>| {
+                if let Some(cert) = cert {
+                    req.extensions_mut().insert(cert);
+                }
+                served.fetch_add(1, Relaxed);
+                let request = InFlight::new(&track);
+                let http2 = req.version() == http::Version::HTTP_2;
+                let (gw, client) = (gw.clone(), client.clone());
+                async move {
+                    let resp = match redirect {
+                        Some(port) => to_https(&req, port),
+                        None => gw.handle(req, &client).await,
+                    };
+                    Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request, http2)))
+                }
             })
-            .await;
-        });
+        };
+        match tls_config {
+            None => {
+                tokio::spawn(async move {
+                    // Rendered once for all the connection's requests.
+                    let client = Peer::new(peer);
+                    connection::serve(stream, &registry, permit, settings, |track| {
+                        service(client, track)
+                    })
+                    .await;
+                });
+            }
+            Some(config) => {
+                let metrics = gateway.metrics().clone();
+                tokio::spawn(async move {
+                    connection::serve_tls(
+                        stream,
+                        config,
+                        &registry,
+                        permit,
+                        settings,
+                        |outcome, session| metrics.tls_handshake(outcome, session),
+                        |track, session| service(Peer::with_tls(peer, Some(session)), track),
+                    )
+                    .await;
+                });
+            }
+        }
     }
     drop(listener);
     registry.shut_down();
@@ -368,6 +460,35 @@ pub async fn serve(
     served.load(Relaxed)
 }
 
+/// The cleartext listener's answer where `redirect_https` is on: 308 to the same URL on
+/// the TLS listener's `port` (RFC 9110 §15.4.9: the method and body are kept).
+fn to_https<B>(req: &Request<B>, port: u16) -> http::Response<crate::gateway::Body> {
+    let host = req.uri().host().map(str::to_string).or_else(|| {
+        let h = req.headers().get(http::header::HOST)?.to_str().ok()?;
+        // The host without its port (an IPv6 literal keeps its brackets).
+        let end = match h.rfind(']') {
+            Some(b) => b + 1,
+            None => h.find(':').unwrap_or(h.len()),
+        };
+        Some(h[..end].to_string())
+    });
+    let path = req.uri().path_and_query().map_or("/", |p| p.as_str());
+    let location = match (host, port) {
+        (Some(h), 443) => Some(format!("https://{h}{path}")),
+        (Some(h), p) => Some(format!("https://{h}:{p}{path}")),
+        (None, _) => None,
+    };
+    let mut resp = http::Response::new(crate::gateway::Body::Right(Default::default()));
+    match location.and_then(|l| http::HeaderValue::try_from(l).ok()) {
+        Some(l) => {
+            *resp.status_mut() = http::StatusCode::PERMANENT_REDIRECT;
+            resp.headers_mut().insert(http::header::LOCATION, l);
+        }
+        None => *resp.status_mut() = http::StatusCode::BAD_REQUEST,
+    }
+    resp
+}
+
 /// Background work that keeps the store bounded, and closes upstream connections that
 /// expired or that the upstream closed while idle.
 async fn upkeep(gateway: Arc<Gateway>) {
@@ -377,8 +498,56 @@ async fn upkeep(gateway: Arc<Gateway>) {
         tick.tick().await;
         let live = gateway.live();
         live.limiter.sweep();
+        gateway
+            .metrics()
+            .tls_settings(live.config.server.tls.as_ref());
         for client in live.upstreams.iter() {
             client.sweep();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn location(uri: &str, host: Option<&str>, port: u16) -> (u16, Option<String>) {
+        let mut req = Request::get(uri);
+        if let Some(h) = host {
+            req = req.header("host", h);
+        }
+        let resp = to_https(&req.body(()).unwrap(), port);
+        let at = resp
+            .headers()
+            .get(http::header::LOCATION)
+            .map(|l| l.to_str().unwrap().to_string());
+        (resp.status().as_u16(), at)
+    }
+
+    #[test]
+    fn the_redirect_keeps_host_path_and_query_and_names_the_tls_port() {
+        let cases = [
+            (
+                "/a?b=1",
+                Some("app.test:8080"),
+                8443,
+                "https://app.test:8443/a?b=1",
+            ),
+            ("/", Some("app.test"), 443, "https://app.test/"),
+            ("/x", Some("[::1]:8080"), 8443, "https://[::1]:8443/x"),
+            ("http://h2.test:80/y", None, 443, "https://h2.test/y"),
+        ];
+        for (uri, host, port, want) in cases {
+            assert_eq!(
+                location(uri, host, port),
+                (308, Some(want.to_string())),
+                "{uri}"
+            );
+        }
+        assert_eq!(
+            location("/", None, 8443),
+            (400, None),
+            "no host to send it to"
+        );
     }
 }

@@ -87,6 +87,32 @@ fn settings(o: &Config, n: &Config) -> Vec<&'static str> {
             "server.max_header_bytes",
             os.max_header_bytes == ns.max_header_bytes,
         ),
+        (
+            "server.tls.listen",
+            os.tls.as_ref().map(|t| t.listen) == ns.tls.as_ref().map(|t| t.listen),
+        ),
+        (
+            "server.tls.certificates",
+            match (&os.tls, &ns.tls) {
+                (Some(a), Some(b)) => a.same_certificates(b),
+                (a, b) => a.is_none() == b.is_none(),
+            },
+        ),
+        (
+            "server.tls.client_ca",
+            os.tls
+                .as_ref()
+                .and_then(|t| t.client_auth.as_ref().map(|a| (&a.ca, a.required)))
+                == ns
+                    .tls
+                    .as_ref()
+                    .and_then(|t| t.client_auth.as_ref().map(|a| (&a.ca, a.required))),
+        ),
+        (
+            "server.tls.redirect_https",
+            os.tls.as_ref().is_some_and(|t| t.redirect_https)
+                == ns.tls.as_ref().is_some_and(|t| t.redirect_https),
+        ),
         ("admin.token", o.admin.token == n.admin.token),
         (
             "upstream.url",

@@ -16,6 +16,7 @@ mod overrides;
 mod rules;
 mod server;
 mod store;
+mod tls;
 mod upstream;
 mod values;
 
@@ -205,7 +206,14 @@ impl Config {
             }
             None => None,
         };
-        let mut config = Config::validate(raw, keys_file).map_err(|e| e.locate(text, path))?;
+        let tls = match &raw.server.tls {
+            Some(t) => Some(
+                t.load(path.parent().unwrap_or(Path::new("")))
+                    .map_err(|e| e.locate(text, path))?,
+            ),
+            None => None,
+        };
+        let mut config = Config::validate(raw, keys_file, tls).map_err(|e| e.locate(text, path))?;
         config.sha256 = Some(sha256_hex(text.as_bytes()));
         Ok(config)
     }
@@ -213,6 +221,7 @@ impl Config {
     fn validate(
         raw: RawConfig,
         keys_file: Option<(PathBuf, std::collections::HashMap<[u8; 32], String>)>,
+        tls: Option<crate::tls::Settings>,
     ) -> Result<Config, Invalid> {
         let store = match raw.store {
             Some(s) => {
@@ -238,6 +247,15 @@ impl Config {
                 ));
             }
             rules.push(r.validate(i, spanned.span(), &plan_names, &keys.header)?);
+            if rules[i].key.kind == KeyKind::ClientCert
+                && tls.as_ref().is_none_or(|t| t.client_auth.is_none())
+            {
+                return Err(Invalid::new(
+                    Some(spanned.span()),
+                    format!("rules[{i}].key"),
+                    "key = \"client_cert\" needs client certificates: [server.tls] with client_ca",
+                ));
+            }
         }
         drop(plan_names);
         let index = RuleIndex::new(&rules);
@@ -245,7 +263,7 @@ impl Config {
             admin: raw
                 .admin
                 .validate(std::env::var("RATEWALL_ADMIN_TOKEN").ok()),
-            server: raw.server.validate(),
+            server: raw.server.validate(tls),
             upstream: raw.upstream.validate(),
             store,
             client_ip: raw.client_ip.validate(),
@@ -282,6 +300,9 @@ impl Config {
             self.server.max_connections,
             self.server.max_header_bytes
         );
+        if let Some(tls) = &self.server.tls {
+            out.push_str(&tls.describe());
+        }
         let backend = match &self.store.backend {
             Backend::Memory => format!(
                 "memory (embedded, one instance; max_keys {})",

@@ -28,6 +28,8 @@ pub struct Server {
     /// The largest request head (request line and fields; HTTP/2: the header list size)
     /// a client may send; past it, 431.
     pub max_header_bytes: usize,
+    /// `[server.tls]`: the TLS listener beside the cleartext one, its certificates loaded.
+    pub tls: Option<crate::tls::Settings>,
 }
 
 /// The defaults of `[server]` not set by a type of their own.
@@ -78,11 +80,12 @@ pub(super) struct RawServer {
     body_timeout: Option<HumanDuration>,
     max_connections: Option<MaxConnections>,
     max_header_bytes: Option<HeaderBytes>,
+    pub(super) tls: Option<super::tls::RawTls>,
 }
 
 impl RawServer {
     /// Every setting the file leaves out takes its default.
-    pub(super) fn validate(self) -> Server {
+    pub(super) fn validate(self, tls: Option<crate::tls::Settings>) -> Server {
         let d = Timeouts::default();
         let or = |v: Option<HumanDuration>, default| v.map_or(default, |v| v.0);
         Server {
@@ -97,6 +100,7 @@ impl RawServer {
             },
             max_connections: self.max_connections.map_or(MAX_CONNECTIONS, |m| m.0),
             max_header_bytes: self.max_header_bytes.map_or(MAX_HEADER_BYTES, |m| m.0),
+            tls,
         }
     }
 }

@@ -62,7 +62,7 @@ impl<'de> Deserialize<'de> for Header {
     }
 }
 
-/// `key = "api_key" | "client_ip" | "global" | "header:<name>"`.
+/// `key = "api_key" | "client_ip" | "global" | "client_cert" | "header:<name>"`.
 pub(super) struct KeySpec(pub(super) KeyKind);
 
 impl<'de> Deserialize<'de> for KeySpec {
@@ -72,12 +72,13 @@ impl<'de> Deserialize<'de> for KeySpec {
             "api_key" => KeyKind::ApiKey,
             "client_ip" => KeyKind::ClientIp,
             "global" => KeyKind::Global,
+            "client_cert" => KeyKind::ClientCert,
             other => match other.strip_prefix("header:") {
                 Some(name) => HeaderName::from_bytes(name.trim().as_bytes())
                     .map(KeyKind::Header)
                     .map_err(|_| de::Error::custom(format!("invalid header name in key {s:?}")))?,
                 None => return Err(de::Error::custom(format!(
-                    "invalid key {s:?}: expected \"api_key\", \"client_ip\", \"global\" or \"header:<name>\""
+                    "invalid key {s:?}: expected \"api_key\", \"client_ip\", \"global\", \"client_cert\" or \"header:<name>\""
                 ))),
             },
         };

@@ -24,6 +24,10 @@ pub const MAX_FIELD: usize = 256;
 pub(super) struct AccessLine {
     method: Method,
     path: String,
+    /// `HTTP/1.1`, `HTTP/2`...
+    protocol: &'static str,
+    /// `TLSv1.3` or `TLSv1.2` over the TLS listener; `-` in cleartext.
+    tls: &'static str,
     client_ip: Option<IpAddr>,
     host: Option<String>,
     user_agent: Option<String>,
@@ -44,6 +48,8 @@ impl AccessLine {
         Some(AccessLine {
             method: req.method().clone(),
             path: req.uri().path().to_string(),
+            protocol: protocol(req.version()),
+            tls: peer.tls.as_ref().map_or("-", |t| t.version),
             client_ip: cfg
                 .log
                 .client_ip
@@ -65,6 +71,8 @@ impl AccessLine {
             target: "ratewall::access",
             method = %self.method,
             path = %self.path,
+            protocol = self.protocol,
+            tls = self.tls,
             status,
             client_ip = self.client_ip.map(tracing::field::display),
             host = self.host.as_deref().unwrap_or("-"),
@@ -76,6 +84,18 @@ impl AccessLine {
             id = id.as_ref().map_or("-", |h| h.as_str()),
             latency_us = self.started.elapsed().as_micros() as u64,
         );
+    }
+}
+
+/// A request's HTTP version as the access log and metrics name it.
+pub fn protocol(v: http::Version) -> &'static str {
+    match v {
+        http::Version::HTTP_09 => "HTTP/0.9",
+        http::Version::HTTP_10 => "HTTP/1.0",
+        http::Version::HTTP_11 => "HTTP/1.1",
+        http::Version::HTTP_2 => "HTTP/2",
+        http::Version::HTTP_3 => "HTTP/3",
+        _ => "HTTP/?",
     }
 }
 

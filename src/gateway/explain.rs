@@ -145,6 +145,10 @@ fn refused(refusal: &Refusal, name: &http::HeaderName) -> String {
         Refusal::MissingKey | Refusal::MissingHeader => {
             format!("refused with 401: no {name} header")
         }
+        // `check`'s sample request comes over no TLS connection.
+        Refusal::MissingCert => {
+            "refused with 401: no client certificate (over TLS, with [server.tls] client_ca)".into()
+        }
     }
 }
 
@@ -162,6 +166,9 @@ fn counted<'a>(cfg: &'a Config, rule: &'a Rule, requester: &Requester<'a>) -> St
     let who = match identity.source {
         Source::ApiKey(_) | Source::Header(..) => {
             format!("{name} (identity {})", identity.digest.short_hex().as_str())
+        }
+        Source::ClientIp(_) if rule.key.kind == KeyKind::ClientCert => {
+            format!("no client certificate: {}", identity.source)
         }
         Source::ClientIp(_) if by_key => format!("no {name}: {}", identity.source),
         source => source.to_string(),

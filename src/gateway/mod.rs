@@ -198,9 +198,10 @@ impl Gateway {
             || s.workers != o.workers
             || s.max_connections != o.max_connections
             || s.shutdown_grace != o.shutdown_grace
+            || s.tls.as_ref().map(|t| t.listen) != o.tls.as_ref().map(|t| t.listen)
         {
             tracing::warn!(
-                "listen addresses, workers, max_connections or shutdown_grace changed in the file; they take effect on restart only"
+                "listen addresses ([server.tls] listen included: a TLS listener is added or removed only by a restart), workers, max_connections or shutdown_grace changed in the file; they take effect on restart only"
             );
         }
         if config.store != old.config.store {
@@ -223,6 +224,8 @@ impl Gateway {
         let _in_flight = Gauged::new(&self.metrics.in_flight);
         let live = self.live.load_full();
         let log = AccessLine::start(&req, peer, &live.config);
+        self.metrics
+            .count_protocol(req.version(), peer.tls.as_ref().map(|t| t.version));
         let (parts, body) = req.into_parts();
         let (resp, note, forwarded) = match self.admit(&live, &parts, peer.ip()).await {
             Admission::Answer(resp, note) => (resp, note, false),
@@ -262,7 +265,8 @@ impl Gateway {
             }
             return Admission::Answer(resp, Note::gateway("bad_request"));
         }
-        let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip);
+        let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip)
+            .with_client_cert(parts.extensions.get());
         let limits = match Limit::all(live, parts, &requester) {
             Ok(limits) if limits.is_empty() => {
                 return Admission::Forward(Pass::unlimited(Note::gateway("unlimited")))

@@ -44,7 +44,16 @@ pub enum KeyKind {
     Global,
     /// The value of this header.
     Header(HeaderName),
+    /// The client certificate the TLS handshake verified (`[server.tls] client_ca`), by
+    /// its SHA-256 fingerprint: an identity no header can forge.
+    ClientCert,
 }
+
+/// The SHA-256 fingerprint (of the DER) of the client certificate a request's connection
+/// presented and the TLS handshake verified. Carried in the request's extensions from the
+/// listener to [`Requester::with_client_cert`]: a client cannot put it there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientCert(pub [u8; 32]);
 
 /// What a rule's `match` may ask a request to carry, or not: `api_key = "present"`,
 /// `"header:x-user" = "absent"`. See [`Requester::carries`].
@@ -85,6 +94,7 @@ impl fmt::Display for KeyKind {
             KeyKind::ClientIp => f.write_str("client_ip"),
             KeyKind::Global => f.write_str("global"),
             KeyKind::Header(h) => write!(f, "header:{h}"),
+            KeyKind::ClientCert => f.write_str("client_cert"),
         }
     }
 }
@@ -103,6 +113,8 @@ pub enum Source<'a> {
     ClientIp(IpAddr),
     ApiKey(&'a [u8]),
     Header(&'a HeaderName, &'a [u8]),
+    /// A verified client certificate, by its fingerprint.
+    ClientCert(&'a [u8; 32]),
 }
 
 impl Identity<'_> {
@@ -122,6 +134,10 @@ impl Identity<'_> {
             }
             Source::ApiKey(v) => ("key", v),
             Source::Header(_, v) => ("header", v),
+            // Not secret, but never shown raw: the identity's digest names it.
+            Source::ClientCert(_) => {
+                return format!("client cert {}", self.digest.short_hex().as_str())
+            }
         };
         if value.len() >= 12 {
             let tail = String::from_utf8_lossy(&value[value.len() - 4..]);
@@ -140,6 +156,7 @@ impl fmt::Display for Source<'_> {
             Source::ClientIp(ip) => write!(f, "client IP {ip}"),
             Source::ApiKey(_) => f.write_str("API key"),
             Source::Header(h, _) => write!(f, "{h}"),
+            Source::ClientCert(_) => f.write_str("client certificate"),
         }
     }
 }
@@ -155,6 +172,9 @@ pub enum Refusal {
     UnknownKey,
     /// The key header is malformed (sent twice, too long).
     Malformed(KeyError),
+    /// No verified client certificate, and the rule counts by one
+    /// (`missing_key = "reject"`).
+    MissingCert,
 }
 
 impl Refusal {
@@ -182,6 +202,7 @@ impl fmt::Display for Refusal {
             Refusal::MissingHeader => f.write_str("a header this rule counts by is missing"),
             Refusal::UnknownKey => f.write_str("the API key is not known"),
             Refusal::Malformed(e) => write!(f, "{e}"),
+            Refusal::MissingCert => f.write_str("a client certificate is required"),
         }
     }
 }
@@ -197,6 +218,8 @@ pub struct Requester<'a> {
     client_ip: OnceCell<IpAddr>,
     /// The API key as sent, and its digest.
     api_key: OnceCell<SentKey<'a>>,
+    /// The verified client certificate's fingerprint, over TLS.
+    client_cert: Option<&'a [u8; 32]>,
 }
 
 /// An API key as sent (`None`: none was), and its digest; or why it cannot be used.
@@ -211,7 +234,14 @@ impl<'a> Requester<'a> {
             trust,
             client_ip: OnceCell::new(),
             api_key: OnceCell::new(),
+            client_cert: None,
         }
+    }
+
+    /// The request came with this verified client certificate (see [`ClientCert`]).
+    pub fn with_client_cert(mut self, cert: Option<&'a ClientCert>) -> Self {
+        self.client_cert = cert.map(|c| &c.0);
+        self
     }
 
     /// The client's address (see [`client_ip`]).
@@ -268,6 +298,13 @@ impl<'a> Requester<'a> {
                 }),
                 None => by_ip(Refusal::MissingHeader),
             },
+            KeyKind::ClientCert => match self.client_cert {
+                Some(fingerprint) => Ok(Identity {
+                    digest: digest_client_cert(fingerprint),
+                    source: Source::ClientCert(fingerprint),
+                }),
+                None => by_ip(Refusal::MissingCert),
+            },
         }
     }
 
@@ -316,7 +353,7 @@ pub fn headers_naming(key: &KeyKind, keys: &Keys, value: &[u8]) -> Option<Header
     let name = match key {
         KeyKind::ApiKey => &keys.header,
         KeyKind::Header(h) => h,
-        KeyKind::ClientIp | KeyKind::Global => return Some(HeaderMap::new()),
+        KeyKind::ClientIp | KeyKind::Global | KeyKind::ClientCert => return Some(HeaderMap::new()),
     };
     let mut h = HeaderMap::new();
     h.insert(name.clone(), HeaderValue::from_bytes(value).ok()?);
@@ -370,6 +407,11 @@ pub fn digest_api_key(key: &[u8]) -> IdentityDigest {
     digest(&[b"ratewall/key\0", key])
 }
 
+/// A client certificate by its SHA-256 fingerprint.
+pub fn digest_client_cert(fingerprint: &[u8; 32]) -> IdentityDigest {
+    digest(&[b"ratewall/cert\0", fingerprint])
+}
+
 pub fn digest_ip(ip: IpAddr) -> IdentityDigest {
     match ip {
         IpAddr::V4(v4) => digest(&[b"ratewall/ip4\0", &v4.octets()]),
@@ -414,6 +456,39 @@ mod tests {
         );
         let d = digest_api_key(b"secret-key").hex();
         assert!(!d.contains("secret"));
+    }
+
+    /// `client_cert`: the verified certificate's fingerprint, in a domain of its own (the
+    /// same 32 bytes as an API key are another identity); none: `missing_key`.
+    #[test]
+    fn a_client_certificate_is_an_identity_of_its_own() {
+        let keys = Keys::new(
+            DEFAULT_KEY_HEADER,
+            UnknownKeys::Allow,
+            Default::default(),
+            None,
+        );
+        let trust = ClientIp::default();
+        let h = HeaderMap::new();
+        let fp = ClientCert([7u8; 32]);
+        let by_cert = |missing| Key {
+            kind: KeyKind::ClientCert,
+            missing,
+        };
+        let (reject, by_ip) = (by_cert(MissingKey::Reject), by_cert(MissingKey::ClientIp));
+        let with = Requester::new(&h, ip("192.0.2.1"), &keys, &trust).with_client_cert(Some(&fp));
+        let id = with.identify(&reject).expect("identified");
+        assert_eq!(id.digest, digest_client_cert(&fp.0));
+        assert_ne!(id.digest, digest_api_key(&fp.0));
+        assert!(id.hint().starts_with("client cert "), "{}", id.hint());
+        assert!(!id.hint().contains("0707"), "{}", id.hint());
+        let without = Requester::new(&h, ip("192.0.2.1"), &keys, &trust);
+        assert_eq!(without.identify(&reject).unwrap_err(), Refusal::MissingCert);
+        assert_eq!(without.identify(&reject).unwrap_err().status(), 401);
+        assert_eq!(
+            without.identify(&by_ip).expect("by ip").digest,
+            digest_ip(ip("192.0.2.1"))
+        );
     }
 
     /// `api_key = "absent" | "present"` splits requests exactly as an `api_key` rule sees

@@ -109,13 +109,21 @@ pub struct Peer {
     /// `10.0.0.1` or `"[::1]"`, as a `Forwarded` node (RFC 7239 §6: an IPv6 address is
     /// bracketed and quoted).
     node: Bytes,
-    /// `for=<node>;proto=http`: the `Forwarded` element of this hop, what an untrusted
-    /// peer's request carries.
+    /// `for=<node>;proto=http` (or `https`): the `Forwarded` element of this hop, what an
+    /// untrusted peer's request carries.
     element: HeaderValue,
+    /// What the TLS handshake agreed, where the client came over the TLS listener.
+    pub tls: Option<crate::tls::Session>,
 }
 
 impl Peer {
+    /// A client of the cleartext listener.
     pub fn new(addr: SocketAddr) -> Peer {
+        Peer::with_tls(addr, None)
+    }
+
+    /// A client, over TLS where `tls` says what its handshake agreed.
+    pub fn with_tls(addr: SocketAddr, tls: Option<crate::tls::Session>) -> Peer {
         let ip = addr.ip().to_canonical();
         let text = ip.to_string();
         let node = match ip {
@@ -130,13 +138,25 @@ impl Peer {
         Peer {
             addr,
             forwarded: value(text),
-            element: value(format!("for={node};proto=http")),
+            element: value(format!(
+                "for={node};proto={}",
+                if tls.is_some() { "https" } else { "http" }
+            )),
             node: Bytes::from(node),
+            tls,
         }
     }
 
     pub fn ip(&self) -> IpAddr {
         self.addr.ip()
+    }
+
+    /// The scheme the client used: `https` over the TLS listener.
+    pub fn proto(&self) -> &'static [u8] {
+        match self.tls {
+            Some(_) => b"https",
+            None => b"http",
+        }
     }
 }
 
@@ -236,7 +256,7 @@ fn appended(
         );
     }
     if !kept.proto {
-        field_line(head, "x-forwarded-proto", &[b"http"]);
+        field_line(head, "x-forwarded-proto", &[peer.proto()]);
     }
     if let Some(host) = host.filter(|_| !kept.host) {
         field_line(head, "x-forwarded-host", &[host.as_bytes()]);
@@ -247,7 +267,7 @@ fn appended(
 fn replaced(head: &mut Vec<u8>, peer: &Peer, host: Option<&HeaderValue>) {
     field_line(head, "x-forwarded-for", &[peer.forwarded.as_bytes()]);
     field_line(head, "x-real-ip", &[peer.forwarded.as_bytes()]);
-    field_line(head, "x-forwarded-proto", &[b"http"]);
+    field_line(head, "x-forwarded-proto", &[peer.proto()]);
     field_line(head, "forwarded", &[peer.element.as_bytes()]);
     if let Some(host) = host {
         field_line(head, "x-forwarded-host", &[host.as_bytes()]);

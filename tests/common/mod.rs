@@ -13,6 +13,8 @@
 //! - [`raw`]: raw TCP exchanges for bytes no well-behaved client would send.
 //! - [`headers`]: the RateLimit Structured Field headers, parsed.
 //! - [`metrics`]: `/metrics` parsed with `prometheus-parse`.
+//! - [`tls`]: a throw-away CA (rcgen), server and client certificates as PEM files, a
+//!   `[server.tls]` table, and a rustls client (HTTP/1.1 or HTTP/2 by ALPN).
 //! - [`seed`]: seeded, time-bounded property runs.
 //! - [`serial`]: a lock for tests whose bounds are timed, so that they do not run beside
 //!   each other's load.
@@ -27,6 +29,7 @@ pub mod raw;
 pub mod redis_server;
 pub mod seed;
 pub mod serial;
+pub mod tls;
 pub mod upstream;
 
 pub use client::*;
@@ -38,6 +41,7 @@ pub use raw::*;
 pub use redis_server::*;
 pub use seed::*;
 pub use serial::*;
+pub use tls::*;
 pub use upstream::*;
 
 use std::net::TcpListener as StdListener;
