@@ -205,7 +205,9 @@ impl Config {
             }
             None => None,
         };
-        let mut config = Config::validate(raw, keys_file).map_err(|e| e.locate(text, path))?;
+        let dir = path.parent().unwrap_or(Path::new(""));
+        let mut config =
+            Config::validate(raw, keys_file, dir).map_err(|e| e.locate(text, path))?;
         config.sha256 = Some(sha256_hex(text.as_bytes()));
         Ok(config)
     }
@@ -213,6 +215,7 @@ impl Config {
     fn validate(
         raw: RawConfig,
         keys_file: Option<(PathBuf, std::collections::HashMap<[u8; 32], String>)>,
+        dir: &Path,
     ) -> Result<Config, Invalid> {
         let store = match raw.store {
             Some(s) => {
@@ -246,7 +249,7 @@ impl Config {
                 .admin
                 .validate(std::env::var("RATEWALL_ADMIN_TOKEN").ok()),
             server: raw.server.validate(),
-            upstream: raw.upstream.validate(),
+            upstream: raw.upstream.validate(dir)?,
             store,
             client_ip: raw.client_ip.validate(),
             keys,
@@ -272,6 +275,9 @@ impl Config {
             self.upstream.url.to_string().trim_end_matches('/'),
             self.upstream.base_path
         );
+        if let Some(tls) = &self.upstream.tls {
+            let _ = writeln!(out, "              {}", tls.describe());
+        }
         let t = &self.server.timeouts;
         let _ = writeln!(
             out,
