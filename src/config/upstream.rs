@@ -40,15 +40,22 @@ impl RawUpstream {
         let url_span = self.url.span();
         let url = self.url.into_inner();
         let tls = tls_for(&url.uri, options).map_err(|e| {
-            let span = match e.key {
-                "ca" => self.ca.as_ref().map(Spanned::span),
-                "sni" => self.sni.as_ref().map(Spanned::span),
-                "cert" => self.cert.as_ref().map(Spanned::span),
-                "key" => self.key.as_ref().map(Spanned::span),
+            let given = match e.key {
+                "ca" => self.ca.as_ref(),
+                "sni" => self.sni.as_ref(),
+                "cert" => self.cert.as_ref(),
+                "key" => self.key.as_ref(),
                 _ => None,
             };
-            let message = match e.key {
-                "ca" | "cert" | "key" => format!("{} (relative to this file's folder)", e.message),
+            let span = given.map(Spanned::span);
+            // The file's own words, not the path resolved here (which depends on where
+            // the file lies).
+            let message = match given {
+                Some(g) if e.key != "sni" => {
+                    let resolved = dir.join(g.get_ref().trim()).display().to_string();
+                    let named = format!("{:?} (relative to this file's folder)", g.get_ref());
+                    e.message.replace(&resolved, &named)
+                }
                 _ => e.message,
             };
             Invalid::new(
