@@ -780,6 +780,34 @@ url = "http://127.0.0.1:3000"
     }
 
     #[test]
+    fn an_https_upstream_gets_tls_and_only_it_takes_tls_keys() {
+        let cfg = Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"https://10.0.0.1:8443\"\nsni = \"b.internal\"\ninsecure_skip_verify = true\n",
+            Path::new("x"),
+        )
+        .unwrap();
+        let tls = cfg.upstream.tls.as_ref().expect("TLS for https://");
+        assert_eq!(
+            tls.describe(),
+            "tls: name b.internal, verified against nothing (insecure_skip_verify) -- INSECURE: the backend's certificate is NOT verified"
+        );
+        assert!(cfg.describe().contains(&tls.describe()));
+        let plain = Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://10.0.0.1\"\n",
+            Path::new("x"),
+        )
+        .unwrap();
+        assert!(plain.upstream.tls.is_none());
+        let e = Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"https://b\"\ninsecure_skip_verify = true\nsni = \"not a name\"\n",
+            Path::new("x"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(e.starts_with("x:6:7: upstream.sni: \"not a name\" is not a valid server name"), "{e}");
+    }
+
+    #[test]
     fn upstream_url_keeps_base_path() {
         let cfg = Config::parse(
             "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:3000/base/\"\n",
@@ -792,7 +820,7 @@ url = "http://127.0.0.1:3000"
             "127.0.0.1:3000"
         );
         assert!(Config::parse(
-            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"https://x\"\n",
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"ftp://x\"\n",
             Path::new("x")
         )
         .is_err());

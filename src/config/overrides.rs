@@ -204,7 +204,7 @@ mod tests {
         );
         // The file says the same of the same value.
         let file = Config::parse(
-            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"https://x\"\n",
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"ftp://x\"\n",
             Path::new("t.toml"),
         )
         .unwrap_err()
