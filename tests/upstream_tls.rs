@@ -70,10 +70,20 @@ async fn a_trusted_backend_answers_and_its_tls_connection_is_kept() {
         &format!("ca = \"{ca}\""),
     );
     for _ in 0..5 {
-        assert_eq!(status(&gw, "/x").await, (200, "tls ok".into()), "{}", gw.logs());
+        assert_eq!(
+            status(&gw, "/x").await,
+            (200, "tls ok".into()),
+            "{}",
+            gw.logs()
+        );
     }
     assert_eq!(up.requests(), 5);
-    assert_eq!(up.handshakes(), 1, "one TLS connection, kept: {:?}", up.failed());
+    assert_eq!(
+        up.handshakes(),
+        1,
+        "one TLS connection, kept: {:?}",
+        up.failed()
+    );
     assert_eq!(up.sni(), vec![Some("localhost".to_string())]);
     assert_eq!(up.client_certs(), vec![None]);
 }
@@ -150,7 +160,12 @@ async fn sni_names_the_backend_where_the_url_has_an_address() {
         &format!("https://127.0.0.1:{}", up.port()),
         &format!("ca = \"{ca}\"\nsni = \"backend.test\""),
     );
-    assert_eq!(status(&gw, "/x").await, (200, "tls ok".into()), "{}", gw.logs());
+    assert_eq!(
+        status(&gw, "/x").await,
+        (200, "tls ok".into()),
+        "{}",
+        gw.logs()
+    );
     assert_eq!(up.sni(), vec![Some("backend.test".to_string())]);
 }
 
@@ -183,9 +198,18 @@ async fn a_client_certificate_goes_up_when_configured() {
             files.pem("client-key.pem", &client.key)
         ),
     );
-    assert_eq!(status(&gw, "/x").await, (200, "tls ok".into()), "{}", gw.logs());
+    assert_eq!(
+        status(&gw, "/x").await,
+        (200, "tls ok".into()),
+        "{}",
+        gw.logs()
+    );
     let presented = up.client_certs();
-    let last = presented.last().cloned().flatten().expect("a client certificate");
+    let last = presented
+        .last()
+        .cloned()
+        .flatten()
+        .expect("a client certificate");
     let expected = rustls::pki_types::pem::PemObject::from_pem_slice(client.cert.as_bytes())
         .map(|c: rustls::pki_types::CertificateDer<'static>| c.to_vec())
         .expect("PEM");

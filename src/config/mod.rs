@@ -206,8 +206,7 @@ impl Config {
             None => None,
         };
         let dir = path.parent().unwrap_or(Path::new(""));
-        let mut config =
-            Config::validate(raw, keys_file, dir).map_err(|e| e.locate(text, path))?;
+        let mut config = Config::validate(raw, keys_file, dir).map_err(|e| e.locate(text, path))?;
         config.sha256 = Some(sha256_hex(text.as_bytes()));
         Ok(config)
     }
@@ -804,7 +803,10 @@ url = "http://127.0.0.1:3000"
         )
         .unwrap_err()
         .to_string();
-        assert!(e.starts_with("x:6:7: upstream.sni: \"not a name\" is not a valid server name"), "{e}");
+        assert!(
+            e.starts_with("x:6:7: upstream.sni: \"not a name\" is not a valid server name"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -87,9 +87,7 @@ impl Overrides {
             config.server.admin_listen = Some(*a);
         }
         if let Some((uri, base_path, _)) = &self.upstream {
-            config
-                .upstream
-                .retarget(uri.clone(), base_path.clone())?;
+            config.upstream.retarget(uri.clone(), base_path.clone())?;
         }
         Ok(())
     }

@@ -89,9 +89,7 @@ impl fmt::Debug for Tls {
 
 impl PartialEq for Tls {
     fn eq(&self, other: &Tls) -> bool {
-        self.options == other.options
-            && self.name == other.name
-            && self.material == other.material
+        self.options == other.options && self.name == other.name && self.material == other.material
     }
 }
 
@@ -273,9 +271,7 @@ fn system_roots() -> Result<(RootCertStore, String), TlsError> {
             .map_or_else(|| "none found".to_string(), ToString::to_string);
         return Err(TlsError {
             key: "ca",
-            message: format!(
-                "no system root certificates ({why}): give the backend's CA as `ca`"
-            ),
+            message: format!("no system root certificates ({why}): give the backend's CA as `ca`"),
         });
     }
     Ok((store, format!("the system roots ({added} certificates)")))

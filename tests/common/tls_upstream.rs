@@ -61,11 +61,14 @@ impl Ca {
     pub fn leaf(&self, names: &[&str]) -> Leaf {
         let names: Vec<String> = names.iter().map(|n| n.to_string()).collect();
         let mut params = CertificateParams::new(names.clone()).expect("leaf params");
-        params
-            .distinguished_name
-            .push(DnType::CommonName, names.first().cloned().unwrap_or_default());
+        params.distinguished_name.push(
+            DnType::CommonName,
+            names.first().cloned().unwrap_or_default(),
+        );
         let key = KeyPair::generate().expect("leaf key");
-        let cert = params.signed_by(&key, &self.issuer).expect("leaf certificate");
+        let cert = params
+            .signed_by(&key, &self.issuer)
+            .expect("leaf certificate");
         Leaf {
             cert: cert.pem(),
             key: key.serialize_pem(),
@@ -202,10 +205,11 @@ async fn serve(listener: TcpListener, acceptor: TlsAcceptor, seen: Arc<TlsSeen>)
                     .lock()
                     .unwrap()
                     .push(conn.server_name().map(str::to_string));
-                seen.client_certs
-                    .lock()
-                    .unwrap()
-                    .push(conn.peer_certificates().and_then(|c| c.first()).map(|c| c.to_vec()));
+                seen.client_certs.lock().unwrap().push(
+                    conn.peer_certificates()
+                        .and_then(|c| c.first())
+                        .map(|c| c.to_vec()),
+                );
             }
             let seen2 = seen.clone();
             let service = service_fn(move |req: http::Request<hyper::body::Incoming>| {
