@@ -18,7 +18,9 @@
 //!    (`forward`), and its head is written as bytes (`head`): the request line, the
 //!    client's fields, the forwarding fields of this hop (`forward`), the body's framing.
 //! 2. A connection comes from this worker's pool, if one is idle and clean, or is opened
-//!    (`pool`).
+//!    (`pool`): TCP, and for an `https://` upstream TLS over it, the backend's certificate
+//!    verified (`tls`). Either is a `stream::Stream`, and all that follows is the same
+//!    code for both.
 //! 3. The head goes up, and the body after it as the client sends it (`body`), while the
 //!    answer is awaited: an upstream may answer before it has read the whole body.
 //! 4. The answer's head is read and parsed (`head`): its status and fields (hop-by-hop

@@ -16,10 +16,11 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use std::future::Future;
 use std::pin::Pin;
 use std::task::{Context, Poll, Waker};
 
-use tokio::io::{AsyncRead, Interest, ReadBuf};
+use tokio::io::{AsyncRead, ReadBuf};
 use tokio::net::TcpStream;
 
 use super::stream::Stream;
@@ -91,10 +92,12 @@ impl Pool {
 /// `recv` with `MSG_PEEK` per request) costs a syscall per request (docs/performance.md,
 /// "The perimeter's cost").
 ///
-/// A TLS connection is asked the same of its socket first. Only where bytes came are they
-/// read through TLS: records of TLS's own (a session ticket, a key update) leave it
-/// usable; application data, the backend's `close_notify`, its close or a broken record
-/// do not.
+/// A TLS connection is read through TLS, with a waker that does nothing (nobody waits on
+/// an idle connection): that too costs no syscall unless the loop saw the socket readable
+/// (tokio asks its readiness first; the budget is set aside here too), and it also sees plaintext rustls decrypted but
+/// nobody read, which the socket's readiness cannot show. Records of TLS's own (a session
+/// ticket, a key update) are taken in and leave the connection usable; application data,
+/// the backend's `close_notify`, its close or a broken record do not.
 fn still_open(conn: &mut Stream) -> bool {
     match conn {
         Stream::Plain(tcp) => {
@@ -104,17 +107,14 @@ fn still_open(conn: &mut Stream) -> bool {
             matches!(tcp.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
         }
         Stream::Tls(tls) => {
-            // The closure runs only when the loop saw the socket readable, and clears
-            // nothing: Err (WouldBlock) means nothing arrived.
-            let tcp = tls.get_ref().0;
-            if tcp.try_io(Interest::READABLE, || Ok(())).is_err() {
-                return true;
-            }
             let mut probe = [0u8; 1];
             let mut read = ReadBuf::new(&mut probe);
-            // Nobody waits on an idle connection: a waker that does nothing.
             let mut cx = Context::from_waker(Waker::noop());
-            matches!(Pin::new(tls).poll_read(&mut cx, &mut read), Poll::Pending)
+            // Outside the cooperative budget, like the plain check: a spent budget would
+            // read as "nothing there".
+            let look = std::future::poll_fn(|cx| Pin::new(&mut *tls).poll_read(cx, &mut read));
+            let look = std::pin::pin!(tokio::task::unconstrained(look));
+            matches!(look.poll(&mut cx), Poll::Pending)
         }
     }
 }
