@@ -14,8 +14,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::tls_upstream::{write_pem, Ca, ClientCerts, Leaf, TlsUpstream};
-use common::{toml_path, Gateway, HttpClient, Store};
+use bytes::Bytes;
+use common::tls_upstream::{checksum, write_pem, Ca, ClientCerts, Leaf, TlsUpstream};
+use common::{channel_body, toml_path, Gateway, HttpClient, Store};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -234,4 +235,70 @@ async fn insecure_skip_verify_takes_any_certificate_and_says_so_loudly() {
         "{warning}"
     );
     assert_eq!(status(&gw, "/x").await, (200, "tls ok".into()));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_bodies_go_up_over_tls_whole_and_the_connection_is_kept() {
+    let files = Files::new();
+    let (up, ca) = backend(&files, &["localhost"]).await;
+    let gw = gateway(
+        &format!("https://localhost:{}", up.port()),
+        &format!("ca = \"{ca}\""),
+    );
+    let client = HttpClient::new();
+    // With a length, then chunked (streamed in pieces), each larger than a TLS record.
+    let body: Vec<u8> = (0..100_000u32).map(|i| (i % 251) as u8).collect();
+    let expected = format!("tls ok, {} bytes, sum {}", body.len(), checksum(&body));
+    let reply = client
+        .send("POST", &gw.url("/up"), &[], Bytes::from(body.clone()))
+        .await;
+    assert_eq!(reply.status.as_u16(), 200, "{}", gw.logs());
+    assert_eq!(String::from_utf8_lossy(&reply.body), expected);
+
+    let (tx, streamed) = channel_body();
+    let sending = tokio::spawn({
+        let body = body.clone();
+        async move {
+            for piece in body.chunks(7_000) {
+                assert!(tx.send(Bytes::copy_from_slice(piece)).await);
+            }
+        }
+    });
+    let reply = client
+        .try_send("POST", &gw.url("/up"), &[], streamed, WAIT)
+        .await
+        .expect("an answer");
+    sending.await.unwrap();
+    assert_eq!(reply.status.as_u16(), 200, "{}", gw.logs());
+    assert_eq!(String::from_utf8_lossy(&reply.body), expected);
+    assert_eq!(status(&gw, "/after").await.0, 200);
+    assert_eq!(up.requests(), 3);
+    assert_eq!(
+        up.handshakes(),
+        1,
+        "the split connection came back whole to the pool"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_https_override_of_an_http_file_is_verified_against_the_system_roots() {
+    let files = Files::new();
+    let (up, _) = backend(&files, &["localhost"]).await;
+    let url = format!("https://localhost:{}", up.port());
+    let gw = Gateway::start_with(
+        &format!(
+            "workers = 1\n[upstream]\nurl = \"http://127.0.0.1:1\"\n{}",
+            Store::Memory.toml()
+        ),
+        &["--upstream", &url],
+        &[],
+    );
+    // The harness's CA is in no system store.
+    assert_eq!(status(&gw, "/x").await.0, 502);
+    assert_eq!(up.requests(), 0);
+    assert!(
+        gw.wait_for_log("UnknownIssuer", 1, WAIT),
+        "verified, and refused:\n{}",
+        gw.logs()
+    );
 }

@@ -3,8 +3,9 @@
 //!
 //! It counts what the tests ask about: TLS handshakes (full or resumed), the SNI each
 //! asked for, the client certificate each presented, and requests answered. It answers
-//! every request 200 with the body `tls ok`; `/close` with `Connection: close`, so that
-//! the next request needs a new connection.
+//! every request 200 with the body `tls ok` (with a request body: `tls ok, <n> bytes, sum
+//! <checksum>`); `/close` with `Connection: close`, so that the next request needs a new
+//! connection.
 
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
@@ -12,7 +13,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 
 use bytes::Bytes;
-use http_body_util::Full;
+use http_body_util::{BodyExt, Full};
 use hyper::service::service_fn;
 use hyper_util::rt::TokioIo;
 use rcgen::{
@@ -220,8 +221,18 @@ async fn serve(listener: TcpListener, acceptor: TlsAcceptor, seen: Arc<TlsSeen>)
                     if req.uri().path() == "/close" {
                         resp = resp.header("connection", "close");
                     }
+                    let body = req
+                        .into_body()
+                        .collect()
+                        .await
+                        .map(|b| b.to_bytes())
+                        .unwrap_or_default();
+                    let text = match body.len() {
+                        0 => "tls ok".to_string(),
+                        n => format!("tls ok, {n} bytes, sum {}", checksum(&body)),
+                    };
                     Ok::<_, std::convert::Infallible>(
-                        resp.body(Full::new(Bytes::from_static(b"tls ok"))).unwrap(),
+                        resp.body(Full::new(Bytes::from(text))).unwrap(),
                     )
                 }
             });
@@ -230,4 +241,11 @@ async fn serve(listener: TcpListener, acceptor: TlsAcceptor, seen: Arc<TlsSeen>)
                 .await;
         });
     }
+}
+
+/// The sum of `bytes`, each weighted by its place: what the upstream says it read.
+pub fn checksum(bytes: &[u8]) -> u64 {
+    bytes.iter().enumerate().fold(0u64, |acc, (i, b)| {
+        acc.wrapping_add((i as u64 + 1) * u64::from(*b))
+    })
 }
