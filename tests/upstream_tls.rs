@@ -302,3 +302,48 @@ async fn an_https_override_of_an_http_file_is_verified_against_the_system_roots(
         gw.logs()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_reads_the_ca_again_and_a_missing_one_keeps_the_old() {
+    let files = Files::new();
+    let (up, ca) = backend(&files, &["localhost"]).await;
+    let other = files.pem("other-ca.pem", &Ca::new("another CA").pem());
+    let body = |ca: &str| {
+        format!(
+            "workers = 1\n[upstream]\nurl = \"https://localhost:{}\"\nca = \"{ca}\"\n{}",
+            up.port(),
+            Store::Memory.toml()
+        )
+    };
+    let gw = Gateway::start(&body(&other));
+    assert_eq!(status(&gw, "/x").await.0, 502);
+
+    gw.rewrite_config(&body(&ca));
+    tokio::task::block_in_place(|| gw.reload(1));
+    assert_eq!(
+        status(&gw, "/x").await,
+        (200, "tls ok".into()),
+        "{}",
+        gw.logs()
+    );
+
+    // A CA file that is gone: the reload is refused, naming it, and the old one serves.
+    gw.rewrite_config(&body(&toml_path(&files.dir.path().join("gone.pem"))));
+    gw.signal("HUP");
+    assert!(
+        gw.wait_for_log("config reload rejected", 1, WAIT),
+        "{}",
+        gw.logs()
+    );
+    assert!(
+        gw.logs().contains("upstream.ca: cannot read"),
+        "{}",
+        gw.logs()
+    );
+    assert_eq!(status(&gw, "/y").await.0, 200);
+    assert_eq!(
+        up.handshakes(),
+        1,
+        "the pool kept across the rejected reload"
+    );
+}
