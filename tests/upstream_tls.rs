@@ -347,3 +347,31 @@ async fn a_reload_reads_the_ca_again_and_a_missing_one_keeps_the_old() {
         "the pool kept across the rejected reload"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_kept_tls_connection_the_backend_closed_is_not_used_again() {
+    let files = Files::new();
+    let ca = Ca::new("backend CA");
+    let up = TlsUpstream::start_with(
+        &ca.leaf(&["localhost"]),
+        ClientCerts::None,
+        None,
+        Some(Duration::from_millis(200)),
+    )
+    .await;
+    let gw = gateway(
+        &format!("https://localhost:{}", up.port()),
+        &format!("ca = \"{}\"", files.pem("ca.pem", &ca.pem())),
+    );
+    assert_eq!(status(&gw, "/x").await.0, 200);
+    // The backend closes the idle connection; the next request gets a new one, not a 502.
+    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert_eq!(
+        status(&gw, "/y").await,
+        (200, "tls ok".into()),
+        "{}",
+        gw.logs()
+    );
+    assert_eq!(up.handshakes(), 2);
+    assert_eq!(up.requests(), 2);
+}

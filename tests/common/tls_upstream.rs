@@ -122,6 +122,16 @@ impl Drop for TlsUpstream {
 impl TlsUpstream {
     /// Serve `leaf` on a free port; client certificates per `clients`, from `client_ca`.
     pub async fn start(leaf: &Leaf, clients: ClientCerts, client_ca: Option<&Ca>) -> TlsUpstream {
+        Self::start_with(leaf, clients, client_ca, None).await
+    }
+
+    /// The same, closing a kept connection idle for `idle` (hyper's header read timeout).
+    pub async fn start_with(
+        leaf: &Leaf,
+        clients: ClientCerts,
+        client_ca: Option<&Ca>,
+        idle: Option<std::time::Duration>,
+    ) -> TlsUpstream {
         let provider = Arc::new(rustls::crypto::ring::default_provider());
         let chain = CertificateDer::pem_slice_iter(leaf.cert.as_bytes())
             .collect::<Result<Vec<_>, _>>()
@@ -149,7 +159,7 @@ impl TlsUpstream {
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
         let seen = Arc::new(TlsSeen::default());
-        let task = tokio::spawn(serve(listener, acceptor, seen.clone()));
+        let task = tokio::spawn(serve(listener, acceptor, seen.clone(), idle));
         TlsUpstream { addr, seen, task }
     }
 
@@ -182,7 +192,12 @@ impl TlsUpstream {
     }
 }
 
-async fn serve(listener: TcpListener, acceptor: TlsAcceptor, seen: Arc<TlsSeen>) {
+async fn serve(
+    listener: TcpListener,
+    acceptor: TlsAcceptor,
+    seen: Arc<TlsSeen>,
+    idle: Option<std::time::Duration>,
+) {
     loop {
         let Ok((tcp, _)) = listener.accept().await else {
             continue;
@@ -236,9 +251,12 @@ async fn serve(listener: TcpListener, acceptor: TlsAcceptor, seen: Arc<TlsSeen>)
                     )
                 }
             });
-            let _ = hyper::server::conn::http1::Builder::new()
-                .serve_connection(TokioIo::new(tls), service)
-                .await;
+            let mut http = hyper::server::conn::http1::Builder::new();
+            if let Some(idle) = idle {
+                http.timer(hyper_util::rt::TokioTimer::new())
+                    .header_read_timeout(idle);
+            }
+            let _ = http.serve_connection(TokioIo::new(tls), service).await;
         });
     }
 }
