@@ -87,6 +87,11 @@ async fn a_trusted_backend_answers_and_its_tls_connection_is_kept() {
     );
     assert_eq!(up.sni(), vec![Some("localhost".to_string())]);
     assert_eq!(up.client_certs(), vec![None]);
+    // A backend that offers h2 too is told HTTP/1.1, the one protocol spoken to it.
+    assert_eq!(
+        *up.seen.alpn.lock().unwrap(),
+        vec![Some(b"http/1.1".to_vec())]
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

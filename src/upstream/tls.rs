@@ -141,7 +141,7 @@ impl Tls {
             };
             (builder.with_root_certificates(store), roots)
         };
-        let config = match (&options.cert, &options.key) {
+        let mut config = match (&options.cert, &options.key) {
             (Some(cert), Some(key)) => {
                 let chain = certificates(cert, "cert", &mut material)?;
                 let bytes = read(key, "key", &mut material)?;
@@ -174,6 +174,9 @@ impl Tls {
                 })
             }
         };
+        // This client speaks HTTP/1.1 only: said in ALPN, so that a backend that would
+        // pick another protocol refuses the handshake (a clear reason) instead.
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
         Ok(Tls {
             options,
             connector: TlsConnector::from(Arc::new(config)),

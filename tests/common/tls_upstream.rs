@@ -94,6 +94,8 @@ pub struct TlsSeen {
     pub sni: Mutex<Vec<Option<String>>>,
     /// The client certificate of each handshake (DER of the end entity), in order.
     pub client_certs: Mutex<Vec<Option<Vec<u8>>>>,
+    /// The ALPN protocol of each handshake.
+    pub alpn: Mutex<Vec<Option<Vec<u8>>>>,
     /// Handshakes that failed, with rustls' reason.
     pub failed: Mutex<Vec<String>>,
 }
@@ -154,7 +156,8 @@ impl TlsUpstream {
                 builder.with_client_cert_verifier(v.build().expect("client verifier"))
             }
         };
-        let config = builder.with_single_cert(chain, key).expect("server cert");
+        let mut config = builder.with_single_cert(chain, key).expect("server cert");
+        config.alpn_protocols = vec![b"h2".to_vec(), b"http/1.1".to_vec()];
         let acceptor = TlsAcceptor::from(Arc::new(config));
         let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
         let addr = listener.local_addr().expect("addr");
@@ -217,6 +220,10 @@ async fn serve(
                 if conn.handshake_kind() == Some(HandshakeKind::Resumed) {
                     seen.resumed.fetch_add(1, Ordering::SeqCst);
                 }
+                seen.alpn
+                    .lock()
+                    .unwrap()
+                    .push(conn.alpn_protocol().map(<[u8]>::to_vec));
                 seen.sni
                     .lock()
                     .unwrap()
