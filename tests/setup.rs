@@ -201,8 +201,8 @@ fn a_bad_override_is_an_error_that_names_it_and_exits_1_before_binding() {
         ),
         (
             &[],
-            &[("RATEWALL_UPSTREAM", "https://backend")],
-            "ratewall: invalid override: RATEWALL_UPSTREAM = \"https://backend\": invalid upstream url \"https://backend\": only http:// upstreams are supported",
+            &[("RATEWALL_UPSTREAM", "ftp://backend")],
+            "ratewall: invalid override: RATEWALL_UPSTREAM = \"ftp://backend\": invalid upstream url \"ftp://backend\": only http:// and https:// upstreams are supported",
         ),
         // The flag is checked even where it beats a good variable, and in `check`.
         (

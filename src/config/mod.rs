@@ -206,14 +206,13 @@ impl Config {
             }
             None => None,
         };
+        let dir = path.parent().unwrap_or(Path::new(""));
         let tls = match &raw.server.tls {
-            Some(t) => Some(
-                t.load(path.parent().unwrap_or(Path::new("")))
-                    .map_err(|e| e.locate(text, path))?,
-            ),
+            Some(t) => Some(t.load(dir).map_err(|e| e.locate(text, path))?),
             None => None,
         };
-        let mut config = Config::validate(raw, keys_file, tls).map_err(|e| e.locate(text, path))?;
+        let mut config =
+            Config::validate(raw, keys_file, tls, dir).map_err(|e| e.locate(text, path))?;
         config.sha256 = Some(sha256_hex(text.as_bytes()));
         Ok(config)
     }
@@ -222,6 +221,7 @@ impl Config {
         raw: RawConfig,
         keys_file: Option<(PathBuf, std::collections::HashMap<[u8; 32], String>)>,
         tls: Option<crate::tls::Settings>,
+        dir: &Path,
     ) -> Result<Config, Invalid> {
         let store = match raw.store {
             Some(s) => {
@@ -264,7 +264,7 @@ impl Config {
                 .admin
                 .validate(std::env::var("RATEWALL_ADMIN_TOKEN").ok()),
             server: raw.server.validate(tls),
-            upstream: raw.upstream.validate(),
+            upstream: raw.upstream.validate(dir)?,
             store,
             client_ip: raw.client_ip.validate(),
             keys,
@@ -290,6 +290,9 @@ impl Config {
             self.upstream.url.to_string().trim_end_matches('/'),
             self.upstream.base_path
         );
+        if let Some(tls) = &self.upstream.tls {
+            let _ = writeln!(out, "              {}", tls.describe());
+        }
         let t = &self.server.timeouts;
         let _ = writeln!(
             out,
@@ -795,6 +798,37 @@ url = "http://127.0.0.1:3000"
     }
 
     #[test]
+    fn an_https_upstream_gets_tls_and_only_it_takes_tls_keys() {
+        let cfg = Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"https://10.0.0.1:8443\"\nsni = \"b.internal\"\ninsecure_skip_verify = true\n",
+            Path::new("x"),
+        )
+        .unwrap();
+        let tls = cfg.upstream.tls.as_ref().expect("TLS for https://");
+        assert_eq!(
+            tls.describe(),
+            "tls: name b.internal, verified against nothing (insecure_skip_verify) -- INSECURE: the backend's certificate is NOT verified"
+        );
+        assert!(cfg.describe().contains(&tls.describe()));
+        let plain = Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://10.0.0.1\"\n",
+            Path::new("x"),
+        )
+        .unwrap();
+        assert!(plain.upstream.tls.is_none());
+        let e = Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"https://b\"\ninsecure_skip_verify = true\nsni = \"not a name\"\n",
+            Path::new("x"),
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.starts_with("x:6:7: upstream.sni: \"not a name\" is not a valid server name"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn upstream_url_keeps_base_path() {
         let cfg = Config::parse(
             "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:3000/base/\"\n",
@@ -807,7 +841,7 @@ url = "http://127.0.0.1:3000"
             "127.0.0.1:3000"
         );
         assert!(Config::parse(
-            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"https://x\"\n",
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"ftp://x\"\n",
             Path::new("x")
         )
         .is_err());

@@ -77,8 +77,9 @@ impl Overrides {
         self.listen.is_none() && self.admin_listen.is_none() && self.upstream.is_none()
     }
 
-    /// Replace the file's values with these.
-    pub fn apply(&self, config: &mut Config) {
+    /// Replace the file's values with these. An `https://` upstream's TLS is set up for
+    /// its host, with the file's TLS keys; that can fail (a system without roots).
+    pub fn apply(&self, config: &mut Config) -> Result<(), crate::upstream::TlsError> {
         if let Some((a, _)) = &self.listen {
             config.server.listen = *a;
         }
@@ -86,9 +87,9 @@ impl Overrides {
             config.server.admin_listen = Some(*a);
         }
         if let Some((uri, base_path, _)) = &self.upstream {
-            config.upstream.url = uri.clone();
-            config.upstream.base_path = base_path.clone();
+            config.upstream.retarget(uri.clone(), base_path.clone())?;
         }
+        Ok(())
     }
 }
 
@@ -135,7 +136,15 @@ impl Source {
     /// Read and validate the file, then apply the overrides.
     pub fn load(&self) -> Result<Config, ConfigError> {
         let mut config = Config::load(&self.path)?;
-        self.overrides.apply(&mut config);
+        self.overrides
+            .apply(&mut config)
+            .map_err(|e| ConfigError::Invalid {
+                path: self.path.clone(),
+                line: 1,
+                column: 1,
+                key: format!("upstream.{}", e.key),
+                message: format!("with {}: {}", self.overrides, e.message),
+            })?;
         Ok(config)
     }
 }
@@ -165,7 +174,7 @@ mod tests {
             Path::new("t.toml"),
         )
         .unwrap();
-        o.apply(&mut c);
+        o.apply(&mut c).unwrap();
         assert_eq!(c.server.listen, "0.0.0.0:8080".parse().unwrap());
         assert_eq!(c.server.admin_listen, Some("[::]:9090".parse().unwrap()));
         assert_eq!(
@@ -186,14 +195,14 @@ mod tests {
             e.to_string(),
             "RATEWALL_LISTEN = \"0.0.0.0\": invalid socket address syntax"
         );
-        let e = Overrides::new(None, None, given("https://x", "--upstream")).unwrap_err();
+        let e = Overrides::new(None, None, given("ftp://x", "--upstream")).unwrap_err();
         assert_eq!(
             e.to_string(),
-            "--upstream = \"https://x\": invalid upstream url \"https://x\": only http:// upstreams are supported"
+            "--upstream = \"ftp://x\": invalid upstream url \"ftp://x\": only http:// and https:// upstreams are supported"
         );
         // The file says the same of the same value.
         let file = Config::parse(
-            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"https://x\"\n",
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"ftp://x\"\n",
             Path::new("t.toml"),
         )
         .unwrap_err()

@@ -228,11 +228,15 @@ impl<'de> Deserialize<'de> for UpstreamUrl {
         let uri: http::Uri = s
             .parse()
             .map_err(|e| de::Error::custom(format!("invalid upstream url {s:?}: {e}")))?;
-        if uri.scheme_str() != Some("http") {
-            return Err(de::Error::custom(format!(
-                "invalid upstream url {s:?}: only http:// upstreams are supported"
-            )));
-        }
+        let scheme = match uri.scheme_str() {
+            Some("http") => "http",
+            Some("https") => "https",
+            _ => {
+                return Err(de::Error::custom(format!(
+                    "invalid upstream url {s:?}: only http:// and https:// upstreams are supported"
+                )))
+            }
+        };
         let Some(authority) = uri.authority().cloned() else {
             return Err(de::Error::custom(format!(
                 "invalid upstream url {s:?}: no host"
@@ -245,7 +249,7 @@ impl<'de> Deserialize<'de> for UpstreamUrl {
         }
         let base_path = uri.path().trim_end_matches('/').to_string();
         let uri = http::Uri::builder()
-            .scheme("http")
+            .scheme(scheme)
             .authority(authority)
             .path_and_query("/")
             .build()

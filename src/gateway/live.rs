@@ -58,9 +58,23 @@ impl Live {
             Some(o) if o.config.upstream == config.upstream && o.upstreams.len() == workers => {
                 o.upstreams.clone()
             }
-            _ => (0..workers)
-                .map(|_| upstream::Client::new(&config.upstream))
-                .collect(),
+            _ => {
+                if let Some(tls) = config
+                    .upstream
+                    .tls
+                    .as_ref()
+                    .filter(|t| t.options().insecure_skip_verify)
+                {
+                    tracing::warn!(
+                        upstream = config.upstream.url.to_string().trim_end_matches('/'),
+                        tls = %tls.describe(),
+                        "INSECURE: [upstream] insecure_skip_verify = true: the backend's TLS certificate is NOT verified; anyone on the path can pose as the backend. For a test bench only: give the backend's CA as [upstream] ca instead"
+                    );
+                }
+                (0..workers)
+                    .map(|_| upstream::Client::new(&config.upstream))
+                    .collect()
+            }
         };
         // In a cluster, rules on different identities mean refunds, and a refund can make
         // a remembered denial stale: cache only when every rule counts the same identity.

@@ -15,12 +15,11 @@ use http::Response;
 use http_body_util::BodyExt;
 use hyper::body::{Body, Frame, Incoming, SizeHint};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
-use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
-use tokio::net::TcpStream;
 
 use super::forward::strip_hop_by_hop;
 use super::head::{Close, FEW_FIELDS};
 use super::pool::Pool;
+use super::stream::{ReadSide, Stream, WriteSide};
 use super::{Error, READ_SIZE};
 
 /// The most a chunk-size line or the trailer section may take.
@@ -53,7 +52,7 @@ impl Sending {
 
 /// The rest of a request body going up, and the write half once it is all sent.
 pub(super) type Upload =
-    Pin<Box<dyn std::future::Future<Output = Result<OwnedWriteHalf, UploadError>> + Send>>;
+    Pin<Box<dyn std::future::Future<Output = Result<WriteSide, UploadError>> + Send>>;
 
 /// Why a request body did not all go up, and whose fault that is.
 #[derive(Debug)]
@@ -86,7 +85,12 @@ pub(super) async fn send<W: AsyncWrite + Unpin>(
         within: Duration,
         replayable: bool,
     ) -> Result<(), UploadError> {
-        match tokio::time::timeout(within, conn.write_all_buf(buf)).await {
+        // The flush: TLS may hold what was written in its buffer (nothing on plain TCP).
+        let written = async {
+            conn.write_all_buf(buf).await?;
+            conn.flush().await
+        };
+        match tokio::time::timeout(within, written).await {
             Ok(Ok(())) => Ok(()),
             Ok(Err(source)) => Err(UploadError::Upstream(Error::Write { source, replayable })),
             Err(_) => Err(UploadError::Upstream(Error::WriteStalled(within))),
@@ -214,8 +218,8 @@ struct Stall {
 /// The connection an answer is read from: whole (and maybe kept), or the read half of one
 /// whose write half carries an upload (never kept).
 pub(super) enum Conn {
-    Whole(TcpStream),
-    Half(OwnedReadHalf),
+    Whole(Stream),
+    Half(ReadSide),
 }
 
 impl ResponseBody {
@@ -270,7 +274,8 @@ impl ResponseBody {
     fn poll_fill(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         match self.conn.as_mut() {
             None => Poll::Ready(Ok(0)),
-            Some(Conn::Whole(conn)) => loop {
+            // Plain TCP reads straight into `buf`'s spare room, without a copy.
+            Some(Conn::Whole(Stream::Plain(conn))) => loop {
                 self.buf.reserve(READ_SIZE);
                 match conn.try_read_buf(&mut self.buf) {
                     Ok(n) => return Poll::Ready(Ok(n)),
@@ -280,6 +285,13 @@ impl ResponseBody {
                     Err(e) => return Poll::Ready(Err(e)),
                 }
             },
+            Some(Conn::Whole(Stream::Tls(tls))) => {
+                let mut chunk = [0u8; 8192];
+                let mut read = ReadBuf::new(&mut chunk);
+                ready!(Pin::new(tls).poll_read(cx, &mut read))?;
+                self.buf.extend_from_slice(read.filled());
+                Poll::Ready(Ok(read.filled().len()))
+            }
             Some(Conn::Half(half)) => {
                 let mut chunk = [0u8; 8192];
                 let mut read = ReadBuf::new(&mut chunk);

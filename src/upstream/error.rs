@@ -39,6 +39,19 @@ pub enum Error {
     /// Connecting took longer than this address's share of `connect_timeout`.
     #[error("connecting to {addr} timed out after {after:?}")]
     ConnectTimeout { addr: SocketAddr, after: Duration },
+    /// The TLS handshake with an `https://` upstream failed: its certificate did not
+    /// verify for `name` (an unknown issuer, another name, expired), or the backend
+    /// refused ours, or the connection broke. The source says which (`super::tls`).
+    #[error("TLS handshake with {addr} for {name:?}: {source}")]
+    Tls {
+        addr: SocketAddr,
+        name: String,
+        #[source]
+        source: io::Error,
+    },
+    /// The TLS handshake took longer than `connect_timeout`.
+    #[error("TLS handshake with {addr} timed out after {after:?}")]
+    TlsTimeout { addr: SocketAddr, after: Duration },
 
     // Sending the request.
     /// A request target that is neither a path nor `*` (nothing else can go upstream).
@@ -143,6 +156,12 @@ impl Error {
             }
             Error::ClientBody(_) => "the request body is malformed",
             Error::ClientStalled(_) => "the request body stopped arriving",
+            Error::Tls { source, .. } if super::tls::is_certificate_error(source) => {
+                "the upstream's TLS certificate could not be verified"
+            }
+            Error::Tls { .. } | Error::TlsTimeout { .. } => {
+                "the TLS handshake with the upstream failed"
+            }
             _ => "the upstream could not be reached",
         }
     }
@@ -157,8 +176,8 @@ impl Error {
     /// Whether the same request may be sent again, whole and unchanged, on another
     /// connection (to this upstream or another). True exactly when:
     ///
-    /// - no connection could be opened (resolving or connecting failed or timed out):
-    ///   nothing of the request was sent; or
+    /// - no connection could be opened (resolving, connecting or the TLS handshake failed
+    ///   or timed out): nothing of the request was sent; or
     /// - the connection was closed or reset (a failed write, a read that ended or failed)
     ///   before the first byte of any answer (a 1xx counts) and before any byte of the
     ///   client's body was read — its head alone had gone up — and the method is
@@ -176,7 +195,9 @@ impl Error {
             | Error::ResolveTimeout(_)
             | Error::NoAddress
             | Error::Connect { .. }
-            | Error::ConnectTimeout { .. } => true,
+            | Error::ConnectTimeout { .. }
+            | Error::Tls { .. }
+            | Error::TlsTimeout { .. } => true,
             Error::Write { replayable, .. }
             | Error::Closed { replayable }
             | Error::Read { replayable, .. } => *replayable,

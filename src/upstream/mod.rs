@@ -18,7 +18,9 @@
 //!    (`forward`), and its head is written as bytes (`head`): the request line, the
 //!    client's fields, the forwarding fields of this hop (`forward`), the body's framing.
 //! 2. A connection comes from this worker's pool, if one is idle and clean, or is opened
-//!    (`pool`).
+//!    (`pool`): TCP, and for an `https://` upstream TLS over it, the backend's certificate
+//!    verified (`tls`). Either is a `stream::Stream`, and all that follows is the same
+//!    code for both.
 //! 3. The head goes up, and the body after it as the client sends it (`body`), while the
 //!    answer is awaited: an upstream may answer before it has read the whole body.
 //! 4. The answer's head is read and parsed (`head`): its status and fields (hop-by-hop
@@ -37,6 +39,8 @@ mod forward;
 mod head;
 mod health;
 mod pool;
+mod stream;
+mod tls;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -45,16 +49,16 @@ use http::header::HeaderValue;
 use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use tokio::io::AsyncWriteExt;
-use tokio::net::tcp::OwnedWriteHalf;
-use tokio::net::TcpStream;
 
 pub use body::{BodyError, ResponseBody};
 pub use error::{Error, Malformed};
 pub use forward::{Downstream, Peer};
 pub use health::{Health, HealthChange};
+pub use tls::{Tls, TlsError, TlsOptions};
 
 use body::{Conn, Sending, Upload, UploadError};
 use pool::{Address, Pool};
+use stream::{Stream, WriteSide};
 
 /// How much is read from the upstream at a time.
 const READ_SIZE: usize = 16 * 1024;
@@ -64,6 +68,8 @@ const READ_SIZE: usize = 16 * 1024;
 pub struct Settings {
     /// Scheme and authority of the backend, e.g. `http://127.0.0.1:3000`.
     pub url: http::Uri,
+    /// TLS to the backend: set exactly when `url` is `https://`.
+    pub tls: Option<Arc<Tls>>,
     /// Path the request path is appended to, without a trailing `/` (empty for `/`).
     pub base_path: String,
     /// The longest opening a connection may take (resolving included).
@@ -74,6 +80,39 @@ pub struct Settings {
     pub timeout: Duration,
 }
 
+impl Settings {
+    /// Point at `url` (an override of the file's): TLS is set up anew for its host with
+    /// the file's TLS keys, or dropped for an `http://` URL.
+    pub fn retarget(&mut self, url: http::Uri, base_path: String) -> Result<(), TlsError> {
+        let options = self
+            .tls
+            .as_ref()
+            .map(|t| t.options().clone())
+            .unwrap_or_default();
+        self.tls = tls_for(&url, options)?;
+        self.url = url;
+        self.base_path = base_path;
+        Ok(())
+    }
+}
+
+/// The TLS side for `url` with `options`: `None` for `http://`, where no TLS key may be
+/// given.
+pub fn tls_for(url: &http::Uri, options: TlsOptions) -> Result<Option<Arc<Tls>>, TlsError> {
+    if url.scheme_str() != Some("https") {
+        if options.any() {
+            return Err(TlsError {
+                key: "url",
+                message: "TLS keys (ca, sni, cert, key, insecure_skip_verify) need an https:// url"
+                    .into(),
+            });
+        }
+        return Ok(None);
+    }
+    let host = url.host().unwrap_or_default();
+    Ok(Some(Arc::new(Tls::new(options, host)?)))
+}
+
 /// `[upstream] connect_timeout`'s default.
 pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
 /// `[upstream] timeout`'s default.
@@ -82,6 +121,8 @@ pub const TIMEOUT: Duration = Duration::from_secs(30);
 /// One worker's way to the upstream: where it is, and the connections kept open to it.
 pub struct Client {
     address: Address,
+    /// TLS over each new connection, for an `https://` upstream.
+    tls: Option<Arc<Tls>>,
     /// The `Host` sent when the client gave none: host and port, never user info.
     authority: HeaderValue,
     base_path: String,
@@ -93,7 +134,8 @@ pub struct Client {
 impl Client {
     pub fn new(cfg: &Settings) -> Client {
         let host = cfg.url.host().unwrap_or("127.0.0.1");
-        let port = cfg.url.port_u16().unwrap_or(80);
+        let default_port = if cfg.tls.is_some() { 443 } else { 80 };
+        let port = cfg.url.port_u16().unwrap_or(default_port);
         let authority = match cfg.url.port() {
             Some(p) => format!("{host}:{}", p.as_str()),
             None => host.to_string(),
@@ -102,6 +144,7 @@ impl Client {
             .unwrap_or_else(|_| HeaderValue::from_static("127.0.0.1"));
         Client {
             address: Address::new(host, port),
+            tls: cfg.tls.clone(),
             authority,
             base_path: cfg.base_path.clone(),
             timeout: cfg.timeout,
@@ -139,7 +182,7 @@ impl Client {
         // fails this request with a 502 rather than sending it twice.
         let conn = match self.pool.take() {
             Some(conn) => conn,
-            None => self.address.connect(self.connect_timeout).await?,
+            None => self.open().await?,
         };
         let answer = if sending == Sending::None {
             self.exchange(conn, out).await?
@@ -152,18 +195,31 @@ impl Client {
         head::pass_codings(answer, parts.version)
     }
 
+    /// A new connection: TCP, and TLS over it for an `https://` upstream, each within
+    /// `connect_timeout`.
+    async fn open(&self) -> Result<Stream, Error> {
+        let (tcp, addr) = self.address.connect(self.connect_timeout).await?;
+        match &self.tls {
+            None => Ok(Stream::Plain(tcp)),
+            Some(tls) => tls.handshake(tcp, addr, self.connect_timeout).await,
+        }
+    }
+
     /// A request without a body: the head goes up, and the answer's head must come back
     /// within `timeout`.
     async fn exchange(
         &self,
-        mut conn: TcpStream,
+        mut conn: Stream,
         out: Outgoing,
     ) -> Result<Response<ResponseBody>, Error> {
         let replayable = out.replayable;
         let exchange = async {
-            conn.write_all(&out.head)
-                .await
-                .map_err(|source| Error::Write { source, replayable })?;
+            // The flush: TLS may hold the head in its buffer (nothing on plain TCP).
+            let written = match conn.write_all(&out.head).await {
+                Ok(()) => conn.flush().await,
+                e => e,
+            };
+            written.map_err(|source| Error::Write { source, replayable })?;
             head::read(&mut conn, out.is_head, replayable).await
         };
         let (parts, buf, framing) = tokio::time::timeout(self.timeout, exchange)
@@ -187,13 +243,13 @@ impl Client {
     /// once, and the upstream connection, left mid-request, is closed.
     async fn duplex(
         &self,
-        conn: TcpStream,
+        conn: Stream,
         out: Outgoing,
         body: Incoming,
         chunked: bool,
         body_timeout: Duration,
     ) -> Result<Response<ResponseBody>, Error> {
-        let (mut rd, mut wr) = conn.into_split();
+        let (mut rd, mut wr) = conn.split();
         let (timeout, replayable) = (self.timeout, out.replayable);
         let mut upload: Upload = Box::pin(async move {
             let head = out.head;
@@ -209,7 +265,7 @@ impl Client {
             .await?;
             Ok(wr)
         });
-        let mut uploaded: Option<Result<OwnedWriteHalf, UploadError>> = None;
+        let mut uploaded: Option<Result<WriteSide, UploadError>> = None;
         let answer = {
             // Some of the body may have been read by the time the answer fails: the
             // request cannot go again then (a failed write of its head says so instead).
@@ -249,7 +305,7 @@ impl Client {
         let (conn, upload) = match uploaded {
             Some(Ok(wr)) => match rd.reunite(wr) {
                 Ok(conn) => (Conn::Whole(conn), None),
-                Err(e) => (Conn::Half(e.0), None),
+                Err(rd) => (Conn::Half(rd), None),
             },
             Some(Err(_)) => (Conn::Half(rd), None),
             None => (Conn::Half(rd), Some(upload)),

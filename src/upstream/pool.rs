@@ -16,8 +16,14 @@ use std::net::{IpAddr, SocketAddr};
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll, Waker};
+
+use tokio::io::{AsyncRead, ReadBuf};
 use tokio::net::TcpStream;
 
+use super::stream::Stream;
 use super::Error;
 
 /// Idle connections kept per worker, and for how long.
@@ -26,7 +32,7 @@ const IDLE_FOR: Duration = Duration::from_secs(60);
 
 /// Idle keep-alive connections, most recently used last.
 pub(super) struct Pool {
-    idle: Mutex<VecDeque<(TcpStream, Instant)>>,
+    idle: Mutex<VecDeque<(Stream, Instant)>>,
     /// The upstream's `timeout`: also the longest silence inside an answer's body.
     pub(super) timeout: Duration,
 }
@@ -40,7 +46,7 @@ impl Pool {
     }
 
     /// The most recently used idle connection that can take a request, if any.
-    pub(super) fn take(&self) -> Option<TcpStream> {
+    pub(super) fn take(&self) -> Option<Stream> {
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         while let Some((_, since)) = idle.front() {
             if since.elapsed() < IDLE_FOR {
@@ -48,8 +54,8 @@ impl Pool {
             }
             idle.pop_front();
         }
-        while let Some((conn, _)) = idle.pop_back() {
-            if still_open(&conn) {
+        while let Some((mut conn, _)) = idle.pop_back() {
+            if still_open(&mut conn) {
                 return Some(conn);
             }
         }
@@ -60,11 +66,11 @@ impl Pool {
     /// otherwise sit in CLOSE_WAIT until the next request comes).
     pub(super) fn sweep(&self) {
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
-        idle.retain(|(conn, since)| since.elapsed() < IDLE_FOR && still_open(conn));
+        idle.retain_mut(|(conn, since)| since.elapsed() < IDLE_FOR && still_open(conn));
     }
 
     /// Keep `conn` for another request; the connection idle longest makes room.
-    pub(super) fn put(&self, conn: TcpStream) {
+    pub(super) fn put(&self, conn: Stream) {
         let mut idle = self.idle.lock().unwrap_or_else(PoisonError::into_inner);
         if idle.len() >= MAX_IDLE {
             idle.pop_front();
@@ -85,11 +91,32 @@ impl Pool {
 /// cannot be told from an answer (docs/operations.md). Asking the kernel every time (a
 /// `recv` with `MSG_PEEK` per request) costs a syscall per request (docs/performance.md,
 /// "The perimeter's cost").
-fn still_open(conn: &TcpStream) -> bool {
-    let mut probe = [0u8; 1];
-    // WouldBlock is the one good answer: 0 is the upstream's close, more a stray answer,
-    // another error a broken socket.
-    matches!(conn.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+///
+/// A TLS connection is read through TLS, with a waker that does nothing (nobody waits on
+/// an idle connection): that too costs no syscall unless the loop saw the socket readable
+/// (tokio asks its readiness first; the budget is set aside here too), and it also sees plaintext rustls decrypted but
+/// nobody read, which the socket's readiness cannot show. Records of TLS's own (a session
+/// ticket, a key update) are taken in and leave the connection usable; application data,
+/// the backend's `close_notify`, its close or a broken record do not.
+fn still_open(conn: &mut Stream) -> bool {
+    match conn {
+        Stream::Plain(tcp) => {
+            let mut probe = [0u8; 1];
+            // WouldBlock is the one good answer: 0 is the upstream's close, more a stray
+            // answer, another error a broken socket.
+            matches!(tcp.try_read(&mut probe), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+        }
+        Stream::Tls(tls) => {
+            let mut probe = [0u8; 1];
+            let mut read = ReadBuf::new(&mut probe);
+            let mut cx = Context::from_waker(Waker::noop());
+            // Outside the cooperative budget, like the plain check: a spent budget would
+            // read as "nothing there".
+            let look = std::future::poll_fn(|cx| Pin::new(&mut *tls).poll_read(cx, &mut read));
+            let look = std::pin::pin!(tokio::task::unconstrained(look));
+            matches!(look.poll(&mut cx), Poll::Pending)
+        }
+    }
 }
 
 /// Where new connections go: the upstream's name and port, and its address when the URL
@@ -115,8 +142,12 @@ impl Address {
         }
     }
 
-    /// A new connection, within `timeout` (resolving included).
-    pub(super) async fn connect(&self, timeout: Duration) -> Result<TcpStream, Error> {
+    /// A new connection and the address it went to, within `timeout` (resolving
+    /// included).
+    pub(super) async fn connect(
+        &self,
+        timeout: Duration,
+    ) -> Result<(TcpStream, SocketAddr), Error> {
         let addrs: Vec<SocketAddr> = match self.addr {
             Some(addr) => vec![addr],
             None => {
@@ -136,7 +167,7 @@ impl Address {
             match tokio::time::timeout(each, TcpStream::connect(addr)).await {
                 Ok(Ok(conn)) => {
                     let _ = conn.set_nodelay(true);
-                    return Ok(conn);
+                    return Ok((conn, addr));
                 }
                 Ok(Err(source)) => why = Error::Connect { addr, source },
                 Err(_) => why = Error::ConnectTimeout { addr, after: each },

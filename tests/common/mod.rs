@@ -9,6 +9,8 @@
 //!   computed here with `sha2`, not with the crate's digest functions under test.
 //! - [`gateway`]: the `ratewall` binary on a generated config, and config snippets.
 //! - [`upstream`]: an HTTP upstream in the test process that records what it saw.
+//! - [`tls_upstream`]: an https upstream in the test process, with certificates made by
+//!   the harness (rcgen), counting handshakes, SNI and client certificates.
 //! - [`client`]: a real HTTP client (HTTP/1.1 or h2c), replies read whole, streamed bodies.
 //! - [`raw`]: raw TCP exchanges for bytes no well-behaved client would send.
 //! - [`headers`]: the RateLimit Structured Field headers, parsed.
@@ -30,6 +32,7 @@ pub mod redis_server;
 pub mod seed;
 pub mod serial;
 pub mod tls;
+pub mod tls_upstream;
 pub mod upstream;
 
 pub use client::*;

@@ -1,0 +1,345 @@
+//! TLS to an `https://` upstream: rustls on the ring provider, TLS 1.2 and 1.3 with
+//! rustls' safe defaults.
+//!
+//! The backend's certificate is verified against the system's roots, or against `ca`
+//! alone where it is given, for the name in the URL or `sni` (which is also the name sent
+//! as SNI). A handshake that fails is the request's [`Error::Tls`]: a 502, its reason
+//! logged (an unknown issuer, a name mismatch, an expired certificate, the backend's
+//! alert), never a retry without verification. `insecure_skip_verify` turns verification
+//! off only when asked, and says so loudly each time the setting is loaded.
+//!
+//! One [`Tls`] is built per load of the configuration and shared by every worker's
+//! client: its `ClientConfig` keeps rustls' in-memory session cache, so a connection
+//! opened after another resumes its session (a TLS 1.3 ticket or a 1.2 session id)
+//! instead of a full handshake.
+
+use std::fmt;
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use rustls::crypto::CryptoProvider;
+use rustls::pki_types::pem::PemObject;
+use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
+use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
+use sha2::{Digest, Sha256};
+use tokio::net::TcpStream;
+use tokio_rustls::TlsConnector;
+
+use super::stream::Stream;
+use super::Error;
+
+/// `[upstream]`'s TLS keys as the file gives them, paths resolved against its folder.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct TlsOptions {
+    /// PEM file of the certificates trusted for the backend, in place of the system's.
+    pub ca: Option<PathBuf>,
+    /// The name sent as SNI and verified in the certificate, in place of the URL's host.
+    pub sni: Option<String>,
+    /// PEM certificate chain and key presented to a backend that asks for one (mTLS).
+    pub cert: Option<PathBuf>,
+    pub key: Option<PathBuf>,
+    /// Accept any certificate: for a test bench only, logged as a warning at each load.
+    pub insecure_skip_verify: bool,
+}
+
+impl TlsOptions {
+    /// Whether any key was given (they mean nothing to an `http://` upstream).
+    pub fn any(&self) -> bool {
+        *self != TlsOptions::default()
+    }
+}
+
+/// Why the TLS settings cannot be used, and which key is at fault.
+#[derive(Debug)]
+pub struct TlsError {
+    pub key: &'static str,
+    pub message: String,
+}
+
+impl fmt::Display for TlsError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "[upstream] {}: {}", self.key, self.message)
+    }
+}
+
+/// The TLS side of an `https://` upstream, ready for handshakes.
+pub struct Tls {
+    options: TlsOptions,
+    connector: TlsConnector,
+    name: ServerName<'static>,
+    /// What the certificate is verified against, for `ratewall check` and the logs.
+    roots: String,
+    /// SHA-256 of every file read: a reload with a changed file builds a new client
+    /// (fresh pool, fresh sessions), one with the same files keeps the old.
+    material: [u8; 32],
+}
+
+impl fmt::Debug for Tls {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("Tls")
+            .field("options", &self.options)
+            .field("name", &self.name)
+            .field("roots", &self.roots)
+            .finish_non_exhaustive()
+    }
+}
+
+impl PartialEq for Tls {
+    fn eq(&self, other: &Tls) -> bool {
+        self.options == other.options && self.name == other.name && self.material == other.material
+    }
+}
+
+impl Tls {
+    /// Read the files `options` name and build the client side of TLS to `host` (the
+    /// URL's host, brackets and all for IPv6).
+    pub fn new(options: TlsOptions, host: &str) -> Result<Tls, TlsError> {
+        let provider = Arc::new(rustls::crypto::ring::default_provider());
+        let mut material = Sha256::new();
+        let name_text = options.sni.clone().unwrap_or_else(|| {
+            host.trim_start_matches('[')
+                .trim_end_matches(']')
+                .to_string()
+        });
+        let name = match name_text.parse::<IpAddr>() {
+            Ok(ip) => ServerName::IpAddress(ip.into()),
+            Err(_) => ServerName::try_from(name_text.clone()).map_err(|e| TlsError {
+                key: if options.sni.is_some() { "sni" } else { "url" },
+                message: format!("{name_text:?} is not a valid server name: {e}"),
+            })?,
+        };
+        let builder = ClientConfig::builder_with_provider(provider.clone())
+            .with_safe_default_protocol_versions()
+            .map_err(|e| TlsError {
+                key: "url",
+                message: format!("no TLS version available: {e}"),
+            })?;
+        let (builder, roots) = if options.insecure_skip_verify {
+            let verifier = Arc::new(NoVerification(provider));
+            let b = builder
+                .dangerous()
+                .with_custom_certificate_verifier(verifier);
+            (b, "nothing (insecure_skip_verify)".to_string())
+        } else {
+            let (store, roots) = match &options.ca {
+                Some(path) => {
+                    let certs = certificates(path, "ca", &mut material)?;
+                    let mut store = RootCertStore::empty();
+                    let (added, _) = store.add_parsable_certificates(certs);
+                    if added == 0 {
+                        return Err(TlsError {
+                            key: "ca",
+                            message: format!("{}: no usable CA certificate", path.display()),
+                        });
+                    }
+                    (store, format!("{} ({added} certificates)", path.display()))
+                }
+                None => system_roots()?,
+            };
+            (builder.with_root_certificates(store), roots)
+        };
+        let mut config = match (&options.cert, &options.key) {
+            (Some(cert), Some(key)) => {
+                let chain = certificates(cert, "cert", &mut material)?;
+                let bytes = read(key, "key", &mut material)?;
+                let der = PrivateKeyDer::from_pem_slice(&bytes).map_err(|e| TlsError {
+                    key: "key",
+                    message: format!("{}: no private key: {e}", key.display()),
+                })?;
+                builder
+                    .with_client_auth_cert(chain, der)
+                    .map_err(|e| TlsError {
+                        key: "key",
+                        message: format!(
+                            "{} does not go with {}: {e}",
+                            key.display(),
+                            cert.display()
+                        ),
+                    })?
+            }
+            (None, None) => builder.with_no_client_auth(),
+            (Some(_), None) => {
+                return Err(TlsError {
+                    key: "cert",
+                    message: "a client certificate needs its `key`".into(),
+                })
+            }
+            (None, Some(_)) => {
+                return Err(TlsError {
+                    key: "key",
+                    message: "a client key needs its `cert`".into(),
+                })
+            }
+        };
+        // This client speaks HTTP/1.1 only: said in ALPN, so that a backend that would
+        // pick another protocol refuses the handshake (a clear reason) instead.
+        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        Ok(Tls {
+            options,
+            connector: TlsConnector::from(Arc::new(config)),
+            name,
+            roots,
+            material: material.finalize().into(),
+        })
+    }
+
+    pub fn options(&self) -> &TlsOptions {
+        &self.options
+    }
+
+    /// `ratewall check`'s line: what is verified, against what, with which name.
+    pub fn describe(&self) -> String {
+        let mut out = format!(
+            "tls: name {}, verified against {}",
+            self.name.to_str(),
+            self.roots
+        );
+        if let Some(cert) = &self.options.cert {
+            out.push_str(&format!(", client certificate {}", cert.display()));
+        }
+        if self.options.insecure_skip_verify {
+            out.push_str(" -- INSECURE: the backend's certificate is NOT verified");
+        }
+        out
+    }
+
+    /// TLS over `tcp`, opened to `addr`, within `timeout`.
+    pub(super) async fn handshake(
+        &self,
+        tcp: TcpStream,
+        addr: SocketAddr,
+        timeout: Duration,
+    ) -> Result<Stream, Error> {
+        let connect = self.connector.connect(self.name.clone(), tcp);
+        match tokio::time::timeout(timeout, connect).await {
+            Ok(Ok(tls)) => Ok(Stream::Tls(Box::new(tls))),
+            Ok(Err(source)) => Err(Error::Tls {
+                addr,
+                name: self.name.to_str().into_owned(),
+                source,
+            }),
+            Err(_) => Err(Error::TlsTimeout {
+                addr,
+                after: timeout,
+            }),
+        }
+    }
+}
+
+fn read(path: &Path, key: &'static str, material: &mut Sha256) -> Result<Vec<u8>, TlsError> {
+    let bytes = std::fs::read(path).map_err(|e| TlsError {
+        key,
+        message: format!("cannot read {}: {e}", path.display()),
+    })?;
+    material.update((bytes.len() as u64).to_le_bytes());
+    material.update(&bytes);
+    Ok(bytes)
+}
+
+fn certificates(
+    path: &Path,
+    key: &'static str,
+    material: &mut Sha256,
+) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let bytes = read(path, key, material)?;
+    let certs = CertificateDer::pem_slice_iter(&bytes)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| TlsError {
+            key,
+            message: format!("{}: not PEM certificates: {e}", path.display()),
+        })?;
+    if certs.is_empty() {
+        return Err(TlsError {
+            key,
+            message: format!("{}: no certificate in it", path.display()),
+        });
+    }
+    Ok(certs)
+}
+
+/// The system's trusted roots (rustls-native-certs: the platform's store, `SSL_CERT_FILE`
+/// and `SSL_CERT_DIR` where set). Certificates it cannot parse are skipped; none at all
+/// is an error, as no backend could then be verified.
+fn system_roots() -> Result<(RootCertStore, String), TlsError> {
+    let found = rustls_native_certs::load_native_certs();
+    let mut store = RootCertStore::empty();
+    let (added, _) = store.add_parsable_certificates(found.certs);
+    if added == 0 {
+        let why = found
+            .errors
+            .first()
+            .map_or_else(|| "none found".to_string(), ToString::to_string);
+        return Err(TlsError {
+            key: "ca",
+            message: format!("no system root certificates ({why}): give the backend's CA as `ca`"),
+        });
+    }
+    Ok((store, format!("the system roots ({added} certificates)")))
+}
+
+/// `insecure_skip_verify`: any certificate, for any name, is taken. The handshake's
+/// signatures are still checked (the peer holds the key of the certificate it showed),
+/// which keeps the session's own integrity but says nothing of who the peer is.
+#[derive(Debug)]
+struct NoVerification(Arc<CryptoProvider>);
+
+impl ServerCertVerifier for NoVerification {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp_response: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}
+
+/// Whether a handshake's failure is the backend's certificate (as opposed to the
+/// connection, or the backend refusing ours).
+pub(super) fn is_certificate_error(e: &std::io::Error) -> bool {
+    e.get_ref()
+        .and_then(|inner| inner.downcast_ref::<rustls::Error>())
+        .is_some_and(|e| {
+            matches!(
+                e,
+                rustls::Error::InvalidCertificate(_) | rustls::Error::NoCertificatesPresented
+            )
+        })
+}
