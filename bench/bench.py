@@ -162,14 +162,20 @@ def cpu_seconds(pid):
     return user / tick, system / tick
 
 
+class Tls(int):
+    """A port that speaks TLS (wrk drives it with https://)."""
+
+
 def unit(value, suffix):
     value = float(value)
     return value * {"us": 1e-3, "ms": 1.0, "s": 1e3}[suffix]
 
 
 def wrk(port, script, cpu=None):
+    """wrk against 127.0.0.1:`port`; over TLS where `port` is a `Tls` port."""
+    scheme = "https" if isinstance(port, Tls) else "http"
     cmd = ["wrk", f"-t{THREADS}", f"-c{CONNS}", f"-d{SECS}s", "--latency", "-s", os.path.join(HERE, script),
-           f"http://127.0.0.1:{port}/"]
+           f"{scheme}://127.0.0.1:{port}/"]
     if cpu is not None:
         cmd = ["taskset", "-c", str(cpu), *cmd]
     out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
@@ -428,27 +434,149 @@ def pinned_table():
               f"{cpu_us(peer):.1f} + {peer['redis_us']:.1f})")
 
 
+# The TLS table's ports: the upstream (on CPU 0), then nginx and ratewall (each alone on CPU 1),
+# each with a cleartext and a TLS listener.
+TLS_UPSTREAM, NGINX_PLAIN, NGINX_TLS, RATEWALL_PLAIN, RATEWALL_TLS = 18380, 18381, 18382, 18385, 18386
+# The certificate both serve: EC P-256 by default, TLS_KEY=rsa for RSA 2048.
+TLS_KEY = os.environ.get("TLS_KEY", "ec")
+
+NGINX_TLS_CONF = """
+worker_processes 1;
+pid /tmp/lab/nginx/nginx-tls.pid;
+error_log /tmp/lab/nginx/error-tls.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path /tmp/lab/nginx/body;
+  proxy_temp_path /tmp/lab/nginx/proxy;
+  fastcgi_temp_path /tmp/lab/nginx/fcgi;
+  uwsgi_temp_path /tmp/lab/nginx/uwsgi;
+  scgi_temp_path /tmp/lab/nginx/scgi;
+  upstream backend { server 127.0.0.1:UPSTREAM; keepalive 64; }
+  map $http_x_api_key $rl_key { default $http_x_api_key; }
+  limit_req_zone $rl_key zone=per_key:20m rate=1000000r/s;
+  ssl_certificate /tmp/lab/nginx/cert.pem;
+  ssl_certificate_key /tmp/lab/nginx/key.pem;
+  ssl_protocols TLSv1.2 TLSv1.3;
+  ssl_session_cache shared:SSL:10m;
+  server {
+    listen 127.0.0.1:PLAIN;
+    listen 127.0.0.1:TLS ssl http2;
+    location / { limit_req zone=per_key burst=100000 nodelay; limit_req_status 429; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_pass http://backend; }
+  }
+}
+"""
+
+
+def make_certificate():
+    """A self-signed certificate for 127.0.0.1 in LAB (as the README's quick start makes one)."""
+    new_key = ["-newkey", "rsa:2048"] if TLS_KEY == "rsa" else ["-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256"]
+    subprocess.run(["openssl", "req", "-x509", *new_key, "-nodes", "-days", "2", "-subj", "/CN=localhost",
+                    "-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1",
+                    "-keyout", os.path.join(LAB, "key.pem"), "-out", os.path.join(LAB, "cert.pem")],
+                   check=True, capture_output=True)
+
+
+def tls_table():
+    """ratewall's TLS listener against nginx `ssl` on the same certificate, pinned as the
+    pinned table is: each alone on CPU 1 with one worker, wrk and the upstream on CPU 0.
+    Requests/s and CPU time per request over kept-alive TLS connections, and with one
+    request per connection (`Connection: close`: a full handshake each, wrk resumes no
+    session); the cleartext figures of the same two processes beside them."""
+    check_free((TLS_UPSTREAM, NGINX_PLAIN, NGINX_TLS, RATEWALL_PLAIN, RATEWALL_TLS))
+    if TLS_KEY not in ("ec", "rsa"):
+        sys.exit(f"TLS_KEY={TLS_KEY}: ec or rsa")
+    binary = os.path.join(RELEASE, "ratewall")
+    for d in ("body", "proxy", "fcgi", "uwsgi", "scgi"):
+        os.makedirs(os.path.join(LAB, d), exist_ok=True)
+    make_certificate()
+    upstream = f"""worker_processes 1;
+pid /tmp/lab/nginx/nginx-tls-upstream.pid;
+error_log /tmp/lab/nginx/error-tls-upstream.log warn;
+events {{ worker_connections 4096; }}
+http {{ access_log off; client_body_temp_path /tmp/lab/nginx/body;
+  server {{ listen 127.0.0.1:{TLS_UPSTREAM}; location / {{ return 200 "ok\\n"; }} }} }}
+"""
+    start_nginx("tls-upstream.conf", upstream, LOAD_CPU)
+    conf = (NGINX_TLS_CONF.replace("UPSTREAM", str(TLS_UPSTREAM)).replace("PLAIN", str(NGINX_PLAIN))
+            .replace(":TLS ssl", f":{NGINX_TLS} ssl"))
+    nginx = start_nginx("tls-nginx.conf", conf, SERVER_CPU)
+    text = open(os.path.join(HERE, "ratewall-memory.toml")).read()
+    text, n = re.subn(r'^listen = "127.0.0.1:\d+"$',
+                      f'listen = "127.0.0.1:{RATEWALL_PLAIN}"\nworkers = 1\n\n[server.tls]\n'
+                      f'listen = "127.0.0.1:{RATEWALL_TLS}"\n'
+                      f'certificates = [{{ cert = "cert.pem", key = "key.pem" }}]', text, flags=re.M)
+    text = text.replace("127.0.0.1:18080", f"127.0.0.1:{TLS_UPSTREAM}")
+    if n != 1:
+        sys.exit("bench/ratewall-memory.toml: no listen line")
+    path = os.path.join(LAB, "tls-ratewall-memory.toml")
+    open(path, "w").write(text)
+    ratewall = start([binary, "--config", path], SERVER_CPU, dict(os.environ, RUST_LOG="warn"))
+    for port in (TLS_UPSTREAM, NGINX_PLAIN, NGINX_TLS, RATEWALL_PLAIN, RATEWALL_TLS):
+        wait_port(port)
+    for proc in procs:
+        want = {SERVER_CPU} if proc in (nginx, ratewall) else {LOAD_CPU}
+        for pid in process_tree(proc.pid):
+            if os.sched_getaffinity(pid) != want:
+                sys.exit(f"process {pid} runs on CPUs {sorted(os.sched_getaffinity(pid))}, not {sorted(want)}")
+
+    targets = [
+        ("nginx limit_req, cleartext", NGINX_PLAIN, "keys.lua", False, nginx),
+        ("ratewall memory, cleartext", RATEWALL_PLAIN, "keys.lua", False, ratewall),
+        ("nginx ssl limit_req, kept-alive TLS", Tls(NGINX_TLS), "keys.lua", False, nginx),
+        ("ratewall memory, kept-alive TLS", Tls(RATEWALL_TLS), "keys.lua", False, ratewall),
+        ("nginx limit_req, connection each", NGINX_PLAIN, "keys-close.lua", False, nginx),
+        ("ratewall memory, connection each", RATEWALL_PLAIN, "keys-close.lua", False, ratewall),
+        ("nginx ssl limit_req, handshake each", Tls(NGINX_TLS), "keys-close.lua", False, nginx),
+        ("ratewall memory, handshake each", Tls(RATEWALL_TLS), "keys-close.lua", False, ratewall),
+    ]
+    med = measure(targets, (None, None), LOAD_CPU, "tls ")
+    version = subprocess.run(["openssl", "version"], capture_output=True, text=True).stdout.strip()
+    print()
+    print(f"TLS: the server under test alone on CPU {SERVER_CPU}, one worker; wrk and the upstream (nginx, 1 worker) "
+          f"on CPU {LOAD_CPU}; certificate {'RSA 2048' if TLS_KEY == 'rsa' else 'EC P-256'}, TLS 1.3 "
+          f"(wrk's {version})")
+    print(f"median of {RUNS} runs, wrk -t{THREADS} -c{CONNS} -d{SECS}s")
+    print(f"{'':40}{'req/s':>9}{'p99 ms':>8}{'CPU us/req':>12}{'non-2xx':>9}{'req/s vs':>10}{'CPU vs':>8}")
+    print(f"{'':40}{'':>9}{'':>8}{'user+sys':>12}{'':>9}{'nginx':>10}{'nginx':>8}")
+    for i, (name, _, _, _, _) in enumerate(targets):
+        m, peer = med[name], med[targets[i - i % 2][0]]
+        print(f"{name:40}{m['rps']:>9.0f}{m['p99']:>8.2f}{m['user_us']:>6.1f}+{m['sys_us']:<5.1f}{m['non2xx']:>9.0f}"
+              f"{m['rps'] / peer['rps']:>9.2f}x{cpu_us(m) / cpu_us(peer):>7.2f}x")
+    print("(each ratewall row against the nginx row above it; CPU us/req: user+system CPU time of the server under")
+    print(" test per request, all its processes; a handshake-each row's requests are its full handshakes)")
+    print()
+    print("targets (issue 16), from the medians above:")
+    for label, ours, peer in (("kept-alive TLS req/s", "ratewall memory, kept-alive TLS",
+                               "nginx ssl limit_req, kept-alive TLS"),
+                              ("full handshakes/s", "ratewall memory, handshake each",
+                               "nginx ssl limit_req, handshake each")):
+        ratio = med[ours]["rps"] / med[peer]["rps"]
+        cpu = cpu_us(med[peer]) / cpu_us(med[ours])
+        print(f"  {label + ' >= 1.0x nginx':44} {ratio:5.2f}x  {verdict(ratio >= 1.0)}  "
+              f"(per CPU second: {cpu:.2f}x)")
+
+
 def main():
-    if ONLY not in ("", "main", "pinned"):
-        sys.exit(f"BENCH_ONLY={ONLY}: main, pinned, or unset for both")
-    for tool in ("nginx", "haproxy", "wrk", "redis-server", "redis-cli", "taskset"):
+    if ONLY not in ("", "main", "pinned", "tls"):
+        sys.exit(f"BENCH_ONLY={ONLY}: main, pinned, tls, or unset for all three")
+    for tool in ("nginx", "haproxy", "wrk", "redis-server", "redis-cli", "taskset", "openssl"):
         if not shutil.which(tool):
             sys.exit(f"{tool} is missing: bench/run installs it")
     if not os.path.exists("/usr/share/nginx/modules/ngx_http_lua_module.so"):
         sys.exit("nginx's Lua module is missing: bench/run installs it (libnginx-mod-http-lua)")
     if ONLY != "main" and len(os.sched_getaffinity(0) & {SERVER_CPU, LOAD_CPU}) < 2:
-        sys.exit(f"the pinned table needs CPUs {LOAD_CPU} and {SERVER_CPU}")
+        sys.exit(f"the pinned and TLS tables need CPUs {LOAD_CPU} and {SERVER_CPU}")
     print(f"building ratewall (release)...", flush=True)
     subprocess.run(["cargo", "build", "--release", "--quiet", "--bin", "ratewall", "--example", "measure_memory",
                     "--example", "hyper_proxy"],
                    cwd=ROOT, check=True)
-    if ONLY != "pinned":
-        main_table()
-        stop_all()
-    if ONLY != "main":
-        if ONLY != "pinned":
+    tables = {"main": main_table, "pinned": pinned_table, "tls": tls_table}
+    for i, name in enumerate([ONLY] if ONLY else list(tables)):
+        if i:
             print()
-        pinned_table()
+        tables[name]()
+        stop_all()
 
 
 def stop(signum, _frame):
