@@ -96,6 +96,9 @@ pub struct HandshakeLabels {
     /// connection failed), `failed` (refused by TLS: no common version, a bad client
     /// certificate, not TLS at all), `shutdown` (asked to close first).
     pub result: &'static str,
+    /// Why a `failed` one was refused (`protocol`, `client_certificate`, `not_tls`,
+    /// `alert`, `other`); `none` for the other results.
+    pub reason: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -482,7 +485,7 @@ impl Metrics {
         let tls_handshakes = Family::<HandshakeLabels, Counter>::default();
         registry.register(
             "tls_handshakes",
-            "TLS handshakes on the TLS listener ([server.tls]), by result: ok, timeout (not done within header_timeout), closed (by the client, or the connection failed), failed (refused: no common version or suite, a bad client certificate, not TLS), shutdown (asked to close first)",
+            "TLS handshakes on the TLS listener ([server.tls]), by result: ok, timeout (not done within header_timeout), closed (by the client, or the connection failed), failed (refused by TLS), shutdown (asked to close first). For failed, by reason: protocol (nothing in common: version, suite, ALPN), client_certificate (missing or not verified, mTLS), not_tls (bytes that are not TLS), alert (the client refused the handshake, e.g. our certificate), other; reason=none for the other results",
             tls_handshakes.clone(),
         );
         let tls_sessions = Family::<TlsSessionLabels, Counter>::default();
@@ -608,6 +611,7 @@ impl Metrics {
         self.tls_handshakes
             .get_or_create(&HandshakeLabels {
                 result: outcome.name(),
+                reason: outcome.reason(),
             })
             .inc();
         if let Some(s) = session {
@@ -631,6 +635,7 @@ impl Metrics {
         for outcome in crate::connection::Handshake::ALL {
             let _ = self.tls_handshakes.get_or_create(&HandshakeLabels {
                 result: outcome.name(),
+                reason: outcome.reason(),
             });
         }
         for version in ["TLSv1.3", "TLSv1.2"] {
