@@ -102,6 +102,15 @@ pub struct HandshakeLabels {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UpstreamHandshakeLabels {
+    /// `ok` (a full handshake), `resumed` (an earlier session resumed), `failed`,
+    /// `timeout` (not done within connect_timeout).
+    pub result: &'static str,
+    /// Why a `failed` one failed (see `upstream::TlsFailure`); `none` for the others.
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct TlsSessionLabels {
     /// `TLSv1.3` or `TLSv1.2`.
     pub version: &'static str,
@@ -338,6 +347,8 @@ pub struct Metrics {
     pub tls_sessions: Family<TlsSessionLabels, Counter>,
     /// Seconds until each configured certificate expires (negative: expired).
     pub tls_certificate_expiry: Family<CertificateLabels, Gauge>,
+    /// TLS handshakes with an `https://` upstream, by result and reason.
+    pub upstream_tls_handshakes: Family<UpstreamHandshakeLabels, Counter>,
     /// Requests by HTTP version and TLS version, and their handles (see `PROTOCOLS`).
     pub client_requests: Family<ProtocolLabels, Counter>,
     protocol_handles: [[Counter; TLS_VERSIONS.len()]; PROTOCOLS.len()],
@@ -500,6 +511,12 @@ impl Metrics {
             "Seconds until each certificate of [server.tls] expires (negative: expired), by file",
             tls_certificate_expiry.clone(),
         );
+        let upstream_tls_handshakes = Family::<UpstreamHandshakeLabels, Counter>::default();
+        registry.register(
+            "upstream_tls_handshakes",
+            "TLS handshakes with an https:// upstream, by result: ok (full), resumed (an earlier session resumed), failed, timeout (not done within connect_timeout). For failed, by reason: unknown_issuer, name_mismatch, expired, certificate (another fault of the backend's certificate), alert (the backend refused us), protocol, closed (closed or reset under the handshake), other; reason=none for the other results",
+            upstream_tls_handshakes.clone(),
+        );
         let client_requests = Family::<ProtocolLabels, Counter>::default();
         registry.register(
             "client_requests",
@@ -581,6 +598,7 @@ impl Metrics {
             tls_sessions,
             tls_certificate_expiry,
             tls_certificates_shown: std::sync::Mutex::default(),
+            upstream_tls_handshakes,
             client_requests,
             protocol_handles,
             stats: Stats::new(),
@@ -668,6 +686,25 @@ impl Metrics {
                 .get_or_create(l)
                 .set(c.expires_in());
         }
+    }
+
+    /// The counters of the upstream's TLS handshakes: for an `https://` upstream every
+    /// series, created now at zero (counts so far kept); for an `http://` one, none (those
+    /// of an earlier `https://` upstream dropped) and counters that count nowhere.
+    pub fn upstream_tls_handshakes(&self, https: bool) -> crate::upstream::TlsHandshakes {
+        use crate::upstream::{TlsHandshake, TlsHandshakes};
+        if !https {
+            self.upstream_tls_handshakes.clear();
+            return TlsHandshakes::default();
+        }
+        TlsHandshakes(TlsHandshake::ALL.map(|h| {
+            self.upstream_tls_handshakes
+                .get_or_create(&UpstreamHandshakeLabels {
+                    result: h.name(),
+                    reason: h.reason(),
+                })
+                .clone()
+        }))
     }
 
     /// Count one response to a client, of `class` (see [`status_class`]), answered by the
