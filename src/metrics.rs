@@ -347,6 +347,9 @@ pub struct Metrics {
     pub tls_sessions: Family<TlsSessionLabels, Counter>,
     /// Seconds until each configured certificate expires (negative: expired).
     pub tls_certificate_expiry: Family<CertificateLabels, Gauge>,
+    /// Requests the cleartext listener answered with a 308 to the TLS listener
+    /// (`redirect_https`), never admitted.
+    pub https_redirects: Counter,
     /// TLS handshakes with an `https://` upstream, by result and reason.
     pub upstream_tls_handshakes: Family<UpstreamHandshakeLabels, Counter>,
     /// Requests by HTTP version and TLS version, and their handles (see `PROTOCOLS`).
@@ -511,6 +514,12 @@ impl Metrics {
             "Seconds until each certificate of [server.tls] expires (negative: expired), by file",
             tls_certificate_expiry.clone(),
         );
+        let https_redirects = Counter::default();
+        registry.register(
+            "https_redirects",
+            "Requests the cleartext listener answered with a 308 to the TLS listener (redirect_https): never admitted, so in no other request count",
+            https_redirects.clone(),
+        );
         let upstream_tls_handshakes = Family::<UpstreamHandshakeLabels, Counter>::default();
         registry.register(
             "upstream_tls_handshakes",
@@ -599,6 +608,7 @@ impl Metrics {
             tls_certificate_expiry,
             tls_certificates_shown: std::sync::Mutex::default(),
             upstream_tls_handshakes,
+            https_redirects,
             client_requests,
             protocol_handles,
             stats: Stats::new(),

@@ -751,11 +751,42 @@ async fn redirect_https_sends_cleartext_clients_to_the_tls_listener() {
         "{}",
         r.text
     );
-    // Over TLS the request is served.
+    // Logged and counted, though never admitted.
+    assert!(
+        gw.wait_for_log("decision=\"redirect\"", 1, Duration::from_secs(5)),
+        "{}",
+        gw.logs()
+    );
+    let logs = gw.logs();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("ratewall::access") && l.contains("path=/a/b"))
+        .unwrap_or_else(|| panic!("no access line for the redirect:\n{logs}"));
+    for field in [
+        "method=POST",
+        "protocol=\"HTTP/1.1\" tls=\"-\" status=308",
+        "host=\"gw.test:8080\"",
+        "rule=\"-\" decision=\"redirect\"",
+    ] {
+        assert!(line.contains(field), "{field} in {line}");
+    }
+    assert!(!line.contains("a/b?x=1"), "never the query: {line}");
+    let scrape = Scrape::take(&HttpClient::new(), &gw).await;
+    assert_eq!(scrape.scalar("ratewall_https_redirects_total"), 1.0);
+    // Over TLS the request is served, and not counted as a redirect.
     let config = client_config(&[pki.ca_der()], &[b"http/1.1"], None);
     let r = tls_get(port, "gw.test", config, "/a/b", &[]).await.unwrap();
     assert_eq!(r.status, 200);
     assert_eq!(upstream.seen().len(), 1);
+    let scrape = Scrape::take(&HttpClient::new(), &gw).await;
+    assert_eq!(scrape.scalar("ratewall_https_redirects_total"), 1.0);
+    let logs = gw.logs();
+    let served: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("ratewall::access") && l.contains("path=/a/b"))
+        .collect();
+    assert_eq!(served.len(), 2, "{logs}");
+    assert!(served[1].contains("status=200"), "{}", served[1]);
 }
 
 /// The README's TLS quick start on the shipped config: a certificate from `openssl req`
