@@ -592,28 +592,111 @@ pub enum Handshake {
     Timeout,
     /// The client closed or the connection failed before it was done.
     Closed,
-    /// Refused by TLS: no common version or suite, a bad client certificate, garbage.
-    Failed,
+    /// Refused by TLS, for this reason.
+    Failed(Refused),
     /// Asked to close (to make room, or shutting down) before it was done.
     Asked,
 }
 
+/// Why TLS refused a handshake on the listener, read from the `rustls::Error` inside the
+/// handshake's `io::Error`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refused {
+    /// Nothing in common with the client (version, cipher suite, ALPN protocol...), or a
+    /// client that broke the protocol.
+    Protocol,
+    /// Under mTLS, no client certificate, or one that does not verify.
+    ClientCertificate,
+    /// Bytes that are not TLS (plain HTTP on the TLS port, say), or a message out of
+    /// place.
+    NotTls,
+    /// The client ended the handshake with an alert (it refused our certificate, say).
+    Alert,
+    Other,
+}
+
+impl Refused {
+    pub const ALL: [Refused; 5] = [
+        Refused::Protocol,
+        Refused::ClientCertificate,
+        Refused::NotTls,
+        Refused::Alert,
+        Refused::Other,
+    ];
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Refused::Protocol => "protocol",
+            Refused::ClientCertificate => "client_certificate",
+            Refused::NotTls => "not_tls",
+            Refused::Alert => "alert",
+            Refused::Other => "other",
+        }
+    }
+
+    /// Why rustls refused the handshake. The listener verifies client certificates
+    /// only, so a certificate error is always the client's.
+    pub fn of(e: &rustls::Error) -> Refused {
+        use rustls::Error as E;
+        match e {
+            E::PeerIncompatible(_) | E::PeerMisbehaved(_) | E::NoApplicationProtocol => {
+                Refused::Protocol
+            }
+            E::NoCertificatesPresented
+            | E::InvalidCertificate(_)
+            | E::InvalidCertRevocationList(_) => Refused::ClientCertificate,
+            E::InvalidMessage(_)
+            | E::InappropriateMessage { .. }
+            | E::InappropriateHandshakeMessage { .. } => Refused::NotTls,
+            E::AlertReceived(_) => Refused::Alert,
+            _ => Refused::Other,
+        }
+    }
+}
+
 impl Handshake {
-    pub const ALL: [Handshake; 5] = [
+    /// Every result and reason the metrics have a series for.
+    pub const ALL: [Handshake; 9] = [
         Handshake::Ok,
         Handshake::Timeout,
         Handshake::Closed,
-        Handshake::Failed,
+        Handshake::Failed(Refused::Protocol),
+        Handshake::Failed(Refused::ClientCertificate),
+        Handshake::Failed(Refused::NotTls),
+        Handshake::Failed(Refused::Alert),
+        Handshake::Failed(Refused::Other),
         Handshake::Asked,
     ];
 
+    /// How a handshake that returned `e` ended: refused by TLS (the `rustls::Error` it
+    /// carries says why), or closed under it.
+    fn failed(e: &io::Error) -> Handshake {
+        let tls = e
+            .get_ref()
+            .and_then(|inner| inner.downcast_ref::<rustls::Error>());
+        match (tls, e.kind()) {
+            (Some(tls), _) => Handshake::Failed(Refused::of(tls)),
+            (None, io::ErrorKind::InvalidData) => Handshake::Failed(Refused::Other),
+            (None, _) => Handshake::Closed,
+        }
+    }
+
+    /// The `result` label.
     pub fn name(self) -> &'static str {
         match self {
             Handshake::Ok => "ok",
             Handshake::Timeout => "timeout",
             Handshake::Closed => "closed",
-            Handshake::Failed => "failed",
+            Handshake::Failed(_) => "failed",
             Handshake::Asked => "shutdown",
+        }
+    }
+
+    /// The `reason` label: why a failed one failed, `none` for the others.
+    pub fn reason(self) -> &'static str {
+        match self {
+            Handshake::Failed(why) => why.name(),
+            _ => "none",
         }
     }
 }
@@ -663,10 +746,7 @@ pub async fn serve_tls<S, B>(
         done = accept => match done {
             Ok(Ok(stream)) => stream,
             Ok(Err(e)) => {
-                let why = match e.kind() {
-                    io::ErrorKind::InvalidData => Handshake::Failed,
-                    _ => Handshake::Closed,
-                };
+                let why = Handshake::failed(&e);
                 tracing::debug!(error = %e, "TLS handshake failed");
                 handshake(why, None);
                 return;
@@ -1255,6 +1335,50 @@ impl<IO: AsyncWrite + Unpin> AsyncWrite for Guarded<IO> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refused_handshake_is_counted_by_what_rustls_said() {
+        use rustls::{AlertDescription, CertificateError, Error as E, InvalidMessage};
+        let refused = |e: rustls::Error| io::Error::new(io::ErrorKind::InvalidData, e);
+        let cases = [
+            (
+                refused(E::InvalidMessage(InvalidMessage::InvalidContentType)),
+                "failed",
+                "not_tls",
+            ),
+            (
+                refused(E::NoCertificatesPresented),
+                "failed",
+                "client_certificate",
+            ),
+            (
+                refused(E::InvalidCertificate(CertificateError::UnknownIssuer)),
+                "failed",
+                "client_certificate",
+            ),
+            (
+                refused(E::AlertReceived(AlertDescription::UnknownCA)),
+                "failed",
+                "alert",
+            ),
+            (refused(E::NoApplicationProtocol), "failed", "protocol"),
+            (refused(E::DecryptError), "failed", "other"),
+            (
+                io::Error::new(io::ErrorKind::InvalidData, "not from rustls"),
+                "failed",
+                "other",
+            ),
+            (
+                io::Error::from(io::ErrorKind::UnexpectedEof),
+                "closed",
+                "none",
+            ),
+        ];
+        for (e, result, reason) in cases {
+            let h = Handshake::failed(&e);
+            assert_eq!((h.name(), h.reason()), (result, reason), "{e:?}");
+        }
+    }
 
     /// Asked twice for room before the first connection asked has closed (the accept
     /// loop's backoff on a loaded machine), the registry still closes only one: the one

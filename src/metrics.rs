@@ -96,6 +96,18 @@ pub struct HandshakeLabels {
     /// connection failed), `failed` (refused by TLS: no common version, a bad client
     /// certificate, not TLS at all), `shutdown` (asked to close first).
     pub result: &'static str,
+    /// Why a `failed` one was refused (`protocol`, `client_certificate`, `not_tls`,
+    /// `alert`, `other`); `none` for the other results.
+    pub reason: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UpstreamHandshakeLabels {
+    /// `ok` (a full handshake), `resumed` (an earlier session resumed), `failed`,
+    /// `timeout` (not done within connect_timeout).
+    pub result: &'static str,
+    /// Why a `failed` one failed (see `upstream::TlsFailure`); `none` for the others.
+    pub reason: &'static str,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -335,6 +347,11 @@ pub struct Metrics {
     pub tls_sessions: Family<TlsSessionLabels, Counter>,
     /// Seconds until each configured certificate expires (negative: expired).
     pub tls_certificate_expiry: Family<CertificateLabels, Gauge>,
+    /// Requests the cleartext listener answered with a 308 to the TLS listener
+    /// (`redirect_https`), never admitted.
+    pub https_redirects: Counter,
+    /// TLS handshakes with an `https://` upstream, by result and reason.
+    pub upstream_tls_handshakes: Family<UpstreamHandshakeLabels, Counter>,
     /// Requests by HTTP version and TLS version, and their handles (see `PROTOCOLS`).
     pub client_requests: Family<ProtocolLabels, Counter>,
     protocol_handles: [[Counter; TLS_VERSIONS.len()]; PROTOCOLS.len()],
@@ -482,7 +499,7 @@ impl Metrics {
         let tls_handshakes = Family::<HandshakeLabels, Counter>::default();
         registry.register(
             "tls_handshakes",
-            "TLS handshakes on the TLS listener ([server.tls]), by result: ok, timeout (not done within header_timeout), closed (by the client, or the connection failed), failed (refused: no common version or suite, a bad client certificate, not TLS), shutdown (asked to close first)",
+            "TLS handshakes on the TLS listener ([server.tls]), by result: ok, timeout (not done within header_timeout), closed (by the client, or the connection failed), failed (refused by TLS), shutdown (asked to close first). For failed, by reason: protocol (nothing in common: version, suite, ALPN), client_certificate (missing or not verified, mTLS), not_tls (bytes that are not TLS), alert (the client refused the handshake, e.g. our certificate), other; reason=none for the other results",
             tls_handshakes.clone(),
         );
         let tls_sessions = Family::<TlsSessionLabels, Counter>::default();
@@ -496,6 +513,18 @@ impl Metrics {
             "tls_certificate_expiry_seconds",
             "Seconds until each certificate of [server.tls] expires (negative: expired), by file",
             tls_certificate_expiry.clone(),
+        );
+        let https_redirects = Counter::default();
+        registry.register(
+            "https_redirects",
+            "Requests the cleartext listener answered with a 308 to the TLS listener (redirect_https): never admitted, so in no other request count",
+            https_redirects.clone(),
+        );
+        let upstream_tls_handshakes = Family::<UpstreamHandshakeLabels, Counter>::default();
+        registry.register(
+            "upstream_tls_handshakes",
+            "TLS handshakes with an https:// upstream, by result: ok (full), resumed (an earlier session resumed), failed, timeout (not done within connect_timeout). For failed, by reason: unknown_issuer, name_mismatch, expired, certificate (another fault of the backend's certificate), alert (the backend refused us), protocol, closed (closed or reset under the handshake), other; reason=none for the other results",
+            upstream_tls_handshakes.clone(),
         );
         let client_requests = Family::<ProtocolLabels, Counter>::default();
         registry.register(
@@ -578,6 +607,8 @@ impl Metrics {
             tls_sessions,
             tls_certificate_expiry,
             tls_certificates_shown: std::sync::Mutex::default(),
+            upstream_tls_handshakes,
+            https_redirects,
             client_requests,
             protocol_handles,
             stats: Stats::new(),
@@ -608,6 +639,7 @@ impl Metrics {
         self.tls_handshakes
             .get_or_create(&HandshakeLabels {
                 result: outcome.name(),
+                reason: outcome.reason(),
             })
             .inc();
         if let Some(s) = session {
@@ -631,6 +663,7 @@ impl Metrics {
         for outcome in crate::connection::Handshake::ALL {
             let _ = self.tls_handshakes.get_or_create(&HandshakeLabels {
                 result: outcome.name(),
+                reason: outcome.reason(),
             });
         }
         for version in ["TLSv1.3", "TLSv1.2"] {
@@ -663,6 +696,25 @@ impl Metrics {
                 .get_or_create(l)
                 .set(c.expires_in());
         }
+    }
+
+    /// The counters of the upstream's TLS handshakes: for an `https://` upstream every
+    /// series, created now at zero (counts so far kept); for an `http://` one, none (those
+    /// of an earlier `https://` upstream dropped) and counters that count nowhere.
+    pub fn upstream_tls_handshakes(&self, https: bool) -> crate::upstream::TlsHandshakes {
+        use crate::upstream::{TlsHandshake, TlsHandshakes};
+        if !https {
+            self.upstream_tls_handshakes.clear();
+            return TlsHandshakes::default();
+        }
+        TlsHandshakes(TlsHandshake::ALL.map(|h| {
+            self.upstream_tls_handshakes
+                .get_or_create(&UpstreamHandshakeLabels {
+                    result: h.name(),
+                    reason: h.reason(),
+                })
+                .clone()
+        }))
     }
 
     /// Count one response to a client, of `class` (see [`status_class`]), answered by the

@@ -414,7 +414,7 @@ pub async fn serve(
                 let (gw, client) = (gw.clone(), client.clone());
                 async move {
                     let resp = match redirect {
-                        Some(port) => to_https(&req, port),
+                        Some(port) => gw.redirect(&req, &client, |req| to_https(req, port)),
                         None => gw.handle(req, &client).await,
                     };
                     Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request, http2)))

@@ -551,6 +551,108 @@ async fn optional_client_certificates_fall_back_to_missing_key() {
     }
 }
 
+/// `(result, reason) -> count` pairs, as a map to compare with a scrape's.
+fn counts(pairs: &[((&str, &str), u64)]) -> std::collections::BTreeMap<(String, String), u64> {
+    pairs
+        .iter()
+        .map(|((a, b), n)| ((a.to_string(), b.to_string()), *n))
+        .collect()
+}
+
+/// The non-zero handshake counts of the TLS listener by `(result, reason)`, once they are
+/// `want` (each is counted as its connection's task ends, a moment after the client saw
+/// it), or as they stand after 5 s.
+async fn handshakes_become(
+    gw: &Gateway,
+    want: &[((&str, &str), u64)],
+) -> std::collections::BTreeMap<(String, String), u64> {
+    let want = counts(want);
+    let client = HttpClient::new();
+    let mut seen = Default::default();
+    for _ in 0..250 {
+        seen = Scrape::take(&client, gw).await.nonzero2(
+            "ratewall_tls_handshakes_total",
+            "result",
+            "reason",
+        );
+        if seen == want {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    seen
+}
+
+/// A refused handshake is counted with its reason: bytes that are not TLS, a client
+/// without the certificate mTLS requires, a client that does not trust our certificate
+/// (rustls sends an `unknown_ca` alert and hangs up).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_handshakes_are_counted_by_reason() {
+    let pki = Pki::new("refused");
+    let cert = pki.server_cert("gw", &["gw.test"], 90);
+    let upstream = Upstream::start().await;
+    let port = free_port();
+    let extra = format!(
+        "client_ca = \"{}\"\nclient_auth = \"required\"\n",
+        toml_path(&pki.ca_pem)
+    );
+    let gw = tls_gateway(port, &[cert], &extra, &upstream, "");
+    // Every series at zero from the start.
+    let scrape = Scrape::take(&HttpClient::new(), &gw).await;
+    let name = "ratewall_tls_handshakes_total";
+    for reason in [
+        "protocol",
+        "client_certificate",
+        "not_tls",
+        "alert",
+        "other",
+    ] {
+        let labels = [("result", "failed"), ("reason", reason)];
+        assert_eq!(scrape.find(name, &labels), Some(0.0), "{reason}");
+    }
+    for result in ["ok", "timeout", "closed", "shutdown"] {
+        let labels = [("result", result), ("reason", "none")];
+        assert_eq!(scrape.find(name, &labels), Some(0.0), "{result}");
+    }
+
+    // Plain HTTP to the TLS port.
+    let (reply, closed) = raw_until_closed(
+        port,
+        b"GET / HTTP/1.1\r\nHost: gw.test\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(closed.is_some(), "closed: {reply:?}");
+    assert!(!reply.starts_with(b"HTTP/"), "no HTTP answer: {reply:?}");
+    let mut want = vec![(("failed", "not_tls"), 1)];
+    assert_eq!(handshakes_become(&gw, &want).await, counts(&want));
+
+    // No client certificate (TLS 1.3: the refusal comes with the client's first read).
+    let roots = [pki.ca_der()];
+    let anonymous = client_config(&roots, &[b"http/1.1"], None);
+    let r = tls_get(port, "gw.test", anonymous, "/", &[]).await;
+    assert!(r.is_err(), "{r:?}");
+    want.push((("failed", "client_certificate"), 1));
+    assert_eq!(handshakes_become(&gw, &want).await, counts(&want));
+
+    // A client that trusts another CA refuses our certificate with an alert.
+    let stranger = Pki::new("stranger");
+    let config = client_config(&[stranger.ca_der()], &[b"http/1.1"], None);
+    let e = handshake(port, "gw.test", config)
+        .await
+        .expect_err("our certificate is not trusted");
+    assert!(e.to_string().contains("UnknownIssuer"), "{e}");
+    want.push((("failed", "alert"), 1));
+    assert_eq!(handshakes_become(&gw, &want).await, counts(&want));
+
+    // One let in: ok, reason none.
+    let alice = client_config(&roots, &[b"http/1.1"], Some(pki.client_cert("alice")));
+    let r = tls_get(port, "gw.test", alice, "/", &[]).await.unwrap();
+    assert_eq!(r.status, 200);
+    want.push((("ok", "none"), 1));
+    assert_eq!(handshakes_become(&gw, &want).await, counts(&want));
+    assert_eq!(upstream.seen().len(), 1);
+}
+
 fn sha2_hex(der: &[u8]) -> String {
     use sha2::Digest;
     sha2::Sha256::digest(der)
@@ -649,11 +751,42 @@ async fn redirect_https_sends_cleartext_clients_to_the_tls_listener() {
         "{}",
         r.text
     );
-    // Over TLS the request is served.
+    // Logged and counted, though never admitted.
+    assert!(
+        gw.wait_for_log("decision=\"redirect\"", 1, Duration::from_secs(5)),
+        "{}",
+        gw.logs()
+    );
+    let logs = gw.logs();
+    let line = logs
+        .lines()
+        .find(|l| l.contains("ratewall::access") && l.contains("path=/a/b"))
+        .unwrap_or_else(|| panic!("no access line for the redirect:\n{logs}"));
+    for field in [
+        "method=POST",
+        "protocol=\"HTTP/1.1\" tls=\"-\" status=308",
+        "host=\"gw.test:8080\"",
+        "rule=\"-\" decision=\"redirect\"",
+    ] {
+        assert!(line.contains(field), "{field} in {line}");
+    }
+    assert!(!line.contains("a/b?x=1"), "never the query: {line}");
+    let scrape = Scrape::take(&HttpClient::new(), &gw).await;
+    assert_eq!(scrape.scalar("ratewall_https_redirects_total"), 1.0);
+    // Over TLS the request is served, and not counted as a redirect.
     let config = client_config(&[pki.ca_der()], &[b"http/1.1"], None);
     let r = tls_get(port, "gw.test", config, "/a/b", &[]).await.unwrap();
     assert_eq!(r.status, 200);
     assert_eq!(upstream.seen().len(), 1);
+    let scrape = Scrape::take(&HttpClient::new(), &gw).await;
+    assert_eq!(scrape.scalar("ratewall_https_redirects_total"), 1.0);
+    let logs = gw.logs();
+    let served: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("ratewall::access") && l.contains("path=/a/b"))
+        .collect();
+    assert_eq!(served.len(), 2, "{logs}");
+    assert!(served[1].contains("status=200"), "{}", served[1]);
 }
 
 /// The README's TLS quick start on the shipped config: a certificate from `openssl req`

@@ -16,7 +16,7 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use common::tls_upstream::{checksum, write_pem, Ca, ClientCerts, Leaf, TlsUpstream};
-use common::{channel_body, toml_path, Gateway, HttpClient, Store};
+use common::{channel_body, toml_path, Gateway, HttpClient, Scrape, Store, Upstream};
 
 const WAIT: Duration = Duration::from_secs(10);
 
@@ -53,6 +53,25 @@ async fn status(gw: &Gateway, path: &str) -> (u16, String) {
         reply.status.as_u16(),
         String::from_utf8_lossy(&reply.body).into_owned(),
     )
+}
+
+/// The gateway's upstream TLS handshakes that are not zero, by `(result, reason)`.
+async fn handshakes(gw: &Gateway) -> Vec<(String, String, u64)> {
+    Scrape::take(&HttpClient::new(), gw)
+        .await
+        .nonzero2("ratewall_upstream_tls_handshakes_total", "result", "reason")
+        .into_iter()
+        .map(|((result, reason), n)| (result, reason, n))
+        .collect()
+}
+
+fn counted(pairs: &[(&str, &str, u64)]) -> Vec<(String, String, u64)> {
+    let mut v: Vec<_> = pairs
+        .iter()
+        .map(|(a, b, n)| (a.to_string(), b.to_string(), *n))
+        .collect();
+    v.sort();
+    v
 }
 
 /// A backend with a certificate for `names` from a fresh CA; the CA's PEM path.
@@ -102,8 +121,29 @@ async fn a_new_connection_resumes_the_tls_session() {
         &format!("https://localhost:{}", up.port()),
         &format!("ca = \"{ca}\""),
     );
+    // Every series at zero from the start.
+    let scrape = Scrape::take(&HttpClient::new(), &gw).await;
+    let family = scrape.family("ratewall_upstream_tls_handshakes_total");
+    assert_eq!(family.len(), 11, "{family:?}");
+    assert!(family.values().all(|n| *n == 0.0), "{family:?}");
+    for reason in [
+        "unknown_issuer",
+        "name_mismatch",
+        "expired",
+        "alert",
+        "closed",
+    ] {
+        let labels = [("result", "failed"), ("reason", reason)];
+        assert_eq!(
+            scrape.find("ratewall_upstream_tls_handshakes_total", &labels),
+            Some(0.0)
+        );
+    }
+    // The first connection makes a full handshake.
+    assert_eq!(status(&gw, "/close").await.0, 200, "{}", gw.logs());
+    assert_eq!(handshakes(&gw).await, counted(&[("ok", "none", 1)]));
     // Each answer closes its connection: the next request needs a new one.
-    for _ in 0..3 {
+    for _ in 0..2 {
         assert_eq!(status(&gw, "/close").await.0, 200, "{}", gw.logs());
     }
     assert_eq!(up.handshakes(), 3);
@@ -112,6 +152,23 @@ async fn a_new_connection_resumes_the_tls_session() {
         "later connections resume the session: {} of 3 resumed",
         up.resumed()
     );
+    // The gateway counts what the backend saw: full ones and resumed ones.
+    let resumed = up.resumed() as u64;
+    let mut want = vec![("resumed", "none", resumed)];
+    if resumed < 3 {
+        want.push(("ok", "none", 3 - resumed));
+    }
+    assert_eq!(handshakes(&gw).await, counted(&want));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http_upstream_has_no_tls_handshake_series() {
+    let upstream = Upstream::start().await;
+    let gw = gateway(&upstream.url(), "");
+    assert_eq!(status(&gw, "/x").await.0, 200);
+    let scrape = Scrape::take(&HttpClient::new(), &gw).await;
+    let family = scrape.family("ratewall_upstream_tls_handshakes_total");
+    assert!(family.is_empty(), "{family:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -139,6 +196,11 @@ async fn a_certificate_from_an_unknown_issuer_is_a_502_with_the_reason_logged() 
     // Never a fallback: the next request fails the same way.
     assert_eq!(status(&gw, "/y").await.0, 502);
     assert_eq!(up.requests(), 0);
+    // Each request opened a connection whose handshake failed, and says why.
+    assert_eq!(
+        handshakes(&gw).await,
+        counted(&[("failed", "unknown_issuer", 2)])
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -155,6 +217,10 @@ async fn a_certificate_for_another_name_is_a_502() {
         gw.wait_for_log("certificate not valid for name \"localhost\"", 1, WAIT),
         "the reason is logged:\n{}",
         gw.logs()
+    );
+    assert_eq!(
+        handshakes(&gw).await,
+        counted(&[("failed", "name_mismatch", 1)])
     );
 }
 
@@ -194,6 +260,9 @@ async fn a_client_certificate_goes_up_when_configured() {
     let without = gateway(&url, &format!("ca = \"{ca}\""));
     assert_eq!(status(&without, "/x").await.0, 502);
     assert_eq!(up.requests(), 0);
+    // TLS 1.3: our side of the handshake is done before the backend has checked our
+    // (empty) certificate; its refusal arrives with the first read, as a failed request.
+    assert_eq!(handshakes(&without).await, counted(&[("ok", "none", 1)]));
     drop(without);
 
     let gw = gateway(

@@ -71,8 +71,9 @@ impl Live {
                         "INSECURE: [upstream] insecure_skip_verify = true: the backend's TLS certificate is NOT verified; anyone on the path can pose as the backend. For a test bench only: give the backend's CA as [upstream] ca instead"
                     );
                 }
+                let handshakes = metrics.upstream_tls_handshakes(config.upstream.tls.is_some());
                 (0..workers)
-                    .map(|_| upstream::Client::new(&config.upstream))
+                    .map(|_| upstream::Client::new(&config.upstream, handshakes.clone()))
                     .collect()
             }
         };

@@ -70,7 +70,7 @@ pub struct Note<'l> {
     /// The rule that decided: the one that denied, or the one closest to denying.
     pub rule: Option<&'l str>,
     /// `allowed`, `delayed`, `denied`, `unlimited`, `store_error`, `unauthorized`,
-    /// `bad_key`, `bad_request`.
+    /// `bad_key`, `bad_request`, `redirect` (`redirect_https`).
     pub decision: &'static str,
     pub identity: Option<IdentityDigest>,
     /// Whether the upstream answered (rather than the gateway).
@@ -246,6 +246,32 @@ impl Gateway {
         self.metrics.count_outcome(outcome, started.elapsed());
         if let Some(log) = log {
             log.write(status, &note);
+        }
+        resp
+    }
+
+    /// Answer a request on the cleartext listener with `answer`'s response, the 308 to
+    /// the TLS listener (`redirect_https`), without admitting it: no rule is consulted and
+    /// nothing is forwarded, but it has its access line (decision `redirect`, or
+    /// `bad_request` for the 400 of a request that names no host to redirect to) and a 308
+    /// counts in `ratewall_https_redirects_total`.
+    pub fn redirect<B>(
+        &self,
+        req: &Request<B>,
+        peer: &Peer,
+        answer: impl FnOnce(&Request<B>) -> Response<Body>,
+    ) -> Response<Body> {
+        let log = AccessLine::start(req, peer, &self.live.load().config);
+        let resp = answer(req);
+        let decision = match resp.status() {
+            StatusCode::PERMANENT_REDIRECT => {
+                self.metrics.https_redirects.inc();
+                "redirect"
+            }
+            _ => "bad_request",
+        };
+        if let Some(log) = log {
+            log.write(resp.status().as_u16(), &Note::gateway(decision));
         }
         resp
     }

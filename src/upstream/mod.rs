@@ -54,7 +54,7 @@ pub use body::{BodyError, ResponseBody};
 pub use error::{Error, Malformed};
 pub use forward::{Downstream, Peer};
 pub use health::{Health, HealthChange};
-pub use tls::{Tls, TlsError, TlsOptions};
+pub use tls::{Tls, TlsError, TlsFailure, TlsHandshake, TlsHandshakes, TlsOptions};
 
 use body::{Conn, Sending, Upload, UploadError};
 use pool::{Address, Pool};
@@ -123,6 +123,8 @@ pub struct Client {
     address: Address,
     /// TLS over each new connection, for an `https://` upstream.
     tls: Option<Arc<Tls>>,
+    /// Where its handshakes are counted.
+    tls_handshakes: TlsHandshakes,
     /// The `Host` sent when the client gave none: host and port, never user info.
     authority: HeaderValue,
     base_path: String,
@@ -132,7 +134,8 @@ pub struct Client {
 }
 
 impl Client {
-    pub fn new(cfg: &Settings) -> Client {
+    /// The client for `cfg`, counting its TLS handshakes in `tls_handshakes`.
+    pub fn new(cfg: &Settings, tls_handshakes: TlsHandshakes) -> Client {
         let host = cfg.url.host().unwrap_or("127.0.0.1");
         let default_port = if cfg.tls.is_some() { 443 } else { 80 };
         let port = cfg.url.port_u16().unwrap_or(default_port);
@@ -145,6 +148,7 @@ impl Client {
         Client {
             address: Address::new(host, port),
             tls: cfg.tls.clone(),
+            tls_handshakes,
             authority,
             base_path: cfg.base_path.clone(),
             timeout: cfg.timeout,
@@ -201,7 +205,10 @@ impl Client {
         let (tcp, addr) = self.address.connect(self.connect_timeout).await?;
         match &self.tls {
             None => Ok(Stream::Plain(tcp)),
-            Some(tls) => tls.handshake(tcp, addr, self.connect_timeout).await,
+            Some(tls) => {
+                tls.handshake(tcp, addr, self.connect_timeout, &self.tls_handshakes)
+                    .await
+            }
         }
     }
 

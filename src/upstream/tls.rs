@@ -19,11 +19,12 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus_client::metrics::counter::Counter;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime};
-use rustls::{ClientConfig, DigitallySignedStruct, RootCertStore, SignatureScheme};
+use rustls::{ClientConfig, DigitallySignedStruct, HandshakeKind, RootCertStore, SignatureScheme};
 use sha2::{Digest, Sha256};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
@@ -206,25 +207,167 @@ impl Tls {
         out
     }
 
-    /// TLS over `tcp`, opened to `addr`, within `timeout`.
+    /// TLS over `tcp`, opened to `addr`, within `timeout`; how it ended counted in
+    /// `counted`.
     pub(super) async fn handshake(
         &self,
         tcp: TcpStream,
         addr: SocketAddr,
         timeout: Duration,
+        counted: &TlsHandshakes,
     ) -> Result<Stream, Error> {
         let connect = self.connector.connect(self.name.clone(), tcp);
         match tokio::time::timeout(timeout, connect).await {
-            Ok(Ok(tls)) => Ok(Stream::Tls(Box::new(tls))),
-            Ok(Err(source)) => Err(Error::Tls {
-                addr,
-                name: self.name.to_str().into_owned(),
-                source,
-            }),
-            Err(_) => Err(Error::TlsTimeout {
-                addr,
-                after: timeout,
-            }),
+            Ok(Ok(tls)) => {
+                let resumed = tls.get_ref().1.handshake_kind() == Some(HandshakeKind::Resumed);
+                counted.count(match resumed {
+                    true => TlsHandshake::Resumed,
+                    false => TlsHandshake::Ok,
+                });
+                Ok(Stream::Tls(Box::new(tls)))
+            }
+            Ok(Err(source)) => {
+                counted.count(TlsHandshake::Failed(TlsFailure::of(&source)));
+                Err(Error::Tls {
+                    addr,
+                    name: self.name.to_str().into_owned(),
+                    source,
+                })
+            }
+            Err(_) => {
+                counted.count(TlsHandshake::Timeout);
+                Err(Error::TlsTimeout {
+                    addr,
+                    after: timeout,
+                })
+            }
+        }
+    }
+}
+
+/// How a handshake with the backend ended, for the metrics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TlsHandshake {
+    /// A full handshake.
+    Ok,
+    /// A handshake that resumed an earlier connection's session.
+    Resumed,
+    Failed(TlsFailure),
+    /// Not done within `connect_timeout`.
+    Timeout,
+}
+
+/// Why a handshake with the backend failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum TlsFailure {
+    /// Its certificate is not signed by a CA we trust (`ca`, or the system's roots).
+    UnknownIssuer,
+    /// Its certificate is not for the name we asked for (the URL's host, or `sni`).
+    NameMismatch,
+    /// Its certificate has expired.
+    Expired,
+    /// Any other fault of its certificate (not yet valid, revoked, badly signed, none).
+    Certificate,
+    /// The backend ended the handshake with an alert: it refused us (our ALPN, our
+    /// client certificate under TLS 1.2, no common version...).
+    Alert,
+    /// Nothing in common, or a backend that broke the protocol or did not speak TLS.
+    Protocol,
+    /// The connection was closed or reset under the handshake.
+    Closed,
+    Other,
+}
+
+impl TlsHandshake {
+    /// Every result and reason the metrics have a series for.
+    pub const ALL: [TlsHandshake; 11] = [
+        TlsHandshake::Ok,
+        TlsHandshake::Resumed,
+        TlsHandshake::Failed(TlsFailure::UnknownIssuer),
+        TlsHandshake::Failed(TlsFailure::NameMismatch),
+        TlsHandshake::Failed(TlsFailure::Expired),
+        TlsHandshake::Failed(TlsFailure::Certificate),
+        TlsHandshake::Failed(TlsFailure::Alert),
+        TlsHandshake::Failed(TlsFailure::Protocol),
+        TlsHandshake::Failed(TlsFailure::Closed),
+        TlsHandshake::Failed(TlsFailure::Other),
+        TlsHandshake::Timeout,
+    ];
+
+    /// The `result` label.
+    pub fn name(self) -> &'static str {
+        match self {
+            TlsHandshake::Ok => "ok",
+            TlsHandshake::Resumed => "resumed",
+            TlsHandshake::Failed(_) => "failed",
+            TlsHandshake::Timeout => "timeout",
+        }
+    }
+
+    /// The `reason` label: why a failed one failed, `none` for the others.
+    pub fn reason(self) -> &'static str {
+        match self {
+            TlsHandshake::Failed(why) => why.name(),
+            _ => "none",
+        }
+    }
+}
+
+impl TlsFailure {
+    pub fn name(self) -> &'static str {
+        match self {
+            TlsFailure::UnknownIssuer => "unknown_issuer",
+            TlsFailure::NameMismatch => "name_mismatch",
+            TlsFailure::Expired => "expired",
+            TlsFailure::Certificate => "certificate",
+            TlsFailure::Alert => "alert",
+            TlsFailure::Protocol => "protocol",
+            TlsFailure::Closed => "closed",
+            TlsFailure::Other => "other",
+        }
+    }
+
+    /// Why the handshake that returned `e` failed: the `rustls::Error` inside it says,
+    /// or else the connection failed under it.
+    fn of(e: &std::io::Error) -> TlsFailure {
+        use rustls::{CertificateError as C, Error as E};
+        let tls = e
+            .get_ref()
+            .and_then(|inner| inner.downcast_ref::<rustls::Error>());
+        match tls {
+            Some(E::InvalidCertificate(c)) => match c {
+                C::UnknownIssuer => TlsFailure::UnknownIssuer,
+                C::NotValidForName | C::NotValidForNameContext { .. } => TlsFailure::NameMismatch,
+                C::Expired | C::ExpiredContext { .. } => TlsFailure::Expired,
+                _ => TlsFailure::Certificate,
+            },
+            Some(E::NoCertificatesPresented) => TlsFailure::Certificate,
+            Some(E::AlertReceived(_)) => TlsFailure::Alert,
+            Some(
+                E::PeerIncompatible(_)
+                | E::PeerMisbehaved(_)
+                | E::NoApplicationProtocol
+                | E::InvalidMessage(_)
+                | E::InappropriateMessage { .. }
+                | E::InappropriateHandshakeMessage { .. },
+            ) => TlsFailure::Protocol,
+            Some(_) => TlsFailure::Other,
+            None if e.kind() == std::io::ErrorKind::InvalidData => TlsFailure::Other,
+            None => TlsFailure::Closed,
+        }
+    }
+}
+
+/// `ratewall_upstream_tls_handshakes_total`'s counters, one per [`TlsHandshake::ALL`]
+/// entry, resolved once (by the metrics) so that counting hashes no labels. The default
+/// counts nowhere (an `http://` upstream, or tests).
+#[derive(Clone, Default)]
+pub struct TlsHandshakes(pub [Counter; TlsHandshake::ALL.len()]);
+
+impl TlsHandshakes {
+    fn count(&self, h: TlsHandshake) {
+        if let Some(at) = TlsHandshake::ALL.iter().position(|x| *x == h) {
+            self.0[at].inc();
         }
     }
 }
@@ -342,4 +485,75 @@ pub(super) fn is_certificate_error(e: &std::io::Error) -> bool {
                 rustls::Error::InvalidCertificate(_) | rustls::Error::NoCertificatesPresented
             )
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rustls::{AlertDescription, CertificateError, Error as E, PeerIncompatible};
+    use std::io;
+
+    /// An error as tokio-rustls returns a refused handshake: the rustls error inside.
+    fn refused(e: rustls::Error) -> io::Error {
+        io::Error::new(io::ErrorKind::InvalidData, e)
+    }
+
+    #[test]
+    fn a_failed_handshake_is_counted_by_what_rustls_said() {
+        let cases = [
+            (
+                refused(E::InvalidCertificate(CertificateError::UnknownIssuer)),
+                "unknown_issuer",
+            ),
+            (
+                refused(E::InvalidCertificate(CertificateError::NotValidForName)),
+                "name_mismatch",
+            ),
+            (
+                refused(E::InvalidCertificate(CertificateError::Expired)),
+                "expired",
+            ),
+            (
+                refused(E::InvalidCertificate(CertificateError::Revoked)),
+                "certificate",
+            ),
+            (refused(E::NoCertificatesPresented), "certificate"),
+            (
+                refused(E::AlertReceived(AlertDescription::CertificateRequired)),
+                "alert",
+            ),
+            (
+                refused(E::PeerIncompatible(
+                    PeerIncompatible::Tls12NotOfferedOrEnabled,
+                )),
+                "protocol",
+            ),
+            (refused(E::NoApplicationProtocol), "protocol"),
+            (refused(E::DecryptError), "other"),
+            (io::Error::from(io::ErrorKind::UnexpectedEof), "closed"),
+            (io::Error::from(io::ErrorKind::ConnectionReset), "closed"),
+        ];
+        for (e, want) in cases {
+            assert_eq!(TlsFailure::of(&e).name(), want, "{e:?}");
+        }
+    }
+
+    #[test]
+    fn every_result_and_reason_has_one_counter() {
+        let counters = TlsHandshakes::default();
+        for (i, h) in TlsHandshake::ALL.into_iter().enumerate() {
+            counters.count(h);
+            assert_eq!(counters.0[i].get(), 1, "{h:?}");
+            let others: u64 = counters.0.iter().map(Counter::get).sum();
+            assert_eq!(others, i as u64 + 1, "{h:?} counted once, in its own");
+        }
+        let failed = TlsHandshake::ALL
+            .iter()
+            .filter(|h| h.name() == "failed")
+            .count();
+        assert_eq!(failed, 8, "every reason");
+        assert!(TlsHandshake::ALL
+            .iter()
+            .all(|h| (h.name() == "failed") != (h.reason() == "none")));
+    }
 }
