@@ -15,12 +15,21 @@ turn by one wrk process:
   process or thread; wrk, the upstream and Redis on CPU 0. Prints requests/s and the CPU
   time per request of the server under test (all its processes, from /proc), and of Redis.
 
+- The TLS table (issue 16). ratewall's TLS listener against nginx `ssl` on the same
+  certificate (made with `openssl req` at the start; EC P-256, or RSA 2048 with
+  TLS_KEY=rsa), each alone on CPU 1 with one worker, wrk, the upstream and the handshake
+  client on CPU 0: requests/s and CPU time per request over kept-alive TLS connections,
+  full handshakes/s (examples/tls_handshakes.rs: one connection, handshake and request
+  each; wrk cannot do this, it resumes sessions), resumed handshakes/s, and the cleartext
+  figures of the same processes beside them.
+
 Everything listens on 127.0.0.1, runs for a bounded time and is stopped at the end, also on
 Ctrl-C or a failure.
 
     bench/run                 # BENCH_SECS=10 RUNS=3 CONNECTIONS=64 THREADS=1 by default
     BENCH_ONLY=main bench/run     # only the main table (and memory per key)
     BENCH_ONLY=pinned bench/run   # only the pinned table
+    BENCH_ONLY=tls bench/run      # only the TLS table (TLS_KEY=rsa: an RSA 2048 certificate)
 """
 
 import os
@@ -172,7 +181,11 @@ def unit(value, suffix):
 
 
 def wrk(port, script, cpu=None):
-    """wrk against 127.0.0.1:`port`; over TLS where `port` is a `Tls` port."""
+    """wrk against 127.0.0.1:`port`; over TLS where `port` is a `Tls` port. The "scripts"
+    `full-handshakes` and `resumed-handshakes` run examples/tls_handshakes.rs instead (wrk
+    resumes its sessions where the server lets it: it cannot count full handshakes)."""
+    if script in ("full-handshakes", "resumed-handshakes"):
+        return handshakes(port, script == "resumed-handshakes", cpu)
     scheme = "https" if isinstance(port, Tls) else "http"
     cmd = ["wrk", f"-t{THREADS}", f"-c{CONNS}", f"-d{SECS}s", "--latency", "-s", os.path.join(HERE, script),
            f"{scheme}://127.0.0.1:{port}/"]
@@ -185,6 +198,22 @@ def wrk(port, script, cpu=None):
     total = int(re.search(r"(\d+) requests in", out).group(1))
     non2xx = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
     return {"rps": rps, "p50": p50, "p99": p99, "total": total, "non2xx": int(non2xx.group(1)) if non2xx else 0}
+
+
+def handshakes(port, resume, cpu=None):
+    """examples/tls_handshakes.rs against 127.0.0.1:`port`: CONNS connections at once, each
+    a TLS 1.3 handshake (full, or resumed where the server takes the session back) and one
+    request with `Connection: close`."""
+    cmd = [os.path.join(RELEASE, "examples", "tls_handshakes"), f"127.0.0.1:{port}", str(CONNS), str(SECS)]
+    if resume:
+        cmd.append("--resume")
+    if cpu is not None:
+        cmd = ["taskset", "-c", str(cpu), *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    f = dict(zip(out.split()[::2], out.split()[1::2]))
+    total = int(f["requests"])
+    return {"rps": int(f["ok"]) / float(f["seconds"]), "p50": float(f["p50_ms"]), "p99": float(f["p99_ms"]),
+            "total": total, "non2xx": int(f["failed"]), "resumed": int(f["resumed"]) / max(total, 1)}
 
 
 def measure(targets, redis, wrk_cpu=None, label=""):
@@ -482,7 +511,8 @@ def tls_table():
     pinned table is: each alone on CPU 1 with one worker, wrk and the upstream on CPU 0.
     Requests/s and CPU time per request over kept-alive TLS connections, and with one
     request per connection (`Connection: close`: a full handshake each, wrk resumes no
-    session); the cleartext figures of the same two processes beside them."""
+    session: the full-handshake rows use examples/tls_handshakes.rs); the cleartext
+    figures of the same two processes beside them."""
     check_free((TLS_UPSTREAM, NGINX_PLAIN, NGINX_TLS, RATEWALL_PLAIN, RATEWALL_TLS))
     if TLS_KEY not in ("ec", "rsa"):
         sys.exit(f"TLS_KEY={TLS_KEY}: ec or rsa")
@@ -527,8 +557,10 @@ http {{ access_log off; client_body_temp_path /tmp/lab/nginx/body;
         ("ratewall memory, kept-alive TLS", Tls(RATEWALL_TLS), "keys.lua", False, ratewall),
         ("nginx limit_req, connection each", NGINX_PLAIN, "keys-close.lua", False, nginx),
         ("ratewall memory, connection each", RATEWALL_PLAIN, "keys-close.lua", False, ratewall),
-        ("nginx ssl limit_req, handshake each", Tls(NGINX_TLS), "keys-close.lua", False, nginx),
-        ("ratewall memory, handshake each", Tls(RATEWALL_TLS), "keys-close.lua", False, ratewall),
+        ("nginx ssl limit_req, full handshake each", Tls(NGINX_TLS), "full-handshakes", False, nginx),
+        ("ratewall memory, full handshake each", Tls(RATEWALL_TLS), "full-handshakes", False, ratewall),
+        ("nginx ssl limit_req, resumed where it can", Tls(NGINX_TLS), "resumed-handshakes", False, nginx),
+        ("ratewall memory, resumed where it can", Tls(RATEWALL_TLS), "resumed-handshakes", False, ratewall),
     ]
     med = measure(targets, (None, None), LOAD_CPU, "tls ")
     version = subprocess.run(["openssl", "version"], capture_output=True, text=True).stdout.strip()
@@ -537,20 +569,25 @@ http {{ access_log off; client_body_temp_path /tmp/lab/nginx/body;
           f"on CPU {LOAD_CPU}; certificate {'RSA 2048' if TLS_KEY == 'rsa' else 'EC P-256'}, TLS 1.3 "
           f"(wrk's {version})")
     print(f"median of {RUNS} runs, wrk -t{THREADS} -c{CONNS} -d{SECS}s")
-    print(f"{'':40}{'req/s':>9}{'p99 ms':>8}{'CPU us/req':>12}{'non-2xx':>9}{'req/s vs':>10}{'CPU vs':>8}")
-    print(f"{'':40}{'':>9}{'':>8}{'user+sys':>12}{'':>9}{'nginx':>10}{'nginx':>8}")
+    print(f"{'':42}{'req/s':>9}{'p99 ms':>8}{'CPU us/req':>12}{'failed':>8}{'resumed':>8}{'req/s vs':>10}"
+          f"{'CPU vs':>8}")
+    print(f"{'':42}{'':>9}{'':>8}{'user+sys':>12}{'':>8}{'':>8}{'nginx':>10}{'nginx':>8}")
     for i, (name, _, _, _, _) in enumerate(targets):
         m, peer = med[name], med[targets[i - i % 2][0]]
-        print(f"{name:40}{m['rps']:>9.0f}{m['p99']:>8.2f}{m['user_us']:>6.1f}+{m['sys_us']:<5.1f}{m['non2xx']:>9.0f}"
-              f"{m['rps'] / peer['rps']:>9.2f}x{cpu_us(m) / cpu_us(peer):>7.2f}x")
+        resumed = f"{m['resumed']:.0%}" if "resumed" in m else ""
+        print(f"{name:42}{m['rps']:>9.0f}{m['p99']:>8.2f}{m['user_us']:>6.1f}+{m['sys_us']:<5.1f}{m['non2xx']:>8.0f}"
+              f"{resumed:>8}{m['rps'] / peer['rps']:>9.2f}x{cpu_us(m) / cpu_us(peer):>7.2f}x")
     print("(each ratewall row against the nginx row above it; CPU us/req: user+system CPU time of the server under")
-    print(" test per request, all its processes; a handshake-each row's requests are its full handshakes)")
+    print(" test per request, all its processes; failed: non-2xx answers, or connections that failed; the handshake")
+    print(" rows are examples/tls_handshakes.rs (rustls, TLS 1.3, X25519): one connection, one handshake and one")
+    print(" request each; \"resumed where it can\" offers the last session's ticket, and `resumed` is the share the")
+    print(" server took back)")
     print()
     print("targets (issue 16), from the medians above:")
     for label, ours, peer in (("kept-alive TLS req/s", "ratewall memory, kept-alive TLS",
                                "nginx ssl limit_req, kept-alive TLS"),
-                              ("full handshakes/s", "ratewall memory, handshake each",
-                               "nginx ssl limit_req, handshake each")):
+                              ("full handshakes/s", "ratewall memory, full handshake each",
+                               "nginx ssl limit_req, full handshake each")):
         ratio = med[ours]["rps"] / med[peer]["rps"]
         cpu = cpu_us(med[peer]) / cpu_us(med[ours])
         print(f"  {label + ' >= 1.0x nginx':44} {ratio:5.2f}x  {verdict(ratio >= 1.0)}  "
@@ -569,7 +606,7 @@ def main():
         sys.exit(f"the pinned and TLS tables need CPUs {LOAD_CPU} and {SERVER_CPU}")
     print(f"building ratewall (release)...", flush=True)
     subprocess.run(["cargo", "build", "--release", "--quiet", "--bin", "ratewall", "--example", "measure_memory",
-                    "--example", "hyper_proxy"],
+                    "--example", "hyper_proxy", "--example", "tls_handshakes"],
                    cwd=ROOT, check=True)
     tables = {"main": main_table, "pinned": pinned_table, "tls": tls_table}
     for i, name in enumerate([ONLY] if ONLY else list(tables)):
