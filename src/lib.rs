@@ -36,7 +36,9 @@
 //! - [`upstream`]: the HTTP/1.1 client to the backend, one per worker with its pool of
 //!   kept connections, a folder in the order a request goes through it: `forward` (the
 //!   hop-by-hop fields stripped, `X-Forwarded-*`), `head` (the request head written, the
-//!   answer's parsed), `pool`, `body` (bodies framed both ways), and `error`: a typed
+//!   answer's parsed), `pool`, `stream` (TCP, or TLS over it) and `tls` (an `https://`
+//!   backend's handshake: verified against the system's roots or `ca`, SNI, a client
+//!   certificate, sessions resumed), `body` (bodies framed both ways), and `error`: a typed
 //!   [`upstream::Error`] that says the client's status (502, 504, 400, 408) and whether
 //!   the request may go again. Its validated settings, [`upstream::Settings`], live there.
 //! - [`metrics`]: Prometheus metrics, every series a config implies created at zero.
