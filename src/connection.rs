@@ -730,10 +730,14 @@ pub async fn serve_tls<S, B>(
     let track = registered.track.clone();
     let accepted = Instant::now();
     let _ = stream.set_nodelay(true);
-    let accept = tokio::time::timeout_at(
-        accepted + settings.timeouts.header,
-        tokio_rustls::TlsAcceptor::from(config).accept(stream),
-    );
+    let deadline = accepted + settings.timeouts.header;
+    let accept = tokio::time::timeout_at(deadline, async move {
+        if sends_plain_http(&stream).await {
+            return Ok(Start::PlainHttp(stream));
+        }
+        let acceptor = tokio_rustls::TlsAcceptor::from(config);
+        acceptor.accept(stream).await.map(Start::Tls)
+    });
     let asked_to_close = std::future::poll_fn(|cx| {
         track.reader.register(cx.waker());
         if track.close.load(Relaxed) != 0 {
@@ -744,7 +748,12 @@ pub async fn serve_tls<S, B>(
     });
     let stream = tokio::select! {
         done = accept => match done {
-            Ok(Ok(stream)) => stream,
+            Ok(Ok(Start::Tls(stream))) => stream,
+            Ok(Ok(Start::PlainHttp(stream))) => {
+                handshake(Handshake::Failed(Refused::NotTls), None);
+                answer_plain_http(stream, deadline).await;
+                return;
+            }
             Ok(Err(e)) => {
                 let why = Handshake::failed(&e);
                 tracing::debug!(error = %e, "TLS handshake failed");
@@ -771,6 +780,48 @@ pub async fn serve_tls<S, B>(
         settings,
         service(track, session),
     )
+    .await;
+}
+
+/// How a connection to the TLS listener starts: a TLS handshake done, or plain HTTP.
+/// Held only between the handshake and the connection's service, which keeps the TLS
+/// stream as large anyway: boxing it would add an allocation per connection for nothing.
+#[allow(clippy::large_enum_variant)]
+enum Start {
+    Tls(tokio_rustls::server::TlsStream<TcpStream>),
+    PlainHttp(TcpStream),
+}
+
+/// Whether the connection's first byte starts an HTTP/1 request (a method's capital
+/// letter) rather than a TLS record (0x16, a handshake): `curl http://` to the TLS port.
+/// Waits for that byte; a connection that fails or ends first is left to the handshake.
+async fn sends_plain_http(stream: &TcpStream) -> bool {
+    let mut first = [0u8; 1];
+    matches!(stream.peek(&mut first).await, Ok(1) if first[0].is_ascii_uppercase())
+}
+
+/// What the TLS listener answers plain HTTP, as nginx and Go's servers answer it: a 400
+/// that says why, then close. No request is read beyond what has arrived (taken off the
+/// socket so that closing does not reset the answer away), none is served.
+const PLAIN_HTTP_ANSWER: &[u8] = b"HTTP/1.1 400 Bad Request\r\n\
+content-type: application/problem+json\r\n\
+content-length: 116\r\n\
+connection: close\r\n\r\n\
+{\"type\":\"about:blank\",\"title\":\"Bad Request\",\"status\":400,\"detail\":\"this port speaks TLS: send the request as https\"}";
+
+async fn answer_plain_http(mut stream: TcpStream, deadline: Instant) {
+    use tokio::io::AsyncWriteExt;
+    let mut scrap = [0u8; 4096];
+    for _ in 0..16 {
+        match stream.try_read(&mut scrap) {
+            Ok(n) if n > 0 => continue,
+            _ => break,
+        }
+    }
+    let _ = tokio::time::timeout_at(deadline, async {
+        stream.write_all(PLAIN_HTTP_ANSWER).await?;
+        stream.shutdown().await
+    })
     .await;
 }
 

@@ -615,14 +615,41 @@ async fn refused_handshakes_are_counted_by_reason() {
         assert_eq!(scrape.find(name, &labels), Some(0.0), "{result}");
     }
 
-    // Plain HTTP to the TLS port.
+    // Plain HTTP to the TLS port: a 400 that says why (as nginx answers "The plain HTTP
+    // request was sent to HTTPS port"), then closed; nothing forwarded.
     let (reply, closed) = raw_until_closed(
         port,
-        b"GET / HTTP/1.1\r\nHost: gw.test\r\nConnection: close\r\n\r\n",
+        b"GET / HTTP/1.1\r\nHost: gw.test\r\nx-api-key: k\r\n\r\n",
     )
     .await;
     assert!(closed.is_some(), "closed: {reply:?}");
-    assert!(!reply.starts_with(b"HTTP/"), "no HTTP answer: {reply:?}");
+    let reply = String::from_utf8_lossy(&reply);
+    assert!(
+        reply.starts_with("HTTP/1.1 400 Bad Request\r\n"),
+        "{reply:?}"
+    );
+    assert!(
+        reply
+            .to_ascii_lowercase()
+            .contains("\r\nconnection: close\r\n"),
+        "{reply:?}"
+    );
+    assert!(
+        reply.contains("\r\ncontent-type: application/problem+json\r\n"),
+        "{reply:?}"
+    );
+    let body = reply.split("\r\n\r\n").nth(1).unwrap_or_default();
+    let problem: serde_json::Value = serde_json::from_str(body).expect("a problem+json body");
+    assert_eq!(problem["status"], 400, "{reply:?}");
+    assert_eq!(
+        problem["detail"],
+        "this port speaks TLS: send the request as https"
+    );
+    assert_eq!(
+        upstream.arrived(),
+        0,
+        "plain HTTP on the TLS port reached the upstream"
+    );
     let mut want = vec![(("failed", "not_tls"), 1)];
     assert_eq!(handshakes_become(&gw, &want).await, counts(&want));
 
