@@ -3,8 +3,9 @@
 //! takes it back does a resumed handshake, not a full one). This client resumes nothing
 //! unless asked: `CONNECTIONS` tasks at once, each over and over for `SECS` seconds: TCP
 //! connect, a TLS 1.3 handshake (rustls, ring, X25519; the server's signature is verified,
-//! its certificate chain is not, as wrk does not), one `GET /` with `Connection: close`
-//! and a fresh `x-api-key`, the whole answer read, closed. One thread: `taskset` it.
+//! its certificate chain is not, as wrk does not: `insecure_skip_verify`'s verifier), one
+//! `GET /` with `Connection: close` and a fresh `x-api-key`, the whole answer read, closed.
+//! One thread: `taskset` it.
 //!
 //!     cargo run --release --example tls_handshakes -- 127.0.0.1:18386 64 10 [--resume]
 //!
@@ -17,13 +18,12 @@ use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
+use ratewall::upstream::NoVerification;
 use rustls::client::{
     ClientSessionStore, Resumption, Tls12ClientSessionValue, Tls13ClientSessionValue,
 };
-use rustls::crypto::CryptoProvider;
-use rustls::pki_types::{CertificateDer, ServerName, UnixTime};
-use rustls::{DigitallySignedStruct, HandshakeKind, NamedGroup, SignatureScheme};
+use rustls::pki_types::ServerName;
+use rustls::{HandshakeKind, NamedGroup};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 use tokio_rustls::TlsConnector;
@@ -50,7 +50,7 @@ fn main() -> Result<(), Error> {
     let mut config = rustls::ClientConfig::builder_with_provider(provider.clone())
         .with_protocol_versions(&[&rustls::version::TLS13])?
         .dangerous()
-        .with_custom_certificate_verifier(Arc::new(SignatureOnly(provider)))
+        .with_custom_certificate_verifier(Arc::new(NoVerification(provider)))
         .with_no_client_auth();
     config.resumption = if resume {
         Resumption::store(Arc::new(Tickets::default()))
@@ -142,57 +142,6 @@ async fn exchange(addr: SocketAddr, connector: &TlsConnector, key: usize) -> Res
         return Err("not a 200".into());
     }
     Ok(resumed)
-}
-
-/// Verifies the server's handshake signature with the provider's algorithms (the
-/// client's share of a full handshake's cost), not its certificate chain: the bench's
-/// certificate is self-signed.
-#[derive(Debug)]
-struct SignatureOnly(Arc<CryptoProvider>);
-
-impl ServerCertVerifier for SignatureOnly {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp_response: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
-    }
 }
 
 /// The TLS 1.3 tickets the server gave, newest taken first, up to 1,024 (rustls' own cache

@@ -54,7 +54,7 @@ pub use body::{BodyError, ResponseBody};
 pub use error::{Error, Malformed};
 pub use forward::{Downstream, Peer};
 pub use health::{Health, HealthChange};
-pub use tls::{Tls, TlsError, TlsFailure, TlsHandshake, TlsHandshakes, TlsOptions};
+pub use tls::{NoVerification, Tls, TlsError, TlsFailure, TlsHandshake, TlsHandshakes, TlsOptions};
 
 use body::{Conn, Sending, Upload, UploadError};
 use pool::{Address, Pool};
