@@ -557,6 +557,41 @@ impl Drop for Registered {
 // ---------------------------------------------------------------------------------------
 // Serving one connection.
 
+/// What a connection's requests go to: hyper's service, answering every request (never an
+/// error) with an [`Answer`], run on the connection's task.
+pub trait Service<B>:
+    hyper::service::Service<
+        http::Request<hyper::body::Incoming>,
+        Response = http::Response<B>,
+        Error = std::convert::Infallible,
+        Future: Send + 'static,
+    > + Send
+    + 'static
+{
+}
+
+impl<S, B> Service<B> for S where
+    S: hyper::service::Service<
+            http::Request<hyper::body::Incoming>,
+            Response = http::Response<B>,
+            Error = std::convert::Infallible,
+            Future: Send + 'static,
+        > + Send
+        + 'static
+{
+}
+
+/// The body of an answer a connection writes.
+pub trait Answer:
+    Body<Data: Send, Error: Into<Box<dyn std::error::Error + Send + Sync>>> + Send + 'static
+{
+}
+
+impl<B> Answer for B where
+    B: Body<Data: Send, Error: Into<Box<dyn std::error::Error + Send + Sync>>> + Send + 'static
+{
+}
+
 /// Serve one accepted connection until it ends. `service` makes the connection's
 /// service from its [`Track`] (its requests hold an [`InFlight`] each).
 pub async fn serve<S, B>(
@@ -566,16 +601,8 @@ pub async fn serve<S, B>(
     settings: Settings,
     service: impl FnOnce(Arc<Track>) -> S,
 ) where
-    S: hyper::service::Service<
-            http::Request<hyper::body::Incoming>,
-            Response = http::Response<B>,
-            Error = std::convert::Infallible,
-        > + Send
-        + 'static,
-    S::Future: Send + 'static,
-    B: Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    S: Service<B>,
+    B: Answer,
 {
     let registered = registry.register(permit);
     let track = registered.track.clone();
@@ -715,16 +742,8 @@ pub async fn serve_tls<S, B>(
     handshake: impl FnOnce(Handshake, Option<&crate::tls::Session>),
     service: impl FnOnce(Arc<Track>, crate::tls::Session) -> S,
 ) where
-    S: hyper::service::Service<
-            http::Request<hyper::body::Incoming>,
-            Response = http::Response<B>,
-            Error = std::convert::Infallible,
-        > + Send
-        + 'static,
-    S::Future: Send + 'static,
-    B: Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    S: Service<B>,
+    B: Answer,
 {
     let registered = registry.register(permit);
     let track = registered.track.clone();
@@ -835,16 +854,8 @@ async fn serve_io<IO, S, B>(
     service: S,
 ) where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
-    S: hyper::service::Service<
-            http::Request<hyper::body::Incoming>,
-            Response = http::Response<B>,
-            Error = std::convert::Infallible,
-        > + Send
-        + 'static,
-    S::Future: Send + 'static,
-    B: Body + Send + 'static,
-    B::Data: Send,
-    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+    S: Service<B>,
+    B: Answer,
 {
     let track = registered.track.clone();
     let Some((proto, prefix)) =
