@@ -927,12 +927,7 @@ async fn a_slot_moved_to_another_master_mid_run_keeps_its_state() {
     );
     // And every request was decided: a redirection is the cluster client's to follow,
     // not a store failure.
-    let store_errors: std::collections::BTreeSet<String> = gw
-        .logs()
-        .lines()
-        .filter_map(|l| l.split("applying on_error error=").nth(1))
-        .map(|e| e.split(" on_error=").next().unwrap_or(e).to_string())
-        .collect();
+    let store_errors = store_errors(&gw.logs());
     assert_eq!(
         refused,
         0,
@@ -1049,12 +1044,7 @@ async fn a_replica_taking_over_a_dead_master_keeps_the_limits() {
         common::burst_then_429(BURST as usize)
     );
     assert!(!gw.logs().contains("panicked"), "{}", gw.logs());
-    let store_errors: std::collections::BTreeSet<String> = gw
-        .logs()
-        .lines()
-        .filter_map(|l| l.split("applying on_error error=").nth(1))
-        .map(|e| e.split(" on_error=").next().unwrap_or(e).to_string())
-        .collect();
+    let store_errors = store_errors(&gw.logs());
     // redis-rs rebuilds its slot map when it sees the promotion, and holds every call
     // while it does: a call to a live master can time out then, and only then
     // (docs/scaling.md). Outside that moment the live masters answer as usual.
@@ -1068,4 +1058,12 @@ async fn a_replica_taking_over_a_dead_master_keeps_the_limits() {
          slot map on the promotion. Store errors logged: {store_errors:?}",
         live_refused.len()
     );
+}
+
+/// The distinct store errors a gateway's log reports (`applying on_error error=...`).
+fn store_errors(logs: &str) -> std::collections::BTreeSet<String> {
+    logs.lines()
+        .filter_map(|l| l.split("applying on_error error=").nth(1))
+        .map(|e| e.split(" on_error=").next().unwrap_or(e).to_string())
+        .collect()
 }
