@@ -10,17 +10,18 @@ use common::*;
 /// A gateway with a TLS listener on `tls_port` presenting `certs` (the first the
 /// default), forwarding to `upstream`, with `extra` lines in `[server.tls]` and `rules`.
 fn tls_gateway(
-    tls_port: u16,
     certs: &[(std::path::PathBuf, std::path::PathBuf)],
     extra: &str,
     upstream: &Upstream,
     rules: &str,
-) -> Gateway {
-    Gateway::start(&format!(
-        "{}{}{rules}",
-        tls_table(tls_port, certs, extra),
-        upstream_and_store(&upstream.url(), &Store::Memory)
-    ))
+) -> (Gateway, u16) {
+    start_on_free_tls_port(|port| {
+        format!(
+            "{}{}{rules}",
+            tls_table(port, certs, extra),
+            upstream_and_store(&upstream.url(), &Store::Memory)
+        )
+    })
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -29,8 +30,7 @@ async fn sni_picks_the_certificate_and_the_first_is_the_default() {
     let a = pki.server_cert("a", &["a.test"], 90);
     let b = pki.server_cert("b", &["*.b.test"], 90);
     let upstream = Upstream::start().await;
-    let port = free_port();
-    let gw = tls_gateway(port, &[a.clone(), b.clone()], "", &upstream, "");
+    let (gw, port) = tls_gateway(&[a.clone(), b.clone()], "", &upstream, "");
     let roots = [pki.ca_der()];
     let http1 = client_config(&roots, &[b"http/1.1"], None);
     let r = tls_get(port, "x.b.test", http1.clone(), "/hello", &[])
@@ -75,8 +75,7 @@ async fn alpn_gives_http2_and_the_upstream_learns_the_scheme() {
     let pki = Pki::new("alpn");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
-    let port = free_port();
-    let gw = tls_gateway(port, &[cert], "", &upstream, "");
+    let (gw, port) = tls_gateway(&[cert], "", &upstream, "");
     let roots = [pki.ca_der()];
     let h2 = client_config(&roots, &[b"h2", b"http/1.1"], None);
     let r = tls_get(port, "gw.test", h2, "/two", &[]).await.expect("h2");
@@ -141,8 +140,7 @@ async fn tls12_clients_are_served() {
     let pki = Pki::new("v12");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
-    let port = free_port();
-    let _gw = tls_gateway(port, &[cert], "", &upstream, "");
+    let (_gw, port) = tls_gateway(&[cert], "", &upstream, "");
     let mut store = rustls::RootCertStore::empty();
     store.add(pki.ca_der()).unwrap();
     let config = rustls::ClientConfig::builder_with_provider(std::sync::Arc::new(
@@ -172,8 +170,7 @@ async fn curl_speaks_http2_over_tls() {
     let pki = Pki::new("curl");
     let cert = pki.server_cert("gw", &["localhost"], 90);
     let upstream = Upstream::start().await;
-    let port = free_port();
-    let _gw = tls_gateway(port, &[cert], "", &upstream, "");
+    let (_gw, port) = tls_gateway(&[cert], "", &upstream, "");
     let out = tokio::process::Command::new("curl")
         .args([
             "-sS",
@@ -205,12 +202,13 @@ async fn a_stalled_handshake_is_closed_at_header_timeout() {
     let pki = Pki::new("stall");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
-    let port = free_port();
-    let gw = Gateway::start(&format!(
-        "header_timeout = \"1s\"\n{}{}",
-        tls_table(port, &[cert], ""),
-        upstream_and_store(&upstream.url(), &Store::Memory)
-    ));
+    let (gw, port) = start_on_free_tls_port(|port| {
+        format!(
+            "header_timeout = \"1s\"\n{}{}",
+            tls_table(port, std::slice::from_ref(&cert), ""),
+            upstream_and_store(&upstream.url(), &Store::Memory)
+        )
+    });
     let mut stream = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .unwrap();
@@ -252,8 +250,7 @@ async fn sighup_rotates_certificates_under_load_and_a_bad_file_keeps_the_old() {
     let pki = Pki::new("rotate");
     let old = pki.server_cert("old", &["gw.test"], 90);
     let upstream = Upstream::start().await;
-    let port = free_port();
-    let body = |certs: &[(std::path::PathBuf, std::path::PathBuf)]| {
+    let body = |port: u16, certs: &[(std::path::PathBuf, std::path::PathBuf)]| {
         format!(
             "{}{}",
             tls_table(port, certs, ""),
@@ -265,7 +262,7 @@ async fn sighup_rotates_certificates_under_load_and_a_bad_file_keeps_the_old() {
     std::fs::copy(&old.0, &cert).unwrap();
     std::fs::copy(&old.1, &key).unwrap();
     let live = (cert.clone(), key.clone());
-    let gw = Gateway::start(&body(std::slice::from_ref(&live)));
+    let (gw, port) = start_on_free_tls_port(|port| body(port, std::slice::from_ref(&live)));
     let config = client_config(&[pki.ca_der()], &[b"h2", b"http/1.1"], None);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
     let load: Vec<_> = (0..4)
@@ -430,11 +427,9 @@ async fn required_client_certificates_are_each_limited_exactly() {
     let strangers = Pki::new("strangers");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
-    let port = free_port();
     let extra = format!("client_ca = \"{}\"\n", toml_path(&clients.ca_pem));
     let token = "tls-admin-token-0123456789abcdef";
-    let gw = tls_gateway(
-        port,
+    let (gw, port) = tls_gateway(
         &[cert],
         &extra,
         &upstream,
@@ -511,14 +506,13 @@ async fn optional_client_certificates_fall_back_to_missing_key() {
     let pki = Pki::new("opt");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
-    let port = free_port();
     let extra = format!(
         "client_ca = \"{}\"\nclient_auth = \"optional\"\n",
         toml_path(&pki.ca_pem)
     );
     let rules = "[[rules]]\nname = \"certs\"\nkey = \"client_cert\"\nrate = \"1/h\"\nburst = 2\nmatch = { path_prefix = \"/x\" }\n\
                  [[rules]]\nname = \"lenient\"\nkey = \"client_cert\"\nmissing_key = \"client_ip\"\nrate = \"1/h\"\nburst = 1\nmatch = { path_prefix = \"/lenient\" }\n";
-    let _gw = tls_gateway(port, &[cert], &extra, &upstream, rules);
+    let (_gw, port) = tls_gateway(&[cert], &extra, &upstream, rules);
     let roots = [pki.ca_der()];
     let anonymous = client_config(&roots, &[b"http/1.1"], None);
     // The first rule (missing_key = "reject" by default) refuses a client without one.
@@ -591,12 +585,11 @@ async fn refused_handshakes_are_counted_by_reason() {
     let pki = Pki::new("refused");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
-    let port = free_port();
     let extra = format!(
         "client_ca = \"{}\"\nclient_auth = \"required\"\n",
         toml_path(&pki.ca_pem)
     );
-    let gw = tls_gateway(port, &[cert], &extra, &upstream, "");
+    let (gw, port) = tls_gateway(&[cert], &extra, &upstream, "");
     // Every series at zero from the start.
     let scrape = Scrape::take(&HttpClient::new(), &gw).await;
     let name = "ratewall_tls_handshakes_total";
@@ -713,7 +706,7 @@ async fn the_status_page_shows_certificates_and_flags_one_expiring_soon() {
     let long = pki.server_cert("long", &["a.test"], 90);
     let short = pki.server_cert("short", &["b.test"], 5);
     let upstream = Upstream::start().await;
-    let gw = tls_gateway(free_port(), &[long, short], "", &upstream, "");
+    let (gw, _) = tls_gateway(&[long, short], "", &upstream, "");
     let profile = tempfile::tempdir().unwrap();
     let out = tokio::time::timeout(
         Duration::from_secs(90),
@@ -763,8 +756,7 @@ async fn redirect_https_sends_cleartext_clients_to_the_tls_listener() {
     let pki = Pki::new("redirect");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
-    let port = free_port();
-    let gw = tls_gateway(port, &[cert], "redirect_https = true\n", &upstream, "");
+    let (gw, port) = tls_gateway(&[cert], "redirect_https = true\n", &upstream, "");
     let r = raw_exchange(
         gw.port,
         b"POST /a/b?x=1 HTTP/1.1\r\nHost: gw.test:8080\r\nContent-Length: 0\r\nConnection: close\r\n\r\n",
@@ -950,8 +942,7 @@ async fn sessions_resume_across_connections_and_reloads() {
     let pki = Pki::new("resume");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
-    let port = free_port();
-    let gw = tls_gateway(port, &[cert], "", &upstream, "");
+    let (gw, port) = tls_gateway(&[cert], "", &upstream, "");
     let mut configs = Vec::new();
     for v in [&rustls::version::TLS13, &rustls::version::TLS12] {
         let mut store = rustls::RootCertStore::empty();

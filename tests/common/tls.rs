@@ -107,6 +107,23 @@ fn time_now() -> time::OffsetDateTime {
     time::OffsetDateTime::now_utc()
 }
 
+/// Start the binary with a TLS listener on a free port, `body(port)` the config after its
+/// `[server]` table (with a `tls_table` on `port`). A port is picked free just before; one
+/// taken in between (another test's connection may get it as its own port) is picked
+/// again, as `Gateway::start` does for the ports it picks itself.
+pub fn start_on_free_tls_port(body: impl Fn(u16) -> String) -> (super::Gateway, u16) {
+    let mut last = String::new();
+    for _ in 0..5 {
+        let port = super::free_port();
+        match super::Gateway::try_start(&body(port)) {
+            Ok(gw) => return (gw, port),
+            Err(logs) if logs.contains("cannot listen") => last = logs,
+            Err(logs) => panic!("ratewall did not start:\n{logs}"),
+        }
+    }
+    panic!("no free port for the TLS listener after 5 tries:\n{last}")
+}
+
 /// A `[server.tls]` table listening on `port` with `certs` (in order: the first is the
 /// default) and `extra` lines.
 pub fn tls_table(port: u16, certs: &[(PathBuf, PathBuf)], extra: &str) -> String {
