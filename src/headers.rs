@@ -1,19 +1,32 @@
 //! Decisions -> response headers and problem+json bodies.
 //!
-//! Draft style follows draft-ietf-httpapi-ratelimit-headers-11: `RateLimit-Policy` and
-//! `RateLimit` are Structured Field lists (RFC 9651) with one item per applied rule, named
-//! by the rule (a Structured Field string, since rule names are restricted to
-//! `[A-Za-z0-9_.-]`, no escaping is needed). `q` and `w` are the quota and its window in
-//! seconds; `r` is what remains now and `t` the seconds, rounded up, until the full quota is
-//! back. Legacy style is the earlier drafts' `RateLimit-Limit`/`-Remaining`/`-Reset`,
-//! for the one rule closest to denying.
+//! Draft style follows draft-ietf-httpapi-ratelimit-headers, with -11's field syntax
+//! (docs/reference.md says why, and what of -12 could be read):
+//! `RateLimit-Policy` and `RateLimit` are Structured Field lists (RFC 9651) with one item
+//! per applied rule, named by the rule (a Structured Field string, since rule names are
+//! restricted to `[A-Za-z0-9_.-]`, no escaping is needed). `q` is the quota in quota units
+//! (tokens: a request takes its rule's `cost`) and `w` the window it is granted in, in whole
+//! seconds; `r` is the quota available now and `t` the seconds, rounded up, until all of
+//! `q` is available again. The draft mandates no algorithm; each advertises what a client
+//! may really use ([`advertised`]):
+//!
+//! - a window (`sliding_window`, `fixed_window`): `q` is the rule's N, `w` its period;
+//! - a bucket (`token_bucket`, `gcra`): `q` is the **burst** — what may pass at once, the
+//!   most `r` can ever be — and `w` the time the rate takes to refill it from empty
+//!   (`burst / rate`, rounded up to a whole second, the draft's `w` being an integer).
+//!   A client that spends all of `q` and waits `w` finds `q` again: it is never promised
+//!   more than it gets, and `r` never exceeds `q`. (Advertising the rate as `q=N;w=P`
+//!   instead would show `r` above `q` and hide the burst.)
+//!
+//! Legacy style is the earlier drafts' `RateLimit-Limit`/`-Remaining`/`-Reset`, for the
+//! one rule closest to denying, with the same `q` as its limit.
 //!
 //! A concurrency limit is a quota of the unit the draft names `concurrent-requests`
-//! (`qu="concurrent-requests"`, §5.1 of draft-11's quota units): no window and no reset,
-//! so its items carry neither `w` nor `t`. Rules that do not enforce for a request (shadow
-//! mode, or an identity outside `enforce_percent`) are not the client's limits: they are
-//! reported in `RateLimit-Shadow`, an operator's note shaped like `RateLimit`, with a
-//! `denied` flag where the rule would have denied.
+//! (`qu="concurrent-requests"`): no window and no reset, so its items carry neither `w`
+//! nor `t`. Rules that do not enforce for a request (shadow mode, or an identity outside
+//! `enforce_percent`) are not the client's limits: they are reported in
+//! `RateLimit-Shadow`, an operator's note shaped like `RateLimit`, with a `denied` flag
+//! where the rule would have denied.
 
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
@@ -25,7 +38,7 @@ use crate::limiter::{Algorithm, Decision, Quota};
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum ResponseStyle {
-    /// `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers-11).
+    /// `RateLimit-Policy` and `RateLimit` (draft-ietf-httpapi-ratelimit-headers).
     #[default]
     Draft,
     /// `RateLimit-Limit`, `-Remaining`, `-Reset` of the earlier drafts.
@@ -44,6 +57,25 @@ pub static RATELIMIT_SHADOW: HeaderName = HeaderName::from_static("ratelimit-sha
 /// Microseconds to whole seconds, rounded up.
 pub fn ceil_secs(us: u64) -> u64 {
     us.div_ceil(1_000_000)
+}
+
+/// The quota a rule advertises (`q`) and the window it is granted in (`w`, whole
+/// seconds; `None` for a concurrency limit): see the module's docs.
+pub fn advertised(quota: &Quota) -> (u64, Option<u64>) {
+    match quota.algorithm {
+        Algorithm::Concurrency => (quota.burst, None),
+        Algorithm::TokenBucket | Algorithm::Gcra => {
+            // burst tokens at count per period: burst * period / count, rounded up.
+            let period_us = quota.rate.period.as_micros();
+            let count = u128::from(quota.rate.count.max(1));
+            let refill_us = (u128::from(quota.burst) * period_us).div_ceil(count);
+            let secs = refill_us.div_ceil(1_000_000).max(1);
+            (quota.burst, Some(u64::try_from(secs).unwrap_or(u64::MAX)))
+        }
+        Algorithm::SlidingWindow | Algorithm::FixedWindow => {
+            (quota.rate.count, Some(quota.rate.period.as_secs().max(1)))
+        }
+    }
 }
 
 /// One applied rule's outcome, as the headers need it.
@@ -70,14 +102,14 @@ pub fn add_ratelimit(headers: &mut HeaderMap, style: ResponseStyle, applied: &[A
             }
             item(&mut policy, a.rule);
             item(&mut state, a.rule);
-            if a.quota.algorithm == Algorithm::Concurrency {
-                param(&mut policy, b";q=", a.quota.burst);
+            let (q, w) = advertised(&a.quota);
+            param(&mut policy, b";q=", q);
+            let Some(w) = w else {
                 policy.extend_from_slice(b";qu=\"concurrent-requests\"");
                 param(&mut state, b";r=", a.decision.remaining);
                 continue;
-            }
-            param(&mut policy, b";q=", a.quota.rate.count);
-            param(&mut policy, b";w=", a.quota.rate.period.as_secs());
+            };
+            param(&mut policy, b";w=", w);
             param(&mut state, b";r=", a.decision.remaining);
             param(&mut state, b";t=", ceil_secs(a.decision.reset_us));
         }
@@ -97,7 +129,7 @@ pub fn add_ratelimit(headers: &mut HeaderMap, style: ResponseStyle, applied: &[A
         };
         headers.insert(
             RATELIMIT_LIMIT.clone(),
-            HeaderValue::from(a.quota.rate.count),
+            HeaderValue::from(advertised(&a.quota).0),
         );
         headers.insert(
             RATELIMIT_REMAINING.clone(),
@@ -282,6 +314,60 @@ mod tests {
             retry_after_us,
             reset_us,
         }
+    }
+
+    fn quota_of(algorithm: Algorithm, count: u64, secs: u64, burst: Option<u64>) -> Quota {
+        let rate = Rate {
+            count,
+            period: Duration::from_secs(secs),
+        };
+        Quota::new(
+            algorithm,
+            rate,
+            burst.and_then(NonZeroU64::new),
+            NonZeroU64::MIN,
+        )
+        .unwrap()
+    }
+
+    #[test]
+    fn a_bucket_advertises_its_burst_and_the_time_to_refill_it() {
+        use Algorithm::*;
+        for alg in [TokenBucket, Gcra] {
+            // 10/s, burst 20: 20 at once, back in 2 s.
+            assert_eq!(advertised(&quota_of(alg, 10, 1, Some(20))), (20, Some(2)));
+            // 1/m, burst 30 (the shipped `exports`): 30 tokens, back in 30 minutes.
+            assert_eq!(
+                advertised(&quota_of(alg, 1, 60, Some(30))),
+                (30, Some(1800))
+            );
+            // 3/s, burst 5: back in 5/3 s, rounded up: never promised sooner than it is.
+            assert_eq!(advertised(&quota_of(alg, 3, 1, Some(5))), (5, Some(2)));
+            // No burst: N at once, back in the period.
+            assert_eq!(advertised(&quota_of(alg, 100, 60, None)), (100, Some(60)));
+            // A burst smaller than N: refilled within the period.
+            assert_eq!(advertised(&quota_of(alg, 100, 60, Some(10))), (10, Some(6)));
+        }
+        for alg in [SlidingWindow, FixedWindow] {
+            assert_eq!(advertised(&quota_of(alg, 300, 60, None)), (300, Some(60)));
+        }
+    }
+
+    #[test]
+    fn a_full_bucket_never_shows_more_than_its_quota() {
+        // `r` of a full bucket is its burst: the policy's `q` is never below it.
+        let q = quota_of(Algorithm::TokenBucket, 10, 1, Some(20));
+        let applied = [Applied {
+            rule: "api",
+            quota: q,
+            decision: d(true, 19, 0, 100_000),
+        }];
+        let mut h = HeaderMap::new();
+        add_ratelimit(&mut h, ResponseStyle::Both, &applied);
+        assert_eq!(h[&RATELIMIT_POLICY], "\"api\";q=20;w=2");
+        assert_eq!(h[&RATELIMIT], "\"api\";r=19;t=1");
+        assert_eq!(h[&RATELIMIT_LIMIT], "20");
+        assert_eq!(h[&RATELIMIT_REMAINING], "19");
     }
 
     #[test]

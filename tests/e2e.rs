@@ -200,16 +200,21 @@ async fn ratelimit_headers_are_structured_fields_that_match_the_bucket() {
             assert_eq!(r.status, StatusCode::OK);
             let policy = sf_list(r.header("ratelimit-policy").expect("RateLimit-Policy"));
             assert_eq!(policy.len(), 3);
+            // A bucket advertises its burst, and the time its rate refills it from empty:
+            // 4 at 10/m in 24 s, 50 at 100/10s in 5 s; without a burst, N per period.
             assert_eq!(policy[0].0, "api");
-            assert_eq!((int(&policy[0].1, "q"), int(&policy[0].1, "w")), (10, 60));
+            assert_eq!((int(&policy[0].1, "q"), int(&policy[0].1, "w")), (4, 24));
             assert_eq!(policy[1].0, "site");
-            assert_eq!((int(&policy[1].1, "q"), int(&policy[1].1, "w")), (100, 10));
+            assert_eq!((int(&policy[1].1, "q"), int(&policy[1].1, "w")), (50, 5));
             assert_eq!(policy[2].0, "day");
             assert_eq!(
                 (int(&policy[2].1, "q"), int(&policy[2].1, "w")),
                 (1000, 86_400)
             );
             let state = sf_list(r.header("ratelimit").expect("RateLimit"));
+            for ((name, p), (_, st)) in policy.iter().zip(&state) {
+                assert!(int(st, "r") <= int(p, "q"), "{name}: r above q");
+            }
             assert_eq!(state[0].0, "api");
             let api_r = int(&state[0].1, "r");
             assert!(
@@ -282,9 +287,10 @@ async fn legacy_and_both_header_styles() {
         assert_eq!(r.status, StatusCode::OK);
         assert_eq!(r.header("ratelimit").is_some(), draft, "{style}");
         assert_eq!(r.header("ratelimit-policy").is_some(), draft, "{style}");
+        // The limit is the bucket's burst, as `q` is: what `remaining` counts down from.
         assert_eq!(
             r.header("ratelimit-limit"),
-            legacy.then_some("1"),
+            legacy.then_some("3"),
             "{style}"
         );
         assert_eq!(
