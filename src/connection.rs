@@ -149,10 +149,10 @@ pub struct Settings {
 }
 
 /// Raise the process's open-file limit to what it is allowed (the soft limit to the hard
-/// one, as nginx's `worker_rlimit_nofile` and Go's runtime do), and warn when
-/// `max_connections` could still need more: each client connection can hold one to its
-/// upstream too.
-pub fn raise_descriptor_limit(max_connections: usize) {
+/// one, as nginx's `worker_rlimit_nofile` and Go's runtime do), and warn when a
+/// `max_connections` the operator set could still need more: each client connection can
+/// hold one to its upstream too. (One left unset was derived to fit: no warning.)
+pub fn raise_descriptor_limit(max_connections: usize, set: bool) {
     let limit = match rlimit::increase_nofile_limit(u64::MAX) {
         Ok(n) => n,
         Err(e) => {
@@ -162,8 +162,14 @@ pub fn raise_descriptor_limit(max_connections: usize) {
     };
     let needed = (max_connections as u64)
         .saturating_mul(2)
-        .saturating_add(64);
-    if needed > limit {
+        .saturating_add(crate::config::RESERVED_DESCRIPTORS);
+    if !set {
+        tracing::debug!(
+            max_connections,
+            open_files_limit = limit,
+            "max_connections derived from the open-file limit"
+        );
+    } else if needed > limit {
         tracing::warn!(
             max_connections,
             open_files_limit = limit,

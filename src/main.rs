@@ -15,7 +15,12 @@ static GLOBAL: mimalloc::MiMalloc = mimalloc::MiMalloc;
 #[derive(Parser)]
 #[command(
     version,
-    about = "A reverse-proxy gateway that enforces request rate limits"
+    about = "A reverse-proxy gateway that enforces request rate limits",
+    after_help = "Environment:\n  \
+        RATEWALL_ADMIN_TOKEN   the admin API's bearer token (wins over [admin] token; at least 16 characters)\n  \
+        RATEWALL_LISTEN, RATEWALL_ADMIN_LISTEN, RATEWALL_TLS_LISTEN, RATEWALL_UPSTREAM\n                         as --listen, --admin-listen, --tls-listen, --upstream\n  \
+        RUST_LOG               what is logged, e.g. info (the default), debug, ratewall::access=off\n\n\
+        Every key of the file: docs/configuration.md"
 )]
 struct Cli {
     /// The limits file.
@@ -35,6 +40,9 @@ struct Cli {
         value_name = "ADDR"
     )]
     admin_listen: Option<String>,
+    /// Overrides [server.tls] listen, e.g. 0.0.0.0:8443 (also on every reload).
+    #[arg(long, global = true, env = "RATEWALL_TLS_LISTEN", value_name = "ADDR")]
+    tls_listen: Option<String>,
     /// Overrides [upstream] url, e.g. http://backend:3000 (also on every reload).
     #[arg(long, global = true, env = "RATEWALL_UPSTREAM", value_name = "URL")]
     upstream: Option<String>,
@@ -81,6 +89,7 @@ fn main() -> ExitCode {
     let overrides = match Overrides::new(
         given("listen", cli.listen),
         given("admin_listen", cli.admin_listen),
+        given("tls_listen", cli.tls_listen),
         given("upstream", cli.upstream),
     ) {
         Ok(o) => o,

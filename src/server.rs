@@ -66,7 +66,10 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     );
     let admin_registry =
         Registry::new("admin", ADMIN_MAX_CONNECTIONS, metrics.connections("admin"));
-    connection::raise_descriptor_limit(config.server.max_connections);
+    connection::raise_descriptor_limit(
+        config.server.max_connections,
+        config.server.max_connections_set,
+    );
     // Before the gateway says it listens: until a handler is registered, a signal's default
     // action ends the process, so a SIGHUP sent on that word would kill it.
     let signals = Signals::register();

@@ -339,9 +339,11 @@ async fn at_max_connections_idle_ones_make_room_and_busy_ones_are_waited_for() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_file_descriptors_the_accept_loop_neither_spins_nor_floods_the_log() {
     let upstream = Upstream::start().await;
+    // max_connections set beyond what 48 descriptors hold (left unset, it would be derived
+    // to fit them, and no accept would fail).
     let gw = Gateway::start_wrapped(
         &format!(
-            "workers = 1\n{}",
+            "workers = 1\nmax_connections = 10000\n{}",
             upstream_and_store(&upstream.url(), &Store::Memory)
         ),
         &["prlimit", "--nofile=48:48", "--"],

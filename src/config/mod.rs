@@ -16,6 +16,7 @@ mod overrides;
 mod rules;
 mod server;
 mod store;
+mod suggest;
 mod tls;
 mod upstream;
 mod values;
@@ -36,7 +37,10 @@ use crate::rules::{Plan, Rule, RuleIndex};
 pub use diff::{Changes, Listed};
 pub use overrides::{Given, OverrideError, Overrides, Source};
 pub use rules::{DEFAULT_LEASE_TTL, DEFAULT_MAX_WAITING, MAX_DELAY};
-pub use server::{Admin, Log, Server, MAX_CONNECTIONS, MAX_HEADER_BYTES, SHUTDOWN_GRACE};
+pub use server::{
+    derive_max_connections, open_files_limit, Admin, Log, Server, MAX_CONNECTIONS,
+    MAX_HEADER_BYTES, RESERVED_DESCRIPTORS, SHUTDOWN_GRACE,
+};
 
 /// A configuration file that could not be loaded, with where and why.
 #[derive(Debug, thiserror::Error)]
@@ -168,7 +172,8 @@ fn from_toml<T: DeserializeOwned>(text: &str, path: &Path, plans: &str) -> Resul
             k => redact_key(k, plans),
         };
         let inner = e.into_inner();
-        Invalid::new(inner.span(), key, inner.message().trim()).locate(text, path)
+        let message = suggest::with_suggestion(inner.message().trim());
+        Invalid::new(inner.span(), key, message).locate(text, path)
     })
 }
 
@@ -296,11 +301,16 @@ impl Config {
         let t = &self.server.timeouts;
         let _ = writeln!(
             out,
-            "clients       header_timeout {}, idle_timeout {}, body_timeout {}, max_connections {}, max_header_bytes {}",
+            "clients       header_timeout {}, idle_timeout {}, body_timeout {}, max_connections {}{}, max_header_bytes {}",
             humantime::format_duration(t.header),
             humantime::format_duration(t.idle),
             humantime::format_duration(t.body),
             self.server.max_connections,
+            if self.server.max_connections_set {
+                ""
+            } else {
+                " (not set: 10000, or what the open-file limit holds)"
+            },
             self.server.max_header_bytes
         );
         if let Some(tls) = &self.server.tls {
@@ -351,7 +361,8 @@ impl Config {
                 r.quota.algorithm.name(),
                 when
             );
-            let _ = writeln!(out, "      {}", r.behaviour());
+            let shared = !matches!(self.store.backend, Backend::Memory);
+            let _ = writeln!(out, "      {}", r.behaviour(shared));
             let mut plans: Vec<_> = r.plans.iter().collect();
             plans.sort_by(|a, b| a.0.cmp(b.0));
             for (p, plan) in plans {
@@ -455,7 +466,11 @@ url = "http://127.0.0.1:3000"
                 Duration::from_secs(30)
             )
         );
-        assert_eq!(cfg.server.max_connections, 10_000);
+        assert!(!cfg.server.max_connections_set);
+        assert_eq!(
+            cfg.server.max_connections,
+            server::derive_max_connections(server::open_files_limit())
+        );
         assert_eq!(cfg.server.max_header_bytes, 32 * 1024);
         assert_eq!(cfg.store.max_keys, 1_000_000);
     }
@@ -657,7 +672,7 @@ url = "http://127.0.0.1:3000"
         .unwrap();
         assert_eq!(
             cfg.rules[0].matcher.describe(),
-            "/api/*, api_key = \"absent\", \"header:x-user\" = \"present\""
+            "path_prefix /api/, api_key = \"absent\", \"header:x-user\" = \"present\""
         );
         for (text, at, key, message) in [
             (
@@ -670,7 +685,7 @@ url = "http://127.0.0.1:3000"
                 "match = { apikey = \"absent\" }",
                 (10, 11),
                 "rules[0].match.apikey",
-                "unknown field `apikey`, expected one of `path_prefix`, `path`, `glob`, `methods`, `host`, `api_key`, `header:<name>`",
+                "unknown field `apikey`, expected one of `path_prefix`, `path`, `glob`, `methods`, `host`, `api_key`, `header:<name>` (did you mean `api_key`?)",
             ),
             (
                 "match = { \"header:bad name\" = \"absent\" }",
@@ -792,7 +807,7 @@ url = "http://127.0.0.1:3000"
             cfg.rules[0].matcher.describe(),
             "GET glob /v1/*/export on api.example.com|*.example.org"
         );
-        assert_eq!(cfg.rules[1].matcher.describe(), "/upload on x.test");
+        assert_eq!(cfg.rules[1].matcher.describe(), "path /upload on x.test");
         assert_eq!(cfg.rules[1].quota.algorithm, Algorithm::Concurrency);
         assert_eq!(cfg.rules[1].quota.lease_us, 10_000_000);
     }

@@ -39,6 +39,8 @@ pub struct OverrideError {
 pub struct Overrides {
     listen: Option<(SocketAddr, String)>,
     admin_listen: Option<(SocketAddr, String)>,
+    /// `[server.tls] listen`: only where the file has a `[server.tls]`.
+    tls_listen: Option<(SocketAddr, String)>,
     upstream: Option<(http::Uri, String, String)>,
 }
 
@@ -54,10 +56,12 @@ fn parse<'a, T: Deserialize<'a>>(given: &'a Given) -> Result<T, OverrideError> {
 }
 
 impl Overrides {
-    /// Validate `[server] listen`, `[server] admin_listen` and `[upstream] url` overrides.
+    /// Validate `[server] listen`, `[server] admin_listen`, `[server.tls] listen` and
+    /// `[upstream] url` overrides.
     pub fn new(
         listen: Option<Given>,
         admin_listen: Option<Given>,
+        tls_listen: Option<Given>,
         upstream: Option<Given>,
     ) -> Result<Overrides, OverrideError> {
         let addr = |g: Option<Given>| -> Result<_, OverrideError> {
@@ -67,6 +71,7 @@ impl Overrides {
         Ok(Overrides {
             listen: addr(listen)?,
             admin_listen: addr(admin_listen)?,
+            tls_listen: addr(tls_listen)?,
             upstream: upstream
                 .map(|g| parse::<UpstreamUrl>(&g).map(|u| (u.uri, u.base_path, g.origin)))
                 .transpose()?,
@@ -74,7 +79,10 @@ impl Overrides {
     }
 
     pub fn is_empty(&self) -> bool {
-        self.listen.is_none() && self.admin_listen.is_none() && self.upstream.is_none()
+        self.listen.is_none()
+            && self.admin_listen.is_none()
+            && self.tls_listen.is_none()
+            && self.upstream.is_none()
     }
 
     /// Replace the file's values with these. An `https://` upstream's TLS is set up for
@@ -85,6 +93,9 @@ impl Overrides {
         }
         if let Some((a, _)) = &self.admin_listen {
             config.server.admin_listen = Some(*a);
+        }
+        if let (Some((a, _)), Some(tls)) = (&self.tls_listen, &mut config.server.tls) {
+            tls.listen = *a;
         }
         if let Some((uri, base_path, _)) = &self.upstream {
             config.upstream.retarget(uri.clone(), base_path.clone())?;
@@ -101,6 +112,9 @@ impl fmt::Display for Overrides {
             self.admin_listen
                 .as_ref()
                 .map(|(_, o)| (o, "[server] admin_listen")),
+            self.tls_listen
+                .as_ref()
+                .map(|(_, o)| (o, "[server.tls] listen")),
             self.upstream
                 .as_ref()
                 .map(|(_, _, o)| (o, "[upstream] url")),
@@ -136,6 +150,17 @@ impl Source {
     /// Read and validate the file, then apply the overrides.
     pub fn load(&self) -> Result<Config, ConfigError> {
         let mut config = Config::load(&self.path)?;
+        if let (Some((_, origin)), None) = (&self.overrides.tls_listen, &config.server.tls) {
+            return Err(ConfigError::Invalid {
+                path: self.path.clone(),
+                line: 1,
+                column: 1,
+                key: "server.tls".to_string(),
+                message: format!(
+                    "{origin} overrides [server.tls] listen, but the file has no [server.tls] (its certificates)"
+                ),
+            });
+        }
         self.overrides
             .apply(&mut config)
             .map_err(|e| ConfigError::Invalid {
@@ -166,6 +191,7 @@ mod tests {
         let o = Overrides::new(
             given("0.0.0.0:8080", "--listen"),
             given("[::]:9090", "RATEWALL_ADMIN_LISTEN"),
+            None,
             given("http://host.docker.internal:3000/base/", "--upstream"),
         )
         .unwrap();
@@ -189,13 +215,36 @@ mod tests {
     }
 
     #[test]
+    fn a_tls_listen_override_needs_a_tls_listener() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("limits.toml");
+        std::fs::write(
+            &path,
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:2\"\n",
+        )
+        .unwrap();
+        let o = Overrides::new(
+            None,
+            None,
+            given("0.0.0.0:8443", "RATEWALL_TLS_LISTEN"),
+            None,
+        )
+        .unwrap();
+        let e = Source::new(&path, o).load().unwrap_err().to_string();
+        assert!(
+            e.ends_with("server.tls: RATEWALL_TLS_LISTEN overrides [server.tls] listen, but the file has no [server.tls] (its certificates)"),
+            "{e}"
+        );
+    }
+
+    #[test]
     fn a_bad_override_names_its_origin_and_says_why_as_the_file_would() {
-        let e = Overrides::new(given("0.0.0.0", "RATEWALL_LISTEN"), None, None).unwrap_err();
+        let e = Overrides::new(given("0.0.0.0", "RATEWALL_LISTEN"), None, None, None).unwrap_err();
         assert_eq!(
             e.to_string(),
             "RATEWALL_LISTEN = \"0.0.0.0\": invalid socket address syntax"
         );
-        let e = Overrides::new(None, None, given("ftp://x", "--upstream")).unwrap_err();
+        let e = Overrides::new(None, None, None, given("ftp://x", "--upstream")).unwrap_err();
         assert_eq!(
             e.to_string(),
             "--upstream = \"ftp://x\": invalid upstream url \"ftp://x\": only http:// and https:// upstreams are supported"

@@ -25,6 +25,9 @@ pub struct Server {
     /// Open client connections at most (the gateway listener); past it, idle kept-alive
     /// connections are closed to make room and new ones wait in the listen backlog.
     pub max_connections: usize,
+    /// Whether the file set `max_connections`; if not, it was derived from the open-file
+    /// limit ([`derive_max_connections`]), and fits it by construction.
+    pub max_connections_set: bool,
     /// The largest request head (request line and fields; HTTP/2: the header list size)
     /// a client may send; past it, 431.
     pub max_header_bytes: usize,
@@ -34,7 +37,28 @@ pub struct Server {
 
 /// The defaults of `[server]` not set by a type of their own.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// `max_connections` when the file does not set it and the open-file limit allows it.
 pub const MAX_CONNECTIONS: usize = 10_000;
+/// Descriptors kept for everything but client and upstream connections: listeners, Redis,
+/// the event loops, log files.
+pub const RESERVED_DESCRIPTORS: u64 = 64;
+
+/// `max_connections` from the open-file limit the process may raise itself to (its hard
+/// limit), as HAProxy derives `maxconn` from `ulimit -n`: each client connection may hold
+/// one to the upstream too, and [`RESERVED_DESCRIPTORS`] stay for the rest; at most
+/// [`MAX_CONNECTIONS`], at least 1. `None` (the limit cannot be read): the default.
+pub fn derive_max_connections(open_files: Option<u64>) -> usize {
+    let Some(limit) = open_files else {
+        return MAX_CONNECTIONS;
+    };
+    let fits = limit.saturating_sub(RESERVED_DESCRIPTORS) / 2;
+    usize::try_from(fits).map_or(MAX_CONNECTIONS, |n| n.clamp(1, MAX_CONNECTIONS))
+}
+
+/// The hard open-file limit: what the process may raise its own to (and does, at start).
+pub fn open_files_limit() -> Option<u64> {
+    rlimit::Resource::NOFILE.get().ok().map(|(_, hard)| hard)
+}
 pub const MAX_HEADER_BYTES: usize = 32 * 1024;
 
 impl Server {
@@ -98,7 +122,11 @@ impl RawServer {
                 idle: or(self.idle_timeout, d.idle),
                 body: or(self.body_timeout, d.body),
             },
-            max_connections: self.max_connections.map_or(MAX_CONNECTIONS, |m| m.0),
+            max_connections: self
+                .max_connections
+                .as_ref()
+                .map_or_else(|| derive_max_connections(open_files_limit()), |m| m.0),
+            max_connections_set: self.max_connections.is_some(),
             max_header_bytes: self.max_header_bytes.map_or(MAX_HEADER_BYTES, |m| m.0),
             tls,
         }
@@ -155,5 +183,24 @@ impl RawLog {
         Log {
             client_ip: self.client_ip.unwrap_or(Log::default().client_ip),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_unset_max_connections_fits_the_open_file_limit() {
+        // 20,000 descriptors: room for 9,968 clients with an upstream connection each.
+        let n = derive_max_connections(Some(20_000));
+        assert_eq!(n, 9_968);
+        assert!(n as u64 * 2 + RESERVED_DESCRIPTORS <= 20_000);
+        // A generous limit: the default bound, not a million connections.
+        assert_eq!(derive_max_connections(Some(1 << 20)), MAX_CONNECTIONS);
+        assert_eq!(derive_max_connections(Some(20_128)), MAX_CONNECTIONS);
+        // A tiny one still serves one client; an unreadable one takes the default.
+        assert_eq!(derive_max_connections(Some(10)), 1);
+        assert_eq!(derive_max_connections(None), MAX_CONNECTIONS);
     }
 }
