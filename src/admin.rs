@@ -356,7 +356,7 @@ async fn identity_call(gw: &Gateway, query: &[(String, Vec<u8>)], reset: bool) -
         Err(r) => return refused(r),
     };
     let check = Check::new(&digest, &rule.name, quota);
-    let id = digest.hex()[..8].to_string();
+    let id = digest.short_hex().as_str().to_string();
     if reset {
         return match live.limiter.reset(&check).await {
             Ok(()) => {
@@ -417,6 +417,9 @@ struct RuleOutcomes {
     delayed: u64,
     denied: u64,
     shadow_denied: u64,
+    /// Requests this rule would have let through that another rule denied: charged
+    /// nothing here, and not among `allowed`.
+    denied_by_other: u64,
     refused: u64,
     store_error: u64,
     upstream_error: u64,
@@ -450,6 +453,7 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
                 delayed: c.delayed.get(),
                 denied: c.denied.get(),
                 shadow_denied: c.shadow_denied.get(),
+                denied_by_other: c.denied_by_other.get(),
                 refused: c.refused.get(),
                 store_error: c.error.get(),
                 upstream_error: c.upstream_error.get(),
@@ -470,21 +474,20 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
                 p.sort();
                 p
             },
-            behaviour: r.behaviour(),
+            behaviour: r.behaviour(live.limiter.store().kind().is_shared()),
         })
         .collect();
     let mut top = st.top(10, 20);
     if audience == Audience::Public {
         for t in &mut top {
             // A key's hint shows its last characters: key material, for token holders
-            // only. And its id is the digest's first digits, which anyone holding a
-            // candidate key could compute and compare: the public page shows a tag of it
-            // keyed for this process instead, which tells entries apart and nothing else.
+            // only. Its id stays: the identity's tag, the first digits of the digest that
+            // names its Redis keys, the same in the access log and the admin API, on every
+            // gateway and across restarts. It tells no more than a Redis key name does.
             if !t.who.hint.starts_with("ip ") && t.who.hint != "everyone" {
                 let kind = t.who.hint.split(' ').next().unwrap_or("key");
                 t.who.hint = kind.to_string();
             }
-            t.who.id = public_tag(&t.who.id);
         }
     }
     let health = match live.limiter.health() {
@@ -541,18 +544,6 @@ fn certificates(tls: &crate::tls::Settings) -> serde_json::Value {
             })
         })
         .collect()
-}
-
-/// An identity's short id as the public status page shows it: 8 hex digits of a hash keyed
-/// afresh in each process, stable while it runs.
-fn public_tag(id: &str) -> String {
-    use std::hash::BuildHasher;
-    static KEY: std::sync::OnceLock<std::collections::hash_map::RandomState> =
-        std::sync::OnceLock::new();
-    let h = KEY
-        .get_or_init(std::collections::hash_map::RandomState::new)
-        .hash_one(id);
-    format!("{:08x}", h as u32)
 }
 
 // ---------------------------------------------------------------------------------------

@@ -22,7 +22,7 @@ pub use crate::stats::{Outcome, Stats, HISTORY_SECS};
 /// How a rule's decision on one request is counted (`decision=`).
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum DecisionLabel {
-    /// The rule allowed the request (charged, or not charged because another rule denied).
+    /// The rule allowed the request, and the request passed (charged).
     Allowed,
     /// The rule allowed the request after it waited for its tokens (`max_delay`).
     Delayed,
@@ -30,6 +30,9 @@ pub enum DecisionLabel {
     Denied,
     /// A shadow rule would have denied it, but let it pass.
     ShadowDenied,
+    /// The rule would have allowed the request, but another rule denied it: charged
+    /// nothing here (a denied request takes nothing from the rules it passed).
+    DeniedByOther,
     /// The store failed; `on_error` answered.
     Error,
     /// The rule refused the request before any limit was consulted: its identity is
@@ -260,7 +263,7 @@ macro_rules! label_values {
 }
 
 label_values! {
-    DecisionLabel { Allowed => "allowed", Delayed => "delayed", Denied => "denied", ShadowDenied => "shadow_denied", Error => "error", Refused => "refused" }
+    DecisionLabel { Allowed => "allowed", Delayed => "delayed", Denied => "denied", ShadowDenied => "shadow_denied", DeniedByOther => "denied_by_other", Error => "error", Refused => "refused" }
     StoreErrorKind { Timeout => "timeout", Connection => "connection", Data => "data", BreakerOpen => "breaker_open", Full => "full", Other => "other" }
     ReloadResult { Ok => "ok", Rejected => "rejected" }
     RefusalReason { MissingKey => "missing_key", UnknownKey => "unknown_key", Malformed => "malformed", NotImplemented => "not_implemented" }
@@ -268,7 +271,7 @@ label_values! {
 }
 
 // `Outcome` lives with the stats (below this module); its values, as the status page and
-// the metrics name them: allowed, denied, refused, store_unavailable, upstream_error,
+// the metrics name them: allowed, denied, unauthorized, bad_request, store_unavailable, upstream_error,
 // upstream_timeout, client_error.
 impl EncodeLabelValue for Outcome {
     fn encode(&self, e: &mut LabelValueEncoder<'_>) -> Result<(), std::fmt::Error> {
@@ -366,7 +369,7 @@ impl Metrics {
         let requests = Family::<RuleLabels, Counter>::default();
         registry.register(
             "requests",
-            "Decisions by rule: allowed, delayed (allowed after waiting, max_delay), denied, shadow_denied (would have denied: shadow mode or outside enforce_percent), error (store failed), refused (this rule refused the request before any limit: its key missing, unknown or malformed)",
+            "Decisions by rule: allowed, delayed (allowed after waiting, max_delay), denied, shadow_denied (would have denied: shadow mode or outside enforce_percent), denied_by_other (this rule would have allowed it, another denied it: charged nothing here), error (store failed), refused (this rule refused the request before any limit: its key missing, unknown or malformed)",
             requests.clone(),
         );
         let responses = Family::<ResponseLabels, Counter>::default();
@@ -481,7 +484,7 @@ impl Metrics {
         });
         registry.register(
             "request_duration_seconds",
-            "Requests end to end, from the head read to the answer's head sent, by outcome: allowed (the upstream answered), denied (429), refused (401, 400, 501 before any limit), store_unavailable (503), upstream_error (502), upstream_timeout (504), client_error (the client's body malformed or stalled while forwarding). Its _count is every request once",
+            "Requests end to end, from the head read to the answer's head sent, by outcome: allowed (the upstream answered), denied (429), unauthorized (401: no key or an unknown one), bad_request (400 or 501 before any limit: a malformed head or key, a tunnel), store_unavailable (503), upstream_error (502), upstream_timeout (504), client_error (the client's body malformed or stalled while forwarding). Its _count is every request once",
             request_duration.clone(),
         );
         let refusals = Family::<RefusalLabels, Counter>::default();
@@ -802,6 +805,7 @@ impl Metrics {
             delayed: counter(DecisionLabel::Delayed),
             denied: counter(DecisionLabel::Denied),
             shadow_denied: counter(DecisionLabel::ShadowDenied),
+            denied_by_other: counter(DecisionLabel::DeniedByOther),
             error: counter(DecisionLabel::Error),
             refused: counter(DecisionLabel::Refused),
             upstream_error: failures(UpstreamFailure::Error),
@@ -818,6 +822,7 @@ pub struct RuleCounters {
     pub delayed: Counter,
     pub denied: Counter,
     pub shadow_denied: Counter,
+    pub denied_by_other: Counter,
     pub error: Counter,
     pub refused: Counter,
     pub upstream_error: Counter,

@@ -34,9 +34,11 @@ pub enum Outcome {
     Allowed,
     /// 429: a rule denied it.
     Denied,
-    /// Refused before any limit was consulted: 401 (no key, an unknown key), 400 (a
-    /// malformed head or key), 501 (a tunnel).
-    Refused,
+    /// 401 before any limit was consulted: no key, or an unknown one.
+    Unauthorized,
+    /// Refused before any limit was consulted as malformed: 400 (a malformed head or
+    /// key), 501 (a tunnel).
+    BadRequest,
     /// 503: the store failed and `on_error = "deny"`.
     StoreUnavailable,
     /// 502: the upstream refused, reset, or answered something unreadable.
@@ -48,10 +50,11 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 7] = [
+    pub const ALL: [Outcome; 8] = [
         Outcome::Allowed,
         Outcome::Denied,
-        Outcome::Refused,
+        Outcome::Unauthorized,
+        Outcome::BadRequest,
         Outcome::StoreUnavailable,
         Outcome::UpstreamError,
         Outcome::UpstreamTimeout,
@@ -63,7 +66,8 @@ impl Outcome {
         match status {
             429 => Outcome::Denied,
             503 => Outcome::StoreUnavailable,
-            _ => Outcome::Refused,
+            401 => Outcome::Unauthorized,
+            _ => Outcome::BadRequest,
         }
     }
 
@@ -86,7 +90,8 @@ impl Outcome {
         match self {
             Outcome::Allowed => "allowed",
             Outcome::Denied => "denied",
-            Outcome::Refused => "refused",
+            Outcome::Unauthorized => "unauthorized",
+            Outcome::BadRequest => "bad_request",
             Outcome::StoreUnavailable => "store_unavailable",
             Outcome::UpstreamError => "upstream_error",
             Outcome::UpstreamTimeout => "upstream_timeout",
@@ -165,7 +170,8 @@ fn minus<const N: usize>(a: &[u64; N], b: &[u64; N]) -> [u64; N] {
 pub struct Outcomes {
     pub allowed: u64,
     pub denied: u64,
-    pub refused: u64,
+    pub unauthorized: u64,
+    pub bad_request: u64,
     pub store_unavailable: u64,
     pub upstream_error: u64,
     pub upstream_timeout: u64,
@@ -178,7 +184,8 @@ impl Outcomes {
         Outcomes {
             allowed: n(Outcome::Allowed),
             denied: n(Outcome::Denied),
-            refused: n(Outcome::Refused),
+            unauthorized: n(Outcome::Unauthorized),
+            bad_request: n(Outcome::BadRequest),
             store_unavailable: n(Outcome::StoreUnavailable),
             upstream_error: n(Outcome::UpstreamError),
             upstream_timeout: n(Outcome::UpstreamTimeout),

@@ -307,7 +307,8 @@ async fn metrics_count_known_traffic_exactly() {
     let client = HttpClient::new();
     let key1 = [("x-api-key", K1)];
 
-    // 3 allowed, then 2 denied by `api` (which `site` counts as allowed, uncharged).
+    // 3 allowed, then 2 denied by `api` (which `site` counts as denied by another: it
+    // charged nothing).
     for i in 0..5 {
         let r = client.get(&gw.url("/api/v1/orders"), &key1).await;
         let want = if i < 3 { 200 } else { 429 };
@@ -358,7 +359,8 @@ async fn metrics_count_known_traffic_exactly() {
             ("api", "denied", 2),
             // The two requests without a key: `api` refused them, `site` never saw them.
             ("api", "refused", 2),
-            ("site", "allowed", 3 + 2 + 1 + 1),
+            ("site", "allowed", 3 + 1 + 1),
+            ("site", "denied_by_other", 2),
         ]),
         "ratewall_requests_total by rule and decision{ctx}"
     );
@@ -443,6 +445,7 @@ fn assert_series_at_zero(m: &Scrape, rules: &[&str], ctx: &str) {
             "delayed",
             "denied",
             "shadow_denied",
+            "denied_by_other",
             "error",
             "refused",
         ] {
@@ -500,10 +503,11 @@ fn assert_series_at_zero(m: &Scrape, rules: &[&str], ctx: &str) {
 
 /// The request outcomes, as `ratewall_request_duration_seconds{outcome}` and
 /// `/status.json` name them.
-const OUTCOMES: [&str; 7] = [
+const OUTCOMES: [&str; 8] = [
     "allowed",
     "denied",
-    "refused",
+    "unauthorized",
+    "bad_request",
     "store_unavailable",
     "upstream_error",
     "upstream_timeout",
@@ -587,7 +591,9 @@ async fn alertable_series_exist_at_zero_and_a_request_counts_once_per_rule_and_o
     assert_eq!(
         m.nonzero2("ratewall_requests_total", "rule", "decision"),
         map2(&[
-            ("per-key", "allowed", 5),
+            // K3's is not per-key's pass: `all` denied it, so per-key charged nothing.
+            ("per-key", "allowed", 4),
+            ("per-key", "denied_by_other", 1),
             ("per-key", "denied", 1),
             ("per-key", "refused", 3),
             ("all", "allowed", 4),
@@ -620,7 +626,8 @@ async fn alertable_series_exist_at_zero_and_a_request_counts_once_per_rule_and_o
         map1(&[
             ("allowed", 4),
             ("denied", 2),
-            ("refused", 4),
+            ("unauthorized", 2),
+            ("bad_request", 2),
             ("upstream_timeout", 1)
         ]),
         "ratewall_request_duration_seconds_count by outcome{ctx}"
@@ -872,8 +879,9 @@ async fn access_log_has_one_json_event_per_request() {
             logged("/api/v1/orders", "api", "denied", &id1),
         ),
         (
+            // The rule that refused it: `api` needs a key.
             sent("GET", "/api/v1/orders", None, 401),
-            logged("/api/v1/orders", "-", "unauthorized", "-"),
+            logged("/api/v1/orders", "api", "unauthorized", "-"),
         ),
         (
             sent("GET", "/public/page?token=secret123", None, 200),
@@ -1254,15 +1262,17 @@ async fn admin_top_names_the_noisy_identity_by_hash_and_hint() {
     let public_top = public.json()["top"].clone();
     let entries = public_top.as_array().expect("a top list");
     assert_eq!(entries.len(), 3, "{public_top}");
+    // Each by its tag: the one the access log, /admin/top and /admin/state use, stable
+    // across restarts and gateways (the digest's first digits, as in its Redis keys).
+    let ids: Vec<String> = [NOISY, QUIET, SHORT]
+        .iter()
+        .map(|k| api_key_hash(k)[..8].to_string())
+        .collect();
     for entry in entries {
         assert_eq!(entry["hint"], "key", "/status.json: {entry}");
-        let ids: Vec<String> = [NOISY, QUIET, SHORT]
-            .iter()
-            .map(|k| api_key_hash(k)[..8].to_string())
-            .collect();
         assert!(
-            !ids.iter().any(|id| entry["id"] == id.as_str()),
-            "/status.json names an identity by its digest: {entry}"
+            ids.iter().any(|id| entry["id"] == id.as_str()),
+            "/status.json names an identity by its tag: {entry} (one of {ids:?})"
         );
     }
     // And the admin API answers no one without the token.
@@ -1393,10 +1403,11 @@ async fn status_page_shows_every_outcome_backend_store_and_reloads_in_headless_c
         gw.logs()
     );
 
-    let want: [(&str, u64); 7] = [
+    let want: [(&str, u64); 8] = [
         ("allowed", 4 + 2 + 1),
         ("denied", 7),
-        ("refused", 1),
+        ("unauthorized", 1),
+        ("bad_request", 0),
         ("store_unavailable", 3),
         ("upstream_error", 2),
         ("upstream_timeout", 0),
@@ -1521,6 +1532,7 @@ async fn status_page_shows_every_outcome_backend_store_and_reloads_in_headless_c
     for (k, n) in [
         ("allowed", 8),
         ("denied", 7),
+        ("denied_by_other", 0),
         ("refused", 1),
         ("store_error", 3),
         ("upstream_error", 2),
@@ -1573,17 +1585,48 @@ async fn status_page_shows_every_outcome_backend_store_and_reloads_in_headless_c
         element_text(&dom, "certificates").is_some_and(|c| c.contains("TLS is not configured")),
         "the place kept for certificate expiry"
     );
+    // Who is being limited comes first, above the totals and the chart, with a summary
+    // line that names the most denied identity by its tag.
+    let at = |id: &str| {
+        dom.find(&format!("id=\"{id}\""))
+            .unwrap_or_else(|| panic!("no #{id}"))
+    };
+    assert!(
+        at("limited") < at("totals") && at("totals") < at("chart"),
+        "who is being limited, first"
+    );
+    let summary = dom[at("limited-summary")..]
+        .split("</p>")
+        .next()
+        .unwrap_or_default();
+    assert!(
+        summary.contains("denied <b>7</b> times") && summary.contains(&noisy_id),
+        "the summary names {noisy_id} and its denials: {summary}"
+    );
+    // A process younger than the chart's 10 minutes: its start is marked, and what came
+    // before is no traffic at all rather than zero.
+    assert!(
+        dom.contains("id=\"start-mark\"") && dom.contains("id=\"before-start\""),
+        "the process's start on the chart"
+    );
+    // 401 and 400 apart.
+    assert_eq!(element_text(&dom, "total-unauthorized"), Some("1"));
+    assert_eq!(element_text(&dom, "total-bad_request"), Some("0"));
     let top = tbody(&dom, "top");
-    // By hash and kind only: the key's last characters are for admin token holders.
+    // By tag and kind only: the key's last characters are for admin token holders.
     assert!(
         top.contains("<td>key</td>") && !top.contains("c0de"),
         "the noisy key in the top table, without key material:\n{top}"
     );
-    // Not by the digest's digits either: anyone holding a candidate key could compute
-    // those. Its tag is this process's own.
+    // By the identity's tag, the one /admin/state and the access log name it by.
     assert!(
-        !top.contains(&noisy_id),
-        "its digest id, on a page anyone reads:\n{top}"
+        top.contains(&format!("<code>{noisy_id}</code>")),
+        "its tag {noisy_id} as /admin/state says it:\n{top}"
+    );
+    assert!(
+        gw.logs().contains(&format!("id=\"{noisy_id}\"")),
+        "its tag {noisy_id} in the access log:\n{}",
+        gw.logs()
     );
     assert!(
         top.contains("data-denied=\"7\""),

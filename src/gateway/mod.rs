@@ -306,7 +306,11 @@ impl Gateway {
                     cfg,
                     &[],
                 );
-                return Admission::Answer(resp, Note::gateway(Verdict::Refuse(refusal).decision()));
+                let note = Note {
+                    rule: live.config.rules.get(index).map(|r| r.name.as_str()),
+                    ..Note::gateway(Verdict::Refuse(refusal).decision())
+                };
+                return Admission::Answer(resp, note);
             }
         };
         let (decisions, verdict, leases) = consult(live, &limits).await;
@@ -331,7 +335,7 @@ impl Gateway {
         jitter_us: u64,
     ) -> Admission<'l> {
         let cfg = &*live.config;
-        let shadow_denied = tally(live, limits, decisions);
+        let shadow_denied = tally(live, limits, decisions, true);
         let (applied, shadow) = split(limits, decisions);
         let limit = &limits[by];
         self.metrics.stats.limited(
@@ -360,7 +364,7 @@ impl Gateway {
         verdict: Verdict,
         leases: Option<Leases>,
     ) -> Pass<'l> {
-        let shadow_denied = tally(live, &limits, decisions);
+        let shadow_denied = tally(live, &limits, decisions, false);
         let (applied, shadow) = split(&limits, decisions);
         let ruled: Vec<Ruled> = limits.iter().map(Limit::ruled).collect();
         let closest = verdict::closest(&ruled, decisions).map(|k| &limits[k]);
@@ -559,18 +563,21 @@ async fn consult(
     (decisions, v, leases)
 }
 
-/// Count each rule's decision; the first watching rule that would have denied.
+/// Count each rule's decision (`denied`: another rule, or this one, denied the request);
+/// the first watching rule that would have denied.
 fn tally<'l>(
     live: &Live,
     limits: &[Limit<'l, '_>],
     decisions: &[Option<Decision>],
+    denied: bool,
 ) -> Option<&'l str> {
     let mut shadow_denied = None;
     for (l, d) in limits.iter().zip(decisions) {
         let Some(d) = d else { continue };
         let counters = &live.counters[l.index];
-        match Tally::of(l.enforced, d) {
+        match Tally::of(l.enforced, d, denied) {
             Tally::Allowed => counters.allowed.inc(),
+            Tally::DeniedByOther => counters.denied_by_other.inc(),
             Tally::Delayed => counters.delayed.inc(),
             Tally::Denied => counters.denied.inc(),
             Tally::ShadowDenied => {

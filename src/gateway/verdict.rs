@@ -36,13 +36,18 @@ pub enum Tally {
     Denied,
     /// A watching rule (shadow, or outside `enforce_percent`) that would have denied.
     ShadowDenied,
+    /// The rule would have let the request through, but another rule denied it: the
+    /// store charged this rule nothing, so it is not this rule's pass.
+    DeniedByOther,
 }
 
 impl Tally {
-    /// `enforced`: whether the rule enforces for this request. A watching rule that would
-    /// have made the request wait counts as delayed, not denied.
-    pub fn of(enforced: bool, d: &Decision) -> Tally {
+    /// `enforced`: whether the rule enforces for this request; `denied`: whether the
+    /// request as a whole was denied. A watching rule that would have made the request
+    /// wait counts as delayed, not denied.
+    pub fn of(enforced: bool, d: &Decision, denied: bool) -> Tally {
         match (enforced, d.allowed, d.retry_after_us > 0) {
+            (_, true, _) if denied => Tally::DeniedByOther,
             (_, true, true) => Tally::Delayed,
             (_, true, false) => Tally::Allowed,
             (true, false, _) => Tally::Denied,
@@ -195,10 +200,31 @@ mod tests {
             Verdict::Forward
         );
         assert_eq!(
-            Tally::of(false, &d(false, 0, 1).unwrap()),
+            Tally::of(false, &d(false, 0, 1).unwrap(), false),
             Tally::ShadowDenied
         );
-        assert_eq!(Tally::of(false, &d(true, 0, 1).unwrap()), Tally::Delayed);
+        assert_eq!(
+            Tally::of(false, &d(true, 0, 1).unwrap(), false),
+            Tally::Delayed
+        );
+        // A request another rule denied is no rule's pass, enforced or watching; a
+        // watching rule that would have denied it still says so.
+        for enforced in [true, false] {
+            for wait in [0, 1] {
+                assert_eq!(
+                    Tally::of(enforced, &d(true, 0, wait).unwrap(), true),
+                    Tally::DeniedByOther
+                );
+            }
+        }
+        assert_eq!(
+            Tally::of(false, &d(false, 0, 1).unwrap(), true),
+            Tally::ShadowDenied
+        );
+        assert_eq!(
+            Tally::of(true, &d(false, 0, 1).unwrap(), true),
+            Tally::Denied
+        );
     }
 
     #[test]

@@ -167,11 +167,15 @@ impl Match {
             s.push(' ');
         }
         match &self.path {
+            // As the file writes it: `path_prefix = "/api/"` is no glob.
             PathMatch::Prefix(p) => {
+                s.push_str("path_prefix ");
                 s.push_str(p);
-                s.push('*');
             }
-            PathMatch::Exact(p) => s.push_str(p),
+            PathMatch::Exact(p) => {
+                s.push_str("path ");
+                s.push_str(p);
+            }
             PathMatch::Glob(g) => {
                 s.push_str("glob ");
                 s.push_str(g.pattern());
@@ -220,7 +224,9 @@ impl Rule {
     }
 
     /// How the rule acts on what its limit says, for `ratewall check`.
-    pub fn behaviour(&self) -> String {
+    /// `shared`: whether the store is shared by gateways (Redis), where a concurrency
+    /// lease carries a TTL; in memory a lease is given back when its request ends.
+    pub fn behaviour(&self, shared: bool) -> String {
         let mut s = match (self.mode, self.enforce_percent) {
             (Mode::Shadow, _) => "shadow: decides and counts, never denies".to_string(),
             (Mode::Enforce, 100) => "enforced".to_string(),
@@ -236,10 +242,14 @@ impl Rule {
             ));
         }
         if self.quota.algorithm == Algorithm::Concurrency {
-            s.push_str(&format!(
-                "; leases live {} in a shared store unless renewed",
-                humantime::format_duration(Duration::from_micros(self.quota.lease_us))
-            ));
+            if shared {
+                s.push_str(&format!(
+                    "; leases live {} in the store unless renewed",
+                    humantime::format_duration(Duration::from_micros(self.quota.lease_us))
+                ));
+            } else {
+                s.push_str("; a slot is held until its request ends");
+            }
         }
         if self.retry_jitter_us > 0 {
             s.push_str(&format!(
