@@ -1,12 +1,16 @@
 # ratewall: multi-stage build, small non-root runtime image.
 #
 #   docker build -t ratewall .
-#   docker run --rm -p 8080:8080 -p 127.0.0.1:9090:9090 \
+#   docker run --rm -p 8080:8080 -p 8443:8443 -p 127.0.0.1:9090:9090 \
+#     --user "$(id -u):$(id -g)" \
 #     -e RATEWALL_LISTEN=0.0.0.0:8080 -e RATEWALL_ADMIN_LISTEN=0.0.0.0:9090 \
 #     -e RATEWALL_UPSTREAM=http://host.docker.internal:3000 \
 #     --add-host=host.docker.internal:host-gateway \
 #     -v "$PWD/config:/etc/ratewall:ro" ratewall
 #
+# With [server.tls] uncommented, add -e RATEWALL_TLS_LISTEN=0.0.0.0:8443. `--user` runs the
+# gateway as the owner of the mounted files: a private key is mode 0600 (openssl writes
+# it so), readable by its owner alone, and the image's own uid 10001 could not read it.
 # The config is /etc/ratewall/limits.toml (the shipped one is copied in; mount your config
 # folder over it, with the keys file it names). SIGHUP (docker kill -s HUP) re-reads both.
 # Inside a container 127.0.0.1 is the container itself: RATEWALL_LISTEN and
@@ -30,6 +34,10 @@ COPY lua ./lua
 RUN touch src/main.rs src/lib.rs && cargo build --release --locked --package ratewall --bin ratewall
 
 FROM debian:bookworm-slim
+# The system's roots, which an https:// upstream is verified against (without `ca`).
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends ca-certificates \
+    && rm -rf /var/lib/apt/lists/*
 RUN useradd --system --uid 10001 --no-create-home --shell /usr/sbin/nologin ratewall
 COPY --from=build /src/target/release/ratewall /usr/local/bin/ratewall
 COPY config/limits.toml config/keys.toml /etc/ratewall/

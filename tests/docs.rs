@@ -600,6 +600,7 @@ fn ratewall() -> std::process::Command {
     for v in [
         "RATEWALL_LISTEN",
         "RATEWALL_ADMIN_LISTEN",
+        "RATEWALL_TLS_LISTEN",
         "RATEWALL_UPSTREAM",
     ] {
         c.env_remove(v);
@@ -1083,5 +1084,75 @@ fn the_check_example_is_what_check_prints_on_the_shipped_config() {
         "docs/observability.md's `{command}` shows:\n{}\n\nratewall prints:\n{}",
         expected.join("\n"),
         actual.join("\n")
+    );
+}
+
+/// `ratewall --help` names the environment a newcomer needs: the admin token's variable,
+/// the overrides' and `RUST_LOG`.
+#[test]
+fn help_names_the_environment() {
+    let help = stdout_of(&["--help"]);
+    for var in [
+        "RATEWALL_ADMIN_TOKEN",
+        "RUST_LOG",
+        "RATEWALL_LISTEN",
+        "RATEWALL_TLS_LISTEN",
+    ] {
+        assert!(help.contains(var), "--help does not name {var}:\n{help}");
+    }
+}
+
+/// The Docker image as written (CI cannot build it, so it is checked by reading): its
+/// runtime stage has the system's CA roots an https:// upstream is verified against; the
+/// README's `docker run` publishes the TLS port and runs as the owner of the mounted
+/// config (a 0600 key is unreadable by the image's own uid); the Dockerfile's comment
+/// shows the same command.
+#[test]
+fn the_docker_image_and_its_run_command_fit_together() {
+    let dockerfile = read("Dockerfile");
+    let runtime = dockerfile
+        .rsplit("\nFROM ")
+        .next()
+        .expect("a runtime stage");
+    assert!(
+        runtime.contains("apt-get install") && runtime.contains("ca-certificates"),
+        "the runtime stage installs ca-certificates:\n{runtime}"
+    );
+    let readme = read("README.md");
+    let docker = &readme[readme.find("## Docker").expect("README: ## Docker")..];
+    let run: String = docker
+        .split("```sh\n")
+        .nth(1)
+        .and_then(|b| b.split("```").next())
+        .expect("README's docker block")
+        .lines()
+        .filter(|l| !l.starts_with("docker build"))
+        .collect::<Vec<_>>()
+        .join("\n");
+    for part in [
+        "-p 8443:8443",
+        "--user \"$(id -u):$(id -g)\"",
+        "RATEWALL_LISTEN=0.0.0.0:8080",
+    ] {
+        assert!(
+            run.contains(part),
+            "README's docker run lacks {part}:\n{run}"
+        );
+    }
+    // The Dockerfile's comment: the same command, line by line.
+    let commented: Vec<String> = dockerfile
+        .lines()
+        .filter_map(|l| l.strip_prefix("#   "))
+        .map(|l| l.trim().to_string())
+        .collect();
+    for line in run.lines() {
+        assert!(
+            commented.iter().any(|c| c == line.trim()),
+            "the Dockerfile's comment lacks {line:?}"
+        );
+    }
+    assert!(
+        docker.contains("RATEWALL_TLS_LISTEN=0.0.0.0:8443"),
+        "README says how the TLS listener listens in a container"
     );
 }

@@ -1,16 +1,28 @@
-//! Set-up from the command line and the environment: `--listen`, `--admin-listen` and
-//! `--upstream` (and `RATEWALL_LISTEN`, `RATEWALL_ADMIN_LISTEN`, `RATEWALL_UPSTREAM`)
-//! override the file — the flag beats the variable, which beats the file — at start, on
-//! every SIGHUP reload, and in `ratewall check`; a bad value is an error naming the flag
-//! or variable, exit 1, before anything binds. The real binary, a real upstream.
+//! Set-up from the command line and the environment: `--listen`, `--admin-listen`,
+//! `--tls-listen` and `--upstream` (and `RATEWALL_LISTEN`, `RATEWALL_ADMIN_LISTEN`,
+//! `RATEWALL_TLS_LISTEN`, `RATEWALL_UPSTREAM`) override the file — the flag beats the
+//! variable, which beats the file — at start, on every SIGHUP reload, and in `ratewall
+//! check`; a bad value is an error naming the flag or variable, exit 1, before anything
+//! binds. Then the README as a newcomer runs it, on the shipped config: the quick-start
+//! session, `ratewall check`, the status page's identity tags and counts, the RateLimit
+//! fields, the TLS quick start. The real binary, a real upstream.
 
 mod common;
 
 use std::process::Command;
 use std::time::Duration;
 
-use common::{api_rule, binary, free_port, Gateway, HttpClient, Upstream};
+use common::headers::{int, sf_list};
+use common::{api_key_hash, api_rule, binary, free_port, Gateway, HttpClient, Upstream};
 use http::StatusCode;
+
+/// The variables that override the file: none leaks from the test's own environment.
+const OVERRIDES: [&str; 4] = [
+    "RATEWALL_LISTEN",
+    "RATEWALL_ADMIN_LISTEN",
+    "RATEWALL_TLS_LISTEN",
+    "RATEWALL_UPSTREAM",
+];
 
 /// An upstream nothing listens on: a request forwarded there is a 502.
 const DEAD: &str = "http://127.0.0.1:1";
@@ -151,11 +163,7 @@ fn run(config: &str, args: &[&str], env: &[(&str, &str)]) -> (i32, String, Strin
     std::fs::write(&path, config).unwrap();
     let mut cmd = Command::new(binary());
     cmd.arg("--config").arg(&path).args(args);
-    for v in [
-        "RATEWALL_LISTEN",
-        "RATEWALL_ADMIN_LISTEN",
-        "RATEWALL_UPSTREAM",
-    ] {
+    for v in OVERRIDES {
         cmd.env_remove(v);
     }
     let mut child = cmd
@@ -247,11 +255,30 @@ fn check_applies_the_overrides_and_says_so() {
 }
 
 /// The shipped `config/limits.toml`, run as the README's Docker example runs it: the
-/// listeners and the upstream from the environment. Killed on drop.
+/// listeners and the upstream from the environment, under an open-file limit of 20,000
+/// (a common distribution default, and the one the newcomer's machine had). Killed on
+/// drop.
 struct Shipped {
     child: std::process::Child,
     port: u16,
+    admin: u16,
+    log: std::path::PathBuf,
     _dir: tempfile::TempDir,
+}
+
+/// The open-file limit the shipped config is run under.
+const OPEN_FILES: u64 = 20_000;
+
+/// `ratewall` under an open-file limit of [`OPEN_FILES`] (util-linux `prlimit`).
+fn limited_ratewall() -> Command {
+    let mut c = Command::new("prlimit");
+    c.arg(format!("--nofile={OPEN_FILES}:{OPEN_FILES}"))
+        .arg("--")
+        .arg(binary());
+    for v in OVERRIDES {
+        c.env_remove(v);
+    }
+    c
 }
 
 impl Shipped {
@@ -261,15 +288,16 @@ impl Shipped {
             let dir = tempfile::tempdir().unwrap();
             let log = dir.path().join("log");
             let (port, admin) = (free_port(), free_port());
-            let mut child = Command::new(binary())
+            let mut child = limited_ratewall()
                 .current_dir(env!("CARGO_MANIFEST_DIR"))
                 .env("RATEWALL_LISTEN", format!("127.0.0.1:{port}"))
                 .env("RATEWALL_ADMIN_LISTEN", format!("127.0.0.1:{admin}"))
                 .env("RATEWALL_UPSTREAM", upstream)
+                .env("RUST_LOG", "info")
                 .stdout(std::process::Stdio::null())
                 .stderr(std::fs::File::create(&log).unwrap())
                 .spawn()
-                .expect("spawn ratewall");
+                .expect("spawn ratewall (under prlimit)");
             let end = std::time::Instant::now() + Duration::from_secs(20);
             while std::time::Instant::now() < end {
                 last = std::fs::read_to_string(&log).unwrap_or_default();
@@ -277,6 +305,8 @@ impl Shipped {
                     return Shipped {
                         child,
                         port,
+                        admin,
+                        log,
                         _dir: dir,
                     };
                 }
@@ -293,6 +323,10 @@ impl Shipped {
         }
         panic!("the shipped config did not start:\n{last}");
     }
+
+    fn logs(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
 }
 
 impl Drop for Shipped {
@@ -304,7 +338,11 @@ impl Drop for Shipped {
 
 /// The README's quick-start session, on the shipped config (the demo backend replaced by
 /// the test upstream): 20 of a burst of 25 pass, three exports pass and the fourth is a
-/// 429 for about ten minutes, no key is a 401, the pro plan passes.
+/// 429 for about ten minutes, no key is a 401, the pro plan passes. Then what the README
+/// says of it: the RateLimit fields (parsed as Structured Fields) never promise more than
+/// the rule gives; the status page names the limited key by the tag the access log,
+/// `/admin/state` and `ratewall check --path` use; each rule's counts add up; the 401's
+/// access line names its rule; the first log line is no warning.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_readme_session_holds_on_the_shipped_config() {
     let upstream = Upstream::start().await;
@@ -313,18 +351,45 @@ async fn the_readme_session_holds_on_the_shipped_config() {
     let free = [("x-api-key", "demo-free-key")];
     let orders = local(gw.port, "/api/orders");
     // Warm the connection pool, then wait for the bucket to be full again (2 s at 10/s).
-    assert_eq!(client.get(&orders, &free).await.status, StatusCode::OK);
+    let first = client.get(&orders, &free).await;
+    assert_eq!(first.status, StatusCode::OK);
+    assert!(first.header("date").is_some(), "{:?}", first.headers);
+    // The fields as a client reads them: `api` advertises its burst (q=20) and the time
+    // the rate takes to refill it (w=2); `r` is never above `q`.
+    let policy = sf_list(first.header("ratelimit-policy").expect("RateLimit-Policy"));
+    let state = sf_list(first.header("ratelimit").expect("RateLimit"));
+    let names: Vec<&str> = policy.iter().map(|(n, _)| n.as_str()).collect();
+    assert_eq!(names, ["api", "per-ip"], "{policy:?}");
+    assert_eq!((int(&policy[0].1, "q"), int(&policy[0].1, "w")), (20, 2));
+    assert_eq!((int(&policy[1].1, "q"), int(&policy[1].1, "w")), (300, 60));
+    for ((name, p), (same, st)) in policy.iter().zip(&state) {
+        assert_eq!(name, same);
+        assert!(int(st, "r") <= int(p, "q"), "{name}: r above q: {state:?}");
+    }
+    assert_eq!(int(&state[0].1, "r"), 19);
     tokio::time::sleep(Duration::from_millis(2_100)).await;
     let started = std::time::Instant::now();
     let burst: Vec<_> = (0..25)
         .map(|i| {
             let (client, url) = (client.clone(), format!("{orders}?n={i}"));
-            tokio::spawn(async move { client.get(&url, &free).await.status })
+            tokio::spawn(async move {
+                let r = client.get(&url, &free).await;
+                let r_api = r.header("ratelimit").map(|v| {
+                    let items = sf_list(v);
+                    int(&items[0].1, "r")
+                });
+                (r.status, r_api)
+            })
         })
         .collect();
     let mut passed = 0;
     for t in burst {
-        passed += usize::from(t.await.unwrap() == StatusCode::OK);
+        let (status, r) = t.await.unwrap();
+        passed += usize::from(status == StatusCode::OK);
+        assert!(
+            r.is_some_and(|r| r <= 20),
+            "r {r:?} above the advertised q=20"
+        );
     }
     // 20 at once; one more per 100 ms the burst took (none when it is as quick as curl's).
     let refilled = (started.elapsed().as_millis() / 100) as usize;
@@ -348,9 +413,308 @@ async fn the_readme_session_holds_on_the_shipped_config() {
         denied.json()["violated-policies"],
         serde_json::json!(["exports"])
     );
+    let policy = sf_list(denied.header("ratelimit-policy").expect("RateLimit-Policy"));
+    let exports = policy
+        .iter()
+        .find(|(n, _)| n == "exports")
+        .expect("exports");
+    // 30 tokens (three exports of 10), refilled at one a minute: 30 minutes.
+    assert_eq!((int(&exports.1, "q"), int(&exports.1, "w")), (30, 1800));
 
     let r = client.get(&orders, &[]).await;
     assert_eq!(r.status, StatusCode::UNAUTHORIZED);
     let r = client.get(&orders, &[("x-api-key", "demo-pro-key")]).await;
     assert_eq!(r.status, StatusCode::OK);
+
+    // One tag for the key, stable (computed here from the digest, as its Redis keys are):
+    // on the public status page...
+    let tag = api_key_hash("demo-free-key")[..8].to_string();
+    let stats = client
+        .get(&local(gw.admin, "/status.json"), &[])
+        .await
+        .json();
+    let top = stats["top"].as_array().expect("top");
+    assert!(
+        top.iter()
+            .any(|t| t["id"] == tag.as_str() && t["rule"] == "exports" && t["hint"] == "key"),
+        "the limited key as {tag} on the status page: {top:?}"
+    );
+    // ...in the access log...
+    let logs = gw.logs();
+    assert!(logs.contains(&format!("id=\"{tag}\"")), "{logs}");
+    // ...and in `ratewall check --path`.
+    let check = limited_ratewall()
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .args([
+            "check",
+            "--path",
+            "/api/orders",
+            "--header",
+            "x-api-key: demo-free-key",
+        ])
+        .output()
+        .expect("ratewall check");
+    let explained = String::from_utf8_lossy(&check.stdout);
+    assert!(
+        explained.contains(&format!("(identity {tag})")),
+        "{explained}"
+    );
+
+    // Every rule's counts add up: a request one rule denied is no other rule's pass.
+    let totals = &stats["totals"];
+    let passed_in_all = totals["allowed"].as_u64().unwrap()
+        + totals["upstream_error"].as_u64().unwrap()
+        + totals["upstream_timeout"].as_u64().unwrap()
+        + totals["client_error"].as_u64().unwrap();
+    for rule in stats["rules"].as_array().expect("rules") {
+        let o = &rule["outcomes"];
+        let own = o["allowed"].as_u64().unwrap() + o["delayed"].as_u64().unwrap();
+        assert!(
+            own <= passed_in_all,
+            "{}: {own} allowed, {passed_in_all} passed in all: {stats}",
+            rule["name"]
+        );
+    }
+    let rule = |name: &str| {
+        stats["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|r| r["name"] == name)
+            .unwrap_or_else(|| panic!("rule {name}"))["outcomes"]
+            .clone()
+    };
+    // The fourth export: `exports` denied it, `api` and `daily` would have let it pass.
+    assert_eq!(rule("exports")["denied"], 1, "{stats}");
+    for name in ["api", "daily"] {
+        assert!(
+            rule(name)["denied_by_other"].as_u64().unwrap() >= 1,
+            "{name}: {stats}"
+        );
+    }
+    // The 429s of the burst were `api`'s own; `per-ip` let them pass, charged nothing,
+    // and the fourth export too.
+    let api_denied = rule("api")["denied"].as_u64().unwrap();
+    assert_eq!(api_denied, 25 - passed as u64, "{stats}");
+    assert!(
+        rule("per-ip")["denied_by_other"].as_u64().unwrap() > api_denied,
+        "{stats}"
+    );
+    assert_eq!(totals["unauthorized"], 1, "{stats}");
+
+    // The 401's access line names the rule that refused it.
+    let refused = logs
+        .lines()
+        .find(|l| l.contains("status=401"))
+        .unwrap_or_else(|| panic!("no 401 in the log:\n{logs}"));
+    assert!(refused.contains("rule=\"api\""), "{refused}");
+    // No warning on the first line, nor anywhere at start: max_connections is derived
+    // from the open-file limit, not set beyond it.
+    let start: Vec<&str> = logs
+        .lines()
+        .take_while(|l| !l.contains("ratewall::access"))
+        .collect();
+    assert!(
+        !start.iter().any(|l| l.contains("WARN")),
+        "a warning at start:\n{}",
+        start.join("\n")
+    );
+}
+
+/// `ratewall check` as the README runs it on the shipped config, under the same open-file
+/// limit: max_connections is what the limit holds, and says where it came from; a
+/// `max_connections` the file sets beyond the limit is warned of at start.
+#[test]
+fn max_connections_is_derived_from_the_open_file_limit_unless_set() {
+    let out = limited_ratewall()
+        .current_dir(env!("CARGO_MANIFEST_DIR"))
+        .arg("check")
+        .output()
+        .expect("ratewall check");
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    let want = (OPEN_FILES - 64) / 2;
+    assert!(
+        stdout.contains(&format!(
+            "max_connections {want} (not set: 10000, or what the open-file limit holds)"
+        )),
+        "{stdout}"
+    );
+
+    // Set beyond the limit: a warning that says so.
+    let port = free_port();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("limits.toml");
+    std::fs::write(
+        &path,
+        format!(
+            "[server]\nlisten = \"127.0.0.1:{port}\"\nmax_connections = 10000\n{}",
+            file_upstream(DEAD)
+        ),
+    )
+    .unwrap();
+    let log = dir.path().join("log");
+    let mut child = limited_ratewall()
+        .arg("--config")
+        .arg(&path)
+        .env("RUST_LOG", "info")
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("spawn");
+    let end = std::time::Instant::now() + Duration::from_secs(20);
+    let mut text = String::new();
+    while std::time::Instant::now() < end && !text.contains("ratewall listening") {
+        std::thread::sleep(Duration::from_millis(20));
+        text = std::fs::read_to_string(&log).unwrap_or_default();
+    }
+    let _ = child.kill();
+    let _ = child.wait();
+    assert!(
+        text.lines()
+            .any(|l| l.contains("WARN")
+                && l.contains("max_connections may need 20064 file descriptors")),
+        "{text}"
+    );
+}
+
+/// The README's TLS quick start, as written: its openssl command makes the pair in
+/// `config/`, which git ignores and Docker builds leave out; the shipped `[server.tls]`
+/// lines, uncommented, listen on loopback; and an https request with the README's
+/// headers gets 200 over HTTP/2.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_tls_quick_start_works_as_written_on_loopback() {
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let tls = &readme[readme.find("### TLS").expect("README: ### TLS")..];
+    let block = tls
+        .split("```sh\n")
+        .nth(1)
+        .and_then(|b| b.split("```").next())
+        .expect("README's TLS openssl block");
+    let command = block.replace("\\\n", " ");
+    assert!(command.trim_start().starts_with("openssl req"), "{command}");
+
+    // A copy of the config folder, where a newcomer's checkout would have it.
+    let dir = tempfile::tempdir().unwrap();
+    let config = dir.path().join("config");
+    std::fs::create_dir(&config).unwrap();
+    for f in ["limits.toml", "keys.toml"] {
+        std::fs::copy(root.join("config").join(f), config.join(f)).unwrap();
+    }
+    let made = Command::new("sh")
+        .arg("-c")
+        .arg(command.trim())
+        .current_dir(dir.path())
+        .output()
+        .expect("openssl");
+    assert!(
+        made.status.success(),
+        "{}",
+        String::from_utf8_lossy(&made.stderr)
+    );
+    for f in ["cert.pem", "key.pem"] {
+        assert!(
+            config.join(f).exists(),
+            "the README's openssl wrote config/{f}"
+        );
+        // Never one `git add -A` from a commit, never in an image.
+        let ignored = Command::new("git")
+            .args(["check-ignore", "-q", &format!("config/{f}")])
+            .current_dir(root)
+            .status()
+            .expect("git");
+        assert!(ignored.success(), "config/{f} is not ignored by git");
+    }
+    let dockerignore = std::fs::read_to_string(root.join(".dockerignore")).unwrap();
+    assert!(
+        dockerignore.lines().any(|l| l.trim() == "config/*.pem"),
+        "{dockerignore}"
+    );
+
+    // Uncomment [server.tls]'s listen and certificates lines, as the README says.
+    let shipped = std::fs::read_to_string(config.join("limits.toml")).unwrap();
+    let mut uncommented = Vec::new();
+    let mut listen = None;
+    for line in shipped.lines() {
+        let bare = line.strip_prefix("# ").unwrap_or(line);
+        if bare == "[server.tls]" || bare.starts_with("certificates = ") {
+            uncommented.push(bare.to_string());
+        } else if bare.starts_with("listen = \"") && line.starts_with("# ") {
+            listen = Some(bare.to_string());
+            uncommented.push(bare.to_string());
+        } else {
+            uncommented.push(line.to_string());
+        }
+    }
+    assert_eq!(
+        listen.as_deref(),
+        Some("listen = \"127.0.0.1:8443\""),
+        "the shipped TLS listener listens on loopback, as everything else"
+    );
+    std::fs::write(config.join("limits.toml"), uncommented.join("\n")).unwrap();
+
+    // The file's 8443 may be taken on this machine: the override moves it, on loopback.
+    let upstream = Upstream::start().await;
+    let (port, admin, tls_port) = (free_port(), free_port(), free_port());
+    let log = dir.path().join("log");
+    let mut child = limited_ratewall()
+        .current_dir(dir.path())
+        .env("RATEWALL_LISTEN", format!("127.0.0.1:{port}"))
+        .env("RATEWALL_ADMIN_LISTEN", format!("127.0.0.1:{admin}"))
+        .env("RATEWALL_TLS_LISTEN", format!("127.0.0.1:{tls_port}"))
+        .env("RATEWALL_UPSTREAM", upstream.url())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .expect("spawn");
+    let end = std::time::Instant::now() + Duration::from_secs(20);
+    let mut text = String::new();
+    while std::time::Instant::now() < end && !text.contains("ratewall listening") {
+        std::thread::sleep(Duration::from_millis(20));
+        text = std::fs::read_to_string(&log).unwrap_or_default();
+    }
+    let roots = [rustls_pki_types::CertificateDer::from(common::cert_der(
+        &config.join("cert.pem"),
+    ))];
+    let reply = common::tls_get(
+        tls_port,
+        "localhost",
+        common::client_config(&roots, &[b"h2", b"http/1.1"], None),
+        "/api/orders",
+        &[("x-api-key", "demo-free-key")],
+    )
+    .await;
+    // The README's own curl, where curl is installed: `200 2`.
+    let curl = Command::new("curl")
+        .current_dir(dir.path())
+        .args([
+            "-s",
+            "-o",
+            "/dev/null",
+            "-w",
+            "%{http_code} %{http_version}",
+        ])
+        .args([
+            "--cacert",
+            "config/cert.pem",
+            "-H",
+            "x-api-key: demo-free-key",
+        ])
+        .arg(format!("https://localhost:{tls_port}/api/orders"))
+        .output();
+    let _ = child.kill();
+    let _ = child.wait();
+    let reply = reply.unwrap_or_else(|e| panic!("{e}\n{text}"));
+    assert_eq!(reply.status, StatusCode::OK, "{text}");
+    assert_eq!(
+        reply.alpn.as_deref(),
+        Some(&b"h2"[..]),
+        "HTTP/2, as `200 2` says"
+    );
+    if let Ok(out) = curl {
+        assert_eq!(
+            String::from_utf8_lossy(&out.stdout),
+            "200 2",
+            "curl, as the README runs it"
+        );
+    }
 }
