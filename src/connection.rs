@@ -148,6 +148,10 @@ pub struct Settings {
     pub max_header_bytes: usize,
 }
 
+/// Descriptors kept for everything but client and upstream connections: listeners, Redis,
+/// the event loops, log files.
+pub const RESERVED_DESCRIPTORS: u64 = 64;
+
 /// Raise the process's open-file limit to what it is allowed (the soft limit to the hard
 /// one, as nginx's `worker_rlimit_nofile` and Go's runtime do), and warn when a
 /// `max_connections` the operator set could still need more: each client connection can
@@ -162,7 +166,7 @@ pub fn raise_descriptor_limit(max_connections: usize, set: bool) {
     };
     let needed = (max_connections as u64)
         .saturating_mul(2)
-        .saturating_add(crate::config::RESERVED_DESCRIPTORS);
+        .saturating_add(RESERVED_DESCRIPTORS);
     if !set {
         tracing::debug!(
             max_connections,

@@ -429,7 +429,8 @@ async fn a_per_ip_ceiling_caps_a_pro_key_unless_the_rule_leaves_keyed_requests_o
         let seen = t.send(&live, "GET", "/api/x", &pro, PEER).await;
         assert_eq!(
             seen.header("ratelimit-policy"),
-            "\"per-key\";q=100;w=1",
+            // The pro plan's bucket: 400 at once, refilled at 100/s in 4 s.
+            "\"per-key\";q=400;w=4",
             "{ip_extra}: the per-IP rule does not apply to the pro key at all"
         );
         // The pro key's 321 took nothing from its address: anonymous requests from it

@@ -39,9 +39,7 @@ pub struct Server {
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 /// `max_connections` when the file does not set it and the open-file limit allows it.
 pub const MAX_CONNECTIONS: usize = 10_000;
-/// Descriptors kept for everything but client and upstream connections: listeners, Redis,
-/// the event loops, log files.
-pub const RESERVED_DESCRIPTORS: u64 = 64;
+pub use connection::RESERVED_DESCRIPTORS;
 
 /// `max_connections` from the open-file limit the process may raise itself to (its hard
 /// limit), as HAProxy derives `maxconn` from `ulimit -n`: each client connection may hold
