@@ -301,6 +301,11 @@ impl RedisCluster {
             if live
                 .iter()
                 .all(|&i| self.info(self.ports[i]).contains("cluster_state:ok"))
+                // Every node knows a master for every slot: `state:ok` can come a moment
+                // before a replica's view of the slot map is whole.
+                && live
+                    .iter()
+                    .all(|&i| self.slot_owners(i).iter().all(Option::is_some))
             {
                 return;
             }
