@@ -81,23 +81,53 @@ fn method_problem(method: &http::Method) -> Option<Problem> {
     })
 }
 
-/// Hosts that do not add up: an HTTP/1.1 request without `Host` (RFC 9112 §3.2: 400,
-/// whatever its target), and a request target with an authority (absolute form, or
-/// HTTP/2's `:authority`) with a `Host` that names another host. HTTP/2 asks for that
-/// one to be treated as malformed (RFC 9113 §8.3.1); for HTTP/1's absolute form, RFC 9112
-/// §3.2.2 has a proxy replace `Host` with the target's authority, which the rules match
-/// too — but a client naming two hosts is asking whoever reads the other one (a backend
-/// that trusts a copied `Host`, a cache) to see another request than the rules saw, so
-/// the gateway refuses to choose for them, over either protocol.
+/// Hosts that do not add up:
+/// - an HTTP/1.1 request without `Host` (RFC 9112 §3.2: 400, whatever its target), and an
+///   HTTP/2 request with neither `:authority` nor `host` (RFC 9113 §8.3.1): forwarded, it
+///   would get the upstream's own host, which no `host` rule is written for;
+/// - a `Host` or an authority (absolute form, HTTP/2's `:authority`) that is not
+///   `uri-host [ ":" port ]` ([`is_host_and_port`]): RFC 9110 §7.2's `Host` has no
+///   userinfo, and RFC 9113 §8.3.1 forbids it in `:authority`. Forwarded, such a host is
+///   read one way by the rules and another by the backend: `api.example.com:80@x.invalid`
+///   is `x.invalid` to a URI parser and `api.example.com` to nginx's vhost lookup;
+/// - a request target with an authority and a `Host` that names another host. HTTP/2
+///   asks for that one to be treated as malformed (RFC 9113 §8.3.1); for HTTP/1's absolute
+///   form, RFC 9112 §3.2.2 has a proxy replace `Host` with the target's authority, which
+///   the rules match too — but a client naming two hosts is asking whoever reads the other
+///   one (a backend that trusts a copied `Host`, a cache) to see another request than the
+///   rules saw, so the gateway refuses to choose for them, over either protocol.
 fn host_problem(version: http::Version, uri: &http::Uri, headers: &HeaderMap) -> Option<Problem> {
-    if version == http::Version::HTTP_11 && !headers.contains_key(http::header::HOST) {
+    let host = headers.get(http::header::HOST);
+    let authority = uri.authority();
+    match (host, authority) {
+        (None, _) if version == http::Version::HTTP_11 => {
+            return Some(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "an HTTP/1.1 request must carry a Host header",
+            ));
+        }
+        (None, None) if version == http::Version::HTTP_2 => {
+            return Some(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "an HTTP/2 request must carry :authority or host",
+            ));
+        }
+        _ => {}
+    }
+    if host.is_some_and(|h| !is_host_and_port(h.as_bytes())) {
         return Some(Problem::new(
             StatusCode::BAD_REQUEST,
-            "an HTTP/1.1 request must carry a Host header",
+            "the Host header is not a host and optional port (RFC 9110 §7.2): no userinfo, path or other characters",
         ));
     }
-    let authority = uri.authority()?;
-    let host = headers.get(http::header::HOST)?;
+    let authority = authority?;
+    if !is_host_and_port(authority.as_str().as_bytes()) {
+        return Some(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "the request target's authority is not a host and optional port (RFC 9113 §8.3.1): no userinfo",
+        ));
+    }
+    let host = host?;
     if host
         .as_bytes()
         .eq_ignore_ascii_case(authority.as_str().as_bytes())
@@ -108,4 +138,83 @@ fn host_problem(version: http::Version, uri: &http::Uri, headers: &HeaderMap) ->
         StatusCode::BAD_REQUEST,
         "the Host header does not match the request target's authority",
     ))
+}
+
+/// Whether `b` is `uri-host [ ":" port ]` (RFC 9110 §7.2 and §4.2, RFC 3986 §3.2.2): a
+/// bracketed IPv6 literal, or a name of letters, digits and `-._~`; then optionally `:`
+/// and up to 5 digits. Stricter than RFC 3986's `reg-name` in one way, on purpose: its
+/// sub-delimiters (`,;=!$&'()*+`) and percent-escapes are refused too. No DNS name has
+/// them, and backends disagree on them (`a.test,b.test` is one host to some, a list to
+/// others; `%2E` is decoded by some): a host is matched only where every reader sees the
+/// same one. An empty host is refused, as nginx refuses it.
+pub(crate) fn is_host_and_port(b: &[u8]) -> bool {
+    let (host, port) = if b.first() == Some(&b'[') {
+        let Some(end) = b.iter().position(|&c| c == b']') else {
+            return false;
+        };
+        let v6 = std::str::from_utf8(&b[1..end])
+            .ok()
+            .and_then(|s| s.parse::<std::net::Ipv6Addr>().ok());
+        if v6.is_none() {
+            return false;
+        }
+        (None, &b[end + 1..])
+    } else {
+        let at = b.iter().position(|&c| c == b':').unwrap_or(b.len());
+        (Some(&b[..at]), &b[at..])
+    };
+    let name_ok = host.is_none_or(|name| {
+        !name.is_empty()
+            && name
+                .iter()
+                .all(|&c| c.is_ascii_alphanumeric() || b"-._~".contains(&c))
+    });
+    let port_ok = match port.split_first() {
+        None => true,
+        Some((b':', digits)) => digits.len() <= 5 && digits.iter().all(u8::is_ascii_digit),
+        Some(_) => false,
+    };
+    name_ok && port_ok
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_are_a_host_and_an_optional_port_only() {
+        for good in [
+            "api.example.com",
+            "api.example.com:8080",
+            "API.Example.COM.",
+            "a_b-c~d",
+            "127.0.0.1:80",
+            "[::1]",
+            "[::1]:8443",
+            "[2001:db8::1]",
+            "host:",
+        ] {
+            assert!(is_host_and_port(good.as_bytes()), "{good:?}");
+        }
+        for bad in [
+            "api.example.com:80@x.invalid",
+            "user@api.example.com",
+            "api.example.com/x",
+            "api.example.com:80:80",
+            "api.example.com:8o",
+            "api.example.com:123456",
+            "a.test,b.test",
+            "a%2Etest",
+            "a test",
+            "",
+            ":80",
+            "[::1",
+            "[zz]",
+            "[::1]x",
+            "[::1]@x",
+            "a\\b",
+        ] {
+            assert!(!is_host_and_port(bad.as_bytes()), "{bad:?}");
+        }
+    }
 }

@@ -177,14 +177,16 @@ impl fmt::Display for HostPattern {
     }
 }
 
-/// The host a request is for, without port: the URI's authority (HTTP/2, absolute-form),
-/// else the `Host` header. Brackets of an IPv6 literal are kept.
+/// The host a request is for, without port: exactly the one it is forwarded with, its
+/// `Host` header, else the URI's authority (HTTP/2's `:authority`, or an absolute-form
+/// target), as the upstream hop picks it. Brackets of an IPv6 literal are kept. The screen
+/// has refused hosts that are not `uri-host [ ":" port ]` (userinfo included) and a `Host`
+/// that differs from the authority, so every reader of the forwarded host sees this one.
 pub fn request_host<'a>(uri: &'a http::Uri, headers: &'a http::HeaderMap) -> Option<&'a str> {
-    let raw = match uri.authority() {
-        Some(a) => a.as_str(),
-        None => headers.get(http::header::HOST)?.to_str().ok()?,
+    let raw = match headers.get(http::header::HOST) {
+        Some(h) => h.to_str().ok()?,
+        None => uri.authority()?.as_str(),
     };
-    let raw = raw.rsplit_once('@').map_or(raw, |(_, h)| h);
     let host = if raw.starts_with('[') {
         raw.find(']').map_or(raw, |end| &raw[..=end])
     } else {
@@ -344,7 +346,12 @@ mod tests {
         );
         assert_eq!(h("/x", Some("[::1]:80")).as_deref(), Some("[::1]"));
         assert_eq!(
-            h("http://a.test:1/x", Some("b.test")).as_deref(),
+            h("http://a.test:1/x", None).as_deref(),
+            Some("a.test"),
+            "no Host: the authority, which is forwarded as the Host"
+        );
+        assert_eq!(
+            h("http://a.test:1/x", Some("a.test:1")).as_deref(),
             Some("a.test")
         );
         assert_eq!(h("/x", None), None);

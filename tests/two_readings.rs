@@ -1,0 +1,79 @@
+//! The perimeter, round two (the issue "Hold the perimeter, round two"): a request the
+//! gateway reads one way and a backend another. Each test runs the real binary in front of
+//! a real backend (nginx where how a real server reads the request is the point), with
+//! raw bytes on the socket where the bytes matter, and fails on a gateway without the
+//! defence: a `Host` with userinfo, path parameters and encoded control bytes, header
+//! names with underscores, guessing the admin token, the listen backlog, and the small
+//! ones (two HTTP/2 `content-length`s, a TLS 1.2 renegotiation, more than 100 fields).
+
+mod common;
+
+use common::{h2_status, raw_exchange, upstream_and_store, Gateway, Nginx, Store, Upstream};
+
+/// nginx with two vhosts, as in the probe: `api.example.com` and a default one.
+const VHOSTS: &str = "  server { listen LISTEN default_server; server_name _; return 200 \"default vhost\\n\"; }\n\
+                      server { listen LISTEN; server_name api.example.com; return 200 \"api vhost\\n\"; }\n";
+
+fn get_with_host(target: &str, host: &str) -> Vec<u8> {
+    format!("GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").into_bytes()
+}
+
+// ---------------------------------------------------------------------------------------
+// 1. A Host with `@`
+
+/// `Host: api.example.com:80@x.invalid` is `x.invalid` to a URI parser and
+/// `api.example.com` to nginx, which serves it from that vhost: a `host` rule must not be
+/// walked around by it. Such a Host, the same authority in an absolute-form target or in
+/// HTTP/2's `:authority`, and an HTTP/2 request with no host at all, are refused (400) and
+/// never reach the backend; the plain Host is limited as the rule says.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_host_with_userinfo_is_refused_not_matched_as_another_host() {
+    let nginx = Nginx::start(VHOSTS);
+    let gw = Gateway::start(&format!(
+        "{}[[rules]]\nname = \"api-host\"\nmatch = {{ host = \"api.example.com\" }}\n\
+         key = \"global\"\nrate = \"1/h\"\nburst = 5\n",
+        upstream_and_store(&nginx.url(), &Store::Memory)
+    ));
+    let sneaky = "api.example.com:80@x.invalid";
+    for _ in 0..12 {
+        let a = raw_exchange(gw.port, &get_with_host("/", sneaky)).await;
+        assert_eq!(a.status, 400, "{}", a.text);
+        assert!(!a.text.contains("api vhost"), "{}", a.text);
+    }
+    for target in [
+        format!("http://{sneaky}/"),
+        "http://user@api.example.com/".into(),
+    ] {
+        let host = target.trim_start_matches("http://").trim_end_matches('/');
+        let a = raw_exchange(gw.port, &get_with_host(&target, host)).await;
+        assert_eq!(a.status, 400, "{target}: {}", a.text);
+    }
+    let h2 = |authority: Option<&'static str>| {
+        let mut fields = vec![(":method", "GET"), (":scheme", "http"), (":path", "/")];
+        fields.extend(authority.map(|a| (":authority", a)));
+        async move { h2_status(gw.port, &fields, b"").await }
+    };
+    assert_eq!(
+        h2(Some(sneaky)).await,
+        Some(400),
+        ":authority with userinfo"
+    );
+    assert_eq!(
+        h2(None).await,
+        Some(400),
+        "HTTP/2 with neither :authority nor host"
+    );
+
+    // The plain Host: the burst, then 429s; every pass served by the api vhost.
+    let mut statuses = Vec::new();
+    for _ in 0..12 {
+        let a = raw_exchange(gw.port, &get_with_host("/", "api.example.com")).await;
+        if a.status == 200 {
+            assert!(a.text.ends_with("api vhost\n"), "{}", a.text);
+        }
+        statuses.push(a.status);
+    }
+    assert_eq!(statuses, [[200; 5].as_slice(), &[429; 7]].concat());
+    // And HTTP/2 with the same host in :authority counts under the same rule.
+    assert_eq!(h2(Some("api.example.com")).await, Some(429));
+}
