@@ -77,3 +77,97 @@ async fn a_host_with_userinfo_is_refused_not_matched_as_another_host() {
     // And HTTP/2 with the same host in :authority counts under the same rule.
     assert_eq!(h2(Some("api.example.com")).await, Some(429));
 }
+
+// ---------------------------------------------------------------------------------------
+// 2. Path forms a backend routes differently
+
+/// `ratewall check --config <the gateway's file> --path <path>`: what it prints.
+fn check_path(gw: &Gateway, path: &str) -> String {
+    let out = std::process::Command::new(common::binary())
+        .arg("check")
+        .arg("--config")
+        .arg(&gw.config)
+        .args(["--path", path])
+        .output()
+        .expect("run ratewall check");
+    String::from_utf8_lossy(&out.stdout).into_owned()
+}
+
+/// `/api;x/orders` is `/api/orders` to Tomcat and Spring, and `/x/..;/api/y` is
+/// `/api/y`: the rule for `/api/` counts them (forwarded as sent). An encoded NUL or other
+/// control byte in the path is refused before any rule or the backend. And with
+/// `path_case = "insensitive"`, `/API/x` counts under `/api/` too; `ratewall check --path`
+/// prints the path the rules saw.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn path_parameters_control_bytes_and_case_do_not_walk_around_a_path_rule() {
+    let upstream = Upstream::start().await;
+    let rule = "[[rules]]\nname = \"api\"\nmatch = { path_prefix = \"/api/\" }\nkey = \"global\"\n\
+                rate = \"1/h\"\nburst = 5\n";
+    let gw = Gateway::start(&format!(
+        "{}{rule}",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let spellings = [
+        "/api;x/orders",
+        "/api;jsessionid=1/orders",
+        "/x/..;/api/y",
+        "/api/;v=2",
+    ];
+    let mut statuses = Vec::new();
+    for i in 0..12 {
+        let path = spellings[i % spellings.len()];
+        statuses.push(
+            raw_exchange(gw.port, &get_with_host(path, "app.test"))
+                .await
+                .status,
+        );
+    }
+    assert_eq!(statuses, [[200; 5].as_slice(), &[429; 7]].concat());
+    let seen: Vec<String> = upstream.seen().iter().map(|s| s.path.clone()).collect();
+    assert!(
+        seen.iter().any(|p| p == "/api;x/orders"),
+        "forwarded as sent: {seen:?}"
+    );
+
+    for path in [
+        "/other/%00",
+        "/x%00.png",
+        "/a%0d%0aSet-Cookie:%20x",
+        "/a%7f",
+        "/a%1F",
+    ] {
+        let a = raw_exchange(gw.port, &get_with_host(path, "app.test")).await;
+        assert_eq!(a.status, 400, "{path}: {}", a.text);
+    }
+    assert_eq!(
+        upstream.seen().len(),
+        5,
+        "no control byte reached the upstream"
+    );
+    assert!(check_path(&gw, "/api;x/orders").contains("(rules see the path as /api/orders)"));
+
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "path_case = \"insensitive\"\n{}{rule}",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let spellings = ["/API/orders", "/Api/x", "/aPI;x/y", "/api/z"];
+    let mut statuses = Vec::new();
+    for i in 0..8 {
+        let path = spellings[i % spellings.len()];
+        statuses.push(
+            raw_exchange(gw.port, &get_with_host(path, "app.test"))
+                .await
+                .status,
+        );
+    }
+    assert_eq!(statuses, [[200; 5].as_slice(), &[429; 3]].concat());
+    let seen: Vec<String> = upstream.seen().iter().map(|s| s.path.clone()).collect();
+    assert_eq!(seen[0], "/API/orders", "forwarded as sent");
+    let explained = check_path(&gw, "/API;v=2/Orders");
+    assert!(
+        explained.contains("(rules see the path as /api/orders)"),
+        "{explained}"
+    );
+    assert!(explained.contains("api:"), "{explained}");
+}

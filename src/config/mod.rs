@@ -258,12 +258,13 @@ impl Config {
             }
         }
         drop(plan_names);
-        let index = RuleIndex::new(&rules);
+        let server = raw.server.validate(tls);
+        let index = RuleIndex::new(&rules, server.path_case);
         Ok(Config {
             admin: raw
                 .admin
                 .validate(std::env::var("RATEWALL_ADMIN_TOKEN").ok()),
-            server: raw.server.validate(tls),
+            server,
             upstream: raw.upstream.validate(dir)?,
             store,
             client_ip: raw.client_ip.validate(),

@@ -11,6 +11,7 @@ use serde::Deserialize;
 use super::values::{AdminToken, HeaderBytes, HumanDuration, MaxConnections, Workers};
 use crate::connection::{self, Timeouts};
 use crate::headers::ResponseStyle;
+use crate::rules::PathCase;
 
 /// `[server]`, validated.
 #[derive(Debug)]
@@ -28,6 +29,8 @@ pub struct Server {
     /// The largest request head (request line and fields; HTTP/2: the header list size)
     /// a client may send; past it, 431.
     pub max_header_bytes: usize,
+    /// How the backend compares paths, and so the rules (`path_case`).
+    pub path_case: PathCase,
     /// `[server.tls]`: the TLS listener beside the cleartext one, its certificates loaded.
     pub tls: Option<crate::tls::Settings>,
 }
@@ -80,6 +83,7 @@ pub(super) struct RawServer {
     body_timeout: Option<HumanDuration>,
     max_connections: Option<MaxConnections>,
     max_header_bytes: Option<HeaderBytes>,
+    path_case: Option<PathCase>,
     pub(super) tls: Option<super::tls::RawTls>,
 }
 
@@ -100,6 +104,7 @@ impl RawServer {
             },
             max_connections: self.max_connections.map_or(MAX_CONNECTIONS, |m| m.0),
             max_header_bytes: self.max_header_bytes.map_or(MAX_HEADER_BYTES, |m| m.0),
+            path_case: self.path_case.unwrap_or_default(),
             tls,
         }
     }

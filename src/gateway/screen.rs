@@ -1,6 +1,6 @@
 //! Requests a front proxy and its upstream could read differently, refused before
 //! anything else: smuggling-prone framing, mis-cased or tunnelling methods, hosts that
-//! do not add up.
+//! do not add up, paths with encoded control bytes.
 
 use http::request::Parts;
 use http::{HeaderMap, StatusCode};
@@ -13,6 +13,35 @@ pub(super) fn problem(parts: &Parts) -> Option<Problem> {
     method_problem(&parts.method)
         .or_else(|| framing_problem(&parts.headers))
         .or_else(|| host_problem(parts.version, &parts.uri, &parts.headers))
+        .or_else(|| path_problem(parts.uri.path()))
+}
+
+/// A path with an encoded control byte (`%00` to `%1F`, `%7F`): no route has one, and
+/// backends disagree on what it means — nginx answers 400 to `%00`, a C backend's string
+/// ends at it (`/api/x%00.png` is `/api/x` to one, a `.png` to another), and a log line
+/// may be broken by `%0A`. Raw control bytes never get this far: the request line's parser
+/// refuses them. The query is not looked at: its bytes are the application's.
+fn path_problem(path: &str) -> Option<Problem> {
+    let b = path.as_bytes();
+    let hex = |c: u8| (c as char).to_digit(16);
+    let control = memchr::memchr_iter(b'%', b).any(|at| {
+        match (
+            b.get(at + 1).copied().and_then(hex),
+            b.get(at + 2).copied().and_then(hex),
+        ) {
+            (Some(h), Some(l)) => {
+                let byte = h * 16 + l;
+                byte < 0x20 || byte == 0x7f
+            }
+            _ => false,
+        }
+    });
+    control.then(|| {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "an encoded control byte (%00-%1F, %7F) in the path",
+        )
+    })
 }
 
 /// Requests a front proxy and its upstream could read differently (request smuggling),
@@ -215,6 +244,25 @@ mod tests {
             "a\\b",
         ] {
             assert!(!is_host_and_port(bad.as_bytes()), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn encoded_control_bytes_in_the_path_are_refused() {
+        for bad in ["/api/%00", "/a%0a", "/a%0D%0Ab", "/a%1f", "/a%7F", "/%09x"] {
+            assert!(path_problem(bad).is_some(), "{bad}");
+        }
+        for good in [
+            "/api/x",
+            "/a%20b",
+            "/a%2F",
+            "/a%",
+            "/a%0",
+            "/a%0g",
+            "/caf%C3%A9",
+            "/a%80",
+        ] {
+            assert!(path_problem(good).is_none(), "{good}");
         }
     }
 }
