@@ -8,7 +8,9 @@
 
 mod common;
 
-use common::{h2_status, raw_exchange, upstream_and_store, Gateway, Nginx, Store, Upstream};
+use common::{
+    h2_status, raw_exchange, series, upstream_and_store, Gateway, Nginx, Store, Upstream,
+};
 
 /// nginx with two vhosts, as in the probe: `api.example.com` and a default one.
 const VHOSTS: &str = "  server { listen LISTEN default_server; server_name _; return 200 \"default vhost\\n\"; }\n\
@@ -170,4 +172,48 @@ async fn path_parameters_control_bytes_and_case_do_not_walk_around_a_path_rule()
         "{explained}"
     );
     assert!(explained.contains("api:"), "{explained}");
+}
+
+// ---------------------------------------------------------------------------------------
+// 3. Header names with underscores
+
+/// `X_Api_Key` and `X_Forwarded_For` are `HTTP_X_API_KEY` and `HTTP_X_FORWARDED_FOR` to a
+/// CGI, WSGI or Rack backend: a key the limiter never counted, a chain the gateway never
+/// rewrote. They are dropped (and counted) unless `underscores_in_headers = true`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn header_names_with_underscores_are_dropped_unless_asked_for() {
+    let request = b"GET /u HTTP/1.1\r\nHost: app.test\r\nX_Api_Key: sk_victim_key\r\n\
+                    X_Forwarded_For: 203.0.113.66\r\nx_forwarded_for: 203.0.113.67\r\n\
+                    X-Api-Key: sk_mine\r\nConnection: close\r\n\r\n";
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&upstream_and_store(&upstream.url(), &Store::Memory));
+    assert_eq!(raw_exchange(gw.port, request).await.status, 200);
+    let seen = upstream.seen();
+    let names: Vec<&str> = seen[0].headers.keys().map(|n| n.as_str()).collect();
+    assert!(
+        !names.iter().any(|n| n.contains('_')),
+        "an underscored field reached the upstream: {names:?}"
+    );
+    assert_eq!(seen[0].headers["x-api-key"], "sk_mine");
+    assert_eq!(seen[0].headers["x-forwarded-for"], "127.0.0.1");
+    assert_eq!(
+        series(&gw, "ratewall_underscore_fields_dropped_total", &[]).await,
+        Some(3.0)
+    );
+
+    let upstream = Upstream::start().await;
+    let gw = Gateway::start(&format!(
+        "underscores_in_headers = true\n{}",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    assert_eq!(raw_exchange(gw.port, request).await.status, 200);
+    let seen = upstream.seen();
+    assert_eq!(
+        seen[0].headers["x_api_key"], "sk_victim_key",
+        "asked for: forwarded"
+    );
+    assert_eq!(
+        series(&gw, "ratewall_underscore_fields_dropped_total", &[]).await,
+        Some(0.0)
+    );
 }

@@ -31,6 +31,9 @@ pub struct Server {
     pub max_header_bytes: usize,
     /// How the backend compares paths, and so the rules (`path_case`).
     pub path_case: PathCase,
+    /// Whether header fields with `_` in their name are forwarded (`true`) or dropped
+    /// before anything reads them (`false`, the default, as nginx).
+    pub underscores_in_headers: bool,
     /// `[server.tls]`: the TLS listener beside the cleartext one, its certificates loaded.
     pub tls: Option<crate::tls::Settings>,
 }
@@ -84,6 +87,7 @@ pub(super) struct RawServer {
     max_connections: Option<MaxConnections>,
     max_header_bytes: Option<HeaderBytes>,
     path_case: Option<PathCase>,
+    underscores_in_headers: Option<bool>,
     pub(super) tls: Option<super::tls::RawTls>,
 }
 
@@ -105,6 +109,7 @@ impl RawServer {
             max_connections: self.max_connections.map_or(MAX_CONNECTIONS, |m| m.0),
             max_header_bytes: self.max_header_bytes.map_or(MAX_HEADER_BYTES, |m| m.0),
             path_case: self.path_case.unwrap_or_default(),
+            underscores_in_headers: self.underscores_in_headers.unwrap_or(false),
             tls,
         }
     }

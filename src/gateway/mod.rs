@@ -226,7 +226,13 @@ impl Gateway {
         let log = AccessLine::start(&req, peer, &live.config);
         self.metrics
             .count_protocol(req.version(), peer.tls.as_ref().map(|t| t.version));
-        let (parts, body) = req.into_parts();
+        let (mut parts, body) = req.into_parts();
+        if !live.config.server.underscores_in_headers {
+            let dropped = screen::drop_underscored(&mut parts.headers);
+            if dropped > 0 {
+                self.metrics.underscore_fields_dropped.inc_by(dropped);
+            }
+        }
         let (resp, note, forwarded) = match self.admit(&live, &parts, peer.ip()).await {
             Admission::Answer(resp, note) => (resp, note, false),
             Admission::Forward(pass) => {

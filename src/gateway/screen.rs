@@ -44,6 +44,29 @@ fn path_problem(path: &str) -> Option<Problem> {
     })
 }
 
+/// Drop every header field whose name has an underscore (`X_Api_Key`,
+/// `X_Forwarded_For`), before anything reads the request: CGI, WSGI and Rack map `_` and
+/// `-` to the same variable (`HTTP_X_API_KEY`), so a backend behind them would read a key
+/// the limiter never counted, or a forwarding chain the gateway never rewrote. nginx drops
+/// them too (`underscores_in_headers off`). Returns how many fields went.
+pub(super) fn drop_underscored(headers: &mut HeaderMap) -> u64 {
+    // Most requests have none: one pass over the names, nothing allocated.
+    if !headers.keys().any(|n| n.as_str().contains('_')) {
+        return 0;
+    }
+    let names: Vec<http::HeaderName> = headers
+        .keys()
+        .filter(|n| n.as_str().contains('_'))
+        .cloned()
+        .collect();
+    let mut dropped = 0;
+    for name in names {
+        dropped += headers.get_all(&name).iter().count() as u64;
+        headers.remove(&name);
+    }
+    dropped
+}
+
 /// Requests a front proxy and its upstream could read differently (request smuggling),
 /// refused before anything else. hyper's HTTP/1 parser already answers 400 to conflicting
 /// `Content-Length`s, `Transfer-Encoding` on HTTP/1.0 and codings that do not end in
@@ -245,6 +268,19 @@ mod tests {
         ] {
             assert!(!is_host_and_port(bad.as_bytes()), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn fields_with_underscores_are_dropped_every_line_of_them() {
+        let mut h = HeaderMap::new();
+        h.append("x_api_key", "stolen".parse().unwrap());
+        h.append("x_api_key", "again".parse().unwrap());
+        h.append("x_forwarded_for", "1.2.3.4".parse().unwrap());
+        h.append("x-api-key", "mine".parse().unwrap());
+        assert_eq!(drop_underscored(&mut h), 3);
+        assert_eq!(h.len(), 1);
+        assert_eq!(h["x-api-key"], "mine");
+        assert_eq!(drop_underscored(&mut h), 0);
     }
 
     #[test]
