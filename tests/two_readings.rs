@@ -217,3 +217,107 @@ async fn header_names_with_underscores_are_dropped_unless_asked_for() {
         Some(0.0)
     );
 }
+
+// ---------------------------------------------------------------------------------------
+// 4. Guessing the admin token
+
+/// A short `RATEWALL_ADMIN_TOKEN` is refused as the file's would be: the process does not
+/// start (and does not print the token). Wrong tokens are counted, logged (rate-limited,
+/// with the peer, never the token) and, past a small allowance per peer, answered 429 with
+/// a `Retry-After` without being checked; a peer with the right token elsewhere is not
+/// slowed, and the `Bearer` scheme is matched in any case.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guessing_the_admin_token_is_slowed_counted_and_logged() {
+    const TOKEN: &str = "round-two-admin-token-0123456789";
+    let upstream = Upstream::start().await;
+    let base = format!(
+        "{}[[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"1/h\"\nburst = 5\n",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    );
+    let refused = Gateway::try_start_with(&base, "2s", &[], &[("RATEWALL_ADMIN_TOKEN", "zq")])
+        .err()
+        .expect("a two-character environment token must not start the gateway");
+    assert!(
+        refused.contains("RATEWALL_ADMIN_TOKEN: an admin token is at least 16"),
+        "{refused}"
+    );
+    assert!(
+        !refused.contains("zq"),
+        "the token is never printed: {refused}"
+    );
+
+    let gw = Gateway::start_with(&base, &[], &[("RATEWALL_ADMIN_TOKEN", TOKEN)]);
+    let state = gw.admin_url("/admin/state?rule=api&key=k");
+    let guesser = common::HttpClient::new();
+    let mut statuses = Vec::new();
+    let started = std::time::Instant::now();
+    for i in 0..40 {
+        let guess = format!("Bearer guess-{i:04}-aaaaaaaaaaaaaaaa");
+        let r = guesser.get(&state, &[("authorization", &guess)]).await;
+        if r.status == 429 {
+            let wait: u64 = r
+                .header("retry-after")
+                .expect("Retry-After")
+                .parse()
+                .unwrap();
+            assert!((1..=2).contains(&wait), "Retry-After {wait}");
+        }
+        statuses.push(r.status.as_u16());
+    }
+    let took = started.elapsed();
+    let checked = statuses.iter().filter(|s| **s == 401).count();
+    // 10 at once, then one a second: within `took`, no more than that were checked.
+    assert!(
+        checked >= 10 && checked as u64 <= 10 + took.as_secs() + 1,
+        "{checked} of 40 checked in {took:?}: {statuses:?}"
+    );
+    assert_eq!(statuses.iter().filter(|s| **s == 429).count(), 40 - checked);
+
+    // Another peer with the right token, its scheme in lower case, is not slowed.
+    let operator = common::HttpClient::from_addr(Some("127.0.0.2".parse().unwrap()));
+    let bearer = format!("bearer {TOKEN}");
+    let r = operator.get(&state, &[("authorization", &bearer)]).await;
+    assert_eq!(r.status, 200, "{:?}", r.body);
+    // One with no token at all is counted as such.
+    let r = common::HttpClient::from_addr(Some("127.0.0.3".parse().unwrap()))
+        .get(&state, &[])
+        .await;
+    assert_eq!(r.status, 401);
+
+    let count = |reason: &'static str| {
+        let gw = &gw;
+        async move {
+            series(
+                gw,
+                "ratewall_admin_auth_failures_total",
+                &[("reason", reason)],
+            )
+            .await
+        }
+    };
+    assert_eq!(count("wrong").await, Some(checked as f64));
+    assert_eq!(count("throttled").await, Some((40 - checked) as f64));
+    assert_eq!(count("missing").await, Some(1.0));
+    let logs = gw.logs();
+    let lines: Vec<&str> = logs
+        .lines()
+        .filter(|l| l.contains("admin calls refused"))
+        .collect();
+    assert!(
+        !lines.is_empty() && lines.len() <= 2,
+        "logged, but not once per guess: {lines:?}"
+    );
+    assert!(
+        lines[0].contains("127.0.0.1"),
+        "with the peer: {}",
+        lines[0]
+    );
+    assert!(!logs.contains("guess-0"), "a guessed token reached the log");
+
+    // The guesser's address, once its allowance is back, is checked again.
+    tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
+    let r = guesser
+        .get(&state, &[("authorization", &format!("Bearer {TOKEN}"))])
+        .await;
+    assert_eq!(r.status, 200);
+}

@@ -55,6 +55,13 @@ pub enum ConfigError {
         key: String,
         message: String,
     },
+    /// A setting the environment gives that is not valid (its value is not repeated: it
+    /// may be a secret).
+    #[error("{variable}: {message}")]
+    Environment {
+        variable: &'static str,
+        message: String,
+    },
 }
 
 /// The validated configuration. Built once per load and shared behind an `Arc`.
@@ -182,6 +189,7 @@ impl Config {
     /// relative to its folder.
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
         let raw: RawConfig = from_toml(text, path, "keys.plans.")?;
+        let env_token = server::env_admin_token(std::env::var("RATEWALL_ADMIN_TOKEN").ok())?;
         let defined = defined_plans(&raw.rules);
         let keys_file = match &raw.keys.file {
             Some(f) => {
@@ -211,8 +219,8 @@ impl Config {
             Some(t) => Some(t.load(dir).map_err(|e| e.locate(text, path))?),
             None => None,
         };
-        let mut config =
-            Config::validate(raw, keys_file, tls, dir).map_err(|e| e.locate(text, path))?;
+        let mut config = Config::validate(raw, keys_file, tls, env_token, dir)
+            .map_err(|e| e.locate(text, path))?;
         config.sha256 = Some(sha256_hex(text.as_bytes()));
         Ok(config)
     }
@@ -221,6 +229,7 @@ impl Config {
         raw: RawConfig,
         keys_file: Option<(PathBuf, std::collections::HashMap<[u8; 32], String>)>,
         tls: Option<crate::tls::Settings>,
+        env_token: Option<values::AdminToken>,
         dir: &Path,
     ) -> Result<Config, Invalid> {
         let store = match raw.store {
@@ -261,9 +270,7 @@ impl Config {
         let server = raw.server.validate(tls);
         let index = RuleIndex::new(&rules, server.path_case);
         Ok(Config {
-            admin: raw
-                .admin
-                .validate(std::env::var("RATEWALL_ADMIN_TOKEN").ok()),
+            admin: raw.admin.validate(env_token),
             server,
             upstream: raw.upstream.validate(dir)?,
             store,

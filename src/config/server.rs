@@ -122,14 +122,30 @@ pub(super) struct RawAdmin {
 }
 
 impl RawAdmin {
-    /// `env_token`: `RATEWALL_ADMIN_TOKEN`, which wins over the file's.
-    pub(super) fn validate(self, env_token: Option<String>) -> Admin {
+    /// `env_token`: `RATEWALL_ADMIN_TOKEN`, validated ([`env_admin_token`]), which wins over
+    /// the file's.
+    pub(super) fn validate(self, env_token: Option<AdminToken>) -> Admin {
         Admin {
-            token: env_token
-                .filter(|t| !t.is_empty())
-                .or(self.token.map(|t| t.0)),
+            token: env_token.or(self.token).map(|t| t.0),
         }
     }
+}
+
+/// `RATEWALL_ADMIN_TOKEN`'s value held to the file's rule (at least 16 printable
+/// characters, no spaces): a short one is guessed in a few tries. Set but empty: unset, as
+/// before. The error never repeats the value.
+pub(super) fn env_admin_token(
+    value: Option<String>,
+) -> Result<Option<AdminToken>, super::ConfigError> {
+    let Some(value) = value.filter(|v| !v.is_empty()) else {
+        return Ok(None);
+    };
+    AdminToken::new(value)
+        .map(Some)
+        .map_err(|message| super::ConfigError::Environment {
+            variable: "RATEWALL_ADMIN_TOKEN",
+            message: message.to_string(),
+        })
 }
 
 #[derive(Deserialize, Default)]

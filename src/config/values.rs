@@ -371,15 +371,20 @@ impl<'de> Deserialize<'de> for Workers {
 /// An admin token: long enough not to be guessed.
 pub(super) struct AdminToken(pub(super) String);
 
-impl<'de> Deserialize<'de> for AdminToken {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
+impl AdminToken {
+    /// At least 16 printable ASCII characters, no spaces: the file's rule and the
+    /// environment's.
+    pub(super) fn new(s: String) -> Result<AdminToken, &'static str> {
         if s.len() < 16 || s.bytes().any(|b| !b.is_ascii_graphic()) {
-            return Err(de::Error::custom(
-                "an admin token is at least 16 printable characters without spaces",
-            ));
+            return Err("an admin token is at least 16 printable characters without spaces");
         }
         Ok(AdminToken(s))
+    }
+}
+
+impl<'de> Deserialize<'de> for AdminToken {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        AdminToken::new(String::deserialize(d)?).map_err(de::Error::custom)
     }
 }
 
