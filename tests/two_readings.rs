@@ -321,3 +321,68 @@ async fn guessing_the_admin_token_is_slowed_counted_and_logged() {
         .await;
     assert_eq!(r.status, 200);
 }
+
+// ---------------------------------------------------------------------------------------
+// 5. The listen backlog
+
+/// A listening socket's backlog, as `ss -ltn` shows it (Send-Q of a listening socket).
+fn listen_backlog(port: u16) -> u32 {
+    let out = std::process::Command::new("ss")
+        .args(["-ltnH", &format!("sport = :{port}")])
+        .output()
+        .expect("run ss (iproute2)");
+    let text = String::from_utf8_lossy(&out.stdout);
+    text.lines()
+        .find_map(|l| l.split_whitespace().nth(2)?.parse().ok())
+        .unwrap_or_else(|| panic!("no listening socket on {port}: {text:?}"))
+}
+
+fn somaxconn() -> u32 {
+    std::fs::read_to_string("/proc/sys/net/core/somaxconn")
+        .ok()
+        .and_then(|s| s.trim().parse().ok())
+        .unwrap_or(4096)
+}
+
+/// Every listener (cleartext, TLS, admin) takes `[server] backlog`, 1024 by default, not
+/// std's 128: a burst of new connections waits in the queue instead of for SYN
+/// retransmits. Past `net.core.somaxconn` it is cut there, and the start-up log says so.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_listeners_take_the_configured_backlog_up_to_somaxconn() {
+    let upstream = Upstream::start().await;
+    let pki = common::Pki::new("backlog");
+    let cert = pki.server_cert("gw", &["localhost"], 30);
+    let (gw, tls_port) = common::start_on_free_tls_port(|port| {
+        format!(
+            "{}{}",
+            upstream_and_store(&upstream.url(), &Store::Memory),
+            common::tls_table(port, std::slice::from_ref(&cert), "")
+        )
+    });
+    let expected = 1024.min(somaxconn());
+    for (listener, port) in [
+        ("cleartext", gw.port),
+        ("tls", tls_port),
+        ("admin", gw.admin_port),
+    ] {
+        assert_eq!(listen_backlog(port), expected, "{listener}");
+    }
+    drop(gw);
+
+    let asked = 60_000;
+    let gw = Gateway::start(&format!(
+        "backlog = {asked}\n{}",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let cap = somaxconn();
+    assert_eq!(listen_backlog(gw.port), asked.min(cap));
+    if cap < asked {
+        let logs = gw.logs();
+        assert!(
+            logs.contains(&format!(
+                "backlog {asked} is cut to net.core.somaxconn = {cap}"
+            )),
+            "{logs}"
+        );
+    }
+}

@@ -36,7 +36,7 @@ use crate::rules::{Plan, Rule, RuleIndex};
 pub use diff::{Changes, Listed};
 pub use overrides::{Given, OverrideError, Overrides, Source};
 pub use rules::{DEFAULT_LEASE_TTL, DEFAULT_MAX_WAITING, MAX_DELAY};
-pub use server::{Admin, Log, Server, MAX_CONNECTIONS, MAX_HEADER_BYTES, SHUTDOWN_GRACE};
+pub use server::{Admin, Log, Server, BACKLOG, MAX_CONNECTIONS, MAX_HEADER_BYTES, SHUTDOWN_GRACE};
 
 /// A configuration file that could not be loaded, with where and why.
 #[derive(Debug, thiserror::Error)]

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::values::{AdminToken, HeaderBytes, HumanDuration, MaxConnections, Workers};
+use super::values::{AdminToken, Backlog, HeaderBytes, HumanDuration, MaxConnections, Workers};
 use crate::connection::{self, Timeouts};
 use crate::headers::ResponseStyle;
 use crate::rules::PathCase;
@@ -26,6 +26,10 @@ pub struct Server {
     /// Open client connections at most (the gateway listener); past it, idle kept-alive
     /// connections are closed to make room and new ones wait in the listen backlog.
     pub max_connections: usize,
+    /// The listen backlog of the gateway's listeners (cleartext, TLS) and the admin one:
+    /// connections the kernel completes and queues before they are accepted, as asked
+    /// (the kernel cuts it to `net.core.somaxconn`; the start-up log says so).
+    pub backlog: u32,
     /// The largest request head (request line and fields; HTTP/2: the header list size)
     /// a client may send; past it, 431.
     pub max_header_bytes: usize,
@@ -42,6 +46,9 @@ pub struct Server {
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
 pub const MAX_CONNECTIONS: usize = 10_000;
 pub const MAX_HEADER_BYTES: usize = 32 * 1024;
+/// nginx's `listen ... backlog` on Linux is 511; HAProxy's is `maxconn`. 1024 holds a burst
+/// of new connections (a thousand TLS clients at once) without SYN retransmits.
+pub const BACKLOG: u32 = 1024;
 
 impl Server {
     /// How client connections are served under this config.
@@ -85,6 +92,7 @@ pub(super) struct RawServer {
     idle_timeout: Option<HumanDuration>,
     body_timeout: Option<HumanDuration>,
     max_connections: Option<MaxConnections>,
+    backlog: Option<Backlog>,
     max_header_bytes: Option<HeaderBytes>,
     path_case: Option<PathCase>,
     underscores_in_headers: Option<bool>,
@@ -107,6 +115,7 @@ impl RawServer {
                 body: or(self.body_timeout, d.body),
             },
             max_connections: self.max_connections.map_or(MAX_CONNECTIONS, |m| m.0),
+            backlog: self.backlog.map_or(BACKLOG, |b| b.0),
             max_header_bytes: self.max_header_bytes.map_or(MAX_HEADER_BYTES, |m| m.0),
             path_case: self.path_case.unwrap_or_default(),
             underscores_in_headers: self.underscores_in_headers.unwrap_or(false),

@@ -285,6 +285,22 @@ impl<'de> Deserialize<'de> for MaxConnections {
     }
 }
 
+/// A listen backlog: 1 to 65,535 connections (the kernel may cut it: `net.core.somaxconn`).
+pub(super) struct Backlog(pub(super) u32);
+
+impl<'de> Deserialize<'de> for Backlog {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = u64::deserialize(d)?;
+        match u32::try_from(n) {
+            Ok(n @ 1..=65_535) => Ok(Backlog(n)),
+            _ => Err(de::Error::custom(format!(
+                "backlog = {n}: 1 to 65535 (default {})",
+                super::BACKLOG
+            ))),
+        }
+    }
+}
+
 /// A request head's size bound: 1 KiB to 1 MiB, as bytes or `"32KiB"`.
 pub(super) struct HeaderBytes(pub(super) usize);
 
