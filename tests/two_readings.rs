@@ -386,3 +386,158 @@ async fn the_listeners_take_the_configured_backlog_up_to_somaxconn() {
         );
     }
 }
+
+// ---------------------------------------------------------------------------------------
+// 6. Small ones
+
+/// Two equal `content-length` fields in one HTTP/2 request go up as one line (an nginx
+/// backend answers 400 to two); two that differ are refused by the gateway itself.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_http2_content_lengths_go_up_as_one_or_are_refused() {
+    let nginx = Nginx::start(VHOSTS);
+    let gw = Gateway::start(&upstream_and_store(&nginx.url(), &Store::Memory));
+    let post = |lengths: &'static [&'static str]| {
+        let mut fields = vec![
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", "/"),
+            (":authority", "api.example.com"),
+        ];
+        fields.extend(lengths.iter().map(|l| ("content-length", *l)));
+        async move { h2_status(gw.port, &fields, b"hello").await }
+    };
+    assert_eq!(post(&["5"]).await, Some(200), "one content-length");
+    assert_eq!(post(&["5", "5"]).await, Some(200), "{}", nginx.error_log());
+    // Refused before the backend: h2 resets such a stream itself (PROTOCOL_ERROR), and the
+    // gateway's screen answers 400 to any that got past it.
+    let differing = post(&["5", "6"]).await;
+    assert!(matches!(differing, None | Some(400)), "{differing:?}");
+}
+
+/// More than hyper's default 100 fields, well within `max_header_bytes`, are served (nginx
+/// accepts them); the bound that remains is one field per 32 bytes of `max_header_bytes`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn more_than_100_header_fields_within_max_header_bytes_are_served() {
+    // Room in nginx's header buffers (4 x 8 KiB by default) for 700 fields, as a backend
+    // that takes such heads has.
+    let nginx = Nginx::start(&format!("  large_client_header_buffers 8 16k;\n{VHOSTS}"));
+    let gw = Gateway::start(&upstream_and_store(&nginx.url(), &Store::Memory));
+    let head = |n: usize| {
+        let fields: String = (0..n).map(|i| format!("X-Field-{i}: {i}\r\n")).collect();
+        format!("GET / HTTP/1.1\r\nHost: api.example.com\r\n{fields}Connection: close\r\n\r\n")
+    };
+    let a = raw_exchange(gw.port, head(150).as_bytes()).await;
+    assert_eq!(
+        a.status,
+        200,
+        "150 fields, {} bytes: {}",
+        head(150).len(),
+        a.text
+    );
+    assert!(a.text.ends_with("api vhost\n"), "{}", a.text);
+    let a = raw_exchange(gw.port, head(700).as_bytes()).await;
+    assert_eq!(
+        a.status,
+        200,
+        "700 fields, {} bytes: {}",
+        head(700).len(),
+        a.text
+    );
+    // 1,100 fields of a few bytes: under 32 KiB, over 1,024 fields.
+    let tiny: String = (0..1100).map(|i| format!("a{i}:\r\n")).collect();
+    let a = raw_exchange(
+        gw.port,
+        format!("GET / HTTP/1.1\r\nHost: api.example.com\r\n{tiny}\r\n").as_bytes(),
+    )
+    .await;
+    assert_eq!(a.status, 431);
+}
+
+/// OpenSSL's `s_client` over TLS 1.2 to `port`: after the handshake, `request` (if any)
+/// and its answer, then `R` (renegotiate). Whether rustls' `no_renegotiation` alert came
+/// within 5 s, and what `s_client` printed.
+fn renegotiate(port: u16, request: Option<&str>) -> (bool, String) {
+    use std::io::{Read, Write};
+    use std::time::{Duration, Instant};
+    let mut client = std::process::Command::new("openssl")
+        .args(["s_client", "-tls1_2", "-msg", "-connect"])
+        .arg(format!("127.0.0.1:{port}"))
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("run openssl s_client");
+    let mut stdin = client.stdin.take().expect("stdin");
+    let mut stdout = client.stdout.take().expect("stdout");
+    let (tx, rx) = std::sync::mpsc::channel::<Vec<u8>>();
+    std::thread::spawn(move || {
+        let mut buf = [0u8; 4096];
+        while let Ok(n) = stdout.read(&mut buf) {
+            if n == 0 || tx.send(buf[..n].to_vec()).is_err() {
+                break;
+            }
+        }
+    });
+    let mut seen = Vec::new();
+    let mut wait_for = |needle: &str, within: Duration| -> bool {
+        let end = Instant::now() + within;
+        loop {
+            if String::from_utf8_lossy(&seen).contains(needle) {
+                return true;
+            }
+            if Instant::now() >= end {
+                return false;
+            }
+            if let Ok(chunk) = rx.recv_timeout(Duration::from_millis(20)) {
+                seen.extend(chunk);
+            }
+        }
+    };
+    let mut alerted = false;
+    if wait_for("Verify return code", Duration::from_secs(10)) {
+        let answered = match request {
+            Some(r) => {
+                let _ = stdin.write_all(r.as_bytes());
+                wait_for("HTTP/1.1 200", Duration::from_secs(10))
+            }
+            None => true,
+        };
+        if answered {
+            let _ = stdin.write_all(b"R\n");
+            alerted = wait_for("no_renegotiation", Duration::from_secs(5));
+        }
+    }
+    let _ = client.kill();
+    let _ = client.wait();
+    drop(wait_for);
+    let text = String::from_utf8_lossy(&seen).into_owned();
+    (alerted, text)
+}
+
+/// A TLS 1.2 client that asks to renegotiate gets rustls' `no_renegotiation` alert at once,
+/// not silence until `header_timeout` (20 s here): before its first request (the gateway
+/// still waits to learn the protocol) and on a kept-alive connection after an answer.
+/// OpenSSL's `s_client`, asked to renegotiate (`R`), as the probe did.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tls12_renegotiation_is_answered_with_no_renegotiation_at_once() {
+    let upstream = Upstream::start().await;
+    let pki = common::Pki::new("reneg");
+    let cert = pki.server_cert("gw", &["localhost"], 30);
+    let (_gw, tls_port) = common::start_on_free_tls_port(|port| {
+        format!(
+            "header_timeout = \"20s\"\n{}{}",
+            upstream_and_store(&upstream.url(), &Store::Memory),
+            common::tls_table(port, std::slice::from_ref(&cert), "")
+        )
+    });
+    for request in [None, Some("GET /kept HTTP/1.1\r\nHost: localhost\r\n\r\n")] {
+        let (alerted, text) = tokio::task::spawn_blocking(move || renegotiate(tls_port, request))
+            .await
+            .expect("s_client");
+        assert!(
+            alerted,
+            "{request:?}: no no_renegotiation alert within 5 s of the renegotiation: {}",
+            &text[text.len().saturating_sub(2000)..]
+        );
+    }
+}

@@ -76,9 +76,22 @@ pub(super) fn drop_underscored(headers: &mut HeaderMap) -> u64 {
 /// behind the request is ever read. This refuses what it lets through:
 /// - a `Transfer-Encoding` other than one plain `chunked` (`gzip, chunked`, repeated
 ///   lines): the only coding a proxy may pass on without knowing it (RFC 9112 §6.1);
-/// - more than one `Host`: RFC 9112 §3.2 requires a 400.
+/// - more than one `Host`: RFC 9112 §3.2 requires a 400;
+/// - `Content-Length`s that differ: HTTP/2's layer checks the body against the first one
+///   only, so a second could tell the backend another length (RFC 9110 §8.6: a recipient
+///   of differing values must treat the message as invalid). Equal ones are sent up as
+///   one line (`upstream::forward`): an nginx backend answers 400 to two.
 fn framing_problem(headers: &HeaderMap) -> Option<Problem> {
-    use http::header::{HOST, TRANSFER_ENCODING};
+    use http::header::{CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
+    let mut lengths = headers.get_all(CONTENT_LENGTH).iter();
+    if let Some(first) = lengths.next() {
+        if lengths.any(|other| other != first) {
+            return Some(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "Content-Length sent more than once, with different values",
+            ));
+        }
+    }
     let mut te = headers.get_all(TRANSFER_ENCODING).iter();
     match (te.next(), te.next()) {
         (None, _) => {}
