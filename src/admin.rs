@@ -162,8 +162,8 @@ async fn handle(gw: &Gateway, guard: &Guard, peer: SocketAddr, req: &Request<Inc
     let path = req.uri().path();
     let method = req.method();
     if path.starts_with("/admin/") {
-        if let Err(r) = guarded(gw, guard, peer.ip(), req) {
-            return r;
+        if let Some(refusal) = guarded(gw, guard, peer.ip(), req) {
+            return refusal;
         }
         let query = parse_query(req.uri().query().unwrap_or(""));
         return match (method, path) {
@@ -228,26 +228,22 @@ async fn readyz(gw: &Gateway) -> Reply {
     }
 }
 
-/// An admin call through the [`guard`]: a peer whose failures used up its allowance is
-/// answered 429 (its token not checked); else the token is checked, and a failure charged,
-/// counted and (now and then) logged with the peer — never with the token.
-fn guarded(
-    gw: &Gateway,
-    guard: &Guard,
-    peer: IpAddr,
-    req: &Request<Incoming>,
-) -> Result<(), Reply> {
+/// An admin call through the [`guard`]: `None` to serve it, or its refusal. A peer whose
+/// failures used up its allowance is answered 429 (its token not checked); else the token
+/// is checked, and a failure charged, counted and (now and then) logged with the peer —
+/// never with the token.
+fn guarded(gw: &Gateway, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -> Option<Reply> {
     let now = guard.now_ms();
     let failure = match guard.throttled(peer, now) {
         Some(wait_ms) => Err((Some(Failure::Throttled), wait_ms)),
         None => authorized(gw, req).map_err(|f| (f, 0)),
     };
     let (why, wait_ms) = match failure {
-        Ok(()) => return Ok(()),
+        Ok(()) => return None,
         Err((Some(why), wait_ms)) => (why, wait_ms),
         // No token configured: nothing to guess.
         Err((None, _)) => {
-            return Err(refused((
+            return Some(refused((
                 StatusCode::FORBIDDEN,
                 "admin calls are off: set [admin].token or RATEWALL_ADMIN_TOKEN".into(),
             )))
@@ -268,7 +264,7 @@ fn guarded(
             "admin calls refused for their token (missing, wrong, or throttled after repeated failures)"
         );
     }
-    Err(match why {
+    Some(match why {
         Failure::Throttled => {
             let secs = wait_ms.div_ceil(1000).max(1);
             let mut answer = error(

@@ -509,7 +509,6 @@ fn renegotiate(port: u16, request: Option<&str>) -> (bool, String) {
     }
     let _ = client.kill();
     let _ = client.wait();
-    drop(wait_for);
     let text = String::from_utf8_lossy(&seen).into_owned();
     (alerted, text)
 }
