@@ -12,17 +12,21 @@
 //! | `GET /admin/state?rule=R&key=K` (or `ip=`, `header=`, nothing for `global`) | one identity's state |
 //! | `POST /admin/reset?rule=R&key=K` (likewise) | forget one identity's state |
 //!
-//! Every `/admin/*` call needs `Authorization: Bearer <token>`, read-only ones too: a
-//! state answer tells whether a key has a plan and how much of it is left, which is what
-//! someone guessing keys wants to know. Without a configured token they answer 403. The
-//! status page, `/status.json` and `/metrics` stay readable without one, and carry no key
-//! material (identities by hash, keys never by their characters).
+//! Every `/admin/*` call needs `Authorization: Bearer <token>` (the scheme in any case,
+//! RFC 9110 §11.1), read-only ones too: a state answer tells whether a key has a plan and
+//! how much of it is left, which is what someone guessing keys wants to know. Without a
+//! configured token they answer 403. A peer's failed calls are counted, logged now and
+//! then, and slowed ([`guard`]: 429 once a small allowance is used up). The status page,
+//! `/status.json` and `/metrics` stay readable without one, and carry no key material
+//! (identities by hash, keys never by their characters).
 //!
 //! The identity is given raw (the key, the address) and hashed here, as on the request
 //! path; answers name it by its hash only.
 
+mod guard;
+
 use std::convert::Infallible;
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
 
 use bytes::Bytes;
@@ -44,6 +48,7 @@ use crate::limiter::{Check, OnError, Quota};
 use crate::metrics::HISTORY_SECS;
 use crate::rules::Rule;
 use crate::stats::{Window, SAMPLE_SECS};
+use guard::{Failure, Guard};
 
 const STATUS_PAGE: &str = include_str!("status.html");
 
@@ -87,25 +92,27 @@ pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, registry: Arc<R
             }
         }
     }));
+    // The failed calls of each peer, for as long as the listener serves.
+    let guard = Arc::new(Guard::new());
     loop {
-        let stream = match listener.accept().await {
-            Ok((stream, _)) => stream,
+        let (stream, peer) = match listener.accept().await {
+            Ok(accepted) => accepted,
             Err(e) => {
                 registry.accept_failed(&e).await;
                 continue;
             }
         };
         let permit = registry.admit().await;
-        let (gw, registry) = (gateway.clone(), registry.clone());
+        let (gw, registry, guard) = (gateway.clone(), registry.clone(), guard.clone());
         let settings = gw.live().config.server.connections();
         tokio::spawn(async move {
             connection::serve(stream, &registry, permit, settings, |track| {
                 service_fn(move |req: Request<Incoming>| {
                     let request = InFlight::new(&track);
                     let http2 = req.version() == http::Version::HTTP_2;
-                    let gw = gw.clone();
+                    let (gw, guard) = (gw.clone(), guard.clone());
                     async move {
-                        let answer = handle(&gw, &req).await;
+                        let answer = handle(&gw, &guard, peer, &req).await;
                         Ok::<_, Infallible>(answer.map(|body| Tracked::new(body, request, http2)))
                     }
                 })
@@ -151,12 +158,12 @@ fn error(status: StatusCode, message: &str) -> Reply {
     json(status, &serde_json::json!({ "error": message }))
 }
 
-async fn handle(gw: &Gateway, req: &Request<Incoming>) -> Reply {
+async fn handle(gw: &Gateway, guard: &Guard, peer: SocketAddr, req: &Request<Incoming>) -> Reply {
     let path = req.uri().path();
     let method = req.method();
     if path.starts_with("/admin/") {
-        if let Err(r) = authorized(gw, req) {
-            return refused(r);
+        if let Some(refusal) = guarded(gw, guard, peer.ip(), req) {
+            return refusal;
         }
         let query = parse_query(req.uri().query().unwrap_or(""));
         return match (method, path) {
@@ -221,28 +228,87 @@ async fn readyz(gw: &Gateway) -> Reply {
     }
 }
 
-/// Admin calls need `Authorization: Bearer <token>`; with no token configured they are off.
-fn authorized(gw: &Gateway, req: &Request<Incoming>) -> Result<(), BadCall> {
-    let live = gw.live();
-    let Some(token) = live.config.admin.token.as_deref() else {
-        return Err((
-            StatusCode::FORBIDDEN,
-            "admin calls are off: set [admin].token or RATEWALL_ADMIN_TOKEN".into(),
-        ));
+/// An admin call through the [`guard`]: `None` to serve it, or its refusal. A peer whose
+/// failures used up its allowance is answered 429 (its token not checked); else the token
+/// is checked, and a failure charged, counted and (now and then) logged with the peer —
+/// never with the token.
+fn guarded(gw: &Gateway, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -> Option<Reply> {
+    let now = guard.now_ms();
+    let failure = match guard.throttled(peer, now) {
+        Some(wait_ms) => Err((Some(Failure::Throttled), wait_ms)),
+        None => authorized(gw, req).map_err(|f| (f, 0)),
     };
+    let (why, wait_ms) = match failure {
+        Ok(()) => return None,
+        Err((Some(why), wait_ms)) => (why, wait_ms),
+        // No token configured: nothing to guess.
+        Err((None, _)) => {
+            return Some(refused((
+                StatusCode::FORBIDDEN,
+                "admin calls are off: set [admin].token or RATEWALL_ADMIN_TOKEN".into(),
+            )))
+        }
+    };
+    if why != Failure::Throttled {
+        guard.failed(peer, now);
+    }
+    gw.metrics()
+        .admin_auth_failures
+        .get_or_create(&crate::metrics::AdminFailureLabels { reason: why.name() })
+        .inc();
+    if let Some(times) = guard.log_due(now) {
+        tracing::warn!(
+            %peer,
+            reason = why.name(),
+            times,
+            "admin calls refused for their token (missing, wrong, or throttled after repeated failures)"
+        );
+    }
+    Some(match why {
+        Failure::Throttled => {
+            let secs = wait_ms.div_ceil(1000).max(1);
+            let mut answer = error(
+                StatusCode::TOO_MANY_REQUESTS,
+                &format!("too many failed admin calls from this address: retry in {secs} s"),
+            );
+            answer
+                .headers_mut()
+                .insert(header::RETRY_AFTER, HeaderValue::from(secs));
+            answer
+        }
+        _ => refused((
+            StatusCode::UNAUTHORIZED,
+            "a valid admin token is required".into(),
+        )),
+    })
+}
+
+/// Whether the call carries the admin token: `Ok`, or why not (`None`: no token is
+/// configured, the admin API is off).
+fn authorized(gw: &Gateway, req: &Request<Incoming>) -> Result<(), Option<Failure>> {
+    let live = gw.live();
+    let token = live.config.admin.token.as_deref().ok_or(None)?;
     let given = req
         .headers()
         .get(header::AUTHORIZATION)
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "))
-        .unwrap_or_default();
-    if constant_time_eq(given, token.as_bytes()) {
-        Ok(())
-    } else {
-        Err((
-            StatusCode::UNAUTHORIZED,
-            "a valid admin token is required".into(),
-        ))
+        .and_then(|v| bearer(v.as_bytes()))
+        .ok_or(Some(Failure::Missing))?;
+    match constant_time_eq(given, token.as_bytes()) {
+        true => Ok(()),
+        false => Err(Some(Failure::Wrong)),
     }
+}
+
+/// The token of an `Authorization: Bearer <token>` value: the scheme matched in any case
+/// (RFC 9110 §11.1: `bearer`, `BEARER`), one or more spaces after it.
+fn bearer(value: &[u8]) -> Option<&[u8]> {
+    let at = value.iter().position(|&b| b == b' ')?;
+    let (scheme, rest) = value.split_at(at);
+    if !scheme.eq_ignore_ascii_case(b"bearer") {
+        return None;
+    }
+    let token = rest.trim_ascii_start();
+    (!token.is_empty()).then_some(token)
 }
 
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
@@ -605,6 +671,17 @@ mod tests {
         assert_eq!(percent_decode("%"), b"%");
         assert_eq!(percent_decode("%4"), b"%4");
         assert_eq!(percent_decode("%zz"), b"%zz");
+    }
+
+    #[test]
+    fn the_bearer_scheme_is_matched_in_any_case() {
+        assert_eq!(bearer(b"Bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer(b"bearer abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer(b"BEARER   abc"), Some(&b"abc"[..]));
+        assert_eq!(bearer(b"Basic abc"), None);
+        assert_eq!(bearer(b"Bearerabc"), None);
+        assert_eq!(bearer(b"Bearer "), None);
+        assert_eq!(bearer(b"abc"), None);
     }
 
     #[test]

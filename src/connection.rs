@@ -24,7 +24,8 @@
 //! makes room the same way and backs off; it is logged once a few seconds, with a count.
 //!
 //! A request head is bounded too (`max_header_bytes`, 431 beyond it: hyper for HTTP/1,
-//! SETTINGS_MAX_HEADER_LIST_SIZE for HTTP/2), and an HTTP/1 head with a bare CR is
+//! SETTINGS_MAX_HEADER_LIST_SIZE for HTTP/2; and an HTTP/1 head's fields, one per 32
+//! bytes of that bound, [`max_fields`]), and an HTTP/1 head with a bare CR is
 //! answered 400 at once: a CR not followed by LF is no line ending (RFC 9112 §2.2), and
 //! the parser would otherwise wait for the LF that never comes.
 
@@ -43,7 +44,7 @@ use hyper::body::{Body, Frame, SizeHint};
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::gauge::Gauge;
-use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::TcpStream;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::time::{Instant, Sleep};
@@ -896,6 +897,7 @@ async fn serve_io<IO, S, B>(
             // answer and sends no 408.
             let conn = hyper::server::conn::http1::Builder::new()
                 .max_header_size(settings.max_header_bytes)
+                .max_headers(max_fields(settings.max_header_bytes))
                 .timer(TokioTimer::new())
                 .header_read_timeout(None)
                 .serve_connection(io, service);
@@ -912,6 +914,19 @@ async fn serve_io<IO, S, B>(
     }
     drop(registered);
 }
+
+/// How many fields an HTTP/1 request head may have: one per [`BYTES_PER_FIELD`] of
+/// `max_header_bytes` (1,024 at the default 32 KiB), and never fewer than hyper's own 100.
+/// Past it, 431, as past `max_header_bytes`. Not one per byte the bound allows: hyper
+/// parses into an array of this many entries (64 bytes each), allocated for every parse of
+/// a head, so the count is bounded by the size it is taken from, not by the few bytes the
+/// smallest field needs.
+fn max_fields(max_header_bytes: usize) -> usize {
+    (max_header_bytes / BYTES_PER_FIELD).max(100)
+}
+
+/// The request head bytes that allow one more field ([`max_fields`]).
+const BYTES_PER_FIELD: usize = 32;
 
 /// Which protocol the client speaks, and the bytes read to tell: the HTTP/2 preface, or
 /// the start of an HTTP/1 head, by `header_deadline`. `None`: the connection is over (the
@@ -992,8 +1007,9 @@ enum Proto {
 
 /// Read until the protocol is known: HTTP/2 once the preface and the client's first
 /// SETTINGS frame are in, HTTP/1 at the first byte that is not the preface's. `None`: the
-/// client closed first.
-async fn preface<IO: AsyncRead + Unpin>(
+/// client closed first. Read through [`read_flushing`]: a TLS client may ask to
+/// renegotiate before it says anything.
+async fn preface<IO: AsyncRead + AsyncWrite + Unpin>(
     stream: &mut IO,
     buf: &mut BytesMut,
 ) -> io::Result<Option<Proto>> {
@@ -1010,10 +1026,38 @@ async fn preface<IO: AsyncRead + Unpin>(
                 return Ok(Some(Proto::H2));
             }
         }
-        if stream.read_buf(buf).await? == 0 {
+        let mut chunk = [0u8; 2048];
+        let n = std::future::poll_fn(|cx| {
+            let mut read = ReadBuf::new(&mut chunk);
+            match read_flushing(&mut *stream, cx, &mut read) {
+                Poll::Ready(Ok(())) => Poll::Ready(Ok(read.filled().len())),
+                Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
+                Poll::Pending => Poll::Pending,
+            }
+        })
+        .await?;
+        if n == 0 {
             return Ok(None);
         }
+        buf.extend_from_slice(&chunk[..n]);
     }
+}
+
+/// A read of `io` that, when nothing has come, sends what the protocol below queued to
+/// send while reading: over TLS 1.2, the `no_renegotiation` alert rustls answers a
+/// renegotiation ClientHello with. tokio-rustls writes it only with the next write, and
+/// nothing else is written while the client waits for its new handshake: without this it
+/// would hang until a clock ran out. (A no-op on TCP.)
+fn read_flushing<IO: AsyncRead + AsyncWrite + Unpin>(
+    io: &mut IO,
+    cx: &mut Context<'_>,
+    buf: &mut ReadBuf<'_>,
+) -> Poll<io::Result<()>> {
+    let polled = Pin::new(&mut *io).poll_read(cx, buf);
+    if polled.is_pending() {
+        let _ = Pin::new(io).poll_flush(cx);
+    }
+    polled
 }
 
 /// Write `bytes` if the stream takes them now, without waiting: a best effort, for the
@@ -1318,7 +1362,7 @@ impl<IO: AsyncRead + AsyncWrite + Unpin> AsyncRead for Guarded<IO> {
         }
         let before = buf.filled().len();
         let polled = if this.prefix.is_empty() {
-            Pin::new(&mut this.io).poll_read(cx, buf)
+            read_flushing(&mut this.io, cx, buf)
         } else {
             let n = this.prefix.len().min(buf.remaining());
             buf.put_slice(&this.prefix[..n]);

@@ -21,7 +21,8 @@
 //! - [`gateway`]: one request, top to bottom: screen its head, find its rules, identify
 //!   it, ask the store, one pure verdict, then answer or forward. Also what it runs on
 //!   ([`gateway::Live`], swapped whole on reload) and `ratewall check`'s explanation.
-//! - [`admin`]: the admin listener: metrics, health, the admin API, the status page.
+//! - [`admin`]: the admin listener: metrics, health, the admin API, the status page, and
+//!   the guard that slows a peer guessing the admin token (`admin/guard.rs`).
 //! - [`config`]: the TOML file -> validated, immutable [`config::Config`], one file per
 //!   table; the types it fills live with their meaning, below.
 //! - [`rules`]: request parts -> the rules that apply (pure, through an index compiled at

@@ -206,6 +206,16 @@ impl From<crate::identity::Refusal> for RefusalReason {
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct AdminFailureLabels {
+    /// `missing`, `wrong` or `throttled`.
+    pub reason: &'static str,
+}
+
+impl AdminFailureLabels {
+    pub const REASONS: [&'static str; 3] = ["missing", "wrong", "throttled"];
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RefusalLabels {
     pub reason: RefusalReason,
 }
@@ -353,6 +363,12 @@ pub struct Metrics {
     /// Requests the cleartext listener answered with a 308 to the TLS listener
     /// (`redirect_https`), never admitted.
     pub https_redirects: Counter,
+    /// Request header fields whose name has an underscore, dropped before anything read
+    /// them (`[server] underscores_in_headers = false`).
+    pub underscore_fields_dropped: Counter,
+    /// `/admin/*` calls refused for their token, by reason (`missing`, `wrong`,
+    /// `throttled`: the peer's failures used up its allowance, the token not checked).
+    pub admin_auth_failures: Family<AdminFailureLabels, Counter>,
     /// TLS handshakes with an `https://` upstream, by result and reason.
     pub upstream_tls_handshakes: Family<UpstreamHandshakeLabels, Counter>,
     /// Requests by HTTP version and TLS version, and their handles (see `PROTOCOLS`).
@@ -523,6 +539,21 @@ impl Metrics {
             "Requests the cleartext listener answered with a 308 to the TLS listener (redirect_https): never admitted, so in no other request count",
             https_redirects.clone(),
         );
+        let underscore_fields_dropped = Counter::default();
+        registry.register(
+            "underscore_fields_dropped",
+            "Request header fields whose name has an underscore (X_Api_Key), dropped before the rules or the upstream saw them: CGI, WSGI and Rack read them as the dashed name ([server] underscores_in_headers = false)",
+            underscore_fields_dropped.clone(),
+        );
+        let admin_auth_failures = Family::<AdminFailureLabels, Counter>::default();
+        registry.register(
+            "admin_auth_failures",
+            "Admin API calls refused for their token, by reason: missing (no Bearer token), wrong, throttled (the peer's failed calls used up its allowance: 429, the token not checked)",
+            admin_auth_failures.clone(),
+        );
+        for reason in AdminFailureLabels::REASONS {
+            let _ = admin_auth_failures.get_or_create(&AdminFailureLabels { reason });
+        }
         let upstream_tls_handshakes = Family::<UpstreamHandshakeLabels, Counter>::default();
         registry.register(
             "upstream_tls_handshakes",
@@ -612,6 +643,8 @@ impl Metrics {
             tls_certificates_shown: std::sync::Mutex::default(),
             upstream_tls_handshakes,
             https_redirects,
+            underscore_fields_dropped,
+            admin_auth_failures,
             client_requests,
             protocol_handles,
             stats: Stats::new(),

@@ -49,13 +49,14 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     let live = Live::build(config, None, &metrics)?;
     live.limiter.warm().await;
     let config = live.config.clone();
-    let listener = bind_std(config.server.listen)?;
+    let backlog = backlog(config.server.backlog);
+    let listener = bind_std(config.server.listen, backlog)?;
     let tls_listener = match &config.server.tls {
-        Some(tls) => Some(bind_std(tls.listen)?),
+        Some(tls) => Some(bind_std(tls.listen, backlog)?),
         None => None,
     };
     let admin = match config.server.admin_listen {
-        Some(addr) => Some(bind(addr).await?),
+        Some(addr) => Some(bind(addr, backlog)?),
         None => None,
     };
     let gateway = Arc::new(Gateway::new(live, source, metrics.clone()));
@@ -327,19 +328,51 @@ async fn reload_on_sighup(gateway: Arc<Gateway>, hangups: Option<Hangups>) {
     let _ = (gateway, &mut hangups);
 }
 
-/// The gateway's listening socket, shared by the workers (each registers a handle of it
-/// in its own event loop).
-fn bind_std(addr: SocketAddr) -> Result<std::net::TcpListener, StartError> {
-    let bound = std::net::TcpListener::bind(addr).and_then(|l| {
-        l.set_nonblocking(true)?;
-        Ok(l)
-    });
+/// Where the kernel's bound on listen backlogs is read (Linux).
+const SOMAXCONN: &str = "/proc/sys/net/core/somaxconn";
+
+/// The backlog the listeners get: `[server] backlog`, cut to `net.core.somaxconn` where
+/// the kernel would cut it anyway — said once at start, so that an operator who asked for
+/// more knows where the rest went.
+fn backlog(asked: u32) -> u32 {
+    let cap = std::fs::read_to_string(SOMAXCONN)
+        .ok()
+        .and_then(|s| s.trim().parse::<u32>().ok());
+    match cap {
+        Some(cap) if cap < asked => {
+            tracing::warn!(
+                backlog = asked,
+                somaxconn = cap,
+                "[server] backlog {asked} is cut to net.core.somaxconn = {cap}: the listen queue holds {cap}; raise it with sysctl -w net.core.somaxconn={asked}"
+            );
+            cap
+        }
+        _ => asked,
+    }
+}
+
+/// A listening socket with `backlog` (std's `TcpListener::bind` takes 128: a burst of new
+/// connections beyond it waits for SYN retransmits, a second or more), non-blocking; as
+/// std's, with `SO_REUSEADDR` (a restart binds while old connections are in TIME_WAIT).
+/// The gateway's is shared by the workers (each registers a handle of it in its own event
+/// loop).
+fn bind_std(addr: SocketAddr, backlog: u32) -> Result<std::net::TcpListener, StartError> {
+    use socket2::{Domain, Protocol, Socket, Type};
+    let bound = (|| {
+        let socket = Socket::new(Domain::for_address(addr), Type::STREAM, Some(Protocol::TCP))?;
+        #[cfg(unix)]
+        socket.set_reuse_address(true)?;
+        socket.bind(&addr.into())?;
+        socket.listen(i32::try_from(backlog).unwrap_or(i32::MAX))?;
+        socket.set_nonblocking(true)?;
+        Ok(std::net::TcpListener::from(socket))
+    })();
     bound.map_err(|source| StartError::Bind { addr, source })
 }
 
-async fn bind(addr: SocketAddr) -> Result<TcpListener, StartError> {
-    TcpListener::bind(addr)
-        .await
+/// The admin listener's socket, registered with this runtime.
+fn bind(addr: SocketAddr, backlog: u32) -> Result<TcpListener, StartError> {
+    TcpListener::from_std(bind_std(addr, backlog)?)
         .map_err(|source| StartError::Bind { addr, source })
 }
 

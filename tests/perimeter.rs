@@ -13,8 +13,8 @@ use std::net::IpAddr;
 use std::time::{Duration, Instant};
 
 use common::{
-    connect, exchange, global_hash, raw_until_closed, series, status_of, until_closed,
-    upstream_and_store, Gateway, HttpClient, RedisServer, Store, Upstream, WAIT,
+    connect, exchange, global_hash, h2_frame, raw_until_closed, series, status_of, until_closed,
+    upstream_and_store, Gateway, HttpClient, RedisServer, Store, Upstream, H2_START, WAIT,
 };
 use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -32,9 +32,6 @@ async fn closed_by(gw: &Gateway, reason: &str) -> Option<f64> {
 fn get(path: &str) -> Vec<u8> {
     format!("GET {path} HTTP/1.1\r\nHost: app.test\r\n\r\n").into_bytes()
 }
-
-/// HTTP/2's connection preface and an empty SETTINGS frame.
-const H2_START: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
 
 // ---------------------------------------------------------------------------------------
 // 1. Silent and slow connections
@@ -154,15 +151,6 @@ async fn silent_and_slow_connections_are_closed_by_their_clocks() {
         assert!(Instant::now() < end, "connections left open");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-}
-
-/// An HTTP/2 frame: length, type, flags, stream, payload.
-fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
-    let len = payload.len() as u32;
-    let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
-    f.extend_from_slice(&stream.to_be_bytes());
-    f.extend_from_slice(payload);
-    f
 }
 
 /// A GET of `path` as an HPACK header block: static-table `:method GET`, `:scheme http`,

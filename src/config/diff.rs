@@ -87,6 +87,12 @@ fn settings(o: &Config, n: &Config) -> Vec<&'static str> {
             "server.max_header_bytes",
             os.max_header_bytes == ns.max_header_bytes,
         ),
+        ("server.backlog", os.backlog == ns.backlog),
+        ("server.path_case", os.path_case == ns.path_case),
+        (
+            "server.underscores_in_headers",
+            os.underscores_in_headers == ns.underscores_in_headers,
+        ),
         (
             "server.tls.listen",
             os.tls.as_ref().map(|t| t.listen) == ns.tls.as_ref().map(|t| t.listen),

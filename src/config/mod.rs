@@ -38,7 +38,7 @@ pub use diff::{Changes, Listed};
 pub use overrides::{Given, OverrideError, Overrides, Source};
 pub use rules::{DEFAULT_LEASE_TTL, DEFAULT_MAX_WAITING, MAX_DELAY};
 pub use server::{
-    derive_max_connections, open_files_limit, Admin, Log, Server, MAX_CONNECTIONS,
+    derive_max_connections, open_files_limit, Admin, Log, Server, BACKLOG, MAX_CONNECTIONS,
     MAX_HEADER_BYTES, RESERVED_DESCRIPTORS, SHUTDOWN_GRACE,
 };
 
@@ -57,6 +57,13 @@ pub enum ConfigError {
         column: usize,
         /// The dotted key path, e.g. `rules[0].rate`.
         key: String,
+        message: String,
+    },
+    /// A setting the environment gives that is not valid (its value is not repeated: it
+    /// may be a secret).
+    #[error("{variable}: {message}")]
+    Environment {
+        variable: &'static str,
         message: String,
     },
 }
@@ -187,6 +194,7 @@ impl Config {
     /// relative to its folder.
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
         let raw: RawConfig = from_toml(text, path, "keys.plans.")?;
+        let env_token = server::env_admin_token(std::env::var("RATEWALL_ADMIN_TOKEN").ok())?;
         let defined = defined_plans(&raw.rules);
         let keys_file = match &raw.keys.file {
             Some(f) => {
@@ -216,8 +224,8 @@ impl Config {
             Some(t) => Some(t.load(dir).map_err(|e| e.locate(text, path))?),
             None => None,
         };
-        let mut config =
-            Config::validate(raw, keys_file, tls, dir).map_err(|e| e.locate(text, path))?;
+        let mut config = Config::validate(raw, keys_file, tls, env_token, dir)
+            .map_err(|e| e.locate(text, path))?;
         config.sha256 = Some(sha256_hex(text.as_bytes()));
         Ok(config)
     }
@@ -226,6 +234,7 @@ impl Config {
         raw: RawConfig,
         keys_file: Option<(PathBuf, std::collections::HashMap<[u8; 32], String>)>,
         tls: Option<crate::tls::Settings>,
+        env_token: Option<values::AdminToken>,
         dir: &Path,
     ) -> Result<Config, Invalid> {
         let store = match raw.store {
@@ -263,12 +272,11 @@ impl Config {
             }
         }
         drop(plan_names);
-        let index = RuleIndex::new(&rules);
+        let server = raw.server.validate(tls);
+        let index = RuleIndex::new(&rules, server.path_case);
         Ok(Config {
-            admin: raw
-                .admin
-                .validate(std::env::var("RATEWALL_ADMIN_TOKEN").ok()),
-            server: raw.server.validate(tls),
+            admin: raw.admin.validate(env_token),
+            server,
             upstream: raw.upstream.validate(dir)?,
             store,
             client_ip: raw.client_ip.validate(),

@@ -8,9 +8,10 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::values::{AdminToken, HeaderBytes, HumanDuration, MaxConnections, Workers};
+use super::values::{AdminToken, Backlog, HeaderBytes, HumanDuration, MaxConnections, Workers};
 use crate::connection::{self, Timeouts};
 use crate::headers::ResponseStyle;
+use crate::rules::PathCase;
 
 /// `[server]`, validated.
 #[derive(Debug)]
@@ -28,9 +29,18 @@ pub struct Server {
     /// Whether the file set `max_connections`; if not, it was derived from the open-file
     /// limit ([`derive_max_connections`]), and fits it by construction.
     pub max_connections_set: bool,
+    /// The listen backlog of the gateway's listeners (cleartext, TLS) and the admin one:
+    /// connections the kernel completes and queues before they are accepted, as asked
+    /// (the kernel cuts it to `net.core.somaxconn`; the start-up log says so).
+    pub backlog: u32,
     /// The largest request head (request line and fields; HTTP/2: the header list size)
     /// a client may send; past it, 431.
     pub max_header_bytes: usize,
+    /// How the backend compares paths, and so the rules (`path_case`).
+    pub path_case: PathCase,
+    /// Whether header fields with `_` in their name are forwarded (`true`) or dropped
+    /// before anything reads them (`false`, the default, as nginx).
+    pub underscores_in_headers: bool,
     /// `[server.tls]`: the TLS listener beside the cleartext one, its certificates loaded.
     pub tls: Option<crate::tls::Settings>,
 }
@@ -58,6 +68,9 @@ pub fn open_files_limit() -> Option<u64> {
     rlimit::Resource::NOFILE.get().ok().map(|(_, hard)| hard)
 }
 pub const MAX_HEADER_BYTES: usize = 32 * 1024;
+/// nginx's `listen ... backlog` on Linux is 511; HAProxy's is `maxconn`. 1024 holds a burst
+/// of new connections (a thousand TLS clients at once) without SYN retransmits.
+pub const BACKLOG: u32 = 1024;
 
 impl Server {
     /// How client connections are served under this config.
@@ -101,7 +114,10 @@ pub(super) struct RawServer {
     idle_timeout: Option<HumanDuration>,
     body_timeout: Option<HumanDuration>,
     max_connections: Option<MaxConnections>,
+    backlog: Option<Backlog>,
     max_header_bytes: Option<HeaderBytes>,
+    path_case: Option<PathCase>,
+    underscores_in_headers: Option<bool>,
     pub(super) tls: Option<super::tls::RawTls>,
 }
 
@@ -125,7 +141,10 @@ impl RawServer {
                 .as_ref()
                 .map_or_else(|| derive_max_connections(open_files_limit()), |m| m.0),
             max_connections_set: self.max_connections.is_some(),
+            backlog: self.backlog.map_or(BACKLOG, |b| b.0),
             max_header_bytes: self.max_header_bytes.map_or(MAX_HEADER_BYTES, |m| m.0),
+            path_case: self.path_case.unwrap_or_default(),
+            underscores_in_headers: self.underscores_in_headers.unwrap_or(false),
             tls,
         }
     }
@@ -138,14 +157,30 @@ pub(super) struct RawAdmin {
 }
 
 impl RawAdmin {
-    /// `env_token`: `RATEWALL_ADMIN_TOKEN`, which wins over the file's.
-    pub(super) fn validate(self, env_token: Option<String>) -> Admin {
+    /// `env_token`: `RATEWALL_ADMIN_TOKEN`, validated ([`env_admin_token`]), which wins over
+    /// the file's.
+    pub(super) fn validate(self, env_token: Option<AdminToken>) -> Admin {
         Admin {
-            token: env_token
-                .filter(|t| !t.is_empty())
-                .or(self.token.map(|t| t.0)),
+            token: env_token.or(self.token).map(|t| t.0),
         }
     }
+}
+
+/// `RATEWALL_ADMIN_TOKEN`'s value held to the file's rule (at least 16 printable
+/// characters, no spaces): a short one is guessed in a few tries. Set but empty: unset, as
+/// before. The error never repeats the value.
+pub(super) fn env_admin_token(
+    value: Option<String>,
+) -> Result<Option<AdminToken>, super::ConfigError> {
+    let Some(value) = value.filter(|v| !v.is_empty()) else {
+        return Ok(None);
+    };
+    AdminToken::new(value)
+        .map(Some)
+        .map_err(|message| super::ConfigError::Environment {
+            variable: "RATEWALL_ADMIN_TOKEN",
+            message: message.to_string(),
+        })
 }
 
 #[derive(Deserialize, Default)]

@@ -285,6 +285,22 @@ impl<'de> Deserialize<'de> for MaxConnections {
     }
 }
 
+/// A listen backlog: 1 to 65,535 connections (the kernel may cut it: `net.core.somaxconn`).
+pub(super) struct Backlog(pub(super) u32);
+
+impl<'de> Deserialize<'de> for Backlog {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = u64::deserialize(d)?;
+        match u32::try_from(n) {
+            Ok(n @ 1..=65_535) => Ok(Backlog(n)),
+            _ => Err(de::Error::custom(format!(
+                "backlog = {n}: 1 to 65535 (default {})",
+                super::BACKLOG
+            ))),
+        }
+    }
+}
+
 /// A request head's size bound: 1 KiB to 1 MiB, as bytes or `"32KiB"`.
 pub(super) struct HeaderBytes(pub(super) usize);
 
@@ -371,15 +387,20 @@ impl<'de> Deserialize<'de> for Workers {
 /// An admin token: long enough not to be guessed.
 pub(super) struct AdminToken(pub(super) String);
 
-impl<'de> Deserialize<'de> for AdminToken {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
+impl AdminToken {
+    /// At least 16 printable ASCII characters, no spaces: the file's rule and the
+    /// environment's.
+    pub(super) fn new(s: String) -> Result<AdminToken, &'static str> {
         if s.len() < 16 || s.bytes().any(|b| !b.is_ascii_graphic()) {
-            return Err(de::Error::custom(
-                "an admin token is at least 16 printable characters without spaces",
-            ));
+            return Err("an admin token is at least 16 printable characters without spaces");
         }
         Ok(AdminToken(s))
+    }
+}
+
+impl<'de> Deserialize<'de> for AdminToken {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        AdminToken::new(String::deserialize(d)?).map_err(de::Error::custom)
     }
 }
 

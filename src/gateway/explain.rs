@@ -11,7 +11,7 @@ use http::{HeaderMap, Method};
 use super::limits::matching;
 use crate::config::Config;
 use crate::identity::{Carried, KeyKind, Refusal, Requester, Source};
-use crate::rules::{self, normalize_path, Applies, Condition, Match, Mode, PathMatch, Rule};
+use crate::rules::{self, Applies, Condition, Match, Mode, PathMatch, Rule};
 
 /// What `ratewall check` prints for a request of `method` to `raw_path` with `headers`
 /// from `peer`.
@@ -24,8 +24,10 @@ pub fn explain(
 ) -> String {
     let mut out = String::new();
     let _ = writeln!(out, "sample request: {method} {raw_path}");
-    let path = normalize_path(raw_path);
-    if path != raw_path {
+    // The path part only: `--path` may carry a query.
+    let raw = raw_path.split_once('?').map_or(raw_path, |(p, _)| p);
+    let path = cfg.index.path_of(raw);
+    if path != raw {
         let _ = writeln!(out, "  (rules see the path as {path})");
     }
     let request = http::Request::builder()

@@ -108,7 +108,7 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
 /// The positions of the rules that apply to a request, in config order: by its method,
 /// its path as a backend will route it, and its host (parsed only when a rule looks).
 pub fn matching(cfg: &crate::config::Config, parts: &Parts) -> Vec<usize> {
-    let path = rules::normalize_path(parts.uri.path());
+    let path = cfg.index.path_of(parts.uri.path());
     let host = if cfg.index.uses_host {
         rules::request_host(&parts.uri, &parts.headers)
     } else {

@@ -197,11 +197,12 @@ impl Gateway {
             || s.admin_listen != o.admin_listen
             || s.workers != o.workers
             || s.max_connections != o.max_connections
+            || s.backlog != o.backlog
             || s.shutdown_grace != o.shutdown_grace
             || s.tls.as_ref().map(|t| t.listen) != o.tls.as_ref().map(|t| t.listen)
         {
             tracing::warn!(
-                "listen addresses ([server.tls] listen included: a TLS listener is added or removed only by a restart), workers, max_connections or shutdown_grace changed in the file; they take effect on restart only"
+                "listen addresses ([server.tls] listen included: a TLS listener is added or removed only by a restart), workers, max_connections, backlog or shutdown_grace changed in the file; they take effect on restart only"
             );
         }
         if config.store != old.config.store {
@@ -226,7 +227,13 @@ impl Gateway {
         let log = AccessLine::start(&req, peer, &live.config);
         self.metrics
             .count_protocol(req.version(), peer.tls.as_ref().map(|t| t.version));
-        let (parts, body) = req.into_parts();
+        let (mut parts, body) = req.into_parts();
+        if !live.config.server.underscores_in_headers {
+            let dropped = screen::drop_underscored(&mut parts.headers);
+            if dropped > 0 {
+                self.metrics.underscore_fields_dropped.inc_by(dropped);
+            }
+        }
         let (resp, note, forwarded) = match self.admit(&live, &parts, peer.ip()).await {
             Admission::Answer(resp, note) => (resp, note, false),
             Admission::Forward(pass) => {

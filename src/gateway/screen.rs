@@ -1,6 +1,6 @@
 //! Requests a front proxy and its upstream could read differently, refused before
 //! anything else: smuggling-prone framing, mis-cased or tunnelling methods, hosts that
-//! do not add up.
+//! do not add up, paths with encoded control bytes.
 
 use http::request::Parts;
 use http::{HeaderMap, StatusCode};
@@ -13,6 +13,58 @@ pub(super) fn problem(parts: &Parts) -> Option<Problem> {
     method_problem(&parts.method)
         .or_else(|| framing_problem(&parts.headers))
         .or_else(|| host_problem(parts.version, &parts.uri, &parts.headers))
+        .or_else(|| path_problem(parts.uri.path()))
+}
+
+/// A path with an encoded control byte (`%00` to `%1F`, `%7F`): no route has one, and
+/// backends disagree on what it means — nginx answers 400 to `%00`, a C backend's string
+/// ends at it (`/api/x%00.png` is `/api/x` to one, a `.png` to another), and a log line
+/// may be broken by `%0A`. Raw control bytes never get this far: the request line's parser
+/// refuses them. The query is not looked at: its bytes are the application's.
+fn path_problem(path: &str) -> Option<Problem> {
+    let b = path.as_bytes();
+    let hex = |c: u8| (c as char).to_digit(16);
+    let control = memchr::memchr_iter(b'%', b).any(|at| {
+        match (
+            b.get(at + 1).copied().and_then(hex),
+            b.get(at + 2).copied().and_then(hex),
+        ) {
+            (Some(h), Some(l)) => {
+                let byte = h * 16 + l;
+                byte < 0x20 || byte == 0x7f
+            }
+            _ => false,
+        }
+    });
+    control.then(|| {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "an encoded control byte (%00-%1F, %7F) in the path",
+        )
+    })
+}
+
+/// Drop every header field whose name has an underscore (`X_Api_Key`,
+/// `X_Forwarded_For`), before anything reads the request: CGI, WSGI and Rack map `_` and
+/// `-` to the same variable (`HTTP_X_API_KEY`), so a backend behind them would read a key
+/// the limiter never counted, or a forwarding chain the gateway never rewrote. nginx drops
+/// them too (`underscores_in_headers off`). Returns how many fields went.
+pub(super) fn drop_underscored(headers: &mut HeaderMap) -> u64 {
+    // Most requests have none: one pass over the names, nothing allocated.
+    if !headers.keys().any(|n| n.as_str().contains('_')) {
+        return 0;
+    }
+    let names: Vec<http::HeaderName> = headers
+        .keys()
+        .filter(|n| n.as_str().contains('_'))
+        .cloned()
+        .collect();
+    let mut dropped = 0;
+    for name in names {
+        dropped += headers.get_all(&name).iter().count() as u64;
+        headers.remove(&name);
+    }
+    dropped
 }
 
 /// Requests a front proxy and its upstream could read differently (request smuggling),
@@ -24,9 +76,22 @@ pub(super) fn problem(parts: &Parts) -> Option<Problem> {
 /// behind the request is ever read. This refuses what it lets through:
 /// - a `Transfer-Encoding` other than one plain `chunked` (`gzip, chunked`, repeated
 ///   lines): the only coding a proxy may pass on without knowing it (RFC 9112 §6.1);
-/// - more than one `Host`: RFC 9112 §3.2 requires a 400.
+/// - more than one `Host`: RFC 9112 §3.2 requires a 400;
+/// - `Content-Length`s that differ: HTTP/2's layer checks the body against the first one
+///   only, so a second could tell the backend another length (RFC 9110 §8.6: a recipient
+///   of differing values must treat the message as invalid). Equal ones are sent up as
+///   one line (`upstream::forward`): an nginx backend answers 400 to two.
 fn framing_problem(headers: &HeaderMap) -> Option<Problem> {
-    use http::header::{HOST, TRANSFER_ENCODING};
+    use http::header::{CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
+    let mut lengths = headers.get_all(CONTENT_LENGTH).iter();
+    if let Some(first) = lengths.next() {
+        if lengths.any(|other| other != first) {
+            return Some(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "Content-Length sent more than once, with different values",
+            ));
+        }
+    }
     let mut te = headers.get_all(TRANSFER_ENCODING).iter();
     match (te.next(), te.next()) {
         (None, _) => {}
@@ -81,23 +146,53 @@ fn method_problem(method: &http::Method) -> Option<Problem> {
     })
 }
 
-/// Hosts that do not add up: an HTTP/1.1 request without `Host` (RFC 9112 §3.2: 400,
-/// whatever its target), and a request target with an authority (absolute form, or
-/// HTTP/2's `:authority`) with a `Host` that names another host. HTTP/2 asks for that
-/// one to be treated as malformed (RFC 9113 §8.3.1); for HTTP/1's absolute form, RFC 9112
-/// §3.2.2 has a proxy replace `Host` with the target's authority, which the rules match
-/// too — but a client naming two hosts is asking whoever reads the other one (a backend
-/// that trusts a copied `Host`, a cache) to see another request than the rules saw, so
-/// the gateway refuses to choose for them, over either protocol.
+/// Hosts that do not add up:
+/// - an HTTP/1.1 request without `Host` (RFC 9112 §3.2: 400, whatever its target), and an
+///   HTTP/2 request with neither `:authority` nor `host` (RFC 9113 §8.3.1): forwarded, it
+///   would get the upstream's own host, which no `host` rule is written for;
+/// - a `Host` or an authority (absolute form, HTTP/2's `:authority`) that is not
+///   `uri-host [ ":" port ]` ([`is_host_and_port`]): RFC 9110 §7.2's `Host` has no
+///   userinfo, and RFC 9113 §8.3.1 forbids it in `:authority`. Forwarded, such a host is
+///   read one way by the rules and another by the backend: `api.example.com:80@x.invalid`
+///   is `x.invalid` to a URI parser and `api.example.com` to nginx's vhost lookup;
+/// - a request target with an authority and a `Host` that names another host. HTTP/2
+///   asks for that one to be treated as malformed (RFC 9113 §8.3.1); for HTTP/1's absolute
+///   form, RFC 9112 §3.2.2 has a proxy replace `Host` with the target's authority, which
+///   the rules match too — but a client naming two hosts is asking whoever reads the other
+///   one (a backend that trusts a copied `Host`, a cache) to see another request than the
+///   rules saw, so the gateway refuses to choose for them, over either protocol.
 fn host_problem(version: http::Version, uri: &http::Uri, headers: &HeaderMap) -> Option<Problem> {
-    if version == http::Version::HTTP_11 && !headers.contains_key(http::header::HOST) {
+    let host = headers.get(http::header::HOST);
+    let authority = uri.authority();
+    match (host, authority) {
+        (None, _) if version == http::Version::HTTP_11 => {
+            return Some(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "an HTTP/1.1 request must carry a Host header",
+            ));
+        }
+        (None, None) if version == http::Version::HTTP_2 => {
+            return Some(Problem::new(
+                StatusCode::BAD_REQUEST,
+                "an HTTP/2 request must carry :authority or host",
+            ));
+        }
+        _ => {}
+    }
+    if host.is_some_and(|h| !is_host_and_port(h.as_bytes())) {
         return Some(Problem::new(
             StatusCode::BAD_REQUEST,
-            "an HTTP/1.1 request must carry a Host header",
+            "the Host header is not a host and optional port (RFC 9110 §7.2): no userinfo, path or other characters",
         ));
     }
-    let authority = uri.authority()?;
-    let host = headers.get(http::header::HOST)?;
+    let authority = authority?;
+    if !is_host_and_port(authority.as_str().as_bytes()) {
+        return Some(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "the request target's authority is not a host and optional port (RFC 9113 §8.3.1): no userinfo",
+        ));
+    }
+    let host = host?;
     if host
         .as_bytes()
         .eq_ignore_ascii_case(authority.as_str().as_bytes())
@@ -108,4 +203,115 @@ fn host_problem(version: http::Version, uri: &http::Uri, headers: &HeaderMap) ->
         StatusCode::BAD_REQUEST,
         "the Host header does not match the request target's authority",
     ))
+}
+
+/// Whether `b` is `uri-host [ ":" port ]` (RFC 9110 §7.2 and §4.2, RFC 3986 §3.2.2): a
+/// bracketed IPv6 literal, or a name of letters, digits and `-._~`; then optionally `:`
+/// and up to 5 digits. Stricter than RFC 3986's `reg-name` in one way, on purpose: its
+/// sub-delimiters (`,;=!$&'()*+`) and percent-escapes are refused too. No DNS name has
+/// them, and backends disagree on them (`a.test,b.test` is one host to some, a list to
+/// others; `%2E` is decoded by some): a host is matched only where every reader sees the
+/// same one. An empty host is refused, as nginx refuses it.
+pub(crate) fn is_host_and_port(b: &[u8]) -> bool {
+    let (host, port) = if b.first() == Some(&b'[') {
+        let Some(end) = b.iter().position(|&c| c == b']') else {
+            return false;
+        };
+        let v6 = std::str::from_utf8(&b[1..end])
+            .ok()
+            .and_then(|s| s.parse::<std::net::Ipv6Addr>().ok());
+        if v6.is_none() {
+            return false;
+        }
+        (None, &b[end + 1..])
+    } else {
+        let at = b.iter().position(|&c| c == b':').unwrap_or(b.len());
+        (Some(&b[..at]), &b[at..])
+    };
+    let name_ok = host.is_none_or(|name| {
+        !name.is_empty()
+            && name
+                .iter()
+                .all(|&c| c.is_ascii_alphanumeric() || b"-._~".contains(&c))
+    });
+    let port_ok = match port.split_first() {
+        None => true,
+        Some((b':', digits)) => digits.len() <= 5 && digits.iter().all(u8::is_ascii_digit),
+        Some(_) => false,
+    };
+    name_ok && port_ok
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hosts_are_a_host_and_an_optional_port_only() {
+        for good in [
+            "api.example.com",
+            "api.example.com:8080",
+            "API.Example.COM.",
+            "a_b-c~d",
+            "127.0.0.1:80",
+            "[::1]",
+            "[::1]:8443",
+            "[2001:db8::1]",
+            "host:",
+        ] {
+            assert!(is_host_and_port(good.as_bytes()), "{good:?}");
+        }
+        for bad in [
+            "api.example.com:80@x.invalid",
+            "user@api.example.com",
+            "api.example.com/x",
+            "api.example.com:80:80",
+            "api.example.com:8o",
+            "api.example.com:123456",
+            "a.test,b.test",
+            "a%2Etest",
+            "a test",
+            "",
+            ":80",
+            "[::1",
+            "[zz]",
+            "[::1]x",
+            "[::1]@x",
+            "a\\b",
+        ] {
+            assert!(!is_host_and_port(bad.as_bytes()), "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn fields_with_underscores_are_dropped_every_line_of_them() {
+        let mut h = HeaderMap::new();
+        h.append("x_api_key", "stolen".parse().unwrap());
+        h.append("x_api_key", "again".parse().unwrap());
+        h.append("x_forwarded_for", "1.2.3.4".parse().unwrap());
+        h.append("x-api-key", "mine".parse().unwrap());
+        assert_eq!(drop_underscored(&mut h), 3);
+        assert_eq!(h.len(), 1);
+        assert_eq!(h["x-api-key"], "mine");
+        assert_eq!(drop_underscored(&mut h), 0);
+    }
+
+    #[test]
+    fn encoded_control_bytes_in_the_path_are_refused() {
+        for bad in ["/api/%00", "/a%0a", "/a%0D%0Ab", "/a%1f", "/a%7F", "/%09x"] {
+            assert!(path_problem(bad).is_some(), "{bad}");
+        }
+        for good in [
+            "/api/x",
+            "/a%20b",
+            "/a%2F",
+            "/a%",
+            "/a%0",
+            "/a%0g",
+            "/caf%C3%A9",
+            "/a%80",
+        ] {
+            assert!(path_problem(good).is_none(), "{good}");
+        }
+    }
 }

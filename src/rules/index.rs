@@ -4,13 +4,16 @@
 //! trie under its literal start (`/v1/` of `/v1/*/export`) and is checked whole when the
 //! walk meets it; then the candidates' methods and hosts are checked. What a request
 //! carries (`api_key = "absent"`) and its plan are not the index's: [`Rule::applies`]
-//! judges those, with the request's identity.
+//! judges those, with the request's identity. Where the backend ignores case
+//! (`[server] path_case = "insensitive"`), the rules' paths are lowercased here, once, and
+//! each request's path as it is matched ([`RuleIndex::path_of`]).
 
+use std::borrow::Cow;
 use std::collections::HashMap;
 
 use http::Method;
 
-use super::{Match, PathMatch, Rule};
+use super::{normalize_path, Glob, Match, PathCase, PathMatch, Rule};
 
 /// The rules of a config, compiled for matching.
 #[derive(Debug, Default)]
@@ -21,8 +24,11 @@ pub struct RuleIndex {
     others: Vec<usize>,
     /// Whether any rule looks at the host (else the host is not even parsed).
     pub uses_host: bool,
-    /// Per rule: its match, whose methods, hosts and glob are checked on candidates.
+    /// Per rule: its match, whose methods, hosts and glob are checked on candidates (its
+    /// path folded as `case` says).
     rules: Vec<Match>,
+    /// How paths compare: the rules' were folded with it, the requests' are.
+    case: PathCase,
 }
 
 /// A byte trie of path prefixes: walking a path down it meets every prefix it starts with.
@@ -76,10 +82,13 @@ impl Trie {
 }
 
 impl RuleIndex {
-    pub fn new(rules: &[Rule]) -> RuleIndex {
-        let mut index = RuleIndex::default();
+    pub fn new(rules: &[Rule], case: PathCase) -> RuleIndex {
+        let mut index = RuleIndex {
+            case,
+            ..RuleIndex::default()
+        };
         for (i, r) in rules.iter().enumerate() {
-            let m = &r.matcher;
+            let m = &folded(&r.matcher, case);
             match &m.path {
                 PathMatch::Exact(p) => index.exact.entry(p.clone()).or_default().push(i),
                 PathMatch::Prefix(p) => index.prefixes.insert(p, i),
@@ -93,8 +102,14 @@ impl RuleIndex {
         index
     }
 
+    /// A request's path as the rules are matched against it: normalised
+    /// ([`normalize_path`]), and folded as `path_case` says. What `ratewall check` shows.
+    pub fn path_of<'a>(&self, raw: &'a str) -> Cow<'a, str> {
+        self.case.fold(normalize_path(raw))
+    }
+
     /// The rules that apply to a request, by their position in the config, in order.
-    /// `path` is normalised ([`normalize_path`](super::normalize_path)); `host` is without port.
+    /// `path` is as [`RuleIndex::path_of`] gives it; `host` is without port.
     pub fn matching(&self, method: &Method, path: &str, host: Option<&str>) -> Vec<usize> {
         let mut out = Vec::new();
         if let Some(r) = self.exact.get(path) {
@@ -114,6 +129,21 @@ impl RuleIndex {
         out.sort_unstable();
         out
     }
+}
+
+/// `m` with its path folded as `case` says (a folded glob is still a glob: case touches
+/// neither `*` nor `/`).
+fn folded(m: &Match, case: PathCase) -> Match {
+    let fold = |p: &str| case.fold(p.into()).into_owned();
+    let path = match &m.path {
+        PathMatch::Exact(p) => PathMatch::Exact(fold(p)),
+        PathMatch::Prefix(p) => PathMatch::Prefix(fold(p)),
+        PathMatch::Glob(g) => {
+            PathMatch::Glob(Glob::new(&fold(g.pattern())).unwrap_or_else(|_| g.clone()))
+        }
+        PathMatch::Any => PathMatch::Any,
+    };
+    Match { path, ..m.clone() }
 }
 
 #[cfg(test)]

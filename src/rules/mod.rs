@@ -19,7 +19,7 @@ use crate::identity::{Carried, IdentityDigest, Key, Refusal, Requester};
 use crate::limiter::{Algorithm, Quota};
 
 pub use index::RuleIndex;
-pub use path::{normalize_path, request_host, Glob, HostPattern};
+pub use path::{normalize_path, request_host, Glob, HostPattern, PathCase};
 
 /// Which paths a rule's `match` takes.
 #[derive(Debug, Clone, Default)]

@@ -177,14 +177,16 @@ impl fmt::Display for HostPattern {
     }
 }
 
-/// The host a request is for, without port: the URI's authority (HTTP/2, absolute-form),
-/// else the `Host` header. Brackets of an IPv6 literal are kept.
+/// The host a request is for, without port: exactly the one it is forwarded with, its
+/// `Host` header, else the URI's authority (HTTP/2's `:authority`, or an absolute-form
+/// target), as the upstream hop picks it. Brackets of an IPv6 literal are kept. The screen
+/// has refused hosts that are not `uri-host [ ":" port ]` (userinfo included) and a `Host`
+/// that differs from the authority, so every reader of the forwarded host sees this one.
 pub fn request_host<'a>(uri: &'a http::Uri, headers: &'a http::HeaderMap) -> Option<&'a str> {
-    let raw = match uri.authority() {
-        Some(a) => a.as_str(),
-        None => headers.get(http::header::HOST)?.to_str().ok()?,
+    let raw = match headers.get(http::header::HOST) {
+        Some(h) => h.to_str().ok()?,
+        None => uri.authority()?.as_str(),
     };
-    let raw = raw.rsplit_once('@').map_or(raw, |(_, h)| h);
     let host = if raw.starts_with('[') {
         raw.find(']').map_or(raw, |end| &raw[..=end])
     } else {
@@ -194,26 +196,64 @@ pub fn request_host<'a>(uri: &'a http::Uri, headers: &'a http::HeaderMap) -> Opt
     Some(host.strip_suffix('.').unwrap_or(host))
 }
 
+/// How a backend compares paths (`[server] path_case`): exactly (most do), or ignoring
+/// case (IIS, some Spring setups), in which case the rules must too, or `/API/x` walks
+/// around a rule for `/api/`.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PathCase {
+    #[default]
+    Sensitive,
+    /// Paths (the request's, and the rules') are lowercased before they are compared.
+    Insensitive,
+}
+
+impl PathCase {
+    pub fn name(self) -> &'static str {
+        match self {
+            PathCase::Sensitive => "sensitive",
+            PathCase::Insensitive => "insensitive",
+        }
+    }
+
+    /// `path` as compared under this setting: lowercased (Unicode's lowercase, the same
+    /// function for the rules and the requests) where case is ignored.
+    pub fn fold(self, path: std::borrow::Cow<'_, str>) -> std::borrow::Cow<'_, str> {
+        match self {
+            PathCase::Insensitive if path.chars().any(char::is_uppercase) => {
+                path.to_lowercase().into()
+            }
+            _ => path,
+        }
+    }
+}
+
 /// The path as rules see it: the path a backend will route. Every percent-escape decoded
 /// (`%2F` and `%5C` included: common backends decode them before routing, so `/api%2Fx`
-/// reaches their `/api/x`), a backslash read as a slash (as some backends do), `.` and
-/// `..` segments resolved and repeated slashes folded. So `/x/../api/`, `//api/`,
-/// `/%61pi/`, `/api%2Fx` and `/%2Fapi/x` cannot slip past a rule for `/api/`. Reading more
-/// paths as matching a rule than a given backend would is the safe side: a rule then
-/// limits more requests, never fewer. The request is still forwarded with its original
-/// bytes.
+/// reaches their `/api/x`), a backslash read as a slash (as some backends do), each
+/// segment's `;` parameters dropped (RFC 3986 §3.3's path parameters: Tomcat and Spring
+/// route `/api;x/orders` as `/api/orders`, and `/..;/` as `/../`), `.` and `..` segments
+/// resolved and repeated slashes folded. So `/x/../api/`, `//api/`, `/%61pi/`, `/api%2Fx`,
+/// `/%2Fapi/x` and `/api;v=1/x` cannot slip past a rule for `/api/`. Reading more paths as
+/// matching a rule than a given backend would is the safe side: a rule then limits more
+/// requests, never fewer (parameters are dropped after decoding, so `%3B` is cut there too,
+/// though Tomcat keeps it as text). The request is still forwarded with its original bytes.
 ///
 /// Decoded once, as backends do: `%252F` is the segment text `%2F`, not a slash.
 pub fn normalize_path(raw: &str) -> std::borrow::Cow<'_, str> {
-    let clean =
-        !raw.contains("//") && !raw.contains("/.") && !raw.contains('%') && !raw.contains('\\');
+    let clean = !raw.contains("//") && !raw.contains("/.") && !raw.contains(['%', '\\', ';']);
     if clean {
         return raw.into();
     }
     let decoded = decode_path(raw);
+    // Each segment without its parameters: `api;x` is `api`, `..;x` is `..`.
+    let segments: Vec<&str> = decoded
+        .split('/')
+        .map(|seg| seg.split_once(';').map_or(seg, |(s, _)| s))
+        .collect();
     let mut out: Vec<&str> = Vec::new();
-    for seg in decoded.split('/') {
-        match seg {
+    for seg in &segments {
+        match *seg {
             "" | "." => {}
             ".." => {
                 out.pop();
@@ -226,11 +266,8 @@ pub fn normalize_path(raw: &str) -> std::borrow::Cow<'_, str> {
         path.push('/');
         path.push_str(s);
     }
-    if path.is_empty()
-        || decoded.ends_with('/')
-        || decoded.ends_with("/.")
-        || decoded.ends_with("/..")
-    {
+    // A path that ends in a slash, or in a dot segment, names a folder: `/api/` stays so.
+    if path.is_empty() || matches!(segments.last(), Some(&("" | "." | ".."))) {
         path.push('/');
     }
     path.into()
@@ -285,6 +322,30 @@ mod tests {
         assert_eq!(normalize_path("/api/.."), "/");
         assert_eq!(normalize_path("/a%"), "/a%");
         assert_eq!(normalize_path("/a%6"), "/a%6");
+    }
+
+    #[test]
+    fn path_parameters_are_dropped_from_every_segment() {
+        assert_eq!(normalize_path("/api;x/orders"), "/api/orders");
+        assert_eq!(
+            normalize_path("/api;jsessionid=1;v=2/orders"),
+            "/api/orders"
+        );
+        assert_eq!(normalize_path("/api/;x"), "/api/", "still a folder");
+        assert_eq!(normalize_path("/x/..;/api/y"), "/api/y", "Tomcat's ..;");
+        assert_eq!(normalize_path("/;x/api/y"), "/api/y");
+        assert_eq!(normalize_path("/api%3Bx/y"), "/api/y", "the safe side");
+        assert_eq!(normalize_path("/a/b;"), "/a/b");
+        assert_eq!(normalize_path(";x"), "/");
+    }
+
+    #[test]
+    fn paths_fold_to_lower_case_only_where_case_is_ignored() {
+        let fold = |case: PathCase, p: &str| case.fold(p.into()).into_owned();
+        assert_eq!(fold(PathCase::Sensitive, "/API/x"), "/API/x");
+        assert_eq!(fold(PathCase::Insensitive, "/API/x"), "/api/x");
+        assert_eq!(fold(PathCase::Insensitive, "/CAFÉ"), "/café");
+        assert_eq!(fold(PathCase::Insensitive, "/api/x"), "/api/x");
     }
 
     #[test]
@@ -344,7 +405,12 @@ mod tests {
         );
         assert_eq!(h("/x", Some("[::1]:80")).as_deref(), Some("[::1]"));
         assert_eq!(
-            h("http://a.test:1/x", Some("b.test")).as_deref(),
+            h("http://a.test:1/x", None).as_deref(),
+            Some("a.test"),
+            "no Host: the authority, which is forwarded as the Host"
+        );
+        assert_eq!(
+            h("http://a.test:1/x", Some("a.test:1")).as_deref(),
             Some("a.test")
         );
         assert_eq!(h("/x", None), None);

@@ -68,13 +68,20 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     }
 }
 
-/// Ready a request's fields to go up: its hop-by-hop fields dropped, and a `Host` where it
-/// has none (the authority of an absolute target, else the upstream's `default`). Returns
-/// the host the client asked for, which `X-Forwarded-Host` carries.
+/// Ready a request's fields to go up: its hop-by-hop fields dropped, one `Content-Length`
+/// line where it came with several (equal: the screen refused differing ones; HTTP/2 lets
+/// them through, and an nginx backend answers 400 to two), and a `Host` where it has none
+/// (the authority of an absolute target, else the upstream's `default`). Returns the host
+/// the client asked for, which `X-Forwarded-Host` carries.
 pub(super) fn prepare(
     parts: &mut http::request::Parts,
     default: &HeaderValue,
 ) -> Option<HeaderValue> {
+    let mut lengths = parts.headers.get_all(http::header::CONTENT_LENGTH).iter();
+    if let (Some(first), Some(_)) = (lengths.next(), lengths.next()) {
+        let first = first.clone();
+        parts.headers.insert(http::header::CONTENT_LENGTH, first);
+    }
     let asked = parts.headers.get(HOST).cloned().or_else(|| {
         parts
             .uri

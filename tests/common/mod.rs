@@ -11,6 +11,7 @@
 //! - [`upstream`]: an HTTP upstream in the test process that records what it saw.
 //! - [`tls_upstream`]: an https upstream in the test process, with certificates made by
 //!   the harness (rcgen), counting handshakes, SNI and client certificates.
+//! - [`nginx`]: a real nginx backend on a free port, in its own temporary prefix.
 //! - [`client`]: a real HTTP client (HTTP/1.1 or h2c), replies read whole, streamed bodies.
 //! - [`raw`]: raw TCP exchanges for bytes no well-behaved client would send.
 //! - [`headers`]: the RateLimit Structured Field headers, parsed.
@@ -27,6 +28,7 @@ pub mod gateway;
 pub mod headers;
 pub mod keys;
 pub mod metrics;
+pub mod nginx;
 pub mod raw;
 pub mod redis_server;
 pub mod seed;
@@ -40,6 +42,7 @@ pub use gateway::*;
 pub use headers::*;
 pub use keys::*;
 pub use metrics::*;
+pub use nginx::*;
 pub use raw::*;
 pub use redis_server::*;
 pub use seed::*;

@@ -159,3 +159,149 @@ pub async fn exchange(stream: &mut TcpStream, request: &[u8]) -> u16 {
         .await
         .expect("an answer within the wait")
 }
+
+// ---------------------------------------------------------------------------------------
+// HTTP/2 as raw frames (h2c on the cleartext listener)
+
+/// HTTP/2's connection preface and an empty SETTINGS frame.
+pub const H2_START: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n\x00\x00\x00\x04\x00\x00\x00\x00\x00";
+
+/// An HTTP/2 frame: length, type, flags, stream, payload.
+pub fn h2_frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = payload.len() as u32;
+    let mut f = vec![(len >> 16) as u8, (len >> 8) as u8, len as u8, kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+/// An HPACK header block of `fields`, each a literal without indexing (RFC 7541 §6.2.2,
+/// new name, no Huffman coding): the bytes exactly as given, pseudo-fields included, so
+/// a test can send what no client library would (two `content-length`s, a userinfo in
+/// `:authority`, no `:authority` at all). Names and values under 128 bytes.
+pub fn hpack(fields: &[(&str, &str)]) -> Vec<u8> {
+    let mut block = Vec::new();
+    for (name, value) in fields {
+        assert!(name.len() < 128 && value.len() < 128, "short literals only");
+        block.push(0x00);
+        block.push(name.len() as u8);
+        block.extend_from_slice(name.as_bytes());
+        block.push(value.len() as u8);
+        block.extend_from_slice(value.as_bytes());
+    }
+    block
+}
+
+/// Send one HTTP/2 request on a new h2c connection: `fields` as its HEADERS on stream 1,
+/// then `body` as one DATA frame (none if empty). The answer's `:status`, read from the
+/// first HEADERS frame on stream 1: an index into HPACK's static table (200, 204, 206,
+/// 304, 400, 404, 500 are there), or a literal (429, 502...); `None` if the connection
+/// ended (or [`WAIT`] passed) without one.
+pub async fn h2_status(port: u16, fields: &[(&str, &str)], body: &[u8]) -> Option<u16> {
+    let mut s = connect(port).await;
+    let mut out = H2_START.to_vec();
+    let end_headers_and_stream = if body.is_empty() { 0x5 } else { 0x4 };
+    out.extend(h2_frame(0x1, end_headers_and_stream, 1, &hpack(fields)));
+    if !body.is_empty() {
+        out.extend(h2_frame(0x0, 0x1, 1, body));
+    }
+    s.write_all(&out).await.ok()?;
+    let read = async {
+        let mut frames = Vec::new();
+        let mut buf = [0u8; 16 * 1024];
+        loop {
+            let mut at = 0;
+            while at + 9 <= frames.len() {
+                let f: &[u8] = &frames[at..];
+                let len = (usize::from(f[0]) << 16) | (usize::from(f[1]) << 8) | usize::from(f[2]);
+                if f.len() < 9 + len {
+                    break;
+                }
+                let stream = u32::from_be_bytes([f[5], f[6], f[7], f[8]]) & 0x7fff_ffff;
+                if f[3] == 0x1 && stream == 1 {
+                    return status_in_block(&f[9..9 + len], f[4]);
+                }
+                at += 9 + len;
+            }
+            match s.read(&mut buf).await {
+                Ok(0) | Err(_) => return None,
+                Ok(n) => frames.extend_from_slice(&buf[..n]),
+            }
+        }
+    };
+    tokio::time::timeout(WAIT, read).await.ok().flatten()
+}
+
+/// `:status` at the start of a response's header block (its PADDED and PRIORITY parts
+/// skipped by `flags`).
+fn status_in_block(payload: &[u8], flags: u8) -> Option<u16> {
+    let mut block = payload;
+    if flags & 0x8 != 0 {
+        let pad = usize::from(*block.first()?);
+        block = block.get(1..block.len().checked_sub(pad)?)?;
+    }
+    if flags & 0x20 != 0 {
+        block = block.get(5..)?;
+    }
+    // A dynamic table size update (001xxxxx) may come first.
+    while block.first().is_some_and(|b| b & 0xe0 == 0x20) {
+        block = &block[1..];
+    }
+    let first = *block.first()?;
+    let statuses = [200, 204, 206, 304, 400, 404, 500];
+    if first & 0x80 != 0 {
+        return statuses
+            .get(usize::from(first & 0x7f).checked_sub(8)?)
+            .copied();
+    }
+    // A literal of name index 8 (`:status`): with incremental indexing (01), or without
+    // (0000, 0001); its value Huffman-coded (as h2 always codes it) or not.
+    let name = if first & 0xc0 == 0x40 {
+        first & 0x3f
+    } else {
+        first & 0x0f
+    };
+    if name != 8 {
+        return None;
+    }
+    let (huffman, len) = (block.get(1)? & 0x80 != 0, usize::from(block[1] & 0x7f));
+    let value = block.get(2..2 + len)?;
+    let digits = match huffman {
+        true => huffman_digits(value)?,
+        false => String::from_utf8(value.to_vec()).ok()?,
+    };
+    digits.parse().ok()
+}
+
+/// A Huffman-coded string of digits (RFC 7541 Appendix B: `0`-`2` are the 5-bit codes
+/// 0-2, `3`-`9` the 6-bit codes 0x19-0x1f), its padding the 1 bits of EOS.
+fn huffman_digits(coded: &[u8]) -> Option<String> {
+    let bits: Vec<u8> = coded
+        .iter()
+        .flat_map(|b| (0..8).rev().map(move |i| (b >> i) & 1))
+        .collect();
+    let code = |from: usize, n: usize| {
+        bits.get(from..from + n)
+            .map(|b| b.iter().fold(0u8, |acc, bit| acc << 1 | bit))
+    };
+    let (mut out, mut at) = (String::new(), 0);
+    while at < bits.len() {
+        if bits[at..].iter().all(|&b| b == 1) && bits.len() - at < 8 {
+            break;
+        }
+        match code(at, 5)? {
+            c @ 0..=2 => {
+                out.push(char::from(b'0' + c));
+                at += 5;
+            }
+            _ => match code(at, 6)? {
+                c @ 0x19..=0x1f => {
+                    out.push(char::from(b'3' + (c - 0x19)));
+                    at += 6;
+                }
+                _ => return None,
+            },
+        }
+    }
+    Some(out)
+}
