@@ -486,7 +486,10 @@ struct RuleOutcomes {
     /// Requests this rule would have let through that another rule denied: charged
     /// nothing here, and not among `allowed`.
     denied_by_other: u64,
+    /// 401: the rule's key missing or unknown.
     refused: u64,
+    /// 400: the rule's key malformed.
+    bad_key: u64,
     store_error: u64,
     upstream_error: u64,
     upstream_timeout: u64,
@@ -521,6 +524,7 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
                 shadow_denied: c.shadow_denied.get(),
                 denied_by_other: c.denied_by_other.get(),
                 refused: c.refused.get(),
+                bad_key: c.bad_key.get(),
                 store_error: c.error.get(),
                 upstream_error: c.upstream_error.get(),
                 upstream_timeout: c.upstream_timeout.get(),
@@ -550,7 +554,9 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
             // only. Its id stays: the identity's tag, the first digits of the digest that
             // names its Redis keys, the same in the access log and the admin API, on every
             // gateway and across restarts. It tells no more than a Redis key name does.
-            if !t.who.hint.starts_with("ip ") && t.who.hint != "everyone" {
+            // An address's network is shown to token holders only too: beside the tag,
+            // its /24 would leave 256 addresses to try.
+            if t.who.hint != "everyone" {
                 let kind = t.who.hint.split(' ').next().unwrap_or("key");
                 t.who.hint = kind.to_string();
             }

@@ -4,16 +4,18 @@
 //! (docs/reference.md says why, and what of -12 could be read):
 //! `RateLimit-Policy` and `RateLimit` are Structured Field lists (RFC 9651) with one item
 //! per applied rule, named by the rule (a Structured Field string, since rule names are
-//! restricted to `[A-Za-z0-9_.-]`, no escaping is needed). `q` is the quota in quota units
-//! (tokens: a request takes its rule's `cost`) and `w` the window it is granted in, in whole
-//! seconds; `r` is the quota available now and `t` the seconds, rounded up, until all of
-//! `q` is available again. The draft mandates no algorithm; each advertises what a client
+//! restricted to `[A-Za-z0-9_.-]`, no escaping is needed). `q` is the quota in the draft's
+//! default unit, requests — of the rule's `cost`: a rule whose requests take 10 tokens of
+//! 30 advertises 3 — and `w` the window it is granted in, in whole seconds; `r` is how many
+//! such requests are available now and `t` the seconds, rounded up, until all of the
+//! rule's tokens are back. The draft mandates no algorithm; each advertises what a client
 //! may really use ([`advertised`]):
 //!
-//! - a window (`sliding_window`, `fixed_window`): `q` is the rule's N, `w` its period;
-//! - a bucket (`token_bucket`, `gcra`): `q` is the **burst** — what may pass at once, the
-//!   most `r` can ever be — and `w` the time the rate takes to refill it from empty
-//!   (`burst / rate`, rounded up to a whole second, the draft's `w` being an integer).
+//! - a window (`sliding_window`, `fixed_window`): `q` is the rule's N (over its cost), `w`
+//!   its period;
+//! - a bucket (`token_bucket`, `gcra`): `q` is the **burst** (over the cost) — what may pass
+//!   at once, the most `r` can ever be — and `w` the time the rate takes to refill it from
+//!   empty (`burst / rate`, rounded up to a whole second, the draft's `w` being an integer).
 //!   A client that spends all of `q` and waits `w` finds `q` again: it is never promised
 //!   more than it gets, and `r` never exceeds `q`. (Advertising the rate as `q=N;w=P`
 //!   instead would show `r` above `q` and hide the burst.)
@@ -59,22 +61,34 @@ pub fn ceil_secs(us: u64) -> u64 {
     us.div_ceil(1_000_000)
 }
 
-/// The quota a rule advertises (`q`) and the window it is granted in (`w`, whole
-/// seconds; `None` for a concurrency limit): see the module's docs.
+/// The quota a rule advertises (`q`, in requests of the rule's cost) and the window it is
+/// granted in (`w`, whole seconds; `None` for a concurrency limit): see the module's docs.
 pub fn advertised(quota: &Quota) -> (u64, Option<u64>) {
+    let cost = quota.cost.max(1);
     match quota.algorithm {
         Algorithm::Concurrency => (quota.burst, None),
         Algorithm::TokenBucket | Algorithm::Gcra => {
-            // burst tokens at count per period: burst * period / count, rounded up.
+            // q requests take q * cost tokens, which come back at count per period:
+            // q * cost * period / count, rounded up.
+            let q = quota.burst / cost;
             let period_us = quota.rate.period.as_micros();
             let count = u128::from(quota.rate.count.max(1));
-            let refill_us = (u128::from(quota.burst) * period_us).div_ceil(count);
+            let refill_us = (u128::from(q * cost) * period_us).div_ceil(count);
             let secs = refill_us.div_ceil(1_000_000).max(1);
-            (quota.burst, Some(u64::try_from(secs).unwrap_or(u64::MAX)))
+            (q, Some(u64::try_from(secs).unwrap_or(u64::MAX)))
         }
-        Algorithm::SlidingWindow | Algorithm::FixedWindow => {
-            (quota.rate.count, Some(quota.rate.period.as_secs().max(1)))
-        }
+        Algorithm::SlidingWindow | Algorithm::FixedWindow => (
+            quota.rate.count / cost,
+            Some(quota.rate.period.as_secs().max(1)),
+        ),
+    }
+}
+
+/// What a decision has left, in requests of the rule's cost (the unit of `q`).
+fn available(a: &Applied<'_>) -> u64 {
+    match a.quota.algorithm {
+        Algorithm::Concurrency => a.decision.remaining,
+        _ => a.decision.remaining / a.quota.cost.max(1),
     }
 }
 
@@ -104,13 +118,12 @@ pub fn add_ratelimit(headers: &mut HeaderMap, style: ResponseStyle, applied: &[A
             item(&mut state, a.rule);
             let (q, w) = advertised(&a.quota);
             param(&mut policy, b";q=", q);
+            param(&mut state, b";r=", available(a));
             let Some(w) = w else {
                 policy.extend_from_slice(b";qu=\"concurrent-requests\"");
-                param(&mut state, b";r=", a.decision.remaining);
                 continue;
             };
             param(&mut policy, b";w=", w);
-            param(&mut state, b";r=", a.decision.remaining);
             param(&mut state, b";t=", ceil_secs(a.decision.reset_us));
         }
         insert(headers, &RATELIMIT_POLICY, policy);
@@ -121,7 +134,7 @@ pub fn add_ratelimit(headers: &mut HeaderMap, style: ResponseStyle, applied: &[A
         let Some(a) = applied.iter().min_by_key(|a| {
             (
                 a.decision.allowed,
-                a.decision.remaining,
+                available(a),
                 std::cmp::Reverse(a.decision.reset_us),
             )
         }) else {
@@ -131,10 +144,7 @@ pub fn add_ratelimit(headers: &mut HeaderMap, style: ResponseStyle, applied: &[A
             RATELIMIT_LIMIT.clone(),
             HeaderValue::from(advertised(&a.quota).0),
         );
-        headers.insert(
-            RATELIMIT_REMAINING.clone(),
-            HeaderValue::from(a.decision.remaining),
-        );
+        headers.insert(RATELIMIT_REMAINING.clone(), HeaderValue::from(available(a)));
         headers.insert(
             RATELIMIT_RESET.clone(),
             HeaderValue::from(ceil_secs(a.decision.reset_us)),
@@ -154,7 +164,7 @@ pub fn add_shadow(headers: &mut HeaderMap, style: ResponseStyle, shadow: &[Appli
             v.extend_from_slice(b", ");
         }
         item(&mut v, a.rule);
-        param(&mut v, b";r=", a.decision.remaining);
+        param(&mut v, b";r=", available(a));
         if a.quota.algorithm != Algorithm::Concurrency {
             param(&mut v, b";t=", ceil_secs(a.decision.reset_us));
         }
@@ -317,6 +327,16 @@ mod tests {
     }
 
     fn quota_of(algorithm: Algorithm, count: u64, secs: u64, burst: Option<u64>) -> Quota {
+        costing(algorithm, count, secs, burst, 1)
+    }
+
+    fn costing(
+        algorithm: Algorithm,
+        count: u64,
+        secs: u64,
+        burst: Option<u64>,
+        cost: u64,
+    ) -> Quota {
         let rate = Rate {
             count,
             period: Duration::from_secs(secs),
@@ -325,7 +345,7 @@ mod tests {
             algorithm,
             rate,
             burst.and_then(NonZeroU64::new),
-            NonZeroU64::MIN,
+            NonZeroU64::new(cost).unwrap(),
         )
         .unwrap()
     }
@@ -336,10 +356,21 @@ mod tests {
         for alg in [TokenBucket, Gcra] {
             // 10/s, burst 20: 20 at once, back in 2 s.
             assert_eq!(advertised(&quota_of(alg, 10, 1, Some(20))), (20, Some(2)));
-            // 1/m, burst 30 (the shipped `exports`): 30 tokens, back in 30 minutes.
+            // 1/m, burst 30: 30 tokens, back in 30 minutes.
             assert_eq!(
                 advertised(&quota_of(alg, 1, 60, Some(30))),
                 (30, Some(1800))
+            );
+            // The same at cost 10 (the shipped `exports`): 3 requests, back in 30 minutes.
+            assert_eq!(
+                advertised(&costing(alg, 1, 60, Some(30), 10)),
+                (3, Some(1800))
+            );
+            // A burst the cost does not divide: 2 requests of 10 from 25 tokens, whose 20
+            // tokens come back in 20 minutes.
+            assert_eq!(
+                advertised(&costing(alg, 1, 60, Some(25), 10)),
+                (2, Some(1200))
             );
             // 3/s, burst 5: back in 5/3 s, rounded up: never promised sooner than it is.
             assert_eq!(advertised(&quota_of(alg, 3, 1, Some(5))), (5, Some(2)));
@@ -350,13 +381,49 @@ mod tests {
         }
         for alg in [SlidingWindow, FixedWindow] {
             assert_eq!(advertised(&quota_of(alg, 300, 60, None)), (300, Some(60)));
+            assert_eq!(advertised(&costing(alg, 300, 60, None, 7)), (42, Some(60)));
         }
     }
 
     #[test]
-    fn a_full_bucket_never_shows_more_than_its_quota() {
-        // `r` of a full bucket is its burst: the policy's `q` is never below it.
+    fn quotas_and_what_is_left_count_requests_of_the_rules_cost() {
+        // Exports: 30 tokens, 10 a request. After one, 20 tokens: 2 more requests.
+        let q = costing(Algorithm::TokenBucket, 1, 60, Some(30), 10);
+        let applied = [Applied {
+            rule: "exports",
+            quota: q,
+            decision: d(true, 20, 0, 600_000_000),
+        }];
+        let mut h = HeaderMap::new();
+        add_ratelimit(&mut h, ResponseStyle::Both, &applied);
+        add_shadow(&mut h, ResponseStyle::Draft, &applied);
+        assert_eq!(h[&RATELIMIT_POLICY], "\"exports\";q=3;w=1800");
+        assert_eq!(h[&RATELIMIT], "\"exports\";r=2;t=600");
+        assert_eq!(h[&RATELIMIT_LIMIT], "3");
+        assert_eq!(h[&RATELIMIT_REMAINING], "2");
+        assert_eq!(h[&RATELIMIT_SHADOW], "\"exports\";r=2;t=600");
+        // 15 tokens: one request of 10, not one and a half.
+        let applied = [Applied {
+            decision: d(true, 15, 0, 900_000_000),
+            ..applied[0]
+        }];
+        let mut h = HeaderMap::new();
+        add_ratelimit(&mut h, ResponseStyle::Draft, &applied);
+        assert_eq!(h[&RATELIMIT], "\"exports\";r=1;t=900");
+    }
+
+    #[test]
+    fn a_bucket_never_shows_more_left_than_its_quota() {
+        // A full bucket's `r` is its burst: `q`, never above it. After one request, 19.
         let q = quota_of(Algorithm::TokenBucket, 10, 1, Some(20));
+        let full = [Applied {
+            rule: "api",
+            quota: q,
+            decision: d(true, 20, 0, 0),
+        }];
+        let mut h = HeaderMap::new();
+        add_ratelimit(&mut h, ResponseStyle::Draft, &full);
+        assert_eq!(h[&RATELIMIT], "\"api\";r=20;t=0");
         let applied = [Applied {
             rule: "api",
             quota: q,

@@ -22,7 +22,9 @@ pub use crate::stats::{Outcome, Stats, HISTORY_SECS};
 /// How a rule's decision on one request is counted (`decision=`).
 #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
 pub enum DecisionLabel {
-    /// The rule allowed the request, and the request passed (charged).
+    /// The rule allowed the request, the request passed (charged) and the upstream
+    /// answered it; one it did not answer is the rule's upstream failure instead
+    /// (`ratewall_rule_upstream_failures_total`).
     Allowed,
     /// The rule allowed the request after it waited for its tokens (`max_delay`).
     Delayed,
@@ -36,8 +38,11 @@ pub enum DecisionLabel {
     /// The store failed; `on_error` answered.
     Error,
     /// The rule refused the request before any limit was consulted: its identity is
-    /// missing (401), unknown (401) or malformed (400).
+    /// missing or unknown (401).
     Refused,
+    /// The rule refused the request before any limit was consulted: the key (or header)
+    /// it counts by is malformed (400: sent twice, too long).
+    BadKey,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -273,7 +278,7 @@ macro_rules! label_values {
 }
 
 label_values! {
-    DecisionLabel { Allowed => "allowed", Delayed => "delayed", Denied => "denied", ShadowDenied => "shadow_denied", DeniedByOther => "denied_by_other", Error => "error", Refused => "refused" }
+    DecisionLabel { Allowed => "allowed", Delayed => "delayed", Denied => "denied", ShadowDenied => "shadow_denied", DeniedByOther => "denied_by_other", Error => "error", Refused => "refused", BadKey => "bad_key" }
     StoreErrorKind { Timeout => "timeout", Connection => "connection", Data => "data", BreakerOpen => "breaker_open", Full => "full", Other => "other" }
     ReloadResult { Ok => "ok", Rejected => "rejected" }
     RefusalReason { MissingKey => "missing_key", UnknownKey => "unknown_key", Malformed => "malformed", NotImplemented => "not_implemented" }
@@ -385,7 +390,7 @@ impl Metrics {
         let requests = Family::<RuleLabels, Counter>::default();
         registry.register(
             "requests",
-            "Decisions by rule: allowed, delayed (allowed after waiting, max_delay), denied, shadow_denied (would have denied: shadow mode or outside enforce_percent), denied_by_other (this rule would have allowed it, another denied it: charged nothing here), error (store failed), refused (this rule refused the request before any limit: its key missing, unknown or malformed)",
+            "Decisions by rule: allowed (let through, and the upstream answered), delayed (the same, after waiting, max_delay), denied, shadow_denied (would have denied: shadow mode or outside enforce_percent), denied_by_other (this rule would have allowed it, another denied it: charged nothing here), error (store failed), refused (this rule refused the request before any limit: its key missing or unknown, 401), bad_key (its key malformed, 400)",
             requests.clone(),
         );
         let responses = Family::<ResponseLabels, Counter>::default();
@@ -841,6 +846,7 @@ impl Metrics {
             denied_by_other: counter(DecisionLabel::DeniedByOther),
             error: counter(DecisionLabel::Error),
             refused: counter(DecisionLabel::Refused),
+            bad_key: counter(DecisionLabel::BadKey),
             upstream_error: failures(UpstreamFailure::Error),
             upstream_timeout: failures(UpstreamFailure::Timeout),
         }
@@ -858,6 +864,7 @@ pub struct RuleCounters {
     pub denied_by_other: Counter,
     pub error: Counter,
     pub refused: Counter,
+    pub bad_key: Counter,
     pub upstream_error: Counter,
     pub upstream_timeout: Counter,
 }

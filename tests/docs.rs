@@ -1156,3 +1156,28 @@ fn the_docker_image_and_its_run_command_fit_together() {
         "README says how the TLS listener listens in a container"
     );
 }
+
+/// The README's set-up facts hold: the Rust version it names is Cargo.toml's
+/// `rust-version`, and it quotes no performance ratio of its own (docs/performance.md holds
+/// every figure, with its run and its spread).
+#[test]
+fn the_readme_names_the_rust_version_and_quotes_no_ratio() {
+    let readme = read("README.md");
+    let cargo = read("Cargo.toml");
+    let version = cargo
+        .lines()
+        .find_map(|l| l.strip_prefix("rust-version = \""))
+        .and_then(|v| v.strip_suffix('"'))
+        .expect("Cargo.toml: rust-version");
+    assert!(
+        readme.contains(&format!("Rust {version} or newer")),
+        "README names Rust {version}"
+    );
+    let perf = &readme[readme.find("## Performance").expect("## Performance")..];
+    let perf = &perf[..perf[3..].find("\n## ").map_or(perf.len(), |e| e + 3)];
+    let ratio = perf.split_whitespace().find(|w| {
+        let w = w.trim_matches(|c: char| !c.is_ascii_digit() && c != '×' && c != '.');
+        w.ends_with('×') && w[..w.len() - '×'.len_utf8()].parse::<f64>().is_ok()
+    });
+    assert_eq!(ratio, None, "README's Performance quotes a ratio");
+}

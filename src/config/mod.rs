@@ -806,6 +806,30 @@ url = "http://127.0.0.1:3000"
     }
 
     #[test]
+    fn a_concurrency_rule_says_what_its_store_does_with_a_slot() {
+        let rule = "[[rules]]\nname = \"c\"\nkey = \"global\"\nmax_in_flight = 3\n";
+        let memory = parse(rule).unwrap();
+        assert!(
+            memory
+                .describe()
+                .contains("enforced; a slot is held until its request ends"),
+            "{}",
+            memory.describe()
+        );
+        let redis = parse(&format!(
+            "[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n{rule}"
+        ))
+        .unwrap();
+        assert!(
+            redis
+                .describe()
+                .contains("enforced; leases live 10s in the store unless renewed"),
+            "{}",
+            redis.describe()
+        );
+    }
+
+    #[test]
     fn matches_take_exact_paths_globs_and_hosts() {
         let cfg = parse(
             "[[rules]]\nname = \"a\"\nkey = \"global\"\nrate = \"1/s\"\nmatch = { glob = \"/v1/*/export\", host = [\"API.example.com\", \"*.example.org\"], methods = [\"get\"] }\n[[rules]]\nname = \"b\"\nkey = \"global\"\nmax_in_flight = 3\nmatch = { path = \"/upload\", host = \"x.test\" }\n",

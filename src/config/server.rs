@@ -27,7 +27,7 @@ pub struct Server {
     /// connections are closed to make room and new ones wait in the listen backlog.
     pub max_connections: usize,
     /// Whether the file set `max_connections`; if not, it was derived from the open-file
-    /// limit ([`derive_max_connections`]), and fits it by construction.
+    /// limit ([`derive_max_connections`]) to fit the hard limit.
     pub max_connections_set: bool,
     /// The listen backlog of the gateway's listeners (cleartext, TLS) and the admin one:
     /// connections the kernel completes and queues before they are accepted, as asked

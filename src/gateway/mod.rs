@@ -32,7 +32,7 @@ use crate::limiter::guard::{Answer, Now};
 use crate::limiter::lease::Leases;
 use crate::limiter::{Check, Decision, StoreError};
 use crate::metrics::{
-    status_class, Gauged, Metrics, Outcome, RefusalReason, ReloadLabels, ReloadResult,
+    status_class, Gauged, Metrics, Outcome, RefusalReason, ReloadLabels, ReloadResult, RuleCounters,
 };
 use crate::upstream::{self, Downstream, Peer};
 use access::AccessLine;
@@ -115,6 +115,10 @@ pub struct Pass<'l> {
     leases: Option<Leases>,
     /// Its places in the queues of the rules it waits on, held while it waits.
     slots: Vec<WaitSlot<'l>>,
+    /// Each rule's pass (allowed, delayed), counted once the upstream has answered: a
+    /// request the backend never answered is that rule's 502 or 504, not its pass, so no
+    /// rule counts more passes than the requests that passed.
+    passed: Passed<'l>,
     pub note: Note<'l>,
 }
 
@@ -125,7 +129,18 @@ impl<'l> Pass<'l> {
             shadow: Vec::new(),
             leases: None,
             slots: Vec::new(),
+            passed: Vec::new(),
             note,
+        }
+    }
+
+    /// The upstream answered: count each rule's pass.
+    fn count_passed(&mut self) {
+        for (counters, tally) in self.passed.drain(..) {
+            match tally {
+                Tally::Delayed => counters.delayed.inc(),
+                _ => counters.allowed.inc(),
+            };
         }
     }
 
@@ -306,7 +321,12 @@ impl Gateway {
             }
             Ok(limits) => limits,
             Err(limits::Refused { index, refusal }) => {
-                live.counters[index].refused.inc();
+                if let Some(c) = live.counters.get(index) {
+                    match refusal.status() {
+                        StatusCode::BAD_REQUEST => c.bad_key.inc(),
+                        _ => c.refused.inc(),
+                    };
+                }
                 self.metrics.count_refusal(refusal.into());
                 let resp = problem(
                     Problem::new(refusal.status(), &refusal.to_string()),
@@ -342,7 +362,7 @@ impl Gateway {
         jitter_us: u64,
     ) -> Admission<'l> {
         let cfg = &*live.config;
-        let shadow_denied = tally(live, limits, decisions, true);
+        let (shadow_denied, _) = tally(live, limits, decisions, true);
         let (applied, shadow) = split(limits, decisions);
         let limit = &limits[by];
         self.metrics.stats.limited(
@@ -371,7 +391,7 @@ impl Gateway {
         verdict: Verdict,
         leases: Option<Leases>,
     ) -> Pass<'l> {
-        let shadow_denied = tally(live, &limits, decisions, false);
+        let (shadow_denied, passed) = tally(live, &limits, decisions, false);
         let (applied, shadow) = split(&limits, decisions);
         let ruled: Vec<Ruled> = limits.iter().map(Limit::ruled).collect();
         let closest = verdict::closest(&ruled, decisions).map(|k| &limits[k]);
@@ -398,6 +418,7 @@ impl Gateway {
             shadow,
             leases,
             slots,
+            passed,
             note,
         }
     }
@@ -435,6 +456,7 @@ impl Gateway {
         }
         match result {
             Ok(resp) => {
+                pass.count_passed();
                 if let Some(change) = self.upstream_health.answered() {
                     log_upstream(change, cfg, None);
                 }
@@ -570,30 +592,40 @@ async fn consult(
     (decisions, v, leases)
 }
 
+/// Rules' passes waiting for the upstream's answer, with the counters they go to.
+type Passed<'l> = Vec<(&'l RuleCounters, Tally)>;
+
 /// Count each rule's decision (`denied`: another rule, or this one, denied the request);
-/// the first watching rule that would have denied.
+/// the first watching rule that would have denied, and the passes (allowed, delayed),
+/// which count once the upstream has answered ([`Pass::count_passed`]).
 fn tally<'l>(
-    live: &Live,
+    live: &'l Live,
     limits: &[Limit<'l, '_>],
     decisions: &[Option<Decision>],
     denied: bool,
-) -> Option<&'l str> {
+) -> (Option<&'l str>, Passed<'l>) {
     let mut shadow_denied = None;
+    let mut passed = Vec::new();
     for (l, d) in limits.iter().zip(decisions) {
         let Some(d) = d else { continue };
-        let counters = &live.counters[l.index];
+        let Some(counters) = live.counters.get(l.index) else {
+            continue;
+        };
         match Tally::of(l.enforced, d, denied) {
-            Tally::Allowed => counters.allowed.inc(),
-            Tally::DeniedByOther => counters.denied_by_other.inc(),
-            Tally::Delayed => counters.delayed.inc(),
-            Tally::Denied => counters.denied.inc(),
+            t @ (Tally::Allowed | Tally::Delayed) => passed.push((counters, t)),
+            Tally::DeniedByOther => {
+                counters.denied_by_other.inc();
+            }
+            Tally::Denied => {
+                counters.denied.inc();
+            }
             Tally::ShadowDenied => {
                 shadow_denied.get_or_insert(l.rule.name.as_str());
-                counters.shadow_denied.inc()
+                counters.shadow_denied.inc();
             }
-        };
+        }
     }
-    shadow_denied
+    (shadow_denied, passed)
 }
 
 /// A forwarded request the upstream did not answer (502, 504), counted under each rule

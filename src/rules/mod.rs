@@ -145,7 +145,8 @@ impl Match {
         }
     }
 
-    /// `GET|POST /api/* on api.example.com`, or `every request`; then what it must carry:
+    /// `GET|POST path_prefix /api/ on api.example.com`, or `every request`; then what it
+    /// must carry:
     /// `every request, api_key = "absent"`.
     pub fn describe(&self) -> String {
         let mut s = self.describe_parts();
