@@ -234,9 +234,16 @@ async fn readyz(gw: &Gateway) -> Reply {
 /// never with the token.
 fn guarded(gw: &Gateway, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -> Option<Reply> {
     let now = guard.now_ms();
-    let failure = match guard.throttled(peer, now) {
-        Some(wait_ms) => Err((Some(Failure::Throttled), wait_ms)),
-        None => authorized(gw, req).map_err(|f| (f, 0)),
+    let failure = match guard.reserve(peer, now) {
+        Err(wait_ms) => Err((Some(Failure::Throttled), wait_ms)),
+        Ok(charged) => {
+            let checked = authorized(gw, req);
+            // Only failures are charged: a right token (or no token to guess) gives it back.
+            if matches!(checked, Ok(()) | Err(None)) {
+                guard.refund(charged, now);
+            }
+            checked.map_err(|f| (f, 0))
+        }
     };
     let (why, wait_ms) = match failure {
         Ok(()) => return None,
@@ -249,9 +256,6 @@ fn guarded(gw: &Gateway, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -
             )))
         }
     };
-    if why != Failure::Throttled {
-        guard.failed(peer, now);
-    }
     gw.metrics()
         .admin_auth_failures
         .get_or_create(&crate::metrics::AdminFailureLabels { reason: why.name() })
@@ -311,8 +315,15 @@ fn bearer(value: &[u8]) -> Option<&[u8]> {
     (!token.is_empty()).then_some(token)
 }
 
+/// Whether two tokens are equal, in a time that tells neither where they differ nor how
+/// long the right one is: their SHA-256 digests are compared, every byte.
 fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+    use sha2::{Digest, Sha256};
+    let (a, b) = (Sha256::digest(a), Sha256::digest(b));
+    a.iter()
+        .zip(b.iter())
+        .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+        == 0
 }
 
 #[derive(Serialize)]

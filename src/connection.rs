@@ -24,8 +24,8 @@
 //! makes room the same way and backs off; it is logged once a few seconds, with a count.
 //!
 //! A request head is bounded too (`max_header_bytes`, 431 beyond it: hyper for HTTP/1,
-//! SETTINGS_MAX_HEADER_LIST_SIZE for HTTP/2; and an HTTP/1 head's fields, one per 32
-//! bytes of that bound, [`max_fields`]), and an HTTP/1 head with a bare CR is
+//! SETTINGS_MAX_HEADER_LIST_SIZE for HTTP/2; and an HTTP/1 head's fields,
+//! `max_header_fields`, by default one per 32 bytes of that bound, [`default_max_fields`]), and an HTTP/1 head with a bare CR is
 //! answered 400 at once: a CR not followed by LF is no line ending (RFC 9112 §2.2), and
 //! the parser would otherwise wait for the LF that never comes.
 
@@ -147,6 +147,8 @@ impl ConnectionMetrics {
 pub struct Settings {
     pub timeouts: Timeouts,
     pub max_header_bytes: usize,
+    /// HTTP/1: the most fields a head may have (`[server] max_header_fields`).
+    pub max_header_fields: usize,
 }
 
 /// Descriptors kept for everything but client and upstream connections: listeners, Redis,
@@ -907,7 +909,7 @@ async fn serve_io<IO, S, B>(
             // answer and sends no 408.
             let conn = hyper::server::conn::http1::Builder::new()
                 .max_header_size(settings.max_header_bytes)
-                .max_headers(max_fields(settings.max_header_bytes))
+                .max_headers(settings.max_header_fields)
                 .timer(TokioTimer::new())
                 .header_read_timeout(None)
                 .serve_connection(io, service);
@@ -925,17 +927,17 @@ async fn serve_io<IO, S, B>(
     drop(registered);
 }
 
-/// How many fields an HTTP/1 request head may have: one per [`BYTES_PER_FIELD`] of
-/// `max_header_bytes` (1,024 at the default 32 KiB), and never fewer than hyper's own 100.
-/// Past it, 431, as past `max_header_bytes`. Not one per byte the bound allows: hyper
-/// parses into an array of this many entries (64 bytes each), allocated for every parse of
-/// a head, so the count is bounded by the size it is taken from, not by the few bytes the
-/// smallest field needs.
-fn max_fields(max_header_bytes: usize) -> usize {
+/// How many fields an HTTP/1 request head may have unless `[server] max_header_fields`
+/// says: one per [`BYTES_PER_FIELD`] of `max_header_bytes` (1,024 at the default 32 KiB),
+/// and never fewer than hyper's own 100. Past it, 431, as past `max_header_bytes`. Not one
+/// per byte the bound allows by default: hyper parses into an array of this many entries
+/// (64 bytes each), allocated for every parse of a head, so the count is bounded by the
+/// size it is taken from; an operator whose clients send many tiny fields raises it.
+pub fn default_max_fields(max_header_bytes: usize) -> usize {
     (max_header_bytes / BYTES_PER_FIELD).max(100)
 }
 
-/// The request head bytes that allow one more field ([`max_fields`]).
+/// The request head bytes that allow one more field ([`default_max_fields`]).
 const BYTES_PER_FIELD: usize = 32;
 
 /// Which protocol the client speaks, and the bytes read to tell: the HTTP/2 preface, or

@@ -499,15 +499,24 @@ pub async fn serve(
 /// The cleartext listener's answer where `redirect_https` is on: 308 to the same URL on
 /// the TLS listener's `port` (RFC 9110 §15.4.9: the method and body are kept).
 fn to_https<B>(req: &Request<B>, port: u16) -> http::Response<crate::gateway::Body> {
-    let host = req.uri().host().map(str::to_string).or_else(|| {
-        let h = req.headers().get(http::header::HOST)?.to_str().ok()?;
-        // The host without its port (an IPv6 literal keeps its brackets).
-        let end = match h.rfind(']') {
-            Some(b) => b + 1,
-            None => h.find(':').unwrap_or(h.len()),
-        };
-        Some(h[..end].to_string())
-    });
+    // A host the gateway would refuse (userinfo, a path, two that disagree) never becomes
+    // a Location: `Host: evil.example/x` is a 400, not a redirect elsewhere.
+    let sound = crate::gateway::host_is_sound(req.version(), req.uri(), req.headers());
+    let host = sound
+        .then(|| req.uri().host().map(str::to_string))
+        .flatten()
+        .or_else(|| {
+            if !sound {
+                return None;
+            }
+            let h = req.headers().get(http::header::HOST)?.to_str().ok()?;
+            // The host without its port (an IPv6 literal keeps its brackets).
+            let end = match h.rfind(']') {
+                Some(b) => b + 1,
+                None => h.find(':').unwrap_or(h.len()),
+            };
+            Some(h[..end].to_string())
+        });
     let path = req.uri().path_and_query().map_or("/", |p| p.as_str());
     let location = match (host, port) {
         (Some(h), 443) => Some(format!("https://{h}{path}")),
@@ -549,8 +558,10 @@ mod tests {
 
     fn location(uri: &str, host: Option<&str>, port: u16) -> (u16, Option<String>) {
         let mut req = Request::get(uri);
-        if let Some(h) = host {
-            req = req.header("host", h);
+        match host {
+            Some(h) => req = req.header("host", h),
+            // An authority and no Host: an HTTP/2 request (`:authority`).
+            None => req = req.version(http::Version::HTTP_2),
         }
         let resp = to_https(&req.body(()).unwrap(), port);
         let at = resp
@@ -585,5 +596,9 @@ mod tests {
             (400, None),
             "no host to send it to"
         );
+        // A host the gateway would refuse is no Location.
+        for (uri, host) in [("/x", "evil.example/x"), ("/x", "a@evil.example")] {
+            assert_eq!(location(uri, Some(host), 443), (400, None), "{host}");
+        }
     }
 }

@@ -358,11 +358,17 @@ async fn endpoints_glob_rule_with_cost_is_counted_apart_from_light_calls(store: 
     let client = HttpClient::new();
     let key = [("x-api-key", "sk_endpoints")];
 
-    // Two exports at cost 5 empty a burst of 10; the site rule pays 1 each.
-    for (path, export_left, site_left) in [("/v1/a/export", 5, 99), ("/v1/b/export", 0, 98)] {
+    // Two exports at cost 5 empty a burst of 10; the site rule pays 1 each. `r` counts
+    // requests of the rule's cost: one export left, then none (of `q=2`).
+    for (path, export_left, site_left) in [("/v1/a/export", 1, 99), ("/v1/b/export", 0, 98)] {
         let r = client.get(&gw.url(path), &key).await;
         assert_eq!(r.status, StatusCode::OK, "{path}\n{}", gw.logs());
         assert_eq!(names(&r, "ratelimit"), ["export", "site"], "{path}");
+        assert_eq!(
+            int(&item(&r, "ratelimit-policy", "export"), "q"),
+            2,
+            "{path}"
+        );
         assert_eq!(remaining(&r, "export"), export_left, "{path}: cost 5");
         assert_eq!(remaining(&r, "site"), site_left, "{path}");
     }

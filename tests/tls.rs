@@ -770,6 +770,20 @@ async fn redirect_https_sends_cleartext_clients_to_the_tls_listener() {
         "{}",
         r.text
     );
+    // A host the gateway would refuse never becomes a Location: a path in the Host, and
+    // userinfo in an absolute-form target, are 400s, not redirects to another site.
+    for head in [
+        &b"GET /x HTTP/1.1\r\nHost: evil.example/x\r\nConnection: close\r\n\r\n"[..],
+        b"GET http://gw.test@evil.example/x HTTP/1.1\r\nHost: gw.test@evil.example\r\nConnection: close\r\n\r\n",
+    ] {
+        let r = raw_exchange(gw.port, head).await;
+        assert_eq!(r.status, 400, "{}", r.text);
+        assert!(
+            !r.text.to_ascii_lowercase().contains("location:"),
+            "{}",
+            r.text
+        );
+    }
     // Logged and counted, though never admitted.
     assert!(
         gw.wait_for_log("decision=\"redirect\"", 1, Duration::from_secs(5)),

@@ -147,6 +147,30 @@ async fn path_parameters_control_bytes_and_case_do_not_walk_around_a_path_rule()
         "no control byte reached the upstream"
     );
     assert!(check_path(&gw, "/api;x/orders").contains("(rules see the path as /api/orders)"));
+    // A parameter holding an encoded slash is read one way by Spring, Undertow and Jetty
+    // (the parameter cut first: /api/orders) and another by a decode-first reader
+    // (/orders): refused rather than guessed.
+    for path in [
+        "/api;x%2F..%2F/orders",
+        "/api;x%2f..%2f/orders",
+        "/api;%5C..%5C/o",
+    ] {
+        let a = raw_exchange(gw.port, &get_with_host(path, "app.test")).await;
+        assert_eq!(a.status, 400, "{path}: {}", a.text);
+    }
+    assert_eq!(
+        upstream.seen().len(),
+        5,
+        "no ambiguous parameter reached it"
+    );
+    // `ratewall check --path` says what the gateway answers them.
+    for path in ["/api/%00", "/api;x%2F..%2F/orders"] {
+        let explained = check_path(&gw, path);
+        assert!(
+            explained.contains("refused before any rule: 400"),
+            "{path}: {explained}"
+        );
+    }
 
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
@@ -174,6 +198,45 @@ async fn path_parameters_control_bytes_and_case_do_not_walk_around_a_path_rule()
     assert!(explained.contains("api:"), "{explained}");
 }
 
+/// An HTTP/1.0 request may name no host; the upstream hop then sends the upstream's own
+/// as its `Host`, and the backend serves it from that vhost: a `host` rule for it applies,
+/// since rules match the host forwarded.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http10_request_without_host_meets_the_rules_of_the_host_it_is_forwarded_with() {
+    let upstream = Upstream::start().await;
+    let rule = "[[rules]]\nname = \"vhost\"\nmatch = { host = \"127.0.0.1\" }\nkey = \"global\"\n\
+                rate = \"1/h\"\nburst = 2\n";
+    let gw = Gateway::start(&format!(
+        "{}{rule}",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
+    let mut statuses = Vec::new();
+    for _ in 0..4 {
+        statuses.push(
+            raw_exchange(gw.port, b"GET /x HTTP/1.0\r\n\r\n")
+                .await
+                .status,
+        );
+    }
+    assert_eq!(statuses, [200, 200, 429, 429], "{}", gw.logs());
+    let hosts: Vec<Option<String>> = upstream
+        .seen()
+        .iter()
+        .map(|s| {
+            s.headers
+                .get("host")
+                .and_then(|h| h.to_str().ok())
+                .map(str::to_string)
+        })
+        .collect();
+    assert!(
+        hosts
+            .iter()
+            .all(|h| h.as_deref().is_some_and(|h| h.starts_with("127.0.0.1:"))),
+        "forwarded with the upstream's host: {hosts:?}"
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // 3. Header names with underscores
 
@@ -199,6 +262,30 @@ async fn header_names_with_underscores_are_dropped_unless_asked_for() {
     assert_eq!(
         series(&gw, "ratewall_underscore_fields_dropped_total", &[]).await,
         Some(3.0)
+    );
+    // Over HTTP/2 alike.
+    let fields = [
+        (":method", "GET"),
+        (":scheme", "http"),
+        (":path", "/u2"),
+        (":authority", "app.test"),
+        ("x_api_key", "sk_victim_key"),
+        ("x-api-key", "sk_mine"),
+    ];
+    assert_eq!(h2_status(gw.port, &fields, b"").await, Some(200));
+    let seen = upstream.seen();
+    let h2 = seen
+        .iter()
+        .find(|s| s.path == "/u2")
+        .expect("the HTTP/2 request");
+    assert!(
+        !h2.headers.keys().any(|n| n.as_str().contains('_')),
+        "an underscored field reached the upstream over HTTP/2: {:?}",
+        h2.headers
+    );
+    assert_eq!(
+        series(&gw, "ratewall_underscore_fields_dropped_total", &[]).await,
+        Some(4.0)
     );
 
     let upstream = Upstream::start().await;
@@ -411,7 +498,10 @@ async fn two_http2_content_lengths_go_up_as_one_or_are_refused() {
     // Refused before the backend: h2 resets such a stream itself (PROTOCOL_ERROR), and the
     // gateway's screen answers 400 to any that got past it.
     let differing = post(&["5", "6"]).await;
-    assert!(matches!(differing, None | Some(400)), "{differing:?}");
+    assert!(
+        matches!(differing, Some(400 | common::H2_RESET)),
+        "a 400 or a reset, never a hang or a forward: {differing:?}"
+    );
 }
 
 /// More than hyper's default 100 fields, well within `max_header_bytes`, are served (nginx
@@ -443,14 +533,25 @@ async fn more_than_100_header_fields_within_max_header_bytes_are_served() {
         head(700).len(),
         a.text
     );
-    // 1,100 fields of a few bytes: under 32 KiB, over 1,024 fields.
+    // 1,100 fields of a few bytes: under 32 KiB, over the default 1,024 fields.
     let tiny: String = (0..1100).map(|i| format!("a{i}:\r\n")).collect();
-    let a = raw_exchange(
-        gw.port,
-        format!("GET / HTTP/1.1\r\nHost: api.example.com\r\n{tiny}\r\n").as_bytes(),
-    )
-    .await;
+    let tiny =
+        format!("GET / HTTP/1.1\r\nHost: api.example.com\r\n{tiny}Connection: close\r\n\r\n");
+    let a = raw_exchange(gw.port, tiny.as_bytes()).await;
     assert_eq!(a.status, 431);
+    // `max_header_fields` raises it for clients that send many tiny fields.
+    let gw = Gateway::start(&format!(
+        "max_header_fields = 2000\n{}",
+        upstream_and_store(&nginx.url(), &Store::Memory)
+    ));
+    let a = raw_exchange(gw.port, tiny.as_bytes()).await;
+    // Past the gateway: nginx itself answers (its 400 is its own limit on such heads).
+    assert_ne!(a.status, 431, "{}", a.text);
+    assert!(
+        a.text.to_ascii_lowercase().contains("server: nginx"),
+        "forwarded, nginx answered: {}",
+        a.text
+    );
 }
 
 /// OpenSSL's `s_client` over TLS 1.2 to `port`: after the handshake, `request` (if any)

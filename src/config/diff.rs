@@ -87,6 +87,10 @@ fn settings(o: &Config, n: &Config) -> Vec<&'static str> {
             "server.max_header_bytes",
             os.max_header_bytes == ns.max_header_bytes,
         ),
+        (
+            "server.max_header_fields",
+            os.max_header_fields == ns.max_header_fields,
+        ),
         ("server.backlog", os.backlog == ns.backlog),
         ("server.path_case", os.path_case == ns.path_case),
         (

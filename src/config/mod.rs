@@ -184,6 +184,45 @@ fn from_toml<T: DeserializeOwned>(text: &str, path: &Path, plans: &str) -> Resul
     })
 }
 
+/// With `underscores_in_headers = false`, fields whose name has `_` are dropped before
+/// anything reads them: a key header or a rule's `header:<name>` with one would never be
+/// seen, and every request would look as if it did not carry it. Refused at load.
+fn underscored_names(
+    key_header: &http::HeaderName,
+    rules: &[Rule],
+    raw: &[toml::Spanned<rules::RawRule>],
+) -> Result<(), Invalid> {
+    let why = |name: &http::HeaderName| {
+        format!(
+            "the header {name:?} has an underscore, and such fields are dropped (underscores_in_headers = false): no request would carry it; rename it, or set [server] underscores_in_headers = true"
+        )
+    };
+    if key_header.as_str().contains('_') {
+        return Err(Invalid::new(None, "keys.header", why(key_header)));
+    }
+    for (i, (rule, spanned)) in rules.iter().zip(raw).enumerate() {
+        let by_key = match &rule.key.kind {
+            KeyKind::Header(h) => Some((h, "key")),
+            _ => None,
+        };
+        let by_match = rule.matcher.carrying.iter().find_map(|c| match &c.carried {
+            crate::identity::Carried::Header(h) => Some((h, "match")),
+            crate::identity::Carried::ApiKey => None,
+        });
+        if let Some((h, what)) = by_key
+            .or(by_match)
+            .filter(|(h, _)| h.as_str().contains('_'))
+        {
+            return Err(Invalid::new(
+                Some(spanned.span()),
+                format!("rules[{i}].{what}"),
+                why(h),
+            ));
+        }
+    }
+    Ok(())
+}
+
 impl Config {
     /// Read and validate the file at `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
@@ -273,6 +312,9 @@ impl Config {
         }
         drop(plan_names);
         let server = raw.server.validate(tls);
+        if !server.underscores_in_headers {
+            underscored_names(&keys.header, &rules, &raw.rules)?;
+        }
         let index = RuleIndex::new(&rules, server.path_case);
         Ok(Config {
             admin: raw.admin.validate(env_token),

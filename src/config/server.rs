@@ -8,7 +8,9 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-use super::values::{AdminToken, Backlog, HeaderBytes, HumanDuration, MaxConnections, Workers};
+use super::values::{
+    AdminToken, Backlog, HeaderBytes, HeaderFields, HumanDuration, MaxConnections, Workers,
+};
 use crate::connection::{self, Timeouts};
 use crate::headers::ResponseStyle;
 use crate::rules::PathCase;
@@ -36,6 +38,8 @@ pub struct Server {
     /// The largest request head (request line and fields; HTTP/2: the header list size)
     /// a client may send; past it, 431.
     pub max_header_bytes: usize,
+    /// The most fields an HTTP/1 request head may have (`max_header_fields`); past it, 431.
+    pub max_header_fields: usize,
     /// How the backend compares paths, and so the rules (`path_case`).
     pub path_case: PathCase,
     /// Whether header fields with `_` in their name are forwarded (`true`) or dropped
@@ -78,6 +82,7 @@ impl Server {
         connection::Settings {
             timeouts: self.timeouts,
             max_header_bytes: self.max_header_bytes,
+            max_header_fields: self.max_header_fields,
         }
     }
 }
@@ -116,6 +121,7 @@ pub(super) struct RawServer {
     max_connections: Option<MaxConnections>,
     backlog: Option<Backlog>,
     max_header_bytes: Option<HeaderBytes>,
+    max_header_fields: Option<HeaderFields>,
     path_case: Option<PathCase>,
     underscores_in_headers: Option<bool>,
     pub(super) tls: Option<super::tls::RawTls>,
@@ -124,6 +130,7 @@ pub(super) struct RawServer {
 impl RawServer {
     /// Every setting the file leaves out takes its default.
     pub(super) fn validate(self, tls: Option<crate::tls::Settings>) -> Server {
+        let max_header_bytes = self.max_header_bytes.map_or(MAX_HEADER_BYTES, |m| m.0);
         let d = Timeouts::default();
         let or = |v: Option<HumanDuration>, default| v.map_or(default, |v| v.0);
         Server {
@@ -142,7 +149,10 @@ impl RawServer {
                 .map_or_else(|| derive_max_connections(open_files_limit()), |m| m.0),
             max_connections_set: self.max_connections.is_some(),
             backlog: self.backlog.map_or(BACKLOG, |b| b.0),
-            max_header_bytes: self.max_header_bytes.map_or(MAX_HEADER_BYTES, |m| m.0),
+            max_header_bytes,
+            max_header_fields: self
+                .max_header_fields
+                .map_or_else(|| connection::default_max_fields(max_header_bytes), |m| m.0),
             path_case: self.path_case.unwrap_or_default(),
             underscores_in_headers: self.underscores_in_headers.unwrap_or(false),
             tls,

@@ -317,6 +317,21 @@ impl<'de> Deserialize<'de> for HeaderBytes {
     }
 }
 
+/// How many fields an HTTP/1 request head may have: 100 to 65,536.
+pub(super) struct HeaderFields(pub(super) usize);
+
+impl<'de> Deserialize<'de> for HeaderFields {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = u64::deserialize(d)?;
+        if !(100..=65_536).contains(&n) {
+            return Err(de::Error::custom(format!(
+                "max_header_fields = {n}: 100 to 65536 (default: one per 32 bytes of max_header_bytes, 1024 at 32KiB)"
+            )));
+        }
+        Ok(HeaderFields(n as usize))
+    }
+}
+
 /// A size: a whole number of bytes, or a string with a binary unit: `"512B"`, `"32KiB"`,
 /// `"1MiB"` (`k` and `m`, as nginx writes them, are the same units).
 pub(super) struct ByteSize(pub(super) u64);

@@ -11,7 +11,7 @@ use http::{HeaderMap, Method};
 use super::limits::matching;
 use crate::config::Config;
 use crate::identity::{Carried, KeyKind, Refusal, Requester, Source};
-use crate::rules::{self, Applies, Condition, Match, Mode, PathMatch, Rule};
+use crate::rules::{Applies, Condition, Match, Mode, PathMatch, Rule};
 
 /// What `ratewall check` prints for a request of `method` to `raw_path` with `headers`
 /// from `peer`.
@@ -26,6 +26,21 @@ pub fn explain(
     let _ = writeln!(out, "sample request: {method} {raw_path}");
     // The path part only: `--path` may carry a query.
     let raw = raw_path.split_once('?').map_or(raw_path, |(p, _)| p);
+    // What the gateway would answer before any rule: a path it refuses.
+    if let Some(p) =
+        super::screen::path_problem(raw).or_else(|| super::screen::parameter_problem(raw))
+    {
+        let detail = serde_json::from_slice::<serde_json::Value>(&p.body)
+            .ok()
+            .and_then(|v| v["detail"].as_str().map(str::to_string))
+            .unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "refused before any rule: {} ({detail})",
+            p.status.as_u16()
+        );
+        return out;
+    }
     let path = cfg.index.path_of(raw);
     if path != raw {
         let _ = writeln!(out, "  (rules see the path as {path})");
@@ -42,6 +57,15 @@ pub fn explain(
         }
     };
     parts.headers = headers.clone();
+    if !cfg.server.underscores_in_headers {
+        let dropped = super::screen::drop_underscored(&mut parts.headers);
+        if dropped > 0 {
+            let _ = writeln!(
+                out,
+                "  ({dropped} header field(s) with '_' in the name dropped: underscores_in_headers = false)"
+            );
+        }
+    }
     let fitting = matching(cfg, &parts);
     let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip);
     let plan = requester.plan();
@@ -49,7 +73,7 @@ pub fn explain(
     let mut not = Vec::new();
     for (i, r) in cfg.rules.iter().enumerate() {
         if !fitting.contains(&i) {
-            let host = rules::request_host(&parts.uri, &parts.headers);
+            let host = super::limits::forwarded_host(cfg, &parts);
             not.push(format!(
                 "{}: {}",
                 r.name,
@@ -227,7 +251,7 @@ mod tests {
                 "  - keyed: 10/s burst 10 (plan pro), token_bucket; counted per x-api-key (identity d3101a88)",
                 "2 rule(s) do not apply:",
                 "    anon: match api_key = \"absent\", and the request carries an API key (x-api-key)",
-                "    users: no host, and it applies on app.test only",
+                "    users: the host 127.0.0.1 is not app.test",
             ]
         );
         assert_eq!(

@@ -110,9 +110,17 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
 pub fn matching(cfg: &crate::config::Config, parts: &Parts) -> Vec<usize> {
     let path = cfg.index.path_of(parts.uri.path());
     let host = if cfg.index.uses_host {
-        rules::request_host(&parts.uri, &parts.headers)
+        forwarded_host(cfg, parts)
     } else {
         None
     };
     cfg.index.matching(&parts.method, &path, host)
+}
+
+/// The host a request is forwarded with, as rules match it: its own
+/// ([`rules::request_host`]), or, for a request that names none (HTTP/1.0 may), the
+/// upstream's, which the upstream hop then sends as its `Host` — so a `host` rule for the
+/// backend's default vhost applies to what that vhost serves.
+pub fn forwarded_host<'a>(cfg: &'a crate::config::Config, parts: &'a Parts) -> Option<&'a str> {
+    rules::request_host(&parts.uri, &parts.headers).or_else(|| cfg.upstream.url.host())
 }

@@ -64,6 +64,13 @@ pub struct Gateway {
     upstream_health: upstream::Health,
 }
 
+/// Whether a request's host is one the gateway would serve: a `Host` and authority that
+/// are `uri-host [ ":" port ]` and agree (the screen's rule, for answers made before the
+/// gateway proper, such as `redirect_https`'s 308, whose `Location` is built from it).
+pub fn host_is_sound(version: http::Version, uri: &http::Uri, headers: &HeaderMap) -> bool {
+    screen::host_problem(version, uri, headers).is_none()
+}
+
 /// How a request was answered, for the access log and the metrics.
 #[derive(Debug, Clone)]
 pub struct Note<'l> {

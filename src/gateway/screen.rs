@@ -14,6 +14,35 @@ pub(super) fn problem(parts: &Parts) -> Option<Problem> {
         .or_else(|| framing_problem(&parts.headers))
         .or_else(|| host_problem(parts.version, &parts.uri, &parts.headers))
         .or_else(|| path_problem(parts.uri.path()))
+        .or_else(|| parameter_problem(parts.uri.path()))
+}
+
+/// A `;` path parameter that holds an encoded slash or a backslash (`/api;x%2F..%2F/o`):
+/// backends disagree on which comes first. Spring, Undertow and Jetty cut a segment's
+/// parameter before they decode it (`/api/o` above), the rules decode first and would cut
+/// after (`/o`), and nginx keeps `;` as text. No one reading wins every backend, so such a
+/// path is refused, as Jetty 10 refuses these "ambiguous" paths.
+pub(super) fn parameter_problem(path: &str) -> Option<Problem> {
+    if !path.contains(';') {
+        return None;
+    }
+    let ambiguous = path.split('/').any(|segment| {
+        segment.split_once(';').is_some_and(|(_, params)| {
+            let p = params.as_bytes();
+            p.contains(&b'\\')
+                || p.windows(3).any(|w| {
+                    w[0] == b'%'
+                        && ((w[1] == b'2' && w[2].eq_ignore_ascii_case(&b'f'))
+                            || (w[1] == b'5' && w[2].eq_ignore_ascii_case(&b'c')))
+                })
+        })
+    });
+    ambiguous.then(|| {
+        Problem::new(
+            StatusCode::BAD_REQUEST,
+            "an encoded slash or a backslash inside a ;parameter of the path: backends read it differently",
+        )
+    })
 }
 
 /// A path with an encoded control byte (`%00` to `%1F`, `%7F`): no route has one, and
@@ -21,7 +50,7 @@ pub(super) fn problem(parts: &Parts) -> Option<Problem> {
 /// ends at it (`/api/x%00.png` is `/api/x` to one, a `.png` to another), and a log line
 /// may be broken by `%0A`. Raw control bytes never get this far: the request line's parser
 /// refuses them. The query is not looked at: its bytes are the application's.
-fn path_problem(path: &str) -> Option<Problem> {
+pub(super) fn path_problem(path: &str) -> Option<Problem> {
     let b = path.as_bytes();
     let hex = |c: u8| (c as char).to_digit(16);
     let control = memchr::memchr_iter(b'%', b).any(|at| {
@@ -161,7 +190,11 @@ fn method_problem(method: &http::Method) -> Option<Problem> {
 ///   the rules match too — but a client naming two hosts is asking whoever reads the other
 ///   one (a backend that trusts a copied `Host`, a cache) to see another request than the
 ///   rules saw, so the gateway refuses to choose for them, over either protocol.
-fn host_problem(version: http::Version, uri: &http::Uri, headers: &HeaderMap) -> Option<Problem> {
+pub(super) fn host_problem(
+    version: http::Version,
+    uri: &http::Uri,
+    headers: &HeaderMap,
+) -> Option<Problem> {
     let host = headers.get(http::header::HOST);
     let authority = uri.authority();
     match (host, authority) {
@@ -294,6 +327,27 @@ mod tests {
         assert_eq!(h.len(), 1);
         assert_eq!(h["x-api-key"], "mine");
         assert_eq!(drop_underscored(&mut h), 0);
+    }
+
+    #[test]
+    fn parameters_holding_a_slash_are_refused_as_ambiguous() {
+        for bad in [
+            "/api;x%2F..%2F/orders",
+            "/api;x%2f../orders",
+            "/a/b;%5C..%5c/c",
+            "/api;x\\../o",
+        ] {
+            assert!(parameter_problem(bad).is_some(), "{bad}");
+        }
+        for good in [
+            "/api;v=1/orders",
+            "/api/x%2Fy",
+            "/a;b=c;d/e",
+            "/api%3Bx/o",
+            "/x",
+        ] {
+            assert!(parameter_problem(good).is_none(), "{good}");
+        }
     }
 
     #[test]

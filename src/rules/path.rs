@@ -216,14 +216,26 @@ impl PathCase {
         }
     }
 
-    /// `path` as compared under this setting: lowercased (Unicode's lowercase, the same
-    /// function for the rules and the requests) where case is ignored.
+    /// `path` as compared under this setting, where case is ignored: each character
+    /// uppercased, then lowercased (the same function for the rules and the requests).
+    /// Lowercasing alone is not enough: .NET and IIS compare by uppercase, under which
+    /// `ı` (U+0131) is `I` and `ſ` (U+017F) is `S`, so `/ap%C4%B1/` is their `/api/`.
     pub fn fold(self, path: std::borrow::Cow<'_, str>) -> std::borrow::Cow<'_, str> {
         match self {
-            PathCase::Insensitive if path.chars().any(char::is_uppercase) => {
-                path.to_lowercase().into()
+            PathCase::Sensitive => path,
+            PathCase::Insensitive if path.is_ascii() => {
+                if path.bytes().any(|b| b.is_ascii_uppercase()) {
+                    path.to_ascii_lowercase().into()
+                } else {
+                    path
+                }
             }
-            _ => path,
+            PathCase::Insensitive => path
+                .chars()
+                .flat_map(char::to_uppercase)
+                .flat_map(char::to_lowercase)
+                .collect::<String>()
+                .into(),
         }
     }
 }
@@ -346,6 +358,10 @@ mod tests {
         assert_eq!(fold(PathCase::Insensitive, "/API/x"), "/api/x");
         assert_eq!(fold(PathCase::Insensitive, "/CAFÉ"), "/café");
         assert_eq!(fold(PathCase::Insensitive, "/api/x"), "/api/x");
+        // Letters whose uppercase is ASCII: the rules' `/api/` is the backend's.
+        assert_eq!(fold(PathCase::Insensitive, "/ap\u{131}/x"), "/api/x");
+        assert_eq!(fold(PathCase::Insensitive, "/\u{17f}tatic"), "/static");
+        assert_eq!(fold(PathCase::Insensitive, "/\u{212a}ey"), "/key");
     }
 
     #[test]

@@ -192,11 +192,15 @@ pub fn hpack(fields: &[(&str, &str)]) -> Vec<u8> {
     block
 }
 
+/// What [`h2_status`] answers for a stream the server reset (RST_STREAM) instead of
+/// answering: no HTTP status has this value.
+pub const H2_RESET: u16 = 0;
+
 /// Send one HTTP/2 request on a new h2c connection: `fields` as its HEADERS on stream 1,
 /// then `body` as one DATA frame (none if empty). The answer's `:status`, read from the
 /// first HEADERS frame on stream 1: an index into HPACK's static table (200, 204, 206,
-/// 304, 400, 404, 500 are there), or a literal (429, 502...); `None` if the connection
-/// ended (or [`WAIT`] passed) without one.
+/// 304, 400, 404, 500 are there), or a literal (429, 502...); [`H2_RESET`] if the stream
+/// was reset; `None` if the connection ended (or [`WAIT`] passed) without either.
 pub async fn h2_status(port: u16, fields: &[(&str, &str)], body: &[u8]) -> Option<u16> {
     let mut s = connect(port).await;
     let mut out = H2_START.to_vec();
@@ -220,6 +224,10 @@ pub async fn h2_status(port: u16, fields: &[(&str, &str)], body: &[u8]) -> Optio
                 let stream = u32::from_be_bytes([f[5], f[6], f[7], f[8]]) & 0x7fff_ffff;
                 if f[3] == 0x1 && stream == 1 {
                     return status_in_block(&f[9..9 + len], f[4]);
+                }
+                // RST_STREAM on the request's stream: refused by the HTTP/2 layer.
+                if f[3] == 0x3 && stream == 1 {
+                    return Some(H2_RESET);
                 }
                 at += 9 + len;
             }
