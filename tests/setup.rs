@@ -254,6 +254,17 @@ fn check_applies_the_overrides_and_says_so() {
     );
 }
 
+/// The log at `log` once it says "ratewall listening" (or after 20 s, whatever it says).
+fn log_once_listening(log: &std::path::Path) -> String {
+    let end = std::time::Instant::now() + Duration::from_secs(20);
+    let mut text = String::new();
+    while std::time::Instant::now() < end && !text.contains("ratewall listening") {
+        std::thread::sleep(Duration::from_millis(20));
+        text = std::fs::read_to_string(log).unwrap_or_default();
+    }
+    text
+}
+
 /// The shipped `config/limits.toml`, run as the README's Docker example runs it: the
 /// listeners and the upstream from the environment, under an open-file limit of 20,000
 /// (a common distribution default, and the one the newcomer's machine had). Killed on
@@ -565,12 +576,7 @@ fn max_connections_is_derived_from_the_open_file_limit_unless_set() {
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .expect("spawn");
-    let end = std::time::Instant::now() + Duration::from_secs(20);
-    let mut text = String::new();
-    while std::time::Instant::now() < end && !text.contains("ratewall listening") {
-        std::thread::sleep(Duration::from_millis(20));
-        text = std::fs::read_to_string(&log).unwrap_or_default();
-    }
+    let text = log_once_listening(&log);
     let _ = child.kill();
     let _ = child.wait();
     assert!(
@@ -670,12 +676,7 @@ async fn the_tls_quick_start_works_as_written_on_loopback() {
         .stderr(std::fs::File::create(&log).unwrap())
         .spawn()
         .expect("spawn");
-    let end = std::time::Instant::now() + Duration::from_secs(20);
-    let mut text = String::new();
-    while std::time::Instant::now() < end && !text.contains("ratewall listening") {
-        std::thread::sleep(Duration::from_millis(20));
-        text = std::fs::read_to_string(&log).unwrap_or_default();
-    }
+    let text = log_once_listening(&log);
     let roots = [rustls_pki_types::CertificateDer::from(common::cert_der(
         &config.join("cert.pem"),
     ))];
