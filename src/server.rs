@@ -21,7 +21,7 @@ use tokio::net::TcpListener;
 use crate::config::Config;
 use crate::connection::{self, InFlight, Registry, Tracked};
 use crate::gateway::{Gateway, Live};
-use crate::upstream::Peer;
+use crate::upstream::ClientPeer;
 
 /// Open connections the admin listener takes at most: enough for dashboards and scrapers,
 /// and a bound of its own, so a flood of gateway clients never locks the operator out.
@@ -433,7 +433,7 @@ pub async fn serve(
         drop(live);
         // The connection's service: its requests, each tracked as in flight until its
         // answer's body is done.
-        let service = move |client: Peer, track: Arc<connection::Track>| {
+        let service = move |client: ClientPeer, track: Arc<connection::Track>| {
             // The verified client certificate, given to each request (see `ClientCert`).
             let cert = client
                 .tls
@@ -461,7 +461,7 @@ pub async fn serve(
             None => {
                 tokio::spawn(async move {
                     // Rendered once for all the connection's requests.
-                    let client = Peer::new(peer);
+                    let client = ClientPeer::new(peer);
                     connection::serve(stream, &registry, permit, settings, |track| {
                         service(client, track)
                     })
@@ -478,7 +478,7 @@ pub async fn serve(
                         permit,
                         settings,
                         |outcome, session| metrics.tls_handshake(outcome, session),
-                        |track, session| service(Peer::with_tls(peer, Some(session)), track),
+                        |track, session| service(ClientPeer::with_tls(peer, Some(session)), track),
                     )
                     .await;
                 });

@@ -13,7 +13,7 @@ use http::{Method, Request};
 
 use super::Note;
 use crate::config::Config;
-use crate::upstream::Peer;
+use crate::upstream::ClientPeer;
 
 /// The most of a client-chosen value (host, user agent) a line carries, in bytes before
 /// escaping; past it the value is cut and marked with `…`.
@@ -35,7 +35,11 @@ pub(super) struct AccessLine {
 }
 
 impl AccessLine {
-    pub(super) fn start<B>(req: &Request<B>, peer: &Peer, cfg: &Config) -> Option<AccessLine> {
+    pub(super) fn start<B>(
+        req: &Request<B>,
+        peer: &ClientPeer,
+        cfg: &Config,
+    ) -> Option<AccessLine> {
         if !tracing::enabled!(target: "ratewall::access", tracing::Level::INFO) {
             return None;
         }

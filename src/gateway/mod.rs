@@ -34,7 +34,7 @@ use crate::limiter::{Check, Decision, StoreError};
 use crate::metrics::{
     status_class, Gauged, Metrics, Outcome, RefusalReason, ReloadLabels, ReloadResult, RuleCounters,
 };
-use crate::upstream::{self, Downstream, Peer};
+use crate::upstream::{self, ClientPeer, Downstream};
 use access::AccessLine;
 use limits::Limit;
 use live::WaitSlot;
@@ -61,7 +61,7 @@ pub struct Gateway {
     source: Option<Source>,
     metrics: Arc<Metrics>,
     /// Whether the upstream answers, for the log: kept across reloads.
-    upstream_health: upstream::Health,
+    upstream_health: upstream::OutageLog,
 }
 
 /// Whether a request's host is one the gateway would serve: a `Host` and authority that
@@ -170,7 +170,7 @@ impl Gateway {
             live: ArcSwap::from_pointee(live),
             source,
             metrics,
-            upstream_health: upstream::Health::default(),
+            upstream_health: upstream::OutageLog::default(),
         }
     }
 
@@ -242,7 +242,7 @@ impl Gateway {
     }
 
     /// Serve one request: admit it, then answer or forward it, and record how it went.
-    pub async fn handle(&self, req: Request<Incoming>, peer: &Peer) -> Response<Body> {
+    pub async fn handle(&self, req: Request<Incoming>, peer: &ClientPeer) -> Response<Body> {
         let started = Instant::now();
         let _in_flight = Gauged::new(&self.metrics.in_flight);
         let live = self.live.load_full();
@@ -287,7 +287,7 @@ impl Gateway {
     pub fn redirect<B>(
         &self,
         req: &Request<B>,
-        peer: &Peer,
+        peer: &ClientPeer,
         answer: impl FnOnce(&Request<B>) -> Response<Body>,
     ) -> Response<Body> {
         let log = AccessLine::start(req, peer, &self.live.load().config);
@@ -436,7 +436,7 @@ impl Gateway {
         &self,
         live: &'l Live,
         req: Request<Incoming>,
-        peer: &Peer,
+        peer: &ClientPeer,
         pass: Pass<'l>,
     ) -> (Response<Body>, Note<'l>) {
         let mut pass = pass;
@@ -511,7 +511,7 @@ impl Gateway {
         cfg: &Config,
         e: upstream::Error,
         version: http::Version,
-        peer: &Peer,
+        peer: &ClientPeer,
         pass: &Pass<'_>,
     ) -> Response<Body> {
         let (status, detail) = (e.status(), e.detail());
@@ -699,16 +699,16 @@ fn store_failed<'l>(live: &'l Live, limits: &[Limit<'l, '_>], verdict: Verdict) 
     Admission::Answer(problem(p.with_retry_after(1), &live.config, &[]), note)
 }
 
-/// The upstream's change of state, once per change (`upstream::Health`).
-fn log_upstream(change: upstream::HealthChange, cfg: &Config, error: Option<&upstream::Error>) {
+/// The upstream's change of state, once per change (`upstream::OutageLog`).
+fn log_upstream(change: upstream::OutageChange, cfg: &Config, error: Option<&upstream::Error>) {
     let upstream = cfg.upstream.url.to_string();
     match change {
-        upstream::HealthChange::Failing => tracing::warn!(
+        upstream::OutageChange::Failing => tracing::warn!(
             upstream = upstream.trim_end_matches('/'),
             error = error.map(tracing::field::display),
             "upstream failing: its requests get 502 or 504 until it answers again (logged once; the count of failures comes then)"
         ),
-        upstream::HealthChange::Recovered { failures, down_for } => {
+        upstream::OutageChange::Recovered { failures, down_for } => {
             let down_for = humantime::format_duration(Duration::from_millis(
                 down_for.as_millis() as u64,
             ))

@@ -1,6 +1,6 @@
 //! What a request carries up besides its own fields: the forwarding fields of this hop
 //! (`X-Forwarded-*`, `Forwarded`, `X-Real-IP`), written from what the gateway saw of the
-//! client ([`Downstream`], [`Peer`]); and what it must not carry, the hop-by-hop fields
+//! client ([`Downstream`], [`ClientPeer`]); and what it must not carry, the hop-by-hop fields
 //! (RFC 9110 §7.6.1), left out both ways.
 
 use std::net::{IpAddr, SocketAddr};
@@ -98,7 +98,7 @@ pub(super) fn prepare(
 
 /// What the upstream hop needs to know of the client side of a request.
 pub struct Downstream<'a> {
-    pub peer: &'a Peer,
+    pub peer: &'a ClientPeer,
     /// Whether the peer is a trusted proxy: its forwarding headers are kept and appended
     /// to, where an untrusted peer's are replaced.
     pub trusted: bool,
@@ -109,7 +109,7 @@ pub struct Downstream<'a> {
 /// A client connection's peer, with its address as the forwarding headers show it:
 /// rendered once per connection, not once per request.
 #[derive(Clone)]
-pub struct Peer {
+pub struct ClientPeer {
     pub addr: SocketAddr,
     /// `10.0.0.1` or `::1`, as `X-Forwarded-For` and `X-Real-IP` carry it.
     forwarded: HeaderValue,
@@ -123,14 +123,14 @@ pub struct Peer {
     pub tls: Option<crate::tls::Session>,
 }
 
-impl Peer {
+impl ClientPeer {
     /// A client of the cleartext listener.
-    pub fn new(addr: SocketAddr) -> Peer {
-        Peer::with_tls(addr, None)
+    pub fn new(addr: SocketAddr) -> ClientPeer {
+        ClientPeer::with_tls(addr, None)
     }
 
     /// A client, over TLS where `tls` says what its handshake agreed.
-    pub fn with_tls(addr: SocketAddr, tls: Option<crate::tls::Session>) -> Peer {
+    pub fn with_tls(addr: SocketAddr, tls: Option<crate::tls::Session>) -> ClientPeer {
         let ip = addr.ip().to_canonical();
         let text = ip.to_string();
         let node = match ip {
@@ -142,7 +142,7 @@ impl Peer {
             HeaderValue::from_maybe_shared(Bytes::from(s))
                 .unwrap_or_else(|_| HeaderValue::from_static("unknown"))
         };
-        Peer {
+        ClientPeer {
             addr,
             forwarded: value(text),
             element: value(format!(
@@ -244,7 +244,7 @@ pub(super) fn fields(
 fn appended(
     head: &mut Vec<u8>,
     headers: &HeaderMap,
-    peer: &Peer,
+    peer: &ClientPeer,
     host: Option<&HeaderValue>,
     kept: Kept,
 ) {
@@ -271,7 +271,7 @@ fn appended(
 }
 
 /// What the gateway itself saw, in place of all an untrusted peer said.
-fn replaced(head: &mut Vec<u8>, peer: &Peer, host: Option<&HeaderValue>) {
+fn replaced(head: &mut Vec<u8>, peer: &ClientPeer, host: Option<&HeaderValue>) {
     field_line(head, "x-forwarded-for", &[peer.forwarded.as_bytes()]);
     field_line(head, "x-real-ip", &[peer.forwarded.as_bytes()]);
     field_line(head, "x-forwarded-proto", &[peer.proto()]);
@@ -331,7 +331,7 @@ mod tests {
     /// The head written for `request` from `peer`, trusted or not.
     fn forwarded_head(request: Request<()>, peer: &str, trusted: bool) -> String {
         let (parts, ()) = request.into_parts();
-        let peer = Peer::new(peer.parse().unwrap());
+        let peer = ClientPeer::new(peer.parse().unwrap());
         let down = Downstream {
             peer: &peer,
             trusted,

@@ -37,7 +37,7 @@ mod body;
 mod error;
 mod forward;
 mod head;
-mod health;
+mod outage;
 mod pool;
 mod stream;
 mod tls;
@@ -52,8 +52,8 @@ use tokio::io::AsyncWriteExt;
 
 pub use body::{BodyError, ResponseBody};
 pub use error::{Error, Malformed};
-pub use forward::{Downstream, Peer};
-pub use health::{Health, HealthChange};
+pub use forward::{ClientPeer, Downstream};
+pub use outage::{OutageChange, OutageLog};
 pub use tls::{NoVerification, Tls, TlsError, TlsFailure, TlsHandshake, TlsHandshakes, TlsOptions};
 
 use body::{Conn, Sending, Upload, UploadError};

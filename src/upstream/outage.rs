@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 use super::Error;
 
 /// The upstream's state, as far as the log is concerned.
-pub struct Health {
+pub struct OutageLog {
     /// Requests that failed since the upstream last answered.
     failures: AtomicU64,
     /// When the first of them failed: ms since `epoch`.
@@ -22,16 +22,16 @@ pub struct Health {
 
 /// A change of the upstream's state, for the caller to log.
 #[derive(Debug, PartialEq, Eq)]
-pub enum HealthChange {
+pub enum OutageChange {
     /// The first failure after answers (or since start).
     Failing,
     /// An answer after `failures` failed requests, the first of them `down_for` ago.
     Recovered { failures: u64, down_for: Duration },
 }
 
-impl Default for Health {
+impl Default for OutageLog {
     fn default() -> Self {
-        Health {
+        OutageLog {
             failures: AtomicU64::new(0),
             since_ms: AtomicU64::new(0),
             epoch: Instant::now(),
@@ -39,11 +39,11 @@ impl Default for Health {
     }
 }
 
-impl Health {
+impl OutageLog {
     /// A request failed. `Some` when this starts an outage. The client's own failures (a
     /// body malformed or stalled), a target that cannot go upstream, and an answer in a
     /// coding the client cannot take say nothing of whether the upstream answers.
-    pub fn failed(&self, e: &Error) -> Option<HealthChange> {
+    pub fn failed(&self, e: &Error) -> Option<OutageChange> {
         if e.is_client_error() || matches!(e, Error::Target(_) | Error::Coding(_)) {
             return None;
         }
@@ -51,13 +51,13 @@ impl Health {
         if n == 0 {
             self.since_ms
                 .store(self.epoch.elapsed().as_millis() as u64, Relaxed);
-            return Some(HealthChange::Failing);
+            return Some(OutageChange::Failing);
         }
         None
     }
 
     /// The upstream answered (with any status). `Some` when this ends an outage.
-    pub fn answered(&self) -> Option<HealthChange> {
+    pub fn answered(&self) -> Option<OutageChange> {
         if self.failures.load(Relaxed) == 0 {
             return None;
         }
@@ -68,7 +68,7 @@ impl Health {
         }
         let now = self.epoch.elapsed().as_millis() as u64;
         let since = self.since_ms.load(Relaxed);
-        Some(HealthChange::Recovered {
+        Some(OutageChange::Recovered {
             failures,
             down_for: Duration::from_millis(now.saturating_sub(since)),
         })
@@ -93,28 +93,28 @@ mod tests {
 
     #[test]
     fn an_outage_is_one_change_in_and_one_out_with_its_count() {
-        let h = Health::default();
+        let h = OutageLog::default();
         assert_eq!(h.answered(), None, "healthy: nothing to say");
-        assert_eq!(h.failed(&refused()), Some(HealthChange::Failing));
+        assert_eq!(h.failed(&refused()), Some(OutageChange::Failing));
         for _ in 0..99 {
             assert_eq!(h.failed(&Error::Timeout(Duration::from_secs(1))), None);
         }
         assert_eq!(h.failures(), 100);
         match h.answered() {
-            Some(HealthChange::Recovered { failures, .. }) => assert_eq!(failures, 100),
+            Some(OutageChange::Recovered { failures, .. }) => assert_eq!(failures, 100),
             other => panic!("{other:?}"),
         }
         assert_eq!(h.answered(), None, "said once");
         assert_eq!(
             h.failed(&refused()),
-            Some(HealthChange::Failing),
+            Some(OutageChange::Failing),
             "a new outage"
         );
     }
 
     #[test]
     fn the_clients_own_failures_say_nothing_of_the_upstream() {
-        let h = Health::default();
+        let h = OutageLog::default();
         let stalled = Error::ClientStalled(Duration::from_secs(1));
         assert_eq!(h.failed(&stalled), None);
         assert_eq!(h.failures(), 0);
