@@ -20,6 +20,19 @@ fn get_with_host(target: &str, host: &str) -> Vec<u8> {
     format!("GET {target} HTTP/1.1\r\nHost: {host}\r\nConnection: close\r\n\r\n").into_bytes()
 }
 
+/// The statuses of `n` GETs (Host `app.test`) to `paths` in turn.
+async fn in_turn(port: u16, paths: &[&str], n: usize) -> Vec<u16> {
+    let mut statuses = Vec::with_capacity(n);
+    for path in paths.iter().cycle().take(n) {
+        statuses.push(
+            raw_exchange(port, &get_with_host(path, "app.test"))
+                .await
+                .status,
+        );
+    }
+    statuses
+}
+
 // ---------------------------------------------------------------------------------------
 // 1. A Host with `@`
 
@@ -115,15 +128,7 @@ async fn path_parameters_control_bytes_and_case_do_not_walk_around_a_path_rule()
         "/x/..;/api/y",
         "/api/;v=2",
     ];
-    let mut statuses = Vec::new();
-    for i in 0..12 {
-        let path = spellings[i % spellings.len()];
-        statuses.push(
-            raw_exchange(gw.port, &get_with_host(path, "app.test"))
-                .await
-                .status,
-        );
-    }
+    let statuses = in_turn(gw.port, &spellings, 12).await;
     assert_eq!(statuses, [[200; 5].as_slice(), &[429; 7]].concat());
     let seen: Vec<String> = upstream.seen().iter().map(|s| s.path.clone()).collect();
     assert!(
@@ -178,15 +183,7 @@ async fn path_parameters_control_bytes_and_case_do_not_walk_around_a_path_rule()
         upstream_and_store(&upstream.url(), &Store::Memory)
     ));
     let spellings = ["/API/orders", "/Api/x", "/aPI;x/y", "/api/z"];
-    let mut statuses = Vec::new();
-    for i in 0..8 {
-        let path = spellings[i % spellings.len()];
-        statuses.push(
-            raw_exchange(gw.port, &get_with_host(path, "app.test"))
-                .await
-                .status,
-        );
-    }
+    let statuses = in_turn(gw.port, &spellings, 8).await;
     assert_eq!(statuses, [[200; 5].as_slice(), &[429; 3]].concat());
     let seen: Vec<String> = upstream.seen().iter().map(|s| s.path.clone()).collect();
     assert_eq!(seen[0], "/API/orders", "forwarded as sent");
