@@ -96,6 +96,8 @@ fn available(a: &Applied<'_>) -> u64 {
 #[derive(Clone, Copy)]
 pub struct Applied<'a> {
     pub rule: &'a str,
+    /// The rule's position in the config: where its counters are.
+    pub index: usize,
     pub quota: Quota,
     pub decision: Decision,
 }
@@ -391,6 +393,7 @@ mod tests {
         let q = costing(Algorithm::TokenBucket, 1, 60, Some(30), 10);
         let applied = [Applied {
             rule: "exports",
+            index: 0,
             quota: q,
             decision: d(true, 20, 0, 600_000_000),
         }];
@@ -418,6 +421,7 @@ mod tests {
         let q = quota_of(Algorithm::TokenBucket, 10, 1, Some(20));
         let full = [Applied {
             rule: "api",
+            index: 0,
             quota: q,
             decision: d(true, 20, 0, 0),
         }];
@@ -426,6 +430,7 @@ mod tests {
         assert_eq!(h[&RATELIMIT], "\"api\";r=20;t=0");
         let applied = [Applied {
             rule: "api",
+            index: 0,
             quota: q,
             decision: d(true, 19, 0, 100_000),
         }];
@@ -443,11 +448,13 @@ mod tests {
         let applied = [
             Applied {
                 rule: "api",
+                index: 0,
                 quota: a,
                 decision: d(true, 7, 0, 300_000),
             },
             Applied {
                 rule: "ip",
+                index: 0,
                 quota: b,
                 decision: d(true, 99, 0, 600_001),
             },
@@ -468,11 +475,13 @@ mod tests {
         let applied = [
             Applied {
                 rule: "api",
+                index: 0,
                 quota: a,
                 decision: d(true, 7, 0, 300_000),
             },
             Applied {
                 rule: "conc",
+                index: 0,
                 quota: c,
                 decision: d(true, 2, 0, 0),
             },
@@ -500,11 +509,13 @@ mod tests {
         let shadow = [
             Applied {
                 rule: "watch",
+                index: 0,
                 quota: a,
                 decision: d(false, 0, 100_000, 1_000_000),
             },
             Applied {
                 rule: "conc",
+                index: 0,
                 quota: c,
                 decision: d(true, 4, 0, 0),
             },
@@ -524,6 +535,7 @@ mod tests {
         let a = quota(1, 10);
         let applied = [Applied {
             rule: "api",
+            index: 0,
             quota: a,
             decision: d(false, 0, 2_000_000, 10_000_000),
         }];
@@ -538,11 +550,13 @@ mod tests {
         let applied = [
             Applied {
                 rule: "api",
+                index: 0,
                 quota: a,
                 decision: d(true, 7, 0, 300_000),
             },
             Applied {
                 rule: "ip",
+                index: 0,
                 quota: b,
                 decision: d(true, 2, 0, 59_000_000),
             },
@@ -564,6 +578,7 @@ mod tests {
         let mk = |us| {
             [Applied {
                 rule: "api",
+                index: 0,
                 quota: a,
                 decision: d(false, 0, us, 1),
             }]
@@ -588,16 +603,19 @@ mod tests {
         let applied = [
             Applied {
                 rule: "per-key.v2",
+                index: 0,
                 quota: a,
                 decision: d(false, 0, 1_500_000, 1),
             },
             Applied {
                 rule: "ip",
+                index: 0,
                 quota: b,
                 decision: d(true, 5, 0, 1),
             },
             Applied {
                 rule: "global_all",
+                index: 0,
                 quota: b,
                 decision: d(false, 0, 61_000_000, 1),
             },

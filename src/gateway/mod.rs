@@ -32,7 +32,7 @@ use crate::limiter::guard::{Answer, Now};
 use crate::limiter::lease::Leases;
 use crate::limiter::{Check, Decision, StoreError};
 use crate::metrics::{
-    status_class, Gauged, Metrics, Outcome, RefusalReason, ReloadLabels, ReloadResult, RuleCounters,
+    status_class, Gauged, Metrics, Outcome, RefusalReason, ReloadLabels, ReloadResult,
 };
 use crate::upstream::{self, ClientPeer, Downstream};
 use access::AccessLine;
@@ -122,10 +122,6 @@ pub struct Pass<'l> {
     leases: Option<Leases>,
     /// Its places in the queues of the rules it waits on, held while it waits.
     slots: Vec<WaitSlot<'l>>,
-    /// Each rule's pass (allowed, delayed), counted once the upstream has answered: a
-    /// request the backend never answered is that rule's 502 or 504, not its pass, so no
-    /// rule counts more passes than the requests that passed.
-    passed: Passed<'l>,
     pub note: Note<'l>,
 }
 
@@ -136,18 +132,28 @@ impl<'l> Pass<'l> {
             shadow: Vec::new(),
             leases: None,
             slots: Vec::new(),
-            passed: Vec::new(),
             note,
         }
     }
 
-    /// The upstream answered: count each rule's pass.
-    fn count_passed(&mut self) {
-        for (counters, tally) in self.passed.drain(..) {
-            match tally {
-                Tally::Delayed => counters.delayed.inc(),
-                _ => counters.allowed.inc(),
+    /// The upstream answered: count each rule's pass (allowed, or delayed where it waited),
+    /// enforcing or watching. Counted only now: a request the backend never answered is
+    /// that rule's 502 or 504, not its pass, so no rule counts more passes than the
+    /// requests that passed.
+    fn count_passed(&self, live: &Live) {
+        for a in self.applied.iter().chain(&self.shadow) {
+            let Some(c) = live.counters.get(a.index) else {
+                continue;
             };
+            if !a.decision.allowed {
+                // A watching rule that would have denied: its shadow_denied is counted.
+                continue;
+            }
+            if a.decision.retry_after_us > 0 {
+                c.delayed.inc();
+            } else {
+                c.allowed.inc();
+            }
         }
     }
 
@@ -369,7 +375,7 @@ impl Gateway {
         jitter_us: u64,
     ) -> Admission<'l> {
         let cfg = &*live.config;
-        let (shadow_denied, _) = tally(live, limits, decisions, true);
+        let shadow_denied = tally(live, limits, decisions, true);
         let (applied, shadow) = split(limits, decisions);
         let limit = &limits[by];
         self.metrics.stats.limited(
@@ -398,7 +404,7 @@ impl Gateway {
         verdict: Verdict,
         leases: Option<Leases>,
     ) -> Pass<'l> {
-        let (shadow_denied, passed) = tally(live, &limits, decisions, false);
+        let shadow_denied = tally(live, &limits, decisions, false);
         let (applied, shadow) = split(&limits, decisions);
         let ruled: Vec<Ruled> = limits.iter().map(Limit::ruled).collect();
         let closest = verdict::closest(&ruled, decisions).map(|k| &limits[k]);
@@ -425,7 +431,6 @@ impl Gateway {
             shadow,
             leases,
             slots,
-            passed,
             note,
         }
     }
@@ -463,7 +468,7 @@ impl Gateway {
         }
         match result {
             Ok(resp) => {
-                pass.count_passed();
+                pass.count_passed(live);
                 if let Some(change) = self.upstream_health.answered() {
                     log_upstream(change, cfg, None);
                 }
@@ -599,27 +604,23 @@ async fn consult(
     (decisions, v, leases)
 }
 
-/// Rules' passes waiting for the upstream's answer, with the counters they go to.
-type Passed<'l> = Vec<(&'l RuleCounters, Tally)>;
-
 /// Count each rule's decision (`denied`: another rule, or this one, denied the request);
-/// the first watching rule that would have denied, and the passes (allowed, delayed),
-/// which count once the upstream has answered ([`Pass::count_passed`]).
+/// the first watching rule that would have denied. The passes (allowed, delayed) count
+/// once the upstream has answered ([`Pass::count_passed`]).
 fn tally<'l>(
-    live: &'l Live,
+    live: &Live,
     limits: &[Limit<'l, '_>],
     decisions: &[Option<Decision>],
     denied: bool,
-) -> (Option<&'l str>, Passed<'l>) {
+) -> Option<&'l str> {
     let mut shadow_denied = None;
-    let mut passed = Vec::new();
     for (l, d) in limits.iter().zip(decisions) {
         let Some(d) = d else { continue };
         let Some(counters) = live.counters.get(l.index) else {
             continue;
         };
         match Tally::of(l.enforced, d, denied) {
-            t @ (Tally::Allowed | Tally::Delayed) => passed.push((counters, t)),
+            Tally::Allowed | Tally::Delayed => {}
             Tally::DeniedByOther => {
                 counters.denied_by_other.inc();
             }
@@ -632,20 +633,18 @@ fn tally<'l>(
             }
         }
     }
-    (shadow_denied, passed)
+    shadow_denied
 }
 
 /// A forwarded request the upstream did not answer (502, 504), counted under each rule
-/// that let it through. (The upstream's failures are rare: finding the rules by name is
-/// cheaper than carrying their positions on every request.)
+/// that let it through (each [`Applied`] carries its rule's position).
 fn count_rule_failures(live: &Live, pass: &Pass<'_>, e: &upstream::Error) {
     if e.is_client_error() {
         return;
     }
     let timeout = e.status() == StatusCode::GATEWAY_TIMEOUT;
     for a in pass.applied.iter().chain(&pass.shadow) {
-        if let Some(k) = live.config.rules.iter().position(|r| r.name == a.rule) {
-            let c = &live.counters[k];
+        if let Some(c) = live.counters.get(a.index) {
             if timeout {
                 c.upstream_timeout.inc();
             } else {
@@ -667,6 +666,7 @@ fn split<'l>(
         let Some(decision) = *d else { continue };
         let a = Applied {
             rule: l.rule.name.as_str(),
+            index: l.index,
             quota: l.quota,
             decision,
         };
