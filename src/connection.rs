@@ -24,9 +24,9 @@
 //! makes room the same way and backs off; it is logged once a few seconds, with a count.
 //!
 //! A request head is bounded too (`max_header_bytes`, 431 beyond it: hyper for HTTP/1,
-//! SETTINGS_MAX_HEADER_LIST_SIZE for HTTP/2; and an HTTP/1 head's fields,
-//! `max_header_fields`, by default one per 32 bytes of that bound, [`default_max_fields`]), and an HTTP/1 head with a bare CR is
-//! answered 400 at once: a CR not followed by LF is no line ending (RFC 9112 §2.2), and
+//! SETTINGS_MAX_HEADER_LIST_SIZE for HTTP/2; and an HTTP/1 head's fields by
+//! `max_header_fields`, by default one per 32 bytes of that bound, [`default_max_fields`]),
+//! and an HTTP/1 head with a bare CR is answered 400 at once: a CR not followed by LF is no line ending (RFC 9112 §2.2), and
 //! the parser would otherwise wait for the LF that never comes.
 
 use std::collections::HashMap;
