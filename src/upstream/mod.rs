@@ -39,6 +39,7 @@ mod forward;
 mod head;
 mod outage;
 mod pool;
+mod settings;
 mod stream;
 mod tls;
 
@@ -54,6 +55,11 @@ pub use body::{BodyError, ResponseBody};
 pub use error::{Error, Malformed};
 pub use forward::{ClientPeer, Downstream};
 pub use outage::{OutageChange, OutageLog};
+pub use settings::{
+    Balance, HealthCheck, Passive, PoolSettings, ServerSettings, CONNECT_TIMEOUT, DEFAULT_POOL,
+    FAIL_TIMEOUT, FAIL_WINDOW, MAX_EJECTED_PERCENT, MAX_EJECTION, MAX_FAILS, MAX_NAME,
+    RESOLVE_EVERY, RETRIES, TIMEOUT,
+};
 pub use tls::{NoVerification, Tls, TlsError, TlsFailure, TlsHandshake, TlsHandshakes, TlsOptions};
 
 use body::{Conn, Sending, Upload, UploadError};
@@ -112,11 +118,6 @@ pub fn tls_for(url: &http::Uri, options: TlsOptions) -> Result<Option<Arc<Tls>>,
     let host = url.host().unwrap_or_default();
     Ok(Some(Arc::new(Tls::new(options, host)?)))
 }
-
-/// `[upstream] connect_timeout`'s default.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
-/// `[upstream] timeout`'s default.
-pub const TIMEOUT: Duration = Duration::from_secs(30);
 
 /// One worker's way to the upstream: where it is, and the connections kept open to it.
 pub struct Client {
