@@ -142,6 +142,15 @@ impl Address {
         }
     }
 
+    /// `host` (for `Host` and SNI), at `addr`, one of the addresses it resolved to.
+    pub(super) fn resolved(host: &str, addr: SocketAddr) -> Address {
+        Address {
+            host: host.to_string(),
+            port: addr.port(),
+            addr: Some(addr),
+        }
+    }
+
     /// A new connection and the address it went to, within `timeout` (resolving
     /// included).
     pub(super) async fn connect(
