@@ -33,6 +33,7 @@
 //! status the client gets and whether the request may be sent again; a body that fails
 //! later ends with a [`BodyError`].
 
+mod balance;
 mod body;
 mod error;
 mod forward;
@@ -51,6 +52,7 @@ use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use tokio::io::AsyncWriteExt;
 
+pub use balance::{key_hash, Balancer, Candidate, Candidates, MAX_RING_POINTS, POINTS_PER_WEIGHT};
 pub use body::{BodyError, ResponseBody};
 pub use error::{Error, Malformed};
 pub use forward::{ClientPeer, Downstream};
