@@ -38,6 +38,7 @@ mod body;
 mod error;
 mod forward;
 mod head;
+mod health;
 mod outage;
 mod pool;
 mod settings;
@@ -56,6 +57,7 @@ pub use balance::{key_hash, Balancer, Candidate, Candidates, MAX_RING_POINTS, PO
 pub use body::{BodyError, ResponseBody};
 pub use error::{Error, Malformed};
 pub use forward::{ClientPeer, Downstream};
+pub use health::{panic_pick, HealthEvent, HealthPolicy, HealthState, ServerHealth};
 pub use outage::{OutageChange, OutageLog};
 pub use settings::{
     Balance, HealthCheck, Passive, PoolSettings, ServerSettings, CONNECT_TIMEOUT, DEFAULT_POOL,
