@@ -665,7 +665,10 @@ mod tests {
         let w = r.window(at(5));
         assert_eq!(w.count, 100);
         assert!(w.p50_ms.unwrap() >= 1.0 && w.p50_ms.unwrap() < 1.3, "{w:?}");
-        assert!(w.p99_ms.unwrap() < 1.3, "the 100th is above the 99th: {w:?}");
+        assert!(
+            w.p99_ms.unwrap() < 1.3,
+            "the 100th is above the 99th: {w:?}"
+        );
         // 40 s on, another 10 arrive: 110 in the minute.
         for _ in 0..10 {
             r.observe(at(41), Duration::from_millis(5));

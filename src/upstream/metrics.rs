@@ -80,8 +80,8 @@ impl PoolMetrics {
             requests: Family::default(),
             duration: Family::new_with_constructor(|| {
                 Histogram::new([
-                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5,
-                    5.0, 10.0, 30.0,
+                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0,
                 ])
             }),
             healthy: Family::default(),

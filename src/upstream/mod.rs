@@ -33,10 +33,12 @@
 //! status the client gets and whether the request may be sent again; a body that fails
 //! later ends with a [`BodyError`].
 
+mod balance;
 mod body;
 mod error;
 mod forward;
 mod head;
+mod health;
 mod metrics;
 mod outage;
 mod pool;
@@ -52,9 +54,11 @@ use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use tokio::io::AsyncWriteExt;
 
+pub use balance::{key_hash, Balancer, Candidate, Candidates, MAX_RING_POINTS, POINTS_PER_WEIGHT};
 pub use body::{BodyError, ResponseBody};
 pub use error::{Error, Malformed};
 pub use forward::{ClientPeer, Downstream};
+pub use health::{panic_pick, HealthEvent, HealthPolicy, HealthState, ServerHealth};
 pub use metrics::{Attempt, PoolMetrics};
 pub use outage::{OutageChange, OutageLog};
 pub use settings::{
@@ -145,7 +149,11 @@ impl Client {
     /// The client for `cfg` connecting to `addr`, one of the addresses its host name
     /// resolved to (the name still goes in `Host` and TLS' SNI); `None`: each new
     /// connection resolves the name, or uses the address the URL gives.
-    pub fn at(cfg: &Settings, addr: Option<std::net::SocketAddr>, tls_handshakes: TlsHandshakes) -> Client {
+    pub fn at(
+        cfg: &Settings,
+        addr: Option<std::net::SocketAddr>,
+        tls_handshakes: TlsHandshakes,
+    ) -> Client {
         let host = cfg.url.host().unwrap_or("127.0.0.1");
         let default_port = if cfg.tls.is_some() { 443 } else { 80 };
         let port = cfg.url.port_u16().unwrap_or(default_port);
