@@ -59,6 +59,9 @@ impl Attempt {
     }
 }
 
+/// Each pool's name with its servers' labels, as a config lists them.
+pub type Configured = Vec<(String, Vec<String>)>;
+
 /// Every pool's metric families.
 #[derive(Clone)]
 pub struct PoolMetrics {
@@ -70,7 +73,7 @@ pub struct PoolMetrics {
     budget_exhausted: Family<PoolLabels, Counter>,
     no_server: Family<PoolLabels, Counter>,
     /// The pools and servers the last config had ([`PoolMetrics::retain`]).
-    known: Arc<Mutex<Vec<(String, Vec<String>)>>>,
+    known: Arc<Mutex<Configured>>,
 }
 
 impl PoolMetrics {
@@ -166,7 +169,7 @@ impl PoolMetrics {
 
     /// Drop the series of the pools and servers the config no longer has: `keep` lists
     /// each pool now configured with its servers' labels.
-    pub fn retain(&self, keep: Vec<(String, Vec<String>)>) {
+    pub fn retain(&self, keep: Configured) {
         let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
         for (pool, servers) in known.iter() {
             let kept = keep.iter().find(|(k, _)| k == pool);

@@ -18,7 +18,7 @@
 //!    (`forward`), and its head is written as bytes (`head`): the request line, the
 //!    client's fields, the forwarding fields of this hop (`forward`), the body's framing.
 //! 2. A connection comes from this worker's pool, if one is idle and clean, or is opened
-//!    (`pool`): TCP, and for an `https://` upstream TLS over it, the backend's certificate
+//!    (`kept`): TCP, and for an `https://` upstream TLS over it, the backend's certificate
 //!    verified (`tls`). Either is a `stream::Stream`, and all that follows is the same
 //!    code for both.
 //! 3. The head goes up, and the body after it as the client sends it (`body`), while the
@@ -27,7 +27,7 @@
 //!    ones left out), how its body is framed, whether its connection can be used again.
 //! 5. The answer goes back to the gateway with a [`ResponseBody`] that reads the rest from
 //!    the connection as the client takes it, and puts the connection back in the pool
-//!    once the body ended where its framing said (`pool` lists the rules).
+//!    once the body ended where its framing said (`kept` lists the rules).
 //!
 //! Anything that keeps a request from its answer's head is an [`Error`], which says the
 //! status the client gets and whether the request may be sent again; a body that fails
@@ -35,13 +35,15 @@
 
 mod balance;
 mod body;
+mod budget;
 mod error;
 mod forward;
 mod head;
 mod health;
 mod metrics;
 mod outage;
-mod pool;
+mod kept;
+mod pools;
 mod settings;
 mod stream;
 mod tls;
@@ -56,11 +58,13 @@ use tokio::io::AsyncWriteExt;
 
 pub use balance::{key_hash, Balancer, Candidate, Candidates, MAX_RING_POINTS, POINTS_PER_WEIGHT};
 pub use body::{BodyError, ResponseBody};
+pub use budget::RetryBudget;
 pub use error::{Error, Malformed};
 pub use forward::{ClientPeer, Downstream};
 pub use health::{panic_pick, HealthEvent, HealthPolicy, HealthState, ServerHealth};
 pub use metrics::{Attempt, PoolMetrics};
 pub use outage::{OutageChange, OutageLog};
+pub use pools::{Forwarded, Pick, Pool, PoolStatus, Pools, Server, ServerStatus};
 pub use settings::{
     Balance, HealthCheck, Passive, PoolSettings, ServerSettings, CONNECT_TIMEOUT, DEFAULT_POOL,
     FAIL_TIMEOUT, FAIL_WINDOW, MAX_EJECTED_PERCENT, MAX_EJECTION, MAX_FAILS, MAX_NAME,
@@ -69,7 +73,7 @@ pub use settings::{
 pub use tls::{NoVerification, Tls, TlsError, TlsFailure, TlsHandshake, TlsHandshakes, TlsOptions};
 
 use body::{Conn, Sending, Upload, UploadError};
-use pool::{Address, Pool};
+use kept::{Address, Kept};
 use stream::{Stream, WriteSide};
 
 /// How much is read from the upstream at a time.
@@ -137,7 +141,7 @@ pub struct Client {
     base_path: String,
     timeout: Duration,
     connect_timeout: Duration,
-    pool: Arc<Pool>,
+    kept: Arc<Kept>,
 }
 
 impl Client {
@@ -174,13 +178,13 @@ impl Client {
             base_path: cfg.base_path.clone(),
             timeout: cfg.timeout,
             connect_timeout: cfg.connect_timeout,
-            pool: Arc::new(Pool::new(cfg.timeout)),
+            kept: Arc::new(Kept::new(cfg.timeout)),
         }
     }
 
     /// Close idle connections that expired or that the upstream closed.
     pub fn sweep(&self) {
-        self.pool.sweep();
+        self.kept.sweep();
     }
 
     /// The `Host` this server is sent when the client named none.
@@ -225,9 +229,9 @@ impl Client {
             replayable: out.parts.method.is_idempotent(),
         };
         // A kept connection the upstream has closed, or that holds bytes nobody asked for,
-        // is found out before it is used (`pool`); one closed the very moment it is used
+        // is found out before it is used (`kept`); one closed the very moment it is used
         // fails this attempt, which goes again only where `Error::retryable` allows.
-        let conn = match self.pool.take() {
+        let conn = match self.kept.take() {
             Some(conn) => conn,
             None => self.open().await?,
         };
@@ -307,7 +311,7 @@ impl Client {
             .unwrap_or(Err(Error::Timeout(self.timeout)))?;
         let conn = Conn::Whole(conn);
         Ok(ResponseBody::answer(
-            parts, conn, None, buf, framing, &self.pool,
+            parts, conn, None, buf, framing, &self.kept,
         ))
     }
 
@@ -391,7 +395,7 @@ impl Client {
             None => (Conn::Half(rd), Some(upload)),
         };
         Ok(ResponseBody::answer(
-            parts, conn, upload, buf, framing, &self.pool,
+            parts, conn, upload, buf, framing, &self.kept,
         ))
     }
 }

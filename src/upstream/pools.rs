@@ -11,19 +11,19 @@
 
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
-use std::sync::{Arc, Mutex, PoisonError, Weak};
+use std::sync::{Arc, Weak};
 use std::time::{Duration, Instant, SystemTime};
 
 use arc_swap::ArcSwap;
 use http::Response;
 use serde::Serialize;
 
-use super::balance::{Balancer, Candidate};
+use super::balance::{Balancer, Candidate, Candidates};
 use super::budget::RetryBudget;
-use super::health::{self, HealthEvent, ServerHealth, ServerState};
+use super::health::{panic_pick, HealthEvent, HealthPolicy, HealthState, ServerHealth};
 use super::metrics::{Attempt, PoolCounters, PoolMetrics, ServerCounters};
 use super::{
-    Client, Downstream, Error, Outbound, OutageChange, OutageLog, PoolSettings, ResponseBody,
+    Client, Downstream, Error, OutageChange, OutageLog, Outbound, PoolSettings, ResponseBody,
     ServerSettings, Settings, TlsHandshakes,
 };
 use crate::stats::Recent;
@@ -106,6 +106,8 @@ impl Pools {
 pub struct Pool {
     pub settings: PoolSettings,
     servers: ArcSwap<ServerSet>,
+    /// Its passive and active health rules, the same for each of its servers.
+    policy: HealthPolicy,
     budget: RetryBudget,
     counters: PoolCounters,
     metrics: PoolMetrics,
@@ -129,13 +131,17 @@ pub struct Server {
     pub label: Arc<str>,
     /// Which `servers` entry it comes from.
     entry: usize,
+    /// What places it on a hashing pool's ring: its label, and the address it resolved
+    /// to where its name gave several (every gateway resolving the same addresses places
+    /// them alike).
+    ring_key: Box<str>,
     /// The address it was resolved to; `None` for a name not resolved yet (each connection
     /// resolves it then).
     pub addr: Option<SocketAddr>,
     weight: u32,
     /// One per worker thread, each with its own kept connections.
     clients: Box<[Client]>,
-    health: Mutex<ServerHealth>,
+    health: ServerHealth,
     in_flight: AtomicU32,
     counters: ServerCounters,
     /// Its answers' latencies over the last minute, for the status page.
@@ -185,13 +191,18 @@ impl Pool {
         let pool = Arc::new(Pool {
             counters: metrics.pool(&settings.name),
             metrics: metrics.clone(),
-            budget: RetryBudget::default(),
+            budget: RetryBudget::new(Instant::now()),
+            policy: HealthPolicy::new(
+                &settings.passive,
+                settings.health.as_ref(),
+                settings.connect_timeout + settings.timeout,
+            ),
             outage: OutageLog::default(),
             workers,
             handshakes,
             servers: ArcSwap::from_pointee(ServerSet {
                 list: Vec::new(),
-                balancer: Balancer::new(&settings.balance, &[]),
+                balancer: Balancer::new(&settings.balance, []),
             }),
             settings,
         });
@@ -200,7 +211,12 @@ impl Pool {
             .collect();
         pool.install(first);
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
-            if pool.settings.servers.iter().any(|s| literal_address(s).is_none()) {
+            if pool
+                .settings
+                .servers
+                .iter()
+                .any(|s| literal_address(s).is_none())
+            {
                 rt.spawn(resolve_loop(Arc::downgrade(&pool)));
             }
             if pool.settings.health.is_some() {
@@ -223,7 +239,13 @@ impl Pool {
         let label: Arc<str> = s.label().into();
         let counters = self.metrics.server(&self.settings.name, &label);
         counters.healthy.set(1);
+        let ring_key = match (addr, literal_address(s)) {
+            (Some(a), None) => format!("{label}@{a}"),
+            _ => label.to_string(),
+        }
+        .into_boxed_str();
         Arc::new(Server {
+            ring_key,
             clients: (0..self.workers)
                 .map(|_| Client::at(&settings, addr, self.handshakes.clone()))
                 .collect(),
@@ -231,7 +253,7 @@ impl Pool {
             entry,
             addr,
             weight: s.weight,
-            health: Mutex::new(ServerHealth::default()),
+            health: ServerHealth::new(&self.policy, Instant::now()),
             in_flight: AtomicU32::new(0),
             counters,
             recent: Recent::default(),
@@ -241,8 +263,10 @@ impl Pool {
 
     /// Make `list` the pool's servers.
     fn install(&self, list: Vec<Arc<Server>>) {
-        let weights: Vec<u32> = list.iter().map(|s| s.weight).collect();
-        let balancer = Balancer::new(&self.settings.balance, &weights);
+        let balancer = Balancer::new(
+            &self.settings.balance,
+            list.iter().map(|s| (&*s.ring_key, s.weight)),
+        );
         self.servers.store(Arc::new(ServerSet { list, balancer }));
     }
 
@@ -250,7 +274,12 @@ impl Pool {
     /// before any answer in a way that lets the request go again ([`Outbound::may_retry`]),
     /// up to `retries` more, within the retry budget. Each attempt's outcome counts for its
     /// server's health.
-    pub async fn forward(&self, out: &mut Outbound, down: &Downstream<'_>, pick: Pick) -> Forwarded {
+    pub async fn forward(
+        &self,
+        out: &mut Outbound,
+        down: &Downstream<'_>,
+        pick: Pick,
+    ) -> Forwarded {
         let set = self.servers.load_full();
         self.budget.request(Instant::now());
         let mut tried: Vec<usize> = Vec::new();
@@ -266,7 +295,10 @@ impl Pool {
                     },
                     None => {
                         self.counters.no_server.inc();
-                        self.log_outage(self.outage.failed(&Error::NoServer), Some(&Error::NoServer));
+                        self.log_outage(
+                            self.outage.failed(&Error::NoServer),
+                            Some(&Error::NoServer),
+                        );
                         Forwarded {
                             result: Err(Error::NoServer),
                             server: None,
@@ -317,31 +349,37 @@ impl Pool {
     /// as the balancer picks. Where none does and nothing was tried yet, the panic rule:
     /// the ejected server that failed least recently (servers failing their health
     /// checks are never picked; with all of them failing, none is).
-    fn choose(&self, set: &ServerSet, hash: Option<u64>, tried: &[usize], now: Instant) -> Option<usize> {
-        let mut candidates: Vec<Candidate> = set
-            .list
-            .iter()
-            .enumerate()
-            .map(|(i, s)| Candidate {
-                available: !tried.contains(&i) && s.lock_health().available(now),
-                in_flight: s.in_flight.load(Relaxed),
-                weight: s.weight,
-            })
-            .collect();
-        for _ in 0..set.list.len() {
-            let k = set.balancer.pick(&candidates, hash, random())?;
+    fn choose(
+        &self,
+        set: &ServerSet,
+        hash: Option<u64>,
+        tried: &[usize],
+        now: Instant,
+    ) -> Option<usize> {
+        let mut view = View {
+            servers: &set.list,
+            tried,
+            taken_elsewhere: 0,
+            now,
+        };
+        for _ in 0..set.list.len().min(64) {
+            let k = set.balancer.pick(&view, hash, random())?;
             // A server back from its ejection takes one trial request: another request
             // picking it at the same moment goes elsewhere.
-            if set.list[k].lock_health().take(now) {
+            if set.list[k].health.take(now) {
                 return Some(k);
             }
-            candidates[k].available = false;
+            view.taken_elsewhere |= 1 << k;
         }
         if !tried.is_empty() {
             return None;
         }
-        let states: Vec<&Mutex<ServerHealth>> = set.list.iter().map(|s| &s.health).collect();
-        health::panic_pick(&states, now)
+        // The panic rule: no server is available, so the one that failed least recently
+        // is tried — unless its health checks fail, as every one's do when no server is
+        // left (then 502 at once, no connection tried).
+        let k = panic_pick(&set.list)?;
+        let state = set.list[k].health.state(now);
+        (!matches!(state, HealthState::FailingChecks { .. })).then_some(k)
     }
 
     /// Count an attempt's outcome in its server's metrics and health.
@@ -349,26 +387,21 @@ impl Pool {
         let server = &set.list[k];
         let now = Instant::now();
         let failed = match result {
-            Ok(resp) => self.settings.passive.fail_on_status.contains(&resp.status()),
+            Ok(resp) => self
+                .settings
+                .passive
+                .fail_on_status
+                .contains(&resp.status()),
             // The client's fault says nothing of the server, nor does a target that cannot
             // go upstream or a coding the client cannot take.
             Err(e) if e.is_client_error() => return,
             Err(e) => !matches!(e, Error::Target(_) | Error::Coding(_)),
         };
         let event = if failed {
-            // At most max_ejected_percent of the pool out at once.
-            let ejected = set
-                .list
-                .iter()
-                .filter(|s| s.lock_health().is_ejected(now))
-                .count();
-            let room = set.list.len() * usize::from(self.settings.passive.max_ejected_percent)
-                / 100;
-            server
-                .lock_health()
-                .failed(now, &self.settings.passive, ejected < room)
+            // The policy holds the pool to max_ejected_percent.
+            self.policy.failed(&set.list, k, now)
         } else {
-            server.lock_health().succeeded(now)
+            self.policy.succeeded(&server.health, now)
         };
         self.on_event(server, event);
     }
@@ -392,7 +425,12 @@ impl Pool {
             }
             HealthEvent::Returned => {
                 server.counters.healthy.set(1);
-                tracing::info!(pool, server = &*server.label, address = server.addr.map(tracing::field::display), "upstream server takes requests again");
+                tracing::info!(
+                    pool,
+                    server = &*server.label,
+                    address = server.addr.map(tracing::field::display),
+                    "upstream server takes requests again"
+                );
             }
             HealthEvent::CheckFailed => {
                 server.counters.healthy.set(0);
@@ -400,7 +438,12 @@ impl Pool {
             }
             HealthEvent::CheckPassed => {
                 server.counters.healthy.set(1);
-                tracing::info!(pool, server = &*server.label, address = server.addr.map(tracing::field::display), "upstream server passes its health checks again");
+                tracing::info!(
+                    pool,
+                    server = &*server.label,
+                    address = server.addr.map(tracing::field::display),
+                    "upstream server passes its health checks again"
+                );
             }
         }
     }
@@ -438,18 +481,18 @@ impl Pool {
                 .iter()
                 .zip(windows)
                 .map(|(s, w)| {
-                    let state = s.lock_health().state(now);
+                    let state = s.health.state(now);
                     let until = |t: Instant| {
                         (unix_now + t.saturating_duration_since(now))
                             .duration_since(SystemTime::UNIX_EPOCH)
                             .map_or(0, |d| d.as_secs())
                     };
-                    let (name, ejected_until, failing_checks) = match state {
-                        ServerState::Healthy => ("healthy", None, 0),
-                        ServerState::Ejected { until: t } => ("ejected", Some(until(t)), 0),
-                        ServerState::Trial => ("trial", None, 0),
-                        ServerState::FailingChecks { failures } => ("failing_checks", None, failures),
+                    let (ejected_until, failing_checks) = match state {
+                        HealthState::Ejected { until: t } => (Some(until(t)), 0),
+                        HealthState::FailingChecks { failures, .. } => (None, failures),
+                        HealthState::Healthy | HealthState::Trial => (None, 0),
                     };
+                    let name = state.name();
                     ServerStatus {
                         server: s.label.to_string(),
                         address: s.addr.map(|a| a.to_string()),
@@ -467,11 +510,39 @@ impl Pool {
     }
 }
 
-impl Server {
-    fn lock_health(&self) -> std::sync::MutexGuard<'_, ServerHealth> {
-        self.health.lock().unwrap_or_else(PoisonError::into_inner)
+/// The balancer's view of a pool's servers for one pick: available where their health
+/// says so, and neither tried already by this request nor just found taken (a trial).
+struct View<'a> {
+    servers: &'a [Arc<Server>],
+    tried: &'a [usize],
+    /// Servers (by bit, the first 64) whose trial another request took.
+    taken_elsewhere: u64,
+    now: Instant,
+}
+
+impl Candidates for View<'_> {
+    fn len(&self) -> usize {
+        self.servers.len()
     }
 
+    fn candidate(&self, i: usize) -> Candidate {
+        let s = &self.servers[i];
+        let taken = i < 64 && self.taken_elsewhere & (1 << i) != 0;
+        Candidate {
+            available: !taken && !self.tried.contains(&i) && s.health.available(self.now),
+            in_flight: s.in_flight.load(Relaxed),
+            weight: s.weight,
+        }
+    }
+}
+
+impl AsRef<ServerHealth> for Arc<Server> {
+    fn as_ref(&self) -> &ServerHealth {
+        &self.health
+    }
+}
+
+impl Server {
     /// One attempt on this server, from `worker`'s kept connections.
     async fn send(
         &self,
@@ -545,20 +616,38 @@ impl Pool {
         let mut next: Vec<Arc<Server>> = Vec::new();
         for (entry, s) in self.settings.servers.iter().enumerate() {
             if let Some(addr) = literal_address(s) {
-                next.extend(current.list.iter().filter(|x| x.entry == entry && x.addr == Some(addr)).cloned());
+                next.extend(
+                    current
+                        .list
+                        .iter()
+                        .filter(|x| x.entry == entry && x.addr == Some(addr))
+                        .cloned(),
+                );
                 continue;
             }
             let host = s.url.host().unwrap_or_default().to_string();
-            let port = s.url.port_u16().unwrap_or(if s.tls.is_some() { 443 } else { 80 });
+            let port = s
+                .url
+                .port_u16()
+                .unwrap_or(if s.tls.is_some() { 443 } else { 80 });
             let lookup = tokio::net::lookup_host((host.as_str(), port));
-            let mut addrs: Vec<SocketAddr> = match tokio::time::timeout(self.settings.connect_timeout, lookup).await {
+            let mut addrs: Vec<SocketAddr> = match tokio::time::timeout(
+                self.settings.connect_timeout,
+                lookup,
+            )
+            .await
+            {
                 Ok(Ok(a)) => a.collect(),
                 Ok(Err(e)) => {
                     tracing::warn!(pool = self.settings.name.as_str(), server = s.label().as_str(), error = %e, "resolving an upstream server's name failed: its last addresses stay");
                     Vec::new()
                 }
                 Err(_) => {
-                    tracing::warn!(pool = self.settings.name.as_str(), server = s.label().as_str(), "resolving an upstream server's name timed out: its last addresses stay");
+                    tracing::warn!(
+                        pool = self.settings.name.as_str(),
+                        server = s.label().as_str(),
+                        "resolving an upstream server's name timed out: its last addresses stay"
+                    );
                     Vec::new()
                 }
             };
@@ -577,7 +666,10 @@ impl Pool {
             }
         }
         let same = next.len() == current.list.len()
-            && next.iter().zip(&current.list).all(|(a, b)| Arc::ptr_eq(a, b));
+            && next
+                .iter()
+                .zip(&current.list)
+                .all(|(a, b)| Arc::ptr_eq(a, b));
         if !same {
             if !first {
                 tracing::info!(
@@ -597,7 +689,9 @@ async fn check_loop(pool: Weak<Pool>) {
     loop {
         let interval = {
             let Some(p) = pool.upgrade() else { return };
-            let Some(check) = p.settings.health.clone() else { return };
+            let Some(check) = p.settings.health.clone() else {
+                return;
+            };
             let set = p.servers.load_full();
             let mut probes = tokio::task::JoinSet::new();
             for (k, server) in set.list.iter().enumerate() {
@@ -614,7 +708,7 @@ async fn check_loop(pool: Weak<Pool>) {
             while let Some(done) = probes.join_next().await {
                 let Ok((k, passed)) = done else { continue };
                 let server = &set.list[k];
-                let event = server.lock_health().checked(passed, &check);
+                let event = p.policy.checked(&server.health, passed, Instant::now());
                 p.on_event(server, event);
             }
             check.interval
