@@ -37,17 +37,19 @@ pub struct Limit<'l, 'p> {
 }
 
 impl<'l: 'p, 'p> Limit<'l, 'p> {
-    /// The rules of `live` that apply to the request (`parts`), in config order, as
-    /// `requester` is counted by each; or why it is refused before any is consulted. A
-    /// rule applies when its path, method and host fit ([`matching`]) and then
-    /// [`Rule::applies`] says so: what the request carries, its plan.
+    /// The rules of `live` that apply to the request (`parts`), sent by the route `route`
+    /// (a position in `Config::routes`, or none), in config order, as `requester` is
+    /// counted by each; or why it is refused before any is consulted. A rule applies when
+    /// its path, method, host and route fit ([`matching`]) and then [`Rule::applies`] says
+    /// so: what the request carries, its plan.
     pub fn all(
         live: &'l Live,
         parts: &Parts,
         requester: &Requester<'p>,
+        route: Option<usize>,
     ) -> Result<Vec<Limit<'l, 'p>>, Refused> {
         let cfg = &*live.config;
-        matching(cfg, parts)
+        matching(cfg, parts, route)
             .into_iter()
             .filter_map(|index| {
                 let rule = &cfg.rules[index];
@@ -105,16 +107,20 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
     }
 }
 
-/// The positions of the rules that apply to a request, in config order: by its method,
-/// its path as a backend will route it, and its host (parsed only when a rule looks).
-pub fn matching(cfg: &crate::config::Config, parts: &Parts) -> Vec<usize> {
+/// The positions of the rules that apply to a request sent by the route `route`, in
+/// config order: by its method, its path as a backend will route it, its host (parsed
+/// only when a rule looks), and the route (a rule with `match = { route = … }` applies
+/// only to that route's requests).
+pub fn matching(cfg: &crate::config::Config, parts: &Parts, route: Option<usize>) -> Vec<usize> {
     let path = cfg.index.path_of(parts.uri.path());
     let host = if cfg.index.uses_host {
         forwarded_host(cfg, parts)
     } else {
         None
     };
-    cfg.index.matching(&parts.method, &path, host)
+    let mut fitting = cfg.index.matching(&parts.method, &path, host);
+    fitting.retain(|&i| cfg.rules[i].matcher.fits_route(route));
+    fitting
 }
 
 /// The host a request is forwarded with, as rules match it: its own
