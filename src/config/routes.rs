@@ -122,3 +122,79 @@ pub(super) fn validate(
 fn generated_name(n: usize) -> String {
     format!("route-{n}")
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use crate::config::{Config, ConfigError};
+
+    const POOLS: &str = "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:2\"\n[[upstreams]]\nname = \"billing\"\nservers = [\"http://127.0.0.1:3\"]\n";
+
+    fn parse(body: &str) -> Result<Config, ConfigError> {
+        Config::parse(&format!("{POOLS}{body}"), Path::new("t.toml"))
+    }
+
+    fn message(body: &str) -> String {
+        match parse(body) {
+            Err(ConfigError::Invalid { key, message, .. }) => format!("{key}: {message}"),
+            other => panic!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_rule_names_a_route_by_its_position() {
+        let cfg = parse(
+            "[[routes]]\nmatch = { path_prefix = \"/x/\" }\nupstream = \"default\"\n\
+             [[routes]]\nname = \"billing\"\nmatch = { path_prefix = \"/billing/\" }\nupstream = \"billing\"\n\
+             [[rules]]\nname = \"b\"\nkey = \"global\"\nrate = \"1/s\"\nmatch = { route = \"billing\" }\n",
+        )
+        .unwrap();
+        let m = &cfg.rules[0].matcher;
+        assert_eq!(m.route, Some(1));
+        assert_eq!(cfg.routes.list[1].pool, 1);
+        assert!(m.fits_route(Some(1)));
+        assert!(!m.fits_route(Some(0)));
+        assert!(!m.fits_route(None), "a request no route sent");
+        assert!(cfg.routes.list[0].matcher.fits_route(None));
+    }
+
+    #[test]
+    fn unnamed_routes_are_named_by_their_place() {
+        let cfg = parse(
+            "[[routes]]\nupstream = \"billing\"\n[[routes]]\nname = \"route-2\"\nupstream = \"default\"\n",
+        )
+        .unwrap();
+        let names: Vec<&str> = cfg.routes.list.iter().map(|r| r.name.as_str()).collect();
+        assert_eq!(names, ["route-1", "route-2"]);
+        assert_eq!(
+            message("[[routes]]\nname = \"route-2\"\nupstream = \"billing\"\n[[routes]]\nupstream = \"default\"\n"),
+            "routes[0].name: \"route-2\" is the name an unnamed route gets (route-<n>, its place among the routes): name this one otherwise"
+        );
+        // A rule names a route by the name the file gives it.
+        assert_eq!(
+            message("[[routes]]\nupstream = \"billing\"\n[[rules]]\nname = \"r\"\nkey = \"global\"\nrate = \"1/s\"\nmatch = { route = \"route-1\" }\n"),
+            "rules[0].match.route: unknown route \"route-1\": no [[routes]] entry has a name; a rule names a route by its name (an unnamed one cannot be named)"
+        );
+    }
+
+    #[test]
+    fn prefixes_are_checked_against_the_match() {
+        let cfg = parse(
+            "[[routes]]\nmatch = { glob = \"/v1/*/x\" }\nupstream = \"billing\"\nstrip_prefix = \"/v1\"\nadd_prefix = \"/\"\n",
+        )
+        .unwrap();
+        assert_eq!(cfg.routes.list[0].strip_prefix.as_deref(), Some("/v1"));
+        assert_eq!(cfg.routes.list[0].add_prefix, None, "\"/\" adds nothing");
+        assert_eq!(
+            message("[[routes]]\nupstream = \"billing\"\nadd_prefix = \"api\"\n"),
+            "routes[0].add_prefix: invalid prefix \"api\": a path starting with \"/\", without ? or #"
+        );
+        assert_eq!(
+            message("[[routes]]\nmatch = { path = \"/a\" }\nupstream = \"billing\"\nstrip_prefix = \"/ab\"\n"),
+            "routes[0].strip_prefix: strip_prefix \"/ab\" is not a prefix of the match's path \"/a\": it would never be stripped"
+        );
+        // Without a path in the match, any strip_prefix goes: paths without it keep theirs.
+        assert!(parse("[[routes]]\nupstream = \"billing\"\nstrip_prefix = \"/v9\"\n").is_ok());
+    }
+}

@@ -549,3 +549,241 @@ fn tls_error(e: TlsError, k: &Layered<'_>, dir: &Path, server: &Range<usize>) ->
         message,
     )
 }
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+    use std::time::Duration;
+
+    use http::StatusCode;
+
+    use crate::config::Config;
+    use crate::identity::KeyKind;
+    use crate::upstream::{Balance, HealthCheck, Passive, CONNECT_TIMEOUT, RETRIES};
+
+    fn parse(body: &str) -> Config {
+        Config::parse(
+            &format!("[server]\nlisten = \"127.0.0.1:1\"\n{body}"),
+            Path::new("t.toml"),
+        )
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    fn names(cfg: &Config) -> Vec<&str> {
+        cfg.upstreams.iter().map(|p| p.name.as_str()).collect()
+    }
+
+    #[test]
+    fn upstream_url_is_the_pool_default_and_comes_first() {
+        let cfg = parse(
+            "[[upstreams]]\nname = \"api\"\nservers = [\"http://10.0.0.1:8080\"]\n[upstream]\nurl = \"http://127.0.0.1:3000/base/\"\ntimeout = \"3s\"\nretries = 2\n",
+        );
+        assert_eq!(names(&cfg), ["default", "api"]);
+        let d = &cfg.upstreams[0];
+        assert_eq!(d.servers.len(), 1);
+        assert_eq!(d.servers[0].label(), "http://127.0.0.1:3000");
+        assert_eq!(d.servers[0].base_path, "/base");
+        assert_eq!((d.timeout, d.retries), (Duration::from_secs(3), 2));
+        // With a url, [upstream] is a pool of its own: the others do not inherit from it.
+        let api = &cfg.upstreams[1];
+        assert_eq!(
+            (api.timeout, api.retries),
+            (crate::upstream::TIMEOUT, RETRIES)
+        );
+        assert_eq!(cfg.routes.default_pool, Some(0));
+        assert_eq!(cfg.upstream.url, d.servers[0].url);
+        assert_eq!(cfg.upstream.timeout, Duration::from_secs(3));
+    }
+
+    #[test]
+    fn upstream_without_url_holds_what_every_pool_inherits() {
+        let cfg = parse(
+            "[upstream]\nconnect_timeout = \"2s\"\nmax_fails = 5\nbalance = \"least_requests\"\nhealth = { path = \"/up\" }\n\
+             [[upstreams]]\nname = \"a\"\nservers = [\"http://10.0.0.1:8080\", { url = \"http://10.0.0.2:8080/v2\", weight = 3 }]\nmax_fails = 1\n\
+             [[upstreams]]\nname = \"default\"\nservers = [\"http://10.0.0.3\"]\nbalance = \"hash:header:X-Tenant\"\nhealth = { interval = \"5s\", expect = \"204\" }\n",
+        );
+        assert_eq!(names(&cfg), ["default", "a"], "the pool default first");
+        let (d, a) = (&cfg.upstreams[0], &cfg.upstreams[1]);
+        assert_eq!(a.connect_timeout, Duration::from_secs(2));
+        assert_eq!((a.passive.max_fails, d.passive.max_fails), (1, 5));
+        assert_eq!(a.balance, Balance::LeastRequests);
+        match &d.balance {
+            Balance::Hash(k) => assert_eq!(k.kind, KeyKind::Header("x-tenant".parse().unwrap())),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(d.balance.name(), "hash:header:x-tenant");
+        assert_eq!(
+            a.health,
+            Some(HealthCheck {
+                path: "/up".into(),
+                ..HealthCheck::default()
+            })
+        );
+        // A pool's own health table replaces the inherited one whole.
+        let h = d.health.as_ref().unwrap();
+        assert_eq!(
+            (h.path.as_str(), h.interval),
+            ("/healthz", Duration::from_secs(5))
+        );
+        assert_eq!(h.expect, 204..=204);
+        assert_eq!(
+            a.servers.iter().map(|s| s.weight).collect::<Vec<_>>(),
+            [1, 3]
+        );
+        assert_eq!(a.servers[1].base_path, "/v2");
+        assert_eq!(
+            cfg.upstream.url, d.servers[0].url,
+            "the default's first server"
+        );
+        assert_eq!(
+            cfg.pool_defaults.pool.connect_timeout,
+            Duration::from_secs(2)
+        );
+    }
+
+    #[test]
+    fn a_pool_without_settings_takes_the_defaults() {
+        let cfg = parse("[[upstreams]]\nname = \"a\"\nservers = [\"http://10.0.0.1\"]\n");
+        let a = &cfg.upstreams[0];
+        assert_eq!(a.passive, Passive::default());
+        assert_eq!(a.connect_timeout, CONNECT_TIMEOUT);
+        assert_eq!(a.health, None);
+        assert_eq!(a.balance, Balance::RoundRobin);
+        assert_eq!(cfg.routes.default_pool, None);
+        assert_eq!(
+            cfg.upstream.url, a.servers[0].url,
+            "the first pool's first server"
+        );
+    }
+
+    #[test]
+    fn passive_health_keys_are_read() {
+        let cfg = parse(
+            "[[upstreams]]\nname = \"a\"\nservers = [\"http://10.0.0.1\"]\nfail_on_status = [504, 502, 504]\nmax_ejected_percent = 0\nfail_window = \"30s\"\nfail_timeout = \"1m\"\nmax_fails = 0\nresolve_every = \"5m\"\nretries = 0\n",
+        );
+        let a = &cfg.upstreams[0];
+        assert_eq!(
+            a.passive,
+            Passive {
+                max_fails: 0,
+                fail_window: Duration::from_secs(30),
+                fail_timeout: Duration::from_secs(60),
+                max_ejected_percent: 0,
+                fail_on_status: vec![StatusCode::BAD_GATEWAY, StatusCode::GATEWAY_TIMEOUT],
+            }
+        );
+        assert_eq!((a.retries, a.resolve_every), (0, Duration::from_secs(300)));
+    }
+
+    #[test]
+    fn each_https_server_gets_tls_and_http_ones_none() {
+        let cfg = parse(
+            "[[upstreams]]\nname = \"a\"\nservers = [\"http://10.0.0.1\", \"https://b.internal:8443\"]\nsni = \"api.internal\"\ninsecure_skip_verify = true\n",
+        );
+        let s = &cfg.upstreams[0].servers;
+        assert!(s[0].tls.is_none());
+        let tls = s[1].tls.as_ref().expect("TLS for https://");
+        assert!(
+            tls.describe().contains("name api.internal"),
+            "{}",
+            tls.describe()
+        );
+    }
+
+    /// The error `body` gives: (line, column, key, message).
+    fn err(body: &str) -> (usize, usize, String, String) {
+        match Config::parse(
+            &format!("[server]\nlisten = \"127.0.0.1:1\"\n{body}"),
+            Path::new("t.toml"),
+        ) {
+            Err(crate::config::ConfigError::Invalid {
+                line,
+                column,
+                key,
+                message,
+                ..
+            }) => (line, column, key, message),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("accepted: {body}"),
+        }
+    }
+
+    #[test]
+    fn what_a_pool_may_not_say() {
+        for (body, key, message) in [
+            (
+                "[[upstreams]]\nname = \"a\"\nservers = [\"http://10.0.0.1\"]\nca = \"ca.pem\"\n",
+                "upstreams[0].servers",
+                "TLS keys (ca, sni, cert, key, insecure_skip_verify) need an https:// server",
+            ),
+            (
+                "[[upstreams]]\nname = \"a\"\nservers = [\"http://10.0.0.1\", \"http://10.0.0.1/\"]\n",
+                "upstreams[0].servers[1]",
+                "server \"http://10.0.0.1\" is listed twice in pool \"a\": give it a weight instead",
+            ),
+            (
+                "[[upstreams]]\nname = \"a b\"\nservers = [\"http://10.0.0.1\"]\n",
+                "upstreams[0].name",
+                "invalid pool name \"a b\": 1 to 64 characters of A-Z a-z 0-9 _ - .",
+            ),
+            (
+                "[[upstreams]]\nname = \"a\"\nservers = [\"http://10.0.0.1\"]\nbalance = \"hash:global\"\n",
+                "upstreams[0].balance",
+                "\"hash:global\" would send every request to one server: hash by api_key, client_ip, client_cert or header:<name>",
+            ),
+            (
+                "[[upstreams]]\nname = \"a\"\nservers = [\"http://10.0.0.1\"]\nbalance = \"hash:client_cert\"\n",
+                "upstreams[0].balance",
+                "hash:client_cert needs client certificates: [server.tls] with client_ca",
+            ),
+            (
+                "[[upstreams]]\nname = \"a\"\nservers = [\"http://10.0.0.1\"]\nretries = 11\n",
+                "upstreams[0].retries",
+                "retries = 11: 0 to 10 (default 1)",
+            ),
+            (
+                "[[upstreams]]\nname = \"a\"\nservers = [{ url = \"http://10.0.0.1\", weigth = 2 }]\n",
+                "upstreams[0].servers[0].weigth",
+                "unknown field `weigth`, expected `url` or `weight`",
+            ),
+            (
+                "[upstream]\nhealth = { interval = \"500ms\" }\n[[upstreams]]\nname = \"a\"\nservers = [\"http://10.0.0.1\"]\n",
+                "upstream.health.interval",
+                "health timeout 1s must be shorter than its interval 500ms: one check ends before the next begins",
+            ),
+            (
+                "[[upstreams]]\nname = \"a\"\nservers = [\"http://10.0.0.1\"]\nhealth = { path = \"healthz\" }\n",
+                "upstreams[0].health.path",
+                "invalid health path \"healthz\": a path starting with \"/\" (a query may follow)",
+            ),
+            (
+                "[upstream]\nurl = \"http://10.0.0.1\"\nservers = [\"http://10.0.0.2\"]\n",
+                "upstream.servers",
+                "unknown field `servers`, expected one of `url`, `connect_timeout`, `timeout`, `ca`, `sni`, `cert`, `key`, `insecure_skip_verify`, `balance`, `max_fails`, `fail_window`, `fail_timeout`, `max_ejected_percent`, `fail_on_status`, `health`, `retries`, `resolve_every`",
+            ),
+        ] {
+            let (_, _, k, m) = err(body);
+            assert_eq!((k.as_str(), m.as_str()), (key, message), "{body}");
+        }
+    }
+
+    #[test]
+    fn expect_takes_a_class_or_one_status() {
+        for (text, range) in [("2xx", 200..=299), ("3XX", 300..=399), ("204", 204..=204)] {
+            let cfg = parse(&format!(
+                "[[upstreams]]\nname = \"a\"\nservers = [\"http://10.0.0.1\"]\nhealth = {{ expect = \"{text}\" }}\n"
+            ));
+            assert_eq!(
+                cfg.upstreams[0].health.as_ref().unwrap().expect,
+                range,
+                "{text}"
+            );
+        }
+        for bad in ["6xx", "20", "2000", "099", "x"] {
+            let (_, _, key, _) = err(&format!(
+                "[[upstreams]]\nname = \"a\"\nservers = [\"http://10.0.0.1\"]\nhealth = {{ expect = \"{bad}\" }}\n"
+            ));
+            assert_eq!(key, "upstreams[0].health.expect", "{bad}");
+        }
+    }
+}

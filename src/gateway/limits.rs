@@ -130,3 +130,28 @@ pub fn matching(cfg: &crate::config::Config, parts: &Parts, route: Option<usize>
 pub fn forwarded_host<'a>(cfg: &'a crate::config::Config, parts: &'a Parts) -> Option<&'a str> {
     rules::request_host(&parts.uri, &parts.headers).or_else(|| cfg.upstream.url.host())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rule_with_a_route_condition_fits_that_routes_requests_only() {
+        let cfg = crate::config::Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:2\"\n\
+             [[routes]]\nname = \"x\"\nmatch = { path_prefix = \"/x/\" }\nupstream = \"default\"\n\
+             [[routes]]\nname = \"billing\"\nupstream = \"default\"\n\
+             [[rules]]\nname = \"b\"\nkey = \"global\"\nrate = \"1/s\"\nmatch = { route = \"billing\" }\n\
+             [[rules]]\nname = \"all\"\nkey = \"global\"\nrate = \"1/s\"\n",
+            std::path::Path::new("t.toml"),
+        )
+        .unwrap();
+        let (p, _) = http::Request::get("/billing/pay")
+            .body(())
+            .unwrap()
+            .into_parts();
+        assert_eq!(matching(&cfg, &p, Some(1)), [0, 1]);
+        assert_eq!(matching(&cfg, &p, Some(0)), [1]);
+        assert_eq!(matching(&cfg, &p, None), [1]);
+    }
+}
