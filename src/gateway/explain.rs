@@ -66,7 +66,8 @@ pub fn explain(
             );
         }
     }
-    let fitting = matching(cfg, &parts);
+    // No route yet: rules with a route condition do not fit.
+    let fitting = matching(cfg, &parts, None);
     let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip);
     let plan = requester.plan();
     let mut applied = Vec::new();

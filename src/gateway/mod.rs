@@ -328,7 +328,8 @@ impl Gateway {
         }
         let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip)
             .with_client_cert(parts.extensions.get());
-        let limits = match Limit::all(live, parts, &requester) {
+        // The lead's routing passes the chosen route here.
+        let limits = match Limit::all(live, parts, &requester, None) {
             Ok(limits) if limits.is_empty() => {
                 return Admission::Forward(Pass::unlimited(Note::gateway("unlimited")))
             }
