@@ -58,7 +58,7 @@ use tokio::io::AsyncWriteExt;
 
 pub use balance::{key_hash, Balancer, Candidate, Candidates, MAX_RING_POINTS, POINTS_PER_WEIGHT};
 pub use body::{BodyError, ResponseBody};
-pub use budget::RetryBudget;
+pub use budget::{RetryBudget, MIN_RETRIES_PER_SECOND, RETRY_PERCENT, WINDOW_SECS};
 pub use error::{Error, Malformed};
 pub use forward::{ClientPeer, Downstream};
 pub use health::{panic_pick, HealthEvent, HealthPolicy, HealthState, ServerHealth};
