@@ -39,6 +39,8 @@ pub enum Outcome {
     /// Refused before any limit was consulted as malformed: 400 (a malformed head or
     /// key), 501 (a tunnel).
     BadRequest,
+    /// 404: no route matches it, and no pool `default` takes the rest.
+    NoRoute,
     /// 503: the store failed and `on_error = "deny"`.
     StoreUnavailable,
     /// 502: the upstream refused, reset, or answered something unreadable.
@@ -50,11 +52,12 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 8] = [
+    pub const ALL: [Outcome; 9] = [
         Outcome::Allowed,
         Outcome::Denied,
         Outcome::Unauthorized,
         Outcome::BadRequest,
+        Outcome::NoRoute,
         Outcome::StoreUnavailable,
         Outcome::UpstreamError,
         Outcome::UpstreamTimeout,
@@ -67,6 +70,7 @@ impl Outcome {
             429 => Outcome::Denied,
             503 => Outcome::StoreUnavailable,
             401 => Outcome::Unauthorized,
+            404 => Outcome::NoRoute,
             _ => Outcome::BadRequest,
         }
     }
@@ -92,6 +96,7 @@ impl Outcome {
             Outcome::Denied => "denied",
             Outcome::Unauthorized => "unauthorized",
             Outcome::BadRequest => "bad_request",
+            Outcome::NoRoute => "no_route",
             Outcome::StoreUnavailable => "store_unavailable",
             Outcome::UpstreamError => "upstream_error",
             Outcome::UpstreamTimeout => "upstream_timeout",
@@ -248,6 +253,7 @@ pub struct Outcomes {
     pub denied: u64,
     pub unauthorized: u64,
     pub bad_request: u64,
+    pub no_route: u64,
     pub store_unavailable: u64,
     pub upstream_error: u64,
     pub upstream_timeout: u64,
@@ -262,6 +268,7 @@ impl Outcomes {
             denied: n(Outcome::Denied),
             unauthorized: n(Outcome::Unauthorized),
             bad_request: n(Outcome::BadRequest),
+            no_route: n(Outcome::NoRoute),
             store_unavailable: n(Outcome::StoreUnavailable),
             upstream_error: n(Outcome::UpstreamError),
             upstream_timeout: n(Outcome::UpstreamTimeout),

@@ -5,6 +5,7 @@
 use http::request::Parts;
 
 use super::live::{Live, WaitSlot};
+use super::route::Destination;
 use crate::identity::{Identity, Refusal, Requester};
 use crate::limiter::{Algorithm, Check, Quota};
 use crate::rules::{self, Applies, Rule};
@@ -46,10 +47,10 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
         live: &'l Live,
         parts: &Parts,
         requester: &Requester<'p>,
-        route: Option<usize>,
+        to: Option<&Destination>,
     ) -> Result<Vec<Limit<'l, 'p>>, Refused> {
         let cfg = &*live.config;
-        matching(cfg, parts, route)
+        matching(cfg, parts, to)
             .into_iter()
             .filter_map(|index| {
                 let rule = &cfg.rules[index];
@@ -111,24 +112,36 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
 /// config order: by its method, its path as a backend will route it, its host (parsed
 /// only when a rule looks), and the route (a rule with `match = { route = … }` applies
 /// only to that route's requests).
-pub fn matching(cfg: &crate::config::Config, parts: &Parts, route: Option<usize>) -> Vec<usize> {
+pub fn matching(
+    cfg: &crate::config::Config,
+    parts: &Parts,
+    to: Option<&Destination>,
+) -> Vec<usize> {
     let path = cfg.index.path_of(parts.uri.path());
     let host = if cfg.index.uses_host {
-        forwarded_host(cfg, parts)
+        forwarded_host(cfg, parts, to)
     } else {
         None
     };
     let mut fitting = cfg.index.matching(&parts.method, &path, host);
+    let route = to.and_then(|t| t.route);
     fitting.retain(|&i| cfg.rules[i].matcher.fits_route(route));
     fitting
 }
 
 /// The host a request is forwarded with, as rules match it: its own
-/// ([`rules::request_host`]), or, for a request that names none (HTTP/1.0 may), the
-/// upstream's, which the upstream hop then sends as its `Host` — so a `host` rule for the
-/// backend's default vhost applies to what that vhost serves.
-pub fn forwarded_host<'a>(cfg: &'a crate::config::Config, parts: &'a Parts) -> Option<&'a str> {
-    rules::request_host(&parts.uri, &parts.headers).or_else(|| cfg.upstream.url.host())
+/// ([`rules::request_host`]), or, for a request that names none (HTTP/1.0 may), its
+/// pool's first server's, which the upstream hop then sends as its `Host` — so a `host`
+/// rule for the backend's default vhost applies to what that vhost serves.
+pub fn forwarded_host<'a>(
+    cfg: &'a crate::config::Config,
+    parts: &'a Parts,
+    to: Option<&Destination>,
+) -> Option<&'a str> {
+    rules::request_host(&parts.uri, &parts.headers).or_else(|| {
+        let pool = cfg.upstreams.get(to?.pool)?;
+        pool.servers.first()?.url.host()
+    })
 }
 
 #[cfg(test)]

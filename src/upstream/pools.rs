@@ -261,6 +261,15 @@ impl Pool {
         })
     }
 
+    /// The `Host` a request that names none is sent with: the first server's authority.
+    pub fn default_host(&self) -> http::HeaderValue {
+        let set = self.servers.load();
+        match set.list.first().and_then(|s| s.clients.first()) {
+            Some(c) => c.authority().clone(),
+            None => http::HeaderValue::from_static("localhost"),
+        }
+    }
+
     /// Make `list` the pool's servers.
     fn install(&self, list: Vec<Arc<Server>>) {
         let balancer = Balancer::new(
