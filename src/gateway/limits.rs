@@ -163,8 +163,14 @@ mod tests {
             .body(())
             .unwrap()
             .into_parts();
-        assert_eq!(matching(&cfg, &p, Some(1)), [0, 1]);
-        assert_eq!(matching(&cfg, &p, Some(0)), [1]);
+        let to = |route| Destination {
+            route,
+            pool: 0,
+            hash: None,
+        };
+        assert_eq!(matching(&cfg, &p, Some(&to(Some(1)))), [0, 1]);
+        assert_eq!(matching(&cfg, &p, Some(&to(Some(0)))), [1]);
+        assert_eq!(matching(&cfg, &p, Some(&to(None))), [1]);
         assert_eq!(matching(&cfg, &p, None), [1]);
     }
 }

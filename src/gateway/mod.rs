@@ -143,21 +143,19 @@ pub struct Pass<'l> {
     leases: Option<Leases>,
     /// Its places in the queues of the rules it waits on, held while it waits.
     slots: Vec<WaitSlot<'l>>,
-    /// Where it goes, and the hash of its identity for a `hash:` pool.
+    /// Where it goes.
     pub to: Destination,
-    hash: Option<u64>,
     pub note: Note<'l>,
 }
 
 impl<'l> Pass<'l> {
-    fn unlimited(note: Note<'l>, to: Destination, hash: Option<u64>) -> Pass<'l> {
+    fn unlimited(note: Note<'l>, to: Destination) -> Pass<'l> {
         Pass {
             applied: Vec::new(),
             shadow: Vec::new(),
             leases: None,
             slots: Vec::new(),
             to,
-            hash,
             note,
         }
     }
@@ -363,11 +361,11 @@ impl Gateway {
                 return Admission::Answer(problem(p, cfg, &[]), note);
             }
         };
-        let hash = to.hash(cfg, &requester);
+        let to = to.hashed(cfg, &requester);
         let limits = match Limit::all(live, parts, &requester, Some(&to)) {
             Ok(limits) if limits.is_empty() => {
                 let note = Note::gateway("unlimited").to(&to, cfg);
-                return Admission::Forward(Pass::unlimited(note, to, hash));
+                return Admission::Forward(Pass::unlimited(note, to));
             }
             Ok(limits) => limits,
             Err(limits::Refused { index, refusal }) => {
@@ -396,9 +394,9 @@ impl Gateway {
                 self.deny(live, &limits, &d, by, jitter_us, &to)
             }
             (Verdict::Forward | Verdict::Delay(_), Some(d)) => {
-                Admission::Forward(self.pass(live, limits, &d, verdict, leases, to, hash))
+                Admission::Forward(self.pass(live, limits, &d, verdict, leases, to))
             }
-            (v, _) => store_failed(live, &limits, v, to, hash),
+            (v, _) => store_failed(live, &limits, v, to),
         }
     }
 
@@ -451,7 +449,6 @@ impl Gateway {
         verdict: Verdict,
         leases: Option<Leases>,
         to: Destination,
-        hash: Option<u64>,
     ) -> Pass<'l> {
         let shadow_denied = tally(live, &limits, decisions, false);
         let (applied, shadow) = split(&limits, decisions);
@@ -481,7 +478,6 @@ impl Gateway {
             leases,
             slots,
             to,
-            hash,
             note,
         }
     }
@@ -521,7 +517,7 @@ impl Gateway {
         let target = pass.to.target(cfg, req.uri());
         let mut out = upstream::Outbound::new(req, target, &pool.default_host());
         let pick = upstream::Pick {
-            hash: pass.hash,
+            hash: pass.to.hash,
             worker: crate::worker::current().unwrap_or(0),
         };
         let forwarded = pool.forward(&mut out, &down, pick).await;
@@ -746,7 +742,6 @@ fn store_failed<'l>(
     limits: &[Limit<'l, '_>],
     verdict: Verdict,
     to: Destination,
-    hash: Option<u64>,
 ) -> Admission<'l> {
     for l in limits {
         live.counters[l.index].error.inc();
@@ -757,7 +752,7 @@ fn store_failed<'l>(
         ..Note::gateway("store_error").to(&to, &live.config)
     };
     if verdict == Verdict::Unlimited {
-        return Admission::Forward(Pass::unlimited(note, to, hash));
+        return Admission::Forward(Pass::unlimited(note, to));
     }
     let p = Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,

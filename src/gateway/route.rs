@@ -18,6 +18,9 @@ pub struct Destination {
     pub route: Option<usize>,
     /// Its pool: a position in `config.upstreams`.
     pub pool: usize,
+    /// For a pool balanced by `hash:<key source>`, the hash of the request's identity
+    /// under that key source ([`Destination::hashed`]).
+    pub hash: Option<u64>,
 }
 
 impl Destination {
@@ -44,14 +47,16 @@ impl Destination {
         Some(cfg.routes.forwarded_path(self.route?, pq).into_owned())
     }
 
-    /// For a pool balanced by `hash:<key source>`, the hash of the request's identity under
-    /// that key source (a request without one is balanced round robin).
-    pub fn hash<'a>(&self, cfg: &'a Config, requester: &Requester<'a>) -> Option<u64> {
-        let Balance::Hash(key) = &cfg.upstreams.get(self.pool)?.balance else {
-            return None;
-        };
-        let identity = requester.identify(key).ok()?;
-        Some(crate::upstream::key_hash(&identity.digest.0))
+    /// With the hash a `hash:<key source>` pool balances the request by: its identity's
+    /// under that key source (a request without one is balanced round robin).
+    pub fn hashed<'a>(mut self, cfg: &'a Config, requester: &Requester<'a>) -> Destination {
+        if let Some(Balance::Hash(key)) = cfg.upstreams.get(self.pool).map(|p| &p.balance) {
+            self.hash = requester
+                .identify(key)
+                .ok()
+                .map(|id| crate::upstream::key_hash(&id.digest.0));
+        }
+        self
     }
 }
 
@@ -78,5 +83,9 @@ pub fn choose(
         Some(r) => routes.list.get(r).map(|r| r.pool),
         None => routes.default_pool,
     };
-    Ok(pool.map(|pool| Destination { route, pool }))
+    Ok(pool.map(|pool| Destination {
+        route,
+        pool,
+        hash: None,
+    }))
 }
