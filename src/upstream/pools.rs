@@ -422,12 +422,13 @@ impl Pool {
             HealthEvent::Ejected { until, consecutive } => {
                 server.counters.ejections.inc();
                 server.counters.healthy.set(0);
-                let for_ = until.saturating_duration_since(Instant::now());
+                // Whole seconds, rounded up: an ejection of 10 s reads 10s, not 9s.
+                let secs = until.saturating_duration_since(Instant::now()).as_millis().div_ceil(1000);
                 tracing::warn!(
                     pool,
                     server = &*server.label,
                     address = server.addr.map(tracing::field::display),
-                    ejected_for = %humantime::format_duration(Duration::from_secs(for_.as_secs().max(1))),
+                    ejected_for = %humantime::format_duration(Duration::from_secs(secs.max(1) as u64)),
                     consecutive,
                     "upstream server ejected after max_fails failures within fail_window; it gets one trial request when its ejection ends"
                 );
