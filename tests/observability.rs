@@ -475,7 +475,13 @@ fn assert_series_at_zero(m: &Scrape, rules: &[&str], ctx: &str) {
     for result in ["ok", "rejected"] {
         need("ratewall_config_reloads_total", &[("result", result)]);
     }
-    for reason in ["missing_key", "unknown_key", "malformed", "not_implemented"] {
+    for reason in [
+        "missing_key",
+        "unknown_key",
+        "malformed",
+        "not_implemented",
+        "no_route",
+    ] {
         need("ratewall_refusals_total", &[("reason", reason)]);
     }
     for outcome in OUTCOMES {

@@ -423,7 +423,10 @@ impl Pool {
                 server.counters.ejections.inc();
                 server.counters.healthy.set(0);
                 // Whole seconds, rounded up: an ejection of 10 s reads 10s, not 9s.
-                let secs = until.saturating_duration_since(Instant::now()).as_millis().div_ceil(1000);
+                let secs = until
+                    .saturating_duration_since(Instant::now())
+                    .as_millis()
+                    .div_ceil(1000);
                 tracing::warn!(
                     pool,
                     server = &*server.label,
