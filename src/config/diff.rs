@@ -3,6 +3,7 @@
 //! admin token, a Redis password, an API key listed with a plan).
 
 use std::fmt;
+use std::time::Duration;
 
 use super::Config;
 use crate::rules::{Match, Route, Rule};
@@ -18,8 +19,9 @@ pub struct Changes {
     pub pools: Named,
     /// The routes, by name (an unnamed one's is `route-<n>`: moving it renames it).
     pub routes: Named,
-    /// Dotted keys of the settings outside `[[rules]]`, the pools and the routes that
-    /// differ: `server.listen`, `keys.plans` (the keys listed, or their plans).
+    /// Dotted keys of the settings outside `[[rules]]` and the routes that differ:
+    /// `upstream.timeout` (of the pool `default`, which `pools` names too), `keys.plans`
+    /// (the keys listed, or their plans).
     pub settings: Vec<&'static str>,
 }
 
@@ -163,13 +165,24 @@ fn same_rule((o, a): (&Config, &Rule), (n, b): (&Config, &Rule)) -> bool {
         && a.retry_jitter_us == b.retry_jitter_us
 }
 
-/// The keys outside `[[rules]]`, the pools and the routes whose values differ.
+/// The keys outside `[[rules]]` and the routes whose values differ.
 fn settings(o: &Config, n: &Config) -> Vec<&'static str> {
     let (os, ns) = (&o.server, &n.server);
     let (ot, nt) = (&os.timeouts, &ns.timeouts);
     let (ostore, nstore) = (&o.store, &n.store);
     let (oip, nip) = (&o.client_ip, &n.client_ip);
     let (ok, nk) = (&o.keys, &n.keys);
+    // `[upstream]`'s own keys, as the pool `default` has them (also listed in `pools`).
+    fn default(c: &Config) -> Option<(Option<(&http::Uri, &String)>, Duration, Duration)> {
+        c.upstreams
+            .iter()
+            .find(|p| p.name == crate::upstream::DEFAULT_POOL)
+            .map(|p| {
+                let first = p.servers.first().map(|s| (&s.url, &s.base_path));
+                (first, p.connect_timeout, p.timeout)
+            })
+    }
+    let (ou, nu) = (default(o), default(n));
     [
         ("server.listen", os.listen == ns.listen),
         ("server.admin_listen", os.admin_listen == ns.admin_listen),
@@ -226,6 +239,12 @@ fn settings(o: &Config, n: &Config) -> Vec<&'static str> {
                 == ns.tls.as_ref().is_some_and(|t| t.redirect_https),
         ),
         ("admin.token", o.admin.token == n.admin.token),
+        ("upstream.url", ou.map(|u| u.0) == nu.map(|u| u.0)),
+        (
+            "upstream.connect_timeout",
+            ou.map(|u| u.1) == nu.map(|u| u.1),
+        ),
+        ("upstream.timeout", ou.map(|u| u.2) == nu.map(|u| u.2)),
         ("store.backend", ostore.backend == nstore.backend),
         ("store.prefix", ostore.prefix == nstore.prefix),
         ("store.timeout", ostore.timeout == nstore.timeout),
@@ -353,7 +372,12 @@ mod tests {
         );
         assert_eq!(
             c.settings,
-            ["keys.plans", "response.headers", "log.client_ip"]
+            [
+                "upstream.timeout",
+                "keys.plans",
+                "response.headers",
+                "log.client_ip"
+            ]
         );
         assert_eq!(c.added, ["r"]);
         assert!(!format!("{c:?}").contains("secret-key-123"));
