@@ -25,8 +25,9 @@
 //!   the guard that slows a peer guessing the admin token (`admin/guard.rs`).
 //! - [`config`]: the TOML file -> validated, immutable [`config::Config`], one file per
 //!   table; the types it fills live with their meaning, below.
-//! - [`rules`]: request parts -> the rules that apply (pure, through an index compiled at
-//!   load: exact paths, a prefix trie, globs, methods, hosts).
+//! - [`rules`]: request parts -> the route (`[[routes]]`, first match wins) and the rules
+//!   that apply (pure, through an index compiled at load: exact paths, a prefix trie,
+//!   globs, methods, hosts).
 //! - [`identity`]: the one place a rule's identity for a request is derived: peer +
 //!   trusted proxies + headers -> an identity digest, or a refusal (pure).
 //! - [`limiter`]: the algorithms as pure integer step functions (and the concurrency

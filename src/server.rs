@@ -314,6 +314,8 @@ async fn reload_on_sighup(gateway: Arc<Gateway>, hangups: Option<Hangups>) {
                     added = %Listed(&c.added),
                     removed = %Listed(&c.removed),
                     changed = %Listed(&c.changed),
+                    pools = %c.pools,
+                    routes = %c.routes,
                     settings = %Listed(&c.settings),
                     "config reloaded{}",
                     if c.is_empty() { ": nothing changed" } else { "" }

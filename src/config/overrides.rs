@@ -263,6 +263,46 @@ mod tests {
     }
 
     #[test]
+    fn the_upstream_override_retargets_the_pool_default_or_makes_it() {
+        let o = Overrides::new(
+            None,
+            None,
+            None,
+            given("http://10.9.9.9:80/b", "--upstream"),
+        )
+        .unwrap();
+        // A pool named default keeps its settings and loses its servers.
+        let mut c = Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[[upstreams]]\nname = \"api\"\nservers = [\"http://127.0.0.1:2\"]\n[[upstreams]]\nname = \"default\"\nservers = [\"http://127.0.0.1:3\", \"http://127.0.0.1:4\"]\nretries = 3\n",
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        o.apply(&mut c).unwrap();
+        let d = &c.upstreams[0];
+        assert_eq!((d.name.as_str(), d.retries), ("default", 3));
+        let servers: Vec<String> = d.servers.iter().map(|s| s.label()).collect();
+        assert_eq!(servers, ["http://10.9.9.9:80"]);
+        assert_eq!(d.servers[0].base_path, "/b");
+        assert_eq!(c.upstream.url, d.servers[0].url);
+        // Without one, it is made first, with what [upstream] gives every pool, and the
+        // routes still send to the pools they named.
+        let mut c = Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\ntimeout = \"7s\"\n[[upstreams]]\nname = \"api\"\nservers = [\"http://127.0.0.1:2\"]\n[[routes]]\nupstream = \"api\"\n",
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        assert_eq!(c.routes.default_pool, None);
+        o.apply(&mut c).unwrap();
+        let names: Vec<&str> = c.upstreams.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["default", "api"]);
+        assert_eq!(c.upstreams[0].timeout, std::time::Duration::from_secs(7));
+        assert_eq!(c.routes.default_pool, Some(0));
+        assert_eq!(c.upstreams[c.routes.list[0].pool].name, "api");
+        assert_eq!(c.upstream.url, c.upstreams[0].servers[0].url);
+        assert_eq!(c.upstream.timeout, std::time::Duration::from_secs(7));
+    }
+
+    #[test]
     fn a_tls_listen_override_needs_a_tls_listener() {
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("limits.toml");
