@@ -210,8 +210,8 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
 
 /// The upstream as the file names it: `http://127.0.0.1:3000/base`.
 fn upstream_of(config: &Config) -> String {
-    let url = config.upstream.url.to_string();
-    format!("{}{}", url.trim_end_matches('/'), config.upstream.base_path)
+    let url = config.upstream().url.to_string();
+    format!("{}{}", url.trim_end_matches('/'), config.upstream().base_path)
 }
 
 fn store_of(config: &Config) -> &'static str {

@@ -172,8 +172,10 @@ fn settings(o: &Config, n: &Config) -> Vec<&'static str> {
     let (ostore, nstore) = (&o.store, &n.store);
     let (oip, nip) = (&o.client_ip, &n.client_ip);
     let (ok, nk) = (&o.keys, &n.keys);
-    // `[upstream]`'s own keys, as the pool `default` has them (also listed in `pools`).
-    fn default(c: &Config) -> Option<(Option<(&http::Uri, &String)>, Duration, Duration)> {
+    // `[upstream]`'s own keys, as the pool `default` has them (also listed in `pools`):
+    // its first server's URL and base path, its connect_timeout and timeout.
+    type Default<'c> = (Option<(&'c http::Uri, &'c String)>, Duration, Duration);
+    fn default(c: &Config) -> Option<Default<'_>> {
         c.upstreams
             .iter()
             .find(|p| p.name == crate::upstream::DEFAULT_POOL)

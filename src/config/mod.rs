@@ -76,9 +76,6 @@ pub enum ConfigError {
 pub struct Config {
     pub server: Server,
     pub admin: Admin,
-    /// Transitional, until the runtime forwards by pool: the first server of the pool
-    /// `default`, else of the first pool, with that pool's clocks.
-    pub upstream: crate::upstream::Settings,
     /// Every pool (`[upstream] url` and `[[upstreams]]`), the pool `default` first if there
     /// is one, then in the file's order. Never empty.
     pub upstreams: Vec<crate::upstream::PoolSettings>,
@@ -239,23 +236,22 @@ fn underscored_names(
     Ok(())
 }
 
-/// The old single upstream, from the first pool's first server (the pool `default`, where
-/// there is one, is first).
-pub(super) fn transitional_upstream(
-    pools: &[crate::upstream::PoolSettings],
-) -> crate::upstream::Settings {
-    let pool = &pools[0];
-    let server = &pool.servers[0];
-    crate::upstream::Settings {
-        url: server.url.clone(),
-        tls: server.tls.clone(),
-        base_path: server.base_path.clone(),
-        connect_timeout: pool.connect_timeout,
-        timeout: pool.timeout,
-    }
-}
-
 impl Config {
+    /// The backend as the start line and `ratewall check` name it: the first pool's
+    /// (the pool `default`, where there is one, is first) first server, with its pool's
+    /// clocks.
+    pub fn upstream(&self) -> crate::upstream::Settings {
+        let pool = &self.upstreams[0];
+        let server = &pool.servers[0];
+        crate::upstream::Settings {
+            url: server.url.clone(),
+            tls: server.tls.clone(),
+            base_path: server.base_path.clone(),
+            connect_timeout: pool.connect_timeout,
+            timeout: pool.timeout,
+        }
+    }
+
     /// Read and validate the file at `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         Config::parse(&read(path)?, path)
@@ -357,7 +353,6 @@ impl Config {
         Ok(Config {
             admin: raw.admin.validate(env_token),
             server,
-            upstream: transitional_upstream(&upstreams),
             upstreams,
             pool_defaults,
             routes,
@@ -651,7 +646,7 @@ url = "http://127.0.0.1:3000"
         assert_eq!(cfg.store.on_error, OnError::Deny);
         assert_eq!(cfg.keys.header.as_str(), "x-api-key");
         assert_eq!(cfg.response, ResponseStyle::Draft);
-        assert_eq!(cfg.upstream.timeout, Duration::from_secs(30));
+        assert_eq!(cfg.upstream().timeout, Duration::from_secs(30));
         let t = cfg.server.timeouts;
         assert_eq!(
             (t.header, t.idle, t.body),
@@ -1038,7 +1033,8 @@ url = "http://127.0.0.1:3000"
             Path::new("x"),
         )
         .unwrap();
-        let tls = cfg.upstream.tls.as_ref().expect("TLS for https://");
+        let upstream = cfg.upstream();
+        let tls = upstream.tls.as_ref().expect("TLS for https://");
         assert_eq!(
             tls.describe(),
             "tls: name b.internal, verified against nothing (insecure_skip_verify) -- INSECURE: the backend's certificate is NOT verified"
@@ -1049,7 +1045,7 @@ url = "http://127.0.0.1:3000"
             Path::new("x"),
         )
         .unwrap();
-        assert!(plain.upstream.tls.is_none());
+        assert!(plain.upstream().tls.is_none());
         let e = Config::parse(
             "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"https://b\"\ninsecure_skip_verify = true\nsni = \"not a name\"\n",
             Path::new("x"),
@@ -1069,9 +1065,9 @@ url = "http://127.0.0.1:3000"
             Path::new("x"),
         )
         .unwrap();
-        assert_eq!(cfg.upstream.base_path, "/base");
+        assert_eq!(cfg.upstream().base_path, "/base");
         assert_eq!(
-            cfg.upstream.url.authority().unwrap().as_str(),
+            cfg.upstream().url.authority().unwrap().as_str(),
             "127.0.0.1:3000"
         );
         assert!(Config::parse(

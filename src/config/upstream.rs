@@ -591,8 +591,8 @@ mod tests {
             (crate::upstream::TIMEOUT, RETRIES)
         );
         assert_eq!(cfg.routes.default_pool, Some(0));
-        assert_eq!(cfg.upstream.url, d.servers[0].url);
-        assert_eq!(cfg.upstream.timeout, Duration::from_secs(3));
+        assert_eq!(cfg.upstream().url, d.servers[0].url);
+        assert_eq!(cfg.upstream().timeout, Duration::from_secs(3));
     }
 
     #[test]
@@ -632,7 +632,7 @@ mod tests {
         );
         assert_eq!(a.servers[1].base_path, "/v2");
         assert_eq!(
-            cfg.upstream.url, d.servers[0].url,
+            cfg.upstream().url, d.servers[0].url,
             "the default's first server"
         );
         assert_eq!(
@@ -651,7 +651,7 @@ mod tests {
         assert_eq!(a.balance, Balance::RoundRobin);
         assert_eq!(cfg.routes.default_pool, None);
         assert_eq!(
-            cfg.upstream.url, a.servers[0].url,
+            cfg.upstream().url, a.servers[0].url,
             "the first pool's first server"
         );
     }

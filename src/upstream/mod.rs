@@ -96,22 +96,6 @@ pub struct Settings {
     pub timeout: Duration,
 }
 
-impl Settings {
-    /// Point at `url` (an override of the file's): TLS is set up anew for its host with
-    /// the file's TLS keys, or dropped for an `http://` URL.
-    pub fn retarget(&mut self, url: http::Uri, base_path: String) -> Result<(), TlsError> {
-        let options = self
-            .tls
-            .as_ref()
-            .map(|t| t.options().clone())
-            .unwrap_or_default();
-        self.tls = tls_for(&url, options)?;
-        self.url = url;
-        self.base_path = base_path;
-        Ok(())
-    }
-}
-
 /// The TLS side for `url` with `options`: `None` for `http://`, where no TLS key may be
 /// given.
 pub fn tls_for(url: &http::Uri, options: TlsOptions) -> Result<Option<Arc<Tls>>, TlsError> {
@@ -145,11 +129,6 @@ pub struct Client {
 }
 
 impl Client {
-    /// The client for `cfg`, counting its TLS handshakes in `tls_handshakes`.
-    pub fn new(cfg: &Settings, tls_handshakes: TlsHandshakes) -> Client {
-        Client::at(cfg, None, tls_handshakes)
-    }
-
     /// The client for `cfg` connecting to `addr`, one of the addresses its host name
     /// resolved to (the name still goes in `Host` and TLS' SNI); `None`: each new
     /// connection resolves the name, or uses the address the URL gives.
@@ -190,17 +169,6 @@ impl Client {
     /// The `Host` this server is sent when the client named none.
     pub fn authority(&self) -> &HeaderValue {
         &self.authority
-    }
-
-    /// Send `req` upstream for the client `down` describes, once (the pools' attempts go
-    /// through [`Client::send`]).
-    pub async fn forward(
-        &self,
-        req: Request<Incoming>,
-        down: &Downstream<'_>,
-    ) -> Result<Response<ResponseBody>, Error> {
-        let mut out = Outbound::new(req, None, &self.authority);
-        self.send(&mut out, down).await
     }
 
     /// One attempt at `out` on this server. The answer's head must arrive within
