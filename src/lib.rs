@@ -17,7 +17,9 @@
 //! - [`server`]: accept loop, graceful shutdown, SIGHUP reload; hands each connection to
 //! - [`connection`]: one client connection (cleartext, or TLS after its handshake), HTTP/1
 //!   or HTTP/2, the clocks on its silences
-//!   (`header_timeout`, `idle_timeout`, stalled bodies), `max_connections`; each request to
+//!   (`header_timeout`, `idle_timeout`, stalled bodies), `max_connections`: a folder, one
+//!   concern a file (`registry`, `track`, `tls`, `serve`, `protocol`, `clocks`, `head`,
+//!   `descriptors`); each request to
 //! - [`gateway`]: one request, top to bottom: screen its head, find its rules, identify
 //!   it, ask the store, one pure verdict, then answer or forward. Also what it runs on
 //!   ([`gateway::Live`], swapped whole on reload) and `ratewall check`'s explanation.

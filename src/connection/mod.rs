@@ -28,6 +28,25 @@
 //! `max_header_fields`, by default one per 32 bytes of that bound, [`default_max_fields`]),
 //! and an HTTP/1 head with a bare CR is answered 400 at once: a CR not followed by LF is no line ending (RFC 9112 §2.2), and
 //! the parser would otherwise wait for the LF that never comes.
+//!
+//! # Files
+//!
+//! In the order a connection meets them:
+//!
+//! - `registry.rs`: [`Registry`], every open connection of a listener, `max_connections`,
+//!   making room, and why the gateway closed one ([`Closed`]).
+//! - `track.rs`: one connection's state ([`Track`]), its requests in flight ([`InFlight`])
+//!   and the answer bodies that hold them ([`Tracked`]).
+//! - `tls.rs`: the TLS listener's handshake ([`serve_tls`]), how it ended ([`Handshake`]),
+//!   and the 400 for plain HTTP on the TLS port.
+//! - `serve.rs`: [`serve()`] a connection: its protocol, then hyper's HTTP/1 or HTTP/2,
+//!   shut down gracefully when it is asked to close.
+//! - `protocol.rs`: which protocol the client speaks, from its first bytes.
+//! - `clocks.rs`: the stream with the clocks on its reads and writes, and the clock the
+//!   idle times are kept on.
+//! - `head.rs`: an HTTP/1 head as it arrives: its bare-CR scan, its field bound, the answers
+//!   written straight to the socket.
+//! - `descriptors.rs`: the open-file limit raised to fit `max_connections`.
 
 mod clocks;
 mod descriptors;
