@@ -20,7 +20,7 @@ use tokio::net::TcpListener;
 
 use crate::config::Config;
 use crate::connection::{self, InFlight, Registry, Tracked};
-use crate::gateway::{Gateway, Live};
+use crate::gateway::{Context, Gateway, Live};
 use crate::upstream::ClientPeer;
 
 /// Open connections the admin listener takes at most: enough for dashboards and scrapers,
@@ -159,13 +159,13 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
                         let _ = stopped.wait_for(|s| *s).await;
                     };
                     let pacer = tokio::spawn(pace());
-                    let cleartext = serve(listener, gateway.clone(), &registry, grace, stop, false);
+                    let cleartext = serve(listener, gateway.clone(), &registry, grace, stop, false, n);
                     let served = match tls_listener {
                         Some(tls_listener) => {
                             let stop = async move {
                                 let _ = tls_stopped.wait_for(|s| *s).await;
                             };
-                            let tls = serve(tls_listener, gateway, &registry, grace, stop, true);
+                            let tls = serve(tls_listener, gateway, &registry, grace, stop, true, n);
                             let (a, b) = tokio::join!(cleartext, tls);
                             a + b
                         }
@@ -392,6 +392,7 @@ pub async fn serve(
     grace: Duration,
     shutdown: impl std::future::Future<Output = ()>,
     tls: bool,
+    worker: usize,
 ) -> u64 {
     // This worker's alone (its connections run on its thread): no other core touches it.
     let served = Arc::new(AtomicU64::new(0));
@@ -434,24 +435,17 @@ pub async fn serve(
         // The connection's service: its requests, each tracked as in flight until its
         // answer's body is done.
         let service = move |client: ClientPeer, track: Arc<connection::Track>| {
-            // The verified client certificate, given to each request (see `ClientCert`).
-            let cert = client
-                .tls
-                .as_ref()
-                .and_then(|t| t.client_cert)
-                .map(crate::identity::ClientCert);
-            service_fn(move |mut req: Request<Incoming>| {
-                if let Some(cert) = cert {
-                    req.extensions_mut().insert(cert);
-                }
+            // Each request's context, made from the connection's.
+            let ctx = Context::new(client, worker);
+            service_fn(move |req: Request<Incoming>| {
                 served.fetch_add(1, Relaxed);
                 let request = InFlight::new(&track);
                 let http2 = req.version() == http::Version::HTTP_2;
-                let (gw, client) = (gw.clone(), client.clone());
+                let (gw, ctx) = (gw.clone(), ctx.clone());
                 async move {
                     let resp = match redirect {
-                        Some(port) => gw.redirect(&req, &client, |req| to_https(req, port)),
-                        None => gw.handle(req, &client).await,
+                        Some(port) => gw.redirect(&req, &ctx, |req| to_https(req, port)),
+                        None => gw.handle(req, ctx).await,
                     };
                     Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request, http2)))
                 }

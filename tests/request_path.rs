@@ -4,7 +4,7 @@
 //! process can show (framing, connections, Redis, the upstream hop) is tested end to end
 //! in the other files.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
@@ -12,9 +12,10 @@ use std::time::Duration;
 use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::BodyExt;
 use ratewall::config::Config;
-use ratewall::gateway::{Admission, Gateway, Live, Pass};
+use ratewall::gateway::{Admission, Context, Gateway, Live, Pass};
 use ratewall::limiter::ManualClock;
 use ratewall::metrics::Metrics;
+use ratewall::upstream::ClientPeer;
 
 const UPSTREAM: &str =
     "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:2\"\n";
@@ -95,7 +96,8 @@ impl InProcess {
         }
         let parts = req.body(()).unwrap().into_parts().0;
         let peer: IpAddr = peer.parse().unwrap();
-        match self.gw.admit(live, &parts, peer).await {
+        let ctx = Context::new(ClientPeer::new(SocketAddr::new(peer, 40_000)), 0);
+        match self.gw.admit(live, &parts, &ctx).await {
             Admission::Answer(resp, note) => {
                 let (head, body) = resp.into_parts();
                 let body = body.collect().await.expect("a body").to_bytes();
