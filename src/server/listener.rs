@@ -93,3 +93,95 @@ impl<H: Handler> Listener<H> {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::convert::Infallible;
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Answers every request 204, counting the connections it was given.
+    struct NoContent(Arc<AtomicUsize>);
+
+    impl Handler for NoContent {
+        fn serve(
+            &self,
+            stream: TcpStream,
+            _peer: SocketAddr,
+            registry: &Arc<Registry>,
+            permit: OwnedSemaphorePermit,
+        ) -> Option<impl Future<Output = ()> + Send + 'static> {
+            self.0.fetch_add(1, Relaxed);
+            let registry = registry.clone();
+            let settings = crate::connection::Settings {
+                timeouts: crate::connection::Timeouts::default(),
+                max_header_bytes: 32 * 1024,
+                max_header_fields: 100,
+            };
+            Some(async move {
+                crate::connection::serve(stream, &registry, permit, settings, |track| {
+                    hyper::service::service_fn(move |_req| {
+                        let request = crate::connection::InFlight::new(&track);
+                        async move {
+                            let mut resp =
+                                http::Response::new(http_body_util::Empty::<bytes::Bytes>::new());
+                            *resp.status_mut() = http::StatusCode::NO_CONTENT;
+                            Ok::<_, Infallible>(
+                                resp.map(|b| crate::connection::Tracked::new(b, request, false)),
+                            )
+                        }
+                    })
+                })
+                .await
+            })
+        }
+    }
+
+    /// A listener serves what it accepts until its shutdown; then it stops accepting,
+    /// closes its idle kept-alive connection at once (well within the grace) and returns.
+    #[tokio::test]
+    async fn a_listener_serves_until_its_shutdown_then_drains() {
+        let socket = TcpListener::bind("127.0.0.1:0").await.expect("a port");
+        let addr = socket.local_addr().expect("an address");
+        let registry = Registry::new(
+            "test",
+            4,
+            crate::metrics::Metrics::new().connections("test"),
+        );
+        let seen = Arc::new(AtomicUsize::new(0));
+        let listener = Listener::new(
+            socket,
+            registry.clone(),
+            NoContent(seen.clone()),
+            Duration::from_secs(30),
+        );
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let run = tokio::spawn(listener.run(async move {
+            let _ = stopped.await;
+        }));
+
+        let mut client = TcpStream::connect(addr).await.expect("connected");
+        client
+            .write_all(b"GET / HTTP/1.1\r\nhost: t\r\n\r\n")
+            .await
+            .expect("written");
+        let mut answer = [0u8; 12];
+        client.read_exact(&mut answer).await.expect("an answer");
+        assert_eq!(&answer, b"HTTP/1.1 204");
+        assert_eq!((seen.load(Relaxed), registry.len()), (1, 1));
+
+        let _ = stop.send(());
+        tokio::time::timeout(Duration::from_secs(5), run)
+            .await
+            .expect("drained long before the grace")
+            .expect("the loop ended");
+        assert!(registry.is_empty());
+        let mut rest = Vec::new();
+        let _ = client.read_to_end(&mut rest).await;
+        assert!(
+            TcpStream::connect(addr).await.is_err(),
+            "no longer listening"
+        );
+    }
+}
