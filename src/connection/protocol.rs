@@ -2,7 +2,6 @@
 //! SETTINGS, or the start of an HTTP/1 head.
 
 use std::io;
-use std::sync::atomic::Ordering::Relaxed;
 use std::task::Poll;
 
 use bytes::BytesMut;
@@ -74,14 +73,7 @@ pub(super) async fn opening<IO: AsyncRead + AsyncWrite + Unpin>(
 ) -> Option<(Proto, BytesMut)> {
     let mut prefix = BytesMut::with_capacity(1024);
     let read = tokio::time::timeout_at(header_deadline, preface(stream, &mut prefix));
-    let asked_to_close = std::future::poll_fn(|cx| {
-        track.reader.register(cx.waker());
-        if track.close.load(Relaxed) != 0 {
-            Poll::Ready(())
-        } else {
-            Poll::Pending
-        }
-    });
+    let asked_to_close = track.asked_to_close();
     tokio::select! {
         read = read => match read {
             Ok(Ok(Some(proto))) => Some((proto, prefix)),

@@ -3,9 +3,7 @@
 //! plain HTTP sent to the TLS port.
 
 use std::io;
-use std::sync::atomic::Ordering::Relaxed;
 use std::sync::Arc;
-use std::task::Poll;
 
 use tokio::net::TcpStream;
 use tokio::sync::OwnedSemaphorePermit;
@@ -162,14 +160,7 @@ pub async fn serve_tls<S, B>(
         let acceptor = tokio_rustls::TlsAcceptor::from(config);
         acceptor.accept(stream).await.map(Start::Tls)
     });
-    let asked_to_close = std::future::poll_fn(|cx| {
-        track.reader.register(cx.waker());
-        if track.close.load(Relaxed) != 0 {
-            Poll::Ready(())
-        } else {
-            Poll::Pending
-        }
-    });
+    let asked_to_close = track.asked_to_close();
     let stream = tokio::select! {
         done = accept => match done {
             Ok(Ok(Start::Tls(stream))) => stream,

@@ -88,6 +88,20 @@ impl Track {
             .compare_exchange(0, why as u8, Relaxed, Relaxed);
     }
 
+    /// Resolves once the connection is asked to close (to make room, or shutting down):
+    /// what a connection that has not started serving yet waits on beside its start.
+    pub(super) async fn asked_to_close(&self) {
+        std::future::poll_fn(|cx| {
+            self.reader.register(cx.waker());
+            if self.close.load(Relaxed) != 0 {
+                Poll::Ready(())
+            } else {
+                Poll::Pending
+            }
+        })
+        .await
+    }
+
     pub(super) fn ask_to_close(&self, how: u8) {
         self.close.fetch_max(how, Relaxed);
         self.reader.wake();
