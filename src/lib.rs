@@ -14,15 +14,21 @@
 //! `cargo test --test layering -- --nocapture` prints their layers (`connection`, whose
 //! clocks the upstream hop uses too, and `identity` at the bottom; `server` at the top).
 //!
-//! - [`server`]: accept loop, graceful shutdown, SIGHUP reload; hands each connection to
+//! - [`server`]: one accept loop with its graceful shutdown (`server/listener.rs`: a
+//!   `Listener` value, run by every listener: cleartext, TLS, admin), the workers, SIGHUP
+//!   reload; hands each connection to
 //! - [`connection`]: one client connection (cleartext, or TLS after its handshake), HTTP/1
 //!   or HTTP/2, the clocks on its silences
-//!   (`header_timeout`, `idle_timeout`, stalled bodies), `max_connections`; each request to
+//!   (`header_timeout`, `idle_timeout`, stalled bodies), `max_connections`: a folder, one
+//!   concern a file (`registry`, `track`, `tls`, `serve`, `protocol`, `clocks`, `head`,
+//!   `descriptors`); each request to
 //! - [`gateway`]: one request, top to bottom: screen its head, find its rules, identify
-//!   it, ask the store, one pure verdict, then answer or forward. Also what it runs on
-//!   ([`gateway::Live`], swapped whole on reload) and `ratewall check`'s explanation.
-//! - [`admin`]: the admin listener: metrics, health, the admin API, the status page, and
-//!   the guard that slows a peer guessing the admin token (`admin/guard.rs`).
+//!   it, ask the store, one pure verdict, then answer or forward; each request in its
+//!   [`gateway::Context`] (peer, TLS session, client certificate, worker), built at the
+//!   connection. Also what it runs on ([`gateway::Live`], swapped whole on reload) and
+//!   `ratewall check`'s explanation.
+//! - [`admin`]: what the admin listener serves: metrics, health, the admin API, the status
+//!   page, and the guard that slows a peer guessing the admin token (`admin/guard.rs`).
 //! - [`config`]: the TOML file -> validated, immutable [`config::Config`], one file per
 //!   table; the types it fills live with their meaning, below.
 //! - [`rules`]: request parts -> the route (`[[routes]]`, first match wins) and the rules
@@ -48,7 +54,9 @@
 //!   counted with atomics on the request path, sampled into a bounded ring.
 //! - [`tls`]: `[server.tls]`: the certificates (chosen by SNI), client certificates, the
 //!   rustls server config the TLS listener's handshakes run on.
-//! - [`worker`]: which worker thread runs the current request (per-thread pools).
+//! - [`worker`]: which worker thread the current code runs on, for per-thread resources
+//!   found without a request's context (Redis connections, the upstream client for now);
+//!   a request carries its worker in its [`gateway::Context`].
 
 pub mod admin;
 pub mod config;

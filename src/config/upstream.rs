@@ -632,7 +632,8 @@ mod tests {
         );
         assert_eq!(a.servers[1].base_path, "/v2");
         assert_eq!(
-            cfg.upstream().url, d.servers[0].url,
+            cfg.upstream().url,
+            d.servers[0].url,
             "the default's first server"
         );
         assert_eq!(
@@ -651,7 +652,8 @@ mod tests {
         assert_eq!(a.balance, Balance::RoundRobin);
         assert_eq!(cfg.routes.default_pool, None);
         assert_eq!(
-            cfg.upstream().url, a.servers[0].url,
+            cfg.upstream().url,
+            a.servers[0].url,
             "the first pool's first server"
         );
     }
