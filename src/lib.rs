@@ -22,8 +22,9 @@
 //!   (`header_timeout`, `idle_timeout`, stalled bodies), `max_connections`: a folder, one
 //!   concern a file (`registry`, `track`, `tls`, `serve`, `protocol`, `clocks`, `head`,
 //!   `descriptors`); each request to
-//! - [`gateway`]: one request, top to bottom: screen its head, find its rules, identify
-//!   it, ask the store, one pure verdict, then answer or forward; each request in its
+//! - [`gateway`]: one request, top to bottom: screen its head, choose its route and pool
+//!   (`route.rs`; a 404 where none fits), find its rules, identify it, ask the store, one
+//!   pure verdict, then answer or forward it through its pool; each request in its
 //!   [`gateway::Context`] (peer, TLS session, client certificate, worker), built at the
 //!   connection. Also what it runs on ([`gateway::Live`], swapped whole on reload) and
 //!   `ratewall check`'s explanation.
@@ -41,21 +42,24 @@
 //!   (embedded) and [`limiter::redis`] (one Redis or a cluster; Lua twins in `lua/`); the
 //!   [`limiter::guard::Limiter`] around it (breaker, deny cache, `on_error`).
 //! - [`headers`]: decisions -> `RateLimit-*`, `Retry-After`, problem+json.
-//! - [`upstream`]: the HTTP/1.1 client to the backend, one per worker with its pool of
-//!   kept connections, a folder in the order a request goes through it: `forward` (the
-//!   hop-by-hop fields stripped, `X-Forwarded-*`), `head` (the request head written, the
-//!   answer's parsed), `pool`, `stream` (TCP, or TLS over it) and `tls` (an `https://`
-//!   backend's handshake: verified against the system's roots or `ca`, SNI, a client
-//!   certificate, sessions resumed), `body` (bodies framed both ways), and `error`: a typed
+//! - [`upstream`]: the pools and the HTTP/1.1 client to their servers: `settings` (the
+//!   validated `[[upstreams]]`), `pools` (each pool's servers, re-resolved, with one
+//!   client per worker and its kept connections; forwarding with retries), `balance`,
+//!   `health` (passive and active), `budget` (retries), `metrics` (per pool and server);
+//!   then the client, in the order a request goes through it: `forward` (the hop-by-hop
+//!   fields stripped, `X-Forwarded-*`), `head` (the request head written, the answer's
+//!   parsed), `kept`, `stream` (TCP, or TLS over it) and `tls` (an `https://` backend's
+//!   handshake: verified against the system's roots or `ca`, SNI, a client certificate,
+//!   sessions resumed), `body` (bodies framed both ways), and `error`: a typed
 //!   [`upstream::Error`] that says the client's status (502, 504, 400, 408) and whether
-//!   the request may go again. Its validated settings, [`upstream::Settings`], live there.
+//!   the request may go again.
 //! - [`metrics`]: Prometheus metrics, every series a config implies created at zero.
 //! - [`stats`]: what the status page shows: outcomes, latencies, the loads of the config;
 //!   counted with atomics on the request path, sampled into a bounded ring.
 //! - [`tls`]: `[server.tls]`: the certificates (chosen by SNI), client certificates, the
 //!   rustls server config the TLS listener's handshakes run on.
 //! - [`worker`]: which worker thread the current code runs on, for per-thread resources
-//!   found without a request's context (Redis connections, the upstream client for now);
+//!   found without a request's context (Redis connections);
 //!   a request carries its worker in its [`gateway::Context`].
 
 pub mod admin;
