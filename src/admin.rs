@@ -599,6 +599,8 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
         "upstream": {
             "health": upstream_health(&window),
         },
+        // Each pool with each server's state, share and latency over the last minute.
+        "pools": live.pools.status(),
         "config": {
             "serving": serving,
             "last_reload": last_reload,

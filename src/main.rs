@@ -53,8 +53,8 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Validate the config file and print the effective rules; exit 0 if valid, 1 if not.
-    /// With --path (and --method, --header, --peer), also show which rules would apply to
-    /// that request and how each would count it.
+    /// With --path (and --method, --host, --header, --peer), also show the route and pool
+    /// that request would go to, which rules would apply to it and how each would count it.
     Check {
         /// A sample request's path (and query), e.g. /api/orders.
         #[arg(long)]
@@ -65,6 +65,10 @@ enum Command {
         /// A sample request header, "name: value"; repeat for more.
         #[arg(long = "header", value_name = "NAME: VALUE")]
         headers: Vec<String>,
+        /// The sample request's host (its Host header), e.g. billing.example.com: routes
+        /// and rules that match on the host see it.
+        #[arg(long)]
+        host: Option<String>,
         /// The sample request's TCP peer address.
         #[arg(long, default_value = "127.0.0.1")]
         peer: std::net::IpAddr,
@@ -109,7 +113,8 @@ fn main() -> ExitCode {
     if let Some(Command::Check {
         path,
         method,
-        headers,
+        mut headers,
+        host,
         peer,
     }) = cli.command
     {
@@ -120,6 +125,9 @@ fn main() -> ExitCode {
         print!("{}", config.describe());
         for warning in config.server.tls.iter().flat_map(|t| t.warnings()) {
             eprintln!("ratewall: warning: {warning}");
+        }
+        if let Some(host) = host {
+            headers.push(format!("host: {host}"));
         }
         if let Some(path) = path {
             match sample_request(&method, &headers) {

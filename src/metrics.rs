@@ -178,14 +178,17 @@ pub enum RefusalReason {
     Malformed,
     /// 501: a method or transfer coding the gateway does not forward (`CONNECT`).
     NotImplemented,
+    /// 404: no route matches the request, and no pool `default` takes the rest.
+    NoRoute,
 }
 
 impl RefusalReason {
-    const ALL: [RefusalReason; 4] = [
+    const ALL: [RefusalReason; 5] = [
         RefusalReason::MissingKey,
         RefusalReason::UnknownKey,
         RefusalReason::Malformed,
         RefusalReason::NotImplemented,
+        RefusalReason::NoRoute,
     ];
 
     /// A refusal of a malformed head, by the status it is answered.
@@ -281,13 +284,13 @@ label_values! {
     DecisionLabel { Allowed => "allowed", Delayed => "delayed", Denied => "denied", ShadowDenied => "shadow_denied", DeniedByOther => "denied_by_other", Error => "error", Refused => "refused", BadKey => "bad_key" }
     StoreErrorKind { Timeout => "timeout", Connection => "connection", Data => "data", BreakerOpen => "breaker_open", Full => "full", Other => "other" }
     ReloadResult { Ok => "ok", Rejected => "rejected" }
-    RefusalReason { MissingKey => "missing_key", UnknownKey => "unknown_key", Malformed => "malformed", NotImplemented => "not_implemented" }
+    RefusalReason { MissingKey => "missing_key", UnknownKey => "unknown_key", Malformed => "malformed", NotImplemented => "not_implemented", NoRoute => "no_route" }
     UpstreamFailure { Error => "upstream_error", Timeout => "upstream_timeout" }
 }
 
 // `Outcome` lives with the stats (below this module); its values, as the status page and
-// the metrics name them: allowed, denied, unauthorized, bad_request, store_unavailable, upstream_error,
-// upstream_timeout, client_error.
+// the metrics name them: allowed, denied, unauthorized, bad_request, no_route,
+// store_unavailable, upstream_error, upstream_timeout, client_error.
 impl EncodeLabelValue for Outcome {
     fn encode(&self, e: &mut LabelValueEncoder<'_>) -> Result<(), std::fmt::Error> {
         std::fmt::Write::write_str(e, self.name())
@@ -327,6 +330,8 @@ pub fn status_class(status: u16) -> &'static str {
 
 pub struct Metrics {
     registry: Registry,
+    /// The pools' metrics, registered by their module.
+    pub pools: crate::upstream::PoolMetrics,
     pub requests: Family<RuleLabels, Counter>,
     pub responses: Family<ResponseLabels, Counter>,
     pub store_duration: Family<StoreLabels, Histogram>,
@@ -617,6 +622,7 @@ impl Metrics {
         });
         let refusal_handles = RefusalReason::ALL
             .map(|reason| refusals.get_or_create(&RefusalLabels { reason }).clone());
+        let pools = crate::upstream::PoolMetrics::register(&mut registry);
         Metrics {
             request_duration,
             refusals,
@@ -652,6 +658,7 @@ impl Metrics {
             admin_auth_failures,
             client_requests,
             protocol_handles,
+            pools,
             stats: Stats::new(),
         }
     }

@@ -546,9 +546,7 @@ async fn upkeep(gateway: Arc<Gateway>) {
         gateway
             .metrics()
             .tls_settings(live.config.server.tls.as_ref());
-        for client in live.upstreams.iter() {
-            client.sweep();
-        }
+        live.pools.sweep();
     }
 }
 

@@ -39,6 +39,8 @@ pub enum Outcome {
     /// Refused before any limit was consulted as malformed: 400 (a malformed head or
     /// key), 501 (a tunnel).
     BadRequest,
+    /// 404: no route matches it, and no pool `default` takes the rest.
+    NoRoute,
     /// 503: the store failed and `on_error = "deny"`.
     StoreUnavailable,
     /// 502: the upstream refused, reset, or answered something unreadable.
@@ -50,11 +52,12 @@ pub enum Outcome {
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 8] = [
+    pub const ALL: [Outcome; 9] = [
         Outcome::Allowed,
         Outcome::Denied,
         Outcome::Unauthorized,
         Outcome::BadRequest,
+        Outcome::NoRoute,
         Outcome::StoreUnavailable,
         Outcome::UpstreamError,
         Outcome::UpstreamTimeout,
@@ -67,6 +70,7 @@ impl Outcome {
             429 => Outcome::Denied,
             503 => Outcome::StoreUnavailable,
             401 => Outcome::Unauthorized,
+            404 => Outcome::NoRoute,
             _ => Outcome::BadRequest,
         }
     }
@@ -92,6 +96,7 @@ impl Outcome {
             Outcome::Denied => "denied",
             Outcome::Unauthorized => "unauthorized",
             Outcome::BadRequest => "bad_request",
+            Outcome::NoRoute => "no_route",
             Outcome::StoreUnavailable => "store_unavailable",
             Outcome::UpstreamError => "upstream_error",
             Outcome::UpstreamTimeout => "upstream_timeout",
@@ -136,6 +141,82 @@ impl Latencies {
     }
 }
 
+/// The last minute's latencies of one thing the status page lists (an upstream server):
+/// six ten-second slots of buckets, each reused once its ten seconds are a minute old.
+/// Adding is two atomic operations; the slot a new period takes is emptied first (a count
+/// added by another thread in that instant may be lost: this is a display, not a metric).
+pub struct Recent {
+    slots: [Slot; RECENT_SLOTS],
+    epoch: Instant,
+}
+
+const RECENT_SLOTS: usize = 6;
+const RECENT_SLOT_SECS: u64 = WINDOW_SECS / RECENT_SLOTS as u64;
+
+struct Slot {
+    /// The period it holds (seconds since `epoch` / [`RECENT_SLOT_SECS`]), plus one: 0 for
+    /// none yet.
+    period: AtomicU64,
+    buckets: Latencies,
+}
+
+impl Default for Recent {
+    fn default() -> Recent {
+        Recent::since(Instant::now())
+    }
+}
+
+impl Recent {
+    /// Counting from `epoch` (tests give their own).
+    pub fn since(epoch: Instant) -> Recent {
+        Recent {
+            slots: std::array::from_fn(|_| Slot {
+                period: AtomicU64::new(0),
+                buckets: Latencies::new(),
+            }),
+            epoch,
+        }
+    }
+
+    fn period(&self, now: Instant) -> u64 {
+        now.saturating_duration_since(self.epoch).as_secs() / RECENT_SLOT_SECS
+    }
+
+    /// Something took `took`, at `now`.
+    pub fn observe(&self, now: Instant, took: Duration) {
+        let p = self.period(now);
+        let slot = &self.slots[(p % RECENT_SLOTS as u64) as usize];
+        let held = slot.period.load(Relaxed);
+        if held != p + 1
+            && slot
+                .period
+                .compare_exchange(held, p + 1, Relaxed, Relaxed)
+                .is_ok()
+        {
+            for b in &slot.buckets.0 {
+                b.store(0, Relaxed);
+            }
+        }
+        slot.buckets.observe(took);
+    }
+
+    /// What was observed over the minute up to `now` (its current slot included).
+    pub fn window(&self, now: Instant) -> Latency {
+        let p = self.period(now);
+        let mut sum = [0u64; BUCKETS];
+        for slot in &self.slots {
+            let held = slot.period.load(Relaxed);
+            if held == 0 || held - 1 + (RECENT_SLOTS as u64) <= p || held - 1 > p {
+                continue;
+            }
+            for (s, n) in sum.iter_mut().zip(slot.buckets.load()) {
+                *s += n;
+            }
+        }
+        Latency::of(&sum)
+    }
+}
+
 /// The cumulative counts at one moment.
 #[derive(Clone)]
 struct Sample {
@@ -172,6 +253,7 @@ pub struct Outcomes {
     pub denied: u64,
     pub unauthorized: u64,
     pub bad_request: u64,
+    pub no_route: u64,
     pub store_unavailable: u64,
     pub upstream_error: u64,
     pub upstream_timeout: u64,
@@ -186,6 +268,7 @@ impl Outcomes {
             denied: n(Outcome::Denied),
             unauthorized: n(Outcome::Unauthorized),
             bad_request: n(Outcome::BadRequest),
+            no_route: n(Outcome::NoRoute),
             store_unavailable: n(Outcome::StoreUnavailable),
             upstream_error: n(Outcome::UpstreamError),
             upstream_timeout: n(Outcome::UpstreamTimeout),
@@ -575,6 +658,34 @@ mod tests {
             hint: String::new(),
             rule: "api".into(),
         }
+    }
+
+    #[test]
+    fn recent_keeps_one_minute_of_latencies() {
+        let t0 = Instant::now();
+        let r = Recent::since(t0);
+        let at = |s: u64| t0 + Duration::from_secs(s);
+        for _ in 0..99 {
+            r.observe(at(1), Duration::from_millis(1));
+        }
+        r.observe(at(1), Duration::from_secs(1));
+        let w = r.window(at(5));
+        assert_eq!(w.count, 100);
+        assert!(w.p50_ms.unwrap() >= 1.0 && w.p50_ms.unwrap() < 1.3, "{w:?}");
+        assert!(
+            w.p99_ms.unwrap() < 1.3,
+            "the 100th is above the 99th: {w:?}"
+        );
+        // 40 s on, another 10 arrive: 110 in the minute.
+        for _ in 0..10 {
+            r.observe(at(41), Duration::from_millis(5));
+        }
+        assert_eq!(r.window(at(45)).count, 110);
+        // A minute after the first slot, it is gone; its slot is reused.
+        assert_eq!(r.window(at(61)).count, 10);
+        r.observe(at(62), Duration::from_millis(2));
+        assert_eq!(r.window(at(62)).count, 11);
+        assert_eq!(r.window(at(200)).count, 0);
     }
 
     #[test]

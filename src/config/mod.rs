@@ -12,7 +12,9 @@
 
 mod diff;
 mod keys;
+mod matching;
 mod overrides;
+mod routes;
 mod rules;
 mod server;
 mod store;
@@ -32,7 +34,7 @@ use toml::Spanned;
 use crate::headers::ResponseStyle;
 use crate::identity::{ClientIp, KeyKind, Keys, MissingKey};
 use crate::limiter::store::{self as store_settings, Backend};
-use crate::rules::{Plan, Rule, RuleIndex};
+use crate::rules::{Plan, Routes, Rule, RuleIndex};
 
 pub use diff::{Changes, Listed};
 pub use overrides::{Given, OverrideError, Overrides, Source};
@@ -41,6 +43,7 @@ pub use server::{
     derive_max_connections, open_files_limit, Admin, Log, Server, BACKLOG, MAX_CONNECTIONS,
     MAX_HEADER_BYTES, RESERVED_DESCRIPTORS, SHUTDOWN_GRACE,
 };
+pub use upstream::PoolDefaults;
 
 /// A configuration file that could not be loaded, with where and why.
 #[derive(Debug, thiserror::Error)]
@@ -73,7 +76,16 @@ pub enum ConfigError {
 pub struct Config {
     pub server: Server,
     pub admin: Admin,
+    /// Transitional, until the runtime forwards by pool: the first server of the pool
+    /// `default`, else of the first pool, with that pool's clocks.
     pub upstream: crate::upstream::Settings,
+    /// Every pool (`[upstream] url` and `[[upstreams]]`), the pool `default` first if there
+    /// is one, then in the file's order. Never empty.
+    pub upstreams: Vec<crate::upstream::PoolSettings>,
+    /// What a pool `--upstream` makes (where the file has no pool `default`) takes.
+    pub pool_defaults: PoolDefaults,
+    /// `[[routes]]`, compiled: each names a pool by its position in `upstreams`.
+    pub routes: Routes,
     pub store: store_settings::Settings,
     pub client_ip: ClientIp,
     pub keys: Keys,
@@ -105,7 +117,11 @@ struct RawConfig {
     server: server::RawServer,
     #[serde(default)]
     admin: server::RawAdmin,
-    upstream: upstream::RawUpstream,
+    upstream: Option<Spanned<upstream::RawUpstream>>,
+    #[serde(default)]
+    upstreams: Vec<Spanned<upstream::RawPool>>,
+    #[serde(default)]
+    routes: Vec<Spanned<routes::RawRoute>>,
     store: Option<Spanned<store::RawStore>>,
     #[serde(default)]
     client_ip: keys::RawClientIp,
@@ -223,6 +239,22 @@ fn underscored_names(
     Ok(())
 }
 
+/// The old single upstream, from the first pool's first server (the pool `default`, where
+/// there is one, is first).
+pub(super) fn transitional_upstream(
+    pools: &[crate::upstream::PoolSettings],
+) -> crate::upstream::Settings {
+    let pool = &pools[0];
+    let server = &pool.servers[0];
+    crate::upstream::Settings {
+        url: server.url.clone(),
+        tls: server.tls.clone(),
+        base_path: server.base_path.clone(),
+        connect_timeout: pool.connect_timeout,
+        timeout: pool.timeout,
+    }
+}
+
 impl Config {
     /// Read and validate the file at `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
@@ -287,6 +319,12 @@ impl Config {
         let keys = raw.keys.validate(keys_file, &defined)?;
         drop(defined);
         let plan_names: HashSet<&str> = keys.plan_names().collect();
+        let client_certs = tls.as_ref().is_some_and(|t| t.client_auth.is_some());
+        let (upstreams, pool_defaults) =
+            upstream::validate(raw.upstream.as_ref(), &raw.upstreams, dir, client_certs)?;
+        let path_case = raw.server.path_case();
+        let routes = routes::validate(&raw.routes, &upstreams, &keys.header, path_case)?;
+        let route_names = routes::written_names(&raw.routes);
         let mut names = HashSet::new();
         let mut rules = Vec::with_capacity(raw.rules.len());
         for (i, spanned) in raw.rules.iter().enumerate() {
@@ -299,7 +337,7 @@ impl Config {
                     format!("duplicate rule name {name:?}"),
                 ));
             }
-            rules.push(r.validate(i, spanned.span(), &plan_names, &keys.header)?);
+            rules.push(r.validate(i, spanned.span(), &plan_names, &keys.header, &route_names)?);
             if rules[i].key.kind == KeyKind::ClientCert
                 && tls.as_ref().is_none_or(|t| t.client_auth.is_none())
             {
@@ -315,11 +353,14 @@ impl Config {
         if !server.underscores_in_headers {
             underscored_names(&keys.header, &rules, &raw.rules)?;
         }
-        let index = RuleIndex::new(&rules, server.path_case);
+        let index = RuleIndex::new(rules.iter().map(|r| &r.matcher), server.path_case);
         Ok(Config {
             admin: raw.admin.validate(env_token),
             server,
-            upstream: raw.upstream.validate(dir)?,
+            upstream: transitional_upstream(&upstreams),
+            upstreams,
+            pool_defaults,
+            routes,
             store,
             client_ip: raw.client_ip.validate(),
             keys,
@@ -735,7 +776,7 @@ url = "http://127.0.0.1:3000"
                 "match = { apikey = \"absent\" }",
                 (10, 11),
                 "rules[0].match.apikey",
-                "unknown field `apikey`, expected one of `path_prefix`, `path`, `glob`, `methods`, `host`, `api_key`, `header:<name>` (did you mean `api_key`?)",
+                "unknown field `apikey`, expected one of `path_prefix`, `path`, `glob`, `methods`, `host`, `api_key`, `header:<name>`, `route` (did you mean `api_key`?)",
             ),
             (
                 "match = { \"header:bad name\" = \"absent\" }",

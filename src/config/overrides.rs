@@ -98,10 +98,58 @@ impl Overrides {
             tls.listen = *a;
         }
         if let Some((uri, base_path, _)) = &self.upstream {
-            config.upstream.retarget(uri.clone(), base_path.clone())?;
+            retarget_default_pool(config, uri, base_path)?;
         }
         Ok(())
     }
+}
+
+/// Make the pool `default` the one server `uri` (with `base_path`): the file's pool
+/// `default` keeps its other settings, and its TLS keys for an `https://` URL; where the
+/// file has none, it is made from what every pool inherits, and put first (the routes'
+/// pool positions move up by one). The transitional `Config::upstream` follows.
+fn retarget_default_pool(
+    config: &mut Config,
+    uri: &http::Uri,
+    base_path: &str,
+) -> Result<(), crate::upstream::TlsError> {
+    use crate::upstream::{ServerSettings, DEFAULT_POOL};
+    let existing = config.upstreams.iter().position(|p| p.name == DEFAULT_POOL);
+    let options = match existing {
+        Some(i) => config.upstreams[i]
+            .servers
+            .iter()
+            .find_map(|s| s.tls.as_ref().map(|t| t.options().clone()))
+            .unwrap_or_default(),
+        None => config.pool_defaults.tls.clone(),
+    };
+    // Inherited TLS keys are for https:// pools only; an http:// URL takes none.
+    let options = if uri.scheme_str() == Some("https") {
+        options
+    } else {
+        Default::default()
+    };
+    let server = ServerSettings {
+        url: uri.clone(),
+        base_path: base_path.to_string(),
+        weight: 1,
+        tls: crate::upstream::tls_for(uri, options)?,
+    };
+    match existing {
+        Some(i) => config.upstreams[i].servers = vec![server],
+        None => {
+            let mut pool = config.pool_defaults.pool.clone();
+            pool.name = DEFAULT_POOL.to_string();
+            pool.servers = vec![server];
+            config.upstreams.insert(0, pool);
+            for r in &mut config.routes.list {
+                r.pool += 1;
+            }
+            config.routes.default_pool = Some(0);
+        }
+    }
+    config.upstream = super::transitional_upstream(&config.upstreams);
+    Ok(())
 }
 
 /// For `ratewall check`: `--listen overrides [server] listen, ...`.

@@ -6,18 +6,16 @@ use std::num::{NonZeroU32, NonZeroU64};
 use std::ops::Range;
 use std::time::Duration;
 
-use std::fmt;
-
 use http::HeaderName;
-use serde::de::{self, MapAccess, Visitor};
-use serde::{Deserialize, Deserializer};
+use serde::Deserialize;
 use toml::Spanned;
 
-use super::values::{GlobSpec, Hosts, HumanDuration, KeySpec, MethodName, PathPrefix, RuleName};
+use super::matching::{self, Owner, RawMatch};
+use super::values::{HumanDuration, KeySpec, RuleName};
 use super::Invalid;
-use crate::identity::{Carried, Key, KeyKind, MissingKey};
+use crate::identity::{Key, KeyKind, MissingKey};
 use crate::limiter::{Algorithm, Quota, QuotaError, QuotaField, Rate};
-use crate::rules::{Condition, Match, Mode, PathMatch, Plan, Rule};
+use crate::rules::{Match, Mode, Plan, Rule};
 
 /// Requests wait at most this many per rule, per gateway, unless `max_waiting` says.
 pub const DEFAULT_MAX_WAITING: u32 = 1_000;
@@ -25,110 +23,6 @@ pub const DEFAULT_MAX_WAITING: u32 = 1_000;
 pub const MAX_DELAY: Duration = Duration::from_secs(300);
 /// How long a concurrency lease lives in a shared store without renewal, by default.
 pub const DEFAULT_LEASE_TTL: Duration = Duration::from_secs(10);
-
-/// `match`. Its `Deserialize` is written out (below) for the `"header:<name>"` keys, and
-/// rejects unknown keys at their place in the file as `deny_unknown_fields` would.
-#[derive(Default)]
-struct RawMatch {
-    path_prefix: Option<PathPrefix>,
-    path: Option<PathPrefix>,
-    glob: Option<GlobSpec>,
-    methods: Vec<MethodName>,
-    host: Hosts,
-    api_key: Option<Spanned<Presence>>,
-    /// `"header:<name>" = "present" | "absent"`, as written.
-    /// In the file: `header:<name>`
-    headers: Vec<(HeaderName, Spanned<Presence>)>,
-}
-
-/// The value of an identity condition in `match`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize)]
-#[serde(rename_all = "snake_case")]
-enum Presence {
-    Present,
-    Absent,
-}
-
-/// A key of `match`.
-enum MatchKey {
-    PathPrefix,
-    Path,
-    Glob,
-    Methods,
-    Host,
-    ApiKey,
-    Header(HeaderName),
-}
-
-const MATCH_KEYS: &[&str] = &[
-    "path_prefix",
-    "path",
-    "glob",
-    "methods",
-    "host",
-    "api_key",
-    "header:<name>",
-];
-
-impl<'de> Deserialize<'de> for MatchKey {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        Ok(match s.as_str() {
-            "path_prefix" => MatchKey::PathPrefix,
-            "path" => MatchKey::Path,
-            "glob" => MatchKey::Glob,
-            "methods" => MatchKey::Methods,
-            "host" => MatchKey::Host,
-            "api_key" => MatchKey::ApiKey,
-            other => match other.strip_prefix("header:") {
-                Some(name) => HeaderName::from_bytes(name.trim().as_bytes())
-                    .map(MatchKey::Header)
-                    .map_err(|_| de::Error::custom(format!("invalid header name in {s:?}")))?,
-                None => return Err(de::Error::unknown_field(other, MATCH_KEYS)),
-            },
-        })
-    }
-}
-
-impl<'de> Deserialize<'de> for RawMatch {
-    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        struct Visit;
-        impl<'de> Visitor<'de> for Visit {
-            type Value = RawMatch;
-
-            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-                f.write_str(
-                    "a table of path_prefix, path, glob, methods, host, api_key, \"header:<name>\"",
-                )
-            }
-
-            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<RawMatch, A::Error> {
-                let mut m = RawMatch::default();
-                while let Some(key) = map.next_key::<MatchKey>()? {
-                    match key {
-                        MatchKey::PathPrefix => m.path_prefix = Some(map.next_value()?),
-                        MatchKey::Path => m.path = Some(map.next_value()?),
-                        MatchKey::Glob => m.glob = Some(map.next_value()?),
-                        MatchKey::Methods => m.methods = map.next_value()?,
-                        MatchKey::Host => m.host = map.next_value()?,
-                        MatchKey::ApiKey => m.api_key = Some(map.next_value()?),
-                        MatchKey::Header(h) => {
-                            let value = map.next_value()?;
-                            if m.headers.iter().any(|(seen, _)| *seen == h) {
-                                return Err(de::Error::custom(format!(
-                                    "header {h} is given twice (header names are case-insensitive)"
-                                )));
-                            }
-                            m.headers.push((h, value));
-                        }
-                    }
-                }
-                Ok(m)
-            }
-        }
-        d.deserialize_map(Visit)
-    }
-}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -241,6 +135,7 @@ impl RawRule {
         span: Range<usize>,
         plan_names: &HashSet<&str>,
         key_header: &HeaderName,
+        routes: &[Option<String>],
     ) -> Result<Rule, Invalid> {
         let at = At {
             index,
@@ -252,7 +147,16 @@ impl RawRule {
         let (mode, enforce_percent) = at.mode()?;
         Ok(Rule {
             name: self.name.get_ref().0.clone(),
-            matcher: at.matcher(key_header)?,
+            matcher: match &self.matcher {
+                Some(m) => {
+                    let owner = Owner::Rule {
+                        counted_by: &self.key.0,
+                        routes,
+                    };
+                    matching::validate(m, &format!("rules[{index}]"), &owner, key_header)?
+                }
+                None => Match::default(),
+            },
             key: Key {
                 kind: self.key.0.clone(),
                 missing: self.missing_key,
@@ -485,69 +389,5 @@ impl At<'_> {
             None => 100,
         };
         Ok((mode, percent))
-    }
-
-    fn matcher(&self, key_header: &HeaderName) -> Result<Match, Invalid> {
-        let Some(m) = &self.rule.matcher else {
-            return Ok(Match::default());
-        };
-        let (span, m) = (m.span(), m.get_ref());
-        let path = match (&m.path_prefix, &m.path, &m.glob) {
-            (None, None, None) => PathMatch::Any,
-            (Some(p), None, None) => PathMatch::Prefix(p.0.clone()),
-            (None, Some(p), None) => PathMatch::Exact(p.0.clone()),
-            (None, None, Some(g)) => PathMatch::Glob(g.0.clone()),
-            _ => {
-                return Err(self.no(
-                    Some(span),
-                    "match",
-                    "give one of path_prefix, path and glob",
-                ))
-            }
-        };
-        Ok(Match {
-            path,
-            methods: m.methods.iter().map(|m| m.0.clone()).collect(),
-            hosts: m.host.0.clone(),
-            carrying: self.carrying(m, key_header)?,
-        })
-    }
-
-    /// `api_key = …` and `"header:<name>" = …`, refused where they would make a rule that
-    /// never counts anyone, or read the API key header as a plain header.
-    fn carrying(&self, m: &RawMatch, key_header: &HeaderName) -> Result<Vec<Condition>, Invalid> {
-        let written = m.api_key.iter().map(|p| (Carried::ApiKey, p)).chain(
-            m.headers
-                .iter()
-                .map(|(h, p)| (Carried::Header(h.clone()), p)),
-        );
-        let mut out = Vec::new();
-        for (carried, p) in written {
-            let present = *p.get_ref() == Presence::Present;
-            let key = format!("match.{}", carried.to_string().trim_matches('"'));
-            if let Carried::Header(h) = &carried {
-                if h == key_header {
-                    return Err(self.no(
-                        Some(p.span()),
-                        &key,
-                        format!("{h} is the API key header ([keys] header): write api_key = \"{}\", which reads it as a key", if present { "present" } else { "absent" }),
-                    ));
-                }
-            }
-            let counts_by_it = match (&carried, &self.rule.key.0) {
-                (Carried::ApiKey, KeyKind::ApiKey) => true,
-                (Carried::Header(a), KeyKind::Header(b)) => a == b,
-                _ => false,
-            };
-            if counts_by_it && !present {
-                return Err(self.no(
-                    Some(p.span()),
-                    &key,
-                    format!("a rule counting by {} that applies only when it is absent counts nobody by it; count those requests with key = \"client_ip\"", self.rule.key.0),
-                ));
-            }
-            out.push(Condition { carried, present });
-        }
-        Ok(out)
     }
 }

@@ -128,6 +128,11 @@ pub(super) struct RawServer {
 }
 
 impl RawServer {
+    /// `path_case`, which the routes are compiled with before the rest is validated.
+    pub(super) fn path_case(&self) -> PathCase {
+        self.path_case.unwrap_or_default()
+    }
+
     /// Every setting the file leaves out takes its default.
     pub(super) fn validate(self, tls: Option<crate::tls::Settings>) -> Server {
         let max_header_bytes = self.max_header_bytes.map_or(MAX_HEADER_BYTES, |m| m.0);

@@ -17,9 +17,17 @@ fn nearest(message: &str) -> Option<&str> {
         .or_else(|| message.strip_prefix("unknown variant `"))?;
     let (written, rest) = rest.split_once('`')?;
     let expected = rest.split_once("expected one of ")?.1;
+    closest(written, expected.split(", ").map(|n| n.trim_matches('`')))
+}
+
+/// The one of `names` closest to `written`, if it is close: at most a third of its
+/// letters changed (at least one), case aside.
+pub(super) fn closest<'a>(
+    written: &str,
+    names: impl IntoIterator<Item = &'a str>,
+) -> Option<&'a str> {
     let mut best: Option<(usize, &str)> = None;
-    for name in expected.split(", ") {
-        let name = name.trim_matches('`');
+    for name in names {
         let d = distance(&written.to_ascii_lowercase(), &name.to_ascii_lowercase());
         if d <= (name.chars().count() / 3).max(1) && best.is_none_or(|(b, _)| d < b) {
             best = Some((d, name));

@@ -65,24 +65,240 @@ impl<'de> Deserialize<'de> for Header {
 /// `key = "api_key" | "client_ip" | "global" | "client_cert" | "header:<name>"`.
 pub(super) struct KeySpec(pub(super) KeyKind);
 
+/// A key source as a rule's `key` writes it (a pool's `balance = "hash:<key source>"`
+/// takes the same words).
+pub(super) fn key_kind(s: &str) -> Result<KeyKind, String> {
+    Ok(match s {
+        "api_key" => KeyKind::ApiKey,
+        "client_ip" => KeyKind::ClientIp,
+        "global" => KeyKind::Global,
+        "client_cert" => KeyKind::ClientCert,
+        other => match other.strip_prefix("header:") {
+            Some(name) => HeaderName::from_bytes(name.trim().as_bytes())
+                .map(KeyKind::Header)
+                .map_err(|_| format!("invalid header name in key {s:?}"))?,
+            None => return Err(format!(
+                "invalid key {s:?}: expected \"api_key\", \"client_ip\", \"global\", \"client_cert\" or \"header:<name>\""
+            )),
+        },
+    })
+}
+
 impl<'de> Deserialize<'de> for KeySpec {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
-        let kind = match s.as_str() {
-            "api_key" => KeyKind::ApiKey,
-            "client_ip" => KeyKind::ClientIp,
-            "global" => KeyKind::Global,
-            "client_cert" => KeyKind::ClientCert,
-            other => match other.strip_prefix("header:") {
-                Some(name) => HeaderName::from_bytes(name.trim().as_bytes())
-                    .map(KeyKind::Header)
-                    .map_err(|_| de::Error::custom(format!("invalid header name in key {s:?}")))?,
-                None => return Err(de::Error::custom(format!(
-                    "invalid key {s:?}: expected \"api_key\", \"client_ip\", \"global\", \"client_cert\" or \"header:<name>\""
-                ))),
+        key_kind(&s).map(KeySpec).map_err(de::Error::custom)
+    }
+}
+
+/// Whether `s` is 1 to 64 characters of A-Z a-z 0-9 _ - . (a name that metrics, logs and
+/// Redis keys carry as it is).
+fn safe_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= crate::upstream::MAX_NAME
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b))
+}
+
+/// A pool's `name`: the metrics' `pool` label, and what a route's `upstream` names.
+pub(super) struct PoolName(pub(super) String);
+
+impl<'de> Deserialize<'de> for PoolName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if !safe_name(&s) {
+            return Err(de::Error::custom(format!(
+                "invalid pool name {s:?}: 1 to 64 characters of A-Z a-z 0-9 _ - ."
+            )));
+        }
+        Ok(PoolName(s))
+    }
+}
+
+/// A route's `name`: the logs' and metrics' `route`, and what a rule's `route` names.
+pub(super) struct RouteName(pub(super) String);
+
+impl<'de> Deserialize<'de> for RouteName {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        if !safe_name(&s) {
+            return Err(de::Error::custom(format!(
+                "invalid route name {s:?}: 1 to 64 characters of A-Z a-z 0-9 _ - ."
+            )));
+        }
+        Ok(RouteName(s))
+    }
+}
+
+/// `balance = "round_robin" | "least_requests" | "random_two" | "hash:<key source>"`.
+pub(super) struct BalanceSpec(pub(super) crate::upstream::Balance);
+
+/// What `balance` takes, as serde's "unknown variant" lists it (so that a misspelling
+/// gets a "did you mean").
+const BALANCES: &[&str] = &[
+    "round_robin",
+    "least_requests",
+    "random_two",
+    "hash:<key source>",
+];
+
+impl<'de> Deserialize<'de> for BalanceSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use crate::upstream::Balance;
+        let s = String::deserialize(d)?;
+        let balance = match s.as_str() {
+            "round_robin" => Balance::RoundRobin,
+            "least_requests" => Balance::LeastRequests,
+            "random_two" => Balance::RandomTwo,
+            other => {
+                let Some(source) = other.strip_prefix("hash:") else {
+                    return Err(de::Error::unknown_variant(other, BALANCES));
+                };
+                let hash_by = "hash by api_key, client_ip, client_cert or header:<name>";
+                let kind = key_kind(source.trim()).map_err(|_| {
+                    de::Error::custom(format!(
+                        "invalid key source {source:?} in {s:?}: {hash_by}, as a rule's key names them"
+                    ))
+                })?;
+                if kind == KeyKind::Global {
+                    return Err(de::Error::custom(format!(
+                        "{s:?} would send every request to one server: {hash_by}"
+                    )));
+                }
+                Balance::Hash(crate::identity::Key {
+                    kind,
+                    missing: crate::identity::MissingKey::default(),
+                })
+            }
+        };
+        Ok(BalanceSpec(balance))
+    }
+}
+
+/// A server's `weight`: 1 to 1000.
+pub(super) struct Weight(pub(super) u32);
+
+impl<'de> Deserialize<'de> for Weight {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = i64::deserialize(d)?;
+        match u32::try_from(n) {
+            Ok(n @ 1..=1000) => Ok(Weight(n)),
+            _ => Err(de::Error::custom(format!(
+                "weight = {n}: 1 to 1000 (default 1)"
+            ))),
+        }
+    }
+}
+
+/// `max_ejected_percent`: 0 to 100.
+pub(super) struct Percent(pub(super) u8);
+
+impl<'de> Deserialize<'de> for Percent {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = i64::deserialize(d)?;
+        match u8::try_from(n) {
+            Ok(n @ 0..=100) => Ok(Percent(n)),
+            _ => Err(de::Error::custom(format!(
+                "max_ejected_percent = {n}: 0 to 100 (default {})",
+                crate::upstream::MAX_EJECTED_PERCENT
+            ))),
+        }
+    }
+}
+
+/// The most `retries` a pool may take: each is another server tried for one request.
+pub(super) const MAX_RETRIES: u32 = 10;
+
+/// `retries`: 0 to [`MAX_RETRIES`].
+pub(super) struct Retries(pub(super) u32);
+
+impl<'de> Deserialize<'de> for Retries {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = i64::deserialize(d)?;
+        match u32::try_from(n) {
+            Ok(n) if n <= MAX_RETRIES => Ok(Retries(n)),
+            _ => Err(de::Error::custom(format!(
+                "retries = {n}: 0 to {MAX_RETRIES} (default {})",
+                crate::upstream::RETRIES
+            ))),
+        }
+    }
+}
+
+/// One of `fail_on_status`: 502, 503 or 504.
+pub(super) struct FailStatus(pub(super) http::StatusCode);
+
+impl<'de> Deserialize<'de> for FailStatus {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = i64::deserialize(d)?;
+        match n {
+            502..=504 => http::StatusCode::from_u16(n as u16)
+                .map(FailStatus)
+                .map_err(de::Error::custom),
+            _ => Err(de::Error::custom(format!(
+                "fail_on_status takes 502, 503 and 504 only (a server that cannot serve), not {n}: other statuses are the backend's answers"
+            ))),
+        }
+    }
+}
+
+/// `health.expect`: a class (`"2xx"`, 200 to 299) or one status (`"204"`).
+pub(super) struct Expect(pub(super) std::ops::RangeInclusive<u16>);
+
+impl<'de> Deserialize<'de> for Expect {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let t = s.trim();
+        let bad = || {
+            de::Error::custom(format!(
+                "invalid expect {s:?}: a class of statuses (\"2xx\", \"3xx\", \"4xx\", \"5xx\") or one status (\"204\")"
+            ))
+        };
+        let range = match t.as_bytes() {
+            [c @ b'1'..=b'5', b'x' | b'X', b'x' | b'X'] => {
+                let base = u16::from(c - b'0') * 100;
+                base..=base + 99
+            }
+            _ => match t.parse::<u16>() {
+                Ok(n @ 100..=599) if t.len() == 3 => n..=n,
+                _ => return Err(bad()),
             },
         };
-        Ok(KeySpec(kind))
+        Ok(Expect(range))
+    }
+}
+
+/// `health.path`: what is asked of each server, starting with `/` (a query may follow).
+pub(super) struct HealthPath(pub(super) String);
+
+impl<'de> Deserialize<'de> for HealthPath {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let ok = s.starts_with('/') && s.parse::<http::uri::PathAndQuery>().is_ok();
+        if !ok || s.contains('#') {
+            return Err(de::Error::custom(format!(
+                "invalid health path {s:?}: a path starting with \"/\" (a query may follow)"
+            )));
+        }
+        Ok(HealthPath(s))
+    }
+}
+
+/// A route's `strip_prefix` or `add_prefix`: a path starting with `/`, without query.
+pub(super) struct RoutePrefix(pub(super) String);
+
+impl<'de> Deserialize<'de> for RoutePrefix {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        let ok = s.starts_with('/')
+            && !s.contains(['?', '#'])
+            && s.parse::<http::uri::PathAndQuery>().is_ok();
+        if !ok {
+            return Err(de::Error::custom(format!(
+                "invalid prefix {s:?}: a path starting with \"/\", without ? or #"
+            )));
+        }
+        Ok(RoutePrefix(s))
     }
 }
 
@@ -92,11 +308,7 @@ pub(super) struct RuleName(pub(super) String);
 impl<'de> Deserialize<'de> for RuleName {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         let s = String::deserialize(d)?;
-        let ok = !s.is_empty()
-            && s.len() <= 64
-            && s.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || b"_-.".contains(&b));
-        if !ok {
+        if !safe_name(&s) {
             return Err(de::Error::custom(format!(
                 "invalid rule name {s:?}: 1 to 64 characters of A-Z a-z 0-9 _ - ."
             )));

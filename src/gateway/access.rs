@@ -86,6 +86,10 @@ impl AccessLine {
             shadow_denied = note.shadow_denied.unwrap_or("-"),
             waited_ms = note.waited.as_millis() as u64,
             id = id.as_ref().map_or("-", |h| h.as_str()),
+            route = note.route.unwrap_or("-"),
+            pool = note.pool.unwrap_or("-"),
+            server = note.server.as_deref().unwrap_or("-"),
+            attempts = note.attempts,
             latency_us = self.started.elapsed().as_micros() as u64,
         );
     }

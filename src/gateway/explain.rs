@@ -66,14 +66,47 @@ pub fn explain(
             );
         }
     }
-    let fitting = matching(cfg, &parts);
     let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip);
+    // Where it goes, as the request path chooses (`route::choose`).
+    let to = match super::route::choose(cfg, &parts, &requester) {
+        Ok(Some(to)) => {
+            let pool = to.pool_name(cfg).unwrap_or_default();
+            match to.route_name(cfg) {
+                Some(route) => {
+                    let _ = writeln!(out, "route: {route} -> pool {pool}");
+                }
+                None => {
+                    let _ = writeln!(out, "route: none matches -> pool {pool}");
+                }
+            }
+            if let Some(target) = to.target(cfg, &parts.uri) {
+                let _ = writeln!(out, "  (forwarded as {target})");
+            }
+            to
+        }
+        Ok(None) => {
+            let _ = writeln!(
+                out,
+                "route: none matches, and there is no pool default: answered 404, no rule consulted"
+            );
+            return out;
+        }
+        Err(refusal) => {
+            let _ = writeln!(
+                out,
+                "refused while choosing a route: {} (read for a route's match)",
+                refused(&refusal, &cfg.keys.header)
+            );
+            return out;
+        }
+    };
+    let fitting = matching(cfg, &parts, Some(&to));
     let plan = requester.plan();
     let mut applied = Vec::new();
     let mut not = Vec::new();
     for (i, r) in cfg.rules.iter().enumerate() {
         if !fitting.contains(&i) {
-            let host = super::limits::forwarded_host(cfg, &parts);
+            let host = super::limits::forwarded_host(cfg, &parts, Some(&to));
             not.push(format!(
                 "{}: {}",
                 r.name,

@@ -5,6 +5,7 @@
 use http::request::Parts;
 
 use super::live::{Live, WaitSlot};
+use super::route::Destination;
 use crate::identity::{Identity, Refusal, Requester};
 use crate::limiter::{Algorithm, Check, Quota};
 use crate::rules::{self, Applies, Rule};
@@ -37,17 +38,19 @@ pub struct Limit<'l, 'p> {
 }
 
 impl<'l: 'p, 'p> Limit<'l, 'p> {
-    /// The rules of `live` that apply to the request (`parts`), in config order, as
-    /// `requester` is counted by each; or why it is refused before any is consulted. A
-    /// rule applies when its path, method and host fit ([`matching`]) and then
-    /// [`Rule::applies`] says so: what the request carries, its plan.
+    /// The rules of `live` that apply to the request (`parts`), sent by the route `route`
+    /// (a position in `Config::routes`, or none), in config order, as `requester` is
+    /// counted by each; or why it is refused before any is consulted. A rule applies when
+    /// its path, method, host and route fit ([`matching`]) and then [`Rule::applies`] says
+    /// so: what the request carries, its plan.
     pub fn all(
         live: &'l Live,
         parts: &Parts,
         requester: &Requester<'p>,
+        to: Option<&Destination>,
     ) -> Result<Vec<Limit<'l, 'p>>, Refused> {
         let cfg = &*live.config;
-        matching(cfg, parts)
+        matching(cfg, parts, to)
             .into_iter()
             .filter_map(|index| {
                 let rule = &cfg.rules[index];
@@ -105,22 +108,69 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
     }
 }
 
-/// The positions of the rules that apply to a request, in config order: by its method,
-/// its path as a backend will route it, and its host (parsed only when a rule looks).
-pub fn matching(cfg: &crate::config::Config, parts: &Parts) -> Vec<usize> {
+/// The positions of the rules that apply to a request sent by the route `route`, in
+/// config order: by its method, its path as a backend will route it, its host (parsed
+/// only when a rule looks), and the route (a rule with `match = { route = … }` applies
+/// only to that route's requests).
+pub fn matching(
+    cfg: &crate::config::Config,
+    parts: &Parts,
+    to: Option<&Destination>,
+) -> Vec<usize> {
     let path = cfg.index.path_of(parts.uri.path());
     let host = if cfg.index.uses_host {
-        forwarded_host(cfg, parts)
+        forwarded_host(cfg, parts, to)
     } else {
         None
     };
-    cfg.index.matching(&parts.method, &path, host)
+    let mut fitting = cfg.index.matching(&parts.method, &path, host);
+    let route = to.and_then(|t| t.route);
+    fitting.retain(|&i| cfg.rules[i].matcher.fits_route(route));
+    fitting
 }
 
 /// The host a request is forwarded with, as rules match it: its own
-/// ([`rules::request_host`]), or, for a request that names none (HTTP/1.0 may), the
-/// upstream's, which the upstream hop then sends as its `Host` — so a `host` rule for the
-/// backend's default vhost applies to what that vhost serves.
-pub fn forwarded_host<'a>(cfg: &'a crate::config::Config, parts: &'a Parts) -> Option<&'a str> {
-    rules::request_host(&parts.uri, &parts.headers).or_else(|| cfg.upstream.url.host())
+/// ([`rules::request_host`]), or, for a request that names none (HTTP/1.0 may), its
+/// pool's first server's, which the upstream hop then sends as its `Host` — so a `host`
+/// rule for the backend's default vhost applies to what that vhost serves.
+pub fn forwarded_host<'a>(
+    cfg: &'a crate::config::Config,
+    parts: &'a Parts,
+    to: Option<&Destination>,
+) -> Option<&'a str> {
+    rules::request_host(&parts.uri, &parts.headers).or_else(|| {
+        let pool = cfg.upstreams.get(to?.pool)?;
+        pool.servers.first()?.url.host()
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_rule_with_a_route_condition_fits_that_routes_requests_only() {
+        let cfg = crate::config::Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:2\"\n\
+             [[routes]]\nname = \"x\"\nmatch = { path_prefix = \"/x/\" }\nupstream = \"default\"\n\
+             [[routes]]\nname = \"billing\"\nupstream = \"default\"\n\
+             [[rules]]\nname = \"b\"\nkey = \"global\"\nrate = \"1/s\"\nmatch = { route = \"billing\" }\n\
+             [[rules]]\nname = \"all\"\nkey = \"global\"\nrate = \"1/s\"\n",
+            std::path::Path::new("t.toml"),
+        )
+        .unwrap();
+        let (p, _) = http::Request::get("/billing/pay")
+            .body(())
+            .unwrap()
+            .into_parts();
+        let to = |route| Destination {
+            route,
+            pool: 0,
+            hash: None,
+        };
+        assert_eq!(matching(&cfg, &p, Some(&to(Some(1)))), [0, 1]);
+        assert_eq!(matching(&cfg, &p, Some(&to(Some(0)))), [1]);
+        assert_eq!(matching(&cfg, &p, Some(&to(None))), [1]);
+        assert_eq!(matching(&cfg, &p, None), [1]);
+    }
 }

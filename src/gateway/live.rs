@@ -14,10 +14,11 @@ use crate::upstream;
 /// it to the end, so a reload never changes the rules under a request in flight.
 pub struct Live {
     pub config: Arc<Config>,
-    /// One upstream client (and its pool) per worker thread: a request's upstream
-    /// connection is driven by the thread that serves its client, so forwarding never
-    /// wakes another thread.
-    pub upstreams: Arc<[upstream::Client]>,
+    /// The config's pools (`config.upstreams`, in order), each server with one client
+    /// per worker thread: a request's upstream connection is driven by the thread that
+    /// serves its client, so forwarding never wakes another thread. A pool whose
+    /// settings a reload left alone is the same value, connections and health kept.
+    pub pools: Arc<upstream::Pools>,
     pub limiter: Arc<Limiter>,
     /// Whether the deny cache may be used under this config (see [`Limiter::decide`]).
     pub cache_denials: bool,
@@ -28,8 +29,9 @@ pub struct Live {
 }
 
 impl Live {
-    /// Build what `config` needs, reusing `old`'s store and upstream pool where the
-    /// config did not change them: limit state and pooled connections survive a reload.
+    /// Build what `config` needs, reusing `old`'s store and pools where the config did
+    /// not change them: limit state, kept connections and servers' health survive a
+    /// reload.
     pub fn build(
         config: Config,
         old: Option<&Live>,
@@ -54,27 +56,22 @@ impl Live {
             }
         };
         let workers = config.server.workers.max(1);
-        let upstreams = match old {
-            Some(o) if o.config.upstream == config.upstream && o.upstreams.len() == workers => {
-                o.upstreams.clone()
-            }
+        let pools = match old {
+            Some(o) if o.config.upstreams == config.upstreams => o.pools.clone(),
             _ => {
-                if let Some(tls) = config
-                    .upstream
-                    .tls
-                    .as_ref()
-                    .filter(|t| t.options().insecure_skip_verify)
-                {
-                    tracing::warn!(
-                        upstream = config.upstream.url.to_string().trim_end_matches('/'),
-                        tls = %tls.describe(),
-                        "INSECURE: [upstream] insecure_skip_verify = true: the backend's TLS certificate is NOT verified; anyone on the path can pose as the backend. For a test bench only: give the backend's CA as [upstream] ca instead"
-                    );
-                }
-                let handshakes = metrics.upstream_tls_handshakes(config.upstream.tls.is_some());
-                (0..workers)
-                    .map(|_| upstream::Client::new(&config.upstream, handshakes.clone()))
-                    .collect()
+                let https = config
+                    .upstreams
+                    .iter()
+                    .flat_map(|p| &p.servers)
+                    .any(|s| s.tls.is_some());
+                let handshakes = metrics.upstream_tls_handshakes(https);
+                Arc::new(upstream::Pools::build(
+                    &config.upstreams,
+                    old.map(|o| &*o.pools),
+                    workers,
+                    &metrics.pools,
+                    |_| handshakes.clone(),
+                ))
             }
         };
         // In a cluster, rules on different identities mean refunds, and a refund can make
@@ -92,17 +89,10 @@ impl Live {
                 .collect(),
             waiting: config.rules.iter().map(|_| AtomicU32::new(0)).collect(),
             config: Arc::new(config),
-            upstreams,
+            pools,
             limiter,
             cache_denials,
         })
-    }
-
-    /// This worker thread's upstream client (the first one off the workers).
-    pub fn upstream(&self) -> &upstream::Client {
-        let n = crate::worker::current().unwrap_or(0);
-        // Never empty: built with at least one client.
-        &self.upstreams[n % self.upstreams.len().max(1)]
     }
 }
 

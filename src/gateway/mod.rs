@@ -12,6 +12,7 @@ mod body;
 mod explain;
 mod limits;
 mod live;
+mod route;
 mod screen;
 pub mod verdict;
 
@@ -38,6 +39,7 @@ use crate::upstream::{self, ClientPeer, Downstream};
 use access::AccessLine;
 use limits::Limit;
 use live::WaitSlot;
+use route::Destination;
 use verdict::{Ruled, Tally, Verdict};
 
 pub use body::{Body, LeasedBody};
@@ -60,8 +62,6 @@ pub struct Gateway {
     /// keeps.
     source: Option<Source>,
     metrics: Arc<Metrics>,
-    /// Whether the upstream answers, for the log: kept across reloads.
-    upstream_health: upstream::OutageLog,
 }
 
 /// Whether a request's host is one the gateway would serve: a `Host` and authority that
@@ -86,9 +86,17 @@ pub struct Note<'l> {
     pub shadow_denied: Option<&'l str>,
     /// How long the request waited for reserved tokens.
     pub waited: Duration,
+    /// The route it matched, and its pool (none for a request answered before routing,
+    /// or that no route fits).
+    pub route: Option<&'l str>,
+    pub pool: Option<&'l str>,
+    /// The server of its last attempt (its URL as the file writes it), and how many
+    /// servers were tried.
+    pub server: Option<Arc<str>>,
+    pub attempts: u32,
 }
 
-impl Note<'_> {
+impl<'l> Note<'l> {
     fn gateway(decision: &'static str) -> Self {
         Note {
             rule: None,
@@ -97,6 +105,19 @@ impl Note<'_> {
             upstream: false,
             shadow_denied: None,
             waited: Duration::ZERO,
+            route: None,
+            pool: None,
+            server: None,
+            attempts: 0,
+        }
+    }
+
+    /// This note, for a request going to `to`.
+    fn to(self, to: &Destination, cfg: &'l Config) -> Self {
+        Note {
+            route: to.route_name(cfg),
+            pool: to.pool_name(cfg),
+            ..self
         }
     }
 }
@@ -122,16 +143,19 @@ pub struct Pass<'l> {
     leases: Option<Leases>,
     /// Its places in the queues of the rules it waits on, held while it waits.
     slots: Vec<WaitSlot<'l>>,
+    /// Where it goes.
+    pub to: Destination,
     pub note: Note<'l>,
 }
 
 impl<'l> Pass<'l> {
-    fn unlimited(note: Note<'l>) -> Pass<'l> {
+    fn unlimited(note: Note<'l>, to: Destination) -> Pass<'l> {
         Pass {
             applied: Vec::new(),
             shadow: Vec::new(),
             leases: None,
             slots: Vec::new(),
+            to,
             note,
         }
     }
@@ -176,7 +200,6 @@ impl Gateway {
             live: ArcSwap::from_pointee(live),
             source,
             metrics,
-            upstream_health: upstream::OutageLog::default(),
         }
     }
 
@@ -328,9 +351,21 @@ impl Gateway {
         }
         let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip)
             .with_client_cert(parts.extensions.get());
-        let limits = match Limit::all(live, parts, &requester) {
+        let to = match route::choose(cfg, parts, &requester) {
+            Ok(Some(to)) => to,
+            Ok(None) => return self.no_route(cfg, parts),
+            Err(refusal) => {
+                self.metrics.count_refusal(refusal.into());
+                let p = Problem::new(refusal.status(), &refusal.to_string());
+                let note = Note::gateway(Verdict::Refuse(refusal).decision());
+                return Admission::Answer(problem(p, cfg, &[]), note);
+            }
+        };
+        let to = to.hashed(cfg, &requester);
+        let limits = match Limit::all(live, parts, &requester, Some(&to)) {
             Ok(limits) if limits.is_empty() => {
-                return Admission::Forward(Pass::unlimited(Note::gateway("unlimited")))
+                let note = Note::gateway("unlimited").to(&to, cfg);
+                return Admission::Forward(Pass::unlimited(note, to));
             }
             Ok(limits) => limits,
             Err(limits::Refused { index, refusal }) => {
@@ -348,7 +383,7 @@ impl Gateway {
                 );
                 let note = Note {
                     rule: live.config.rules.get(index).map(|r| r.name.as_str()),
-                    ..Note::gateway(Verdict::Refuse(refusal).decision())
+                    ..Note::gateway(Verdict::Refuse(refusal).decision()).to(&to, cfg)
                 };
                 return Admission::Answer(resp, note);
             }
@@ -356,13 +391,22 @@ impl Gateway {
         let (decisions, verdict, leases) = consult(live, &limits).await;
         match (verdict, decisions) {
             (Verdict::Deny { by, jitter_us }, Some(d)) => {
-                self.deny(live, &limits, &d, by, jitter_us)
+                self.deny(live, &limits, &d, by, jitter_us, &to)
             }
             (Verdict::Forward | Verdict::Delay(_), Some(d)) => {
-                Admission::Forward(self.pass(live, limits, &d, verdict, leases))
+                Admission::Forward(self.pass(live, limits, &d, verdict, leases, to))
             }
-            (v, _) => store_failed(live, &limits, v),
+            (v, _) => store_failed(live, &limits, v, to),
         }
+    }
+
+    /// The 404 of a request no route fits when no pool `default` takes the rest: never
+    /// forwarded, counted (`ratewall_refusals_total{reason="no_route"}`) and logged.
+    fn no_route<'l>(&self, cfg: &Config, parts: &Parts) -> Admission<'l> {
+        tracing::debug!(method = %parts.method, path = parts.uri.path(), "no route matches the request");
+        self.metrics.count_refusal(RefusalReason::NoRoute);
+        let p = Problem::new(StatusCode::NOT_FOUND, "no route matches this request");
+        Admission::Answer(problem(p, cfg, &[]), Note::gateway("no_route"))
     }
 
     /// A denied request's 429, and the counts it adds.
@@ -373,6 +417,7 @@ impl Gateway {
         decisions: &[Option<Decision>],
         by: usize,
         jitter_us: u64,
+        to: &Destination,
     ) -> Admission<'l> {
         let cfg = &*live.config;
         let shadow_denied = tally(live, limits, decisions, true);
@@ -387,7 +432,7 @@ impl Gateway {
             rule: Some(limit.rule.name.as_str()),
             identity: Some(limit.identity.digest),
             shadow_denied,
-            ..Note::gateway("denied")
+            ..Note::gateway("denied").to(to, cfg)
         };
         let p = Problem::too_many_requests(&applied, random_below(jitter_us));
         let mut resp = problem(p, cfg, &applied);
@@ -403,6 +448,7 @@ impl Gateway {
         decisions: &[Option<Decision>],
         verdict: Verdict,
         leases: Option<Leases>,
+        to: Destination,
     ) -> Pass<'l> {
         let shadow_denied = tally(live, &limits, decisions, false);
         let (applied, shadow) = split(&limits, decisions);
@@ -417,7 +463,7 @@ impl Gateway {
             identity: closest.map(|l| l.identity.digest),
             shadow_denied,
             waited,
-            ..Note::gateway(decision)
+            ..Note::gateway(decision).to(&to, &live.config)
         };
         // Waiting on a rule holds its place in that rule's queue; the others are free.
         let slots = limits
@@ -431,6 +477,7 @@ impl Gateway {
             shadow,
             leases,
             slots,
+            to,
             note,
         }
     }
@@ -461,7 +508,22 @@ impl Gateway {
         };
         let version = req.version();
         let started = Instant::now();
-        let result = live.upstream().forward(req, &down).await;
+        let Some(pool) = live.pools.get(pass.to.pool) else {
+            // Never: a destination's pool is one of the config's, and `live` is built from it.
+            drop(pass.leases.take());
+            let resp = self.upstream_failed(cfg, upstream::Error::NoServer, version, peer, &pass);
+            return (resp, pass.note);
+        };
+        let target = pass.to.target(cfg, req.uri());
+        let mut out = upstream::Outbound::new(req, target, &pool.default_host());
+        let pick = upstream::Pick {
+            hash: pass.to.hash,
+            worker: crate::worker::current().unwrap_or(0),
+        };
+        let forwarded = pool.forward(&mut out, &down, pick).await;
+        pass.note.server = forwarded.server;
+        pass.note.attempts = forwarded.attempts;
+        let result = forwarded.result;
         self.count_upstream(&result, started);
         if let Err(e) = &result {
             count_rule_failures(live, &pass, e);
@@ -469,9 +531,6 @@ impl Gateway {
         match result {
             Ok(resp) => {
                 pass.count_passed(live);
-                if let Some(change) = self.upstream_health.answered() {
-                    log_upstream(change, cfg, None);
-                }
                 let leases = pass.leases.take();
                 let mut resp = resp.map(|body| Either::Left(LeasedBody::new(body, leases)));
                 pass.decorate(resp.headers_mut(), cfg);
@@ -522,11 +581,9 @@ impl Gateway {
         let (status, detail) = (e.status(), e.detail());
         if e.is_client_error() {
             tracing::debug!(error = %e, status = status.as_u16(), peer = %peer.addr, "client request failed");
-        } else if let Some(change) = self.upstream_health.failed(&e) {
-            log_upstream(change, cfg, Some(&e));
         } else {
-            // Inside an outage already logged: its count comes when it ends.
-            tracing::debug!(error = %e, status = status.as_u16(), "upstream failed");
+            // The pool logs its outages, once each (`upstream::Pool::forward`).
+            tracing::debug!(error = %e, status = status.as_u16(), pool = pass.note.pool, "upstream failed");
         }
         let mut resp = problem(Problem::new(status, detail), cfg, &pass.applied);
         headers::add_shadow(resp.headers_mut(), cfg.response, &pass.shadow);
@@ -680,47 +737,28 @@ fn split<'l>(
 }
 
 /// The store failed: forward unlimited or answer 503, as `on_error` said.
-fn store_failed<'l>(live: &'l Live, limits: &[Limit<'l, '_>], verdict: Verdict) -> Admission<'l> {
+fn store_failed<'l>(
+    live: &'l Live,
+    limits: &[Limit<'l, '_>],
+    verdict: Verdict,
+    to: Destination,
+) -> Admission<'l> {
     for l in limits {
         live.counters[l.index].error.inc();
     }
     let note = Note {
         rule: limits.first().map(|l| l.rule.name.as_str()),
         identity: limits.first().map(|l| l.identity.digest),
-        ..Note::gateway("store_error")
+        ..Note::gateway("store_error").to(&to, &live.config)
     };
     if verdict == Verdict::Unlimited {
-        return Admission::Forward(Pass::unlimited(note));
+        return Admission::Forward(Pass::unlimited(note, to));
     }
     let p = Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,
         "the rate-limit store is unavailable",
     );
     Admission::Answer(problem(p.with_retry_after(1), &live.config, &[]), note)
-}
-
-/// The upstream's change of state, once per change (`upstream::OutageLog`).
-fn log_upstream(change: upstream::OutageChange, cfg: &Config, error: Option<&upstream::Error>) {
-    let upstream = cfg.upstream.url.to_string();
-    match change {
-        upstream::OutageChange::Failing => tracing::warn!(
-            upstream = upstream.trim_end_matches('/'),
-            error = error.map(tracing::field::display),
-            "upstream failing: its requests get 502 or 504 until it answers again (logged once; the count of failures comes then)"
-        ),
-        upstream::OutageChange::Recovered { failures, down_for } => {
-            let down_for = humantime::format_duration(Duration::from_millis(
-                down_for.as_millis() as u64,
-            ))
-            .to_string();
-            tracing::info!(
-                upstream = upstream.trim_end_matches('/'),
-                failures,
-                down_for = down_for.as_str(),
-                "upstream answers again"
-            )
-        }
-    }
 }
 
 /// A uniformly random number of µs in `0..=max` (0 for 0): jitter, not secrecy.

@@ -13,9 +13,9 @@ use std::collections::HashMap;
 
 use http::Method;
 
-use super::{normalize_path, Glob, Match, PathCase, PathMatch, Rule};
+use super::{normalize_path, Glob, Match, PathCase, PathMatch};
 
-/// The rules of a config, compiled for matching.
+/// The matches of a config's rules (or of its routes), compiled for matching.
 #[derive(Debug, Default)]
 pub struct RuleIndex {
     exact: HashMap<String, Vec<usize>>,
@@ -82,13 +82,15 @@ impl Trie {
 }
 
 impl RuleIndex {
-    pub fn new(rules: &[Rule], case: PathCase) -> RuleIndex {
+    /// The index of `matches` (each rule's, or each route's), in order: what
+    /// [`RuleIndex::matching`] returns are positions in it.
+    pub fn new<'m>(matches: impl IntoIterator<Item = &'m Match>, case: PathCase) -> RuleIndex {
         let mut index = RuleIndex {
             case,
             ..RuleIndex::default()
         };
-        for (i, r) in rules.iter().enumerate() {
-            let m = &folded(&r.matcher, case);
+        for (i, matcher) in matches.into_iter().enumerate() {
+            let m = &folded(matcher, case);
             match &m.path {
                 PathMatch::Exact(p) => index.exact.entry(p.clone()).or_default().push(i),
                 PathMatch::Prefix(p) => index.prefixes.insert(p, i),
@@ -108,8 +110,9 @@ impl RuleIndex {
         self.case.fold(normalize_path(raw))
     }
 
-    /// The rules that apply to a request, by their position in the config, in order.
-    /// `path` is as [`RuleIndex::path_of`] gives it; `host` is without port.
+    /// The rules (or routes) whose path, method and host fit a request, by their position
+    /// in the config, in order. `path` is as [`RuleIndex::path_of`] gives it; `host` is
+    /// without port. Neither what the request carries nor its route is looked at here.
     pub fn matching(&self, method: &Method, path: &str, host: Option<&str>) -> Vec<usize> {
         let mut out = Vec::new();
         if let Some(r) = self.exact.get(path) {

@@ -1,13 +1,15 @@
-//! Request parts -> the rules that apply. Pure, and compiled at load.
+//! Request parts -> the route and the rules that apply. Pure, and compiled at load.
 //!
 //! A [`Rule`] says which requests it applies to ([`Match`]), who it counts them for
 //! ([`Key`]), and its limit ([`Quota`], per plan, or none for an exempt plan). A request's
 //! candidate rules are found through a [`RuleIndex`] built once per config, on the path a
 //! backend will route ([`normalize_path`]); then [`Rule::applies`] looks at who sent it
-//! (what it carries, its plan).
+//! (what it carries, its plan). [`Routes`] picks the pool a request goes to with the same
+//! matches, compiled the same way: the first route that fits wins.
 
 mod index;
 mod path;
+mod route;
 
 use std::collections::HashMap;
 use std::time::Duration;
@@ -20,6 +22,7 @@ use crate::limiter::{Algorithm, Quota};
 
 pub use index::RuleIndex;
 pub use path::{normalize_path, request_host, Glob, HostPattern, PathCase};
+pub use route::{Route, Routes};
 
 /// Which paths a rule's `match` takes.
 #[derive(Debug, Clone, Default)]
@@ -41,6 +44,10 @@ pub struct Match {
     /// What the request must carry, or must not (`api_key = "absent"`); empty: anything.
     /// Checked after the path, method and host, with the request's [`Requester`].
     pub carrying: Vec<Condition>,
+    /// Rules only (`match = { route = "billing" }`): the rule applies only to requests
+    /// sent by this route (its position in [`Routes::list`]). Not the index's: checked
+    /// with [`Match::fits_route`] once the route is chosen.
+    pub route: Option<usize>,
 }
 
 /// `api_key = "present"`, `"header:x-user" = "absent"`: one condition of a `match` on what
@@ -132,6 +139,12 @@ impl Match {
     /// Whether the request's host (without port) is one of the rule's.
     pub fn fits_host(&self, host: Option<&str>) -> bool {
         self.hosts.is_empty() || host.is_some_and(|h| self.hosts.iter().any(|p| p.matches(h)))
+    }
+
+    /// Whether a request the route `route` (a position in [`Routes::list`], or none: no
+    /// route chose it) sends fits: a match without a route condition fits every route.
+    pub fn fits_route(&self, route: Option<usize>) -> bool {
+        self.route.is_none_or(|r| route == Some(r))
     }
 
     /// Whether the (normalised) path fits, checked alone: the [`RuleIndex`] finds the same

@@ -18,7 +18,7 @@ use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 
 use super::forward::strip_hop_by_hop;
 use super::head::{Close, FEW_FIELDS};
-use super::pool::Pool;
+use super::kept::Kept;
 use super::stream::{ReadSide, Stream, WriteSide};
 use super::{Error, READ_SIZE};
 
@@ -204,7 +204,7 @@ pub struct ResponseBody {
     buf: BytesMut,
     framing: Framing,
     reuse: bool,
-    pool: Arc<Pool>,
+    pool: Arc<Kept>,
     /// While the body waits on the upstream: since when, and the clock on it (boxed: most
     /// answers never wait, and this body is moved whole through every layer).
     stall: Option<Box<Stall>>,
@@ -230,7 +230,7 @@ impl ResponseBody {
         upload: Option<Upload>,
         buf: BytesMut,
         framing: Framing,
-        pool: &Arc<Pool>,
+        pool: &Arc<Kept>,
     ) -> Response<ResponseBody> {
         let reuse = parts.extensions.remove::<Close>().is_none();
         let mut body = ResponseBody {
@@ -529,7 +529,7 @@ mod tests {
             buf: BytesMut::from(wire),
             framing,
             reuse: false,
-            pool: Arc::new(Pool::new(Duration::from_secs(1))),
+            pool: Arc::new(Kept::new(Duration::from_secs(1))),
             stall: None,
         }
     }

@@ -53,6 +53,11 @@ pub enum Error {
     #[error("TLS handshake with {addr} timed out after {after:?}")]
     TlsTimeout { addr: SocketAddr, after: Duration },
 
+    /// No server of the pool can take the request: every one is failing its health
+    /// checks. No connection was tried.
+    #[error("no server of the pool is available")]
+    NoServer,
+
     // Sending the request.
     /// A request target that is neither a path nor `*` (nothing else can go upstream).
     #[error("cannot forward request target {0}")]
@@ -151,6 +156,7 @@ impl Error {
     pub fn detail(&self) -> &'static str {
         match self {
             Error::Timeout(_) => "the upstream did not answer in time",
+            Error::NoServer => "no server of the upstream is available",
             Error::Coding(_) => {
                 "the upstream's answer uses a transfer coding this client cannot take"
             }
@@ -202,6 +208,7 @@ impl Error {
             | Error::Closed { replayable }
             | Error::Read { replayable, .. } => *replayable,
             Error::Target(_)
+            | Error::NoServer
             | Error::WriteStalled(_)
             | Error::Timeout(_)
             | Error::ClosedInHead

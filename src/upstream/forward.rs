@@ -338,7 +338,8 @@ mod tests {
             body_timeout: Duration::from_secs(1),
         };
         let host = parts.headers.get(HOST).cloned();
-        let head = super::super::head::request(&parts, "", false, &down, host.as_ref()).unwrap();
+        let head =
+            super::super::head::request(&parts, "", false, &down, host.as_ref(), None).unwrap();
         String::from_utf8(head).unwrap()
     }
 

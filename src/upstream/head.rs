@@ -22,15 +22,18 @@ pub(super) const FEW_FIELDS: usize = 48;
 const MAX_FIELDS: usize = 2048;
 
 /// `METHOD /base/path?query HTTP/1.1`, the fields with the forwarding fields of this hop
-/// ([`forward::fields`]), the body's framing and the blank line.
+/// ([`forward::fields`]), the body's framing and the blank line. `target` is the path and
+/// query to send where a route rewrote them (`strip_prefix`, `add_prefix`), else the
+/// request's own bytes go.
 pub(super) fn request(
     parts: &http::request::Parts,
     base_path: &str,
     chunked: bool,
     down: &Downstream<'_>,
     host: Option<&HeaderValue>,
+    target: Option<&str>,
 ) -> Result<Vec<u8>, Error> {
-    let pq = parts.uri.path_and_query().map_or("/", PathAndQuery::as_str);
+    let pq = target.unwrap_or_else(|| parts.uri.path_and_query().map_or("/", PathAndQuery::as_str));
     let target_ok = pq.starts_with('/') || pq == "*";
     if !target_ok {
         return Err(Error::Target(parts.uri.clone()));

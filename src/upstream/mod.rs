@@ -18,7 +18,7 @@
 //!    (`forward`), and its head is written as bytes (`head`): the request line, the
 //!    client's fields, the forwarding fields of this hop (`forward`), the body's framing.
 //! 2. A connection comes from this worker's pool, if one is idle and clean, or is opened
-//!    (`pool`): TCP, and for an `https://` upstream TLS over it, the backend's certificate
+//!    (`kept`): TCP, and for an `https://` upstream TLS over it, the backend's certificate
 //!    verified (`tls`). Either is a `stream::Stream`, and all that follows is the same
 //!    code for both.
 //! 3. The head goes up, and the body after it as the client sends it (`body`), while the
@@ -27,18 +27,23 @@
 //!    ones left out), how its body is framed, whether its connection can be used again.
 //! 5. The answer goes back to the gateway with a [`ResponseBody`] that reads the rest from
 //!    the connection as the client takes it, and puts the connection back in the pool
-//!    once the body ended where its framing said (`pool` lists the rules).
+//!    once the body ended where its framing said (`kept` lists the rules).
 //!
 //! Anything that keeps a request from its answer's head is an [`Error`], which says the
 //! status the client gets and whether the request may be sent again; a body that fails
 //! later ends with a [`BodyError`].
 
+mod balance;
 mod body;
+mod budget;
 mod error;
 mod forward;
 mod head;
+mod health;
+mod kept;
+mod metrics;
 mod outage;
-mod pool;
+mod pools;
 mod settings;
 mod stream;
 mod tls;
@@ -51,10 +56,15 @@ use http::{Method, Request, Response};
 use hyper::body::Incoming;
 use tokio::io::AsyncWriteExt;
 
+pub use balance::{key_hash, Balancer, Candidate, Candidates, MAX_RING_POINTS, POINTS_PER_WEIGHT};
 pub use body::{BodyError, ResponseBody};
+pub use budget::{RetryBudget, MIN_RETRIES_PER_SECOND, RETRY_PERCENT, WINDOW_SECS};
 pub use error::{Error, Malformed};
 pub use forward::{ClientPeer, Downstream};
+pub use health::{panic_pick, HealthEvent, HealthPolicy, HealthState, ServerHealth};
+pub use metrics::{Attempt, PoolMetrics};
 pub use outage::{OutageChange, OutageLog};
+pub use pools::{Forwarded, Pick, Pool, PoolStatus, Pools, Server, ServerStatus};
 pub use settings::{
     Balance, HealthCheck, Passive, PoolSettings, ServerSettings, CONNECT_TIMEOUT, DEFAULT_POOL,
     FAIL_TIMEOUT, FAIL_WINDOW, MAX_EJECTED_PERCENT, MAX_EJECTION, MAX_FAILS, MAX_NAME,
@@ -63,7 +73,7 @@ pub use settings::{
 pub use tls::{NoVerification, Tls, TlsError, TlsFailure, TlsHandshake, TlsHandshakes, TlsOptions};
 
 use body::{Conn, Sending, Upload, UploadError};
-use pool::{Address, Pool};
+use kept::{Address, Kept};
 use stream::{Stream, WriteSide};
 
 /// How much is read from the upstream at a time.
@@ -131,12 +141,23 @@ pub struct Client {
     base_path: String,
     timeout: Duration,
     connect_timeout: Duration,
-    pool: Arc<Pool>,
+    kept: Arc<Kept>,
 }
 
 impl Client {
     /// The client for `cfg`, counting its TLS handshakes in `tls_handshakes`.
     pub fn new(cfg: &Settings, tls_handshakes: TlsHandshakes) -> Client {
+        Client::at(cfg, None, tls_handshakes)
+    }
+
+    /// The client for `cfg` connecting to `addr`, one of the addresses its host name
+    /// resolved to (the name still goes in `Host` and TLS' SNI); `None`: each new
+    /// connection resolves the name, or uses the address the URL gives.
+    pub fn at(
+        cfg: &Settings,
+        addr: Option<std::net::SocketAddr>,
+        tls_handshakes: TlsHandshakes,
+    ) -> Client {
         let host = cfg.url.host().unwrap_or("127.0.0.1");
         let default_port = if cfg.tls.is_some() { 443 } else { 80 };
         let port = cfg.url.port_u16().unwrap_or(default_port);
@@ -147,57 +168,112 @@ impl Client {
         let authority = HeaderValue::from_str(&authority)
             .unwrap_or_else(|_| HeaderValue::from_static("127.0.0.1"));
         Client {
-            address: Address::new(host, port),
+            address: match addr {
+                Some(addr) => Address::resolved(host, addr),
+                None => Address::new(host, port),
+            },
             tls: cfg.tls.clone(),
             tls_handshakes,
             authority,
             base_path: cfg.base_path.clone(),
             timeout: cfg.timeout,
             connect_timeout: cfg.connect_timeout,
-            pool: Arc::new(Pool::new(cfg.timeout)),
+            kept: Arc::new(Kept::new(cfg.timeout)),
         }
     }
 
     /// Close idle connections that expired or that the upstream closed.
     pub fn sweep(&self) {
-        self.pool.sweep();
+        self.kept.sweep();
     }
 
-    /// Send `req` upstream for the client `down` describes. The answer's head must arrive
-    /// within `timeout` of the request having been sent in full: an upload takes as long
-    /// as the client takes to send it, as long as it never pauses for `body_timeout`.
+    /// The `Host` this server is sent when the client named none.
+    pub fn authority(&self) -> &HeaderValue {
+        &self.authority
+    }
+
+    /// Send `req` upstream for the client `down` describes, once (the pools' attempts go
+    /// through [`Client::send`]).
     pub async fn forward(
         &self,
         req: Request<Incoming>,
         down: &Downstream<'_>,
     ) -> Result<Response<ResponseBody>, Error> {
-        let (mut parts, body) = req.into_parts();
-        let host = forward::prepare(&mut parts, &self.authority);
-        let sending = Sending::of(&body, &mut parts.headers);
-        let chunked = sending == Sending::Chunked;
-        let out = Outgoing {
-            head: head::request(&parts, &self.base_path, chunked, down, host.as_ref())?,
-            is_head: parts.method == Method::HEAD,
+        let mut out = Outbound::new(req, None, &self.authority);
+        self.send(&mut out, down).await
+    }
+
+    /// One attempt at `out` on this server. The answer's head must arrive within
+    /// `timeout` of the request having been sent in full: an upload takes as long as the
+    /// client takes to send it, as long as it never pauses for `body_timeout`. Where no
+    /// connection could be opened, `out` keeps its body, and [`Outbound::may_retry`] says
+    /// whether another server may be tried.
+    pub async fn send(
+        &self,
+        out: &mut Outbound,
+        down: &Downstream<'_>,
+    ) -> Result<Response<ResponseBody>, Error> {
+        let chunked = out.sending == Sending::Chunked;
+        let going = Outgoing {
+            head: head::request(
+                &out.parts,
+                &self.base_path,
+                chunked,
+                down,
+                out.asked.as_ref(),
+                out.target.as_deref(),
+            )?,
+            is_head: out.parts.method == Method::HEAD,
             // Only an idempotent request may go again after its connection failed under
             // it (`Error::retryable`).
-            replayable: parts.method.is_idempotent(),
+            replayable: out.parts.method.is_idempotent(),
         };
         // A kept connection the upstream has closed, or that holds bytes nobody asked for,
-        // is found out before it is used (`pool`); one closed the very moment it is used
-        // fails this request with a 502 rather than sending it twice.
-        let conn = match self.pool.take() {
+        // is found out before it is used (`kept`); one closed the very moment it is used
+        // fails this attempt, which goes again only where `Error::retryable` allows.
+        let conn = match self.kept.take() {
             Some(conn) => conn,
             None => self.open().await?,
         };
-        let answer = if sending == Sending::None {
-            self.exchange(conn, out).await?
+        let answer = if out.sending == Sending::None {
+            self.exchange(conn, going).await?
         } else {
-            self.duplex(conn, out, body, chunked, down.body_timeout)
+            // From here on the body is this attempt's: no other can send it again.
+            let Some(body) = out.body.take() else {
+                return Err(Error::Closed { replayable: false });
+            };
+            self.duplex(conn, going, body, chunked, down.body_timeout)
                 .await?
         };
         // The answer's hop-by-hop fields were left out as its head was read; a transfer
         // coding other than chunked is passed on where the client can take it.
-        head::pass_codings(answer, parts.version)
+        head::pass_codings(answer, out.parts.version)
+    }
+
+    /// A health check: `GET path` on a connection of its own (closed after), within
+    /// `timeout` in all; the answer's status.
+    pub async fn probe(&self, path: &str, timeout: Duration) -> Result<u16, Error> {
+        let probe = async {
+            let mut conn = self.open().await?;
+            let host = self.authority.to_str().unwrap_or("127.0.0.1");
+            let head = format!(
+                "GET {}{path} HTTP/1.1\r\nhost: {host}\r\nuser-agent: ratewall-health-check\r\nconnection: close\r\n\r\n",
+                self.base_path
+            );
+            let written = match conn.write_all(head.as_bytes()).await {
+                Ok(()) => conn.flush().await,
+                e => e,
+            };
+            written.map_err(|source| Error::Write {
+                source,
+                replayable: false,
+            })?;
+            let (parts, _, _) = head::read(&mut conn, false, false).await?;
+            Ok(parts.status.as_u16())
+        };
+        tokio::time::timeout(timeout, probe)
+            .await
+            .unwrap_or(Err(Error::Timeout(timeout)))
     }
 
     /// A new connection: TCP, and TLS over it for an `https://` upstream, each within
@@ -235,7 +311,7 @@ impl Client {
             .unwrap_or(Err(Error::Timeout(self.timeout)))?;
         let conn = Conn::Whole(conn);
         Ok(ResponseBody::answer(
-            parts, conn, None, buf, framing, &self.pool,
+            parts, conn, None, buf, framing, &self.kept,
         ))
     }
 
@@ -319,8 +395,56 @@ impl Client {
             None => (Conn::Half(rd), Some(upload)),
         };
         Ok(ResponseBody::answer(
-            parts, conn, upload, buf, framing, &self.pool,
+            parts, conn, upload, buf, framing, &self.kept,
         ))
+    }
+}
+
+/// A client's request made ready to go upstream, once for all its attempts: hop-by-hop
+/// fields gone, a `Host` ensured, its body's framing chosen; the body itself until an
+/// attempt sends it.
+pub struct Outbound {
+    parts: http::request::Parts,
+    /// The host the client asked for, which `X-Forwarded-Host` carries.
+    asked: Option<HeaderValue>,
+    sending: Sending,
+    /// Until an attempt takes it to send it.
+    body: Option<Incoming>,
+    /// The path and query to send, where a route rewrote them.
+    target: Option<String>,
+}
+
+impl Outbound {
+    /// `req` to go to `target` (the route's rewrite of its path, if any); `default_host`
+    /// is the `Host` sent when the client named none.
+    pub fn new(
+        req: Request<Incoming>,
+        target: Option<String>,
+        default_host: &HeaderValue,
+    ) -> Outbound {
+        let (mut parts, body) = req.into_parts();
+        let asked = forward::prepare(&mut parts, default_host);
+        let sending = Sending::of(&body, &mut parts.headers);
+        Outbound {
+            parts,
+            asked,
+            sending,
+            body: Some(body),
+            target,
+        }
+    }
+
+    /// Whether, after an attempt failed with `e`, the request may go to another server:
+    /// `e` allows it ([`Error::retryable`]: nothing was sent, or an idempotent request's
+    /// head alone went up before a reset), and none of its body was taken — a request
+    /// with a body goes again only when no connection could be opened for it.
+    pub fn may_retry(&self, e: &Error) -> bool {
+        e.retryable() && (self.sending == Sending::None || self.body.is_some())
+    }
+
+    /// Whether the request has a body (a retry can be made only before it is taken).
+    pub fn has_body(&self) -> bool {
+        self.sending != Sending::None
     }
 }
 

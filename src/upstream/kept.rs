@@ -31,15 +31,15 @@ const MAX_IDLE: usize = 256;
 const IDLE_FOR: Duration = Duration::from_secs(60);
 
 /// Idle keep-alive connections, most recently used last.
-pub(super) struct Pool {
+pub(super) struct Kept {
     idle: Mutex<VecDeque<(Stream, Instant)>>,
     /// The upstream's `timeout`: also the longest silence inside an answer's body.
     pub(super) timeout: Duration,
 }
 
-impl Pool {
-    pub(super) fn new(timeout: Duration) -> Pool {
-        Pool {
+impl Kept {
+    pub(super) fn new(timeout: Duration) -> Kept {
+        Kept {
             idle: Mutex::default(),
             timeout,
         }
@@ -139,6 +139,15 @@ impl Address {
             host: host.to_string(),
             port,
             addr,
+        }
+    }
+
+    /// `host` (for `Host` and SNI), at `addr`, one of the addresses it resolved to.
+    pub(super) fn resolved(host: &str, addr: SocketAddr) -> Address {
+        Address {
+            host: host.to_string(),
+            port: addr.port(),
+            addr: Some(addr),
         }
     }
 

@@ -1,0 +1,229 @@
+//! The pools' metrics, registered here: per pool and server, with label values from the
+//! config only (the pool's name, the server's URL as the file writes it; a name that
+//! resolves to several addresses is one `server`). Each server's series are created at
+//! zero when its pool is built, and the request path counts through handles resolved
+//! then ([`ServerCounters`], [`PoolCounters`]): no label is hashed per request.
+
+use std::sync::{Arc, Mutex};
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PoolLabels {
+    pub pool: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ServerLabels {
+    pub pool: String,
+    pub server: String,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ServerOutcomeLabels {
+    pub pool: String,
+    pub server: String,
+    pub outcome: &'static str,
+}
+
+/// How one attempt on a server ended (`outcome=`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Attempt {
+    /// It answered, with a status of this class (index 0 to 3: 2xx to 5xx; 1xx is 2xx's).
+    Answered(u16),
+    /// Refused, reset, unreadable: a 502.
+    Error,
+    /// No answer within the pool's `timeout`: a 504.
+    Timeout,
+}
+
+impl Attempt {
+    pub const NAMES: [&'static str; 6] = ["2xx", "3xx", "4xx", "5xx", "error", "timeout"];
+
+    fn index(self) -> usize {
+        match self {
+            Attempt::Answered(status) => match status {
+                0..=299 => 0,
+                300..=399 => 1,
+                400..=499 => 2,
+                _ => 3,
+            },
+            Attempt::Error => 4,
+            Attempt::Timeout => 5,
+        }
+    }
+}
+
+/// Each pool's name with its servers' labels, as a config lists them.
+pub type Configured = Vec<(String, Vec<String>)>;
+
+/// Every pool's metric families.
+#[derive(Clone)]
+pub struct PoolMetrics {
+    requests: Family<ServerOutcomeLabels, Counter>,
+    duration: Family<ServerLabels, Histogram>,
+    healthy: Family<ServerLabels, Gauge>,
+    ejections: Family<ServerLabels, Counter>,
+    retries: Family<PoolLabels, Counter>,
+    budget_exhausted: Family<PoolLabels, Counter>,
+    no_server: Family<PoolLabels, Counter>,
+    /// The pools and servers the last config had ([`PoolMetrics::retain`]).
+    known: Arc<Mutex<Configured>>,
+}
+
+impl PoolMetrics {
+    /// Register the families in `registry` (prefixed `ratewall_` there).
+    pub fn register(registry: &mut Registry) -> PoolMetrics {
+        let m = PoolMetrics {
+            requests: Family::default(),
+            duration: Family::new_with_constructor(|| {
+                Histogram::new([
+                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                    10.0, 30.0,
+                ])
+            }),
+            healthy: Family::default(),
+            ejections: Family::default(),
+            retries: Family::default(),
+            budget_exhausted: Family::default(),
+            no_server: Family::default(),
+            known: Arc::default(),
+        };
+        registry.register(
+            "upstream_server_requests",
+            "Attempts on each pool's servers, by how they ended: the answer's status class, error (refused, reset, unreadable: 502) or timeout (504); a retried request counts once per attempt",
+            m.requests.clone(),
+        );
+        registry.register(
+            "upstream_server_duration_seconds",
+            "Time until a server's response head (or its failure), per attempt",
+            m.duration.clone(),
+        );
+        registry.register(
+            "upstream_server_healthy",
+            "1 while a server takes requests, 0 while it is ejected (passive health) or failing its health checks",
+            m.healthy.clone(),
+        );
+        registry.register(
+            "upstream_ejections",
+            "Times a server was ejected after max_fails failures within fail_window",
+            m.ejections.clone(),
+        );
+        registry.register(
+            "upstream_retries",
+            "Requests sent again to another server of the pool after an attempt failed before any answer",
+            m.retries.clone(),
+        );
+        registry.register(
+            "upstream_retry_budget_exhausted",
+            "Retries not made because the pool's retry budget (20% of its requests over 10 s, plus 3 per second) was spent",
+            m.budget_exhausted.clone(),
+        );
+        registry.register(
+            "upstream_no_server",
+            "Requests answered 502 at once because no server of the pool could take them (all ejected or failing their checks, and none to fall back on)",
+            m.no_server.clone(),
+        );
+        m
+    }
+
+    /// The handles of the server `server` (its label) of `pool`, its series created at zero.
+    pub fn server(&self, pool: &str, server: &str) -> ServerCounters {
+        let labels = ServerLabels {
+            pool: pool.to_string(),
+            server: server.to_string(),
+        };
+        let healthy = self.healthy.get_or_create(&labels).clone();
+        ServerCounters {
+            requests: Attempt::NAMES.map(|outcome| {
+                self.requests
+                    .get_or_create(&ServerOutcomeLabels {
+                        pool: pool.to_string(),
+                        server: server.to_string(),
+                        outcome,
+                    })
+                    .clone()
+            }),
+            duration: self.duration.get_or_create(&labels).clone(),
+            healthy,
+            ejections: self.ejections.get_or_create(&labels).clone(),
+        }
+    }
+
+    /// The handles of `pool`, its series created at zero.
+    pub fn pool(&self, pool: &str) -> PoolCounters {
+        let labels = PoolLabels {
+            pool: pool.to_string(),
+        };
+        PoolCounters {
+            retries: self.retries.get_or_create(&labels).clone(),
+            budget_exhausted: self.budget_exhausted.get_or_create(&labels).clone(),
+            no_server: self.no_server.get_or_create(&labels).clone(),
+        }
+    }
+
+    /// Drop the series of the pools and servers the config no longer has: `keep` lists
+    /// each pool now configured with its servers' labels.
+    pub fn retain(&self, keep: Configured) {
+        let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
+        for (pool, servers) in known.iter() {
+            let kept = keep.iter().find(|(k, _)| k == pool);
+            for server in servers {
+                if kept.is_some_and(|(_, s)| s.contains(server)) {
+                    continue;
+                }
+                let l = ServerLabels {
+                    pool: pool.clone(),
+                    server: server.clone(),
+                };
+                for outcome in Attempt::NAMES {
+                    self.requests.remove(&ServerOutcomeLabels {
+                        pool: l.pool.clone(),
+                        server: l.server.clone(),
+                        outcome,
+                    });
+                }
+                self.duration.remove(&l);
+                self.healthy.remove(&l);
+                self.ejections.remove(&l);
+            }
+            if kept.is_none() {
+                let labels = PoolLabels { pool: pool.clone() };
+                self.retries.remove(&labels);
+                self.budget_exhausted.remove(&labels);
+                self.no_server.remove(&labels);
+            }
+        }
+        *known = keep;
+    }
+}
+
+/// One server's handles.
+#[derive(Clone)]
+pub struct ServerCounters {
+    requests: [Counter; 6],
+    duration: Histogram,
+    pub healthy: Gauge,
+    pub ejections: Counter,
+}
+
+impl ServerCounters {
+    /// One attempt ended as `how`, `took` after it started.
+    pub fn attempted(&self, how: Attempt, took: std::time::Duration) {
+        self.requests[how.index()].inc();
+        self.duration.observe(took.as_secs_f64());
+    }
+}
+
+/// One pool's handles.
+#[derive(Clone)]
+pub struct PoolCounters {
+    pub retries: Counter,
+    pub budget_exhausted: Counter,
+    pub no_server: Counter,
+}

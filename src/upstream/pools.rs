@@ -1,0 +1,759 @@
+//! The pools a config names, running: each pool's servers (a host name's every address
+//! one server, resolved again every `resolve_every`), their health (passive, from the
+//! requests' own outcomes; active, from a checker task per pool), the retry budget, and
+//! the one thing the request path asks of them: [`Pool::forward`] — pick a server, send,
+//! and where the attempt failed before any answer and the request may go again, another.
+//!
+//! Built once per config load and kept across reloads while a pool's settings are
+//! unchanged ([`Pools::build`]): its kept-alive connections and its servers' health
+//! survive. A reload that changes a pool builds it anew; requests in flight finish on the
+//! old one, which goes once the last of them drops it (its tasks see that and stop).
+
+use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant, SystemTime};
+
+use arc_swap::ArcSwap;
+use http::Response;
+use serde::Serialize;
+
+use super::balance::{Balancer, Candidate, Candidates};
+use super::budget::RetryBudget;
+use super::health::{panic_pick, HealthEvent, HealthPolicy, HealthState, ServerHealth};
+use super::metrics::{Attempt, PoolCounters, PoolMetrics, ServerCounters};
+use super::{
+    Client, Downstream, Error, OutageChange, OutageLog, Outbound, PoolSettings, ResponseBody,
+    ServerSettings, Settings, TlsHandshakes,
+};
+use crate::stats::Recent;
+
+/// Every pool of a config, in its order (`Config.upstreams`): a route names its pool by
+/// position.
+pub struct Pools {
+    list: Vec<Arc<Pool>>,
+}
+
+impl Pools {
+    /// The pools `settings` describe, each taken from `old` where its settings are the
+    /// same (connections and health kept), else built anew. Must run inside a tokio
+    /// runtime for the pools' tasks (re-resolving, health checks) to start; without one
+    /// (a `ratewall check`), none start.
+    pub fn build(
+        settings: &[PoolSettings],
+        old: Option<&Pools>,
+        workers: usize,
+        metrics: &PoolMetrics,
+        handshakes: impl Fn(bool) -> TlsHandshakes,
+    ) -> Pools {
+        let list: Vec<Arc<Pool>> = settings
+            .iter()
+            .map(|s| {
+                let kept = old.and_then(|o| {
+                    o.list
+                        .iter()
+                        .find(|p| p.settings == *s && p.workers == workers)
+                });
+                match kept {
+                    Some(p) => p.clone(),
+                    None => {
+                        let https = s.servers.iter().any(|x| x.tls.is_some());
+                        Pool::start(s.clone(), workers, metrics, handshakes(https))
+                    }
+                }
+            })
+            .collect();
+        metrics.retain(
+            settings
+                .iter()
+                .map(|s| {
+                    let servers = s.servers.iter().map(ServerSettings::label).collect();
+                    (s.name.clone(), servers)
+                })
+                .collect(),
+        );
+        Pools { list }
+    }
+
+    /// The pool at `index` in the config's `upstreams`.
+    pub fn get(&self, index: usize) -> Option<&Arc<Pool>> {
+        self.list.get(index)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &Arc<Pool>> {
+        self.list.iter()
+    }
+
+    /// Close idle connections that expired or that their server closed.
+    pub fn sweep(&self) {
+        for pool in &self.list {
+            for server in pool.servers.load().list.iter() {
+                for client in server.clients.iter() {
+                    client.sweep();
+                }
+            }
+        }
+    }
+
+    /// What the status page shows of each pool, at `now`.
+    pub fn status(&self) -> Vec<PoolStatus> {
+        let now = Instant::now();
+        self.list.iter().map(|p| p.status(now)).collect()
+    }
+}
+
+/// One pool: its settings, its servers now, and what is shared across its requests.
+pub struct Pool {
+    pub settings: PoolSettings,
+    servers: ArcSwap<ServerSet>,
+    /// Its passive and active health rules, the same for each of its servers.
+    policy: HealthPolicy,
+    budget: RetryBudget,
+    counters: PoolCounters,
+    metrics: PoolMetrics,
+    /// Whether the pool has a server to take requests, for the log: one line when it has
+    /// none left, one when it has again.
+    outage: OutageLog,
+    /// Per-worker clients per server.
+    workers: usize,
+    handshakes: TlsHandshakes,
+}
+
+/// A pool's servers at one moment, and the balancer over them (rebuilt with them).
+struct ServerSet {
+    list: Vec<Arc<Server>>,
+    balancer: Balancer,
+}
+
+/// One server: an address of one of the pool's `servers`.
+pub struct Server {
+    /// Its `servers` entry's URL, as the file writes it (the metrics' label).
+    pub label: Arc<str>,
+    /// Which `servers` entry it comes from.
+    entry: usize,
+    /// What places it on a hashing pool's ring: its label, and the address it resolved
+    /// to where its name gave several (every gateway resolving the same addresses places
+    /// them alike).
+    ring_key: Box<str>,
+    /// The address it was resolved to; `None` for a name not resolved yet (each connection
+    /// resolves it then).
+    pub addr: Option<SocketAddr>,
+    weight: u32,
+    /// One per worker thread, each with its own kept connections.
+    clients: Box<[Client]>,
+    health: ServerHealth,
+    in_flight: AtomicU32,
+    counters: ServerCounters,
+    /// Its answers' latencies over the last minute, for the status page.
+    recent: Recent,
+    /// Attempts sent to it since it was built.
+    attempts: AtomicU64,
+}
+
+/// What became of a request sent to a pool.
+pub struct Forwarded {
+    pub result: Result<Response<ResponseBody>, Error>,
+    /// The server of the last attempt (its label), if any was made.
+    pub server: Option<Arc<str>>,
+    /// How many servers were tried (0: none could be).
+    pub attempts: u32,
+}
+
+/// How a pool picks for one request: the hash of its identity for `hash:` balancing, and
+/// the worker thread serving it (whose kept connections it uses).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct Pick {
+    pub hash: Option<u64>,
+    pub worker: usize,
+}
+
+impl Pool {
+    /// Build the pool for `settings` and start its tasks.
+    fn start(
+        settings: PoolSettings,
+        workers: usize,
+        metrics: &PoolMetrics,
+        handshakes: TlsHandshakes,
+    ) -> Arc<Pool> {
+        if let Some(tls) = settings
+            .servers
+            .iter()
+            .filter_map(|s| s.tls.as_ref())
+            .find(|t| t.options().insecure_skip_verify)
+        {
+            tracing::warn!(
+                pool = settings.name.as_str(),
+                tls = %tls.describe(),
+                "INSECURE: insecure_skip_verify = true: the backend's TLS certificate is NOT verified; anyone on the path can pose as the backend. For a test bench only: give the backend's CA as ca instead"
+            );
+        }
+        let workers = workers.max(1);
+        let pool = Arc::new(Pool {
+            counters: metrics.pool(&settings.name),
+            metrics: metrics.clone(),
+            budget: RetryBudget::new(Instant::now()),
+            policy: HealthPolicy::new(
+                &settings.passive,
+                settings.health.as_ref(),
+                settings.connect_timeout + settings.timeout,
+            ),
+            outage: OutageLog::default(),
+            workers,
+            handshakes,
+            servers: ArcSwap::from_pointee(ServerSet {
+                list: Vec::new(),
+                balancer: Balancer::new(&settings.balance, []),
+            }),
+            settings,
+        });
+        let first: Vec<Arc<Server>> = (0..pool.settings.servers.len())
+            .map(|entry| pool.server(entry, literal_address(&pool.settings.servers[entry])))
+            .collect();
+        pool.install(first);
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            if pool
+                .settings
+                .servers
+                .iter()
+                .any(|s| literal_address(s).is_none())
+            {
+                rt.spawn(resolve_loop(Arc::downgrade(&pool)));
+            }
+            if pool.settings.health.is_some() {
+                rt.spawn(check_loop(Arc::downgrade(&pool)));
+            }
+        }
+        pool
+    }
+
+    /// A server for `servers[entry]` at `addr`, its series created.
+    fn server(&self, entry: usize, addr: Option<SocketAddr>) -> Arc<Server> {
+        let s = &self.settings.servers[entry];
+        let settings = Settings {
+            url: s.url.clone(),
+            tls: s.tls.clone(),
+            base_path: s.base_path.clone(),
+            connect_timeout: self.settings.connect_timeout,
+            timeout: self.settings.timeout,
+        };
+        let label: Arc<str> = s.label().into();
+        let counters = self.metrics.server(&self.settings.name, &label);
+        counters.healthy.set(1);
+        let ring_key = match (addr, literal_address(s)) {
+            (Some(a), None) => format!("{label}@{a}"),
+            _ => label.to_string(),
+        }
+        .into_boxed_str();
+        Arc::new(Server {
+            ring_key,
+            clients: (0..self.workers)
+                .map(|_| Client::at(&settings, addr, self.handshakes.clone()))
+                .collect(),
+            label,
+            entry,
+            addr,
+            weight: s.weight,
+            health: ServerHealth::new(&self.policy, Instant::now()),
+            in_flight: AtomicU32::new(0),
+            counters,
+            recent: Recent::default(),
+            attempts: AtomicU64::new(0),
+        })
+    }
+
+    /// The `Host` a request that names none is sent with: the first server's authority.
+    pub fn default_host(&self) -> http::HeaderValue {
+        let set = self.servers.load();
+        match set.list.first().and_then(|s| s.clients.first()) {
+            Some(c) => c.authority().clone(),
+            None => http::HeaderValue::from_static("localhost"),
+        }
+    }
+
+    /// Make `list` the pool's servers.
+    fn install(&self, list: Vec<Arc<Server>>) {
+        let balancer = Balancer::new(
+            &self.settings.balance,
+            list.iter().map(|s| (&*s.ring_key, s.weight)),
+        );
+        self.servers.store(Arc::new(ServerSet { list, balancer }));
+    }
+
+    /// Send `out` to one of the pool's servers, and to others where an attempt failed
+    /// before any answer in a way that lets the request go again ([`Outbound::may_retry`]),
+    /// up to `retries` more, within the retry budget. Each attempt's outcome counts for its
+    /// server's health.
+    pub async fn forward(
+        &self,
+        out: &mut Outbound,
+        down: &Downstream<'_>,
+        pick: Pick,
+    ) -> Forwarded {
+        let set = self.servers.load_full();
+        self.budget.request(Instant::now());
+        let mut tried: Vec<usize> = Vec::new();
+        let mut last: Option<(Error, Arc<str>)> = None;
+        loop {
+            let now = Instant::now();
+            let Some(k) = self.choose(&set, pick.hash, &tried, now) else {
+                return match last {
+                    Some((e, server)) => Forwarded {
+                        result: Err(e),
+                        server: Some(server),
+                        attempts: tried.len() as u32,
+                    },
+                    None => {
+                        self.counters.no_server.inc();
+                        self.log_outage(
+                            self.outage.failed(&Error::NoServer),
+                            Some(&Error::NoServer),
+                        );
+                        Forwarded {
+                            result: Err(Error::NoServer),
+                            server: None,
+                            attempts: 0,
+                        }
+                    }
+                };
+            };
+            tried.push(k);
+            let server = &set.list[k];
+            let result = server.send(out, down, pick.worker).await;
+            self.record(&set, k, &result);
+            let e = match result {
+                Ok(resp) => {
+                    self.log_outage(self.outage.answered(), None);
+                    return Forwarded {
+                        result: Ok(resp),
+                        server: Some(server.label.clone()),
+                        attempts: tried.len() as u32,
+                    };
+                }
+                Err(e) => e,
+            };
+            let again = tried.len() <= self.settings.retries as usize
+                && out.may_retry(&e)
+                && tried.len() < set.list.len();
+            if again && self.budget.try_retry(Instant::now()) {
+                self.counters.retries.inc();
+                tracing::debug!(pool = self.settings.name.as_str(), server = &*server.label, error = %e, "retrying on another server");
+                last = Some((e, server.label.clone()));
+                continue;
+            }
+            if again {
+                self.counters.budget_exhausted.inc();
+            }
+            if !e.is_client_error() {
+                self.log_outage(self.outage.failed(&e), Some(&e));
+            }
+            return Forwarded {
+                result: Err(e),
+                server: Some(server.label.clone()),
+                attempts: tried.len() as u32,
+            };
+        }
+    }
+
+    /// The server for the next attempt: among those not `tried` that take requests now,
+    /// as the balancer picks. Where none does and nothing was tried yet, the panic rule:
+    /// the ejected server that failed least recently (servers failing their health
+    /// checks are never picked; with all of them failing, none is).
+    fn choose(
+        &self,
+        set: &ServerSet,
+        hash: Option<u64>,
+        tried: &[usize],
+        now: Instant,
+    ) -> Option<usize> {
+        let mut view = View {
+            servers: &set.list,
+            tried,
+            taken_elsewhere: 0,
+            now,
+        };
+        for _ in 0..set.list.len().min(64) {
+            let k = set.balancer.pick(&view, hash, random())?;
+            // A server back from its ejection takes one trial request: another request
+            // picking it at the same moment goes elsewhere.
+            if set.list[k].health.take(now) {
+                return Some(k);
+            }
+            view.taken_elsewhere |= 1 << k;
+        }
+        if !tried.is_empty() {
+            return None;
+        }
+        // The panic rule: no server is available, so the one that failed least recently
+        // is tried — unless its health checks fail, as every one's do when no server is
+        // left (then 502 at once, no connection tried).
+        let k = panic_pick(&set.list)?;
+        let state = set.list[k].health.state(now);
+        (!matches!(state, HealthState::FailingChecks { .. })).then_some(k)
+    }
+
+    /// Count an attempt's outcome in its server's metrics and health.
+    fn record(&self, set: &ServerSet, k: usize, result: &Result<Response<ResponseBody>, Error>) {
+        let server = &set.list[k];
+        let now = Instant::now();
+        let failed = match result {
+            Ok(resp) => self
+                .settings
+                .passive
+                .fail_on_status
+                .contains(&resp.status()),
+            // The client's fault says nothing of the server, nor does a target that cannot
+            // go upstream or a coding the client cannot take.
+            Err(e) if e.is_client_error() => return,
+            Err(e) => !matches!(e, Error::Target(_) | Error::Coding(_)),
+        };
+        let event = if failed {
+            // The policy holds the pool to max_ejected_percent.
+            self.policy.failed(&set.list, k, now)
+        } else {
+            self.policy.succeeded(&server.health, now)
+        };
+        self.on_event(server, event);
+    }
+
+    fn on_event(&self, server: &Server, event: Option<HealthEvent>) {
+        let Some(event) = event else { return };
+        let pool = self.settings.name.as_str();
+        match event {
+            HealthEvent::Ejected { until, consecutive } => {
+                server.counters.ejections.inc();
+                server.counters.healthy.set(0);
+                // Whole seconds, rounded up: an ejection of 10 s reads 10s, not 9s.
+                let secs = until.saturating_duration_since(Instant::now()).as_millis().div_ceil(1000);
+                tracing::warn!(
+                    pool,
+                    server = &*server.label,
+                    address = server.addr.map(tracing::field::display),
+                    ejected_for = %humantime::format_duration(Duration::from_secs(secs.max(1) as u64)),
+                    consecutive,
+                    "upstream server ejected after max_fails failures within fail_window; it gets one trial request when its ejection ends"
+                );
+            }
+            HealthEvent::Returned => {
+                server.counters.healthy.set(1);
+                tracing::info!(
+                    pool,
+                    server = &*server.label,
+                    address = server.addr.map(tracing::field::display),
+                    "upstream server takes requests again"
+                );
+            }
+            HealthEvent::CheckFailed => {
+                server.counters.healthy.set(0);
+                tracing::warn!(pool, server = &*server.label, address = server.addr.map(tracing::field::display), "upstream server failing its health checks: out of the pool until it passes them again");
+            }
+            HealthEvent::CheckPassed => {
+                server.counters.healthy.set(1);
+                tracing::info!(
+                    pool,
+                    server = &*server.label,
+                    address = server.addr.map(tracing::field::display),
+                    "upstream server passes its health checks again"
+                );
+            }
+        }
+    }
+
+    fn log_outage(&self, change: Option<OutageChange>, error: Option<&Error>) {
+        let pool = self.settings.name.as_str();
+        match change {
+            None => {}
+            Some(OutageChange::Failing) => tracing::warn!(
+                pool,
+                error = error.map(tracing::field::display),
+                "upstream pool failing: its requests get 502 or 504 until it answers again (logged once; the count of failures comes then)"
+            ),
+            Some(OutageChange::Recovered { failures, down_for }) => {
+                let down_for = humantime::format_duration(Duration::from_millis(
+                    down_for.as_millis() as u64,
+                ))
+                .to_string();
+                tracing::info!(pool, failures, down_for = down_for.as_str(), "upstream pool answers again")
+            }
+        }
+    }
+
+    fn status(&self, now: Instant) -> PoolStatus {
+        let set = self.servers.load();
+        let windows: Vec<crate::stats::Latency> =
+            set.list.iter().map(|s| s.recent.window(now)).collect();
+        let total: u64 = windows.iter().map(|w| w.count).sum();
+        let unix_now = SystemTime::now();
+        PoolStatus {
+            name: self.settings.name.clone(),
+            balance: self.settings.balance.name(),
+            servers: set
+                .list
+                .iter()
+                .zip(windows)
+                .map(|(s, w)| {
+                    let state = s.health.state(now);
+                    let until = |t: Instant| {
+                        (unix_now + t.saturating_duration_since(now))
+                            .duration_since(SystemTime::UNIX_EPOCH)
+                            .map_or(0, |d| d.as_secs())
+                    };
+                    let (ejected_until, failing_checks) = match state {
+                        HealthState::Ejected { until: t } => (Some(until(t)), 0),
+                        HealthState::FailingChecks { failures, .. } => (None, failures),
+                        HealthState::Healthy | HealthState::Trial => (None, 0),
+                    };
+                    let name = state.name();
+                    ServerStatus {
+                        server: s.label.to_string(),
+                        address: s.addr.map(|a| a.to_string()),
+                        state: name,
+                        ejected_until,
+                        failing_checks,
+                        in_flight: s.in_flight.load(Relaxed),
+                        attempts: s.attempts.load(Relaxed),
+                        share: (total > 0).then(|| w.count as f64 / total as f64),
+                        last_minute: w,
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+/// The balancer's view of a pool's servers for one pick: available where their health
+/// says so, and neither tried already by this request nor just found taken (a trial).
+struct View<'a> {
+    servers: &'a [Arc<Server>],
+    tried: &'a [usize],
+    /// Servers (by bit, the first 64) whose trial another request took.
+    taken_elsewhere: u64,
+    now: Instant,
+}
+
+impl Candidates for View<'_> {
+    fn len(&self) -> usize {
+        self.servers.len()
+    }
+
+    fn candidate(&self, i: usize) -> Candidate {
+        let s = &self.servers[i];
+        let taken = i < 64 && self.taken_elsewhere & (1 << i) != 0;
+        Candidate {
+            available: !taken && !self.tried.contains(&i) && s.health.available(self.now),
+            in_flight: s.in_flight.load(Relaxed),
+            weight: s.weight,
+        }
+    }
+}
+
+impl AsRef<ServerHealth> for Arc<Server> {
+    fn as_ref(&self) -> &ServerHealth {
+        &self.health
+    }
+}
+
+impl Server {
+    /// One attempt on this server, from `worker`'s kept connections.
+    async fn send(
+        &self,
+        out: &mut Outbound,
+        down: &Downstream<'_>,
+        worker: usize,
+    ) -> Result<Response<ResponseBody>, Error> {
+        let client = &self.clients[worker % self.clients.len().max(1)];
+        self.in_flight.fetch_add(1, Relaxed);
+        self.attempts.fetch_add(1, Relaxed);
+        let started = Instant::now();
+        let result = client.send(out, down).await;
+        self.in_flight.fetch_sub(1, Relaxed);
+        let took = started.elapsed();
+        let how = match &result {
+            Ok(resp) => Some(Attempt::Answered(resp.status().as_u16())),
+            Err(e) if e.is_client_error() => None,
+            Err(e) if e.status() == http::StatusCode::GATEWAY_TIMEOUT => Some(Attempt::Timeout),
+            Err(_) => Some(Attempt::Error),
+        };
+        if let Some(how) = how {
+            self.counters.attempted(how, took);
+            if matches!(how, Attempt::Answered(_)) {
+                self.recent.observe(Instant::now(), took);
+            }
+        }
+        result
+    }
+}
+
+/// A server entry's address when its URL gives one (no resolving).
+fn literal_address(s: &ServerSettings) -> Option<SocketAddr> {
+    let host = s.url.host()?.trim_start_matches('[').trim_end_matches(']');
+    let ip: IpAddr = host.parse().ok()?;
+    let port = s
+        .url
+        .port_u16()
+        .unwrap_or(if s.tls.is_some() { 443 } else { 80 });
+    Some(SocketAddr::new(ip, port))
+}
+
+/// A random number for the balancer (spreading ties, two random choices): not secrecy.
+fn random() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
+    std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish()
+}
+
+/// Resolve the pool's host names again every `resolve_every`, each address a server: one
+/// whose address stays keeps its connections and health; one no longer resolved goes
+/// (its requests in flight finish). A failed lookup keeps what the last one gave.
+async fn resolve_loop(pool: Weak<Pool>) {
+    let mut first = true;
+    loop {
+        let every = match pool.upgrade() {
+            Some(p) => {
+                p.resolve(first).await;
+                p.settings.resolve_every
+            }
+            None => return,
+        };
+        first = false;
+        tokio::time::sleep(every).await;
+    }
+}
+
+impl Pool {
+    async fn resolve(&self, first: bool) {
+        let current = self.servers.load_full();
+        let mut next: Vec<Arc<Server>> = Vec::new();
+        for (entry, s) in self.settings.servers.iter().enumerate() {
+            if let Some(addr) = literal_address(s) {
+                next.extend(
+                    current
+                        .list
+                        .iter()
+                        .filter(|x| x.entry == entry && x.addr == Some(addr))
+                        .cloned(),
+                );
+                continue;
+            }
+            let host = s.url.host().unwrap_or_default().to_string();
+            let port = s
+                .url
+                .port_u16()
+                .unwrap_or(if s.tls.is_some() { 443 } else { 80 });
+            let lookup = tokio::net::lookup_host((host.as_str(), port));
+            let mut addrs: Vec<SocketAddr> = match tokio::time::timeout(
+                self.settings.connect_timeout,
+                lookup,
+            )
+            .await
+            {
+                Ok(Ok(a)) => a.collect(),
+                Ok(Err(e)) => {
+                    tracing::warn!(pool = self.settings.name.as_str(), server = s.label().as_str(), error = %e, "resolving an upstream server's name failed: its last addresses stay");
+                    Vec::new()
+                }
+                Err(_) => {
+                    tracing::warn!(
+                        pool = self.settings.name.as_str(),
+                        server = s.label().as_str(),
+                        "resolving an upstream server's name timed out: its last addresses stay"
+                    );
+                    Vec::new()
+                }
+            };
+            addrs.sort();
+            addrs.dedup();
+            let old: Vec<&Arc<Server>> = current.list.iter().filter(|x| x.entry == entry).collect();
+            if addrs.is_empty() {
+                next.extend(old.into_iter().cloned());
+                continue;
+            }
+            for addr in addrs {
+                match old.iter().find(|x| x.addr == Some(addr)) {
+                    Some(kept) => next.push(Arc::clone(kept)),
+                    None => next.push(self.server(entry, Some(addr))),
+                }
+            }
+        }
+        let same = next.len() == current.list.len()
+            && next
+                .iter()
+                .zip(&current.list)
+                .all(|(a, b)| Arc::ptr_eq(a, b));
+        if !same {
+            if !first {
+                tracing::info!(
+                    pool = self.settings.name.as_str(),
+                    servers = next.len(),
+                    "upstream pool's addresses changed"
+                );
+            }
+            self.install(next);
+        }
+    }
+}
+
+/// The pool's active health checks: every `interval`, a `GET path` to each server at
+/// once, each within `timeout`, on a connection of its own (never a request's).
+async fn check_loop(pool: Weak<Pool>) {
+    loop {
+        let interval = {
+            let Some(p) = pool.upgrade() else { return };
+            let Some(check) = p.settings.health.clone() else {
+                return;
+            };
+            let set = p.servers.load_full();
+            let mut probes = tokio::task::JoinSet::new();
+            for (k, server) in set.list.iter().enumerate() {
+                let server = Arc::clone(server);
+                let check = check.clone();
+                probes.spawn(async move {
+                    let passed = match server.clients[0].probe(&check.path, check.timeout).await {
+                        Ok(status) => check.expect.contains(&status),
+                        Err(_) => false,
+                    };
+                    (k, passed)
+                });
+            }
+            while let Some(done) = probes.join_next().await {
+                let Ok((k, passed)) = done else { continue };
+                let server = &set.list[k];
+                let event = p.policy.checked(&server.health, passed, Instant::now());
+                p.on_event(server, event);
+            }
+            check.interval
+        };
+        tokio::time::sleep(interval).await;
+    }
+}
+
+/// A pool on the status page.
+#[derive(Debug, Clone, Serialize)]
+pub struct PoolStatus {
+    pub name: String,
+    pub balance: String,
+    pub servers: Vec<ServerStatus>,
+}
+
+/// A server on the status page.
+#[derive(Debug, Clone, Serialize)]
+pub struct ServerStatus {
+    /// The URL as the file writes it.
+    pub server: String,
+    /// The address it was resolved to (none for a name not resolved yet).
+    pub address: Option<String>,
+    /// `healthy`, `ejected`, `trial` (its ejection over, one request to prove it) or
+    /// `failing_checks`.
+    pub state: &'static str,
+    /// Unix seconds its ejection ends, while `ejected`.
+    pub ejected_until: Option<u64>,
+    /// Health checks failed in a row, while `failing_checks`.
+    pub failing_checks: u32,
+    pub in_flight: u32,
+    /// Attempts sent to it since it was built (or since the pool was).
+    pub attempts: u64,
+    /// Its share of the pool's answered attempts over the last minute.
+    pub share: Option<f64>,
+    /// Its answers over the last minute: count, p50, p99.
+    pub last_minute: crate::stats::Latency,
+}
