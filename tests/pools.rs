@@ -892,7 +892,13 @@ async fn no_route_without_a_default_pool_is_a_404_problem_and_nothing_is_forward
         "{}",
         scrape.text
     );
-    let logged = gw.wait_for_log("no_route", 1, WAIT);
+    assert_eq!(
+        scrape.get("ratewall_refusals_total", &[("reason", "no_route")]),
+        1.0,
+        "{}",
+        scrape.text
+    );
+    let logged = gw.wait_for_log("decision=\"no_route\"", 1, WAIT);
     assert!(logged, "no access line says no_route:\n{}", gw.logs());
 }
 
