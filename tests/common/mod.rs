@@ -9,6 +9,9 @@
 //!   computed here with `sha2`, not with the crate's digest functions under test.
 //! - [`gateway`]: the `ratewall` binary on a generated config, and config snippets.
 //! - [`upstream`]: an HTTP upstream in the test process that records what it saw.
+//! - [`backend`]: a pool's servers: bound where a test says, killed and started again on
+//!   the same address, recording request targets byte for byte; and one that resets.
+//! - [`browser`]: a page's DOM as headless Chromium renders it.
 //! - [`tls_upstream`]: an https upstream in the test process, with certificates made by
 //!   the harness (rcgen), counting handshakes, SNI and client certificates.
 //! - [`nginx`]: a real nginx backend on a free port, in its own temporary prefix.
@@ -23,6 +26,8 @@
 //!   each other's load.
 #![allow(dead_code, unused_imports)]
 
+pub mod backend;
+pub mod browser;
 pub mod client;
 pub mod gateway;
 pub mod headers;
@@ -37,6 +42,8 @@ pub mod tls;
 pub mod tls_upstream;
 pub mod upstream;
 
+pub use backend::*;
+pub use browser::*;
 pub use client::*;
 pub use gateway::*;
 pub use headers::*;
