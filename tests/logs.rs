@@ -345,7 +345,11 @@ async fn an_unreachable_upstream_is_logged_once_per_change_of_state_with_a_count
         .expect("the recovery line");
     assert!(line.contains(&format!("failures={DOWN}")), "{line}");
     assert!(line.contains("down_for="), "{line}");
-    assert_eq!(logs.matches("upstream pool answers again").count(), 1, "{logs}");
+    assert_eq!(
+        logs.matches("upstream pool answers again").count(),
+        1,
+        "{logs}"
+    );
 
     // Down again: a new outage, a new line.
     up.abort();
