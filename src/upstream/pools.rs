@@ -292,30 +292,16 @@ impl Pool {
         let set = self.servers.load_full();
         self.budget.request(Instant::now());
         let mut tried: Vec<usize> = Vec::new();
-        let mut last: Option<(Error, Arc<str>)> = None;
-        loop {
-            let now = Instant::now();
-            let Some(k) = self.choose(&set, pick.hash, &tried, now) else {
-                return match last {
-                    Some((e, server)) => Forwarded {
-                        result: Err(e),
-                        server: Some(server),
-                        attempts: tried.len() as u32,
-                    },
-                    None => {
-                        self.counters.no_server.inc();
-                        self.log_outage(
-                            self.outage.failed(&Error::NoServer),
-                            Some(&Error::NoServer),
-                        );
-                        Forwarded {
-                            result: Err(Error::NoServer),
-                            server: None,
-                            attempts: 0,
-                        }
-                    }
-                };
+        let Some(mut k) = self.choose(&set, pick.hash, &tried, Instant::now()) else {
+            self.counters.no_server.inc();
+            self.log_outage(self.outage.failed(&Error::NoServer), Some(&Error::NoServer));
+            return Forwarded {
+                result: Err(Error::NoServer),
+                server: None,
+                attempts: 0,
             };
+        };
+        loop {
             tried.push(k);
             let server = &set.list[k];
             let result = server.send(out, down, pick.worker).await;
@@ -331,19 +317,26 @@ impl Pool {
                 }
                 Err(e) => e,
             };
-            let again = tried.len() <= self.settings.retries as usize
-                && out.may_retry(&e)
-                && tried.len() < set.list.len();
-            if again && self.budget.try_retry(Instant::now()) {
-                self.counters.retries.inc();
-                tracing::debug!(pool = self.settings.name.as_str(), server = &*server.label, error = %e, "retrying on another server");
-                last = Some((e, server.label.clone()));
-                continue;
-            }
-            if again {
+            // Another server, if the request may go again, has retries left, and a server
+            // that takes requests is there to take it: only then is the budget asked.
+            let next = (tried.len() <= self.settings.retries as usize && out.may_retry(&e))
+                .then(|| self.choose(&set, pick.hash, &tried, Instant::now()))
+                .flatten();
+            if let Some(n) = next {
+                if self.budget.try_retry(Instant::now()) {
+                    self.counters.retries.inc();
+                    tracing::debug!(pool = self.settings.name.as_str(), server = &*server.label, error = %e, "retrying on another server");
+                    k = n;
+                    continue;
+                }
                 self.counters.budget_exhausted.inc();
             }
-            if !e.is_client_error() {
+            // The pool's outage is logged when it has no server left to answer (or its one
+            // server fails): one server failing among others that answer is that server's
+            // ejection, logged as such, not an outage of the pool.
+            let now = Instant::now();
+            let left = set.list.iter().any(|s| s.health.available(now));
+            if !e.is_client_error() && (set.list.len() == 1 || !left) {
                 self.log_outage(self.outage.failed(&e), Some(&e));
             }
             return Forwarded {
@@ -378,17 +371,26 @@ impl Pool {
             if set.list[k].health.take(now) {
                 return Some(k);
             }
+            if k >= 64 {
+                // Beyond what the view can mark: let the panic rule below decide.
+                break;
+            }
             view.taken_elsewhere |= 1 << k;
         }
         if !tried.is_empty() {
             return None;
         }
-        // The panic rule: no server is available, so the one that failed least recently
-        // is tried — unless its health checks fail, as every one's do when no server is
+        // The panic rule: no server is available, so the one that failed least recently is
+        // tried — among those whose health checks pass: when every one's fail, no server is
         // left (then 502 at once, no connection tried).
-        let k = panic_pick(&set.list)?;
-        let state = set.list[k].health.state(now);
-        (!matches!(state, HealthState::FailingChecks { .. })).then_some(k)
+        let checked: Vec<(usize, &Arc<Server>)> = set
+            .list
+            .iter()
+            .enumerate()
+            .filter(|(_, s)| !matches!(s.health.state(now), HealthState::FailingChecks { .. }))
+            .collect();
+        let servers: Vec<&Arc<Server>> = checked.iter().map(|(_, s)| *s).collect();
+        panic_pick(&servers).map(|i| checked[i].0)
     }
 
     /// Count an attempt's outcome in its server's metrics and health.
@@ -564,11 +566,13 @@ impl Server {
         worker: usize,
     ) -> Result<Response<ResponseBody>, Error> {
         let client = &self.clients[worker % self.clients.len().max(1)];
-        self.in_flight.fetch_add(1, Relaxed);
         self.attempts.fetch_add(1, Relaxed);
         let started = Instant::now();
-        let result = client.send(out, down).await;
-        self.in_flight.fetch_sub(1, Relaxed);
+        let result = {
+            // Given back however the attempt ends: a client that goes away drops it.
+            let _in_flight = InFlight::new(&self.in_flight);
+            client.send(out, down).await
+        };
         let took = started.elapsed();
         let how = match &result {
             Ok(resp) => Some(Attempt::Answered(resp.status().as_u16())),
@@ -583,6 +587,22 @@ impl Server {
             }
         }
         result
+    }
+}
+
+/// One attempt in flight on a server, counted while it lives.
+struct InFlight<'a>(&'a AtomicU32);
+
+impl<'a> InFlight<'a> {
+    fn new(n: &'a AtomicU32) -> InFlight<'a> {
+        n.fetch_add(1, Relaxed);
+        InFlight(n)
+    }
+}
+
+impl Drop for InFlight<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Relaxed);
     }
 }
 
