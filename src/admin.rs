@@ -48,7 +48,8 @@ use crate::limiter::{Check, OnError, Quota};
 use crate::metrics::HISTORY_SECS;
 use crate::rules::Rule;
 use crate::stats::{Window, SAMPLE_SECS};
-use guard::{Failure, Guard};
+pub use guard::Failure;
+use guard::Guard;
 
 const STATUS_PAGE: &str = include_str!("status.html");
 

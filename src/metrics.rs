@@ -9,7 +9,7 @@
 
 use std::time::Duration;
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeLabelValue, LabelValueEncoder};
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -19,30 +19,83 @@ use prometheus_client::registry::Registry;
 
 pub use crate::stats::{Outcome, Stats, HISTORY_SECS};
 
-/// How a rule's decision on one request is counted (`decision=`).
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub enum DecisionLabel {
-    /// The rule allowed the request, the request passed (charged) and the upstream
-    /// answered it; one it did not answer is the rule's upstream failure instead
-    /// (`ratewall_rule_upstream_failures_total`).
-    Allowed,
-    /// The rule allowed the request after it waited for its tokens (`max_delay`).
-    Delayed,
-    /// The rule denied the request.
-    Denied,
-    /// A shadow rule would have denied it, but let it pass.
-    ShadowDenied,
-    /// The rule would have allowed the request, but another rule denied it: charged
-    /// nothing here (a denied request takes nothing from the rules it passed).
-    DeniedByOther,
-    /// The store failed; `on_error` answered.
-    Error,
-    /// The rule refused the request before any limit was consulted: its identity is
-    /// missing or unknown (401).
-    Refused,
-    /// The rule refused the request before any limit was consulted: the key (or header)
-    /// it counts by is malformed (400: sent twice, too long).
-    BadKey,
+/// One vocabulary enum (a decision, an outcome, a reason), written once with the label
+/// value of each variant: `Variant = "value"`. The enum comes out as written (its
+/// attributes, derives and docs kept; derive `Clone, Copy` at least), with `ALL` (every
+/// variant, in declaration order), `name()` (the value: metrics, logs and the config
+/// all say it so) and its encoding as a Prometheus label value.
+///
+/// ```ignore
+/// crate::metrics::label_enum! {
+///     #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+///     pub enum ReloadResult {
+///         Ok = "ok",
+///         Rejected = "rejected",
+///     }
+/// }
+/// ```
+macro_rules! label_enum {
+    (
+        $(#[$meta:meta])*
+        $vis:vis enum $name:ident {
+            $($(#[$vmeta:meta])* $variant:ident = $label:literal),+ $(,)?
+        }
+    ) => {
+        $(#[$meta])*
+        $vis enum $name {
+            $($(#[$vmeta])* $variant),+
+        }
+
+        impl $name {
+            /// Every value, in declaration order.
+            pub const ALL: [$name; [$($label),+].len()] = [$($name::$variant),+];
+
+            /// The value as metrics, logs and the config name it.
+            pub fn name(self) -> &'static str {
+                match self {
+                    $($name::$variant => $label),+
+                }
+            }
+        }
+
+        impl prometheus_client::encoding::EncodeLabelValue for $name {
+            fn encode(
+                &self,
+                e: &mut prometheus_client::encoding::LabelValueEncoder<'_>,
+            ) -> Result<(), std::fmt::Error> {
+                std::fmt::Write::write_str(e, self.name())
+            }
+        }
+    };
+}
+pub(crate) use label_enum;
+
+label_enum! {
+    /// How a rule's decision on one request is counted (`decision=`).
+    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+    pub enum DecisionLabel {
+        /// The rule allowed the request, the request passed (charged) and the upstream
+        /// answered it; one it did not answer is the rule's upstream failure instead
+        /// (`ratewall_rule_upstream_failures_total`).
+        Allowed = "allowed",
+        /// The rule allowed the request after it waited for its tokens (`max_delay`).
+        Delayed = "delayed",
+        /// The rule denied the request.
+        Denied = "denied",
+        /// A shadow rule would have denied it, but let it pass.
+        ShadowDenied = "shadow_denied",
+        /// The rule would have allowed the request, but another rule denied it: charged
+        /// nothing here (a denied request takes nothing from the rules it passed).
+        DeniedByOther = "denied_by_other",
+        /// The store failed; `on_error` answered.
+        Error = "error",
+        /// The rule refused the request before any limit was consulted: its identity is
+        /// missing or unknown (401).
+        Refused = "refused",
+        /// The rule refused the request before any limit was consulted: the key (or header)
+        /// it counts by is malformed (400: sent twice, too long).
+        BadKey = "bad_key",
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -51,20 +104,22 @@ pub struct RuleLabels {
     pub decision: DecisionLabel,
 }
 
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub enum StoreErrorKind {
-    /// No answer within `[store].timeout`.
-    Timeout,
-    /// Refused, dropped or otherwise unreachable.
-    Connection,
-    /// One key's data (wrong type, corrupt state).
-    Data,
-    /// Not tried: the circuit breaker is open.
-    BreakerOpen,
-    /// The memory store had no room for a new key (every key in the way is being denied).
-    Full,
-    /// Anything else the store answered unexpectedly.
-    Other,
+label_enum! {
+    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+    pub enum StoreErrorKind {
+        /// No answer within `[store].timeout`.
+        Timeout = "timeout",
+        /// Refused, dropped or otherwise unreachable.
+        Connection = "connection",
+        /// One key's data (wrong type, corrupt state).
+        Data = "data",
+        /// Not tried: the circuit breaker is open.
+        BreakerOpen = "breaker_open",
+        /// The memory store had no room for a new key (every key in the way is being denied).
+        Full = "full",
+        /// Anything else the store answered unexpectedly.
+        Other = "other",
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -166,28 +221,23 @@ pub struct ResponseLabels {
     pub source: &'static str,
 }
 
-/// Why the gateway refused a request before any limit was consulted
-/// (`ratewall_refusals_total{reason}`).
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub enum RefusalReason {
-    /// 401: no API key (or no value of the header a rule counts by), and the rule needs one.
-    MissingKey,
-    /// 401: a key not listed, with `unknown = "reject"`.
-    UnknownKey,
-    /// 400: a malformed key header, or a request head the gateway will not pass on.
-    Malformed,
-    /// 501: a method or transfer coding the gateway does not forward (`CONNECT`).
-    NotImplemented,
+label_enum! {
+    /// Why the gateway refused a request before any limit was consulted
+    /// (`ratewall_refusals_total{reason}`).
+    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+    pub enum RefusalReason {
+        /// 401: no API key (or no value of the header a rule counts by), and the rule needs one.
+        MissingKey = "missing_key",
+        /// 401: a key not listed, with `unknown = "reject"`.
+        UnknownKey = "unknown_key",
+        /// 400: a malformed key header, or a request head the gateway will not pass on.
+        Malformed = "malformed",
+        /// 501: a method or transfer coding the gateway does not forward (`CONNECT`).
+        NotImplemented = "not_implemented",
+    }
 }
 
 impl RefusalReason {
-    const ALL: [RefusalReason; 4] = [
-        RefusalReason::MissingKey,
-        RefusalReason::UnknownKey,
-        RefusalReason::Malformed,
-        RefusalReason::NotImplemented,
-    ];
-
     /// A refusal of a malformed head, by the status it is answered.
     pub fn of_status(status: u16) -> RefusalReason {
         match status {
@@ -216,10 +266,6 @@ pub struct AdminFailureLabels {
     pub reason: &'static str,
 }
 
-impl AdminFailureLabels {
-    pub const REASONS: [&'static str; 3] = ["missing", "wrong", "throttled"];
-}
-
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct RefusalLabels {
     pub reason: RefusalReason,
@@ -230,13 +276,15 @@ pub struct OutcomeLabels {
     pub outcome: Outcome,
 }
 
-/// A forwarded request the upstream did not answer, by what the client got.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub enum UpstreamFailure {
-    /// 502.
-    Error,
-    /// 504.
-    Timeout,
+label_enum! {
+    /// A forwarded request the upstream did not answer, by what the client got.
+    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+    pub enum UpstreamFailure {
+        /// 502.
+        Error = "upstream_error",
+        /// 504.
+        Timeout = "upstream_timeout",
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -250,59 +298,17 @@ pub struct BuildLabels {
     pub version: &'static str,
 }
 
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub enum ReloadResult {
-    Ok,
-    Rejected,
+label_enum! {
+    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+    pub enum ReloadResult {
+        Ok = "ok",
+        Rejected = "rejected",
+    }
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ReloadLabels {
     pub result: ReloadResult,
-}
-
-/// Label values in snake_case, as Prometheus conventions have them.
-macro_rules! label_values {
-    ($($ty:ident { $($variant:ident => $name:literal),* })*) => {$(
-        impl $ty {
-            pub fn name(self) -> &'static str {
-                match self { $($ty::$variant => $name),* }
-            }
-        }
-        impl EncodeLabelValue for $ty {
-            fn encode(&self, e: &mut LabelValueEncoder<'_>) -> Result<(), std::fmt::Error> {
-                std::fmt::Write::write_str(e, self.name())
-            }
-        }
-    )*};
-}
-
-label_values! {
-    DecisionLabel { Allowed => "allowed", Delayed => "delayed", Denied => "denied", ShadowDenied => "shadow_denied", DeniedByOther => "denied_by_other", Error => "error", Refused => "refused", BadKey => "bad_key" }
-    StoreErrorKind { Timeout => "timeout", Connection => "connection", Data => "data", BreakerOpen => "breaker_open", Full => "full", Other => "other" }
-    ReloadResult { Ok => "ok", Rejected => "rejected" }
-    RefusalReason { MissingKey => "missing_key", UnknownKey => "unknown_key", Malformed => "malformed", NotImplemented => "not_implemented" }
-    UpstreamFailure { Error => "upstream_error", Timeout => "upstream_timeout" }
-}
-
-// `Outcome` lives with the stats (below this module); its values, as the status page and
-// the metrics name them: allowed, denied, unauthorized, bad_request, store_unavailable, upstream_error,
-// upstream_timeout, client_error.
-impl EncodeLabelValue for Outcome {
-    fn encode(&self, e: &mut LabelValueEncoder<'_>) -> Result<(), std::fmt::Error> {
-        std::fmt::Write::write_str(e, self.name())
-    }
-}
-
-impl StoreErrorKind {
-    const ALL: [StoreErrorKind; 6] = [
-        StoreErrorKind::Timeout,
-        StoreErrorKind::Connection,
-        StoreErrorKind::Data,
-        StoreErrorKind::BreakerOpen,
-        StoreErrorKind::Full,
-        StoreErrorKind::Other,
-    ];
 }
 
 /// The classes [`status_class`] names, in order, and "error" (upstream failures).
@@ -556,8 +562,8 @@ impl Metrics {
             "Admin API calls refused for their token, by reason: missing (no Bearer token), wrong, throttled (the peer's failed calls used up its allowance: 429, the token not checked)",
             admin_auth_failures.clone(),
         );
-        for reason in AdminFailureLabels::REASONS {
-            let _ = admin_auth_failures.get_or_create(&AdminFailureLabels { reason });
+        for why in crate::admin::Failure::ALL {
+            let _ = admin_auth_failures.get_or_create(&AdminFailureLabels { reason: why.name() });
         }
         let upstream_tls_handshakes = Family::<UpstreamHandshakeLabels, Counter>::default();
         registry.register(
@@ -590,7 +596,7 @@ impl Metrics {
         for kind in StoreErrorKind::ALL {
             let _ = store_errors.get_or_create(&StoreErrorLabels { kind });
         }
-        for result in [ReloadResult::Ok, ReloadResult::Rejected] {
+        for result in ReloadResult::ALL {
             let _ = reloads.get_or_create(&ReloadLabels { result });
         }
         let response_handles = CLASSES.map(|class| {

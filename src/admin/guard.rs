@@ -34,23 +34,15 @@ pub const MAX_PEERS: usize = 4096;
 /// At most one log line about failed admin calls per this long.
 const WARN_EVERY_MS: u64 = 10_000;
 
-/// Why an admin call was refused for its token.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Failure {
-    /// No `Authorization: Bearer` token.
-    Missing,
-    Wrong,
-    /// Not checked: the peer's allowance of failures is used up.
-    Throttled,
-}
-
-impl Failure {
-    pub fn name(self) -> &'static str {
-        match self {
-            Failure::Missing => "missing",
-            Failure::Wrong => "wrong",
-            Failure::Throttled => "throttled",
-        }
+crate::metrics::label_enum! {
+    /// Why an admin call was refused for its token.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Failure {
+        /// No `Authorization: Bearer` token.
+        Missing = "missing",
+        Wrong = "wrong",
+        /// Not checked: the peer's allowance of failures is used up.
+        Throttled = "throttled",
     }
 }
 
