@@ -39,17 +39,16 @@ use tokio::net::TcpListener;
 
 use crate::config::Config;
 use crate::connection::{self, InFlight, Registry, Tracked};
+use crate::gateway::all_metrics::AdminFailureLabels;
 use crate::gateway::Gateway;
 use crate::headers::ceil_secs;
 use crate::identity;
 use crate::identity::{IdentityDigest, KeyKind, Requester};
 use crate::limiter::guard::Health;
 use crate::limiter::{Check, OnError, Quota};
-use crate::metrics::HISTORY_SECS;
 use crate::rules::Rule;
-use crate::stats::{Window, SAMPLE_SECS};
-pub use guard::Failure;
-use guard::Guard;
+use crate::stats::{Window, HISTORY_SECS, SAMPLE_SECS};
+use guard::{Failure, Guard};
 
 const STATUS_PAGE: &str = include_str!("status.html");
 
@@ -93,8 +92,15 @@ pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, registry: Arc<R
             }
         }
     }));
-    // The failed calls of each peer, for as long as the listener serves.
+    // The failed calls of each peer, for as long as the listener serves; their counts
+    // from zero.
     let guard = Arc::new(Guard::new());
+    for why in Failure::ALL {
+        let _ = gateway
+            .metrics()
+            .admin_auth_failures
+            .get_or_create(&AdminFailureLabels { reason: why.name() });
+    }
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -259,7 +265,7 @@ fn guarded(gw: &Gateway, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -
     };
     gw.metrics()
         .admin_auth_failures
-        .get_or_create(&crate::metrics::AdminFailureLabels { reason: why.name() })
+        .get_or_create(&AdminFailureLabels { reason: why.name() })
         .inc();
     if let Some(times) = guard.log_due(now) {
         tracing::warn!(

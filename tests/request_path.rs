@@ -12,9 +12,9 @@ use std::time::Duration;
 use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::BodyExt;
 use ratewall::config::Config;
+use ratewall::gateway::Metrics;
 use ratewall::gateway::{Admission, Gateway, Live, Pass};
 use ratewall::limiter::ManualClock;
-use ratewall::metrics::Metrics;
 
 const UPSTREAM: &str =
     "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:2\"\n";

@@ -4,10 +4,11 @@
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
 
+use super::metrics::RuleCounters;
+use super::Metrics;
 use crate::config::Config;
 use crate::limiter::guard::Limiter;
 use crate::limiter::{store, Clock, MonotonicClock, StoreError};
-use crate::metrics::{Metrics, RuleCounters};
 use crate::upstream;
 
 /// Everything a request runs on. A request takes the current one when it starts and keeps
@@ -49,8 +50,8 @@ impl Live {
             Some(o) if o.config.store == config.store => o.limiter.clone(),
             _ => {
                 let s = &config.store;
-                let store = store::open(s, config.server.workers, clock, metrics)?;
-                Limiter::new(store, s, metrics.clone())
+                let store = store::open(s, config.server.workers, clock, &metrics.limiter)?;
+                Limiter::new(store, s, metrics.limiter.clone(), metrics.stats.clone())
             }
         };
         let workers = config.server.workers.max(1);
@@ -71,7 +72,9 @@ impl Live {
                         "INSECURE: [upstream] insecure_skip_verify = true: the backend's TLS certificate is NOT verified; anyone on the path can pose as the backend. For a test bench only: give the backend's CA as [upstream] ca instead"
                     );
                 }
-                let handshakes = metrics.upstream_tls_handshakes(config.upstream.tls.is_some());
+                let handshakes = metrics
+                    .upstream_tls
+                    .handshakes(config.upstream.tls.is_some());
                 (0..workers)
                     .map(|_| upstream::Client::new(&config.upstream, handshakes.clone()))
                     .collect()
@@ -88,7 +91,7 @@ impl Live {
             counters: config
                 .rules
                 .iter()
-                .map(|r| metrics.rule_counters(&r.name))
+                .map(|r| metrics.gateway.rule_counters(&r.name))
                 .collect(),
             waiting: config.rules.iter().map(|_| AtomicU32::new(0)).collect(),
             config: Arc::new(config),

@@ -8,10 +8,12 @@
 //! The live configuration each request runs on ([`Live`]) is swapped whole on reload.
 
 mod access;
+pub mod all_metrics;
 mod body;
 mod explain;
 mod limits;
 mod live;
+pub mod metrics;
 mod screen;
 pub mod verdict;
 
@@ -31,15 +33,16 @@ use crate::identity::{IdentityDigest, Requester};
 use crate::limiter::guard::{Answer, Now};
 use crate::limiter::lease::Leases;
 use crate::limiter::{Check, Decision, StoreError};
-use crate::metrics::{
-    status_class, Gauged, Metrics, Outcome, RefusalReason, ReloadLabels, ReloadResult,
-};
+use crate::metrics::Gauged;
+use crate::stats::Outcome;
 use crate::upstream::{self, ClientPeer, Downstream};
 use access::AccessLine;
 use limits::Limit;
 use live::WaitSlot;
+use metrics::{status_class, RefusalReason, ReloadLabels, ReloadResult};
 use verdict::{Ruled, Tally, Verdict};
 
+pub use all_metrics::Metrics;
 pub use body::{Body, LeasedBody};
 pub use explain::explain;
 pub use live::Live;
@@ -199,6 +202,7 @@ impl Gateway {
             ReloadResult::Rejected
         };
         self.metrics
+            .gateway
             .reloads
             .get_or_create(&ReloadLabels { result: outcome })
             .inc();
@@ -250,16 +254,20 @@ impl Gateway {
     /// Serve one request: admit it, then answer or forward it, and record how it went.
     pub async fn handle(&self, req: Request<Incoming>, peer: &ClientPeer) -> Response<Body> {
         let started = Instant::now();
-        let _in_flight = Gauged::new(&self.metrics.in_flight);
+        let _in_flight = Gauged::new(&self.metrics.gateway.in_flight);
         let live = self.live.load_full();
         let log = AccessLine::start(&req, peer, &live.config);
         self.metrics
+            .gateway
             .count_protocol(req.version(), peer.tls.as_ref().map(|t| t.version));
         let (mut parts, body) = req.into_parts();
         if !live.config.server.underscores_in_headers {
             let dropped = screen::drop_underscored(&mut parts.headers);
             if dropped > 0 {
-                self.metrics.underscore_fields_dropped.inc_by(dropped);
+                self.metrics
+                    .gateway
+                    .underscore_fields_dropped
+                    .inc_by(dropped);
             }
         }
         let (resp, note, forwarded) = match self.admit(&live, &parts, peer.ip()).await {
@@ -273,12 +281,16 @@ impl Gateway {
         };
         let status = resp.status().as_u16();
         self.metrics
+            .gateway
             .count_response(status_class(status), note.upstream);
         let outcome = match forwarded {
             true => Outcome::forwarded(note.upstream, status),
             false => Outcome::answered(status),
         };
-        self.metrics.count_outcome(outcome, started.elapsed());
+        self.metrics
+            .gateway
+            .count_outcome(outcome, started.elapsed());
+        self.metrics.stats.ended(outcome);
         if let Some(log) = log {
             log.write(status, &note);
         }
@@ -300,7 +312,7 @@ impl Gateway {
         let resp = answer(req);
         let decision = match resp.status() {
             StatusCode::PERMANENT_REDIRECT => {
-                self.metrics.https_redirects.inc();
+                self.metrics.gateway.https_redirects.inc();
                 "redirect"
             }
             _ => "bad_request",
@@ -319,6 +331,7 @@ impl Gateway {
         if let Some(p) = screen::problem(parts) {
             tracing::debug!(%peer, status = p.status.as_u16(), "malformed request refused");
             self.metrics
+                .gateway
                 .count_refusal(RefusalReason::of_status(p.status.as_u16()));
             let mut resp = problem(p, cfg, &[]);
             if parts.version < http::Version::HTTP_2 {
@@ -340,7 +353,7 @@ impl Gateway {
                         _ => c.refused.inc(),
                     };
                 }
-                self.metrics.count_refusal(refusal.into());
+                self.metrics.gateway.count_refusal(refusal.into());
                 let resp = problem(
                     Problem::new(refusal.status(), &refusal.to_string()),
                     cfg,
@@ -446,7 +459,7 @@ impl Gateway {
     ) -> (Response<Body>, Note<'l>) {
         let mut pass = pass;
         if !pass.note.waited.is_zero() {
-            let _waiting = Gauged::new(&self.metrics.waiting);
+            let _waiting = Gauged::new(&self.metrics.gateway.waiting);
             tokio::time::sleep(pass.note.waited).await;
         }
         pass.slots.clear();
@@ -497,6 +510,7 @@ impl Gateway {
             return;
         }
         self.metrics
+            .gateway
             .upstream_duration
             .observe(started.elapsed().as_secs_f64());
         let class = match result {
@@ -506,7 +520,7 @@ impl Gateway {
             }
             Err(_) => "error",
         };
-        self.metrics.count_upstream(class);
+        self.metrics.gateway.count_upstream(class);
     }
 
     /// The gateway's answer when forwarding failed: the upstream's fault (502, 504) or
@@ -533,7 +547,7 @@ impl Gateway {
         if matches!(e, upstream::Error::ClientStalled(_)) && version < http::Version::HTTP_2 {
             self.metrics
                 .connections_closed
-                .get_or_create(&crate::metrics::ClosedLabels {
+                .get_or_create(&all_metrics::ClosedLabels {
                     listener: "gateway",
                     reason: crate::connection::Closed::BodyTimeout.name(),
                 })

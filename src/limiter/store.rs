@@ -10,9 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::memory::{Evictions, MemoryStore};
+use super::metrics::LimiterMetrics;
 use super::redis::{RedisClusterStore, RedisStore};
 use super::{Check, Clock, Decision, StoreError};
-use crate::metrics::Metrics;
 
 /// Where limit state lives (`[store] backend`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -167,7 +167,7 @@ pub fn open(
     settings: &Settings,
     workers: usize,
     clock: Arc<dyn Clock>,
-    metrics: &Metrics,
+    metrics: &LimiterMetrics,
 ) -> Result<Box<dyn Store>, StoreError> {
     Ok(match &settings.backend {
         Backend::Memory => Box::new(MemoryStore::bounded(
