@@ -39,7 +39,6 @@ use tokio::net::TcpListener;
 
 use crate::config::Config;
 use crate::connection::{self, InFlight, Registry, Tracked};
-use crate::gateway::all_metrics::AdminFailureLabels;
 use crate::gateway::Gateway;
 use crate::headers::ceil_secs;
 use crate::identity;
@@ -92,15 +91,9 @@ pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, registry: Arc<R
             }
         }
     }));
-    // The failed calls of each peer, for as long as the listener serves; their counts
-    // from zero.
+    // The failed calls of each peer, for as long as the listener serves.
     let guard = Arc::new(Guard::new());
-    for why in Failure::ALL {
-        let _ = gateway
-            .metrics()
-            .admin_auth_failures
-            .get_or_create(&AdminFailureLabels { reason: why.name() });
-    }
+    guard::count_from_zero(&gateway.metrics().admin_auth_failures);
     loop {
         let (stream, peer) = match listener.accept().await {
             Ok(accepted) => accepted,
@@ -263,10 +256,7 @@ fn guarded(gw: &Gateway, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -
             )))
         }
     };
-    gw.metrics()
-        .admin_auth_failures
-        .get_or_create(&AdminFailureLabels { reason: why.name() })
-        .inc();
+    guard::count(&gw.metrics().admin_auth_failures, why);
     if let Some(times) = guard.log_due(now) {
         tracing::warn!(
             %peer,
