@@ -44,9 +44,8 @@ use crate::identity;
 use crate::identity::{IdentityDigest, KeyKind, Requester};
 use crate::limiter::guard::Health;
 use crate::limiter::{Check, OnError, Quota};
-use crate::metrics::HISTORY_SECS;
 use crate::rules::Rule;
-use crate::stats::{Window, SAMPLE_SECS};
+use crate::stats::{Window, HISTORY_SECS, SAMPLE_SECS};
 use guard::{Failure, Guard};
 
 const STATUS_PAGE: &str = include_str!("status.html");
@@ -103,6 +102,7 @@ impl Admin {
                 }
             }
         }));
+        guard::count_from_zero(&gateway.metrics().admin_auth_failures);
         Admin {
             gateway,
             guard: Arc::new(Guard::new()),
@@ -268,10 +268,7 @@ fn guarded(gw: &Gateway, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -
             )))
         }
     };
-    gw.metrics()
-        .admin_auth_failures
-        .get_or_create(&crate::metrics::AdminFailureLabels { reason: why.name() })
-        .inc();
+    guard::count(&gw.metrics().admin_auth_failures, why);
     if let Some(times) = guard.log_due(now) {
         tracing::warn!(
             %peer,

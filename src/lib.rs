@@ -53,7 +53,11 @@
 //!   sessions resumed), `body` (bodies framed both ways), and `error`: a typed
 //!   [`upstream::Error`] that says the client's status (502, 504, 400, 408) and whether
 //!   the request may go again.
-//! - [`metrics`]: Prometheus metrics, every series a config implies created at zero.
+//! - [`metrics`]: what metrics are made with: `label_enum!` (a vocabulary enum written
+//!   once with its label values) and `Gauged`. Each module registers the metrics it owns
+//!   (`gateway/metrics.rs`, `limiter/metrics.rs`, `upstream/tls.rs`), held with the one
+//!   registry by [`gateway::Metrics`] (`gateway/all_metrics.rs`); every series a config
+//!   implies is created at zero.
 //! - [`stats`]: what the status page shows: outcomes, latencies, the loads of the config;
 //!   counted with atomics on the request path, sampled into a bounded ring.
 //! - [`tls`]: `[server.tls]`: the certificates (chosen by SNI), client certificates, the

@@ -26,44 +26,34 @@ pub const WINDOW_SECS: u64 = 60;
 /// Identities tracked per minute by the space-saving top-k.
 const TOP_K: usize = 64;
 
-/// How a request ended, as an operator tells outcomes apart: one class per request, the
-/// same in `ratewall_request_duration_seconds{outcome}` and on the status page.
-#[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-pub enum Outcome {
-    /// Forwarded, and the upstream answered (whatever its status).
-    Allowed,
-    /// 429: a rule denied it.
-    Denied,
-    /// 401 before any limit was consulted: no key, or an unknown one.
-    Unauthorized,
-    /// Refused before any limit was consulted as malformed: 400 (a malformed head or
-    /// key), 501 (a tunnel).
-    BadRequest,
-    /// 404: no route matches it, and no pool `default` takes the rest.
-    NoRoute,
-    /// 503: the store failed and `on_error = "deny"`.
-    StoreUnavailable,
-    /// 502: the upstream refused, reset, or answered something unreadable.
-    UpstreamError,
-    /// 504: the upstream did not answer within its `timeout`.
-    UpstreamTimeout,
-    /// 400 or 408 while forwarding: the client's body was malformed or stalled.
-    ClientError,
+crate::metrics::label_enum! {
+    /// How a request ended, as an operator tells outcomes apart: one class per request, the
+    /// same in `ratewall_request_duration_seconds{outcome}` and on the status page.
+    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+    pub enum Outcome {
+        /// Forwarded, and the upstream answered (whatever its status).
+        Allowed = "allowed",
+        /// 429: a rule denied it.
+        Denied = "denied",
+        /// 401 before any limit was consulted: no key, or an unknown one.
+        Unauthorized = "unauthorized",
+        /// Refused before any limit was consulted as malformed: 400 (a malformed head or
+        /// key), 501 (a tunnel).
+        BadRequest = "bad_request",
+        /// 404: no route matches it, and no pool `default` takes the rest.
+        NoRoute = "no_route",
+        /// 503: the store failed and `on_error = "deny"`.
+        StoreUnavailable = "store_unavailable",
+        /// 502: the upstream refused, reset, or answered something unreadable.
+        UpstreamError = "upstream_error",
+        /// 504: the upstream did not answer within its `timeout`.
+        UpstreamTimeout = "upstream_timeout",
+        /// 400 or 408 while forwarding: the client's body was malformed or stalled.
+        ClientError = "client_error",
+    }
 }
 
 impl Outcome {
-    pub const ALL: [Outcome; 9] = [
-        Outcome::Allowed,
-        Outcome::Denied,
-        Outcome::Unauthorized,
-        Outcome::BadRequest,
-        Outcome::NoRoute,
-        Outcome::StoreUnavailable,
-        Outcome::UpstreamError,
-        Outcome::UpstreamTimeout,
-        Outcome::ClientError,
-    ];
-
     /// A request the gateway answered without forwarding it, by the status it got.
     pub fn answered(status: u16) -> Outcome {
         match status {
@@ -88,20 +78,6 @@ impl Outcome {
 
     pub fn index(self) -> usize {
         self as usize
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Outcome::Allowed => "allowed",
-            Outcome::Denied => "denied",
-            Outcome::Unauthorized => "unauthorized",
-            Outcome::BadRequest => "bad_request",
-            Outcome::NoRoute => "no_route",
-            Outcome::StoreUnavailable => "store_unavailable",
-            Outcome::UpstreamError => "upstream_error",
-            Outcome::UpstreamTimeout => "upstream_timeout",
-            Outcome::ClientError => "client_error",
-        }
     }
 }
 

@@ -752,12 +752,53 @@ fn shipped_metrics() -> String {
 /// (rule names: free, not the docs' to list).
 type SourceLabels = BTreeMap<String, Option<Vec<String>>>;
 
-/// Every metric `src/metrics.rs` registers (a family with no series yet is not exported),
-/// its type, its label fields, and the values of those whose type is one of its label
-/// enums: `registry.register("name", ...)` of a `Family::<Labels, Counter>` (or a bare
-/// `Counter::default()`, `Gauge::default()`, `Histogram::new(...)`), `struct Labels { pub
-/// field: Type }`, `label_values! { Type { A => "a" } }`.
-fn source_metrics(src: &str) -> BTreeMap<String, (String, SourceLabels)> {
+/// The code of every `.rs` file under `src/`, its tests aside: each module registers the
+/// metrics it owns.
+fn source_files() -> Vec<String> {
+    fn walk(dir: &Path, out: &mut Vec<String>) {
+        let mut entries: Vec<_> = std::fs::read_dir(dir)
+            .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+            .map(|e| e.expect("a directory entry").path())
+            .collect();
+        entries.sort();
+        for path in entries {
+            if path.is_dir() {
+                walk(&path, out);
+            } else if path.extension().is_some_and(|x| x == "rs") {
+                let text = std::fs::read_to_string(&path)
+                    .unwrap_or_else(|e| panic!("{}: {e}", path.display()));
+                // A file's unit tests (its `#[cfg(test)] mod`, last) register nothing the
+                // gateway does.
+                let code = text
+                    .split("\n#[cfg(test)]\nmod ")
+                    .next()
+                    .unwrap_or_default();
+                out.push(code.to_string());
+            }
+        }
+    }
+    let mut out = Vec::new();
+    walk(&root().join("src"), &mut out);
+    out
+}
+
+/// Every metric a module under `src/` registers (a family with no series yet is not
+/// exported), its type, its label fields, and the values of those whose type is one of
+/// the label enums: `registry.register("name", ...)` of a `Family::<Labels, Counter>` (or
+/// a bare `Counter::default()`, `Gauge::default()`, `Histogram::new(...)`) declared in the
+/// same file, `struct Labels { pub field: Type }` and `label_enum! { pub enum Type { A =
+/// "a", ... } }` anywhere.
+fn source_metrics(files: &[String]) -> BTreeMap<String, (String, SourceLabels)> {
+    let all = files.join("\n");
+    let mut out = BTreeMap::new();
+    for src in files {
+        out.extend(file_metrics(src, &all));
+    }
+    out
+}
+
+/// The registrations of one file (`src`), their label structs and enums found in `all`.
+fn file_metrics(src: &str, all: &str) -> BTreeMap<String, (String, SourceLabels)> {
     // `let var = Family::<Labels, Kind>` or `let var = Kind::...` -> var -> (Labels, kind).
     let mut declared: HashMap<String, (Option<String>, String)> = HashMap::new();
     for line in src.lines() {
@@ -780,7 +821,7 @@ fn source_metrics(src: &str) -> BTreeMap<String, (String, SourceLabels)> {
     // `pub struct Labels { pub field: Type, ... }` -> Labels -> [(field, Type)].
     let mut fields: HashMap<String, Vec<(String, String)>> = HashMap::new();
     let mut current: Option<String> = None;
-    for line in src.lines() {
+    for line in all.lines() {
         let l = line.trim();
         if let Some(rest) = l.strip_prefix("pub struct ") {
             current = rest.strip_suffix(" {").map(|name| name.trim().to_string());
@@ -798,19 +839,26 @@ fn source_metrics(src: &str) -> BTreeMap<String, (String, SourceLabels)> {
             }
         }
     }
-    // `Type { A => "a", B => "b" }` lines of label_values!.
+    // `pub enum Type {` then `A = "a",` lines, in label_enum!.
     let mut values: HashMap<String, Vec<String>> = HashMap::new();
-    for line in src.lines() {
+    let mut current: Option<String> = None;
+    for line in all.lines() {
         let l = line.trim();
-        if let Some((ty, rest)) = l.split_once(" { ") {
-            if rest.contains(" => \"") && !ty.contains(' ') {
-                let vals = rest
-                    .split(" => \"")
-                    .skip(1)
-                    .filter_map(|v| v.split('"').next())
-                    .map(str::to_string)
-                    .collect();
-                values.insert(ty.to_string(), vals);
+        if let Some(rest) = l.strip_prefix("pub enum ") {
+            current = rest.strip_suffix(" {").map(|name| name.trim().to_string());
+            continue;
+        }
+        let Some(ty) = &current else {
+            continue;
+        };
+        if l == "}" {
+            current = None;
+        } else if let Some((_, value)) = l.split_once(" = \"") {
+            if let Some(value) = value.strip_suffix("\",") {
+                values
+                    .entry(ty.clone())
+                    .or_default()
+                    .push(value.to_string());
             }
         }
     }
@@ -856,10 +904,10 @@ fn source_metrics(src: &str) -> BTreeMap<String, (String, SourceLabels)> {
 /// with no series yet still has its `# TYPE`), labels from its series and the source.
 fn registered_metrics() -> BTreeMap<String, Registered> {
     let text = shipped_metrics();
-    let source = source_metrics(&read("src/metrics.rs"));
+    let source = source_metrics(&source_files());
     assert!(
         source.len() >= 10,
-        "tests/docs.rs no longer finds the registrations in src/metrics.rs: {source:?}"
+        "tests/docs.rs no longer finds the registrations under src/: {source:?}"
     );
     let mut by_family: BTreeMap<String, Registered> = BTreeMap::new();
     for line in text.lines() {

@@ -25,6 +25,11 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Mutex;
 
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+
+use crate::gateway::all_metrics::AdminFailureLabels;
+
 /// Failed calls a peer may make at once.
 pub const BURST: u64 = 10;
 /// Then one more per this long, in milliseconds.
@@ -34,24 +39,31 @@ pub const MAX_PEERS: usize = 4096;
 /// At most one log line about failed admin calls per this long.
 const WARN_EVERY_MS: u64 = 10_000;
 
-/// Why an admin call was refused for its token.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Failure {
-    /// No `Authorization: Bearer` token.
-    Missing,
-    Wrong,
-    /// Not checked: the peer's allowance of failures is used up.
-    Throttled,
+crate::metrics::label_enum! {
+    /// Why an admin call was refused for its token.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Failure {
+        /// No `Authorization: Bearer` token.
+        Missing = "missing",
+        Wrong = "wrong",
+        /// Not checked: the peer's allowance of failures is used up.
+        Throttled = "throttled",
+    }
 }
 
-impl Failure {
-    pub fn name(self) -> &'static str {
-        match self {
-            Failure::Missing => "missing",
-            Failure::Wrong => "wrong",
-            Failure::Throttled => "throttled",
-        }
+/// `ratewall_admin_auth_failures_total` (registered with the gateway's metrics, which sit
+/// below the admin listener and so cannot name [`Failure`]): every reason's series, at zero.
+pub fn count_from_zero(failures: &Family<AdminFailureLabels, Counter>) {
+    for why in Failure::ALL {
+        let _ = failures.get_or_create(&AdminFailureLabels { reason: why.name() });
     }
+}
+
+/// Count one call refused for its token.
+pub fn count(failures: &Family<AdminFailureLabels, Counter>, why: Failure) {
+    failures
+        .get_or_create(&AdminFailureLabels { reason: why.name() })
+        .inc();
 }
 
 /// The guard of one admin listener. Times are milliseconds on the caller's clock

@@ -280,7 +280,7 @@ mod tests {
         let registry = Registry::new(
             "test",
             3,
-            crate::metrics::Metrics::new().connections("test"),
+            crate::gateway::Metrics::new().connections("test"),
         );
         let mut held = Vec::new();
         for idle_since in [30, 10, 20] {

@@ -4,10 +4,11 @@
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
 
+use super::metrics::RuleCounters;
+use super::Metrics;
 use crate::config::Config;
 use crate::limiter::guard::Limiter;
 use crate::limiter::{store, Clock, MonotonicClock, StoreError};
-use crate::metrics::{Metrics, RuleCounters};
 use crate::upstream;
 
 /// Everything a request runs on. A request takes the current one when it starts and keeps
@@ -51,8 +52,8 @@ impl Live {
             Some(o) if o.config.store == config.store => o.limiter.clone(),
             _ => {
                 let s = &config.store;
-                let store = store::open(s, config.server.workers, clock, metrics)?;
-                Limiter::new(store, s, metrics.clone())
+                let store = store::open(s, config.server.workers, clock, &metrics.limiter)?;
+                Limiter::new(store, s, metrics.limiter.clone(), metrics.stats.clone())
             }
         };
         let workers = config.server.workers.max(1);
@@ -64,7 +65,7 @@ impl Live {
                     .iter()
                     .flat_map(|p| &p.servers)
                     .any(|s| s.tls.is_some());
-                let handshakes = metrics.upstream_tls_handshakes(https);
+                let handshakes = metrics.upstream_tls.handshakes(https);
                 Arc::new(upstream::Pools::build(
                     &config.upstreams,
                     old.map(|o| &*o.pools),
@@ -85,7 +86,7 @@ impl Live {
             counters: config
                 .rules
                 .iter()
-                .map(|r| metrics.rule_counters(&r.name))
+                .map(|r| metrics.gateway.rule_counters(&r.name))
                 .collect(),
             waiting: config.rules.iter().map(|_| AtomicU32::new(0)).collect(),
             config: Arc::new(config),

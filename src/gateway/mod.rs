@@ -8,11 +8,13 @@
 //! The live configuration each request runs on ([`Live`]) is swapped whole on reload.
 
 mod access;
+pub mod all_metrics;
 mod body;
 mod context;
 mod explain;
 mod limits;
 mod live;
+pub mod metrics;
 mod route;
 mod screen;
 pub mod verdict;
@@ -32,16 +34,17 @@ use crate::identity::{IdentityDigest, Requester};
 use crate::limiter::guard::{Answer, Now};
 use crate::limiter::lease::Leases;
 use crate::limiter::{Check, Decision, StoreError};
-use crate::metrics::{
-    status_class, Gauged, Metrics, Outcome, RefusalReason, ReloadLabels, ReloadResult,
-};
+use crate::metrics::Gauged;
+use crate::stats::Outcome;
 use crate::upstream::{self, ClientPeer, Downstream};
 use access::AccessLine;
 use limits::Limit;
 use live::WaitSlot;
+use metrics::{status_class, RefusalReason, ReloadLabels, ReloadResult};
 use route::Destination;
 use verdict::{Ruled, Tally, Verdict};
 
+pub use all_metrics::Metrics;
 pub use body::{Body, LeasedBody};
 pub use context::Context;
 pub use explain::explain;
@@ -223,6 +226,7 @@ impl Gateway {
             ReloadResult::Rejected
         };
         self.metrics
+            .gateway
             .reloads
             .get_or_create(&ReloadLabels { result: outcome })
             .inc();
@@ -275,16 +279,20 @@ impl Gateway {
     /// or forward it, and record how it went.
     pub async fn handle(&self, req: Request<Incoming>, ctx: Context) -> Response<Body> {
         let started = Instant::now();
-        let _in_flight = Gauged::new(&self.metrics.in_flight);
+        let _in_flight = Gauged::new(&self.metrics.gateway.in_flight);
         let live = self.live.load_full();
         let log = AccessLine::start(&req, &ctx.peer, &live.config);
         self.metrics
+            .gateway
             .count_protocol(req.version(), ctx.peer.tls.as_ref().map(|t| t.version));
         let (mut parts, body) = req.into_parts();
         if !live.config.server.underscores_in_headers {
             let dropped = screen::drop_underscored(&mut parts.headers);
             if dropped > 0 {
-                self.metrics.underscore_fields_dropped.inc_by(dropped);
+                self.metrics
+                    .gateway
+                    .underscore_fields_dropped
+                    .inc_by(dropped);
             }
         }
         let (resp, note, forwarded) = match self.admit(&live, &parts, &ctx).await {
@@ -298,12 +306,16 @@ impl Gateway {
         };
         let status = resp.status().as_u16();
         self.metrics
+            .gateway
             .count_response(status_class(status), note.upstream);
         let outcome = match forwarded {
             true => Outcome::forwarded(note.upstream, status),
             false => Outcome::answered(status),
         };
-        self.metrics.count_outcome(outcome, started.elapsed());
+        self.metrics
+            .gateway
+            .count_outcome(outcome, started.elapsed());
+        self.metrics.stats.ended(outcome);
         if let Some(log) = log {
             log.write(status, &note);
         }
@@ -325,7 +337,7 @@ impl Gateway {
         let resp = answer(req);
         let decision = match resp.status() {
             StatusCode::PERMANENT_REDIRECT => {
-                self.metrics.https_redirects.inc();
+                self.metrics.gateway.https_redirects.inc();
                 "redirect"
             }
             _ => "bad_request",
@@ -346,6 +358,7 @@ impl Gateway {
         if let Some(p) = screen::problem(parts) {
             tracing::debug!(%peer, status = p.status.as_u16(), "malformed request refused");
             self.metrics
+                .gateway
                 .count_refusal(RefusalReason::of_status(p.status.as_u16()));
             let mut resp = problem(p, cfg, &[]);
             if parts.version < http::Version::HTTP_2 {
@@ -359,7 +372,7 @@ impl Gateway {
             Ok(Some(to)) => to,
             Ok(None) => return self.no_route(cfg, parts),
             Err(refusal) => {
-                self.metrics.count_refusal(refusal.into());
+                self.metrics.gateway.count_refusal(refusal.into());
                 let p = Problem::new(refusal.status(), &refusal.to_string());
                 let note = Note::gateway(Verdict::Refuse(refusal).decision());
                 return Admission::Answer(problem(p, cfg, &[]), note);
@@ -379,7 +392,7 @@ impl Gateway {
                         _ => c.refused.inc(),
                     };
                 }
-                self.metrics.count_refusal(refusal.into());
+                self.metrics.gateway.count_refusal(refusal.into());
                 let resp = problem(
                     Problem::new(refusal.status(), &refusal.to_string()),
                     cfg,
@@ -408,7 +421,7 @@ impl Gateway {
     /// forwarded, counted (`ratewall_refusals_total{reason="no_route"}`) and logged.
     fn no_route<'l>(&self, cfg: &Config, parts: &Parts) -> Admission<'l> {
         tracing::debug!(method = %parts.method, path = parts.uri.path(), "no route matches the request");
-        self.metrics.count_refusal(RefusalReason::NoRoute);
+        self.metrics.gateway.count_refusal(RefusalReason::NoRoute);
         let p = Problem::new(StatusCode::NOT_FOUND, "no route matches this request");
         Admission::Answer(problem(p, cfg, &[]), Note::gateway("no_route"))
     }
@@ -498,7 +511,7 @@ impl Gateway {
         let peer = &ctx.peer;
         let mut pass = pass;
         if !pass.note.waited.is_zero() {
-            let _waiting = Gauged::new(&self.metrics.waiting);
+            let _waiting = Gauged::new(&self.metrics.gateway.waiting);
             tokio::time::sleep(pass.note.waited).await;
         }
         pass.slots.clear();
@@ -561,6 +574,7 @@ impl Gateway {
             return;
         }
         self.metrics
+            .gateway
             .upstream_duration
             .observe(started.elapsed().as_secs_f64());
         let class = match result {
@@ -570,7 +584,7 @@ impl Gateway {
             }
             Err(_) => "error",
         };
-        self.metrics.count_upstream(class);
+        self.metrics.gateway.count_upstream(class);
     }
 
     /// The gateway's answer when forwarding failed: the upstream's fault (502, 504) or
@@ -595,7 +609,7 @@ impl Gateway {
         if matches!(e, upstream::Error::ClientStalled(_)) && version < http::Version::HTTP_2 {
             self.metrics
                 .connections_closed
-                .get_or_create(&crate::metrics::ClosedLabels {
+                .get_or_create(&all_metrics::ClosedLabels {
                     listener: "gateway",
                     reason: crate::connection::Closed::BodyTimeout.name(),
                 })

@@ -19,9 +19,10 @@ use std::time::{Duration, Instant};
 
 use super::deny_cache::DenyCache;
 use super::memory::{Evictions, MemoryStore};
+use super::metrics::{LimiterMetrics, StoreErrorKind, StoreErrorLabels, StoreLabels};
 use super::store::{self, Call, OnError, Store};
 use super::{Check, Decision, MonotonicClock, StoreError};
-use crate::metrics::{Metrics, StoreErrorKind, StoreErrorLabels, StoreLabels};
+use crate::stats::Stats;
 
 /// The store's health, as /readyz and the logs tell it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -76,7 +77,9 @@ pub struct Limiter {
     /// When a data error was last logged (ms since `started`), to log at most once a second.
     data_logged_ms: AtomicU64,
     started: Instant,
-    metrics: Arc<Metrics>,
+    metrics: LimiterMetrics,
+    /// Store calls made and skipped, for the status page.
+    stats: Arc<Stats>,
     /// Denials remembered until their retry time (shared stores only: the memory store
     /// answers as fast as a cache would).
     denials: Option<DenyCache>,
@@ -97,7 +100,8 @@ impl Limiter {
     pub fn new(
         store: Box<dyn Store>,
         settings: &store::Settings,
-        metrics: Arc<Metrics>,
+        metrics: LimiterMetrics,
+        stats: Arc<Stats>,
     ) -> Arc<Limiter> {
         let kind = store.kind();
         let store_seconds = metrics
@@ -124,6 +128,7 @@ impl Limiter {
             data_logged_ms: AtomicU64::new(0),
             started: Instant::now(),
             metrics,
+            stats,
             leases: AtomicU64::new(1),
         })
     }
@@ -170,7 +175,7 @@ impl Limiter {
         }
         if self.open.load(Relaxed) {
             self.count_error(&StoreError::CircuitOpen);
-            self.metrics.stats.store_skipped();
+            self.stats.store_skipped();
             return Now::Answered(self.fallback(checks, StoreError::CircuitOpen));
         }
         let started = Instant::now();
@@ -212,7 +217,7 @@ impl Limiter {
     ) -> Answer {
         let took = started.elapsed();
         self.store_seconds.observe(took.as_secs_f64());
-        self.metrics.stats.store_called(took, result.is_err());
+        self.stats.store_called(took, result.is_err());
         if let Err(e) = &result {
             self.count_error(e);
         }

@@ -46,10 +46,10 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use hashbrown::HashTable;
 use prometheus_client::metrics::counter::Counter;
 
+use super::metrics::{EvictionLabels, LimiterMetrics};
 use super::store::{Call, Kind, Store};
 use super::{concurrency, fixed_window, gcra, sliding_window, token_bucket};
 use super::{Check, Clock, Decision, Fnv1a, State, StoreError};
-use crate::metrics::{EvictionLabels, Metrics};
 
 /// Shards at most; a small store has fewer (one per [`KEYS_PER_SHARD`]), so that the
 /// per-shard bound is the whole store's and eviction order is exact.
@@ -219,7 +219,7 @@ pub struct Evictions {
 impl Evictions {
     /// The counters of the in-process store `store` (`memory`, or `local`: the
     /// `on_error = "local"` fallback) in `ratewall_store_evictions_total`.
-    pub fn of(metrics: &Metrics, store: &'static str) -> Evictions {
+    pub fn of(metrics: &LimiterMetrics, store: &'static str) -> Evictions {
         let counter = |reason| {
             metrics
                 .memory_evictions

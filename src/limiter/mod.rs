@@ -19,6 +19,7 @@ pub mod gcra;
 pub mod guard;
 pub mod lease;
 pub mod memory;
+pub mod metrics;
 #[cfg(test)]
 mod properties;
 pub mod quota;

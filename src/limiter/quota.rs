@@ -108,31 +108,23 @@ impl fmt::Display for Rate {
 /// IEEE doubles: every integer the script computes must stay below 2^53 to be exact.
 pub const MAX_LEVEL: u64 = 1 << 52;
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum Algorithm {
-    #[default]
-    TokenBucket,
-    Gcra,
-    SlidingWindow,
-    FixedWindow,
-    /// Not a rate: at most N requests in flight per identity (`max_in_flight`, not an
-    /// `algorithm` value in the file).
-    #[serde(skip_deserializing)]
-    Concurrency,
+crate::metrics::label_enum! {
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+    #[serde(rename_all = "snake_case")]
+    pub enum Algorithm {
+        #[default]
+        TokenBucket = "token_bucket",
+        Gcra = "gcra",
+        SlidingWindow = "sliding_window",
+        FixedWindow = "fixed_window",
+        /// Not a rate: at most N requests in flight per identity (`max_in_flight`, not an
+        /// `algorithm` value in the file).
+        #[serde(skip_deserializing)]
+        Concurrency = "concurrency",
+    }
 }
 
 impl Algorithm {
-    pub fn name(self) -> &'static str {
-        match self {
-            Algorithm::TokenBucket => "token_bucket",
-            Algorithm::Gcra => "gcra",
-            Algorithm::SlidingWindow => "sliding_window",
-            Algorithm::FixedWindow => "fixed_window",
-            Algorithm::Concurrency => "concurrency",
-        }
-    }
-
     /// Whether `burst` means anything: the windows admit the rate's N per window.
     pub fn has_burst(self) -> bool {
         matches!(self, Algorithm::TokenBucket | Algorithm::Gcra)
@@ -186,22 +178,13 @@ pub struct QuotaError {
     pub message: String,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum QuotaField {
-    Rate,
-    Burst,
-    Cost,
-    MaxDelay,
-}
-
-impl QuotaField {
-    pub fn name(self) -> &'static str {
-        match self {
-            QuotaField::Rate => "rate",
-            QuotaField::Burst => "burst",
-            QuotaField::Cost => "cost",
-            QuotaField::MaxDelay => "max_delay",
-        }
+crate::metrics::label_enum! {
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum QuotaField {
+        Rate = "rate",
+        Burst = "burst",
+        Cost = "cost",
+        MaxDelay = "max_delay",
     }
 }
 

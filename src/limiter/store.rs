@@ -10,9 +10,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use super::memory::{Evictions, MemoryStore};
+use super::metrics::LimiterMetrics;
 use super::redis::{RedisClusterStore, RedisStore};
 use super::{Check, Clock, Decision, StoreError};
-use crate::metrics::Metrics;
 
 /// Where limit state lives (`[store] backend`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -27,27 +27,19 @@ pub enum Backend {
     },
 }
 
-/// What a request gets while the store fails (`[store] on_error`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
-#[serde(rename_all = "snake_case")]
-pub enum OnError {
-    /// Answer 503 while the store fails: no request escapes its limit.
-    #[default]
-    Deny,
-    /// Forward without limiting while the store fails: availability over enforcement.
-    Allow,
-    /// Enforce the same rules in this process until the store answers again. With N
-    /// instances behind a balancer, up to N times the limit passes meanwhile.
-    Local,
-}
-
-impl OnError {
-    pub fn name(self) -> &'static str {
-        match self {
-            OnError::Deny => "deny",
-            OnError::Allow => "allow",
-            OnError::Local => "local",
-        }
+crate::metrics::label_enum! {
+    /// What a request gets while the store fails (`[store] on_error`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+    #[serde(rename_all = "snake_case")]
+    pub enum OnError {
+        /// Answer 503 while the store fails: no request escapes its limit.
+        #[default]
+        Deny = "deny",
+        /// Forward without limiting while the store fails: availability over enforcement.
+        Allow = "allow",
+        /// Enforce the same rules in this process until the store answers again. With N
+        /// instances behind a balancer, up to N times the limit passes meanwhile.
+        Local = "local",
     }
 }
 
@@ -83,24 +75,17 @@ impl Default for Settings {
     }
 }
 
-/// Which store it is: what the limiter needs to know of one beyond its calls.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Kind {
-    Memory,
-    Redis,
-    RedisCluster,
+crate::metrics::label_enum! {
+    /// Which store it is: what the limiter needs to know of one beyond its calls.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Kind {
+        Memory = "memory",
+        Redis = "redis",
+        RedisCluster = "redis_cluster",
+    }
 }
 
 impl Kind {
-    /// As metrics label it.
-    pub fn name(self) -> &'static str {
-        match self {
-            Kind::Memory => "memory",
-            Kind::Redis => "redis",
-            Kind::RedisCluster => "redis_cluster",
-        }
-    }
-
     /// Whether gateways share it: its answers take a network round trip (worth a deny
     /// cache and a breaker), and its leases must outlive no gateway (they carry a TTL).
     pub fn is_shared(self) -> bool {
@@ -182,7 +167,7 @@ pub fn open(
     settings: &Settings,
     workers: usize,
     clock: Arc<dyn Clock>,
-    metrics: &Metrics,
+    metrics: &LimiterMetrics,
 ) -> Result<Box<dyn Store>, StoreError> {
     Ok(match &settings.backend {
         Backend::Memory => Box::new(MemoryStore::bounded(

@@ -196,26 +196,21 @@ pub fn request_host<'a>(uri: &'a http::Uri, headers: &'a http::HeaderMap) -> Opt
     Some(host.strip_suffix('.').unwrap_or(host))
 }
 
-/// How a backend compares paths (`[server] path_case`): exactly (most do), or ignoring
-/// case (IIS, some Spring setups), in which case the rules must too, or `/API/x` walks
-/// around a rule for `/api/`.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
-#[serde(rename_all = "lowercase")]
-pub enum PathCase {
-    #[default]
-    Sensitive,
-    /// Paths (the request's, and the rules') are lowercased before they are compared.
-    Insensitive,
+crate::metrics::label_enum! {
+    /// How a backend compares paths (`[server] path_case`): exactly (most do), or ignoring
+    /// case (IIS, some Spring setups), in which case the rules must too, or `/API/x` walks
+    /// around a rule for `/api/`.
+    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+    #[serde(rename_all = "lowercase")]
+    pub enum PathCase {
+        #[default]
+        Sensitive = "sensitive",
+        /// Paths (the request's, and the rules') are lowercased before they are compared.
+        Insensitive = "insensitive",
+    }
 }
 
 impl PathCase {
-    pub fn name(self) -> &'static str {
-        match self {
-            PathCase::Sensitive => "sensitive",
-            PathCase::Insensitive => "insensitive",
-        }
-    }
-
     /// `path` as compared under this setting, where case is ignored: each character
     /// uppercased, then lowercased (the same function for the rules and the requests).
     /// Lowercasing alone is not enough: .NET and IIS compare by uppercase, under which

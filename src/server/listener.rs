@@ -147,7 +147,7 @@ mod tests {
         let registry = Registry::new(
             "test",
             4,
-            crate::metrics::Metrics::new().connections("test"),
+            crate::gateway::Metrics::new().connections("test"),
         );
         let seen = Arc::new(AtomicUsize::new(0));
         let listener = Listener::new(

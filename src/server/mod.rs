@@ -57,7 +57,7 @@ pub enum StartError {
 /// `source` (the file, with the same overrides).
 pub async fn run(config: Config, source: Option<crate::config::Source>) -> Result<(), StartError> {
     let started = std::time::Instant::now();
-    let metrics = Arc::new(crate::metrics::Metrics::new());
+    let metrics = Arc::new(crate::gateway::Metrics::new());
     let live = Live::build(config, None, &metrics)?;
     live.limiter.warm().await;
     let config = live.config.clone();

@@ -90,7 +90,10 @@ pub use settings::{
     FAIL_TIMEOUT, FAIL_WINDOW, MAX_EJECTED_PERCENT, MAX_EJECTION, MAX_FAILS, MAX_NAME,
     RESOLVE_EVERY, RETRIES, TIMEOUT,
 };
-pub use tls::{NoVerification, Tls, TlsError, TlsFailure, TlsHandshake, TlsHandshakes, TlsOptions};
+pub use tls::{
+    NoVerification, Tls, TlsError, TlsFailure, TlsHandshake, TlsHandshakes, TlsOptions,
+    UpstreamTlsMetrics,
+};
 
 use body::{Conn, Sending, Upload, UploadError};
 use kept::{Address, Kept};

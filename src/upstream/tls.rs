@@ -19,7 +19,10 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
+use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
@@ -257,42 +260,43 @@ pub enum TlsHandshake {
     Timeout,
 }
 
-/// Why a handshake with the backend failed.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum TlsFailure {
-    /// Its certificate is not signed by a CA we trust (`ca`, or the system's roots).
-    UnknownIssuer,
-    /// Its certificate is not for the name we asked for (the URL's host, or `sni`).
-    NameMismatch,
-    /// Its certificate has expired.
-    Expired,
-    /// Any other fault of its certificate (not yet valid, revoked, badly signed, none).
-    Certificate,
-    /// The backend ended the handshake with an alert: it refused us (our ALPN, our
-    /// client certificate under TLS 1.2, no common version...).
-    Alert,
-    /// Nothing in common, or a backend that broke the protocol or did not speak TLS.
-    Protocol,
-    /// The connection was closed or reset under the handshake.
-    Closed,
-    Other,
+crate::metrics::label_enum! {
+    /// Why a handshake with the backend failed.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum TlsFailure {
+        /// Its certificate is not signed by a CA we trust (`ca`, or the system's roots).
+        UnknownIssuer = "unknown_issuer",
+        /// Its certificate is not for the name we asked for (the URL's host, or `sni`).
+        NameMismatch = "name_mismatch",
+        /// Its certificate has expired.
+        Expired = "expired",
+        /// Any other fault of its certificate (not yet valid, revoked, badly signed, none).
+        Certificate = "certificate",
+        /// The backend ended the handshake with an alert: it refused us (our ALPN, our
+        /// client certificate under TLS 1.2, no common version...).
+        Alert = "alert",
+        /// Nothing in common, or a backend that broke the protocol or did not speak TLS.
+        Protocol = "protocol",
+        /// The connection was closed or reset under the handshake.
+        Closed = "closed",
+        Other = "other",
+    }
 }
 
 impl TlsHandshake {
-    /// Every result and reason the metrics have a series for.
-    pub const ALL: [TlsHandshake; 11] = [
-        TlsHandshake::Ok,
-        TlsHandshake::Resumed,
-        TlsHandshake::Failed(TlsFailure::UnknownIssuer),
-        TlsHandshake::Failed(TlsFailure::NameMismatch),
-        TlsHandshake::Failed(TlsFailure::Expired),
-        TlsHandshake::Failed(TlsFailure::Certificate),
-        TlsHandshake::Failed(TlsFailure::Alert),
-        TlsHandshake::Failed(TlsFailure::Protocol),
-        TlsHandshake::Failed(TlsFailure::Closed),
-        TlsHandshake::Failed(TlsFailure::Other),
-        TlsHandshake::Timeout,
-    ];
+    /// Every result and reason the metrics have a series for: ok, resumed, each failure
+    /// (from [`TlsFailure::ALL`], not listed again), timeout.
+    pub const ALL: [TlsHandshake; 3 + TlsFailure::ALL.len()] = {
+        let mut all = [TlsHandshake::Timeout; 3 + TlsFailure::ALL.len()];
+        all[0] = TlsHandshake::Ok;
+        all[1] = TlsHandshake::Resumed;
+        let mut i = 0;
+        while i < TlsFailure::ALL.len() {
+            all[2 + i] = TlsHandshake::Failed(TlsFailure::ALL[i]);
+            i += 1;
+        }
+        all
+    };
 
     /// The `result` label.
     pub fn name(self) -> &'static str {
@@ -314,19 +318,6 @@ impl TlsHandshake {
 }
 
 impl TlsFailure {
-    pub fn name(self) -> &'static str {
-        match self {
-            TlsFailure::UnknownIssuer => "unknown_issuer",
-            TlsFailure::NameMismatch => "name_mismatch",
-            TlsFailure::Expired => "expired",
-            TlsFailure::Certificate => "certificate",
-            TlsFailure::Alert => "alert",
-            TlsFailure::Protocol => "protocol",
-            TlsFailure::Closed => "closed",
-            TlsFailure::Other => "other",
-        }
-    }
-
     /// Why the handshake that returned `e` failed: the `rustls::Error` inside it says,
     /// or else the connection failed under it.
     fn of(e: &std::io::Error) -> TlsFailure {
@@ -369,6 +360,52 @@ impl TlsHandshakes {
         if let Some(at) = TlsHandshake::ALL.iter().position(|x| *x == h) {
             self.0[at].inc();
         }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct UpstreamHandshakeLabels {
+    /// `ok` (a full handshake), `resumed` (an earlier session resumed), `failed`,
+    /// `timeout` (not done within connect_timeout).
+    pub result: &'static str,
+    /// Why a `failed` one failed (see [`TlsFailure`]); `none` for the others.
+    pub reason: &'static str,
+}
+
+/// The metrics of TLS to the backend: its handshakes, by result and reason.
+pub struct UpstreamTlsMetrics {
+    pub handshakes: Family<UpstreamHandshakeLabels, Counter>,
+}
+
+impl UpstreamTlsMetrics {
+    /// Register them in `registry`; their series follow the config (see
+    /// [`UpstreamTlsMetrics::handshakes`]).
+    pub fn register(registry: &mut Registry) -> UpstreamTlsMetrics {
+        let handshakes = Family::<UpstreamHandshakeLabels, Counter>::default();
+        registry.register(
+            "upstream_tls_handshakes",
+            "TLS handshakes with an https:// upstream, by result: ok (full), resumed (an earlier session resumed), failed, timeout (not done within connect_timeout). For failed, by reason: unknown_issuer, name_mismatch, expired, certificate (another fault of the backend's certificate), alert (the backend refused us), protocol, closed (closed or reset under the handshake), other; reason=none for the other results",
+            handshakes.clone(),
+        );
+        UpstreamTlsMetrics { handshakes }
+    }
+
+    /// The counters of the upstream's TLS handshakes: for an `https://` upstream every
+    /// series, created now at zero (counts so far kept); for an `http://` one, none (those
+    /// of an earlier `https://` upstream dropped) and counters that count nowhere.
+    pub fn handshakes(&self, https: bool) -> TlsHandshakes {
+        if !https {
+            self.handshakes.clear();
+            return TlsHandshakes::default();
+        }
+        TlsHandshakes(TlsHandshake::ALL.map(|h| {
+            self.handshakes
+                .get_or_create(&UpstreamHandshakeLabels {
+                    result: h.name(),
+                    reason: h.reason(),
+                })
+                .clone()
+        }))
     }
 }
 

@@ -1,0 +1,441 @@
+//! The metrics the gateway owns: one request's decisions by rule, its outcome and time
+//! end to end, the responses clients got and the upstream's answers, refusals before any
+//! limit, reloads, and the requests in flight or waiting for their tokens.
+
+use std::time::Duration;
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+use crate::metrics::label_enum;
+use crate::stats::Outcome;
+
+label_enum! {
+    /// How a rule's decision on one request is counted (`decision=`).
+    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+    pub enum DecisionLabel {
+        /// The rule allowed the request, the request passed (charged) and the upstream
+        /// answered it; one it did not answer is the rule's upstream failure instead
+        /// (`ratewall_rule_upstream_failures_total`).
+        Allowed = "allowed",
+        /// The rule allowed the request after it waited for its tokens (`max_delay`).
+        Delayed = "delayed",
+        /// The rule denied the request.
+        Denied = "denied",
+        /// A shadow rule would have denied it, but let it pass.
+        ShadowDenied = "shadow_denied",
+        /// The rule would have allowed the request, but another rule denied it: charged
+        /// nothing here (a denied request takes nothing from the rules it passed).
+        DeniedByOther = "denied_by_other",
+        /// The store failed; `on_error` answered.
+        Error = "error",
+        /// The rule refused the request before any limit was consulted: its identity is
+        /// missing or unknown (401).
+        Refused = "refused",
+        /// The rule refused the request before any limit was consulted: the key (or header)
+        /// it counts by is malformed (400: sent twice, too long).
+        BadKey = "bad_key",
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RuleLabels {
+    pub rule: String,
+    pub decision: DecisionLabel,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ClassLabels {
+    /// `2xx`..`5xx` from the upstream, or `error` (refused, timed out, reset).
+    pub class: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ResponseLabels {
+    /// The status class the client got.
+    pub class: &'static str,
+    /// Who answered: `upstream` or `gateway` (401, 429, 502, 503, 504...).
+    pub source: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ProtocolLabels {
+    /// `HTTP/1.0`, `HTTP/1.1` or `HTTP/2`.
+    pub protocol: &'static str,
+    /// `TLSv1.3` or `TLSv1.2` over the TLS listener; `none` in cleartext.
+    pub tls: &'static str,
+}
+
+/// The protocols and TLS versions `ratewall_client_requests_total` counts by.
+const PROTOCOLS: [&str; 3] = ["HTTP/1.0", "HTTP/1.1", "HTTP/2"];
+const TLS_VERSIONS: [&str; 3] = ["none", "TLSv1.2", "TLSv1.3"];
+
+label_enum! {
+    /// Why the gateway refused a request before any limit was consulted
+    /// (`ratewall_refusals_total{reason}`).
+    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+    pub enum RefusalReason {
+        /// 401: no API key (or no value of the header a rule counts by), and the rule needs one.
+        MissingKey = "missing_key",
+        /// 401: a key not listed, with `unknown = "reject"`.
+        UnknownKey = "unknown_key",
+        /// 400: a malformed key header, or a request head the gateway will not pass on.
+        Malformed = "malformed",
+        /// 501: a method or transfer coding the gateway does not forward (`CONNECT`).
+        NotImplemented = "not_implemented",
+        /// 404: no route matches the request, and no pool `default` takes the rest.
+        NoRoute = "no_route",
+    }
+}
+
+impl RefusalReason {
+    /// A refusal of a malformed head, by the status it is answered.
+    pub fn of_status(status: u16) -> RefusalReason {
+        match status {
+            501 => RefusalReason::NotImplemented,
+            _ => RefusalReason::Malformed,
+        }
+    }
+}
+
+impl From<crate::identity::Refusal> for RefusalReason {
+    fn from(r: crate::identity::Refusal) -> RefusalReason {
+        use crate::identity::Refusal;
+        match r {
+            Refusal::MissingKey | Refusal::MissingHeader | Refusal::MissingCert => {
+                RefusalReason::MissingKey
+            }
+            Refusal::UnknownKey => RefusalReason::UnknownKey,
+            Refusal::Malformed(_) => RefusalReason::Malformed,
+        }
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RefusalLabels {
+    pub reason: RefusalReason,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct OutcomeLabels {
+    pub outcome: Outcome,
+}
+
+label_enum! {
+    /// A forwarded request the upstream did not answer, by what the client got.
+    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+    pub enum UpstreamFailure {
+        /// 502.
+        Error = "upstream_error",
+        /// 504.
+        Timeout = "upstream_timeout",
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct RuleFailureLabels {
+    pub rule: String,
+    pub outcome: UpstreamFailure,
+}
+
+label_enum! {
+    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+    pub enum ReloadResult {
+        Ok = "ok",
+        Rejected = "rejected",
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ReloadLabels {
+    pub result: ReloadResult,
+}
+
+/// The classes [`status_class`] names, in order, and "error" (upstream failures).
+const CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "error"];
+
+fn class_index(class: &str) -> usize {
+    CLASSES
+        .iter()
+        .position(|c| *c == class)
+        .unwrap_or(CLASSES.len() - 1)
+}
+
+pub fn status_class(status: u16) -> &'static str {
+    match status {
+        100..=199 => "1xx",
+        200..=299 => "2xx",
+        300..=399 => "3xx",
+        400..=499 => "4xx",
+        _ => "5xx",
+    }
+}
+
+pub struct GatewayMetrics {
+    pub requests: Family<RuleLabels, Counter>,
+    pub responses: Family<ResponseLabels, Counter>,
+    pub upstream_duration: Histogram,
+    pub upstream_responses: Family<ClassLabels, Counter>,
+    pub reloads: Family<ReloadLabels, Counter>,
+    pub in_flight: Gauge,
+    /// Requests waiting for reserved tokens (`max_delay`) now.
+    pub waiting: Gauge,
+    /// End to end, by outcome: from the request's head read to its answer's head handed
+    /// to the connection.
+    pub request_duration: Family<OutcomeLabels, Histogram>,
+    pub refusals: Family<RefusalLabels, Counter>,
+    /// Forwarded requests the upstream did not answer, per rule that let them through.
+    pub rule_upstream_failures: Family<RuleFailureLabels, Counter>,
+    /// Requests the cleartext listener answered with a 308 to the TLS listener
+    /// (`redirect_https`), never admitted.
+    pub https_redirects: Counter,
+    /// Request header fields whose name has an underscore, dropped before anything read
+    /// them (`[server] underscores_in_headers = false`).
+    pub underscore_fields_dropped: Counter,
+    /// Requests by HTTP version and TLS version, and their handles (see `PROTOCOLS`).
+    pub client_requests: Family<ProtocolLabels, Counter>,
+    protocol_handles: [[Counter; TLS_VERSIONS.len()]; PROTOCOLS.len()],
+    /// `responses` (by class, then gateway / upstream), `upstream_responses`,
+    /// `request_duration` and `refusals` handles, resolved once: counting then takes no
+    /// lock on the family and hashes no labels.
+    response_handles: [[Counter; 2]; 6],
+    upstream_handles: [Counter; 6],
+    duration_handles: [Histogram; Outcome::ALL.len()],
+    refusal_handles: [Counter; RefusalReason::ALL.len()],
+}
+
+impl GatewayMetrics {
+    /// Register the gateway's metrics in `registry`, every series the config does not
+    /// name created now at zero (a rule's, by [`GatewayMetrics::rule_counters`], at load).
+    pub fn register(registry: &mut Registry) -> GatewayMetrics {
+        let requests = Family::<RuleLabels, Counter>::default();
+        registry.register(
+            "requests",
+            "Decisions by rule: allowed (let through, and the upstream answered), delayed (the same, after waiting, max_delay), denied, shadow_denied (would have denied: shadow mode or outside enforce_percent), denied_by_other (this rule would have allowed it, another denied it: charged nothing here), error (store failed), refused (this rule refused the request before any limit: its key missing or unknown, 401), bad_key (its key malformed, 400)",
+            requests.clone(),
+        );
+        let responses = Family::<ResponseLabels, Counter>::default();
+        registry.register(
+            "responses",
+            "Responses sent to clients, by status class and by who answered (upstream or gateway)",
+            responses.clone(),
+        );
+        let upstream_duration = Histogram::new([
+            0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+            30.0,
+        ]);
+        registry.register(
+            "upstream_duration_seconds",
+            "Time until the upstream's response head (or its failure)",
+            upstream_duration.clone(),
+        );
+        let upstream_responses = Family::<ClassLabels, Counter>::default();
+        registry.register(
+            "upstream_responses",
+            "Upstream answers by status class, or error (refused, timed out, reset)",
+            upstream_responses.clone(),
+        );
+        let reloads = Family::<ReloadLabels, Counter>::default();
+        registry.register(
+            "config_reloads",
+            "Config reloads (SIGHUP) by result",
+            reloads.clone(),
+        );
+        let in_flight = Gauge::default();
+        registry.register(
+            "in_flight_requests",
+            "Requests being handled now",
+            in_flight.clone(),
+        );
+        let waiting = Gauge::default();
+        registry.register(
+            "waiting_requests",
+            "Requests waiting for their reserved tokens (max_delay) before they are forwarded",
+            waiting.clone(),
+        );
+        let request_duration = Family::<OutcomeLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new([
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                10.0, 30.0, 60.0,
+            ])
+        });
+        registry.register(
+            "request_duration_seconds",
+            "Requests end to end, from the head read to the answer's head sent, by outcome: allowed (the upstream answered), denied (429), unauthorized (401: no key or an unknown one), bad_request (400 or 501 before any limit: a malformed head or key, a tunnel), store_unavailable (503), upstream_error (502), upstream_timeout (504), client_error (the client's body malformed or stalled while forwarding). Its _count is every request once",
+            request_duration.clone(),
+        );
+        let refusals = Family::<RefusalLabels, Counter>::default();
+        registry.register(
+            "refusals",
+            "Requests refused before any limit was consulted, by reason: missing_key (401), unknown_key (401), malformed (400), not_implemented (501)",
+            refusals.clone(),
+        );
+        let rule_upstream_failures = Family::<RuleFailureLabels, Counter>::default();
+        registry.register(
+            "rule_upstream_failures",
+            "Requests a rule let through that the upstream did not answer: upstream_error (502), upstream_timeout (504)",
+            rule_upstream_failures.clone(),
+        );
+        let https_redirects = Counter::default();
+        registry.register(
+            "https_redirects",
+            "Requests the cleartext listener answered with a 308 to the TLS listener (redirect_https): never admitted, so in no other request count",
+            https_redirects.clone(),
+        );
+        let underscore_fields_dropped = Counter::default();
+        registry.register(
+            "underscore_fields_dropped",
+            "Request header fields whose name has an underscore (X_Api_Key), dropped before the rules or the upstream saw them: CGI, WSGI and Rack read them as the dashed name ([server] underscores_in_headers = false)",
+            underscore_fields_dropped.clone(),
+        );
+        let client_requests = Family::<ProtocolLabels, Counter>::default();
+        registry.register(
+            "client_requests",
+            "Requests from clients by HTTP version (HTTP/1.0, HTTP/1.1, HTTP/2) and TLS version (TLSv1.3, TLSv1.2; none in cleartext)",
+            client_requests.clone(),
+        );
+        let protocol_handles = PROTOCOLS.map(|protocol| {
+            TLS_VERSIONS.map(|tls| {
+                client_requests
+                    .get_or_create(&ProtocolLabels { protocol, tls })
+                    .clone()
+            })
+        });
+        for result in ReloadResult::ALL {
+            let _ = reloads.get_or_create(&ReloadLabels { result });
+        }
+        let response_handles = CLASSES.map(|class| {
+            [false, true].map(|upstream| match class {
+                // The upstream's failures only: a client always gets a status.
+                "error" => Counter::default(),
+                _ => responses
+                    .get_or_create(&ResponseLabels {
+                        class,
+                        source: if upstream { "upstream" } else { "gateway" },
+                    })
+                    .clone(),
+            })
+        });
+        let upstream_handles = CLASSES.map(|class| {
+            upstream_responses
+                .get_or_create(&ClassLabels { class })
+                .clone()
+        });
+        let duration_handles = Outcome::ALL.map(|outcome| {
+            request_duration
+                .get_or_create(&OutcomeLabels { outcome })
+                .clone()
+        });
+        let refusal_handles = RefusalReason::ALL
+            .map(|reason| refusals.get_or_create(&RefusalLabels { reason }).clone());
+        GatewayMetrics {
+            requests,
+            responses,
+            upstream_duration,
+            upstream_responses,
+            reloads,
+            in_flight,
+            waiting,
+            request_duration,
+            refusals,
+            rule_upstream_failures,
+            https_redirects,
+            underscore_fields_dropped,
+            client_requests,
+            protocol_handles,
+            response_handles,
+            upstream_handles,
+            duration_handles,
+            refusal_handles,
+        }
+    }
+
+    /// Count one request by its HTTP version and, over TLS, its TLS version.
+    pub fn count_protocol(&self, version: http::Version, tls: Option<&'static str>) {
+        let p = match version {
+            http::Version::HTTP_10 | http::Version::HTTP_09 => 0,
+            http::Version::HTTP_2 => 2,
+            _ => 1,
+        };
+        let t = match tls {
+            None => 0,
+            Some("TLSv1.2") => 1,
+            Some(_) => 2,
+        };
+        self.protocol_handles[p][t].inc();
+    }
+
+    /// Count one response to a client, of `class` (see [`status_class`]), answered by the
+    /// upstream or by the gateway.
+    pub fn count_response(&self, class: &'static str, upstream: bool) {
+        self.response_handles[class_index(class)][usize::from(upstream)].inc();
+    }
+
+    /// Count one upstream answer of `class`, or "error".
+    pub fn count_upstream(&self, class: &'static str) {
+        self.upstream_handles[class_index(class)].inc();
+    }
+
+    /// Count one request, ended as `outcome` after `took` (end to end).
+    pub fn count_outcome(&self, outcome: Outcome, took: Duration) {
+        self.duration_handles[outcome.index()].observe(took.as_secs_f64());
+    }
+
+    /// Count one request refused before any limit was consulted.
+    pub fn count_refusal(&self, reason: RefusalReason) {
+        self.refusal_handles[reason as usize].inc();
+    }
+
+    /// One rule's decision counters, resolved once (at config load) so that counting a
+    /// request allocates nothing and takes no lock.
+    pub fn rule_counters(&self, rule: &str) -> RuleCounters {
+        let counter = |decision| {
+            self.requests
+                .get_or_create(&RuleLabels {
+                    rule: rule.to_string(),
+                    decision,
+                })
+                .clone()
+        };
+        let failures = |outcome| {
+            self.rule_upstream_failures
+                .get_or_create(&RuleFailureLabels {
+                    rule: rule.to_string(),
+                    outcome,
+                })
+                .clone()
+        };
+        RuleCounters {
+            allowed: counter(DecisionLabel::Allowed),
+            delayed: counter(DecisionLabel::Delayed),
+            denied: counter(DecisionLabel::Denied),
+            shadow_denied: counter(DecisionLabel::ShadowDenied),
+            denied_by_other: counter(DecisionLabel::DeniedByOther),
+            error: counter(DecisionLabel::Error),
+            refused: counter(DecisionLabel::Refused),
+            bad_key: counter(DecisionLabel::BadKey),
+            upstream_error: failures(UpstreamFailure::Error),
+            upstream_timeout: failures(UpstreamFailure::Timeout),
+        }
+    }
+}
+
+/// `ratewall_requests_total` for one rule, one handle per decision, and its
+/// `ratewall_rule_upstream_failures_total` (handles share the registered counters).
+#[derive(Clone)]
+pub struct RuleCounters {
+    pub allowed: Counter,
+    pub delayed: Counter,
+    pub denied: Counter,
+    pub shadow_denied: Counter,
+    pub denied_by_other: Counter,
+    pub error: Counter,
+    pub refused: Counter,
+    pub bad_key: Counter,
+    pub upstream_error: Counter,
+    pub upstream_timeout: Counter,
+}

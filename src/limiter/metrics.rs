@@ -1,0 +1,142 @@
+//! The metrics the limiter and its stores own: store calls (time, errors), the deny
+//! cache, the circuit breaker, and the in-process stores' keys and evictions.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::Gauge;
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::Registry;
+
+crate::metrics::label_enum! {
+    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+    pub enum StoreErrorKind {
+        /// No answer within `[store].timeout`.
+        Timeout = "timeout",
+        /// Refused, dropped or otherwise unreachable.
+        Connection = "connection",
+        /// One key's data (wrong type, corrupt state).
+        Data = "data",
+        /// Not tried: the circuit breaker is open.
+        BreakerOpen = "breaker_open",
+        /// The memory store had no room for a new key (every key in the way is being denied).
+        Full = "full",
+        /// Anything else the store answered unexpectedly.
+        Other = "other",
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StoreErrorLabels {
+    pub kind: StoreErrorKind,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct StoreLabels {
+    pub backend: &'static str,
+}
+
+/// An in-process store: `memory` (the configured backend) or `local` (the `on_error =
+/// "local"` fallback).
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct MemoryLabels {
+    pub store: &'static str,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct EvictionLabels {
+    pub store: &'static str,
+    /// `expired` (equivalent to no entry), `lru` (live, not being denied) or `held`
+    /// (being denied, when nothing else could make room).
+    pub reason: &'static str,
+}
+
+/// The in-process stores `store_keys` and `store_evictions` count by.
+const MEMORY_STORES: [&str; 2] = ["memory", "local"];
+const EVICTION_REASONS: [&str; 3] = ["expired", "lru", "held"];
+
+/// Clones share the registered series.
+#[derive(Clone)]
+pub struct LimiterMetrics {
+    /// Time of one store call, by backend.
+    pub store_duration: Family<StoreLabels, Histogram>,
+    pub store_errors: Family<StoreErrorLabels, Counter>,
+    pub deny_cache_hits: Counter,
+    pub breaker_open: Gauge,
+    /// Keys the in-process stores hold, as of the last sweep.
+    pub memory_keys: Family<MemoryLabels, Gauge>,
+    /// Entries the in-process stores dropped to make room for new keys.
+    pub memory_evictions: Family<EvictionLabels, Counter>,
+}
+
+impl LimiterMetrics {
+    /// Register the limiter's metrics in `registry`, every series they have whatever the
+    /// config created now at zero.
+    pub fn register(registry: &mut Registry) -> LimiterMetrics {
+        let store_duration = Family::<StoreLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new([
+                0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
+                0.25, 0.5, 1.0,
+            ])
+        });
+        registry.register(
+            "store_call_duration_seconds",
+            "Time of one store call (one per limited request), by backend",
+            store_duration.clone(),
+        );
+        let store_errors = Family::<StoreErrorLabels, Counter>::default();
+        registry.register(
+            "store_errors",
+            "Store calls that failed, by kind",
+            store_errors.clone(),
+        );
+        let deny_cache_hits = Counter::default();
+        registry.register(
+            "deny_cache_hits",
+            "Requests denied from the local cache of denials, without a store call",
+            deny_cache_hits.clone(),
+        );
+        let breaker_open = Gauge::default();
+        registry.register(
+            "store_breaker_open",
+            "1 while the store's circuit breaker is open (on_error applied without trying the store)",
+            breaker_open.clone(),
+        );
+        let memory_keys = Family::<MemoryLabels, Gauge>::default();
+        registry.register(
+            "store_keys",
+            "Keys the in-process store holds (store=memory: the memory backend; store=local: the on_error = \"local\" fallback), as of the last sweep",
+            memory_keys.clone(),
+        );
+        let memory_evictions = Family::<EvictionLabels, Counter>::default();
+        registry.register(
+            "store_evictions",
+            "Entries an in-process store dropped to make room for a new key at max_keys: reason=expired (already equivalent to none), lru (the least recently used not being denied), held (the least recently denied, when a shard held nothing else)",
+            memory_evictions.clone(),
+        );
+        for kind in StoreErrorKind::ALL {
+            let _ = store_errors.get_or_create(&StoreErrorLabels { kind });
+        }
+        for store in MEMORY_STORES {
+            let _ = memory_keys.get_or_create(&MemoryLabels { store });
+            for reason in EVICTION_REASONS {
+                let _ = memory_evictions.get_or_create(&EvictionLabels { store, reason });
+            }
+        }
+        LimiterMetrics {
+            store_duration,
+            store_errors,
+            deny_cache_hits,
+            breaker_open,
+            memory_keys,
+            memory_evictions,
+        }
+    }
+
+    /// The key count gauge of the in-process store `store`.
+    pub fn store_keys(&self, store: &'static str) -> Gauge {
+        self.memory_keys
+            .get_or_create(&MemoryLabels { store })
+            .clone()
+    }
+}
