@@ -91,7 +91,15 @@ pub(super) fn validate(
             &r.strip_prefix,
             r.matcher.as_ref().and_then(|m| m.get_ref().literal_path()),
         ) {
-            if !path.starts_with(strip.get_ref().0.as_str()) {
+            let strip_text = strip.get_ref().0.as_str();
+            let fits = match case {
+                PathCase::Sensitive => path.starts_with(strip_text),
+                // As the request path is stripped: letters' case ignored.
+                PathCase::Insensitive => path
+                    .get(..strip_text.len())
+                    .is_some_and(|head| head.eq_ignore_ascii_case(strip_text)),
+            };
+            if !fits {
                 return Err(Invalid::new(
                     Some(strip.span()),
                     format!("{at}.strip_prefix"),

@@ -493,7 +493,9 @@ fn pool(
             weight: weight.unwrap_or(1),
             tls,
         };
-        if !seen.insert((server.label(), server.base_path.clone())) {
+        // By its URL alone: two servers that differ only in base path would share a ring
+        // place, a metrics series and a status-page row.
+        if !seen.insert(server.label()) {
             return Err(Invalid::new(
                 Some(span.clone()),
                 at,

@@ -454,6 +454,13 @@ impl<'de> Deserialize<'de> for UpstreamUrl {
                 "invalid upstream url {s:?}: no host"
             )));
         };
+        // Never echoed: user info is a password. It would also show in metrics labels, the
+        // status page and the logs, and nothing sends it upstream.
+        if authority.as_str().contains('@') {
+            return Err(de::Error::custom(
+                "invalid upstream url: user info (user:password@) is not supported, and is not sent to the backend: give the backend's address only",
+            ));
+        }
         if uri.query().is_some() {
             return Err(de::Error::custom(format!(
                 "invalid upstream url {s:?}: no query allowed"

@@ -21,6 +21,8 @@ pub struct Live {
     /// settings a reload left alone is the same value, connections and health kept.
     pub pools: Arc<upstream::Pools>,
     pub limiter: Arc<Limiter>,
+    /// The worker threads serving (one client per worker in each pool's servers).
+    pub workers: usize,
     /// Whether the deny cache may be used under this config (see [`Limiter::decide_now`]).
     pub cache_denials: bool,
     /// `ratewall_requests_total` handles for each of `config.rules`, in order.
@@ -56,7 +58,9 @@ impl Live {
                 Limiter::new(store, s, metrics.limiter.clone(), metrics.stats.clone())
             }
         };
-        let workers = config.server.workers.max(1);
+        // The threads running now: `workers` takes effect on restart only, so a reload
+        // that changes it keeps the running count (and the pools built for it).
+        let workers = old.map_or(config.server.workers.max(1), |o| o.workers);
         let pools = match old {
             Some(o) if o.config.upstreams == config.upstreams => o.pools.clone(),
             _ => {
@@ -91,6 +95,7 @@ impl Live {
             waiting: config.rules.iter().map(|_| AtomicU32::new(0)).collect(),
             config: Arc::new(config),
             pools,
+            workers,
             limiter,
             cache_denials,
         })

@@ -84,9 +84,12 @@ impl Routes {
 
     /// The path (and query) a request sent by route `route` is forwarded with:
     /// `path_and_query` as the client sent it, its path's `strip_prefix` taken off where
-    /// the path as sent starts with it (letters' case ignored under `path_case =
-    /// "insensitive"`), then `add_prefix` put in front. Every other byte is the client's,
-    /// percent-encodings and the query included; a path left empty becomes `/`. A route
+    /// the path as sent starts with it and it ends a segment there (letters' case ignored
+    /// under `path_case = "insensitive"`), then `add_prefix` put in front. Every other byte
+    /// is the client's, percent-encodings and the query included; a path left empty
+    /// becomes `/`. A path that spells the prefix otherwise (`/%76%31/x`, `//v1/x`,
+    /// `/v1;p/x`) is stripped as the backend routes it ([`super::normalize_path`]), what a
+    /// path cannot carry encoded again: never sent with the prefix the route takes away. A route
     /// with neither prefix, an unknown `route`, or a target that is no path (`*` of
     /// `OPTIONS *`) leaves it as it is.
     pub fn forwarded_path<'a>(&self, route: usize, path_and_query: &'a str) -> Cow<'a, str> {
@@ -99,18 +102,29 @@ impl Routes {
         if r.strip_prefix.is_none() && r.add_prefix.is_none() {
             return Cow::Borrowed(path_and_query);
         }
-        let mut rest = path_and_query;
+        let mut rest = Cow::Borrowed(path_and_query);
         if let Some(strip) = &r.strip_prefix {
-            let path_end = rest.find('?').unwrap_or(rest.len());
-            let path = &rest[..path_end];
-            let starts = match self.case {
-                PathCase::Sensitive => path.starts_with(strip.as_str()),
-                PathCase::Insensitive => path
-                    .get(..strip.len())
-                    .is_some_and(|head| head.eq_ignore_ascii_case(strip)),
-            };
-            if starts {
-                rest = &rest[strip.len()..];
+            let path_end = path_and_query.find('?').unwrap_or(path_and_query.len());
+            let (path, query) = path_and_query.split_at(path_end);
+            // Taken off the bytes as sent where they spell it and it ends at a segment's
+            // end (`/v1` of `/v1/x`, not of `/v1;p/x` or `/v1%2Fx`).
+            let literal = self
+                .strip(path, strip)
+                .filter(|after| after.is_empty() || after.starts_with('/') || strip.ends_with('/'));
+            if let Some(after) = literal {
+                rest = Cow::Borrowed(&path_and_query[path.len() - after.len()..]);
+            } else {
+                // The client spelled the prefix otherwise (`/%76%31/`, `//v1/`, `/./v1/`,
+                // `/v1;x/`): the route matched its path as the backend routes it, so that
+                // path is stripped and sent — with its bytes that a path cannot carry
+                // encoded again — rather than the unstripped original, which would reach
+                // the backend under the prefix the route takes away.
+                let normal = super::normalize_path(path);
+                if let Some(after) = self.strip(&normal, strip) {
+                    let mut sent = encode_path(after);
+                    sent.push_str(query);
+                    rest = Cow::Owned(sent);
+                }
             }
         }
         let add = r.add_prefix.as_deref().unwrap_or("");
@@ -119,9 +133,36 @@ impl Routes {
         if !rest.starts_with('/') {
             out.push('/');
         }
-        out.push_str(rest);
+        out.push_str(&rest);
         Cow::Owned(out)
     }
+
+    /// What is left of `path` once `prefix` is taken off its front, if it starts with it
+    /// (letters' case ignored under `path_case = "insensitive"`).
+    fn strip<'p>(&self, path: &'p str, prefix: &str) -> Option<&'p str> {
+        let head = path.get(..prefix.len())?;
+        let fits = match self.case {
+            PathCase::Sensitive => head == prefix,
+            PathCase::Insensitive => head.eq_ignore_ascii_case(prefix),
+        };
+        fits.then(|| &path[prefix.len()..])
+    }
+}
+
+/// `path` with every byte a path segment may not carry as it is (RFC 3986 §3.3: pchar is
+/// unreserved, sub-delims, `:` and `@`; `/` separates segments) percent-encoded.
+fn encode_path(path: &str) -> String {
+    use std::fmt::Write;
+    let mut out = String::with_capacity(path.len() + 8);
+    for &b in path.as_bytes() {
+        let keep = b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@/".contains(&b);
+        if keep {
+            out.push(b as char);
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -318,6 +359,13 @@ mod tests {
             (Some("/v1"), Some("/api"), "/v1", "/api/"),
             (None, None, "/a//b/../c?x", "/a//b/../c?x"),
             (Some("/v1"), Some("/api"), "*", "*"),
+            // Other spellings of the prefix: the path as the backend routes it is stripped,
+            // what a path cannot carry encoded again, the query as sent.
+            (Some("/v1"), None, "/%76%31/orders?x=%20", "/orders?x=%20"),
+            (Some("/v1"), None, "//v1/orders", "/orders"),
+            (Some("/v1"), None, "/./v1/a%20b", "/a%20b"),
+            (Some("/v1"), None, "/v1;x/orders", "/orders"),
+            (Some("/v1"), None, "/v1%2Forders", "/orders"),
         ] {
             assert_eq!(
                 forwarded(strip, add, s, sent),

@@ -106,7 +106,7 @@ impl PoolMetrics {
         );
         registry.register(
             "upstream_server_healthy",
-            "1 while a server takes requests, 0 while it is ejected (passive health) or failing its health checks",
+            "How many of a server's addresses take requests (1 or 0 for one address; a name resolving to several counts each): not those ejected (passive health) or failing their health checks",
             m.healthy.clone(),
         );
         registry.register(

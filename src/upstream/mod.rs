@@ -205,6 +205,11 @@ impl Client {
         down: &Downstream<'_>,
     ) -> Result<Response<ResponseBody>, Error> {
         let chunked = out.sending == Sending::Chunked;
+        if out.default_host {
+            out.parts
+                .headers
+                .insert(http::header::HOST, self.authority.clone());
+        }
         let going = Outgoing {
             head: head::request(
                 &out.parts,
@@ -403,6 +408,8 @@ pub struct Outbound {
     body: Option<Incoming>,
     /// The path and query to send, where a route rewrote them.
     target: Option<String>,
+    /// Whether its `Host` is the server's (the client named none): set per attempt.
+    default_host: bool,
 }
 
 impl Outbound {
@@ -414,9 +421,12 @@ impl Outbound {
         default_host: &HeaderValue,
     ) -> Outbound {
         let (mut parts, body) = req.into_parts();
+        let host_given = parts.headers.contains_key(http::header::HOST);
         let asked = forward::prepare(&mut parts, default_host);
         let sending = Sending::of(&body, &mut parts.headers);
         Outbound {
+            // A request that names no host is sent each server's own.
+            default_host: !host_given && asked.is_none(),
             parts,
             asked,
             sending,

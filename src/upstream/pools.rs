@@ -238,7 +238,6 @@ impl Pool {
         };
         let label: Arc<str> = s.label().into();
         let counters = self.metrics.server(&self.settings.name, &label);
-        counters.healthy.set(1);
         let ring_key = match (addr, literal_address(s)) {
             (Some(a), None) => format!("{label}@{a}"),
             _ => label.to_string(),
@@ -276,7 +275,11 @@ impl Pool {
             &self.settings.balance,
             list.iter().map(|s| (&*s.ring_key, s.weight)),
         );
+        let entries: Vec<usize> = list.iter().map(|s| s.entry).collect();
         self.servers.store(Arc::new(ServerSet { list, balancer }));
+        for entry in entries {
+            self.count_healthy(entry);
+        }
     }
 
     /// Send `out` to one of the pool's servers, and to others where an attempt failed
@@ -423,7 +426,7 @@ impl Pool {
         match event {
             HealthEvent::Ejected { until, consecutive } => {
                 server.counters.ejections.inc();
-                server.counters.healthy.set(0);
+                self.count_healthy(server.entry);
                 // Whole seconds, rounded up: an ejection of 10 s reads 10s, not 9s.
                 let secs = until
                     .saturating_duration_since(Instant::now())
@@ -439,7 +442,7 @@ impl Pool {
                 );
             }
             HealthEvent::Returned => {
-                server.counters.healthy.set(1);
+                self.count_healthy(server.entry);
                 tracing::info!(
                     pool,
                     server = &*server.label,
@@ -448,11 +451,11 @@ impl Pool {
                 );
             }
             HealthEvent::CheckFailed => {
-                server.counters.healthy.set(0);
+                self.count_healthy(server.entry);
                 tracing::warn!(pool, server = &*server.label, address = server.addr.map(tracing::field::display), "upstream server failing its health checks: out of the pool until it passes them again");
             }
             HealthEvent::CheckPassed => {
-                server.counters.healthy.set(1);
+                self.count_healthy(server.entry);
                 tracing::info!(
                     pool,
                     server = &*server.label,
@@ -460,6 +463,17 @@ impl Pool {
                     "upstream server passes its health checks again"
                 );
             }
+        }
+    }
+
+    /// Set the healthy gauge of `servers[entry]`: how many of its addresses take requests.
+    fn count_healthy(&self, entry: usize) {
+        let set = self.servers.load();
+        let now = Instant::now();
+        let of_entry = set.list.iter().filter(|s| s.entry == entry);
+        let healthy = of_entry.clone().filter(|s| s.health.available(now)).count();
+        if let Some(first) = set.list.iter().find(|s| s.entry == entry) {
+            first.counters.healthy.set(healthy as i64);
         }
     }
 
