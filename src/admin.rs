@@ -35,10 +35,9 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
 use serde::Serialize;
-use tokio::net::TcpListener;
 
 use crate::config::Config;
-use crate::connection::{self, InFlight, Registry, Tracked};
+use crate::connection::{self, InFlight, Track, Tracked};
 use crate::gateway::Gateway;
 use crate::headers::ceil_secs;
 use crate::identity;
@@ -76,49 +75,62 @@ enum Audience {
     Admin,
 }
 
-/// Serve the admin listener: the same connection handling as the gateway's (its
-/// timeouts, its head size bound), with a connection bound of its own.
-pub async fn serve(listener: TcpListener, gateway: Arc<Gateway>, registry: Arc<Registry>) {
-    // The status page's history: the counts sampled every few seconds, for as long as
-    // the listener serves.
-    let _sampler = AbortOnDrop(tokio::spawn({
-        let metrics = gateway.metrics().clone();
-        async move {
-            let mut every = tokio::time::interval(std::time::Duration::from_secs(SAMPLE_SECS));
-            every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-            loop {
-                every.tick().await;
-                metrics.stats.sample();
+/// The admin listener's side of its connections: the status page's sampler and the
+/// guard on the admin token, for as long as the listener serves. The listener itself is
+/// the server's, the gateway's accept loop with a connection bound of its own; each
+/// connection gets the same handling as the gateway's (its timeouts, its head size bound)
+/// and [`Admin::service`]. Cloned for each connection.
+#[derive(Clone)]
+pub struct Admin {
+    gateway: Arc<Gateway>,
+    /// The failed calls of each peer.
+    guard: Arc<Guard>,
+    /// The status page's history: the counts sampled every few seconds.
+    _sampler: Arc<AbortOnDrop>,
+}
+
+impl Admin {
+    /// Start the sampler (on the current runtime).
+    pub fn new(gateway: Arc<Gateway>) -> Admin {
+        let sampler = AbortOnDrop(tokio::spawn({
+            let metrics = gateway.metrics().clone();
+            async move {
+                let mut every = tokio::time::interval(std::time::Duration::from_secs(SAMPLE_SECS));
+                every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                loop {
+                    every.tick().await;
+                    metrics.stats.sample();
+                }
             }
+        }));
+        Admin {
+            gateway,
+            guard: Arc::new(Guard::new()),
+            _sampler: Arc::new(sampler),
         }
-    }));
-    // The failed calls of each peer, for as long as the listener serves.
-    let guard = Arc::new(Guard::new());
-    loop {
-        let (stream, peer) = match listener.accept().await {
-            Ok(accepted) => accepted,
-            Err(e) => {
-                registry.accept_failed(&e).await;
-                continue;
+    }
+
+    pub fn gateway(&self) -> &Arc<Gateway> {
+        &self.gateway
+    }
+
+    /// The service of one connection from `peer`: its calls, each tracked as in flight
+    /// until its answer's body is done.
+    pub fn service(
+        self,
+        peer: SocketAddr,
+        track: Arc<Track>,
+    ) -> impl connection::Service<Tracked<Full<Bytes>>> {
+        let (gw, guard) = (self.gateway, self.guard);
+        service_fn(move |req: Request<Incoming>| {
+            let request = InFlight::new(&track);
+            let http2 = req.version() == http::Version::HTTP_2;
+            let (gw, guard) = (gw.clone(), guard.clone());
+            async move {
+                let answer = handle(&gw, &guard, peer, &req).await;
+                Ok::<_, Infallible>(answer.map(|body| Tracked::new(body, request, http2)))
             }
-        };
-        let permit = registry.admit().await;
-        let (gw, registry, guard) = (gateway.clone(), registry.clone(), guard.clone());
-        let settings = gw.live().config.server.connections();
-        tokio::spawn(async move {
-            connection::serve(stream, &registry, permit, settings, |track| {
-                service_fn(move |req: Request<Incoming>| {
-                    let request = InFlight::new(&track);
-                    let http2 = req.version() == http::Version::HTTP_2;
-                    let (gw, guard) = (gw.clone(), guard.clone());
-                    async move {
-                        let answer = handle(&gw, &guard, peer, &req).await;
-                        Ok::<_, Infallible>(answer.map(|body| Tracked::new(body, request, http2)))
-                    }
-                })
-            })
-            .await;
-        });
+        })
     }
 }
 

@@ -14,19 +14,27 @@
 //! `cargo test --test layering -- --nocapture` prints their layers (`connection`, whose
 //! clocks the upstream hop uses too, and `identity` at the bottom; `server` at the top).
 //!
-//! - [`server`]: accept loop, graceful shutdown, SIGHUP reload; hands each connection to
+//! - [`server`]: one accept loop with its graceful shutdown (`server/listener.rs`: a
+//!   `Listener` value, run by every listener: cleartext, TLS, admin), the workers, SIGHUP
+//!   reload; hands each connection to
 //! - [`connection`]: one client connection (cleartext, or TLS after its handshake), HTTP/1
 //!   or HTTP/2, the clocks on its silences
-//!   (`header_timeout`, `idle_timeout`, stalled bodies), `max_connections`; each request to
-//! - [`gateway`]: one request, top to bottom: screen its head, find its rules, identify
-//!   it, ask the store, one pure verdict, then answer or forward. Also what it runs on
-//!   ([`gateway::Live`], swapped whole on reload) and `ratewall check`'s explanation.
-//! - [`admin`]: the admin listener: metrics, health, the admin API, the status page, and
-//!   the guard that slows a peer guessing the admin token (`admin/guard.rs`).
+//!   (`header_timeout`, `idle_timeout`, stalled bodies), `max_connections`: a folder, one
+//!   concern a file (`registry`, `track`, `tls`, `serve`, `protocol`, `clocks`, `head`,
+//!   `descriptors`); each request to
+//! - [`gateway`]: one request, top to bottom: screen its head, choose its route and pool
+//!   (`route.rs`; a 404 where none fits), find its rules, identify it, ask the store, one
+//!   pure verdict, then answer or forward it through its pool; each request in its
+//!   [`gateway::Context`] (peer, TLS session, client certificate, worker), built at the
+//!   connection. Also what it runs on ([`gateway::Live`], swapped whole on reload) and
+//!   `ratewall check`'s explanation.
+//! - [`admin`]: what the admin listener serves: metrics, health, the admin API, the status
+//!   page, and the guard that slows a peer guessing the admin token (`admin/guard.rs`).
 //! - [`config`]: the TOML file -> validated, immutable [`config::Config`], one file per
 //!   table; the types it fills live with their meaning, below.
-//! - [`rules`]: request parts -> the rules that apply (pure, through an index compiled at
-//!   load: exact paths, a prefix trie, globs, methods, hosts).
+//! - [`rules`]: request parts -> the route (`[[routes]]`, first match wins) and the rules
+//!   that apply (pure, through an index compiled at load: exact paths, a prefix trie,
+//!   globs, methods, hosts).
 //! - [`identity`]: the one place a rule's identity for a request is derived: peer +
 //!   trusted proxies + headers -> an identity digest, or a refusal (pure).
 //! - [`limiter`]: the algorithms as pure integer step functions (and the concurrency
@@ -34,20 +42,25 @@
 //!   (embedded) and [`limiter::redis`] (one Redis or a cluster; Lua twins in `lua/`); the
 //!   [`limiter::guard::Limiter`] around it (breaker, deny cache, `on_error`).
 //! - [`headers`]: decisions -> `RateLimit-*`, `Retry-After`, problem+json.
-//! - [`upstream`]: the HTTP/1.1 client to the backend, one per worker with its pool of
-//!   kept connections, a folder in the order a request goes through it: `forward` (the
-//!   hop-by-hop fields stripped, `X-Forwarded-*`), `head` (the request head written, the
-//!   answer's parsed), `pool`, `stream` (TCP, or TLS over it) and `tls` (an `https://`
-//!   backend's handshake: verified against the system's roots or `ca`, SNI, a client
-//!   certificate, sessions resumed), `body` (bodies framed both ways), and `error`: a typed
+//! - [`upstream`]: the pools and the HTTP/1.1 client to their servers: `settings` (the
+//!   validated `[[upstreams]]`), `pools` (each pool's servers, re-resolved, with one
+//!   client per worker and its kept connections; forwarding with retries), `balance`,
+//!   `health` (passive and active), `budget` (retries), `metrics` (per pool and server);
+//!   then the client, in the order a request goes through it: `forward` (the hop-by-hop
+//!   fields stripped, `X-Forwarded-*`), `head` (the request head written, the answer's
+//!   parsed), `kept`, `stream` (TCP, or TLS over it) and `tls` (an `https://` backend's
+//!   handshake: verified against the system's roots or `ca`, SNI, a client certificate,
+//!   sessions resumed), `body` (bodies framed both ways), and `error`: a typed
 //!   [`upstream::Error`] that says the client's status (502, 504, 400, 408) and whether
-//!   the request may go again. Its validated settings, [`upstream::Settings`], live there.
+//!   the request may go again.
 //! - [`metrics`]: Prometheus metrics, every series a config implies created at zero.
 //! - [`stats`]: what the status page shows: outcomes, latencies, the loads of the config;
 //!   counted with atomics on the request path, sampled into a bounded ring.
 //! - [`tls`]: `[server.tls]`: the certificates (chosen by SNI), client certificates, the
 //!   rustls server config the TLS listener's handshakes run on.
-//! - [`worker`]: which worker thread runs the current request (per-thread pools).
+//! - [`worker`]: which worker thread the current code runs on, for per-thread resources
+//!   found without a request's context (Redis connections);
+//!   a request carries its worker in its [`gateway::Context`].
 
 pub mod admin;
 pub mod config;

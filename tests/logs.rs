@@ -325,27 +325,31 @@ async fn an_unreachable_upstream_is_logged_once_per_change_of_state_with_a_count
     assert!(gw.wait_for_log("ratewall::access", DOWN, Duration::from_secs(10)));
     let logs = gw.logs();
     assert_eq!(
-        logs.matches("upstream failing").count(),
+        logs.matches("upstream pool failing").count(),
         1,
         "one line for {DOWN} failed requests:\n{logs}"
     );
     assert!(logs.contains(&format!("127.0.0.1:{port}")), "{logs}");
-    assert!(!logs.contains("upstream answers again"), "{logs}");
+    assert!(!logs.contains("upstream pool answers again"), "{logs}");
 
     // It comes up: one line, with the count.
     let up = answer_on(port).await;
     for _ in 0..3 {
         assert_eq!(client.get(&gw.url("/z"), &[]).await.status.as_u16(), 200);
     }
-    assert!(gw.wait_for_log("upstream answers again", 1, Duration::from_secs(10)));
+    assert!(gw.wait_for_log("upstream pool answers again", 1, Duration::from_secs(10)));
     let logs = gw.logs();
     let line = logs
         .lines()
-        .find(|l| l.contains("upstream answers again"))
+        .find(|l| l.contains("upstream pool answers again"))
         .expect("the recovery line");
     assert!(line.contains(&format!("failures={DOWN}")), "{line}");
     assert!(line.contains("down_for="), "{line}");
-    assert_eq!(logs.matches("upstream answers again").count(), 1, "{logs}");
+    assert_eq!(
+        logs.matches("upstream pool answers again").count(),
+        1,
+        "{logs}"
+    );
 
     // Down again: a new outage, a new line.
     up.abort();
@@ -360,7 +364,7 @@ async fn an_unreachable_upstream_is_logged_once_per_change_of_state_with_a_count
     }
     assert_eq!(failed, 5);
     let logs = gw.logs();
-    assert_eq!(logs.matches("upstream failing").count(), 2, "{logs}");
+    assert_eq!(logs.matches("upstream pool failing").count(), 2, "{logs}");
     assert_no_key(&logs);
 }
 

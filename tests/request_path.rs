@@ -4,17 +4,20 @@
 //! process can show (framing, connections, Redis, the upstream hop) is tested end to end
 //! in the other files.
 
-use std::net::IpAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
+use http::request::Parts;
 use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::BodyExt;
 use ratewall::config::Config;
-use ratewall::gateway::{Admission, Gateway, Live, Pass};
+use ratewall::gateway::{Admission, Context, Gateway, Live, Pass};
+use ratewall::identity::ClientCert;
 use ratewall::limiter::ManualClock;
 use ratewall::metrics::Metrics;
+use ratewall::upstream::ClientPeer;
 
 const UPSTREAM: &str =
     "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:2\"\n";
@@ -95,7 +98,13 @@ impl InProcess {
         }
         let parts = req.body(()).unwrap().into_parts().0;
         let peer: IpAddr = peer.parse().unwrap();
-        match self.gw.admit(live, &parts, peer).await {
+        let ctx = Context::new(ClientPeer::new(SocketAddr::new(peer, 40_000)), 0);
+        self.admit(live, &parts, &ctx).await
+    }
+
+    /// What `parts` got, admitted in `ctx`.
+    async fn admit<'l>(&self, live: &'l Live, parts: &Parts, ctx: &Context) -> Seen<'l> {
+        match self.gw.admit(live, parts, ctx).await {
             Admission::Answer(resp, note) => {
                 let (head, body) = resp.into_parts();
                 let body = body.collect().await.expect("a body").to_bytes();
@@ -508,4 +517,48 @@ async fn a_header_condition_asks_only_whether_the_header_is_there() {
     );
     let (counts, _) = tally(&t, &live, 3, "/", &[("authorization", "")], PEER).await;
     assert_eq!(counts, [(200, 2), (429, 1)], "an empty header is absent");
+}
+
+/// A `client_cert` rule counts the certificate in the request's context, which only the
+/// TLS handshake fills: each certificate has its own budget, and a request without one is
+/// refused, whatever its headers say.
+#[tokio::test]
+async fn a_client_cert_rule_counts_the_certificate_in_the_requests_context() {
+    let dir = tempfile::tempdir().expect("a temporary folder");
+    let cert = rcgen::generate_simple_self_signed(vec!["app.test".to_string()]).expect("a cert");
+    let (pem, key) = (dir.path().join("gw.pem"), dir.path().join("gw-key.pem"));
+    std::fs::write(&pem, cert.cert.pem()).expect("written");
+    std::fs::write(&key, cert.signing_key.serialize_pem()).expect("written");
+    let t = InProcess::new(&format!(
+        concat!(
+            "[server.tls]\nlisten = \"127.0.0.1:3\"\n",
+            "certificates = [{{ cert = \"{pem}\", key = \"{key}\" }}]\nclient_ca = \"{pem}\"\n",
+            "[[rules]]\nname = \"per-cert\"\nkey = \"client_cert\"\nrate = \"2/m\"\n",
+        ),
+        pem = pem.display(),
+        key = key.display(),
+    ));
+    let live = t.gw.live();
+    let parts = Request::get("/x")
+        .header("host", "app.test")
+        .body(())
+        .unwrap()
+        .into_parts()
+        .0;
+    let in_ctx = |cert: Option<[u8; 32]>| Context {
+        client_cert: cert.map(ClientCert),
+        ..Context::new(ClientPeer::new("203.0.113.7:40000".parse().unwrap()), 0)
+    };
+    let (alice, bob) = (in_ctx(Some([1; 32])), in_ctx(Some([2; 32])));
+    for _ in 0..2 {
+        assert_eq!(t.admit(&live, &parts, &alice).await.status, StatusCode::OK);
+    }
+    let denied = t.admit(&live, &parts, &alice).await;
+    assert_eq!(
+        (denied.status, denied.decision),
+        (StatusCode::TOO_MANY_REQUESTS, "denied")
+    );
+    assert_eq!(t.admit(&live, &parts, &bob).await.status, StatusCode::OK);
+    let none = t.admit(&live, &parts, &in_ctx(None)).await;
+    assert_eq!(none.status, StatusCode::UNAUTHORIZED, "{}", none.body);
 }

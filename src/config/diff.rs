@@ -1,11 +1,12 @@
-//! What a reload changed: the rules added, removed and changed (by name), and the other
-//! settings that differ (by key). Names only, never values: a value may be a secret (the
+//! What a reload changed: the rules, pools and routes added, removed and changed (by
+//! name), and the other settings that differ (by key). Names only, never values: a value may be a secret (the
 //! admin token, a Redis password, an API key listed with a plan).
 
 use std::fmt;
+use std::time::Duration;
 
 use super::Config;
-use crate::rules::Rule;
+use crate::rules::{Match, Route, Rule};
 
 /// The differences between two configurations, in the files' order.
 #[derive(Debug, Default, PartialEq, Eq)]
@@ -13,44 +14,148 @@ pub struct Changes {
     pub added: Vec<String>,
     pub removed: Vec<String>,
     pub changed: Vec<String>,
-    /// Dotted keys of the settings outside `[[rules]]` that differ: `upstream.timeout`,
-    /// `keys.plans` (the keys listed, or their plans).
+    /// The pools (`[upstream] url` is the pool `default`, and `[[upstreams]]`), by name:
+    /// a changed pool is one with any setting or server changed.
+    pub pools: Named,
+    /// The routes, by name (an unnamed one's is `route-<n>`: moving it renames it).
+    pub routes: Named,
+    /// Dotted keys of the settings outside `[[rules]]` and the routes that differ:
+    /// `upstream.timeout` (of the pool `default`, which `pools` names too), `keys.plans`
+    /// (the keys listed, or their plans).
     pub settings: Vec<&'static str>,
+}
+
+/// What was added, removed and changed among things known by name.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct Named {
+    pub added: Vec<String>,
+    pub removed: Vec<String>,
+    pub changed: Vec<String>,
+}
+
+impl Named {
+    /// `old` and `new`, compared by name (`name`) and then by `same`.
+    fn between<T>(
+        old: &[T],
+        new: &[T],
+        name: impl Fn(&T) -> &str,
+        same: impl Fn(&T, &T) -> bool,
+    ) -> Named {
+        let find = |list: &[T], n: &str| list.iter().position(|t| name(t) == n);
+        let mut c = Named::default();
+        for t in new {
+            match find(old, name(t)) {
+                None => c.added.push(name(t).to_string()),
+                Some(i) if !same(&old[i], t) => c.changed.push(name(t).to_string()),
+                Some(_) => {}
+            }
+        }
+        for t in old {
+            if find(new, name(t)).is_none() {
+                c.removed.push(name(t).to_string());
+            }
+        }
+        c
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.added.is_empty() && self.removed.is_empty() && self.changed.is_empty()
+    }
+}
+
+/// For a log field: `+new -gone ~changed`, or `-` when nothing changed.
+impl fmt::Display for Named {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if self.is_empty() {
+            return f.write_str("-");
+        }
+        let marked = [
+            ('+', &self.added),
+            ('-', &self.removed),
+            ('~', &self.changed),
+        ];
+        let mut first = true;
+        for (mark, names) in marked {
+            for n in names {
+                if !first {
+                    f.write_str(" ")?;
+                }
+                first = false;
+                write!(f, "{mark}{n}")?;
+            }
+        }
+        Ok(())
+    }
 }
 
 impl Changes {
     pub fn between(old: &Config, new: &Config) -> Changes {
-        let find = |rules: &'_ [Rule], name: &str| rules.iter().position(|r| r.name == name);
-        let mut c = Changes::default();
-        for r in &new.rules {
-            match find(&old.rules, &r.name) {
-                None => c.added.push(r.name.clone()),
-                Some(i) if !same_rule(&old.rules[i], r) => c.changed.push(r.name.clone()),
-                Some(_) => {}
-            }
+        let rules = Named::between(
+            &old.rules,
+            &new.rules,
+            |r| &r.name,
+            |a, b| same_rule((old, a), (new, b)),
+        );
+        Changes {
+            added: rules.added,
+            removed: rules.removed,
+            changed: rules.changed,
+            pools: Named::between(&old.upstreams, &new.upstreams, |p| &p.name, |a, b| a == b),
+            routes: Named::between(
+                &old.routes.list,
+                &new.routes.list,
+                |r| &r.name,
+                |a, b| same_route((old, a), (new, b)),
+            ),
+            settings: settings(old, new),
         }
-        for r in &old.rules {
-            if find(&new.rules, &r.name).is_none() {
-                c.removed.push(r.name.clone());
-            }
-        }
-        c.settings = settings(old, new);
-        c
     }
 
     pub fn is_empty(&self) -> bool {
         self.added.is_empty()
             && self.removed.is_empty()
             && self.changed.is_empty()
+            && self.pools.is_empty()
+            && self.routes.is_empty()
             && self.settings.is_empty()
     }
 }
 
+/// Whether two matches take the same requests. A `match` holds compiled patterns without
+/// an equality of their own: it is compared by its debug form, which names every part of
+/// it; a rule's route by the route's name (its position may move).
+fn same_match((o, a): (&Config, &Match), (n, b): (&Config, &Match)) -> bool {
+    let route = |cfg: &Config, m: &Match| {
+        m.route
+            .and_then(|i| cfg.routes.list.get(i))
+            .map(|r| r.name.clone())
+    };
+    let unrouted = |m: &Match| {
+        format!(
+            "{:?}",
+            Match {
+                route: None,
+                ..m.clone()
+            }
+        )
+    };
+    unrouted(a) == unrouted(b) && route(o, a) == route(n, b)
+}
+
+/// Whether two routes of one name send the same requests to the same pool (by its name)
+/// with the same path.
+fn same_route((o, a): (&Config, &Route), (n, b): (&Config, &Route)) -> bool {
+    let pool = |cfg: &Config, r: &Route| cfg.upstreams.get(r.pool).map(|p| p.name.clone());
+    same_match((o, &a.matcher), (n, &b.matcher))
+        && pool(o, a) == pool(n, b)
+        && a.strip_prefix == b.strip_prefix
+        && a.add_prefix == b.add_prefix
+}
+
 /// Whether two rules of one name limit the same requests the same way (order in the file
-/// aside). A `match` holds compiled patterns without an equality of their own: it is
-/// compared by its description, which names every part of it.
-fn same_rule(a: &Rule, b: &Rule) -> bool {
-    format!("{:?}", a.matcher) == format!("{:?}", b.matcher)
+/// aside).
+fn same_rule((o, a): (&Config, &Rule), (n, b): (&Config, &Rule)) -> bool {
+    same_match((o, &a.matcher), (n, &b.matcher))
         && a.key == b.key
         && a.quota == b.quota
         && a.plans == b.plans
@@ -60,14 +165,26 @@ fn same_rule(a: &Rule, b: &Rule) -> bool {
         && a.retry_jitter_us == b.retry_jitter_us
 }
 
-/// The keys outside `[[rules]]` whose values differ.
+/// The keys outside `[[rules]]` and the routes whose values differ.
 fn settings(o: &Config, n: &Config) -> Vec<&'static str> {
     let (os, ns) = (&o.server, &n.server);
     let (ot, nt) = (&os.timeouts, &ns.timeouts);
-    let (ou, nu) = (&o.upstream, &n.upstream);
     let (ostore, nstore) = (&o.store, &n.store);
     let (oip, nip) = (&o.client_ip, &n.client_ip);
     let (ok, nk) = (&o.keys, &n.keys);
+    // `[upstream]`'s own keys, as the pool `default` has them (also listed in `pools`):
+    // its first server's URL and base path, its connect_timeout and timeout.
+    type Default<'c> = (Option<(&'c http::Uri, &'c String)>, Duration, Duration);
+    fn default(c: &Config) -> Option<Default<'_>> {
+        c.upstreams
+            .iter()
+            .find(|p| p.name == crate::upstream::DEFAULT_POOL)
+            .map(|p| {
+                let first = p.servers.first().map(|s| (&s.url, &s.base_path));
+                (first, p.connect_timeout, p.timeout)
+            })
+    }
+    let (ou, nu) = (default(o), default(n));
     [
         ("server.listen", os.listen == ns.listen),
         ("server.admin_listen", os.admin_listen == ns.admin_listen),
@@ -124,15 +241,12 @@ fn settings(o: &Config, n: &Config) -> Vec<&'static str> {
                 == ns.tls.as_ref().is_some_and(|t| t.redirect_https),
         ),
         ("admin.token", o.admin.token == n.admin.token),
-        (
-            "upstream.url",
-            ou.url == nu.url && ou.base_path == nu.base_path,
-        ),
+        ("upstream.url", ou.map(|u| u.0) == nu.map(|u| u.0)),
         (
             "upstream.connect_timeout",
-            ou.connect_timeout == nu.connect_timeout,
+            ou.map(|u| u.1) == nu.map(|u| u.1),
         ),
-        ("upstream.timeout", ou.timeout == nu.timeout),
+        ("upstream.timeout", ou.map(|u| u.2) == nu.map(|u| u.2)),
         ("store.backend", ostore.backend == nstore.backend),
         ("store.prefix", ostore.prefix == nstore.prefix),
         ("store.timeout", ostore.timeout == nstore.timeout),
@@ -254,6 +368,11 @@ mod tests {
         );
         let c = Changes::between(&old, &new);
         assert_eq!(
+            c.pools.changed,
+            ["default"],
+            "[upstream] url is the pool default"
+        );
+        assert_eq!(
             c.settings,
             [
                 "upstream.timeout",
@@ -266,5 +385,75 @@ mod tests {
         assert!(!format!("{c:?}").contains("secret-key-123"));
         assert_eq!(Listed(&c.settings[..0]).to_string(), "-");
         assert_eq!(Listed(&c.added).to_string(), "r");
+    }
+
+    #[test]
+    fn pools_and_routes_are_named_as_added_removed_or_changed() {
+        let pools = |second: &str, routes: &str| {
+            config(&format!(
+                "[[upstreams]]\nname = \"a\"\nservers = [\"http://10.0.0.1\"]\n\
+                 [[upstreams]]\nname = \"{second}\"\nservers = [\"http://10.0.0.2\"]\n{routes}"
+            ))
+        };
+        let route = |name: &str, prefix: &str, pool: &str| {
+            format!("[[routes]]\nname = \"{name}\"\nmatch = {{ path_prefix = \"{prefix}\" }}\nupstream = \"{pool}\"\n")
+        };
+        let old = pools(
+            "b",
+            &[
+                route("x", "/x/", "a"),
+                route("y", "/y/", "b"),
+                route("z", "/z/", "a"),
+            ]
+            .concat(),
+        );
+        let new = pools(
+            "c",
+            &[
+                route("y", "/y/", "c"),
+                route("x", "/x/", "a"),
+                route("w", "/w/", "a"),
+            ]
+            .concat(),
+        );
+        let c = Changes::between(&old, &new);
+        assert_eq!(
+            c.pools,
+            Named {
+                added: vec!["c".into()],
+                removed: vec!["b".into()],
+                changed: vec![],
+            }
+        );
+        assert_eq!(
+            (c.routes.added.as_slice(), c.routes.removed.as_slice()),
+            (&["w".to_string()][..], &["z".to_string()][..])
+        );
+        assert_eq!(
+            c.routes.changed,
+            ["y"],
+            "its pool is another; moving x changes nothing"
+        );
+        assert_eq!(c.pools.to_string(), "+c -b");
+        assert_eq!(Named::default().to_string(), "-");
+        assert!(c.settings.is_empty(), "{c:?}");
+        // A rule following a route that moved is unchanged; one following another is.
+        let rule = |to: &str| {
+            format!("[[rules]]\nname = \"r\"\nkey = \"global\"\nrate = \"1/s\"\nmatch = {{ route = \"{to}\" }}\n")
+        };
+        let before = pools(
+            "b",
+            &[route("x", "/x/", "a"), route("y", "/y/", "b"), rule("y")].concat(),
+        );
+        let moved = pools(
+            "b",
+            &[route("y", "/y/", "b"), route("x", "/x/", "a"), rule("y")].concat(),
+        );
+        let other = pools(
+            "b",
+            &[route("x", "/x/", "a"), route("y", "/y/", "b"), rule("x")].concat(),
+        );
+        assert!(Changes::between(&before, &moved).changed.is_empty());
+        assert_eq!(Changes::between(&before, &other).changed, ["r"]);
     }
 }

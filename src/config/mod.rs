@@ -36,7 +36,7 @@ use crate::identity::{ClientIp, KeyKind, Keys, MissingKey};
 use crate::limiter::store::{self as store_settings, Backend};
 use crate::rules::{Plan, Routes, Rule, RuleIndex};
 
-pub use diff::{Changes, Listed};
+pub use diff::{Changes, Listed, Named};
 pub use overrides::{Given, OverrideError, Overrides, Source};
 pub use rules::{DEFAULT_LEASE_TTL, DEFAULT_MAX_WAITING, MAX_DELAY};
 pub use server::{
@@ -76,9 +76,6 @@ pub enum ConfigError {
 pub struct Config {
     pub server: Server,
     pub admin: Admin,
-    /// Transitional, until the runtime forwards by pool: the first server of the pool
-    /// `default`, else of the first pool, with that pool's clocks.
-    pub upstream: crate::upstream::Settings,
     /// Every pool (`[upstream] url` and `[[upstreams]]`), the pool `default` first if there
     /// is one, then in the file's order. Never empty.
     pub upstreams: Vec<crate::upstream::PoolSettings>,
@@ -239,23 +236,22 @@ fn underscored_names(
     Ok(())
 }
 
-/// The old single upstream, from the first pool's first server (the pool `default`, where
-/// there is one, is first).
-pub(super) fn transitional_upstream(
-    pools: &[crate::upstream::PoolSettings],
-) -> crate::upstream::Settings {
-    let pool = &pools[0];
-    let server = &pool.servers[0];
-    crate::upstream::Settings {
-        url: server.url.clone(),
-        tls: server.tls.clone(),
-        base_path: server.base_path.clone(),
-        connect_timeout: pool.connect_timeout,
-        timeout: pool.timeout,
-    }
-}
-
 impl Config {
+    /// The backend as the start line and `ratewall check` name it: the first pool's
+    /// (the pool `default`, where there is one, is first) first server, with its pool's
+    /// clocks.
+    pub fn upstream(&self) -> crate::upstream::Settings {
+        let pool = &self.upstreams[0];
+        let server = &pool.servers[0];
+        crate::upstream::Settings {
+            url: server.url.clone(),
+            tls: server.tls.clone(),
+            base_path: server.base_path.clone(),
+            connect_timeout: pool.connect_timeout,
+            timeout: pool.timeout,
+        }
+    }
+
     /// Read and validate the file at `path`.
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
         Config::parse(&read(path)?, path)
@@ -357,7 +353,6 @@ impl Config {
         Ok(Config {
             admin: raw.admin.validate(env_token),
             server,
-            upstream: transitional_upstream(&upstreams),
             upstreams,
             pool_defaults,
             routes,
@@ -380,14 +375,8 @@ impl Config {
         if let Some(a) = self.server.admin_listen {
             let _ = writeln!(out, "admin_listen  {a}");
         }
-        let _ = writeln!(
-            out,
-            "upstream      {}{}",
-            self.upstream.url.to_string().trim_end_matches('/'),
-            self.upstream.base_path
-        );
-        if let Some(tls) = &self.upstream.tls {
-            let _ = writeln!(out, "              {}", tls.describe());
+        for p in &self.upstreams {
+            describe_pool(&mut out, p);
         }
         let t = &self.server.timeouts;
         let _ = writeln!(
@@ -433,9 +422,13 @@ impl Config {
                 None => String::new(),
             }
         );
+        self.describe_routes(&mut out);
         let _ = writeln!(out, "rules         {}", self.rules.len());
         for r in &self.rules {
-            let when = r.matcher.describe();
+            let mut when = r.matcher.describe();
+            if let Some(route) = r.matcher.route.and_then(|i| self.routes.list.get(i)) {
+                when.push_str(&format!(", route {}", route.name));
+            }
             let key = match (&r.key.kind, r.key.missing) {
                 (KeyKind::ApiKey, MissingKey::Reject) => "api_key (missing: 401)".to_string(),
                 (KeyKind::ApiKey, MissingKey::ClientIp) => {
@@ -469,6 +462,112 @@ impl Config {
         }
         out
     }
+}
+
+impl Config {
+    /// `routes        2, first match wins; otherwise pool default`, then each route.
+    fn describe_routes(&self, out: &mut String) {
+        use std::fmt::Write;
+        let otherwise = match self.routes.default_pool {
+            Some(i) => format!("pool {}", self.upstreams[i].name),
+            None => "404".to_string(),
+        };
+        if self.routes.list.is_empty() {
+            let _ = writeln!(out, "routes        none: every request goes to {otherwise}");
+            return;
+        }
+        let _ = writeln!(
+            out,
+            "routes        {}, first match wins; no match: {otherwise}",
+            self.routes.list.len()
+        );
+        for r in &self.routes.list {
+            let mut paths = String::new();
+            if let Some(s) = &r.strip_prefix {
+                paths.push_str(&format!(", strip_prefix {s}"));
+            }
+            if let Some(a) = &r.add_prefix {
+                paths.push_str(&format!(", add_prefix {a}"));
+            }
+            let _ = writeln!(
+                out,
+                "  - {}: {} -> pool {}{paths}",
+                r.name,
+                r.matcher.describe(),
+                self.upstreams[r.pool].name
+            );
+        }
+    }
+}
+
+/// `upstream      http://a, http://b (weight 2)` (`pool <name>` for another than the pool
+/// `default`), the TLS of its https:// servers, then how it balances, retries and ejects.
+fn describe_pool(out: &mut String, p: &crate::upstream::PoolSettings) {
+    use std::fmt::Write;
+    let fmt = |d: std::time::Duration| humantime::format_duration(d).to_string();
+    let label = if p.name == crate::upstream::DEFAULT_POOL {
+        "upstream".to_string()
+    } else {
+        format!("pool {}", p.name)
+    };
+    let servers: Vec<String> = p
+        .servers
+        .iter()
+        .map(|s| match s.weight {
+            1 => format!("{}{}", s.label(), s.base_path),
+            w => format!("{}{} (weight {w})", s.label(), s.base_path),
+        })
+        .collect();
+    let _ = writeln!(out, "{label:<13} {}", servers.join(", "));
+    let mut tls: Vec<String> = p
+        .servers
+        .iter()
+        .filter_map(|s| s.tls.as_ref().map(|t| t.describe()))
+        .collect();
+    tls.dedup();
+    for t in tls {
+        let _ = writeln!(out, "              {t}");
+    }
+    let passive = &p.passive;
+    let ejects = if passive.max_fails == 0 {
+        "never ejects a server".to_string()
+    } else {
+        let statuses: Vec<&str> = passive.fail_on_status.iter().map(|s| s.as_str()).collect();
+        format!(
+            "ejects a server after {} failures{} in {} for {} (doubling), at most {}% of the pool",
+            passive.max_fails,
+            if statuses.is_empty() {
+                String::new()
+            } else {
+                format!(" (with {})", statuses.join("/"))
+            },
+            fmt(passive.fail_window),
+            fmt(passive.fail_timeout),
+            passive.max_ejected_percent
+        )
+    };
+    let health = match &p.health {
+        Some(h) => format!(
+            "health GET {} every {} (timeout {}, {} up, {} down, expect {}-{})",
+            h.path,
+            fmt(h.interval),
+            fmt(h.timeout),
+            h.healthy,
+            h.unhealthy,
+            h.expect.start(),
+            h.expect.end()
+        ),
+        None => "no active health checks".to_string(),
+    };
+    let _ = writeln!(
+        out,
+        "              {}, connect_timeout {}, timeout {}, retries {}, resolved every {}; {ejects}; {health}",
+        p.balance.name(),
+        fmt(p.connect_timeout),
+        fmt(p.timeout),
+        p.retries,
+        fmt(p.resolve_every)
+    );
 }
 
 /// An error's key path with the API key in it replaced: `keys.plans.<key>` (the line and
@@ -547,7 +646,7 @@ url = "http://127.0.0.1:3000"
         assert_eq!(cfg.store.on_error, OnError::Deny);
         assert_eq!(cfg.keys.header.as_str(), "x-api-key");
         assert_eq!(cfg.response, ResponseStyle::Draft);
-        assert_eq!(cfg.upstream.timeout, Duration::from_secs(30));
+        assert_eq!(cfg.upstream().timeout, Duration::from_secs(30));
         let t = cfg.server.timeouts;
         assert_eq!(
             (t.header, t.idle, t.body),
@@ -934,7 +1033,8 @@ url = "http://127.0.0.1:3000"
             Path::new("x"),
         )
         .unwrap();
-        let tls = cfg.upstream.tls.as_ref().expect("TLS for https://");
+        let upstream = cfg.upstream();
+        let tls = upstream.tls.as_ref().expect("TLS for https://");
         assert_eq!(
             tls.describe(),
             "tls: name b.internal, verified against nothing (insecure_skip_verify) -- INSECURE: the backend's certificate is NOT verified"
@@ -945,7 +1045,7 @@ url = "http://127.0.0.1:3000"
             Path::new("x"),
         )
         .unwrap();
-        assert!(plain.upstream.tls.is_none());
+        assert!(plain.upstream().tls.is_none());
         let e = Config::parse(
             "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"https://b\"\ninsecure_skip_verify = true\nsni = \"not a name\"\n",
             Path::new("x"),
@@ -965,9 +1065,9 @@ url = "http://127.0.0.1:3000"
             Path::new("x"),
         )
         .unwrap();
-        assert_eq!(cfg.upstream.base_path, "/base");
+        assert_eq!(cfg.upstream().base_path, "/base");
         assert_eq!(
-            cfg.upstream.url.authority().unwrap().as_str(),
+            cfg.upstream().url.authority().unwrap().as_str(),
             "127.0.0.1:3000"
         );
         assert!(Config::parse(

@@ -107,7 +107,7 @@ impl Overrides {
 /// Make the pool `default` the one server `uri` (with `base_path`): the file's pool
 /// `default` keeps its other settings, and its TLS keys for an `https://` URL; where the
 /// file has none, it is made from what every pool inherits, and put first (the routes'
-/// pool positions move up by one). The transitional `Config::upstream` follows.
+/// pool positions move up by one).
 fn retarget_default_pool(
     config: &mut Config,
     uri: &http::Uri,
@@ -148,7 +148,6 @@ fn retarget_default_pool(
             config.routes.default_pool = Some(0);
         }
     }
-    config.upstream = super::transitional_upstream(&config.upstreams);
     Ok(())
 }
 
@@ -252,14 +251,54 @@ mod tests {
         assert_eq!(c.server.listen, "0.0.0.0:8080".parse().unwrap());
         assert_eq!(c.server.admin_listen, Some("[::]:9090".parse().unwrap()));
         assert_eq!(
-            c.upstream.url.authority().unwrap().as_str(),
+            c.upstream().url.authority().unwrap().as_str(),
             "host.docker.internal:3000"
         );
-        assert_eq!(c.upstream.base_path, "/base");
+        assert_eq!(c.upstream().base_path, "/base");
         assert_eq!(
             o.to_string(),
             "--listen overrides [server] listen, RATEWALL_ADMIN_LISTEN overrides [server] admin_listen, --upstream overrides [upstream] url"
         );
+    }
+
+    #[test]
+    fn the_upstream_override_retargets_the_pool_default_or_makes_it() {
+        let o = Overrides::new(
+            None,
+            None,
+            None,
+            given("http://10.9.9.9:80/b", "--upstream"),
+        )
+        .unwrap();
+        // A pool named default keeps its settings and loses its servers.
+        let mut c = Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[[upstreams]]\nname = \"api\"\nservers = [\"http://127.0.0.1:2\"]\n[[upstreams]]\nname = \"default\"\nservers = [\"http://127.0.0.1:3\", \"http://127.0.0.1:4\"]\nretries = 3\n",
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        o.apply(&mut c).unwrap();
+        let d = &c.upstreams[0];
+        assert_eq!((d.name.as_str(), d.retries), ("default", 3));
+        let servers: Vec<String> = d.servers.iter().map(|s| s.label()).collect();
+        assert_eq!(servers, ["http://10.9.9.9:80"]);
+        assert_eq!(d.servers[0].base_path, "/b");
+        assert_eq!(c.upstream().url, d.servers[0].url);
+        // Without one, it is made first, with what [upstream] gives every pool, and the
+        // routes still send to the pools they named.
+        let mut c = Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\ntimeout = \"7s\"\n[[upstreams]]\nname = \"api\"\nservers = [\"http://127.0.0.1:2\"]\n[[routes]]\nupstream = \"api\"\n",
+            Path::new("t.toml"),
+        )
+        .unwrap();
+        assert_eq!(c.routes.default_pool, None);
+        o.apply(&mut c).unwrap();
+        let names: Vec<&str> = c.upstreams.iter().map(|p| p.name.as_str()).collect();
+        assert_eq!(names, ["default", "api"]);
+        assert_eq!(c.upstreams[0].timeout, std::time::Duration::from_secs(7));
+        assert_eq!(c.routes.default_pool, Some(0));
+        assert_eq!(c.upstreams[c.routes.list[0].pool].name, "api");
+        assert_eq!(c.upstream().url, c.upstreams[0].servers[0].url);
+        assert_eq!(c.upstream().timeout, std::time::Duration::from_secs(7));
     }
 
     #[test]

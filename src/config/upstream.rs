@@ -204,23 +204,23 @@ pub(super) fn validate(
     client_certs: bool,
 ) -> Result<(Vec<PoolSettings>, PoolDefaults), Invalid> {
     let mut out = Vec::with_capacity(pools.len() + 1);
-    let base = upstream.map(|u| keys_of!(u.get_ref(), "upstream".to_string()));
     let url = upstream.and_then(|u| u.get_ref().url.as_ref());
-    let inherited = match url {
-        Some(url) => {
-            let layered = Layered {
-                own: keys_of!(
-                    upstream.map(Spanned::get_ref).expect("with url"),
-                    "upstream".to_string()
-                ),
-                inherited: None,
-            };
-            let server = (url.span(), url.get_ref(), None::<u32>);
-            out.push(pool(DEFAULT_POOL, &[server], &layered, dir, client_certs)?);
-            None
+    // `[upstream]` with url: the pool `default`; without: what the pools inherit.
+    let mut inherited = None;
+    if let Some(u) = upstream.map(Spanned::get_ref) {
+        let own = keys_of!(u, "upstream".to_string());
+        match &u.url {
+            Some(url) => {
+                let server = (url.span(), url.get_ref(), None::<u32>);
+                let layered = Layered {
+                    own,
+                    inherited: None,
+                };
+                out.push(pool(DEFAULT_POOL, &[server], &layered, dir, client_certs)?);
+            }
+            None => inherited = Some(own),
         }
-        None => base,
-    };
+    }
     let defaults = PoolDefaults::of(inherited.as_ref(), dir, client_certs)?;
     let mut names = HashSet::new();
     for (i, p) in pools.iter().enumerate() {
@@ -591,8 +591,8 @@ mod tests {
             (crate::upstream::TIMEOUT, RETRIES)
         );
         assert_eq!(cfg.routes.default_pool, Some(0));
-        assert_eq!(cfg.upstream.url, d.servers[0].url);
-        assert_eq!(cfg.upstream.timeout, Duration::from_secs(3));
+        assert_eq!(cfg.upstream().url, d.servers[0].url);
+        assert_eq!(cfg.upstream().timeout, Duration::from_secs(3));
     }
 
     #[test]
@@ -632,7 +632,8 @@ mod tests {
         );
         assert_eq!(a.servers[1].base_path, "/v2");
         assert_eq!(
-            cfg.upstream.url, d.servers[0].url,
+            cfg.upstream().url,
+            d.servers[0].url,
             "the default's first server"
         );
         assert_eq!(
@@ -651,7 +652,8 @@ mod tests {
         assert_eq!(a.balance, Balance::RoundRobin);
         assert_eq!(cfg.routes.default_pool, None);
         assert_eq!(
-            cfg.upstream.url, a.servers[0].url,
+            cfg.upstream().url,
+            a.servers[0].url,
             "the first pool's first server"
         );
     }

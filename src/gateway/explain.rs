@@ -69,6 +69,8 @@ pub fn explain(
     let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip);
     // Where it goes, as the request path chooses (`route::choose`).
     let to = match super::route::choose(cfg, &parts, &requester) {
+        // With one pool and no route, every request goes to the pool default: nothing to say.
+        Ok(Some(to)) if cfg.routes.list.is_empty() && cfg.upstreams.len() == 1 => to,
         Ok(Some(to)) => {
             let pool = to.pool_name(cfg).unwrap_or_default();
             match to.route_name(cfg) {

@@ -20,7 +20,7 @@ pub struct Live {
     /// settings a reload left alone is the same value, connections and health kept.
     pub pools: Arc<upstream::Pools>,
     pub limiter: Arc<Limiter>,
-    /// Whether the deny cache may be used under this config (see [`Limiter::decide`]).
+    /// Whether the deny cache may be used under this config (see [`Limiter::decide_now`]).
     pub cache_denials: bool,
     /// `ratewall_requests_total` handles for each of `config.rules`, in order.
     pub counters: Vec<RuleCounters>,

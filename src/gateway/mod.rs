@@ -9,6 +9,7 @@
 
 mod access;
 mod body;
+mod context;
 mod explain;
 mod limits;
 mod live;
@@ -16,7 +17,6 @@ mod route;
 mod screen;
 pub mod verdict;
 
-use std::net::IpAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -43,6 +43,7 @@ use route::Destination;
 use verdict::{Ruled, Tally, Verdict};
 
 pub use body::{Body, LeasedBody};
+pub use context::Context;
 pub use explain::explain;
 pub use live::Live;
 
@@ -270,14 +271,15 @@ impl Gateway {
         Ok(())
     }
 
-    /// Serve one request: admit it, then answer or forward it, and record how it went.
-    pub async fn handle(&self, req: Request<Incoming>, peer: &ClientPeer) -> Response<Body> {
+    /// Serve one request, in its context (built at its connection): admit it, then answer
+    /// or forward it, and record how it went.
+    pub async fn handle(&self, req: Request<Incoming>, ctx: Context) -> Response<Body> {
         let started = Instant::now();
         let _in_flight = Gauged::new(&self.metrics.in_flight);
         let live = self.live.load_full();
-        let log = AccessLine::start(&req, peer, &live.config);
+        let log = AccessLine::start(&req, &ctx.peer, &live.config);
         self.metrics
-            .count_protocol(req.version(), peer.tls.as_ref().map(|t| t.version));
+            .count_protocol(req.version(), ctx.peer.tls.as_ref().map(|t| t.version));
         let (mut parts, body) = req.into_parts();
         if !live.config.server.underscores_in_headers {
             let dropped = screen::drop_underscored(&mut parts.headers);
@@ -285,11 +287,11 @@ impl Gateway {
                 self.metrics.underscore_fields_dropped.inc_by(dropped);
             }
         }
-        let (resp, note, forwarded) = match self.admit(&live, &parts, peer.ip()).await {
+        let (resp, note, forwarded) = match self.admit(&live, &parts, &ctx).await {
             Admission::Answer(resp, note) => (resp, note, false),
             Admission::Forward(pass) => {
                 let (resp, note) = self
-                    .forward(&live, Request::from_parts(parts, body), peer, pass)
+                    .forward(&live, Request::from_parts(parts, body), &ctx, pass)
                     .await;
                 (resp, note, true)
             }
@@ -316,10 +318,10 @@ impl Gateway {
     pub fn redirect<B>(
         &self,
         req: &Request<B>,
-        peer: &ClientPeer,
+        ctx: &Context,
         answer: impl FnOnce(&Request<B>) -> Response<Body>,
     ) -> Response<Body> {
-        let log = AccessLine::start(req, peer, &self.live.load().config);
+        let log = AccessLine::start(req, &ctx.peer, &self.live.load().config);
         let resp = answer(req);
         let decision = match resp.status() {
             StatusCode::PERMANENT_REDIRECT => {
@@ -335,10 +337,12 @@ impl Gateway {
     }
 
     /// Everything a request goes through before it is forwarded: screened, matched,
-    /// identified, limited, judged. No socket is touched: the store is asked, and nothing
-    /// else happens outside the process.
-    pub async fn admit<'l>(&self, live: &'l Live, parts: &Parts, peer: IpAddr) -> Admission<'l> {
+    /// identified (from its parts and its [`Context`]: the peer, the client certificate),
+    /// limited, judged. No socket is touched: the store is asked, and nothing else happens
+    /// outside the process.
+    pub async fn admit<'l>(&self, live: &'l Live, parts: &Parts, ctx: &Context) -> Admission<'l> {
         let cfg = &*live.config;
+        let peer = ctx.peer.ip();
         if let Some(p) = screen::problem(parts) {
             tracing::debug!(%peer, status = p.status.as_u16(), "malformed request refused");
             self.metrics
@@ -350,7 +354,7 @@ impl Gateway {
             return Admission::Answer(resp, Note::gateway("bad_request"));
         }
         let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip)
-            .with_client_cert(parts.extensions.get());
+            .with_client_cert(ctx.client_cert.as_ref());
         let to = match route::choose(cfg, parts, &requester) {
             Ok(Some(to)) => to,
             Ok(None) => return self.no_route(cfg, parts),
@@ -488,9 +492,10 @@ impl Gateway {
         &self,
         live: &'l Live,
         req: Request<Incoming>,
-        peer: &ClientPeer,
+        ctx: &Context,
         pass: Pass<'l>,
     ) -> (Response<Body>, Note<'l>) {
+        let peer = &ctx.peer;
         let mut pass = pass;
         if !pass.note.waited.is_zero() {
             let _waiting = Gauged::new(&self.metrics.waiting);
@@ -518,7 +523,7 @@ impl Gateway {
         let mut out = upstream::Outbound::new(req, target, &pool.default_host());
         let pick = upstream::Pick {
             hash: pass.to.hash,
-            worker: crate::worker::current().unwrap_or(0),
+            worker: ctx.worker,
         };
         let forwarded = pool.forward(&mut out, &down, pick).await;
         pass.note.server = forwarded.server;

@@ -146,22 +146,15 @@ impl Limiter {
         }
     }
 
-    /// Decide one request against every rule in `checks`, all or nothing.
+    /// Decide one request against every rule in `checks`, all or nothing, as far as it
+    /// goes without waiting: the whole answer from an in-process store, the deny cache or an
+    /// open breaker; else the store's call, under way, for [`Limiter::ask`] to finish. (The
+    /// request path awaits a future only when there is one.)
     ///
     /// `cache_denials`: whether denials may be answered from, and kept in, the deny cache.
     /// Only when no request can see another's charge that is about to be refunded: always
     /// with one Redis (a request is one atomic call); in a cluster, only when every rule
     /// counts the same identity (no request spans slots, so there are no refunds).
-    pub async fn decide(self: &Arc<Self>, checks: &[Check<'_>], cache_denials: bool) -> Answer {
-        match self.decide_now(checks, cache_denials) {
-            Now::Answered(answer) => answer,
-            Now::Ask(asking) => self.ask(checks, cache_denials, asking).await,
-        }
-    }
-
-    /// [`Limiter::decide`] as far as it goes without waiting: the whole answer from an
-    /// in-process store, the deny cache or an open breaker; else the store's call, under
-    /// way. (The request path awaits a future only when there is one.)
     pub fn decide_now<'a>(
         self: &'a Arc<Self>,
         checks: &'a [Check<'a>],

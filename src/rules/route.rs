@@ -87,11 +87,15 @@ impl Routes {
     /// the path as sent starts with it (letters' case ignored under `path_case =
     /// "insensitive"`), then `add_prefix` put in front. Every other byte is the client's,
     /// percent-encodings and the query included; a path left empty becomes `/`. A route
-    /// with neither prefix, or an unknown `route`, leaves the path as it is.
+    /// with neither prefix, an unknown `route`, or a target that is no path (`*` of
+    /// `OPTIONS *`) leaves it as it is.
     pub fn forwarded_path<'a>(&self, route: usize, path_and_query: &'a str) -> Cow<'a, str> {
         let Some(r) = self.list.get(route) else {
             return Cow::Borrowed(path_and_query);
         };
+        if !path_and_query.starts_with('/') {
+            return Cow::Borrowed(path_and_query);
+        }
         if r.strip_prefix.is_none() && r.add_prefix.is_none() {
             return Cow::Borrowed(path_and_query);
         }
@@ -313,6 +317,7 @@ mod tests {
             (Some("/v1"), Some("/api"), "/v1/x;p=1", "/api/x;p=1"),
             (Some("/v1"), Some("/api"), "/v1", "/api/"),
             (None, None, "/a//b/../c?x", "/a//b/../c?x"),
+            (Some("/v1"), Some("/api"), "*", "*"),
         ] {
             assert_eq!(
                 forwarded(strip, add, s, sent),

@@ -1,10 +1,28 @@
-//! The upstream side: an HTTP/1.1 client written for this one job, hop-by-hop stripping and
-//! `X-Forwarded-*`. Bodies are never buffered: the client's request body streams to the
-//! upstream and the upstream's response body streams back.
+//! The upstream side: the pools a config names (`[[upstreams]]`, `[upstream]` as the pool
+//! `default`) with their servers, how a server is picked and when it is left out, and an
+//! HTTP/1.1 client written for this one job, hop-by-hop stripping and `X-Forwarded-*`.
+//! Bodies are never buffered: the client's request body streams to the upstream and the
+//! upstream's response body streams back.
+//!
+//! # A pool
+//!
+//! [`Pools`] holds one [`Pool`] per `PoolSettings` (`settings`), kept across a reload that
+//! leaves its settings alone. A pool's servers are its `servers` entries, a host name's
+//! every address one server (`pools`: re-resolved every `resolve_every`); each has one
+//! [`Client`] per worker thread, so its kept connections are driven by the thread that
+//! serves the request. [`Pool::forward`] picks a server (`balance`: round robin,
+//! least requests, two random choices, consistent hashing), among those its health
+//! lets take requests (`health`: passive ejection from the requests' own failures, active
+//! checks from a task per pool), sends, and where an attempt failed before any answer in a
+//! way that lets the request go again ([`Outbound::may_retry`]), tries another server, up
+//! to `retries` more, within the pool's retry budget (`budget`). Each pool and server is
+//! counted in the metrics `metrics` registers.
+//!
+//! # The client
 //!
 //! Why not hyper's client: it runs each upstream connection as a task of its own, reached
 //! through a channel, so every request costs two extra task wake-ups and a channel round
-//! trip. Here the request's own task writes the request and reads the answer on a pooled
+//! trip. Here the request's own task writes the request and reads the answer on a kept
 //! connection (one per worker thread's pool, so never shared across threads), for less CPU
 //! per request than hyper's `client::conn::http1` on a pool of the same kind
 //! (docs/performance.md has the comparison and its figures). The response head
@@ -13,10 +31,12 @@
 //!
 //! # How a request travels through it
 //!
-//! 1. [`Client::forward`] takes the client's request and what the gateway knows of the
-//!    client ([`Downstream`]). Its hop-by-hop fields are dropped and a `Host` ensured
-//!    (`forward`), and its head is written as bytes (`head`): the request line, the
-//!    client's fields, the forwarding fields of this hop (`forward`), the body's framing.
+//! 1. [`Outbound::new`] takes the client's request once, whatever server gets it: its
+//!    hop-by-hop fields are dropped and a `Host` ensured (`forward`). [`Client::send`]
+//!    makes one attempt with it and what the gateway knows of the client
+//!    ([`Downstream`]): its head is written as bytes (`head`) — the request line (the
+//!    route's rewritten path, if any), the client's fields, the forwarding fields of this
+//!    hop (`forward`), the body's framing.
 //! 2. A connection comes from this worker's pool, if one is idle and clean, or is opened
 //!    (`kept`): TCP, and for an `https://` upstream TLS over it, the backend's certificate
 //!    verified (`tls`). Either is a `stream::Stream`, and all that follows is the same
@@ -96,22 +116,6 @@ pub struct Settings {
     pub timeout: Duration,
 }
 
-impl Settings {
-    /// Point at `url` (an override of the file's): TLS is set up anew for its host with
-    /// the file's TLS keys, or dropped for an `http://` URL.
-    pub fn retarget(&mut self, url: http::Uri, base_path: String) -> Result<(), TlsError> {
-        let options = self
-            .tls
-            .as_ref()
-            .map(|t| t.options().clone())
-            .unwrap_or_default();
-        self.tls = tls_for(&url, options)?;
-        self.url = url;
-        self.base_path = base_path;
-        Ok(())
-    }
-}
-
 /// The TLS side for `url` with `options`: `None` for `http://`, where no TLS key may be
 /// given.
 pub fn tls_for(url: &http::Uri, options: TlsOptions) -> Result<Option<Arc<Tls>>, TlsError> {
@@ -145,11 +149,6 @@ pub struct Client {
 }
 
 impl Client {
-    /// The client for `cfg`, counting its TLS handshakes in `tls_handshakes`.
-    pub fn new(cfg: &Settings, tls_handshakes: TlsHandshakes) -> Client {
-        Client::at(cfg, None, tls_handshakes)
-    }
-
     /// The client for `cfg` connecting to `addr`, one of the addresses its host name
     /// resolved to (the name still goes in `Host` and TLS' SNI); `None`: each new
     /// connection resolves the name, or uses the address the URL gives.
@@ -190,17 +189,6 @@ impl Client {
     /// The `Host` this server is sent when the client named none.
     pub fn authority(&self) -> &HeaderValue {
         &self.authority
-    }
-
-    /// Send `req` upstream for the client `down` describes, once (the pools' attempts go
-    /// through [`Client::send`]).
-    pub async fn forward(
-        &self,
-        req: Request<Incoming>,
-        down: &Downstream<'_>,
-    ) -> Result<Response<ResponseBody>, Error> {
-        let mut out = Outbound::new(req, None, &self.authority);
-        self.send(&mut out, down).await
     }
 
     /// One attempt at `out` on this server. The answer's head must arrive within

@@ -423,7 +423,10 @@ impl Pool {
                 server.counters.ejections.inc();
                 server.counters.healthy.set(0);
                 // Whole seconds, rounded up: an ejection of 10 s reads 10s, not 9s.
-                let secs = until.saturating_duration_since(Instant::now()).as_millis().div_ceil(1000);
+                let secs = until
+                    .saturating_duration_since(Instant::now())
+                    .as_millis()
+                    .div_ceil(1000);
                 tracing::warn!(
                     pool,
                     server = &*server.label,
@@ -756,4 +759,101 @@ pub struct ServerStatus {
     pub share: Option<f64>,
     /// Its answers over the last minute: count, p50, p99.
     pub last_minute: crate::stats::Latency,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pools_of(text: &str) -> Vec<PoolSettings> {
+        let cfg = crate::config::Config::parse(
+            &format!("[server]\nlisten = \"127.0.0.1:1\"\n{text}"),
+            std::path::Path::new("t.toml"),
+        )
+        .unwrap_or_else(|e| panic!("{e}"));
+        cfg.upstreams
+    }
+
+    const A: &str =
+        "[[upstreams]]\nname = \"a\"\nservers = [\"http://127.0.0.1:2\", \"http://127.0.0.1:3\"]\n";
+    const B: &str = "[[upstreams]]\nname = \"b\"\nservers = [\"http://127.0.0.1:4\"]\n";
+
+    #[test]
+    fn a_reload_keeps_an_unchanged_pool_whole_and_builds_a_changed_one_anew() {
+        let metrics = PoolMetrics::register(&mut prometheus_client::registry::Registry::default());
+        let handshakes = |_| TlsHandshakes::default();
+        let first = Pools::build(&pools_of(&format!("{A}{B}")), None, 2, &metrics, handshakes);
+        // An ejection in `a` (its health is the pool's), and a connection count in `b`.
+        let a = first.get(0).expect("a").clone();
+        let now = Instant::now();
+        let set = a.servers.load_full();
+        for _ in 0..3 {
+            a.policy.failed(&set.list, 0, now);
+        }
+        assert!(
+            !set.list[0].health.available(now),
+            "ejected after max_fails"
+        );
+
+        // `b` changes (another server); `a` does not.
+        let b2 = "[[upstreams]]\nname = \"b\"\nservers = [\"http://127.0.0.1:5\"]\n";
+        let second = Pools::build(
+            &pools_of(&format!("{A}{b2}")),
+            Some(&first),
+            2,
+            &metrics,
+            handshakes,
+        );
+        assert!(
+            Arc::ptr_eq(second.get(0).expect("a"), &a),
+            "the same pool: connections and health kept"
+        );
+        assert!(!second.get(0).expect("a").servers.load().list[0]
+            .health
+            .available(now));
+        assert!(!Arc::ptr_eq(
+            second.get(1).expect("b"),
+            first.get(1).expect("b")
+        ));
+        assert_eq!(
+            &*second.get(1).expect("b").servers.load().list[0].label,
+            "http://127.0.0.1:5"
+        );
+
+        // A worker count that changed builds every pool anew (one client per worker).
+        let third = Pools::build(
+            &pools_of(&format!("{A}{b2}")),
+            Some(&second),
+            3,
+            &metrics,
+            handshakes,
+        );
+        assert!(!Arc::ptr_eq(third.get(0).expect("a"), &a));
+    }
+
+    #[test]
+    fn each_server_has_one_client_per_worker_and_its_series_at_zero() {
+        let mut registry = prometheus_client::registry::Registry::default();
+        let metrics = PoolMetrics::register(&mut registry);
+        let pools = Pools::build(&pools_of(A), None, 4, &metrics, |_| {
+            TlsHandshakes::default()
+        });
+        let set = pools.get(0).expect("a").servers.load_full();
+        assert_eq!(set.list.len(), 2);
+        assert!(set.list.iter().all(|s| s.clients.len() == 4));
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).expect("encode");
+        for server in ["http://127.0.0.1:2", "http://127.0.0.1:3"] {
+            let healthy = format!("upstream_server_healthy{{pool=\"a\",server=\"{server}\"}} 1");
+            assert!(text.contains(&healthy), "{text}");
+            let errors = format!(
+                "upstream_server_requests_total{{pool=\"a\",server=\"{server}\",outcome=\"error\"}} 0"
+            );
+            assert!(text.contains(&errors), "{text}");
+        }
+        assert!(
+            text.contains("upstream_retries_total{pool=\"a\"} 0"),
+            "{text}"
+        );
+    }
 }

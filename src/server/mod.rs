@@ -1,5 +1,7 @@
-//! Listeners: the gateway's accept loops, background upkeep, SIGHUP reload, and graceful
-//! shutdown on SIGTERM/SIGINT. The admin listener is [`crate::admin`].
+//! Listeners, background upkeep, SIGHUP reload, and graceful shutdown on SIGTERM/SIGINT.
+//! Every listener runs the one accept loop (`listener.rs`: a `Listener`) with its shutdown:
+//! the gateway's cleartext and TLS ones in each worker (`Clients` serve their
+//! connections), and the admin one ([`crate::admin::Admin`] serves its calls).
 //!
 //! Thread per core: `[server].workers` threads (one per CPU by default) each run their
 //! own single-threaded event loop, accept on the one listening socket, and serve their
@@ -8,6 +10,7 @@
 //! rest: signals, reloads, the admin listener, upkeep, and the store's connections.
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
@@ -16,16 +19,25 @@ use std::time::Duration;
 use http::Request;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use tokio::net::TcpListener;
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::OwnedSemaphorePermit;
 
+use crate::admin::Admin;
 use crate::config::Config;
 use crate::connection::{self, InFlight, Registry, Tracked};
-use crate::gateway::{Gateway, Live};
+use crate::gateway::{Context, Gateway, Live};
 use crate::upstream::ClientPeer;
+use listener::{Handler, Listener};
+
+mod listener;
 
 /// Open connections the admin listener takes at most: enough for dashboards and scrapers,
 /// and a bound of its own, so a flood of gateway clients never locks the operator out.
 pub const ADMIN_MAX_CONNECTIONS: usize = 256;
+
+/// How long admin calls still under way get once the workers are done (scrapes and
+/// status pages answer in milliseconds; idle admin connections close at once).
+const ADMIN_GRACE: Duration = Duration::from_secs(1);
 
 /// How often the memory store drops buckets that have refilled.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
@@ -49,16 +61,7 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     let live = Live::build(config, None, &metrics)?;
     live.limiter.warm().await;
     let config = live.config.clone();
-    let backlog = backlog(config.server.backlog);
-    let listener = bind_std(config.server.listen, backlog)?;
-    let tls_listener = match &config.server.tls {
-        Some(tls) => Some(bind_std(tls.listen, backlog)?),
-        None => None,
-    };
-    let admin = match config.server.admin_listen {
-        Some(addr) => Some(bind(addr, backlog)?),
-        None => None,
-    };
+    let sockets = Sockets::bind(&config.server)?;
     let gateway = Arc::new(Gateway::new(live, source, metrics.clone()));
     let registry = Registry::new(
         "gateway",
@@ -74,6 +77,111 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     // Before the gateway says it listens: until a handler is registered, a signal's default
     // action ends the process, so a SIGHUP sent on that word would kill it.
     let signals = Signals::register();
+    say_listening(&config);
+    let upkeep = tokio::spawn(upkeep(gateway.clone()));
+    let reloads = tokio::spawn(reload_on_sighup(gateway.clone(), signals.hangup));
+    let admin = sockets
+        .admin
+        .map(|socket| AdminListener::start(socket, &gateway, admin_registry));
+    let (stop, stopped) = tokio::sync::watch::channel(false);
+    let workers = start_workers(&config, &sockets.gateway, &gateway, &registry, &stopped)?;
+    drop(sockets.gateway);
+    signals.shutdown.await;
+    tracing::info!(grace = ?config.server.shutdown_grace, "shutting down: draining in-flight requests");
+    let _ = stop.send(true);
+    let mut served = 0;
+    for worker in workers {
+        served += worker.join().await;
+    }
+    // The admin listener serves until the workers are done (their drain can be watched).
+    if let Some(admin) = admin {
+        admin.stop().await;
+    }
+    upkeep.abort();
+    reloads.abort();
+    say_stopped(started, served);
+    Ok(())
+}
+
+/// The listening sockets, bound at start (before the gateway says it listens).
+struct Sockets {
+    gateway: GatewaySockets,
+    /// `[server] admin_listen`'s, registered with the calling runtime.
+    admin: Option<TcpListener>,
+}
+
+/// The gateway's sockets: each worker registers a handle of each in its own event loop.
+struct GatewaySockets {
+    cleartext: std::net::TcpListener,
+    /// `[server.tls] listen`'s.
+    tls: Option<std::net::TcpListener>,
+}
+
+impl Sockets {
+    fn bind(server: &crate::config::Server) -> Result<Sockets, StartError> {
+        let backlog = backlog(server.backlog);
+        let cleartext = bind_std(server.listen, backlog)?;
+        let tls = match &server.tls {
+            Some(tls) => Some(bind_std(tls.listen, backlog)?),
+            None => None,
+        };
+        let admin = match server.admin_listen {
+            Some(addr) => Some(bind(addr, backlog)?),
+            None => None,
+        };
+        Ok(Sockets {
+            gateway: GatewaySockets { cleartext, tls },
+            admin,
+        })
+    }
+}
+
+impl GatewaySockets {
+    /// Handles of the same sockets, for one worker.
+    fn try_clone(&self, listen: SocketAddr) -> Result<GatewaySockets, StartError> {
+        let cleartext = self
+            .cleartext
+            .try_clone()
+            .map_err(|source| StartError::Bind {
+                addr: listen,
+                source,
+            })?;
+        let tls = match &self.tls {
+            Some(l) => Some(l.try_clone().map_err(|source| StartError::Bind {
+                addr: l.local_addr().unwrap_or(listen),
+                source,
+            })?),
+            None => None,
+        };
+        Ok(GatewaySockets { cleartext, tls })
+    }
+}
+
+/// The admin listener, run on the calling runtime until it is stopped.
+struct AdminListener {
+    stop: tokio::sync::oneshot::Sender<()>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl AdminListener {
+    fn start(socket: TcpListener, gateway: &Arc<Gateway>, registry: Arc<Registry>) -> Self {
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let listener = Listener::new(socket, registry, Admin::new(gateway.clone()), ADMIN_GRACE);
+        let task = tokio::spawn(listener.run(async move {
+            let _ = stopped.await;
+        }));
+        AdminListener { stop, task }
+    }
+
+    /// Stop accepting, and drain its connections (for up to [`ADMIN_GRACE`]).
+    async fn stop(self) {
+        let _ = self.stop.send(());
+        let _ = self.task.await;
+    }
+}
+
+/// The start line: what listens where, and on what.
+fn say_listening(config: &Config) {
     // Plain addresses: `none` where there is no admin listener.
     let admin_listen = config
         .server
@@ -84,120 +192,19 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
         listen = %config.server.listen,
         tls_listen = %config.server.tls.as_ref().map_or_else(|| "none".to_string(), |t| t.listen.to_string()),
         admin = %admin_listen,
-        upstream = %upstream_of(&config),
-        store = store_of(&config),
+        upstream = %upstream_of(config),
+        store = store_of(config),
         workers = config.server.workers.max(1),
         rules = config.rules.len(),
         "ratewall listening"
     );
-
     for warning in config.server.tls.iter().flat_map(|t| t.warnings()) {
         tracing::warn!("{warning}");
     }
-    let upkeep = tokio::spawn(upkeep(gateway.clone()));
-    let reloads = tokio::spawn(reload_on_sighup(gateway.clone(), signals.hangup));
-    let admin_task = admin.map(|l| {
-        tokio::spawn(crate::admin::serve(
-            l,
-            gateway.clone(),
-            admin_registry.clone(),
-        ))
-    });
+}
 
-    // Each worker accepts on its own handle of the one socket, in its own event loop.
-    let (stop, stopped) = tokio::sync::watch::channel(false);
-    let mut workers = Vec::new();
-    for n in 0..config.server.workers.max(1) {
-        let listener = listener.try_clone().map_err(|source| StartError::Bind {
-            addr: config.server.listen,
-            source,
-        })?;
-        let tls_listener = match &tls_listener {
-            Some(l) => Some(l.try_clone().map_err(|source| StartError::Bind {
-                addr: l.local_addr().unwrap_or(config.server.listen),
-                source,
-            })?),
-            None => None,
-        };
-        let (gateway, registry, grace, mut stopped) = (
-            gateway.clone(),
-            registry.clone(),
-            config.server.shutdown_grace,
-            stopped.clone(),
-        );
-        // The worker's count of requests served, when it is done.
-        let (done, finished) = tokio::sync::oneshot::channel::<u64>();
-        let thread = std::thread::Builder::new()
-            .name(format!("ratewall-worker-{n}"))
-            .spawn(move || {
-                crate::worker::set(n);
-                let rt = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-                    Ok(rt) => rt,
-                    Err(e) => {
-                        tracing::error!(error = %e, worker = n, "cannot start a worker's event loop");
-                        return;
-                    }
-                };
-                let served = rt.block_on(async move {
-                    let listener = match TcpListener::from_std(listener) {
-                        Ok(l) => l,
-                        Err(e) => {
-                            tracing::error!(error = %e, worker = n, "cannot register the listener");
-                            return 0;
-                        }
-                    };
-                    let tls_listener = match tls_listener.map(TcpListener::from_std) {
-                        Some(Ok(l)) => Some(l),
-                        Some(Err(e)) => {
-                            tracing::error!(error = %e, worker = n, "cannot register the TLS listener");
-                            return 0;
-                        }
-                        None => None,
-                    };
-                    let mut tls_stopped = stopped.clone();
-                    let stop = async move {
-                        let _ = stopped.wait_for(|s| *s).await;
-                    };
-                    let pacer = tokio::spawn(pace());
-                    let cleartext = serve(listener, gateway.clone(), &registry, grace, stop, false);
-                    let served = match tls_listener {
-                        Some(tls_listener) => {
-                            let stop = async move {
-                                let _ = tls_stopped.wait_for(|s| *s).await;
-                            };
-                            let tls = serve(tls_listener, gateway, &registry, grace, stop, true);
-                            let (a, b) = tokio::join!(cleartext, tls);
-                            a + b
-                        }
-                        None => cleartext.await,
-                    };
-                    pacer.abort();
-                    served
-                });
-                let _ = done.send(served);
-            })
-            .map_err(|source| StartError::Bind {
-                addr: config.server.listen,
-                source,
-            })?;
-        workers.push((thread, finished));
-    }
-    drop(listener);
-    drop(tls_listener);
-    signals.shutdown.await;
-    tracing::info!(grace = ?config.server.shutdown_grace, "shutting down: draining in-flight requests");
-    let _ = stop.send(true);
-    let mut served = 0;
-    for (thread, finished) in workers {
-        // A worker that could not start has nothing to drain.
-        served += finished.await.unwrap_or(0);
-        let _ = tokio::task::spawn_blocking(move || thread.join()).await;
-    }
-    upkeep.abort();
-    reloads.abort();
-    if let Some(t) = admin_task {
-        t.abort();
-    }
+/// The last line: how long the gateway ran, and how many requests it served.
+fn say_stopped(started: std::time::Instant, served: u64) {
     let uptime = humantime::format_duration(Duration::from_secs(started.elapsed().as_secs()));
     tracing::info!(
         uptime = %uptime,
@@ -205,13 +212,141 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
         requests = served,
         "ratewall stopped"
     );
-    Ok(())
+}
+
+/// A worker thread, and the count of requests it served, sent when it is done.
+struct Worker {
+    thread: std::thread::JoinHandle<()>,
+    finished: tokio::sync::oneshot::Receiver<u64>,
+}
+
+impl Worker {
+    /// Wait for the worker to finish its drain: the requests it served.
+    async fn join(self) -> u64 {
+        // A worker that could not start has nothing to drain.
+        let served = self.finished.await.unwrap_or(0);
+        let thread = self.thread;
+        let _ = tokio::task::spawn_blocking(move || thread.join()).await;
+        served
+    }
+}
+
+/// Start `[server] workers` threads, each accepting on its own handles of the gateway's
+/// sockets in its own event loop, until `stopped` turns true. Their connections share
+/// `registry` (one `max_connections`).
+fn start_workers(
+    config: &Config,
+    sockets: &GatewaySockets,
+    gateway: &Arc<Gateway>,
+    registry: &Arc<Registry>,
+    stopped: &tokio::sync::watch::Receiver<bool>,
+) -> Result<Vec<Worker>, StartError> {
+    let listen = config.server.listen;
+    (0..config.server.workers.max(1))
+        .map(|n| {
+            let sockets = sockets.try_clone(listen)?;
+            let (gateway, registry, stopped) = (gateway.clone(), registry.clone(), stopped.clone());
+            let grace = config.server.shutdown_grace;
+            let (done, finished) = tokio::sync::oneshot::channel::<u64>();
+            let thread = std::thread::Builder::new()
+                .name(format!("ratewall-worker-{n}"))
+                .spawn(move || {
+                    let served = run_worker(n, sockets, gateway, registry, grace, stopped);
+                    let _ = done.send(served);
+                })
+                .map_err(|source| StartError::Bind {
+                    addr: listen,
+                    source,
+                })?;
+            Ok(Worker { thread, finished })
+        })
+        .collect()
+}
+
+/// Worker `n`'s thread: its single-threaded event loop, serving its handles of the
+/// gateway's sockets until `stopped` turns true. Returns how many requests it served.
+fn run_worker(
+    n: usize,
+    sockets: GatewaySockets,
+    gateway: Arc<Gateway>,
+    registry: Arc<Registry>,
+    grace: Duration,
+    stopped: tokio::sync::watch::Receiver<bool>,
+) -> u64 {
+    crate::worker::set(n);
+    let rt = match tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            tracing::error!(error = %e, worker = n, "cannot start a worker's event loop");
+            return 0;
+        }
+    };
+    rt.block_on(serve_worker(n, sockets, gateway, registry, grace, stopped))
+}
+
+/// Serve worker `n`'s listeners (cleartext, and TLS where configured) in this event loop
+/// until `stopped` turns true, then drain them. Returns how many requests they served.
+async fn serve_worker(
+    n: usize,
+    sockets: GatewaySockets,
+    gateway: Arc<Gateway>,
+    registry: Arc<Registry>,
+    grace: Duration,
+    stopped: tokio::sync::watch::Receiver<bool>,
+) -> u64 {
+    let cleartext = match TcpListener::from_std(sockets.cleartext) {
+        Ok(l) => l,
+        Err(e) => {
+            tracing::error!(error = %e, worker = n, "cannot register the listener");
+            return 0;
+        }
+    };
+    let tls = match sockets.tls.map(TcpListener::from_std) {
+        Some(Ok(l)) => Some(l),
+        Some(Err(e)) => {
+            tracing::error!(error = %e, worker = n, "cannot register the TLS listener");
+            return 0;
+        }
+        None => None,
+    };
+    let stop = || {
+        let mut stopped = stopped.clone();
+        async move {
+            let _ = stopped.wait_for(|s| *s).await;
+        }
+    };
+    // This worker's alone (its connections run on its thread): no other core touches it.
+    let served = Arc::new(AtomicU64::new(0));
+    let clients = |tls| Clients {
+        gateway: gateway.clone(),
+        tls,
+        worker: n,
+        served: served.clone(),
+    };
+    let pacer = tokio::spawn(pace());
+    let listener = Listener::new(cleartext, registry.clone(), clients(false), grace);
+    match tls {
+        Some(tls) => {
+            let tls = Listener::new(tls, registry, clients(true), grace);
+            tokio::join!(listener.run(stop()), tls.run(stop()));
+        }
+        None => listener.run(stop()).await,
+    }
+    pacer.abort();
+    served.load(Relaxed)
 }
 
 /// The upstream as the file names it: `http://127.0.0.1:3000/base`.
 fn upstream_of(config: &Config) -> String {
-    let url = config.upstream.url.to_string();
-    format!("{}{}", url.trim_end_matches('/'), config.upstream.base_path)
+    let url = config.upstream().url.to_string();
+    format!(
+        "{}{}",
+        url.trim_end_matches('/'),
+        config.upstream().base_path
+    )
 }
 
 fn store_of(config: &Config) -> &'static str {
@@ -314,6 +449,8 @@ async fn reload_on_sighup(gateway: Arc<Gateway>, hangups: Option<Hangups>) {
                     added = %Listed(&c.added),
                     removed = %Listed(&c.removed),
                     changed = %Listed(&c.changed),
+                    pools = %c.pools,
+                    routes = %c.routes,
                     settings = %Listed(&c.settings),
                     "config reloaded{}",
                     if c.is_empty() { ": nothing changed" } else { "" }
@@ -376,101 +513,57 @@ fn bind(addr: SocketAddr, backlog: u32) -> Result<TcpListener, StartError> {
         .map_err(|source| StartError::Bind { addr, source })
 }
 
-/// Accept connections until `shutdown` resolves (on the TLS listener where `tls`: each
-/// connection's handshake on the certificates of the config live when it was accepted);
-/// then stop accepting, ask every connection
-/// to close once what it has in flight is answered, and give them up to `grace`. Returns
-/// how many requests it served.
-///
-/// A connection is accepted before it is admitted: at `max_connections` it waits here
-/// while idle connections are closed to make room, and the ones behind it wait in the
-/// listen backlog.
-pub async fn serve(
-    listener: TcpListener,
+/// The gateway's clients, on a worker's cleartext or (`tls`) TLS listener: each
+/// connection's requests go to the gateway, each in its [`Context`].
+#[derive(Clone)]
+struct Clients {
     gateway: Arc<Gateway>,
-    registry: &Arc<Registry>,
-    grace: Duration,
-    shutdown: impl std::future::Future<Output = ()>,
     tls: bool,
-) -> u64 {
-    // This worker's alone (its connections run on its thread): no other core touches it.
-    let served = Arc::new(AtomicU64::new(0));
-    tokio::pin!(shutdown);
-    loop {
-        let accepted = tokio::select! {
-            accepted = listener.accept() => accepted,
-            () = &mut shutdown => break,
-        };
-        let (stream, peer) = match accepted {
-            Ok(a) => a,
-            Err(e) => {
-                // Out of file descriptors and the like: make room, back off, never stop.
-                tokio::select! {
-                    () = registry.accept_failed(&e) => continue,
-                    () = &mut shutdown => break,
-                }
-            }
-        };
-        let permit = tokio::select! {
-            permit = registry.admit() => permit,
-            () = &mut shutdown => break,
-        };
-        let (gw, registry, served) = (gateway.clone(), registry.clone(), served.clone());
-        let live = gw.live();
+    /// The worker whose event loop runs the listener (and its connections).
+    worker: usize,
+    /// The requests served, counted by the worker's listeners together.
+    served: Arc<AtomicU64>,
+}
+
+impl Handler for Clients {
+    /// Serve a connection as the config live when it was accepted says: its clocks and
+    /// bounds, the redirect to HTTPS on the cleartext listener (`redirect_https`), the
+    /// TLS listener's certificates.
+    fn serve(
+        &self,
+        stream: TcpStream,
+        peer: SocketAddr,
+        registry: &Arc<Registry>,
+        permit: OwnedSemaphorePermit,
+    ) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let live = self.gateway.live();
         let settings = live.config.server.connections();
         // Where the client should have gone: the TLS listener's port, for a 308.
         let redirect = match &live.config.server.tls {
-            Some(t) if t.redirect_https && !tls => Some(t.listen.port()),
+            Some(t) if t.redirect_https && !self.tls => Some(t.listen.port()),
             _ => None,
         };
-        let tls_config = match (&live.config.server.tls, tls) {
+        let tls_config = match (&live.config.server.tls, self.tls) {
             (Some(t), true) => Some(t.server_config.clone()),
             // `[server.tls]` taken out by a reload: its listener, bound at start, takes
             // no more connections than it can serve (none) until a restart.
-            (None, true) => continue,
+            (None, true) => return None,
             (_, false) => None,
         };
         drop(live);
-        // The connection's service: its requests, each tracked as in flight until its
-        // answer's body is done.
-        let service = move |client: ClientPeer, track: Arc<connection::Track>| {
-            // The verified client certificate, given to each request (see `ClientCert`).
-            let cert = client
-                .tls
-                .as_ref()
-                .and_then(|t| t.client_cert)
-                .map(crate::identity::ClientCert);
-            service_fn(move |mut req: Request<Incoming>| {
-                if let Some(cert) = cert {
-                    req.extensions_mut().insert(cert);
-                }
-                served.fetch_add(1, Relaxed);
-                let request = InFlight::new(&track);
-                let http2 = req.version() == http::Version::HTTP_2;
-                let (gw, client) = (gw.clone(), client.clone());
-                async move {
-                    let resp = match redirect {
-                        Some(port) => gw.redirect(&req, &client, |req| to_https(req, port)),
-                        None => gw.handle(req, &client).await,
-                    };
-                    Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request, http2)))
-                }
-            })
-        };
-        match tls_config {
-            None => {
-                tokio::spawn(async move {
+        let clients = self.clone();
+        let (registry, metrics) = (registry.clone(), self.gateway.metrics().clone());
+        Some(async move {
+            match tls_config {
+                None => {
                     // Rendered once for all the connection's requests.
                     let client = ClientPeer::new(peer);
                     connection::serve(stream, &registry, permit, settings, |track| {
-                        service(client, track)
+                        clients.service(redirect, client, track)
                     })
-                    .await;
-                });
-            }
-            Some(config) => {
-                let metrics = gateway.metrics().clone();
-                tokio::spawn(async move {
+                    .await
+                }
+                Some(config) => {
                     connection::serve_tls(
                         stream,
                         config,
@@ -478,22 +571,69 @@ pub async fn serve(
                         permit,
                         settings,
                         |outcome, session| metrics.tls_handshake(outcome, session),
-                        |track, session| service(ClientPeer::with_tls(peer, Some(session)), track),
+                        |track, session| {
+                            let client = ClientPeer::with_tls(peer, Some(session));
+                            clients.service(redirect, client, track)
+                        },
                     )
-                    .await;
-                });
+                    .await
+                }
             }
-        }
+        })
     }
-    drop(listener);
-    registry.shut_down();
-    if tokio::time::timeout(grace, registry.drained())
-        .await
-        .is_err()
-    {
-        tracing::warn!("shutdown grace ran out; closing the remaining connections");
+}
+
+impl Clients {
+    /// The service of one connection from `client`: its requests, each in a context made
+    /// from the connection's, each tracked as in flight until its answer's body is done.
+    /// `redirect`: the TLS port every request is sent to instead (`redirect_https`).
+    fn service(
+        self,
+        redirect: Option<u16>,
+        client: ClientPeer,
+        track: Arc<connection::Track>,
+    ) -> impl connection::Service<Tracked<crate::gateway::Body>> {
+        let Clients {
+            gateway: gw,
+            served,
+            worker,
+            ..
+        } = self;
+        let ctx = Context::new(client, worker);
+        service_fn(move |req: Request<Incoming>| {
+            served.fetch_add(1, Relaxed);
+            let request = InFlight::new(&track);
+            let http2 = req.version() == http::Version::HTTP_2;
+            let (gw, ctx) = (gw.clone(), ctx.clone());
+            async move {
+                let resp = match redirect {
+                    Some(port) => gw.redirect(&req, &ctx, |req| to_https(req, port)),
+                    None => gw.handle(req, ctx).await,
+                };
+                Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request, http2)))
+            }
+        })
     }
-    served.load(Relaxed)
+}
+
+/// The admin listener's connections: the admin API's, on the same clocks and bounds.
+impl Handler for Admin {
+    fn serve(
+        &self,
+        stream: TcpStream,
+        peer: SocketAddr,
+        registry: &Arc<Registry>,
+        permit: OwnedSemaphorePermit,
+    ) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let settings = self.gateway().live().config.server.connections();
+        let (registry, admin) = (registry.clone(), self.clone());
+        Some(async move {
+            connection::serve(stream, &registry, permit, settings, |track| {
+                admin.service(peer, track)
+            })
+            .await
+        })
+    }
 }
 
 /// The cleartext listener's answer where `redirect_https` is on: 308 to the same URL on

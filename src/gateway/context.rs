@@ -1,0 +1,42 @@
+//! What the gateway knows of a request besides its parts: one [`Context`] per request,
+//! built at its connection and handed to every phase ([`super::Gateway::handle`], then
+//! [`super::Gateway::admit`] and the forward), in place of values carried sideways in
+//! request extensions or looked up in thread-locals.
+
+use crate::identity::ClientCert;
+use crate::upstream::ClientPeer;
+
+/// A request's context: who sent it, over what, and which worker serves it.
+#[derive(Clone)]
+pub struct Context {
+    /// The client's end of the connection: its address (rendered once per connection for
+    /// the forwarded headers) and, over the TLS listener, what its handshake agreed.
+    pub peer: ClientPeer,
+    /// The client certificate the connection's TLS handshake verified, if one was
+    /// presented. It comes from the handshake only: no request field can set it.
+    pub client_cert: Option<ClientCert>,
+    /// The worker thread serving the connection (`0..[server] workers`): per-worker
+    /// resources are picked by it, so a request's I/O stays on the thread that serves it.
+    pub worker: usize,
+    // What is known of the request before any of its phases runs goes here, a field each,
+    // with why it is kept: next, the credentials a token verifies. What the phases decide
+    // travels with their result instead: the route and pool `admit` chooses
+    // (`route::Destination`) in its `Pass`, to the forward.
+}
+
+impl Context {
+    /// A request on `peer`'s connection, served by worker `worker`: its client certificate
+    /// is the one `peer`'s TLS handshake verified, if any.
+    pub fn new(peer: ClientPeer, worker: usize) -> Context {
+        let client_cert = peer
+            .tls
+            .as_ref()
+            .and_then(|t| t.client_cert)
+            .map(ClientCert);
+        Context {
+            peer,
+            client_cert,
+            worker,
+        }
+    }
+}
