@@ -23,6 +23,15 @@ turn by one wrk process:
   each; wrk cannot do this, it resumes sessions), resumed handshakes/s, and the cleartext
   figures of the same processes beside them.
 
+- The pools table (issue 24), pinned as the pinned table is: three upstream servers (one
+  nginx, one worker, `return 200` on three ports) on CPU 0 with wrk; on CPU 1, alone in
+  turn: nginx `limit_req` through an `upstream` of the three with `keepalive 64` (and,
+  for reference, of one), and ratewall on the memory store through a pool of the three
+  (bench/ratewall-pool.toml; and of one), and through the same pool behind 20 routes
+  where every request matches the last (bench/keys-route20.lua). Prints requests/s, CPU
+  time per request and the ratios: the pool against nginx's upstream, the pool against
+  one server, and what the 20 routes add.
+
 Everything listens on 127.0.0.1, runs for a bounded time and is stopped at the end, also on
 Ctrl-C or a failure.
 
@@ -30,6 +39,7 @@ Ctrl-C or a failure.
     BENCH_ONLY=main bench/run     # only the main table (and memory per key)
     BENCH_ONLY=pinned bench/run   # only the pinned table
     BENCH_ONLY=tls bench/run      # only the TLS table (TLS_KEY=rsa: an RSA 2048 certificate)
+    BENCH_ONLY=pools bench/run    # only the pools table
 """
 
 import os
@@ -51,7 +61,9 @@ CONNS = int(os.environ.get("CONNECTIONS", "64"))
 THREADS = int(os.environ.get("THREADS", "1"))
 ONLY = os.environ.get("BENCH_ONLY", "")
 LAB = tempfile.mkdtemp(prefix="ratewall-bench-")
-RELEASE = os.path.join(ROOT, "target", "release")
+# Where cargo puts the release build: CARGO_TARGET_DIR (relative to the repository, where
+# cargo runs) if set, as cargo itself reads it.
+RELEASE = os.path.join(ROOT, os.environ.get("CARGO_TARGET_DIR") or "target", "release")
 # The pinned table's servers listen on the main table's ports + PINNED_SHIFT (so that a
 # server of the main table still shutting down never answers for one of the pinned table).
 PINNED_SHIFT = 200
@@ -594,21 +606,145 @@ http {{ access_log off; client_body_temp_path /tmp/lab/nginx/body;
               f"(per CPU second: {cpu:.2f}x)")
 
 
+# The pools table's ports: the three upstream servers (on CPU 0), nginx's upstream of three
+# and of one, ratewall's pool of three, of one, and of three behind 20 routes (on CPU 1).
+POOL_UPSTREAMS = (18480, 18481, 18482)
+NGINX_POOL, NGINX_ONE, RATEWALL_POOL, RATEWALL_ONE, RATEWALL_ROUTES = 18483, 18484, 18486, 18485, 18487
+
+NGINX_POOL_CONF = """
+worker_processes 1;
+pid /tmp/lab/nginx/nginx-pool.pid;
+error_log /tmp/lab/nginx/error-pool.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path /tmp/lab/nginx/body;
+  proxy_temp_path /tmp/lab/nginx/proxy;
+  fastcgi_temp_path /tmp/lab/nginx/fcgi;
+  uwsgi_temp_path /tmp/lab/nginx/uwsgi;
+  scgi_temp_path /tmp/lab/nginx/scgi;
+  upstream three { server 127.0.0.1:UP0; server 127.0.0.1:UP1; server 127.0.0.1:UP2; keepalive 64; }
+  upstream one { server 127.0.0.1:UP0; keepalive 64; }
+  map $http_x_api_key $rl_key { default $http_x_api_key; }
+  limit_req_zone $rl_key zone=per_key:20m rate=1000000r/s;
+  server { listen 127.0.0.1:POOL; location / { limit_req zone=per_key burst=100000 nodelay; limit_req_status 429; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_pass http://three; } }
+  server { listen 127.0.0.1:ONE; location / { limit_req zone=per_key burst=100000 nodelay; limit_req_status 429; proxy_http_version 1.1; proxy_set_header Connection ""; proxy_pass http://one; } }
+}
+"""
+
+
+def pool_configs():
+    """bench/ratewall-pool.toml with one worker, and the two configs made from it: one
+    server instead of three, and the pool named `api` behind 20 routes (`/svc1/` to
+    `/svc20/`, no pool `default`) of which bench/keys-route20.lua's requests match the
+    last. (name, port, config text) each."""
+    text = open(os.path.join(HERE, "ratewall-pool.toml")).read()
+    text, n = re.subn(r'^(listen = "127.0.0.1:\d+")$', r"\1\nworkers = 1", text, flags=re.M)
+    if n != 1 or f"127.0.0.1:{RATEWALL_POOL}" not in text:
+        sys.exit(f"bench/ratewall-pool.toml: no listen line on {RATEWALL_POOL}")
+    servers = re.compile(r"^servers = \[.*\]$", re.M)
+    if not servers.search(text):
+        sys.exit("bench/ratewall-pool.toml: no servers line")
+    one = servers.sub(f'servers = ["http://127.0.0.1:{POOL_UPSTREAMS[0]}"]', text)
+    one = one.replace(f"127.0.0.1:{RATEWALL_POOL}", f"127.0.0.1:{RATEWALL_ONE}")
+    routes = text.replace(f"127.0.0.1:{RATEWALL_POOL}", f"127.0.0.1:{RATEWALL_ROUTES}")
+    routes = routes.replace('name = "default"', 'name = "api"')
+    routes += "".join(f'[[routes]]\nname = "svc{i}"\nmatch = {{ path_prefix = "/svc{i}/" }}\nupstream = "api"\n'
+                      for i in range(1, 21))
+    return [("pool", RATEWALL_POOL, text), ("one", RATEWALL_ONE, one), ("routes", RATEWALL_ROUTES, routes)]
+
+
+def pools_table():
+    """ratewall's pools against nginx's `upstream`, pinned as the pinned table is: each
+    server under test alone on CPU 1 with one worker; wrk and the three upstream servers
+    (one nginx, one worker) on CPU 0. Requests/s and CPU time per request."""
+    check_free((*POOL_UPSTREAMS, NGINX_POOL, NGINX_ONE, RATEWALL_POOL, RATEWALL_ONE, RATEWALL_ROUTES))
+    binary = os.path.join(RELEASE, "ratewall")
+    for d in ("body", "proxy", "fcgi", "uwsgi", "scgi"):
+        os.makedirs(os.path.join(LAB, d), exist_ok=True)
+    listens = " ".join(f"listen 127.0.0.1:{p};" for p in POOL_UPSTREAMS)
+    upstream = f"""worker_processes 1;
+pid /tmp/lab/nginx/nginx-pool-upstream.pid;
+error_log /tmp/lab/nginx/error-pool-upstream.log warn;
+events {{ worker_connections 4096; }}
+http {{ access_log off; client_body_temp_path /tmp/lab/nginx/body;
+  server {{ {listens} location / {{ return 200 "ok\\n"; }} }} }}
+"""
+    start_nginx("pool-upstream.conf", upstream, LOAD_CPU)
+    conf = NGINX_POOL_CONF.replace("POOL", str(NGINX_POOL)).replace(":ONE", f":{NGINX_ONE}")
+    for i, port in enumerate(POOL_UPSTREAMS):
+        conf = conf.replace(f"UP{i}", str(port))
+    nginx = start_nginx("pool-nginx.conf", conf, SERVER_CPU)
+    env = dict(os.environ, RUST_LOG="warn")
+    gateways = {}
+    for name, _, text in pool_configs():
+        path = os.path.join(LAB, f"ratewall-{name}.toml")
+        open(path, "w").write(text)
+        gateways[name] = start([binary, "--config", path], SERVER_CPU, env)
+    for port in (*POOL_UPSTREAMS, NGINX_POOL, NGINX_ONE, RATEWALL_POOL, RATEWALL_ONE, RATEWALL_ROUTES):
+        wait_port(port)
+    for proc in procs:
+        want = {SERVER_CPU} if proc in (nginx, *gateways.values()) else {LOAD_CPU}
+        for pid in process_tree(proc.pid):
+            if os.sched_getaffinity(pid) != want:
+                sys.exit(f"process {pid} runs on CPUs {sorted(os.sched_getaffinity(pid))}, not {sorted(want)}")
+
+    targets = [
+        ("nginx limit_req, upstream of 3", NGINX_POOL, "keys.lua", False, nginx),
+        ("ratewall memory, pool of 3", RATEWALL_POOL, "keys.lua", False, gateways["pool"]),
+        ("nginx limit_req, upstream of 1", NGINX_ONE, "keys.lua", False, nginx),
+        ("ratewall memory, pool of 1", RATEWALL_ONE, "keys.lua", False, gateways["one"]),
+        ("ratewall memory, pool of 3, 20 routes", RATEWALL_ROUTES, "keys-route20.lua", False, gateways["routes"]),
+    ]
+    med = measure(targets, (None, None), LOAD_CPU, "pools ")
+    print()
+    print(f"pools: the server under test alone on CPU {SERVER_CPU}, one worker; wrk and the three upstream servers "
+          f"(nginx, 1 worker) on CPU {LOAD_CPU}")
+    print(f"median of {RUNS} runs, wrk -t{THREADS} -c{CONNS} -d{SECS}s")
+    print(f"{'':40}{'req/s':>9}{'p99 ms':>8}{'CPU us/req':>12}{'non-2xx':>9}")
+    print(f"{'':40}{'':>9}{'':>8}{'user+sys':>12}{'':>9}")
+    for name, _, _, _, _ in targets:
+        m = med[name]
+        print(f"{name:40}{m['rps']:>9.0f}{m['p99']:>8.2f}{m['user_us']:>6.1f}+{m['sys_us']:<5.1f}{m['non2xx']:>9.0f}")
+    print("(CPU us/req: user+system CPU time of the server under test per request, all its processes (nginx: master")
+    print(" and worker, which serves both of its upstream rows); the 20-routes row's requests match only the last")
+    print(" route, /svc20/)")
+    pool, peer = med["ratewall memory, pool of 3"], med["nginx limit_req, upstream of 3"]
+    one, routes = med["ratewall memory, pool of 1"], med["ratewall memory, pool of 3, 20 routes"]
+    print()
+    print("targets (issue 24), from the medians above:")
+    ratio = pool["rps"] / peer["rps"]
+    print(f"  {'pool of 3 req/s >= 1.0x nginx upstream':44} {ratio:5.2f}x  {verdict(ratio >= 1.0)}")
+    ratio = cpu_us(pool) / cpu_us(peer)
+    print(f"  {'pool of 3 CPU us/req <= 1.0x nginx upstream':44} {ratio:5.2f}x  {verdict(ratio <= 1.0)}  "
+          f"({cpu_us(pool):.1f} vs {cpu_us(peer):.1f})")
+    print("for information:")
+    print(f"  {'pool of 3 against pool of 1, CPU us/req':44} {cpu_us(pool) - cpu_us(one):+5.1f}   "
+          f"({cpu_us(pool):.1f} vs {cpu_us(one):.1f}; req/s {pool['rps'] / one['rps']:.2f}x)")
+    print(f"  {'20 routes, the last matching, CPU us/req':44} {cpu_us(routes) - cpu_us(pool):+5.1f}   "
+          f"({cpu_us(routes):.1f} vs {cpu_us(pool):.1f}; req/s {routes['rps'] / pool['rps']:.2f}x)")
+
+
 def main():
-    if ONLY not in ("", "main", "pinned", "tls"):
-        sys.exit(f"BENCH_ONLY={ONLY}: main, pinned, tls, or unset for all three")
-    for tool in ("nginx", "haproxy", "wrk", "redis-server", "redis-cli", "taskset", "openssl"):
+    if ONLY not in ("", "main", "pinned", "tls", "pools"):
+        sys.exit(f"BENCH_ONLY={ONLY}: main, pinned, tls, pools, or unset for all four")
+    # What each table runs (the pools table: nginx and wrk only).
+    needs = {"main": ("nginx", "haproxy", "wrk", "redis-server", "redis-cli", "taskset"),
+             "pinned": ("nginx", "haproxy", "wrk", "redis-server", "redis-cli", "taskset"),
+             "tls": ("nginx", "wrk", "taskset", "openssl"),
+             "pools": ("nginx", "wrk", "taskset")}
+    for tool in sorted({t for table in ([ONLY] if ONLY else needs) for t in needs[table]}):
         if not shutil.which(tool):
             sys.exit(f"{tool} is missing: bench/run installs it")
-    if not os.path.exists("/usr/share/nginx/modules/ngx_http_lua_module.so"):
+    if ONLY in ("", "main", "pinned") and not os.path.exists("/usr/share/nginx/modules/ngx_http_lua_module.so"):
         sys.exit("nginx's Lua module is missing: bench/run installs it (libnginx-mod-http-lua)")
     if ONLY != "main" and len(os.sched_getaffinity(0) & {SERVER_CPU, LOAD_CPU}) < 2:
-        sys.exit(f"the pinned and TLS tables need CPUs {LOAD_CPU} and {SERVER_CPU}")
+        sys.exit(f"the pinned, TLS and pools tables need CPUs {LOAD_CPU} and {SERVER_CPU}")
     print(f"building ratewall (release)...", flush=True)
     subprocess.run(["cargo", "build", "--release", "--quiet", "--bin", "ratewall", "--example", "measure_memory",
                     "--example", "hyper_proxy", "--example", "tls_handshakes"],
                    cwd=ROOT, check=True)
-    tables = {"main": main_table, "pinned": pinned_table, "tls": tls_table}
+    tables = {"main": main_table, "pinned": pinned_table, "tls": tls_table, "pools": pools_table}
     for i, name in enumerate([ONLY] if ONLY else list(tables)):
         if i:
             print()

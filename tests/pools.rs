@@ -9,7 +9,8 @@
 //!   others are idle; `hash:api_key` keeps every key on one server, and a fourth server
 //!   takes at most 30% of the keys (and only moves keys to itself);
 //! - health: a server killed under 200 concurrent GETs costs no client an error, is
-//!   ejected (metrics, status page) and comes back once started again on its port;
+//!   ejected (metrics, `/status.json`) and comes back once started again on its port; the
+//!   status page, rendered by headless Chromium, lists each server with its state;
 //! - retries: a POST whose body was partly sent is never retried (502), one refused before
 //!   anything was sent is (200); the retry budget holds retries to 20% of requests plus
 //!   its floor when every server resets;
@@ -18,7 +19,8 @@
 //!   problem+json for no route without a default pool, nothing forwarded;
 //! - reload: a SIGHUP removing a server under load loses no request, and the removed
 //!   server gets no new ones;
-//! - a host name resolving to two addresses is balanced over both;
+//! - a host name resolving to two addresses is balanced over both (skipped, saying why,
+//!   unless /etc/hosts gives `ratewall-pools.test` both 127.0.0.1 and 127.0.0.2);
 //! - `ratewall check --path --host` names the route and pool; the access line carries
 //!   `route`, `pool`, `server` and `attempts`.
 //!
@@ -439,6 +441,10 @@ async fn hash_by_api_key_keeps_each_key_on_one_server_and_a_fourth_moves_few() {
         .filter(|k| after[*k][0] != before[*k][0])
         .map(|k| (k, &after[k][0]))
         .collect();
+    eprintln!(
+        "keys per server of three: {per_server:?}; the fourth server took {} of 1000",
+        moved.len()
+    );
     assert!(
         moved.len() <= 300,
         "a fourth server moved {} of 1000 keys",
