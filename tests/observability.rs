@@ -428,8 +428,9 @@ async fn metrics_count_known_traffic_exactly() {
             );
         }
     }
+    let text = m.text.replace(&upstream_url, "the upstream's URL");
     for secret in [K1, K2, "127.0.0.1"] {
-        assert!(!m.text.contains(secret), "/metrics carries {secret:?}{ctx}");
+        assert!(!text.contains(secret), "/metrics carries {secret:?}{ctx}");
     }
 }
 

@@ -28,7 +28,24 @@ pub struct ServerLabels {
 pub struct ServerOutcomeLabels {
     pub pool: String,
     pub server: String,
-    pub outcome: &'static str,
+    pub outcome: ServerOutcome,
+}
+
+crate::metrics::label_enum! {
+    /// How one attempt on a server ended (`outcome=`): its answer's status class, or its
+    /// failure.
+    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+    pub enum ServerOutcome {
+        /// 1xx (a final answer after them) and 2xx.
+        S2xx = "2xx",
+        S3xx = "3xx",
+        S4xx = "4xx",
+        S5xx = "5xx",
+        /// Refused, reset, unreadable: a 502.
+        Error = "error",
+        /// No answer head within the pool's `timeout`: a 504.
+        Timeout = "timeout",
+    }
 }
 
 /// How one attempt on a server ended (`outcome=`).
@@ -43,18 +60,16 @@ pub enum Attempt {
 }
 
 impl Attempt {
-    pub const NAMES: [&'static str; 6] = ["2xx", "3xx", "4xx", "5xx", "error", "timeout"];
-
-    fn index(self) -> usize {
+    fn outcome(self) -> ServerOutcome {
         match self {
             Attempt::Answered(status) => match status {
-                0..=299 => 0,
-                300..=399 => 1,
-                400..=499 => 2,
-                _ => 3,
+                0..=299 => ServerOutcome::S2xx,
+                300..=399 => ServerOutcome::S3xx,
+                400..=499 => ServerOutcome::S4xx,
+                _ => ServerOutcome::S5xx,
             },
-            Attempt::Error => 4,
-            Attempt::Timeout => 5,
+            Attempt::Error => ServerOutcome::Error,
+            Attempt::Timeout => ServerOutcome::Timeout,
         }
     }
 }
@@ -79,57 +94,63 @@ pub struct PoolMetrics {
 impl PoolMetrics {
     /// Register the families in `registry` (prefixed `ratewall_` there).
     pub fn register(registry: &mut Registry) -> PoolMetrics {
-        let m = PoolMetrics {
-            requests: Family::default(),
-            duration: Family::new_with_constructor(|| {
-                Histogram::new([
-                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                    10.0, 30.0,
-                ])
-            }),
-            healthy: Family::default(),
-            ejections: Family::default(),
-            retries: Family::default(),
-            budget_exhausted: Family::default(),
-            no_server: Family::default(),
-            known: Arc::default(),
-        };
+        let requests = Family::<ServerOutcomeLabels, Counter>::default();
         registry.register(
             "upstream_server_requests",
-            "Attempts on each pool's servers, by how they ended: the answer's status class, error (refused, reset, unreadable: 502) or timeout (504); a retried request counts once per attempt",
-            m.requests.clone(),
+            "Attempts on each pool's servers, by how they ended: the answer's status class, error (refused, reset, unreadable: 502) or timeout (504), a retried request counting once per attempt",
+            requests.clone(),
         );
+        let duration = Family::<ServerLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new([
+                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                10.0, 30.0,
+            ])
+        });
         registry.register(
             "upstream_server_duration_seconds",
             "Time until a server's response head (or its failure), per attempt",
-            m.duration.clone(),
+            duration.clone(),
         );
+        let healthy = Family::<ServerLabels, Gauge>::default();
         registry.register(
             "upstream_server_healthy",
             "How many of a server's addresses take requests (1 or 0 for one address; a name resolving to several counts each): not those ejected (passive health) or failing their health checks",
-            m.healthy.clone(),
+            healthy.clone(),
         );
+        let ejections = Family::<ServerLabels, Counter>::default();
         registry.register(
             "upstream_ejections",
             "Times a server was ejected after max_fails failures within fail_window",
-            m.ejections.clone(),
+            ejections.clone(),
         );
+        let retries = Family::<PoolLabels, Counter>::default();
         registry.register(
             "upstream_retries",
             "Requests sent again to another server of the pool after an attempt failed before any answer",
-            m.retries.clone(),
+            retries.clone(),
         );
+        let budget_exhausted = Family::<PoolLabels, Counter>::default();
         registry.register(
             "upstream_retry_budget_exhausted",
             "Retries not made because the pool's retry budget (20% of its requests over 10 s, plus 3 per second) was spent",
-            m.budget_exhausted.clone(),
+            budget_exhausted.clone(),
         );
+        let no_server = Family::<PoolLabels, Counter>::default();
         registry.register(
             "upstream_no_server",
             "Requests answered 502 at once because no server of the pool could take them (all ejected or failing their checks, and none to fall back on)",
-            m.no_server.clone(),
+            no_server.clone(),
         );
-        m
+        PoolMetrics {
+            requests,
+            duration,
+            healthy,
+            ejections,
+            retries,
+            budget_exhausted,
+            no_server,
+            known: Arc::default(),
+        }
     }
 
     /// The handles of the server `server` (its label) of `pool`, its series created at zero.
@@ -140,7 +161,7 @@ impl PoolMetrics {
         };
         let healthy = self.healthy.get_or_create(&labels).clone();
         ServerCounters {
-            requests: Attempt::NAMES.map(|outcome| {
+            requests: ServerOutcome::ALL.map(|outcome| {
                 self.requests
                     .get_or_create(&ServerOutcomeLabels {
                         pool: pool.to_string(),
@@ -181,7 +202,7 @@ impl PoolMetrics {
                     pool: pool.clone(),
                     server: server.clone(),
                 };
-                for outcome in Attempt::NAMES {
+                for outcome in ServerOutcome::ALL {
                     self.requests.remove(&ServerOutcomeLabels {
                         pool: l.pool.clone(),
                         server: l.server.clone(),
@@ -215,7 +236,7 @@ pub struct ServerCounters {
 impl ServerCounters {
     /// One attempt ended as `how`, `took` after it started.
     pub fn attempted(&self, how: Attempt, took: std::time::Duration) {
-        self.requests[how.index()].inc();
+        self.requests[how.outcome() as usize].inc();
         self.duration.observe(took.as_secs_f64());
     }
 }
