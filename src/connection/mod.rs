@@ -64,7 +64,7 @@ pub use descriptors::{raise_descriptor_limit, RESERVED_DESCRIPTORS};
 pub use head::default_max_fields;
 pub use registry::{Closed, ConnectionMetrics, Registry};
 pub use serve::{serve, Answer, Service};
-pub use tls::{serve_tls, Handshake, Refused};
+pub use tls::{serve_tls, Handshake, HandshakeResult, Refused};
 pub use track::{InFlight, Track, Tracked};
 
 /// How long a client connection may keep the gateway waiting, each a bound on one kind of

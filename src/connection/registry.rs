@@ -22,35 +22,16 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// At most one warning per this long for a full listener or failing accepts.
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
-/// Why the gateway closed a connection, as `ratewall_connections_closed_total` counts it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub enum Closed {
-    HeaderTimeout = 1,
-    IdleTimeout,
-    BodyTimeout,
-    SendTimeout,
-    /// Idle, closed to make room at `max_connections` (or for lack of file descriptors).
-    MakeRoom,
-}
-
-impl Closed {
-    pub const ALL: [Closed; 5] = [
-        Closed::HeaderTimeout,
-        Closed::IdleTimeout,
-        Closed::BodyTimeout,
-        Closed::SendTimeout,
-        Closed::MakeRoom,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Closed::HeaderTimeout => "header_timeout",
-            Closed::IdleTimeout => "idle_timeout",
-            Closed::BodyTimeout => "body_timeout",
-            Closed::SendTimeout => "send_timeout",
-            Closed::MakeRoom => "make_room",
-        }
+crate::metrics::label_enum! {
+    /// Why the gateway closed a connection, as `ratewall_connections_closed_total` counts it.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Closed {
+        HeaderTimeout = "header_timeout",
+        IdleTimeout = "idle_timeout",
+        BodyTimeout = "body_timeout",
+        SendTimeout = "send_timeout",
+        /// Idle, closed to make room at `max_connections` (or for lack of file descriptors).
+        MakeRoom = "make_room",
     }
 }
 
@@ -59,13 +40,13 @@ impl Closed {
 pub struct ConnectionMetrics {
     pub open: Gauge,
     /// One counter per [`Closed`] reason, in the order of [`Closed::ALL`].
-    pub closed: [Counter; 5],
+    pub closed: [Counter; Closed::ALL.len()],
     pub accept_errors: Counter,
 }
 
 impl ConnectionMetrics {
     fn count(&self, why: Closed) {
-        if let Some(c) = self.closed.get(why as usize - 1) {
+        if let Some(c) = self.closed.get(why as usize) {
             c.inc();
         }
     }
@@ -256,11 +237,8 @@ impl Drop for Registered {
             open.is_empty()
         };
         r.metrics.open.dec();
-        if let Some(why) = Closed::ALL
-            .iter()
-            .find(|c| **c as u8 == self.track.closed_by.load(Relaxed))
-        {
-            r.metrics.count(*why);
+        if let Some(why) = self.track.closed_by() {
+            r.metrics.count(why);
         }
         if empty {
             r.drained.notify_waiters();

@@ -181,7 +181,7 @@ impl Metrics {
     ) {
         self.tls_handshakes
             .get_or_create(&HandshakeLabels {
-                result: outcome.name(),
+                result: outcome.result().name(),
                 reason: outcome.reason(),
             })
             .inc();
@@ -205,7 +205,7 @@ impl Metrics {
         };
         for outcome in crate::connection::Handshake::ALL {
             let _ = self.tls_handshakes.get_or_create(&HandshakeLabels {
-                result: outcome.name(),
+                result: outcome.result().name(),
                 reason: outcome.reason(),
             });
         }
