@@ -7,11 +7,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::clocks::clock_ms;
+use super::metrics::ListenerMetrics;
 use super::track::{Track, CLOSE_MAKE_ROOM, CLOSE_SHUTDOWN};
 
 /// Connections closed at once to make room at `max_connections`, at most: one per 256 of
@@ -35,23 +34,6 @@ crate::metrics::label_enum! {
     }
 }
 
-/// The metrics of one listener's connections.
-#[derive(Clone, Default)]
-pub struct ConnectionMetrics {
-    pub open: Gauge,
-    /// One counter per [`Closed`] reason, in the order of [`Closed::ALL`].
-    pub closed: [Counter; Closed::ALL.len()],
-    pub accept_errors: Counter,
-}
-
-impl ConnectionMetrics {
-    fn count(&self, why: Closed) {
-        if let Some(c) = self.closed.get(why as usize) {
-            c.inc();
-        }
-    }
-}
-
 /// Every open connection of one listener, and the bound on their number.
 pub struct Registry {
     listener: &'static str,
@@ -62,7 +44,7 @@ pub struct Registry {
     /// Set once shutdown began: new connections are asked to close at once.
     shutting_down: AtomicBool,
     drained: tokio::sync::Notify,
-    metrics: ConnectionMetrics,
+    metrics: ListenerMetrics,
     /// When a full listener / a failing accept was last logged (ms on [`clock_ms`]), and
     /// how many happened since.
     full_warned: AtomicU64,
@@ -72,7 +54,7 @@ pub struct Registry {
 }
 
 impl Registry {
-    pub fn new(listener: &'static str, max: usize, metrics: ConnectionMetrics) -> Arc<Registry> {
+    pub fn new(listener: &'static str, max: usize, metrics: ListenerMetrics) -> Arc<Registry> {
         Arc::new(Registry {
             listener,
             max: max.max(1),
@@ -255,11 +237,7 @@ mod tests {
     /// idle the longest. Once that one has closed, the next ask picks the next.
     #[tokio::test]
     async fn make_room_asks_again_only_once_the_one_asked_has_closed() {
-        let registry = Registry::new(
-            "test",
-            3,
-            crate::gateway::Metrics::new().connections("test"),
-        );
+        let registry = Registry::new("test", 3, ListenerMetrics::default());
         let mut held = Vec::new();
         for idle_since in [30, 10, 20] {
             let permit = registry.permits.clone().try_acquire_owned().expect("room");
