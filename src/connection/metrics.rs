@@ -13,7 +13,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::registry::Registry;
 
 use super::registry::Closed;
-use super::tls::Handshake;
+use super::tls::{Handshake, HandshakeResult};
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ListenerLabels {
@@ -35,7 +35,7 @@ pub struct HandshakeLabels {
     /// `ok`, or why not: `timeout` (header_timeout), `closed` (by the client, or the
     /// connection failed), `failed` (refused by TLS: no common version, a bad client
     /// certificate, not TLS at all), `shutdown` (asked to close first).
-    pub result: &'static str,
+    pub result: HandshakeResult,
     /// Why a `failed` one was refused (`protocol`, `client_certificate`, `not_tls`,
     /// `alert`, `other`); `none` for the other results.
     pub reason: &'static str,
@@ -148,7 +148,7 @@ impl ConnectionMetrics {
     pub fn tls_handshake(&self, outcome: Handshake, session: Option<&crate::tls::Session>) {
         self.tls_handshakes
             .get_or_create(&HandshakeLabels {
-                result: outcome.result().name(),
+                result: outcome.result(),
                 reason: outcome.reason(),
             })
             .inc();
@@ -172,7 +172,7 @@ impl ConnectionMetrics {
         };
         for outcome in Handshake::ALL {
             let _ = self.tls_handshakes.get_or_create(&HandshakeLabels {
-                result: outcome.result().name(),
+                result: outcome.result(),
                 reason: outcome.reason(),
             });
         }

@@ -31,7 +31,7 @@ pub enum Handshake {
 
 crate::metrics::label_enum! {
     /// A [`Handshake`]'s `result` label.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
     pub enum HandshakeResult {
         Ok = "ok",
         Timeout = "timeout",
