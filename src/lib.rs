@@ -21,7 +21,8 @@
 //!   or HTTP/2, the clocks on its silences
 //!   (`header_timeout`, `idle_timeout`, stalled bodies), `max_connections`: a folder, one
 //!   concern a file (`registry`, `track`, `tls`, `serve`, `protocol`, `clocks`, `head`,
-//!   `descriptors`); each request to
+//!   `descriptors`, and `metrics`: the connections' and the TLS listener's); each request
+//!   to
 //! - [`gateway`]: one request, top to bottom: screen its head, choose its route and pool
 //!   (`route.rs`; a 404 where none fits), find its rules, identify it, ask the store, one
 //!   pure verdict, then answer or forward it through its pool; each request in its
@@ -55,9 +56,10 @@
 //!   the request may go again.
 //! - [`metrics`]: what metrics are made with: `label_enum!` (a vocabulary enum written
 //!   once with its label values) and `Gauged`. Each module registers the metrics it owns
-//!   (`gateway/metrics.rs`, `limiter/metrics.rs`, `upstream/tls.rs`), held with the one
-//!   registry by [`gateway::Metrics`] (`gateway/all_metrics.rs`); every series a config
-//!   implies is created at zero.
+//!   (`connection/metrics.rs`, `gateway/metrics.rs`, `limiter/metrics.rs`,
+//!   `upstream/tls.rs`, `upstream/metrics.rs`), held with the one registry by
+//!   [`gateway::Metrics`] (`gateway/all_metrics.rs`); every series a config implies is
+//!   created at zero.
 //! - [`stats`]: what the status page shows: outcomes, latencies, the loads of the config;
 //!   counted with atomics on the request path, sampled into a bounded ring.
 //! - [`tls`]: `[server.tls]`: the certificates (chosen by SNI), client certificates, the

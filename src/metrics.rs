@@ -2,9 +2,10 @@
 //! enum once with its label values, and [`Gauged`].
 //!
 //! The metrics themselves are registered by the module that owns them, in a struct of
-//! its own beside its code (`GatewayMetrics` in `gateway/`, `LimiterMetrics` in
-//! `limiter/`, `UpstreamTlsMetrics` in `upstream/tls.rs`), and held, with the one registry,
-//! by [`crate::gateway::Metrics`]. Label sets are bounded: rule names (from the config),
+//! its own beside its code (`ConnectionMetrics` in `connection/`, `GatewayMetrics` in
+//! `gateway/`, `LimiterMetrics` in `limiter/`, `UpstreamTlsMetrics` in `upstream/tls.rs`,
+//! `PoolMetrics` in `upstream/metrics.rs`), and held, with the one registry, by
+//! [`crate::gateway::Metrics`]. Label sets are bounded: rule names (from the config),
 //! fixed enums, status classes. Never an API key, never an IP. Every series a config
 //! implies exists from the moment it loads, at zero (rules added by a reload at theirs),
 //! so that an alert's query answers 0 rather than nothing. The request path counts

@@ -47,10 +47,15 @@
 //! - `head.rs`: an HTTP/1 head as it arrives: its bare-CR scan, its field bound, the answers
 //!   written straight to the socket.
 //! - `descriptors.rs`: the open-file limit raised to fit `max_connections`.
+//!
+//! And what they all count into: `metrics.rs`, the connections' and the TLS listener's
+//! metrics, registered by [`ConnectionMetrics::register`], and each listener's handles on
+//! them ([`ListenerMetrics`]).
 
 mod clocks;
 mod descriptors;
 mod head;
+pub mod metrics;
 mod protocol;
 mod registry;
 mod serve;
@@ -62,9 +67,10 @@ use std::time::Duration;
 pub(crate) use clocks::expired;
 pub use descriptors::{raise_descriptor_limit, RESERVED_DESCRIPTORS};
 pub use head::default_max_fields;
-pub use registry::{Closed, ConnectionMetrics, Registry};
+pub use metrics::{ConnectionMetrics, ListenerMetrics};
+pub use registry::{Closed, Registry};
 pub use serve::{serve, Answer, Service};
-pub use tls::{serve_tls, Handshake, Refused};
+pub use tls::{serve_tls, Handshake, HandshakeResult, Refused};
 pub use track::{InFlight, Track, Tracked};
 
 /// How long a client connection may keep the gateway waiting, each a bound on one kind of

@@ -7,11 +7,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::gauge::Gauge;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::clocks::clock_ms;
+use super::metrics::ListenerMetrics;
 use super::track::{Track, CLOSE_MAKE_ROOM, CLOSE_SHUTDOWN};
 
 /// Connections closed at once to make room at `max_connections`, at most: one per 256 of
@@ -22,52 +21,16 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// At most one warning per this long for a full listener or failing accepts.
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
-/// Why the gateway closed a connection, as `ratewall_connections_closed_total` counts it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-#[repr(u8)]
-pub enum Closed {
-    HeaderTimeout = 1,
-    IdleTimeout,
-    BodyTimeout,
-    SendTimeout,
-    /// Idle, closed to make room at `max_connections` (or for lack of file descriptors).
-    MakeRoom,
-}
-
-impl Closed {
-    pub const ALL: [Closed; 5] = [
-        Closed::HeaderTimeout,
-        Closed::IdleTimeout,
-        Closed::BodyTimeout,
-        Closed::SendTimeout,
-        Closed::MakeRoom,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Closed::HeaderTimeout => "header_timeout",
-            Closed::IdleTimeout => "idle_timeout",
-            Closed::BodyTimeout => "body_timeout",
-            Closed::SendTimeout => "send_timeout",
-            Closed::MakeRoom => "make_room",
-        }
-    }
-}
-
-/// The metrics of one listener's connections.
-#[derive(Clone, Default)]
-pub struct ConnectionMetrics {
-    pub open: Gauge,
-    /// One counter per [`Closed`] reason, in the order of [`Closed::ALL`].
-    pub closed: [Counter; 5],
-    pub accept_errors: Counter,
-}
-
-impl ConnectionMetrics {
-    fn count(&self, why: Closed) {
-        if let Some(c) = self.closed.get(why as usize - 1) {
-            c.inc();
-        }
+crate::metrics::label_enum! {
+    /// Why the gateway closed a connection, as `ratewall_connections_closed_total` counts it.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Closed {
+        HeaderTimeout = "header_timeout",
+        IdleTimeout = "idle_timeout",
+        BodyTimeout = "body_timeout",
+        SendTimeout = "send_timeout",
+        /// Idle, closed to make room at `max_connections` (or for lack of file descriptors).
+        MakeRoom = "make_room",
     }
 }
 
@@ -81,7 +44,7 @@ pub struct Registry {
     /// Set once shutdown began: new connections are asked to close at once.
     shutting_down: AtomicBool,
     drained: tokio::sync::Notify,
-    metrics: ConnectionMetrics,
+    metrics: ListenerMetrics,
     /// When a full listener / a failing accept was last logged (ms on [`clock_ms`]), and
     /// how many happened since.
     full_warned: AtomicU64,
@@ -91,7 +54,7 @@ pub struct Registry {
 }
 
 impl Registry {
-    pub fn new(listener: &'static str, max: usize, metrics: ConnectionMetrics) -> Arc<Registry> {
+    pub fn new(listener: &'static str, max: usize, metrics: ListenerMetrics) -> Arc<Registry> {
         Arc::new(Registry {
             listener,
             max: max.max(1),
@@ -256,11 +219,8 @@ impl Drop for Registered {
             open.is_empty()
         };
         r.metrics.open.dec();
-        if let Some(why) = Closed::ALL
-            .iter()
-            .find(|c| **c as u8 == self.track.closed_by.load(Relaxed))
-        {
-            r.metrics.count(*why);
+        if let Some(why) = self.track.closed_by() {
+            r.metrics.count(why);
         }
         if empty {
             r.drained.notify_waiters();
@@ -277,11 +237,7 @@ mod tests {
     /// idle the longest. Once that one has closed, the next ask picks the next.
     #[tokio::test]
     async fn make_room_asks_again_only_once_the_one_asked_has_closed() {
-        let registry = Registry::new(
-            "test",
-            3,
-            crate::gateway::Metrics::new().connections("test"),
-        );
+        let registry = Registry::new("test", 3, ListenerMetrics::default());
         let mut held = Vec::new();
         for idle_since in [30, 10, 20] {
             let permit = registry.permits.clone().try_acquire_owned().expect("room");

@@ -1,6 +1,6 @@
 //! The TLS listener's side of a connection: its handshake (bounded by `header_timeout`),
-//! how a handshake ended for the metrics ([`Handshake`], [`Refused`]), and the answer to
-//! plain HTTP sent to the TLS port.
+//! how a handshake ended for the metrics ([`Handshake`]: its [`HandshakeResult`] and, if
+//! refused, why, [`Refused`]), and the answer to plain HTTP sent to the TLS port.
 
 use std::io;
 use std::sync::Arc;
@@ -14,7 +14,8 @@ use super::serve::{serve_io, Answer, Service};
 use super::track::Track;
 use super::Settings;
 
-/// How a TLS handshake ended, for the metrics: done, or why not.
+/// How a TLS handshake ended, for the metrics: done, or why not. Its labels are
+/// [`HandshakeResult`] and, for a failed one, [`Refused`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Handshake {
     Ok,
@@ -28,42 +29,39 @@ pub enum Handshake {
     Asked,
 }
 
-/// Why TLS refused a handshake on the listener, read from the `rustls::Error` inside the
-/// handshake's `io::Error`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Refused {
-    /// Nothing in common with the client (version, cipher suite, ALPN protocol...), or a
-    /// client that broke the protocol.
-    Protocol,
-    /// Under mTLS, no client certificate, or one that does not verify.
-    ClientCertificate,
-    /// Bytes that are not TLS (plain HTTP on the TLS port, say), or a message out of
-    /// place.
-    NotTls,
-    /// The client ended the handshake with an alert (it refused our certificate, say).
-    Alert,
-    Other,
+crate::metrics::label_enum! {
+    /// A [`Handshake`]'s `result` label.
+    #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
+    pub enum HandshakeResult {
+        Ok = "ok",
+        Timeout = "timeout",
+        Closed = "closed",
+        Failed = "failed",
+        /// [`Handshake::Asked`].
+        Shutdown = "shutdown",
+    }
+}
+
+crate::metrics::label_enum! {
+    /// Why TLS refused a handshake on the listener, read from the `rustls::Error` inside
+    /// the handshake's `io::Error`.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    pub enum Refused {
+        /// Nothing in common with the client (version, cipher suite, ALPN protocol...), or
+        /// a client that broke the protocol.
+        Protocol = "protocol",
+        /// Under mTLS, no client certificate, or one that does not verify.
+        ClientCertificate = "client_certificate",
+        /// Bytes that are not TLS (plain HTTP on the TLS port, say), or a message out of
+        /// place.
+        NotTls = "not_tls",
+        /// The client ended the handshake with an alert (it refused our certificate, say).
+        Alert = "alert",
+        Other = "other",
+    }
 }
 
 impl Refused {
-    pub const ALL: [Refused; 5] = [
-        Refused::Protocol,
-        Refused::ClientCertificate,
-        Refused::NotTls,
-        Refused::Alert,
-        Refused::Other,
-    ];
-
-    pub fn name(self) -> &'static str {
-        match self {
-            Refused::Protocol => "protocol",
-            Refused::ClientCertificate => "client_certificate",
-            Refused::NotTls => "not_tls",
-            Refused::Alert => "alert",
-            Refused::Other => "other",
-        }
-    }
-
     /// Why rustls refused the handshake. The listener verifies client certificates
     /// only, so a certificate error is always the client's.
     pub fn of(e: &rustls::Error) -> Refused {
@@ -85,18 +83,20 @@ impl Refused {
 }
 
 impl Handshake {
-    /// Every result and reason the metrics have a series for.
-    pub const ALL: [Handshake; 9] = [
-        Handshake::Ok,
-        Handshake::Timeout,
-        Handshake::Closed,
-        Handshake::Failed(Refused::Protocol),
-        Handshake::Failed(Refused::ClientCertificate),
-        Handshake::Failed(Refused::NotTls),
-        Handshake::Failed(Refused::Alert),
-        Handshake::Failed(Refused::Other),
-        Handshake::Asked,
-    ];
+    /// Every result and reason the metrics have a series for: ok, timeout, closed, each
+    /// refusal (from [`Refused::ALL`], not listed again), shutdown.
+    pub const ALL: [Handshake; 4 + Refused::ALL.len()] = {
+        let mut all = [Handshake::Asked; 4 + Refused::ALL.len()];
+        all[0] = Handshake::Ok;
+        all[1] = Handshake::Timeout;
+        all[2] = Handshake::Closed;
+        let mut i = 0;
+        while i < Refused::ALL.len() {
+            all[3 + i] = Handshake::Failed(Refused::ALL[i]);
+            i += 1;
+        }
+        all
+    };
 
     /// How a handshake that returned `e` ended: refused by TLS (the `rustls::Error` it
     /// carries says why), or closed under it.
@@ -112,13 +112,13 @@ impl Handshake {
     }
 
     /// The `result` label.
-    pub fn name(self) -> &'static str {
+    pub fn result(self) -> HandshakeResult {
         match self {
-            Handshake::Ok => "ok",
-            Handshake::Timeout => "timeout",
-            Handshake::Closed => "closed",
-            Handshake::Failed(_) => "failed",
-            Handshake::Asked => "shutdown",
+            Handshake::Ok => HandshakeResult::Ok,
+            Handshake::Timeout => HandshakeResult::Timeout,
+            Handshake::Closed => HandshakeResult::Closed,
+            Handshake::Failed(_) => HandshakeResult::Failed,
+            Handshake::Asked => HandshakeResult::Shutdown,
         }
     }
 
@@ -284,7 +284,7 @@ mod tests {
         ];
         for (e, result, reason) in cases {
             let h = Handshake::failed(&e);
-            assert_eq!((h.name(), h.reason()), (result, reason), "{e:?}");
+            assert_eq!((h.result().name(), h.reason()), (result, reason), "{e:?}");
         }
     }
 }

@@ -25,8 +25,9 @@ pub struct Track {
     pub(super) idle_since_ms: AtomicU64,
     /// Asked to close: 1 to make room (once idle), 2 to shut down (after what is in flight).
     pub(super) close: AtomicU8,
-    /// The reason the gateway closed it, once.
-    pub(super) closed_by: AtomicU8,
+    /// The reason the gateway closed it, once: 0 for none yet, else its place in
+    /// [`Closed::ALL`] plus one.
+    closed_by: AtomicU8,
     /// Wakes the connection's task where it waits to read the next request: an idle
     /// connection asked to close sees it at once; a busy one when its task next runs (its
     /// answer's progress), which is soon enough for a shutdown that waits for it anyway.
@@ -85,7 +86,13 @@ impl Track {
     pub fn closed(&self, why: Closed) {
         let _ = self
             .closed_by
-            .compare_exchange(0, why as u8, Relaxed, Relaxed);
+            .compare_exchange(0, why as u8 + 1, Relaxed, Relaxed);
+    }
+
+    /// Why the gateway closed the connection, if it did.
+    pub(super) fn closed_by(&self) -> Option<Closed> {
+        let at = self.closed_by.load(Relaxed).checked_sub(1)?;
+        Closed::ALL.get(usize::from(at)).copied()
     }
 
     /// Resolves once the connection is asked to close (to make room, or shutting down):
@@ -189,6 +196,23 @@ impl<B> Drop for Tracked<B> {
     fn drop(&mut self) {
         if let Some(n) = self.pulled {
             self.request.0.await_pull(n, false);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The first reason given is the one kept, whichever it is; none given, none kept.
+    #[test]
+    fn a_track_keeps_the_first_reason_it_was_closed_for() {
+        assert_eq!(Track::new(1).closed_by(), None);
+        for why in Closed::ALL {
+            let track = Track::new(1);
+            track.closed(why);
+            track.closed(Closed::MakeRoom);
+            assert_eq!(track.closed_by(), Some(why));
         }
     }
 }

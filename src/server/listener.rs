@@ -97,6 +97,7 @@ impl<H: Handler> Listener<H> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::connection::ListenerMetrics;
     use std::convert::Infallible;
     use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -144,11 +145,7 @@ mod tests {
     async fn a_listener_serves_until_its_shutdown_then_drains() {
         let socket = TcpListener::bind("127.0.0.1:0").await.expect("a port");
         let addr = socket.local_addr().expect("an address");
-        let registry = Registry::new(
-            "test",
-            4,
-            crate::gateway::Metrics::new().connections("test"),
-        );
+        let registry = Registry::new("test", 4, ListenerMetrics::default());
         let seen = Arc::new(AtomicUsize::new(0));
         let listener = Listener::new(
             socket,

@@ -66,10 +66,13 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     let registry = Registry::new(
         "gateway",
         config.server.max_connections,
-        metrics.connections("gateway"),
+        metrics.connection.listener("gateway"),
     );
-    let admin_registry =
-        Registry::new("admin", ADMIN_MAX_CONNECTIONS, metrics.connections("admin"));
+    let admin_registry = Registry::new(
+        "admin",
+        ADMIN_MAX_CONNECTIONS,
+        metrics.connection.listener("admin"),
+    );
     connection::raise_descriptor_limit(
         config.server.max_connections,
         config.server.max_connections_set,
@@ -570,7 +573,7 @@ impl Handler for Clients {
                         &registry,
                         permit,
                         settings,
-                        |outcome, session| metrics.tls_handshake(outcome, session),
+                        |outcome, session| metrics.connection.tls_handshake(outcome, session),
                         |track, session| {
                             let client = ClientPeer::with_tls(peer, Some(session));
                             clients.service(redirect, client, track)
@@ -685,6 +688,7 @@ async fn upkeep(gateway: Arc<Gateway>) {
         live.limiter.sweep();
         gateway
             .metrics()
+            .connection
             .tls_settings(live.config.server.tls.as_ref());
         live.pools.sweep();
     }
