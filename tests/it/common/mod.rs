@@ -21,7 +21,6 @@
 //! - [`seed`]: seeded, time-bounded property runs.
 //! - [`serial`]: a lock for tests whose bounds are timed, so that they do not run beside
 //!   each other's load.
-#![allow(dead_code, unused_imports)]
 
 pub mod client;
 pub mod gateway;
