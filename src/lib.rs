@@ -10,8 +10,8 @@
 //! A request travels one way: server -> connection -> gateway -> rules -> identity ->
 //! limiter -> headers -> upstream, and this list follows it, with what serves the path
 //! (admin, config, metrics, worker) where it is first needed. Imports go one way only:
-//! `tests/layering.rs` fails on an import cycle among these modules, and
-//! `cargo test --test layering -- --nocapture` prints their layers (`connection`, whose
+//! `tests/it/layering.rs` fails on an import cycle among these modules, and
+//! `cargo test --test it layering:: -- --nocapture` prints their layers (`connection`, whose
 //! clocks the upstream hop uses too, and `identity` at the bottom; `server` at the top).
 //!
 //! - [`server`]: one accept loop with its graceful shutdown (`server/listener.rs`: a
@@ -84,7 +84,7 @@ pub mod upstream;
 pub mod worker;
 
 /// The seeded, time-bounded proptest config the unit tests share with the integration
-/// tests: one file, `tests/common/seed.rs` (`RATEWALL_TEST_SEED` replays another run).
+/// tests: one file, `tests/it/common/seed.rs` (`RATEWALL_TEST_SEED` replays another run).
 #[cfg(test)]
-#[path = "../tests/common/seed.rs"]
+#[path = "../tests/it/common/seed.rs"]
 pub(crate) mod seed;

@@ -1,5 +1,5 @@
 //! The token bucket as a pure, exact step function. Its Redis twin is
-//! `lua/token_bucket.lua`; the two must agree on every decision (tests/stores_agree.rs).
+//! `lua/token_bucket.lua`; the two must agree on every decision (tests/it/stores_agree.rs).
 //!
 //! A bucket holds up to `burst` tokens and refills at `rate`. It is stored as its level in
 //! [`Quota`] units at the time it was last charged; tokens dripped in since then are added

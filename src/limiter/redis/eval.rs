@@ -6,7 +6,7 @@
 //! requests on a connection other calls share: a call that lands between them consumes
 //! the one-time `ASKING`, the target answers MOVED back to the source, which answers ASK
 //! again, until the redirections run out and the call fails. Under load that turned a
-//! slot migration into store errors (tests/scale.rs,
+//! slot migration into store errors (tests/it/scale.rs,
 //! `a_slot_moved_to_another_master_mid_run_keeps_its_state`).
 
 use redis::aio::{ConnectionLike, ConnectionManager};

@@ -1,7 +1,7 @@
 //! End to end: the real `ratewall` binary between a real HTTP client and a real upstream,
 //! on the memory store and on a real redis-server.
 
-mod common;
+use crate::common;
 
 use std::net::IpAddr;
 use std::time::{Duration, Instant};

@@ -7,7 +7,7 @@
 //! session, `ratewall check`, the status page's identity tags and counts, the RateLimit
 //! fields, the TLS quick start. The real binary, a real upstream.
 
-mod common;
+use crate::common;
 
 use std::process::Command;
 use std::time::Duration;

@@ -2,7 +2,7 @@
 //! (`tests/fixtures/bad-config/<case>.toml` and `<case>.expected`: line, column, key,
 //! message); then random mutations of the shipped file, which must never panic the parser.
 
-mod common;
+use crate::common;
 
 use std::path::{Path, PathBuf};
 
@@ -62,7 +62,7 @@ fn check_position(text: &str, e: &ConfigError) {
     }
 }
 
-const SHIPPED: &str = include_str!("../config/limits.toml");
+const SHIPPED: &str = include_str!("../../config/limits.toml");
 
 #[derive(Debug, Clone)]
 enum Edit {

@@ -3,7 +3,7 @@
 //! A module is a top-level one (`src/rules.rs`, or everything under `src/limiter/`); it
 //! depends on another when its code names `crate::<other>` (comments, doc links and
 //! `#[cfg(test)]` modules aside: tests may build their cases through any module). The
-//! test prints the graph in dependency order, so `cargo test --test layering --
+//! test prints the graph in dependency order, so `cargo test --test it layering:: --
 //! --nocapture` shows the layers, and fails naming a cycle if there is one.
 
 use std::collections::{BTreeMap, BTreeSet};
@@ -159,7 +159,7 @@ fn graph() -> BTreeMap<String, BTreeSet<String>> {
         }
     }
     // Only modules with a file in src/ are nodes: `crate::seed`, which the unit tests of
-    // a test-only file (limiter/properties.rs) name, is tests/common/seed.rs included.
+    // a test-only file (limiter/properties.rs) name, is tests/it/common/seed.rs included.
     let modules: BTreeSet<String> = deps.keys().cloned().collect();
     for named in deps.values_mut() {
         named.retain(|m| modules.contains(m));

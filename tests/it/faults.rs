@@ -35,7 +35,7 @@
 //!   `chunked, identity`; `chunked` on two lines; `chunked` then `identity` on two lines;
 //!   two `Host` headers; 200 header lines of 100 bytes; a config file with an unknown key.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

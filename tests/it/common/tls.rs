@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 use bytes::Bytes;
-use http::{HeaderMap, Request, StatusCode};
+use http::{Request, StatusCode};
 use http_body_util::{BodyExt, Empty};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use rustls::pki_types::{CertificateDer, PrivateKeyDer, PrivatePkcs8KeyDer, ServerName};
@@ -173,18 +173,11 @@ pub fn client_config(
 #[derive(Debug)]
 pub struct TlsReply {
     pub status: StatusCode,
-    pub headers: HeaderMap,
     pub body: Bytes,
     /// The server's end-entity certificate (DER).
     pub server_cert: Vec<u8>,
     pub alpn: Option<Vec<u8>>,
     pub version: Option<rustls::ProtocolVersion>,
-}
-
-impl TlsReply {
-    pub fn header(&self, name: &str) -> Option<&str> {
-        self.headers.get(name).and_then(|v| v.to_str().ok())
-    }
 }
 
 /// The handshake alone: the TLS stream, or why it failed.
@@ -252,7 +245,6 @@ pub async fn tls_get(
         .to_bytes();
     Ok(TlsReply {
         status: parts.status,
-        headers: parts.headers,
         body,
         server_cert,
         alpn,

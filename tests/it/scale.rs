@@ -3,7 +3,7 @@
 //! promise across rules on different identities (one atomic call on one Redis; charge,
 //! then refund on a denial, in a cluster).
 
-mod common;
+use crate::common;
 
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};

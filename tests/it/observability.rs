@@ -3,7 +3,7 @@
 //! `ratewall check --path`. Real processes only: the `ratewall` binary, a real upstream,
 //! a real redis-server.
 
-mod common;
+use crate::common;
 
 use std::collections::BTreeMap;
 use std::convert::Infallible;

@@ -104,8 +104,6 @@ pub struct TlsSeen {
 #[derive(Clone, Copy, PartialEq, Eq)]
 pub enum ClientCerts {
     None,
-    /// Verified against the CA if one is presented; a handshake without one goes on.
-    Optional,
     Required,
 }
 
@@ -149,10 +147,6 @@ impl TlsUpstream {
                 let ca = client_ca.expect("a client CA");
                 roots.add(ca.issuer.der().clone()).expect("client CA");
                 let v = WebPkiClientVerifier::builder_with_provider(Arc::new(roots), provider);
-                let v = match clients {
-                    ClientCerts::Optional => v.allow_unauthenticated(),
-                    _ => v,
-                };
                 builder.with_client_cert_verifier(v.build().expect("client verifier"))
             }
         };

@@ -27,7 +27,7 @@
 //! Tests that load the machine hold [`common::serial`], so that no timed health check of
 //! another test runs beside their load.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::{SocketAddr, ToSocketAddrs};

@@ -11,7 +11,7 @@
 //! - shutdown ends with `ratewall stopped`, the uptime and the requests served;
 //! - no raw API key reaches the log on any of these paths.
 
-mod common;
+use crate::common;
 
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};

@@ -6,7 +6,7 @@
 //!
 //! Each scenario is an `async fn` taking the store; a `_memory` and a `_redis` test call it.
 
-mod common;
+use crate::common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::Path;

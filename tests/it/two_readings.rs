@@ -6,7 +6,7 @@
 //! names with underscores, guessing the admin token, the listen backlog, and the small
 //! ones (two HTTP/2 `content-length`s, a TLS 1.2 renegotiation, more than 100 fields).
 
-mod common;
+use crate::common;
 
 use common::{
     h2_status, raw_exchange, series, upstream_and_store, Gateway, Nginx, Store, Upstream,

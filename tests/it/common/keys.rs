@@ -45,11 +45,6 @@ pub fn redis_key(key: &str, rule: &str) -> String {
     format!("{PREFIX}:{{{}}}:{rule}", api_key_hash(key))
 }
 
-/// The Redis key of the global identity under `rule`, with the tests' prefix.
-pub fn global_redis_key(rule: &str) -> String {
-    format!("{PREFIX}:{{{}}}:{rule}", global_hash())
-}
-
 /// Whether `key` is `<prefix>:{<32 lower-case hex>}:<rule>`.
 pub fn is_hash_tagged(key: &str, rule: &str) -> bool {
     key.strip_prefix(&format!("{PREFIX}:{{"))

@@ -24,7 +24,7 @@
 //!   close-delimited body re-framed as chunked (close-delimited for an HTTP/1.0 client),
 //!   as nginx does.
 
-mod common;
+use crate::common;
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};

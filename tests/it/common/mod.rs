@@ -1,5 +1,5 @@
-//! The one harness of the tests in `tests/`: real processes and real clients, each helper
-//! written once. Everything binds to 127.0.0.1 and is killed (or aborted) on drop.
+//! The one harness of the tests in `tests/it/`: real processes and real clients, each
+//! helper written once. Everything binds to 127.0.0.1 and is killed (or aborted) on drop.
 //!
 //! - [`redis_server`]: a `redis-server` on a free port, a Redis Cluster (with or without
 //!   replicas), and what the tests read from them (INFO counters, TTLs, Redis' clock). No
@@ -24,7 +24,6 @@
 //! - [`seed`]: seeded, time-bounded property runs.
 //! - [`serial`]: a lock for tests whose bounds are timed, so that they do not run beside
 //!   each other's load.
-#![allow(dead_code, unused_imports)]
 
 pub mod backend;
 pub mod browser;

@@ -1,7 +1,7 @@
 //! The TLS listener (`[server.tls]`) against the real binary: certificates made by the
 //! harness's throw-away CA, a rustls client and curl.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -1,11 +1,11 @@
 //! One timed test at a time.
 //!
-//! `cargo test` runs the test binaries one after another, and the tests of one binary in
+//! The integration tests are one binary (`tests/it/`), whose tests `cargo test` runs in
 //! parallel threads. A test that asserts a bound in wall-clock time (an answer within the
 //! store timeout plus a margin, a refusal that does not wait) holds this lock, and so does
 //! a test that loads the machine enough to stretch another's latencies; tests that assert
-//! only counts and states run beside them freely. Each binary has its own lock (the
-//! harness is compiled into each), which is all that is needed.
+//! only counts and states run beside them freely. The lock is the binary's: one for the
+//! tests of every module.
 
 use tokio::sync::{Mutex, MutexGuard};
 

@@ -3,7 +3,7 @@
 //! tests drive both with one clock against a real redis-server, and check what the Redis
 //! store leaves behind: TTLs, key names, and how it survives bad keys and restarts.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr};

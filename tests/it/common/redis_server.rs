@@ -216,7 +216,8 @@ pub fn key_slot(key: &str) -> u16 {
 pub struct RedisCluster {
     pub ports: Vec<u16>,
     children: Vec<Option<Child>>,
-    dir: tempfile::TempDir,
+    /// The nodes' folder, removed on drop.
+    _dir: tempfile::TempDir,
 }
 
 impl RedisCluster {
@@ -275,7 +276,7 @@ impl RedisCluster {
         let cluster = RedisCluster {
             ports,
             children,
-            dir,
+            _dir: dir,
         };
         cluster.wait_until_ok(Duration::from_secs(30));
         if replicas > 0 {

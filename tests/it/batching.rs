@@ -5,7 +5,7 @@
 //! loop against a real redis-server, and check both that they were batched (fewer script
 //! calls than requests) and that every answer is exact.
 
-mod common;
+use crate::common;
 
 use std::num::NonZeroU64;
 use std::sync::Arc;

@@ -11,7 +11,7 @@ use std::convert::Infallible;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{Request, Response};
@@ -30,8 +30,6 @@ pub struct Hit {
     pub method: String,
     /// The request target as it arrived: path and query, bytes untouched.
     pub target: String,
-    /// The `x-api-key` header, if any.
-    pub api_key: Option<String>,
     /// Body bytes read (all of them unless the backend cut the request short).
     pub body_len: usize,
 }
@@ -153,18 +151,6 @@ impl Backend {
         self.shared.cut.notified().await
     }
 
-    /// Wait until `n` requests in all have arrived (at most `within`): whether they did.
-    pub async fn wait_arrived(&self, n: usize, within: Duration) -> bool {
-        let end = Instant::now() + within;
-        while self.arrived() < n {
-            if Instant::now() >= end {
-                return false;
-            }
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-        true
-    }
-
     /// Kill it as a crashed process dies: the port stops accepting and every connection
     /// is closed at once, requests in flight unanswered.
     pub async fn kill(&mut self) {
@@ -244,11 +230,6 @@ async fn answer(
         .path_and_query()
         .map(|p| p.as_str().to_string())
         .unwrap_or_default();
-    let api_key = req
-        .headers()
-        .get("x-api-key")
-        .and_then(|v| v.to_str().ok())
-        .map(str::to_string);
     let mut body = req.into_body();
     let mut body_len = 0;
     let mut cut_now = false;
@@ -265,7 +246,6 @@ async fn answer(
     let hit = Hit {
         method,
         target,
-        api_key,
         body_len,
     };
     let slow = hit

@@ -10,7 +10,7 @@
 //! goes up when configured; `insecure_skip_verify` works only when asked, and says so
 //! loudly at start.
 
-mod common;
+use crate::common;
 
 use std::time::Duration;
 

@@ -5,9 +5,9 @@
 //! forged forwarding headers, encoded slashes, lower-case methods, malformed requests,
 //! huge heads, key probing on the admin API, a clock stepped back. (The upstream hop's part
 //! — uploads and their clocks, stray answers, malformed bodies, transfer codings — is in
-//! `tests/upstream.rs`.)
+//! `tests/it/upstream.rs`.)
 
-mod common;
+use crate::common;
 
 use std::net::IpAddr;
 use std::time::{Duration, Instant};

@@ -337,7 +337,7 @@ fn raw_structs(src: &str) -> BTreeMap<String, Vec<String>> {
             if l.starts_with("#[") {
                 assert!(
                     !l.contains("flatten"),
-                    "Raw{name}: a flattened field; teach tests/docs.rs where its keys go"
+                    "Raw{name}: a flattened field; teach tests/it/docs.rs where its keys go"
                 );
                 if let Some(r) = l.split("rename = \"").nth(1) {
                     rename = r.split('"').next().map(str::to_string);
@@ -399,7 +399,7 @@ fn every_key_the_parser_accepts_is_documented() {
         assert!(!fields.is_empty(), "{name}: no fields read");
         let Some(where_) = place(name) else {
             missing.push(format!(
-                "{name}: a table tests/docs.rs does not know; document it in docs/configuration.md and add it to place()"
+                "{name}: a table tests/it/docs.rs does not know; document it in docs/configuration.md and add it to place()"
             ));
             continue;
         };
@@ -907,7 +907,7 @@ fn registered_metrics() -> BTreeMap<String, Registered> {
     let source = source_metrics(&source_files());
     assert!(
         source.len() >= 10,
-        "tests/docs.rs no longer finds the registrations under src/: {source:?}"
+        "tests/it/docs.rs no longer finds the registrations under src/: {source:?}"
     );
     let mut by_family: BTreeMap<String, Registered> = BTreeMap::new();
     for line in text.lines() {

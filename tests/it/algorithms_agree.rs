@@ -20,7 +20,7 @@
 //! pin it (only possible when its TTL is a few ms and the machine stalled) is put back
 //! from the Rust state, and counted.
 
-mod common;
+use crate::common;
 
 use std::collections::HashMap;
 use std::num::NonZeroU64;

@@ -1,0 +1,26 @@
+//! The integration tests, one binary: each former `tests/<name>.rs` is the module
+//! `<name>` here (`cargo test --test it <name>::` runs one of them), and the harness in
+//! `common/` is compiled and linked once for all of them. Fixtures stay in `tests/fixtures/`.
+
+mod common;
+
+mod algorithms_agree;
+mod batching;
+mod config_fixtures;
+mod docs;
+mod e2e;
+mod faults;
+mod features;
+mod layering;
+mod logs;
+mod observability;
+mod perimeter;
+mod pools;
+mod request_path;
+mod scale;
+mod setup;
+mod stores_agree;
+mod tls;
+mod two_readings;
+mod upstream;
+mod upstream_tls;
