@@ -19,9 +19,6 @@ use crate::limiter::metrics::LimiterMetrics;
 use crate::stats::Stats;
 use crate::upstream::{PoolMetrics, UpstreamTlsMetrics};
 
-/// Named here as well for the gateway, which counts into `connections_closed` (below).
-pub use crate::connection::metrics::ClosedLabels;
-
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct AdminFailureLabels {
     /// `missing`, `wrong` or `throttled` (`admin::Failure`).
@@ -46,9 +43,6 @@ pub struct Metrics {
     pub admin_auth_failures: Family<AdminFailureLabels, Counter>,
     /// The connections' and the TLS listener's metrics (`connection/metrics.rs`).
     pub connection: ConnectionMetrics,
-    /// `connection.connections_closed`, the same family (a clone shares its series): the
-    /// gateway counts into it an HTTP/1 connection it closes after a stalled request body.
-    pub connections_closed: Family<ClosedLabels, Counter>,
     /// What the status page shows (the limiter counts its store calls into it too).
     pub stats: Arc<Stats>,
 }
@@ -82,7 +76,6 @@ impl Metrics {
             upstream_tls,
             pools,
             admin_auth_failures,
-            connections_closed: connection.connections_closed.clone(),
             connection,
             stats: Arc::new(Stats::new()),
         }

@@ -608,8 +608,9 @@ impl Gateway {
         headers::add_shadow(resp.headers_mut(), cfg.response, &pass.shadow);
         if matches!(e, upstream::Error::ClientStalled(_)) && version < http::Version::HTTP_2 {
             self.metrics
+                .connection
                 .connections_closed
-                .get_or_create(&all_metrics::ClosedLabels {
+                .get_or_create(&crate::connection::metrics::ClosedLabels {
                     listener: "gateway",
                     reason: crate::connection::Closed::BodyTimeout.name(),
                 })
