@@ -13,6 +13,7 @@ use serde::Deserialize;
 use crate::identity::KeyKind;
 use crate::limiter::Rate;
 use crate::rules::{Glob, HostPattern};
+use crate::upstream::MAX_RETRIES;
 
 /// A humantime duration: `"50ms"`, `"2s"`, `"10m"`.
 #[derive(Clone, Copy)]
@@ -205,9 +206,6 @@ impl<'de> Deserialize<'de> for Percent {
         }
     }
 }
-
-/// The most `retries` a pool may take: each is another server tried for one request.
-pub(super) const MAX_RETRIES: u32 = 10;
 
 /// `retries`: 0 to [`MAX_RETRIES`].
 pub(super) struct Retries(pub(super) u32);

@@ -87,7 +87,7 @@ pub use outage::{OutageChange, OutageLog};
 pub use pools::{Forwarded, Pick, Pool, PoolStatus, Pools, Server, ServerStatus};
 pub use settings::{
     Balance, HealthCheck, Passive, PoolSettings, ServerSettings, CONNECT_TIMEOUT, DEFAULT_POOL,
-    FAIL_TIMEOUT, FAIL_WINDOW, MAX_EJECTED_PERCENT, MAX_EJECTION, MAX_FAILS, MAX_NAME,
+    FAIL_TIMEOUT, FAIL_WINDOW, MAX_EJECTED_PERCENT, MAX_EJECTION, MAX_FAILS, MAX_NAME, MAX_RETRIES,
     RESOLVE_EVERY, RETRIES, TIMEOUT,
 };
 pub use tls::{

@@ -24,7 +24,7 @@ use super::health::{panic_pick, HealthEvent, HealthPolicy, HealthState, ServerHe
 use super::metrics::{Attempt, PoolCounters, PoolMetrics, ServerCounters};
 use super::{
     Client, Downstream, Error, OutageChange, OutageLog, Outbound, PoolSettings, ResponseBody,
-    ServerSettings, Settings, TlsHandshakes,
+    ServerSettings, Settings, TlsHandshakes, MAX_RETRIES,
 };
 use crate::stats::Recent;
 
@@ -294,8 +294,10 @@ impl Pool {
     ) -> Forwarded {
         let set = self.servers.load_full();
         self.budget.request(Instant::now());
-        let mut tried: Vec<usize> = Vec::new();
-        let Some(mut k) = self.choose(&set, pick.hash, &tried, Instant::now()) else {
+        // The servers tried, in order: at most `MAX_RETRIES + 1` (config refuses more).
+        let mut tried = [0usize; MAX_RETRIES as usize + 1];
+        let mut n = 0;
+        let Some(mut k) = self.choose(&set, pick.hash, &[], Instant::now()) else {
             self.counters.no_server.inc();
             self.log_outage(self.outage.failed(&Error::NoServer), Some(&Error::NoServer));
             return Forwarded {
@@ -305,7 +307,9 @@ impl Pool {
             };
         };
         loop {
-            tried.push(k);
+            tried[n] = k;
+            n += 1;
+            let tried = &tried[..n];
             let server = &set.list[k];
             let result = server.send(out, down, pick.worker).await;
             self.record(&set, k, &result);
@@ -322,8 +326,9 @@ impl Pool {
             };
             // Another server, if the request may go again, has retries left, and a server
             // that takes requests is there to take it: only then is the budget asked.
-            let next = (tried.len() <= self.settings.retries as usize && out.may_retry(&e))
-                .then(|| self.choose(&set, pick.hash, &tried, Instant::now()))
+            let retries = (self.settings.retries as usize).min(MAX_RETRIES as usize);
+            let next = (tried.len() <= retries && out.may_retry(&e))
+                .then(|| self.choose(&set, pick.hash, tried, Instant::now()))
                 .flatten();
             if let Some(n) = next {
                 if self.budget.try_retry(Instant::now()) {

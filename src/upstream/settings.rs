@@ -32,6 +32,9 @@ pub const MAX_EJECTION: Duration = Duration::from_secs(300);
 pub const MAX_EJECTED_PERCENT: u8 = 50;
 /// `retries`' default: how many more servers a failed request may try.
 pub const RETRIES: u32 = 1;
+/// The most `retries` may be: a request tries at most `MAX_RETRIES + 1` servers (the
+/// pools keep the servers it tried on the stack, no allocation per request).
+pub const MAX_RETRIES: u32 = 10;
 /// `resolve_every`'s default: how often a server's host name is resolved again.
 pub const RESOLVE_EVERY: Duration = Duration::from_secs(30);
 
