@@ -173,6 +173,7 @@ impl RawRule {
                 .retry_jitter
                 .as_ref()
                 .map_or(0, |j| u64::try_from(j.0.as_micros()).unwrap_or(u64::MAX)),
+            messages: None,
         })
     }
 }

@@ -399,6 +399,7 @@ fn settings_without_servers(k: &Layered<'_>, client_certs: bool) -> Result<PoolS
             .pick(|k| k.retries)
             .map_or(RETRIES, |(_, r)| r.get_ref().0),
         resolve_every: k.duration(|k| k.resolve_every, RESOLVE_EVERY),
+        protocol: crate::upstream::Protocol::default(),
     })
 }
 

@@ -124,6 +124,18 @@ pub struct Rule {
     pub max_waiting: u32,
     /// Up to this much random time is added to a denial's `Retry-After`, in µs.
     pub retry_jitter_us: u64,
+    /// `messages = { rate, burst }`: the WebSocket data frames a client sends on the
+    /// sockets this rule admitted, per identity.
+    pub messages: Option<Messages>,
+}
+
+/// `messages = { rate = "50/s", burst = 100 }`: a token bucket of data frames per
+/// identity, across its sockets (and, through a shared store, across gateways).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Messages {
+    pub rate: crate::limiter::Rate,
+    /// Frames a client may send at once; `rate.count` when the file gives none.
+    pub burst: u64,
 }
 
 impl Match {

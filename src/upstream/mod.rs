@@ -86,7 +86,7 @@ pub use metrics::{Attempt, PoolMetrics};
 pub use outage::{OutageChange, OutageLog};
 pub use pools::{Forwarded, Pick, Pool, PoolStatus, Pools, Server, ServerStatus};
 pub use settings::{
-    Balance, HealthCheck, Passive, PoolSettings, ServerSettings, CONNECT_TIMEOUT, DEFAULT_POOL,
+    Balance, HealthCheck, Passive, PoolSettings, Protocol, ServerSettings, CONNECT_TIMEOUT, DEFAULT_POOL,
     FAIL_TIMEOUT, FAIL_WINDOW, MAX_EJECTED_PERCENT, MAX_EJECTION, MAX_FAILS, MAX_NAME, MAX_RETRIES,
     RESOLVE_EVERY, RETRIES, TIMEOUT,
 };

@@ -61,6 +61,35 @@ pub struct PoolSettings {
     pub retries: u32,
     /// How often a server's host name is resolved again.
     pub resolve_every: Duration,
+    /// What its servers are spoken to in (`protocol`).
+    pub protocol: Protocol,
+}
+
+/// `protocol`: what a pool's servers are spoken to in. Upgrades (WebSocket) always go over
+/// HTTP/1.1, on a connection of their own, whatever the pool speaks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Protocol {
+    /// HTTP/1.1 on the gateway's own client, connections kept per worker.
+    #[default]
+    Http1,
+    /// HTTP/2 over TLS (ALPN `h2`): `https://` servers only.
+    H2,
+    /// HTTP/2 over cleartext TCP, with prior knowledge: `http://` servers only.
+    H2c,
+    /// ALPN decides, per connection (`h2`, else HTTP/1.1): `https://` servers only.
+    Auto,
+}
+
+impl Protocol {
+    /// As the file writes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::Http1 => "http1",
+            Protocol::H2 => "h2",
+            Protocol::H2c => "h2c",
+            Protocol::Auto => "auto",
+        }
+    }
 }
 
 /// One of a pool's `servers`.
