@@ -54,6 +54,10 @@
 //!   sessions resumed), `body` (bodies framed both ways), and `error`: a typed
 //!   [`upstream::Error`] that says the client's status (502, 504, 400, 408) and whether
 //!   the request may go again.
+//! - [`websocket`]: RFC 6455 as a gateway passing frames through needs it: `frame` (an
+//!   exact, bounded, streaming §5 frame scanner; the close frames the gateway writes) and
+//!   `meter` (a rule's `messages` limit: one bucket per identity across its sockets,
+//!   charged to the store in batches).
 //! - [`metrics`]: what metrics are made with: `label_enum!` (a vocabulary enum written
 //!   once with its label values) and `Gauged`. Each module registers the metrics it owns
 //!   (`connection/metrics.rs`, `gateway/metrics.rs`, `limiter/metrics.rs`,
@@ -81,6 +85,7 @@ pub mod server;
 pub mod stats;
 pub mod tls;
 pub mod upstream;
+pub mod websocket;
 pub mod worker;
 
 /// The seeded, time-bounded proptest config the unit tests share with the integration
