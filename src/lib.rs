@@ -84,6 +84,7 @@ pub mod rules;
 pub mod server;
 pub mod stats;
 pub mod tls;
+pub mod tunnel;
 pub mod upstream;
 pub mod websocket;
 pub mod worker;

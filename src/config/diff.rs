@@ -197,6 +197,10 @@ fn settings(o: &Config, n: &Config) -> Vec<&'static str> {
         ("server.idle_timeout", ot.idle == nt.idle),
         ("server.body_timeout", ot.body == nt.body),
         (
+            "server.upgrade_idle_timeout",
+            os.upgrade_idle_timeout == ns.upgrade_idle_timeout,
+        ),
+        (
             "server.max_connections",
             os.max_connections == ns.max_connections,
         ),

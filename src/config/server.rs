@@ -25,6 +25,9 @@ pub struct Server {
     pub workers: usize,
     /// How long a client may keep a connection silent (see [`Timeouts`]).
     pub timeouts: Timeouts,
+    /// An upgraded connection (a WebSocket) with no byte either way for this long is
+    /// closed (`upgrade_idle_timeout`).
+    pub upgrade_idle_timeout: Duration,
     /// Open client connections at most (the gateway listener); past it, idle kept-alive
     /// connections are closed to make room and new ones wait in the listen backlog.
     pub max_connections: usize,
@@ -51,6 +54,8 @@ pub struct Server {
 
 /// The defaults of `[server]` not set by a type of their own.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(10);
+/// `upgrade_idle_timeout`'s default.
+pub const UPGRADE_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
 /// `max_connections` when the file does not set it and the open-file limit allows it.
 pub const MAX_CONNECTIONS: usize = 10_000;
 pub use connection::RESERVED_DESCRIPTORS;
@@ -118,6 +123,7 @@ pub(super) struct RawServer {
     header_timeout: Option<HumanDuration>,
     idle_timeout: Option<HumanDuration>,
     body_timeout: Option<HumanDuration>,
+    upgrade_idle_timeout: Option<HumanDuration>,
     max_connections: Option<MaxConnections>,
     backlog: Option<Backlog>,
     max_header_bytes: Option<HeaderBytes>,
@@ -148,6 +154,7 @@ impl RawServer {
                 idle: or(self.idle_timeout, d.idle),
                 body: or(self.body_timeout, d.body),
             },
+            upgrade_idle_timeout: or(self.upgrade_idle_timeout, UPGRADE_IDLE_TIMEOUT),
             max_connections: self
                 .max_connections
                 .as_ref()

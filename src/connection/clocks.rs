@@ -15,7 +15,7 @@ use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::{Instant, Sleep};
 
 use super::head::{canned, head_bytes, Head, Scan};
-use super::registry::Closed;
+use super::registry::{Closed, Registered};
 use super::serve::CLOSE_GRACE;
 use super::track::{Track, CLOSE_MAKE_ROOM};
 use super::Settings;
@@ -42,6 +42,9 @@ pub(super) struct Guarded<IO> {
     pub(super) prefix: Bytes,
     pub(super) io: IO,
     pub(super) track: Arc<Track>,
+    /// The connection's place in its registry, given back when the stream is dropped: when
+    /// hyper is done with it, or, for an upgraded connection, when its tunnel ends.
+    pub(super) _registered: Registered,
     pub(super) settings: Settings,
     pub(super) h2: bool,
     /// HTTP/1: the head being read, if its first byte came.

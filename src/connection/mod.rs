@@ -71,7 +71,7 @@ pub use metrics::{ConnectionMetrics, ListenerMetrics};
 pub use registry::{Closed, Registry};
 pub use serve::{serve, Answer, Service};
 pub use tls::{serve_tls, Handshake, HandshakeResult, Refused};
-pub use track::{InFlight, Track, Tracked};
+pub use track::{Hold, InFlight, Track, Tracked};
 
 /// How long a client connection may keep the gateway waiting, each a bound on one kind of
 /// silence (nginx: `client_header_timeout`, `keepalive_timeout`, `client_body_timeout`,

@@ -11,7 +11,10 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 use super::clocks::clock_ms;
 use super::metrics::ListenerMetrics;
-use super::track::{Track, CLOSE_MAKE_ROOM, CLOSE_SHUTDOWN};
+use super::track::{Track, CLOSE_MAKE_ROOM, CLOSE_NOW, CLOSE_SHUTDOWN};
+
+/// After the shutdown grace, how long tunnels get to send their close frames and end.
+const TUNNEL_CLOSE: Duration = Duration::from_secs(1);
 
 /// Connections closed at once to make room at `max_connections`, at most: one per 256 of
 /// the bound (a search of the open connections finds a batch, as nginx drains up to 32).
@@ -174,6 +177,21 @@ impl Registry {
         self.shutting_down.store(true, Relaxed);
         for t in self.lock().values() {
             t.ask_to_close(CLOSE_SHUTDOWN);
+        }
+    }
+
+    /// The shutdown grace is over: tell every tunnel (an upgraded connection, or an
+    /// HTTP/2 stream) to close now — a WebSocket with a close frame to both ends — and give
+    /// them up to a second to do it. Returns at once where none is open.
+    pub async fn close_tunnels(&self) {
+        let told = self
+            .lock()
+            .values()
+            .filter(|t| t.tunnelled())
+            .inspect(|t| t.ask_to_close(CLOSE_NOW))
+            .count();
+        if told > 0 {
+            let _ = tokio::time::timeout(TUNNEL_CLOSE, self.drained()).await;
         }
     }
 

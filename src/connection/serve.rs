@@ -105,6 +105,7 @@ pub(super) async fn serve_io<IO, S, B>(
         prefix: prefix.freeze(),
         io: stream,
         track: track.clone(),
+        _registered: registered,
         settings,
         h2: proto == Proto::H2,
         head: (proto == Proto::H1).then_some(Head {
@@ -127,7 +128,10 @@ pub(super) async fn serve_io<IO, S, B>(
                 .max_headers(settings.max_header_fields)
                 .timer(TokioTimer::new())
                 .header_read_timeout(None)
-                .serve_connection(io, service);
+                .serve_connection(io, service)
+                // An upgrade's stream outlives this: the tunnel holds it (and with it the
+                // connection's place in the registry) until the tunnel ends.
+                .with_upgrades();
             drive(conn, &track, |c| c.graceful_shutdown()).await;
         }
         Proto::H2 => {
@@ -135,11 +139,12 @@ pub(super) async fn serve_io<IO, S, B>(
                 .max_concurrent_streams(MAX_STREAMS)
                 .max_header_list_size(u32::try_from(settings.max_header_bytes).unwrap_or(u32::MAX))
                 .timer(TokioTimer::new())
+                // RFC 8441: WebSocket over HTTP/2 (a CONNECT with `:protocol`).
+                .enable_connect_protocol()
                 .serve_connection(io, service);
             drive(conn, &track, |c| c.graceful_shutdown()).await;
         }
     }
-    drop(registered);
 }
 
 /// Poll a connection to its end, shutting it down gracefully when asked to close.

@@ -37,10 +37,17 @@ pub struct Track {
     /// window left at 0) blocks no socket write, so only this shows it.
     pub(super) awaiting: Mutex<Vec<(u64, u64)>>,
     pub(super) next_answer: AtomicU64,
+    /// Upgraded streams (tunnels) open on it: an HTTP/1.1 connection has at most one, an
+    /// HTTP/2 connection one per extended CONNECT stream.
+    tunnels: AtomicU32,
+    /// Tells its tunnels that the shutdown grace is over ([`CLOSE_NOW`]).
+    now: tokio::sync::Notify,
 }
 
 pub(super) const CLOSE_MAKE_ROOM: u8 = 1;
 pub(super) const CLOSE_SHUTDOWN: u8 = 2;
+/// The shutdown grace is over: its tunnels close now (requests are not waited for either).
+pub(super) const CLOSE_NOW: u8 = 3;
 
 impl Track {
     pub(super) fn new(id: u64) -> Track {
@@ -54,7 +61,26 @@ impl Track {
             reader: AtomicWaker::new(),
             awaiting: Mutex::new(Vec::new()),
             next_answer: AtomicU64::new(0),
+            tunnels: AtomicU32::new(0),
+            now: tokio::sync::Notify::new(),
         }
+    }
+
+    /// Hold the connection for a tunnel over one of its streams (an upgrade): the
+    /// connection counts as busy until the hold is dropped — no idle clock, no request
+    /// head looked for in what the client sends — and the hold learns when the shutdown
+    /// grace is over ([`Hold::closing`]).
+    pub fn hold(self: &Arc<Self>) -> Hold {
+        self.tunnels.fetch_add(1, Relaxed);
+        Hold {
+            _request: InFlight::new(self),
+            track: self.clone(),
+        }
+    }
+
+    /// Whether a tunnel is open on it.
+    pub(super) fn tunnelled(&self) -> bool {
+        self.tunnels.load(Relaxed) > 0
     }
 
     fn awaiting(&self) -> std::sync::MutexGuard<'_, Vec<(u64, u64)>> {
@@ -112,6 +138,40 @@ impl Track {
     pub(super) fn ask_to_close(&self, how: u8) {
         self.close.fetch_max(how, Relaxed);
         self.reader.wake();
+        if how >= CLOSE_NOW {
+            self.now.notify_waiters();
+        }
+    }
+}
+
+/// A tunnel's hold on its connection ([`Track::hold`]).
+pub struct Hold {
+    _request: InFlight,
+    track: Arc<Track>,
+}
+
+impl Hold {
+    /// A hold on a connection of its own, for a tunnel served outside any listener (tests).
+    pub fn detached() -> Hold {
+        Arc::new(Track::new(0)).hold()
+    }
+
+    /// Resolves once the shutdown grace is over: the tunnel is to close now.
+    pub async fn closing(&self) {
+        loop {
+            // Registered before the check: a notice between the two is not missed.
+            let notified = self.track.now.notified();
+            if self.track.close.load(Relaxed) >= CLOSE_NOW {
+                return;
+            }
+            notified.await;
+        }
+    }
+}
+
+impl Drop for Hold {
+    fn drop(&mut self) {
+        self.track.tunnels.fetch_sub(1, Relaxed);
     }
 }
 

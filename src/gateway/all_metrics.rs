@@ -43,6 +43,8 @@ pub struct Metrics {
     pub admin_auth_failures: Family<AdminFailureLabels, Counter>,
     /// The connections' and the TLS listener's metrics (`connection/metrics.rs`).
     pub connection: ConnectionMetrics,
+    /// The tunnels' (upgraded connections') metrics (`tunnel/metrics.rs`).
+    pub tunnel: crate::tunnel::metrics::TunnelMetrics,
     /// What the status page shows (the limiter counts its store calls into it too).
     pub stats: Arc<Stats>,
 }
@@ -61,6 +63,7 @@ impl Metrics {
             admin_auth_failures.clone(),
         );
         let connection = ConnectionMetrics::register(&mut registry);
+        let tunnel = crate::tunnel::metrics::TunnelMetrics::register(&mut registry);
         let build_info = Info::new(BuildLabels {
             version: env!("CARGO_PKG_VERSION"),
         });
@@ -77,6 +80,7 @@ impl Metrics {
             pools,
             admin_auth_failures,
             connection,
+            tunnel,
             stats: Arc::new(Stats::new()),
         }
     }

@@ -3,6 +3,9 @@
 //! [`super::Gateway::admit`] and the forward), in place of values carried sideways in
 //! request extensions or looked up in thread-locals.
 
+use std::sync::Arc;
+
+use crate::connection::Track;
 use crate::identity::ClientCert;
 use crate::upstream::ClientPeer;
 
@@ -18,6 +21,9 @@ pub struct Context {
     /// The worker thread serving the connection (`0..[server] workers`): per-worker
     /// resources are picked by it, so a request's I/O stays on the thread that serves it.
     pub worker: usize,
+    /// The connection the request came on, where a listener serves it: what an upgrade's
+    /// tunnel holds until it ends ([`crate::connection::Track::hold`]). `None` in process.
+    pub connection: Option<Arc<Track>>,
     // What is known of the request before any of its phases runs goes here, a field each,
     // with why it is kept: next, the credentials a token verifies. What the phases decide
     // travels with their result instead: the route and pool `admit` chooses
@@ -37,6 +43,15 @@ impl Context {
             peer,
             client_cert,
             worker,
+            connection: None,
+        }
+    }
+
+    /// This context, for requests on the connection `track`.
+    pub fn on(self, track: Arc<Track>) -> Context {
+        Context {
+            connection: Some(track),
+            ..self
         }
     }
 }

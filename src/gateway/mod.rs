@@ -150,6 +150,10 @@ pub struct Pass<'l> {
     /// Where it goes.
     pub to: Destination,
     pub note: Note<'l>,
+    /// The rules with a WebSocket message limit (`messages`) that let it through: each
+    /// one's position, who the request is under it, and how long it may hold a client back
+    /// (its `max_delay`, µs). Used only where the request upgrades.
+    messages: Vec<(usize, IdentityDigest, u64)>,
 }
 
 impl<'l> Pass<'l> {
@@ -161,6 +165,7 @@ impl<'l> Pass<'l> {
             slots: Vec::new(),
             to,
             note,
+            messages: Vec::new(),
         }
     }
 
@@ -482,6 +487,11 @@ impl Gateway {
             waited,
             ..Note::gateway(decision).to(&to, &live.config)
         };
+        let messages = limits
+            .iter()
+            .filter(|l| l.enforced && l.rule.messages.is_some())
+            .map(|l| (l.index, l.identity.digest, l.quota.max_delay_us))
+            .collect();
         // Waiting on a rule holds its place in that rule's queue; the others are free.
         let slots = limits
             .into_iter()
@@ -496,6 +506,7 @@ impl Gateway {
             slots,
             to,
             note,
+            messages,
         }
     }
 
@@ -533,7 +544,18 @@ impl Gateway {
             return (resp, pass.note);
         };
         let target = pass.to.target(cfg, req.uri());
+        // An upgrade goes up as one only where the client's side can switch too.
+        let (mut parts, body) = req.into_parts();
+        let upgrade = upstream::Upgrade::asked(&parts, hyper::body::Body::is_end_stream(&body))
+            .and_then(|asked| {
+                let on = parts.extensions.remove::<hyper::upgrade::OnUpgrade>()?;
+                Some((asked, on))
+            });
+        let req = Request::from_parts(parts, body);
         let mut out = upstream::Outbound::new(req, target, &pool.default_host());
+        if let Some((asked, _)) = &upgrade {
+            out.upgrading(asked.clone());
+        }
         let pick = upstream::Pick {
             hash: pass.to.hash,
             worker: ctx.worker,
@@ -547,8 +569,11 @@ impl Gateway {
             count_rule_failures(live, &pass, e);
         }
         match result {
-            Ok(resp) => {
+            Ok(mut resp) => {
                 pass.count_passed(live);
+                if let Some((asked, on)) = upgrade {
+                    self.tunnel(live, ctx, &mut pass, &mut resp, asked, on);
+                }
                 let leases = pass.leases.take();
                 let mut resp = resp.map(|body| Either::Left(LeasedBody::new(body, leases)));
                 pass.decorate(resp.headers_mut(), cfg);
@@ -562,6 +587,82 @@ impl Gateway {
                 (resp, pass.note)
             }
         }
+    }
+
+    /// The backend switched protocols: the client's side is answered (`101`, or `200` to
+    /// an extended CONNECT) and a task copies between the two once the client's side is
+    /// there, holding the request's slots and its connection until the socket closes.
+    fn tunnel(
+        &self,
+        live: &Live,
+        ctx: &Context,
+        pass: &mut Pass<'_>,
+        resp: &mut Response<upstream::ResponseBody>,
+        asked: upstream::Upgrade,
+        on: hyper::upgrade::OnUpgrade,
+    ) {
+        let Some(io) = resp
+            .extensions_mut()
+            .remove::<upstream::Switched>()
+            .and_then(|s| s.take())
+        else {
+            return;
+        };
+        let cfg = &*live.config;
+        let websocket = asked.websocket
+            && (asked.extended
+                || resp
+                    .headers()
+                    .get(http::header::UPGRADE)
+                    .is_some_and(|u| u.as_bytes().eq_ignore_ascii_case(b"websocket")));
+        let meters: Vec<_> = pass
+            .messages
+            .iter()
+            .filter(|_| websocket)
+            .filter_map(|&(index, digest, _)| {
+                let rule = cfg.rules.get(index)?;
+                let messages = rule.messages?;
+                Some(crate::websocket::Meter::new(
+                    live.limiter.clone(),
+                    digest,
+                    &rule.name,
+                    messages,
+                    cfg.store.on_error,
+                ))
+            })
+            .collect();
+        let max_delay = pass
+            .messages
+            .iter()
+            .map(|&(_, _, us)| us)
+            .min()
+            .unwrap_or(0);
+        let tunnel = crate::tunnel::Tunnel {
+            websocket,
+            meters,
+            max_delay: Duration::from_micros(max_delay),
+            idle: cfg.server.upgrade_idle_timeout,
+            hold: ctx
+                .connection
+                .as_ref()
+                .map_or_else(crate::connection::Hold::detached, |t| t.hold()),
+            leases: pass.leases.take(),
+            labels: crate::tunnel::metrics::TunnelLabels {
+                route: pass.note.route.unwrap_or("").to_string(),
+                pool: pass.note.pool.unwrap_or("").to_string(),
+            },
+        };
+        let metrics = self.metrics.clone();
+        tokio::spawn(async move {
+            match on.await {
+                Ok(client) => {
+                    let client = hyper_util::rt::TokioIo::new(client);
+                    let ended = tunnel.run(client, io, &metrics.tunnel).await;
+                    tracing::debug!(reason = ended.name(), "upgraded connection closed");
+                }
+                Err(e) => tracing::debug!(error = %e, "the client's side of an upgrade failed"),
+            }
+        });
     }
 
     fn count_upstream(

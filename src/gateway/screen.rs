@@ -10,7 +10,13 @@ use crate::headers::Problem;
 /// What is wrong with a request's head, if anything: answered at once, and the connection
 /// closed (nothing after such a request can be trusted to start where a request starts).
 pub(super) fn problem(parts: &Parts) -> Option<Problem> {
-    method_problem(&parts.method)
+    // HTTP/2's extended CONNECT (RFC 8441, `:protocol`) is an upgrade, not a tunnel to an
+    // address: it goes to the backend as an HTTP/1.1 upgrade.
+    let extended = parts.version == http::Version::HTTP_2
+        && parts.extensions.get::<hyper::ext::Protocol>().is_some();
+    let method = (!extended).then_some(&parts.method);
+    method
+        .and_then(method_problem)
         .or_else(|| framing_problem(&parts.headers))
         .or_else(|| host_problem(parts.version, &parts.uri, &parts.headers))
         .or_else(|| path_problem(parts.uri.path()))
@@ -153,7 +159,8 @@ fn framing_problem(headers: &HeaderMap) -> Option<Problem> {
 ///   case-sensitive (RFC 9110 §9.1), so `get` is not `GET` to a `methods = ["GET"]` filter,
 ///   yet some backends route it as `GET`; the ambiguity itself is refused (400), as nginx
 ///   does;
-/// - `CONNECT`: a tunnel, not a request to forward (501).
+/// - `CONNECT`: a tunnel, not a request to forward (501); an extended CONNECT (RFC 8441)
+///   is not looked at here.
 fn method_problem(method: &http::Method) -> Option<Problem> {
     const STANDARD: [&str; 9] = [
         "GET", "HEAD", "POST", "PUT", "DELETE", "CONNECT", "OPTIONS", "TRACE", "PATCH",

@@ -75,6 +75,8 @@ impl<H: Handler> Listener<H> {
             .is_err()
         {
             tracing::warn!("shutdown grace ran out; closing the remaining connections");
+            // Upgraded connections (WebSocket) are closed with a word to both ends.
+            registry.close_tunnels().await;
         }
     }
 

@@ -602,7 +602,7 @@ impl Clients {
             worker,
             ..
         } = self;
-        let ctx = Context::new(client, worker);
+        let ctx = Context::new(client, worker).on(track.clone());
         service_fn(move |req: Request<Incoming>| {
             served.fetch_add(1, Relaxed);
             let request = InFlight::new(&track);

@@ -246,6 +246,20 @@ impl ResponseBody {
         Response::from_parts(parts, body)
     }
 
+    /// An answer without a body and without a connection to read one from (a `101`'s:
+    /// its connection is the tunnel's).
+    pub(super) fn none(pool: &Arc<Kept>) -> ResponseBody {
+        ResponseBody {
+            conn: None,
+            upload: None,
+            buf: BytesMut::new(),
+            framing: Framing::Done,
+            reuse: false,
+            pool: pool.clone(),
+            stall: None,
+        }
+    }
+
     /// Once the body is over, give the connection back (or close it), and drop what is
     /// left of an upload.
     fn finish_if_done(&mut self) {

@@ -120,8 +120,9 @@ pub enum Malformed {
     TooLarge,
     #[error("bad status code {0}")]
     Status(u16),
-    /// A 101: never asked for, as `Upgrade` is hop-by-hop and not forwarded.
-    #[error("the upstream switched protocols unasked")]
+    /// A 101 to a request that did not ask to upgrade, or one that names no protocol or
+    /// another than the one asked for.
+    #[error("the upstream switched protocols unasked, or to a protocol not asked for")]
     SwitchedProtocols,
     #[error("bad field name")]
     FieldName,

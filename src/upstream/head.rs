@@ -75,12 +75,34 @@ pub(super) async fn read<R: AsyncRead + Unpin>(
     is_head: bool,
     replayable: bool,
 ) -> Result<(http::response::Parts, BytesMut, Framing), Error> {
+    match read_as(conn, is_head, replayable, false).await? {
+        Answer::Final(parts, buf, framing) => Ok((parts, buf, framing)),
+        // Never: a 101 is an answer only where the request asked to upgrade.
+        Answer::Switched(..) => Err(Malformed::SwitchedProtocols.into()),
+    }
+}
+
+/// The answer to a request that asked to upgrade: a final head (the upstream declined), or
+/// its `101` — with the `Upgrade` it switched to among its fields, and the bytes read past
+/// it, the first of the new protocol's.
+pub(super) enum Answer {
+    Final(http::response::Parts, BytesMut, Framing),
+    Switched(http::response::Parts, BytesMut),
+}
+
+/// [`read`], where `switch` says whether a `101` may end it (the request asked to upgrade).
+pub(super) async fn read_as<R: AsyncRead + Unpin>(
+    conn: &mut R,
+    is_head: bool,
+    replayable: bool,
+    switch: bool,
+) -> Result<Answer, Error> {
     let mut buf = BytesMut::with_capacity(READ_SIZE);
     // Whether any byte of an answer came (a 1xx, skipped, included).
     let mut answered = false;
     loop {
         if !buf.is_empty() {
-            match parse(&buf, is_head)? {
+            match parse_as(&buf, is_head, switch)? {
                 Parsed::Partial if buf.len() >= MAX_HEAD => return Err(Malformed::TooLarge.into()),
                 Parsed::Partial => {}
                 Parsed::Interim(n) => {
@@ -89,7 +111,11 @@ pub(super) async fn read<R: AsyncRead + Unpin>(
                 }
                 Parsed::Final(n, parts, framing) => {
                     buf.advance(n);
-                    return Ok((parts, buf, framing));
+                    return Ok(Answer::Final(parts, buf, framing));
+                }
+                Parsed::Switched(n, parts) => {
+                    buf.advance(n);
+                    return Ok(Answer::Switched(parts, buf));
                 }
             }
         }
@@ -109,29 +135,38 @@ enum Parsed {
     /// An informational (1xx) head of this many bytes, to skip.
     Interim(usize),
     Final(usize, http::response::Parts, Framing),
+    /// A `101` of this many bytes, to a request that asked to upgrade.
+    Switched(usize, http::response::Parts),
 }
 
 /// Parse one response head at the start of `buf`.
+#[cfg(test)]
 fn parse(buf: &[u8], is_head: bool) -> Result<Parsed, Malformed> {
+    parse_as(buf, is_head, false)
+}
+
+/// Parse one response head at the start of `buf`; `switch`: a `101` may be the answer.
+fn parse_as(buf: &[u8], is_head: bool, switch: bool) -> Result<Parsed, Malformed> {
     let mut fields = [httparse::EMPTY_HEADER; FEW_FIELDS];
-    match parse_with(buf, is_head, &mut fields) {
+    match parse_with(buf, is_head, switch, &mut fields) {
         Err(Malformed::Syntax(httparse::Error::TooManyHeaders)) => {
             let mut fields = vec![httparse::EMPTY_HEADER; MAX_FIELDS];
-            parse_with(buf, is_head, &mut fields)
+            parse_with(buf, is_head, switch, &mut fields)
         }
         other => other,
     }
 }
 
-/// [`parse`] with room for `fields.len()` field lines.
+/// [`parse_as`] with room for `fields.len()` field lines.
 fn parse_with<'b>(
     buf: &'b [u8],
     is_head: bool,
+    switch: bool,
     fields: &mut [httparse::Header<'b>],
 ) -> Result<Parsed, Malformed> {
     let mut res = httparse::Response::new(fields);
     match res.parse(buf).map_err(Malformed::Syntax)? {
-        httparse::Status::Complete(n) => head_parts(buf, n, &res, is_head),
+        httparse::Status::Complete(n) => head_parts(buf, n, &res, is_head, switch),
         httparse::Status::Partial => Ok(Parsed::Partial),
     }
 }
@@ -142,12 +177,16 @@ fn head_parts(
     n: usize,
     res: &httparse::Response<'_, '_>,
     is_head: bool,
+    switch: bool,
 ) -> Result<Parsed, Malformed> {
     let code = res.code.unwrap_or(0);
     let status = StatusCode::from_u16(code).map_err(|_| Malformed::Status(code))?;
     if status == StatusCode::SWITCHING_PROTOCOLS {
-        // Never asked for: `Upgrade` is hop-by-hop and not forwarded.
-        return Err(Malformed::SwitchedProtocols);
+        // Never asked for: `Upgrade` is forwarded only for a request that asked to upgrade.
+        if !switch {
+            return Err(Malformed::SwitchedProtocols);
+        }
+        return switched(buf, n, res);
     }
     if status.is_informational() {
         return Ok(Parsed::Interim(n));
@@ -187,6 +226,25 @@ fn head_parts(
     }
     parts.headers = fields.headers;
     Ok(Parsed::Final(n, parts, framing))
+}
+
+/// A `101`'s parts: its fields but the hop-by-hop ones, and the `Upgrade` it switched to
+/// (hop-by-hop, but what the client's own 101 must say); without one it is no switch
+/// (RFC 9110 §15.2.2: a 101 names the protocol it switches to).
+fn switched(buf: &[u8], n: usize, res: &httparse::Response<'_, '_>) -> Result<Parsed, Malformed> {
+    let fields = Fields::read(buf, n, res.headers)?;
+    let upgrade = res
+        .headers
+        .iter()
+        .find(|h| h.name.eq_ignore_ascii_case("upgrade"))
+        .and_then(|h| HeaderValue::from_bytes(h.value).ok())
+        .ok_or(Malformed::SwitchedProtocols)?;
+    let mut parts = Response::new(()).into_parts().0;
+    parts.status = StatusCode::SWITCHING_PROTOCOLS;
+    parts.version = Version::HTTP_11;
+    parts.headers = fields.headers;
+    parts.headers.insert(http::header::UPGRADE, upgrade);
+    Ok(Parsed::Switched(n, parts))
 }
 
 /// What the field lines of a response head say, read in one pass.
@@ -384,7 +442,33 @@ mod tests {
             Parsed::Final(n, parts, framing) => Ok((n, parts, framing)),
             Parsed::Interim(n) => Err(format!("interim of {n}")),
             Parsed::Partial => Err("partial".into()),
+            Parsed::Switched(n, _) => Err(format!("switched in {n}")),
         }
+    }
+
+    /// A 101 ends an upgrade's head only where the request asked to upgrade, and only with
+    /// the `Upgrade` it switched to; what follows it is the new protocol's.
+    #[test]
+    fn a_switch_is_an_answer_only_to_an_upgrade() {
+        let text = b"HTTP/1.1 101 Switching Protocols\r\nUpgrade: websocket\r\nConnection: Upgrade\r\nSec-WebSocket-Accept: abc\r\n\r\n\x81\x00";
+        match parse_as(text, false, true) {
+            Ok(Parsed::Switched(n, parts)) => {
+                assert_eq!(&text[n..], b"\x81\x00", "the frame after the head is left");
+                assert_eq!(parts.headers["upgrade"], "websocket");
+                assert_eq!(parts.headers["sec-websocket-accept"], "abc");
+                assert!(!parts.headers.contains_key("connection"));
+            }
+            other => panic!("not a switch: {:?}", other.map(|_| ())),
+        }
+        assert!(matches!(
+            parse_as(text, false, false),
+            Err(Malformed::SwitchedProtocols)
+        ));
+        let unnamed = b"HTTP/1.1 101 Switching Protocols\r\n\r\n";
+        assert!(matches!(
+            parse_as(unnamed, false, true),
+            Err(Malformed::SwitchedProtocols)
+        ));
     }
 
     #[test]

@@ -67,6 +67,7 @@ mod pools;
 mod settings;
 mod stream;
 mod tls;
+mod upgrade;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -86,14 +87,15 @@ pub use metrics::{Attempt, PoolMetrics};
 pub use outage::{OutageChange, OutageLog};
 pub use pools::{Forwarded, Pick, Pool, PoolStatus, Pools, Server, ServerStatus};
 pub use settings::{
-    Balance, HealthCheck, Passive, PoolSettings, Protocol, ServerSettings, CONNECT_TIMEOUT, DEFAULT_POOL,
-    FAIL_TIMEOUT, FAIL_WINDOW, MAX_EJECTED_PERCENT, MAX_EJECTION, MAX_FAILS, MAX_NAME, MAX_RETRIES,
-    RESOLVE_EVERY, RETRIES, TIMEOUT,
+    Balance, HealthCheck, Passive, PoolSettings, Protocol, ServerSettings, CONNECT_TIMEOUT,
+    DEFAULT_POOL, FAIL_TIMEOUT, FAIL_WINDOW, MAX_EJECTED_PERCENT, MAX_EJECTION, MAX_FAILS,
+    MAX_NAME, MAX_RETRIES, RESOLVE_EVERY, RETRIES, TIMEOUT,
 };
 pub use tls::{
     NoVerification, Tls, TlsError, TlsFailure, TlsHandshake, TlsHandshakes, TlsOptions,
     UpstreamTlsMetrics,
 };
+pub use upgrade::{Switched, Upgrade, Upgraded};
 
 use body::{Conn, Sending, Upload, UploadError};
 use kept::{Address, Kept};
@@ -204,6 +206,9 @@ impl Client {
         out: &mut Outbound,
         down: &Downstream<'_>,
     ) -> Result<Response<ResponseBody>, Error> {
+        if out.upgrade.is_some() {
+            return self.upgrade(out, down).await;
+        }
         let chunked = out.sending == Sending::Chunked;
         if out.default_host {
             out.parts
@@ -410,6 +415,8 @@ pub struct Outbound {
     target: Option<String>,
     /// Whether its `Host` is the server's (the client named none): set per attempt.
     default_host: bool,
+    /// What it asks to upgrade to, if it does ([`Outbound::upgrading`]).
+    upgrade: Option<Upgrade>,
 }
 
 impl Outbound {
@@ -432,6 +439,7 @@ impl Outbound {
             sending,
             body: Some(body),
             target,
+            upgrade: None,
         }
     }
 

@@ -1,0 +1,560 @@
+//! An upgraded connection's life after its `101` (or, over HTTP/2, its extended CONNECT's
+//! `200`): the bytes copied both ways between the client and the backend until either
+//! side is done, and, for a WebSocket, its frames read on the way (never changed, never
+//! buffered whole: `crate::websocket`'s scanner), so that
+//!
+//! - the data frames a client sends count against the message limits of the rules that
+//!   admitted the socket (`messages = { rate, burst }`, [`Meter`]): past one, the client
+//!   is not read from (back-pressure) for up to the rule's `max_delay`, and then the socket
+//!   is closed with 1008 and a reason, to both ends;
+//! - a shutdown whose grace ran out, a stream that breaks RFC 6455, or a store that failed
+//!   under `on_error = "deny"` close the socket with a close frame to both ends (1001,
+//!   1002, 1011) where each side's stream is between frames.
+//!
+//! `upgrade_idle_timeout`: no byte either way for that long ends the tunnel. The
+//! request's concurrency slots ([`Leases`]: `max_in_flight` bounds the open sockets of
+//! a key) and the connection's [`Hold`] are kept until the tunnel ends.
+//!
+//! The copy loop is one task polling both directions: each direction reads into its own
+//! buffer only once the last read went out, so a side that does not take what it is sent
+//! stops the other from being read (back-pressure both ways, bounded memory).
+
+pub mod metrics;
+
+use std::future::Future;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use prometheus_client::metrics::counter::Counter;
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, AsyncWriteExt, ReadBuf};
+use tokio::time::{Instant, Sleep};
+
+use crate::connection::Hold;
+use crate::limiter::lease::Leases;
+use crate::metrics::Gauged;
+use crate::websocket::frame::{GOING_AWAY, INTERNAL_ERROR, POLICY_VIOLATION, PROTOCOL_ERROR};
+use crate::websocket::{self, Meter, Refill, Scanner, Side};
+use metrics::{BytesLabels, Direction, EndedLabels, TunnelLabels, TunnelMetrics};
+
+/// How much each direction reads at a time.
+const BUFFER: usize = 16 * 1024;
+/// Once a tunnel is to close, how long its last words (the bytes already read, a close
+/// frame) and the peers' own close may take.
+const CLOSING: Duration = Duration::from_secs(1);
+
+crate::metrics::label_enum! {
+    /// How a tunnel ended (`reason=`).
+    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+    pub enum Ended {
+        ClientClosed = "client_closed",
+        UpstreamClosed = "upstream_closed",
+        IdleTimeout = "idle_timeout",
+        Shutdown = "shutdown",
+        MessageLimit = "message_limit",
+        ProtocolError = "protocol_error",
+        StoreError = "store_error",
+        Failed = "failed",
+    }
+}
+
+impl Ended {
+    /// The close frame a WebSocket gets for it, where the gateway ends it.
+    fn close(self) -> Option<(u16, &'static str)> {
+        match self {
+            Ended::Shutdown => Some((GOING_AWAY, "the gateway is shutting down")),
+            Ended::MessageLimit => Some((POLICY_VIOLATION, "message rate limit exceeded")),
+            Ended::ProtocolError => Some((PROTOCOL_ERROR, "WebSocket protocol error")),
+            Ended::StoreError => Some((INTERNAL_ERROR, "the rate-limit store is unavailable")),
+            Ended::IdleTimeout => Some((GOING_AWAY, "idle for upgrade_idle_timeout")),
+            _ => None,
+        }
+    }
+}
+
+/// One tunnel, ready to run once the client's side of the upgrade is there.
+pub struct Tunnel {
+    /// Whether both ends speak WebSocket (asked and switched to): its frames are read.
+    pub websocket: bool,
+    /// The message limits of the rules that admitted it (WebSocket only).
+    pub meters: Vec<Meter>,
+    /// How long a client past a message limit is held back before it is closed.
+    pub max_delay: Duration,
+    /// `upgrade_idle_timeout`.
+    pub idle: Duration,
+    pub hold: Hold,
+    pub leases: Option<Leases>,
+    pub labels: TunnelLabels,
+}
+
+/// What a tunnel counts into, resolved once.
+struct Counts {
+    up: Counter,
+    down: Counter,
+}
+
+impl Tunnel {
+    /// Copy between `client` and `upstream` until the tunnel ends; how it ended.
+    pub async fn run<C, U>(self, client: C, upstream: U, metrics: &TunnelMetrics) -> Ended
+    where
+        C: AsyncRead + AsyncWrite + Unpin,
+        U: AsyncRead + AsyncWrite + Unpin,
+    {
+        let open = metrics.open.get_or_create(&self.labels).clone();
+        let _open = Gauged::new(&open);
+        // One at a time: a family's guard held while another series is created would
+        // deadlock on its lock.
+        let bytes = |direction| {
+            let labels = BytesLabels {
+                route: self.labels.route.clone(),
+                pool: self.labels.pool.clone(),
+                direction,
+            };
+            metrics.bytes.get_or_create(&labels).clone()
+        };
+        let up = bytes(Direction::Upstream);
+        let down = bytes(Direction::Downstream);
+        let counts = Counts { up, down };
+        let Tunnel {
+            websocket,
+            meters,
+            max_delay,
+            idle,
+            hold,
+            leases,
+            labels: _,
+        } = self;
+        let mut copy = Copy {
+            up: Pipe::new(websocket.then(|| Scanner::new(Side::Client))),
+            down: Pipe::new(websocket.then(|| Scanner::new(Side::Server))),
+            client,
+            upstream,
+            meters: Some(meters),
+            refill: None,
+            wait: None,
+            blocked_since: None,
+            max_delay,
+            idle,
+            last: Instant::now(),
+            idle_timer: Box::pin(tokio::time::sleep(idle)),
+            counts,
+            first: None,
+        };
+        let ended = {
+            let closing = hold.closing();
+            tokio::pin!(closing);
+            std::future::poll_fn(|cx| {
+                if closing.as_mut().poll(cx).is_ready() {
+                    return Poll::Ready(Ended::Shutdown);
+                }
+                copy.poll(cx)
+            })
+            .await
+        };
+        if let Some(close) = ended.close().filter(|_| websocket) {
+            let _ = tokio::time::timeout(CLOSING, copy.close(close)).await;
+        } else if ended != Ended::Failed {
+            let _ = tokio::time::timeout(CLOSING, copy.shut()).await;
+        }
+        metrics
+            .ended
+            .get_or_create(&EndedLabels { reason: ended })
+            .inc();
+        // The slots are given back as the socket closes, and the connection let go.
+        drop(leases);
+        drop(hold);
+        ended
+    }
+}
+
+/// One direction's bytes: `buf[start..passed]` read and let through, still to be written;
+/// `buf[passed..filled]` read and held back (a data frame past a message limit).
+struct Pipe {
+    buf: Box<[u8]>,
+    start: usize,
+    passed: usize,
+    filled: usize,
+    /// The source ended (and, once all is written, the destination was told).
+    eof: bool,
+    shut: bool,
+    /// Written since the last flush (TLS holds writes until flushed).
+    unflushed: bool,
+    /// Held back for want of a token.
+    blocked: bool,
+    scanner: Option<Scanner>,
+}
+
+impl Pipe {
+    fn new(scanner: Option<Scanner>) -> Pipe {
+        Pipe {
+            buf: vec![0; BUFFER].into_boxed_slice(),
+            start: 0,
+            passed: 0,
+            filled: 0,
+            eof: false,
+            shut: false,
+            unflushed: false,
+            blocked: false,
+            scanner,
+        }
+    }
+
+    /// Whether a close frame may go after what went out: everything read has, the stream
+    /// stands between frames, and its sender has not begun to close it already (a second
+    /// close frame would break the closing handshake, RFC 6455 §5.5.1).
+    fn may_close(&self) -> bool {
+        self.start == self.filled
+            && !self.shut
+            && self
+                .scanner
+                .as_ref()
+                .is_none_or(|s| s.at_boundary() && !s.closed())
+    }
+
+    /// Let through what the scanner allows of the held bytes, with `tokens` data frames at
+    /// most; how many started.
+    fn scan(&mut self, tokens: u64) -> Result<u64, Ended> {
+        let held = &self.buf[self.passed..self.filled];
+        let Some(scanner) = self.scanner.as_mut() else {
+            self.passed = self.filled;
+            return Ok(0);
+        };
+        let scan = scanner.scan(held, tokens).map_err(|v| {
+            tracing::debug!(violation = %v, "WebSocket frames break RFC 6455: closed");
+            Ended::ProtocolError
+        })?;
+        self.passed += scan.passed;
+        self.blocked = scan.blocked;
+        Ok(scan.frames)
+    }
+}
+
+/// A refill under way: it holds the meters until it is done.
+type Refilling = Pin<Box<dyn Future<Output = (Vec<Meter>, Refill)> + Send>>;
+
+/// The copy loop's state (see [`Tunnel::run`]).
+struct Copy<C, U> {
+    /// Client to upstream: metered.
+    up: Pipe,
+    /// Upstream to client.
+    down: Pipe,
+    client: C,
+    upstream: U,
+    /// The meters, while no refill holds them.
+    meters: Option<Vec<Meter>>,
+    refill: Option<Refilling>,
+    /// The store's wait before the next refill.
+    wait: Option<Pin<Box<Sleep>>>,
+    /// Since when the client has been held back.
+    blocked_since: Option<Instant>,
+    max_delay: Duration,
+    idle: Duration,
+    /// The last byte either way.
+    last: Instant,
+    /// Armed for `last + idle` or earlier: moved on only when it fires, not per byte.
+    idle_timer: Pin<Box<Sleep>>,
+    counts: Counts,
+    /// The side whose stream ended first.
+    first: Option<Ended>,
+}
+
+impl<C, U> Copy<C, U>
+where
+    C: AsyncRead + AsyncWrite + Unpin,
+    U: AsyncRead + AsyncWrite + Unpin,
+{
+    fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Ended> {
+        loop {
+            let mut moved = false;
+            match self.poll_meters(cx) {
+                Poll::Ready(Err(ended)) => return Poll::Ready(ended),
+                Poll::Ready(Ok(())) => moved = true,
+                Poll::Pending => {}
+            }
+            let tokens = self.tokens();
+            match pump(
+                &mut self.up,
+                &mut self.client,
+                &mut self.upstream,
+                tokens,
+                cx,
+            ) {
+                Err(ended) => return Poll::Ready(ended),
+                Ok((n, frames)) => {
+                    if n > 0 || frames > 0 {
+                        moved = true;
+                        self.counts.up.inc_by(n as u64);
+                    }
+                    self.spend(frames);
+                }
+            }
+            match pump(
+                &mut self.down,
+                &mut self.upstream,
+                &mut self.client,
+                u64::MAX,
+                cx,
+            ) {
+                Err(ended) => return Poll::Ready(ended),
+                Ok((n, _)) => {
+                    if n > 0 {
+                        moved = true;
+                        self.counts.down.inc_by(n as u64);
+                    }
+                }
+            }
+            if self.first.is_none() {
+                self.first = match (self.up.eof, self.down.eof) {
+                    (true, _) => Some(Ended::ClientClosed),
+                    (_, true) => Some(Ended::UpstreamClosed),
+                    _ => None,
+                };
+            }
+            if self.up.shut && self.down.shut {
+                // Both sides said all they had: the one that ended first closed it.
+                return Poll::Ready(self.first.unwrap_or(Ended::ClientClosed));
+            }
+            if self.up.blocked && self.refill.is_none() && self.wait.is_none() {
+                self.blocked_since.get_or_insert_with(Instant::now);
+                self.start_refill();
+                continue;
+            }
+            if moved {
+                self.last = Instant::now();
+                continue;
+            }
+            break;
+        }
+        while self.idle_timer.as_mut().poll(cx).is_ready() {
+            let deadline = self.last + self.idle;
+            if Instant::now() >= deadline {
+                return Poll::Ready(Ended::IdleTimeout);
+            }
+            // Bytes moved since it was armed: due again a full period after the last.
+            self.idle_timer.as_mut().reset(deadline);
+        }
+        Poll::Pending
+    }
+
+    /// The data frames the client may start now without asking the store.
+    fn tokens(&self) -> u64 {
+        match &self.meters {
+            Some(m) => m.iter().map(Meter::tokens).min().unwrap_or(u64::MAX),
+            // A refill holds them: nothing more until it is back.
+            None => 0,
+        }
+    }
+
+    fn spend(&mut self, frames: u64) {
+        if frames == 0 {
+            return;
+        }
+        if let Some(meters) = self.meters.as_mut() {
+            for m in meters {
+                m.spend(frames);
+            }
+        }
+    }
+
+    /// Ask the store for the next batch of every meter that is out of tokens.
+    fn start_refill(&mut self) {
+        let Some(mut meters) = self.meters.take() else {
+            return;
+        };
+        self.refill = Some(Box::pin(async move {
+            let mut how = Refill::Granted;
+            for m in meters.iter_mut().filter(|m| m.tokens() == 0) {
+                how = m.refill().await;
+                if !matches!(how, Refill::Granted) {
+                    break;
+                }
+            }
+            (meters, how)
+        }));
+    }
+
+    /// A refill or the wait before one: `Ok` when the client may be read again (or a
+    /// refill is to start), `Err` when the tunnel ends.
+    fn poll_meters(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Ended>> {
+        if let Some(wait) = self.wait.as_mut() {
+            if wait.as_mut().poll(cx).is_pending() {
+                return Poll::Pending;
+            }
+            self.wait = None;
+            self.start_refill();
+        }
+        let Some(refill) = self.refill.as_mut() else {
+            return Poll::Pending;
+        };
+        let Poll::Ready((meters, how)) = refill.as_mut().poll(cx) else {
+            return Poll::Pending;
+        };
+        self.refill = None;
+        self.meters = Some(meters);
+        match how {
+            // Granted, yet no token to show for it (never, by the meter's word): asked again
+            // shortly, so the loop never spins on the store.
+            Refill::Granted if self.tokens() == 0 => {
+                self.wait = Some(Box::pin(tokio::time::sleep(Duration::from_millis(10))));
+                cx.waker().wake_by_ref();
+                Poll::Pending
+            }
+            Refill::Granted => {
+                self.blocked_since = None;
+                self.up.blocked = false;
+                Poll::Ready(Ok(()))
+            }
+            Refill::Wait(d) => {
+                let since = *self.blocked_since.get_or_insert_with(Instant::now);
+                if since.elapsed() + d > self.max_delay {
+                    tracing::debug!(waited = ?since.elapsed(), "WebSocket client past its message limit: closed");
+                    return Poll::Ready(Err(Ended::MessageLimit));
+                }
+                let mut wait = Box::pin(tokio::time::sleep(d));
+                // Registered now, so that its end wakes the task.
+                if wait.as_mut().poll(cx).is_ready() {
+                    self.start_refill();
+                    return Poll::Ready(Ok(()));
+                }
+                self.wait = Some(wait);
+                Poll::Pending
+            }
+            Refill::Unavailable => Poll::Ready(Err(Ended::StoreError)),
+        }
+    }
+
+    /// The last words of a WebSocket the gateway ends: what was let through goes out, then
+    /// a close frame to each end whose stream stands between frames (the client's to the
+    /// backend masked, as a client's must be), then each side is shut and its close read.
+    async fn close(&mut self, (code, reason): (u16, &str)) {
+        let (mut up_ok, mut down_ok) = (true, true);
+        // What was let through but not yet written goes first.
+        if self.up.start < self.up.passed {
+            let (s, p) = (self.up.start, self.up.passed);
+            up_ok = self.upstream.write_all(&self.up.buf[s..p]).await.is_ok();
+            self.up.start = p;
+            self.up.filled = p;
+        }
+        if self.down.start < self.down.passed {
+            let (s, p) = (self.down.start, self.down.passed);
+            down_ok = self.client.write_all(&self.down.buf[s..p]).await.is_ok();
+            self.down.start = p;
+            self.down.filled = p;
+        }
+        if up_ok && self.up.may_close() {
+            let frame = websocket::close_frame(code, reason, Some(mask()));
+            let _ = self.upstream.write_all(&frame).await;
+        }
+        if down_ok && self.down.may_close() {
+            let frame = websocket::close_frame(code, reason, None);
+            let _ = self.client.write_all(&frame).await;
+        }
+        self.shut().await;
+    }
+
+    /// Shut both sides' writes and read what they still send until each ends (a lingering
+    /// close: a peer still sending when the socket is dropped would get a reset, which can
+    /// cost it the last bytes it was sent).
+    async fn shut(&mut self) {
+        let _ = self.upstream.flush().await;
+        let _ = self.client.flush().await;
+        let _ = self.upstream.shutdown().await;
+        let _ = self.client.shutdown().await;
+        let (mut from_client, mut from_upstream) = ([0u8; 2048], [0u8; 2048]);
+        let (mut a, mut b) = (self.up.eof, self.down.eof);
+        while !(a && b) {
+            tokio::select! {
+                r = self.client.read(&mut from_client), if !a => a = !matches!(r, Ok(n) if n > 0),
+                r = self.upstream.read(&mut from_upstream), if !b => b = !matches!(r, Ok(n) if n > 0),
+            }
+        }
+    }
+}
+
+/// Move one direction on: write what waits, let through what the scanner allows, read
+/// more once all is out. Returns the bytes written and the data frames that started, or
+/// how the tunnel ends.
+fn pump<R, W>(
+    pipe: &mut Pipe,
+    src: &mut R,
+    dst: &mut W,
+    tokens: u64,
+    cx: &mut Context<'_>,
+) -> Result<(usize, u64), Ended>
+where
+    R: AsyncRead + Unpin,
+    W: AsyncWrite + Unpin,
+{
+    let (mut written, mut frames) = (0, 0);
+    loop {
+        while pipe.start < pipe.passed {
+            match Pin::new(&mut *dst).poll_write(cx, &pipe.buf[pipe.start..pipe.passed]) {
+                Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Err(Ended::Failed),
+                Poll::Ready(Ok(n)) => {
+                    pipe.start += n;
+                    written += n;
+                    pipe.unflushed = true;
+                }
+                Poll::Pending => return Ok((written, frames)),
+            }
+        }
+        if pipe.unflushed {
+            match Pin::new(&mut *dst).poll_flush(cx) {
+                Poll::Ready(Ok(())) => pipe.unflushed = false,
+                Poll::Ready(Err(_)) => return Err(Ended::Failed),
+                Poll::Pending => return Ok((written, frames)),
+            }
+        }
+        if pipe.passed < pipe.filled {
+            let left = tokens.saturating_sub(frames);
+            if left == 0 && pipe.scanner.is_some() {
+                pipe.blocked = true;
+                return Ok((written, frames));
+            }
+            let before = pipe.passed;
+            frames += pipe.scan(left)?;
+            if pipe.passed > before {
+                continue;
+            }
+            // Held back: the next data frame needs a token.
+            return Ok((written, frames));
+        }
+        if pipe.eof {
+            if !pipe.shut {
+                match Pin::new(&mut *dst).poll_shutdown(cx) {
+                    Poll::Ready(_) => pipe.shut = true,
+                    Poll::Pending => return Ok((written, frames)),
+                }
+            }
+            return Ok((written, frames));
+        }
+        // Everything read went out: read more.
+        pipe.start = 0;
+        pipe.passed = 0;
+        pipe.filled = 0;
+        let mut rb = ReadBuf::new(&mut pipe.buf);
+        match Pin::new(&mut *src).poll_read(cx, &mut rb) {
+            Poll::Ready(Ok(())) => {
+                let n = rb.filled().len();
+                if n == 0 {
+                    pipe.eof = true;
+                } else {
+                    pipe.filled = n;
+                }
+            }
+            Poll::Ready(Err(_)) => return Err(Ended::Failed),
+            Poll::Pending => return Ok((written, frames)),
+        }
+    }
+}
+
+/// A masking key for a frame the gateway sends the backend (RFC 6455 §5.3: a client's
+/// frames are masked; the key need only be unpredictable to the page, not secret).
+fn mask() -> [u8; 4] {
+    use std::hash::{BuildHasher, Hasher};
+    let bits = std::collections::hash_map::RandomState::new()
+        .build_hasher()
+        .finish();
+    let b = bits.to_le_bytes();
+    [b[0], b[1], b[2], b[3]]
+}
