@@ -163,6 +163,7 @@ fn same_rule((o, a): (&Config, &Rule), (n, b): (&Config, &Rule)) -> bool {
         && a.enforce_percent == b.enforce_percent
         && a.max_waiting == b.max_waiting
         && a.retry_jitter_us == b.retry_jitter_us
+        && a.messages == b.messages
 }
 
 /// The keys outside `[[rules]]` and the routes whose values differ.
@@ -347,6 +348,7 @@ mod tests {
             "[[rules]]\nname = \"r\"\nkey = \"global\"\nrate = \"5/s\"\nmode = \"shadow\"\n",
             "[[rules]]\nname = \"r\"\nkey = \"global\"\nrate = \"5/s\"\nburst = 9\n",
             "[[rules]]\nname = \"r\"\nkey = \"client_ip\"\nrate = \"5/s\"\n",
+            "[[rules]]\nname = \"r\"\nkey = \"global\"\nrate = \"5/s\"\nmessages = { rate = \"50/s\" }\n",
         ] {
             let c = Changes::between(&config(base), &config(changed));
             assert_eq!(c.changed, ["r"], "{changed}");
@@ -358,6 +360,20 @@ mod tests {
         };
         let c = Changes::between(&plan("5/s"), &plan("9/s"));
         assert_eq!(c.changed, ["r"], "a plan's limit");
+        let messages = |m: &str| config(&format!("{base}messages = {m}\n"));
+        let c = Changes::between(
+            &messages("{ rate = \"50/s\" }"),
+            &messages("{ rate = \"50/s\", burst = 100 }"),
+        );
+        assert_eq!(c.changed, ["r"], "a messages limit's burst");
+        let same = Changes::between(
+            &messages("{ rate = \"50/s\" }"),
+            &messages("{ rate = \"50/s\", burst = 50 }"),
+        );
+        assert!(
+            same.is_empty(),
+            "the default burst is the rate's N: {same:?}"
+        );
         assert!(c.settings.is_empty(), "{c:?}");
     }
 

@@ -639,6 +639,77 @@ url = "http://127.0.0.1:3000"
     }
 
     #[test]
+    fn a_rule_may_limit_the_messages_of_the_sockets_it_admits() {
+        use crate::rules::Messages;
+        let cfg = parse(
+            "[[rules]]\nname = \"chat\"\nkey = \"client_ip\"\nrate = \"5/s\"\n\
+             messages = { rate = \"50/s\", burst = 100 }\n\
+             [[rules]]\nname = \"sockets\"\nkey = \"client_ip\"\nmax_in_flight = 2\n\
+             messages = { rate = \"10/m\" }\n\
+             [[rules]]\nname = \"plain\"\nkey = \"global\"\nrate = \"5/s\"\n",
+        )
+        .unwrap();
+        let m = |i: usize| cfg.rules[i].messages;
+        assert_eq!(
+            m(0),
+            Some(Messages {
+                rate: crate::limiter::Rate::parse("50/s").unwrap(),
+                burst: 100
+            })
+        );
+        assert_eq!(m(1).map(|m| m.burst), Some(10), "burst: the rate's N");
+        assert_eq!(m(2), None);
+        let shown = cfg.describe();
+        assert!(
+            shown
+                .contains("WebSocket data frames 50/s, burst 100, per identity across its sockets"),
+            "{shown}"
+        );
+        assert!(
+            shown.contains("WebSocket data frames 10/m, burst 10,"),
+            "{shown}"
+        );
+    }
+
+    #[test]
+    fn a_bad_messages_limit_names_its_key() {
+        let rule = |m: &str| {
+            format!(
+                "[[rules]]\nname = \"chat\"\nkey = \"client_ip\"\nrate = \"5/s\"\nmessages = {m}\n"
+            )
+        };
+        for (messages, key, says) in [
+            (
+                "{ rate = \"fast\" }",
+                "rules[0].messages.rate",
+                "invalid rate",
+            ),
+            ("{ rate = \"0/s\" }", "rules[0].messages.rate", "at least 1"),
+            (
+                "{ rate = \"5/s\", burst = 0 }",
+                "rules[0].messages.burst",
+                "",
+            ),
+            ("{ burst = 5 }", "rules[0].messages", "missing field `rate`"),
+            (
+                "{ rate = \"5/s\", brust = 5 }",
+                "rules[0].messages.brust",
+                "unknown field",
+            ),
+            (
+                "{ rate = \"1/d\", burst = 4503599627370496 }",
+                "rules[0].messages.burst",
+                "precision",
+            ),
+            ("\"50/s\"", "rules[0].messages", ""),
+        ] {
+            let (_, _, k, message) = err(&rule(messages));
+            assert_eq!(k, key, "{messages}: {message}");
+            assert!(message.contains(says), "{messages}: {message}");
+        }
+    }
+
+    #[test]
     fn minimal_config_gets_defaults() {
         let cfg = parse("").unwrap();
         assert_eq!(cfg.store.backend, Backend::Memory);

@@ -15,7 +15,7 @@ use super::values::{HumanDuration, KeySpec, RuleName};
 use super::Invalid;
 use crate::identity::{Key, KeyKind, MissingKey};
 use crate::limiter::{Algorithm, Quota, QuotaError, QuotaField, Rate};
-use crate::rules::{Match, Mode, Plan, Rule};
+use crate::rules::{Match, Messages, Mode, Plan, Rule};
 
 /// Requests wait at most this many per rule, per gateway, unless `max_waiting` says.
 pub const DEFAULT_MAX_WAITING: u32 = 1_000;
@@ -44,8 +44,18 @@ pub(super) struct RawRule {
     max_in_flight: Option<Spanned<NonZeroU64>>,
     lease_ttl: Option<Spanned<HumanDuration>>,
     retry_jitter: Option<HumanDuration>,
+    messages: Option<Spanned<RawMessages>>,
     #[serde(default)]
     plans: HashMap<String, Spanned<RawPlanOverride>>,
+}
+
+/// `messages = { rate = "50/s", burst = 100 }`: the WebSocket data frames a client may
+/// send on the sockets the rule admitted, per identity.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawMessages {
+    rate: Spanned<Rate>,
+    burst: Option<Spanned<NonZeroU64>>,
 }
 
 #[derive(Deserialize)]
@@ -173,7 +183,7 @@ impl RawRule {
                 .retry_jitter
                 .as_ref()
                 .map_or(0, |j| u64::try_from(j.0.as_micros()).unwrap_or(u64::MAX)),
-            messages: None,
+            messages: at.messages()?,
         })
     }
 }
@@ -255,6 +265,28 @@ impl At<'_> {
             cost: r.cost.as_ref().map_or(NonZeroU64::MIN, |c| *c.get_ref()),
             max_delay: r.max_delay.as_ref().map(|d| d.get_ref().0),
         })
+    }
+
+    /// `messages`, on any rule: it limits the frames of the sockets the rule admitted. Its
+    /// bucket is checked as the meter will charge it (a batch at a time).
+    fn messages(&self) -> Result<Option<Messages>, Invalid> {
+        let Some(raw) = &self.rule.messages else {
+            return Ok(None);
+        };
+        let m = raw.get_ref();
+        let rate = *m.rate.get_ref();
+        let messages = Messages {
+            rate,
+            burst: m.burst.as_ref().map_or(rate.count, |b| b.get_ref().get()),
+        };
+        crate::websocket::meter::quota(&messages).map_err(|e| {
+            let (key, span) = match e.field {
+                QuotaField::Rate => ("rate", m.rate.span()),
+                _ => ("burst", m.burst.as_ref().map_or(raw.span(), Spanned::span)),
+            };
+            self.no(Some(span), &format!("messages.{key}"), e.message)
+        })?;
+        Ok(Some(messages))
     }
 
     fn lease_ttl(&self) -> Result<Duration, Invalid> {

@@ -283,6 +283,12 @@ impl Rule {
                 humantime::format_duration(Duration::from_micros(self.retry_jitter_us))
             ));
         }
+        if let Some(m) = &self.messages {
+            s.push_str(&format!(
+                "; WebSocket data frames {}, burst {}, per identity across its sockets",
+                m.rate, m.burst
+            ));
+        }
         s
     }
 

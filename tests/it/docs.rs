@@ -307,6 +307,7 @@ fn place(name: &str) -> Option<Place> {
         "RawLog" => Place::Section("[log]"),
         "RawRule" => Place::Section("[[rules]]"),
         "RawMatch" => Place::Within("[[rules]]", "match"),
+        "RawMessages" => Place::Within("[[rules]]", "messages"),
         "RawTls" | "RawCertificate" => Place::Within("[server]", "tls"),
         "RawPlanOverride" => Place::Section("[rules.plans.<plan>]"),
         _ => return None,

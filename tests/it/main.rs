@@ -13,6 +13,7 @@ mod faults;
 mod features;
 mod layering;
 mod logs;
+mod message_meter;
 mod observability;
 mod perimeter;
 mod pools;

@@ -1,0 +1,100 @@
+//! WebSocket message meters against a real redis-server: the sockets of one identity
+//! share one bucket through the store (as gateways do), each charging it a batch per
+//! store call.
+
+use crate::common;
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use common::{scan, RedisServer};
+use ratewall::identity::digest_ip;
+use ratewall::limiter::guard::Limiter;
+use ratewall::limiter::metrics::LimiterMetrics;
+use ratewall::limiter::redis::RedisStore;
+use ratewall::limiter::store::{Backend, Settings};
+use ratewall::limiter::{OnError, Rate};
+use ratewall::rules::Messages;
+use ratewall::stats::Stats;
+use ratewall::websocket::{Meter, Refill};
+
+const PREFIX: &str = "rwmeter";
+
+/// A limiter on `server`, as one gateway has it.
+fn gateway_limiter(server: &RedisServer) -> Arc<Limiter> {
+    let settings = Settings {
+        backend: Backend::Redis { url: server.url() },
+        prefix: PREFIX.into(),
+        timeout: Duration::from_secs(2),
+        ..Settings::default()
+    };
+    let store = RedisStore::new(&server.url(), PREFIX, settings.timeout).expect("RedisStore::new");
+    let metrics = LimiterMetrics::register(&mut prometheus_client::registry::Registry::default());
+    Limiter::new(Box::new(store), &settings, metrics, Arc::new(Stats::new()))
+}
+
+/// Frames `meter` passes before the bucket makes it wait, and the store calls it made.
+async fn drain(meter: &mut Meter) -> (u64, u64) {
+    let (mut frames, mut calls) = (0, 0);
+    loop {
+        calls += 1;
+        match meter.refill().await {
+            Refill::Granted => {
+                frames += meter.tokens();
+                meter.spend(meter.tokens());
+            }
+            Refill::Wait(_) => return (frames, calls),
+            Refill::Unavailable => panic!("the store failed"),
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_meters_of_one_identity_share_one_bucket_in_redis() {
+    let server = RedisServer::start();
+    // Two gateways, each with its own limiter and connection, on one Redis.
+    let (one, two) = (gateway_limiter(&server), gateway_limiter(&server));
+    let messages = Messages {
+        rate: Rate::parse("50/s").expect("a rate"),
+        burst: 1_000,
+    };
+    let client = digest_ip("192.0.2.10".parse().expect("an address"));
+    let started = Instant::now();
+    let mut a = Meter::new(one.clone(), client, "chat", messages, OnError::Deny);
+    let mut b = Meter::new(two, client, "chat", messages, OnError::Deny);
+    assert_eq!(a.batch(), 5);
+
+    let (a_frames, a_calls) = drain(&mut a).await;
+    let (b_frames, _) = drain(&mut b).await;
+    let elapsed = started.elapsed();
+    // The bucket's 1,000 went to `a`, 5 a store call; `b` only got what dripped in
+    // since (50/s), not a bucket of its own.
+    assert!(a_frames >= 1_000, "a passed {a_frames}");
+    assert!(
+        a_calls <= a_frames / 5 + 1,
+        "{a_calls} store calls for {a_frames} frames"
+    );
+    let dripped = (elapsed.as_millis() as u64 * 50).div_ceil(1_000) + 5;
+    assert!(
+        a_frames + b_frames <= 1_000 + dripped,
+        "a {a_frames} + b {b_frames} frames in {elapsed:?}: more than one bucket"
+    );
+    assert!(
+        elapsed < Duration::from_secs(5),
+        "too slow to tell: {elapsed:?}"
+    );
+
+    // Another identity has its own bucket.
+    let other = digest_ip("192.0.2.11".parse().expect("an address"));
+    let mut c = Meter::new(one, other, "chat", messages, OnError::Deny);
+    assert!(drain(&mut c).await.0 >= 1_000);
+
+    // One key per identity, under the rule "<rule>:messages".
+    let mut keys = scan(&mut server.conn(), &format!("{PREFIX}:*"));
+    keys.sort();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    assert!(
+        keys.iter().all(|k| k.ends_with(":chat:messages")),
+        "{keys:?}"
+    );
+}
