@@ -125,6 +125,24 @@ impl Code {
     pub fn number(self) -> u8 {
         self as u8
     }
+
+    /// The HTTP status a gateway's gRPC answer of this code stands for (its request's
+    /// outcome and status class are counted by it): the inverse of [`Code::of_status`],
+    /// where UNAVAILABLE is a failed upstream's 502 for a request that was `forwarded`,
+    /// else a failed store's 503, and INTERNAL a 400.
+    pub fn stands_for(self, forwarded: bool) -> u16 {
+        match self {
+            Code::ResourceExhausted => 429,
+            Code::Unauthenticated => 401,
+            Code::Unavailable if forwarded => 502,
+            Code::Unavailable => 503,
+            Code::DeadlineExceeded => 504,
+            Code::Internal => 400,
+            Code::Unimplemented => 404,
+            Code::PermissionDenied => 403,
+            _ => 501,
+        }
+    }
 }
 
 label_enum! {
@@ -321,6 +339,25 @@ mod tests {
             assert_eq!(code.number(), grpc, "{http}");
             assert_eq!(code.name(), grpc.to_string(), "{http}");
         }
+    }
+
+    #[test]
+    fn a_gateway_answer_counts_as_the_http_status_it_stands_for() {
+        for http in [429, 401, 504, 404, 403, 400, 501] {
+            let code = Code::of_status(StatusCode::from_u16(http).unwrap());
+            assert_eq!(code.stands_for(false), http, "{http}");
+        }
+        assert_eq!(Code::Unavailable.stands_for(false), 503, "the store failed");
+        assert_eq!(
+            Code::Unavailable.stands_for(true),
+            502,
+            "the upstream failed"
+        );
+        // The client's stalled body (408) and the like are the same outcome as a 400.
+        assert_eq!(
+            Code::of_status(StatusCode::REQUEST_TIMEOUT).stands_for(true),
+            400
+        );
     }
 
     #[test]

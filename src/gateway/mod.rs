@@ -324,12 +324,19 @@ impl Gateway {
                 }
             };
         let status = resp.status().as_u16();
+        // A gRPC answer of the gateway is an HTTP 200: it counts as the status it stands for.
+        let meant = match (dialect, note.upstream) {
+            (Dialect::Grpc, false) => {
+                grpc::status_of(resp.headers()).map_or(status, |code| code.stands_for(forwarded))
+            }
+            _ => status,
+        };
         self.metrics
             .gateway
-            .count_response(status_class(status), note.upstream);
+            .count_response(status_class(meant), note.upstream);
         let outcome = match forwarded {
-            true => Outcome::forwarded(note.upstream, status),
-            false => Outcome::answered(status),
+            true => Outcome::forwarded(note.upstream, meant),
+            false => Outcome::answered(meant),
         };
         self.metrics
             .gateway

@@ -367,6 +367,21 @@ async fn passed_on_grpc_statuses_are_counted_and_logged_from_headers_or_trailers
     );
     assert_eq!(count("8", "gateway").await, 1.0, "the gateway's denial");
     assert_eq!(count("8", "upstream").await, 0.0);
+    // The denial is a 200 on the wire, and counts as the 429 it stands for.
+    let denied = common::metrics::metric(
+        &gw,
+        "ratewall_request_duration_seconds_count",
+        &[("outcome", "denied")],
+    )
+    .await;
+    assert_eq!(denied, 1.0);
+    let gateway_4xx = common::metrics::metric(
+        &gw,
+        "ratewall_responses_total",
+        &[("class", "4xx"), ("source", "gateway")],
+    )
+    .await;
+    assert_eq!(gateway_4xx, 1.0);
     let logs = gw.logs();
     let lines = access_lines(&logs);
     let by = |path: &str, status: u64| {
