@@ -14,7 +14,7 @@
 //!
 //! Answers passed on are the backend's: their `grpc-status` is read, never changed —
 //! from the headers of a Trailers-Only answer, or from the trailers as the body passes
-//! ([`Watch`], on gRPC requests only), to count it and to log it.
+//! (`Watch`, on gRPC requests only), to count it and to log it.
 
 use std::borrow::Cow;
 use std::sync::Arc;
