@@ -30,6 +30,8 @@
 //! `RateLimit-Shadow`, an operator's note shaped like `RateLimit`, with a `denied` flag
 //! where the rule would have denied.
 
+use std::borrow::Cow;
+
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::StatusCode;
@@ -200,13 +202,18 @@ fn insert(headers: &mut HeaderMap, name: &HeaderName, value: Vec<u8>) {
 /// `Retry-After` for a denial: the longest wait among the denying rules, plus `jitter_us`
 /// (the rules' `retry_jitter`, drawn by the caller), whole seconds, rounded up, at least 1.
 pub fn retry_after_secs(applied: &[Applied<'_>], jitter_us: u64) -> u64 {
-    let wait = applied
+    ceil_secs(retry_wait_us(applied, jitter_us)).max(1)
+}
+
+/// The wait of a denial in µs: the longest among the denying rules, plus `jitter_us`.
+fn retry_wait_us(applied: &[Applied<'_>], jitter_us: u64) -> u64 {
+    applied
         .iter()
         .filter(|a| !a.decision.allowed)
         .map(|a| a.decision.retry_after_us)
         .max()
-        .unwrap_or(0);
-    ceil_secs(wait.saturating_add(jitter_us)).max(1)
+        .unwrap_or(0)
+        .saturating_add(jitter_us)
 }
 
 /// The fields of a problem+json body, in the contract's order.
@@ -234,34 +241,45 @@ impl ProblemBody<'_> {
 /// A 429 body up to its violated policies' names.
 const QUOTA_EXCEEDED_HEAD: &[u8] = br#"{"type":"https://iana.org/assignments/http-problem-types#quota-exceeded","title":"Too Many Requests","status":429,"violated-policies":["#;
 
-/// A problem+json answer (RFC 9457).
+/// A problem+json answer (RFC 9457), and what a gRPC answer of it needs
+/// (`gateway::grpc::trailers_only`).
 pub struct Problem {
     pub status: StatusCode,
     pub body: Bytes,
+    /// Its `detail` (a gRPC answer's `grpc-message`); none for a denial, whose body names
+    /// the violated policies instead.
+    pub detail: Option<Cow<'static, str>>,
+    /// `Retry-After`, whole seconds.
     pub retry_after: Option<u64>,
+    /// The same wait in ms, unrounded (a denial's) where known: `grpc-retry-pushback-ms`.
+    pub retry_after_ms: Option<u64>,
 }
 
 impl Problem {
-    pub fn new(status: StatusCode, detail: &str) -> Problem {
+    pub fn new(status: StatusCode, detail: impl Into<Cow<'static, str>>) -> Problem {
+        let detail = detail.into();
         let body = ProblemBody {
             kind: "about:blank",
             title: status.canonical_reason().unwrap_or("Error"),
             status: status.as_u16(),
-            detail: Some(detail),
+            detail: Some(&detail),
             violated_policies: None,
             retry_after: None,
         };
         Problem {
             status,
             body: body.to_bytes(),
+            detail: Some(detail),
             retry_after: None,
+            retry_after_ms: None,
         }
     }
 
     /// The 429 of the contract, naming the rules that denied. `jitter_us` is added to the
     /// wait (`retry_jitter`; 0 for none).
     pub fn too_many_requests(applied: &[Applied<'_>], jitter_us: u64) -> Problem {
-        let retry_after = retry_after_secs(applied, jitter_us);
+        let wait_us = retry_wait_us(applied, jitter_us);
+        let retry_after = ceil_secs(wait_us).max(1);
         // Written by hand, as serde_json would write `ProblemBody` (a test holds the two
         // together): every denial pays for it. Rule names need no escapes in JSON strings.
         let mut body = Vec::with_capacity(160);
@@ -278,12 +296,15 @@ impl Problem {
         Problem {
             status: StatusCode::TOO_MANY_REQUESTS,
             body: Bytes::from(body),
+            detail: None,
             retry_after: Some(retry_after),
+            retry_after_ms: Some(wait_us.div_ceil(1000).max(1)),
         }
     }
 
     pub fn with_retry_after(mut self, secs: u64) -> Problem {
         self.retry_after = Some(secs);
+        self.retry_after_ms = Some(secs.saturating_mul(1000));
         self
     }
 
@@ -589,6 +610,19 @@ mod tests {
         let p = Problem::too_many_requests(&mk(2_500_000), 0);
         let v: serde_json::Value = serde_json::from_slice(&p.body).unwrap();
         assert_eq!(v["retry_after"], 3);
+        assert_eq!(p.retry_after_ms, Some(2500), "the wait in ms, unrounded");
+        assert_eq!(
+            Problem::too_many_requests(&mk(1), 0).retry_after_ms,
+            Some(1)
+        );
+        assert_eq!(
+            Problem::too_many_requests(&mk(2_500_001), 0).retry_after_ms,
+            Some(2501)
+        );
+        assert_eq!(
+            Problem::too_many_requests(&mk(2_000_000), 400).retry_after_ms,
+            Some(2001)
+        );
         assert_eq!(v["violated-policies"][0], "api");
         assert_eq!(v["status"], 429);
         assert_eq!(

@@ -27,8 +27,9 @@
 //!   (`route.rs`; a 404 where none fits), find its rules, identify it, ask the store, one
 //!   pure verdict, then answer or forward it through its pool; each request in its
 //!   [`gateway::Context`] (peer, TLS session, client certificate, worker), built at the
-//!   connection. Also what it runs on ([`gateway::Live`], swapped whole on reload) and
-//!   `ratewall check`'s explanation.
+//!   connection. Every answer it writes goes through one function, HTTP or, to a gRPC
+//!   call, a Trailers-Only gRPC answer ([`gateway::grpc`]). Also what it runs on
+//!   ([`gateway::Live`], swapped whole on reload) and `ratewall check`'s explanation.
 //! - [`admin`]: what the admin listener serves: metrics, health, the admin API, the status
 //!   page, and the guard that slows a peer guessing the admin token (`admin/guard.rs`).
 //! - [`config`]: the TOML file -> validated, immutable [`config::Config`], one file per

@@ -11,6 +11,7 @@ use std::time::Instant;
 use http::header::{HeaderValue, HOST, USER_AGENT};
 use http::{Method, Request};
 
+use super::grpc::Code;
 use super::Note;
 use crate::config::Config;
 use crate::upstream::ClientPeer;
@@ -67,6 +68,34 @@ impl AccessLine {
         })
     }
 
+    /// This line, held until the answer's body ends (a passed-on gRPC answer, whose
+    /// status comes in its trailers): what `note` borrows is copied.
+    pub(super) fn defer(self, status: u16, note: &Note<'_>) -> Deferred {
+        let owned = |s: Option<&str>| s.map(Box::<str>::from);
+        Deferred {
+            line: self,
+            status,
+            rule: owned(note.rule),
+            shadow_denied: owned(note.shadow_denied),
+            route: owned(note.route),
+            pool: owned(note.pool),
+            rest: Note {
+                rule: None,
+                decision: note.decision,
+                identity: note.identity,
+                upstream: note.upstream,
+                shadow_denied: None,
+                waited: note.waited,
+                route: None,
+                pool: None,
+                server: note.server.clone(),
+                attempts: note.attempts,
+                upgrade: note.upgrade,
+                grpc_status: note.grpc_status,
+            },
+        }
+    }
+
     pub(super) fn write(self, status: u16, note: &Note<'_>) {
         let id = note.identity.map(|d| d.short_hex());
         // Text values go as `&str`: the text format quotes and escapes them, the JSON one
@@ -90,8 +119,37 @@ impl AccessLine {
             pool = note.pool.unwrap_or("-"),
             server = note.server.as_deref().unwrap_or("-"),
             attempts = note.attempts,
+            upgrade = note.upgrade,
+            grpc_status = note.grpc_status.map(|c| u64::from(c.number())),
             latency_us = self.started.elapsed().as_micros() as u64,
         );
+    }
+}
+
+/// An access line written when the answer's body ends: its `latency_us` runs to then.
+pub(super) struct Deferred {
+    line: AccessLine,
+    status: u16,
+    rule: Option<Box<str>>,
+    shadow_denied: Option<Box<str>>,
+    route: Option<Box<str>>,
+    pool: Option<Box<str>>,
+    /// The rest of the note; its borrowed fields are the ones above.
+    rest: Note<'static>,
+}
+
+impl Deferred {
+    /// Write the line, with the gRPC status the body ended with (none if it had none).
+    pub(super) fn write(self, grpc_status: Option<Code>) {
+        let note = Note {
+            rule: self.rule.as_deref(),
+            shadow_denied: self.shadow_denied.as_deref(),
+            route: self.route.as_deref(),
+            pool: self.pool.as_deref(),
+            grpc_status,
+            ..self.rest
+        };
+        self.line.write(self.status, &note);
     }
 }
 

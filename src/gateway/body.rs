@@ -1,9 +1,11 @@
 //! What a client receives: an upstream's body streamed through, holding the request's
-//! concurrency slots until it ends, or an answer the gateway wrote.
+//! concurrency slots until it ends (and, for a gRPC call, watched for its status), or an
+//! answer the gateway wrote.
 
 use bytes::Bytes;
 use http_body_util::{Either, Full};
 
+use super::grpc::Watch;
 use crate::limiter::lease::{Leases, Releasing};
 use crate::upstream::ResponseBody;
 
@@ -19,6 +21,9 @@ pub struct LeasedBody {
     /// The leases' release in a shared store, and the last frame held back until it is
     /// done (`None` inside: the end of the body).
     releasing: Option<(Releasing, Option<hyper::body::Frame<Bytes>>)>,
+    /// A gRPC answer's watch for its trailers' `grpc-status` (gRPC calls only: boxed, so
+    /// that other bodies pay one word and one check a frame).
+    grpc: Option<Box<Watch>>,
 }
 
 impl LeasedBody {
@@ -27,7 +32,13 @@ impl LeasedBody {
             body,
             leases,
             releasing: None,
+            grpc: None,
         }
+    }
+
+    /// Watch this body for its `grpc-status` trailer ([`Watch`]).
+    pub(super) fn watch(&mut self, watch: Watch) {
+        self.grpc = Some(Box::new(watch));
     }
 }
 
@@ -43,15 +54,24 @@ impl hyper::body::Body for LeasedBody {
         let this = &mut *self;
         if this.releasing.is_none() {
             let polled = std::pin::Pin::new(&mut this.body).poll_frame(cx);
+            if let (Some(w), Poll::Ready(Some(Ok(frame)))) = (this.grpc.as_deref_mut(), &polled) {
+                w.frame(frame);
+            }
             let last = match polled {
                 Poll::Ready(Some(Ok(frame))) if this.body.is_end_stream() => Some(frame),
                 Poll::Ready(None) => None,
                 Poll::Ready(Some(Err(e))) => {
                     this.leases = None;
+                    if let Some(w) = this.grpc.as_deref_mut() {
+                        w.end();
+                    }
                     return Poll::Ready(Some(Err(e)));
                 }
                 other => return other,
             };
+            if let Some(w) = this.grpc.as_deref_mut() {
+                w.end();
+            }
             // The response is complete: the request is no longer in flight. Its slots
             // are given back before the last bytes go out.
             match this.leases.take().and_then(Leases::release) {

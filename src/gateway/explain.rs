@@ -30,10 +30,7 @@ pub fn explain(
     if let Some(p) =
         super::screen::path_problem(raw).or_else(|| super::screen::parameter_problem(raw))
     {
-        let detail = serde_json::from_slice::<serde_json::Value>(&p.body)
-            .ok()
-            .and_then(|v| v["detail"].as_str().map(str::to_string))
-            .unwrap_or_default();
+        let detail = p.detail.as_deref().unwrap_or_default();
         let _ = writeln!(
             out,
             "refused before any rule: {} ({detail})",

@@ -1,6 +1,7 @@
 //! The metrics the gateway owns: one request's decisions by rule, its outcome and time
 //! end to end, the responses clients got and the upstream's answers, refusals before any
-//! limit, reloads, and the requests in flight or waiting for their tokens.
+//! limit, reloads, the requests in flight or waiting for their tokens, and the gRPC
+//! statuses of the answers to gRPC calls.
 
 use std::time::Duration;
 
@@ -11,6 +12,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use super::grpc::{Code, Origin};
 use crate::metrics::label_enum;
 use crate::stats::Outcome;
 
@@ -142,6 +144,14 @@ pub struct RuleFailureLabels {
     pub outcome: UpstreamFailure,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct GrpcLabels {
+    /// The `grpc-status`, `0`..`16`.
+    pub code: Code,
+    /// `gateway` (its own answer) or `upstream` (the backend's, passed on).
+    pub source: Origin,
+}
+
 label_enum! {
     #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum ReloadResult {
@@ -198,6 +208,10 @@ pub struct GatewayMetrics {
     pub underscore_fields_dropped: Counter,
     /// Requests by HTTP version and TLS version, and their handles (see `PROTOCOLS`).
     pub client_requests: Family<ProtocolLabels, Counter>,
+    /// Answers to gRPC calls by `grpc-status` and by who wrote them.
+    pub grpc_responses: Family<GrpcLabels, Counter>,
+    /// `grpc_responses`' handles, by code, then gateway / upstream.
+    grpc_handles: [[Counter; Origin::ALL.len()]; Code::ALL.len()],
     protocol_handles: [[Counter; TLS_VERSIONS.len()]; PROTOCOLS.len()],
     /// `responses` (by class, then gateway / upstream), `upstream_responses`,
     /// `request_duration` and `refusals` handles, resolved once: counting then takes no
@@ -305,6 +319,19 @@ impl GatewayMetrics {
                     .clone()
             })
         });
+        let grpc_responses = Family::<GrpcLabels, Counter>::default();
+        registry.register(
+            "grpc_responses",
+            "Answers to gRPC calls (content-type application/grpc) by grpc-status (0..16) and by who wrote them: gateway (its own Trailers-Only answers: 8 denied, 16 unauthenticated, 14 store or upstream unavailable, 4 upstream timeout, 13 malformed, 12 no route) or upstream (the backend's status, from its trailers or Trailers-Only headers; an answer ending without one is not counted)",
+            grpc_responses.clone(),
+        );
+        let grpc_handles = Code::ALL.map(|code| {
+            Origin::ALL.map(|source| {
+                grpc_responses
+                    .get_or_create(&GrpcLabels { code, source })
+                    .clone()
+            })
+        });
         for result in ReloadResult::ALL {
             let _ = reloads.get_or_create(&ReloadLabels { result });
         }
@@ -346,6 +373,8 @@ impl GatewayMetrics {
             https_redirects,
             underscore_fields_dropped,
             client_requests,
+            grpc_responses,
+            grpc_handles,
             protocol_handles,
             response_handles,
             upstream_handles,
@@ -373,6 +402,11 @@ impl GatewayMetrics {
     /// upstream or by the gateway.
     pub fn count_response(&self, class: &'static str, upstream: bool) {
         self.response_handles[class_index(class)][usize::from(upstream)].inc();
+    }
+
+    /// Count one answer to a gRPC call, of status `code`, written by `source`.
+    pub fn count_grpc(&self, code: Code, source: Origin) {
+        self.grpc_handles[usize::from(code.number())][source as usize].inc();
     }
 
     /// Count one upstream answer of `class`, or "error".

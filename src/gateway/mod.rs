@@ -1,7 +1,8 @@
 //! One request, top to bottom: screen its head (`screen.rs`) -> the rules that apply and
 //! who the request is under each (`limits.rs`) -> the store's answer -> one [`Verdict`]
 //! ([`verdict`], pure) -> an answer written here, or the request forwarded upstream with
-//! its `RateLimit-*` headers. [`Gateway::admit`] does everything up to forwarding (the
+//! its `RateLimit-*` headers. Every answer written here goes through [`problem`], which
+//! writes it as HTTP (problem+json) or, to a gRPC call, as a gRPC answer ([`grpc`]). [`Gateway::admit`] does everything up to forwarding (the
 //! part tested in process, with an injected clock and no sockets); [`Gateway::handle`] is
 //! the thin shell around it: admit, wait, forward or answer, record.
 //!
@@ -12,6 +13,7 @@ pub mod all_metrics;
 mod body;
 mod context;
 mod explain;
+pub mod grpc;
 mod limits;
 mod live;
 pub mod metrics;
@@ -23,6 +25,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
+use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body_util::{Either, Full};
@@ -38,6 +41,7 @@ use crate::metrics::Gauged;
 use crate::stats::Outcome;
 use crate::upstream::{self, ClientPeer, Downstream};
 use access::AccessLine;
+use grpc::{Dialect, Origin};
 use limits::Limit;
 use live::WaitSlot;
 use metrics::{status_class, RefusalReason, ReloadLabels, ReloadResult};
@@ -98,6 +102,13 @@ pub struct Note<'l> {
     /// servers were tried.
     pub server: Option<Arc<str>>,
     pub attempts: u32,
+    /// The protocol an upgraded connection switched to (`websocket`, or another
+    /// `Upgrade` token), when it was one.
+    pub upgrade: Option<&'static str>,
+    /// A gRPC call's final `grpc-status`: the gateway's, or the upstream's (from its
+    /// Trailers-Only headers, or its trailers: the line is then written when the body
+    /// ends). None for other requests, and for a gRPC answer that carried none.
+    pub grpc_status: Option<grpc::Code>,
 }
 
 impl<'l> Note<'l> {
@@ -113,6 +124,8 @@ impl<'l> Note<'l> {
             pool: None,
             server: None,
             attempts: 0,
+            upgrade: None,
+            grpc_status: None,
         }
     }
 
@@ -149,6 +162,9 @@ pub struct Pass<'l> {
     slots: Vec<WaitSlot<'l>>,
     /// Where it goes.
     pub to: Destination,
+    /// Whether it is a gRPC call: the gateway's answers to it, if forwarding fails, are
+    /// gRPC answers.
+    pub dialect: Dialect,
     pub note: Note<'l>,
     /// The rules with a WebSocket message limit (`messages`) that let it through: each
     /// one's position, who the request is under it, and how long it may hold a client back
@@ -157,13 +173,14 @@ pub struct Pass<'l> {
 }
 
 impl<'l> Pass<'l> {
-    fn unlimited(note: Note<'l>, to: Destination) -> Pass<'l> {
+    fn unlimited(note: Note<'l>, to: Destination, dialect: Dialect) -> Pass<'l> {
         Pass {
             applied: Vec::new(),
             shadow: Vec::new(),
             leases: None,
             slots: Vec::new(),
             to,
+            dialect,
             note,
             messages: Vec::new(),
         }
@@ -300,31 +317,72 @@ impl Gateway {
                     .inc_by(dropped);
             }
         }
-        let (resp, note, forwarded) = match self.admit(&live, &parts, &ctx).await {
-            Admission::Answer(resp, note) => (resp, note, false),
-            Admission::Forward(pass) => {
-                let (resp, note) = self
-                    .forward(&live, Request::from_parts(parts, body), &ctx, pass)
-                    .await;
-                (resp, note, true)
-            }
-        };
+        let dialect = Dialect::of(&parts.headers);
+        let (mut resp, mut note, forwarded) =
+            match self.admit_as(&live, &parts, &ctx, dialect).await {
+                Admission::Answer(resp, note) => (resp, note, false),
+                Admission::Forward(pass) => {
+                    let (resp, note) = self
+                        .forward(&live, Request::from_parts(parts, body), &ctx, pass)
+                        .await;
+                    (resp, note, true)
+                }
+            };
         let status = resp.status().as_u16();
+        // A gRPC answer of the gateway is an HTTP 200: it counts as the status it stands for.
+        let meant = match (dialect, note.upstream) {
+            (Dialect::Grpc, false) => {
+                grpc::status_of(resp.headers()).map_or(status, |code| code.stands_for(forwarded))
+            }
+            _ => status,
+        };
         self.metrics
             .gateway
-            .count_response(status_class(status), note.upstream);
+            .count_response(status_class(meant), note.upstream);
         let outcome = match forwarded {
-            true => Outcome::forwarded(note.upstream, status),
-            false => Outcome::answered(status),
+            true => Outcome::forwarded(note.upstream, meant),
+            false => Outcome::answered(meant),
         };
         self.metrics
             .gateway
             .count_outcome(outcome, started.elapsed());
         self.metrics.stats.ended(outcome);
-        if let Some(log) = log {
+        if dialect == Dialect::Grpc {
+            self.grpc_answered(&mut resp, &mut note, log.map(|l| (l, status)));
+        } else if let Some(log) = log {
             log.write(status, &note);
         }
         resp
+    }
+
+    /// A gRPC call's answer: its status counted and logged now when its headers carry it
+    /// (the gateway's answers, an upstream's Trailers-Only one), or else, for a passed-on
+    /// answer, once its body ends with its trailers ([`grpc::Watch`]).
+    fn grpc_answered(
+        &self,
+        resp: &mut Response<Body>,
+        note: &mut Note<'_>,
+        log: Option<(AccessLine, u16)>,
+    ) {
+        let origin = match note.upstream {
+            true => Origin::Upstream,
+            false => Origin::Gateway,
+        };
+        note.grpc_status = grpc::status_of(resp.headers());
+        match (note.grpc_status, resp.body_mut()) {
+            (None, Either::Left(body)) => {
+                let log = log.map(|(l, status)| l.defer(status, note));
+                body.watch(grpc::Watch::new(self.metrics.clone(), log));
+            }
+            (status, _) => {
+                if let Some(code) = status {
+                    self.metrics.gateway.count_grpc(code, origin);
+                }
+                if let Some((log, status)) = log {
+                    log.write(status, note);
+                }
+            }
+        }
     }
 
     /// Answer a request on the cleartext listener with `answer`'s response, the 308 to
@@ -357,7 +415,21 @@ impl Gateway {
     /// identified (from its parts and its [`Context`]: the peer, the client certificate),
     /// limited, judged. No socket is touched: the store is asked, and nothing else happens
     /// outside the process.
+    ///
+    /// A gRPC call (by its `content-type`, [`Dialect::of`]) gets gRPC answers.
     pub async fn admit<'l>(&self, live: &'l Live, parts: &Parts, ctx: &Context) -> Admission<'l> {
+        self.admit_as(live, parts, ctx, Dialect::of(&parts.headers))
+            .await
+    }
+
+    /// [`Gateway::admit`], the request's dialect already known.
+    async fn admit_as<'l>(
+        &self,
+        live: &'l Live,
+        parts: &Parts,
+        ctx: &Context,
+        dialect: Dialect,
+    ) -> Admission<'l> {
         let cfg = &*live.config;
         let peer = ctx.peer.ip();
         if let Some(p) = screen::problem(parts) {
@@ -365,7 +437,7 @@ impl Gateway {
             self.metrics
                 .gateway
                 .count_refusal(RefusalReason::of_status(p.status.as_u16()));
-            let mut resp = problem(p, cfg, &[]);
+            let mut resp = problem(p, cfg, &[], dialect);
             if parts.version < http::Version::HTTP_2 {
                 close_after(&mut resp);
             }
@@ -375,19 +447,19 @@ impl Gateway {
             .with_client_cert(ctx.client_cert.as_ref());
         let to = match route::choose(cfg, parts, &requester) {
             Ok(Some(to)) => to,
-            Ok(None) => return self.no_route(cfg, parts),
+            Ok(None) => return self.no_route(cfg, parts, dialect),
             Err(refusal) => {
                 self.metrics.gateway.count_refusal(refusal.into());
-                let p = Problem::new(refusal.status(), &refusal.to_string());
+                let p = Problem::new(refusal.status(), refusal.to_string());
                 let note = Note::gateway(Verdict::Refuse(refusal).decision());
-                return Admission::Answer(problem(p, cfg, &[]), note);
+                return Admission::Answer(problem(p, cfg, &[], dialect), note);
             }
         };
         let to = to.hashed(cfg, &requester);
         let limits = match Limit::all(live, parts, &requester, Some(&to)) {
             Ok(limits) if limits.is_empty() => {
                 let note = Note::gateway("unlimited").to(&to, cfg);
-                return Admission::Forward(Pass::unlimited(note, to));
+                return Admission::Forward(Pass::unlimited(note, to, dialect));
             }
             Ok(limits) => limits,
             Err(limits::Refused { index, refusal }) => {
@@ -399,9 +471,10 @@ impl Gateway {
                 }
                 self.metrics.gateway.count_refusal(refusal.into());
                 let resp = problem(
-                    Problem::new(refusal.status(), &refusal.to_string()),
+                    Problem::new(refusal.status(), refusal.to_string()),
                     cfg,
                     &[],
+                    dialect,
                 );
                 let note = Note {
                     rule: live.config.rules.get(index).map(|r| r.name.as_str()),
@@ -413,25 +486,27 @@ impl Gateway {
         let (decisions, verdict, leases) = consult(live, &limits).await;
         match (verdict, decisions) {
             (Verdict::Deny { by, jitter_us }, Some(d)) => {
-                self.deny(live, &limits, &d, by, jitter_us, &to)
+                self.deny(live, &limits, &d, by, jitter_us, &to, dialect)
             }
             (Verdict::Forward | Verdict::Delay(_), Some(d)) => {
-                Admission::Forward(self.pass(live, limits, &d, verdict, leases, to))
+                let pass = self.pass(live, limits, &d, verdict, leases, to);
+                Admission::Forward(Pass { dialect, ..pass })
             }
-            (v, _) => store_failed(live, &limits, v, to),
+            (v, _) => store_failed(live, &limits, v, to, dialect),
         }
     }
 
     /// The 404 of a request no route fits when no pool `default` takes the rest: never
     /// forwarded, counted (`ratewall_refusals_total{reason="no_route"}`) and logged.
-    fn no_route<'l>(&self, cfg: &Config, parts: &Parts) -> Admission<'l> {
+    fn no_route<'l>(&self, cfg: &Config, parts: &Parts, dialect: Dialect) -> Admission<'l> {
         tracing::debug!(method = %parts.method, path = parts.uri.path(), "no route matches the request");
         self.metrics.gateway.count_refusal(RefusalReason::NoRoute);
         let p = Problem::new(StatusCode::NOT_FOUND, "no route matches this request");
-        Admission::Answer(problem(p, cfg, &[]), Note::gateway("no_route"))
+        Admission::Answer(problem(p, cfg, &[], dialect), Note::gateway("no_route"))
     }
 
     /// A denied request's 429, and the counts it adds.
+    #[allow(clippy::too_many_arguments)]
     fn deny<'l>(
         &self,
         live: &'l Live,
@@ -440,6 +515,7 @@ impl Gateway {
         by: usize,
         jitter_us: u64,
         to: &Destination,
+        dialect: Dialect,
     ) -> Admission<'l> {
         let cfg = &*live.config;
         let shadow_denied = tally(live, limits, decisions, true);
@@ -457,7 +533,7 @@ impl Gateway {
             ..Note::gateway("denied").to(to, cfg)
         };
         let p = Problem::too_many_requests(&applied, random_below(jitter_us));
-        let mut resp = problem(p, cfg, &applied);
+        let mut resp = problem(p, cfg, &applied, dialect);
         headers::add_shadow(resp.headers_mut(), cfg.response, &shadow);
         Admission::Answer(resp, note)
     }
@@ -505,6 +581,7 @@ impl Gateway {
             leases,
             slots,
             to,
+            dialect: Dialect::Http,
             note,
             messages,
         }
@@ -705,7 +782,8 @@ impl Gateway {
             // The pool logs its outages, once each (`upstream::Pool::forward`).
             tracing::debug!(error = %e, status = status.as_u16(), pool = pass.note.pool, "upstream failed");
         }
-        let mut resp = problem(Problem::new(status, detail), cfg, &pass.applied);
+        let p = Problem::new(status, detail);
+        let mut resp = problem(p, cfg, &pass.applied, pass.dialect);
         headers::add_shadow(resp.headers_mut(), cfg.response, &pass.shadow);
         if matches!(e, upstream::Error::ClientStalled(_)) && version < http::Version::HTTP_2 {
             self.metrics
@@ -863,6 +941,7 @@ fn store_failed<'l>(
     limits: &[Limit<'l, '_>],
     verdict: Verdict,
     to: Destination,
+    dialect: Dialect,
 ) -> Admission<'l> {
     for l in limits {
         live.counters[l.index].error.inc();
@@ -873,13 +952,14 @@ fn store_failed<'l>(
         ..Note::gateway("store_error").to(&to, &live.config)
     };
     if verdict == Verdict::Unlimited {
-        return Admission::Forward(Pass::unlimited(note, to));
+        return Admission::Forward(Pass::unlimited(note, to, dialect));
     }
     let p = Problem::new(
         StatusCode::SERVICE_UNAVAILABLE,
         "the rate-limit store is unavailable",
     );
-    Admission::Answer(problem(p.with_retry_after(1), &live.config, &[]), note)
+    let resp = problem(p.with_retry_after(1), &live.config, &[], dialect);
+    Admission::Answer(resp, note)
 }
 
 /// A uniformly random number of µs in `0..=max` (0 for 0): jitter, not secrecy.
@@ -904,11 +984,30 @@ fn close_after<B>(resp: &mut Response<B>) {
     );
 }
 
-/// A response the gateway writes itself.
-pub fn problem(p: Problem, cfg: &Config, applied: &[Applied<'_>]) -> Response<Body> {
-    let mut resp = Response::new(Either::Right(Full::new(p.body.clone())));
-    *resp.status_mut() = p.status;
-    p.headers(resp.headers_mut());
+/// A response the gateway writes itself: every one goes through here. To HTTP, `p`'s
+/// status and problem+json body; to a gRPC call, a Trailers-Only gRPC answer (HTTP 200,
+/// empty body, `grpc-status` by [`grpc::Code::of_status`], [`grpc::trailers_only`]).
+/// Either way with the `RateLimit-*` fields of `applied` and `Retry-After` where `p` has
+/// one.
+pub fn problem(
+    p: Problem,
+    cfg: &Config,
+    applied: &[Applied<'_>],
+    dialect: Dialect,
+) -> Response<Body> {
+    let mut resp = match dialect {
+        Dialect::Http => {
+            let mut resp = Response::new(Either::Right(Full::new(p.body.clone())));
+            *resp.status_mut() = p.status;
+            p.headers(resp.headers_mut());
+            resp
+        }
+        Dialect::Grpc => {
+            let mut resp = Response::new(Either::Right(Full::new(Bytes::new())));
+            grpc::trailers_only(&p, applied, resp.headers_mut());
+            resp
+        }
+    };
     headers::add_ratelimit(resp.headers_mut(), cfg.response, applied);
     resp
 }

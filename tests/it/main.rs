@@ -11,6 +11,7 @@ mod docs;
 mod e2e;
 mod faults;
 mod features;
+mod grpc_answers;
 mod layering;
 mod logs;
 mod message_meter;
