@@ -686,6 +686,11 @@ impl Gateway {
             return;
         };
         let cfg = &*live.config;
+        pass.note.upgrade = Some(if asked.websocket {
+            "websocket"
+        } else {
+            "other"
+        });
         let websocket = asked.websocket
             && (asked.extended
                 || resp

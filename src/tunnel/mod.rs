@@ -181,6 +181,8 @@ struct Pipe {
     unflushed: bool,
     /// Held back for want of a token.
     blocked: bool,
+    /// Its source had nothing more to read at the last try: all it sent has been taken.
+    drained: bool,
     scanner: Option<Scanner>,
 }
 
@@ -195,6 +197,7 @@ impl Pipe {
             shut: false,
             unflushed: false,
             blocked: false,
+            drained: false,
             scanner,
         }
     }
@@ -245,7 +248,8 @@ struct Copy<C, U> {
     refill: Option<Refilling>,
     /// The store's wait before the next refill.
     wait: Option<Pin<Box<Sleep>>>,
-    /// Since when the client has been held back.
+    /// Since when the client has been behind its message limit: from the first frame held
+    /// back until all it sent has gone through.
     blocked_since: Option<Instant>,
     max_delay: Duration,
     idle: Duration,
@@ -302,6 +306,10 @@ where
                         self.counts.down.inc_by(n as u64);
                     }
                 }
+            }
+            if self.up.drained {
+                // The client has caught up: all it sent went through.
+                self.blocked_since = None;
             }
             if self.first.is_none() {
                 self.first = match (self.up.eof, self.down.eof) {
@@ -400,7 +408,9 @@ where
                 Poll::Pending
             }
             Refill::Granted => {
-                self.blocked_since = None;
+                // Still held back until it has caught up (`drained`): a client that keeps
+                // sending faster than its limit is closed once it has been behind for
+                // `max_delay`, however many batches trickle through meanwhile.
                 self.up.blocked = false;
                 Poll::Ready(Ok(()))
             }
@@ -529,6 +539,7 @@ where
             return Ok((written, frames));
         }
         // Everything read went out: read more.
+        pipe.drained = false;
         pipe.start = 0;
         pipe.passed = 0;
         pipe.filled = 0;
@@ -543,7 +554,10 @@ where
                 }
             }
             Poll::Ready(Err(_)) => return Err(Ended::Failed),
-            Poll::Pending => return Ok((written, frames)),
+            Poll::Pending => {
+                pipe.drained = true;
+                return Ok((written, frames));
+            }
         }
     }
 }
