@@ -11,6 +11,7 @@ mod docs;
 mod e2e;
 mod faults;
 mod features;
+mod h2_pools;
 mod layering;
 mod logs;
 mod observability;
