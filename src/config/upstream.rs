@@ -530,12 +530,21 @@ fn check_protocol(
     let Some((table, given)) = k.pick(|k| k.protocol) else {
         return Ok(());
     };
-    let (https, why) = match settings.protocol {
+    let (https, what, hint) = match settings.protocol {
         Protocol::Http1 => return Ok(()),
-        Protocol::H2 => (true, "is HTTP/2 over TLS (ALPN h2): every server must be https:// (h2c is HTTP/2 over cleartext)"),
-        Protocol::Auto => (true, "lets TLS' ALPN choose h2 or HTTP/1.1: every server must be https://"),
-        Protocol::H2c => (false, "is HTTP/2 over cleartext TCP: every server must be http:// (h2 is HTTP/2 over TLS)"),
+        Protocol::H2 => (
+            true,
+            "is HTTP/2 over TLS",
+            " (for cleartext HTTP/2, use \"h2c\")",
+        ),
+        Protocol::Auto => (true, "lets TLS' ALPN choose h2 or HTTP/1.1", ""),
+        Protocol::H2c => (
+            false,
+            "is HTTP/2 over cleartext TCP",
+            " (for HTTP/2 over TLS, use \"h2\")",
+        ),
     };
+    let scheme = if https { "https://" } else { "http://" };
     let wrong = servers
         .iter()
         .zip(&settings.servers)
@@ -546,7 +555,7 @@ fn check_protocol(
             Some(given.span()),
             format!("{table}.protocol"),
             format!(
-                "protocol = {:?} {why}, and {:?} is not",
+                "protocol {:?} {what} and needs {scheme} servers: {:?} is not one{hint}",
                 settings.protocol.name(),
                 url.uri.to_string().trim_end_matches('/')
             ),

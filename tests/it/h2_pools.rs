@@ -266,11 +266,21 @@ impl hyper::body::Body for Generated {
     }
 }
 
-/// A gateway with one pool `protocol` of `servers`, `workers` workers, no rule.
+/// A gateway with one pool `protocol` of `servers` (and `extra` keys), two workers, no
+/// rule.
 fn gateway(protocol: &str, servers: &[String], extra: &str) -> Gateway {
+    gateway_with("", protocol, servers, extra)
+}
+
+/// The same, with `server` keys in `[server]`.
+fn gateway_with(server: &str, protocol: &str, servers: &[String], extra: &str) -> Gateway {
     let list: Vec<String> = servers.iter().map(|s| format!("\"{s}\"")).collect();
+    let timeout = match extra.lines().any(|l| l.starts_with("timeout ")) {
+        true => "",
+        false => "timeout = \"5s\"\n",
+    };
     Gateway::start(&format!(
-        "workers = 2\n[[upstreams]]\nname = \"default\"\nservers = [{}]\nprotocol = \"{protocol}\"\nconnect_timeout = \"2s\"\ntimeout = \"5s\"\nretries = 0\n{extra}\n{}",
+        "workers = 2\n{server}[[upstreams]]\nname = \"default\"\nservers = [{}]\nprotocol = \"{protocol}\"\nconnect_timeout = \"2s\"\n{timeout}retries = 0\n{extra}\n{}",
         list.join(", "),
         Store::Memory.toml()
     ))
@@ -568,6 +578,44 @@ async fn a_64_mib_body_streams_through_an_h2c_pool_in_bounded_memory() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_clocks_hold_over_http2_a_stalled_upload_is_408_and_a_slow_answer_504() {
+    let backend = H2Backend::start(Speaks::H2c, None, None).await;
+    let g = gateway_with(
+        "body_timeout = \"1s\"\n",
+        "h2c",
+        &[format!("http://{}", backend.addr)],
+        "",
+    );
+    // The client sends a piece of its body, then nothing: 408, the stream reset.
+    let (tx, body) = common::channel_body();
+    assert!(tx.send(Bytes::from_static(b"a piece, then nothing")).await);
+    let client = HttpClient::new();
+    let started = std::time::Instant::now();
+    let r = client
+        .try_send("POST", &g.url("/count"), &[], body, Duration::from_secs(10))
+        .await
+        .expect("answered");
+    assert_eq!(r.status, 408, "{}", g.logs());
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "{:?}",
+        started.elapsed()
+    );
+    drop(tx);
+    // The connection is still good for the next request.
+    assert_eq!(client.get(&g.url("/hello"), &[]).await.status, 200);
+
+    // An answer slower than `timeout`: 504.
+    let slow = gateway(
+        "h2c",
+        &[format!("http://{}", backend.addr)],
+        "timeout = \"100ms\"\n",
+    );
+    let r = client.get(&slow.url("/slow"), &[]).await;
+    assert_eq!(r.status, 504, "{}", slow.logs());
+}
+
 #[test]
 fn a_protocol_its_servers_cannot_carry_is_refused_naming_the_key() {
     use ratewall::config::{Config, ConfigError};
@@ -575,17 +623,17 @@ fn a_protocol_its_servers_cannot_carry_is_refused_naming_the_key() {
         (
             "[[upstreams]]\nname = \"a\"\nservers = [\"http://10.0.0.1\"]\nprotocol = \"h2\"\n",
             "upstreams[0].protocol",
-            "protocol = \"h2\" is HTTP/2 over TLS (ALPN h2): every server must be https:// (h2c is HTTP/2 over cleartext), and \"http://10.0.0.1\" is not",
+            "protocol \"h2\" is HTTP/2 over TLS and needs https:// servers: \"http://10.0.0.1\" is not one (for cleartext HTTP/2, use \"h2c\")",
         ),
         (
             "[upstream]\nprotocol = \"h2c\"\n[[upstreams]]\nname = \"a\"\nservers = [\"https://10.0.0.1\"]\ninsecure_skip_verify = true\n",
             "upstream.protocol",
-            "protocol = \"h2c\" is HTTP/2 over cleartext TCP: every server must be http:// (h2 is HTTP/2 over TLS), and \"https://10.0.0.1\" is not",
+            "protocol \"h2c\" is HTTP/2 over cleartext TCP and needs http:// servers: \"https://10.0.0.1\" is not one (for HTTP/2 over TLS, use \"h2\")",
         ),
         (
             "[upstream]\nurl = \"http://10.0.0.1\"\nprotocol = \"auto\"\n",
             "upstream.protocol",
-            "protocol = \"auto\" lets TLS' ALPN choose h2 or HTTP/1.1: every server must be https://, and \"http://10.0.0.1\" is not",
+            "protocol \"auto\" lets TLS' ALPN choose h2 or HTTP/1.1 and needs https:// servers: \"http://10.0.0.1\" is not one",
         ),
         (
             "[upstream]\nurl = \"http://10.0.0.1\"\nprotocol = \"http2\"\n",
