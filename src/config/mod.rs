@@ -561,7 +561,8 @@ fn describe_pool(out: &mut String, p: &crate::upstream::PoolSettings) {
     };
     let _ = writeln!(
         out,
-        "              {}, connect_timeout {}, timeout {}, retries {}, resolved every {}; {ejects}; {health}",
+        "              protocol {}, {}, connect_timeout {}, timeout {}, retries {}, resolved every {}; {ejects}; {health}",
+        p.protocol.name(),
         p.balance.name(),
         fmt(p.connect_timeout),
         fmt(p.timeout),

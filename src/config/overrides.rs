@@ -135,6 +135,22 @@ fn retarget_default_pool(
         weight: 1,
         tls: crate::upstream::tls_for(uri, options)?,
     };
+    let protocol = match existing {
+        Some(i) => config.upstreams[i].protocol,
+        None => config.pool_defaults.pool.protocol,
+    };
+    // The pool's protocol holds for the URL given too: h2 and auto need TLS, h2c none.
+    if protocol.is_http2() && (server.tls.is_some() != (protocol != crate::upstream::Protocol::H2c))
+    {
+        return Err(crate::upstream::TlsError {
+            key: "protocol",
+            message: format!(
+                "protocol = {:?} cannot speak to {}: h2 and auto need an https:// url, h2c an http:// one",
+                protocol.name(),
+                server.label()
+            ),
+        });
+    }
     match existing {
         Some(i) => config.upstreams[i].servers = vec![server],
         None => {

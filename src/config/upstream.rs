@@ -14,15 +14,15 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::values::{
-    BalanceSpec, Expect, FailStatus, HealthPath, HumanDuration, Percent, PoolName, Retries,
-    UpstreamUrl, Weight,
+    BalanceSpec, Expect, FailStatus, HealthPath, HumanDuration, Percent, PoolName, ProtocolSpec,
+    Retries, UpstreamUrl, Weight,
 };
 use super::Invalid;
 use crate::identity::KeyKind;
 use crate::upstream::{
-    tls_for, Balance, HealthCheck, Passive, PoolSettings, ServerSettings, TlsError, TlsOptions,
-    CONNECT_TIMEOUT, DEFAULT_POOL, FAIL_TIMEOUT, FAIL_WINDOW, MAX_EJECTED_PERCENT, MAX_FAILS,
-    RESOLVE_EVERY, RETRIES, TIMEOUT,
+    tls_for, Balance, HealthCheck, Passive, PoolSettings, Protocol, ServerSettings, TlsError,
+    TlsOptions, CONNECT_TIMEOUT, DEFAULT_POOL, FAIL_TIMEOUT, FAIL_WINDOW, MAX_EJECTED_PERCENT,
+    MAX_FAILS, RESOLVE_EVERY, RETRIES, TIMEOUT,
 };
 
 /// `[upstream]`.
@@ -48,6 +48,7 @@ pub(super) struct RawUpstream {
     health: Option<Spanned<RawHealth>>,
     retries: Option<Spanned<Retries>>,
     resolve_every: Option<Spanned<HumanDuration>>,
+    protocol: Option<Spanned<ProtocolSpec>>,
 }
 
 /// One `[[upstreams]]` pool: the keys of `[upstream]` (but `url`), a name and servers.
@@ -72,6 +73,7 @@ pub(super) struct RawPool {
     health: Option<Spanned<RawHealth>>,
     retries: Option<Spanned<Retries>>,
     resolve_every: Option<Spanned<HumanDuration>>,
+    protocol: Option<Spanned<ProtocolSpec>>,
 }
 
 /// One of `servers` written as a table: `{ url = "https://b:8443", weight = 2 }`.
@@ -138,6 +140,7 @@ struct Keys<'a> {
     health: Option<&'a Spanned<RawHealth>>,
     retries: Option<&'a Spanned<Retries>>,
     resolve_every: Option<&'a Spanned<HumanDuration>>,
+    protocol: Option<&'a Spanned<ProtocolSpec>>,
 }
 
 /// `$raw`'s pool keys, as [`Keys`] of the table `$table`.
@@ -161,6 +164,7 @@ macro_rules! keys_of {
             health: $raw.health.as_ref(),
             retries: $raw.retries.as_ref(),
             resolve_every: $raw.resolve_every.as_ref(),
+            protocol: $raw.protocol.as_ref(),
         }
     };
 }
@@ -344,6 +348,7 @@ fn empty_keys<'a>() -> Keys<'a> {
         health: None,
         retries: None,
         resolve_every: None,
+        protocol: None,
     }
 }
 
@@ -399,7 +404,9 @@ fn settings_without_servers(k: &Layered<'_>, client_certs: bool) -> Result<PoolS
             .pick(|k| k.retries)
             .map_or(RETRIES, |(_, r)| r.get_ref().0),
         resolve_every: k.duration(|k| k.resolve_every, RESOLVE_EVERY),
-        protocol: crate::upstream::Protocol::default(),
+        protocol: k
+            .pick(|k| k.protocol)
+            .map_or_else(Protocol::default, |(_, p)| p.get_ref().0),
     })
 }
 
@@ -508,7 +515,52 @@ fn pool(
         }
         settings.servers.push(server);
     }
+    check_protocol(&settings, servers, k)?;
     Ok(settings)
+}
+
+/// A pool's `protocol` against its servers' schemes: `h2` and `auto` are TLS (ALPN), so
+/// every server is `https://`; `h2c` is cleartext, so every one is `http://`. Blamed on
+/// the `protocol` key where the file gives it (the pool's own table, or `[upstream]`'s).
+fn check_protocol(
+    settings: &PoolSettings,
+    servers: &[(Range<usize>, &UpstreamUrl, Option<u32>)],
+    k: &Layered<'_>,
+) -> Result<(), Invalid> {
+    let Some((table, given)) = k.pick(|k| k.protocol) else {
+        return Ok(());
+    };
+    let (https, what, hint) = match settings.protocol {
+        Protocol::Http1 => return Ok(()),
+        Protocol::H2 => (
+            true,
+            "is HTTP/2 over TLS",
+            " (for cleartext HTTP/2, use \"h2c\")",
+        ),
+        Protocol::Auto => (true, "lets TLS' ALPN choose h2 or HTTP/1.1", ""),
+        Protocol::H2c => (
+            false,
+            "is HTTP/2 over cleartext TCP",
+            " (for HTTP/2 over TLS, use \"h2\")",
+        ),
+    };
+    let scheme = if https { "https://" } else { "http://" };
+    let wrong = servers
+        .iter()
+        .zip(&settings.servers)
+        .find(|(_, s)| s.tls.is_some() != https);
+    match wrong {
+        None => Ok(()),
+        Some(((_, url, _), _)) => Err(Invalid::new(
+            Some(given.span()),
+            format!("{table}.protocol"),
+            format!(
+                "protocol {:?} {what} and needs {scheme} servers: {:?} is not one{hint}",
+                settings.protocol.name(),
+                url.uri.to_string().trim_end_matches('/')
+            ),
+        )),
+    }
 }
 
 /// The TLS keys `k` gives, their files relative to `dir`.
@@ -764,7 +816,7 @@ mod tests {
             (
                 "[upstream]\nurl = \"http://10.0.0.1\"\nservers = [\"http://10.0.0.2\"]\n",
                 "upstream.servers",
-                "unknown field `servers`, expected one of `url`, `connect_timeout`, `timeout`, `ca`, `sni`, `cert`, `key`, `insecure_skip_verify`, `balance`, `max_fails`, `fail_window`, `fail_timeout`, `max_ejected_percent`, `fail_on_status`, `health`, `retries`, `resolve_every`",
+                "unknown field `servers`, expected one of `url`, `connect_timeout`, `timeout`, `ca`, `sni`, `cert`, `key`, `insecure_skip_verify`, `balance`, `max_fails`, `fail_window`, `fail_timeout`, `max_ejected_percent`, `fail_on_status`, `health`, `retries`, `resolve_every`, `protocol`",
             ),
         ] {
             let (_, _, k, m) = err(body);

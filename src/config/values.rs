@@ -176,6 +176,21 @@ impl<'de> Deserialize<'de> for BalanceSpec {
     }
 }
 
+/// `protocol = "http1" | "h2" | "h2c" | "auto"`: what a pool's servers are spoken to in.
+pub(super) struct ProtocolSpec(pub(super) crate::upstream::Protocol);
+
+impl<'de> Deserialize<'de> for ProtocolSpec {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use crate::upstream::Protocol;
+        let s = String::deserialize(d)?;
+        Protocol::ALL
+            .into_iter()
+            .find(|p| p.name() == s)
+            .map(ProtocolSpec)
+            .ok_or_else(|| de::Error::unknown_variant(&s, &Protocol::NAMES))
+    }
+}
+
 /// A server's `weight`: 1 to 1000.
 pub(super) struct Weight(pub(super) u32);
 

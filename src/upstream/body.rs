@@ -190,14 +190,63 @@ enum Wanting {
     Bad(BodyError),
 }
 
-/// The upstream's response body, read from its connection as the client takes it. The
+/// The upstream's response body, streamed to the client as it takes it: from an HTTP/1.1
+/// connection of this worker's ([`Http1Body`]), or from an HTTP/2 stream
+/// (`super::h2::Http2Body`), trailers passed on either way. One type for the gateway.
+///
+/// An upstream that sends nothing of the body for `timeout` (as nginx's
+/// `proxy_read_timeout`: between two reads) fails it: the client's connection is cut, and
+/// neither the client nor the upstream connection is held by a silent upstream.
+pub struct ResponseBody(Kind);
+
+enum Kind {
+    Http1(Http1Body),
+    Http2(super::h2::Http2Body),
+}
+
+impl ResponseBody {
+    pub(super) fn http2(body: super::h2::Http2Body) -> ResponseBody {
+        ResponseBody(Kind::Http2(body))
+    }
+}
+
+impl Body for ResponseBody {
+    type Data = Bytes;
+    type Error = io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, io::Error>>> {
+        match &mut self.0 {
+            Kind::Http1(b) => Pin::new(b).poll_frame(cx),
+            Kind::Http2(b) => Pin::new(b).poll_frame(cx),
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match &self.0 {
+            Kind::Http1(b) => b.is_end_stream(),
+            Kind::Http2(b) => b.is_end_stream(),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match &self.0 {
+            Kind::Http1(b) => b.size_hint(),
+            Kind::Http2(b) => b.size_hint(),
+        }
+    }
+}
+
+/// An HTTP/1.1 upstream's response body, read from its connection as the client takes it. The
 /// connection goes back to the pool when the body ended cleanly and can carry another
 /// request; a body dropped early takes its connection with it.
 ///
 /// An upstream that sends nothing of the body for `timeout` (as nginx's
 /// `proxy_read_timeout`: between two reads) fails it: the client's connection is cut, and
 /// neither the client nor the upstream connection is held by a silent upstream.
-pub struct ResponseBody {
+pub(super) struct Http1Body {
     conn: Option<Conn>,
     /// The rest of the request body, still going up (an early answer).
     upload: Option<Upload>,
@@ -210,9 +259,9 @@ pub struct ResponseBody {
     stall: Option<Box<Stall>>,
 }
 
-struct Stall {
-    since: tokio::time::Instant,
-    clock: Option<(tokio::time::Instant, Pin<Box<tokio::time::Sleep>>)>,
+pub(super) struct Stall {
+    pub(super) since: tokio::time::Instant,
+    pub(super) clock: Option<(tokio::time::Instant, Pin<Box<tokio::time::Sleep>>)>,
 }
 
 /// The connection an answer is read from: whole (and maybe kept), or the read half of one
@@ -222,7 +271,7 @@ pub(super) enum Conn {
     Half(ReadSide),
 }
 
-impl ResponseBody {
+impl Http1Body {
     /// The answer whose head is `parts`: its body is what follows in `buf`, then on `conn`.
     pub(super) fn answer(
         mut parts: http::response::Parts,
@@ -233,7 +282,7 @@ impl ResponseBody {
         pool: &Arc<Kept>,
     ) -> Response<ResponseBody> {
         let reuse = parts.extensions.remove::<Close>().is_none();
-        let mut body = ResponseBody {
+        let mut body = Http1Body {
             conn: Some(conn),
             upload,
             buf,
@@ -243,13 +292,13 @@ impl ResponseBody {
             stall: None,
         };
         body.finish_if_done();
-        Response::from_parts(parts, body)
+        Response::from_parts(parts, ResponseBody(Kind::Http1(body)))
     }
 
     /// An answer without a body and without a connection to read one from (a `101`'s:
     /// its connection is the tunnel's).
     pub(super) fn none(pool: &Arc<Kept>) -> ResponseBody {
-        ResponseBody {
+        ResponseBody(Kind::Http1(Http1Body {
             conn: None,
             upload: None,
             buf: BytesMut::new(),
@@ -257,7 +306,7 @@ impl ResponseBody {
             reuse: false,
             pool: pool.clone(),
             stall: None,
-        }
+        }))
     }
 
     /// Once the body is over, give the connection back (or close it), and drop what is
@@ -438,12 +487,17 @@ fn trailers(section: &[u8]) -> Result<Option<HeaderMap>, BodyError> {
             map.append(name, value);
         }
     }
-    // Framing and routing fields never belong in trailers (RFC 9110 §6.5.1).
-    strip_hop_by_hop(&mut map);
+    clean_trailers(&mut map);
+    Ok((!map.is_empty()).then_some(map))
+}
+
+/// Trailers as they are passed on, either way: framing and routing fields never belong
+/// in them (RFC 9110 §6.5.1), nor hop-by-hop ones.
+pub(super) fn clean_trailers(map: &mut HeaderMap) {
+    strip_hop_by_hop(map);
     for name in [CONTENT_LENGTH, HOST, http::header::CONTENT_TYPE] {
         map.remove(name);
     }
-    Ok((!map.is_empty()).then_some(map))
 }
 
 fn find(buf: &[u8], what: &[u8]) -> Option<usize> {
@@ -473,7 +527,7 @@ fn chunk_size(line: &[u8]) -> Result<u64, BodyError> {
     Ok(size)
 }
 
-impl Body for ResponseBody {
+impl Body for Http1Body {
     type Data = Bytes;
     type Error = io::Error;
 
@@ -536,8 +590,8 @@ impl Body for ResponseBody {
 mod tests {
     use super::*;
 
-    fn body(framing: Framing, wire: &[u8]) -> ResponseBody {
-        ResponseBody {
+    fn body(framing: Framing, wire: &[u8]) -> Http1Body {
+        Http1Body {
             conn: None,
             upload: None,
             buf: BytesMut::from(wire),

@@ -52,6 +52,11 @@ pub enum Error {
     /// The TLS handshake took longer than `connect_timeout`.
     #[error("TLS handshake with {addr} timed out after {after:?}")]
     TlsTimeout { addr: SocketAddr, after: Duration },
+    /// The HTTP/2 connection could not be set up over the connection opened: hyper's
+    /// handshake failed, or the upstream sent no SETTINGS (its connection preface, RFC
+    /// 9113 §3.4) within `connect_timeout`. Nothing of the request was sent.
+    #[error("HTTP/2 handshake with {addr}: {why}")]
+    Http2Handshake { addr: SocketAddr, why: String },
 
     /// No server of the pool can take the request: every one is failing its health
     /// checks. No connection was tried.
@@ -68,6 +73,19 @@ pub enum Error {
     Write {
         #[source]
         source: io::Error,
+        replayable: bool,
+    },
+    /// The upstream refused an HTTP/2 stream before processing it: `REFUSED_STREAM`, or a
+    /// graceful GOAWAY that came before the stream (RFC 9113 §8.7, §6.8), or a connection
+    /// that closed before the request was handed to it. Safe to send again.
+    #[error("the upstream refused the HTTP/2 stream unprocessed: {0}")]
+    Refused(#[source] hyper::Error),
+    /// An HTTP/2 exchange failed before the answer's head: the stream was reset, or its
+    /// connection failed under it. `replayable`: see [`Error::retryable`].
+    #[error("HTTP/2 with the upstream: {source}")]
+    Http2 {
+        #[source]
+        source: hyper::Error,
         replayable: bool,
     },
     /// The upstream took nothing of the request for this long.
@@ -183,8 +201,9 @@ impl Error {
     /// Whether the same request may be sent again, whole and unchanged, on another
     /// connection (to this upstream or another). True exactly when:
     ///
-    /// - no connection could be opened (resolving, connecting or the TLS handshake failed
-    ///   or timed out): nothing of the request was sent; or
+    /// - no connection could be opened (resolving, connecting, the TLS or the HTTP/2
+    ///   handshake failed or timed out): nothing of the request was sent; or
+    /// - HTTP/2 says the stream was not processed ([`Error::Refused`]); or
     /// - the connection was closed or reset (a failed write, a read that ended or failed)
     ///   before the first byte of any answer (a 1xx counts) and before any byte of the
     ///   client's body was read — its head alone had gone up — and the method is
@@ -204,8 +223,11 @@ impl Error {
             | Error::Connect { .. }
             | Error::ConnectTimeout { .. }
             | Error::Tls { .. }
-            | Error::TlsTimeout { .. } => true,
+            | Error::TlsTimeout { .. }
+            | Error::Http2Handshake { .. }
+            | Error::Refused(_) => true,
             Error::Write { replayable, .. }
+            | Error::Http2 { replayable, .. }
             | Error::Closed { replayable }
             | Error::Read { replayable, .. } => *replayable,
             Error::Target(_)

@@ -200,7 +200,95 @@ struct Kept {
     host: bool,
 }
 
-/// The field lines of a request going up: its own fields, then the forwarding fields of
+static X_REAL_IP: HeaderName = HeaderName::from_static("x-real-ip");
+static X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+static X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+
+/// Where a request's fields are written on their way up: the bytes of an HTTP/1.1 head
+/// (`Vec<u8>`), or the header map of an HTTP/2 request ([`MapFields`]). One writer of the
+/// forwarding rules ([`fields`]) for both.
+pub(super) trait FieldSink {
+    /// A field of the client's request, as it came.
+    fn keep(&mut self, name: &HeaderName, value: &HeaderValue);
+    /// A field of this hop, its value the concatenation of `parts`.
+    fn add(&mut self, name: &HeaderName, parts: &[&[u8]]) {
+        self.begin(name);
+        for p in parts {
+            self.push(p);
+        }
+        self.end();
+    }
+    /// A field of this hop written piece by piece: its name, its value's pieces, its end.
+    fn begin(&mut self, name: &HeaderName);
+    fn push(&mut self, bytes: &[u8]);
+    fn end(&mut self);
+}
+
+/// The HTTP/1.1 head: each field a line, written straight into it.
+impl FieldSink for Vec<u8> {
+    fn keep(&mut self, name: &HeaderName, value: &HeaderValue) {
+        field_line(self, name.as_str(), &[value.as_bytes()]);
+    }
+
+    fn begin(&mut self, name: &HeaderName) {
+        self.extend_from_slice(name.as_str().as_bytes());
+        self.extend_from_slice(b": ");
+    }
+
+    fn push(&mut self, bytes: &[u8]) {
+        self.extend_from_slice(bytes);
+    }
+
+    fn end(&mut self) {
+        self.extend_from_slice(b"\r\n");
+    }
+}
+
+/// An HTTP/2 request's header map, built from the client's fields. `Host` is left out:
+/// HTTP/2 carries it as `:authority` (RFC 9113 §8.3.1).
+pub(super) struct MapFields {
+    pub(super) map: HeaderMap,
+    /// The field being written: its name and value so far.
+    pending: Option<(HeaderName, Vec<u8>)>,
+}
+
+impl MapFields {
+    pub(super) fn with_capacity(n: usize) -> MapFields {
+        MapFields {
+            map: HeaderMap::with_capacity(n),
+            pending: None,
+        }
+    }
+}
+
+impl FieldSink for MapFields {
+    fn keep(&mut self, name: &HeaderName, value: &HeaderValue) {
+        if name != HOST {
+            self.map.append(name.clone(), value.clone());
+        }
+    }
+
+    fn begin(&mut self, name: &HeaderName) {
+        self.pending = Some((name.clone(), Vec::with_capacity(64)));
+    }
+
+    fn push(&mut self, bytes: &[u8]) {
+        if let Some((_, value)) = self.pending.as_mut() {
+            value.extend_from_slice(bytes);
+        }
+    }
+
+    fn end(&mut self) {
+        if let Some((name, value)) = self.pending.take() {
+            // Made of fields that were valid values, and addresses: always valid.
+            if let Ok(value) = HeaderValue::from_maybe_shared(Bytes::from(value)) {
+                self.map.append(name, value);
+            }
+        }
+    }
+}
+
+/// The fields of a request going up: its own fields, then the forwarding fields of
 /// this hop. From a trusted proxy the forwarding fields tell a story that began before
 /// it: `X-Forwarded-Proto` and `X-Forwarded-Host` are kept as that proxy set them (and
 /// written here only where it did not), `X-Real-IP` as it came, and the peer is appended
@@ -209,10 +297,10 @@ struct Kept {
 /// `X-Forwarded-Proto` written here. From any other peer nothing it says about itself is
 /// believed: every `X-Forwarded-*`, `Forwarded` and `X-Real-IP` field it sent is left
 /// out, and each is written anew from what the gateway itself saw (the peer, `http`, the
-/// `Host`). Written straight into the head, not put in the header map first: no
-/// insertion, no growth of the map per request.
+/// `Host`). For HTTP/1.1 written straight into the head, not put in the header map first:
+/// no insertion, no growth of the map per request.
 pub(super) fn fields(
-    head: &mut Vec<u8>,
+    out: &mut impl FieldSink,
     headers: &HeaderMap,
     down: &Downstream<'_>,
     host: Option<&HeaderValue>,
@@ -231,68 +319,67 @@ pub(super) fn fields(
                 Forwarding::Other => {}
             }
         }
-        field_line(head, name.as_str(), &[value.as_bytes()]);
+        out.keep(name, value);
     }
     if down.trusted {
-        appended(head, headers, down.peer, host, kept);
+        appended(out, headers, down.peer, host, kept);
     } else {
-        replaced(head, down.peer, host);
+        replaced(out, down.peer, host);
     }
 }
 
 /// A trusted proxy's chains with the peer appended, and what it left unsaid.
 fn appended(
-    head: &mut Vec<u8>,
+    out: &mut impl FieldSink,
     headers: &HeaderMap,
     peer: &ClientPeer,
     host: Option<&HeaderValue>,
     kept: Kept,
 ) {
-    appended_line(
-        head,
-        headers,
-        &X_FORWARDED_FOR,
-        &[peer.forwarded.as_bytes()],
-    );
+    appended_line(out, headers, &X_FORWARDED_FOR, &[peer.forwarded.as_bytes()]);
     if headers.contains_key(http::header::FORWARDED) {
         appended_line(
-            head,
+            out,
             headers,
             &http::header::FORWARDED,
             &[b"for=", &peer.node],
         );
     }
     if !kept.proto {
-        field_line(head, "x-forwarded-proto", &[peer.proto()]);
+        out.add(&X_FORWARDED_PROTO, &[peer.proto()]);
     }
     if let Some(host) = host.filter(|_| !kept.host) {
-        field_line(head, "x-forwarded-host", &[host.as_bytes()]);
+        out.add(&X_FORWARDED_HOST, &[host.as_bytes()]);
     }
 }
 
 /// What the gateway itself saw, in place of all an untrusted peer said.
-fn replaced(head: &mut Vec<u8>, peer: &ClientPeer, host: Option<&HeaderValue>) {
-    field_line(head, "x-forwarded-for", &[peer.forwarded.as_bytes()]);
-    field_line(head, "x-real-ip", &[peer.forwarded.as_bytes()]);
-    field_line(head, "x-forwarded-proto", &[peer.proto()]);
-    field_line(head, "forwarded", &[peer.element.as_bytes()]);
+fn replaced(out: &mut impl FieldSink, peer: &ClientPeer, host: Option<&HeaderValue>) {
+    out.add(&X_FORWARDED_FOR, &[peer.forwarded.as_bytes()]);
+    out.add(&X_REAL_IP, &[peer.forwarded.as_bytes()]);
+    out.add(&X_FORWARDED_PROTO, &[peer.proto()]);
+    out.add(&http::header::FORWARDED, &[peer.element.as_bytes()]);
     if let Some(host) = host {
-        field_line(head, "x-forwarded-host", &[host.as_bytes()]);
+        out.add(&X_FORWARDED_HOST, &[host.as_bytes()]);
     }
 }
 
-/// `name: <its values, joined>, <element>` on one line.
-fn appended_line(head: &mut Vec<u8>, headers: &HeaderMap, name: &HeaderName, element: &[&[u8]]) {
-    head.extend_from_slice(name.as_str().as_bytes());
-    head.extend_from_slice(b": ");
+/// `name: <its values, joined>, <element>` as one field.
+fn appended_line(
+    out: &mut impl FieldSink,
+    headers: &HeaderMap,
+    name: &HeaderName,
+    element: &[&[u8]],
+) {
+    out.begin(name);
     for v in headers.get_all(name) {
-        head.extend_from_slice(v.as_bytes());
-        head.extend_from_slice(b", ");
+        out.push(v.as_bytes());
+        out.push(b", ");
     }
     for p in element {
-        head.extend_from_slice(p);
+        out.push(p);
     }
-    head.extend_from_slice(b"\r\n");
+    out.end();
 }
 
 #[cfg(test)]

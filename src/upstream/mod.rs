@@ -58,11 +58,13 @@ mod body;
 mod budget;
 mod error;
 mod forward;
+mod h2;
 mod head;
 mod health;
 mod kept;
 mod metrics;
 mod outage;
+mod peer_settings;
 mod pools;
 mod settings;
 mod stream;
@@ -97,9 +99,10 @@ pub use tls::{
 };
 pub use upgrade::{Switched, Upgrade, Upgraded};
 
-use body::{Conn, Sending, Upload, UploadError};
+use body::{Conn, Http1Body, Sending, Upload, UploadError};
 use kept::{Address, Kept};
 use stream::{Stream, WriteSide};
+use tls::Alpn;
 
 /// How much is read from the upstream at a time.
 const READ_SIZE: usize = 16 * 1024;
@@ -209,6 +212,17 @@ impl Client {
         if out.upgrade.is_some() {
             return self.upgrade(out, down).await;
         }
+        self.send_on(out, down, None).await
+    }
+
+    /// [`Client::send`] on `fresh`, a connection just opened for it, where one is given
+    /// (an `auto` pool's server that chose HTTP/1.1 in ALPN: `h2`).
+    async fn send_on(
+        &self,
+        out: &mut Outbound,
+        down: &Downstream<'_>,
+        fresh: Option<Stream>,
+    ) -> Result<Response<ResponseBody>, Error> {
         let chunked = out.sending == Sending::Chunked;
         if out.default_host {
             out.parts
@@ -232,9 +246,9 @@ impl Client {
         // A kept connection the upstream has closed, or that holds bytes nobody asked for,
         // is found out before it is used (`kept`); one closed the very moment it is used
         // fails this attempt, which goes again only where `Error::retryable` allows.
-        let conn = match self.kept.take() {
+        let conn = match fresh.or_else(|| self.kept.take()) {
             Some(conn) => conn,
-            None => self.open().await?,
+            None => self.open(Alpn::Http1).await?.0,
         };
         let answer = if out.sending == Sending::None {
             self.exchange(conn, going).await?
@@ -254,40 +268,43 @@ impl Client {
     /// A health check: `GET path` on a connection of its own (closed after), within
     /// `timeout` in all; the answer's status.
     pub async fn probe(&self, path: &str, timeout: Duration) -> Result<u16, Error> {
-        let probe = async {
-            let mut conn = self.open().await?;
-            let host = self.authority.to_str().unwrap_or("127.0.0.1");
-            let head = format!(
-                "GET {}{path} HTTP/1.1\r\nhost: {host}\r\nuser-agent: ratewall-health-check\r\nconnection: close\r\n\r\n",
-                self.base_path
-            );
-            let written = match conn.write_all(head.as_bytes()).await {
-                Ok(()) => conn.flush().await,
-                e => e,
-            };
-            written.map_err(|source| Error::Write {
-                source,
-                replayable: false,
-            })?;
-            let (parts, _, _) = head::read(&mut conn, false, false).await?;
-            Ok(parts.status.as_u16())
-        };
+        let probe = async { self.probe_on(self.open(Alpn::Http1).await?.0, path).await };
         tokio::time::timeout(timeout, probe)
             .await
             .unwrap_or(Err(Error::Timeout(timeout)))
     }
 
-    /// A new connection: TCP, and TLS over it for an `https://` upstream, each within
-    /// `connect_timeout`.
-    async fn open(&self) -> Result<Stream, Error> {
+    /// A health check's `GET path` over HTTP/1.1 on `conn`, closed after.
+    async fn probe_on(&self, mut conn: Stream, path: &str) -> Result<u16, Error> {
+        let host = self.authority.to_str().unwrap_or("127.0.0.1");
+        let head = format!(
+            "GET {}{path} HTTP/1.1\r\nhost: {host}\r\nuser-agent: ratewall-health-check\r\nconnection: close\r\n\r\n",
+            self.base_path
+        );
+        let written = match conn.write_all(head.as_bytes()).await {
+            Ok(()) => conn.flush().await,
+            e => e,
+        };
+        written.map_err(|source| Error::Write {
+            source,
+            replayable: false,
+        })?;
+        let (parts, _, _) = head::read(&mut conn, false, false).await?;
+        Ok(parts.status.as_u16())
+    }
+
+    /// A new connection and the address it went to: TCP, and TLS over it for an
+    /// `https://` upstream offering `alpn`, each within `connect_timeout`.
+    async fn open(&self, alpn: Alpn) -> Result<(Stream, std::net::SocketAddr), Error> {
         let (tcp, addr) = self.address.connect(self.connect_timeout).await?;
-        match &self.tls {
-            None => Ok(Stream::Plain(tcp)),
+        let conn = match &self.tls {
+            None => Stream::Plain(tcp),
             Some(tls) => {
-                tls.handshake(tcp, addr, self.connect_timeout, &self.tls_handshakes)
-                    .await
+                tls.handshake(tcp, addr, self.connect_timeout, &self.tls_handshakes, alpn)
+                    .await?
             }
-        }
+        };
+        Ok((conn, addr))
     }
 
     /// A request without a body: the head goes up, and the answer's head must come back
@@ -311,7 +328,7 @@ impl Client {
             .await
             .unwrap_or(Err(Error::Timeout(self.timeout)))?;
         let conn = Conn::Whole(conn);
-        Ok(ResponseBody::answer(
+        Ok(Http1Body::answer(
             parts, conn, None, buf, framing, &self.kept,
         ))
     }
@@ -395,7 +412,7 @@ impl Client {
             Some(Err(_)) => (Conn::Half(rd), None),
             None => (Conn::Half(rd), Some(upload)),
         };
-        Ok(ResponseBody::answer(
+        Ok(Http1Body::answer(
             parts, conn, upload, buf, framing, &self.kept,
         ))
     }
@@ -417,6 +434,9 @@ pub struct Outbound {
     default_host: bool,
     /// What it asks to upgrade to, if it does ([`Outbound::upgrading`]).
     upgrade: Option<Upgrade>,
+    /// Whether the client said `TE: trailers`: hop-by-hop, so never sent over HTTP/1.1,
+    /// but the one `TE` HTTP/2 allows (RFC 9113 §8.2.2), which gRPC servers require.
+    te_trailers: bool,
 }
 
 impl Outbound {
@@ -429,6 +449,13 @@ impl Outbound {
     ) -> Outbound {
         let (mut parts, body) = req.into_parts();
         let host_given = parts.headers.contains_key(http::header::HOST);
+        let te_trailers = parts
+            .headers
+            .get_all(http::header::TE)
+            .iter()
+            .filter_map(|v| v.to_str().ok())
+            .flat_map(|v| v.split(','))
+            .any(|t| t.trim().eq_ignore_ascii_case("trailers"));
         let asked = forward::prepare(&mut parts, default_host);
         let sending = Sending::of(&body, &mut parts.headers);
         Outbound {
@@ -440,6 +467,7 @@ impl Outbound {
             body: Some(body),
             target,
             upgrade: None,
+            te_trailers,
         }
     }
 

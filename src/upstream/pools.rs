@@ -141,6 +141,9 @@ pub struct Server {
     weight: u32,
     /// One per worker thread, each with its own kept connections.
     clients: Box<[Client]>,
+    /// For a pool that speaks HTTP/2 (`protocol` h2, h2c, auto): its connections, shared
+    /// by the workers.
+    http2: Option<super::h2::Http2>,
     health: ServerHealth,
     in_flight: AtomicU32,
     counters: ServerCounters,
@@ -243,7 +246,13 @@ impl Pool {
             _ => label.to_string(),
         }
         .into_boxed_str();
+        let protocol = self.settings.protocol;
+        let http2 = protocol.is_http2().then(|| {
+            let opener = Client::at(&settings, addr, self.handshakes.clone());
+            super::h2::Http2::new(opener, protocol)
+        });
         Arc::new(Server {
+            http2,
             ring_key,
             clients: (0..self.workers)
                 .map(|_| Client::at(&settings, addr, self.handshakes.clone()))
@@ -590,7 +599,11 @@ impl Server {
         let result = {
             // Given back however the attempt ends: a client that goes away drops it.
             let _in_flight = InFlight::new(&self.in_flight);
-            client.send(out, down).await
+            // An upgrade goes over HTTP/1.1, whatever the pool speaks.
+            match &self.http2 {
+                Some(h2) if !out.is_upgrade() => h2.send(out, down, client).await,
+                _ => client.send(out, down).await,
+            }
         };
         let took = started.elapsed();
         let how = match &result {
@@ -750,7 +763,14 @@ async fn check_loop(pool: Weak<Pool>) {
                 let server = Arc::clone(server);
                 let check = check.clone();
                 probes.spawn(async move {
-                    let passed = match server.clients[0].probe(&check.path, check.timeout).await {
+                    let probed = match &server.http2 {
+                        None => server.clients[0].probe(&check.path, check.timeout).await,
+                        Some(h2) => {
+                            h2.probe(&check.path, check.timeout, &server.clients[0])
+                                .await
+                        }
+                    };
+                    let passed = match probed {
                         Ok(status) => check.expect.contains(&status),
                         Err(_) => false,
                     };

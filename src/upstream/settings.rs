@@ -81,6 +81,16 @@ pub enum Protocol {
 }
 
 impl Protocol {
+    /// Every protocol, in the order the docs list them.
+    pub const ALL: [Protocol; 4] = [Protocol::Http1, Protocol::H2, Protocol::H2c, Protocol::Auto];
+    /// Their names, as the file writes them.
+    pub const NAMES: [&'static str; 4] = ["http1", "h2", "h2c", "auto"];
+
+    /// Whether requests go over HTTP/2 (`auto`: where ALPN picks it).
+    pub fn is_http2(self) -> bool {
+        self != Protocol::Http1
+    }
+
     /// As the file writes it.
     pub fn name(self) -> &'static str {
         match self {

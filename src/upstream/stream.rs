@@ -35,6 +35,15 @@ pub(super) enum WriteSide {
 }
 
 impl Stream {
+    /// Whether TLS' ALPN agreed on HTTP/2 (`h2`); never for plain TCP, where HTTP/2 is
+    /// spoken by prior knowledge (`h2c`) or not at all.
+    pub(super) fn alpn_h2(&self) -> bool {
+        match self {
+            Stream::Plain(_) => false,
+            Stream::Tls(tls) => tls.get_ref().1.alpn_protocol() == Some(b"h2"),
+        }
+    }
+
     /// Split for a request whose body goes up while the answer is read. Plain TCP splits
     /// without a lock; a TLS session is one state both ways, shared behind tokio's.
     pub(super) fn split(self) -> (ReadSide, WriteSide) {

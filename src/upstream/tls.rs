@@ -72,7 +72,9 @@ impl fmt::Display for TlsError {
 /// The TLS side of an `https://` upstream, ready for handshakes.
 pub struct Tls {
     options: TlsOptions,
-    connector: TlsConnector,
+    /// One per [`Alpn`], in its order: the same roots, client certificate and session
+    /// cache, each offering its protocols.
+    connectors: [TlsConnector; 3],
     name: ServerName<'static>,
     /// What the certificate is verified against, for `ratewall check` and the logs.
     roots: String,
@@ -145,7 +147,7 @@ impl Tls {
             };
             (builder.with_root_certificates(store), roots)
         };
-        let mut config = match (&options.cert, &options.key) {
+        let config = match (&options.cert, &options.key) {
             (Some(cert), Some(key)) => {
                 let chain = certificates(cert, "cert", &mut material)?;
                 let bytes = read(key, "key", &mut material)?;
@@ -178,12 +180,17 @@ impl Tls {
                 })
             }
         };
-        // This client speaks HTTP/1.1 only: said in ALPN, so that a backend that would
-        // pick another protocol refuses the handshake (a clear reason) instead.
-        config.alpn_protocols = vec![b"http/1.1".to_vec()];
+        // What a connection speaks is said in ALPN, so that a backend that would pick
+        // another protocol refuses the handshake (a clear reason) instead. The clones
+        // share the session cache (an `Arc` inside `ClientConfig`).
+        let connectors = Alpn::ALL.map(|alpn| {
+            let mut config = config.clone();
+            config.alpn_protocols = alpn.offered().iter().map(|p| p.to_vec()).collect();
+            TlsConnector::from(Arc::new(config))
+        });
         Ok(Tls {
             options,
-            connector: TlsConnector::from(Arc::new(config)),
+            connectors,
             name,
             roots,
             material: material.finalize().into(),
@@ -210,16 +217,17 @@ impl Tls {
         out
     }
 
-    /// TLS over `tcp`, opened to `addr`, within `timeout`; how it ended counted in
-    /// `counted`.
+    /// TLS over `tcp`, opened to `addr`, within `timeout`, offering `alpn`'s protocols;
+    /// how it ended counted in `counted`.
     pub(super) async fn handshake(
         &self,
         tcp: TcpStream,
         addr: SocketAddr,
         timeout: Duration,
         counted: &TlsHandshakes,
+        alpn: Alpn,
     ) -> Result<Stream, Error> {
-        let connect = self.connector.connect(self.name.clone(), tcp);
+        let connect = self.connectors[alpn as usize].connect(self.name.clone(), tcp);
         match tokio::time::timeout(timeout, connect).await {
             Ok(Ok(tls)) => {
                 let resumed = tls.get_ref().1.handshake_kind() == Some(HandshakeKind::Resumed);
@@ -244,6 +252,30 @@ impl Tls {
                     after: timeout,
                 })
             }
+        }
+    }
+}
+
+/// What a connection offers in ALPN (RFC 7301): the protocols of the pool's `protocol`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum Alpn {
+    /// `http/1.1` alone: the gateway's own client (`http1`, and `auto` once its server chose
+    /// HTTP/1.1).
+    Http1 = 0,
+    /// `h2` alone (`h2`).
+    H2 = 1,
+    /// `h2`, then `http/1.1`: the server chooses (`auto`).
+    Auto = 2,
+}
+
+impl Alpn {
+    const ALL: [Alpn; 3] = [Alpn::Http1, Alpn::H2, Alpn::Auto];
+
+    fn offered(self) -> &'static [&'static [u8]] {
+        match self {
+            Alpn::Http1 => &[b"http/1.1"],
+            Alpn::H2 => &[b"h2"],
+            Alpn::Auto => &[b"h2", b"http/1.1"],
         }
     }
 }

@@ -19,7 +19,7 @@ use http::header::{HeaderValue, CONNECTION, UPGRADE};
 use http::{Method, Response, StatusCode, Version};
 use tokio::io::{AsyncRead, AsyncWrite, AsyncWriteExt, ReadBuf};
 
-use super::body::ResponseBody;
+use super::body::{Http1Body, ResponseBody};
 use super::head::{self, Answer};
 use super::{Client, Downstream, Error, Malformed, Outbound, Stream};
 
@@ -253,7 +253,7 @@ impl Client {
         head::field_line(&mut bytes, "upgrade", &[upgrade.protocol.as_bytes()]);
         bytes.extend_from_slice(b"\r\n");
         let replayable = out.parts.method.is_idempotent();
-        let mut conn = self.open().await?;
+        let mut conn = self.open(super::tls::Alpn::Http1).await?.0;
         let exchange = async {
             let written = match conn.write_all(&bytes).await {
                 Ok(()) => conn.flush().await,
@@ -289,12 +289,12 @@ impl Client {
                 parts
                     .extensions
                     .insert(Switched(Arc::new(Mutex::new(Some(io)))));
-                Ok(Response::from_parts(parts, ResponseBody::none(&self.kept)))
+                Ok(Response::from_parts(parts, Http1Body::none(&self.kept)))
             }
             Answer::Final(mut parts, buf, framing) => {
                 // Declined: an ordinary answer, whose connection goes no further.
                 parts.extensions.insert(head::Close);
-                let resp = ResponseBody::answer(
+                let resp = Http1Body::answer(
                     parts,
                     super::body::Conn::Whole(conn),
                     None,

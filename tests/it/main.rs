@@ -12,6 +12,7 @@ mod e2e;
 mod faults;
 mod features;
 mod grpc_answers;
+mod h2_pools;
 mod layering;
 mod logs;
 mod message_meter;
