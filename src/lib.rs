@@ -44,7 +44,7 @@
 //!   (embedded) and [`limiter::redis`] (one Redis or a cluster; Lua twins in `lua/`); the
 //!   [`limiter::guard::Limiter`] around it (breaker, deny cache, `on_error`).
 //! - [`headers`]: decisions -> `RateLimit-*`, `Retry-After`, problem+json.
-//! - [`upstream`]: the pools and the HTTP/1.1 client to their servers: `settings` (the
+//! - [`upstream`]: the pools and the clients to their servers (HTTP/1.1, HTTP/2): `settings` (the
 //!   validated `[[upstreams]]`), `pools` (each pool's servers, re-resolved, with one
 //!   client per worker and its kept connections; forwarding with retries), `balance`,
 //!   `health` (passive and active), `budget` (retries), `metrics` (per pool and server);
@@ -52,7 +52,9 @@
 //!   fields stripped, `X-Forwarded-*`), `head` (the request head written, the answer's
 //!   parsed), `kept`, `stream` (TCP, or TLS over it) and `tls` (an `https://` backend's
 //!   handshake: verified against the system's roots or `ca`, SNI, a client certificate,
-//!   sessions resumed), `body` (bodies framed both ways), and `error`: a typed
+//!   sessions resumed, ALPN), `body` (bodies framed both ways), `h2` (HTTP/2 pools: a
+//!   server's connections shared by the workers, streams under the server's limit read
+//!   by `peer_settings`, bodies and trailers both ways), and `error`: a typed
 //!   [`upstream::Error`] that says the client's status (502, 504, 400, 408) and whether
 //!   the request may go again.
 //! - [`websocket`]: RFC 6455 as a gateway passing frames through needs it: `frame` (an

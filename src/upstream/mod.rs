@@ -29,6 +29,18 @@
 //! is parsed with `httparse` (hyper's own parser) and the body framed per RFC 9112 §6:
 //! `Content-Length`, `chunked`, or the connection's end.
 //!
+//! # HTTP/2
+//!
+//! A pool with `protocol` `h2`, `h2c` or `auto` speaks HTTP/2 to its servers through
+//! hyper's `client::conn::http2` instead (`h2`): there one connection carries many
+//! requests, so each server's few connections are shared by every worker, and the cost
+//! argument above does not apply. A stream goes on the first connection with room under
+//! the server's `SETTINGS_MAX_CONCURRENT_STREAMS` (read off the wire, `peer_settings`:
+//! hyper does not expose it); the request is readied by the same [`Outbound`] and
+//! `forward` code, and its answer is the same [`ResponseBody`] type, trailers passed both
+//! ways. An `auto` server that chooses HTTP/1.1 in ALPN is spoken to on this client.
+//! Upgrades always go HTTP/1.1.
+//!
 //! # How a request travels through it
 //!
 //! 1. [`Outbound::new`] takes the client's request once, whatever server gets it: its
