@@ -381,10 +381,11 @@ impl Config {
         let t = &self.server.timeouts;
         let _ = writeln!(
             out,
-            "clients       header_timeout {}, idle_timeout {}, body_timeout {}, max_connections {}{}, max_header_bytes {}",
+            "clients       header_timeout {}, idle_timeout {}, body_timeout {}, upgrade_idle_timeout {}, max_connections {}{}, max_header_bytes {}",
             humantime::format_duration(t.header),
             humantime::format_duration(t.idle),
             humantime::format_duration(t.body),
+            humantime::format_duration(self.server.upgrade_idle_timeout),
             self.server.max_connections,
             if self.server.max_connections_set {
                 ""
