@@ -11,6 +11,10 @@
 //!   under `on_error = "deny"` close the socket with a close frame to both ends (1001,
 //!   1002, 1011) where each side's stream is between frames.
 //!
+//! The tunnel ends when either side closes: the other then has a second to say its last
+//! (the answering close frame of a WebSocket's closing handshake, a half-closed protocol's
+//! final bytes), as nginx ends a tunnel on either side's end.
+//!
 //! `upgrade_idle_timeout`: no byte either way for that long ends the tunnel. The
 //! request's concurrency slots ([`Leases`]: `max_in_flight` bounds the open sockets of
 //! a key) and the connection's [`Hold`] are kept until the tunnel ends.
@@ -139,6 +143,7 @@ impl Tunnel {
             idle_timer: Box::pin(tokio::time::sleep(idle)),
             counts,
             first: None,
+            ending: None,
         };
         let ended = {
             let closing = hold.closing();
@@ -260,6 +265,8 @@ struct Copy<C, U> {
     counts: Counts,
     /// The side whose stream ended first.
     first: Option<Ended>,
+    /// Armed once one side ended: the other's last words may take until then.
+    ending: Option<Pin<Box<Sleep>>>,
 }
 
 impl<C, U> Copy<C, U>
@@ -317,10 +324,20 @@ where
                     (_, true) => Some(Ended::UpstreamClosed),
                     _ => None,
                 };
+                if self.first.is_some() {
+                    // One side closed: the other gets `CLOSING` to say its last (a
+                    // WebSocket's answering close frame), then the tunnel ends.
+                    self.ending = Some(Box::pin(tokio::time::sleep(CLOSING)));
+                }
             }
-            if self.up.shut && self.down.shut {
-                // Both sides said all they had: the one that ended first closed it.
-                return Poll::Ready(self.first.unwrap_or(Ended::ClientClosed));
+            if let Some(first) = self.first {
+                let late = self
+                    .ending
+                    .as_mut()
+                    .is_some_and(|t| t.as_mut().poll(cx).is_ready());
+                if (self.up.shut && self.down.shut) || late {
+                    return Poll::Ready(first);
+                }
             }
             if self.up.blocked && self.refill.is_none() && self.wait.is_none() {
                 self.blocked_since.get_or_insert_with(Instant::now);
@@ -438,18 +455,19 @@ where
     /// backend masked, as a client's must be), then each side is shut and its close read.
     async fn close(&mut self, (code, reason): (u16, &str)) {
         let (mut up_ok, mut down_ok) = (true, true);
-        // What was let through but not yet written goes first.
+        // What was held back (a frame past a limit, bytes that break RFC 6455) never goes;
+        // what was let through but not yet written goes first.
+        self.up.filled = self.up.passed;
+        self.down.filled = self.down.passed;
         if self.up.start < self.up.passed {
             let (s, p) = (self.up.start, self.up.passed);
             up_ok = self.upstream.write_all(&self.up.buf[s..p]).await.is_ok();
             self.up.start = p;
-            self.up.filled = p;
         }
         if self.down.start < self.down.passed {
             let (s, p) = (self.down.start, self.down.passed);
             down_ok = self.client.write_all(&self.down.buf[s..p]).await.is_ok();
             self.down.start = p;
-            self.down.filled = p;
         }
         if up_ok && self.up.may_close() {
             let frame = websocket::close_frame(code, reason, Some(mask()));
