@@ -83,6 +83,7 @@ pub mod headers;
 pub mod identity;
 pub mod limiter;
 pub mod metrics;
+pub mod random;
 pub mod rules;
 pub mod server;
 pub mod stats;

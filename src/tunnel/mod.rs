@@ -583,10 +583,6 @@ where
 /// A masking key for a frame the gateway sends the backend (RFC 6455 §5.3: a client's
 /// frames are masked; the key need only be unpredictable to the page, not secret).
 fn mask() -> [u8; 4] {
-    use std::hash::{BuildHasher, Hasher};
-    let bits = std::collections::hash_map::RandomState::new()
-        .build_hasher()
-        .finish();
-    let b = bits.to_le_bytes();
+    let b = crate::random::bits().to_le_bytes();
     [b[0], b[1], b[2], b[3]]
 }

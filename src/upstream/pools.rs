@@ -382,7 +382,7 @@ impl Pool {
             now,
         };
         for _ in 0..set.list.len().min(64) {
-            let k = set.balancer.pick(&view, hash, random())?;
+            let k = set.balancer.pick(&view, hash, crate::random::bits())?;
             // A server back from its ejection takes one trial request: another request
             // picking it at the same moment goes elsewhere.
             if set.list[k].health.take(now) {
@@ -647,14 +647,6 @@ fn literal_address(s: &ServerSettings) -> Option<SocketAddr> {
         .port_u16()
         .unwrap_or(if s.tls.is_some() { 443 } else { 80 });
     Some(SocketAddr::new(ip, port))
-}
-
-/// A random number for the balancer (spreading ties, two random choices): not secrecy.
-fn random() -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    std::collections::hash_map::RandomState::new()
-        .build_hasher()
-        .finish()
 }
 
 /// Resolve the pool's host names again every `resolve_every`, each address a server: one

@@ -133,14 +133,9 @@ impl Outbound {
 
 /// A random `Sec-WebSocket-Key`: 16 bytes, base64 (RFC 6455 §4.1). A nonce, not a secret.
 fn websocket_key() -> HeaderValue {
-    use std::hash::{BuildHasher, Hasher};
     let mut bytes = [0u8; 16];
     for half in bytes.chunks_mut(8) {
-        // Each RandomState has fresh keys; hashing nothing with them gives 64 random bits.
-        let bits = std::collections::hash_map::RandomState::new()
-            .build_hasher()
-            .finish();
-        half.copy_from_slice(&bits.to_le_bytes());
+        half.copy_from_slice(&crate::random::bits().to_le_bytes());
     }
     HeaderValue::from_str(&base64(&bytes)).unwrap_or_else(|_| HeaderValue::from_static(""))
 }
