@@ -19,6 +19,7 @@ mod live;
 pub mod metrics;
 mod route;
 mod screen;
+mod switched;
 pub mod verdict;
 
 use std::sync::Arc;
@@ -532,7 +533,7 @@ impl Gateway {
             shadow_denied,
             ..Note::gateway("denied").to(to, cfg)
         };
-        let p = Problem::too_many_requests(&applied, random_below(jitter_us));
+        let p = Problem::too_many_requests(&applied, crate::random::up_to(jitter_us));
         let mut resp = problem(p, cfg, &applied, dialect);
         headers::add_shadow(resp.headers_mut(), cfg.response, &shadow);
         Admission::Answer(resp, note)
@@ -664,87 +665,6 @@ impl Gateway {
                 (resp, pass.note)
             }
         }
-    }
-
-    /// The backend switched protocols: the client's side is answered (`101`, or `200` to
-    /// an extended CONNECT) and a task copies between the two once the client's side is
-    /// there, holding the request's slots and its connection until the socket closes.
-    fn tunnel(
-        &self,
-        live: &Live,
-        ctx: &Context,
-        pass: &mut Pass<'_>,
-        resp: &mut Response<upstream::ResponseBody>,
-        asked: upstream::Upgrade,
-        on: hyper::upgrade::OnUpgrade,
-    ) {
-        let Some(io) = resp
-            .extensions_mut()
-            .remove::<upstream::Switched>()
-            .and_then(|s| s.take())
-        else {
-            return;
-        };
-        let cfg = &*live.config;
-        pass.note.upgrade = Some(if asked.websocket {
-            "websocket"
-        } else {
-            "other"
-        });
-        let websocket = asked.websocket
-            && (asked.extended
-                || resp
-                    .headers()
-                    .get(http::header::UPGRADE)
-                    .is_some_and(|u| u.as_bytes().eq_ignore_ascii_case(b"websocket")));
-        let meters: Vec<_> = pass
-            .messages
-            .iter()
-            .filter(|_| websocket)
-            .filter_map(|&(index, digest, _)| {
-                let rule = cfg.rules.get(index)?;
-                let messages = rule.messages?;
-                Some(crate::websocket::Meter::new(
-                    live.limiter.clone(),
-                    digest,
-                    &rule.name,
-                    messages,
-                    cfg.store.on_error,
-                ))
-            })
-            .collect();
-        let max_delay = pass
-            .messages
-            .iter()
-            .map(|&(_, _, us)| us)
-            .min()
-            .unwrap_or(0);
-        let tunnel = crate::tunnel::Tunnel {
-            websocket,
-            meters,
-            max_delay: Duration::from_micros(max_delay),
-            idle: cfg.server.upgrade_idle_timeout,
-            hold: ctx
-                .connection
-                .as_ref()
-                .map_or_else(crate::connection::Hold::detached, |t| t.hold()),
-            leases: pass.leases.take(),
-            labels: crate::tunnel::metrics::TunnelLabels {
-                route: pass.note.route.unwrap_or("").to_string(),
-                pool: pass.note.pool.unwrap_or("").to_string(),
-            },
-        };
-        let metrics = self.metrics.clone();
-        tokio::spawn(async move {
-            match on.await {
-                Ok(client) => {
-                    let client = hyper_util::rt::TokioIo::new(client);
-                    let ended = tunnel.run(client, io, &metrics.tunnel).await;
-                    tracing::debug!(reason = ended.name(), "upgraded connection closed");
-                }
-                Err(e) => tracing::debug!(error = %e, "the client's side of an upgrade failed"),
-            }
-        });
     }
 
     fn count_upstream(
@@ -965,20 +885,6 @@ fn store_failed<'l>(
     );
     let resp = problem(p.with_retry_after(1), &live.config, &[], dialect);
     Admission::Answer(resp, note)
-}
-
-/// A uniformly random number of µs in `0..=max` (0 for 0): jitter, not secrecy.
-fn random_below(max: u64) -> u64 {
-    use std::hash::{BuildHasher, Hasher};
-    if max == 0 {
-        return 0;
-    }
-    // Each RandomState has fresh keys; hashing nothing with them gives 64 random bits.
-    let bits = std::collections::hash_map::RandomState::new()
-        .build_hasher()
-        .finish();
-    // Multiply-shift: unbiased enough for spreading retries.
-    ((u128::from(bits) * (u128::from(max) + 1)) >> 64) as u64
 }
 
 /// Ask hyper to close the client connection once `resp` is sent (HTTP/1).
