@@ -24,6 +24,8 @@
 //! stops the other from being read (back-pressure both ways, bounded memory).
 
 pub mod metrics;
+#[cfg(test)]
+mod tests;
 
 use std::future::Future;
 use std::pin::Pin;
