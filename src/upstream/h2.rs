@@ -10,7 +10,8 @@
 //! not say); where every connection is full, another is opened — one at a time per
 //! server, so that a burst of requests fills the connection it waited for instead of
 //! opening one each. A connection that fails, is closed, or sends GOAWAY takes no new
-//! stream and goes; the next request opens its replacement.
+//! stream and goes; the next request opens its replacement. One with no stream for 60 s
+//! (as an HTTP/1.1 connection is kept idle) is let go when a request next looks for room.
 //!
 //! Opening: TCP, TLS with ALPN `h2` (`h2`), `h2` then `http/1.1` (`auto`), or nothing
 //! (`h2c`: prior knowledge, RFC 9113 §3.3), within `connect_timeout`; then hyper's
@@ -37,10 +38,10 @@
 
 use std::io;
 use std::pin::Pin;
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU8, Ordering::Relaxed};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicU8, Ordering::Relaxed};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use http::header::{HeaderValue, HOST, TE};
@@ -61,6 +62,9 @@ use super::{Alpn, Client, Downstream, Error, Outbound, Protocol, ResponseBody};
 const CHOSE_UNKNOWN: u8 = 0;
 const CHOSE_H2: u8 = 1;
 const CHOSE_HTTP1: u8 = 2;
+
+/// How long a connection with no stream is kept (as HTTP/1.1's idle connections are).
+const IDLE_FOR: Duration = Duration::from_secs(60);
 
 /// One server's HTTP/2 side: its connections, shared by the workers.
 pub(super) struct Http2 {
@@ -83,11 +87,25 @@ struct Conn {
     peer: Arc<PeerSettings>,
     /// It refused a stream or failed: no new stream goes on it.
     going: AtomicBool,
+    /// When it was opened, and (ms after that) when its last stream ended.
+    born: Instant,
+    idle_from_ms: AtomicU64,
 }
 
 impl Conn {
     fn usable(&self) -> bool {
         !self.going.load(Relaxed) && !self.send.is_closed()
+    }
+
+    /// No stream on it for `IDLE_FOR`: let go (its last handle dropped, hyper ends it).
+    fn stale(&self) -> bool {
+        self.streams.load(Relaxed) == 0
+            && self.ms().saturating_sub(self.idle_from_ms.load(Relaxed))
+                >= IDLE_FOR.as_millis() as u64
+    }
+
+    fn ms(&self) -> u64 {
+        self.born.elapsed().as_millis() as u64
     }
 }
 
@@ -97,7 +115,9 @@ pub(super) struct Slot(Arc<Conn>);
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.0.streams.fetch_sub(1, Relaxed);
+        if self.0.streams.fetch_sub(1, Relaxed) == 1 {
+            self.0.idle_from_ms.store(self.0.ms(), Relaxed);
+        }
     }
 }
 
@@ -226,7 +246,7 @@ impl Http2 {
     /// A stream on the first open connection with room, if any (the ones gone dropped).
     fn take(&self) -> Option<Slot> {
         let mut conns = self.conns.lock().unwrap_or_else(PoisonError::into_inner);
-        conns.retain(|c| c.usable());
+        conns.retain(|c| c.usable() && !c.stale());
         // Counted under the lock: two requests never both take a connection's last room.
         let conn = conns
             .iter()
@@ -281,6 +301,8 @@ impl Http2 {
             streams: AtomicU32::new(0),
             peer: peer.clone(),
             going: AtomicBool::new(false),
+            born: Instant::now(),
+            idle_from_ms: AtomicU64::new(0),
         });
         let weak = Arc::downgrade(&conn);
         tokio::spawn(async move {
