@@ -254,14 +254,50 @@ pub(super) struct Http1Body {
     framing: Framing,
     reuse: bool,
     pool: Arc<Kept>,
-    /// While the body waits on the upstream: since when, and the clock on it (boxed: most
-    /// answers never wait, and this body is moved whole through every layer).
-    stall: Option<Box<Stall>>,
+    silence: Silence,
 }
 
-pub(super) struct Stall {
-    pub(super) since: tokio::time::Instant,
-    pub(super) clock: Option<(tokio::time::Instant, Pin<Box<tokio::time::Sleep>>)>,
+/// The clock on a peer's silences inside a body (the upstream's in an answer, the
+/// client's in an upload to HTTP/2): since when it has sent nothing, and the timer on it,
+/// made at the first wait only (boxed: most bodies never wait, and a body is moved whole
+/// through every layer).
+#[derive(Default)]
+pub(super) struct Silence(Option<Box<Stall>>);
+
+struct Stall {
+    /// `None`: counted from the next poll that finds nothing.
+    since: Option<tokio::time::Instant>,
+    clock: Option<(tokio::time::Instant, Pin<Box<tokio::time::Sleep>>)>,
+}
+
+impl Silence {
+    /// The peer sent something: the silence starts again now.
+    pub(super) fn heard(&mut self) {
+        if let Some(stall) = self.0.as_mut() {
+            stall.since = Some(tokio::time::Instant::now());
+        }
+    }
+
+    /// The peer sent something, and the silence is counted from the next poll that finds
+    /// nothing (where what follows is not polled at once: h2 waiting for a window).
+    pub(super) fn heard_until_asked(&mut self) {
+        if let Some(stall) = self.0.as_mut() {
+            stall.since = None;
+        }
+    }
+
+    /// Nothing came this poll: whether the silence has lasted `timeout` (if not, `cx` is
+    /// woken when it will have).
+    pub(super) fn past(&mut self, timeout: Duration, cx: &mut Context<'_>) -> bool {
+        let stall = self.0.get_or_insert_with(|| {
+            Box::new(Stall {
+                since: None,
+                clock: None,
+            })
+        });
+        let since = *stall.since.get_or_insert_with(tokio::time::Instant::now);
+        crate::connection::expired(&mut stall.clock, since + timeout, cx)
+    }
 }
 
 /// The connection an answer is read from: whole (and maybe kept), or the read half of one
@@ -289,7 +325,7 @@ impl Http1Body {
             framing,
             reuse,
             pool: pool.clone(),
-            stall: None,
+            silence: Silence::default(),
         };
         body.finish_if_done();
         Response::from_parts(parts, ResponseBody(Kind::Http1(body)))
@@ -305,7 +341,7 @@ impl Http1Body {
             framing: Framing::Done,
             reuse: false,
             pool: pool.clone(),
-            stall: None,
+            silence: Silence::default(),
         }))
     }
 
@@ -369,19 +405,11 @@ impl Http1Body {
     /// sent nothing for its `timeout`.
     fn poll_fill_timed(&mut self, cx: &mut Context<'_>) -> Poll<io::Result<usize>> {
         if let Poll::Ready(filled) = self.poll_fill(cx) {
-            if let Some(stall) = self.stall.as_mut() {
-                stall.since = tokio::time::Instant::now();
-            }
+            self.silence.heard();
             return Poll::Ready(filled);
         }
         let timeout = self.pool.timeout;
-        let stall = self.stall.get_or_insert_with(|| {
-            Box::new(Stall {
-                since: tokio::time::Instant::now(),
-                clock: None,
-            })
-        });
-        if crate::connection::expired(&mut stall.clock, stall.since + timeout, cx) {
+        if self.silence.past(timeout, cx) {
             return Poll::Ready(Err(BodyError::Stalled(timeout).into()));
         }
         Poll::Pending
@@ -598,7 +626,7 @@ mod tests {
             framing,
             reuse: false,
             pool: Arc::new(Kept::new(Duration::from_secs(1))),
-            stall: None,
+            silence: Silence::default(),
         }
     }
 

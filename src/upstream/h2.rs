@@ -52,7 +52,7 @@ use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::sync::Notify;
 
-use super::body::{clean_trailers, Sending, Stall};
+use super::body::{clean_trailers, Sending, Silence};
 use super::forward::{self, MapFields};
 use super::peer_settings::{PeerSettings, Watched};
 use super::stream::Stream;
@@ -375,7 +375,7 @@ impl Http2 {
                     body,
                     slot: Some(slot),
                     timeout,
-                    stall: None,
+                    silence: Silence::default(),
                 };
                 Ok(Response::from_parts(parts, ResponseBody::http2(body)))
             }
@@ -520,7 +520,7 @@ pub(super) struct UpBody {
     body: Option<Incoming>,
     upload: Option<Arc<Upload>>,
     /// Since when the client has been awaited, and the clock on it.
-    stall: Option<Stall>,
+    silence: Silence,
 }
 
 impl UpBody {
@@ -528,7 +528,7 @@ impl UpBody {
         UpBody {
             body: None,
             upload: None,
-            stall: None,
+            silence: Silence::default(),
         }
     }
 
@@ -536,7 +536,7 @@ impl UpBody {
         UpBody {
             body: Some(body),
             upload: Some(upload),
-            stall: None,
+            silence: Silence::default(),
         }
     }
 
@@ -568,7 +568,7 @@ impl Body for UpBody {
         };
         match Pin::new(body).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                this.stall = None;
+                this.silence.heard_until_asked();
                 let frame = match frame.into_trailers() {
                     Ok(mut trailers) => {
                         clean_trailers(&mut trailers);
@@ -598,11 +598,7 @@ impl Body for UpBody {
                 };
                 // Counted from the first poll that found nothing: while h2 waits for the
                 // server's window it does not poll, and that is not the client's pause.
-                let stall = this.stall.get_or_insert_with(|| Stall {
-                    since: tokio::time::Instant::now(),
-                    clock: None,
-                });
-                if crate::connection::expired(&mut stall.clock, stall.since + timeout, cx) {
+                if this.silence.past(timeout, cx) {
                     this.body = None;
                     if let Some(u) = this.upload.take() {
                         u.failed(Error::ClientStalled(timeout));
@@ -633,7 +629,7 @@ pub(super) struct Http2Body {
     body: Incoming,
     slot: Option<Slot>,
     timeout: Duration,
-    stall: Option<Box<Stall>>,
+    silence: Silence,
 }
 
 impl Body for Http2Body {
@@ -650,9 +646,7 @@ impl Body for Http2Body {
         }
         match Pin::new(&mut this.body).poll_frame(cx) {
             Poll::Ready(Some(Ok(frame))) => {
-                if let Some(stall) = this.stall.as_mut() {
-                    stall.since = tokio::time::Instant::now();
-                }
+                this.silence.heard();
                 if this.body.is_end_stream() {
                     this.slot = None;
                 }
@@ -675,13 +669,7 @@ impl Body for Http2Body {
             }
             Poll::Pending => {
                 let timeout = this.timeout;
-                let stall = this.stall.get_or_insert_with(|| {
-                    Box::new(Stall {
-                        since: tokio::time::Instant::now(),
-                        clock: None,
-                    })
-                });
-                if crate::connection::expired(&mut stall.clock, stall.since + timeout, cx) {
+                if this.silence.past(timeout, cx) {
                     this.slot = None;
                     let stalled = super::BodyError::Stalled(timeout);
                     return Poll::Ready(Some(Err(stalled.into())));
