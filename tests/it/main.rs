@@ -11,6 +11,7 @@ mod docs;
 mod e2e;
 mod faults;
 mod features;
+mod grpc;
 mod grpc_answers;
 mod h2_pools;
 mod layering;

@@ -8,6 +8,8 @@
 //! - [`keys`]: the Redis key layout of CONTRACT.md (`<prefix>:{<identity-hash>}:<rule>`),
 //!   computed here with `sha2`, not with the crate's digest functions under test.
 //! - [`gateway`]: the `ratewall` binary on a generated config, and config snippets.
+//! - [`grpc`]: gRPC's own server and client (grpcio, Python scripts in `tests/it/py/`),
+//!   raw bytes both ways, each call's outcome in the client's own words.
 //! - [`upstream`]: an HTTP upstream in the test process that records what it saw.
 //! - [`backend`]: a pool's servers: bound where a test says, killed and started again on
 //!   the same address, recording request targets byte for byte; and one that resets.
@@ -29,6 +31,7 @@ pub mod backend;
 pub mod browser;
 pub mod client;
 pub mod gateway;
+pub mod grpc;
 pub mod headers;
 pub mod keys;
 pub mod metrics;
