@@ -117,12 +117,22 @@ impl EchoServer {
             .clone()
     }
 
-    /// The handshakes it accepted, as `{"opened": path, "key": bool}`.
-    pub fn opened(&self) -> Vec<Value> {
-        self.events()
-            .into_iter()
-            .filter(|e| e.get("opened").is_some())
-            .collect()
+    /// The handshakes it accepted, as `{"opened": path, "key": bool}`, once there are at
+    /// least `n` (at most [`WAIT`]: its lines come on a pipe of their own, maybe after the
+    /// messages a test already got back).
+    pub async fn opened(&self, n: usize) -> Vec<Value> {
+        let end = Instant::now() + WAIT;
+        loop {
+            let opened: Vec<Value> = self
+                .events()
+                .into_iter()
+                .filter(|e| e.get("opened").is_some())
+                .collect();
+            if opened.len() >= n || Instant::now() >= end {
+                return opened;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
     }
 
     /// The sockets that ended on `path`, as `{"closed": path, "received", "code", "reason"}`.
@@ -284,9 +294,11 @@ pub const BINARY: u8 = 0x2;
 pub const CLOSE: u8 = 0x8;
 
 /// A WebSocket handshake for `path`, with `extra` header lines (each ending in `\r\n`).
+/// Its `Connection` is Firefox's, `keep-alive, Upgrade` (the Python client sends
+/// `Upgrade` alone, as Chrome does).
 pub fn ws_handshake(path: &str, extra: &str) -> Vec<u8> {
     format!(
-        "GET {path} HTTP/1.1\r\nHost: ws.test\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\
+        "GET {path} HTTP/1.1\r\nHost: ws.test\r\nConnection: keep-alive, Upgrade\r\nUpgrade: websocket\r\n\
          Sec-WebSocket-Version: 13\r\nSec-WebSocket-Key: {SAMPLE_KEY}\r\n{extra}\r\n"
     )
     .into_bytes()
@@ -429,7 +441,10 @@ impl<S: AsyncRead + Unpin> Reader<S> {
         let ended = tokio::time::timeout(WAIT, async { while self.fill().await {} })
             .await
             .is_ok();
-        (std::mem::take(&mut self.buf), ended.then(|| start.elapsed()))
+        (
+            std::mem::take(&mut self.buf),
+            ended.then(|| start.elapsed()),
+        )
     }
 }
 
@@ -438,7 +453,10 @@ fn parse_frame(buf: &[u8]) -> Option<(Frame, usize)> {
     let (b0, b1) = (*buf.first()?, *buf.get(1)?);
     let masked = b1 & 0x80 != 0;
     let (len, mut at) = match b1 & 0x7f {
-        126 => (u64::from(u16::from_be_bytes([*buf.get(2)?, *buf.get(3)?])), 4),
+        126 => (
+            u64::from(u16::from_be_bytes([*buf.get(2)?, *buf.get(3)?])),
+            4,
+        ),
         127 => (u64::from_be_bytes(buf.get(2..10)?.try_into().ok()?), 10),
         n => (u64::from(n), 2),
     };
@@ -478,12 +496,17 @@ pub async fn send_raw(port: u16, request: &[u8]) -> Reader<TcpStream> {
 /// What a [`RawBackend`] answers.
 #[derive(Clone, Copy, Debug)]
 pub enum Answer {
-    /// `101` switching to this `Upgrade`, then an echo of every byte; a read that ends
-    /// in `close\n` is echoed and the connection closed.
+    /// `101` switching to this `Upgrade` with [`GREETING`] in the same write (bytes of
+    /// the new protocol right behind the head, as servers that speak first send them),
+    /// then an echo of every byte; a read that ends in `close\n` is echoed and the
+    /// connection closed.
     Switch(&'static str),
     /// An ordinary `200` with the body `ok`.
     Ok,
 }
+
+/// What a [`RawBackend`] that switched says first.
+pub const GREETING: &[u8] = b"hello from the backend\n";
 
 #[derive(Default)]
 struct RawShared {
@@ -589,20 +612,21 @@ async fn raw_serve(stream: TcpStream, shared: Arc<RawShared>, answer: Answer) {
         .push(head);
     let protocol = match answer {
         Answer::Ok => {
-            let _ = r
-                .io
-                .write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
-                .await;
+            let _ =
+                r.io.write_all(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+                    .await;
             // Kept until the gateway is done with it.
             while r.fill().await {}
             return;
         }
         Answer::Switch(p) => p,
     };
-    let switched = format!(
+    let mut switched = format!(
         "HTTP/1.1 101 Switching Protocols\r\nConnection: Upgrade\r\nUpgrade: {protocol}\r\n\r\n"
-    );
-    if r.io.write_all(switched.as_bytes()).await.is_err() {
+    )
+    .into_bytes();
+    switched.extend_from_slice(GREETING);
+    if r.io.write_all(&switched).await.is_err() {
         return;
     }
     loop {
