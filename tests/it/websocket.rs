@@ -5,23 +5,26 @@
 //!
 //! What is pinned (docs/configuration.md, "WebSocket and upgrades", "WebSocket messages"):
 //! - frames pass unchanged: text, binary, a 1 MiB message in 64 KiB fragments, ping and
-//!   pong, permessage-deflate; the closing handshake, started by either side, carries its
-//!   code and reason to the other;
+//!   pong, permessage-deflate, a subprotocol; the closing handshake, started by either
+//!   side, carries its code and reason to the other; an upgrade goes HTTP/1.1 to a pool
+//!   that speaks h2c;
 //! - an upgrade passes the rules once: past a rule's burst the upgrade is a 429 before any
 //!   `101`; `max_in_flight` bounds the open sockets of a key (a 429 with `Retry-After: 1`)
 //!   until one closes;
 //! - `messages = { rate, burst }` with `max_delay`: a flooding client is held back (fewer
 //!   frames reach the backend than it sent) and closed with 1008 to both ends, while a
-//!   polite client of the same rule under another key is untouched;
+//!   polite client of the same rule under another key is untouched; one key's sockets
+//!   share one bucket; control frames are never counted; a store outage under
+//!   `on_error = "deny"` is a 1011 to both ends;
 //! - `upgrade_idle_timeout` closes an idle socket with 1001 to both ends; an active one
 //!   lives on;
 //! - SIGTERM: open sockets keep working for `shutdown_grace`, then get 1001, both ends;
-//! - an upgrade that is not WebSocket tunnels raw bytes both ways and ends as soon as
-//!   either side closes;
+//! - an upgrade that is not WebSocket tunnels raw bytes both ways (the backend's bytes
+//!   right behind its 101 first) and ends as soon as either side closes;
 //! - attackers: `h2c` never reaches the backend; an unmasked client frame is a 1002 to
 //!   both ends; a `101` to a protocol the client did not offer is a 502;
 //! - HTTP/2 extended CONNECT on the cleartext listener: `200`, then frames both ways to an
-//!   HTTP/1.1 WebSocket backend;
+//!   HTTP/1.1 WebSocket backend; idle and shutdown close its stream with 1001 too;
 //! - `ratewall_upgraded_connections`, `ratewall_upgraded_bytes_total` (to the byte) and
 //!   `ratewall_upgraded_closed_total{reason}`; the access line's `upgrade`.
 //!
@@ -32,10 +35,9 @@ use crate::common;
 
 use std::time::{Duration, Instant};
 
-use bytes::Bytes;
 use common::{
-    close_payload, frame, send_raw, serial, ws_handshake, Answer, EchoServer, Gateway, RawBackend,
-    Reader, WsClient, BINARY, CLOSE, GREETING, SAMPLE_ACCEPT, TEXT,
+    close_payload, frame, h2_websocket, send_raw, serial, ws_handshake, Answer, EchoServer,
+    Gateway, RawBackend, Reader, WsClient, BINARY, CLOSE, GREETING, SAMPLE_ACCEPT, TEXT,
 };
 use serde_json::{json, Value};
 use tokio::io::AsyncWriteExt;
@@ -146,8 +148,16 @@ async fn text_binary_a_fragmented_mebibyte_and_pings_pass_unchanged() {
     assert_eq!(pong, json!({ "pong": true }));
     c.echo("after the ping").await;
 
-    // permessage-deflate is negotiated end to end: its frames (RSV1 set) pass too.
-    let mut deflated = WsClient::try_open(&ws_url(&gw, "/deflate"), &[], true)
+    // permessage-deflate and a subprotocol are negotiated end to end (the handshake's
+    // fields pass both ways), and compressed frames (RSV1 set) pass too.
+    let flags = [
+        "--deflate",
+        "--subprotocol",
+        "chat.v1",
+        "--subprotocol",
+        "chat.v2",
+    ];
+    let mut deflated = WsClient::try_open(&ws_url(&gw, "/deflate"), &[], &flags)
         .await
         .unwrap_or_else(|refused| panic!("did not open: {refused}"));
     let extension = deflated.hello["extensions"][0].as_str().unwrap_or_default();
@@ -156,6 +166,8 @@ async fn text_binary_a_fragmented_mebibyte_and_pings_pass_unchanged() {
         "{}",
         deflated.hello
     );
+    assert_eq!(deflated.hello["subprotocol"], "chat.v2");
+    assert!(c.hello["subprotocol"].is_null() && c.hello["extensions"] == json!([]));
     deflated.echo(&"compressible ".repeat(200)).await;
 
     let opened = echo.opened(2).await;
@@ -343,6 +355,54 @@ async fn a_flooding_client_is_held_back_then_closed_1008_and_a_polite_one_is_unt
     assert_eq!(number(&seen["received"]), polite_sent + 1);
 
     assert_eq!(closed_for(&gw, "message_limit", 1.0).await, 1.0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn control_frames_are_never_counted_against_messages() {
+    let echo = EchoServer::start().await;
+    let rule = "[[rules]]\nname = \"chat\"\nkey = \"client_ip\"\nrate = \"60/m\"\n\
+                messages = { rate = \"1/m\", burst = 2 }\n";
+    let gw = Gateway::start(&config(&echo.url(), rule));
+    let mut c = WsClient::open(&ws_url(&gw, "/pings"), &[]).await;
+    // Far more pings than the 2 data frames the bucket holds: every one is answered.
+    for n in 0..20 {
+        let pong = c.call(json!({ "ping": format!("ping {n}") }), WAIT).await;
+        assert_eq!(pong, json!({ "pong": true }), "ping {n}");
+    }
+    // The bucket is still whole: its two data frames pass.
+    c.echo("one").await;
+    c.echo("two").await;
+    // And that was all of it: no `max_delay`, so the third closes the socket at once.
+    assert_eq!(c.send("three").await["sent"], true);
+    let end = c.wait_closed(WAIT).await;
+    assert_eq!(end["closed"]["code"], 1008, "{end}");
+    assert_eq!(echo.wait_closed("/pings").await["received"], 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sockets_of_one_key_share_one_message_bucket() {
+    let echo = EchoServer::start().await;
+    // A batch of 1 (a tenth of a second of 1/m, at least 1): no socket holds tokens
+    // another could use.
+    let rule = "[[rules]]\nname = \"chat\"\nkey = \"api_key\"\nrate = \"60/m\"\n\
+                messages = { rate = \"1/m\", burst = 3 }\n";
+    let gw = Gateway::start(&config(&echo.url(), rule));
+    let k1 = [("x-api-key", "k1")];
+    let mut a = WsClient::open(&ws_url(&gw, "/a"), &k1).await;
+    let mut b = WsClient::open(&ws_url(&gw, "/b"), &k1).await;
+    let mut other = WsClient::open(&ws_url(&gw, "/other"), &[("x-api-key", "k2")]).await;
+    a.echo("a1").await;
+    a.echo("a2").await;
+    b.echo("b1").await;
+    // The key's 3 frames are spent, whichever socket spent them.
+    assert_eq!(b.send("b2").await["sent"], true);
+    let end = b.wait_closed(WAIT).await;
+    assert_eq!(end["closed"]["code"], 1008, "{end}");
+    // Another key has a bucket of its own.
+    for n in 0..3 {
+        other.echo(&format!("other {n}")).await;
+    }
+    assert_eq!(echo.wait_closed("/b").await["received"], 1);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -606,48 +666,17 @@ async fn a_101_to_a_protocol_the_client_did_not_offer_is_a_502() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_extended_connect_is_a_websocket_to_an_http1_backend() {
-    use http_body_util::Empty;
-    use hyper_util::rt::{TokioExecutor, TokioIo};
-
     let echo = EchoServer::start().await;
     let gw = Gateway::start(&config(&echo.url(), ""));
     // Cleartext HTTP/2 with prior knowledge, on the gateway's one listener.
-    let tcp = common::connect(gw.port).await;
-    let (mut sender, conn) =
-        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
-            .await
-            .expect("an HTTP/2 handshake");
-    // RFC 8441 §3: the server says it takes extended CONNECT in its SETTINGS (the
-    // connection is driven here until they are in).
-    let mut conn = Box::pin(conn);
-    let settings = async {
-        while !conn.is_extended_connect_protocol_enabled() {
-            tokio::select! {
-                ended = conn.as_mut() => panic!("the connection ended: {ended:?}"),
-                _ = tokio::time::sleep(Duration::from_millis(20)) => {}
-            }
-        }
-    };
-    tokio::time::timeout(WAIT, settings)
-        .await
-        .expect("SETTINGS_ENABLE_CONNECT_PROTOCOL from the gateway");
-    let conn = tokio::spawn(conn);
-    let mut req = http::Request::builder()
-        .method(http::Method::CONNECT)
-        .uri(format!("http://127.0.0.1:{}/h2chat", gw.port))
-        .header("sec-websocket-version", "13")
-        .body(Empty::<Bytes>::new())
-        .expect("a request");
-    req.extensions_mut()
-        .insert(hyper::ext::Protocol::from_static("websocket"));
-    let mut resp = sender.send_request(req).await.expect("an answer");
-    assert_eq!(resp.status(), http::StatusCode::OK, "{resp:?}");
+    let mut socket = h2_websocket(gw.port, "/h2chat").await;
+    assert_eq!(socket.status, http::StatusCode::OK, "{:?}", socket.headers);
     assert!(
-        resp.headers().get("sec-websocket-accept").is_none(),
-        "{resp:?}"
+        socket.headers.get("sec-websocket-accept").is_none(),
+        "{:?}",
+        socket.headers
     );
-    let upgraded = hyper::upgrade::on(&mut resp).await.expect("the stream");
-    let mut r = Reader::new(TokioIo::new(upgraded));
+    let r = &mut socket.stream;
 
     r.io.write_all(&frame(TEXT, b"over h2", MASK))
         .await
@@ -678,6 +707,8 @@ async fn an_http2_extended_connect_is_a_websocket_to_an_http1_backend() {
         .expect("send");
     let close = r.frame().await.expect("the close answer");
     assert_eq!(close.close(), Some((1000, "bye".to_string())));
+    let (_, ended) = r.until_end().await;
+    assert!(ended.is_some(), "the stream ends with the socket");
     let seen = echo.wait_closed("/h2chat").await;
     assert_eq!(
         (&seen["code"], &seen["reason"]),
@@ -696,7 +727,108 @@ async fn an_http2_extended_connect_is_a_websocket_to_an_http1_backend() {
             && lines[0].contains("status=200"),
         "{lines:#?}"
     );
-    conn.abort();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_socket_is_closed_1001_when_idle_and_when_the_grace_runs_out() {
+    let _serial = serial().await;
+    let echo = EchoServer::start().await;
+    let body = config(&echo.url(), "upgrade_idle_timeout = \"3s\"\n");
+    let mut gw = Gateway::try_start_with_grace(&body, "1s").expect("ratewall did not start");
+
+    // Idle: a close frame 1001 on the stream, and to the backend.
+    let before = Instant::now();
+    let mut idle = h2_websocket(gw.port, "/h2idle").await;
+    assert_eq!(idle.status, http::StatusCode::OK);
+    let close = idle.stream.frame().await.expect("a close frame");
+    let silent = before.elapsed();
+    assert_eq!(
+        close.close(),
+        Some((1001, "idle for upgrade_idle_timeout".to_string()))
+    );
+    assert!(
+        silent >= Duration::from_millis(2_800) && silent <= Duration::from_secs(8),
+        "closed after {silent:?} of silence, with a 3 s timeout"
+    );
+    assert_eq!(echo.wait_closed("/h2idle").await["code"], 1001);
+
+    // SIGTERM: the stream works on through the grace (its connection told GOAWAY), then
+    // gets 1001 once the grace is over.
+    let mut socket = h2_websocket(gw.port, "/h2term").await;
+    let r = &mut socket.stream;
+    let term = Instant::now();
+    gw.signal("TERM");
+    r.io.write_all(&frame(TEXT, b"in the grace", MASK))
+        .await
+        .expect("send");
+    let back = r.frame().await.expect("the echo");
+    assert_eq!(back.payload, b"in the grace");
+    let close = r.frame().await.expect("a close frame");
+    let at = term.elapsed();
+    assert_eq!(
+        close.close(),
+        Some((1001, "the gateway is shutting down".to_string()))
+    );
+    assert!(
+        at >= Duration::from_millis(800) && at <= Duration::from_secs(6),
+        "closed {at:?} after SIGTERM, with a 1 s grace"
+    );
+    let seen = echo.wait_closed("/h2term").await;
+    assert_eq!(seen["code"], 1001, "{seen}");
+    let exit = tokio::task::block_in_place(|| gw.wait_exit(WAIT));
+    assert!(
+        exit.is_some_and(|s| s.success()),
+        "exit: {exit:?}\n{}",
+        gw.logs()
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_upgrade_goes_http1_to_a_pool_that_speaks_h2c() {
+    // The echo backend speaks HTTP/1.1 only: an upgrade must not go up as HTTP/2.
+    let echo = EchoServer::start().await;
+    let body = format!(
+        "[[upstreams]]\nname = \"default\"\nprotocol = \"h2c\"\nservers = [\"{}\"]\n\
+         [store]\nbackend = \"memory\"\n",
+        echo.url()
+    );
+    let gw = Gateway::start(&body);
+    let mut c = WsClient::open(&ws_url(&gw, "/over-h2c-pool"), &[]).await;
+    c.echo("one").await;
+    assert_eq!(c.close(1000, "done").await["code"], 1000);
+    assert_eq!(echo.wait_closed("/over-h2c-pool").await["code"], 1000);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_outage_closes_a_metered_socket_1011_at_both_ends() {
+    let _serial = serial().await;
+    let mut redis = common::RedisServer::start();
+    let echo = EchoServer::start().await;
+    // Batches of 5 frames: the socket asks the store again after 5.
+    let rule = "[[rules]]\nname = \"chat\"\nkey = \"api_key\"\nrate = \"60/m\"\n\
+                messages = { rate = \"50/s\", burst = 100 }\nmax_delay = \"1s\"\n";
+    let body = format!(
+        "{rule}[upstream]\nurl = \"{}\"\n{}",
+        echo.url(),
+        common::Store::redis(&redis).toml()
+    );
+    let gw = Gateway::start(&body);
+    let mut c = WsClient::open(&ws_url(&gw, "/outage"), &[("x-api-key", "k1")]).await;
+    c.echo("while the store is up").await;
+
+    tokio::task::block_in_place(|| redis.kill());
+    // `on_error = "deny"`: the next batch cannot be had, and the socket is closed.
+    let paced = c.pace(20, 3.0).await;
+    assert_eq!(
+        paced["closed"],
+        json!({ "code": 1011, "reason": "the rate-limit store is unavailable", "sent_code": 1011 }),
+        "{paced}"
+    );
+    let seen = echo.wait_closed("/outage").await;
+    assert_eq!(seen["code"], 1011, "{seen}");
+    // The first message and at most the rest of its batch.
+    assert!(number(&seen["received"]) <= 5, "{seen}");
+    assert_eq!(closed_for(&gw, "store_error", 1.0).await, 1.0);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -175,7 +175,7 @@ pub struct WsClient {
     stdin: ChildStdin,
     lines: tokio::io::Lines<BufReader<ChildStdout>>,
     stderr: tempfile::NamedTempFile,
-    /// What it said on opening: `{"open": true, "extensions": [...]}`.
+    /// What it said on opening: `{"open": true, "extensions": [...], "subprotocol": ...}`.
     pub hello: Value,
     _child: Child,
 }
@@ -183,26 +183,24 @@ pub struct WsClient {
 impl WsClient {
     /// Open `url` (`ws://...`) with `headers`; it must open.
     pub async fn open(url: &str, headers: &[(&str, &str)]) -> WsClient {
-        Self::try_open(url, headers, false)
+        Self::try_open(url, headers, &[])
             .await
             .unwrap_or_else(|refused| panic!("{url} did not open: {refused}"))
     }
 
-    /// Open `url`, offering permessage-deflate with `deflate`: the client, or what it
-    /// said instead (`{"open": false, "status": 429, "headers": {...}}`).
+    /// Open `url` with `headers` and `flags` (`--deflate`, `--subprotocol NAME`): the
+    /// client, or what it said instead (`{"open": false, "status": 429, "headers": {...}}`).
     pub async fn try_open(
         url: &str,
         headers: &[(&str, &str)],
-        deflate: bool,
+        flags: &[&str],
     ) -> Result<WsClient, Value> {
         let mut args = vec![url.to_string()];
         for (name, value) in headers {
             args.push("--header".into());
             args.push(format!("{name}:{value}"));
         }
-        if deflate {
-            args.push("--deflate".into());
-        }
+        args.extend(flags.iter().map(|f| f.to_string()));
         let (mut child, stderr) = python("ws_client.py", &args);
         let stdin = child.stdin.take().expect("stdin");
         let mut lines = BufReader::new(child.stdout.take().expect("stdout")).lines();
@@ -645,5 +643,75 @@ async fn raw_serve(stream: TcpStream, shared: Arc<RawShared>, answer: Answer) {
             shared.ended.notify_waiters();
             return;
         }
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// WebSocket over HTTP/2 (RFC 8441)
+
+/// A WebSocket over an HTTP/2 extended CONNECT: the answer's head, and its stream.
+pub struct H2Socket {
+    pub status: http::StatusCode,
+    pub headers: http::HeaderMap,
+    /// The upgraded stream; frames written on it must be masked (the backend's
+    /// WebSocket is an HTTP/1.1 one, and the gateway passes frames unchanged).
+    pub stream: Reader<hyper_util::rt::TokioIo<hyper::upgrade::Upgraded>>,
+    /// The connection's task, aborted on drop.
+    conn: JoinHandle<hyper::Result<()>>,
+}
+
+impl Drop for H2Socket {
+    fn drop(&mut self) {
+        self.conn.abort();
+    }
+}
+
+/// On a new cleartext HTTP/2 connection to `port` (prior knowledge), a `CONNECT` with
+/// `:protocol = websocket` to `path`, once the gateway's SETTINGS have said it takes one
+/// (RFC 8441 §3: `SETTINGS_ENABLE_CONNECT_PROTOCOL`; panics if they do not). A `200`
+/// comes with its stream; another answer with a stream that ends at once.
+pub async fn h2_websocket(port: u16, path: &str) -> H2Socket {
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+
+    let tcp = super::raw::connect(port).await;
+    let (mut sender, conn) =
+        hyper::client::conn::http2::handshake(TokioExecutor::new(), TokioIo::new(tcp))
+            .await
+            .expect("an HTTP/2 handshake");
+    // The connection is driven here until the gateway's SETTINGS are in.
+    let mut conn = Box::pin(conn);
+    let settings = async {
+        while !conn.is_extended_connect_protocol_enabled() {
+            tokio::select! {
+                ended = conn.as_mut() => panic!("the connection ended: {ended:?}"),
+                _ = tokio::time::sleep(Duration::from_millis(20)) => {}
+            }
+        }
+    };
+    tokio::time::timeout(WAIT, settings)
+        .await
+        .expect("SETTINGS_ENABLE_CONNECT_PROTOCOL from the gateway");
+    let conn = tokio::spawn(conn);
+    let mut req = http::Request::builder()
+        .method(http::Method::CONNECT)
+        .uri(format!("http://127.0.0.1:{port}{path}"))
+        .header("sec-websocket-version", "13")
+        .body(http_body_util::Empty::<bytes::Bytes>::new())
+        .expect("a request");
+    req.extensions_mut()
+        .insert(hyper::ext::Protocol::from_static("websocket"));
+    let mut resp = tokio::time::timeout(WAIT, sender.send_request(req))
+        .await
+        .expect("an answer within the wait")
+        .expect("an answer");
+    let (status, headers) = (resp.status(), resp.headers().clone());
+    let upgraded = hyper::upgrade::on(&mut resp)
+        .await
+        .unwrap_or_else(|e| panic!("no stream for a {status}: {e}"));
+    H2Socket {
+        status,
+        headers,
+        stream: Reader::new(TokioIo::new(upgraded)),
+        conn,
     }
 }

@@ -2,10 +2,11 @@
 """A WebSocket client for the end-to-end tests (`websockets`' asyncio client), driven
 line by line by tests/it/common/websocket.rs.
 
-    ws_client.py URL [--header NAME:VALUE]... [--deflate]
+    ws_client.py URL [--header NAME:VALUE]... [--deflate] [--subprotocol NAME]...
 
 It connects (no keepalive pings, no size limit; permessage-deflate offered only with
-`--deflate`) and prints one JSON line: `{"open": true, "extensions": [...]}`, or
+`--deflate`, subprotocols only as given) and prints one JSON line: `{"open": true,
+"extensions": [...], "subprotocol": <the one picked, or null>}`, or
 `{"open": false, "status": <HTTP status>, "headers": {...}}` for an answer other than
 101 (then it exits), or `{"open": false, "error": "..."}`.
 
@@ -148,6 +149,7 @@ async def main():
     parser.add_argument("url")
     parser.add_argument("--header", action="append", default=[])
     parser.add_argument("--deflate", action="store_true")
+    parser.add_argument("--subprotocol", action="append", default=[])
     args = parser.parse_args()
     headers = [tuple(h.split(":", 1)) for h in args.header]
     try:
@@ -155,6 +157,7 @@ async def main():
             args.url,
             additional_headers=headers,
             compression="deflate" if args.deflate else None,
+            subprotocols=args.subprotocol or None,
             ping_interval=None,
             max_size=None,
             open_timeout=10,
@@ -167,7 +170,7 @@ async def main():
         say(open=False, error=repr(e))
         return
     extensions = ws.response.headers.get_all("Sec-WebSocket-Extensions")
-    say(open=True, extensions=extensions)
+    say(open=True, extensions=extensions, subprotocol=ws.subprotocol)
     loop = asyncio.get_running_loop()
     while True:
         line = await loop.run_in_executor(None, sys.stdin.readline)

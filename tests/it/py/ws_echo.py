@@ -10,6 +10,8 @@ what it saw on stdout, one JSON object a line:
   "reason": <its reason>}` when a socket has ended. `code` is null when no close frame
   came (the TCP connection just ended).
 
+It picks the subprotocol `chat.v2` where a client offers it (and none otherwise).
+
 By path:
 - `/close/<code>/<reason>`: the first message is echoed, then the server starts the
   closing handshake with that code and (percent-decoded) reason;
@@ -55,10 +57,21 @@ async def echo(ws):
     )
 
 
+def pick(connection, subprotocols):
+    return "chat.v2" if "chat.v2" in subprotocols else None
+
+
 async def main():
     # No keepalive pings (the tests time silences), no size limit (a 1 MiB message is
     # echoed whole); permessage-deflate is accepted where a client offers it.
-    async with serve(echo, "127.0.0.1", 0, ping_interval=None, max_size=None) as server:
+    async with serve(
+        echo,
+        "127.0.0.1",
+        0,
+        ping_interval=None,
+        max_size=None,
+        select_subprotocol=pick,
+    ) as server:
         say(listening=server.sockets[0].getsockname()[1])
         loop = asyncio.get_running_loop()
         await loop.run_in_executor(None, sys.stdin.read)
