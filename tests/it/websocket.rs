@@ -9,8 +9,9 @@
 //!   side, carries its code and reason to the other; an upgrade goes HTTP/1.1 to a pool
 //!   that speaks h2c;
 //! - an upgrade passes the rules once: past a rule's burst the upgrade is a 429 before any
-//!   `101`; `max_in_flight` bounds the open sockets of a key (a 429 with `Retry-After: 1`)
-//!   until one closes;
+//!   `101` (over HTTP/2 too); `max_in_flight` bounds the open sockets of a key, WebSocket
+//!   over HTTP/2 included (a 429 with `Retry-After: 1`), until one closes; a declined
+//!   upgrade, and one with a body, are ordinary requests;
 //! - `messages = { rate, burst }` with `max_delay`: a flooding client is held back (fewer
 //!   frames reach the backend than it sent) and closed with 1008 to both ends, while a
 //!   polite client of the same rule under another key is untouched; one key's sockets
@@ -233,6 +234,14 @@ async fn an_upgrade_past_the_burst_is_a_429_before_any_101() {
     // The 429 is the first thing that came: no 101 before it.
     assert!(!lower.contains("sec-websocket-accept"), "{head}");
 
+    // Over HTTP/2 too: the extended CONNECT is refused with the 429.
+    let (h2_status, h2_headers) = h2_websocket(gw.port, "/c2", &k1)
+        .await
+        .err()
+        .expect("refused");
+    assert_eq!(h2_status, http::StatusCode::TOO_MANY_REQUESTS);
+    assert!(h2_headers.contains_key("retry-after"), "{h2_headers:?}");
+
     // Counted per key: another key opens, and the two open sockets still work.
     let mut other = WsClient::open(&ws_url(&gw, "/other"), &[("x-api-key", "k2")]).await;
     other.echo("k2").await;
@@ -249,7 +258,10 @@ async fn an_upgrade_past_the_burst_is_a_429_before_any_101() {
         3,
         "the denied upgrade never reached the backend: {paths:?}"
     );
-    assert!(!paths.contains(&json!("/c")), "{paths:?}");
+    assert!(
+        !paths.contains(&json!("/c")) && !paths.contains(&json!("/c2")),
+        "{paths:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -286,13 +298,30 @@ async fn max_in_flight_bounds_the_open_sockets_of_a_key_until_one_closes() {
     // Two open again: the bound holds.
     let head = denied().await;
     assert_eq!(status(&head), 429, "{head}");
+
+    // A WebSocket over HTTP/2 holds a slot the same way.
+    let closed = b.close(1000, "done").await;
+    assert_eq!(closed["code"], 1000, "{closed}");
+    assert_eq!(until_metric(&gw, open, &[], 1.0).await, 1.0);
+    let mut h2 = h2_websocket(gw.port, "/h2", &key).await.expect("a 200");
+    h2.stream
+        .io
+        .write_all(&frame(TEXT, b"h2", MASK))
+        .await
+        .expect("send");
+    assert_eq!(h2.stream.frame().await.expect("the echo").payload, b"h2");
+    let head = denied().await;
+    assert_eq!(status(&head), 429, "{head}");
     let paths: Vec<Value> = echo
-        .opened(3)
+        .opened(4)
         .await
         .iter()
         .map(|o| o["opened"].clone())
         .collect();
-    assert_eq!(paths, vec![json!("/a"), json!("/b"), json!("/c")]);
+    assert_eq!(
+        paths,
+        vec![json!("/a"), json!("/b"), json!("/c"), json!("/h2")]
+    );
 }
 
 // ---------------------------------------------------------------------------------------
@@ -645,6 +674,46 @@ async fn an_unmasked_client_frame_is_closed_1002_at_both_ends() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_declined_upgrade_and_one_with_a_body_are_ordinary_requests() {
+    let backend = RawBackend::start(Answer::Ok).await;
+    let gw = Gateway::start(&config(&backend.url(), ""));
+
+    // The backend declines (a 200): that is the client's answer, body and all.
+    let mut r = send_raw(gw.port, &ws_handshake("/declined", "")).await;
+    let head = r.head().await;
+    assert_eq!(status(&head), 200, "{head}");
+    assert_eq!(r.bytes(2).await, b"ok");
+    assert!(backend.heads()[0].contains("\r\nupgrade: websocket\r\n"));
+
+    // With a body it is no upgrade (the body is not the new protocol's first bytes): it
+    // goes up without its upgrade fields.
+    let mut r = send_raw(
+        gw.port,
+        &[
+            ws_handshake("/body", "Content-Length: 5\r\n"),
+            b"hello".to_vec(),
+        ]
+        .concat(),
+    )
+    .await;
+    let head = r.head().await;
+    assert_eq!(status(&head), 200, "{head}");
+    let heads = backend.heads();
+    assert_eq!(heads.len(), 2, "{heads:?}");
+    assert!(heads[1].starts_with("get /body "), "{}", heads[1]);
+    assert!(!heads[1].contains("upgrade"), "{}", heads[1]);
+
+    assert_eq!(
+        common::metric(&gw, "ratewall_upgraded_connections", &[]).await,
+        0.0
+    );
+    assert_eq!(
+        common::metric(&gw, "ratewall_upgraded_bytes_total", &[]).await,
+        0.0
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_101_to_a_protocol_the_client_did_not_offer_is_a_502() {
     let backend = RawBackend::start(Answer::Switch("bar")).await;
     let gw = Gateway::start(&config(&backend.url(), ""));
@@ -669,7 +738,7 @@ async fn an_http2_extended_connect_is_a_websocket_to_an_http1_backend() {
     let echo = EchoServer::start().await;
     let gw = Gateway::start(&config(&echo.url(), ""));
     // Cleartext HTTP/2 with prior knowledge, on the gateway's one listener.
-    let mut socket = h2_websocket(gw.port, "/h2chat").await;
+    let mut socket = h2_websocket(gw.port, "/h2chat", &[]).await.expect("a 200");
     assert_eq!(socket.status, http::StatusCode::OK, "{:?}", socket.headers);
     assert!(
         socket.headers.get("sec-websocket-accept").is_none(),
@@ -738,7 +807,7 @@ async fn an_http2_socket_is_closed_1001_when_idle_and_when_the_grace_runs_out() 
 
     // Idle: a close frame 1001 on the stream, and to the backend.
     let before = Instant::now();
-    let mut idle = h2_websocket(gw.port, "/h2idle").await;
+    let mut idle = h2_websocket(gw.port, "/h2idle", &[]).await.expect("a 200");
     assert_eq!(idle.status, http::StatusCode::OK);
     let close = idle.stream.frame().await.expect("a close frame");
     let silent = before.elapsed();
@@ -754,7 +823,7 @@ async fn an_http2_socket_is_closed_1001_when_idle_and_when_the_grace_runs_out() 
 
     // SIGTERM: the stream works on through the grace (its connection told GOAWAY), then
     // gets 1001 once the grace is over.
-    let mut socket = h2_websocket(gw.port, "/h2term").await;
+    let mut socket = h2_websocket(gw.port, "/h2term", &[]).await.expect("a 200");
     let r = &mut socket.stream;
     let term = Instant::now();
     gw.signal("TERM");

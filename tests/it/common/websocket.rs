@@ -667,10 +667,14 @@ impl Drop for H2Socket {
 }
 
 /// On a new cleartext HTTP/2 connection to `port` (prior knowledge), a `CONNECT` with
-/// `:protocol = websocket` to `path`, once the gateway's SETTINGS have said it takes one
-/// (RFC 8441 §3: `SETTINGS_ENABLE_CONNECT_PROTOCOL`; panics if they do not). A `200`
-/// comes with its stream; another answer with a stream that ends at once.
-pub async fn h2_websocket(port: u16, path: &str) -> H2Socket {
+/// `:protocol = websocket` to `path` and `headers`, once the gateway's SETTINGS have said
+/// it takes one (RFC 8441 §3: `SETTINGS_ENABLE_CONNECT_PROTOCOL`; panics if they do not).
+/// A `200` comes with its stream; another answer is the error.
+pub async fn h2_websocket(
+    port: u16,
+    path: &str,
+    headers: &[(&str, &str)],
+) -> Result<H2Socket, (http::StatusCode, http::HeaderMap)> {
     use hyper_util::rt::{TokioExecutor, TokioIo};
 
     let tcp = super::raw::connect(port).await;
@@ -695,7 +699,11 @@ pub async fn h2_websocket(port: u16, path: &str) -> H2Socket {
     let mut req = http::Request::builder()
         .method(http::Method::CONNECT)
         .uri(format!("http://127.0.0.1:{port}{path}"))
-        .header("sec-websocket-version", "13")
+        .header("sec-websocket-version", "13");
+    for (name, value) in headers {
+        req = req.header(*name, *value);
+    }
+    let mut req = req
         .body(http_body_util::Empty::<bytes::Bytes>::new())
         .expect("a request");
     req.extensions_mut()
@@ -705,13 +713,17 @@ pub async fn h2_websocket(port: u16, path: &str) -> H2Socket {
         .expect("an answer within the wait")
         .expect("an answer");
     let (status, headers) = (resp.status(), resp.headers().clone());
+    if status != http::StatusCode::OK {
+        conn.abort();
+        return Err((status, headers));
+    }
     let upgraded = hyper::upgrade::on(&mut resp)
         .await
         .unwrap_or_else(|e| panic!("no stream for a {status}: {e}"));
-    H2Socket {
+    Ok(H2Socket {
         status,
         headers,
         stream: Reader::new(TokioIo::new(upgraded)),
         conn,
-    }
+    })
 }
