@@ -852,6 +852,9 @@ async fn an_http2_socket_is_closed_1001_when_idle_and_when_the_grace_runs_out() 
     );
 }
 
+// ---------------------------------------------------------------------------------------
+// The pool and the store behind a socket
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_goes_http1_to_a_pool_that_speaks_h2c() {
     // The echo backend speaks HTTP/1.1 only: an upgrade must not go up as HTTP/2.
