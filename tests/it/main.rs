@@ -28,3 +28,4 @@ mod tls;
 mod two_readings;
 mod upstream;
 mod upstream_tls;
+mod websocket;

@@ -26,6 +26,8 @@
 //! - [`seed`]: seeded, time-bounded property runs.
 //! - [`serial`]: a lock for tests whose bounds are timed, so that they do not run beside
 //!   each other's load.
+//! - [`websocket`]: a WebSocket echo backend and client (Python's `websockets`, run as
+//!   subprocesses), RFC 6455 frames by hand, and a raw upgrade backend.
 
 pub mod backend;
 pub mod browser;
@@ -43,6 +45,7 @@ pub mod serial;
 pub mod tls;
 pub mod tls_upstream;
 pub mod upstream;
+pub mod websocket;
 
 pub use backend::*;
 pub use browser::*;
@@ -58,6 +61,7 @@ pub use seed::*;
 pub use serial::*;
 pub use tls::*;
 pub use upstream::*;
+pub use websocket::*;
 
 use std::net::TcpListener as StdListener;
 use std::time::{Duration, Instant};
