@@ -103,8 +103,8 @@ pub struct Note<'l> {
     /// servers were tried.
     pub server: Option<Arc<str>>,
     pub attempts: u32,
-    /// The protocol an upgraded connection switched to (`websocket`, or another
-    /// `Upgrade` token), when it was one.
+    /// What an upgraded connection switched to, when it was one: `websocket`, or
+    /// `other` for any other `Upgrade` token.
     pub upgrade: Option<&'static str>,
     /// A gRPC call's final `grpc-status`: the gateway's, or the upstream's (from its
     /// Trailers-Only headers, or its trailers: the line is then written when the body
