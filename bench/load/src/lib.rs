@@ -12,3 +12,21 @@
 
 pub mod frame;
 pub mod histogram;
+
+/// A listener on `addr` with a backlog of 4,096 rather than tokio's 1,024: a peer that opens
+/// connections in bursts (nginx's grpc_pass, one call per connection) finds room, rather
+/// than a dropped SYN and a second's wait for its retransmit. The kernel cuts it to
+/// `net.core.somaxconn`.
+pub fn listen(addr: &str) -> std::io::Result<tokio::net::TcpListener> {
+    let addr: std::net::SocketAddr = addr
+        .parse()
+        .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?;
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(4096)
+}

@@ -29,7 +29,7 @@ async fn main() -> std::io::Result<()> {
     let addr = std::env::args()
         .nth(1)
         .unwrap_or_else(|| "127.0.0.1:18680".into());
-    let listener = tokio::net::TcpListener::bind(&addr).await?;
+    let listener = ratewall_bench::listen(&addr)?;
     let mut builder = auto::Builder::new(TokioExecutor::new());
     // More streams than any client of the benchmark keeps open on one connection, so that
     // the limit is the client's (h2load's -m, the gateway's own).

@@ -12,7 +12,7 @@ use std::time::Duration;
 use bytes::{Buf, BytesMut};
 use ratewall_bench::frame::{self, Parse};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
+use tokio::net::TcpStream;
 
 /// The largest frame echoed; a larger one closes the socket (1009, message too big).
 const MAX_PAYLOAD: usize = 1 << 20;
@@ -24,7 +24,7 @@ async fn main() -> io::Result<()> {
     let addr = std::env::args()
         .nth(1)
         .unwrap_or_else(|| "127.0.0.1:18580".into());
-    let listener = TcpListener::bind(&addr).await?;
+    let listener = ratewall_bench::listen(&addr)?;
     loop {
         let stream = match listener.accept().await {
             Ok((stream, _)) => stream,
