@@ -63,7 +63,7 @@ Ctrl-C or a failure.
     BENCH_ONLY=pinned bench/run   # only the pinned table
     BENCH_ONLY=tls bench/run      # only the TLS table (TLS_KEY=rsa: an RSA 2048 certificate)
     BENCH_ONLY=pools bench/run    # only the pools table
-    BENCH_ONLY=ws bench/run       # only the ws table (WS_IN_FLIGHT=4 messages per socket)
+    BENCH_ONLY=ws bench/run       # only the ws table (WS_IN_FLIGHT=8 messages per socket)
     BENCH_ONLY=grpc bench/run     # only the grpc table (GRPC_STREAMS=8 calls per connection)
     BENCH_ONLY=h2 bench/run       # only the h2 table
 """
@@ -805,8 +805,10 @@ def fmt_pct(x):
     return "" if x is None else f"{x:.0%}"
 
 
-def fmt_cpu(m):
-    return f"{'':12}" if m["user_us"] is None else f"{m['user_us']:>6.1f}+{m['sys_us']:<5.1f}"
+def fmt_cpu(m, digits=1):
+    if m["user_us"] is None:
+        return f"{'':12}"
+    return f"{m['user_us']:>6.{digits}f}+{m['sys_us']:<5.{digits}f}"
 
 
 def fmt_ratio(a, b):
@@ -817,7 +819,7 @@ def fmt_ratio(a, b):
 # without and with a `messages` limit (each alone on CPU 1). Messages kept in flight per
 # socket, and their size.
 WS_ECHO, NGINX_WS, RATEWALL_WS, RATEWALL_WS_METERED = 18580, 18583, 18586, 18587
-WS_IN_FLIGHT = int(os.environ.get("WS_IN_FLIGHT", "4"))
+WS_IN_FLIGHT = int(os.environ.get("WS_IN_FLIGHT", "8"))
 WS_SIZE = 32
 # Never reached: a socket takes a tenth of a second of the rate at a time (100,000
 # frames), and the 64 sockets' first takes fit in the burst with room to spare.
@@ -912,7 +914,7 @@ def ws_table():
     for name, _, _, _, _ in targets:
         m = med[name]
         errors = sum(v for k, v in m.items() if k.startswith("err_"))
-        print(f"{name:36}{m['rps']:>9.0f}{m['p50']:>8.2f}{m['p99']:>8.2f}{fmt_cpu(m)}{fmt_pct(m['busy']):>6}"
+        print(f"{name:36}{m['rps']:>9.0f}{m['p50']:>8.2f}{m['p99']:>8.2f}{fmt_cpu(m, 2)}{fmt_pct(m['busy']):>6}"
               f"{fmt_pct(m['load_busy']):>6}{errors:>8.0f}{fmt_ratio(m['rps'], peer['rps']):>11}"
               f"{fmt_ratio(cpu_us(m), cpu_us(peer)):>8}")
     print("(a message: one echo's round trip, a frame each way through the server under test; CPU us/msg: user+system")
@@ -926,11 +928,11 @@ def ws_table():
     print("targets, from the medians above:")
     for label, m in (("ratewall msgs/s >= 1.0x nginx", ours), ("with a messages limit, msgs/s >= 1.0x nginx", metered)):
         ratio = m["rps"] / peer["rps"]
-        print(f"  {label:44} {ratio:5.2f}x  {verdict(ratio >= 1.0)}  (CPU us/msg {cpu_us(m):.1f} vs "
-              f"{cpu_us(peer):.1f})")
+        print(f"  {label:44} {ratio:5.2f}x  {verdict(ratio >= 1.0)}  (CPU us/msg {cpu_us(m):.2f} vs "
+              f"{cpu_us(peer):.2f})")
     print("for information:")
-    print(f"  {'the messages limit, CPU us/msg':44} {cpu_us(metered) - cpu_us(ours):+5.1f}   "
-          f"({cpu_us(metered):.1f} vs {cpu_us(ours):.1f}; msgs/s {metered['rps'] / ours['rps']:.2f}x)")
+    print(f"  {'the messages limit, CPU us/msg':44} {cpu_us(metered) - cpu_us(ours):+5.2f}   "
+          f"({cpu_us(metered):.2f} vs {cpu_us(ours):.2f}; msgs/s {metered['rps'] / ours['rps']:.2f}x)")
 
 
 # The grpc table: bench-h2-backend (on CPU 0), nginx grpc_pass and ratewall's h2c pool (each
@@ -953,7 +955,10 @@ http {
   fastcgi_temp_path /tmp/lab/nginx/fcgi;
   uwsgi_temp_path /tmp/lab/nginx/uwsgi;
   scgi_temp_path /tmp/lab/nginx/scgi;
-  upstream grpc_backend { server 127.0.0.1:BACKEND; keepalive KEEPALIVE; }
+  # h2load does not reconnect: at the default keepalive_requests (1000) each of its
+  # connections would end after 1000 calls (GOAWAY), and the run with it.
+  keepalive_requests 100000000;
+  upstream grpc_backend { server 127.0.0.1:BACKEND; keepalive KEEPALIVE; keepalive_requests 100000000; }
   map $http_x_api_key $rl_key { default $http_x_api_key; }
   limit_req_zone $rl_key zone=per_key:20m rate=1000000r/s;
   server {

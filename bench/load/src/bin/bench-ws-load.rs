@@ -168,7 +168,6 @@ async fn socket(
     let Ok(end) = go.wait_for(Option::is_some).await.map(|end| end.unwrap()) else {
         return tally;
     };
-    let end_tokio = tokio::time::Instant::from_std(end);
 
     let payload: Vec<u8> = (0..opts.size).map(|i| b'a' + (i % 26) as u8).collect();
     let mut out = Vec::with_capacity(opts.in_flight * (opts.size + 14));
@@ -183,10 +182,12 @@ async fn socket(
         tally.failed = Some(format!("write: {e}"));
         return tally;
     }
+    let stop = tokio::time::sleep_until(tokio::time::Instant::from_std(end));
+    tokio::pin!(stop);
     loop {
         let read = tokio::select! {
             read = stream.read_buf(&mut buf) => read,
-            _ = tokio::time::sleep_until(end_tokio) => break,
+            _ = &mut stop => break,
         };
         match read {
             Ok(0) => {
