@@ -865,6 +865,8 @@ def ws_load(port, cpu=None):
         print(f"    bench-ws-load, port {port}: {line}", flush=True)
     f = dict(zip(run.stdout.split()[::2], run.stdout.split()[1::2]))
     secs, messages = float(f["seconds"]), int(f["messages"])
+    if messages == 0:
+        sys.exit(f"no message came back through {port}: {run.stdout.strip()}")
     return {"rps": messages / secs, "p50": int(f["p50_us"]) / 1e3, "p99": int(f["p99_us"]) / 1e3,
             "total": messages, "non2xx": int(f["refused"]), "seconds": secs, "min_per_conn": int(f["min_per_conn"]),
             "err_refused": int(f["refused"]), "err_failed": int(f["failed"]), "err_closed": int(f["closed"]),
@@ -1007,6 +1009,8 @@ def h2load(port, cpu=None):
     secs = float(re.search(r"finished in ([\d.]+)s", out).group(1))
     done = re.search(r"(\d+) succeeded, (\d+) failed, (\d+) errored, (\d+) timeout", out)
     succeeded, failed, errored, timeout = (int(x) for x in done.groups())
+    if succeeded == 0:
+        sys.exit(f"no call to {port} succeeded: {out.strip()}")
     codes = re.search(r"status codes: (\d+) 2xx, (\d+) 3xx, (\d+) 4xx, (\d+) 5xx", out)
     non2xx = sum(int(x) for x in codes.groups()[1:])
     latency = re.search(r"time for request:\s+([\d.]+)(us|ms|s)\s+([\d.]+)(us|ms|s)\s+([\d.]+)(us|ms|s)", out)

@@ -8,9 +8,9 @@
 //!     bench-ws-load 127.0.0.1:18586 64 4 10 [32] [/ws]
 //!
 //! Prints one line of `name value` pairs:
-//! `messages N seconds S p50_us P p99_us P upgraded N refused N failed N closed N
-//! stalled N unclean N min_per_conn N`, where `messages` are the echoes read within the
-//! SECS seconds (a message is one round trip); `refused`: sockets answered other than
+//! `messages N seconds S msgs_per_s R p50_us P p99_us P upgraded N refused N failed N
+//! closed N stalled N unclean N min_per_conn N`, where `messages` are the echoes read
+//! within the SECS seconds (a message is one round trip); `refused`: sockets answered other than
 //! `101` (the first status is printed on stderr); `failed`: sockets that broke or ended
 //! early (connect, read, write, a frame that is not one); `closed`: sockets the server
 //! closed early with a close frame (its codes on stderr); `stalled`: open sockets that
@@ -122,11 +122,13 @@ async fn main() -> Result<(), Error> {
         stalled += u32::from(t.stalled);
         unclean += u32::from(t.unclean);
     }
+    let secs = end.duration_since(start).as_secs_f64();
     println!(
-        "messages {} seconds {:.3} p50_us {} p99_us {} upgraded {upgraded} refused {refused} \
-         failed {failed} closed {closed} stalled {stalled} unclean {unclean} min_per_conn {}",
+        "messages {} seconds {secs:.3} msgs_per_s {:.0} p50_us {} p99_us {} upgraded {upgraded} \
+         refused {refused} failed {failed} closed {closed} stalled {stalled} unclean {unclean} \
+         min_per_conn {}",
         total.messages,
-        end.duration_since(start).as_secs_f64(),
+        total.messages as f64 / secs,
         total.latency.quantile(0.5),
         total.latency.quantile(0.99),
         if upgraded == 0 { 0 } else { min_per_conn },
