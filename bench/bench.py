@@ -1,8 +1,9 @@
 #!/usr/bin/env python3
 """ratewall side by side with nginx and HAProxy, on this machine, in one run.
 
-Two tables, each the median of RUNS runs of the same wrk settings, every server driven in
-turn by one wrk process:
+Seven tables, each the median of RUNS runs of the same load, every server driven in turn
+by one load process: wrk, or where wrk cannot serve, h2load (gRPC), bench/load's WebSocket
+client or examples/tls_handshakes.rs:
 
 - The main table. Starts an upstream that answers at once (nginx `return 200`), nginx as a
   plain proxy, nginx with limit_req, HAProxy with a stick-table limit, nginx with its Lua
@@ -32,6 +33,28 @@ turn by one wrk process:
   time per request and the ratios: the pool against nginx's upstream, the pool against
   one server, and what the 20 routes add.
 
+- The ws table, pinned as the pools table is: bench/load's WebSocket echo server
+  (bench-ws-echo, one thread) and load client (bench-ws-load, one thread: CONNECTIONS
+  sockets, each keeping WS_IN_FLIGHT 32-byte text messages in flight, masked, for
+  BENCH_SECS once all are open) on CPU 0; on CPU 1, alone in turn: nginx as a WebSocket
+  proxy (`proxy_http_version 1.1`, `Upgrade`/`Connection: upgrade`, limit_req per address
+  for the upgrade), ratewall on the memory store (bench/ratewall-ws.toml: a rule per client
+  address admits the upgrade) and the same with a `messages = { rate, burst }` limit on that
+  rule, never reached. Plus the echo server direct. Prints messages/s (a message: one
+  round trip), CPU time per message of the server under test, how busy each CPU was, the
+  sockets that failed, and the ratios to nginx.
+- The grpc table, pinned alike: bench/load's backend (bench-h2-backend, one thread: h2c
+  with prior knowledge, a gRPC unary echo with `grpc-status: 0` in trailers) and h2load
+  (CONNECTIONS connections, GRPC_STREAMS calls in flight on each) on CPU 0; on CPU 1
+  ratewall through an h2c pool (bench/ratewall-h2c.toml on the grpc table's ports) and, for
+  information, nginx grpc_pass; and the backend direct. One call to each is checked with
+  curl first (its message and grpc-status 0 back). Prints calls/s, CPU time per call and
+  the ratios to direct and to nginx.
+- The h2 table, pinned alike: bench-h2-backend (HTTP/1.1 and h2c on one port) and wrk on
+  CPU 0; on CPU 1 ratewall through a pool of it spoken h2c (bench/ratewall-h2c.toml) and the
+  same spoken HTTP/1.1; and the backend direct. Prints requests/s, CPU time per request and
+  the ratios h2c / http1.
+
 Everything listens on 127.0.0.1, runs for a bounded time and is stopped at the end, also on
 Ctrl-C or a failure.
 
@@ -40,10 +63,14 @@ Ctrl-C or a failure.
     BENCH_ONLY=pinned bench/run   # only the pinned table
     BENCH_ONLY=tls bench/run      # only the TLS table (TLS_KEY=rsa: an RSA 2048 certificate)
     BENCH_ONLY=pools bench/run    # only the pools table
+    BENCH_ONLY=ws bench/run       # only the ws table (WS_IN_FLIGHT=8 messages per socket)
+    BENCH_ONLY=grpc bench/run     # only the grpc table (GRPC_STREAMS=8 calls per connection)
+    BENCH_ONLY=h2 bench/run       # only the h2 table
 """
 
 import os
 import re
+import resource
 import shutil
 import signal
 import socket
@@ -195,7 +222,11 @@ def unit(value, suffix):
 def wrk(port, script, cpu=None):
     """wrk against 127.0.0.1:`port`; over TLS where `port` is a `Tls` port. The "scripts"
     `full-handshakes` and `resumed-handshakes` run examples/tls_handshakes.rs instead (wrk
-    resumes its sessions where the server lets it: it cannot count full handshakes)."""
+    resumes its sessions where the server lets it: it cannot count full handshakes). A
+    `script` that is a function is the load itself, called as script(port, cpu): the ws
+    table's bench-ws-load, the grpc table's h2load."""
+    if callable(script):
+        return script(port, cpu)
     if script in ("full-handshakes", "resumed-handshakes"):
         return handshakes(port, script == "resumed-handshakes", cpu)
     scheme = "https" if isinstance(port, Tls) else "http"
@@ -228,13 +259,17 @@ def handshakes(port, resume, cpu=None):
             "total": total, "non2xx": int(f["failed"]), "resumed": int(f["resumed"]) / max(total, 1)}
 
 
-def measure(targets, redis, wrk_cpu=None, label=""):
-    """Drives each target in turn, RUNS times; returns the medians of each figure by name.
+def measure(targets, redis, wrk_cpu=None, label="", backends=(), per="req/s"):
+    """Drives each target in turn, RUNS times; returns the medians of each figure by name
+    (of a figure named `err_*`, the largest of the runs: one bad run shows).
 
     A target is (name, port, wrk script, counts Redis calls, the process whose CPU time is
     measured, with its descendants, or None). `redis` is redis-server's port and process:
     the Redis calls per request, and Redis' CPU time per request, of each target that
-    counts Redis calls."""
+    counts Redis calls. `busy` is that process's CPU time over the run's length (1.0: a
+    whole CPU); `load_busy` that of the load client (wrk or its stand-in, from its
+    rusage) and of the `backends` processes together, where the ones on the load CPU
+    leave it. `per` names a figure of the load's in the progress lines."""
     redis_port, redis_proc = redis
     results = {}
     for run in range(RUNS):
@@ -242,7 +277,14 @@ def measure(targets, redis, wrk_cpu=None, label=""):
             before = script_calls(redis_port) if counts_redis else None
             cpu_before = cpu_seconds(proc.pid) if proc else None
             redis_before = cpu_seconds(redis_proc.pid) if counts_redis else None
+            backends_before = sum(sum(cpu_seconds(b.pid)) for b in backends)
+            children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
             r = wrk(port, script, wrk_cpu)
+            children = resource.getrusage(resource.RUSAGE_CHILDREN)
+            secs = r.pop("seconds", SECS)
+            load = (children.ru_utime - children_before.ru_utime + children.ru_stime - children_before.ru_stime
+                    + sum(sum(cpu_seconds(b.pid)) for b in backends) - backends_before)
+            r["load_busy"] = load / secs
             n = max(r["total"], 1)
             r["redis_per_req"] = (script_calls(redis_port) - before) / n if counts_redis else None
             r["redis_us"] = sum(cpu_seconds(redis_proc.pid)) - sum(redis_before) if counts_redis else None
@@ -252,11 +294,16 @@ def measure(targets, redis, wrk_cpu=None, label=""):
                 (u0, s0), (u1, s1) = cpu_before, cpu_seconds(proc.pid)
                 r["user_us"] = (u1 - u0) * 1e6 / n
                 r["sys_us"] = (s1 - s0) * 1e6 / n
+                r["busy"] = (u1 - u0 + s1 - s0) / secs
             else:
-                r["user_us"] = r["sys_us"] = None
+                r["user_us"] = r["sys_us"] = r["busy"] = None
             results.setdefault(name, []).append(r)
-            print(f"  {label}run {run + 1}/{RUNS} {name:40} {r['rps']:>9.0f} req/s  p99 {r['p99']:.2f} ms", flush=True)
-    return {n: {k: statistics.median(x[k] for x in rs) if rs[0][k] is not None else None for k in rs[0]}
+            p99 = "" if r["p99"] is None else f"  p99 {r['p99']:.2f} ms"
+            errors = "".join(f"  {k[4:]} {v:.0f}" for k, v in r.items() if k.startswith("err_") and v)
+            print(f"  {label}run {run + 1}/{RUNS} {name:40} {r['rps']:>9.0f} {per}{p99}{errors}", flush=True)
+    def pick(k):
+        return max if k.startswith("err_") else statistics.median
+    return {n: {k: pick(k)(x[k] for x in rs) if rs[0][k] is not None else None for k in rs[0]}
             for n, rs in results.items()}
 
 
@@ -725,26 +772,392 @@ http {{ access_log off; client_body_temp_path /tmp/lab/nginx/body;
           f"({cpu_us(routes):.1f} vs {cpu_us(pool):.1f}; req/s {routes['rps'] / pool['rps']:.2f}x)")
 
 
+def bench_binary(name):
+    """A binary of bench/load (the ratewall-bench crate), built by main."""
+    return os.path.join(RELEASE, name)
+
+
+def check_pinned(servers):
+    """Fails unless every process started so far (and each of its children) runs where it
+    should: the `servers` under test on SERVER_CPU, everything else on LOAD_CPU."""
+    for proc in procs:
+        want = {SERVER_CPU} if proc in servers else {LOAD_CPU}
+        for pid in process_tree(proc.pid):
+            if os.sched_getaffinity(pid) != want:
+                sys.exit(f"process {pid} runs on CPUs {sorted(os.sched_getaffinity(pid))}, not {sorted(want)}")
+
+
+def with_one_worker(text, port, what):
+    """A ratewall config with `workers = 1` under its listen line, which must be on `port`."""
+    text, n = re.subn(r'^(listen = "127.0.0.1:\d+")$', r"\1\nworkers = 1", text, flags=re.M)
+    if n != 1 or f'listen = "127.0.0.1:{port}"' not in text:
+        sys.exit(f"{what}: no listen line on {port}")
+    return text
+
+
+def start_ratewall(name, text, cpu=SERVER_CPU):
+    path = os.path.join(LAB, name)
+    open(path, "w").write(text)
+    return start([os.path.join(RELEASE, "ratewall"), "--config", path], cpu, dict(os.environ, RUST_LOG="warn"))
+
+
+def fmt_pct(x):
+    return "" if x is None else f"{x:.0%}"
+
+
+def fmt_cpu(m, digits=1):
+    if m["user_us"] is None:
+        return f"{'':12}"
+    return f"{m['user_us']:>6.{digits}f}+{m['sys_us']:<5.{digits}f}"
+
+
+def fmt_ratio(a, b):
+    return "" if a is None or b is None else f"{a / b:.2f}x"
+
+
+# The ws table: the echo server (on CPU 0), nginx as a WebSocket proxy, and ratewall
+# without and with a `messages` limit (each alone on CPU 1). Messages kept in flight per
+# socket, and their size.
+WS_ECHO, NGINX_WS, RATEWALL_WS, RATEWALL_WS_METERED = 18580, 18583, 18586, 18587
+WS_IN_FLIGHT = int(os.environ.get("WS_IN_FLIGHT", "8"))
+WS_SIZE = 32
+# Never reached: a socket takes a tenth of a second of the rate at a time (100,000
+# frames), and the 64 sockets' first takes fit in the burst with room to spare.
+WS_MESSAGES = 'messages = { rate = "1000000/s", burst = 10000000 }'
+
+NGINX_WS_CONF = """
+worker_processes 1;
+pid /tmp/lab/nginx/nginx-ws.pid;
+error_log /tmp/lab/nginx/error-ws.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path /tmp/lab/nginx/body;
+  proxy_temp_path /tmp/lab/nginx/proxy;
+  fastcgi_temp_path /tmp/lab/nginx/fcgi;
+  uwsgi_temp_path /tmp/lab/nginx/uwsgi;
+  scgi_temp_path /tmp/lab/nginx/scgi;
+  limit_req_zone $binary_remote_addr zone=per_ip:1m rate=1000000r/s;
+  server {
+    listen 127.0.0.1:NGINX;
+    location / {
+      limit_req zone=per_ip burst=100000 nodelay; limit_req_status 429;
+      proxy_http_version 1.1;
+      proxy_set_header Upgrade $http_upgrade;
+      proxy_set_header Connection "upgrade";
+      proxy_read_timeout 1h; proxy_send_timeout 1h;
+      proxy_pass http://127.0.0.1:ECHO;
+    }
+  }
+}
+"""
+
+
+def ws_load(port, cpu=None):
+    """bench-ws-load against 127.0.0.1:`port`: CONNS sockets, WS_IN_FLIGHT messages of
+    WS_SIZE bytes in flight on each, for SECS seconds once all are open. A "request" is one
+    message's round trip; `non2xx` the sockets refused an upgrade."""
+    cmd = [bench_binary("bench-ws-load"), f"127.0.0.1:{port}", str(CONNS), str(WS_IN_FLIGHT), str(SECS), str(WS_SIZE)]
+    if cpu is not None:
+        cmd = ["taskset", "-c", str(cpu), *cmd]
+    run = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    for line in run.stderr.strip().splitlines():
+        print(f"    bench-ws-load, port {port}: {line}", flush=True)
+    f = dict(zip(run.stdout.split()[::2], run.stdout.split()[1::2]))
+    secs, messages = float(f["seconds"]), int(f["messages"])
+    if messages == 0:
+        sys.exit(f"no message came back through {port}: {run.stdout.strip()}")
+    return {"rps": messages / secs, "p50": int(f["p50_us"]) / 1e3, "p99": int(f["p99_us"]) / 1e3,
+            "total": messages, "non2xx": int(f["refused"]), "seconds": secs, "min_per_conn": int(f["min_per_conn"]),
+            "err_refused": int(f["refused"]), "err_failed": int(f["failed"]), "err_closed": int(f["closed"]),
+            "err_stalled": int(f["stalled"]), "err_unclean": int(f["unclean"])}
+
+
+def ws_table():
+    """WebSocket echo messages through ratewall against nginx as a WebSocket proxy, pinned
+    as the pools table is: each server under test alone on CPU 1 with one worker;
+    bench-ws-load and bench-ws-echo (one thread each) on CPU 0. Messages/s and the CPU
+    time per message of the server under test."""
+    check_free((WS_ECHO, NGINX_WS, RATEWALL_WS, RATEWALL_WS_METERED))
+    for d in ("body", "proxy", "fcgi", "uwsgi", "scgi"):
+        os.makedirs(os.path.join(LAB, d), exist_ok=True)
+    echo = start([bench_binary("bench-ws-echo"), f"127.0.0.1:{WS_ECHO}"], LOAD_CPU)
+    nginx = start_nginx("ws-nginx.conf", NGINX_WS_CONF.replace("NGINX", str(NGINX_WS)).replace("ECHO", str(WS_ECHO)),
+                        SERVER_CPU)
+    text = with_one_worker(open(os.path.join(HERE, "ratewall-ws.toml")).read(), RATEWALL_WS, "bench/ratewall-ws.toml")
+    if f"127.0.0.1:{WS_ECHO}" not in text:
+        sys.exit(f"bench/ratewall-ws.toml: no upstream on {WS_ECHO}")
+    metered, n = re.subn(r"^(burst = \d+)$", rf"\1\n{WS_MESSAGES}", text, count=1, flags=re.M)
+    if n != 1:
+        sys.exit("bench/ratewall-ws.toml: no burst line in its rule")
+    metered = metered.replace(f"127.0.0.1:{RATEWALL_WS}", f"127.0.0.1:{RATEWALL_WS_METERED}")
+    ratewall = start_ratewall("ws-ratewall.toml", text)
+    ratewall_metered = start_ratewall("ws-ratewall-messages.toml", metered)
+    for port in (WS_ECHO, NGINX_WS, RATEWALL_WS, RATEWALL_WS_METERED):
+        wait_port(port)
+    check_pinned((nginx, ratewall, ratewall_metered))
+
+    targets = [
+        ("direct to the echo server", WS_ECHO, ws_load, False, None),
+        ("nginx WebSocket proxy, limit_req", NGINX_WS, ws_load, False, nginx),
+        ("ratewall memory", RATEWALL_WS, ws_load, False, ratewall),
+        ("ratewall memory, messages limit", RATEWALL_WS_METERED, ws_load, False, ratewall_metered),
+    ]
+    med = measure(targets, (None, None), LOAD_CPU, "ws ", (echo,), "msgs/s")
+    print()
+    print(f"ws: the server under test alone on CPU {SERVER_CPU}, one worker; bench-ws-load and bench-ws-echo (one "
+          f"thread each) on CPU {LOAD_CPU}")
+    print(f"median of {RUNS} runs, {CONNS} sockets x {WS_IN_FLIGHT} messages in flight, {WS_SIZE}-byte text, "
+          f"{SECS} s")
+    print(f"{'':36}{'msgs/s':>9}{'p50 ms':>8}{'p99 ms':>8}{'CPU us/msg':>12}{'CPU1':>6}{'CPU0':>6}{'errors':>8}"
+          f"{'msgs/s vs':>11}{'CPU vs':>8}")
+    print(f"{'':36}{'':>9}{'':>8}{'':>8}{'user+sys':>12}{'':>6}{'':>6}{'':>8}{'nginx':>11}{'nginx':>8}")
+    peer = med["nginx WebSocket proxy, limit_req"]
+    for name, _, _, _, _ in targets:
+        m = med[name]
+        errors = sum(v for k, v in m.items() if k.startswith("err_"))
+        print(f"{name:36}{m['rps']:>9.0f}{m['p50']:>8.2f}{m['p99']:>8.2f}{fmt_cpu(m, 2)}{fmt_pct(m['busy']):>6}"
+              f"{fmt_pct(m['load_busy']):>6}{errors:>8.0f}{fmt_ratio(m['rps'], peer['rps']):>11}"
+              f"{fmt_ratio(cpu_us(m), cpu_us(peer)):>8}")
+    print("(a message: one echo's round trip, a frame each way through the server under test; CPU us/msg: user+system")
+    print(" CPU time of the server under test per message, all its processes; CPU1: that CPU time over the run's")
+    print(f" length; CPU0: bench-ws-load's and bench-ws-echo's, where the load side leaves CPU {LOAD_CPU}; errors:")
+    print(" sockets refused an upgrade, broken, closed early by the server, without an echo in the run's last second,")
+    print(" or whose close got none back, the most of any run; the messages row's rule carries")
+    print(f" `{WS_MESSAGES}`, never reached)")
+    ours, metered = med["ratewall memory"], med["ratewall memory, messages limit"]
+    print()
+    print("targets, from the medians above:")
+    for label, m in (("ratewall msgs/s >= 1.0x nginx", ours), ("with a messages limit, msgs/s >= 1.0x nginx", metered)):
+        ratio = m["rps"] / peer["rps"]
+        print(f"  {label:44} {ratio:5.2f}x  {verdict(ratio >= 1.0)}  (CPU us/msg {cpu_us(m):.2f} vs "
+              f"{cpu_us(peer):.2f})")
+    print("for information:")
+    print(f"  {'the messages limit, CPU us/msg':44} {cpu_us(metered) - cpu_us(ours):+5.2f}   "
+          f"({cpu_us(metered):.2f} vs {cpu_us(ours):.2f}; msgs/s {metered['rps'] / ours['rps']:.2f}x)")
+
+
+# The grpc table: bench-h2-backend (on CPU 0), nginx grpc_pass and ratewall's h2c pool (each
+# alone on CPU 1). Streams h2load keeps open per connection.
+GRPC_BACKEND, NGINX_GRPC, RATEWALL_GRPC = 18680, 18683, 18686
+GRPC_STREAMS = int(os.environ.get("GRPC_STREAMS", "8"))
+# The call's one message: a protobuf `string` field 1, "hello, ratewall".
+GRPC_PAYLOAD = b"\x0a\x0fhello, ratewall"
+GRPC_PATH = "/bench.Echo/Say"
+
+NGINX_GRPC_CONF = """
+worker_processes 1;
+pid /tmp/lab/nginx/nginx-grpc.pid;
+error_log /tmp/lab/nginx/error-grpc.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path /tmp/lab/nginx/body;
+  proxy_temp_path /tmp/lab/nginx/proxy;
+  fastcgi_temp_path /tmp/lab/nginx/fcgi;
+  uwsgi_temp_path /tmp/lab/nginx/uwsgi;
+  scgi_temp_path /tmp/lab/nginx/scgi;
+  # h2load does not reconnect: at the default keepalive_requests (1000) each of its
+  # connections would end after 1000 calls (GOAWAY), and the run with it.
+  keepalive_requests 100000000;
+  upstream grpc_backend { server 127.0.0.1:BACKEND; keepalive KEEPALIVE; keepalive_requests 100000000; }
+  map $http_x_api_key $rl_key { default $http_x_api_key; }
+  limit_req_zone $rl_key zone=per_key:20m rate=1000000r/s;
+  server {
+    listen 127.0.0.1:NGINX http2;
+    location / { limit_req zone=per_key burst=100000 nodelay; limit_req_status 429; grpc_pass grpc://grpc_backend; }
+  }
+}
+"""
+
+
+def grpc_message():
+    """The file h2load sends as each call's body: the message, length-prefixed (the gRPC
+    over HTTP/2 framing: not compressed, a 4-byte big-endian length)."""
+    path = os.path.join(LAB, "grpc-message.bin")
+    open(path, "wb").write(b"\x00" + len(GRPC_PAYLOAD).to_bytes(4, "big") + GRPC_PAYLOAD)
+    return path
+
+
+def grpc_call_check(port):
+    """One call to 127.0.0.1:`port` with curl, over h2c: fails unless it is answered 200
+    with the message sent back and `grpc-status: 0` in the trailers (h2load counts
+    statuses, not gRPC's)."""
+    cmd = ["curl", "-sv", "--http2-prior-knowledge", "--max-time", "5", "-H", "content-type: application/grpc",
+           "-H", "te: trailers", "-H", "x-api-key: grpc-bench", "--data-binary", "@" + grpc_message(),
+           "-o", os.path.join(LAB, "grpc-answer.bin"), f"http://127.0.0.1:{port}{GRPC_PATH}"]
+    run = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line.strip() for line in run.stderr.splitlines() if line.startswith("< ")]
+    body = open(os.path.join(LAB, "grpc-answer.bin"), "rb").read() if run.returncode == 0 else b""
+    if "< HTTP/2 200" not in lines or "< grpc-status: 0" not in lines or body[5:] != GRPC_PAYLOAD:
+        sys.exit(f"a gRPC call to {port} was not answered with its message and grpc-status 0: curl exited "
+                 f"{run.returncode}, said {lines}, body {body!r}")
+
+
+def h2load(port, cpu=None):
+    """h2load against 127.0.0.1:`port`, over h2c: CONNS connections, GRPC_STREAMS calls in
+    flight on each, for SECS seconds, each call a POST of grpc_message(). A "request" is a
+    call answered 2xx (h2load's `succeeded`); `non2xx` the calls answered otherwise, and
+    `failed` those plus the 2xx ones whose stream then failed. h2load gives no percentiles:
+    `mean` and `max` latency, in ms."""
+    cmd = ["h2load", f"-c{CONNS}", f"-m{GRPC_STREAMS}", "-t1", "-D", str(SECS), "-d", grpc_message(),
+           "-H", "content-type: application/grpc", "-H", "te: trailers", "-H", "x-api-key: grpc-bench",
+           f"http://127.0.0.1:{port}{GRPC_PATH}"]
+    if cpu is not None:
+        cmd = ["taskset", "-c", str(cpu), *cmd]
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+    secs = float(re.search(r"finished in ([\d.]+)s", out).group(1))
+    done = re.search(r"(\d+) succeeded, (\d+) failed, (\d+) errored, (\d+) timeout", out)
+    succeeded, failed, errored, timeout = (int(x) for x in done.groups())
+    if succeeded == 0:
+        sys.exit(f"no call to {port} succeeded: {out.strip()}")
+    codes = re.search(r"status codes: (\d+) 2xx, (\d+) 3xx, (\d+) 4xx, (\d+) 5xx", out)
+    non2xx = sum(int(x) for x in codes.groups()[1:])
+    latency = re.search(r"time for request:\s+([\d.]+)(us|ms|s)\s+([\d.]+)(us|ms|s)\s+([\d.]+)(us|ms|s)", out)
+    return {"rps": succeeded / secs, "p50": None, "p99": None, "mean": unit(*latency.group(5, 6)),
+            "max": unit(*latency.group(3, 4)), "total": succeeded, "non2xx": non2xx, "seconds": secs,
+            "err_failed": failed, "err_errored": errored, "err_timeout": timeout}
+
+
+def grpc_table():
+    """gRPC unary calls through ratewall's h2c pool against direct to the backend (and,
+    for information, nginx grpc_pass), pinned as the pools table is: the server under test
+    alone on CPU 1 with one worker; h2load and bench-h2-backend (one thread each) on CPU 0.
+    Calls/s and the CPU time per call of the server under test."""
+    check_free((GRPC_BACKEND, NGINX_GRPC, RATEWALL_GRPC))
+    for d in ("body", "proxy", "fcgi", "uwsgi", "scgi"):
+        os.makedirs(os.path.join(LAB, d), exist_ok=True)
+    backend = start([bench_binary("bench-h2-backend"), f"127.0.0.1:{GRPC_BACKEND}"], LOAD_CPU)
+    # nginx sends one call per upstream connection at a time: it keeps as many idle as there
+    # are calls in flight, or it would open and close connections all the run long.
+    conf = (NGINX_GRPC_CONF.replace("BACKEND", str(GRPC_BACKEND)).replace(":NGINX", f":{NGINX_GRPC}")
+            .replace("KEEPALIVE", str(CONNS * GRPC_STREAMS)))
+    nginx = start_nginx("grpc-nginx.conf", conf, SERVER_CPU)
+    text = shifted(open(os.path.join(HERE, "ratewall-h2c.toml")).read(), GRPC_BACKEND - H2_BACKEND)
+    ratewall = start_ratewall("grpc-ratewall.toml", with_one_worker(text, RATEWALL_GRPC, "bench/ratewall-h2c.toml"))
+    for port in (GRPC_BACKEND, NGINX_GRPC, RATEWALL_GRPC):
+        wait_port(port)
+    check_pinned((nginx, ratewall))
+    for port in (GRPC_BACKEND, NGINX_GRPC, RATEWALL_GRPC):
+        grpc_call_check(port)
+
+    targets = [
+        ("direct to the backend", GRPC_BACKEND, h2load, False, None),
+        ("nginx grpc_pass, limit_req", NGINX_GRPC, h2load, False, nginx),
+        ("ratewall memory, h2c pool", RATEWALL_GRPC, h2load, False, ratewall),
+    ]
+    med = measure(targets, (None, None), LOAD_CPU, "grpc ", (backend,), "calls/s")
+    version = subprocess.run(["h2load", "--version"], capture_output=True, text=True).stdout.strip()
+    print()
+    print(f"grpc: the server under test alone on CPU {SERVER_CPU}, one worker; h2load ({version}) and "
+          f"bench-h2-backend (one thread each) on CPU {LOAD_CPU}")
+    print(f"median of {RUNS} runs, h2load -c{CONNS} -m{GRPC_STREAMS} -D {SECS}, unary calls of a "
+          f"{len(GRPC_PAYLOAD)}-byte message, echoed")
+    print(f"{'':32}{'calls/s':>9}{'mean ms':>9}{'max ms':>8}{'CPU us/call':>12}{'CPU1':>6}{'CPU0':>6}{'errors':>8}"
+          f"{'calls/s vs':>11}{'CPU vs':>8}")
+    print(f"{'':32}{'':>9}{'':>9}{'':>8}{'user+sys':>12}{'':>6}{'':>6}{'':>8}{'direct':>11}{'nginx':>8}")
+    direct, peer = med["direct to the backend"], med["nginx grpc_pass, limit_req"]
+    for name, _, _, _, _ in targets:
+        m = med[name]
+        errors = sum(v for k, v in m.items() if k.startswith("err_"))
+        print(f"{name:32}{m['rps']:>9.0f}{m['mean']:>9.2f}{m['max']:>8.1f}{fmt_cpu(m)}{fmt_pct(m['busy']):>6}"
+              f"{fmt_pct(m['load_busy']):>6}{errors:>8.0f}{fmt_ratio(m['rps'], direct['rps']):>11}"
+              f"{fmt_ratio(cpu_us(m), cpu_us(peer)):>8}")
+    print("(CPU us/call: user+system CPU time of the server under test per call, all its processes; CPU1: that CPU")
+    print(f" time over the run's length; CPU0: h2load's and the backend's, where the load side leaves CPU {LOAD_CPU};")
+    print(" errors: calls h2load counts failed (answered other than 2xx, or their stream broke), errored or timed")
+    print(" out, the most of any run; one call to each, checked with curl before the runs, came back with its message")
+    print(" and grpc-status 0; every call has one x-api-key, both servers a per-key limit too high to deny; nginx")
+    print(f" keeps {CONNS * GRPC_STREAMS} idle upstream connections, one a call in flight: it multiplexes none)")
+    ours = med["ratewall memory, h2c pool"]
+    print()
+    print("for information, from the medians above:")
+    print(f"  {'ratewall h2c pool calls/s against direct':44} {ours['rps'] / direct['rps']:5.2f}x")
+    print(f"  {'ratewall h2c pool against nginx grpc_pass':44} {ours['rps'] / peer['rps']:5.2f}x calls/s, "
+          f"{cpu_us(ours) / cpu_us(peer):.2f}x CPU us/call ({cpu_us(ours):.1f} vs {cpu_us(peer):.1f})")
+
+
+# The h2 table: bench-h2-backend (on CPU 0), and ratewall through a pool of it spoken
+# HTTP/1.1 and one spoken h2c (each alone on CPU 1).
+H2_BACKEND, RATEWALL_H1, RATEWALL_H2C = 18780, 18785, 18786
+
+
+def h2_table():
+    """ratewall's HTTP/2 pools (h2c) against its HTTP/1.1 ones, to the same backend, pinned
+    as the pools table is: ratewall alone on CPU 1 with one worker; wrk and
+    bench-h2-backend (one thread, HTTP/1.1 and h2c on one port) on CPU 0. Requests/s and
+    CPU time per request."""
+    check_free((H2_BACKEND, RATEWALL_H1, RATEWALL_H2C))
+    backend = start([bench_binary("bench-h2-backend"), f"127.0.0.1:{H2_BACKEND}"], LOAD_CPU)
+    h2c = with_one_worker(open(os.path.join(HERE, "ratewall-h2c.toml")).read(), RATEWALL_H2C, "bench/ratewall-h2c.toml")
+    http1, n = re.subn(r'^protocol = "h2c"$', 'protocol = "http1"', h2c, flags=re.M)
+    if n != 1 or f"127.0.0.1:{H2_BACKEND}" not in h2c:
+        sys.exit(f'bench/ratewall-h2c.toml: no protocol = "h2c" line, or no server on {H2_BACKEND}')
+    http1 = http1.replace(f"127.0.0.1:{RATEWALL_H2C}", f"127.0.0.1:{RATEWALL_H1}")
+    gateways = {"http1": start_ratewall("h2-ratewall-http1.toml", http1),
+                "h2c": start_ratewall("h2-ratewall-h2c.toml", h2c)}
+    for port in (H2_BACKEND, RATEWALL_H1, RATEWALL_H2C):
+        wait_port(port)
+    check_pinned(gateways.values())
+
+    targets = [
+        ("direct to the backend (HTTP/1.1)", H2_BACKEND, "keys.lua", False, None),
+        ("ratewall memory, http1 pool", RATEWALL_H1, "keys.lua", False, gateways["http1"]),
+        ("ratewall memory, h2c pool", RATEWALL_H2C, "keys.lua", False, gateways["h2c"]),
+    ]
+    med = measure(targets, (None, None), LOAD_CPU, "h2 ", (backend,))
+    print()
+    print(f"h2: ratewall alone on CPU {SERVER_CPU}, one worker; wrk and bench-h2-backend (one thread: HTTP/1.1 and h2c) "
+          f"on CPU {LOAD_CPU}")
+    print(f"median of {RUNS} runs, wrk -t{THREADS} -c{CONNS} -d{SECS}s (HTTP/1.1 to ratewall)")
+    print(f"{'':36}{'req/s':>9}{'p99 ms':>8}{'CPU us/req':>12}{'CPU1':>6}{'CPU0':>6}{'non-2xx':>9}{'req/s vs':>10}"
+          f"{'CPU vs':>8}")
+    print(f"{'':36}{'':>9}{'':>8}{'user+sys':>12}{'':>6}{'':>6}{'':>9}{'http1':>10}{'http1':>8}")
+    base = med["ratewall memory, http1 pool"]
+    for name, _, _, _, _ in targets:
+        m = med[name]
+        print(f"{name:36}{m['rps']:>9.0f}{m['p99']:>8.2f}{fmt_cpu(m)}{fmt_pct(m['busy']):>6}"
+              f"{fmt_pct(m['load_busy']):>6}{m['non2xx']:>9.0f}{fmt_ratio(m['rps'], base['rps']):>10}"
+              f"{fmt_ratio(cpu_us(m), cpu_us(base)):>8}")
+    print("(CPU us/req: user+system CPU time of ratewall per request, all its processes; CPU1: that CPU time over the")
+    print(f" run's length; CPU0: wrk's and the backend's, where the load side leaves CPU {LOAD_CPU}; every request")
+    print(" another API key of bench/keys.lua's, the per-key rule of bench/ratewall-h2c.toml; the http1 row is the")
+    print(" same config with protocol = \"http1\")")
+    h2c = med["ratewall memory, h2c pool"]
+    print()
+    print("for information, from the medians above:")
+    print(f"  {'h2c pool against http1 pool, req/s':44} {h2c['rps'] / base['rps']:5.2f}x")
+    print(f"  {'h2c pool against http1 pool, CPU us/req':44} {cpu_us(h2c) / cpu_us(base):5.2f}x  "
+          f"({cpu_us(h2c):.1f} vs {cpu_us(base):.1f})")
+
+
 def main():
-    if ONLY not in ("", "main", "pinned", "tls", "pools"):
-        sys.exit(f"BENCH_ONLY={ONLY}: main, pinned, tls, pools, or unset for all four")
+    tables = {"main": main_table, "pinned": pinned_table, "tls": tls_table, "pools": pools_table,
+              "ws": ws_table, "grpc": grpc_table, "h2": h2_table}
+    if ONLY not in ("", *tables):
+        sys.exit(f"BENCH_ONLY={ONLY}: {', '.join(tables)}, or unset for all {len(tables)}")
     # What each table runs (the pools table: nginx and wrk only).
     needs = {"main": ("nginx", "haproxy", "wrk", "redis-server", "redis-cli", "taskset"),
              "pinned": ("nginx", "haproxy", "wrk", "redis-server", "redis-cli", "taskset"),
              "tls": ("nginx", "wrk", "taskset", "openssl"),
-             "pools": ("nginx", "wrk", "taskset")}
+             "pools": ("nginx", "wrk", "taskset"),
+             "ws": ("nginx", "taskset"),
+             "grpc": ("nginx", "h2load", "curl", "taskset"),
+             "h2": ("wrk", "taskset")}
     for tool in sorted({t for table in ([ONLY] if ONLY else needs) for t in needs[table]}):
         if not shutil.which(tool):
             sys.exit(f"{tool} is missing: bench/run installs it")
     if ONLY in ("", "main", "pinned") and not os.path.exists("/usr/share/nginx/modules/ngx_http_lua_module.so"):
         sys.exit("nginx's Lua module is missing: bench/run installs it (libnginx-mod-http-lua)")
     if ONLY != "main" and len(os.sched_getaffinity(0) & {SERVER_CPU, LOAD_CPU}) < 2:
-        sys.exit(f"the pinned, TLS and pools tables need CPUs {LOAD_CPU} and {SERVER_CPU}")
+        sys.exit(f"every table but the main one needs CPUs {LOAD_CPU} and {SERVER_CPU}")
     print(f"building ratewall (release)...", flush=True)
     subprocess.run(["cargo", "build", "--release", "--quiet", "--bin", "ratewall", "--example", "measure_memory",
                     "--example", "hyper_proxy", "--example", "tls_handshakes"],
                    cwd=ROOT, check=True)
-    tables = {"main": main_table, "pinned": pinned_table, "tls": tls_table, "pools": pools_table}
+    if ONLY in ("", "ws", "grpc", "h2"):
+        print(f"building bench/load (release)...", flush=True)
+        subprocess.run(["cargo", "build", "--release", "--quiet", "-p", "ratewall-bench"], cwd=ROOT, check=True)
     for i, name in enumerate([ONLY] if ONLY else list(tables)):
         if i:
             print()
