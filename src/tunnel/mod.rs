@@ -277,6 +277,7 @@ where
     U: AsyncRead + AsyncWrite + Unpin,
 {
     fn poll(&mut self, cx: &mut Context<'_>) -> Poll<Ended> {
+        let mut any = false;
         loop {
             let mut moved = false;
             match self.poll_meters(cx) {
@@ -347,10 +348,14 @@ where
                 continue;
             }
             if moved {
-                self.last = Instant::now();
+                any = true;
                 continue;
             }
             break;
+        }
+        if any {
+            // Once a wake-up, not once a read: the idle clock needs no finer.
+            self.last = Instant::now();
         }
         while self.idle_timer.as_mut().poll(cx).is_ready() {
             let deadline = self.last + self.idle;

@@ -156,15 +156,30 @@ impl Scanner {
                 continue;
             }
             let b = bytes[i];
-            if self.have == 0 && is_data(b & OPCODE) {
-                if frames >= tokens {
-                    return Ok(Scan {
-                        passed: i,
-                        frames,
-                        blocked: true,
-                    });
+            if self.have == 0 {
+                if is_data(b & OPCODE) {
+                    if frames >= tokens {
+                        return Ok(Scan {
+                            passed: i,
+                            frames,
+                            blocked: true,
+                        });
+                    }
+                    frames += 1;
                 }
-                frames += 1;
+                // The whole header at hand (as it nearly always is): taken at once, checked
+                // as the byte-at-a-time path below checks it.
+                if let Some(&second) = bytes.get(i + 1) {
+                    let len = header_len(second);
+                    if let Some(header) = bytes.get(i..i + len) {
+                        self.first_byte(b)?;
+                        self.second_byte(second)?;
+                        self.header[..len].copy_from_slice(header);
+                        self.end_header()?;
+                        i += len;
+                        continue;
+                    }
+                }
             }
             self.header_byte(b)?;
             i += 1;
@@ -186,7 +201,7 @@ impl Scanner {
             1 => self.second_byte(b)?,
             _ => {}
         }
-        if at >= 1 && usize::from(self.have) == self.header_len() {
+        if at >= 1 && usize::from(self.have) == header_len(self.header[1]) {
             self.end_header()?;
         }
         Ok(())
@@ -227,18 +242,6 @@ impl Scanner {
         }
     }
 
-    /// The header's full length, once its second byte is known.
-    fn header_len(&self) -> usize {
-        let b = self.header[1];
-        let extended = match b & 0x7F {
-            126 => 2,
-            127 => 8,
-            _ => 0,
-        };
-        let mask = if b & MASK != 0 { 4 } else { 0 };
-        2 + extended + mask
-    }
-
     /// The header is complete: its payload length, checked; the payload comes next.
     fn end_header(&mut self) -> Result<(), Violation> {
         let h = &self.header;
@@ -268,6 +271,17 @@ impl Scanner {
         self.left = len;
         Ok(())
     }
+}
+
+/// A frame header's full length, from its second byte (MASK and the 7-bit length).
+fn header_len(second: u8) -> usize {
+    let extended = match second & 0x7F {
+        126 => 2,
+        127 => 8,
+        _ => 0,
+    };
+    let mask = if second & MASK != 0 { 4 } else { 0 };
+    2 + extended + mask
 }
 
 /// A close frame (§5.5.1) with `code` and `reason`, cut to 123 bytes on a character
