@@ -21,12 +21,14 @@
 
 FROM rust:1-slim-bookworm AS build
 WORKDIR /src
-# Dependencies first, so editing src/ does not rebuild them. The workspace's demo backend
-# (demo/) must be there for Cargo to read the workspace; only its manifest is needed.
+# Dependencies first, so editing src/ does not rebuild them. The workspace's other members
+# (the demo backend, demo/, and the benchmark's load tools, bench/load/) must be there for
+# Cargo to read the workspace; only their manifests are needed, neither is built.
 COPY Cargo.toml Cargo.lock ./
 COPY demo/Cargo.toml ./demo/
-RUN mkdir src demo/src && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
-    && echo 'fn main() {}' > demo/src/main.rs \
+COPY bench/load/Cargo.toml ./bench/load/
+RUN mkdir src demo/src bench/load/src && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
+    && echo 'fn main() {}' > demo/src/main.rs && touch bench/load/src/lib.rs \
     && cargo build --release --locked --package ratewall \
     && rm -rf src
 COPY src ./src
