@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """ratewall side by side with nginx and HAProxy, on this machine, in one run.
 
-Seven tables, each the median of RUNS runs of the same load, every server driven in turn
+Eight tables, each the median of RUNS runs of the same load, every server driven in turn
 by one load process: wrk, or where wrk cannot serve, h2load (gRPC), bench/load's WebSocket
 client or examples/tls_handshakes.rs:
 
@@ -54,6 +54,11 @@ client or examples/tls_handshakes.rs:
   CPU 0; on CPU 1 ratewall through a pool of it spoken h2c (bench/ratewall-h2c.toml) and the
   same spoken HTTP/1.1; and the backend direct. Prints requests/s, CPU time per request and
   the ratios h2c / http1.
+- The jwt table (issue 26), pinned alike: bench-h2-backend and wrk on CPU 0; on CPU 1
+  ratewall with one rule counting by an API key, and the same rule counting by a verified
+  token's `sub` (HS256 tokens made here with the standard library, JWT_IDENTITIES of them
+  in turn, so each is verified once and then found in the verified-token cache). Prints
+  requests/s, CPU time per request and the ratio of the two (target: under 1.05x).
 
 Everything listens on 127.0.0.1, runs for a bounded time and is stopped at the end, also on
 Ctrl-C or a failure.
@@ -66,8 +71,13 @@ Ctrl-C or a failure.
     BENCH_ONLY=ws bench/run       # only the ws table (WS_IN_FLIGHT=8 messages per socket)
     BENCH_ONLY=grpc bench/run     # only the grpc table (GRPC_STREAMS=8 calls per connection)
     BENCH_ONLY=h2 bench/run       # only the h2 table
+    BENCH_ONLY=jwt bench/run      # only the jwt table (JWT_IDENTITIES=10000 tokens in turn)
 """
 
+import base64
+import hashlib
+import hmac
+import json
 import os
 import re
 import resource
@@ -1131,9 +1141,113 @@ def h2_table():
           f"({cpu_us(h2c):.1f} vs {cpu_us(base):.1f})")
 
 
+# The jwt table: bench-h2-backend (HTTP/1.1) and wrk on CPU 0; on CPU 1, alone in turn,
+# ratewall with one per-key rule counting by an API key, and the same rule counting by a
+# verified token's `sub` (`key = "jwt:sub"`, HS256). Each wrk script rotates over
+# JWT_IDENTITIES identities, every one sent many times a run: the tokens are verified once
+# and then found in the verified-token cache, as a client's repeated token is.
+JWT_BACKEND, RATEWALL_APIKEY, RATEWALL_JWT = 18980, 18981, 18982
+JWT_IDENTITIES = int(os.environ.get("JWT_IDENTITIES", "10000"))
+JWT_SECRET = "bench-secret-of-32-bytes-or-more!!"
+JWT_RULE = """
+[[upstreams]]
+name = "default"
+servers = ["http://127.0.0.1:BACKEND"]
+[store]
+backend = "memory"
+[[rules]]
+name = "per-identity"
+key = "KEY"
+rate = "1000000/s"
+burst = 100000
+"""
+
+
+def b64url(data):
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode()
+
+
+def hs256_token(claims):
+    """A compact JWS (RFC 7515), HS256, made with the standard library."""
+    head = b64url(json.dumps({"alg": "HS256", "typ": "JWT"}, separators=(",", ":")).encode())
+    body = b64url(json.dumps(claims, separators=(",", ":")).encode())
+    mac = hmac.new(JWT_SECRET.encode(), f"{head}.{body}".encode(), hashlib.sha256).digest()
+    return f"{head}.{body}.{b64url(mac)}"
+
+
+def rotating_script(name, header, values):
+    """A wrk script sending `header` with each of `values` in turn."""
+    path = os.path.join(LAB, name)
+    with open(path, "w") as f:
+        f.write("local values = {\n")
+        for v in values:
+            f.write(f'  "{v}",\n')
+        f.write("}\nlocal counter = 0\nrequest = function()\n  counter = counter % #values + 1\n")
+        f.write(f'  return wrk.format("GET", "/", {{ ["{header}"] = values[counter] }}, nil)\nend\n')
+    return path
+
+
+def jwt_table():
+    """ratewall counting by a verified token's claim (cache hits) against the same rule
+    counting by an API key, pinned as the h2 table is. Requests/s and CPU time per request."""
+    check_free((JWT_BACKEND, RATEWALL_APIKEY, RATEWALL_JWT))
+    backend = start([bench_binary("bench-h2-backend"), f"127.0.0.1:{JWT_BACKEND}"], LOAD_CPU)
+    rule = JWT_RULE.replace("BACKEND", str(JWT_BACKEND))
+    api_key = f'[server]\nlisten = "127.0.0.1:{RATEWALL_APIKEY}"\nworkers = 1\n' + rule.replace("KEY", "api_key")
+    jwt = (f'[server]\nlisten = "127.0.0.1:{RATEWALL_JWT}"\nworkers = 1\n'
+           '[jwt]\nalgorithms = ["HS256"]\nsecret_env = "BENCH_JWT_SECRET"\n'
+           'issuer = "https://issuer.bench"\naudience = "bench"\n' + rule.replace("KEY", "jwt:sub"))
+    os.environ["BENCH_JWT_SECRET"] = JWT_SECRET
+    gateways = {"api_key": start_ratewall("jwt-ratewall-apikey.toml", api_key),
+                "jwt": start_ratewall("jwt-ratewall-jwt.toml", jwt)}
+    exp = int(time.time()) + 86400
+    tokens = [hs256_token({"sub": f"user-{i}", "iss": "https://issuer.bench", "aud": "bench", "exp": exp,
+                           "iat": exp - 86400}) for i in range(JWT_IDENTITIES)]
+    scripts = {"api_key": rotating_script("apikeys.lua", "x-api-key", [f"key-{i:08}-bench" for i in range(JWT_IDENTITIES)]),
+               "jwt": rotating_script("tokens.lua", "authorization", [f"Bearer {t}" for t in tokens])}
+    for port in (JWT_BACKEND, RATEWALL_APIKEY, RATEWALL_JWT):
+        wait_port(port)
+    check_pinned(gateways.values())
+    for port, header, value in ((RATEWALL_APIKEY, "x-api-key", "key-0"), (RATEWALL_JWT, "authorization",
+                                                                         f"Bearer {tokens[0]}")):
+        out = subprocess.run(["curl", "-s", "-o", "/dev/null", "-w", "%{http_code}", "-H", f"{header}: {value}",
+                              f"http://127.0.0.1:{port}/"], capture_output=True, text=True).stdout
+        if out != "200":
+            sys.exit(f"ratewall on {port} answered {out or 'nothing'} to one request with {header}, not 200")
+
+    targets = [
+        ("direct to the backend", JWT_BACKEND, scripts["api_key"], False, None),
+        ("ratewall, rule on an API key", RATEWALL_APIKEY, scripts["api_key"], False, gateways["api_key"]),
+        ("ratewall, rule on jwt:sub (cached)", RATEWALL_JWT, scripts["jwt"], False, gateways["jwt"]),
+    ]
+    med = measure(targets, (None, None), LOAD_CPU, "jwt ", (backend,))
+    print()
+    print(f"jwt: ratewall alone on CPU {SERVER_CPU}, one worker; wrk and bench-h2-backend on CPU {LOAD_CPU}; "
+          f"{JWT_IDENTITIES} identities in turn")
+    print(f"median of {RUNS} runs, wrk -t{THREADS} -c{CONNS} -d{SECS}s")
+    print(f"{'':36}{'req/s':>9}{'p99 ms':>8}{'CPU us/req':>12}{'CPU1':>6}{'CPU0':>6}{'non-2xx':>9}{'req/s vs':>10}"
+          f"{'CPU vs':>8}")
+    print(f"{'':36}{'':>9}{'':>8}{'user+sys':>12}{'':>6}{'':>6}{'':>9}{'API key':>10}{'API key':>8}")
+    base = med["ratewall, rule on an API key"]
+    for name, _, _, _, _ in targets:
+        m = med[name]
+        print(f"{name:36}{m['rps']:>9.0f}{m['p99']:>8.2f}{fmt_cpu(m)}{fmt_pct(m['busy']):>6}"
+              f"{fmt_pct(m['load_busy']):>6}{m['non2xx']:>9.0f}{fmt_ratio(m['rps'], base['rps']):>10}"
+              f"{fmt_ratio(cpu_us(m), cpu_us(base)):>8}")
+    print("(CPU us/req: user+system CPU time of ratewall per request; the tokens: HS256, sub, iss, aud, iat, exp,")
+    print(" 180 bytes or so, each verified once and then served from the verified-token cache)")
+    jwt_m = med["ratewall, rule on jwt:sub (cached)"]
+    ratio = cpu_us(jwt_m) / cpu_us(base)
+    print()
+    print("target (issue 26), from the medians above:")
+    print(f"  {'jwt (cache hit) CPU/req < 1.05x API key':44} {ratio:5.2f}x  ({cpu_us(jwt_m):.1f} vs "
+          f"{cpu_us(base):.1f} us)  {verdict(ratio < 1.05)}")
+
+
 def main():
     tables = {"main": main_table, "pinned": pinned_table, "tls": tls_table, "pools": pools_table,
-              "ws": ws_table, "grpc": grpc_table, "h2": h2_table}
+              "ws": ws_table, "grpc": grpc_table, "h2": h2_table,
+              "jwt": jwt_table}
     if ONLY not in ("", *tables):
         sys.exit(f"BENCH_ONLY={ONLY}: {', '.join(tables)}, or unset for all {len(tables)}")
     # What each table runs (the pools table: nginx and wrk only).
@@ -1143,7 +1257,8 @@ def main():
              "pools": ("nginx", "wrk", "taskset"),
              "ws": ("nginx", "taskset"),
              "grpc": ("nginx", "h2load", "curl", "taskset"),
-             "h2": ("wrk", "taskset")}
+             "h2": ("wrk", "taskset"),
+             "jwt": ("wrk", "taskset", "curl")}
     for tool in sorted({t for table in ([ONLY] if ONLY else needs) for t in needs[table]}):
         if not shutil.which(tool):
             sys.exit(f"{tool} is missing: bench/run installs it")
@@ -1155,7 +1270,7 @@ def main():
     subprocess.run(["cargo", "build", "--release", "--quiet", "--bin", "ratewall", "--example", "measure_memory",
                     "--example", "hyper_proxy", "--example", "tls_handshakes"],
                    cwd=ROOT, check=True)
-    if ONLY in ("", "ws", "grpc", "h2"):
+    if ONLY in ("", "ws", "grpc", "h2", "jwt"):
         print(f"building bench/load (release)...", flush=True)
         subprocess.run(["cargo", "build", "--release", "--quiet", "-p", "ratewall-bench"], cwd=ROOT, check=True)
     for i, name in enumerate([ONLY] if ONLY else list(tables)):
