@@ -376,6 +376,9 @@ fn target<'c>(
         })
     };
     let bad = |what: &str| (StatusCode::BAD_REQUEST, format!("{what} is not valid"));
+    if let KeyKind::Jwt(_) | KeyKind::Combined(_) = &rule.key.kind {
+        return named_parts(rule, query);
+    }
     let (peer, value) = match &rule.key.kind {
         KeyKind::Global => (IpAddr::from([0, 0, 0, 0]), None),
         KeyKind::ClientIp => {
@@ -387,7 +390,9 @@ fn target<'c>(
         }
         KeyKind::ApiKey => (IpAddr::from([0, 0, 0, 0]), Some(need("key")?)),
         KeyKind::Header(_) => (IpAddr::from([0, 0, 0, 0]), Some(need("header")?)),
-        KeyKind::ClientCert => (IpAddr::from([0, 0, 0, 0]), None),
+        KeyKind::ClientCert | KeyKind::Jwt(_) | KeyKind::Combined(_) => {
+            (IpAddr::from([0, 0, 0, 0]), None)
+        }
     };
     // `cert=`: the certificate's SHA-256 fingerprint, as `openssl x509 -fingerprint
     // -sha256` prints it (colons optional).
@@ -418,6 +423,45 @@ fn target<'c>(
         )
     })?;
     Ok((rule, identity.digest, quota))
+}
+
+/// The identity of a rule counting by a token claim or a combination, named part by
+/// part as the rule's `key` writes them (`jwt:org_id=acme&header:x-project=p1`; for a
+/// single claim, `jwt:sub=alice`): a claim's text, a header's value, `api_key=`,
+/// `client_ip=`, `client_cert=` (its SHA-256). No token is verified: the caller names
+/// the identity. Its plan is `plan=`, where given.
+fn named_parts<'c>(
+    rule: &'c Rule,
+    query: &[(String, Vec<u8>)],
+) -> Result<(&'c Rule, IdentityDigest, &'c Quota), BadCall> {
+    let one = |kind: &KeyKind| {
+        let name = kind.to_string();
+        let value = param(query, &name)
+            .filter(|v| !v.is_empty())
+            .ok_or_else(|| {
+                (
+                    StatusCode::BAD_REQUEST,
+                    format!("this rule counts by {}: give {name}=", rule.key.kind),
+                )
+            })?;
+        identity::digest_part(kind, value)
+            .ok_or_else(|| (StatusCode::BAD_REQUEST, format!("{name}= is not valid")))
+    };
+    let digest = match &rule.key.kind {
+        KeyKind::Combined(parts) => {
+            let digests = parts.iter().map(one).collect::<Result<Vec<_>, _>>()?;
+            identity::digest_combined(&digests)
+        }
+        kind => one(kind)?,
+    };
+    let plan = param(query, "plan").and_then(|p| std::str::from_utf8(p).ok());
+    let quota = rule.quota_for(plan).ok_or_else(|| {
+        (
+            StatusCode::NOT_FOUND,
+            "this plan is exempt from the rule: nothing is counted for it".to_string(),
+        )
+    })?;
+    Ok((rule, digest, quota))
 }
 
 /// A SHA-256 fingerprint in hex, colons allowed.

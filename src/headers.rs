@@ -253,6 +253,8 @@ pub struct Problem {
     pub retry_after: Option<u64>,
     /// The same wait in ms, unrounded (a denial's) where known: `grpc-retry-pushback-ms`.
     pub retry_after_ms: Option<u64>,
+    /// `WWW-Authenticate`, for a bearer token's 401 (RFC 6750 §3).
+    pub challenge: Option<HeaderValue>,
 }
 
 impl Problem {
@@ -272,6 +274,7 @@ impl Problem {
             detail: Some(detail),
             retry_after: None,
             retry_after_ms: None,
+            challenge: None,
         }
     }
 
@@ -299,6 +302,7 @@ impl Problem {
             detail: None,
             retry_after: Some(retry_after),
             retry_after_ms: Some(wait_us.div_ceil(1000).max(1)),
+            challenge: None,
         }
     }
 
@@ -308,7 +312,15 @@ impl Problem {
         self
     }
 
+    pub fn with_challenge(mut self, challenge: Option<HeaderValue>) -> Problem {
+        self.challenge = challenge;
+        self
+    }
+
     pub fn headers(&self, headers: &mut HeaderMap) {
+        if let Some(c) = &self.challenge {
+            headers.insert(http::header::WWW_AUTHENTICATE, c.clone());
+        }
         headers.insert(
             CONTENT_TYPE,
             HeaderValue::from_static("application/problem+json"),

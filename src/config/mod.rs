@@ -11,6 +11,7 @@
 //! cross-field checks (burst against cost, duplicate rule names) point at the rule's table.
 
 mod diff;
+mod jwt;
 mod keys;
 mod matching;
 mod overrides;
@@ -37,6 +38,7 @@ use crate::limiter::store::{self as store_settings, Backend};
 use crate::rules::{Plan, Routes, Rule, RuleIndex};
 
 pub use diff::{Changes, Listed, Named};
+pub use jwt::{JwksFetch, Jwt};
 pub use overrides::{Given, OverrideError, Overrides, Source};
 pub use rules::{DEFAULT_LEASE_TTL, DEFAULT_MAX_WAITING, MAX_DELAY};
 pub use server::{
@@ -86,6 +88,8 @@ pub struct Config {
     pub store: store_settings::Settings,
     pub client_ip: ClientIp,
     pub keys: Keys,
+    /// `[jwt]`: how bearer tokens are verified, where a rule counts by a claim.
+    pub jwt: Option<Jwt>,
     pub response: ResponseStyle,
     /// `[log]`: what the access log says.
     pub log: Log,
@@ -124,6 +128,7 @@ struct RawConfig {
     client_ip: keys::RawClientIp,
     #[serde(default)]
     keys: keys::RawKeys,
+    jwt: Option<Spanned<jwt::RawJwt>>,
     #[serde(default)]
     response: server::RawResponse,
     #[serde(default)]
@@ -313,8 +318,22 @@ impl Config {
         };
         let defined = defined_plans(&raw.rules);
         let keys = raw.keys.validate(keys_file, &defined)?;
+        let jwt = match raw.jwt {
+            Some(j) => {
+                let span = j.span();
+                Some(j.into_inner().validate(span, dir)?)
+            }
+            None => None,
+        };
+        let mut plan_names: HashSet<&str> = keys.plan_names().collect();
+        // A plan can come from a token's claim: any plan a rule defines may be given.
+        if jwt
+            .as_ref()
+            .is_some_and(|j| j.verifier.settings.plan_claim.is_some())
+        {
+            plan_names.extend(defined.iter().copied());
+        }
         drop(defined);
-        let plan_names: HashSet<&str> = keys.plan_names().collect();
         let client_certs = tls.as_ref().is_some_and(|t| t.client_auth.is_some());
         let (upstreams, pool_defaults) =
             upstream::validate(raw.upstream.as_ref(), &raw.upstreams, dir, client_certs)?;
@@ -334,7 +353,20 @@ impl Config {
                 ));
             }
             rules.push(r.validate(i, spanned.span(), &plan_names, &keys.header, &route_names)?);
-            if rules[i].key.kind == KeyKind::ClientCert
+            if rules[i].key.kind.uses_jwt() && jwt.is_none() {
+                return Err(Invalid::new(
+                    Some(spanned.span()),
+                    format!("rules[{i}].key"),
+                    format!(
+                        "key = {} counts by a token claim: it needs a [jwt] table (its algorithms and keys)",
+                        match &rules[i].key.kind {
+                            KeyKind::Jwt(p) => format!("\"jwt:{p}\""),
+                            kind => kind.to_string(),
+                        }
+                    ),
+                ));
+            }
+            if rules[i].key.kind.uses(&KeyKind::ClientCert)
                 && tls.as_ref().is_none_or(|t| t.client_auth.is_none())
             {
                 return Err(Invalid::new(
@@ -359,6 +391,7 @@ impl Config {
             store,
             client_ip: raw.client_ip.validate(),
             keys,
+            jwt,
             response: raw.response.headers,
             log: raw.log.validate(),
             rules,
@@ -423,6 +456,9 @@ impl Config {
                 None => String::new(),
             }
         );
+        if let Some(j) = &self.jwt {
+            out.push_str(&j.describe());
+        }
         self.describe_routes(&mut out);
         let _ = writeln!(out, "rules         {}", self.rules.len());
         for r in &self.rules {

@@ -63,8 +63,13 @@ impl<'de> Deserialize<'de> for Header {
     }
 }
 
-/// `key = "api_key" | "client_ip" | "global" | "client_cert" | "header:<name>"`.
+/// `key = "api_key" | "client_ip" | "global" | "client_cert" | "header:<name>" |
+/// "jwt:<claim.path>"`, or a list of two or more distinct ones (a combined key).
 pub(super) struct KeySpec(pub(super) KeyKind);
+
+/// What a key source may be, for errors.
+const KEY_SOURCES: &str =
+    "\"api_key\", \"client_ip\", \"global\", \"client_cert\", \"header:<name>\" or \"jwt:<claim>\"";
 
 /// A key source as a rule's `key` writes it (a pool's `balance = "hash:<key source>"`
 /// takes the same words).
@@ -74,21 +79,60 @@ pub(super) fn key_kind(s: &str) -> Result<KeyKind, String> {
         "client_ip" => KeyKind::ClientIp,
         "global" => KeyKind::Global,
         "client_cert" => KeyKind::ClientCert,
-        other => match other.strip_prefix("header:") {
-            Some(name) => HeaderName::from_bytes(name.trim().as_bytes())
+        other => match (other.strip_prefix("header:"), other.strip_prefix("jwt:")) {
+            (Some(name), _) => HeaderName::from_bytes(name.trim().as_bytes())
                 .map(KeyKind::Header)
                 .map_err(|_| format!("invalid header name in key {s:?}"))?,
-            None => return Err(format!(
-                "invalid key {s:?}: expected \"api_key\", \"client_ip\", \"global\", \"client_cert\" or \"header:<name>\""
-            )),
+            (_, Some(path)) => KeyKind::Jwt(
+                crate::identity::ClaimPath::parse(path)
+                    .map_err(|e| format!("in key {s:?}: {e}"))?,
+            ),
+            _ => return Err(format!("invalid key {s:?}: expected {KEY_SOURCES}")),
         },
     })
 }
 
+/// `key = [...]`: two or more distinct key sources, none `global` (it adds nothing).
+fn combined(parts: Vec<String>) -> Result<KeyKind, String> {
+    if parts.len() < 2 {
+        return Err(format!(
+            "a combined key lists two or more key sources (got {}); for one, write it as a string",
+            parts.len()
+        ));
+    }
+    let mut kinds: Vec<KeyKind> = Vec::with_capacity(parts.len());
+    for p in &parts {
+        let kind = key_kind(p.trim())?;
+        if kind == KeyKind::Global {
+            return Err("\"global\" in a combined key adds nothing: leave it out".into());
+        }
+        if kinds.contains(&kind) {
+            return Err(format!("{kind} is twice in the combined key"));
+        }
+        kinds.push(kind);
+    }
+    Ok(KeyKind::Combined(kinds))
+}
+
 impl<'de> Deserialize<'de> for KeySpec {
     fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
-        let s = String::deserialize(d)?;
-        key_kind(&s).map(KeySpec).map_err(de::Error::custom)
+        #[derive(Deserialize)]
+        #[serde(untagged)]
+        enum Written {
+            One(String),
+            Many(Vec<String>),
+        }
+        let written = Written::deserialize(d).map_err(|_| {
+            de::Error::custom(format!(
+                "invalid key: expected {KEY_SOURCES}, or a list of two or more of them"
+            ))
+        })?;
+        match written {
+            Written::One(s) => key_kind(&s),
+            Written::Many(parts) => combined(parts),
+        }
+        .map(KeySpec)
+        .map_err(de::Error::custom)
     }
 }
 
@@ -161,6 +205,11 @@ impl<'de> Deserialize<'de> for BalanceSpec {
                         "invalid key source {source:?} in {s:?}: {hash_by}, as a rule's key names them"
                     ))
                 })?;
+                if let KeyKind::Jwt(_) = kind {
+                    return Err(de::Error::custom(format!(
+                        "{s:?}: a pool does not hash by a token claim: {hash_by}"
+                    )));
+                }
                 if kind == KeyKind::Global {
                     return Err(de::Error::custom(format!(
                         "{s:?} would send every request to one server: {hash_by}"

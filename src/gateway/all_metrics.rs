@@ -45,6 +45,8 @@ pub struct Metrics {
     pub connection: ConnectionMetrics,
     /// The tunnels' (upgraded connections') metrics (`tunnel/metrics.rs`).
     pub tunnel: crate::tunnel::metrics::TunnelMetrics,
+    /// `[jwt] jwks_url` fetches.
+    pub jwks: super::jwks::JwksMetrics,
     /// What the status page shows (the limiter counts its store calls into it too).
     pub stats: Arc<Stats>,
 }
@@ -64,6 +66,7 @@ impl Metrics {
         );
         let connection = ConnectionMetrics::register(&mut registry);
         let tunnel = crate::tunnel::metrics::TunnelMetrics::register(&mut registry);
+        let jwks = super::jwks::JwksMetrics::register(&mut registry);
         let build_info = Info::new(BuildLabels {
             version: env!("CARGO_PKG_VERSION"),
         });
@@ -81,6 +84,7 @@ impl Metrics {
             admin_auth_failures,
             connection,
             tunnel,
+            jwks,
             stats: Arc::new(Stats::new()),
         }
     }

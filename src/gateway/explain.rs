@@ -63,7 +63,8 @@ pub fn explain(
             );
         }
     }
-    let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip);
+    let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip)
+        .with_jwt(cfg.jwt.as_ref().map(|j| &*j.verifier));
     // Where it goes, as the request path chooses (`route::choose`).
     let to = match super::route::choose(cfg, &parts, &requester) {
         // With one pool and no route, every request goes to the pool default: nothing to say.
@@ -206,6 +207,13 @@ fn refused(refusal: &Refusal, name: &http::HeaderName) -> String {
         // `check`'s sample request comes over no TLS connection.
         Refusal::MissingCert => {
             "refused with 401: no client certificate (over TLS, with [server.tls] client_ca)".into()
+        }
+        Refusal::MissingToken => "refused with 401: no bearer token".into(),
+        Refusal::MissingClaim | Refusal::InvalidToken(_) => {
+            format!("refused with 401: {refusal}")
+        }
+        Refusal::KeysUnavailable => {
+            "refused with 503: no JWKS fetched (check does not fetch jwks_url; the gateway does at start)".into()
         }
     }
 }

@@ -50,6 +50,8 @@ impl Live {
         metrics: &Arc<Metrics>,
         clock: Arc<dyn Clock>,
     ) -> Result<Live, StoreError> {
+        let mut config = config;
+        carry_jwt(&mut config, old, metrics);
         let limiter = match old {
             Some(o) if o.config.store == config.store => o.limiter.clone(),
             _ => {
@@ -99,6 +101,25 @@ impl Live {
             limiter,
             cache_denials,
         })
+    }
+}
+
+/// `[jwt]` across a reload: the old verifier (its fetched keys, its cache, its fetch
+/// task) where the settings and keys are the same; else the new one, whose `jwks_url`
+/// starts being fetched now (where a runtime runs: `ratewall check` fetches nothing).
+fn carry_jwt(config: &mut Config, old: Option<&Live>, metrics: &Arc<Metrics>) {
+    let Some(jwt) = &mut config.jwt else {
+        return;
+    };
+    if let Some(kept) = old
+        .and_then(|o| o.config.jwt.as_ref())
+        .filter(|o| o.same_as(jwt))
+    {
+        jwt.verifier = kept.verifier.clone();
+        return;
+    }
+    if let (Some(fetch), Ok(_)) = (&jwt.fetch, tokio::runtime::Handle::try_current()) {
+        super::jwks::start(&jwt.verifier, fetch, metrics.clone());
     }
 }
 

@@ -91,6 +91,10 @@ label_enum! {
         NotImplemented = "not_implemented",
         /// 404: no route matches the request, and no pool `default` takes the rest.
         NoRoute = "no_route",
+        /// 401: a bearer token that did not verify (or lacks the claim the rule counts by).
+        InvalidToken = "invalid_token",
+        /// 503: a rule counts by a token claim, and no key set has been fetched yet.
+        KeysUnavailable = "keys_unavailable",
     }
 }
 
@@ -108,9 +112,12 @@ impl From<crate::identity::Refusal> for RefusalReason {
     fn from(r: crate::identity::Refusal) -> RefusalReason {
         use crate::identity::Refusal;
         match r {
-            Refusal::MissingKey | Refusal::MissingHeader | Refusal::MissingCert => {
-                RefusalReason::MissingKey
-            }
+            Refusal::MissingKey
+            | Refusal::MissingHeader
+            | Refusal::MissingCert
+            | Refusal::MissingToken => RefusalReason::MissingKey,
+            Refusal::InvalidToken(_) | Refusal::MissingClaim => RefusalReason::InvalidToken,
+            Refusal::KeysUnavailable => RefusalReason::KeysUnavailable,
             Refusal::UnknownKey => RefusalReason::UnknownKey,
             Refusal::Malformed(_) => RefusalReason::Malformed,
         }
@@ -285,7 +292,7 @@ impl GatewayMetrics {
         let refusals = Family::<RefusalLabels, Counter>::default();
         registry.register(
             "refusals",
-            "Requests refused before any limit was consulted, by reason: missing_key (401), unknown_key (401), malformed (400), not_implemented (501)",
+            "Requests refused before any limit was consulted, by reason: missing_key (401), unknown_key (401), malformed (400), not_implemented (501), no_route (404), invalid_token (401: a bearer token that did not verify), keys_unavailable (503: no JWKS fetched yet)",
             refusals.clone(),
         );
         let rule_upstream_failures = Family::<RuleFailureLabels, Counter>::default();

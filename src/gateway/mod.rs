@@ -14,6 +14,7 @@ mod body;
 mod context;
 mod explain;
 pub mod grpc;
+pub mod jwks;
 mod limits;
 mod live;
 pub mod metrics;
@@ -171,6 +172,8 @@ pub struct Pass<'l> {
     /// one's position, who the request is under it, and how long it may hold a client back
     /// (its `max_delay`, µs). Used only where the request upgrades.
     messages: Vec<(usize, IdentityDigest, u64)>,
+    /// The headers its verified token's claims give the backend (`[jwt] forward_claims`).
+    claims: Vec<(http::HeaderName, http::HeaderValue)>,
 }
 
 impl<'l> Pass<'l> {
@@ -184,6 +187,7 @@ impl<'l> Pass<'l> {
             dialect,
             note,
             messages: Vec::new(),
+            claims: Vec::new(),
         }
     }
 
@@ -445,19 +449,40 @@ impl Gateway {
             return Admission::Answer(resp, Note::gateway("bad_request"));
         }
         let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip)
-            .with_client_cert(ctx.client_cert.as_ref());
-        let to = match route::choose(cfg, parts, &requester) {
+            .with_client_cert(ctx.client_cert.as_ref())
+            .with_jwt(cfg.jwt.as_ref().map(|j| &*j.verifier));
+        // Read first (the token verified once, for the rules too): the request is moved on.
+        let claims = requester.forwarded_claims();
+        match self.admit_by(live, parts, dialect, requester).await {
+            Admission::Forward(mut pass) => {
+                pass.claims = claims;
+                Admission::Forward(pass)
+            }
+            answer => answer,
+        }
+    }
+
+    /// [`Gateway::admit_as`], for the request as `requester` reads it.
+    async fn admit_by<'l: 'p, 'p>(
+        &self,
+        live: &'l Live,
+        parts: &Parts,
+        dialect: Dialect,
+        requester: Requester<'p>,
+    ) -> Admission<'l> {
+        let requester = &requester;
+        let cfg = &*live.config;
+        let to = match route::choose(cfg, parts, requester) {
             Ok(Some(to)) => to,
             Ok(None) => return self.no_route(cfg, parts, dialect),
             Err(refusal) => {
                 self.metrics.gateway.count_refusal(refusal.into());
-                let p = Problem::new(refusal.status(), refusal.to_string());
                 let note = Note::gateway(Verdict::Refuse(refusal).decision());
-                return Admission::Answer(problem(p, cfg, &[], dialect), note);
+                return Admission::Answer(problem(refused(refusal), cfg, &[], dialect), note);
             }
         };
-        let to = to.hashed(cfg, &requester);
-        let limits = match Limit::all(live, parts, &requester, Some(&to)) {
+        let to = to.hashed(cfg, requester);
+        let limits = match Limit::all(live, parts, requester, Some(&to)) {
             Ok(limits) if limits.is_empty() => {
                 let note = Note::gateway("unlimited").to(&to, cfg);
                 return Admission::Forward(Pass::unlimited(note, to, dialect));
@@ -471,12 +496,7 @@ impl Gateway {
                     };
                 }
                 self.metrics.gateway.count_refusal(refusal.into());
-                let resp = problem(
-                    Problem::new(refusal.status(), refusal.to_string()),
-                    cfg,
-                    &[],
-                    dialect,
-                );
+                let resp = problem(refused(refusal), cfg, &[], dialect);
                 let note = Note {
                     rule: live.config.rules.get(index).map(|r| r.name.as_str()),
                     ..Note::gateway(Verdict::Refuse(refusal).decision()).to(&to, cfg)
@@ -585,6 +605,7 @@ impl Gateway {
             dialect: Dialect::Http,
             note,
             messages,
+            claims: Vec::new(),
         }
     }
 
@@ -624,6 +645,16 @@ impl Gateway {
         let target = pass.to.target(cfg, req.uri());
         // An upgrade goes up as one only where the client's side can switch too.
         let (mut parts, body) = req.into_parts();
+        // The claims' headers come from the verified token only: a client's own copies
+        // are dropped, whether or not the request carried a token.
+        if let Some(jwt) = &cfg.jwt {
+            for (_, header) in &jwt.verifier.settings.forward_claims {
+                parts.headers.remove(header);
+            }
+            for (header, value) in std::mem::take(&mut pass.claims) {
+                parts.headers.append(header, value);
+            }
+        }
         let upgrade = upstream::Upgrade::asked(&parts, hyper::body::Body::is_end_stream(&body))
             .and_then(|asked| {
                 let on = parts.extensions.remove::<hyper::upgrade::OnUpgrade>()?;
@@ -885,6 +916,16 @@ fn store_failed<'l>(
     );
     let resp = problem(p.with_retry_after(1), &live.config, &[], dialect);
     Admission::Answer(resp, note)
+}
+
+/// The answer to a request refused before any limit: its status and reason, and a bearer
+/// token's challenge (`WWW-Authenticate`) where a token was missing or did not verify.
+fn refused(refusal: crate::identity::Refusal) -> Problem {
+    let p = Problem::new(refusal.status(), refusal.to_string()).with_challenge(refusal.challenge());
+    match refusal.status() {
+        StatusCode::SERVICE_UNAVAILABLE => p.with_retry_after(1),
+        _ => p,
+    }
 }
 
 /// Ask hyper to close the client connection once `resp` is sent (HTTP/1).

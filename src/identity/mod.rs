@@ -12,11 +12,14 @@
 //! so raw API keys never reach Redis key names, logs or metrics.
 
 mod client_ip;
+pub mod jwt;
 mod keys;
+mod token_cache;
 
 use std::cell::OnceCell;
 use std::fmt;
 use std::net::IpAddr;
+use std::sync::Arc;
 
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::StatusCode;
@@ -24,6 +27,7 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 pub use client_ip::{client_ip, is_trusted, ClientIp, ForwardingHeader};
+pub use jwt::{ClaimPath, Failure, TokenError, Verified, Verifier};
 pub use keys::{api_key, sha256, KeyError, Keys, UnknownKeys, DEFAULT_KEY_HEADER, MAX_KEY_LEN};
 
 /// What a rule counts requests by (`key`), and what it does when the request does not
@@ -47,6 +51,30 @@ pub enum KeyKind {
     /// The client certificate the TLS handshake verified (`[server.tls] client_ca`), by
     /// its SHA-256 fingerprint: an identity no header can forge.
     ClientCert,
+    /// A claim of the request's bearer token, verified by `[jwt]` (`jwt:<claim.path>`).
+    Jwt(ClaimPath),
+    /// The combination of two or more of the others (`key = ["jwt:org_id",
+    /// "header:x-project"]`): each combination is an identity of its own.
+    Combined(Vec<KeyKind>),
+}
+
+impl KeyKind {
+    /// Whether it is `part`, or a combination with `part` among its parts.
+    pub fn uses(&self, part: &KeyKind) -> bool {
+        match self {
+            KeyKind::Combined(parts) => parts.contains(part),
+            kind => kind == part,
+        }
+    }
+
+    /// Whether it counts by a token claim (alone, or as a part).
+    pub fn uses_jwt(&self) -> bool {
+        match self {
+            KeyKind::Jwt(_) => true,
+            KeyKind::Combined(parts) => parts.iter().any(KeyKind::uses_jwt),
+            _ => false,
+        }
+    }
 }
 
 /// The SHA-256 fingerprint (of the DER) of the client certificate a request's connection
@@ -96,6 +124,11 @@ impl fmt::Display for KeyKind {
             KeyKind::Global => f.write_str("global"),
             KeyKind::Header(h) => write!(f, "header:{h}"),
             KeyKind::ClientCert => f.write_str("client_cert"),
+            KeyKind::Jwt(path) => write!(f, "jwt:{path}"),
+            KeyKind::Combined(parts) => {
+                let parts: Vec<String> = parts.iter().map(|p| format!("\"{p}\"")).collect();
+                write!(f, "[{}]", parts.join(", "))
+            }
         }
     }
 }
@@ -116,6 +149,10 @@ pub enum Source<'a> {
     Header(&'a HeaderName, &'a [u8]),
     /// A verified client certificate, by its fingerprint.
     ClientCert(&'a [u8; 32]),
+    /// A claim of a verified bearer token.
+    Jwt(&'a ClaimPath),
+    /// A combination of these parts (each named, none shown).
+    Combined(&'a [KeyKind]),
 }
 
 impl Identity<'_> {
@@ -139,6 +176,11 @@ impl Identity<'_> {
             Source::ClientCert(_) => {
                 return format!("client cert {}", self.digest.short_hex().as_str())
             }
+            Source::Jwt(path) => return format!("jwt {path} {}", self.digest.short_hex().as_str()),
+            Source::Combined(parts) => {
+                let parts: Vec<String> = parts.iter().map(ToString::to_string).collect();
+                return format!("{} {}", parts.join(" + "), self.digest.short_hex().as_str());
+            }
         };
         if value.len() >= 12 {
             let tail = String::from_utf8_lossy(&value[value.len() - 4..]);
@@ -158,6 +200,11 @@ impl fmt::Display for Source<'_> {
             Source::ApiKey(_) => f.write_str("API key"),
             Source::Header(h, _) => write!(f, "{h}"),
             Source::ClientCert(_) => f.write_str("client certificate"),
+            Source::Jwt(path) => write!(f, "the token's {path} claim"),
+            Source::Combined(parts) => {
+                let parts: Vec<String> = parts.iter().map(ToString::to_string).collect();
+                write!(f, "the combination of {}", parts.join(" + "))
+            }
         }
     }
 }
@@ -176,12 +223,24 @@ pub enum Refusal {
     /// No verified client certificate, and the rule counts by one
     /// (`missing_key = "reject"`).
     MissingCert,
+    /// No bearer token, and the rule counts by one of its claims (`missing_key =
+    /// "reject"`).
+    MissingToken,
+    /// A verified token without the claim the rule counts by (`missing_key = "reject"`).
+    MissingClaim,
+    /// A token that did not verify: 401 with `WWW-Authenticate: Bearer
+    /// error="invalid_token"`, never forwarded.
+    InvalidToken(TokenError),
+    /// No key set to verify tokens with yet (a `jwks_url` never fetched): 503, never
+    /// forwarded unverified.
+    KeysUnavailable,
 }
 
 impl Refusal {
     pub fn status(self) -> StatusCode {
         match self {
             Refusal::Malformed(_) => StatusCode::BAD_REQUEST,
+            Refusal::KeysUnavailable => StatusCode::SERVICE_UNAVAILABLE,
             _ => StatusCode::UNAUTHORIZED,
         }
     }
@@ -190,8 +249,37 @@ impl Refusal {
     pub fn decision(self) -> &'static str {
         match self {
             Refusal::Malformed(_) => "bad_key",
+            Refusal::InvalidToken(_) | Refusal::MissingClaim => "invalid_token",
+            Refusal::KeysUnavailable => "keys_unavailable",
             _ => "unauthorized",
         }
+    }
+
+    /// Whether the request lacks what the rule counts by (and `missing_key` decides).
+    pub fn is_missing(self) -> bool {
+        matches!(
+            self,
+            Refusal::MissingKey
+                | Refusal::MissingHeader
+                | Refusal::MissingCert
+                | Refusal::MissingToken
+        )
+    }
+
+    /// The `WWW-Authenticate` challenge of a bearer token's refusal (RFC 6750 §3): bare
+    /// where none was sent, with the reason where one did not verify.
+    pub fn challenge(self) -> Option<HeaderValue> {
+        let reason = match self {
+            Refusal::MissingToken => return Some(HeaderValue::from_static("Bearer")),
+            Refusal::InvalidToken(e) => e.reason(),
+            Refusal::MissingClaim => "the token lacks the claim this rule counts by",
+            _ => return None,
+        };
+        let escaped = reason.replace('\\', "\\\\").replace('"', "\\\"");
+        HeaderValue::from_str(&format!(
+            "Bearer error=\"invalid_token\", error_description=\"{escaped}\""
+        ))
+        .ok()
     }
 }
 
@@ -204,6 +292,12 @@ impl fmt::Display for Refusal {
             Refusal::UnknownKey => f.write_str("the API key is not known"),
             Refusal::Malformed(e) => write!(f, "{e}"),
             Refusal::MissingCert => f.write_str("a client certificate is required"),
+            Refusal::MissingToken => f.write_str("a bearer token is required"),
+            Refusal::MissingClaim => f.write_str("the token lacks the claim this rule counts by"),
+            Refusal::InvalidToken(e) => write!(f, "invalid token: {e}"),
+            Refusal::KeysUnavailable => {
+                f.write_str("the keys to verify tokens with are not available yet")
+            }
         }
     }
 }
@@ -221,7 +315,14 @@ pub struct Requester<'a> {
     api_key: OnceCell<SentKey<'a>>,
     /// The verified client certificate's fingerprint, over TLS.
     client_cert: Option<&'a [u8; 32]>,
+    /// `[jwt]`'s verifier, where the config has one.
+    jwt: Option<&'a Verifier>,
+    /// The bearer token, verified once however many rules ask.
+    token: OnceCell<SentToken>,
 }
+
+/// A bearer token as verified (`None`: none was sent), or why it cannot be used.
+type SentToken = Result<Option<Arc<Verified>>, Refusal>;
 
 /// An API key as sent (`None`: none was), and its digest; or why it cannot be used.
 type SentKey<'a> = Result<Option<(&'a [u8], IdentityDigest)>, KeyError>;
@@ -236,6 +337,48 @@ impl<'a> Requester<'a> {
             client_ip: OnceCell::new(),
             api_key: OnceCell::new(),
             client_cert: None,
+            jwt: None,
+            token: OnceCell::new(),
+        }
+    }
+
+    /// Bearer tokens are verified with `jwt` (`[jwt]`).
+    pub fn with_jwt(mut self, jwt: Option<&'a Verifier>) -> Self {
+        self.jwt = jwt;
+        self
+    }
+
+    /// The request's bearer token, verified (once); none where none was sent.
+    pub fn token(&self) -> Result<Option<&Verified>, Refusal> {
+        let sent = self.token.get_or_init(|| {
+            let Some(v) = self.jwt else {
+                return Err(Refusal::KeysUnavailable);
+            };
+            let Some(token) = v.token_of(self.headers).map_err(Refusal::InvalidToken)? else {
+                return Ok(None);
+            };
+            match v.verify(token) {
+                Ok(verified) => Ok(Some(verified)),
+                Err(Failure::Invalid(e)) => Err(Refusal::InvalidToken(e)),
+                Err(Failure::Unavailable) => Err(Refusal::KeysUnavailable),
+            }
+        });
+        match sent {
+            Ok(v) => Ok(v.as_deref()),
+            Err(r) => Err(*r),
+        }
+    }
+
+    /// The headers the backend gets from the request's verified token
+    /// (`forward_claims`): none without `[jwt] forward_claims`, without a token, or with
+    /// one that did not verify.
+    pub fn forwarded_claims(&self) -> Vec<(HeaderName, HeaderValue)> {
+        let Some(v) = self.jwt.filter(|v| !v.settings.forward_claims.is_empty()) else {
+            return Vec::new();
+        };
+        match self.token() {
+            Ok(Some(verified)) => v.forwarded(verified),
+            _ => Vec::new(),
         }
     }
 
@@ -258,9 +401,25 @@ impl<'a> Requester<'a> {
         })
     }
 
-    /// The plan the request's API key is listed with, if any. A malformed key has none
-    /// (the rules counting by it refuse the request).
-    pub fn plan(&self) -> Option<&'a str> {
+    /// The request's plan: its verified token's `plan_claim` where it carries one, else
+    /// the plan its API key is listed with, if any. A malformed key has none (the rules
+    /// counting by it refuse the request), nor has a token that did not verify.
+    pub fn plan(&self) -> Option<&str> {
+        if let Some(plan) = self.token_plan() {
+            return Some(plan);
+        }
+        self.key_plan()
+    }
+
+    /// The `plan_claim` of the request's verified token (a string claim).
+    fn token_plan(&self) -> Option<&str> {
+        let claim = self.jwt?.settings.plan_claim.as_ref()?;
+        let verified = self.token().ok().flatten()?;
+        claim.lookup(&verified.claims)?.as_str()
+    }
+
+    /// The plan the request's API key is listed with.
+    fn key_plan(&self) -> Option<&'a str> {
         if self.keys.is_empty() {
             return None;
         }
@@ -270,11 +429,18 @@ impl<'a> Requester<'a> {
 
     /// Who the request is under a rule counting by `key`.
     pub fn identify(&self, key: &'a Key) -> Result<Identity<'a>, Refusal> {
-        let by_ip = |missing| match key.missing {
-            MissingKey::ClientIp => Ok(self.ip_identity()),
-            MissingKey::Reject => Err(missing),
-        };
-        match &key.kind {
+        match self.identify_kind(&key.kind) {
+            Err(missing) if missing.is_missing() && key.missing == MissingKey::ClientIp => {
+                Ok(self.ip_identity())
+            }
+            other => other,
+        }
+    }
+
+    /// Who the request is by `kind`; a missing part is its `Missing*` refusal (for
+    /// [`Requester::identify`]'s `missing_key` to decide).
+    fn identify_kind(&self, kind: &'a KeyKind) -> Result<Identity<'a>, Refusal> {
+        match kind {
             KeyKind::Global => Ok(Identity {
                 digest: digest_global(),
                 source: Source::Everyone,
@@ -290,22 +456,40 @@ impl<'a> Requester<'a> {
                         source: Source::ApiKey(v),
                     })
                 }
-                None => by_ip(Refusal::MissingKey),
+                None => Err(Refusal::MissingKey),
             },
             KeyKind::Header(h) => match api_key(self.headers, h).map_err(Refusal::Malformed)? {
                 Some(v) => Ok(Identity {
                     digest: digest_header(h, v),
                     source: Source::Header(h, v),
                 }),
-                None => by_ip(Refusal::MissingHeader),
+                None => Err(Refusal::MissingHeader),
             },
             KeyKind::ClientCert => match self.client_cert {
                 Some(fingerprint) => Ok(Identity {
                     digest: digest_client_cert(fingerprint),
                     source: Source::ClientCert(fingerprint),
                 }),
-                None => by_ip(Refusal::MissingCert),
+                None => Err(Refusal::MissingCert),
             },
+            KeyKind::Jwt(path) => {
+                let verified = self.token()?.ok_or(Refusal::MissingToken)?;
+                let value = path.text(&verified.claims).ok_or(Refusal::MissingClaim)?;
+                Ok(Identity {
+                    digest: digest_claim(path, value.as_bytes()),
+                    source: Source::Jwt(path),
+                })
+            }
+            KeyKind::Combined(parts) => {
+                let mut digests = Vec::with_capacity(parts.len());
+                for part in parts {
+                    digests.push(self.identify_kind(part)?.digest);
+                }
+                Ok(Identity {
+                    digest: digest_combined(&digests),
+                    source: Source::Combined(parts),
+                })
+            }
         }
     }
 
@@ -354,11 +538,44 @@ pub fn headers_naming(key: &KeyKind, keys: &Keys, value: &[u8]) -> Option<Header
     let name = match key {
         KeyKind::ApiKey => &keys.header,
         KeyKind::Header(h) => h,
-        KeyKind::ClientIp | KeyKind::Global | KeyKind::ClientCert => return Some(HeaderMap::new()),
+        KeyKind::ClientIp
+        | KeyKind::Global
+        | KeyKind::ClientCert
+        | KeyKind::Jwt(_)
+        | KeyKind::Combined(_) => return Some(HeaderMap::new()),
     };
     let mut h = HeaderMap::new();
     h.insert(name.clone(), HeaderValue::from_bytes(value).ok()?);
     Some(h)
+}
+
+/// The digest of one part of a key (or a whole single key) as the admin API names it:
+/// `value` is the API key, the header's value, the address, the certificate's SHA-256
+/// fingerprint (hex, colons allowed) or the claim's text. None for a value that is not
+/// one, and for a combination (give each part).
+pub fn digest_part(kind: &KeyKind, value: &[u8]) -> Option<IdentityDigest> {
+    Some(match kind {
+        KeyKind::Global => digest_global(),
+        KeyKind::ApiKey => digest_api_key(value),
+        KeyKind::Header(h) => digest_header(h, value),
+        KeyKind::Jwt(path) => digest_claim(path, value),
+        KeyKind::ClientIp => {
+            let ip: IpAddr = std::str::from_utf8(value).ok()?.trim().parse().ok()?;
+            digest_ip(ip.to_canonical())
+        }
+        KeyKind::ClientCert => {
+            let digits: Vec<u8> = value.iter().copied().filter(|b| *b != b':').collect();
+            if digits.len() != 64 {
+                return None;
+            }
+            let mut fp = [0u8; 32];
+            for (i, pair) in digits.chunks(2).enumerate() {
+                fp[i] = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
+            }
+            digest_client_cert(&fp)
+        }
+        KeyKind::Combined(_) => return None,
+    })
 }
 
 /// A 128-bit digest of an identity. Rendered as hex in Redis key names.
@@ -426,6 +643,19 @@ pub fn digest_global() -> IdentityDigest {
 
 pub fn digest_header(name: &HeaderName, value: &[u8]) -> IdentityDigest {
     digest(&[b"ratewall/header\0", name.as_str().as_bytes(), b"\0", value])
+}
+
+/// A verified token's claim at `path`, by its text (a number or a boolean as its JSON).
+pub fn digest_claim(path: &ClaimPath, value: &[u8]) -> IdentityDigest {
+    digest(&[b"ratewall/jwt\0", path.as_str().as_bytes(), b"\0", value])
+}
+
+/// A combination, by its parts' digests in the key's order.
+pub fn digest_combined(parts: &[IdentityDigest]) -> IdentityDigest {
+    let mut all: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
+    all.push(b"ratewall/combined\0");
+    all.extend(parts.iter().map(|d| &d.0[..]));
+    digest(&all)
 }
 
 fn digest(parts: &[&[u8]]) -> IdentityDigest {

@@ -217,6 +217,17 @@ impl Tls {
         out
     }
 
+    /// TLS over `tcp` offering `http/1.1`, verified as a backend's is: for the gateway's
+    /// own fetches (a `[jwt] jwks_url`).
+    pub async fn connect(
+        &self,
+        tcp: TcpStream,
+    ) -> std::io::Result<tokio_rustls::client::TlsStream<TcpStream>> {
+        self.connectors[Alpn::Http1 as usize]
+            .connect(self.name.clone(), tcp)
+            .await
+    }
+
     /// TLS over `tcp`, opened to `addr`, within `timeout`, offering `alpn`'s protocols;
     /// how it ended counted in `counted`.
     pub(super) async fn handshake(

@@ -1,0 +1,172 @@
+//! The verifier: what it accepts and refuses, its cache (a hit, an expiry on the
+//! injected clock, emptied on a new key set), and claim paths.
+
+use super::*;
+use std::sync::atomic::AtomicU64;
+
+fn settings(algorithms: Vec<Alg>) -> Settings {
+    Settings {
+        from: TokenFrom::Bearer(http::header::AUTHORIZATION),
+        algorithms,
+        keys_from: KeysFrom::SecretEnv("X".into()),
+        issuer: vec!["iss-a".into()],
+        audience: vec!["api".into()],
+        leeway: 30,
+        required_claims: vec![ClaimPath::parse("sub").unwrap()],
+        plan_claim: None,
+        forward_claims: Vec::new(),
+    }
+}
+
+fn sign(secret: &[u8], claims: serde_json::Value) -> String {
+    jsonwebtoken::encode(
+        &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+        &claims,
+        &jsonwebtoken::EncodingKey::from_secret(secret),
+    )
+    .unwrap()
+}
+
+static NOW_A: AtomicU64 = AtomicU64::new(1_000_000);
+fn now_a() -> u64 {
+    NOW_A.load(Ordering::Relaxed)
+}
+
+#[test]
+fn tokens_are_verified_then_served_from_the_cache_until_they_expire() {
+    let v = Verifier::with_clock(
+        settings(vec![Alg::HS256]),
+        Some(KeySet::from_secret(b"k1")),
+        now_a,
+        100,
+    );
+    let exp = 1_000_100;
+    let good = sign(
+        b"k1",
+        serde_json::json!({"sub": "alice", "iss": "iss-a", "aud": ["x", "api"], "exp": exp}),
+    );
+    let id = v.verify(&good).expect("verified");
+    assert_eq!(id.claims["sub"], "alice");
+    assert_eq!(v.cached(), 1);
+    // A hit: the same value, not verified again.
+    assert!(Arc::ptr_eq(&id, &v.verify(&good).unwrap()));
+    // Within the leeway it still passes; past it, the cached entry is dropped and the
+    // full check says expired.
+    NOW_A.store(exp + 29, Ordering::Relaxed);
+    assert!(v.verify(&good).is_ok());
+    NOW_A.store(exp + 30, Ordering::Relaxed);
+    assert_eq!(
+        v.verify(&good).unwrap_err(),
+        Failure::Invalid(TokenError::Expired)
+    );
+    assert_eq!(v.cached(), 0);
+}
+
+static NOW_B: AtomicU64 = AtomicU64::new(1_000_000);
+fn now_b() -> u64 {
+    NOW_B.load(Ordering::Relaxed)
+}
+
+#[test]
+fn a_new_key_set_empties_the_cache_and_stops_the_old_keys_tokens() {
+    let v = Verifier::with_clock(
+        settings(vec![Alg::HS256]),
+        Some(KeySet::from_secret(b"k1")),
+        now_b,
+        100,
+    );
+    let t = sign(
+        b"k1",
+        serde_json::json!({"sub": "a", "iss": "iss-a", "aud": "api", "exp": 2_000_000}),
+    );
+    assert!(v.verify(&t).is_ok());
+    assert!(!v.set_keys(KeySet::from_secret(b"k1")), "the same set");
+    assert_eq!(v.cached(), 1);
+    assert!(v.set_keys(KeySet::from_secret(b"k2")));
+    assert_eq!(v.cached(), 0);
+    assert_eq!(
+        v.verify(&t).unwrap_err(),
+        Failure::Invalid(TokenError::BadSignature)
+    );
+}
+
+#[test]
+fn each_invalid_class_has_its_reason() {
+    let v = Verifier::with_clock(
+        settings(vec![Alg::HS256]),
+        Some(KeySet::from_secret(b"k")),
+        now_b,
+        100,
+    );
+    let now = now_b();
+    let base = serde_json::json!({"sub": "a", "iss": "iss-a", "aud": "api", "exp": now + 100});
+    let with = |k: &str, val: serde_json::Value| {
+        let mut c = base.clone();
+        c[k] = val;
+        c
+    };
+    let err = |t: &str| match v.verify(t) {
+        Err(Failure::Invalid(e)) => e,
+        other => panic!("{t}: {other:?}"),
+    };
+    assert_eq!(err(&sign(b"other", base.clone())), TokenError::BadSignature);
+    assert_eq!(
+        err(&sign(b"k", with("exp", (now - 31).into()))),
+        TokenError::Expired
+    );
+    assert_eq!(
+        err(&sign(b"k", with("nbf", (now + 31).into()))),
+        TokenError::NotYetValid
+    );
+    assert_eq!(
+        err(&sign(b"k", with("iss", "x".into()))),
+        TokenError::WrongIssuer
+    );
+    assert_eq!(
+        err(&sign(b"k", with("aud", "x".into()))),
+        TokenError::WrongAudience
+    );
+    assert_eq!(
+        err(&sign(b"k", with("sub", serde_json::Value::Null))),
+        TokenError::MissingClaim
+    );
+    let mut no_exp = base.clone();
+    no_exp.as_object_mut().unwrap().remove("exp");
+    assert_eq!(err(&sign(b"k", no_exp)), TokenError::NoExpiry);
+    assert_eq!(err("not.a.token"), TokenError::Malformed);
+    assert_eq!(err(&"a".repeat(MAX_TOKEN_BYTES + 1)), TokenError::TooLong);
+    // alg none: never allowed.
+    let b64 = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+    let none = format!("{}.{}.", b64(r#"{"alg":"none"}"#), b64(&base.to_string()));
+    assert_eq!(err(&none), TokenError::AlgorithmNotAllowed);
+    // No key set yet: unavailable, never accepted.
+    let empty = Verifier::with_clock(settings(vec![Alg::HS256]), None, now_b, 10);
+    assert_eq!(
+        empty.verify(&sign(b"k", base)).unwrap_err(),
+        Failure::Unavailable
+    );
+}
+
+#[test]
+fn claim_paths_reach_nested_claims_and_only_scalars_are_values() {
+    let claims = serde_json::json!({
+        "sub": "alice", "n": 42, "b": true, "org": {"id": "acme", "tags": ["x"]}, "z": null
+    });
+    let claims = claims.as_object().unwrap();
+    let text = |p: &str| {
+        ClaimPath::parse(p)
+            .unwrap()
+            .text(claims)
+            .map(|c| c.into_owned())
+    };
+    assert_eq!(text("sub").as_deref(), Some("alice"));
+    assert_eq!(text("n").as_deref(), Some("42"));
+    assert_eq!(text("b").as_deref(), Some("true"));
+    assert_eq!(text("org.id").as_deref(), Some("acme"));
+    assert_eq!(text("org"), None);
+    assert_eq!(text("org.tags"), None);
+    assert_eq!(text("z"), None);
+    assert_eq!(text("missing.x"), None);
+    assert!(ClaimPath::parse("a..b").is_err());
+    assert!(ClaimPath::parse("").is_err());
+}

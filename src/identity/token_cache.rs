@@ -1,0 +1,70 @@
+//! The verified-token cache: a token accepted once is accepted again, until its `exp`
+//! (leeway included), at the cost of a SHA-256 and one map lookup under one shard's lock.
+//! Bounded: at most `max` tokens; a full shard first drops its expired tokens, then any
+//! one (a dropped token is verified again when it comes back: only CPU is lost).
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use super::jwt::Verified;
+
+/// Shards, each with a lock of its own: the workers verifying tokens rarely meet.
+const SHARDS: usize = 16;
+
+pub(super) struct TokenCache {
+    shards: Box<[Mutex<HashMap<[u8; 32], Arc<Verified>>>]>,
+    /// Tokens per shard at most.
+    per_shard: usize,
+}
+
+impl TokenCache {
+    pub(super) fn new(max: usize) -> TokenCache {
+        TokenCache {
+            shards: (0..SHARDS).map(|_| Mutex::new(HashMap::new())).collect(),
+            per_shard: max.div_ceil(SHARDS).max(1),
+        }
+    }
+
+    fn shard(&self, hash: &[u8; 32]) -> &Mutex<HashMap<[u8; 32], Arc<Verified>>> {
+        &self.shards[usize::from(hash[0]) % SHARDS]
+    }
+
+    /// The token of SHA-256 `hash`, if it was accepted and is still valid at `now`.
+    pub(super) fn get(&self, hash: &[u8; 32], now: u64) -> Option<Arc<Verified>> {
+        let mut shard = self.shard(hash).lock().unwrap_or_else(|p| p.into_inner());
+        match shard.get(hash) {
+            Some(v) if now < v.until => Some(v.clone()),
+            Some(_) => {
+                shard.remove(hash);
+                None
+            }
+            None => None,
+        }
+    }
+
+    pub(super) fn insert(&self, hash: [u8; 32], verified: Arc<Verified>, now: u64) {
+        let mut shard = self.shard(&hash).lock().unwrap_or_else(|p| p.into_inner());
+        if shard.len() >= self.per_shard && !shard.contains_key(&hash) {
+            shard.retain(|_, v| now < v.until);
+            if shard.len() >= self.per_shard {
+                if let Some(any) = shard.keys().next().copied() {
+                    shard.remove(&any);
+                }
+            }
+        }
+        shard.insert(hash, verified);
+    }
+
+    pub(super) fn clear(&self) {
+        for s in self.shards.iter() {
+            s.lock().unwrap_or_else(|p| p.into_inner()).clear();
+        }
+    }
+
+    pub(super) fn len(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).len())
+            .sum()
+    }
+}
