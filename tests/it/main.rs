@@ -6,6 +6,7 @@ mod common;
 
 mod algorithms_agree;
 mod batching;
+mod combined_keys;
 mod config_fixtures;
 mod docs;
 mod e2e;
@@ -14,6 +15,7 @@ mod features;
 mod grpc;
 mod grpc_answers;
 mod h2_pools;
+mod jwt;
 mod layering;
 mod logs;
 mod message_meter;

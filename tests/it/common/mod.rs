@@ -5,6 +5,9 @@
 //!   replicas), and what the tests read from them (INFO counters, TTLs, Redis' clock). No
 //!   server the harness starts writes anything to disk (`--save ""`, `--appendonly no`,
 //!   `--dir` in a temporary directory).
+//! - [`jwt`]: signing keys made here (openssl, rcgen), tokens signed with them, their
+//!   public keys as PEM and JWKS, and a JWKS served over https that can be changed and
+//!   stopped.
 //! - [`keys`]: the Redis key layout of CONTRACT.md (`<prefix>:{<identity-hash>}:<rule>`),
 //!   computed here with `sha2`, not with the crate's digest functions under test.
 //! - [`gateway`]: the `ratewall` binary on a generated config, and config snippets.
@@ -35,6 +38,7 @@ pub mod client;
 pub mod gateway;
 pub mod grpc;
 pub mod headers;
+pub mod jwt;
 pub mod keys;
 pub mod metrics;
 pub mod nginx;
