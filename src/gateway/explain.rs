@@ -100,6 +100,9 @@ pub fn explain(
             return out;
         }
     };
+    if let Some(line) = token_line(cfg, &requester) {
+        let _ = writeln!(out, "{line}");
+    }
     let fitting = matching(cfg, &parts, Some(&to));
     let plan = requester.plan();
     let mut applied = Vec::new();
@@ -218,15 +221,49 @@ fn refused(refusal: &Refusal, name: &http::HeaderName) -> String {
     }
 }
 
+/// What the sample request's bearer token is, where `[jwt]` is configured: verified (its
+/// claims' names), none, or why it is refused.
+fn token_line(cfg: &Config, requester: &Requester<'_>) -> Option<String> {
+    let jwt = cfg.jwt.as_ref()?;
+    Some(match requester.token() {
+        Ok(None) => format!("bearer token: none ({})", jwt.verifier.settings.from),
+        Ok(Some(v)) => {
+            let names: Vec<&str> = v.claims.keys().map(String::as_str).collect();
+            format!("bearer token: verified (claims {})", names.join(", "))
+        }
+        Err(Refusal::KeysUnavailable) => {
+            "bearer token: not verified: check does not fetch jwks_url (the gateway does at start)"
+                .to_string()
+        }
+        Err(r) => format!("bearer token: refused with 401: {r}"),
+    })
+}
+
+/// The part of `kind` the request lacks first, for `check` to name.
+fn lacking<'a>(kind: &'a KeyKind, requester: &Requester<'a>) -> Option<&'a KeyKind> {
+    match kind {
+        KeyKind::Combined(parts) => parts.iter().find(|p| requester.lacks(p)),
+        kind => requester.lacks(kind).then_some(kind),
+    }
+}
+
 /// How `rule` counts the request: per whom, and whether it enforces; or why it refuses.
 fn counted<'a>(cfg: &'a Config, rule: &'a Rule, requester: &Requester<'a>) -> String {
-    let name = match &rule.key.kind {
+    let lacks = lacking(&rule.key.kind, requester);
+    let name = match lacks.unwrap_or(&rule.key.kind) {
         KeyKind::Header(h) => h,
         _ => &cfg.keys.header,
     };
     let identity = match requester.identify(&rule.key) {
         Ok(identity) => identity,
-        Err(refusal) => return refused(&refusal, name),
+        Err(refusal) => {
+            return match (refusal, lacks) {
+                (r, Some(part)) if r.is_missing() && part != &rule.key.kind => {
+                    format!("{} (the part {part} is missing)", refused(&r, name))
+                }
+                (r, _) => refused(&r, name),
+            }
+        }
     };
     let by_key = matches!(rule.key.kind, KeyKind::ApiKey | KeyKind::Header(_));
     let who = match identity.source {
@@ -236,6 +273,15 @@ fn counted<'a>(cfg: &'a Config, rule: &'a Rule, requester: &Requester<'a>) -> St
         Source::ClientIp(_) if rule.key.kind == KeyKind::ClientCert => {
             format!("no client certificate: {}", identity.source)
         }
+        Source::ClientIp(_) if matches!(rule.key.kind, KeyKind::Jwt(_) | KeyKind::Combined(_)) => {
+            let part = lacks.map_or_else(String::new, ToString::to_string);
+            format!("no {part}: {}", identity.source)
+        }
+        Source::Jwt(_) | Source::Combined(_) => format!(
+            "{} (identity {})",
+            identity.source,
+            identity.digest.short_hex().as_str()
+        ),
         Source::ClientIp(_) if by_key => format!("no {name}: {}", identity.source),
         source => source.to_string(),
     };
@@ -301,5 +347,52 @@ mod tests {
                 "  - anon: refused with 401: the API key is not known (unknown = \"reject\") (read for its match on api_key)",
             ]
         );
+    }
+
+    /// A JWT rule and a combined key: check verifies the sample's token with the file's
+    /// keys, and names each part of a combination (and the part a request lacks).
+    #[test]
+    fn check_verifies_a_sample_token_and_names_each_part_of_a_combined_key() {
+        std::env::set_var("RATEWALL_EXPLAIN_TEST_SECRET", "explain-secret");
+        let cfg = Config::parse(
+            concat!(
+                "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:2\"\n",
+                "[jwt]\nalgorithms = [\"HS256\"]\nsecret_env = \"RATEWALL_EXPLAIN_TEST_SECRET\"\n",
+                "[[rules]]\nname = \"users\"\nkey = \"jwt:sub\"\nrate = \"10/s\"\n",
+                "[[rules]]\nname = \"projects\"\nkey = [\"jwt:org.id\", \"header:x-project\"]\nrate = \"5/s\"\n",
+            ),
+            std::path::Path::new("t.toml"),
+        )
+        .unwrap();
+        let token = jsonwebtoken::encode(
+            &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+            &serde_json::json!({"sub": "alice", "org": {"id": "acme"}, "exp": 4_000_000_000u64}),
+            &jsonwebtoken::EncodingKey::from_secret(b"explain-secret"),
+        )
+        .unwrap();
+        let ask = |sent: &[(&'static str, String)]| {
+            let mut h = HeaderMap::new();
+            for (k, v) in sent {
+                h.insert(*k, HeaderValue::from_str(v).unwrap());
+            }
+            let out = explain(&cfg, &Method::GET, "/x", &h, IpAddr::from([192, 0, 2, 1]));
+            out.lines().skip(1).map(str::to_string).collect::<Vec<_>>()
+        };
+        let bearer = format!("Bearer {token}");
+        let both = ask(&[
+            ("authorization", bearer.clone()),
+            ("x-project", "p1".into()),
+        ]);
+        assert_eq!(both[0], "bearer token: verified (claims exp, org, sub)");
+        assert!(both[2].starts_with("  - users: 10/s burst 10, token_bucket; counted per the token's sub claim (identity "), "{both:?}");
+        assert!(both[3].starts_with("  - projects: 5/s burst 5, token_bucket; counted per the combination of jwt:org.id + header:x-project (identity "), "{both:?}");
+        let no_project = ask(&[("authorization", bearer)]);
+        assert_eq!(no_project[3], "  - projects: 5/s burst 5, token_bucket; refused with 401: no x-project header (the part header:x-project is missing)");
+        let bad = ask(&[("authorization", "Bearer not.a.token".into())]);
+        assert_eq!(
+            bad[0],
+            "bearer token: refused with 401: invalid token: the token is malformed"
+        );
+        assert_eq!(bad[2], "  - users: 10/s burst 10, token_bucket; refused with 401: invalid token: the token is malformed");
     }
 }

@@ -437,6 +437,12 @@ impl<'a> Requester<'a> {
         }
     }
 
+    /// Whether the request lacks `part` (of a rule's key): what `missing_key` decides
+    /// for, named by `ratewall check`.
+    pub fn lacks(&self, part: &'a KeyKind) -> bool {
+        matches!(self.identify_kind(part), Err(r) if r.is_missing())
+    }
+
     /// Who the request is by `kind`; a missing part is its `Missing*` refusal (for
     /// [`Requester::identify`]'s `missing_key` to decide).
     fn identify_kind(&self, kind: &'a KeyKind) -> Result<Identity<'a>, Refusal> {

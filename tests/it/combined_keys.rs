@@ -1,7 +1,8 @@
 //! Combined keys end to end (`key = ["jwt:org_id", "header:x-project"]`): each
 //! combination of a verified token's claim and a header is counted apart, exactly; a
-//! request missing a part follows `missing_key` (401, or counted by its client IP). The
-//! real binary, a real upstream, a real client.
+//! request missing a part follows `missing_key` (401, or counted by its client IP); the
+//! admin API names one identity part by part. The real binary, a real upstream, a real
+//! client.
 
 use crate::common;
 
@@ -9,12 +10,14 @@ use common::jwt::{unix_now, SigningKey};
 use common::{Gateway, HttpClient, Upstream};
 use http::StatusCode;
 
+const ADMIN_TOKEN: &str = "combined-keys-admin-token";
+
 #[tokio::test(flavor = "multi_thread")]
 async fn each_combination_is_counted_apart_and_a_missing_part_follows_missing_key() {
     let upstream = Upstream::start().await;
     let gw = Gateway::start_with(
         &format!(
-            "[upstream]\nurl = \"{}\"\n[jwt]\nalgorithms = [\"HS256\"]\nsecret_env = \"JWT_TEST_SECRET\"\n\
+            "[admin]\ntoken = \"{ADMIN_TOKEN}\"\n[upstream]\nurl = \"{}\"\n[jwt]\nalgorithms = [\"HS256\"]\nsecret_env = \"JWT_TEST_SECRET\"\n\
              [[rules]]\nname = \"per-project\"\nkey = [\"jwt:org_id\", \"header:x-project\"]\nrate = \"1/h\"\nburst = 3\n\
              match = {{ path_prefix = \"/api/\" }}\n\
              [[rules]]\nname = \"per-project-or-ip\"\nkey = [\"jwt:org_id\", \"header:x-project\"]\nmissing_key = \"client_ip\"\n\
@@ -61,6 +64,53 @@ async fn each_combination_is_counted_apart_and_a_missing_part_follows_missing_ke
     }
     assert_eq!(passed, [3, 3, 3], "{}", gw.logs());
     assert_eq!(upstream.arrived(), 9);
+    // The admin API names the identity part by part, as the rule's key writes them.
+    assert!(common::wait_for_port(
+        gw.admin_port,
+        std::time::Duration::from_secs(10)
+    ));
+    let admin = format!("Bearer {ADMIN_TOKEN}");
+    let call = |path: &str| gw.admin_url(path);
+    let state = client
+        .get(
+            &call("/admin/state?rule=per-project&jwt:org_id=acme&header:x-project=p1"),
+            &[("authorization", &admin)],
+        )
+        .await;
+    assert_eq!(state.status, StatusCode::OK, "{:?}", state.body);
+    assert_eq!(state.json()["remaining"], 0);
+    let fresh = client
+        .get(
+            &call("/admin/state?rule=per-project&jwt:org_id=acme&header:x-project=p3"),
+            &[("authorization", &admin)],
+        )
+        .await;
+    assert_eq!(fresh.json()["remaining"], 3);
+    let half = client
+        .get(
+            &call("/admin/state?rule=per-project&jwt:org_id=acme"),
+            &[("authorization", &admin)],
+        )
+        .await;
+    assert_eq!(half.status, StatusCode::BAD_REQUEST);
+    assert!(String::from_utf8_lossy(&half.body).contains("give header:x-project="));
+    let reset = client
+        .send(
+            "POST",
+            &call("/admin/reset?rule=per-project&jwt:org_id=acme&header:x-project=p1"),
+            &[("authorization", &admin)],
+            bytes::Bytes::new(),
+        )
+        .await;
+    assert_eq!(reset.status, StatusCode::OK, "{:?}", reset.body);
+    let again = client
+        .get(
+            &url,
+            &[("authorization", &org("acme")), ("x-project", "p1")],
+        )
+        .await;
+    assert_eq!(again.status, StatusCode::OK, "reset through the admin API");
+    assert_eq!(upstream.arrived(), 10);
     // A part missing: 401 (the token's own, or the header's), never forwarded.
     let no_project = client
         .get(&url, &[("authorization", &org("initech"))])
@@ -69,7 +119,7 @@ async fn each_combination_is_counted_apart_and_a_missing_part_follows_missing_ke
     let no_token = client.get(&url, &[("x-project", "p9")]).await;
     assert_eq!(no_token.status, StatusCode::UNAUTHORIZED);
     assert_eq!(no_token.header("www-authenticate"), Some("Bearer"));
-    assert_eq!(upstream.arrived(), 9);
+    assert_eq!(upstream.arrived(), 10);
     // With missing_key = "client_ip", the requests missing a part share their IP's
     // count: 2 pass, whichever part they lack; a whole combination is apart from it.
     let ip_url = gw.url("/ip/x");
