@@ -303,6 +303,7 @@ fn place(name: &str) -> Option<Place> {
         "RawStore" => Place::Section("[store]"),
         "RawClientIp" => Place::Section("[client_ip]"),
         "RawKeys" => Place::Section("[keys]"),
+        "RawJwt" => Place::Section("[jwt]"),
         "RawResponse" => Place::Section("[response]"),
         "RawLog" => Place::Section("[log]"),
         "RawRule" => Place::Section("[[rules]]"),
