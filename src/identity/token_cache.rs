@@ -11,8 +11,11 @@ use super::jwt::Verified;
 /// Shards, each with a lock of its own: the workers verifying tokens rarely meet.
 const SHARDS: usize = 16;
 
+/// One shard: tokens by their SHA-256.
+type Shard = Mutex<HashMap<[u8; 32], Arc<Verified>>>;
+
 pub(super) struct TokenCache {
-    shards: Box<[Mutex<HashMap<[u8; 32], Arc<Verified>>>]>,
+    shards: Box<[Shard]>,
     /// Tokens per shard at most.
     per_shard: usize,
 }
@@ -25,7 +28,7 @@ impl TokenCache {
         }
     }
 
-    fn shard(&self, hash: &[u8; 32]) -> &Mutex<HashMap<[u8; 32], Arc<Verified>>> {
+    fn shard(&self, hash: &[u8; 32]) -> &Shard {
         &self.shards[usize::from(hash[0]) % SHARDS]
     }
 
