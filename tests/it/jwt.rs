@@ -344,8 +344,8 @@ async fn a_plan_comes_from_a_claim_and_claims_are_forwarded_never_forged() {
 
 /// A JWKS over https (the test's CA as `jwks_ca`): rotated to a new kid, the new kid's
 /// tokens pass without a reload (the first one seen asks for a refetch, and gets its
-/// 401), the old kid's stop; and with the JWKS server stopped, a gateway that fails to
-/// refresh keeps serving the last good keys.
+/// 401), the old kid's stop; with the JWKS server stopped, a gateway that fails to
+/// refresh keeps serving the last good keys, and one reloaded keeps them too.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_jwks_is_rotated_without_reload_and_outlives_its_server() {
     let dir = tempfile::tempdir().unwrap();
@@ -444,6 +444,13 @@ async fn a_jwks_is_rotated_without_reload_and_outlives_its_server() {
     assert!(refreshing
         .logs()
         .contains("the last good key set keeps serving"));
+
+    // A reload that leaves [jwt] alone keeps the fetched set: the server is gone, and a
+    // new token still verifies (a fresh verifier would have no keys, and answer 503).
+    rotating.reload(1);
+    let after = bearer(&k2.sign(&claims_of("d"), Some("k2")));
+    let r = client.get(&url, &[("authorization", &after)]).await;
+    assert_eq!(r.status, StatusCode::OK, "{}", rotating.logs());
 }
 
 /// A gateway whose `jwks_url` never answered has nothing to verify with: its JWT rules
