@@ -248,11 +248,11 @@ fn carrying(
                 ));
             }
         }
-        let counts_by_it = match (&carried, counted_by) {
-            (Carried::ApiKey, Some(KeyKind::ApiKey)) => true,
-            (Carried::Header(a), Some(KeyKind::Header(b))) => a == b,
-            _ => false,
-        };
+        // The rule's key, or a part of its combined key.
+        let counts_by_it = counted_by.is_some_and(|k| match &carried {
+            Carried::ApiKey => k.uses(&KeyKind::ApiKey),
+            Carried::Header(h) => k.uses(&KeyKind::Header(h.clone())),
+        });
         if let (true, false, Some(kind)) = (counts_by_it, present, counted_by) {
             return Err(Invalid::new(
                 Some(p.span()),

@@ -205,9 +205,9 @@ fn from_toml<T: DeserializeOwned>(text: &str, path: &Path, plans: &str) -> Resul
 /// With `underscores_in_headers = false`, fields whose name has `_` are dropped before
 /// anything reads them: a key header or a rule's `header:<name>` with one would never be
 /// seen, and every request would look as if it did not carry it. Refused at load.
-fn underscored_names(
+fn underscored_names<'a>(
     key_header: &http::HeaderName,
-    rules: &[Rule],
+    rules: &'a [Rule],
     raw: &[toml::Spanned<rules::RawRule>],
 ) -> Result<(), Invalid> {
     let why = |name: &http::HeaderName| {
@@ -219,9 +219,13 @@ fn underscored_names(
         return Err(Invalid::new(None, "keys.header", why(key_header)));
     }
     for (i, (rule, spanned)) in rules.iter().zip(raw).enumerate() {
-        let by_key = match &rule.key.kind {
-            KeyKind::Header(h) => Some((h, "key")),
+        let underscored = |k: &'a KeyKind| match k {
+            KeyKind::Header(h) if h.as_str().contains('_') => Some((h, "key")),
             _ => None,
+        };
+        let by_key = match &rule.key.kind {
+            KeyKind::Combined(parts) => parts.iter().find_map(underscored),
+            kind => underscored(kind),
         };
         let by_match = rule.matcher.carrying.iter().find_map(|c| match &c.carried {
             crate::identity::Carried::Header(h) => Some((h, "match")),
