@@ -37,6 +37,7 @@ use crate::limiter::store::{self as store_settings, Backend};
 use crate::rules::{Plan, Routes, Rule, RuleIndex};
 
 pub use diff::{Changes, Listed, Named};
+pub use keys::{reread_keys_file, write_keys_file};
 pub use overrides::{Given, OverrideError, Overrides, Source};
 pub use rules::{DEFAULT_LEASE_TTL, DEFAULT_MAX_WAITING, MAX_DELAY};
 pub use server::{
@@ -312,9 +313,9 @@ impl Config {
             None => store::RawStore::default().validate(None)?,
         };
         let defined = defined_plans(&raw.rules);
-        let keys = raw.keys.validate(keys_file, &defined)?;
+        let shared = !matches!(store.backend, crate::limiter::store::Backend::Memory);
+        let keys = raw.keys.validate(keys_file, &defined, shared)?;
         drop(defined);
-        let plan_names: HashSet<&str> = keys.plan_names().collect();
         let client_certs = tls.as_ref().is_some_and(|t| t.client_auth.is_some());
         let (upstreams, pool_defaults) =
             upstream::validate(raw.upstream.as_ref(), &raw.upstreams, dir, client_certs)?;
@@ -333,7 +334,7 @@ impl Config {
                     format!("duplicate rule name {name:?}"),
                 ));
             }
-            rules.push(r.validate(i, spanned.span(), &plan_names, &keys.header, &route_names)?);
+            rules.push(r.validate(i, spanned.span(), &keys.header, &route_names)?);
             if rules[i].key.kind == KeyKind::ClientCert
                 && tls.as_ref().is_none_or(|t| t.client_auth.is_none())
             {
@@ -344,7 +345,6 @@ impl Config {
                 ));
             }
         }
-        drop(plan_names);
         let server = raw.server.validate(tls);
         if !server.underscores_in_headers {
             underscored_names(&keys.header, &rules, &raw.rules)?;

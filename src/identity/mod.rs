@@ -12,6 +12,7 @@
 //! so raw API keys never reach Redis key names, logs or metrics.
 
 mod client_ip;
+pub mod directory;
 mod keys;
 
 use std::cell::OnceCell;
@@ -24,7 +25,10 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 pub use client_ip::{client_ip, is_trusted, ClientIp, ForwardingHeader};
-pub use keys::{api_key, sha256, KeyError, Keys, UnknownKeys, DEFAULT_KEY_HEADER, MAX_KEY_LEN};
+pub use directory::Directory;
+pub use keys::{
+    api_key, sha256, KeyError, Keys, UnknownKeys, DEFAULT_KEY_HEADER, DEFAULT_RESYNC, MAX_KEY_LEN,
+};
 
 /// What a rule counts requests by (`key`), and what it does when the request does not
 /// carry it (`missing_key`).
@@ -221,6 +225,9 @@ pub struct Requester<'a> {
     api_key: OnceCell<SentKey<'a>>,
     /// The verified client certificate's fingerprint, over TLS.
     client_cert: Option<&'a [u8; 32]>,
+    /// How the API key is listed ([`Keys::listing`]): looked up once, so that every rule
+    /// of the request sees one answer however the directory changes meanwhile.
+    listed: OnceCell<Option<Option<&'a str>>>,
 }
 
 /// An API key as sent (`None`: none was), and its digest; or why it cannot be used.
@@ -236,6 +243,7 @@ impl<'a> Requester<'a> {
             client_ip: OnceCell::new(),
             api_key: OnceCell::new(),
             client_cert: None,
+            listed: OnceCell::new(),
         }
     }
 
@@ -261,11 +269,15 @@ impl<'a> Requester<'a> {
     /// The plan the request's API key is listed with, if any. A malformed key has none
     /// (the rules counting by it refuse the request).
     pub fn plan(&self) -> Option<&'a str> {
-        if self.keys.is_empty() {
-            return None;
-        }
-        let (key, _) = self.api_key().ok().flatten()?;
-        self.keys.plan_of(key)
+        self.listing().flatten()
+    }
+
+    /// How the request's API key is listed (see [`Keys::listing`]), once per request.
+    fn listing(&self) -> Option<Option<&'a str>> {
+        *self.listed.get_or_init(|| {
+            let (key, _) = self.api_key().ok().flatten()?;
+            self.keys.listing(key)
+        })
     }
 
     /// Who the request is under a rule counting by `key`.
@@ -336,7 +348,7 @@ impl<'a> Requester<'a> {
 
     /// Whether the request's key, well formed and sent, is refused as unknown.
     fn unlisted_refused(&self) -> bool {
-        self.keys.unknown == UnknownKeys::Reject && self.plan().is_none()
+        self.keys.unknown == UnknownKeys::Reject && self.listing().is_none()
     }
 
     fn ip_identity(&self) -> Identity<'a> {

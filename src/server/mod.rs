@@ -82,6 +82,7 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     let signals = Signals::register();
     say_listening(&config);
     let upkeep = tokio::spawn(upkeep(gateway.clone()));
+    let key_sync = tokio::spawn(follow_key_directory(gateway.clone()));
     let reloads = tokio::spawn(reload_on_sighup(gateway.clone(), signals.hangup));
     let admin = sockets
         .admin
@@ -101,6 +102,7 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
         admin.stop().await;
     }
     upkeep.abort();
+    key_sync.abort();
     reloads.abort();
     say_stopped(started, served);
     Ok(())
@@ -686,11 +688,58 @@ async fn upkeep(gateway: Arc<Gateway>) {
         tick.tick().await;
         let live = gateway.live();
         live.limiter.sweep();
+        let keys = live.config.keys.directory().len();
+        gateway
+            .metrics()
+            .limiter
+            .key_directory_keys
+            .set(i64::try_from(keys).unwrap_or(i64::MAX));
         gateway
             .metrics()
             .connection
             .tls_settings(live.config.server.tls.as_ref());
         live.pools.sweep();
+    }
+}
+
+/// How often the key directory's follower looks for a reload that moved the directory
+/// (another Redis, prefix or `resync`).
+const KEY_SYNC_RECHECK: Duration = Duration::from_secs(1);
+
+/// With a shared store, keep the key directory in step with its Redis hash (see
+/// [`crate::limiter::redis::directory`]); started again on the new settings when a reload
+/// changes where the directory lives. The memory store's directory is the keys file's:
+/// nothing to follow.
+async fn follow_key_directory(gateway: Arc<Gateway>) {
+    use crate::limiter::redis::directory::{Location, RedisKeys};
+    loop {
+        let live = gateway.live();
+        let keys = &live.config.keys;
+        let at = Location::of(&live.config.store, keys.resync);
+        let follower = at.clone().map(|at| {
+            let syncs = gateway.metrics().limiter.key_directory_syncs.clone();
+            AbortOnDrop(tokio::spawn(
+                RedisKeys::new(at).follow(keys.directory().clone(), syncs),
+            ))
+        });
+        drop(live);
+        loop {
+            tokio::time::sleep(KEY_SYNC_RECHECK).await;
+            let live = gateway.live();
+            if Location::of(&live.config.store, live.config.keys.resync) != at {
+                break;
+            }
+        }
+        drop(follower);
+    }
+}
+
+/// A task aborted when its handle is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 
