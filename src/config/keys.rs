@@ -266,3 +266,46 @@ pub fn write_keys_file(path: &Path, entries: &Entries) -> std::io::Result<()> {
     written?;
     std::fs::File::open(dir)?.sync_all()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The file the admin API writes reads back as the same entries, with digests only,
+    /// sorted; its permissions are kept and no temporary file is left.
+    #[test]
+    fn a_rewritten_keys_file_reads_back_the_same() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys.toml");
+        std::fs::write(&path, "# mine\n[plans]\n\"raw-key\" = \"pro\"\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let entries: Entries = [
+            (sha256(b"raw-key"), Arc::from("pro")),
+            ([0u8; 32], Arc::from("gold \"quoted\"")),
+            ([0xff; 32], Arc::from("pro")),
+        ]
+        .into_iter()
+        .collect();
+        write_keys_file(&path, &entries).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(
+            !text.contains("raw-key") && !text.contains("# mine"),
+            "{text}"
+        );
+        let zeros = text.find(&"00".repeat(32)).unwrap();
+        let ones = text.find(&"ff".repeat(32)).unwrap();
+        assert!(zeros < ones, "sorted by digest:\n{text}");
+        let defined = BTreeSet::from(["pro", "gold \"quoted\""]);
+        let back = load_keys_file(&path, &defined).unwrap();
+        assert_eq!(back.len(), 3);
+        for (d, p) in &entries {
+            assert_eq!(back.get(d).map(String::as_str), Some(&**p));
+        }
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o640);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        // A folder that cannot be written: an error, the file as it was.
+        assert!(write_keys_file(&dir.path().join("no/such/keys.toml"), &entries).is_err());
+    }
+}

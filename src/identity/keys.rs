@@ -164,6 +164,11 @@ impl Keys {
         self.plans.get(digest).map(String::as_str)
     }
 
+    /// The keys the config itself lists, with their plans.
+    pub fn static_entries(&self) -> impl Iterator<Item = (&[u8; 32], &str)> {
+        self.plans.iter().map(|(d, p)| (d, p.as_str()))
+    }
+
     /// Whether `plan` is one a rule defines.
     pub fn defines(&self, plan: &str) -> bool {
         self.defined.contains(plan)
@@ -258,6 +263,51 @@ mod tests {
             api_key(&headers("x-api-key", &[b"\xff\xfek"]), &name),
             Ok(Some(&b"\xff\xfek"[..]))
         );
+    }
+
+    /// The runtime directory is read first, then the config's keys; a key deleted from
+    /// the directory is refused (`unknown = "reject"`) from the next request on; a runtime
+    /// plan no rule here defines leaves the key listed, with the rules' own limits.
+    #[test]
+    fn the_directory_comes_first_and_unknown_reject_consults_it() {
+        use crate::identity::directory::Change;
+        use crate::identity::{ClientIp, Key, KeyKind, MissingKey, Refusal, Requester};
+        let inline = HashMap::from([(sha256(b"inline"), "pro".to_string())]);
+        let keys = Keys::new(DEFAULT_KEY_HEADER, UnknownKeys::Reject, inline, None).with_directory(
+            None,
+            BTreeSet::from(["pro".to_string(), "gold".to_string()]),
+            DEFAULT_RESYNC,
+        );
+        let rule = Key {
+            kind: KeyKind::ApiKey,
+            missing: MissingKey::Reject,
+        };
+        let trust = ClientIp::default();
+        let ask = |key: &str| {
+            let h = headers("x-api-key", &[key.as_bytes()]);
+            let r = Requester::new(&h, "192.0.2.1".parse().unwrap(), &keys, &trust);
+            (r.identify(&rule).map(|_| ()), r.plan().map(str::to_string))
+        };
+        assert_eq!(ask("inline"), (Ok(()), Some("pro".into())));
+        assert_eq!(ask("runtime"), (Err(Refusal::UnknownKey), None));
+        let dir = keys.directory();
+        dir.apply(&Change::Set(sha256(b"runtime"), "gold".into()));
+        assert_eq!(ask("runtime"), (Ok(()), Some("gold".into())));
+        // A runtime entry overrides the config's.
+        dir.apply(&Change::Set(sha256(b"inline"), "gold".into()));
+        assert_eq!(ask("inline"), (Ok(()), Some("gold".into())));
+        // A plan only another gateway's config defines: listed, no plan here.
+        dir.apply(&Change::Set(sha256(b"runtime"), "enterprise".into()));
+        assert_eq!(ask("runtime"), (Ok(()), None));
+        dir.apply(&Change::Delete(sha256(b"runtime")));
+        assert_eq!(ask("runtime"), (Err(Refusal::UnknownKey), None));
+        // One lookup per request: a change after it does not split a request's rules.
+        let h = headers("x-api-key", &[b"inline"]);
+        let r = Requester::new(&h, "192.0.2.1".parse().unwrap(), &keys, &trust);
+        assert_eq!(r.plan(), Some("gold"));
+        dir.apply(&Change::Delete(sha256(b"inline")));
+        assert_eq!(r.plan(), Some("gold"));
+        assert_eq!(ask("inline"), (Ok(()), Some("pro".into())));
     }
 
     mod fuzz {

@@ -14,6 +14,7 @@ mod features;
 mod grpc;
 mod grpc_answers;
 mod h2_pools;
+mod key_directory;
 mod layering;
 mod logs;
 mod message_meter;
