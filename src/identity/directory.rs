@@ -62,6 +62,12 @@ impl Directory {
         self.entries.load().get(digest).cloned()
     }
 
+    /// `resolve` of the plan `digest` is listed with, if it is: read in place, without
+    /// touching the plan's reference count (the request path's lookup).
+    pub fn resolve<R>(&self, digest: &KeyDigest, resolve: impl FnOnce(&str) -> R) -> Option<R> {
+        self.entries.load().get(digest).map(|p| resolve(p))
+    }
+
     /// Whether nothing is listed (read without hashing a request's key).
     pub fn is_empty(&self) -> bool {
         self.entries.load().is_empty()
@@ -203,7 +209,7 @@ pub fn page(
         .filter(|(d, p)| after.is_none_or(|a| *d > a) && plan.is_none_or(|want| &***p == want))
         .map(|(d, p)| (*d, p.clone()))
         .collect();
-    picked.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+    picked.sort_unstable_by_key(|e| e.0);
     let more = picked.len() > limit;
     picked.truncate(limit);
     let next = more.then(|| picked.last().map(|(d, _)| *d)).flatten();

@@ -188,8 +188,11 @@ impl Keys {
             return None;
         }
         let digest = sha256(key);
-        if let Some(plan) = self.directory.get(&digest) {
-            return Some(self.defined.get(&*plan).map(String::as_str));
+        if let Some(plan) = self
+            .directory
+            .resolve(&digest, |plan| self.defined.get(plan).map(String::as_str))
+        {
+            return Some(plan);
         }
         self.plans.get(&digest).map(|p| Some(p.as_str()))
     }

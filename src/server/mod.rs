@@ -60,6 +60,17 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     let metrics = Arc::new(crate::gateway::Metrics::new());
     let live = Live::build(config, None, &metrics)?;
     live.limiter.warm().await;
+    if let Some(at) =
+        crate::limiter::redis::directory::Location::of(&live.config.store, live.config.keys.resync)
+    {
+        crate::limiter::redis::directory::RedisKeys::new(at)
+            .first_read(
+                live.config.keys.directory(),
+                &metrics.limiter.key_directory_syncs,
+                KEY_DIRECTORY_FIRST_READ,
+            )
+            .await;
+    }
     let config = live.config.clone();
     let sockets = Sockets::bind(&config.server)?;
     let gateway = Arc::new(Gateway::new(live, source, metrics.clone()));
@@ -701,6 +712,9 @@ async fn upkeep(gateway: Arc<Gateway>) {
         live.pools.sweep();
     }
 }
+
+/// How long start-up waits for a shared store's key directory before serving without it.
+const KEY_DIRECTORY_FIRST_READ: Duration = Duration::from_secs(2);
 
 /// How often the key directory's follower looks for a reload that moved the directory
 /// (another Redis, prefix or `resync`).

@@ -758,3 +758,58 @@ async fn listing_pages_cover_every_key_exactly_once() {
         assert_eq!(seen, sorted, "every key once, in order ({filter:?})");
     }
 }
+
+/// The same on a Redis Cluster: the hash on one slot, the change published from a script
+/// on that slot's node, heard by a gateway subscribed on whichever node it reached first.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_a_cluster_a_change_reaches_the_other_gateway_within_a_second() {
+    let cluster = common::RedisCluster::start();
+    let upstream = Upstream::start().await;
+    let body = format!(
+        "[admin]\ntoken = \"{TOKEN}\"\n[upstream]\nurl = \"{}\"\n{}[keys]\nunknown = \"reject\"\nresync = \"1h\"\n{RULES}",
+        upstream.url(),
+        cluster.store_toml("deny", "2s")
+    );
+    let (a, b) = (Gateway::start(&body), Gateway::start(&body));
+    let client = HttpClient::new();
+    let key = "cluster-runtime-key-01";
+    let digest = sha256_hex(key.as_bytes());
+    let r = admin(
+        &client,
+        &a,
+        "PUT",
+        &format!("/admin/keys/{digest}"),
+        r#"{"plan":"gold"}"#,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED, "{:?}", r.body);
+    let took = until(&client, &b, key, StatusCode::OK, PROPAGATION).await;
+    assert!(
+        took.is_some(),
+        "B (cluster) did not accept the key within {PROPAGATION:?}"
+    );
+    assert_eq!(policy_burst(&client, &b, key).await, Some(7));
+    let r = admin(&client, &b, "DELETE", &format!("/admin/keys/{digest}"), "").await;
+    assert_eq!(r.status, StatusCode::OK);
+    let took = until(&client, &a, key, StatusCode::UNAUTHORIZED, PROPAGATION).await;
+    assert!(
+        took.is_some(),
+        "A (cluster) still accepted a deleted key after {PROPAGATION:?}"
+    );
+    // A gateway started later reads the directory before it serves.
+    let r = admin(
+        &client,
+        &a,
+        "PUT",
+        &format!("/admin/keys/{digest}"),
+        r#"{"plan":"pro"}"#,
+    )
+    .await;
+    assert_eq!(r.status, StatusCode::CREATED);
+    let c = Gateway::start(&body);
+    assert_eq!(
+        status_with(&client, &c, key).await,
+        200,
+        "the first request"
+    );
+}

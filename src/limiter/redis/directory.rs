@@ -321,6 +321,27 @@ impl RedisKeys {
         }
     }
 
+    /// Read the hash whole once, before the gateway serves, within `within`: so that its
+    /// first requests already know the runtime keys. A failure is logged (the follower
+    /// tries again).
+    pub async fn first_read(
+        &self,
+        directory: &Directory,
+        syncs: &Family<SyncLabels, Counter>,
+        within: Duration,
+    ) {
+        let count = |outcome: SyncOutcome| {
+            syncs.get_or_create(&SyncLabels { outcome }).inc();
+        };
+        if tokio::time::timeout(within, self.resync(directory, &count))
+            .await
+            .is_err()
+        {
+            count(SyncOutcome::Failed);
+            tracing::warn!(hash = %self.hash, "the key directory was not read before serving (no answer within {within:?}); the follower keeps trying");
+        }
+    }
+
     /// Read the hash whole and make it the directory; on failure keep the last one.
     async fn resync(&self, directory: &Directory, count: &impl Fn(SyncOutcome)) {
         match self.read_all().await {
