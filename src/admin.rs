@@ -11,6 +11,10 @@
 //! | `GET /admin/top?minutes=5&n=20` | the most limited identities (hash + hint, never a key) |
 //! | `GET /admin/state?rule=R&key=K` (or `ip=`, `header=`, nothing for `global`) | one identity's state |
 //! | `POST /admin/reset?rule=R&key=K` (likewise) | forget one identity's state |
+//! | `PUT /admin/keys/<sha256-hex>` `{"plan":"pro"}` | list an API key (by its digest) with a plan, at runtime |
+//! | `POST /admin/keys` `{"key":"<raw>","plan":"pro"}` | the same by the raw key (hashed on arrival, never kept) |
+//! | `DELETE /admin/keys/<sha256-hex>` | revoke a runtime key, from the next request on |
+//! | `GET /admin/keys?plan=P&after=<hex>&limit=100` | listed keys' digests and plans, by digest, paginated (`next`) |
 //!
 //! Every `/admin/*` call needs `Authorization: Bearer <token>` (the scheme in any case,
 //! RFC 9110 §11.1), read-only ones too: a state answer tells whether a key has a plan and
@@ -21,9 +25,11 @@
 //! (identities by hash, keys never by their characters).
 //!
 //! The identity is given raw (the key, the address) and hashed here, as on the request
-//! path; answers name it by its hash only.
+//! path; answers name it by its hash only. The key calls are `admin/keys.rs`' (every
+//! gateway sees a change within a second; see there).
 
 mod guard;
+mod keys;
 
 use std::convert::Infallible;
 use std::net::{IpAddr, SocketAddr};
@@ -127,7 +133,7 @@ impl Admin {
             let http2 = req.version() == http::Version::HTTP_2;
             let (gw, guard) = (gw.clone(), guard.clone());
             async move {
-                let answer = handle(&gw, &guard, peer, &req).await;
+                let answer = handle(&gw, &guard, peer, req).await;
                 Ok::<_, Infallible>(answer.map(|body| Tracked::new(body, request, http2)))
             }
         })
@@ -170,12 +176,15 @@ fn error(status: StatusCode, message: &str) -> Reply {
     json(status, &serde_json::json!({ "error": message }))
 }
 
-async fn handle(gw: &Gateway, guard: &Guard, peer: SocketAddr, req: &Request<Incoming>) -> Reply {
+async fn handle(gw: &Gateway, guard: &Guard, peer: SocketAddr, req: Request<Incoming>) -> Reply {
     let path = req.uri().path();
     let method = req.method();
     if path.starts_with("/admin/") {
-        if let Some(refusal) = guarded(gw, guard, peer.ip(), req) {
+        if let Some(refusal) = guarded(gw, guard, peer.ip(), &req) {
             return refusal;
+        }
+        if path == "/admin/keys" || path.starts_with("/admin/keys/") {
+            return keys::call(gw, peer.ip(), req).await;
         }
         let query = parse_query(req.uri().query().unwrap_or(""));
         return match (method, path) {
@@ -660,6 +669,12 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
         },
         // `null` without `[server.tls]`.
         "certificates": cfg.server.tls.as_ref().map(certificates),
+        // How many API keys are listed: at runtime (/admin/keys) and in the config.
+        // Counts only, never a digest.
+        "keys": {
+            "runtime": cfg.keys.directory().len(),
+            "config": cfg.keys.static_entries().count(),
+        },
     })
 }
 

@@ -2,14 +2,23 @@
 //! and the listed keys' plans (inline, or in a keys file of their own).
 
 use std::collections::{BTreeSet, HashMap};
+use std::io::Write;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
 
 use serde::Deserialize;
 use toml::Spanned;
 
-use super::values::{Cidr, Header, PlanName};
+use super::values::{Cidr, Header, HumanDuration, PlanName};
 use super::{from_toml, ConfigError, Invalid};
-use crate::identity::{sha256, ClientIp, ForwardingHeader, Keys, UnknownKeys, DEFAULT_KEY_HEADER};
+use crate::identity::directory::{self, Entries};
+use crate::identity::{
+    sha256, ClientIp, ForwardingHeader, Keys, UnknownKeys, DEFAULT_KEY_HEADER, DEFAULT_RESYNC,
+};
+
+/// `[keys] resync`'s bounds: often enough to matter, rarely enough not to load Redis.
+const RESYNC_BOUNDS: (Duration, Duration) = (Duration::from_secs(1), Duration::from_secs(3600));
 
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -38,6 +47,7 @@ pub(super) struct RawKeys {
     #[serde(default)]
     plans: HashMap<String, Spanned<PlanName>>,
     pub(super) file: Option<Spanned<String>>,
+    resync: Option<Spanned<HumanDuration>>,
 }
 
 /// The keys file: `[plans]`, API key (or `sha256:<hex>` of one) -> plan name.
@@ -73,12 +83,30 @@ fn check_plan(plan: &str, defined: &BTreeSet<&str>) -> Result<(), String> {
 
 impl RawKeys {
     /// Every listed key as a digest: inline ones, then `file`'s (its path, and what
-    /// [`load_keys_file`] read from it). Every plan must be one of `defined`.
+    /// [`load_keys_file`] read from it). Every plan must be one of `defined`. With the
+    /// memory store (`shared` false) the keys file's entries are the runtime directory's,
+    /// which the admin API changes; with a shared store they are static, like inline ones.
     pub(super) fn validate(
         self,
         file: Option<(PathBuf, HashMap<[u8; 32], String>)>,
         defined: &BTreeSet<&str>,
+        shared: bool,
     ) -> Result<Keys, Invalid> {
+        let resync = match &self.resync {
+            None => DEFAULT_RESYNC,
+            Some(r) => {
+                let v = r.get_ref().0;
+                let (low, high) = RESYNC_BOUNDS;
+                if v < low || v > high {
+                    return Err(Invalid::new(
+                        Some(r.span()),
+                        "keys.resync",
+                        "resync is 1s to 1h: how often a shared store's key directory is read whole",
+                    ));
+                }
+                v
+            }
+        };
         let mut listed: HashMap<[u8; 32], String> = HashMap::new();
         let mut inline: Vec<(&String, &Spanned<PlanName>)> = self.plans.iter().collect();
         inline.sort_by(|a, b| a.0.cmp(b.0));
@@ -101,6 +129,7 @@ impl RawKeys {
             Some((p, k)) => (Some(p), k),
             None => (None, HashMap::new()),
         };
+        let mut file_entries = Entries::new();
         for (d, plan) in from_file {
             if let Some(inline) = listed.get(&d).filter(|p| **p != plan) {
                 return Err(Invalid::new(
@@ -109,13 +138,25 @@ impl RawKeys {
                     format!("an API key in the keys file has plan {plan:?} there and {inline:?} in [keys.plans]"),
                 ));
             }
-            listed.insert(d, plan);
+            if shared {
+                listed.insert(d, plan);
+            } else {
+                file_entries.insert(d, Arc::from(plan));
+            }
         }
+        // With the memory store and no file, the directory is empty and stays so (the
+        // admin API refuses changes that would not survive a restart).
+        let in_file = (!shared && path.is_some()).then_some(file_entries);
         Ok(Keys::new(
             self.header.map_or(DEFAULT_KEY_HEADER, |h| h.0),
             self.unknown,
             listed,
             path,
+        )
+        .with_directory(
+            in_file,
+            defined.iter().map(|p| p.to_string()).collect(),
+            resync,
         ))
     }
 }
@@ -173,4 +214,98 @@ pub(super) fn load_keys_file(
         out.insert(d, plan.0);
     }
     Ok(out)
+}
+
+/// Read the keys file again, as a runtime directory holds it (a reload, under the
+/// directory's writers' lock; see [`Keys::adopt`]).
+pub fn reread_keys_file(path: &Path, keys: &Keys) -> Result<Entries, ConfigError> {
+    let defined: BTreeSet<&str> = keys.defined().collect();
+    Ok(load_keys_file(path, &defined)?
+        .into_iter()
+        .map(|(d, p)| (d, Arc::from(p)))
+        .collect())
+}
+
+/// Rewrite the keys file with `entries`, atomically: a temporary file in the same folder,
+/// written and flushed to disk, renamed over the file, and the folder flushed (so that the
+/// rename itself survives a crash). A reader sees the old file or the new one, never part
+/// of one. Entries are written as digests, sorted: raw keys an operator wrote become
+/// `sha256:` lines, and comments are not kept. The file keeps its permissions.
+pub fn write_keys_file(path: &Path, entries: &Entries) -> std::io::Result<()> {
+    let mut sorted: Vec<(&[u8; 32], &Arc<str>)> = entries.iter().collect();
+    sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
+    let mut text = String::from(
+        "# API key digests -> plans. Rewritten by ratewall on every change through the admin\n\
+         # API (/admin/keys): comments are not kept, raw keys become their sha256.\n[plans]\n",
+    );
+    for (d, plan) in sorted {
+        // A plan is a TOML basic string: escape what needs it.
+        let quoted = toml::Value::String(plan.to_string()).to_string();
+        text.push_str(&format!("\"sha256:{}\" = {quoted}\n", directory::hex(d)));
+    }
+    let dir = match path.parent() {
+        Some(p) if !p.as_os_str().is_empty() => p,
+        _ => Path::new("."),
+    };
+    let name = path
+        .file_name()
+        .map_or_else(|| "keys".into(), |n| n.to_string_lossy().into_owned());
+    let tmp = dir.join(format!(".{name}.{}.tmp", std::process::id()));
+    let written = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        if let Ok(meta) = std::fs::metadata(path) {
+            f.set_permissions(meta.permissions())?;
+        }
+        f.write_all(text.as_bytes())?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if written.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    written?;
+    std::fs::File::open(dir)?.sync_all()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The file the admin API writes reads back as the same entries, with digests only,
+    /// sorted; its permissions are kept and no temporary file is left.
+    #[test]
+    fn a_rewritten_keys_file_reads_back_the_same() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("keys.toml");
+        std::fs::write(&path, "# mine\n[plans]\n\"raw-key\" = \"pro\"\n").unwrap();
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
+        let entries: Entries = [
+            (sha256(b"raw-key"), Arc::from("pro")),
+            ([0u8; 32], Arc::from("gold \"quoted\"")),
+            ([0xff; 32], Arc::from("pro")),
+        ]
+        .into_iter()
+        .collect();
+        write_keys_file(&path, &entries).unwrap();
+        let text = std::fs::read_to_string(&path).unwrap();
+        assert!(
+            !text.contains("raw-key") && !text.contains("# mine"),
+            "{text}"
+        );
+        let zeros = text.find(&"00".repeat(32)).unwrap();
+        let ones = text.find(&"ff".repeat(32)).unwrap();
+        assert!(zeros < ones, "sorted by digest:\n{text}");
+        let defined = BTreeSet::from(["pro", "gold \"quoted\""]);
+        let back = load_keys_file(&path, &defined).unwrap();
+        assert_eq!(back.len(), 3);
+        for (d, p) in &entries {
+            assert_eq!(back.get(d).map(String::as_str), Some(&**p));
+        }
+        let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
+        assert_eq!(mode, 0o640);
+        assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);
+        // A folder that cannot be written: an error, the file as it was.
+        assert!(write_keys_file(&dir.path().join("no/such/keys.toml"), &entries).is_err());
+    }
 }

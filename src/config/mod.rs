@@ -39,6 +39,7 @@ use crate::rules::{Plan, Routes, Rule, RuleIndex};
 
 pub use diff::{Changes, Listed, Named};
 pub use jwt::{JwksFetch, Jwt};
+pub use keys::{reread_keys_file, write_keys_file};
 pub use overrides::{Given, OverrideError, Overrides, Source};
 pub use rules::{DEFAULT_LEASE_TTL, DEFAULT_MAX_WAITING, MAX_DELAY};
 pub use server::{
@@ -321,7 +322,8 @@ impl Config {
             None => store::RawStore::default().validate(None)?,
         };
         let defined = defined_plans(&raw.rules);
-        let keys = raw.keys.validate(keys_file, &defined)?;
+        let shared = !matches!(store.backend, crate::limiter::store::Backend::Memory);
+        let keys = raw.keys.validate(keys_file, &defined, shared)?;
         let jwt = match raw.jwt {
             Some(j) => {
                 let span = j.span();
@@ -329,14 +331,6 @@ impl Config {
             }
             None => None,
         };
-        let mut plan_names: HashSet<&str> = keys.plan_names().collect();
-        // A plan can come from a token's claim: any plan a rule defines may be given.
-        if jwt
-            .as_ref()
-            .is_some_and(|j| j.verifier.settings.plan_claim.is_some())
-        {
-            plan_names.extend(defined.iter().copied());
-        }
         drop(defined);
         let client_certs = tls.as_ref().is_some_and(|t| t.client_auth.is_some());
         let (upstreams, pool_defaults) =
@@ -356,7 +350,7 @@ impl Config {
                     format!("duplicate rule name {name:?}"),
                 ));
             }
-            rules.push(r.validate(i, spanned.span(), &plan_names, &keys.header, &route_names)?);
+            rules.push(r.validate(i, spanned.span(), &keys.header, &route_names)?);
             if rules[i].key.kind.uses_jwt() && jwt.is_none() {
                 return Err(Invalid::new(
                     Some(spanned.span()),
@@ -380,7 +374,6 @@ impl Config {
                 ));
             }
         }
-        drop(plan_names);
         let server = raw.server.validate(tls);
         if !server.underscores_in_headers {
             underscored_names(&keys.header, &rules, &raw.rules)?;
@@ -873,13 +866,21 @@ url = "http://127.0.0.1:3000"
         assert_eq!(key, "rules[0].key");
     }
 
+    /// A plan table no key in the files names is no error: the runtime directory (the
+    /// admin API) may give it to a key. It is among the plans keys may be given.
     #[test]
-    fn plan_overrides_must_name_a_known_plan() {
-        let (_, _, key, message) = err(
+    fn a_plan_no_listed_key_has_is_one_keys_may_be_given_at_runtime() {
+        let cfg = parse(
             "[keys.plans]\n\"k1\" = \"pro\"\n[[rules]]\nname = \"a\"\nkey = \"api_key\"\nrate = \"1/s\"\n[rules.plans.pro]\n[rules.plans.gold]\nrate = \"5/s\"\n",
+        )
+        .unwrap();
+        assert!(cfg.keys.defines("gold") && cfg.keys.defines("pro"));
+        assert!(!cfg.keys.defines("silver"));
+        assert_eq!(cfg.keys.resync, crate::identity::DEFAULT_RESYNC);
+        assert_eq!(
+            cfg.rules[0].quota_for(Some("gold")).map(|q| q.rate.count),
+            Some(5)
         );
-        assert_eq!(key, "rules[0].plans.gold");
-        assert!(message.contains("gold"), "{message}");
         let cfg = parse(
             "[keys.plans]\n\"k1\" = \"pro\"\n[[rules]]\nname = \"a\"\nkey = \"api_key\"\nrate = \"1/s\"\n[rules.plans.pro]\nrate = \"5/s\"\nburst = 9\n",
         )
@@ -917,6 +918,40 @@ url = "http://127.0.0.1:3000"
             cfg.rules[0].quota_for(Some("free")),
             Some(&cfg.rules[0].quota)
         );
+    }
+
+    /// With the memory store the keys file's keys are the runtime directory's (the admin
+    /// API changes them); with Redis they are static config, like inline ones.
+    #[test]
+    fn the_keys_file_is_the_directory_with_the_memory_store_and_static_with_redis() {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("keys.toml"),
+            "[plans]\n\"file-key\" = \"pro\"\n",
+        )
+        .unwrap();
+        let rules = "[keys]\nfile = \"keys.toml\"\nresync = \"2s\"\n[keys.plans]\n\"inline-key\" = \"pro\"\n[[rules]]\nname = \"a\"\nkey = \"api_key\"\nrate = \"1/s\"\n[rules.plans.pro]\n";
+        let load = |store: &str| {
+            let path = dir.path().join("limits.toml");
+            std::fs::write(&path, format!("{MINIMAL}{store}{rules}")).unwrap();
+            Config::load(&path).unwrap()
+        };
+        let memory = load("");
+        let sha256 = crate::identity::sha256;
+        let (file, inline) = (sha256(b"file-key"), sha256(b"inline-key"));
+        assert!(memory.keys.directory_in_file());
+        assert_eq!(memory.keys.directory().get(&file).as_deref(), Some("pro"));
+        assert_eq!(memory.keys.static_plan(&file), None);
+        assert_eq!(memory.keys.static_plan(&inline), Some("pro"));
+        assert_eq!(memory.keys.resync, std::time::Duration::from_secs(2));
+        let redis = load("[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:1\"\n");
+        assert!(!redis.keys.directory_in_file());
+        assert!(redis.keys.directory().is_empty());
+        assert_eq!(redis.keys.static_plan(&file), Some("pro"));
+        for keys in [&memory.keys, &redis.keys] {
+            assert_eq!(keys.plan_of(b"file-key"), Some("pro"));
+            assert_eq!(keys.plan_of(b"inline-key"), Some("pro"));
+        }
     }
 
     #[test]

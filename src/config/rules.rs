@@ -1,7 +1,7 @@
 //! `[[rules]]`: which requests a rule applies to, who it counts them for, its limit (a
 //! rate or a concurrency cap) and its plans, and how it acts (enforce, shadow, rollout).
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::num::{NonZeroU32, NonZeroU64};
 use std::ops::Range;
 use std::time::Duration;
@@ -137,13 +137,13 @@ impl RawRule {
         self.plans.keys().map(String::as_str)
     }
 
-    /// One rule, validated: its limit, its plans (each named by a listed key), its match,
-    /// its mode. `index` and `span`: where the file has it.
+    /// One rule, validated: its limit, its plans, its match, its mode. `index` and
+    /// `span`: where the file has it. A plan no key in the files names is no error: keys
+    /// are given plans at runtime too (the admin API's directory).
     pub(super) fn validate(
         &self,
         index: usize,
         span: Range<usize>,
-        plan_names: &HashSet<&str>,
         key_header: &HeaderName,
         routes: &[Option<String>],
     ) -> Result<Rule, Invalid> {
@@ -171,7 +171,7 @@ impl RawRule {
                 kind: self.key.0.clone(),
                 missing: self.missing_key,
             },
-            plans: at.plans(&limit, plan_names)?,
+            plans: at.plans(&limit)?,
             quota,
             mode,
             enforce_percent,
@@ -315,11 +315,7 @@ impl At<'_> {
     }
 
     /// Each plan's quota: the rule's, with what the plan changes; or none, if exempt.
-    fn plans(
-        &self,
-        limit: &Limit,
-        plan_names: &HashSet<&str>,
-    ) -> Result<HashMap<String, Plan>, Invalid> {
+    fn plans(&self, limit: &Limit) -> Result<HashMap<String, Plan>, Invalid> {
         let mut plans = HashMap::new();
         for (plan, o) in &self.rule.plans {
             let key = self.key(&format!("plans.{plan}"));
@@ -331,14 +327,6 @@ impl At<'_> {
                 };
                 Invalid::new(Some(o.span()), key, message)
             };
-            if !plan_names.contains(plan.as_str()) {
-                return Err(no(
-                    "",
-                    format!(
-                        "plan {plan:?} is not given to any key in [keys.plans] or the keys file"
-                    ),
-                ));
-            }
             let over = o.get_ref();
             if let Some(exempt) = over.exempt.as_ref().filter(|e| *e.get_ref()) {
                 let set = [

@@ -52,6 +52,17 @@ impl Live {
     ) -> Result<Live, StoreError> {
         let mut config = config;
         carry_jwt(&mut config, old, metrics);
+        if let Some(o) = old {
+            // The key directory outlives configs; with the memory store it is the keys
+            // file's, read again.
+            let file = config.keys.file.clone();
+            config.keys.adopt(&o.config.keys, |keys| {
+                let path = file.as_deref()?;
+                crate::config::reread_keys_file(path, keys)
+                    .map_err(|e| tracing::warn!(error = %e, "cannot read the keys file again; its contents as loaded serve"))
+                    .ok()
+            });
+        }
         let limiter = match old {
             Some(o) if o.config.store == config.store => o.limiter.clone(),
             _ => {

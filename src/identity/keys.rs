@@ -1,12 +1,16 @@
 //! API keys: the value a client sends, checked for shape, and the keys an operator lists
 //! with their plans (held as digests only).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
 
 use http::header::{HeaderMap, HeaderName};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
+
+use super::directory::{Directory, Entries};
 
 /// The header API keys come in, unless `[keys] header` says.
 pub const DEFAULT_KEY_HEADER: HeaderName = HeaderName::from_static("x-api-key");
@@ -67,21 +71,36 @@ pub enum UnknownKeys {
     Reject,
 }
 
-/// `[keys]`: the header API keys come in, and the listed keys' plans.
+/// `[keys]`: the header API keys come in, and the listed keys' plans: static ones (the
+/// config's), and the runtime [`Directory`], shared across reloads.
 #[derive(Debug)]
 pub struct Keys {
     pub header: HeaderName,
     pub unknown: UnknownKeys,
-    /// SHA-256 of an API key -> plan name, from `[keys.plans]` and the keys file. Keys
-    /// are held as digests only, so the process never holds a listed key it has not seen
-    /// in a request.
+    /// SHA-256 of an API key -> plan name, listed in the config: `[keys.plans]`, and the
+    /// keys file with a shared store (with the memory store the keys file is the
+    /// directory's). Keys are held as digests only, so the process never holds a listed
+    /// key it has not seen in a request.
     plans: HashMap<[u8; 32], String>,
+    /// The keys listed at runtime, looked up before `plans`.
+    directory: Arc<Directory>,
+    /// Whether `directory` is the keys file's (the memory store), and what the file held
+    /// when this config was loaded.
+    file_entries: Option<Entries>,
     /// The keys file, if any (re-read on every reload).
     pub file: Option<PathBuf>,
+    /// The plans some rule defines: the only ones a key may be given at runtime.
+    defined: BTreeSet<String>,
+    /// How often a shared store's directory is read whole (`[keys] resync`).
+    pub resync: Duration,
 }
 
+/// `[keys] resync`'s default.
+pub const DEFAULT_RESYNC: Duration = Duration::from_secs(30);
+
 impl Keys {
-    /// `plans`: [`sha256`] of each listed key -> its plan.
+    /// `plans`: [`sha256`] of each listed key -> its plan. No runtime directory: see
+    /// [`Keys::with_directory`].
     pub fn new(
         header: HeaderName,
         unknown: UnknownKeys,
@@ -91,17 +110,96 @@ impl Keys {
         Keys {
             header,
             unknown,
+            defined: plans.values().cloned().collect(),
             plans,
+            directory: Arc::default(),
+            file_entries: None,
             file,
+            resync: DEFAULT_RESYNC,
         }
     }
 
-    /// The plan `key` maps to, if it is listed.
-    pub fn plan_of(&self, key: &[u8]) -> Option<&str> {
-        if self.plans.is_empty() {
+    /// The runtime directory starts with `file_entries` (the keys file's, with the memory
+    /// store), runtime plans may be any of `defined`; a shared store's directory is
+    /// read whole every `resync`.
+    pub fn with_directory(
+        mut self,
+        file_entries: Option<Entries>,
+        defined: BTreeSet<String>,
+        resync: Duration,
+    ) -> Keys {
+        self.directory = Arc::new(Directory::new(file_entries.clone().unwrap_or_default()));
+        self.file_entries = file_entries;
+        self.defined = defined;
+        self.resync = resync;
+        self
+    }
+
+    /// Take over `old`'s directory (a reload: it outlives configs). With the memory
+    /// store it is filled again from the keys file: `reread` reads it now, under the
+    /// writers' lock (so that no admin change made since this config was parsed is
+    /// lost), or else what the file held at load serves.
+    pub fn adopt(&mut self, old: &Keys, reread: impl FnOnce(&Keys) -> Option<Entries>) {
+        let directory = old.directory.clone();
+        if let Some(loaded) = &self.file_entries {
+            let _writing = directory.writer();
+            let entries = reread(self).unwrap_or_else(|| loaded.clone());
+            directory.replace(entries);
+        }
+        self.directory = directory;
+    }
+
+    pub fn directory(&self) -> &Arc<Directory> {
+        &self.directory
+    }
+
+    /// Whether the runtime directory is the keys file's (the memory store).
+    pub fn directory_in_file(&self) -> bool {
+        self.file_entries.is_some()
+    }
+
+    /// Whether `digest` is listed in the config itself (inline, or in a shared store's
+    /// keys file): not the admin API's to change.
+    pub fn static_plan(&self, digest: &[u8; 32]) -> Option<&str> {
+        self.plans.get(digest).map(String::as_str)
+    }
+
+    /// The keys the config itself lists, with their plans.
+    pub fn static_entries(&self) -> impl Iterator<Item = (&[u8; 32], &str)> {
+        self.plans.iter().map(|(d, p)| (d, p.as_str()))
+    }
+
+    /// Whether `plan` is one a rule defines.
+    pub fn defines(&self, plan: &str) -> bool {
+        self.defined.contains(plan)
+    }
+
+    /// The plans rules define, sorted.
+    pub fn defined(&self) -> impl Iterator<Item = &str> {
+        self.defined.iter().map(String::as_str)
+    }
+
+    /// How `key` is listed: `None`, not at all; `Some(plan)` listed, with its plan if a
+    /// rule of this config defines it (a runtime entry may name a plan only another
+    /// gateway's config defines: the key is known, and gets the rules' own limits). The
+    /// runtime directory first, then the config's own.
+    pub fn listing(&self, key: &[u8]) -> Option<Option<&str>> {
+        if self.plans.is_empty() && self.directory.is_empty() {
             return None;
         }
-        self.plans.get(&sha256(key)).map(String::as_str)
+        let digest = sha256(key);
+        if let Some(plan) = self
+            .directory
+            .resolve(&digest, |plan| self.defined.get(plan).map(String::as_str))
+        {
+            return Some(plan);
+        }
+        self.plans.get(&digest).map(|p| Some(p.as_str()))
+    }
+
+    /// The plan `key` maps to, if it is listed with one.
+    pub fn plan_of(&self, key: &[u8]) -> Option<&str> {
+        self.listing(key).flatten()
     }
 
     /// The plans listed keys have.
@@ -109,18 +207,19 @@ impl Keys {
         self.plans.values().map(String::as_str)
     }
 
-    /// Whether `other` lists the same keys with the same plans (what a reload compares).
+    /// Whether `other` lists the same keys with the same plans in its files (what a
+    /// reload compares).
     pub fn same_plans(&self, other: &Keys) -> bool {
-        self.plans == other.plans
+        self.plans == other.plans && self.file_entries == other.file_entries
     }
 
-    /// How many keys are listed.
+    /// How many keys the config lists (inline and in the keys file).
     pub fn len(&self) -> usize {
-        self.plans.len()
+        self.plans.len() + self.file_entries.as_ref().map_or(0, HashMap::len)
     }
 
     pub fn is_empty(&self) -> bool {
-        self.plans.is_empty()
+        self.len() == 0
     }
 }
 
@@ -167,6 +266,51 @@ mod tests {
             api_key(&headers("x-api-key", &[b"\xff\xfek"]), &name),
             Ok(Some(&b"\xff\xfek"[..]))
         );
+    }
+
+    /// The runtime directory is read first, then the config's keys; a key deleted from
+    /// the directory is refused (`unknown = "reject"`) from the next request on; a runtime
+    /// plan no rule here defines leaves the key listed, with the rules' own limits.
+    #[test]
+    fn the_directory_comes_first_and_unknown_reject_consults_it() {
+        use crate::identity::directory::Change;
+        use crate::identity::{ClientIp, Key, KeyKind, MissingKey, Refusal, Requester};
+        let inline = HashMap::from([(sha256(b"inline"), "pro".to_string())]);
+        let keys = Keys::new(DEFAULT_KEY_HEADER, UnknownKeys::Reject, inline, None).with_directory(
+            None,
+            BTreeSet::from(["pro".to_string(), "gold".to_string()]),
+            DEFAULT_RESYNC,
+        );
+        let rule = Key {
+            kind: KeyKind::ApiKey,
+            missing: MissingKey::Reject,
+        };
+        let trust = ClientIp::default();
+        let ask = |key: &str| {
+            let h = headers("x-api-key", &[key.as_bytes()]);
+            let r = Requester::new(&h, "192.0.2.1".parse().unwrap(), &keys, &trust);
+            (r.identify(&rule).map(|_| ()), r.plan().map(str::to_string))
+        };
+        assert_eq!(ask("inline"), (Ok(()), Some("pro".into())));
+        assert_eq!(ask("runtime"), (Err(Refusal::UnknownKey), None));
+        let dir = keys.directory();
+        dir.apply(&Change::Set(sha256(b"runtime"), "gold".into()));
+        assert_eq!(ask("runtime"), (Ok(()), Some("gold".into())));
+        // A runtime entry overrides the config's.
+        dir.apply(&Change::Set(sha256(b"inline"), "gold".into()));
+        assert_eq!(ask("inline"), (Ok(()), Some("gold".into())));
+        // A plan only another gateway's config defines: listed, no plan here.
+        dir.apply(&Change::Set(sha256(b"runtime"), "enterprise".into()));
+        assert_eq!(ask("runtime"), (Ok(()), None));
+        dir.apply(&Change::Delete(sha256(b"runtime")));
+        assert_eq!(ask("runtime"), (Err(Refusal::UnknownKey), None));
+        // One lookup per request: a change after it does not split a request's rules.
+        let h = headers("x-api-key", &[b"inline"]);
+        let r = Requester::new(&h, "192.0.2.1".parse().unwrap(), &keys, &trust);
+        assert_eq!(r.plan(), Some("gold"));
+        dir.apply(&Change::Delete(sha256(b"inline")));
+        assert_eq!(r.plan(), Some("gold"));
+        assert_eq!(ask("inline"), (Ok(()), Some("pro".into())));
     }
 
     mod fuzz {

@@ -12,6 +12,7 @@
 //! so raw API keys never reach Redis key names, logs or metrics.
 
 mod client_ip;
+pub mod directory;
 pub mod jwt;
 mod keys;
 mod token_cache;
@@ -27,8 +28,11 @@ use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
 pub use client_ip::{client_ip, is_trusted, ClientIp, ForwardingHeader};
+pub use directory::Directory;
 pub use jwt::{ClaimPath, Failure, TokenError, Verified, Verifier};
-pub use keys::{api_key, sha256, KeyError, Keys, UnknownKeys, DEFAULT_KEY_HEADER, MAX_KEY_LEN};
+pub use keys::{
+    api_key, sha256, KeyError, Keys, UnknownKeys, DEFAULT_KEY_HEADER, DEFAULT_RESYNC, MAX_KEY_LEN,
+};
 
 /// What a rule counts requests by (`key`), and what it does when the request does not
 /// carry it (`missing_key`).
@@ -319,6 +323,9 @@ pub struct Requester<'a> {
     jwt: Option<&'a Verifier>,
     /// The bearer token, verified once however many rules ask.
     token: OnceCell<SentToken>,
+    /// How the API key is listed ([`Keys::listing`]): looked up once, so that every rule
+    /// of the request sees one answer however the directory changes meanwhile.
+    listed: OnceCell<Option<Option<&'a str>>>,
 }
 
 /// A bearer token as verified (`None`: none was sent), or why it cannot be used.
@@ -337,6 +344,7 @@ impl<'a> Requester<'a> {
             client_ip: OnceCell::new(),
             api_key: OnceCell::new(),
             client_cert: None,
+            listed: OnceCell::new(),
             jwt: None,
             token: OnceCell::new(),
         }
@@ -408,7 +416,7 @@ impl<'a> Requester<'a> {
         if let Some(plan) = self.token_plan() {
             return Some(plan);
         }
-        self.key_plan()
+        self.listing().flatten()
     }
 
     /// The `plan_claim` of the request's verified token (a string claim).
@@ -418,13 +426,12 @@ impl<'a> Requester<'a> {
         claim.lookup(&verified.claims)?.as_str()
     }
 
-    /// The plan the request's API key is listed with.
-    fn key_plan(&self) -> Option<&'a str> {
-        if self.keys.is_empty() {
-            return None;
-        }
-        let (key, _) = self.api_key().ok().flatten()?;
-        self.keys.plan_of(key)
+    /// How the request's API key is listed (see [`Keys::listing`]), once per request.
+    fn listing(&self) -> Option<Option<&'a str>> {
+        *self.listed.get_or_init(|| {
+            let (key, _) = self.api_key().ok().flatten()?;
+            self.keys.listing(key)
+        })
     }
 
     /// Who the request is under a rule counting by `key`.
@@ -526,7 +533,7 @@ impl<'a> Requester<'a> {
 
     /// Whether the request's key, well formed and sent, is refused as unknown.
     fn unlisted_refused(&self) -> bool {
-        self.keys.unknown == UnknownKeys::Reject && self.plan().is_none()
+        self.keys.unknown == UnknownKeys::Reject && self.listing().is_none()
     }
 
     fn ip_identity(&self) -> Identity<'a> {

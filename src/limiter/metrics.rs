@@ -26,6 +26,34 @@ crate::metrics::label_enum! {
     }
 }
 
+crate::metrics::label_enum! {
+    /// What keeping a shared store's key directory in step did.
+    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+    pub enum SyncOutcome {
+        /// The hash read whole and made the directory.
+        Resynced = "resynced",
+        /// A resynchronisation failed (Redis down, timeout): the last directory serves.
+        Failed = "failed",
+        /// `<prefix>:keys` is not a hash: the last directory serves.
+        WrongType = "wrong_type",
+        /// A change received on the channel and applied.
+        Change = "change",
+        /// A malformed message, or hash fields that are not an entry, left out.
+        Ignored = "ignored",
+        /// Subscribed to the changes channel.
+        Subscribed = "subscribed",
+        /// Could not subscribe.
+        SubscribeFailed = "subscribe_failed",
+        /// The subscription's connection was lost.
+        Lost = "lost",
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SyncLabels {
+    pub outcome: SyncOutcome,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct StoreErrorLabels {
     pub kind: StoreErrorKind,
@@ -67,6 +95,10 @@ pub struct LimiterMetrics {
     pub memory_keys: Family<MemoryLabels, Gauge>,
     /// Entries the in-process stores dropped to make room for new keys.
     pub memory_evictions: Family<EvictionLabels, Counter>,
+    /// Keys the runtime key directory holds, as of the last second.
+    pub key_directory_keys: Gauge,
+    /// What following a shared store's key directory did, by outcome.
+    pub key_directory_syncs: Family<SyncLabels, Counter>,
 }
 
 impl LimiterMetrics {
@@ -114,6 +146,21 @@ impl LimiterMetrics {
             "Entries an in-process store dropped to make room for a new key at max_keys: reason=expired (already equivalent to none), lru (the least recently used not being denied), held (the least recently denied, when a shard held nothing else)",
             memory_evictions.clone(),
         );
+        let key_directory_keys = Gauge::default();
+        registry.register(
+            "key_directory_keys",
+            "API keys the runtime key directory holds (added through /admin/keys: the keys file's with the memory store, the <prefix>:keys hash's with Redis), as of the last second",
+            key_directory_keys.clone(),
+        );
+        let key_directory_syncs = Family::<SyncLabels, Counter>::default();
+        registry.register(
+            "key_directory_syncs",
+            "What following a shared store's key directory did, by outcome: resynced (read whole), failed, wrong_type (the last directory serves), change (a published change applied), ignored (malformed), subscribed, subscribe_failed, lost (the subscription's connection)",
+            key_directory_syncs.clone(),
+        );
+        for outcome in SyncOutcome::ALL {
+            let _ = key_directory_syncs.get_or_create(&SyncLabels { outcome });
+        }
         for kind in StoreErrorKind::ALL {
             let _ = store_errors.get_or_create(&StoreErrorLabels { kind });
         }
@@ -130,6 +177,8 @@ impl LimiterMetrics {
             breaker_open,
             memory_keys,
             memory_evictions,
+            key_directory_keys,
+            key_directory_syncs,
         }
     }
 

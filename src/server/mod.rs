@@ -60,6 +60,17 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     let metrics = Arc::new(crate::gateway::Metrics::new());
     let live = Live::build(config, None, &metrics)?;
     live.limiter.warm().await;
+    if let Some(at) =
+        crate::limiter::redis::directory::Location::of(&live.config.store, live.config.keys.resync)
+    {
+        crate::limiter::redis::directory::RedisKeys::new(at)
+            .first_read(
+                live.config.keys.directory(),
+                &metrics.limiter.key_directory_syncs,
+                KEY_DIRECTORY_FIRST_READ,
+            )
+            .await;
+    }
     let config = live.config.clone();
     let sockets = Sockets::bind(&config.server)?;
     let gateway = Arc::new(Gateway::new(live, source, metrics.clone()));
@@ -82,6 +93,7 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     let signals = Signals::register();
     say_listening(&config);
     let upkeep = tokio::spawn(upkeep(gateway.clone()));
+    let key_sync = tokio::spawn(follow_key_directory(gateway.clone()));
     let reloads = tokio::spawn(reload_on_sighup(gateway.clone(), signals.hangup));
     let admin = sockets
         .admin
@@ -101,6 +113,7 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
         admin.stop().await;
     }
     upkeep.abort();
+    key_sync.abort();
     reloads.abort();
     say_stopped(started, served);
     Ok(())
@@ -686,11 +699,61 @@ async fn upkeep(gateway: Arc<Gateway>) {
         tick.tick().await;
         let live = gateway.live();
         live.limiter.sweep();
+        let keys = live.config.keys.directory().len();
+        gateway
+            .metrics()
+            .limiter
+            .key_directory_keys
+            .set(i64::try_from(keys).unwrap_or(i64::MAX));
         gateway
             .metrics()
             .connection
             .tls_settings(live.config.server.tls.as_ref());
         live.pools.sweep();
+    }
+}
+
+/// How long start-up waits for a shared store's key directory before serving without it.
+const KEY_DIRECTORY_FIRST_READ: Duration = Duration::from_secs(2);
+
+/// How often the key directory's follower looks for a reload that moved the directory
+/// (another Redis, prefix or `resync`).
+const KEY_SYNC_RECHECK: Duration = Duration::from_secs(1);
+
+/// With a shared store, keep the key directory in step with its Redis hash (see
+/// [`crate::limiter::redis::directory`]); started again on the new settings when a reload
+/// changes where the directory lives. The memory store's directory is the keys file's:
+/// nothing to follow.
+async fn follow_key_directory(gateway: Arc<Gateway>) {
+    use crate::limiter::redis::directory::{Location, RedisKeys};
+    loop {
+        let live = gateway.live();
+        let keys = &live.config.keys;
+        let at = Location::of(&live.config.store, keys.resync);
+        let follower = at.clone().map(|at| {
+            let syncs = gateway.metrics().limiter.key_directory_syncs.clone();
+            AbortOnDrop(tokio::spawn(
+                RedisKeys::new(at).follow(keys.directory().clone(), syncs),
+            ))
+        });
+        drop(live);
+        loop {
+            tokio::time::sleep(KEY_SYNC_RECHECK).await;
+            let live = gateway.live();
+            if Location::of(&live.config.store, live.config.keys.resync) != at {
+                break;
+            }
+        }
+        drop(follower);
+    }
+}
+
+/// A task aborted when its handle is dropped.
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
     }
 }
 

@@ -16,6 +16,7 @@ mod grpc;
 mod grpc_answers;
 mod h2_pools;
 mod jwt;
+mod key_directory;
 mod layering;
 mod logs;
 mod message_meter;

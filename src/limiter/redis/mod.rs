@@ -11,6 +11,7 @@
 //! identity at a time, and a denial refunds what the identities before it took.
 
 mod cluster;
+pub mod directory;
 mod eval;
 mod single;
 

@@ -1,0 +1,322 @@
+//! The key directory: the API keys an operator adds, re-plans and revokes at runtime, as
+//! SHA-256 digests with their plans. Read on every request that carries a key, without a
+//! lock: a snapshot (`ArcSwap<HashMap>`) swapped whole on each change; one per process,
+//! shared across reloads.
+//!
+//! What fills it depends on the store: with the memory store, the keys file (`[keys]
+//! file`), which the admin API rewrites; with Redis or Redis Cluster, the hash
+//! `<prefix>:keys`, kept in step by `limiter::redis::directory` (pub/sub for speed, a
+//! full resynchronisation for what pub/sub lost). Keys listed inline in `[keys.plans]`
+//! (and, with Redis, the keys file's) are static config, outside it: a request's key is
+//! looked up here first, then there (see [`super::Keys`]).
+//!
+//! Pure: no I/O. Also the wire format of a change (`message`/`parse_message`), the hex
+//! of a digest, and the sorted pages `GET /admin/keys` answers with.
+
+use std::collections::HashMap;
+use std::fmt;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+
+use arc_swap::ArcSwap;
+
+/// The SHA-256 of a raw API key: how a listed key is held, everywhere.
+pub type KeyDigest = [u8; 32];
+
+/// A digest -> plan map, as one snapshot of the directory holds it.
+pub type Entries = HashMap<KeyDigest, Arc<str>>;
+
+/// The longest plan name (as the config allows: 1 to 64 characters).
+pub const MAX_PLAN_LEN: usize = 64;
+
+pub struct Directory {
+    entries: ArcSwap<Entries>,
+    /// Held by whoever changes the set and its backing copy together (the admin API
+    /// rewriting the keys file, a reload re-reading it), so that the two never disagree.
+    /// Never held across an `.await`.
+    writer: Mutex<()>,
+}
+
+impl fmt::Debug for Directory {
+    /// Its size only: never a digest.
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "Directory({} keys)", self.len())
+    }
+}
+
+impl Default for Directory {
+    fn default() -> Self {
+        Directory::new(Entries::new())
+    }
+}
+
+impl Directory {
+    pub fn new(entries: Entries) -> Directory {
+        Directory {
+            entries: ArcSwap::from_pointee(entries),
+            writer: Mutex::new(()),
+        }
+    }
+
+    /// The plan `digest` is listed with here, if it is.
+    pub fn get(&self, digest: &KeyDigest) -> Option<Arc<str>> {
+        self.entries.load().get(digest).cloned()
+    }
+
+    /// `resolve` of the plan `digest` is listed with, if it is: read in place, without
+    /// touching the plan's reference count (the request path's lookup).
+    pub fn resolve<R>(&self, digest: &KeyDigest, resolve: impl FnOnce(&str) -> R) -> Option<R> {
+        self.entries.load().get(digest).map(|p| resolve(p))
+    }
+
+    /// Whether nothing is listed (read without hashing a request's key).
+    pub fn is_empty(&self) -> bool {
+        self.entries.load().is_empty()
+    }
+
+    pub fn len(&self) -> usize {
+        self.entries.load().len()
+    }
+
+    /// The whole set now (for a page, or a rewrite of the keys file).
+    pub fn snapshot(&self) -> Arc<Entries> {
+        self.entries.load_full()
+    }
+
+    /// Apply one change; the plan the key had before it.
+    pub fn apply(&self, change: &Change) -> Option<Arc<str>> {
+        let mut old = None;
+        self.entries.rcu(|current| {
+            let mut next = Entries::clone(current);
+            old = match change {
+                Change::Set(d, plan) => next.insert(*d, plan.clone()),
+                Change::Delete(d) => next.remove(d),
+            };
+            next
+        });
+        old
+    }
+
+    /// Apply several changes in one swap (the messages a subscriber found waiting).
+    pub fn apply_all(&self, changes: &[Change]) {
+        if changes.is_empty() {
+            return;
+        }
+        self.entries.rcu(|current| {
+            let mut next = Entries::clone(current);
+            for change in changes {
+                match change {
+                    Change::Set(d, plan) => next.insert(*d, plan.clone()),
+                    Change::Delete(d) => next.remove(d),
+                };
+            }
+            next
+        });
+    }
+
+    /// Replace the whole set (a resynchronisation, a reload of the keys file).
+    pub fn replace(&self, entries: Entries) {
+        self.entries.store(Arc::new(entries));
+    }
+
+    /// The writers' lock (see the field).
+    pub fn writer(&self) -> MutexGuard<'_, ()> {
+        self.writer.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+}
+
+/// One change to the directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Change {
+    Set(KeyDigest, Arc<str>),
+    Delete(KeyDigest),
+}
+
+impl Change {
+    pub fn digest(&self) -> &KeyDigest {
+        match self {
+            Change::Set(d, _) | Change::Delete(d) => d,
+        }
+    }
+
+    /// As published on `<prefix>:keys:changes`: `set <hex> <plan>` or `del <hex>`.
+    pub fn message(&self) -> String {
+        match self {
+            Change::Set(d, plan) => format!("set {} {plan}", hex(d)),
+            Change::Delete(d) => format!("del {}", hex(d)),
+        }
+    }
+
+    /// A published change read back; `None` for anything else (logged by the caller).
+    pub fn parse_message(text: &str) -> Option<Change> {
+        let (verb, rest) = text.split_once(' ')?;
+        match verb {
+            "set" => {
+                let (d, plan) = rest.split_once(' ')?;
+                Some(Change::Set(parse_hex(d)?, plan_name(plan)?))
+            }
+            "del" => Some(Change::Delete(parse_hex(rest)?)),
+            _ => None,
+        }
+    }
+}
+
+/// A plan name as a directory entry holds it: 1 to [`MAX_PLAN_LEN`] bytes, printable,
+/// no spaces (a message separates its parts with them).
+pub fn plan_name(text: &str) -> Option<Arc<str>> {
+    let ok = !text.is_empty()
+        && text.len() <= MAX_PLAN_LEN
+        && text.bytes().all(|b| b.is_ascii_graphic() || b >= 0x80);
+    ok.then(|| Arc::from(text))
+}
+
+/// 64 lower-case hex digits.
+pub fn hex(d: &KeyDigest) -> String {
+    const DIGITS: &[u8; 16] = b"0123456789abcdef";
+    let mut s = String::with_capacity(64);
+    for b in d {
+        s.push(char::from(DIGITS[usize::from(b >> 4)]));
+        s.push(char::from(DIGITS[usize::from(b & 0xf)]));
+    }
+    s
+}
+
+/// 64 hex digits (either case) -> a digest; anything else, `None`.
+pub fn parse_hex(text: &str) -> Option<KeyDigest> {
+    let b = text.as_bytes();
+    if b.len() != 64 {
+        return None;
+    }
+    let mut d = [0u8; 32];
+    for (i, pair) in b.chunks_exact(2).enumerate() {
+        let hi = char::from(pair[0]).to_digit(16)?;
+        let lo = char::from(pair[1]).to_digit(16)?;
+        d[i] = u8::try_from(hi * 16 + lo).ok()?;
+    }
+    Some(d)
+}
+
+/// One page of a listing: entries sorted by digest, those after `after` (exclusive),
+/// with plan `plan` if given, at most `limit` of them; and the cursor of the next page
+/// (the last digest given), if more follow.
+pub fn page(
+    entries: &Entries,
+    plan: Option<&str>,
+    after: Option<&KeyDigest>,
+    limit: usize,
+) -> (Vec<(KeyDigest, Arc<str>)>, Option<KeyDigest>) {
+    let mut picked: Vec<(KeyDigest, Arc<str>)> = entries
+        .iter()
+        .filter(|(d, p)| after.is_none_or(|a| *d > a) && plan.is_none_or(|want| &***p == want))
+        .map(|(d, p)| (*d, p.clone()))
+        .collect();
+    picked.sort_unstable_by_key(|e| e.0);
+    let more = picked.len() > limit;
+    picked.truncate(limit);
+    let next = more.then(|| picked.last().map(|(d, _)| *d)).flatten();
+    (picked, next)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn d(n: u8) -> KeyDigest {
+        [n; 32]
+    }
+
+    #[test]
+    fn changes_apply_and_say_the_old_plan() {
+        let dir = Directory::default();
+        assert!(dir.is_empty());
+        assert_eq!(dir.apply(&Change::Set(d(1), "pro".into())), None);
+        assert_eq!(dir.get(&d(1)).as_deref(), Some("pro"));
+        let before = dir.snapshot();
+        assert_eq!(
+            dir.apply(&Change::Set(d(1), "free".into())).as_deref(),
+            Some("pro")
+        );
+        // A snapshot taken before a change keeps what it saw: a request reads one set.
+        assert_eq!(before.get(&d(1)).map(|p| &**p), Some("pro"));
+        assert_eq!(dir.apply(&Change::Delete(d(1))).as_deref(), Some("free"));
+        assert_eq!(dir.apply(&Change::Delete(d(1))), None);
+        assert_eq!(dir.len(), 0);
+        dir.apply_all(&[
+            Change::Set(d(2), "a".into()),
+            Change::Set(d(3), "b".into()),
+            Change::Delete(d(2)),
+        ]);
+        assert_eq!(dir.len(), 1);
+        assert_eq!(dir.get(&d(3)).as_deref(), Some("b"));
+        dir.replace(Entries::from([(d(4), Arc::from("c"))]));
+        assert_eq!((dir.len(), dir.get(&d(3))), (1, None));
+        assert_eq!(format!("{dir:?}"), "Directory(1 keys)");
+    }
+
+    #[test]
+    fn messages_round_trip_and_garbage_is_refused() {
+        let set = Change::Set(d(0xab), "pro".into());
+        let del = Change::Delete(d(0x01));
+        assert_eq!(set.message(), format!("set {} pro", "ab".repeat(32)));
+        for c in [&set, &del] {
+            assert_eq!(Change::parse_message(&c.message()).as_ref(), Some(c));
+        }
+        let h = "ab".repeat(32);
+        for bad in [
+            "",
+            "set",
+            &format!("set {h}"),
+            &format!("set {h} "),
+            &format!("set {h} two words"),
+            &format!("put {h} pro"),
+            &format!("del {h}x"),
+            "del 1234",
+            &format!("set {} pro", "zz".repeat(32)),
+            &format!("set {h} {}", "p".repeat(MAX_PLAN_LEN + 1)),
+        ] {
+            assert_eq!(Change::parse_message(bad), None, "{bad:?}");
+        }
+    }
+
+    #[test]
+    fn hex_is_64_digits_either_case_in_lower_case_out() {
+        let mut x = [0u8; 32];
+        x[0] = 0xAB;
+        x[31] = 0x0f;
+        let h = hex(&x);
+        assert_eq!(h.len(), 64);
+        assert!(h.starts_with("ab") && h.ends_with("0f"));
+        assert_eq!(parse_hex(&h), Some(x));
+        assert_eq!(parse_hex(&h.to_uppercase()), Some(x));
+        assert_eq!(parse_hex(&h[..63]), None);
+        assert_eq!(parse_hex(&format!("{h}0")), None);
+        assert_eq!(parse_hex(&format!("+{}", &h[1..])), None);
+        assert_eq!(parse_hex(&"é".repeat(32)), None);
+    }
+
+    /// Pages in order of digest, each key once, the cursor the last digest given.
+    #[test]
+    fn pages_cover_every_entry_once_in_order() {
+        let entries: Entries = (0..=250u8)
+            .map(|n| (d(n), Arc::from(if n % 3 == 0 { "pro" } else { "free" })))
+            .collect();
+        for (plan, want) in [(None, 251), (Some("pro"), 84), (Some("none"), 0)] {
+            let mut seen = Vec::new();
+            let mut after = None;
+            loop {
+                let (got, next) = page(&entries, plan, after.as_ref(), 7);
+                assert!(got.len() <= 7);
+                seen.extend(got.iter().map(|(d, _)| *d));
+                match next {
+                    Some(n) => after = Some(n),
+                    None => break,
+                }
+            }
+            assert_eq!(seen.len(), want, "{plan:?}");
+            assert!(seen.windows(2).all(|w| w[0] < w[1]), "sorted, no repeats");
+        }
+        let (all, next) = page(&entries, None, None, 1000);
+        assert_eq!((all.len(), next), (251, None));
+        let (one, next) = page(&entries, None, Some(&d(249)), 1);
+        assert_eq!((one[0].0, next), (d(250), None));
+    }
+}

@@ -1,0 +1,406 @@
+//! The key directory in Redis: one hash, `<prefix>:keys` (field: the 64-hex SHA-256 of an
+//! API key; value: its plan; no raw key anywhere), changed by the admin API of any
+//! gateway ([`RedisKeys::change`]: the write and a PUBLISH on `<prefix>:keys:changes`, in
+//! one script), and followed by every gateway ([`RedisKeys::follow`]).
+//!
+//! Why both pub/sub and a full resynchronisation: pub/sub is fast (a change reaches every
+//! subscribed gateway within milliseconds) but fire-and-forget: a subscriber that was
+//! disconnected when a message was sent (a restart of Redis, a network blip, a `CLIENT
+//! KILL`, a failover) never gets it, and nothing tells it so. So each gateway also reads
+//! the whole hash every `[keys] resync` (30 s by default), and at once each time it
+//! (re)subscribes: a lost message is caught up within one resync, and a field written
+//! straight into Redis without a PUBLISH is picked up too. While Redis is down the last
+//! directory read keeps serving; failures are logged and counted, never a panic, and a
+//! hash of the wrong type leaves the last set in place.
+//!
+//! With a Redis Cluster the hash lives on one slot, and the subscriber listens on one
+//! reachable node: a cluster broadcasts PUBLISH to every node.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use futures_util::{FutureExt, StreamExt};
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use redis::aio::ConnectionLike;
+
+use crate::identity::directory::{self, Change, Directory, Entries};
+use crate::limiter::metrics::{SyncLabels, SyncOutcome};
+use crate::limiter::store::{Backend, Settings};
+
+/// Sets or deletes one field and publishes the change, atomically; answers the field's
+/// value before. KEYS[1]: the hash; ARGV: field, plan (empty: delete), channel, message.
+const CHANGE_SCRIPT: &str = r"
+local old = redis.call('HGET', KEYS[1], ARGV[1])
+if ARGV[2] == '' then
+  redis.call('HDEL', KEYS[1], ARGV[1])
+else
+  redis.call('HSET', KEYS[1], ARGV[1], ARGV[2])
+end
+redis.call('PUBLISH', ARGV[3], ARGV[4])
+return old
+";
+
+/// Fields read per HSCAN call in a resynchronisation.
+const SCAN_COUNT: usize = 1000;
+
+/// The longest one Redis call of the directory may take (a page of HSCAN, a change, a
+/// connect): not on any request's path, so longer than the store timeout.
+const CALL_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a subscriber waits before it subscribes again after losing its connection,
+/// at first; doubled on each failure up to [`MAX_BACKOFF`].
+const FIRST_BACKOFF: Duration = Duration::from_millis(500);
+const MAX_BACKOFF: Duration = Duration::from_secs(5);
+
+/// Messages applied in one swap of the directory, at most.
+const MAX_BATCH: usize = 1000;
+
+#[derive(Debug, thiserror::Error)]
+pub enum DirectoryError {
+    #[error("no answer from Redis within {0:?}")]
+    Timeout(Duration),
+    #[error("{0} is not a hash (WRONGTYPE): the key directory cannot be read or changed")]
+    WrongType(String),
+    #[error("{0}")]
+    Redis(#[from] redis::RedisError),
+}
+
+/// Where a shared store's directory lives, and how it is followed: what a change of
+/// config must change for the follower to start again.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Location {
+    target: Target,
+    prefix: String,
+    resync: Duration,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Target {
+    Redis(String),
+    Cluster(Vec<String>),
+}
+
+impl Location {
+    /// `None` for the memory store (its directory is the keys file's).
+    pub fn of(store: &Settings, resync: Duration) -> Option<Location> {
+        let target = match &store.backend {
+            Backend::Memory => return None,
+            Backend::Redis { url } => Target::Redis(url.clone()),
+            Backend::RedisCluster { nodes } => Target::Cluster(nodes.clone()),
+        };
+        Some(Location {
+            target,
+            prefix: store.prefix.clone(),
+            resync,
+        })
+    }
+}
+
+/// The directory's hash and channel in one Redis or cluster. Connects per operation:
+/// changes are an operator's, resynchronisations every few seconds at most.
+pub struct RedisKeys {
+    at: Location,
+    hash: String,
+    channel: String,
+}
+
+impl RedisKeys {
+    pub fn new(at: Location) -> RedisKeys {
+        RedisKeys {
+            hash: format!("{}:keys", at.prefix),
+            channel: format!("{}:keys:changes", at.prefix),
+            at,
+        }
+    }
+
+    /// The hash's name, `<prefix>:keys`.
+    pub fn hash(&self) -> &str {
+        &self.hash
+    }
+
+    async fn timed<T>(
+        f: impl std::future::Future<Output = Result<T, redis::RedisError>>,
+    ) -> Result<T, DirectoryError> {
+        tokio::time::timeout(CALL_TIMEOUT, f)
+            .await
+            .map_err(|_| DirectoryError::Timeout(CALL_TIMEOUT))?
+            .map_err(DirectoryError::Redis)
+    }
+
+    fn wrong_type(&self, e: DirectoryError) -> DirectoryError {
+        match e {
+            DirectoryError::Redis(r) if r.code() == Some("WRONGTYPE") => {
+                DirectoryError::WrongType(self.hash.clone())
+            }
+            e => e,
+        }
+    }
+
+    async fn run<T>(&self, cmd: Command<'_>) -> Result<T, DirectoryError>
+    where
+        T: redis::FromRedisValue + Send,
+    {
+        let result = match &self.at.target {
+            Target::Redis(url) => {
+                let client = redis::Client::open(url.as_str())?;
+                let mut conn = Self::timed(
+                    client.get_multiplexed_async_connection_with_config(
+                        &redis::AsyncConnectionConfig::new()
+                            .set_connection_timeout(Some(CALL_TIMEOUT))
+                            .set_response_timeout(Some(CALL_TIMEOUT)),
+                    ),
+                )
+                .await?;
+                cmd.run(&mut conn).await
+            }
+            Target::Cluster(nodes) => {
+                let client = redis::cluster::ClusterClient::builder(nodes.clone())
+                    .connection_timeout(CALL_TIMEOUT)
+                    .response_timeout(CALL_TIMEOUT)
+                    .build()?;
+                let mut conn = Self::timed(client.get_async_connection()).await?;
+                cmd.run(&mut conn).await
+            }
+        };
+        result.map_err(|e| self.wrong_type(e))
+    }
+
+    /// Apply `change` to the hash and publish it; the plan the key had before.
+    pub async fn change(&self, change: &Change) -> Result<Option<String>, DirectoryError> {
+        let plan = match change {
+            Change::Set(_, p) => p.to_string(),
+            Change::Delete(_) => String::new(),
+        };
+        let script = redis::Script::new(CHANGE_SCRIPT);
+        let field = directory::hex(change.digest());
+        let message = change.message();
+        self.run(Command::Change {
+            script: &script,
+            hash: &self.hash,
+            args: [&field, &plan, &self.channel, &message],
+        })
+        .await
+    }
+
+    /// The whole hash, read with HSCAN; and how many fields were not a valid entry (not
+    /// 64 hex digits, or not a plan name), which are left out.
+    pub async fn read_all(&self) -> Result<(Entries, usize), DirectoryError> {
+        let mut entries = Entries::new();
+        let mut bad = 0;
+        let mut cursor = 0u64;
+        loop {
+            let (next, page): (u64, Vec<(String, String)>) = self
+                .run(Command::Scan {
+                    hash: &self.hash,
+                    cursor,
+                })
+                .await?;
+            for (field, plan) in page {
+                match (directory::parse_hex(&field), directory::plan_name(&plan)) {
+                    (Some(d), Some(p)) => {
+                        entries.insert(d, p);
+                    }
+                    _ => bad += 1,
+                }
+            }
+            if next == 0 {
+                return Ok((entries, bad));
+            }
+            cursor = next;
+        }
+    }
+
+    /// A subscription to the changes channel: on the one Redis, or on the first cluster
+    /// node that accepts it.
+    async fn subscribe(&self) -> Result<redis::aio::PubSub, DirectoryError> {
+        let urls: Vec<&str> = match &self.at.target {
+            Target::Redis(url) => vec![url.as_str()],
+            Target::Cluster(nodes) => nodes.iter().map(String::as_str).collect(),
+        };
+        let mut last = None;
+        for url in urls {
+            let attempt = async {
+                let client = redis::Client::open(url)?;
+                let mut sub = Self::timed(client.get_async_pubsub()).await?;
+                Self::timed(sub.subscribe(&self.channel)).await?;
+                Ok::<_, DirectoryError>(sub)
+            };
+            match attempt.await {
+                Ok(sub) => return Ok(sub),
+                Err(e) => last = Some(e),
+            }
+        }
+        Err(last.unwrap_or(DirectoryError::Timeout(CALL_TIMEOUT)))
+    }
+
+    /// Keep `directory` in step with the hash, for as long as the task runs: subscribe,
+    /// read the hash whole, apply each change published, read it whole again every
+    /// `resync` (and after each new subscription). Never returns.
+    pub async fn follow(self, directory: Arc<Directory>, syncs: Family<SyncLabels, Counter>) {
+        let count = |outcome: SyncOutcome| {
+            syncs.get_or_create(&SyncLabels { outcome }).inc();
+        };
+        let mut backoff = FIRST_BACKOFF;
+        loop {
+            match self.subscribe().await {
+                Ok(sub) => {
+                    count(SyncOutcome::Subscribed);
+                    tracing::debug!(channel = %self.channel, "subscribed to key directory changes");
+                    backoff = FIRST_BACKOFF;
+                    let (mut sink, mut stream) = sub.split();
+                    self.resync(&directory, &count).await;
+                    let mut tick = tokio::time::interval_at(
+                        tokio::time::Instant::now() + self.at.resync,
+                        self.at.resync,
+                    );
+                    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+                    loop {
+                        tokio::select! {
+                            msg = stream.next() => {
+                                let Some(msg) = msg else { break };
+                                let mut changes = Vec::new();
+                                self.read_message(&msg, &mut changes, &count);
+                                // The messages already waiting go in the same swap.
+                                while changes.len() < MAX_BATCH {
+                                    match stream.next().now_or_never() {
+                                        Some(Some(m)) => self.read_message(&m, &mut changes, &count),
+                                        _ => break,
+                                    }
+                                }
+                                directory.apply_all(&changes);
+                            }
+                            _ = tick.tick() => {
+                                // A connection that went quiet without closing is found
+                                // here, and subscribed again.
+                                let alive = tokio::time::timeout(CALL_TIMEOUT, sink.ping::<String>()).await;
+                                if !matches!(alive, Ok(Ok(_))) {
+                                    break;
+                                }
+                                self.resync(&directory, &count).await;
+                            }
+                        }
+                    }
+                    count(SyncOutcome::Lost);
+                    tracing::warn!(
+                        channel = %self.channel,
+                        "key directory subscription lost; subscribing again (a resynchronisation catches up what was missed)"
+                    );
+                }
+                Err(e) => {
+                    count(SyncOutcome::SubscribeFailed);
+                    tracing::warn!(error = %e, channel = %self.channel, "cannot subscribe to key directory changes; the last directory read keeps serving");
+                    // Still try to read the hash: the subscription may be what fails.
+                    self.resync(&directory, &count).await;
+                }
+            }
+            tokio::time::sleep(backoff).await;
+            backoff = (backoff * 2).min(MAX_BACKOFF);
+        }
+    }
+
+    fn read_message(
+        &self,
+        msg: &redis::Msg,
+        changes: &mut Vec<Change>,
+        count: &impl Fn(SyncOutcome),
+    ) {
+        let parsed = msg
+            .get_payload::<String>()
+            .ok()
+            .and_then(|text| Change::parse_message(&text));
+        match parsed {
+            Some(c) => {
+                count(SyncOutcome::Change);
+                changes.push(c);
+            }
+            None => {
+                count(SyncOutcome::Ignored);
+                tracing::warn!(channel = %self.channel, "ignored a malformed key directory message");
+            }
+        }
+    }
+
+    /// Read the hash whole once, before the gateway serves, within `within`: so that its
+    /// first requests already know the runtime keys. A failure is logged (the follower
+    /// tries again).
+    pub async fn first_read(
+        &self,
+        directory: &Directory,
+        syncs: &Family<SyncLabels, Counter>,
+        within: Duration,
+    ) {
+        let count = |outcome: SyncOutcome| {
+            syncs.get_or_create(&SyncLabels { outcome }).inc();
+        };
+        if tokio::time::timeout(within, self.resync(directory, &count))
+            .await
+            .is_err()
+        {
+            count(SyncOutcome::Failed);
+            tracing::warn!(hash = %self.hash, "the key directory was not read before serving (no answer within {within:?}); the follower keeps trying");
+        }
+    }
+
+    /// Read the hash whole and make it the directory; on failure keep the last one.
+    async fn resync(&self, directory: &Directory, count: &impl Fn(SyncOutcome)) {
+        match self.read_all().await {
+            Ok((entries, bad)) => {
+                if bad > 0 {
+                    count(SyncOutcome::Ignored);
+                    tracing::warn!(hash = %self.hash, fields = bad, "key directory fields that are not <64 hex digits> = <plan> were ignored");
+                }
+                directory.replace(entries);
+                count(SyncOutcome::Resynced);
+            }
+            Err(e @ DirectoryError::WrongType(_)) => {
+                count(SyncOutcome::WrongType);
+                tracing::error!(error = %e, "key directory resynchronisation failed; the last directory read keeps serving");
+            }
+            Err(e) => {
+                count(SyncOutcome::Failed);
+                tracing::warn!(error = %e, "key directory resynchronisation failed; the last directory read keeps serving");
+            }
+        }
+    }
+}
+
+/// One Redis call of the directory, on either kind of connection.
+enum Command<'a> {
+    Change {
+        script: &'a redis::Script,
+        hash: &'a str,
+        args: [&'a str; 4],
+    },
+    Scan {
+        hash: &'a str,
+        cursor: u64,
+    },
+}
+
+impl Command<'_> {
+    async fn run<T, C>(self, conn: &mut C) -> Result<T, DirectoryError>
+    where
+        T: redis::FromRedisValue + Send,
+        C: ConnectionLike + Send,
+    {
+        match self {
+            Command::Change { script, hash, args } => {
+                let mut inv = script.key(hash);
+                for a in args {
+                    inv.arg(a);
+                }
+                RedisKeys::timed(inv.invoke_async(conn)).await
+            }
+            Command::Scan { hash, cursor } => {
+                let cmd = redis::cmd("HSCAN")
+                    .arg(hash)
+                    .arg(cursor)
+                    .arg("COUNT")
+                    .arg(SCAN_COUNT)
+                    .to_owned();
+                RedisKeys::timed(cmd.query_async(conn)).await
+            }
+        }
+    }
+}
