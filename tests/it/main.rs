@@ -16,6 +16,7 @@ mod grpc;
 mod grpc_answers;
 mod h2_pools;
 mod jwt;
+mod jwt_quick_start;
 mod key_directory;
 mod layering;
 mod logs;
