@@ -30,7 +30,11 @@ fn openssl(args: &[&str]) -> Vec<u8> {
     let out = Command::new("openssl")
         .args(args)
         .output()
-        .unwrap_or_else(|e| fail(&format!("openssl: {e} (install it: apt-get install openssl)")));
+        .unwrap_or_else(|e| {
+            fail(&format!(
+                "openssl: {e} (install it: apt-get install openssl)"
+            ))
+        });
     if !out.status.success() {
         fail(&format!(
             "openssl {args:?}: {}",
@@ -138,7 +142,10 @@ fn openssl_speed(secs: u64) -> [Option<f64>; 3] {
 fn main() {
     let secs: u64 = std::env::args()
         .nth(1)
-        .map(|s| s.parse().unwrap_or_else(|_| fail("SECONDS: a whole number")))
+        .map(|s| {
+            s.parse()
+                .unwrap_or_else(|_| fail("SECONDS: a whole number"))
+        })
         .unwrap_or(3);
     let dir = tempfile_dir();
     let rsa = pair(

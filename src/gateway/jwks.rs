@@ -106,10 +106,13 @@ pub fn start(
                 Some(_) => refresh,
                 None => refresh.min(FIRST_RETRY),
             };
-            let asked = verifier.refetch.notified();
+            // Only the waker is held while waiting: a verifier its configuration dropped
+            // ends here, and the task with it.
+            let wake = verifier.refetch.clone();
+            drop(verifier);
             tokio::select! {
                 _ = tokio::time::sleep(wait) => {}
-                _ = asked => {}
+                _ = wake.notified() => {}
             }
         }
     })

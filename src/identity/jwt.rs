@@ -175,6 +175,15 @@ impl VerifyKey {
 pub struct KeySet {
     keys: Vec<VerifyKey>,
     material: [u8; 32],
+    /// Which set this is, process-wide: a cached token is served only while the set it
+    /// was verified with is the current one.
+    generation: u64,
+}
+
+/// The next [`KeySet::generation`].
+fn next_generation() -> u64 {
+    static NEXT: AtomicU64 = AtomicU64::new(1);
+    NEXT.fetch_add(1, Ordering::Relaxed)
 }
 
 impl fmt::Debug for KeySet {
@@ -214,6 +223,7 @@ impl KeySet {
         Ok(KeySet {
             keys,
             material: Sha256::digest(json).into(),
+            generation: next_generation(),
         })
     }
 
@@ -247,6 +257,7 @@ impl KeySet {
         Ok(KeySet {
             keys,
             material: material.finalize().into(),
+            generation: next_generation(),
         })
     }
 
@@ -260,6 +271,7 @@ impl KeySet {
                 key: DecodingKey::from_secret(secret),
             }],
             material: Sha256::digest(secret).into(),
+            generation: next_generation(),
         }
     }
 
@@ -563,8 +575,9 @@ pub struct Verifier {
     now: fn() -> u64,
     /// When (Unix seconds) an unknown kid last asked for a new key set.
     refetch_asked: AtomicU64,
-    /// Woken when an unknown kid asks for a new key set (`gateway::jwks` waits on it).
-    pub refetch: tokio::sync::Notify,
+    /// Woken when an unknown kid asks for a new key set (`gateway::jwks` waits on it,
+    /// holding only this, so that the verifier ends with its configuration).
+    pub refetch: Arc<tokio::sync::Notify>,
 }
 
 impl fmt::Debug for Verifier {
@@ -595,7 +608,7 @@ impl Verifier {
             cache: TokenCache::new(cache_entries),
             now,
             refetch_asked: AtomicU64::new(0),
-            refetch: tokio::sync::Notify::new(),
+            refetch: Arc::new(tokio::sync::Notify::new()),
         }
     }
 
@@ -678,11 +691,11 @@ impl Verifier {
             return Err(Failure::Invalid(TokenError::TooLong));
         }
         let now = (self.now)();
+        let keys = self.keys.load_full().ok_or(Failure::Unavailable)?;
         let hash: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-        if let Some(v) = self.cache.get(&hash, now) {
+        if let Some(v) = self.cache.get(&hash, now, keys.generation) {
             return Ok(v);
         }
-        let keys = self.keys.load_full().ok_or(Failure::Unavailable)?;
         let verified = self
             .check(&keys, token, now)
             .map_err(Failure::Invalid)
@@ -692,15 +705,9 @@ impl Verifier {
                 }
             })?;
         let verified = Arc::new(verified);
-        // Cached only if the set it was verified with is still the current one.
-        if self
-            .keys
-            .load()
-            .as_ref()
-            .is_some_and(|k| Arc::ptr_eq(k, &keys))
-        {
-            self.cache.insert(hash, verified.clone(), now);
-        }
+        // Served from the cache only while `keys` is the current set.
+        self.cache
+            .insert(hash, verified.clone(), now, keys.generation);
         Ok(verified)
     }
 

@@ -267,6 +267,7 @@ impl Refusal {
                 | Refusal::MissingHeader
                 | Refusal::MissingCert
                 | Refusal::MissingToken
+                | Refusal::MissingClaim
         )
     }
 
@@ -819,6 +820,111 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// `jwt:<claim>` and combined keys: a claim in a domain of its own, a missing claim
+    /// or token following `missing_key`, an invalid token always refused, and each
+    /// combination (by its parts' values and order) an identity apart.
+    #[test]
+    fn claims_and_combinations_are_identities_of_their_own() {
+        use jwt::{Alg, KeySet, KeysFrom, Settings, TokenFrom};
+        let settings = Settings {
+            from: TokenFrom::Bearer(http::header::AUTHORIZATION),
+            algorithms: vec![Alg::HS256],
+            keys_from: KeysFrom::SecretEnv("X".into()),
+            issuer: Vec::new(),
+            audience: Vec::new(),
+            leeway: 30,
+            required_claims: Vec::new(),
+            plan_claim: Some(ClaimPath::parse("tier").unwrap()),
+            forward_claims: Vec::new(),
+        };
+        let verifier = Verifier::new(settings, Some(KeySet::from_secret(b"s")));
+        let token = |claims: serde_json::Value| {
+            let t = jsonwebtoken::encode(
+                &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+                &claims,
+                &jsonwebtoken::EncodingKey::from_secret(b"s"),
+            )
+            .unwrap();
+            HeaderValue::from_str(&format!("Bearer {t}")).unwrap()
+        };
+        let keys = Keys::new(
+            DEFAULT_KEY_HEADER,
+            UnknownKeys::Allow,
+            Default::default(),
+            None,
+        );
+        let trust = ClientIp::default();
+        let sub = ClaimPath::parse("sub").unwrap();
+        let by = |kind: KeyKind, missing| Key { kind, missing };
+        let per_sub = by(KeyKind::Jwt(sub.clone()), MissingKey::Reject);
+        let per_sub_or_ip = by(KeyKind::Jwt(sub.clone()), MissingKey::ClientIp);
+        let project = KeyKind::Header(HeaderName::from_static("x-project"));
+        let combined = |parts: Vec<KeyKind>| by(KeyKind::Combined(parts), MissingKey::Reject);
+        let both = combined(vec![KeyKind::Jwt(sub.clone()), project.clone()]);
+        let flipped = combined(vec![project.clone(), KeyKind::Jwt(sub.clone())]);
+        let exp = 4_000_000_000u64;
+        let identify = |auth: Option<HeaderValue>, project: Option<&'static str>, key: &Key| {
+            let mut h = HeaderMap::new();
+            if let Some(a) = auth {
+                h.insert(http::header::AUTHORIZATION, a);
+            }
+            if let Some(p) = project {
+                h.insert("x-project", HeaderValue::from_static(p));
+            }
+            let r = Requester::new(&h, ip("192.0.2.9"), &keys, &trust).with_jwt(Some(&verifier));
+            let plan = r.plan().map(str::to_string);
+            (r.identify(key).map(|i| i.digest), plan)
+        };
+        let alice = || {
+            Some(token(
+                serde_json::json!({"sub": "alice", "tier": "pro", "exp": exp}),
+            ))
+        };
+        let (id, plan) = identify(alice(), None, &per_sub);
+        assert_eq!(id.unwrap(), digest_claim(&sub, b"alice"));
+        assert_eq!(plan.as_deref(), Some("pro"), "the plan claim");
+        assert_ne!(digest_claim(&sub, b"alice"), digest_api_key(b"alice"));
+        let numeric = Some(token(serde_json::json!({"sub": 7, "exp": exp})));
+        assert_eq!(
+            identify(numeric, None, &per_sub).0.unwrap(),
+            digest_claim(&sub, b"7")
+        );
+        // No sub (a sub that is not a string is a malformed token: RFC 7519 §4.1.2).
+        let no_sub = || Some(token(serde_json::json!({"tier": "pro", "exp": exp})));
+        assert_eq!(
+            identify(no_sub(), None, &per_sub).0,
+            Err(Refusal::MissingClaim)
+        );
+        assert_eq!(
+            identify(no_sub(), None, &per_sub_or_ip).0.unwrap(),
+            digest_ip(ip("192.0.2.9"))
+        );
+        assert_eq!(identify(None, None, &per_sub).0, Err(Refusal::MissingToken));
+        assert_eq!(
+            identify(None, None, &per_sub_or_ip).0.unwrap(),
+            digest_ip(ip("192.0.2.9"))
+        );
+        let forged = Some(HeaderValue::from_static("Bearer e30.e30.sig"));
+        assert!(matches!(
+            identify(forged, None, &per_sub_or_ip).0,
+            Err(Refusal::InvalidToken(_))
+        ));
+        let a = identify(alice(), Some("p1"), &both).0.unwrap();
+        assert_eq!(
+            a,
+            digest_combined(&[
+                digest_claim(&sub, b"alice"),
+                digest_header(&HeaderName::from_static("x-project"), b"p1")
+            ])
+        );
+        assert_ne!(a, identify(alice(), Some("p2"), &both).0.unwrap());
+        assert_ne!(a, identify(alice(), Some("p1"), &flipped).0.unwrap());
+        assert_eq!(
+            identify(alice(), None, &both).0,
+            Err(Refusal::MissingHeader)
+        );
     }
 
     #[test]

@@ -1,5 +1,6 @@
 //! The verified-token cache: a token accepted once is accepted again, until its `exp`
-//! (leeway included), at the cost of a SHA-256 and one map lookup under one shard's lock.
+//! (leeway included), at the cost of a SHA-256 and one map lookup under one shard's lock,
+//! and only while the key set it was verified with is the current one (its generation).
 //! Bounded: at most `max` tokens; a full shard first drops its expired tokens, then any
 //! one (a dropped token is verified again when it comes back: only CPU is lost).
 
@@ -11,8 +12,9 @@ use super::jwt::Verified;
 /// Shards, each with a lock of its own: the workers verifying tokens rarely meet.
 const SHARDS: usize = 16;
 
-/// One shard: tokens by their SHA-256.
-type Shard = Mutex<HashMap<[u8; 32], Arc<Verified>>>;
+/// One shard: tokens by their SHA-256, with the generation of the key set that verified
+/// them.
+type Shard = Mutex<HashMap<[u8; 32], (Arc<Verified>, u64)>>;
 
 pub(super) struct TokenCache {
     shards: Box<[Shard]>,
@@ -32,11 +34,12 @@ impl TokenCache {
         &self.shards[usize::from(hash[0]) % SHARDS]
     }
 
-    /// The token of SHA-256 `hash`, if it was accepted and is still valid at `now`.
-    pub(super) fn get(&self, hash: &[u8; 32], now: u64) -> Option<Arc<Verified>> {
+    /// The token of SHA-256 `hash`, if it was accepted by the key set of `generation`
+    /// and is still valid at `now`.
+    pub(super) fn get(&self, hash: &[u8; 32], now: u64, generation: u64) -> Option<Arc<Verified>> {
         let mut shard = self.shard(hash).lock().unwrap_or_else(|p| p.into_inner());
         match shard.get(hash) {
-            Some(v) if now < v.until => Some(v.clone()),
+            Some((v, g)) if now < v.until && *g == generation => Some(v.clone()),
             Some(_) => {
                 shard.remove(hash);
                 None
@@ -45,17 +48,23 @@ impl TokenCache {
         }
     }
 
-    pub(super) fn insert(&self, hash: [u8; 32], verified: Arc<Verified>, now: u64) {
+    pub(super) fn insert(
+        &self,
+        hash: [u8; 32],
+        verified: Arc<Verified>,
+        now: u64,
+        generation: u64,
+    ) {
         let mut shard = self.shard(&hash).lock().unwrap_or_else(|p| p.into_inner());
         if shard.len() >= self.per_shard && !shard.contains_key(&hash) {
-            shard.retain(|_, v| now < v.until);
+            shard.retain(|_, (v, _)| now < v.until);
             if shard.len() >= self.per_shard {
                 if let Some(any) = shard.keys().next().copied() {
                     shard.remove(&any);
                 }
             }
         }
-        shard.insert(hash, verified);
+        shard.insert(hash, (verified, generation));
     }
 
     pub(super) fn clear(&self) {
