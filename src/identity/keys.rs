@@ -145,6 +145,10 @@ impl Keys {
             let _writing = directory.writer();
             let entries = reread(self).unwrap_or_else(|| loaded.clone());
             directory.replace(entries);
+        } else if old.file_entries.is_some() {
+            // From the keys file to a shared store: its keys are static now, and the
+            // store's follower fills the directory.
+            directory.replace(Entries::new());
         }
         self.directory = directory;
     }

@@ -22,7 +22,6 @@ use std::time::Duration;
 use futures_util::{FutureExt, StreamExt};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use redis::aio::ConnectionLike;
 
 use crate::identity::directory::{self, Change, Directory, Entries};
 use crate::limiter::metrics::{SyncLabels, SyncOutcome};
@@ -137,33 +136,27 @@ impl RedisKeys {
         }
     }
 
-    async fn run<T>(&self, cmd: Command<'_>) -> Result<T, DirectoryError>
-    where
-        T: redis::FromRedisValue + Send,
-    {
-        let result = match &self.at.target {
+    /// A connection for the calls of one operation (a change, a resynchronisation).
+    async fn connect(&self) -> Result<Conn, DirectoryError> {
+        Ok(match &self.at.target {
             Target::Redis(url) => {
                 let client = redis::Client::open(url.as_str())?;
-                let mut conn = Self::timed(
-                    client.get_multiplexed_async_connection_with_config(
-                        &redis::AsyncConnectionConfig::new()
-                            .set_connection_timeout(Some(CALL_TIMEOUT))
-                            .set_response_timeout(Some(CALL_TIMEOUT)),
-                    ),
+                let config = redis::AsyncConnectionConfig::new()
+                    .set_connection_timeout(Some(CALL_TIMEOUT))
+                    .set_response_timeout(Some(CALL_TIMEOUT));
+                Conn::Single(
+                    Self::timed(client.get_multiplexed_async_connection_with_config(&config))
+                        .await?,
                 )
-                .await?;
-                cmd.run(&mut conn).await
             }
             Target::Cluster(nodes) => {
                 let client = redis::cluster::ClusterClient::builder(nodes.clone())
                     .connection_timeout(CALL_TIMEOUT)
                     .response_timeout(CALL_TIMEOUT)
                     .build()?;
-                let mut conn = Self::timed(client.get_async_connection()).await?;
-                cmd.run(&mut conn).await
+                Conn::Cluster(Self::timed(client.get_async_connection()).await?)
             }
-        };
-        result.map_err(|e| self.wrong_type(e))
+        })
     }
 
     /// Apply `change` to the hash and publish it; the plan the key had before.
@@ -173,29 +166,38 @@ impl RedisKeys {
             Change::Delete(_) => String::new(),
         };
         let script = redis::Script::new(CHANGE_SCRIPT);
-        let field = directory::hex(change.digest());
-        let message = change.message();
-        self.run(Command::Change {
-            script: &script,
-            hash: &self.hash,
-            args: [&field, &plan, &self.channel, &message],
-        })
-        .await
+        let mut inv = script.key(&self.hash);
+        inv.arg(directory::hex(change.digest()))
+            .arg(plan)
+            .arg(&self.channel)
+            .arg(change.message());
+        let mut conn = self.connect().await?;
+        let old = match &mut conn {
+            Conn::Single(c) => Self::timed(inv.invoke_async(c)).await,
+            Conn::Cluster(c) => Self::timed(inv.invoke_async(c)).await,
+        };
+        old.map_err(|e| self.wrong_type(e))
     }
 
-    /// The whole hash, read with HSCAN; and how many fields were not a valid entry (not
-    /// 64 hex digits, or not a plan name), which are left out.
+    /// The whole hash, read with HSCAN on one connection; and how many fields were not a
+    /// valid entry (not 64 hex digits, or not a plan name), which are left out.
     pub async fn read_all(&self) -> Result<(Entries, usize), DirectoryError> {
+        let mut conn = self.connect().await?;
         let mut entries = Entries::new();
         let mut bad = 0;
         let mut cursor = 0u64;
         loop {
-            let (next, page): (u64, Vec<(String, String)>) = self
-                .run(Command::Scan {
-                    hash: &self.hash,
-                    cursor,
-                })
-                .await?;
+            let cmd = redis::cmd("HSCAN")
+                .arg(&self.hash)
+                .arg(cursor)
+                .arg("COUNT")
+                .arg(SCAN_COUNT)
+                .to_owned();
+            let page: Result<(u64, Vec<(String, String)>), _> = match &mut conn {
+                Conn::Single(c) => Self::timed(cmd.query_async(c)).await,
+                Conn::Cluster(c) => Self::timed(cmd.query_async(c)).await,
+            };
+            let (next, page) = page.map_err(|e| self.wrong_type(e))?;
             for (field, plan) in page {
                 match (directory::parse_hex(&field), directory::plan_name(&plan)) {
                     (Some(d), Some(p)) => {
@@ -365,42 +367,8 @@ impl RedisKeys {
     }
 }
 
-/// One Redis call of the directory, on either kind of connection.
-enum Command<'a> {
-    Change {
-        script: &'a redis::Script,
-        hash: &'a str,
-        args: [&'a str; 4],
-    },
-    Scan {
-        hash: &'a str,
-        cursor: u64,
-    },
-}
-
-impl Command<'_> {
-    async fn run<T, C>(self, conn: &mut C) -> Result<T, DirectoryError>
-    where
-        T: redis::FromRedisValue + Send,
-        C: ConnectionLike + Send,
-    {
-        match self {
-            Command::Change { script, hash, args } => {
-                let mut inv = script.key(hash);
-                for a in args {
-                    inv.arg(a);
-                }
-                RedisKeys::timed(inv.invoke_async(conn)).await
-            }
-            Command::Scan { hash, cursor } => {
-                let cmd = redis::cmd("HSCAN")
-                    .arg(hash)
-                    .arg(cursor)
-                    .arg("COUNT")
-                    .arg(SCAN_COUNT)
-                    .to_owned();
-                RedisKeys::timed(cmd.query_async(conn)).await
-            }
-        }
-    }
+/// One connection, to one Redis or a cluster.
+enum Conn {
+    Single(redis::aio::MultiplexedConnection),
+    Cluster(redis::cluster_async::ClusterConnection),
 }
