@@ -154,6 +154,7 @@ async fn a_change_on_one_gateway_is_seen_by_the_other_within_a_second() {
         took.is_some(),
         "B did not accept the key within {PROPAGATION:?}"
     );
+    eprintln!("propagation: {took:?}");
     // Its plan applies: `pro`'s burst of 5, shared by both gateways (one was just spent).
     let mut passed = 1;
     for i in 0..8 {
@@ -181,6 +182,7 @@ async fn a_change_on_one_gateway_is_seen_by_the_other_within_a_second() {
         took.is_some(),
         "B did not accept the posted key within {PROPAGATION:?}"
     );
+    eprintln!("propagation: {took:?}");
     assert_eq!(policy_burst(&client, &b, post_key).await, Some(7));
 
     // A plan change: A's next request, B's within a second.
@@ -247,6 +249,7 @@ async fn a_change_on_one_gateway_is_seen_by_the_other_within_a_second() {
         took.is_some(),
         "A still accepted a deleted key after {PROPAGATION:?}"
     );
+    eprintln!("propagation: {took:?}");
     let r = admin(&client, &a, "DELETE", &format!("/admin/keys/{digest}"), "").await;
     assert_eq!(r.status, StatusCode::NOT_FOUND);
 
@@ -336,6 +339,34 @@ async fn a_lost_message_is_caught_up_by_the_resynchronisation() {
             "a field written without PUBLISH was not picked up"
         );
         assert_eq!(policy_burst(&client, gw, key).await, Some(7));
+    }
+    // Many fields at once: read in several HSCAN pages, every one of them.
+    let mut many = redis::cmd("HSET");
+    many.arg(format!("{}:keys", common::PREFIX));
+    for i in 0..2500 {
+        many.arg(sha256_hex(format!("bulk-{i}").as_bytes()))
+            .arg("pro");
+    }
+    let _: i64 = many.query(&mut conn).expect("HSET many");
+    let took = until(
+        &client,
+        &b,
+        "bulk-2499",
+        StatusCode::OK,
+        Duration::from_secs(5),
+    )
+    .await;
+    assert!(took.is_some(), "a big hash was not read whole");
+    // The lost key, the straight one and 2500: the gauge counts them all.
+    let want = "ratewall_key_directory_keys 2502";
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let m = client.get(&b.admin_url("/metrics"), &[]).await;
+        if String::from_utf8_lossy(&m.body).contains(want) {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{want}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
     }
     // And one deleted straight: revoked by the next resynchronisation.
     let _: i64 = redis::cmd("HDEL")
