@@ -31,14 +31,19 @@
 //!   call, a Trailers-Only gRPC answer ([`gateway::grpc`]). Also what it runs on
 //!   ([`gateway::Live`], swapped whole on reload) and `ratewall check`'s explanation.
 //! - [`admin`]: what the admin listener serves: metrics, health, the admin API, the status
-//!   page, and the guard that slows a peer guessing the admin token (`admin/guard.rs`).
+//!   page, the guard that slows a peer guessing the admin token (`admin/guard.rs`), and
+//!   the runtime key calls, `/admin/keys` (`admin/keys.rs`).
 //! - [`config`]: the TOML file -> validated, immutable [`config::Config`], one file per
 //!   table; the types it fills live with their meaning, below.
 //! - [`rules`]: request parts -> the route (`[[routes]]`, first match wins) and the rules
 //!   that apply (pure, through an index compiled at load: exact paths, a prefix trie,
 //!   globs, methods, hosts).
 //! - [`identity`]: the one place a rule's identity for a request is derived: peer +
-//!   trusted proxies + headers -> an identity digest, or a refusal (pure).
+//!   trusted proxies + headers -> an identity digest, or a refusal (pure). Bearer tokens
+//!   are verified there (`identity/jwt.rs`, with the verified-token cache,
+//!   `token_cache.rs`), and API keys looked up in the runtime key directory
+//!   (`identity/directory.rs`; kept in step with Redis by `limiter/redis/directory.rs`;
+//!   a `jwks_url` fetched by `gateway/jwks.rs`).
 //! - [`limiter`]: the algorithms as pure integer step functions (and the concurrency
 //!   limit); one [`limiter::Store`] boundary with two kinds behind it, [`limiter::memory`]
 //!   (embedded) and [`limiter::redis`] (one Redis or a cluster; Lua twins in `lua/`); the
