@@ -1092,6 +1092,19 @@ def grpc_table():
 H2_BACKEND, RATEWALL_H1, RATEWALL_H2C = 18780, 18785, 18786
 
 
+def pinned_rows(targets, med, base, against):
+    """The rows of a pinned table of ratewall against itself: requests/s, p99, CPU time per
+    request, how busy each CPU was, and the ratios to `base` (the row named `against`)."""
+    print(f"{'':36}{'req/s':>9}{'p99 ms':>8}{'CPU us/req':>12}{'CPU1':>6}{'CPU0':>6}{'non-2xx':>9}{'req/s vs':>10}"
+          f"{'CPU vs':>8}")
+    print(f"{'':36}{'':>9}{'':>8}{'user+sys':>12}{'':>6}{'':>6}{'':>9}{against:>10}{against:>8}")
+    for name, _, _, _, _ in targets:
+        m = med[name]
+        print(f"{name:36}{m['rps']:>9.0f}{m['p99']:>8.2f}{fmt_cpu(m)}{fmt_pct(m['busy']):>6}"
+              f"{fmt_pct(m['load_busy']):>6}{m['non2xx']:>9.0f}{fmt_ratio(m['rps'], base['rps']):>10}"
+              f"{fmt_ratio(cpu_us(m), cpu_us(base)):>8}")
+
+
 def h2_table():
     """ratewall's HTTP/2 pools (h2c) against its HTTP/1.1 ones, to the same backend, pinned
     as the pools table is: ratewall alone on CPU 1 with one worker; wrk and
@@ -1120,15 +1133,8 @@ def h2_table():
     print(f"h2: ratewall alone on CPU {SERVER_CPU}, one worker; wrk and bench-h2-backend (one thread: HTTP/1.1 and h2c) "
           f"on CPU {LOAD_CPU}")
     print(f"median of {RUNS} runs, wrk -t{THREADS} -c{CONNS} -d{SECS}s (HTTP/1.1 to ratewall)")
-    print(f"{'':36}{'req/s':>9}{'p99 ms':>8}{'CPU us/req':>12}{'CPU1':>6}{'CPU0':>6}{'non-2xx':>9}{'req/s vs':>10}"
-          f"{'CPU vs':>8}")
-    print(f"{'':36}{'':>9}{'':>8}{'user+sys':>12}{'':>6}{'':>6}{'':>9}{'http1':>10}{'http1':>8}")
     base = med["ratewall memory, http1 pool"]
-    for name, _, _, _, _ in targets:
-        m = med[name]
-        print(f"{name:36}{m['rps']:>9.0f}{m['p99']:>8.2f}{fmt_cpu(m)}{fmt_pct(m['busy']):>6}"
-              f"{fmt_pct(m['load_busy']):>6}{m['non2xx']:>9.0f}{fmt_ratio(m['rps'], base['rps']):>10}"
-              f"{fmt_ratio(cpu_us(m), cpu_us(base)):>8}")
+    pinned_rows(targets, med, base, "http1")
     print("(CPU us/req: user+system CPU time of ratewall per request, all its processes; CPU1: that CPU time over the")
     print(f" run's length; CPU0: wrk's and the backend's, where the load side leaves CPU {LOAD_CPU}; every request")
     print(" another API key of bench/keys.lua's, the per-key rule of bench/ratewall-h2c.toml; the http1 row is the")
@@ -1225,15 +1231,8 @@ def jwt_table():
     print(f"jwt: ratewall alone on CPU {SERVER_CPU}, one worker; wrk and bench-h2-backend on CPU {LOAD_CPU}; "
           f"{JWT_IDENTITIES} identities in turn")
     print(f"median of {RUNS} runs, wrk -t{THREADS} -c{CONNS} -d{SECS}s")
-    print(f"{'':36}{'req/s':>9}{'p99 ms':>8}{'CPU us/req':>12}{'CPU1':>6}{'CPU0':>6}{'non-2xx':>9}{'req/s vs':>10}"
-          f"{'CPU vs':>8}")
-    print(f"{'':36}{'':>9}{'':>8}{'user+sys':>12}{'':>6}{'':>6}{'':>9}{'API key':>10}{'API key':>8}")
     base = med["ratewall, rule on an API key"]
-    for name, _, _, _, _ in targets:
-        m = med[name]
-        print(f"{name:36}{m['rps']:>9.0f}{m['p99']:>8.2f}{fmt_cpu(m)}{fmt_pct(m['busy']):>6}"
-              f"{fmt_pct(m['load_busy']):>6}{m['non2xx']:>9.0f}{fmt_ratio(m['rps'], base['rps']):>10}"
-              f"{fmt_ratio(cpu_us(m), cpu_us(base)):>8}")
+    pinned_rows(targets, med, base, "API key")
     print("(CPU us/req: user+system CPU time of ratewall per request; the tokens: HS256, sub, iss, aud, iat, exp,")
     print(" 180 bytes or so, each verified once and then served from the verified-token cache)")
     jwt_m = med["ratewall, rule on jwt:sub (cached)"]

@@ -475,16 +475,7 @@ fn named_parts<'c>(
 
 /// A SHA-256 fingerprint in hex, colons allowed.
 fn fingerprint(text: &[u8]) -> Option<identity::ClientCert> {
-    let digits: Vec<u8> = text.iter().copied().filter(|b| *b != b':').collect();
-    if digits.len() != 64 {
-        return None;
-    }
-    let mut out = [0u8; 32];
-    for (i, pair) in digits.chunks(2).enumerate() {
-        let s = std::str::from_utf8(pair).ok()?;
-        out[i] = u8::from_str_radix(s, 16).ok()?;
-    }
-    Some(identity::ClientCert(out))
+    identity::parse_fingerprint(text).map(identity::ClientCert)
 }
 
 /// `/admin/state` (`reset` false: look, charge nothing) and `/admin/reset` (`reset` true).

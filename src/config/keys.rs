@@ -164,20 +164,9 @@ impl RawKeys {
 /// An API key as listed: the key itself, or `sha256:<64 hex digits>` of it.
 fn key_digest(listed: &str) -> Result<[u8; 32], String> {
     if let Some(hex) = listed.strip_prefix("sha256:") {
-        let hex = hex.trim();
-        let bytes = hex.as_bytes();
-        if bytes.len() != 64 || !bytes.iter().all(u8::is_ascii_hexdigit) {
-            return Err(format!(
-                "{listed:?}: a sha256: key is 64 hex digits (`printf %s KEY | sha256sum`)"
-            ));
-        }
-        let mut d = [0u8; 32];
-        for (i, pair) in bytes.chunks_exact(2).enumerate() {
-            let hi = (pair[0] as char).to_digit(16).unwrap_or(0);
-            let lo = (pair[1] as char).to_digit(16).unwrap_or(0);
-            d[i] = (hi * 16 + lo) as u8;
-        }
-        return Ok(d);
+        return crate::identity::directory::parse_hex(hex.trim()).ok_or_else(|| {
+            format!("{listed:?}: a sha256: key is 64 hex digits (`printf %s KEY | sha256sum`)")
+        });
     }
     // A key no client can send (empty, control characters) would never match.
     if listed.is_empty() || http::HeaderValue::from_str(listed).is_err() {

@@ -104,13 +104,7 @@ pub struct Config {
 
 /// `bytes`' SHA-256 in lower-case hex.
 pub fn sha256_hex(bytes: &[u8]) -> String {
-    use std::fmt::Write;
-    crate::identity::sha256(bytes)
-        .iter()
-        .fold(String::with_capacity(64), |mut out, b| {
-            let _ = write!(out, "{b:02x}");
-            out
-        })
+    crate::identity::directory::hex(&crate::identity::sha256(bytes))
 }
 
 #[derive(Deserialize)]

@@ -495,12 +495,12 @@ impl<'a> Requester<'a> {
                 })
             }
             KeyKind::Combined(parts) => {
-                let mut digests = Vec::with_capacity(parts.len());
+                let mut combined = Combined::new();
                 for part in parts {
-                    digests.push(self.identify_kind(part)?.digest);
+                    combined.add(self.identify_kind(part)?.digest);
                 }
                 Ok(Identity {
-                    digest: digest_combined(&digests),
+                    digest: combined.finish(),
                     source: Source::Combined(parts),
                 })
             }
@@ -577,19 +577,16 @@ pub fn digest_part(kind: &KeyKind, value: &[u8]) -> Option<IdentityDigest> {
             let ip: IpAddr = std::str::from_utf8(value).ok()?.trim().parse().ok()?;
             digest_ip(ip.to_canonical())
         }
-        KeyKind::ClientCert => {
-            let digits: Vec<u8> = value.iter().copied().filter(|b| *b != b':').collect();
-            if digits.len() != 64 {
-                return None;
-            }
-            let mut fp = [0u8; 32];
-            for (i, pair) in digits.chunks(2).enumerate() {
-                fp[i] = u8::from_str_radix(std::str::from_utf8(pair).ok()?, 16).ok()?;
-            }
-            digest_client_cert(&fp)
-        }
+        KeyKind::ClientCert => digest_client_cert(&parse_fingerprint(value)?),
         KeyKind::Combined(_) => return None,
     })
+}
+
+/// A SHA-256 fingerprint as an operator writes one: 64 hex digits, colons allowed
+/// (`openssl x509 -fingerprint -sha256` prints them with).
+pub fn parse_fingerprint(text: &[u8]) -> Option<[u8; 32]> {
+    let digits: Vec<u8> = text.iter().copied().filter(|b| *b != b':').collect();
+    directory::parse_hex(std::str::from_utf8(&digits).ok()?)
 }
 
 /// A 128-bit digest of an identity. Rendered as hex in Redis key names.
@@ -666,10 +663,28 @@ pub fn digest_claim(path: &ClaimPath, value: &[u8]) -> IdentityDigest {
 
 /// A combination, by its parts' digests in the key's order.
 pub fn digest_combined(parts: &[IdentityDigest]) -> IdentityDigest {
-    let mut all: Vec<&[u8]> = Vec::with_capacity(parts.len() + 1);
-    all.push(b"ratewall/combined\0");
-    all.extend(parts.iter().map(|d| &d.0[..]));
-    digest(&all)
+    let mut combined = Combined::new();
+    for p in parts {
+        combined.add(*p);
+    }
+    combined.finish()
+}
+
+/// [`digest_combined`], a part at a time (the request path's, without a list).
+struct Combined(Sha256);
+
+impl Combined {
+    fn new() -> Combined {
+        Combined(Sha256::new_with_prefix(b"ratewall/combined\0"))
+    }
+
+    fn add(&mut self, part: IdentityDigest) {
+        self.0.update(part.0);
+    }
+
+    fn finish(self) -> IdentityDigest {
+        truncated(self.0)
+    }
 }
 
 fn digest(parts: &[&[u8]]) -> IdentityDigest {
@@ -677,6 +692,11 @@ fn digest(parts: &[&[u8]]) -> IdentityDigest {
     for p in parts {
         h.update(p);
     }
+    truncated(h)
+}
+
+/// The first 128 bits of the hash.
+fn truncated(h: Sha256) -> IdentityDigest {
     let full = h.finalize();
     let mut out = [0u8; 16];
     out.copy_from_slice(&full[..16]);
