@@ -3,8 +3,9 @@
 -- The enforcing keys decide for the request; a shadow key (flag 1) is judged and, when it
 -- allows and the request passes, charged as if it were enforced, but never denies.
 -- ARGV[2] = "peek" only looks: nothing is written and the answers are what a request
--- would be told now without being charged (the admin API's inspect). ARGV[2] = "refund"
--- gives back one charge per key, then answers like "peek".
+-- would be told now without being charged (the admin API's inspect). ARGV[2] = "settle"
+-- settles one charge per key (its argument in place of the flags), then answers like
+-- "peek": what the next request would be told.
 -- A key that cannot be read as a state (wrong type, corrupt) fails the call with the error
 -- code RATEWALL and the key's name: one key's problem, which the gateway tells apart from
 -- the store being down.
@@ -15,7 +16,8 @@
 -- lease. The gateway renews a lease while its request is in flight (lua/lease.lua) and
 -- removes it when the response ends; a gateway that dies leaves leases that expire.
 local mode = ARGV[2]
-local peek = mode == 'peek' or mode == 'refund'
+local settling = mode == 'settle'
+local peek = mode == 'peek' or settling
 local n = #KEYS
 
 -- What a concurrency check writes when charged, in place of a state: its lease (and, for
@@ -50,8 +52,24 @@ local function quota(s)
   return q
 end
 
-local function concurrency(key, max, member)
-  if mode == 'refund' then
+-- A key's settle argument: delta, left (nil: now), debt; nil if it is not one.
+local function settlement(s)
+  if type(s) ~= 'string' then return nil end
+  local delta, left, debt = match(s, '^(%-?%d+):([%d%-]+):(%d+)$')
+  delta, debt = tonumber(delta), tonumber(debt)
+  if not (delta and debt) then return nil end
+  if left == '-' then
+    left = nil
+  else
+    left = tonumber(left)
+    if not left then return nil end
+  end
+  return delta, left, debt
+end
+
+local function concurrency(i, key, max, member)
+  local delta = settling and settlement(ARGV[2 + 2 * i])
+  if delta and delta < 0 then
     -- Best effort: a key that is no longer a lease set holds no lease to give back.
     pcall(redis.call, 'ZREM', key, member)
   end
@@ -80,7 +98,7 @@ local function judge(i)
   local key, q = KEYS[i], quota(ARGV[1 + 2 * i])
   if not q then return nil, 'bad quota argument ' .. tostring(ARGV[1 + 2 * i]) end
   local code = q[1]
-  if code == 5 then return concurrency(key, q[2], q[4]) end
+  if code == 5 then return concurrency(i, key, q[2], q[4]) end
   local algorithm = ALGORITHMS[code]
   if not algorithm then return nil, 'unknown algorithm ' .. tostring(code) end
   local ok, raw = pcall(redis.call, 'GET', key)
@@ -93,16 +111,21 @@ local function judge(i)
     raw = false
   end
   if not raw then raw = nil end
-  if mode == 'refund' then
-    local value, ttl = REFUNDS[code](raw, now, q[2], q[3], q[4], q[5], q[6])
+  if settling then
+    local delta, left, debt = settlement(ARGV[2 + 2 * i])
+    if not delta then return nil, 'bad settle argument ' .. tostring(ARGV[2 + 2 * i]) end
+    local value, ttl = true, 0
+    if delta ~= 0 then
+      value, ttl = SETTLE[code](raw, now, q[2], q[3], q[4], q[5], q[6], delta, left, debt)
+    end
     if value == nil then
       return nil, tostring(ttl)
-    elseif value then
-      redis.call('SET', key, value, 'PX', cdiv(ttl, 1000))
-      raw = value
-    else
+    elseif value == false then
       redis.call('DEL', key)
       raw = nil
+    elseif value ~= true then
+      redis.call('SET', key, value, 'PX', cdiv(ttl, 1000))
+      raw = value
     end
   end
   return algorithm(raw, now, q[2], q[3], q[4], q[5], q[6])

@@ -43,10 +43,36 @@ ALGORITHMS[3] = function(raw, now, period, limit, cost)
     limit - shown, retry, reset
 end
 
-REFUNDS[3] = function(raw, now, period, limit, cost)
+-- Whether a window ending at `ends` is the one a charge fell in, told `left` µs from now:
+-- ends are at least a period apart, the estimate is off by the store's latency at most.
+local function same_window(ends, now, left, period)
+  local d = ends - (now + left)
+  if d < 0 then d = -d end
+  return d * 2 < period
+end
+
+-- Settle a charge made earlier (the twin of fixed_window::settle): a refund goes back into
+-- the window the charge fell in while it is open (left: µs until that window ends, or nil
+-- for the one open now), else the charge stands (true: keep the key as it is); a charge
+-- counts in the window open now (a fresh one if none is), up to debt past the limit.
+SETTLE[3] = function(raw, now, period, limit, cost, p4, p5, delta, left, debt)
   local start, count = fw_window(raw, now, period)
   if not start then return nil, count end
-  count = count - cost
-  if count <= 0 then return false end
+  if delta < 0 then
+    if count == 0 or (left and not same_window(start + period, now, left, period)) then
+      return true
+    end
+    count = count + delta
+    if count < 0 then count = 0 end
+  else
+    local most = limit + debt
+    local add = delta
+    if add > most then add = most end
+    local top = most
+    if count > top then top = count end
+    count = count + add
+    if count > top then count = top end
+  end
+  if count == 0 then return false end
   return format('f:%d:%d', start, count), start + period - now
 end

@@ -58,10 +58,26 @@ ALGORITHMS[2] = function(raw, now, unit, per_us, cap, need, slack)
     idiv(avail, unit), retry, cdiv(debt, per_us)
 end
 
-REFUNDS[2] = function(raw, now, unit, per_us, cap, need, slack)
-  local debt, err = gcra_debt(raw, now, per_us, GCRA_MAX_DEBT)
-  if not debt then return nil, err end
-  debt = debt - need
-  if debt <= 0 then return false end
-  return gcra_value(now, per_us, debt), cdiv(debt, per_us)
+-- Settle a charge made earlier (the twin of gcra::settle): delta more cost units push the
+-- TAT on, to at most debt past a full burst ahead (never pulling it back); given back,
+-- they pull it in, exactly, to now at the latest (then no state).
+SETTLE[2] = function(raw, now, unit, per_us, cap, need, slack, delta, left, debt)
+  local ahead, err = gcra_debt(raw, now, per_us, GCRA_MAX_DEBT)
+  if not ahead then return nil, err end
+  local ceiling = cap + debt * unit
+  local size = delta
+  if size < 0 then size = -size end
+  local units = size * unit
+  if units > ceiling then units = ceiling end
+  if delta < 0 then
+    ahead = ahead - units
+    if ahead < 0 then ahead = 0 end
+  else
+    local most = ceiling
+    if ahead > most then most = ahead end
+    ahead = ahead + units
+    if ahead > most then ahead = most end
+  end
+  if ahead == 0 then return false end
+  return gcra_value(now, per_us, ahead), cdiv(ahead, per_us)
 end

@@ -7,14 +7,19 @@
 --
 -- KEYS[i]  one rule's state for one identity: "<prefix>:{<identity-hash>}:<rule>"
 -- ARGV[1]  now in microseconds, or "" to read Redis TIME (production always does)
--- ARGV[2]  "" to decide, "peek" to only look (write nothing), "refund" to give back what a
---          decision took (a Redis Cluster request denied by a rule on another identity)
+-- ARGV[2]  "" to decide, "peek" to only look (write nothing), "settle" to settle charges
+--          decided earlier: give back what a decision took (a Redis Cluster request denied
+--          by a rule on another identity; an answer its rule does not charge for), or take
+--          the difference the backend reported (issue 27)
 -- ARGV[1 + 2i] for KEYS[i]: its quota, "<algorithm code>:<five parameters>" joined by ':'
 --          (see each file; a concurrency limit's third is its lease id). A batch repeats
 --          one rule's quota for every request: it is parsed once per call.
 -- ARGV[2 + 2i] for KEYS[i]: flags, "0" to "3": 1 = shadow (decided and counted, never
 --          denies the request); 2 = this key starts another request of a batch (decide
---          mode only; see decide.lua)
+--          mode only; see decide.lua). In settle mode instead "<delta>:<left>:<debt>": the
+--          cost units to take (negative: give back), the µs until the window the charge fell
+--          in ends ("-": the one open now; windows only), how many cost units below empty a
+--          charge may go (max_debt).
 -- Returns 4 integers per key: allowed (1/0), remaining, retry-after µs (for an allowed
 -- request: how long it waits for reserved tokens), reset µs.
 --
@@ -22,6 +27,9 @@
 -- five parameters. It returns, flat (no table per key): allowed, the state to write if the
 -- request is charged, that state's TTL in µs, then the answer if charged (remaining,
 -- retry µs, reset µs) and if not (the same three); or nil and why the state is unusable.
+-- Each algorithm's SETTLE function takes the state, now, the five parameters, then delta,
+-- left (nil: now) and debt, and returns the state to write and its TTL, false to delete
+-- the key (whole again), true to leave it as it is, or nil and why.
 --
 -- Lua 5.1 numbers are doubles: the gateway keeps every value below 2^52 at load, so all
 -- the arithmetic here is exact integer arithmetic, like the Rust twins'.
@@ -32,7 +40,7 @@
 -- set of leases instead (see decide.lua).
 
 local ALGORITHMS = {}
-local REFUNDS = {}
+local SETTLE = {}
 
 -- The library functions every key uses, looked up once per call rather than per use.
 local floor, format, match, sub = math.floor, string.format, string.match, string.sub

@@ -60,13 +60,43 @@ ALGORITHMS[4] = function(raw, now, p, n, cost)
     sw_remaining(budget, wprev, cur, p), retry, sw_reset(cur, prev, p, e, skew)
 end
 
--- The charge went into the window it was written in: take it back there.
-REFUNDS[4] = function(raw, now, p, n, cost)
+-- Settle a charge made earlier (the twin of sliding_window::settle): a refund goes back
+-- into the window the charge fell in while it is the current one (left: µs until the end
+-- of the window after it, the charged decision's reset; nil: the state's window, while it
+-- still weighs), else the charge stands (true: keep); a charge counts in the current
+-- window, up to debt past N.
+SETTLE[4] = function(raw, now, p, n, cost, p4, p5, delta, left, debt)
   local sw, sc, sp = sw_state(raw)
   if sw == nil then return nil, sc end
-  if not sw or sw + 1 < idiv(now, p) then return false end
-  sc = sc - cost
-  if sc < 0 then sc = 0 end
-  if sc == 0 and sp == 0 then return false end
-  return format('s:%d:%d:%d', sw, sc, sp), (sw + 2) * p - now
+  local at = now
+  if sw and at < sw * p then at = sw * p end
+  local w = idiv(at, p)
+  if delta < 0 then
+    if not sw then return true end
+    local open
+    if left then
+      open = sw == w and same_window((sw + 2) * p, now, left, p)
+    else
+      open = sw + 1 >= w
+    end
+    if not open or sc == 0 then return true end
+    sc = sc + delta
+    if sc < 0 then sc = 0 end
+    if sc == 0 and sp == 0 then return false end
+    return format('s:%d:%d:%d', sw, sc, sp), (sw + 2) * p - now
+  end
+  local prev, cur = 0, 0
+  if sw == w then
+    prev, cur = sp, sc
+  elseif sw and sw + 1 == w then
+    prev, cur = sc, 0
+  end
+  local most = n + debt
+  local add = delta
+  if add > most then add = most end
+  local top = most
+  if cur > top then top = cur end
+  cur = cur + add
+  if cur > top then cur = top end
+  return format('s:%d:%d:%d', w, cur, prev), (w + 2) * p - now
 end

@@ -53,11 +53,23 @@ ALGORITHMS[1] = function(raw, now, unit, per_us, cap, need, slack)
     tb_whole(level, unit), retry, tb_drip(cap - level, per_us)
 end
 
--- Give back what a charge took. Returns the state and its TTL, or false when full again.
-REFUNDS[1] = function(raw, now, unit, per_us, cap, need)
+-- Settle a charge made earlier (the twin of token_bucket::settle): delta more cost units
+-- taken, down to debt cost units below empty (never raising the level), or given back,
+-- exactly, up to full. Returns the state and its TTL, false when full again.
+SETTLE[1] = function(raw, now, unit, per_us, cap, need, slack, delta, left, debt)
   local level, err = tb_level(raw, now, unit, per_us, cap)
   if not level then return nil, err end
-  level = level + need
+  local most = cap + debt * unit
+  local units = delta * unit
+  if units > most then units = most elseif units < -most then units = -most end
+  if units < 0 then
+    level = level - units
+  else
+    local floor_ = -debt * unit
+    if level < floor_ then floor_ = level end
+    level = level - units
+    if level < floor_ then level = floor_ end
+  end
   if level >= cap then return false end
   return format('t:%d:%d:%d', level, now, unit), cdiv(cap - level, per_us)
 end

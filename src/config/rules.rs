@@ -308,6 +308,7 @@ impl At<'_> {
             QuotaField::Burst => r.burst.as_ref().map(Spanned::span),
             QuotaField::Cost => r.cost.as_ref().map(Spanned::span),
             QuotaField::MaxDelay => r.max_delay.as_ref().map(Spanned::span),
+            QuotaField::MaxDebt => None,
             QuotaField::Rate => None,
         };
         let fallback = r.rate.as_ref().map_or(self.span.clone(), Spanned::span);

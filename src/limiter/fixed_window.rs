@@ -11,6 +11,7 @@
 //! pass within moments of each other — up to 2N in a short interval. Choose it for coarse
 //! quotas (per day, per month), where the simplicity and the tiny state matter more.
 
+use super::settle::{same_window, Adjust, Settled};
 use super::{Decision, Outcome, Quota};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -50,6 +51,36 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
             reset_us: if count == 0 { 0 } else { ends_in },
         },
         next,
+        ttl_us: ends_in,
+    }
+}
+
+/// Settle a charge made earlier (`lua/fixed_window.lua`'s `SETTLE`). A refund goes back
+/// into the window the charge fell in while it is open (else the charge stands); a charge
+/// counts in the window open now (a fresh one if none is), up to `max_debt` past N.
+pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, adj: Adjust) -> Settled<State> {
+    let period = q.period_us();
+    let at = state.map_or(now_us, |s| now_us.max(s.start_us));
+    let live = state.filter(|s| at < s.start_us.saturating_add(period));
+    let (start_us, count) = live.map_or((at, 0), |s| (s.start_us, s.count));
+    let ends_in = start_us + period - now_us;
+    let count = if adj.delta < 0 {
+        let charged_here = adj
+            .left_us
+            .is_none_or(|left| same_window(start_us + period, now_us, left, period));
+        if count == 0 || !charged_here {
+            return Settled::Keep;
+        }
+        count.saturating_sub(adj.delta.unsigned_abs())
+    } else {
+        let most = q.rate.count + q.max_debt;
+        (count + adj.delta.unsigned_abs().min(most)).min(count.max(most))
+    };
+    if count == 0 {
+        return Settled::Clear;
+    }
+    Settled::Write {
+        next: State { start_us, count },
         ttl_us: ends_in,
     }
 }

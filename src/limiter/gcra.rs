@@ -9,6 +9,7 @@
 //! rounded. For the same rate and burst, GCRA admits exactly the requests a token bucket
 //! admits (a property test holds them side by side); it stores one number instead of two.
 
+use super::settle::Settled;
 use super::{Decision, Outcome, Quota};
 
 /// The theoretical arrival time: `tat_us + frac / per_us` µs.
@@ -69,6 +70,31 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
         uncharged,
         next,
         ttl_us: drip(after),
+    }
+}
+
+/// Settle a charge made earlier (`lua/gcra.lua`'s `SETTLE`), the token bucket's twin in
+/// TAT terms: `delta` more cost units push the TAT on, to at most `max_debt` past a full
+/// burst ahead (never pulling it back); given back, they pull it in, exactly, to now at
+/// the latest (then no state).
+pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, delta: i64) -> Settled<State> {
+    let ahead = debt(q, state, now_us);
+    let ceiling = q.capacity() + q.max_debt * q.unit;
+    let units = delta.unsigned_abs().saturating_mul(q.unit).min(ceiling);
+    let ahead = if delta < 0 {
+        ahead.saturating_sub(units)
+    } else {
+        (ahead + units).min(ahead.max(ceiling))
+    };
+    if ahead == 0 {
+        return Settled::Clear;
+    }
+    Settled::Write {
+        next: State {
+            tat_us: now_us + ahead / q.per_us,
+            frac: ahead % q.per_us,
+        },
+        ttl_us: ahead.div_ceil(q.per_us),
     }
 }
 

@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 use super::deny_cache::DenyCache;
 use super::memory::{Evictions, MemoryStore};
 use super::metrics::{LimiterMetrics, StoreErrorKind, StoreErrorLabels, StoreLabels};
-use super::store::{self, Call, OnError, Store};
+use super::store::{self, Call, OnError, Settlement, Store};
 use super::{Check, Decision, MonotonicClock, StoreError};
 use crate::stats::Stats;
 
@@ -181,7 +181,7 @@ impl Limiter {
         let started = Instant::now();
         match self.store.decide(checks) {
             Call::Ready(result) => {
-                Now::Answered(self.settle(checks, cache_denials, result, sent_us, started))
+                Now::Answered(self.answered(checks, cache_denials, result, sent_us, started))
             }
             Call::Pending(call) => Now::Ask(Asking {
                 call,
@@ -204,10 +204,10 @@ impl Limiter {
             started,
         } = asking;
         let result = call.await;
-        self.settle(checks, cache_denials, result, sent_us, started)
+        self.answered(checks, cache_denials, result, sent_us, started)
     }
 
-    fn settle(
+    fn answered(
         self: &Arc<Self>,
         checks: &[Check<'_>],
         cache_denials: bool,
@@ -241,6 +241,31 @@ impl Limiter {
             Err(e) => {
                 self.failed(&e);
                 self.fallback(checks, e)
+            }
+        }
+    }
+
+    /// Settle charges decided earlier ([`super::reservation`]) on the store that decided
+    /// them (`local`: the `on_error = "local"` fallback). A store that fails, or whose
+    /// breaker is open, is counted and logged, and the charges stand as they were: a
+    /// refund lost is stricter, an added charge lost is at most that charge looser.
+    pub async fn settle(&self, items: &[Settlement<'_>], local: bool) -> Option<Vec<Decision>> {
+        if local {
+            return Some(self.local.settle(items));
+        }
+        if self.open.load(Relaxed) {
+            self.count_error(&StoreError::CircuitOpen);
+            return None;
+        }
+        let started = Instant::now();
+        let result = self.store.settle(items).await;
+        self.store_seconds.observe(started.elapsed().as_secs_f64());
+        match result {
+            Ok(d) => Some(d),
+            Err(e) => {
+                self.count_error(&e);
+                tracing::warn!(error = %e, "a settlement failed; the charges stand as reserved");
+                None
             }
         }
     }

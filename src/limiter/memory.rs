@@ -47,7 +47,7 @@ use hashbrown::HashTable;
 use prometheus_client::metrics::counter::Counter;
 
 use super::metrics::{EvictionLabels, LimiterMetrics};
-use super::store::{Call, Kind, Store};
+use super::store::{Call, Kind, Settlement, Store};
 use super::{concurrency, fixed_window, gcra, sliding_window, token_bucket};
 use super::{Check, Clock, Decision, Fnv1a, State, StoreError};
 
@@ -823,6 +823,45 @@ impl MemoryStore {
         Ok(())
     }
 
+    /// Settle charges decided earlier, each on its own, at the store's clock; the answers
+    /// are what each rule would tell the next request now. A settlement that would add a
+    /// key finding no room is dropped (the shard is full of requests in flight).
+    pub fn settle(&self, items: &[Settlement<'_>]) -> Vec<Decision> {
+        let now = self.clock.now_us();
+        items
+            .iter()
+            .map(|item| {
+                let check = &item.check;
+                let (shard, key) = self.key(check);
+                let mut shard = self.lock(shard);
+                let at = shard.find(key);
+                let state = shard.state_at(at, now);
+                let state = match super::settle(check.quota, state.as_ref(), now, item.adjust) {
+                    super::Settled::Keep => state,
+                    super::Settled::Clear => {
+                        if at.is_some() {
+                            shard.remove(key);
+                        }
+                        None
+                    }
+                    super::Settled::Write { next, ttl_us } => {
+                        let o = super::decide(check.quota, Some(&next), now);
+                        let held = !check.shadow && o.uncharged.remaining < check.quota.cost;
+                        let slot = Slot::new(key, next, now.saturating_add(ttl_us), held);
+                        if !shard.update(slot, at) {
+                            let own = |k: Key| k == key;
+                            if shard.make_room(now, 0, &own, &self.evictions).is_ok() {
+                                shard.insert(slot);
+                            }
+                        }
+                        Some(next)
+                    }
+                };
+                super::decide(check.quota, state.as_ref(), now).uncharged
+            })
+            .collect()
+    }
+
     /// A request counted by a concurrency check has ended: give its slot back.
     pub fn release(&self, check: &Check<'_>) {
         let (shard, key) = self.key(check);
@@ -886,6 +925,14 @@ impl Store for MemoryStore {
     fn reset<'a>(&'a self, check: &'a Check<'a>) -> Call<'a, ()> {
         MemoryStore::reset(self, check);
         Call::Ready(Ok(()))
+    }
+
+    fn settle<'a>(&'a self, items: &'a [Settlement<'a>]) -> Call<'a, Vec<Decision>> {
+        Call::Ready(Ok(MemoryStore::settle(self, items)))
+    }
+
+    fn clock_us(&self) -> Option<u64> {
+        Some(self.clock.now_us())
     }
 
     fn release<'a>(&'a self, check: &'a Check<'a>) -> Call<'a, ()> {

@@ -24,6 +24,8 @@ pub mod metrics;
 mod properties;
 pub mod quota;
 pub mod redis;
+pub mod reservation;
+pub mod settle;
 pub mod sliding_window;
 pub mod store;
 pub mod token_bucket;
@@ -34,6 +36,7 @@ use std::time::Instant;
 use crate::identity::IdentityDigest;
 
 pub use quota::{Algorithm, Quota, QuotaError, QuotaField, Rate, MAX_LEVEL};
+pub use settle::{settle, Adjust, Settled};
 pub use store::{Backend, OnError, Store};
 
 /// What one rule said about one request.

@@ -168,6 +168,9 @@ pub struct Quota {
     pub max_delay_us: u64,
     /// Concurrency only: how long a lease in a shared store lives without renewal, in µs.
     pub lease_us: u64,
+    /// How far below empty a settlement may charge, in cost units (`max_debt`; default one
+    /// burst, or the rate's N for a window). The limit's own decisions never go there.
+    pub max_debt: u64,
 }
 
 /// Why a quota cannot be, and which of its settings to blame.
@@ -185,6 +188,7 @@ crate::metrics::label_enum! {
         Burst = "burst",
         Cost = "cost",
         MaxDelay = "max_delay",
+        MaxDebt = "max_debt",
     }
 }
 
@@ -265,6 +269,7 @@ impl Quota {
             per_us,
             max_delay_us: 0,
             lease_us: 0,
+            max_debt: burst,
         })
     }
 
@@ -287,6 +292,7 @@ impl Quota {
             lease_us: u64::try_from(lease.as_micros())
                 .unwrap_or(u64::MAX)
                 .min(MAX_LEVEL),
+            max_debt: 0,
         }
     }
 
@@ -319,6 +325,41 @@ impl Quota {
             )));
         }
         Ok(q)
+    }
+
+    /// The same limit, letting a settlement charge up to `max_debt` cost units below empty
+    /// (`max_debt`; issue 27). A bucket's level then still fits Lua's exact numbers.
+    pub fn with_max_debt(self, max_debt: u64) -> Result<Quota, QuotaError> {
+        let q = Quota { max_debt, ..self };
+        let fits = match q.algorithm {
+            Algorithm::TokenBucket | Algorithm::Gcra => max_debt
+                .checked_add(q.burst)
+                .and_then(|t| t.checked_mul(q.unit))
+                .and_then(|v| v.checked_add(q.slack()))
+                .is_some_and(|v| v <= MAX_LEVEL),
+            _ => max_debt
+                .checked_add(q.rate.count)
+                .is_some_and(|v| v <= MAX_LEVEL),
+        };
+        if !fits {
+            return Err(QuotaError {
+                field: QuotaField::MaxDebt,
+                message: format!(
+                    "max_debt {max_debt} with rate {} needs more precision than Redis' Lua numbers hold (2^52); lower it",
+                    q.rate
+                ),
+            });
+        }
+        Ok(q)
+    }
+
+    /// The same limit at another cost per request (a request's own `max_tokens`), at most
+    /// what a request may take at all (the burst, or a window's N).
+    pub fn with_cost(self, cost: u64) -> Quota {
+        Quota {
+            cost: cost.clamp(1, self.burst.max(1)),
+            ..self
+        }
     }
 
     /// How far below empty a bucket may go for requests waiting on their tokens, in units.

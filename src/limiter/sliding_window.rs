@@ -17,6 +17,7 @@
 //! one request's cost) pass, and never more than `2N` in any period: there is no burst
 //! of 2N at a boundary, unlike a fixed window, where 2N can pass within a microsecond.
 
+use super::settle::{same_window, Adjust, Settled};
 use super::{Decision, Outcome, Quota};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -93,6 +94,55 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
         },
         next,
         ttl_us: 2 * p - e + skew,
+    }
+}
+
+/// Settle a charge made earlier (`lua/sliding_window.lua`'s `SETTLE`). A refund goes back
+/// into the window the charge fell in while it is the current one (else the charge
+/// stands: it only weighs as the previous window's count now); a charge counts in the
+/// current window, up to `max_debt` past N.
+pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, adj: Adjust) -> Settled<State> {
+    let p = q.period_us();
+    let n = q.rate.count;
+    let at = state.map_or(now_us, |s| now_us.max(s.window.saturating_mul(p)));
+    let w = at / p;
+    if adj.delta < 0 {
+        let Some(s) = state else {
+            return Settled::Keep;
+        };
+        let open = match adj.left_us {
+            // A refund made at once (a cluster's denial): the state's window, as long as
+            // it still weighs.
+            None => s.window + 1 >= w,
+            // The charged decision's reset is the end of the window after the charge's.
+            Some(left) => s.window == w && same_window((s.window + 2) * p, now_us, left, p),
+        };
+        if !open || s.cur == 0 {
+            return Settled::Keep;
+        }
+        let cur = s.cur.saturating_sub(adj.delta.unsigned_abs());
+        if cur == 0 && s.prev == 0 {
+            return Settled::Clear;
+        }
+        return Settled::Write {
+            next: State { cur, ..*s },
+            ttl_us: (s.window + 2) * p - now_us,
+        };
+    }
+    let (prev, cur) = match state {
+        Some(s) if s.window == w => (s.prev, s.cur),
+        Some(s) if s.window + 1 == w => (s.cur, 0),
+        _ => (0, 0),
+    };
+    let most = n + q.max_debt;
+    let cur = (cur + adj.delta.unsigned_abs().min(most)).min(cur.max(most));
+    Settled::Write {
+        next: State {
+            window: w,
+            cur,
+            prev,
+        },
+        ttl_us: (w + 2) * p - now_us,
     }
 }
 

@@ -12,7 +12,7 @@ use std::time::Duration;
 use super::memory::{Evictions, MemoryStore};
 use super::metrics::LimiterMetrics;
 use super::redis::{RedisClusterStore, RedisStore};
-use super::{Check, Clock, Decision, StoreError};
+use super::{Adjust, Check, Clock, Decision, StoreError};
 
 /// Where limit state lives (`[store] backend`).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -124,6 +124,13 @@ impl<'a, T: Send + 'a> IntoFuture for Call<'a, T> {
     }
 }
 
+/// One charge to settle (issue 27): the check it was decided under, and how.
+#[derive(Debug, Clone)]
+pub struct Settlement<'a> {
+    pub check: Check<'a>,
+    pub adjust: Adjust,
+}
+
 /// Where limit state is kept.
 pub trait Store: Send + Sync {
     fn kind(&self) -> Kind;
@@ -135,6 +142,17 @@ pub trait Store: Send + Sync {
 
     /// What `checks` would be told now, charging nothing (the admin API's inspect).
     fn peek<'a>(&'a self, checks: &'a [Check<'a>]) -> Call<'a, Vec<Decision>>;
+
+    /// Settle charges decided earlier ([`super::settle`]): each stands on its own (a
+    /// request's rules on one Redis, or on one identity in a cluster, in one atomic call).
+    /// The answers are what each rule would tell that identity's next request now.
+    fn settle<'a>(&'a self, items: &'a [Settlement<'a>]) -> Call<'a, Vec<Decision>>;
+
+    /// The store's own clock, where it is in process: a reservation's age is timed on the
+    /// clock its windows run on. `None` for a shared store (Redis keeps the time).
+    fn clock_us(&self) -> Option<u64> {
+        None
+    }
 
     /// Forget one identity's state under one rule (the admin API's reset).
     fn reset<'a>(&'a self, check: &'a Check<'a>) -> Call<'a, ()>;

@@ -6,6 +6,7 @@
 //! on read. A missing bucket is full, so a bucket is dropped (its TTL ends) at the moment it
 //! refills completely: the time to full refill is exactly how long its state matters.
 
+use super::settle::Settled;
 use super::{Decision, Outcome, Quota};
 
 /// A bucket's state after its last charge.
@@ -77,6 +78,34 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
         },
         // A missing bucket is full: the state matters until the bucket refills.
         ttl_us: until_full(after),
+    }
+}
+
+/// Settle a charge made earlier (`lua/token_bucket.lua`'s `SETTLE`): `delta` more cost
+/// units taken, down to `max_debt` below empty (never raising the level), or given back,
+/// exactly, up to full (a full bucket is no state).
+pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, delta: i64) -> Settled<State> {
+    let cap = q.capacity() as i64;
+    let level = level_at(q, state, now_us);
+    // Validated at load: (burst + max_debt) · unit fits 2^52; the gateway keeps a delta
+    // within it, and this clamp (Lua's too) within any level a bucket can hold.
+    let most = (q.capacity() + q.max_debt * q.unit) as i64;
+    let units = delta.saturating_mul(q.unit as i64).clamp(-most, most);
+    let level = if units < 0 {
+        level - units
+    } else {
+        (level - units).max(level.min(-((q.max_debt * q.unit) as i64)))
+    };
+    if level >= cap {
+        return Settled::Clear;
+    }
+    Settled::Write {
+        next: State {
+            level,
+            last_us: now_us,
+            unit: q.unit,
+        },
+        ttl_us: ((cap - level) as u64).div_ceil(q.per_us),
     }
 }
 

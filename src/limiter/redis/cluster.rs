@@ -8,8 +8,8 @@ use redis::cluster_async::ClusterConnection;
 
 use super::{DecideAt, Mode, Scripted, Shared};
 use crate::identity::IdentityDigest;
-use crate::limiter::store::Kind;
-use crate::limiter::{Check, Decision, StoreError};
+use crate::limiter::store::{Kind, Settlement};
+use crate::limiter::{Adjust, Check, Decision, StoreError};
 
 /// A Redis Cluster through redis-rs' cluster client, which follows MOVED/ASK redirections
 /// and node failovers by itself.
@@ -66,8 +66,11 @@ impl RedisClusterStore {
         out: &mut [Option<Decision>],
     ) {
         for idx in charged.iter().filter(|idx| !idx.is_empty()) {
-            let group: Vec<&Check<'_>> = idx.iter().map(|&i| &checks[i]).collect();
-            match self.s.call(conn, &group, now_us, Mode::Refund).await {
+            let group: Vec<(&Check<'_>, Adjust)> = idx
+                .iter()
+                .map(|&i| (&checks[i], Adjust::refund_now(checks[i].quota.cost)))
+                .collect();
+            match self.s.settle(conn, &group, now_us).await {
                 Ok(decisions) => {
                     for (&i, d) in idx.iter().zip(decisions) {
                         out[i] = Some(d);
@@ -184,6 +187,32 @@ impl DecideAt for RedisClusterStore {
         }
         out.into_iter()
             .map(|d| d.ok_or_else(|| StoreError::Protocol("a rule went undecided".into())))
+            .collect()
+    }
+
+    /// Settle `items`, one atomic call per identity (one slot each).
+    async fn settle_at(
+        &self,
+        items: &[Settlement<'_>],
+        now_us: Option<u64>,
+    ) -> Result<Vec<Decision>, StoreError> {
+        let mut conn = self.connection().await?;
+        let checks: Vec<Check<'_>> = items.iter().map(|i| i.check.clone()).collect();
+        let mut out: Vec<Option<Decision>> = vec![None; items.len()];
+        for idx in by_identity(&checks) {
+            let group: Vec<(&Check<'_>, Adjust)> = idx
+                .iter()
+                .map(|&i| (&items[i].check, items[i].adjust))
+                .collect();
+            for (&i, d) in idx
+                .iter()
+                .zip(self.s.settle(&mut conn, &group, now_us).await?)
+            {
+                out[i] = Some(d);
+            }
+        }
+        out.into_iter()
+            .map(|d| d.ok_or_else(|| StoreError::Protocol("a rule went unsettled".into())))
             .collect()
     }
 

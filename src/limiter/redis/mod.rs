@@ -22,7 +22,8 @@ use redis::aio::ConnectionLike;
 
 use eval::{eval, Evaluates, Invocation, Lua};
 
-use super::store::{Call, Kind, Store};
+use super::settle::Adjust;
+use super::store::{Call, Kind, Settlement, Store};
 use super::{Algorithm, Check, Decision, StoreError};
 
 pub use cluster::RedisClusterStore;
@@ -47,7 +48,6 @@ pub const LEASE_SCRIPT: &str = include_str!("../../../lua/lease.lua");
 enum Mode {
     Decide,
     Peek,
-    Refund,
 }
 
 /// The script, the key prefix and the per-call timeout: what both stores share.
@@ -213,6 +213,48 @@ impl Scripted {
         self.call_encoded(conn, &encoded, now_us, mode).await
     }
 
+    /// One script call settling `items` (all on one slot, in a cluster): each key's
+    /// settlement stands on its own. The answers are what each rule would tell the next
+    /// request now.
+    async fn settle<C: Evaluates>(
+        &self,
+        conn: &mut C,
+        items: &[(&Check<'_>, Adjust)],
+        now_us: Option<u64>,
+    ) -> Result<Vec<Decision>, StoreError> {
+        let mut inv = self.script.invocation();
+        match now_us {
+            Some(t) => inv.arg(t),
+            None => inv.arg(""),
+        };
+        inv.arg("settle");
+        let mut n = itoa::Buffer::new();
+        for (check, adj) in items {
+            let e = self.encode(check);
+            let mut arg = String::with_capacity(40);
+            arg.push_str(n.format(adj.delta));
+            arg.push(':');
+            match adj.left_us {
+                Some(left) => arg.push_str(n.format(left)),
+                None => arg.push('-'),
+            }
+            arg.push(':');
+            arg.push_str(n.format(check.quota.max_debt));
+            inv.key(&e.key).arg(&e.quota).arg(arg);
+        }
+        let reply: Vec<redis::Value> = tokio::time::timeout(self.timeout, eval(conn, &inv))
+            .await
+            .map_err(|_| StoreError::Timeout(self.timeout))??;
+        if reply.len() != items.len() * 4 {
+            return Err(StoreError::Protocol(format!(
+                "the script returned {} values for {} keys",
+                reply.len(),
+                items.len()
+            )));
+        }
+        decisions(&reply)
+    }
+
     async fn call_encoded<C: Evaluates>(
         &self,
         conn: &mut C,
@@ -228,7 +270,6 @@ impl Scripted {
         inv.arg(match mode {
             Mode::Decide => "",
             Mode::Peek => "peek",
-            Mode::Refund => "refund",
         });
         for c in checks {
             c.push(&mut inv, false);
@@ -330,6 +371,14 @@ pub trait DecideAt {
         checks: &'a [Check<'a>],
         now_us: Option<u64>,
     ) -> impl Future<Output = Result<Vec<Decision>, StoreError>> + Send + 'a;
+
+    /// Settle `items` at `now_us`: one atomic call per identity (one call in all on one
+    /// Redis); each settlement stands on its own.
+    fn settle_at<'a>(
+        &'a self,
+        items: &'a [Settlement<'a>],
+        now_us: Option<u64>,
+    ) -> impl Future<Output = Result<Vec<Decision>, StoreError>> + Send + 'a;
 }
 
 /// What tells the two shared stores apart: how a call gets a connection, and how a
@@ -360,6 +409,10 @@ impl<S: Shared> Store for S {
 
     fn peek<'a>(&'a self, checks: &'a [Check<'a>]) -> Call<'a, Vec<Decision>> {
         Call::pending(self.peek_at(checks, None))
+    }
+
+    fn settle<'a>(&'a self, items: &'a [Settlement<'a>]) -> Call<'a, Vec<Decision>> {
+        Call::pending(self.settle_at(items, None))
     }
 
     fn reset<'a>(&'a self, check: &'a Check<'a>) -> Call<'a, ()> {

@@ -8,8 +8,8 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tokio::sync::oneshot;
 
 use super::{dropped, DecideAt, Encoded, Mode, Scripted, Shared};
-use crate::limiter::store::Kind;
-use crate::limiter::{Check, Decision, StoreError};
+use crate::limiter::store::{Kind, Settlement};
+use crate::limiter::{Adjust, Check, Decision, StoreError};
 
 /// At most this many keys go in one batched script call (Redis runs one script at a time:
 /// this bounds how long one call holds it).
@@ -240,6 +240,20 @@ impl DecideAt for RedisStore {
                     .call(&mut self.conn(), &all, now_us, Mode::Decide)
                     .await
             }
+            other => other,
+        }
+    }
+
+    /// Settle `items` in one script call (a dropped connection is tried once more, as a
+    /// decision is: a settlement run twice moves the limit twice, by at most one charge).
+    async fn settle_at(
+        &self,
+        items: &[Settlement<'_>],
+        now_us: Option<u64>,
+    ) -> Result<Vec<Decision>, StoreError> {
+        let all: Vec<(&Check<'_>, Adjust)> = items.iter().map(|i| (&i.check, i.adjust)).collect();
+        match self.s.settle(&mut self.conn(), &all, now_us).await {
+            Err(e) if dropped(&e) => self.s.settle(&mut self.conn(), &all, now_us).await,
             other => other,
         }
     }
