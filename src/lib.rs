@@ -91,6 +91,7 @@ pub mod metrics;
 pub mod random;
 pub mod rules;
 pub mod server;
+pub mod settle;
 pub mod stats;
 pub mod tls;
 pub mod tunnel;

@@ -16,6 +16,8 @@ use super::Invalid;
 use crate::identity::{Key, KeyKind, MissingKey};
 use crate::limiter::{Algorithm, Quota, QuotaError, QuotaField, Rate};
 use crate::rules::{Match, Messages, Mode, Plan, Rule};
+use crate::settle::policy::{Charge, Policy, StatusSet};
+use crate::settle::usage::UsageField;
 
 /// Requests wait at most this many per rule, per gateway, unless `max_waiting` says.
 pub const DEFAULT_MAX_WAITING: u32 = 1_000;
@@ -45,8 +47,46 @@ pub(super) struct RawRule {
     lease_ttl: Option<Spanned<HumanDuration>>,
     retry_jitter: Option<HumanDuration>,
     messages: Option<Spanned<RawMessages>>,
+    charge: Option<Spanned<RawCharge>>,
+    cost_header: Option<Spanned<String>>,
+    cost_from: Option<Spanned<CostFrom>>,
+    usage: Option<Spanned<UsageField>>,
+    reserve: Option<Spanned<Reserve>>,
+    max_debt: Option<Spanned<u64>>,
     #[serde(default)]
     plans: HashMap<String, Spanned<RawPlanOverride>>,
+}
+
+/// `charge = "always"` or `charge = { statuses = ["2xx", "3xx"] }`.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum RawCharge {
+    Named(String),
+    Statuses(RawStatuses),
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStatuses {
+    statuses: Vec<String>,
+}
+
+/// `cost_from`: where an answer reports its cost.
+#[derive(Deserialize, Clone, Copy)]
+#[serde(rename_all = "snake_case")]
+enum CostFrom {
+    /// The usage object of an OpenAI-compatible answer (JSON or server-sent events).
+    OpenaiUsage,
+}
+
+/// `reserve`: what is charged on arrival, before the cost is known.
+#[derive(Deserialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+enum Reserve {
+    /// The rule's `cost`.
+    Cost,
+    /// The request's own `max_tokens` (JSON bodies up to 1 MiB).
+    MaxTokens,
 }
 
 /// `messages = { rate = "50/s", burst = 100 }`: the WebSocket data frames a client may
@@ -153,8 +193,15 @@ impl RawRule {
             rule: self,
         };
         let limit = at.limit()?;
-        let quota = limit.quota().map_err(|e| at.blame(e))?;
+        let settle = at.settle()?;
+        let quota = at.with_debt(limit.quota().map_err(|e| at.blame(e))?)?;
         let (mode, enforce_percent) = at.mode()?;
+        let mut plans = at.plans(&limit)?;
+        for plan in plans.values_mut() {
+            if let Plan::Limit(q) = plan {
+                *q = at.with_debt(*q)?;
+            }
+        }
         Ok(Rule {
             name: self.name.get_ref().0.clone(),
             matcher: match &self.matcher {
@@ -171,7 +218,7 @@ impl RawRule {
                 kind: self.key.0.clone(),
                 missing: self.missing_key,
             },
-            plans: at.plans(&limit)?,
+            plans,
             quota,
             mode,
             enforce_percent,
@@ -184,6 +231,7 @@ impl RawRule {
                 .as_ref()
                 .map_or(0, |j| u64::try_from(j.0.as_micros()).unwrap_or(u64::MAX)),
             messages: at.messages()?,
+            settle,
         })
     }
 }
@@ -206,8 +254,14 @@ impl At<'_> {
             (None, Some(m)) => Some(*m.get_ref()),
             (Some(_), None) => None,
         };
-        let only_rates: [(&str, Option<Range<usize>>); 5] = [
+        let only_rates: [(&str, Option<Range<usize>>); 11] = [
             ("algorithm", r.algorithm.as_ref().map(Spanned::span)),
+            ("charge", r.charge.as_ref().map(Spanned::span)),
+            ("cost_header", r.cost_header.as_ref().map(Spanned::span)),
+            ("cost_from", r.cost_from.as_ref().map(Spanned::span)),
+            ("usage", r.usage.as_ref().map(Spanned::span)),
+            ("reserve", r.reserve.as_ref().map(Spanned::span)),
+            ("max_debt", r.max_debt.as_ref().map(Spanned::span)),
             ("burst", r.burst.as_ref().map(Spanned::span)),
             ("cost", r.cost.as_ref().map(Spanned::span)),
             ("max_delay", r.max_delay.as_ref().map(Spanned::span)),
@@ -287,6 +341,90 @@ impl At<'_> {
             self.no(Some(span), &format!("messages.{key}"), e.message)
         })?;
         Ok(Some(messages))
+    }
+
+    /// `charge`, `cost_header`, `cost_from` (with `usage`, `reserve`) and `max_debt`:
+    /// how the rule's charges are settled, or `None` when they stand as taken.
+    fn settle(&self) -> Result<Option<std::sync::Arc<Policy>>, Invalid> {
+        let r = self.rule;
+        let charge =
+            match &r.charge {
+                None => Charge::Always,
+                Some(c) => match c.get_ref() {
+                    RawCharge::Named(n) if n == "always" => Charge::Always,
+                    RawCharge::Named(n) => return Err(self.no(
+                        Some(c.span()),
+                        "charge",
+                        format!(
+                            "charge is \"always\" or {{ statuses = [\"2xx\", ...] }}, not {n:?}"
+                        ),
+                    )),
+                    RawCharge::Statuses(s) => Charge::Statuses(
+                        StatusSet::parse(s.statuses.iter().map(String::as_str))
+                            .map_err(|e| self.no(Some(c.span()), "charge.statuses", e))?,
+                    ),
+                },
+            };
+        let cost_header = match &r.cost_header {
+            None => None,
+            Some(h) => Some(
+                HeaderName::from_bytes(h.get_ref().as_bytes())
+                    .ok()
+                    .filter(|n| !crate::upstream::is_hop_by_hop(n))
+                    .ok_or_else(|| {
+                        self.no(
+                            Some(h.span()),
+                            "cost_header",
+                            format!("{:?} is not a header name an answer can carry end to end (e.g. \"x-ratelimit-cost\")", h.get_ref()),
+                        )
+                    })?,
+            ),
+        };
+        let needs_cost_from = |key: &str, span: Range<usize>| {
+            self.no(
+                Some(span),
+                key,
+                format!("{key} applies with cost_from = \"openai_usage\""),
+            )
+        };
+        let usage = match (&r.cost_from, &r.usage) {
+            (Some(_), u) => Some(u.as_ref().map_or(UsageField::TotalTokens, |u| *u.get_ref())),
+            (None, Some(u)) => return Err(needs_cost_from("usage", u.span())),
+            (None, None) => None,
+        };
+        let reserve_max_tokens = match (&r.reserve, usage) {
+            (Some(v), None) => return Err(needs_cost_from("reserve", v.span())),
+            (Some(v), Some(_)) => *v.get_ref() == Reserve::MaxTokens,
+            (None, _) => false,
+        };
+        if let Some(d) = &r.max_debt {
+            if cost_header.is_none() && usage.is_none() {
+                return Err(self.no(
+                    Some(d.span()),
+                    "max_debt",
+                    "max_debt bounds what a reported cost may charge below empty; it applies with cost_header or cost_from",
+                ));
+            }
+        }
+        if charge == Charge::Always && cost_header.is_none() && usage.is_none() {
+            return Ok(None);
+        }
+        Ok(Some(std::sync::Arc::new(Policy {
+            charge,
+            cost_header,
+            usage,
+            reserve_max_tokens,
+        })))
+    }
+
+    /// `q`, with the rule's `max_debt` where it sets one (else one burst: the quota's own).
+    fn with_debt(&self, q: Quota) -> Result<Quota, Invalid> {
+        match &self.rule.max_debt {
+            Some(d) => q
+                .with_max_debt(*d.get_ref())
+                .map_err(|e| self.no(Some(d.span()), "max_debt", e.message)),
+            None => Ok(q),
+        }
     }
 
     fn lease_ttl(&self) -> Result<Duration, Invalid> {

@@ -47,6 +47,8 @@ pub struct Metrics {
     pub tunnel: crate::tunnel::metrics::TunnelMetrics,
     /// `[jwt] jwks_url` fetches.
     pub jwks: super::jwks::JwksMetrics,
+    /// Settlements of charges after the answer (issue 27).
+    pub settle: crate::settle::metrics::SettleMetrics,
     /// What the status page shows (the limiter counts its store calls into it too).
     pub stats: Arc<Stats>,
 }
@@ -67,6 +69,7 @@ impl Metrics {
         let connection = ConnectionMetrics::register(&mut registry);
         let tunnel = crate::tunnel::metrics::TunnelMetrics::register(&mut registry);
         let jwks = super::jwks::JwksMetrics::register(&mut registry);
+        let settle = crate::settle::metrics::SettleMetrics::register(&mut registry);
         let build_info = Info::new(BuildLabels {
             version: env!("CARGO_PKG_VERSION"),
         });
@@ -85,6 +88,7 @@ impl Metrics {
             connection,
             tunnel,
             jwks,
+            settle,
             stats: Arc::new(Stats::new()),
         }
     }

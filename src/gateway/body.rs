@@ -7,6 +7,7 @@ use http_body_util::{Either, Full};
 
 use super::grpc::Watch;
 use crate::limiter::lease::{Leases, Releasing};
+use crate::settle::Meter;
 use crate::upstream::ResponseBody;
 
 /// What a client receives: the upstream's streamed body, or one the gateway wrote.
@@ -24,6 +25,9 @@ pub struct LeasedBody {
     /// A gRPC answer's watch for its trailers' `grpc-status` (gRPC calls only: boxed, so
     /// that other bodies pay one word and one check a frame).
     grpc: Option<Box<Watch>>,
+    /// What reads the cost the body's end reports (rules that settle by a trailer or an
+    /// LLM answer's usage); boxed, as `grpc`.
+    meter: Option<Box<Meter>>,
 }
 
 impl LeasedBody {
@@ -33,7 +37,14 @@ impl LeasedBody {
             leases,
             releasing: None,
             grpc: None,
+            meter: None,
         }
+    }
+
+    /// Watch this body for the cost its end reports ([`Meter`]), if there is one to watch.
+    pub(super) fn metered(mut self, meter: Option<Meter>) -> LeasedBody {
+        self.meter = meter.map(Box::new);
+        self
     }
 
     /// Watch this body for its `grpc-status` trailer ([`Watch`]).
@@ -53,7 +64,12 @@ impl hyper::body::Body for LeasedBody {
         use std::task::Poll;
         let this = &mut *self;
         if this.releasing.is_none() {
-            let polled = std::pin::Pin::new(&mut this.body).poll_frame(cx);
+            let mut polled = std::pin::Pin::new(&mut this.body).poll_frame(cx);
+            if let (Some(m), Poll::Ready(Some(Ok(frame)))) =
+                (this.meter.as_deref_mut(), &mut polled)
+            {
+                m.frame(frame);
+            }
             if let (Some(w), Poll::Ready(Some(Ok(frame)))) = (this.grpc.as_deref_mut(), &polled) {
                 w.frame(frame);
             }
@@ -62,6 +78,8 @@ impl hyper::body::Body for LeasedBody {
                 Poll::Ready(None) => None,
                 Poll::Ready(Some(Err(e))) => {
                     this.leases = None;
+                    // Cut short: the reservations stand as they are.
+                    this.meter = None;
                     if let Some(w) = this.grpc.as_deref_mut() {
                         w.end();
                     }
@@ -73,9 +91,20 @@ impl hyper::body::Body for LeasedBody {
                 w.end();
             }
             // The response is complete: the request is no longer in flight. Its slots
-            // are given back before the last bytes go out.
-            match this.leases.take().and_then(Leases::release) {
-                Some(release) => this.releasing = Some((release, last)),
+            // are given back, and what its end reported is settled, before the last bytes
+            // go out (a client that has the whole answer sees both on its next request).
+            let settle = this.meter.take().and_then(|m| Box::new(*m).finish());
+            let release = this.leases.take().and_then(Leases::release);
+            let finish: Option<Releasing> = match (release, settle) {
+                (Some(r), Some(s)) => Some(Box::pin(async move {
+                    futures_util::future::join(r, s).await;
+                })),
+                (Some(r), None) => Some(r),
+                (None, Some(s)) => Some(s),
+                (None, None) => None,
+            };
+            match finish {
+                Some(finish) => this.releasing = Some((finish, last)),
                 None => return Poll::Ready(last.map(Ok)),
             }
         }
@@ -94,7 +123,10 @@ impl hyper::body::Body for LeasedBody {
     fn is_end_stream(&self) -> bool {
         // Not while slots remain to give back: hyper then polls once more, and the
         // release runs before the response is over (an empty body included).
-        self.leases.is_none() && self.releasing.is_none() && self.body.is_end_stream()
+        self.leases.is_none()
+            && self.meter.is_none()
+            && self.releasing.is_none()
+            && self.body.is_end_stream()
     }
 
     fn size_hint(&self) -> hyper::body::SizeHint {

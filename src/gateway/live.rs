@@ -25,6 +25,13 @@ pub struct Live {
     pub workers: usize,
     /// Whether the deny cache may be used under this config (see [`Limiter::decide_now`]).
     pub cache_denials: bool,
+    /// Whether any rule settles its charges after the answer (`charge`, `cost_header`,
+    /// `cost_from`): only then does an admitted request hold a reservation.
+    pub settles: bool,
+    /// Whether any rule reserves a request's own `max_tokens` (its JSON body is read).
+    pub reserves_max_tokens: bool,
+    /// Every rule's `cost_header`: removed from every answer before a client sees it.
+    pub cost_headers: Vec<http::HeaderName>,
     /// `ratewall_requests_total` handles for each of `config.rules`, in order.
     pub counters: Vec<RuleCounters>,
     /// Per rule of `config.rules`: requests waiting on its `max_delay` now.
@@ -98,8 +105,19 @@ impl Live {
             .rules
             .windows(2)
             .all(|w| w[0].key.kind == w[1].key.kind);
-        let cache_denials = !limiter.store().kind().is_clustered() || one_identity;
+        let policies = || config.rules.iter().filter_map(|r| r.settle.as_deref());
+        let settles = policies().next().is_some();
+        let reserves_max_tokens = policies().any(|p| p.reserve_max_tokens);
+        let mut cost_headers: Vec<http::HeaderName> =
+            policies().filter_map(|p| p.cost_header.clone()).collect();
+        cost_headers.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        cost_headers.dedup();
+        // A refund can make a remembered denial stale too (stricter than the store).
+        let cache_denials = (!limiter.store().kind().is_clustered() || one_identity) && !settles;
         Ok(Live {
+            settles,
+            reserves_max_tokens,
+            cost_headers,
             counters: config
                 .rules
                 .iter()

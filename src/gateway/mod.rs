@@ -40,6 +40,7 @@ use crate::limiter::guard::{Answer, Now};
 use crate::limiter::lease::Leases;
 use crate::limiter::{Check, Decision, StoreError};
 use crate::metrics::Gauged;
+use crate::settle::{Held, Settling, Shown};
 use crate::stats::Outcome;
 use crate::upstream::{self, ClientPeer, Downstream};
 use access::AccessLine;
@@ -174,6 +175,9 @@ pub struct Pass<'l> {
     messages: Vec<(usize, IdentityDigest, u64)>,
     /// The headers its verified token's claims give the backend (`[jwt] forward_claims`).
     claims: Vec<(http::HeaderName, http::HeaderValue)>,
+    /// The charges of its rules that settle once the answer is known (`charge`,
+    /// `cost_header`, `cost_from`); none for rules whose charge stands as taken.
+    settling: Option<Settling>,
 }
 
 impl<'l> Pass<'l> {
@@ -188,6 +192,22 @@ impl<'l> Pass<'l> {
             note,
             messages: Vec::new(),
             claims: Vec::new(),
+            settling: None,
+        }
+    }
+
+    /// Show a settled rule's decision: what it would tell the next request now (the
+    /// request's own wait, if it waited, is kept).
+    fn settled(&mut self, updates: Vec<crate::settle::settling::Update>) {
+        for (shown, d) in updates {
+            let a = match shown {
+                Shown::Applied(k) => self.applied.get_mut(k),
+                Shown::Shadow(k) => self.shadow.get_mut(k),
+            };
+            if let Some(a) = a {
+                a.decision.remaining = d.remaining;
+                a.decision.reset_us = d.reset_us;
+            }
         }
     }
 
@@ -504,13 +524,13 @@ impl Gateway {
                 return Admission::Answer(resp, note);
             }
         };
-        let (decisions, verdict, leases) = consult(live, &limits).await;
+        let (decisions, verdict, leases, local) = consult(live, &limits).await;
         match (verdict, decisions) {
             (Verdict::Deny { by, jitter_us }, Some(d)) => {
                 self.deny(live, &limits, &d, by, jitter_us, &to, dialect)
             }
             (Verdict::Forward | Verdict::Delay(_), Some(d)) => {
-                let pass = self.pass(live, limits, &d, verdict, leases, to);
+                let pass = self.pass(live, limits, &d, verdict, leases, local, to);
                 Admission::Forward(Pass { dialect, ..pass })
             }
             (v, _) => store_failed(live, &limits, v, to, dialect),
@@ -560,6 +580,7 @@ impl Gateway {
     }
 
     /// An admitted request's pass, and the counts it adds.
+    #[allow(clippy::too_many_arguments)]
     fn pass<'l>(
         &self,
         live: &'l Live,
@@ -567,10 +588,12 @@ impl Gateway {
         decisions: &[Option<Decision>],
         verdict: Verdict,
         leases: Option<Leases>,
+        local: bool,
         to: Destination,
     ) -> Pass<'l> {
         let shadow_denied = tally(live, &limits, decisions, false);
         let (applied, shadow) = split(&limits, decisions);
+        let settling = self.reserve(live, &limits, decisions, local);
         let ruled: Vec<Ruled> = limits.iter().map(Limit::ruled).collect();
         let closest = verdict::closest(&ruled, decisions).map(|k| &limits[k]);
         let (decision, waited) = match verdict {
@@ -606,7 +629,61 @@ impl Gateway {
             note,
             messages,
             claims: Vec::new(),
+            settling,
         }
+    }
+
+    /// The charges of an admitted request's rules that settle once its answer is known:
+    /// every rule with a settlement policy whose check was charged (allowed), each shown
+    /// where [`split`] puts its decision. `None` when no rule settles (the common case:
+    /// nothing is allocated).
+    fn reserve(
+        &self,
+        live: &Live,
+        limits: &[Limit<'_, '_>],
+        decisions: &[Option<Decision>],
+        local: bool,
+    ) -> Option<Settling> {
+        if !live.settles {
+            return None;
+        }
+        let (mut applied, mut shadow) = (0, 0);
+        let mut items = Vec::new();
+        let mut held = Vec::new();
+        for (l, d) in limits.iter().zip(decisions) {
+            let Some(d) = d else { continue };
+            let shown = if l.enforced {
+                applied += 1;
+                Shown::Applied(applied - 1)
+            } else {
+                shadow += 1;
+                Shown::Shadow(shadow - 1)
+            };
+            let Some(policy) = &l.rule.settle else {
+                continue;
+            };
+            if !d.allowed || l.quota.algorithm == crate::limiter::Algorithm::Concurrency {
+                continue;
+            }
+            items.push(crate::limiter::reservation::Reserved {
+                identity: l.identity.digest,
+                rule: Arc::from(l.rule.name.as_str()),
+                quota: l.quota,
+                shadow: !l.enforced,
+                reset_us: d.reset_us,
+            });
+            held.push(Held::new(policy.clone(), shown));
+        }
+        if items.is_empty() {
+            return None;
+        }
+        let reservation =
+            crate::limiter::reservation::Reservation::new(live.limiter.clone(), local, items);
+        Some(Settling::new(
+            reservation,
+            held,
+            self.metrics.settle.clone(),
+        ))
     }
 
     /// Wait for the reserved tokens, then forward: the upstream's answer with the
@@ -680,11 +757,22 @@ impl Gateway {
         match result {
             Ok(mut resp) => {
                 pass.count_passed(live);
+                let mut meter = None;
+                if let Some(settling) = pass.settling.take() {
+                    let (updates, rest) = settling.head(resp.status(), resp.headers_mut()).await;
+                    pass.settled(updates);
+                    meter = rest.map(crate::settle::Meter::new);
+                }
+                // Every rule's, whether or not it applied: a client never sees one.
+                for name in &live.cost_headers {
+                    resp.headers_mut().remove(name);
+                }
                 if let Some((asked, on)) = upgrade {
                     self.tunnel(live, ctx, &mut pass, &mut resp, asked, on);
                 }
                 let leases = pass.leases.take();
-                let mut resp = resp.map(|body| Either::Left(LeasedBody::new(body, leases)));
+                let mut resp =
+                    resp.map(|body| Either::Left(LeasedBody::new(body, leases).metered(meter)));
                 pass.decorate(resp.headers_mut(), cfg);
                 pass.note.upstream = true;
                 (resp, pass.note)
@@ -692,6 +780,10 @@ impl Gateway {
             Err(e) => {
                 // The request is over: its leases are dropped here, giving its slots back.
                 drop(pass.leases.take());
+                if let Some(settling) = pass.settling.take() {
+                    let updates = settling.unanswered().await;
+                    pass.settled(updates);
+                }
                 let resp = self.upstream_failed(cfg, e, version, peer, &pass);
                 (resp, pass.note)
             }
@@ -787,13 +879,14 @@ impl Limit<'_, '_> {
 async fn consult(
     live: &Live,
     limits: &[Limit<'_, '_>],
-) -> (Option<Vec<Option<Decision>>>, Verdict, Option<Leases>) {
+) -> (Option<Vec<Option<Decision>>>, Verdict, Option<Leases>, bool) {
     let checks: Vec<Check<'_>> = limits.iter().map(Limit::check).collect();
     let answer = match live.limiter.decide_now(&checks, live.cache_denials) {
         Now::Answered(answer) => answer,
         Now::Ask(asking) => live.limiter.ask(&checks, live.cache_denials, asking).await,
     };
     let decisions = verdict::decisions(&answer);
+    let local = matches!(answer, Answer::Local(_));
     let ruled: Vec<Ruled> = limits.iter().map(Limit::ruled).collect();
     let v = verdict::judge(&ruled, decisions.as_deref(), live.config.store.on_error);
     let leases = match (&decisions, v) {
@@ -806,14 +899,13 @@ async fn consult(
         // Every enforcing concurrency check of a request let through took its slot, and
         // the watching ones that allowed (charged as if enforced).
         (Some(d), Verdict::Forward | Verdict::Delay(_)) => {
-            let local = matches!(answer, Answer::Local(_));
             Leases::taken(&live.limiter, local, &checks, |k| {
                 d[k].is_some_and(|d| d.allowed)
             })
         }
         _ => None,
     };
-    (decisions, v, leases)
+    (decisions, v, leases, local)
 }
 
 /// Count each rule's decision (`denied`: another rule, or this one, denied the request);

@@ -72,8 +72,9 @@ impl Reservation {
     /// Settle each charge at what it really cost (`costs[k]` for `items[k]`; `None`: as
     /// reserved). Only the ones that change are sent to the store, in one call. Returns,
     /// for each item, what its rule would tell the identity's next request now, where it
-    /// was settled (`None`: unchanged, or the store failed, and then the charge stands).
-    pub async fn settle(&self, costs: &[Option<u64>]) -> Vec<Option<Decision>> {
+    /// was settled (`None`: nothing to change); `Err` if the store failed (the charges
+    /// stand as reserved).
+    pub async fn settle(&self, costs: &[Option<u64>]) -> Result<Vec<Option<Decision>>, Failed> {
         let age = self.age_us();
         let mut changed = Vec::new();
         let mut items = Vec::new();
@@ -95,16 +96,23 @@ impl Reservation {
         }
         let mut out = vec![None; self.items.len()];
         if items.is_empty() {
-            return out;
+            return Ok(out);
         }
-        if let Some(decisions) = self.limiter.settle(&items, self.local).await {
-            for (k, d) in changed.into_iter().zip(decisions) {
-                out[k] = Some(d);
-            }
+        let decisions = self
+            .limiter
+            .settle(&items, self.local)
+            .await
+            .ok_or(Failed)?;
+        for (k, d) in changed.into_iter().zip(decisions) {
+            out[k] = Some(d);
         }
-        out
+        Ok(out)
     }
 }
+
+/// The store did not take a settlement (logged and counted where it failed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Failed;
 
 /// How to settle `item`, reserved at its quota's cost, at a real `cost`, `age_us` after it
 /// was charged; `None` when there is nothing to do. What a charge may add is bounded by

@@ -127,6 +127,10 @@ pub struct Rule {
     /// `messages = { rate, burst }`: the WebSocket data frames a client sends on the
     /// sockets this rule admitted, per identity.
     pub messages: Option<Messages>,
+    /// How its charges are settled once the backend has answered (`charge`,
+    /// `cost_header`, `cost_from`): `None` charges every admitted request on arrival, as
+    /// it stands, with nothing to settle.
+    pub settle: Option<std::sync::Arc<crate::settle::policy::Policy>>,
 }
 
 /// `messages = { rate = "50/s", burst = 100 }`: a token bucket of data frames per

@@ -30,7 +30,7 @@ pub(super) static HOP_BY_HOP: [HeaderName; 9] = [
 
 /// Whether `name` is one of [`HOP_BY_HOP`]: one match on the lowercase name, where a
 /// search of the list compares it with each.
-pub(super) fn is_hop_by_hop(name: &HeaderName) -> bool {
+pub fn is_hop_by_hop(name: &HeaderName) -> bool {
     matches!(
         name.as_str(),
         "connection"

@@ -95,7 +95,7 @@ pub use balance::{key_hash, Balancer, Candidate, Candidates, MAX_RING_POINTS, PO
 pub use body::{BodyError, ResponseBody};
 pub use budget::{RetryBudget, MIN_RETRIES_PER_SECOND, RETRY_PERCENT, WINDOW_SECS};
 pub use error::{Error, Malformed};
-pub use forward::{ClientPeer, Downstream};
+pub use forward::{is_hop_by_hop, ClientPeer, Downstream};
 pub use health::{panic_pick, HealthEvent, HealthPolicy, HealthState, ServerHealth};
 pub use metrics::{Attempt, PoolMetrics};
 pub use outage::{OutageChange, OutageLog};

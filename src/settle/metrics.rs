@@ -1,0 +1,88 @@
+//! The settlements' metrics: per rule, what became of the charges it settled.
+
+use prometheus_client::encoding::EncodeLabelSet;
+use prometheus_client::metrics::counter::Counter;
+use prometheus_client::metrics::family::Family;
+use prometheus_client::registry::Registry;
+
+crate::metrics::label_enum! {
+    /// What one settlement of one charge did.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub enum Outcome {
+        /// Given back whole: the answer's status is one the rule does not charge, or
+        /// there was no answer (the backend failed, the client went away first).
+        Refunded = "refunded",
+        /// The reported cost was below the reservation: the difference given back.
+        ChargedLess = "charged_less",
+        /// The reported cost was above it: the difference taken (maybe into debt).
+        ChargedMore = "charged_more",
+        /// A cost the answer reported that is not a whole number at least 0: logged,
+        /// and the reservation stands.
+        Invalid = "invalid",
+        /// The store did not take the settlement: the reservation stands.
+        Failed = "failed",
+    }
+}
+
+crate::metrics::label_enum! {
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub enum Direction {
+        Refunded = "refunded",
+        Charged = "charged",
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct SettleLabels {
+    pub rule: String,
+    pub outcome: Outcome,
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CostLabels {
+    pub rule: String,
+    pub direction: Direction,
+}
+
+#[derive(Clone, Default)]
+pub struct SettleMetrics {
+    pub settlements: Family<SettleLabels, Counter>,
+    pub cost: Family<CostLabels, Counter>,
+}
+
+impl SettleMetrics {
+    pub fn register(registry: &mut Registry) -> SettleMetrics {
+        let m = SettleMetrics::default();
+        registry.register(
+            "settlements",
+            "Charges settled after the answer, per rule and outcome: refunded (the status is not charged, or no answer), charged_less / charged_more (the reported cost differed from the reservation), invalid (a reported cost was not a whole number; the reservation stands), failed (the store did not take it)",
+            m.settlements.clone(),
+        );
+        registry.register(
+            "settled_cost",
+            "Cost units settlements gave back (refunded) or took beyond the reservation (charged), per rule",
+            m.cost.clone(),
+        );
+        m
+    }
+
+    pub fn count(&self, rule: &str, outcome: Outcome) {
+        self.settlements
+            .get_or_create(&SettleLabels {
+                rule: rule.to_string(),
+                outcome,
+            })
+            .inc();
+    }
+
+    pub fn moved(&self, rule: &str, direction: Direction, units: u64) {
+        if units > 0 {
+            self.cost
+                .get_or_create(&CostLabels {
+                    rule: rule.to_string(),
+                    direction,
+                })
+                .inc_by(units);
+        }
+    }
+}
