@@ -42,12 +42,14 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
     /// (a position in `Config::routes`, or none), in config order, as `requester` is
     /// counted by each; or why it is refused before any is consulted. A rule applies when
     /// its path, method, host and route fit ([`matching`]) and then [`Rule::applies`] says
-    /// so: what the request carries, its plan.
+    /// so: what the request carries, its plan. `tokens`: the request's own `max_tokens`,
+    /// reserved (at most a burst) by the rules that say `reserve = "max_tokens"`.
     pub fn all(
         live: &'l Live,
         parts: &Parts,
         requester: &Requester<'p>,
         to: Option<&Destination>,
+        tokens: Option<u64>,
     ) -> Result<Vec<Limit<'l, 'p>>, Refused> {
         let cfg = &*live.config;
         matching(cfg, parts, to)
@@ -55,7 +57,14 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
             .filter_map(|index| {
                 let rule = &cfg.rules[index];
                 let limit = match rule.applies(requester) {
-                    Ok(Applies::Limits(quota)) => Self::new(live, index, *quota, requester),
+                    Ok(Applies::Limits(quota)) => {
+                        let reserves = rule.settle.as_ref().is_some_and(|p| p.reserve_max_tokens);
+                        let quota = match tokens {
+                            Some(t) if reserves => quota.with_cost(t),
+                            _ => *quota,
+                        };
+                        Self::new(live, index, quota, requester)
+                    }
                     Ok(Applies::Unmet(_) | Applies::Exempt) => return None,
                     Err(refusal) => Err(refusal),
                 };

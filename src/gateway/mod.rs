@@ -21,6 +21,7 @@ pub mod metrics;
 mod route;
 mod screen;
 mod switched;
+mod tokens;
 pub mod verdict;
 
 use std::sync::Arc;
@@ -343,8 +344,23 @@ impl Gateway {
             }
         }
         let dialect = Dialect::of(&parts.headers);
+        let mut body = upstream::RequestBody::from(body);
+        let mut tokens = None;
+        if live.reserves_max_tokens {
+            match tokens::read(&parts, body, live.config.server.timeouts.body).await {
+                Ok((read, asked)) => (body, tokens) = (read, asked),
+                Err(p) => {
+                    let mut resp = problem(p, &live.config, &[], dialect);
+                    close_after(&mut resp);
+                    if let Some(log) = log {
+                        log.write(resp.status().as_u16(), &Note::gateway("bad_request"));
+                    }
+                    return resp;
+                }
+            }
+        }
         let (mut resp, mut note, forwarded) =
-            match self.admit_as(&live, &parts, &ctx, dialect).await {
+            match self.admit_as(&live, &parts, &ctx, dialect, tokens).await {
                 Admission::Answer(resp, note) => (resp, note, false),
                 Admission::Forward(pass) => {
                     let (resp, note) = self
@@ -443,17 +459,19 @@ impl Gateway {
     ///
     /// A gRPC call (by its `content-type`, [`Dialect::of`]) gets gRPC answers.
     pub async fn admit<'l>(&self, live: &'l Live, parts: &Parts, ctx: &Context) -> Admission<'l> {
-        self.admit_as(live, parts, ctx, Dialect::of(&parts.headers))
+        self.admit_as(live, parts, ctx, Dialect::of(&parts.headers), None)
             .await
     }
 
-    /// [`Gateway::admit`], the request's dialect already known.
+    /// [`Gateway::admit`], the request's dialect already known; `tokens`: the request's
+    /// own `max_tokens`, where a rule reserves it and its body said.
     async fn admit_as<'l>(
         &self,
         live: &'l Live,
         parts: &Parts,
         ctx: &Context,
         dialect: Dialect,
+        tokens: Option<u64>,
     ) -> Admission<'l> {
         let cfg = &*live.config;
         let peer = ctx.peer.ip();
@@ -473,7 +491,7 @@ impl Gateway {
             .with_jwt(cfg.jwt.as_ref().map(|j| &*j.verifier));
         // Read first (the token verified once, for the rules too): the request is moved on.
         let claims = requester.forwarded_claims();
-        match self.admit_by(live, parts, dialect, requester).await {
+        match self.admit_by(live, parts, dialect, requester, tokens).await {
             Admission::Forward(mut pass) => {
                 pass.claims = claims;
                 Admission::Forward(pass)
@@ -489,6 +507,7 @@ impl Gateway {
         parts: &Parts,
         dialect: Dialect,
         requester: Requester<'p>,
+        tokens: Option<u64>,
     ) -> Admission<'l> {
         let requester = &requester;
         let cfg = &*live.config;
@@ -502,7 +521,7 @@ impl Gateway {
             }
         };
         let to = to.hashed(cfg, requester);
-        let limits = match Limit::all(live, parts, requester, Some(&to)) {
+        let limits = match Limit::all(live, parts, requester, Some(&to), tokens) {
             Ok(limits) if limits.is_empty() => {
                 let note = Note::gateway("unlimited").to(&to, cfg);
                 return Admission::Forward(Pass::unlimited(note, to, dialect));
@@ -691,7 +710,7 @@ impl Gateway {
     async fn forward<'l>(
         &self,
         live: &'l Live,
-        req: Request<Incoming>,
+        req: Request<upstream::RequestBody>,
         ctx: &Context,
         pass: Pass<'l>,
     ) -> (Response<Body>, Note<'l>) {

@@ -38,7 +38,7 @@ pub(super) enum Sending {
 
 impl Sending {
     /// How `body` goes up; a `Content-Length` that will not frame it is removed.
-    pub(super) fn of(body: &Incoming, headers: &mut HeaderMap) -> Sending {
+    pub(super) fn of(body: &RequestBody, headers: &mut HeaderMap) -> Sending {
         if body.is_end_stream() {
             Sending::None
         } else if body.size_hint().exact().is_some() && headers.contains_key(CONTENT_LENGTH) {
@@ -46,6 +46,52 @@ impl Sending {
         } else {
             headers.remove(CONTENT_LENGTH);
             Sending::Chunked
+        }
+    }
+}
+
+/// A client's request body on its way up: streamed as it comes, or already read whole by
+/// the gateway, which had to look into it (`reserve = "max_tokens"`).
+#[derive(Debug)]
+pub enum RequestBody {
+    Streaming(Incoming),
+    /// Read whole; `None` once it has gone up.
+    Read(Option<Bytes>),
+}
+
+impl From<Incoming> for RequestBody {
+    fn from(body: Incoming) -> RequestBody {
+        RequestBody::Streaming(body)
+    }
+}
+
+impl Body for RequestBody {
+    type Data = Bytes;
+    type Error = hyper::Error;
+
+    fn poll_frame(
+        self: Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
+        match self.get_mut() {
+            RequestBody::Streaming(body) => Pin::new(body).poll_frame(cx),
+            RequestBody::Read(read) => {
+                std::task::Poll::Ready(read.take().filter(|b| !b.is_empty()).map(|b| Ok(Frame::data(b))))
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        match self {
+            RequestBody::Streaming(body) => body.is_end_stream(),
+            RequestBody::Read(read) => read.as_ref().is_none_or(Bytes::is_empty),
+        }
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        match self {
+            RequestBody::Streaming(body) => body.size_hint(),
+            RequestBody::Read(read) => SizeHint::with_exact(read.as_ref().map_or(0, |b| b.len() as u64)),
         }
     }
 }
@@ -73,7 +119,7 @@ pub(super) enum UploadError {
 pub(super) async fn send<W: AsyncWrite + Unpin>(
     conn: &mut W,
     head: &[u8],
-    mut body: Incoming,
+    mut body: RequestBody,
     chunked: bool,
     body_timeout: Duration,
     write_timeout: Duration,

@@ -52,7 +52,7 @@ use hyper::client::conn::http2::SendRequest;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::sync::Notify;
 
-use super::body::{clean_trailers, Sending, Silence};
+use super::body::{clean_trailers, RequestBody, Sending, Silence};
 use super::forward::{self, MapFields};
 use super::peer_settings::{PeerSettings, Watched};
 use super::stream::Stream;
@@ -517,7 +517,7 @@ impl Upload {
 /// The client's request body as it goes up an HTTP/2 stream: data and trailers as they
 /// come, under the client's `body_timeout` (a pause that long fails it: 408).
 pub(super) struct UpBody {
-    body: Option<Incoming>,
+    body: Option<RequestBody>,
     upload: Option<Arc<Upload>>,
     /// Since when the client has been awaited, and the clock on it.
     silence: Silence,
@@ -532,7 +532,7 @@ impl UpBody {
         }
     }
 
-    fn new(body: Incoming, upload: Arc<Upload>) -> UpBody {
+    fn new(body: RequestBody, upload: Arc<Upload>) -> UpBody {
         UpBody {
             body: Some(body),
             upload: Some(upload),

@@ -88,11 +88,10 @@ use std::time::Duration;
 
 use http::header::HeaderValue;
 use http::{Method, Request, Response};
-use hyper::body::Incoming;
 use tokio::io::AsyncWriteExt;
 
 pub use balance::{key_hash, Balancer, Candidate, Candidates, MAX_RING_POINTS, POINTS_PER_WEIGHT};
-pub use body::{BodyError, ResponseBody};
+pub use body::{BodyError, RequestBody, ResponseBody};
 pub use budget::{RetryBudget, MIN_RETRIES_PER_SECOND, RETRY_PERCENT, WINDOW_SECS};
 pub use error::{Error, Malformed};
 pub use forward::{is_hop_by_hop, ClientPeer, Downstream};
@@ -359,7 +358,7 @@ impl Client {
         &self,
         conn: Stream,
         out: Outgoing,
-        body: Incoming,
+        body: RequestBody,
         chunked: bool,
         body_timeout: Duration,
     ) -> Result<Response<ResponseBody>, Error> {
@@ -439,7 +438,7 @@ pub struct Outbound {
     asked: Option<HeaderValue>,
     sending: Sending,
     /// Until an attempt takes it to send it.
-    body: Option<Incoming>,
+    body: Option<RequestBody>,
     /// The path and query to send, where a route rewrote them.
     target: Option<String>,
     /// Whether its `Host` is the server's (the client named none): set per attempt.
@@ -455,7 +454,7 @@ impl Outbound {
     /// `req` to go to `target` (the route's rewrite of its path, if any); `default_host`
     /// is the `Host` sent when the client named none.
     pub fn new(
-        req: Request<Incoming>,
+        req: Request<RequestBody>,
         target: Option<String>,
         default_host: &HeaderValue,
     ) -> Outbound {
