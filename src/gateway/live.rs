@@ -114,6 +114,9 @@ impl Live {
         cost_headers.dedup();
         // A refund can make a remembered denial stale too (stricter than the store).
         let cache_denials = (!limiter.store().kind().is_clustered() || one_identity) && !settles;
+        for rule in config.rules.iter().filter(|r| r.settle.is_some()) {
+            metrics.settle.create(&rule.name);
+        }
         Ok(Live {
             settles,
             reserves_max_tokens,

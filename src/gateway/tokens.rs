@@ -93,6 +93,10 @@ pub fn max_tokens(body: &[u8]) -> Option<u64> {
         max_tokens: Option<serde_json::Value>,
         max_completion_tokens: Option<serde_json::Value>,
     }
+    // An object only: serde would read a struct from an array too, by position.
+    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
+        return None;
+    }
     let asked: Asked = serde_json::from_slice(body).ok()?;
     asked
         .max_tokens

@@ -66,6 +66,22 @@ impl SettleMetrics {
         m
     }
 
+    /// Every series of a rule that settles, at zero (from its load on).
+    pub fn create(&self, rule: &str) {
+        for outcome in Outcome::ALL {
+            self.settlements.get_or_create(&SettleLabels {
+                rule: rule.to_string(),
+                outcome,
+            });
+        }
+        for direction in Direction::ALL {
+            self.cost.get_or_create(&CostLabels {
+                rule: rule.to_string(),
+                direction,
+            });
+        }
+    }
+
     pub fn count(&self, rule: &str, outcome: Outcome) {
         self.settlements
             .get_or_create(&SettleLabels {
