@@ -69,13 +69,13 @@ impl SettleMetrics {
     /// Every series of a rule that settles, at zero (from its load on).
     pub fn create(&self, rule: &str) {
         for outcome in Outcome::ALL {
-            self.settlements.get_or_create(&SettleLabels {
+            let _ = self.settlements.get_or_create(&SettleLabels {
                 rule: rule.to_string(),
                 outcome,
             });
         }
         for direction in Direction::ALL {
-            self.cost.get_or_create(&CostLabels {
+            let _ = self.cost.get_or_create(&CostLabels {
                 rule: rule.to_string(),
                 direction,
             });
