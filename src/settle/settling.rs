@@ -9,7 +9,7 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 
-use super::metrics::{Direction, Outcome, SettleMetrics};
+use super::metrics::{SettleDirection as Direction, SettleMetrics, SettleOutcome as Outcome};
 use super::policy::{parse_cost, Policy};
 use crate::limiter::reservation::Reservation;
 use crate::limiter::Decision;
