@@ -1,0 +1,3 @@
+//! Settlement of reservations (issue 27).
+
+pub mod usage;
