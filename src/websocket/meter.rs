@@ -367,10 +367,7 @@ mod tests {
         let (limiter, _clock) = memory();
         // A rate whose period does not fit the store's precision: the config refuses it.
         let bad = Messages {
-            rate: Rate {
-                count: 1,
-                period: Duration::from_secs(u64::MAX / 1_000_000),
-            },
+            rate: Rate::every(1, Duration::from_secs(u64::MAX / 1_000_000)),
             burst: 1,
         };
         assert!(quota(&bad).is_err());
@@ -419,6 +416,11 @@ mod tests {
         }
         fn peek<'a>(&'a self, checks: &'a [Check<'a>]) -> Call<'a, Vec<Decision>> {
             self.decide(checks)
+        }
+        fn settle<'a>(&'a self, items: &'a [store::Settlement<'a>]) -> Call<'a, Vec<Decision>> {
+            // The meter never settles: its charges are frames already sent.
+            let answer = self.answers.lock().unwrap()[0].clone();
+            Call::Ready(answer.map(|d| vec![d; items.len()]))
         }
         fn reset<'a>(&'a self, _: &'a Check<'a>) -> Call<'a, ()> {
             Call::Ready(Ok(()))
