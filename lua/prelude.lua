@@ -12,8 +12,9 @@
 --          by a rule on another identity; an answer its rule does not charge for), or take
 --          the difference the backend reported (issue 27)
 -- ARGV[1 + 2i] for KEYS[i]: its quota, "<algorithm code>:<five parameters>" joined by ':'
---          (see each file; a concurrency limit's third is its lease id). A batch repeats
---          one rule's quota for every request: it is parsed once per call.
+--          (see each file; a concurrency limit's third is its lease id; a calendar
+--          window, code 6, sends its limit, cost and the gateway's three period edges).
+--          A batch repeats one rule's quota for every request: it is parsed once per call.
 -- ARGV[2 + 2i] for KEYS[i]: flags, "0" to "3": 1 = shadow (decided and counted, never
 --          denies the request); 2 = this key starts another request of a batch (decide
 --          mode only; see decide.lua). In settle mode instead "<delta>:<left>:<debt>": the

@@ -511,7 +511,8 @@ async fn identity_call(gw: &Gateway, query: &[(String, Vec<u8>)], reset: bool) -
                     identity: id,
                     algorithm: quota.algorithm.name(),
                     limit: quota.rate.count,
-                    window_s: quota.rate.period.as_secs(),
+                    // A calendar rule's: the period open now.
+                    window_s: ceil_secs(quota.window_us_at(crate::limiter::unix_now_us())),
                     burst: quota.burst,
                     cost: quota.cost,
                     remaining: d.remaining,

@@ -12,7 +12,9 @@
 //! may really use ([`advertised`]):
 //!
 //! - a window (`sliding_window`, `fixed_window`): `q` is the rule's N (over its cost), `w`
-//!   its period;
+//!   its period; for a calendar rate (`"N/month"`), the length of the period open now,
+//!   by this machine's clock (a 30- or 31-day month, a 23- or 25-hour day across a DST
+//!   change), and `t` counts to its end;
 //! - a bucket (`token_bucket`, `gcra`): `q` is the **burst** (over the cost) — what may pass
 //!   at once, the most `r` can ever be — and `w` the time the rate takes to refill it from
 //!   empty (`burst / rate`, rounded up to a whole second, the draft's `w` being an integer).
@@ -36,7 +38,7 @@ use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
 use http::StatusCode;
 
-use crate::limiter::{Algorithm, Decision, Quota};
+use crate::limiter::{unix_now_us, Algorithm, Decision, Quota};
 
 /// Which rate-limit headers answers carry (`[response] headers`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
@@ -79,10 +81,14 @@ pub fn advertised(quota: &Quota) -> (u64, Option<u64>) {
             let secs = refill_us.div_ceil(1_000_000).max(1);
             (q, Some(u64::try_from(secs).unwrap_or(u64::MAX)))
         }
-        Algorithm::SlidingWindow | Algorithm::FixedWindow => (
-            quota.rate.count / cost,
-            Some(quota.rate.period.as_secs().max(1)),
-        ),
+        Algorithm::SlidingWindow | Algorithm::FixedWindow => {
+            // A calendar window is the period open now: this month's days, a 23-hour day.
+            let secs = match quota.calendar {
+                Some(_) => ceil_secs(quota.window_us_at(unix_now_us())),
+                None => quota.rate.period.as_secs(),
+            };
+            (quota.rate.count / cost, Some(secs.max(1)))
+        }
     }
 }
 
@@ -342,10 +348,7 @@ mod tests {
     fn quota(count: u64, secs: u64) -> Quota {
         Quota::new(
             Algorithm::TokenBucket,
-            Rate {
-                count,
-                period: Duration::from_secs(secs),
-            },
+            Rate::every(count, Duration::from_secs(secs)),
             None,
             NonZeroU64::MIN,
         )
@@ -372,10 +375,7 @@ mod tests {
         burst: Option<u64>,
         cost: u64,
     ) -> Quota {
-        let rate = Rate {
-            count,
-            period: Duration::from_secs(secs),
-        };
+        let rate = Rate::every(count, Duration::from_secs(secs));
         Quota::new(
             algorithm,
             rate,
@@ -383,6 +383,33 @@ mod tests {
             NonZeroU64::new(cost).unwrap(),
         )
         .unwrap()
+    }
+
+    #[test]
+    fn a_calendar_window_advertises_the_length_of_the_period_open_now() {
+        let zone = crate::limiter::calendar::zone("Europe/Berlin").unwrap();
+        let q = Quota::new(
+            Algorithm::FixedWindow,
+            Rate::parse("100/month").unwrap(),
+            None,
+            NonZeroU64::new(2).unwrap(),
+        )
+        .unwrap()
+        .in_zone(zone, 1);
+        let before = ceil_secs(q.window_us_at(unix_now_us()));
+        let (count, w) = advertised(&q);
+        let after = ceil_secs(q.window_us_at(unix_now_us()));
+        assert_eq!(count, 50);
+        let w = w.unwrap();
+        assert!(
+            w == before || w == after,
+            "{w} is neither {before} nor {after}"
+        );
+        // A month in Berlin: 28 to 31 days, give or take a DST hour.
+        assert!(
+            (28 * 86_400 - 3600..=31 * 86_400 + 3600).contains(&w),
+            "{w}"
+        );
     }
 
     #[test]

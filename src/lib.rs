@@ -45,7 +45,7 @@
 //!   (`identity/directory.rs`; kept in step with Redis by `limiter/redis/directory.rs`;
 //!   a `jwks_url` fetched by `gateway/jwks.rs`).
 //! - [`limiter`]: the algorithms as pure integer step functions (and the concurrency
-//!   limit); one [`limiter::Store`] boundary with two kinds behind it, [`limiter::memory`]
+//!   limit; the calendar periods of `"N/month"` rates, `limiter/calendar.rs`); one [`limiter::Store`] boundary with two kinds behind it, [`limiter::memory`]
 //!   (embedded) and [`limiter::redis`] (one Redis or a cluster; Lua twins in `lua/`); the
 //!   [`limiter::guard::Limiter`] around it (breaker, deny cache, `on_error`).
 //! - [`headers`]: decisions -> `RateLimit-*`, `Retry-After`, problem+json.

@@ -7,6 +7,7 @@ use std::ops::Range;
 use std::time::Duration;
 
 use http::HeaderName;
+use jiff::tz::TimeZone;
 use serde::Deserialize;
 use toml::Spanned;
 
@@ -14,6 +15,7 @@ use super::matching::{self, Owner, RawMatch};
 use super::values::{HumanDuration, KeySpec, RuleName};
 use super::Invalid;
 use crate::identity::{Key, KeyKind, MissingKey};
+use crate::limiter::calendar::{self, Period};
 use crate::limiter::{Algorithm, Quota, QuotaError, QuotaField, Rate};
 use crate::rules::{Match, Messages, Mode, Plan, Rule};
 use crate::settle::policy::{Charge, Policy, StatusSet};
@@ -37,6 +39,8 @@ pub(super) struct RawRule {
     missing_key: MissingKey,
     algorithm: Option<Spanned<Algorithm>>,
     rate: Option<Spanned<Rate>>,
+    timezone: Option<Spanned<String>>,
+    anchor_day: Option<Spanned<i64>>,
     burst: Option<Spanned<NonZeroU64>>,
     cost: Option<Spanned<NonZeroU64>>,
     mode: Option<Spanned<Mode>>,
@@ -194,9 +198,15 @@ impl RawRule {
         };
         let limit = at.limit()?;
         let settle = at.settle()?;
-        let quota = at.with_debt(limit.quota().map_err(|e| at.blame(e))?)?;
+        let (zone, anchor_day) = at.calendar(&limit)?;
+        let quota = at.with_debt(
+            limit
+                .quota()
+                .map_err(|e| at.blame(e))?
+                .in_zone(zone, anchor_day),
+        )?;
         let (mode, enforce_percent) = at.mode()?;
-        let mut plans = at.plans(&limit)?;
+        let mut plans = at.plans(&limit, zone, anchor_day)?;
         for plan in plans.values_mut() {
             if let Plan::Limit(q) = plan {
                 *q = at.with_debt(*q)?;
@@ -440,6 +450,68 @@ impl At<'_> {
         }
     }
 
+    /// `timezone` and `anchor_day`: the zone a calendar rate's periods are cut in (UTC by
+    /// default) and the day its months begin (the 1st). Each needs a calendar rate, the
+    /// rule's or a plan's, to apply to; an anchor day, that every one of them be a month.
+    fn calendar(&self, limit: &Limit) -> Result<(&'static TimeZone, u8), Invalid> {
+        let r = self.rule;
+        let rule_rate = match limit {
+            Limit::Rate { rate, .. } => Some(*rate),
+            Limit::Concurrency { .. } => None,
+        };
+        // Every calendar rate the rule has, with the plan it is a plan's.
+        let mut plans: Vec<(&String, Rate)> = r
+            .plans
+            .iter()
+            .filter_map(|(name, o)| o.get_ref().rate.map(|rate| (name, rate)))
+            .collect();
+        plans.sort_by(|a, b| a.0.cmp(b.0));
+        let calendars: Vec<(Option<&String>, Rate)> = rule_rate
+            .map(|rate| (None, rate))
+            .into_iter()
+            .chain(plans.into_iter().map(|(name, rate)| (Some(name), rate)))
+            .filter(|(_, rate)| rate.calendar.is_some())
+            .collect();
+        let zone = match &r.timezone {
+            Some(tz) => {
+                if calendars.is_empty() {
+                    return Err(self.no(
+                        Some(tz.span()),
+                        "timezone",
+                        "timezone applies to a calendar rate (\"N/day\", \"N/week\", \"N/month\"), and this rule has none",
+                    ));
+                }
+                calendar::zone(tz.get_ref()).map_err(|m| self.no(Some(tz.span()), "timezone", m))?
+            }
+            None => &calendar::UTC,
+        };
+        let Some(a) = &r.anchor_day else {
+            return Ok((zone, 1));
+        };
+        let day = *a.get_ref();
+        let no = |m: String| self.no(Some(a.span()), "anchor_day", m);
+        if !(1..=28).contains(&day) {
+            return Err(no(format!(
+                "anchor_day is 1 to 28 (a day every month has), not {day}"
+            )));
+        }
+        if calendars.is_empty() {
+            return Err(no(
+                "anchor_day is the day a calendar month begins: it needs rate = \"N/month\"".into(),
+            ));
+        }
+        if let Some((plan, rate)) = calendars
+            .iter()
+            .find(|(_, rate)| rate.calendar != Some(Period::Month))
+        {
+            let whose = plan.map_or(String::new(), |p| format!(" of plan {p:?}"));
+            return Err(no(format!(
+                "anchor_day is the day a calendar month begins, and rate \"{rate}\"{whose} is not a month (weeks begin on Monday, days at midnight)"
+            )));
+        }
+        Ok((zone, day as u8))
+    }
+
     /// A quota error, blamed on the setting it names where the file has it.
     fn blame(&self, e: QuotaError) -> Invalid {
         let r = self.rule;
@@ -455,7 +527,12 @@ impl At<'_> {
     }
 
     /// Each plan's quota: the rule's, with what the plan changes; or none, if exempt.
-    fn plans(&self, limit: &Limit) -> Result<HashMap<String, Plan>, Invalid> {
+    fn plans(
+        &self,
+        limit: &Limit,
+        zone: &'static TimeZone,
+        anchor_day: u8,
+    ) -> Result<HashMap<String, Plan>, Invalid> {
         let mut plans = HashMap::new();
         for (plan, o) in &self.rule.plans {
             let key = self.key(&format!("plans.{plan}"));
@@ -518,6 +595,7 @@ impl At<'_> {
                     let rate = over.rate.unwrap_or(rate);
                     rate_quota(alg, rate, burst, over.cost.unwrap_or(cost), max_delay)
                         .map_err(|e| no(e.field.name(), e.message))?
+                        .in_zone(zone, anchor_day)
                 }
             };
             plans.insert(plan.clone(), Plan::Limit(q));

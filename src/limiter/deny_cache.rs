@@ -49,6 +49,12 @@ fn key(check: &Check<'_>) -> u128 {
     ] {
         h.write(&n.to_le_bytes());
     }
+    if let Some(c) = q.calendar {
+        // Another zone or anchor day cuts other periods: a denial until one's edge is not
+        // the other's.
+        h.write(&[c.period as u8, c.anchor_day]);
+        h.write(c.zone_name().as_bytes());
+    }
     u128::from_le_bytes(check.identity.0) ^ h.finish()
 }
 

@@ -965,10 +965,7 @@ mod tests {
     fn quota(count: u64, burst: u64) -> Quota {
         Quota::new(
             Algorithm::TokenBucket,
-            Rate {
-                count,
-                period: Duration::from_secs(1),
-            },
+            Rate::every(count, Duration::from_secs(1)),
             NonZeroU64::new(burst),
             NonZeroU64::MIN,
         )

@@ -12,6 +12,7 @@
 //! others. [`guard::Limiter`] is what the gateway calls: the store behind a circuit
 //! breaker, a deny cache and the `on_error` policy.
 
+pub mod calendar;
 pub mod concurrency;
 pub mod deny_cache;
 pub mod fixed_window;
@@ -198,13 +199,29 @@ pub trait Clock: Send + Sync + 'static {
     fn now_us(&self) -> u64;
 }
 
-/// The production clock of the memory store: monotonic, from process start.
-pub struct MonotonicClock(Instant);
+/// The production clock of the memory store: µs since the UNIX epoch as it was read once,
+/// when the clock was made, plus the monotonic time since. Calendar windows need UNIX
+/// time; the limits need a clock that never steps back, which this one never does (a
+/// wall clock stepped later by NTP is not followed: the drift is the step's).
+pub struct MonotonicClock {
+    started: Instant,
+    started_unix_us: u64,
+}
 
 impl MonotonicClock {
     pub fn new() -> Self {
-        MonotonicClock(Instant::now())
+        MonotonicClock {
+            started: Instant::now(),
+            started_unix_us: unix_now_us(),
+        }
     }
+}
+
+/// The system clock, µs since the UNIX epoch (0 for a clock set before 1970).
+pub fn unix_now_us() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_micros().min(u128::from(u64::MAX)) as u64)
 }
 
 impl Default for MonotonicClock {
@@ -216,7 +233,8 @@ impl Default for MonotonicClock {
 impl Clock for MonotonicClock {
     fn now_us(&self) -> u64 {
         // A year is 3.2e13 µs; u64 holds half a million years.
-        self.0.elapsed().as_micros() as u64
+        let elapsed = self.started.elapsed().as_micros() as u64;
+        self.started_unix_us.saturating_add(elapsed)
     }
 }
 

@@ -11,10 +11,7 @@ use crate::limiter::Rate;
 fn quota(algorithm: Algorithm, count: u64, secs: u64, burst: Option<u64>, cost: u64) -> Quota {
     Quota::new(
         algorithm,
-        Rate {
-            count,
-            period: Duration::from_secs(secs),
-        },
+        Rate::every(count, Duration::from_secs(secs)),
         burst.and_then(NonZeroU64::new),
         NonZeroU64::new(cost).unwrap(),
     )

@@ -7,18 +7,34 @@ use std::time::Duration;
 
 use serde::Deserialize;
 
-/// `"N/s"`, `"N/m"`, `"N/h"`, `"N/d"` or `"N/<duration>"`.
+use super::calendar::{Calendar, Period};
+
+/// `"N/s"`, `"N/m"`, `"N/h"`, `"N/d"` or `"N/<duration>"`; or a calendar period,
+/// `"N/day"`, `"N/week"`, `"N/month"` (a `fixed_window` rule's, in its `timezone`).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Rate {
     pub count: u64,
+    /// The period; for a calendar rate its longest length (what validation and the
+    /// nominal figures use: a window's real length is its calendar's).
     pub period: Duration,
+    /// A calendar period: windows cut at the calendar's edges, not `period` apart.
+    pub calendar: Option<Period>,
 }
 
 /// The forms a rate is written in, for errors.
 const RATE_FORMS: &str =
-    "expected \"N/s\", \"N/m\", \"N/h\", \"N/d\" or \"N/<duration>\" (e.g. \"5/10s\")";
+    "expected \"N/s\", \"N/m\", \"N/h\", \"N/d\", \"N/<duration>\" (e.g. \"5/10s\") or a calendar \"N/day\", \"N/week\", \"N/month\"";
 
 impl Rate {
+    /// `count` per `period`, not a calendar's.
+    pub fn every(count: u64, period: Duration) -> Rate {
+        Rate {
+            count,
+            period,
+            calendar: None,
+        }
+    }
+
     pub fn parse(s: &str) -> Result<Rate, String> {
         let (n, per) = s
             .split_once('/')
@@ -31,6 +47,13 @@ impl Rate {
             return Err(format!("invalid rate {s:?}: the count must be at least 1"));
         }
         let per = per.trim();
+        if let Some(p) = Period::parse(per) {
+            return Ok(Rate {
+                count,
+                period: Duration::from_secs(p.longest_secs()),
+                calendar: Some(p),
+            });
+        }
         let period = match per {
             "s" => Duration::from_secs(1),
             "m" => Duration::from_secs(60),
@@ -44,7 +67,7 @@ impl Rate {
                 "invalid rate {s:?}: the period must be a whole number of seconds (RateLimit-Policy's w is in seconds)"
             ));
         }
-        Ok(Rate { count, period })
+        Ok(Rate::every(count, period))
     }
 }
 
@@ -57,6 +80,15 @@ fn bad_period(count: u64, per: &str, e: humantime::DurationError) -> String {
         return format!("the period is missing; {RATE_FORMS}");
     }
     if per.bytes().all(|b| b.is_ascii_alphabetic()) {
+        // "10/months", "10/Week": the calendar's periods are written singular, lower case.
+        let lower = per.to_ascii_lowercase();
+        let singular = lower.strip_suffix('s').unwrap_or(&lower);
+        if let Some(p) = Period::parse(singular).filter(|p| *p != Period::Day) {
+            let p = p.name();
+            return format!(
+                "the period {per:?} is not one; {RATE_FORMS}: did you mean \"{count}/{p}\"?"
+            );
+        }
         if let Ok(one) = humantime::parse_duration(&format!("1{per}")) {
             let meant = match one.as_secs() {
                 _ if one.subsec_nanos() != 0 => None,
@@ -94,6 +126,9 @@ fn bad_period(count: u64, per: &str, e: humantime::DurationError) -> String {
 
 impl fmt::Display for Rate {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if let Some(p) = self.calendar {
+            return write!(f, "{}/{}", self.count, p.name());
+        }
         match self.period.as_secs() {
             1 => write!(f, "{}/s", self.count),
             60 => write!(f, "{}/m", self.count),
@@ -171,6 +206,9 @@ pub struct Quota {
     /// How far below empty a settlement may charge, in cost units (`max_debt`; default one
     /// burst, or the rate's N for a window). The limit's own decisions never go there.
     pub max_debt: u64,
+    /// A calendar rate's periods (`fixed_window` only): its windows are the calendar's,
+    /// not `rate.period` from a key's first request.
+    pub calendar: Option<Calendar>,
 }
 
 /// Why a quota cannot be, and which of its settings to blame.
@@ -201,6 +239,15 @@ impl Quota {
     ) -> Result<Quota, QuotaError> {
         let fail = |field, message| QuotaError { field, message };
         let cost = cost.get();
+        if rate.calendar.is_some() && algorithm != Algorithm::FixedWindow {
+            return Err(fail(
+                QuotaField::Rate,
+                format!(
+                    "rate \"{rate}\" is a calendar period, which only algorithm = \"fixed_window\" counts in, not {}",
+                    algorithm.name(),
+                ),
+            ));
+        }
         let period_us = u64::try_from(rate.period.as_micros())
             .ok()
             .filter(|&p| p <= MAX_LEVEL)
@@ -270,7 +317,37 @@ impl Quota {
             max_delay_us: 0,
             lease_us: 0,
             max_debt: burst,
+            calendar: rate.calendar.map(Calendar::utc),
         })
+    }
+
+    /// The same limit with its calendar periods in `zone`, months from `anchor_day`
+    /// (1..=28, checked at load). A rate of fixed periods has no calendar to change.
+    pub fn in_zone(self, zone: &'static jiff::tz::TimeZone, anchor_day: u8) -> Quota {
+        Quota {
+            calendar: self.calendar.map(|c| Calendar {
+                zone,
+                anchor_day: if c.period == Period::Month {
+                    anchor_day.clamp(1, 28)
+                } else {
+                    1
+                },
+                ..c
+            }),
+            ..self
+        }
+    }
+
+    /// The window's length at `now_us` (µs since the UNIX epoch, for a calendar rule):
+    /// the calendar period containing it, else the rate's period. `RateLimit-Policy`'s `w`.
+    pub fn window_us_at(&self, now_us: u64) -> u64 {
+        match self.calendar {
+            Some(c) => {
+                let (start, end) = c.window(now_us);
+                end - start
+            }
+            None => self.period_us(),
+        }
     }
 
     /// A limit of `max` requests in flight; leases in a shared store live `lease` unless
@@ -280,10 +357,7 @@ impl Quota {
         Quota {
             algorithm: Algorithm::Concurrency,
             // q= in RateLimit-Policy; the period is not used.
-            rate: Rate {
-                count: max,
-                period: Duration::from_secs(1),
-            },
+            rate: Rate::every(max, Duration::from_secs(1)),
             burst: max,
             cost: 1,
             unit: 1,
@@ -293,6 +367,7 @@ impl Quota {
                 .unwrap_or(u64::MAX)
                 .min(MAX_LEVEL),
             max_debt: 0,
+            calendar: None,
         }
     }
 
@@ -389,6 +464,9 @@ impl fmt::Display for Quota {
             return write!(f, "{} in flight", self.burst);
         }
         write!(f, "{}", self.rate)?;
+        if let Some(c) = self.calendar {
+            write!(f, " {c}")?;
+        }
         if self.algorithm.has_burst() {
             write!(f, " burst {}", self.burst)?;
         }
@@ -415,10 +493,7 @@ mod tests {
     use super::*;
 
     fn rate(count: u64, secs: u64) -> Rate {
-        Rate {
-            count,
-            period: Duration::from_secs(secs),
-        }
+        Rate::every(count, Duration::from_secs(secs))
     }
 
     #[test]
@@ -435,6 +510,45 @@ mod tests {
         .unwrap();
         assert_eq!((q.unit, q.per_us), (86_400, 1));
         assert_eq!(q.capacity(), 86_400_000_000);
+    }
+
+    #[test]
+    fn only_a_fixed_window_counts_in_calendar_periods() {
+        let month = Rate::parse("100/month").unwrap();
+        for alg in [
+            Algorithm::TokenBucket,
+            Algorithm::Gcra,
+            Algorithm::SlidingWindow,
+        ] {
+            let e = Quota::new(alg, month, None, NonZeroU64::MIN).unwrap_err();
+            assert_eq!(e.field, QuotaField::Rate);
+            assert!(
+                e.message.contains("only algorithm = \"fixed_window\""),
+                "{e}"
+            );
+        }
+        let q = Quota::new(Algorithm::FixedWindow, month, None, NonZeroU64::MIN).unwrap();
+        assert_eq!(q.calendar, Some(Calendar::utc(Period::Month)));
+        let berlin = crate::limiter::calendar::zone("Europe/Berlin").unwrap();
+        let q = q.in_zone(berlin, 15);
+        let c = q.calendar.unwrap();
+        assert_eq!((c.anchor_day, c.zone_name()), (15, "Europe/Berlin"));
+        assert_eq!(q.to_string(), "100/month in Europe/Berlin from day 15");
+        // An anchor day means nothing to a week; a fixed period has no calendar at all.
+        let week = Quota::new(
+            Algorithm::FixedWindow,
+            Rate::parse("5/week").unwrap(),
+            None,
+            NonZeroU64::MIN,
+        )
+        .unwrap()
+        .in_zone(berlin, 15);
+        assert_eq!(week.calendar.unwrap().anchor_day, 1);
+        let fixed = Quota::new(Algorithm::FixedWindow, rate(5, 60), None, NonZeroU64::MIN)
+            .unwrap()
+            .in_zone(berlin, 15);
+        assert_eq!(fixed.calendar, None);
+        assert_eq!(fixed.window_us_at(123), 60_000_000);
     }
 
     #[test]
@@ -481,17 +595,11 @@ mod tests {
     fn rates_parse() {
         assert_eq!(
             Rate::parse("10/s").unwrap(),
-            Rate {
-                count: 10,
-                period: Duration::from_secs(1)
-            }
+            Rate::every(10, Duration::from_secs(1))
         );
         assert_eq!(
             Rate::parse("5/10s").unwrap(),
-            Rate {
-                count: 5,
-                period: Duration::from_secs(10)
-            }
+            Rate::every(5, Duration::from_secs(10))
         );
         assert_eq!(
             Rate::parse("100/d").unwrap().period,
@@ -501,15 +609,30 @@ mod tests {
             Rate::parse("3/2m").unwrap().period,
             Duration::from_secs(120)
         );
-        for bad in ["0/s", "10", "10/", "10/500ms", "-1/s", "1.5/s", "10/x"] {
+        for bad in [
+            "0/s", "10", "10/", "10/500ms", "-1/s", "1.5/s", "10/x", "0/month",
+        ] {
             assert!(Rate::parse(bad).is_err(), "{bad} was accepted");
         }
+        // The calendar's periods, and "N/d" that stays 24 hours.
+        let month = Rate::parse("100000/month").unwrap();
+        assert_eq!(
+            (month.count, month.calendar),
+            (100_000, Some(Period::Month))
+        );
+        assert_eq!(month.to_string(), "100000/month");
+        assert_eq!(Rate::parse("7/week").unwrap().calendar, Some(Period::Week));
+        assert_eq!(Rate::parse("7/day").unwrap().calendar, Some(Period::Day));
+        assert_eq!(
+            Rate::parse("7/d").unwrap(),
+            Rate::every(7, Duration::from_secs(86_400))
+        );
+        assert_eq!(Rate::parse("7/1day").unwrap().calendar, None);
     }
 
     #[test]
     fn a_bad_period_says_the_accepted_forms_and_where() {
-        const FORMS: &str =
-            "expected \"N/s\", \"N/m\", \"N/h\", \"N/d\" or \"N/<duration>\" (e.g. \"5/10s\")";
+        const FORMS: &str = "expected \"N/s\", \"N/m\", \"N/h\", \"N/d\", \"N/<duration>\" (e.g. \"5/10s\") or a calendar \"N/day\", \"N/week\", \"N/month\"";
         for (bad, says) in [
             (
                 "10/sec",
@@ -520,8 +643,12 @@ mod tests {
                 format!("invalid rate \"10/min\": the period \"min\" has no number; {FORMS}: did you mean \"10/m\"?"),
             ),
             (
-                "5/week",
-                format!("invalid rate \"5/week\": the period \"week\" has no number; {FORMS}: did you mean \"5/1week\"?"),
+                "5/weeks",
+                format!("invalid rate \"5/weeks\": the period \"weeks\" is not one; {FORMS}: did you mean \"5/week\"?"),
+            ),
+            (
+                "5/Month",
+                format!("invalid rate \"5/Month\": the period \"Month\" is not one; {FORMS}: did you mean \"5/month\"?"),
             ),
             (
                 "10/ms",

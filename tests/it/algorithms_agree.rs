@@ -121,10 +121,7 @@ impl RuleSpec {
     fn quota_with_cost(&self, cost: u64) -> Result<Quota, String> {
         let q = Quota::new(
             self.algorithm,
-            Rate {
-                count: self.count,
-                period: Duration::from_secs(self.period_s),
-            },
+            Rate::every(self.count, Duration::from_secs(self.period_s)),
             self.burst.and_then(NonZeroU64::new),
             NonZeroU64::new(cost).ok_or("cost 0")?,
         )

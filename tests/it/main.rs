@@ -6,6 +6,7 @@ mod common;
 
 mod algorithms_agree;
 mod batching;
+mod calendar;
 mod combined_keys;
 mod config_fixtures;
 mod docs;

@@ -24,7 +24,11 @@ use eval::{eval, Evaluates, Invocation, Lua};
 
 use super::settle::Adjust;
 use super::store::{Call, Kind, Settlement, Store};
-use super::{Algorithm, Check, Decision, StoreError};
+use super::{unix_now_us, Algorithm, Check, Decision, StoreError};
+
+/// The script's algorithm code for a calendar window (`lua/fixed_window.lua`): a fixed
+/// window whose edges the gateway sends. Its rules are `fixed_window` ones (code 3).
+const CALENDAR_CODE: u8 = 6;
 
 pub use cluster::RedisClusterStore;
 pub use single::RedisStore;
@@ -164,16 +168,37 @@ impl Scripted {
         key
     }
 
-    /// One check as the script takes it: its key and its arguments.
-    fn encode(&self, c: &Check<'_>) -> Encoded {
+    /// One check as the script takes it: its key and its arguments. `now_us`: the call's
+    /// time where a test gives one, else this machine's clock; only a calendar window
+    /// reads it, for its edges (the script still decides at Redis' time, and picks the
+    /// window containing it: `lua/fixed_window.lua`).
+    fn encode(&self, c: &Check<'_>, now_us: Option<u64>) -> Encoded {
         let q = c.quota;
         let mut n = itoa::Buffer::new();
         let mut quota = String::with_capacity(64);
-        quota.push(char::from(b'0' + q.algorithm.code()));
+        let code = match q.calendar {
+            Some(_) => CALENDAR_CODE,
+            None => q.algorithm.code(),
+        };
+        quota.push(char::from(b'0' + code));
         let mut param = |p: &str| {
             quota.push(':');
             quota.push_str(p);
         };
+        if let Some(cal) = q.calendar {
+            // The period open now, and the next one's end: enough for a Redis clock a
+            // period either side of this one's (docs/algorithms.md, "Calendar windows").
+            let (e0, e1) = cal.window(now_us.unwrap_or_else(unix_now_us));
+            let (_, e2) = cal.window(e1);
+            for p in [q.rate.count, q.cost, e0, e1, e2] {
+                param(n.format(p));
+            }
+            return Encoded {
+                key: self.key(c),
+                quota,
+                shadow: c.shadow,
+            };
+        }
         match q.algorithm {
             Algorithm::TokenBucket | Algorithm::Gcra => {
                 for p in [q.unit, q.per_us, q.capacity(), q.need(), q.slack()] {
@@ -209,7 +234,7 @@ impl Scripted {
         now_us: Option<u64>,
         mode: Mode,
     ) -> Result<Vec<Decision>, StoreError> {
-        let encoded: Vec<Encoded> = checks.iter().map(|c| self.encode(c)).collect();
+        let encoded: Vec<Encoded> = checks.iter().map(|c| self.encode(c, now_us)).collect();
         self.call_encoded(conn, &encoded, now_us, mode).await
     }
 
@@ -230,7 +255,7 @@ impl Scripted {
         inv.arg("settle");
         let mut n = itoa::Buffer::new();
         for (check, adj) in items {
-            let e = self.encode(check);
+            let e = self.encode(check, now_us);
             let mut arg = String::with_capacity(40);
             arg.push_str(n.format(adj.delta));
             arg.push(':');

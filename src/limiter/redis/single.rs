@@ -222,7 +222,7 @@ impl DecideAt for RedisStore {
         now_us: Option<u64>,
     ) -> Result<Vec<Decision>, StoreError> {
         if now_us.is_none() {
-            let encoded = checks.iter().map(|c| self.s.encode(c)).collect();
+            let encoded = checks.iter().map(|c| self.s.encode(c, None)).collect();
             return self.batcher().decide(encoded).await;
         }
         let all: Vec<&Check<'_>> = checks.iter().collect();
