@@ -72,6 +72,7 @@ Ctrl-C or a failure.
     BENCH_ONLY=grpc bench/run     # only the grpc table (GRPC_STREAMS=8 calls per connection)
     BENCH_ONLY=h2 bench/run       # only the h2 table
     BENCH_ONLY=jwt bench/run      # only the jwt table (JWT_IDENTITIES=10000 tokens in turn)
+    BENCH_ONLY=settle bench/run   # only the settle table (charge by status and by reported cost)
 """
 
 import base64
@@ -1243,10 +1244,100 @@ def jwt_table():
           f"{cpu_us(base):.1f} us)  {verdict(ratio < 1.05)}")
 
 
+SETTLE_BACKEND, SETTLE_REDIS = 18990, 18999
+SETTLE_PORTS = {"memory": 18991, "redis": 18992}
+SETTLE_NGINX = """
+worker_processes 1;
+pid /tmp/lab/nginx/nginx-settle.pid;
+error_log /tmp/lab/nginx/error-settle.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path /tmp/lab/nginx/body;
+  proxy_temp_path /tmp/lab/nginx/proxy;
+  fastcgi_temp_path /tmp/lab/nginx/fcgi;
+  uwsgi_temp_path /tmp/lab/nginx/uwsgi;
+  scgi_temp_path /tmp/lab/nginx/scgi;
+  server {
+    listen 127.0.0.1:BACKEND;
+    keepalive_requests 1000000;
+    location /fail { return 500 "failed\n"; }
+    location /cost { add_header x-ratelimit-cost 3; return 200 "ok\n"; }
+    location / { return 200 "ok\n"; }
+  }
+}
+"""
+# One rule, never denying (limits as high as the main table's): "always" is the rule as it
+# was before issue 27; "statuses" charges 2xx only; "cost" settles a reported cost.
+SETTLE_RULE = """
+[[upstreams]]
+name = "default"
+servers = ["http://127.0.0.1:BACKEND"]
+STORE
+[[rules]]
+name = "per-key"
+key = "api_key"
+rate = "1000000/s"
+burst = 100000
+"""
+
+
+def settle_table():
+    """What settling costs a request: ratewall pinned on one CPU with one worker, per store,
+    a rule charging always (no settlement), charging 2xx only against answers that are 2xx
+    (nothing to settle) and 500 (a refund each), and settling a reported cost (a settlement
+    each). Requests/s, CPU per request, and Redis calls per request."""
+    check_free((SETTLE_BACKEND, SETTLE_REDIS, *SETTLE_PORTS.values(),
+                *(p + 10 for p in SETTLE_PORTS.values()), *(p + 20 for p in SETTLE_PORTS.values())))
+    os.makedirs(os.path.join(LAB, "nginx"), exist_ok=True)
+    backend = start_nginx("nginx-settle.conf", SETTLE_NGINX.replace("BACKEND", str(SETTLE_BACKEND)), LOAD_CPU)
+    redis = start(["redis-server", "--port", str(SETTLE_REDIS), "--save", "", "--appendonly", "no"], LOAD_CPU)
+    wait_port(SETTLE_REDIS)
+    stores = {"memory": '[store]\nbackend = "memory"',
+              "redis": f'[store]\nbackend = "redis"\nurl = "redis://127.0.0.1:{SETTLE_REDIS}"\ntimeout = "500ms"'}
+    policies = {"always": "", "statuses": 'charge = { statuses = ["2xx"] }\n',
+                "cost": 'charge = { statuses = ["2xx"] }\ncost_header = "x-ratelimit-cost"\n'}
+    gateways, targets = {}, []
+    for store, base in SETTLE_PORTS.items():
+        for shift, (policy, extra) in zip((0, 10, 20), policies.items()):
+            port = base + shift
+            text = (f'[server]\nlisten = "127.0.0.1:{port}"\nworkers = 1\n'
+                    + SETTLE_RULE.replace("BACKEND", str(SETTLE_BACKEND)).replace("STORE", stores[store]) + extra)
+            gateways[port] = start_ratewall(f"settle-{store}-{policy}.toml", text)
+    for port in (SETTLE_BACKEND, *gateways):
+        wait_port(port)
+    check_pinned(gateways.values())
+    scripts = {}
+    for path in ("ok", "fail", "cost"):
+        scripts[path] = os.path.join(LAB, f"settle-{path}.lua")
+        open(scripts[path], "w").write(f'wrk.path = "/{path}"\nwrk.headers["x-api-key"] = "bench-key"\n')
+    for store, base in SETTLE_PORTS.items():
+        shared = store != "memory"
+        targets += [
+            (f"{store}: charge always, 200", base, scripts["ok"], shared, gateways[base]),
+            (f"{store}: charge always, 500", base, scripts["fail"], shared, gateways[base]),
+            (f"{store}: charge 2xx, 200 (kept)", base + 10, scripts["ok"], shared, gateways[base + 10]),
+            (f"{store}: charge 2xx, 500 (refunded)", base + 10, scripts["fail"], shared, gateways[base + 10]),
+            (f"{store}: cost_header, 3 reported", base + 20, scripts["cost"], shared, gateways[base + 20]),
+        ]
+    med = measure(targets, (SETTLE_REDIS, redis), LOAD_CPU, "settle ", (backend,))
+    print()
+    print(f"settle: ratewall alone on CPU {SERVER_CPU}, one worker; wrk, nginx (the backend) and redis-server "
+          f"on CPU {LOAD_CPU}")
+    print(f"median of {RUNS} runs, wrk -t{THREADS} -c{CONNS} -d{SECS}s; one API key, a limit never reached")
+    print(f"{'target':40} {'req/s':>9} {'p99 ms':>7} {'CPU us/req':>10} {'Redis calls/req':>15}")
+    for name, *_ in targets:
+        m = med[name]
+        calls = "" if m["redis_per_req"] is None else f"{m['redis_per_req']:.2f}"
+        print(f"{name:40} {m['rps']:>9.0f} {m['p99']:>7.2f} {cpu_us(m):>10.1f} {calls:>15}")
+    print("(a refund or a settlement is one more script call, made only when it changes the charge;")
+    print(" CPU us/req: user+system CPU time of ratewall per request)")
+
+
 def main():
     tables = {"main": main_table, "pinned": pinned_table, "tls": tls_table, "pools": pools_table,
               "ws": ws_table, "grpc": grpc_table, "h2": h2_table,
-              "jwt": jwt_table}
+              "jwt": jwt_table, "settle": settle_table}
     if ONLY not in ("", *tables):
         sys.exit(f"BENCH_ONLY={ONLY}: {', '.join(tables)}, or unset for all {len(tables)}")
     # What each table runs (the pools table: nginx and wrk only).
@@ -1257,7 +1348,8 @@ def main():
              "ws": ("nginx", "taskset"),
              "grpc": ("nginx", "h2load", "curl", "taskset"),
              "h2": ("wrk", "taskset"),
-             "jwt": ("wrk", "taskset", "curl")}
+             "jwt": ("wrk", "taskset", "curl"),
+             "settle": ("nginx", "wrk", "redis-server", "redis-cli", "taskset")}
     for tool in sorted({t for table in ([ONLY] if ONLY else needs) for t in needs[table]}):
         if not shutil.which(tool):
             sys.exit(f"{tool} is missing: bench/run installs it")

@@ -62,6 +62,8 @@
 //!   by `peer_settings`, bodies and trailers both ways), and `error`: a typed
 //!   [`upstream::Error`] that says the client's status (502, 504, 400, 408) and whether
 //!   the request may go again.
+//! - [`settle`]: settling reservations; `usage`, the tokens an OpenAI-compatible backend
+//!   reports, read from its answer's body (JSON or server-sent events) as it streams past.
 //! - [`websocket`]: RFC 6455 as a gateway passing frames through needs it: `frame` (an
 //!   exact, bounded, streaming §5 frame scanner; the close frames the gateway writes) and
 //!   `meter` (a rule's `messages` limit: one bucket per identity across its sockets,

@@ -347,24 +347,25 @@ impl At<'_> {
     /// how the rule's charges are settled, or `None` when they stand as taken.
     fn settle(&self) -> Result<Option<std::sync::Arc<Policy>>, Invalid> {
         let r = self.rule;
-        let charge =
-            match &r.charge {
-                None => Charge::Always,
-                Some(c) => match c.get_ref() {
-                    RawCharge::Named(n) if n == "always" => Charge::Always,
-                    RawCharge::Named(n) => return Err(self.no(
+        let charge = match &r.charge {
+            None => Charge::Always,
+            Some(c) => match c.get_ref() {
+                RawCharge::Named(n) if n == "always" => Charge::Always,
+                RawCharge::Named(n) => {
+                    return Err(self.no(
                         Some(c.span()),
                         "charge",
                         format!(
                             "charge is \"always\" or {{ statuses = [\"2xx\", ...] }}, not {n:?}"
                         ),
-                    )),
-                    RawCharge::Statuses(s) => Charge::Statuses(
-                        StatusSet::parse(s.statuses.iter().map(String::as_str))
-                            .map_err(|e| self.no(Some(c.span()), "charge.statuses", e))?,
-                    ),
-                },
-            };
+                    ))
+                }
+                RawCharge::Statuses(s) => Charge::Statuses(
+                    StatusSet::parse(s.statuses.iter().map(String::as_str))
+                        .map_err(|e| self.no(Some(c.span()), "charge.statuses", e))?,
+                ),
+            },
+        };
         let cost_header = match &r.cost_header {
             None => None,
             Some(h) => Some(

@@ -93,7 +93,7 @@ impl hyper::body::Body for LeasedBody {
             // The response is complete: the request is no longer in flight. Its slots
             // are given back, and what its end reported is settled, before the last bytes
             // go out (a client that has the whole answer sees both on its next request).
-            let settle = this.meter.take().and_then(|m| Box::new(*m).finish());
+            let settle = this.meter.take().and_then(|m| m.finish());
             let release = this.leases.take().and_then(Leases::release);
             let finish: Option<Releasing> = match (release, settle) {
                 (Some(r), Some(s)) => Some(Box::pin(async move {

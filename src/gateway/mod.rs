@@ -780,7 +780,8 @@ impl Gateway {
                 if let Some(settling) = pass.settling.take() {
                     let (updates, rest) = settling.head(resp.status(), resp.headers_mut()).await;
                     pass.settled(updates);
-                    meter = rest.map(crate::settle::Meter::new);
+                    let ct = resp.headers().get(http::header::CONTENT_TYPE);
+                    meter = rest.map(|s| crate::settle::Meter::new(s, ct));
                 }
                 // Every rule's, whether or not it applied: a client never sees one.
                 for name in &live.cost_headers {

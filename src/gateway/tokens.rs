@@ -114,7 +114,10 @@ mod tests {
         let b = br#"{"model":"m","messages":[{"role":"user","content":"max_tokens: 9"}],"max_tokens":256}"#;
         assert_eq!(max_tokens(b), Some(256));
         assert_eq!(max_tokens(br#"{"max_completion_tokens":64}"#), Some(64));
-        assert_eq!(max_tokens(br#"{"max_tokens":100,"max_completion_tokens":64}"#), Some(100));
+        assert_eq!(
+            max_tokens(br#"{"max_tokens":100,"max_completion_tokens":64}"#),
+            Some(100)
+        );
         for none in [
             &br#"{"model":"m"}"#[..],
             br#"{"max_tokens":-1}"#,

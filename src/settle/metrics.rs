@@ -8,7 +8,7 @@ use prometheus_client::registry::Registry;
 crate::metrics::label_enum! {
     /// What one settlement of one charge did.
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-    pub enum Outcome {
+    pub enum SettleOutcome {
         /// Given back whole: the answer's status is one the rule does not charge, or
         /// there was no answer (the backend failed, the client went away first).
         Refunded = "refunded",
@@ -26,7 +26,7 @@ crate::metrics::label_enum! {
 
 crate::metrics::label_enum! {
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-    pub enum Direction {
+    pub enum SettleDirection {
         Refunded = "refunded",
         Charged = "charged",
     }
@@ -35,13 +35,13 @@ crate::metrics::label_enum! {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct SettleLabels {
     pub rule: String,
-    pub outcome: Outcome,
+    pub outcome: SettleOutcome,
 }
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct CostLabels {
     pub rule: String,
-    pub direction: Direction,
+    pub direction: SettleDirection,
 }
 
 #[derive(Clone, Default)]
@@ -52,29 +52,30 @@ pub struct SettleMetrics {
 
 impl SettleMetrics {
     pub fn register(registry: &mut Registry) -> SettleMetrics {
-        let m = SettleMetrics::default();
+        let settlements = Family::<SettleLabels, Counter>::default();
+        let cost = Family::<CostLabels, Counter>::default();
         registry.register(
             "settlements",
             "Charges settled after the answer, per rule and outcome: refunded (the status is not charged, or no answer), charged_less / charged_more (the reported cost differed from the reservation), invalid (a reported cost was not a whole number; the reservation stands), failed (the store did not take it)",
-            m.settlements.clone(),
+            settlements.clone(),
         );
         registry.register(
             "settled_cost",
             "Cost units settlements gave back (refunded) or took beyond the reservation (charged), per rule",
-            m.cost.clone(),
+            cost.clone(),
         );
-        m
+        SettleMetrics { settlements, cost }
     }
 
     /// Every series of a rule that settles, at zero (from its load on).
     pub fn create(&self, rule: &str) {
-        for outcome in Outcome::ALL {
+        for outcome in SettleOutcome::ALL {
             let _ = self.settlements.get_or_create(&SettleLabels {
                 rule: rule.to_string(),
                 outcome,
             });
         }
-        for direction in Direction::ALL {
+        for direction in SettleDirection::ALL {
             let _ = self.cost.get_or_create(&CostLabels {
                 rule: rule.to_string(),
                 direction,
@@ -82,7 +83,7 @@ impl SettleMetrics {
         }
     }
 
-    pub fn count(&self, rule: &str, outcome: Outcome) {
+    pub fn count(&self, rule: &str, outcome: SettleOutcome) {
         self.settlements
             .get_or_create(&SettleLabels {
                 rule: rule.to_string(),
@@ -91,7 +92,7 @@ impl SettleMetrics {
             .inc();
     }
 
-    pub fn moved(&self, rule: &str, direction: Direction, units: u64) {
+    pub fn moved(&self, rule: &str, direction: SettleDirection, units: u64) {
         if units > 0 {
             self.cost
                 .get_or_create(&CostLabels {

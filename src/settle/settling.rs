@@ -9,8 +9,9 @@ use std::sync::Arc;
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
 
-use super::metrics::{Direction, Outcome, SettleMetrics};
+use super::metrics::{SettleDirection as Direction, SettleMetrics, SettleOutcome as Outcome};
 use super::policy::{parse_cost, Policy};
+use super::usage::{Framing, UsageField, UsageScanner};
 use crate::limiter::reservation::Reservation;
 use crate::limiter::Decision;
 
@@ -220,22 +221,47 @@ impl Drop for Settling {
 pub type Finishing = Pin<Box<dyn Future<Output = ()> + Send>>;
 
 /// Watches an answer's body for the cost its end reports: a trailer named by a rule's
-/// `cost_header`. Never holds a byte back; keeps no copy of the body.
+/// `cost_header`, or the usage an OpenAI-compatible answer reports (`cost_from`), read by
+/// one [`UsageScanner`] per count asked for as the bytes pass. Never holds a byte back;
+/// keeps no copy of the body.
 pub struct Meter {
     settling: Settling,
     /// Per held charge: the cost its end reported, once seen.
     costs: Vec<Option<u64>>,
+    /// The usage counts the rules ask for, each scanned once (at most three).
+    scanners: Vec<(UsageField, UsageScanner)>,
 }
 
 impl Meter {
-    pub fn new(settling: Settling) -> Meter {
+    /// A meter for the body of an answer of `content_type` (a usage is read from JSON
+    /// and event-stream bodies only).
+    pub fn new(settling: Settling, content_type: Option<&http::HeaderValue>) -> Meter {
         let costs = vec![None; settling.held.len()];
-        Meter { settling, costs }
+        let mut scanners: Vec<(UsageField, UsageScanner)> = Vec::new();
+        if let Some(framing) = Framing::of(content_type) {
+            for h in settling.held.iter().filter(|h| !h.settled) {
+                if let Some(field) = h.policy.usage {
+                    if scanners.iter().all(|(f, _)| *f != field) {
+                        scanners.push((field, UsageScanner::new(framing, field)));
+                    }
+                }
+            }
+        }
+        Meter {
+            settling,
+            costs,
+            scanners,
+        }
     }
 
-    /// A frame passing through: trailers carrying a cost are read and the cost removed.
+    /// A frame passing through: data is scanned for a usage; trailers carrying a cost
+    /// are read and the cost removed.
     pub fn frame(&mut self, frame: &mut hyper::body::Frame<Bytes>) {
-        if let Some(trailers) = frame.trailers_mut() {
+        if let Some(data) = frame.data_ref() {
+            for (_, scanner) in &mut self.scanners {
+                scanner.feed(data);
+            }
+        } else if let Some(trailers) = frame.trailers_mut() {
             self.trailers(trailers);
         }
     }
@@ -263,7 +289,15 @@ impl Meter {
     /// The body has ended: the settlement of what it reported, to run before its last
     /// frame goes out; `None` when it reported nothing (the reservations stand).
     pub fn finish(mut self) -> Option<Finishing> {
-        let costs = std::mem::take(&mut self.costs);
+        let mut costs = std::mem::take(&mut self.costs);
+        for (k, h) in self.settling.held.iter().enumerate() {
+            let Some(field) = h.policy.usage.filter(|_| !h.settled && costs[k].is_none()) else {
+                continue;
+            };
+            if let Some((_, scanner)) = self.scanners.iter_mut().find(|(f, _)| *f == field) {
+                costs[k] = scanner.finish();
+            }
+        }
         if costs.iter().all(Option::is_none) {
             return None;
         }

@@ -75,9 +75,11 @@ impl Body for RequestBody {
     ) -> std::task::Poll<Option<Result<Frame<Bytes>, hyper::Error>>> {
         match self.get_mut() {
             RequestBody::Streaming(body) => Pin::new(body).poll_frame(cx),
-            RequestBody::Read(read) => {
-                std::task::Poll::Ready(read.take().filter(|b| !b.is_empty()).map(|b| Ok(Frame::data(b))))
-            }
+            RequestBody::Read(read) => std::task::Poll::Ready(
+                read.take()
+                    .filter(|b| !b.is_empty())
+                    .map(|b| Ok(Frame::data(b))),
+            ),
         }
     }
 
@@ -91,7 +93,9 @@ impl Body for RequestBody {
     fn size_hint(&self) -> SizeHint {
         match self {
             RequestBody::Streaming(body) => body.size_hint(),
-            RequestBody::Read(read) => SizeHint::with_exact(read.as_ref().map_or(0, |b| b.len() as u64)),
+            RequestBody::Read(read) => {
+                SizeHint::with_exact(read.as_ref().map_or(0, |b| b.len() as u64))
+            }
         }
     }
 }

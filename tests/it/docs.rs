@@ -309,6 +309,7 @@ fn place(name: &str) -> Option<Place> {
         "RawRule" => Place::Section("[[rules]]"),
         "RawMatch" => Place::Within("[[rules]]", "match"),
         "RawMessages" => Place::Within("[[rules]]", "messages"),
+        "RawStatuses" => Place::Within("[[rules]]", "charge"),
         "RawTls" | "RawCertificate" => Place::Within("[server]", "tls"),
         "RawPlanOverride" => Place::Section("[rules.plans.<plan>]"),
         _ => return None,
