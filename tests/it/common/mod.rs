@@ -10,6 +10,10 @@
 //!   stopped.
 //! - [`keys`]: the Redis key layout of CONTRACT.md (`<prefix>:{<identity-hash>}:<rule>`),
 //!   computed here with `sha2`, not with the crate's digest functions under test.
+//! - [`llm`]: a scripted HTTP/1.1 backend for settlements (statuses, held heads, a
+//!   reported cost as a header or a trailer, OpenAI-style JSON and server-sent event
+//!   answers with their usage, each body write timed), and a client reading an answer
+//!   frame by frame.
 //! - [`gateway`]: the `ratewall` binary on a generated config, and config snippets.
 //! - [`grpc`]: gRPC's own server and client (grpcio, Python scripts in `tests/it/py/`),
 //!   raw bytes both ways, each call's outcome in the client's own words.
@@ -40,6 +44,7 @@ pub mod grpc;
 pub mod headers;
 pub mod jwt;
 pub mod keys;
+pub mod llm;
 pub mod metrics;
 pub mod nginx;
 pub mod raw;
