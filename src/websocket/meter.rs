@@ -173,7 +173,7 @@ mod tests {
     use super::*;
     use crate::limiter::memory::MemoryStore;
     use crate::limiter::metrics::LimiterMetrics;
-    use crate::limiter::store::{self, Call, Kind, Settlement, Store};
+    use crate::limiter::store::{self, Call, Kind, Store};
     use crate::limiter::{Decision, ManualClock, Rate, StoreError};
     use crate::stats::Stats;
 
@@ -367,10 +367,7 @@ mod tests {
         let (limiter, _clock) = memory();
         // A rate whose period does not fit the store's precision: the config refuses it.
         let bad = Messages {
-            rate: Rate {
-                count: 1,
-                period: Duration::from_secs(u64::MAX / 1_000_000),
-            },
+            rate: Rate::every(1, Duration::from_secs(u64::MAX / 1_000_000)),
             burst: 1,
         };
         assert!(quota(&bad).is_err());
@@ -402,16 +399,6 @@ mod tests {
                 answers: std::sync::Mutex::new(answers),
             }
         }
-
-        /// The next answer (the last one again once the others are used).
-        fn next(&self) -> Result<Decision, StoreError> {
-            let mut answers = self.answers.lock().unwrap();
-            if answers.len() > 1 {
-                answers.remove(0)
-            } else {
-                answers[0].clone()
-            }
-        }
     }
 
     impl Store for Scripted {
@@ -419,13 +406,21 @@ mod tests {
             Kind::Memory
         }
         fn decide<'a>(&'a self, checks: &'a [Check<'a>]) -> Call<'a, Vec<Decision>> {
-            Call::Ready(self.next().map(|d| vec![d; checks.len()]))
+            let mut answers = self.answers.lock().unwrap();
+            let next = if answers.len() > 1 {
+                answers.remove(0)
+            } else {
+                answers[0].clone()
+            };
+            Call::Ready(next.map(|d| vec![d; checks.len()]))
         }
         fn peek<'a>(&'a self, checks: &'a [Check<'a>]) -> Call<'a, Vec<Decision>> {
             self.decide(checks)
         }
-        fn settle<'a>(&'a self, items: &'a [Settlement<'a>]) -> Call<'a, Vec<Decision>> {
-            Call::Ready(self.next().map(|d| vec![d; items.len()]))
+        fn settle<'a>(&'a self, items: &'a [store::Settlement<'a>]) -> Call<'a, Vec<Decision>> {
+            // The meter never settles: its charges are frames already sent.
+            let answer = self.answers.lock().unwrap()[0].clone();
+            Call::Ready(answer.map(|d| vec![d; items.len()]))
         }
         fn reset<'a>(&'a self, _: &'a Check<'a>) -> Call<'a, ()> {
             Call::Ready(Ok(()))
