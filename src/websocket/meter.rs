@@ -173,7 +173,7 @@ mod tests {
     use super::*;
     use crate::limiter::memory::MemoryStore;
     use crate::limiter::metrics::LimiterMetrics;
-    use crate::limiter::store::{self, Call, Kind, Store};
+    use crate::limiter::store::{self, Call, Kind, Settlement, Store};
     use crate::limiter::{Decision, ManualClock, Rate, StoreError};
     use crate::stats::Stats;
 
@@ -402,6 +402,16 @@ mod tests {
                 answers: std::sync::Mutex::new(answers),
             }
         }
+
+        /// The next answer (the last one again once the others are used).
+        fn next(&self) -> Result<Decision, StoreError> {
+            let mut answers = self.answers.lock().unwrap();
+            if answers.len() > 1 {
+                answers.remove(0)
+            } else {
+                answers[0].clone()
+            }
+        }
     }
 
     impl Store for Scripted {
@@ -409,16 +419,13 @@ mod tests {
             Kind::Memory
         }
         fn decide<'a>(&'a self, checks: &'a [Check<'a>]) -> Call<'a, Vec<Decision>> {
-            let mut answers = self.answers.lock().unwrap();
-            let next = if answers.len() > 1 {
-                answers.remove(0)
-            } else {
-                answers[0].clone()
-            };
-            Call::Ready(next.map(|d| vec![d; checks.len()]))
+            Call::Ready(self.next().map(|d| vec![d; checks.len()]))
         }
         fn peek<'a>(&'a self, checks: &'a [Check<'a>]) -> Call<'a, Vec<Decision>> {
             self.decide(checks)
+        }
+        fn settle<'a>(&'a self, items: &'a [Settlement<'a>]) -> Call<'a, Vec<Decision>> {
+            Call::Ready(self.next().map(|d| vec![d; items.len()]))
         }
         fn reset<'a>(&'a self, _: &'a Check<'a>) -> Call<'a, ()> {
             Call::Ready(Ok(()))
