@@ -26,6 +26,7 @@ mod perimeter;
 mod pools;
 mod request_path;
 mod scale;
+mod settle_agree;
 mod setup;
 mod stores_agree;
 mod tls;
