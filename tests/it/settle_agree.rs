@@ -35,7 +35,7 @@ use proptest::test_runner::TestCaseError;
 use ratewall::identity::{digest_api_key, IdentityDigest};
 use ratewall::limiter::reservation::{adjust, Reserved};
 use ratewall::limiter::store::Settlement;
-use ratewall::limiter::{Algorithm, Check, Decision, Quota, Rate, Settled};
+use ratewall::limiter::{Adjust, Algorithm, Check, Decision, Quota, Rate, Settled};
 
 mod replay;
 
@@ -207,11 +207,15 @@ enum Step {
     /// A request checking these rules (distinct); its charges are held as a reservation.
     Decide { gap: Gap, on: Vec<On> },
     /// One held reservation (`pick`, modulo how many are held) settled, each of its
-    /// charges at its real cost (`reals`, cycled).
+    /// charges at its real cost (`reals`, cycled). With a `skew` (‰ of the period, below
+    /// half; late or early), a window's refund is told a `left` that far off, as from a
+    /// gateway clock that is not the store's: it must still find the charge's window while
+    /// that is open, and no other.
     Settle {
         gap: Gap,
         pick: usize,
         reals: Vec<Real>,
+        skew: Option<(u64, bool)>,
     },
     /// What these checks would be told, charging nothing.
     Peek { gap: Gap, on: Vec<On> },
@@ -263,8 +267,13 @@ fn on(rules: usize, other_in: u32) -> impl Strategy<Value = Vec<On>> {
 fn step(rules: usize, other_in: u32) -> impl Strategy<Value = Step> {
     prop_oneof![
         5 => (gap(rules), on(rules, other_in)).prop_map(|(gap, on)| Step::Decide { gap, on }),
-        4 => (gap(rules), any::<usize>(), prop::collection::vec(real(), 1..4))
-            .prop_map(|(gap, pick, reals)| Step::Settle { gap, pick, reals }),
+        4 => (
+            gap(rules),
+            any::<usize>(),
+            prop::collection::vec(real(), 1..4),
+            prop_oneof![2 => Just(None), 1 => (0u64..500, any::<bool>()).prop_map(Some)],
+        )
+            .prop_map(|(gap, pick, reals, skew)| Step::Settle { gap, pick, reals, skew }),
         1 => (gap(rules), on(rules, other_in)).prop_map(|(gap, on)| Step::Peek { gap, on }),
         1 => (0..=1u64).prop_map(|early| Step::Wait { early }),
     ]
@@ -350,6 +359,8 @@ struct Tally {
     at_retry: AtomicUsize,
     before_retry: AtomicUsize,
     denied_multi_identity: AtomicUsize,
+    /// Window refunds told a `left` off by a skew.
+    skewed: AtomicUsize,
     restored: AtomicUsize,
 }
 
@@ -482,7 +493,9 @@ fn case(h: &Harness, tl: &Timeline, tally: &Tally) -> Result<(), TestCaseError> 
                     held.push((now, reservation));
                 }
             }
-            Step::Settle { pick, reals, .. } => {
+            Step::Settle {
+                pick, reals, skew, ..
+            } => {
                 if held.is_empty() {
                     continue;
                 }
@@ -496,7 +509,27 @@ fn case(h: &Harness, tl: &Timeline, tally: &Tally) -> Result<(), TestCaseError> 
                         continue;
                     };
                     let a = index_of(r.quota.algorithm);
-                    match adjust(r, cost, age) {
+                    let q = &r.quota;
+                    let window = !q.algorithm.has_burst();
+                    let off =
+                        skew.filter(|_| window && cost < q.cost)
+                            .and_then(|(permille, late)| {
+                                let skew = i128::from(q.period_us() * permille / 1000);
+                                let left = i128::from(r.reset_us) - i128::from(age);
+                                let left = if late { left + skew } else { left - skew };
+                                u64::try_from(left).ok().filter(|&l| l > 0)
+                            });
+                    if off.is_some() {
+                        tally.skewed.fetch_add(1, Relaxed);
+                    }
+                    let made = match off {
+                        Some(left) => Some(Adjust {
+                            delta: cost as i64 - q.cost as i64,
+                            left_us: Some(left),
+                        }),
+                        None => adjust(r, cost, age),
+                    };
+                    match made {
                         Some(adj) => items.push((
                             a,
                             Settlement {
@@ -579,9 +612,10 @@ fn report(what: &str, tally: &Tally, started: Instant) {
     eprintln!(
         "{what}: {} cases, {} steps in {:?}; per algorithm (token_bucket, gcra, fixed_window, \
          sliding_window): refunds {:?}, refunds after the window closed {:?}, charges beyond \
-         the reservation {:?} (the next request waiting after {:?}); {} cleared; {} multi-rule settlements ({} on \
-         two identities); {} denied multi-identity requests; a debt's retry instant {} at / \
-         {} 1 µs before; {} keys put back after a real-time expiry",
+         the reservation {:?} (the next request waiting after {:?}); {} cleared; {} \
+         multi-rule settlements ({} on two identities); {} window refunds told a skewed \
+         left; {} denied multi-identity requests; a debt's retry instant {} at / {} 1 µs \
+         before; {} keys put back after a real-time expiry",
         n(&tally.cases),
         n(&tally.steps),
         started.elapsed(),
@@ -592,6 +626,7 @@ fn report(what: &str, tally: &Tally, started: Instant) {
         n(&tally.cleared),
         n(&tally.multi_item),
         n(&tally.two_identities),
+        n(&tally.skewed),
         n(&tally.denied_multi_identity),
         n(&tally.at_retry),
         n(&tally.before_retry),
@@ -631,6 +666,10 @@ fn memory_and_redis_agree_on_settlement_timelines() {
     let n = |c: &AtomicUsize| c.load(Relaxed);
     assert!(n(&tally.multi_item) >= 30 && n(&tally.two_identities) >= 10);
     assert!(n(&tally.cleared) >= 20);
+    assert!(
+        n(&tally.skewed) >= 15,
+        "window refunds barely told a skewed left"
+    );
     assert!(
         n(&tally.at_retry) >= 5 && n(&tally.before_retry) >= 5,
         "debt waits barely tried"
