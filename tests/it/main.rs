@@ -27,6 +27,7 @@ mod perimeter;
 mod pools;
 mod request_path;
 mod scale;
+mod settle_agree;
 mod settlement;
 mod setup;
 mod stores_agree;
