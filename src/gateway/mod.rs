@@ -12,6 +12,7 @@ mod access;
 pub mod all_metrics;
 mod body;
 mod context;
+pub mod demand;
 mod explain;
 pub mod grpc;
 pub mod jwks;
