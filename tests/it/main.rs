@@ -8,6 +8,7 @@ mod algorithms_agree;
 mod batching;
 mod combined_keys;
 mod config_fixtures;
+mod dashboards;
 mod docs;
 mod e2e;
 mod faults;
