@@ -540,6 +540,31 @@ struct RuleView<'a> {
     /// What it decided since start (`ratewall_requests_total`), and how many of the
     /// requests it let through the upstream did not answer.
     outcomes: RuleOutcomes,
+    /// Since start: the 429s it gave and the p95 of the waits they told
+    /// (`ratewall_denial_retry_seconds`).
+    time_to_reset: TimeToReset,
+    /// Admitted requests that left their identity 80% or more used
+    /// (`ratewall_near_limit_total`), since start.
+    near_limit: u64,
+    /// The good-client SLO since start (`ratewall_plan_requests_total`).
+    slo: Slo,
+}
+
+#[derive(Serialize)]
+struct TimeToReset {
+    denials: u64,
+    /// Seconds, estimated from the histogram's buckets (1 ms × 2^i) as Prometheus'
+    /// `histogram_quantile` does; null before any denial.
+    p95_s: Option<f64>,
+}
+
+/// Requests from identities within their plan under the rule: served (no 429), limited
+/// (a 429), and the served share (null before any).
+#[derive(Serialize)]
+struct Slo {
+    served: u64,
+    limited: u64,
+    served_share: Option<f64>,
 }
 
 #[derive(Serialize)]
@@ -593,6 +618,21 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
                 store_error: c.error.get(),
                 upstream_error: c.upstream_error.get(),
                 upstream_timeout: c.upstream_timeout.get(),
+            },
+            time_to_reset: TimeToReset {
+                denials: c.dashboard.retry.count(),
+                // To the millisecond the buckets count in.
+                p95_s: c
+                    .dashboard
+                    .retry
+                    .quantile_s(0.95)
+                    .map(|s| (s * 1e3).round() / 1e3),
+            },
+            near_limit: c.dashboard.near_limit.get(),
+            slo: Slo {
+                served: c.dashboard.served.get(),
+                limited: c.dashboard.limited.get(),
+                served_share: c.dashboard.served_share(),
             },
             name: &r.name,
             algorithm: r.quota.algorithm.name(),

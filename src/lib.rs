@@ -29,7 +29,9 @@
 //!   [`gateway::Context`] (peer, TLS session, client certificate, worker), built at the
 //!   connection. Every answer it writes goes through one function, HTTP or, to a gRPC
 //!   call, a Trailers-Only gRPC answer ([`gateway::grpc`]). Also what it runs on
-//!   ([`gateway::Live`], swapped whole on reload) and `ratewall check`'s explanation.
+//!   ([`gateway::Live`], swapped whole on reload) and `ratewall check`'s explanation, and
+//!   the dashboards' metrics (`dashboards.rs`: denials by plan, retry waits, near-limit
+//!   requests, the good-client SLO judged by the bounded demand meter, `demand.rs`).
 //! - [`admin`]: what the admin listener serves: metrics, health, the admin API, the status
 //!   page, the guard that slows a peer guessing the admin token (`admin/guard.rs`), and
 //!   the runtime key calls, `/admin/keys` (`admin/keys.rs`).

@@ -27,6 +27,10 @@ pub struct Limit<'l, 'p> {
     /// The rule's quota for the request's plan. A rule that may delay but whose waiting
     /// queue is full decides without waiting (`max_delay_us` 0).
     pub quota: Quota,
+    /// The plan whose quota applies, as the rule's `[rules.plans.<name>]` names it; none
+    /// for the rule's own quota (no plan, or one the rule does not define: a client's
+    /// claim or key never names anything here the config does not).
+    pub plan: Option<&'l str>,
     /// Whether the rule denies for this identity; if not, it only watches (shadow mode,
     /// or an identity outside `enforce_percent`). A watching check keeps its `max_delay`:
     /// it reserves exactly as enforcement would, but nobody waits on it.
@@ -83,6 +87,11 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
         let rule = &live.config.rules[index];
         let identity = requester.identify(&rule.key)?;
         let enforced = rule.enforces(&identity.digest);
+        let plan = requester
+            .plan()
+            .filter(|_| !rule.plans.is_empty())
+            .and_then(|p| rule.plans.get_key_value(p))
+            .map(|(name, _)| name.as_str());
         let mut slot = None;
         if quota.max_delay_us > 0 && enforced {
             slot = WaitSlot::take(&live.waiting[index], rule.max_waiting);
@@ -99,6 +108,7 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
             rule,
             identity,
             quota,
+            plan,
             enforced,
             slot,
             lease,

@@ -124,7 +124,7 @@ impl Live {
             counters: config
                 .rules
                 .iter()
-                .map(|r| metrics.gateway.rule_counters(&r.name))
+                .map(|r| metrics.gateway.counters_of(r))
                 .collect(),
             waiting: config.rules.iter().map(|_| AtomicU32::new(0)).collect(),
             config: Arc::new(config),

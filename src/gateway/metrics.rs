@@ -1,7 +1,7 @@
 //! The metrics the gateway owns: one request's decisions by rule, its outcome and time
 //! end to end, the responses clients got and the upstream's answers, refusals before any
 //! limit, reloads, the requests in flight or waiting for their tokens, and the gRPC
-//! statuses of the answers to gRPC calls.
+//! statuses of the answers to gRPC calls; with them the dashboards' (`dashboards.rs`).
 
 use std::time::Duration;
 
@@ -12,6 +12,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
+use super::dashboards::{Dashboards, RuleDashboard};
 use super::grpc::{Code, Origin};
 use crate::metrics::label_enum;
 use crate::stats::Outcome;
@@ -217,6 +218,9 @@ pub struct GatewayMetrics {
     pub client_requests: Family<ProtocolLabels, Counter>,
     /// Answers to gRPC calls by `grpc-status` and by who wrote them.
     pub grpc_responses: Family<GrpcLabels, Counter>,
+    /// Denials by rule and plan, their retry delays, requests near their limit, the
+    /// good-client SLO (`dashboards.rs`).
+    pub dashboards: Dashboards,
     /// `grpc_responses`' handles, by code, then gateway / upstream.
     grpc_handles: [[Counter; Origin::ALL.len()]; Code::ALL.len()],
     protocol_handles: [[Counter; TLS_VERSIONS.len()]; PROTOCOLS.len()],
@@ -339,6 +343,7 @@ impl GatewayMetrics {
                     .clone()
             })
         });
+        let dashboards = Dashboards::register(registry);
         for result in ReloadResult::ALL {
             let _ = reloads.get_or_create(&ReloadLabels { result });
         }
@@ -381,6 +386,7 @@ impl GatewayMetrics {
             underscore_fields_dropped,
             client_requests,
             grpc_responses,
+            dashboards,
             grpc_handles,
             protocol_handles,
             response_handles,
@@ -431,8 +437,17 @@ impl GatewayMetrics {
         self.refusal_handles[reason as usize].inc();
     }
 
+    /// `rule`'s counters ([`GatewayMetrics::rule_counters`]), its dashboards' by its plans.
+    pub fn counters_of(&self, rule: &crate::rules::Rule) -> RuleCounters {
+        RuleCounters {
+            dashboard: self.dashboards.rule(rule),
+            ..self.rule_counters(&rule.name)
+        }
+    }
+
     /// One rule's decision counters, resolved once (at config load) so that counting a
-    /// request allocates nothing and takes no lock.
+    /// request allocates nothing and takes no lock. Its dashboards' know no plan
+    /// ([`GatewayMetrics::counters_of`] gives them the rule's).
     pub fn rule_counters(&self, rule: &str) -> RuleCounters {
         let counter = |decision| {
             self.requests
@@ -461,6 +476,7 @@ impl GatewayMetrics {
             bad_key: counter(DecisionLabel::BadKey),
             upstream_error: failures(UpstreamFailure::Error),
             upstream_timeout: failures(UpstreamFailure::Timeout),
+            dashboard: self.dashboards.rule_named(rule, std::iter::empty()),
         }
     }
 }
@@ -479,4 +495,6 @@ pub struct RuleCounters {
     pub bad_key: Counter,
     pub upstream_error: Counter,
     pub upstream_timeout: Counter,
+    /// Its denials by plan, retry delays, near-limit requests and SLO counts.
+    pub dashboard: RuleDashboard,
 }

@@ -12,6 +12,8 @@ mod access;
 pub mod all_metrics;
 mod body;
 mod context;
+pub mod dashboards;
+pub mod demand;
 mod explain;
 pub mod grpc;
 pub mod jwks;
@@ -593,6 +595,11 @@ impl Gateway {
             ..Note::gateway("denied").to(to, cfg)
         };
         let p = Problem::too_many_requests(&applied, crate::random::up_to(jitter_us));
+        let waits_ms = p.retry_after_ms.unwrap_or(0);
+        self.metrics
+            .gateway
+            .dashboards
+            .denied(live, limits, decisions, by, waits_ms);
         let mut resp = problem(p, cfg, &applied, dialect);
         headers::add_shadow(resp.headers_mut(), cfg.response, &shadow);
         Admission::Answer(resp, note)
@@ -611,6 +618,10 @@ impl Gateway {
         to: Destination,
     ) -> Pass<'l> {
         let shadow_denied = tally(live, &limits, decisions, false);
+        self.metrics
+            .gateway
+            .dashboards
+            .admitted(live, &limits, decisions);
         let (applied, shadow) = split(&limits, decisions);
         let settling = self.reserve(live, &limits, decisions, local);
         let ruled: Vec<Ruled> = limits.iter().map(Limit::ruled).collect();

@@ -9,6 +9,7 @@ mod batching;
 mod calendar;
 mod combined_keys;
 mod config_fixtures;
+mod dashboards;
 mod docs;
 mod e2e;
 mod faults;

@@ -330,6 +330,47 @@ async fn concurrency_slots_are_held_until_the_request_is_done() {
     drop((b, d));
 }
 
+/// The good-client SLO under a concurrency limit: demand is what is in flight, so a
+/// request is within its plan exactly when the rule's own decision allowed it; a shadow
+/// rule counts nothing, though it would deny. Near the limit: 0 of 2 slots left.
+#[tokio::test]
+async fn a_concurrency_rule_judges_the_slo_by_its_own_decision_and_a_shadow_rule_not_at_all() {
+    let t = InProcess::new(
+        "[[rules]]\nname = \"slots\"\nkey = \"api_key\"\nmax_in_flight = 2\n\
+         [[rules]]\nname = \"watch\"\nkey = \"api_key\"\nrate = \"1/h\"\nmode = \"shadow\"\n",
+    );
+    let live = t.gw.live();
+    let a = t.get(&live, "/x", Some("k")).await;
+    let b = t.get(&live, "/x", Some("k")).await;
+    let c = t.get(&live, "/x", Some("k")).await;
+    assert_eq!(
+        (a.status, b.status, c.status),
+        (
+            StatusCode::OK,
+            StatusCode::OK,
+            StatusCode::TOO_MANY_REQUESTS
+        )
+    );
+    drop(a);
+    let d = t.get(&live, "/x", Some("k")).await;
+    assert_eq!(d.status, StatusCode::OK);
+    let text = t.gw.metrics().encode();
+    for line in [
+        "ratewall_plan_requests_total{rule=\"slots\",outcome=\"served\"} 3",
+        "ratewall_plan_requests_total{rule=\"slots\",outcome=\"limited\"} 0",
+        "ratewall_plan_requests_total{rule=\"watch\",outcome=\"served\"} 0",
+        "ratewall_plan_requests_total{rule=\"watch\",outcome=\"limited\"} 0",
+        "ratewall_near_limit_total{rule=\"slots\"} 2",
+        "ratewall_near_limit_total{rule=\"watch\"} 0",
+        "ratewall_denials_total{rule=\"slots\",plan=\"default\"} 1",
+        // It would have denied all but the first.
+        "ratewall_requests_total{rule=\"watch\",decision=\"shadow_denied\"} 3",
+    ] {
+        assert!(text.contains(line), "no {line} in:\n{text}");
+    }
+    drop((b, d));
+}
+
 #[tokio::test]
 async fn unlimited_requests_and_malformed_ones_never_reach_the_store() {
     let t = InProcess::new(
