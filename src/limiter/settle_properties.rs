@@ -39,10 +39,7 @@ fn quota(
     let cost = cost.min(burst.unwrap_or(count));
     Quota::new(
         algorithm,
-        Rate {
-            count,
-            period: Duration::from_secs(secs),
-        },
+        Rate::every(count, Duration::from_secs(secs)),
         burst.and_then(NonZeroU64::new),
         NonZeroU64::new(cost).expect("cost > 0"),
     )

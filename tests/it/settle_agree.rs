@@ -80,10 +80,7 @@ impl RuleSpec {
     fn quota(&self) -> Quota {
         let q = Quota::new(
             self.algorithm,
-            Rate {
-                count: self.count,
-                period: Duration::from_secs(self.period_s),
-            },
+            Rate::every(self.count, Duration::from_secs(self.period_s)),
             self.burst.and_then(NonZeroU64::new),
             NonZeroU64::new(self.cost).expect("cost > 0"),
         )
