@@ -267,14 +267,23 @@ impl Scripted {
             arg.push_str(n.format(check.quota.max_debt));
             inv.key(&e.key).arg(&e.quota).arg(arg);
         }
-        let reply: Vec<redis::Value> = tokio::time::timeout(self.timeout, eval(conn, &inv))
+        self.answers(conn, &inv, items.len()).await
+    }
+
+    /// Run `inv` on `keys` keys: their answers, 4 numbers a key.
+    async fn answers<C: Evaluates>(
+        &self,
+        conn: &mut C,
+        inv: &Invocation<'_>,
+        keys: usize,
+    ) -> Result<Vec<Decision>, StoreError> {
+        let reply: Vec<redis::Value> = tokio::time::timeout(self.timeout, eval(conn, inv))
             .await
             .map_err(|_| StoreError::Timeout(self.timeout))??;
-        if reply.len() != items.len() * 4 {
+        if reply.len() != keys * 4 {
             return Err(StoreError::Protocol(format!(
-                "the script returned {} values for {} keys",
-                reply.len(),
-                items.len()
+                "the script returned {} values for {keys} keys",
+                reply.len()
             )));
         }
         decisions(&reply)
@@ -299,17 +308,7 @@ impl Scripted {
         for c in checks {
             c.push(&mut inv, false);
         }
-        let reply: Vec<redis::Value> = tokio::time::timeout(self.timeout, eval(conn, &inv))
-            .await
-            .map_err(|_| StoreError::Timeout(self.timeout))??;
-        if reply.len() != checks.len() * 4 {
-            return Err(StoreError::Protocol(format!(
-                "the script returned {} values for {} keys",
-                reply.len(),
-                checks.len()
-            )));
-        }
-        decisions(&reply)
+        self.answers(conn, &inv, checks.len()).await
     }
 
     /// One script call deciding several requests, one after another, each all or nothing
