@@ -57,6 +57,7 @@ pub(super) struct RawRule {
     usage: Option<Spanned<UsageField>>,
     reserve: Option<Spanned<Reserve>>,
     max_debt: Option<Spanned<u64>>,
+    local_share: Option<Spanned<String>>,
     #[serde(default)]
     plans: HashMap<String, Spanned<RawPlanOverride>>,
 }
@@ -206,10 +207,18 @@ impl RawRule {
                 .in_zone(zone, anchor_day),
         )?;
         let (mode, enforce_percent) = at.mode()?;
+        let share = at.local_share()?;
+        let quota = Quota {
+            local_share: share,
+            ..quota
+        };
         let mut plans = at.plans(&limit, zone, anchor_day)?;
         for plan in plans.values_mut() {
             if let Plan::Limit(q) = plan {
-                *q = at.with_debt(*q)?;
+                *q = Quota {
+                    local_share: share,
+                    ..at.with_debt(*q)?
+                };
             }
         }
         Ok(Rule {
@@ -426,6 +435,16 @@ impl At<'_> {
             usage,
             reserve_max_tokens,
         })))
+    }
+
+    /// `local_share`: this gateway's part of the limit while the store fails and
+    /// `on_error = "local"` limits in process.
+    fn local_share(&self) -> Result<crate::limiter::Share, Invalid> {
+        match &self.rule.local_share {
+            None => Ok(crate::limiter::Share::WHOLE),
+            Some(s) => crate::limiter::Share::parse(s.get_ref())
+                .map_err(|e| self.no(Some(s.span()), "local_share", e)),
+        }
     }
 
     /// `q`, with the rule's `max_debt` where it sets one (else one burst: the quota's own).

@@ -251,7 +251,23 @@ impl Limiter {
     /// refund lost is stricter, an added charge lost is at most that charge looser.
     pub async fn settle(&self, items: &[Settlement<'_>], local: bool) -> Option<Vec<Decision>> {
         if local {
-            return Some(self.local.settle(items));
+            // At the share the charges were decided at.
+            let quotas: Vec<super::Quota> = items
+                .iter()
+                .map(|i| i.check.quota.for_local_share())
+                .collect();
+            let shared: Vec<Settlement<'_>> = items
+                .iter()
+                .zip(&quotas)
+                .map(|(i, quota)| Settlement {
+                    check: Check {
+                        quota,
+                        ..i.check.clone()
+                    },
+                    adjust: i.adjust,
+                })
+                .collect();
+            return Some(self.local.settle(&shared));
         }
         if self.open.load(Relaxed) {
             self.count_error(&StoreError::CircuitOpen);
@@ -391,7 +407,10 @@ impl Limiter {
             // The memory store is already in this process: a second one would only start
             // every identity afresh. Its failure (full) is denied.
             OnError::Local if !self.store.kind().is_shared() => Answer::Failed(e),
-            OnError::Local => match self.local.decide(checks) {
+            OnError::Local => match self
+                .local
+                .decide(&Self::local_shares(checks, &mut Vec::new()))
+            {
                 Ok(d) => Answer::Local(d),
                 Err(full) => {
                     let e = StoreError::from(full);
@@ -402,6 +421,17 @@ impl Limiter {
             },
             OnError::Deny | OnError::Allow => Answer::Failed(e),
         }
+    }
+
+    /// `checks` at this gateway's share of each limit (`local_share`), for the `local`
+    /// fallback; `quotas` holds the scaled quotas they point at.
+    fn local_shares<'a>(checks: &[Check<'a>], quotas: &'a mut Vec<super::Quota>) -> Vec<Check<'a>> {
+        *quotas = checks.iter().map(|c| c.quota.for_local_share()).collect();
+        checks
+            .iter()
+            .zip(quotas.iter())
+            .map(|(c, quota)| Check { quota, ..c.clone() })
+            .collect()
     }
 
     fn succeeded(&self) {

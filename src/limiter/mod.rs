@@ -38,7 +38,7 @@ use std::time::Instant;
 
 use crate::identity::IdentityDigest;
 
-pub use quota::{Algorithm, Quota, QuotaError, QuotaField, Rate, MAX_LEVEL};
+pub use quota::{Algorithm, Quota, QuotaError, QuotaField, Rate, Share, MAX_LEVEL};
 pub use settle::{settle, Adjust, Settled};
 pub use store::{Backend, OnError, Store};
 

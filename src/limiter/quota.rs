@@ -209,6 +209,42 @@ pub struct Quota {
     /// A calendar rate's periods (`fixed_window` only): its windows are the calendar's,
     /// not `rate.period` from a key's first request.
     pub calendar: Option<Calendar>,
+    /// This gateway's share of the limit while the shared store fails and `on_error =
+    /// "local"` limits in process (`local_share`; 1/1 by default: the whole limit).
+    pub local_share: Share,
+}
+
+/// A fraction `num / den`, 1 <= num <= den (`local_share = "1/3"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Share {
+    pub num: u32,
+    pub den: u32,
+}
+
+impl Share {
+    pub const WHOLE: Share = Share { num: 1, den: 1 };
+
+    /// `"a/b"`, whole numbers with 1 <= a <= b <= 1000.
+    pub fn parse(s: &str) -> Result<Share, String> {
+        let bad = || {
+            format!("{s:?} is not a share: \"a/b\" with whole numbers 1 <= a <= b <= 1000, e.g. \"1/3\"")
+        };
+        let (a, b) = s.split_once('/').ok_or_else(bad)?;
+        let (num, den): (u32, u32) = (
+            a.trim().parse().map_err(|_| bad())?,
+            b.trim().parse().map_err(|_| bad())?,
+        );
+        if num == 0 || num > den || den > 1000 {
+            return Err(bad());
+        }
+        Ok(Share { num, den })
+    }
+}
+
+impl Default for Share {
+    fn default() -> Share {
+        Share::WHOLE
+    }
 }
 
 /// Why a quota cannot be, and which of its settings to blame.
@@ -318,6 +354,7 @@ impl Quota {
             lease_us: 0,
             max_debt: burst,
             calendar: rate.calendar.map(Calendar::utc),
+            local_share: Share::WHOLE,
         })
     }
 
@@ -368,6 +405,61 @@ impl Quota {
                 .min(MAX_LEVEL),
             max_debt: 0,
             calendar: None,
+            local_share: Share::WHOLE,
+        }
+    }
+
+    /// The limit this gateway keeps on its own while the shared store fails
+    /// (`local_share`): the rate and burst (a window's N, a concurrency's max) times the
+    /// share, at least one request's cost. A token bucket's or GCRA's rate is scaled
+    /// exactly (N·a per P·b); a count is rounded down. Where the scaled quota would not
+    /// fit the store's precision, the whole limit.
+    pub fn for_local_share(&self) -> Quota {
+        let Share { num, den } = self.local_share;
+        if num == den {
+            return *self;
+        }
+        let (a, b) = (u64::from(num), u64::from(den));
+        let part = |n: u64| (n.saturating_mul(a) / b).max(self.cost).max(1);
+        if self.algorithm == Algorithm::Concurrency {
+            let max = part(self.burst);
+            return Quota {
+                burst: max,
+                rate: Rate::every(max, self.rate.period),
+                ..*self
+            };
+        }
+        let (rate, burst) = if self.algorithm.has_burst() {
+            let rate = Rate {
+                count: self.rate.count.saturating_mul(a),
+                period: self.rate.period.saturating_mul(den),
+                calendar: None,
+            };
+            (rate, NonZeroU64::new(part(self.burst)))
+        } else {
+            let rate = Rate {
+                count: part(self.rate.count),
+                ..self.rate
+            };
+            (rate, None)
+        };
+        let Some(cost) = NonZeroU64::new(self.cost) else {
+            return *self;
+        };
+        let scaled = Quota::new(self.algorithm, rate, burst, cost).and_then(|q| {
+            let q = match self.max_delay_us {
+                0 => q,
+                us => q.with_max_delay(Duration::from_micros(us))?,
+            };
+            q.with_max_debt(part(self.max_debt).min(self.max_debt))
+        });
+        match scaled {
+            Ok(q) => Quota {
+                calendar: self.calendar,
+                local_share: self.local_share,
+                ..q
+            },
+            Err(_) => *self,
         }
     }
 
@@ -510,6 +602,77 @@ mod tests {
         .unwrap();
         assert_eq!((q.unit, q.per_us), (86_400, 1));
         assert_eq!(q.capacity(), 86_400_000_000);
+    }
+
+    #[test]
+    fn a_local_share_scales_the_limit_exactly_and_never_below_one_request() {
+        assert_eq!(Share::parse("1/3"), Ok(Share { num: 1, den: 3 }));
+        assert_eq!(Share::parse(" 2 / 5 "), Ok(Share { num: 2, den: 5 }));
+        for bad in ["0/3", "3/2", "1/1001", "1", "a/b", "1/0", "-1/3", ""] {
+            assert!(Share::parse(bad).is_err(), "{bad:?}");
+        }
+        let third = Share { num: 1, den: 3 };
+        let tb = Quota {
+            local_share: third,
+            ..Quota::new(
+                Algorithm::TokenBucket,
+                Rate::parse("6/m").unwrap(),
+                NonZeroU64::new(30),
+                NonZeroU64::MIN,
+            )
+            .unwrap()
+        };
+        let local = tb.for_local_share();
+        assert_eq!(local.burst, 10);
+        // 6 a minute, a third: one token every 30 s, exactly.
+        assert_eq!(local.unit / local.per_us, 30_000_000);
+        assert_eq!(
+            local.local_share, third,
+            "the share is kept (settlements scale alike)"
+        );
+        assert_eq!(
+            Quota {
+                local_share: Share::WHOLE,
+                ..tb
+            }
+            .for_local_share(),
+            Quota {
+                local_share: Share::WHOLE,
+                ..tb
+            }
+        );
+        let window = Quota {
+            local_share: third,
+            ..Quota::new(
+                Algorithm::FixedWindow,
+                Rate::parse("30/h").unwrap(),
+                None,
+                NonZeroU64::MIN,
+            )
+            .unwrap()
+        };
+        assert_eq!(window.for_local_share().rate.count, 10);
+        assert_eq!(window.for_local_share().period_us(), window.period_us());
+        let heavy = Quota {
+            local_share: Share { num: 1, den: 10 },
+            ..Quota::new(
+                Algorithm::Gcra,
+                Rate::parse("10/s").unwrap(),
+                NonZeroU64::new(10),
+                NonZeroU64::new(4).unwrap(),
+            )
+            .unwrap()
+        };
+        assert_eq!(
+            heavy.for_local_share().burst,
+            4,
+            "at least one request's cost"
+        );
+        let slots = Quota {
+            local_share: third,
+            ..Quota::concurrency(NonZeroU64::new(16).unwrap(), Duration::from_secs(10))
+        };
+        assert_eq!(slots.for_local_share().burst, 5);
     }
 
     #[test]

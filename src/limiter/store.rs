@@ -38,7 +38,8 @@ crate::metrics::label_enum! {
         /// Forward without limiting while the store fails: availability over enforcement.
         Allow = "allow",
         /// Enforce the same rules in this process until the store answers again. With N
-        /// instances behind a balancer, up to N times the limit passes meanwhile.
+        /// instances behind a balancer, up to N times the limit passes meanwhile (a rule's
+        /// `local_share` keeps each to its part).
         Local = "local",
     }
 }

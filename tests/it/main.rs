@@ -21,6 +21,7 @@ mod jwt;
 mod jwt_quick_start;
 mod key_directory;
 mod layering;
+mod local_share;
 mod logs;
 mod message_meter;
 mod observability;
