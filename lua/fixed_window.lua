@@ -119,13 +119,7 @@ local function fw_settle(start, ends, count, now, limit, delta, left, debt)
     count = count + delta
     if count < 0 then count = 0 end
   else
-    local most = limit + debt
-    local add = delta
-    if add > most then add = most end
-    local top = most
-    if count > top then top = count end
-    count = count + add
-    if count > top then count = top end
+    count = charged(count, delta, limit + debt)
   end
   if count == 0 then return false end
   return format('f:%d:%d', start, count), ends - now

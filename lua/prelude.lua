@@ -57,6 +57,18 @@ local function cdiv(a, b)
   return idiv(a + b - 1, b)
 end
 
+-- A window's count after a settlement charges `add` (> 0) more: at most `most` (N plus
+-- max_debt), and a count already past it is never lowered (the twin of
+-- settle::charged).
+local function charged(count, add, most)
+  if add > most then add = most end
+  local top = most
+  if count > top then top = count end
+  count = count + add
+  if count > top then count = top end
+  return count
+end
+
 -- A state some ratewall algorithm wrote (maybe not the one asking).
 local function ours(raw)
   return match(raw, '^[tgfs]:') ~= nil

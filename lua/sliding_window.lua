@@ -91,12 +91,6 @@ SETTLE[4] = function(raw, now, p, n, cost, p4, p5, delta, left, debt)
   elseif sw and sw + 1 == w then
     prev, cur = sc, 0
   end
-  local most = n + debt
-  local add = delta
-  if add > most then add = most end
-  local top = most
-  if cur > top then top = cur end
-  cur = cur + add
-  if cur > top then cur = top end
+  cur = charged(cur, delta, n + debt)
   return format('s:%d:%d:%d', w, cur, prev), (w + 2) * p - now
 end

@@ -18,7 +18,7 @@
 //! pass within moments of each other — up to 2N in a short interval. Choose it for coarse
 //! quotas (per day, per month), where the simplicity and the tiny state matter more.
 
-use super::settle::{same_window, Adjust, Settled};
+use super::settle::{charged, same_window, Adjust, Settled};
 use super::{Decision, Outcome, Quota};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -96,8 +96,7 @@ pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, adj: Adjust) -> Set
         }
         count.saturating_sub(adj.delta.unsigned_abs())
     } else {
-        let most = q.rate.count + q.max_debt;
-        (count + adj.delta.unsigned_abs().min(most)).min(count.max(most))
+        charged(count, adj.delta.unsigned_abs(), q.rate.count + q.max_debt)
     };
     if count == 0 {
         return Settled::Clear;

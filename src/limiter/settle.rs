@@ -90,6 +90,13 @@ pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, adj: Adjust) -> Set
     }
 }
 
+/// A window's count after a settlement charges `add` more: at most `most` (N plus
+/// `max_debt`), and a count already past it is never lowered (`charged` in
+/// `lua/prelude.lua`).
+pub(crate) fn charged(count: u64, add: u64, most: u64) -> u64 {
+    (count + add.min(most)).min(count.max(most))
+}
+
 /// Whether a window ending at `ends_us` is the one a charge fell in, told `left_us` from
 /// `now_us`. Windows' ends are at least a period apart and the estimate is off by no more
 /// than the store's latency, so the nearest end within half a period is the charge's.

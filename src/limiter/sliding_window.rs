@@ -17,7 +17,7 @@
 //! one request's cost) pass, and never more than `2N` in any period: there is no burst
 //! of 2N at a boundary, unlike a fixed window, where 2N can pass within a microsecond.
 
-use super::settle::{same_window, Adjust, Settled};
+use super::settle::{charged, same_window, Adjust, Settled};
 use super::{Decision, Outcome, Quota};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,8 +134,7 @@ pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, adj: Adjust) -> Set
         Some(s) if s.window + 1 == w => (s.cur, 0),
         _ => (0, 0),
     };
-    let most = n + q.max_debt;
-    let cur = (cur + adj.delta.unsigned_abs().min(most)).min(cur.max(most));
+    let cur = charged(cur, adj.delta.unsigned_abs(), n + q.max_debt);
     Settled::Write {
         next: State {
             window: w,
