@@ -6,8 +6,9 @@ use http::request::Parts;
 
 use super::live::{Live, WaitSlot};
 use super::route::Destination;
+use crate::headers::Applied;
 use crate::identity::{Identity, Refusal, Requester};
-use crate::limiter::{Algorithm, Check, Quota};
+use crate::limiter::{Algorithm, Check, Decision, Quota};
 use crate::rules::{self, Applies, Rule};
 
 /// A request one rule refused before any limit was consulted: the rule's position in
@@ -161,6 +162,31 @@ pub fn forwarded_host<'a>(
         let pool = cfg.upstreams.get(to?.pool)?;
         pool.servers.first()?.url.host()
     })
+}
+
+/// The rules with a decision, as the headers show them: the enforcing ones, and apart,
+/// the watching ones.
+pub(super) fn split<'l>(
+    limits: &[Limit<'l, '_>],
+    decisions: &[Option<Decision>],
+) -> (Vec<Applied<'l>>, Vec<Applied<'l>>) {
+    let mut applied = Vec::with_capacity(limits.len());
+    let mut shadow = Vec::new();
+    for (l, d) in limits.iter().zip(decisions) {
+        let Some(decision) = *d else { continue };
+        let a = Applied {
+            rule: l.rule.name.as_str(),
+            index: l.index,
+            quota: l.quota,
+            decision,
+        };
+        if l.enforced {
+            applied.push(a);
+        } else {
+            shadow.push(a);
+        }
+    }
+    (applied, shadow)
 }
 
 #[cfg(test)]

@@ -20,6 +20,7 @@ pub mod jwks;
 mod limits;
 mod live;
 pub mod metrics;
+mod reserve;
 mod route;
 mod screen;
 mod switched;
@@ -43,12 +44,12 @@ use crate::limiter::guard::{Answer, Now};
 use crate::limiter::lease::Leases;
 use crate::limiter::{Check, Decision, StoreError};
 use crate::metrics::Gauged;
-use crate::settle::{Held, Settling, Shown};
+use crate::settle::Settling;
 use crate::stats::Outcome;
 use crate::upstream::{self, ClientPeer, Downstream};
 use access::AccessLine;
 use grpc::{Dialect, Origin};
-use limits::Limit;
+use limits::{split, Limit};
 use live::WaitSlot;
 use metrics::{status_class, RefusalReason, ReloadLabels, ReloadResult};
 use route::Destination;
@@ -199,21 +200,6 @@ impl<'l> Pass<'l> {
         }
     }
 
-    /// Show a settled rule's decision: what it would tell the next request now (the
-    /// request's own wait, if it waited, is kept).
-    fn settled(&mut self, updates: Vec<crate::settle::settling::Update>) {
-        for (shown, d) in updates {
-            let a = match shown {
-                Shown::Applied(k) => self.applied.get_mut(k),
-                Shown::Shadow(k) => self.shadow.get_mut(k),
-            };
-            if let Some(a) = a {
-                a.decision.remaining = d.remaining;
-                a.decision.reset_us = d.reset_us;
-            }
-        }
-    }
-
     /// The upstream answered: count each rule's pass (allowed, or delayed where it waited),
     /// enforcing or watching. Counted only now: a request the backend never answered is
     /// that rule's 502 or 504, not its pass, so no rule counts more passes than the
@@ -346,21 +332,15 @@ impl Gateway {
             }
         }
         let dialect = Dialect::of(&parts.headers);
-        let mut body = upstream::RequestBody::from(body);
-        let mut tokens = None;
-        if live.reserves_max_tokens {
-            match tokens::read(&parts, body, live.config.server.timeouts.body).await {
-                Ok((read, asked)) => (body, tokens) = (read, asked),
-                Err(p) => {
-                    let mut resp = problem(p, &live.config, &[], dialect);
-                    close_after(&mut resp);
-                    if let Some(log) = log {
-                        log.write(resp.status().as_u16(), &Note::gateway("bad_request"));
-                    }
-                    return resp;
+        let (body, tokens) = match tokens::asked(&live, &parts, body, dialect).await {
+            Ok(read) => read,
+            Err(resp) => {
+                if let Some(log) = log {
+                    log.write(resp.status().as_u16(), &Note::gateway("bad_request"));
                 }
+                return resp;
             }
-        }
+        };
         let (mut resp, mut note, forwarded) =
             match self.admit_as(&live, &parts, &ctx, dialect, tokens).await {
                 Admission::Answer(resp, note) => (resp, note, false),
@@ -663,59 +643,6 @@ impl Gateway {
         }
     }
 
-    /// The charges of an admitted request's rules that settle once its answer is known:
-    /// every rule with a settlement policy whose check was charged (allowed), each shown
-    /// where [`split`] puts its decision. `None` when no rule settles (the common case:
-    /// nothing is allocated).
-    fn reserve(
-        &self,
-        live: &Live,
-        limits: &[Limit<'_, '_>],
-        decisions: &[Option<Decision>],
-        local: bool,
-    ) -> Option<Settling> {
-        if !live.settles {
-            return None;
-        }
-        let (mut applied, mut shadow) = (0, 0);
-        let mut items = Vec::new();
-        let mut held = Vec::new();
-        for (l, d) in limits.iter().zip(decisions) {
-            let Some(d) = d else { continue };
-            let shown = if l.enforced {
-                applied += 1;
-                Shown::Applied(applied - 1)
-            } else {
-                shadow += 1;
-                Shown::Shadow(shadow - 1)
-            };
-            let Some(policy) = &l.rule.settle else {
-                continue;
-            };
-            if !d.allowed || l.quota.algorithm == crate::limiter::Algorithm::Concurrency {
-                continue;
-            }
-            items.push(crate::limiter::reservation::Reserved {
-                identity: l.identity.digest,
-                rule: Arc::from(l.rule.name.as_str()),
-                quota: l.quota,
-                shadow: !l.enforced,
-                reset_us: d.reset_us,
-            });
-            held.push(Held::new(policy.clone(), shown));
-        }
-        if items.is_empty() {
-            return None;
-        }
-        let reservation =
-            crate::limiter::reservation::Reservation::new(live.limiter.clone(), local, items);
-        Some(Settling::new(
-            reservation,
-            held,
-            self.metrics.settle.clone(),
-        ))
-    }
-
     /// Wait for the reserved tokens, then forward: the upstream's answer with the
     /// rate-limit headers, or the gateway's answer to what went wrong.
     async fn forward<'l>(
@@ -787,17 +714,7 @@ impl Gateway {
         match result {
             Ok(mut resp) => {
                 pass.count_passed(live);
-                let mut meter = None;
-                if let Some(settling) = pass.settling.take() {
-                    let (updates, rest) = settling.head(resp.status(), resp.headers_mut()).await;
-                    pass.settled(updates);
-                    let ct = resp.headers().get(http::header::CONTENT_TYPE);
-                    meter = rest.map(|s| crate::settle::Meter::new(s, ct));
-                }
-                // Every rule's, whether or not it applied: a client never sees one.
-                for name in &live.cost_headers {
-                    resp.headers_mut().remove(name);
-                }
+                let meter = pass.answered(live, &mut resp).await;
                 if let Some((asked, on)) = upgrade {
                     self.tunnel(live, ctx, &mut pass, &mut resp, asked, on);
                 }
@@ -811,10 +728,7 @@ impl Gateway {
             Err(e) => {
                 // The request is over: its leases are dropped here, giving its slots back.
                 drop(pass.leases.take());
-                if let Some(settling) = pass.settling.take() {
-                    let updates = settling.unanswered().await;
-                    pass.settled(updates);
-                }
+                pass.unanswered().await;
                 let resp = self.upstream_failed(cfg, e, version, peer, &pass);
                 (resp, pass.note)
             }
@@ -987,31 +901,6 @@ fn count_rule_failures(live: &Live, pass: &Pass<'_>, e: &upstream::Error) {
             }
         }
     }
-}
-
-/// The rules with a decision, as the headers show them: the enforcing ones, and apart,
-/// the watching ones.
-fn split<'l>(
-    limits: &[Limit<'l, '_>],
-    decisions: &[Option<Decision>],
-) -> (Vec<Applied<'l>>, Vec<Applied<'l>>) {
-    let mut applied = Vec::with_capacity(limits.len());
-    let mut shadow = Vec::new();
-    for (l, d) in limits.iter().zip(decisions) {
-        let Some(decision) = *d else { continue };
-        let a = Applied {
-            rule: l.rule.name.as_str(),
-            index: l.index,
-            quota: l.quota,
-            decision,
-        };
-        if l.enforced {
-            applied.push(a);
-        } else {
-            shadow.push(a);
-        }
-    }
-    (applied, shadow)
 }
 
 /// The store failed: forward unlimited or answer 503, as `on_error` said.

@@ -86,6 +86,28 @@ pub async fn read(
     Ok((RequestBody::Read(Some(read)), asked))
 }
 
+/// The request's body as it goes up, and the `max_tokens` it asks for where a rule of
+/// `live` reserves them (else its body streamed, untouched); or the gateway's answer to a
+/// body that stalled or broke while it was read (408, 400; the connection closes after).
+pub async fn asked(
+    live: &super::live::Live,
+    parts: &Parts,
+    body: hyper::body::Incoming,
+    dialect: super::grpc::Dialect,
+) -> Result<(RequestBody, Option<u64>), http::Response<super::body::Body>> {
+    let body = RequestBody::from(body);
+    if !live.reserves_max_tokens {
+        return Ok((body, None));
+    }
+    read(parts, body, live.config.server.timeouts.body)
+        .await
+        .map_err(|p| {
+            let mut resp = super::problem(p, &live.config, &[], dialect);
+            super::close_after(&mut resp);
+            resp
+        })
+}
+
 /// The tokens a chat or completion request asks for at most, if its JSON says.
 pub fn max_tokens(body: &[u8]) -> Option<u64> {
     #[derive(serde::Deserialize)]

@@ -1,0 +1,115 @@
+//! An admitted request's reservation (issue 27): the charges of its rules that settle once
+//! its answer is known, taken from its decisions ([`Gateway::reserve`]), settled when the
+//! answer's head arrives or does not ([`Pass::answered`], [`Pass::unanswered`]), and
+//! what that shows in the answer's headers.
+
+use std::sync::Arc;
+
+use super::limits::Limit;
+use super::live::Live;
+use super::{Gateway, Pass};
+use crate::limiter::reservation::{Reservation, Reserved};
+use crate::limiter::{Algorithm, Decision};
+use crate::settle::{Held, Meter, Settling, Shown};
+use crate::upstream::ResponseBody;
+
+impl Gateway {
+    /// The charges of an admitted request's rules that settle once its answer is known:
+    /// every rule with a settlement policy whose check was charged (allowed), each shown
+    /// where [`split`] puts its decision. `None` when no rule settles (the common case:
+    /// nothing is allocated).
+    pub(super) fn reserve(
+        &self,
+        live: &Live,
+        limits: &[Limit<'_, '_>],
+        decisions: &[Option<Decision>],
+        local: bool,
+    ) -> Option<Settling> {
+        if !live.settles {
+            return None;
+        }
+        let (mut applied, mut shadow) = (0, 0);
+        let mut items = Vec::new();
+        let mut held = Vec::new();
+        for (l, d) in limits.iter().zip(decisions) {
+            let Some(d) = d else { continue };
+            let shown = if l.enforced {
+                applied += 1;
+                Shown::Applied(applied - 1)
+            } else {
+                shadow += 1;
+                Shown::Shadow(shadow - 1)
+            };
+            let Some(policy) = &l.rule.settle else {
+                continue;
+            };
+            if !d.allowed || l.quota.algorithm == Algorithm::Concurrency {
+                continue;
+            }
+            items.push(Reserved {
+                identity: l.identity.digest,
+                rule: Arc::from(l.rule.name.as_str()),
+                quota: l.quota,
+                shadow: !l.enforced,
+                reset_us: d.reset_us,
+            });
+            held.push(Held::new(policy.clone(), shown));
+        }
+        if items.is_empty() {
+            return None;
+        }
+        let reservation = Reservation::new(live.limiter.clone(), local, items);
+        Some(Settling::new(
+            reservation,
+            held,
+            self.metrics.settle.clone(),
+        ))
+    }
+}
+
+impl Pass<'_> {
+    /// The answer's head arrived: settle what it tells (status, cost header) and show it;
+    /// remove every rule's cost header, whether or not it applied (a client never sees
+    /// one). What watches the body for a cost at its end, if anything still settles.
+    pub(super) async fn answered(
+        &mut self,
+        live: &Live,
+        resp: &mut http::Response<ResponseBody>,
+    ) -> Option<Meter> {
+        let mut meter = None;
+        if let Some(settling) = self.settling.take() {
+            let (updates, rest) = settling.head(resp.status(), resp.headers_mut()).await;
+            self.settled(updates);
+            let ct = resp.headers().get(http::header::CONTENT_TYPE);
+            meter = rest.map(|s| Meter::new(s, ct));
+        }
+        for name in &live.cost_headers {
+            resp.headers_mut().remove(name);
+        }
+        meter
+    }
+
+    /// No answer came (the backend failed, the client's body did): refund what charges
+    /// by status, and show it in the gateway's answer.
+    pub(super) async fn unanswered(&mut self) {
+        if let Some(settling) = self.settling.take() {
+            let updates = settling.unanswered().await;
+            self.settled(updates);
+        }
+    }
+
+    /// Show a settled rule's decision: what it would tell the next request now (the
+    /// request's own wait, if it waited, is kept).
+    pub(super) fn settled(&mut self, updates: Vec<crate::settle::settling::Update>) {
+        for (shown, d) in updates {
+            let a = match shown {
+                Shown::Applied(k) => self.applied.get_mut(k),
+                Shown::Shadow(k) => self.shadow.get_mut(k),
+            };
+            if let Some(a) = a {
+                a.decision.remaining = d.remaining;
+                a.decision.reset_us = d.reset_us;
+            }
+        }
+    }
+}
