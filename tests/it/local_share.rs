@@ -9,12 +9,12 @@ use std::time::{Duration, Instant};
 use crate::common;
 
 use common::{
-    dump_dom, metric, pttl, redis_now_us, upstream_and_store, Gateway, HttpClient, RedisServer,
-    Store, Upstream, PREFIX,
+    dump_dom, metric, pttl, redis_now_us, upstream_and_store, Gateway, HttpClient, RedisCluster,
+    RedisServer, Store, Upstream, PREFIX,
 };
 use http::StatusCode;
 use ratewall::limiter::memory::MemoryStore;
-use ratewall::limiter::redis::RedisStore;
+use ratewall::limiter::redis::{RedisClusterStore, RedisStore};
 use ratewall::limiter::Store as _;
 
 const BURST: u64 = 30;
@@ -270,4 +270,24 @@ async fn heartbeats_count_the_gateways_within_the_window_and_drop_the_rest() {
     // The memory store is one gateway's own.
     let memory = MemoryStore::new(std::sync::Arc::new(ratewall::limiter::MonotonicClock::new()));
     assert_eq!(memory.heartbeat(window).await.expect("memory"), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn in_a_cluster_the_heartbeats_meet_in_one_key_on_one_node() {
+    let cluster = tokio::task::block_in_place(RedisCluster::start);
+    let window = Duration::from_secs(15);
+    let open =
+        || RedisClusterStore::new(&cluster.nodes(), PREFIX, Duration::from_secs(5)).expect("store");
+    let (a, b, c) = (open(), open(), open());
+    assert_eq!(a.heartbeat(window).await.expect("a"), 1);
+    assert_eq!(b.heartbeat(window).await.expect("b"), 2);
+    assert_eq!(c.heartbeat(window).await.expect("c"), 3);
+    assert_eq!(a.heartbeat(window).await.expect("a again"), 3);
+    let key = format!("{PREFIX}:gateways");
+    let mut node = cluster.node(cluster.node_of(&key));
+    let n: u64 = redis::cmd("ZCARD")
+        .arg(&key)
+        .query(&mut node)
+        .expect("ZCARD on the key's node");
+    assert_eq!(n, 3);
 }
