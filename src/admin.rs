@@ -689,6 +689,9 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
             "backend": live.limiter.store().kind().name(),
             "health": health,
             "on_error": cfg.store.on_error.name(),
+            // `local_share = "auto"`'s N: the gateways seen writing their heartbeat (the
+            // last count, kept while the store fails); null where none is written.
+            "gateways_seen": live.limiter.gateways().beating().then(|| live.limiter.gateways().seen()),
         },
         "upstream": {
             "health": upstream_health(&window),

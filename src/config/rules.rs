@@ -16,7 +16,7 @@ use super::values::{HumanDuration, KeySpec, RuleName};
 use super::Invalid;
 use crate::identity::{Key, KeyKind, MissingKey};
 use crate::limiter::calendar::{self, Period};
-use crate::limiter::{Algorithm, Quota, QuotaError, QuotaField, Rate};
+use crate::limiter::{Algorithm, LocalShare, Quota, QuotaError, QuotaField, Rate};
 use crate::rules::{Match, Messages, Mode, Plan, Rule};
 use crate::settle::policy::{Charge, Policy, StatusSet};
 use crate::settle::usage::UsageField;
@@ -438,11 +438,12 @@ impl At<'_> {
     }
 
     /// `local_share`: this gateway's part of the limit while the store fails and
-    /// `on_error = "local"` limits in process.
-    fn local_share(&self) -> Result<crate::limiter::Share, Invalid> {
+    /// `on_error = "local"` limits in process: `"a/b"`, or `"auto"` (one part per gateway
+    /// seen writing its heartbeat).
+    fn local_share(&self) -> Result<LocalShare, Invalid> {
         match &self.rule.local_share {
-            None => Ok(crate::limiter::Share::WHOLE),
-            Some(s) => crate::limiter::Share::parse(s.get_ref())
+            None => Ok(LocalShare::default()),
+            Some(s) => LocalShare::parse(s.get_ref())
                 .map_err(|e| self.no(Some(s.span()), "local_share", e)),
         }
     }

@@ -78,6 +78,15 @@ impl Live {
                 Limiter::new(store, s, metrics.limiter.clone(), metrics.stats.clone())
             }
         };
+        // `local_share = "auto"` needs the count of gateways: write heartbeats (where a
+        // runtime runs: `ratewall check` writes nothing). Plans share their rule's share.
+        let auto = config.rules.iter().any(|r| r.quota.local_share.is_auto());
+        if auto
+            && config.store.on_error == store::OnError::Local
+            && tokio::runtime::Handle::try_current().is_ok()
+        {
+            limiter.start_heartbeat();
+        }
         // The threads running now: `workers` takes effect on restart only, so a reload
         // that changes it keeps the running count (and the pools built for it).
         let workers = old.map_or(config.server.workers.max(1), |o| o.workers);

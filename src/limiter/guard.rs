@@ -18,6 +18,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::deny_cache::DenyCache;
+use super::heartbeat::{self, Gateways};
 use super::memory::{Evictions, MemoryStore};
 use super::metrics::{LimiterMetrics, StoreErrorKind, StoreErrorLabels, StoreLabels};
 use super::store::{self, Call, OnError, Settlement, Store};
@@ -89,6 +90,8 @@ pub struct Limiter {
     store_seconds: prometheus_client::metrics::histogram::Histogram,
     /// When a full memory store was last logged (ms since `started`).
     full_logged_ms: AtomicU64,
+    /// The gateways seen sharing the store: `local_share = "auto"`'s N.
+    gateways: Gateways,
 }
 
 /// Denials remembered at most; past it, new denials go to the store.
@@ -121,6 +124,7 @@ impl Limiter {
                 Evictions::of(&metrics, "local"),
             ),
             full_logged_ms: AtomicU64::new(0),
+            gateways: Gateways::new(metrics.gateways_seen.clone()),
             threshold: settings.breaker_failures.max(1),
             cooldown: settings.breaker_cooldown,
             failures: AtomicU32::new(0),
@@ -139,6 +143,17 @@ impl Limiter {
 
     pub fn on_error(&self) -> OnError {
         self.on_error
+    }
+
+    /// The gateways seen sharing the store ([`heartbeat`]).
+    pub fn gateways(&self) -> &Gateways {
+        &self.gateways
+    }
+
+    /// Write heartbeats to the shared store from now on, so that `local_share = "auto"`
+    /// knows how many gateways share it (once; only where the store is shared).
+    pub fn start_heartbeat(self: &Arc<Self>) {
+        heartbeat::start(self);
     }
 
     pub fn health(&self) -> Health {
@@ -251,10 +266,12 @@ impl Limiter {
     /// refund lost is stricter, an added charge lost is at most that charge looser.
     pub async fn settle(&self, items: &[Settlement<'_>], local: bool) -> Option<Vec<Decision>> {
         if local {
-            // At the share the charges were decided at.
+            // At the share the charges were decided at (the count of gateways is frozen
+            // while the store fails).
+            let gateways = self.gateways.seen();
             let quotas: Vec<super::Quota> = items
                 .iter()
-                .map(|i| i.check.quota.for_local_share())
+                .map(|i| i.check.quota.for_local_share(gateways))
                 .collect();
             let shared: Vec<Settlement<'_>> = items
                 .iter()
@@ -407,10 +424,11 @@ impl Limiter {
             // The memory store is already in this process: a second one would only start
             // every identity afresh. Its failure (full) is denied.
             OnError::Local if !self.store.kind().is_shared() => Answer::Failed(e),
-            OnError::Local => match self
-                .local
-                .decide(&Self::local_shares(checks, &mut Vec::new()))
-            {
+            OnError::Local => match self.local.decide(&Self::local_shares(
+                checks,
+                self.gateways.seen(),
+                &mut Vec::new(),
+            )) {
                 Ok(d) => Answer::Local(d),
                 Err(full) => {
                     let e = StoreError::from(full);
@@ -423,10 +441,18 @@ impl Limiter {
         }
     }
 
-    /// `checks` at this gateway's share of each limit (`local_share`), for the `local`
-    /// fallback; `quotas` holds the scaled quotas they point at.
-    fn local_shares<'a>(checks: &[Check<'a>], quotas: &'a mut Vec<super::Quota>) -> Vec<Check<'a>> {
-        *quotas = checks.iter().map(|c| c.quota.for_local_share()).collect();
+    /// `checks` at this gateway's share of each limit (`local_share`; `"auto"`: one part
+    /// in `gateways`), for the `local` fallback; `quotas` holds the scaled quotas they
+    /// point at.
+    fn local_shares<'a>(
+        checks: &[Check<'a>],
+        gateways: u32,
+        quotas: &'a mut Vec<super::Quota>,
+    ) -> Vec<Check<'a>> {
+        *quotas = checks
+            .iter()
+            .map(|c| c.quota.for_local_share(gateways))
+            .collect();
         checks
             .iter()
             .zip(quotas.iter())

@@ -99,6 +99,9 @@ pub struct LimiterMetrics {
     pub key_directory_keys: Gauge,
     /// What following a shared store's key directory did, by outcome.
     pub key_directory_syncs: Family<SyncLabels, Counter>,
+    /// The gateways seen writing their heartbeat to the shared store lately
+    /// (`local_share = "auto"`'s N); 1 where none is written.
+    pub gateways_seen: Gauge,
 }
 
 impl LimiterMetrics {
@@ -158,6 +161,12 @@ impl LimiterMetrics {
             "What following a shared store's key directory did, by outcome: resynced (read whole), failed, wrong_type (the last directory serves), change (a published change applied), ignored (malformed), subscribed, subscribe_failed, lost (the subscription's connection)",
             key_directory_syncs.clone(),
         );
+        let gateways_seen = Gauge::default();
+        registry.register(
+            "gateways_seen",
+            "Gateways (this one included) seen writing their heartbeat to the shared store within the last 15 s, as of the last heartbeat answered: the N of local_share = \"auto\" (kept while the store fails; 1 before any heartbeat, with the memory store, or where no rule has local_share = \"auto\")",
+            gateways_seen.clone(),
+        );
         for outcome in SyncOutcome::ALL {
             let _ = key_directory_syncs.get_or_create(&SyncLabels { outcome });
         }
@@ -179,6 +188,7 @@ impl LimiterMetrics {
             memory_evictions,
             key_directory_keys,
             key_directory_syncs,
+            gateways_seen,
         }
     }
 

@@ -18,6 +18,7 @@ pub mod deny_cache;
 pub mod fixed_window;
 pub mod gcra;
 pub mod guard;
+pub mod heartbeat;
 pub mod lease;
 pub mod memory;
 pub mod metrics;
@@ -38,7 +39,7 @@ use std::time::Instant;
 
 use crate::identity::IdentityDigest;
 
-pub use quota::{Algorithm, Quota, QuotaError, QuotaField, Rate, Share, MAX_LEVEL};
+pub use quota::{Algorithm, LocalShare, Quota, QuotaError, QuotaField, Rate, Share, MAX_LEVEL};
 pub use settle::{settle, Adjust, Settled};
 pub use store::{Backend, OnError, Store};
 

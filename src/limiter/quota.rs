@@ -211,7 +211,43 @@ pub struct Quota {
     pub calendar: Option<Calendar>,
     /// This gateway's share of the limit while the shared store fails and `on_error =
     /// "local"` limits in process (`local_share`; 1/1 by default: the whole limit).
-    pub local_share: Share,
+    pub local_share: LocalShare,
+}
+
+/// `local_share`: a fixed fraction, or `"auto"`: one part in N, N the gateways seen
+/// writing their heartbeat to the shared store lately (`limiter::heartbeat`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LocalShare {
+    Fixed(Share),
+    Auto,
+}
+
+impl LocalShare {
+    /// `"auto"`, or a fraction `"a/b"` ([`Share::parse`]).
+    pub fn parse(s: &str) -> Result<LocalShare, String> {
+        if s.trim() == "auto" {
+            return Ok(LocalShare::Auto);
+        }
+        Share::parse(s).map(LocalShare::Fixed)
+    }
+
+    /// The fraction it is while `gateways` share the store (the last count seen).
+    pub fn of(self, gateways: u32) -> Share {
+        match self {
+            LocalShare::Fixed(s) => s,
+            LocalShare::Auto => Share::one_of(gateways),
+        }
+    }
+
+    pub fn is_auto(self) -> bool {
+        self == LocalShare::Auto
+    }
+}
+
+impl Default for LocalShare {
+    fn default() -> LocalShare {
+        LocalShare::Fixed(Share::WHOLE)
+    }
 }
 
 /// A fraction `num / den`, 1 <= num <= den (`local_share = "1/3"`).
@@ -223,18 +259,28 @@ pub struct Share {
 
 impl Share {
     pub const WHOLE: Share = Share { num: 1, den: 1 };
+    /// The most parts a limit is cut into (`"a/b"`: b; `"auto"`: the gateways counted).
+    pub const MAX_PARTS: u32 = 1000;
+
+    /// One part in `n` (1 to [`Share::MAX_PARTS`]; 0 counts as 1: the whole limit).
+    pub fn one_of(n: u32) -> Share {
+        Share {
+            num: 1,
+            den: n.clamp(1, Share::MAX_PARTS),
+        }
+    }
 
     /// `"a/b"`, whole numbers with 1 <= a <= b <= 1000.
     pub fn parse(s: &str) -> Result<Share, String> {
         let bad = || {
-            format!("{s:?} is not a share: \"a/b\" with whole numbers 1 <= a <= b <= 1000, e.g. \"1/3\"")
+            format!("{s:?} is not a share: \"a/b\" with whole numbers 1 <= a <= b <= 1000, e.g. \"1/3\", or \"auto\" (one part per gateway seen)")
         };
         let (a, b) = s.split_once('/').ok_or_else(bad)?;
         let (num, den): (u32, u32) = (
             a.trim().parse().map_err(|_| bad())?,
             b.trim().parse().map_err(|_| bad())?,
         );
-        if num == 0 || num > den || den > 1000 {
+        if num == 0 || num > den || den > Share::MAX_PARTS {
             return Err(bad());
         }
         Ok(Share { num, den })
@@ -354,7 +400,7 @@ impl Quota {
             lease_us: 0,
             max_debt: burst,
             calendar: rate.calendar.map(Calendar::utc),
-            local_share: Share::WHOLE,
+            local_share: LocalShare::default(),
         })
     }
 
@@ -405,17 +451,18 @@ impl Quota {
                 .min(MAX_LEVEL),
             max_debt: 0,
             calendar: None,
-            local_share: Share::WHOLE,
+            local_share: LocalShare::default(),
         }
     }
 
     /// The limit this gateway keeps on its own while the shared store fails
-    /// (`local_share`): the rate and burst (a window's N, a concurrency's max) times the
-    /// share, at least one request's cost. A token bucket's or GCRA's rate is scaled
-    /// exactly (N·a per P·b); a count is rounded down. Where the scaled quota would not
-    /// fit the store's precision, the whole limit.
-    pub fn for_local_share(&self) -> Quota {
-        let Share { num, den } = self.local_share;
+    /// (`local_share`, `"auto"` read as one part in `gateways`: the last count of gateways
+    /// seen): the rate and burst (a window's N, a concurrency's max) times the share, at
+    /// least one request's cost. A token bucket's or GCRA's rate is scaled exactly (N·a
+    /// per P·b); a count is rounded down. Where the scaled quota would not fit the
+    /// store's precision, the whole limit.
+    pub fn for_local_share(&self, gateways: u32) -> Quota {
+        let Share { num, den } = self.local_share.of(gateways);
         if num == den {
             return *self;
         }
@@ -608,10 +655,13 @@ mod tests {
     fn a_local_share_scales_the_limit_exactly_and_never_below_one_request() {
         assert_eq!(Share::parse("1/3"), Ok(Share { num: 1, den: 3 }));
         assert_eq!(Share::parse(" 2 / 5 "), Ok(Share { num: 2, den: 5 }));
-        for bad in ["0/3", "3/2", "1/1001", "1", "a/b", "1/0", "-1/3", ""] {
+        for bad in [
+            "0/3", "3/2", "1/1001", "1", "a/b", "1/0", "-1/3", "", "Auto",
+        ] {
             assert!(Share::parse(bad).is_err(), "{bad:?}");
+            assert!(LocalShare::parse(bad).is_err(), "{bad:?}");
         }
-        let third = Share { num: 1, den: 3 };
+        let third = LocalShare::Fixed(Share { num: 1, den: 3 });
         let tb = Quota {
             local_share: third,
             ..Quota::new(
@@ -622,7 +672,8 @@ mod tests {
             )
             .unwrap()
         };
-        let local = tb.for_local_share();
+        // A fixed share does not depend on the gateways counted.
+        let local = tb.for_local_share(7);
         assert_eq!(local.burst, 10);
         // 6 a minute, a third: one token every 30 s, exactly.
         assert_eq!(local.unit / local.per_us, 30_000_000);
@@ -630,17 +681,11 @@ mod tests {
             local.local_share, third,
             "the share is kept (settlements scale alike)"
         );
-        assert_eq!(
-            Quota {
-                local_share: Share::WHOLE,
-                ..tb
-            }
-            .for_local_share(),
-            Quota {
-                local_share: Share::WHOLE,
-                ..tb
-            }
-        );
+        let whole = Quota {
+            local_share: LocalShare::default(),
+            ..tb
+        };
+        assert_eq!(whole.for_local_share(3), whole);
         let window = Quota {
             local_share: third,
             ..Quota::new(
@@ -651,10 +696,10 @@ mod tests {
             )
             .unwrap()
         };
-        assert_eq!(window.for_local_share().rate.count, 10);
-        assert_eq!(window.for_local_share().period_us(), window.period_us());
+        assert_eq!(window.for_local_share(1).rate.count, 10);
+        assert_eq!(window.for_local_share(1).period_us(), window.period_us());
         let heavy = Quota {
-            local_share: Share { num: 1, den: 10 },
+            local_share: LocalShare::Fixed(Share { num: 1, den: 10 }),
             ..Quota::new(
                 Algorithm::Gcra,
                 Rate::parse("10/s").unwrap(),
@@ -664,7 +709,7 @@ mod tests {
             .unwrap()
         };
         assert_eq!(
-            heavy.for_local_share().burst,
+            heavy.for_local_share(1).burst,
             4,
             "at least one request's cost"
         );
@@ -672,7 +717,56 @@ mod tests {
             local_share: third,
             ..Quota::concurrency(NonZeroU64::new(16).unwrap(), Duration::from_secs(10))
         };
-        assert_eq!(slots.for_local_share().burst, 5);
+        assert_eq!(slots.for_local_share(1).burst, 5);
+    }
+
+    #[test]
+    fn an_auto_share_is_one_part_per_gateway_seen() {
+        assert_eq!(LocalShare::parse("auto"), Ok(LocalShare::Auto));
+        assert_eq!(LocalShare::parse(" auto "), Ok(LocalShare::Auto));
+        assert_eq!(
+            LocalShare::parse("1/3"),
+            Ok(LocalShare::Fixed(Share { num: 1, den: 3 }))
+        );
+        let e = LocalShare::parse("half").unwrap_err();
+        assert!(e.contains("or \"auto\""), "{e}");
+        let tb = Quota {
+            local_share: LocalShare::Auto,
+            ..Quota::new(
+                Algorithm::TokenBucket,
+                Rate::parse("6/m").unwrap(),
+                NonZeroU64::new(30),
+                NonZeroU64::MIN,
+            )
+            .unwrap()
+        };
+        // One gateway seen (or none yet): the whole limit.
+        assert_eq!(tb.for_local_share(1).burst, 30);
+        assert_eq!(tb.for_local_share(1).unit, tb.unit);
+        assert_eq!(tb.for_local_share(0).burst, 30, "0 counts as one gateway");
+        // Three: a third each, the rate exactly (one token every 30 s).
+        let third = tb.for_local_share(3);
+        assert_eq!(third.burst, 10);
+        assert_eq!(third.unit / third.per_us, 30_000_000);
+        assert_eq!(third.local_share, LocalShare::Auto);
+        let fixed = Quota {
+            local_share: LocalShare::Fixed(Share { num: 1, den: 3 }),
+            ..tb
+        }
+        .for_local_share(1);
+        assert_eq!(
+            Quota {
+                local_share: LocalShare::Auto,
+                ..fixed
+            },
+            third,
+            "auto with 3 gateways is \"1/3\""
+        );
+        // Four: 30 / 4 rounded down.
+        assert_eq!(tb.for_local_share(4).burst, 7);
+        // Past the most parts a share has: 1/1000, at least one request.
+        assert_eq!(Share::one_of(5_000), Share { num: 1, den: 1000 });
+        assert_eq!(tb.for_local_share(5_000).burst, 1);
     }
 
     #[test]

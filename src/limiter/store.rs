@@ -168,6 +168,13 @@ pub trait Store: Send + Sync {
     /// Whether the store answers now (for /readyz and the breaker's probe).
     fn ping(&self) -> Call<'_, ()>;
 
+    /// Write this gateway's heartbeat to a shared store and count the gateways that wrote
+    /// theirs within `window`, this one included: the N `local_share = "auto"` divides a
+    /// limit by. An in-process store is one gateway's own: 1.
+    fn heartbeat(&self, _window: Duration) -> Call<'_, u32> {
+        Call::Ready(Ok(1))
+    }
+
     /// Connect and load scripts ahead of the first request.
     fn warm(&self) -> Call<'_, ()> {
         self.ping()

@@ -13,6 +13,7 @@
 mod cluster;
 pub mod directory;
 mod eval;
+mod heartbeat;
 mod single;
 
 use std::future::Future;
@@ -31,6 +32,7 @@ use super::{unix_now_us, Algorithm, Check, Decision, StoreError};
 const CALENDAR_CODE: u8 = 6;
 
 pub use cluster::RedisClusterStore;
+pub use heartbeat::HEARTBEAT_SCRIPT;
 pub use single::RedisStore;
 
 /// The script Redis runs: the prelude, each algorithm's file, and the dispatcher, compiled
@@ -465,6 +467,14 @@ impl<S: Shared> Store for S {
 
     fn ping(&self) -> Call<'_, ()> {
         Call::pending(Shared::ping(self))
+    }
+
+    fn heartbeat(&self, window: Duration) -> Call<'_, u32> {
+        Call::pending(async move {
+            self.scripted()
+                .heartbeat(&mut self.connection().await?, window)
+                .await
+        })
     }
 
     fn warm(&self) -> Call<'_, ()> {
