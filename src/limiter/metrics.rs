@@ -64,6 +64,12 @@ pub struct StoreLabels {
     pub backend: &'static str,
 }
 
+/// The Redis primary a `redis_sentinel` store sends its calls to, by `host:port`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PrimaryLabels {
+    pub address: String,
+}
+
 /// An in-process store: `memory` (the configured backend) or `local` (the `on_error =
 /// "local"` fallback).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -99,6 +105,10 @@ pub struct LimiterMetrics {
     pub key_directory_keys: Gauge,
     /// What following a shared store's key directory did, by outcome.
     pub key_directory_syncs: Family<SyncLabels, Counter>,
+    /// Times a `redis_sentinel` store moved its calls to another primary.
+    pub primary_changes: Counter,
+    /// 1 for the primary a `redis_sentinel` store calls now (no series before one is found).
+    pub primary: Family<PrimaryLabels, Gauge>,
 }
 
 impl LimiterMetrics {
@@ -158,6 +168,18 @@ impl LimiterMetrics {
             "What following a shared store's key directory did, by outcome: resynced (read whole), failed, wrong_type (the last directory serves), change (a published change applied), ignored (malformed), subscribed, subscribe_failed, lost (the subscription's connection)",
             key_directory_syncs.clone(),
         );
+        let primary_changes = Counter::default();
+        registry.register(
+            "store_primary_changes",
+            "Times a backend = \"redis_sentinel\" store moved its calls to another primary (a failover it followed); finding the first primary is not counted",
+            primary_changes.clone(),
+        );
+        let primary = Family::<PrimaryLabels, Gauge>::default();
+        registry.register(
+            "store_primary",
+            "1 for the Redis primary a backend = \"redis_sentinel\" store sends its calls to now, by address (host:port, as the sentinels name it); no series while none is known",
+            primary.clone(),
+        );
         for outcome in SyncOutcome::ALL {
             let _ = key_directory_syncs.get_or_create(&SyncLabels { outcome });
         }
@@ -179,6 +201,8 @@ impl LimiterMetrics {
             memory_evictions,
             key_directory_keys,
             key_directory_syncs,
+            primary_changes,
+            primary,
         }
     }
 
