@@ -177,7 +177,7 @@ impl LimiterMetrics {
         let primary = Family::<PrimaryLabels, Gauge>::default();
         registry.register(
             "store_primary",
-            "1 for the Redis primary a backend = \"redis_sentinel\" store sends its calls to now, by address (host:port, as the sentinels name it); no series while none is known",
+            "1 for the Redis primary a backend = \"redis_sentinel\" store sends its calls to now, by address (host:port, as the sentinels name it), no series while none is known",
             primary.clone(),
         );
         for outcome in SyncOutcome::ALL {
