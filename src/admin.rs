@@ -230,8 +230,17 @@ async fn readyz(gw: &Gateway) -> Reply {
         Health::Open => "open",
         Health::Healthy | Health::Failing => "closed",
     };
+    // The current primary, under Sentinel: `(redis_sentinel mymaster → 10.0.0.2:6379)`.
+    let store = limiter.store();
+    let named = match store.primary() {
+        Some(_) => format!(" ({})", store.describe()),
+        None => String::new(),
+    };
     match limiter.ping().await {
-        Ok(()) => text(StatusCode::OK, "ready: store answers; breaker closed\n"),
+        Ok(()) => text(
+            StatusCode::OK,
+            format!("ready: store answers{named}; breaker closed\n"),
+        ),
         Err(e) => {
             let (status, verdict) = if on_error == OnError::Deny {
                 (StatusCode::SERVICE_UNAVAILABLE, "not ready")
@@ -241,7 +250,7 @@ async fn readyz(gw: &Gateway) -> Reply {
             text(
                 status,
                 format!(
-                    "{verdict}: store failing ({e}); breaker {breaker}; on_error = {}\n",
+                    "{verdict}: store failing ({e}){named}; breaker {breaker}; on_error = {}\n",
                     on_error.name()
                 ),
             )
@@ -687,6 +696,11 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
         "top": top,
         "store": {
             "backend": live.limiter.store().kind().name(),
+            // The store as named on the page: `redis_sentinel mymaster → 10.0.0.2:6379`
+            // under Sentinel, else the backend.
+            "described": live.limiter.store().describe(),
+            // The node calls go to now, where it can change (Sentinel); else null.
+            "primary": live.limiter.store().primary(),
             "health": health,
             "on_error": cfg.store.on_error.name(),
             // `local_share = "auto"`'s N: the gateways seen writing their heartbeat (the

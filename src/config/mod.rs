@@ -430,6 +430,11 @@ impl Config {
             Backend::RedisCluster { nodes } => {
                 format!("redis_cluster ({} seed nodes)", nodes.len())
             }
+            Backend::RedisSentinel(at) => format!(
+                "redis_sentinel (master {:?}, {} sentinels)",
+                at.master_name,
+                at.urls.len()
+            ),
         };
         let _ = writeln!(
             out,

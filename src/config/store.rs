@@ -7,6 +7,7 @@ use serde::Deserialize;
 
 use super::values::{HumanDuration, MaxKeys, Prefix, RedisUrl};
 use super::Invalid;
+use crate::limiter::redis::{PrimaryAuth, Sentinels};
 use crate::limiter::store::{Backend, OnError, Settings};
 
 #[derive(Deserialize, Clone, Copy, PartialEq, Eq, Default)]
@@ -16,6 +17,7 @@ enum RawBackend {
     Memory,
     Redis,
     RedisCluster,
+    RedisSentinel,
 }
 
 #[derive(Deserialize, Default)]
@@ -25,6 +27,10 @@ pub(super) struct RawStore {
     backend: RawBackend,
     url: Option<RedisUrl>,
     nodes: Option<Vec<RedisUrl>>,
+    sentinels: Option<Vec<RedisUrl>>,
+    master_name: Option<String>,
+    master_username: Option<String>,
+    master_password: Option<String>,
     prefix: Option<Prefix>,
     timeout: Option<HumanDuration>,
     on_error: Option<OnError>,
@@ -38,6 +44,28 @@ impl RawStore {
     pub(super) fn validate(self, span: Option<Range<usize>>) -> Result<Settings, Invalid> {
         let d = Settings::default();
         let backend = match (self.backend, self.url, self.nodes) {
+            (RawBackend::RedisSentinel, _, _) => Backend::RedisSentinel(Sentinels {
+                urls: match self.sentinels {
+                    Some(urls) if !urls.is_empty() => urls.into_iter().map(|u| u.0).collect(),
+                    _ => return Err(Invalid::new(
+                        span,
+                        "store.sentinels",
+                        "backend = \"redis_sentinel\" needs sentinels = [\"redis://host:26379\", ...] (one or more sentinels)",
+                    )),
+                },
+                master_name: match self.master_name {
+                    Some(name) if valid_master_name(&name) => name,
+                    _ => return Err(Invalid::new(
+                        span,
+                        "store.master_name",
+                        "backend = \"redis_sentinel\" needs master_name = \"<name>\": the name the sentinels monitor the primary by (1 to 256 characters, no spaces)",
+                    )),
+                },
+                auth: PrimaryAuth {
+                    username: self.master_username,
+                    password: self.master_password,
+                },
+            }),
             (RawBackend::Memory, _, _) => Backend::Memory,
             (RawBackend::Redis, Some(url), _) => Backend::Redis { url: url.0 },
             (RawBackend::Redis, None, _) => {
@@ -72,4 +100,9 @@ impl RawStore {
             max_keys: self.max_keys.map_or(d.max_keys, |m| m.0),
         })
     }
+}
+
+/// A master name as `sentinel monitor` takes it: one word.
+fn valid_master_name(name: &str) -> bool {
+    !name.is_empty() && name.len() <= 256 && name.bytes().all(|b| b.is_ascii_graphic())
 }

@@ -469,7 +469,7 @@ impl Limiter {
     fn failed(self: &Arc<Self>, e: &StoreError) {
         let n = self.failures.fetch_add(1, Relaxed) + 1;
         if n == 1 {
-            tracing::warn!(error = %e, on_error = self.on_error.name(), "store failing; applying on_error");
+            tracing::warn!(error = %e, on_error = self.on_error.name(), store = %self.store.describe(), "store failing; applying on_error");
         }
         // In a cluster one node's failure is not the others': its slots get on_error after
         // the store timeout, and the breaker, which would stop every slot, stays closed.
@@ -479,6 +479,7 @@ impl Limiter {
             tracing::warn!(
                 failures = n,
                 cooldown = ?self.cooldown,
+                store = %self.store.describe(),
                 "circuit breaker open: not waiting on the store; probing it in the background"
             );
             tokio::spawn(Self::probe(self.clone()));
@@ -494,7 +495,7 @@ impl Limiter {
                     this.failures.store(0, Relaxed);
                     this.open.store(false, Relaxed);
                     this.metrics.breaker_open.set(0);
-                    tracing::info!("store answers again; circuit breaker closed");
+                    tracing::info!(store = %this.store.describe(), "store answers again; circuit breaker closed");
                     return;
                 }
                 Err(e) => tracing::debug!(error = %e, "store probe failed; breaker stays open"),

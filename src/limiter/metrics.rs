@@ -64,6 +64,12 @@ pub struct StoreLabels {
     pub backend: &'static str,
 }
 
+/// The Redis primary a `redis_sentinel` store sends its calls to, by `host:port`.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct PrimaryLabels {
+    pub address: String,
+}
+
 /// An in-process store: `memory` (the configured backend) or `local` (the `on_error =
 /// "local"` fallback).
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
@@ -102,6 +108,10 @@ pub struct LimiterMetrics {
     /// The gateways seen writing their heartbeat to the shared store lately
     /// (`local_share = "auto"`'s N); 1 where none is written.
     pub gateways_seen: Gauge,
+    /// Times a `redis_sentinel` store moved its calls to another primary.
+    pub primary_changes: Counter,
+    /// 1 for the primary a `redis_sentinel` store calls now (no series before one is found).
+    pub primary: Family<PrimaryLabels, Gauge>,
 }
 
 impl LimiterMetrics {
@@ -167,6 +177,18 @@ impl LimiterMetrics {
             "Gateways (this one included) seen writing their heartbeat to the shared store within the last 15 s, as of the last heartbeat answered: the N of local_share = \"auto\" (kept while the store fails; 1 before any heartbeat, with the memory store, or where no rule has local_share = \"auto\")",
             gateways_seen.clone(),
         );
+        let primary_changes = Counter::default();
+        registry.register(
+            "store_primary_changes",
+            "Times a backend = \"redis_sentinel\" store moved its calls to another primary (a failover it followed); finding the first primary is not counted",
+            primary_changes.clone(),
+        );
+        let primary = Family::<PrimaryLabels, Gauge>::default();
+        registry.register(
+            "store_primary",
+            "1 for the Redis primary a backend = \"redis_sentinel\" store sends its calls to now, by address (host:port, as the sentinels name it), no series while none is known",
+            primary.clone(),
+        );
         for outcome in SyncOutcome::ALL {
             let _ = key_directory_syncs.get_or_create(&SyncLabels { outcome });
         }
@@ -189,6 +211,8 @@ impl LimiterMetrics {
             key_directory_keys,
             key_directory_syncs,
             gateways_seen,
+            primary_changes,
+            primary,
         }
     }
 

@@ -11,7 +11,7 @@ use std::time::Duration;
 
 use super::memory::{Evictions, MemoryStore};
 use super::metrics::LimiterMetrics;
-use super::redis::{RedisClusterStore, RedisStore};
+use super::redis::{RedisClusterStore, RedisSentinelStore, RedisStore, Sentinels};
 use super::{Adjust, Check, Clock, Decision, StoreError};
 
 /// Where limit state lives (`[store] backend`).
@@ -25,6 +25,8 @@ pub enum Backend {
     RedisCluster {
         nodes: Vec<String>,
     },
+    /// A primary with replicas, found and followed through Redis Sentinel.
+    RedisSentinel(Sentinels),
 }
 
 crate::metrics::label_enum! {
@@ -83,6 +85,7 @@ crate::metrics::label_enum! {
         Memory = "memory",
         Redis = "redis",
         RedisCluster = "redis_cluster",
+        RedisSentinel = "redis_sentinel",
     }
 }
 
@@ -175,6 +178,19 @@ pub trait Store: Send + Sync {
         Call::Ready(Ok(1))
     }
 
+    /// The address of the node calls go to now, where the store follows one that can
+    /// change (a Sentinel's primary); `None` otherwise, or while none is known.
+    fn primary(&self) -> Option<String> {
+        None
+    }
+
+    /// The store as the status page, `/readyz` and the breaker's logs name it: its kind,
+    /// and for a Sentinel's primary its name and address (`redis_sentinel mymaster →
+    /// 10.0.0.2:6379`).
+    fn describe(&self) -> String {
+        self.kind().name().to_string()
+    }
+
     /// Connect and load scripts ahead of the first request.
     fn warm(&self) -> Call<'_, ()> {
         self.ping()
@@ -211,6 +227,13 @@ pub fn open(
             nodes,
             &settings.prefix,
             settings.timeout,
+        )?),
+        Backend::RedisSentinel(at) => Box::new(RedisSentinelStore::new(
+            at,
+            &settings.prefix,
+            settings.timeout,
+            workers,
+            metrics,
         )?),
     })
 }

@@ -370,6 +370,7 @@ fn store_of(config: &Config) -> &'static str {
         crate::limiter::store::Backend::Memory => "memory",
         crate::limiter::store::Backend::Redis { .. } => "redis",
         crate::limiter::store::Backend::RedisCluster { .. } => "redis_cluster",
+        crate::limiter::store::Backend::RedisSentinel(_) => "redis_sentinel",
     }
 }
 

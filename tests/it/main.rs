@@ -29,6 +29,7 @@ mod perimeter;
 mod pools;
 mod request_path;
 mod scale;
+mod sentinel;
 mod settle_agree;
 mod settlement;
 mod setup;

@@ -14,7 +14,10 @@
 //! hash of the wrong type leaves the last set in place.
 //!
 //! With a Redis Cluster the hash lives on one slot, and the subscriber listens on one
-//! reachable node: a cluster broadcasts PUBLISH to every node.
+//! reachable node: a cluster broadcasts PUBLISH to every node. Under Sentinel each
+//! operation, and each subscription, goes to the primary the sentinels name at that moment
+//! (a failover drops the subscription; the next one is on the new primary, and its
+//! resynchronisation catches up).
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -63,6 +66,8 @@ pub enum DirectoryError {
     WrongType(String),
     #[error("{0}")]
     Redis(#[from] redis::RedisError),
+    #[error("{0}")]
+    Sentinel(crate::limiter::StoreError),
 }
 
 /// Where a shared store's directory lives, and how it is followed: what a change of
@@ -78,6 +83,7 @@ pub struct Location {
 enum Target {
     Redis(String),
     Cluster(Vec<String>),
+    Sentinel(super::Sentinels),
 }
 
 impl Location {
@@ -87,6 +93,7 @@ impl Location {
             Backend::Memory => return None,
             Backend::Redis { url } => Target::Redis(url.clone()),
             Backend::RedisCluster { nodes } => Target::Cluster(nodes.clone()),
+            Backend::RedisSentinel(at) => Target::Sentinel(at.clone()),
         };
         Some(Location {
             target,
@@ -138,25 +145,33 @@ impl RedisKeys {
 
     /// A connection for the calls of one operation (a change, a resynchronisation).
     async fn connect(&self) -> Result<Conn, DirectoryError> {
-        Ok(match &self.at.target {
-            Target::Redis(url) => {
-                let client = redis::Client::open(url.as_str())?;
-                let config = redis::AsyncConnectionConfig::new()
-                    .set_connection_timeout(Some(CALL_TIMEOUT))
-                    .set_response_timeout(Some(CALL_TIMEOUT));
-                Conn::Single(
-                    Self::timed(client.get_multiplexed_async_connection_with_config(&config))
-                        .await?,
-                )
-            }
+        let client = match &self.at.target {
+            Target::Redis(url) => redis::Client::open(url.as_str())?,
+            Target::Sentinel(at) => Self::primary(at).await?,
             Target::Cluster(nodes) => {
                 let client = redis::cluster::ClusterClient::builder(nodes.clone())
                     .connection_timeout(CALL_TIMEOUT)
                     .response_timeout(CALL_TIMEOUT)
                     .build()?;
-                Conn::Cluster(Self::timed(client.get_async_connection()).await?)
+                return Ok(Conn::Cluster(
+                    Self::timed(client.get_async_connection()).await?,
+                ));
             }
-        })
+        };
+        let config = redis::AsyncConnectionConfig::new()
+            .set_connection_timeout(Some(CALL_TIMEOUT))
+            .set_response_timeout(Some(CALL_TIMEOUT));
+        Ok(Conn::Single(
+            Self::timed(client.get_multiplexed_async_connection_with_config(&config)).await?,
+        ))
+    }
+
+    /// The primary the sentinels name now.
+    async fn primary(at: &super::Sentinels) -> Result<redis::Client, DirectoryError> {
+        at.primary(CALL_TIMEOUT)
+            .await
+            .map(|(_, client)| client)
+            .map_err(DirectoryError::Sentinel)
     }
 
     /// Apply `change` to the hash and publish it; the plan the key had before.
@@ -216,14 +231,17 @@ impl RedisKeys {
     /// A subscription to the changes channel: on the one Redis, or on the first cluster
     /// node that accepts it.
     async fn subscribe(&self) -> Result<redis::aio::PubSub, DirectoryError> {
-        let urls: Vec<&str> = match &self.at.target {
-            Target::Redis(url) => vec![url.as_str()],
-            Target::Cluster(nodes) => nodes.iter().map(String::as_str).collect(),
+        let clients: Vec<redis::Client> = match &self.at.target {
+            Target::Redis(url) => vec![redis::Client::open(url.as_str())?],
+            Target::Sentinel(at) => vec![Self::primary(at).await?],
+            Target::Cluster(nodes) => nodes
+                .iter()
+                .map(|n| redis::Client::open(n.as_str()))
+                .collect::<Result<_, _>>()?,
         };
         let mut last = None;
-        for url in urls {
+        for client in clients {
             let attempt = async {
-                let client = redis::Client::open(url)?;
                 let mut sub = Self::timed(client.get_async_pubsub()).await?;
                 Self::timed(sub.subscribe(&self.channel)).await?;
                 Ok::<_, DirectoryError>(sub)

@@ -1,5 +1,6 @@
-//! The shared stores: one Redis ([`RedisStore`]) or a Redis Cluster
-//! ([`RedisClusterStore`]). Both run the Lua twins of the step functions (`lua/`),
+//! The shared stores: one Redis ([`RedisStore`]), a Redis Cluster
+//! ([`RedisClusterStore`]), or a primary found through Redis Sentinel
+//! ([`RedisSentinelStore`], a [`RedisStore`] on whichever node is the primary now). All run the Lua twins of the step functions (`lua/`),
 //! composed into one script and called with EVALSHA (loaded again on NOSCRIPT, on every
 //! node of a cluster; see `eval`). Time is Redis' own `TIME`, so every
 //! gateway shares one clock.
@@ -14,6 +15,7 @@ mod cluster;
 pub mod directory;
 mod eval;
 mod heartbeat;
+mod sentinel;
 mod single;
 
 use std::future::Future;
@@ -33,6 +35,7 @@ const CALENDAR_CODE: u8 = 6;
 
 pub use cluster::RedisClusterStore;
 pub use heartbeat::HEARTBEAT_SCRIPT;
+pub use sentinel::{PrimaryAuth, RedisSentinelStore, Sentinels};
 pub use single::RedisStore;
 
 /// The script Redis runs: the prelude, each algorithm's file, and the dispatcher, compiled
@@ -422,6 +425,16 @@ trait Shared: DecideAt + Send + Sync {
     fn ping(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     fn warm(&self) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// See [`Store::primary`].
+    fn primary(&self) -> Option<String> {
+        None
+    }
+
+    /// See [`Store::describe`].
+    fn describe(&self) -> String {
+        Self::KIND.name().to_string()
+    }
 }
 
 impl<S: Shared> Store for S {
@@ -479,6 +492,14 @@ impl<S: Shared> Store for S {
 
     fn warm(&self) -> Call<'_, ()> {
         Call::pending(Shared::warm(self))
+    }
+
+    fn primary(&self) -> Option<String> {
+        Shared::primary(self)
+    }
+
+    fn describe(&self) -> String {
+        Shared::describe(self)
     }
 }
 

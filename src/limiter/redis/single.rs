@@ -144,14 +144,25 @@ impl RedisStore {
         timeout: Duration,
         workers: usize,
     ) -> Result<Self, StoreError> {
-        let client = redis::Client::open(url)?;
+        let s = Arc::new(Scripted::new(prefix, timeout));
+        Self::on_client(redis::Client::open(url)?, s, workers)
+    }
+
+    /// The same on a client made elsewhere, with the script, prefix and timeout of `s`
+    /// (each primary a Sentinel names gets a store of its own; one `s` keeps the
+    /// gateway's lease ids the same across them).
+    pub(super) fn on_client(
+        client: redis::Client,
+        s: Arc<Scripted>,
+        workers: usize,
+    ) -> Result<Self, StoreError> {
+        let timeout = s.timeout;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout.max(Duration::from_millis(250))))
             .set_response_timeout(Some(timeout))
             .set_number_of_retries(2)
             .set_min_delay(Duration::from_millis(10))
             .set_max_delay(Duration::from_millis(500));
-        let s = Arc::new(Scripted::new(prefix, timeout));
         let batchers = (0..=workers)
             .map(|_| {
                 Ok(Arc::new(Batcher {

@@ -5,6 +5,8 @@
 //!   replicas), and what the tests read from them (INFO counters, TTLs, Redis' clock). No
 //!   server the harness starts writes anything to disk (`--save ""`, `--appendonly no`,
 //!   `--dir` in a temporary directory).
+//! - [`sentinel`]: Redis under Sentinel: a primary, two replicas and three sentinels,
+//!   the primary killed (SIGKILL) and its successor waited for.
 //! - [`jwt`]: signing keys made here (openssl, rcgen), tokens signed with them, their
 //!   public keys as PEM and JWKS, and a JWKS served over https that can be changed and
 //!   stopped.
@@ -50,6 +52,7 @@ pub mod nginx;
 pub mod raw;
 pub mod redis_server;
 pub mod seed;
+pub mod sentinel;
 pub mod serial;
 pub mod tls;
 pub mod tls_upstream;
@@ -67,6 +70,7 @@ pub use nginx::*;
 pub use raw::*;
 pub use redis_server::*;
 pub use seed::*;
+pub use sentinel::*;
 pub use serial::*;
 pub use tls::*;
 pub use upstream::*;

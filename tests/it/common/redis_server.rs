@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use super::{free_port, wait_for_port};
 
 /// The arguments every redis-server here starts with.
-fn redis_args(port: u16, dir: &Path) -> Vec<String> {
+pub(super) fn redis_args(port: u16, dir: &Path) -> Vec<String> {
     [
         "--port",
         &port.to_string(),
@@ -31,7 +31,7 @@ fn redis_args(port: u16, dir: &Path) -> Vec<String> {
     .collect()
 }
 
-fn spawn_redis(args: &[String]) -> Child {
+pub(super) fn spawn_redis(args: &[String]) -> Child {
     Command::new("redis-server")
         .args(args)
         .stdout(Stdio::null())
