@@ -8,7 +8,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tokio::sync::oneshot;
 
 use super::{dropped, DecideAt, Encoded, Mode, Scripted, Shared};
-use crate::limiter::store::{Kind, Settlement};
+use crate::limiter::store::{Kind, Replication, Settlement};
 use crate::limiter::{Adjust, Check, Decision, StoreError};
 
 /// At most this many keys go in one batched script call (Redis runs one script at a time:
@@ -144,6 +144,18 @@ impl RedisStore {
         timeout: Duration,
         workers: usize,
     ) -> Result<Self, StoreError> {
+        Self::replicated(url, prefix, timeout, workers, Replication::Async)
+    }
+
+    /// The same, each write call followed by `WAIT` as `replication` asks
+    /// (`[store] replication`).
+    pub fn replicated(
+        url: &str,
+        prefix: &str,
+        timeout: Duration,
+        workers: usize,
+        replication: Replication,
+    ) -> Result<Self, StoreError> {
         let client = redis::Client::open(url)?;
         let config = ConnectionManagerConfig::new()
             .set_connection_timeout(Some(timeout.max(Duration::from_millis(250))))
@@ -151,7 +163,7 @@ impl RedisStore {
             .set_number_of_retries(2)
             .set_min_delay(Duration::from_millis(10))
             .set_max_delay(Duration::from_millis(500));
-        let s = Arc::new(Scripted::new(prefix, timeout));
+        let s = Arc::new(Scripted::new(prefix, timeout, replication));
         let batchers = (0..=workers)
             .map(|_| {
                 Ok(Arc::new(Batcher {
