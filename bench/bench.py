@@ -73,6 +73,7 @@ Ctrl-C or a failure.
     BENCH_ONLY=h2 bench/run       # only the h2 table
     BENCH_ONLY=jwt bench/run      # only the jwt table (JWT_IDENTITIES=10000 tokens in turn)
     BENCH_ONLY=settle bench/run   # only the settle table (charge by status and by reported cost)
+    BENCH_ONLY=replication bench/run  # only the replication table (async against WAIT 1)
 """
 
 import base64
@@ -1334,10 +1335,72 @@ def settle_table():
     print(" CPU us/req: user+system CPU time of ratewall per request)")
 
 
+REPL_BACKEND, REPL_PRIMARY, REPL_REPLICA = 19090, 19099, 19098
+REPL_PORTS = {"async": 19091, "wait = 1, 5ms": 19092, "wait = 1, 50ms": 19093}
+REPL_MODES = {"async": '"async"', "wait = 1, 5ms": '{ wait = 1, timeout = "5ms" }',
+              "wait = 1, 50ms": '{ wait = 1, timeout = "50ms" }'}
+
+
+def replication_table():
+    """What `[store] replication = { wait = 1 }` costs (issue 28): one Redis with one
+    replica (both on the load CPU, as the backend and wrk are), ratewall pinned on CPU 1 with
+    one worker, a rule never denying, one API key; async against WAIT 1 after every script
+    call. Requests/s, p50/p99 latency, CPU per request, script calls and WAITs per request."""
+    check_free((REPL_BACKEND, REPL_PRIMARY, REPL_REPLICA, *REPL_PORTS.values()))
+    os.makedirs(os.path.join(LAB, "nginx"), exist_ok=True)
+    backend = start_nginx("nginx-repl.conf", SETTLE_NGINX.replace("BACKEND", str(REPL_BACKEND))
+                          .replace("settle", "repl"), LOAD_CPU)
+    redis_args = ["--save", "", "--appendonly", "no", "--bind", "127.0.0.1"]
+    redis = start(["redis-server", "--port", str(REPL_PRIMARY), *redis_args], LOAD_CPU)
+    wait_port(REPL_PRIMARY)
+    start(["redis-server", "--port", str(REPL_REPLICA), *redis_args, "--replicaof", "127.0.0.1", str(REPL_PRIMARY)],
+          LOAD_CPU)
+    wait_port(REPL_REPLICA)
+    end = time.time() + 20
+    while "master_link_status:up" not in redis_cli(REPL_REPLICA, "INFO", "replication"):
+        if time.time() > end:
+            sys.exit("the replica never synced with its primary")
+        time.sleep(0.1)
+    gateways, targets = {}, []
+    for mode, port in REPL_PORTS.items():
+        text = (f'[server]\nlisten = "127.0.0.1:{port}"\nworkers = 1\n'
+                + SETTLE_RULE.replace("BACKEND", str(REPL_BACKEND)).replace(
+                    "STORE", f'[store]\nbackend = "redis"\nurl = "redis://127.0.0.1:{REPL_PRIMARY}"\n'
+                             f'timeout = "500ms"\nreplication = {REPL_MODES[mode]}'))
+        gateways[port] = start_ratewall(f"repl-{port}.toml", text)
+    for port in (REPL_BACKEND, *gateways):
+        wait_port(port)
+    check_pinned(gateways.values())
+    script = os.path.join(LAB, "repl.lua")
+    open(script, "w").write('wrk.path = "/ok"\nwrk.headers["x-api-key"] = "bench-key"\n')
+    for mode, port in REPL_PORTS.items():
+        targets.append((mode, port, script, True, gateways[port]))
+    med = measure(targets, (REPL_PRIMARY, redis), LOAD_CPU, "replication ", (backend,))
+    calls = int((re.findall(r"cmdstat_wait:calls=(\d+)", redis_cli(REPL_PRIMARY, "INFO", "commandstats")) or ["0"])[0])
+    print()
+    print(f"replication: ratewall alone on CPU {SERVER_CPU}, one worker; wrk, nginx (the backend), redis-server "
+          f"and its replica on CPU {LOAD_CPU}")
+    print(f"median of {RUNS} runs, wrk -t{THREADS} -c{CONNS} -d{SECS}s; one API key, a limit never reached")
+    print(f"{'replication':24} {'req/s':>9} {'p50 ms':>7} {'p99 ms':>7} {'non-2xx':>8} {'CPU us/req':>10} "
+          f"{'scripts/req':>11}")
+    for name, *_ in targets:
+        m = med[name]
+        print(f"{name:24} {m['rps']:>9.0f} {m['p50']:>7.2f} {m['p99']:>7.2f} {m['non2xx']:>8.0f} {cpu_us(m):>10.1f} "
+              f"{m['redis_per_req']:>11.3f}")
+    base = med["async"]
+    for name, *_ in targets[1:]:
+        m = med[name]
+        print(f"  {name}: {m['rps'] / base['rps']:.2f}x the requests/s of async, p50 {m['p50'] - base['p50']:+.2f} ms, "
+              f"p99 {m['p99'] - base['p99']:+.2f} ms")
+    print(f"(WAIT calls on the primary over the whole table: {calls}; a WAIT follows every script call of the")
+    print(" wait rows, one per batch of the requests a worker decides in one turn of its event loop;")
+    print(" non-2xx: 503s, calls whose WAIT saw no replica in time: on_error = deny)")
+
+
 def main():
     tables = {"main": main_table, "pinned": pinned_table, "tls": tls_table, "pools": pools_table,
               "ws": ws_table, "grpc": grpc_table, "h2": h2_table,
-              "jwt": jwt_table, "settle": settle_table}
+              "jwt": jwt_table, "settle": settle_table, "replication": replication_table}
     if ONLY not in ("", *tables):
         sys.exit(f"BENCH_ONLY={ONLY}: {', '.join(tables)}, or unset for all {len(tables)}")
     # What each table runs (the pools table: nginx and wrk only).
@@ -1349,7 +1412,8 @@ def main():
              "grpc": ("nginx", "h2load", "curl", "taskset"),
              "h2": ("wrk", "taskset"),
              "jwt": ("wrk", "taskset", "curl"),
-             "settle": ("nginx", "wrk", "redis-server", "redis-cli", "taskset")}
+             "settle": ("nginx", "wrk", "redis-server", "redis-cli", "taskset"),
+             "replication": ("nginx", "wrk", "redis-server", "redis-cli", "taskset")}
     for tool in sorted({t for table in ([ONLY] if ONLY else needs) for t in needs[table]}):
         if not shutil.which(tool):
             sys.exit(f"{tool} is missing: bench/run installs it")

@@ -401,6 +401,7 @@ impl Limiter {
             StoreError::CircuitOpen => StoreErrorKind::BreakerOpen,
             StoreError::Full(_) => StoreErrorKind::Full,
             StoreError::Timeout(_) => StoreErrorKind::Timeout,
+            StoreError::Unreplicated { .. } => StoreErrorKind::Unreplicated,
             e if e.is_data_error() => StoreErrorKind::Data,
             StoreError::Redis(r) if r.is_timeout() => StoreErrorKind::Timeout,
             StoreError::Redis(r)

@@ -17,6 +17,8 @@ crate::metrics::label_enum! {
         Connection = "connection",
         /// One key's data (wrong type, corrupt state).
         Data = "data",
+        /// A write fewer replicas confirmed in time than `[store] replication` asks.
+        Unreplicated = "unreplicated",
         /// Not tried: the circuit breaker is open.
         BreakerOpen = "breaker_open",
         /// The memory store had no room for a new key (every key in the way is being denied).

@@ -41,7 +41,7 @@ use crate::identity::IdentityDigest;
 
 pub use quota::{Algorithm, LocalShare, Quota, QuotaError, QuotaField, Rate, Share, MAX_LEVEL};
 pub use settle::{settle, Adjust, Settled};
-pub use store::{Backend, OnError, Store};
+pub use store::{Backend, OnError, Replication, Store};
 
 /// What one rule said about one request.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -179,6 +179,10 @@ pub enum StoreError {
     Data(String),
     #[error("circuit breaker open: the store is not tried")]
     CircuitOpen,
+    /// A write fewer replicas confirmed within its `WAIT` than `[store] replication` asks:
+    /// its admissions are not answered as such, since a failover could lose them.
+    #[error("{acked} of {wanted} replicas confirmed the write in time")]
+    Unreplicated { acked: u64, wanted: u32 },
     /// The memory store has no room for a key the request would add.
     #[error(transparent)]
     Full(#[from] memory::Full),

@@ -62,6 +62,29 @@ pub struct Settings {
     /// The most keys the memory store (and the `local` fallback) tracks; see
     /// [`crate::limiter::memory`] for what is evicted when it is full.
     pub max_keys: usize,
+    /// Whether an admission waits for replicas to have it (`[store] replication`).
+    pub replication: Replication,
+}
+
+/// Whether a write script call waits for replicas (`[store] replication`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Replication {
+    /// Redis' own: the primary answers, its replicas get the write a moment later. A
+    /// failover loses what the promoted replica had not yet got, and every admission those
+    /// writes recorded can be granted again.
+    #[default]
+    Async,
+    /// After each write script call, `WAIT replicas timeout` on the same connection, in
+    /// the same round trip: the call's admissions stand only once `replicas` replicas have
+    /// the write. Fewer within `timeout` make the call a store error
+    /// ([`StoreError::Unreplicated`](super::StoreError::Unreplicated)), which `on_error`
+    /// answers.
+    Wait { replicas: u32, timeout: Duration },
+}
+
+impl Replication {
+    /// The most replicas `wait` may name.
+    pub const MAX_REPLICAS: u32 = 16;
 }
 
 impl Default for Settings {
@@ -74,6 +97,7 @@ impl Default for Settings {
             breaker_failures: 5,
             breaker_cooldown: Duration::from_secs(1),
             max_keys: 1_000_000,
+            replication: Replication::Async,
         }
     }
 }
@@ -217,22 +241,25 @@ pub fn open(
             settings.max_keys,
             Evictions::of(metrics, "memory"),
         )),
-        Backend::Redis { url } => Box::new(RedisStore::for_workers(
+        Backend::Redis { url } => Box::new(RedisStore::replicated(
             url,
             &settings.prefix,
             settings.timeout,
             workers,
+            settings.replication,
         )?),
-        Backend::RedisCluster { nodes } => Box::new(RedisClusterStore::new(
+        Backend::RedisCluster { nodes } => Box::new(RedisClusterStore::replicated(
             nodes,
             &settings.prefix,
             settings.timeout,
+            settings.replication,
         )?),
         Backend::RedisSentinel(at) => Box::new(RedisSentinelStore::new(
             at,
             &settings.prefix,
             settings.timeout,
             workers,
+            settings.replication,
             metrics,
         )?),
     })

@@ -12,6 +12,7 @@ mod config_fixtures;
 mod dashboards;
 mod docs;
 mod e2e;
+mod failover;
 mod faults;
 mod features;
 mod grpc;

@@ -470,6 +470,7 @@ fn assert_series_at_zero(m: &Scrape, rules: &[&str], ctx: &str) {
         "timeout",
         "connection",
         "data",
+        "unreplicated",
         "breaker_open",
         "full",
         "other",

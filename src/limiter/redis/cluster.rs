@@ -8,7 +8,7 @@ use redis::cluster_async::ClusterConnection;
 
 use super::{DecideAt, Mode, Scripted, Shared};
 use crate::identity::IdentityDigest;
-use crate::limiter::store::{Kind, Settlement};
+use crate::limiter::store::{Kind, Replication, Settlement};
 use crate::limiter::{Adjust, Check, Decision, StoreError};
 
 /// A Redis Cluster through redis-rs' cluster client, which follows MOVED/ASK redirections
@@ -24,6 +24,17 @@ impl RedisClusterStore {
     /// connect is tried again by the next call), so the gateway starts while the cluster
     /// is down and answers by `on_error`.
     pub fn new(nodes: &[String], prefix: &str, timeout: Duration) -> Result<Self, StoreError> {
+        Self::replicated(nodes, prefix, timeout, Replication::Async)
+    }
+
+    /// The same, each write call followed by `WAIT` on the master that ran it, as
+    /// `replication` asks (`[store] replication`).
+    pub fn replicated(
+        nodes: &[String],
+        prefix: &str,
+        timeout: Duration,
+        replication: Replication,
+    ) -> Result<Self, StoreError> {
         let client = ClusterClient::builder(nodes.to_vec())
             .connection_timeout(timeout.max(Duration::from_millis(250)))
             .response_timeout(timeout)
@@ -34,7 +45,7 @@ impl RedisClusterStore {
         Ok(RedisClusterStore {
             client,
             conn: tokio::sync::OnceCell::new(),
-            s: Scripted::new(prefix, timeout),
+            s: Scripted::new(prefix, timeout, replication),
         })
     }
 

@@ -8,6 +8,12 @@
 //! again, until the redirections run out and the call fails. Under load that turned a
 //! slot migration into store errors (tests/it/scale.rs,
 //! `a_slot_moved_to_another_master_mid_run_keeps_its_state`).
+//!
+//! With `[store] replication = { wait }` a write call is followed by `WAIT` in the same
+//! pipeline ([`eval_waited`]): one round trip, on the connection (so to the node) that ran
+//! the script, since `WAIT` counts the replicas that have that connection's writes. A
+//! cluster routes the pipeline by the script's keys, to the master of their slot (`WAIT`
+//! has no key and does not move it).
 
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
@@ -87,6 +93,31 @@ impl Evaluates for ClusterConnection {
     }
 }
 
+/// `WAIT <replicas> <timeout>`, as `[store] replication = { wait, timeout }` asks it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Wait {
+    pub(super) replicas: u32,
+    /// Never 0: `WAIT` with a timeout of 0 blocks until enough replicas answer, forever.
+    timeout_ms: u64,
+}
+
+impl Wait {
+    /// `timeout` in whole milliseconds, rounded up, at least 1.
+    pub(super) fn new(replicas: u32, timeout: std::time::Duration) -> Wait {
+        let ms = timeout.as_micros().div_ceil(1000).max(1);
+        Wait {
+            replicas,
+            timeout_ms: u64::try_from(ms).unwrap_or(u64::MAX),
+        }
+    }
+
+    fn cmd(&self) -> Cmd {
+        let mut cmd = redis::cmd("WAIT");
+        cmd.arg(self.replicas).arg(self.timeout_ms);
+        cmd
+    }
+}
+
 /// EVALSHA `inv`; on NOSCRIPT, load the script and call it once more; on an ASK that
 /// redis-rs gave up on, call it on the node the ASK names.
 pub(super) async fn eval<C: Evaluates, T: FromRedisValue>(
@@ -103,7 +134,42 @@ pub(super) async fn eval<C: Evaluates, T: FromRedisValue>(
     };
     match (answer, conn.cluster()) {
         (Err(e), Some(cluster)) if matches!(e.retry_method(), RetryMethod::AskRedirect) => {
-            asking(cluster, inv, e).await
+            let answer = only(asking(cluster, inv, e, None).await?)?;
+            Ok(T::from_redis_value(answer)?)
+        }
+        (answer, _) => answer,
+    }
+}
+
+/// EVALSHA `inv` and `wait` in one pipeline on one connection: the script's answer, and
+/// how many replicas had its write by `WAIT`'s end. NOSCRIPT and ASK are followed as
+/// [`eval`] follows them, `WAIT` still right after the call.
+pub(super) async fn eval_waited<C: Evaluates, T: FromRedisValue>(
+    conn: &mut C,
+    inv: &Invocation<'_>,
+    wait: Wait,
+) -> RedisResult<(T, u64)> {
+    let mut call = redis::pipe();
+    call.add_command(inv.evalsha()).add_command(wait.cmd());
+    let answer = match call.query_async(conn).await {
+        Err(e) if no_script(&e) => {
+            inv.lua.load().exec_async(conn).await?;
+            call.query_async(conn).await
+        }
+        answer => answer,
+    };
+    match (answer, conn.cluster()) {
+        (Err(e), Some(cluster)) if matches!(e.retry_method(), RetryMethod::AskRedirect) => {
+            let mut answers = asking(cluster, inv, e, Some(wait)).await?;
+            let (Some(acked), Some(answer), true) =
+                (answers.pop(), answers.pop(), answers.is_empty())
+            else {
+                return Err(RedisError::from((
+                    ErrorKind::Parse,
+                    "a redirected script call got other than two answers",
+                )));
+            };
+            Ok((T::from_redis_value(answer)?, u64::from_redis_value(acked)?))
         }
         (answer, _) => answer,
     }
@@ -113,32 +179,42 @@ fn no_script(e: &RedisError) -> bool {
     e.kind() == ErrorKind::Server(redis::ServerErrorKind::NoScript)
 }
 
-/// Call `inv` on the node `ask` names, `ASKING` and the call written as one pipeline so
-/// that nothing comes between them; the script first when that node lacks it.
-async fn asking<T: FromRedisValue>(
+/// Call `inv` on the node `ask` names, `ASKING` and the call (and `wait`, if any) written
+/// as one pipeline so that nothing comes between them; the script first when that node
+/// lacks it. The call's answer, then `WAIT`'s.
+async fn asking(
     conn: &mut ClusterConnection,
     inv: &Invocation<'_>,
     ask: RedisError,
-) -> RedisResult<T> {
+    wait: Option<Wait>,
+) -> RedisResult<Vec<Value>> {
     let Some(route) = ask
         .redirect_node()
         .and_then(|(node, _slot)| by_address(node))
     else {
         return Err(ask);
     };
-    let mut pipe = redis::pipe();
-    pipe.cmd("ASKING").add_command(inv.evalsha());
-    let mut answer = only(conn.route_pipeline(pipe, 1, 1, route.clone()).await?)?;
-    if let Value::ServerError(e) = &answer {
+    let count = 1 + usize::from(wait.is_some());
+    let pipeline = |load: bool| {
+        let mut pipe = redis::pipe();
+        if load {
+            pipe.add_command(inv.lua.load());
+        }
+        pipe.cmd("ASKING").add_command(inv.evalsha());
+        if let Some(w) = wait {
+            pipe.add_command(w.cmd());
+        }
+        pipe
+    };
+    let mut answers = conn
+        .route_pipeline(pipeline(false), 1, count, route.clone())
+        .await?;
+    if let Some(Value::ServerError(e)) = answers.first() {
         if no_script(&RedisError::from(e.clone())) {
-            let mut pipe = redis::pipe();
-            pipe.add_command(inv.lua.load())
-                .cmd("ASKING")
-                .add_command(inv.evalsha());
-            answer = only(conn.route_pipeline(pipe, 2, 1, route).await?)?;
+            answers = conn.route_pipeline(pipeline(true), 2, count, route).await?;
         }
     }
-    Ok(T::from_redis_value(answer.extract_error()?)?)
+    answers.into_iter().map(Value::extract_error).collect()
 }
 
 /// `host:port` (the host may be an IPv6 address) as a route to that node.
@@ -166,6 +242,7 @@ fn only(mut answers: Vec<Value>) -> RedisResult<Value> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::time::Duration;
 
     #[test]
     fn a_node_address_is_a_route() {
@@ -178,6 +255,25 @@ mod tests {
         assert_eq!(by_address("[::1]:7001"), Some(route("::1", 7001)));
         assert_eq!(by_address("node-a:70001"), None);
         assert_eq!(by_address("no-port"), None);
+    }
+
+    #[test]
+    fn a_wait_never_blocks_forever() {
+        let ms = |d: Duration| Wait::new(1, d).timeout_ms;
+        assert_eq!(ms(Duration::from_millis(5)), 5);
+        assert_eq!(ms(Duration::from_micros(5_001)), 6, "rounded up");
+        assert_eq!(
+            ms(Duration::from_micros(1)),
+            1,
+            "WAIT 0 would block forever"
+        );
+        let packed = String::from_utf8_lossy(
+            &Wait::new(2, Duration::from_millis(50))
+                .cmd()
+                .get_packed_command(),
+        )
+        .into_owned();
+        assert_eq!(packed, "*3\r\n$4\r\nWAIT\r\n$1\r\n2\r\n$2\r\n50\r\n");
     }
 
     #[test]

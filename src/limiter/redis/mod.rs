@@ -10,6 +10,14 @@
 //! (`<prefix>:{<identity-hash>}:<rule>`), so all rules on one identity are still one
 //! atomic call; rules on different identities (say, per key and per IP) are decided one
 //! identity at a time, and a denial refunds what the identities before it took.
+//!
+//! With `[store] replication = { wait = N, timeout }` every write call (a decision or a
+//! batch of them, a settlement, a cluster's call per slot and its refunds; not a peek, nor
+//! a lease's renewal or release) is followed by `WAIT N timeout` in the same round trip
+//! (`eval::eval_waited`); fewer than N replicas make the call a store error
+//! ([`StoreError::Unreplicated`]), which `on_error` answers: an admission a replica never
+//! got could be granted again by a replica promoted after a failover (docs/scaling.md,
+//! "What a failover costs").
 
 mod cluster;
 pub mod directory;
@@ -23,10 +31,10 @@ use std::time::Duration;
 
 use redis::aio::ConnectionLike;
 
-use eval::{eval, Evaluates, Invocation, Lua};
+use eval::{eval, eval_waited, Evaluates, Invocation, Lua, Wait};
 
 use super::settle::Adjust;
-use super::store::{Call, Kind, Settlement, Store};
+use super::store::{Call, Kind, Replication, Settlement, Store};
 use super::{unix_now_us, Algorithm, Check, Decision, StoreError};
 
 /// The script's algorithm code for a calendar window (`lua/fixed_window.lua`): a fixed
@@ -67,6 +75,8 @@ struct Scripted {
     timeout: Duration,
     /// Tells this process's leases from other gateways' in a shared lease set.
     instance: u64,
+    /// What a write call waits for after it ran: `None`, or the replicas `WAIT` asks for.
+    wait: Option<Wait>,
 }
 
 /// One check as the script's arguments (see `lua/prelude.lua`).
@@ -89,7 +99,7 @@ impl Encoded {
 }
 
 impl Scripted {
-    fn new(prefix: &str, timeout: Duration) -> Scripted {
+    fn new(prefix: &str, timeout: Duration, replication: Replication) -> Scripted {
         use std::hash::{BuildHasher, Hasher};
         // 64 random bits (std's per-process SipHash keys) mixed with the pid and the time.
         let mut h = std::collections::hash_map::RandomState::new().build_hasher();
@@ -105,6 +115,10 @@ impl Scripted {
             prefix: prefix.to_string(),
             timeout,
             instance: h.finish(),
+            wait: match replication {
+                Replication::Async => None,
+                Replication::Wait { replicas, timeout } => Some(Wait::new(replicas, timeout)),
+            },
         }
     }
 
@@ -272,19 +286,43 @@ impl Scripted {
             arg.push_str(n.format(check.quota.max_debt));
             inv.key(&e.key).arg(&e.quota).arg(arg);
         }
-        self.answers(conn, &inv, items.len()).await
+        self.answers(conn, &inv, items.len(), true).await
     }
 
-    /// Run `inv` on `keys` keys: their answers, 4 numbers a key.
+    /// Run `inv`, within the store timeout: the script's reply. A write (`write`) with
+    /// `replication = { wait }` is followed by `WAIT` on the same connection, in the same
+    /// round trip; fewer replicas than asked make the call [`StoreError::Unreplicated`],
+    /// whatever it decided (its writes stand on the primary: stricter, never looser).
+    async fn run<C: Evaluates>(
+        &self,
+        conn: &mut C,
+        inv: &Invocation<'_>,
+        write: bool,
+    ) -> Result<Vec<redis::Value>, StoreError> {
+        let Some(wait) = self.wait.filter(|_| write) else {
+            return self.timed(eval(conn, inv)).await;
+        };
+        let (reply, acked): (Vec<redis::Value>, u64) =
+            self.timed(eval_waited(conn, inv, wait)).await?;
+        if acked < u64::from(wait.replicas) {
+            return Err(StoreError::Unreplicated {
+                acked,
+                wanted: wait.replicas,
+            });
+        }
+        Ok(reply)
+    }
+
+    /// Run `inv` on `keys` keys: their answers, 4 numbers a key. `write`: the call may
+    /// write (a decision, a settlement), so replication applies.
     async fn answers<C: Evaluates>(
         &self,
         conn: &mut C,
         inv: &Invocation<'_>,
         keys: usize,
+        write: bool,
     ) -> Result<Vec<Decision>, StoreError> {
-        let reply: Vec<redis::Value> = tokio::time::timeout(self.timeout, eval(conn, inv))
-            .await
-            .map_err(|_| StoreError::Timeout(self.timeout))??;
+        let reply = self.run(conn, inv, write).await?;
         if reply.len() != keys * 4 {
             return Err(StoreError::Protocol(format!(
                 "the script returned {} values for {keys} keys",
@@ -313,7 +351,8 @@ impl Scripted {
         for c in checks {
             c.push(&mut inv, false);
         }
-        self.answers(conn, &inv, checks.len()).await
+        self.answers(conn, &inv, checks.len(), mode == Mode::Decide)
+            .await
     }
 
     /// One script call deciding several requests, one after another, each all or nothing
@@ -330,9 +369,7 @@ impl Scripted {
                 c.push(&mut inv, r > 0 && k == 0);
             }
         }
-        let reply: Vec<redis::Value> = tokio::time::timeout(self.timeout, eval(conn, &inv))
-            .await
-            .map_err(|_| StoreError::Timeout(self.timeout))??;
+        let reply = self.run(conn, &inv, true).await?;
         let keys: usize = requests.iter().map(|r| r.len()).sum();
         if reply.len() != keys * 4 {
             return Err(StoreError::Protocol(format!(

@@ -32,7 +32,7 @@ use tokio::sync::{watch, Notify};
 use super::single::RedisStore;
 use super::{DecideAt, Scripted, Shared};
 use crate::limiter::metrics::{LimiterMetrics, PrimaryLabels};
-use crate::limiter::store::{Kind, Settlement};
+use crate::limiter::store::{Kind, Replication, Settlement};
 use crate::limiter::{Check, Decision, StoreError};
 
 /// How often the sentinels are asked where the primary is, whatever else happens.
@@ -225,6 +225,7 @@ impl RedisSentinelStore {
         prefix: &str,
         timeout: Duration,
         workers: usize,
+        replication: Replication,
         metrics: &LimiterMetrics,
     ) -> Result<Self, StoreError> {
         for url in &at.urls {
@@ -233,7 +234,7 @@ impl RedisSentinelStore {
         let store = RedisSentinelStore {
             inner: Arc::new(Inner {
                 at: at.clone(),
-                s: Arc::new(Scripted::new(prefix, timeout)),
+                s: Arc::new(Scripted::new(prefix, timeout, replication)),
                 workers,
                 primary: ArcSwapOption::empty(),
                 ask: Notify::new(),

@@ -8,7 +8,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tokio::sync::oneshot;
 
 use super::{dropped, DecideAt, Encoded, Mode, Scripted, Shared};
-use crate::limiter::store::{Kind, Settlement};
+use crate::limiter::store::{Kind, Replication, Settlement};
 use crate::limiter::{Adjust, Check, Decision, StoreError};
 
 /// At most this many keys go in one batched script call (Redis runs one script at a time:
@@ -144,13 +144,25 @@ impl RedisStore {
         timeout: Duration,
         workers: usize,
     ) -> Result<Self, StoreError> {
-        let s = Arc::new(Scripted::new(prefix, timeout));
+        Self::replicated(url, prefix, timeout, workers, Replication::Async)
+    }
+
+    /// The same, each write call followed by `WAIT` as `replication` asks
+    /// (`[store] replication`).
+    pub fn replicated(
+        url: &str,
+        prefix: &str,
+        timeout: Duration,
+        workers: usize,
+        replication: Replication,
+    ) -> Result<Self, StoreError> {
+        let s = Arc::new(Scripted::new(prefix, timeout, replication));
         Self::on_client(redis::Client::open(url)?, s, workers)
     }
 
-    /// The same on a client made elsewhere, with the script, prefix and timeout of `s`
-    /// (each primary a Sentinel names gets a store of its own; one `s` keeps the
-    /// gateway's lease ids the same across them).
+    /// The same on a client made elsewhere, with the script, prefix, timeout and
+    /// replication of `s` (each primary a Sentinel names gets a store of its own; one `s`
+    /// keeps the gateway's lease ids the same across them).
     pub(super) fn on_client(
         client: redis::Client,
         s: Arc<Scripted>,

@@ -51,6 +51,8 @@ pub struct RedisServer {
     pub port: u16,
     child: Option<Child>,
     dir: tempfile::TempDir,
+    /// The primary's port, for a replica.
+    replica_of: Option<u16>,
 }
 
 impl RedisServer {
@@ -59,13 +61,46 @@ impl RedisServer {
             port: free_port(),
             child: None,
             dir: tempfile::tempdir().expect("tempdir"),
+            replica_of: None,
         };
         s.spawn();
         s
     }
 
+    /// A replica of `primary` (`--replicaof`), returned once its link is up and it has
+    /// everything the primary had.
+    pub fn start_replica_of(primary: &RedisServer) -> RedisServer {
+        let mut s = RedisServer {
+            port: free_port(),
+            child: None,
+            dir: tempfile::tempdir().expect("tempdir"),
+            replica_of: Some(primary.port),
+        };
+        s.spawn();
+        let end = Instant::now() + Duration::from_secs(20);
+        loop {
+            let info: String = redis::cmd("INFO")
+                .arg("replication")
+                .query(&mut s.conn())
+                .unwrap_or_default();
+            if info.contains("master_link_status:up") {
+                return s;
+            }
+            assert!(Instant::now() < end, "the replica never synced:\n{info}");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
     fn spawn(&mut self) {
-        self.child = Some(spawn_redis(&redis_args(self.port, self.dir.path())));
+        let mut args = redis_args(self.port, self.dir.path());
+        if let Some(primary) = self.replica_of {
+            args.extend([
+                "--replicaof".into(),
+                "127.0.0.1".into(),
+                primary.to_string(),
+            ]);
+        }
+        self.child = Some(spawn_redis(&args));
         assert!(
             wait_for_port(self.port, Duration::from_secs(10)),
             "redis-server did not start"
@@ -210,9 +245,9 @@ pub fn key_slot(key: &str) -> u16 {
     crc % 16384
 }
 
-/// A real Redis Cluster of 3 masters, and a replica for each when asked, on loopback
+/// A real Redis Cluster of 3 masters, and replicas for each when asked, on loopback
 /// ports, torn down on drop. Node `i` is the `i`-th process started: 0, 1, 2 start as
-/// masters, 3, 4, 5 (with replicas) as their replicas; a failover changes who is what.
+/// masters, 3 and on (with replicas) as their replicas; a failover changes who is what.
 pub struct RedisCluster {
     pub ports: Vec<u16>,
     children: Vec<Option<Child>>,
