@@ -258,13 +258,21 @@ mod tests {
         assert_eq!(before, 20.0);
         window(&mut g, &mut now, 20 * MS, 20);
         let expected = 20.0 * 0.8 + (20.0 * 0.525 + 20f64.sqrt()) * 0.2;
-        assert!((g.limit - expected).abs() < 1e-9, "{} vs {expected}", g.limit);
+        assert!(
+            (g.limit - expected).abs() < 1e-9,
+            "{} vs {expected}",
+            g.limit
+        );
         assert_eq!(g.long(), Some(Duration::from_secs_f64(0.0105)));
         // Ten times slower: the gradient is clamped at 0.5.
         let l = g.limit;
         window(&mut g, &mut now, 200 * MS, 20);
         let expected = l * 0.8 + (l * 0.5 + l.sqrt()) * 0.2;
-        assert!((g.limit - expected).abs() < 1e-9, "{} vs {expected}", g.limit);
+        assert!(
+            (g.limit - expected).abs() < 1e-9,
+            "{} vs {expected}",
+            g.limit
+        );
     }
 
     #[test]

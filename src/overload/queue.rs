@@ -104,7 +104,14 @@ mod tests {
     #[test]
     fn the_highest_priority_goes_first_and_each_priority_in_arrival_order() {
         let mut q = Queue::new(10);
-        for (p, x) in [(0, "f1"), (10, "p1"), (0, "f2"), (5, "m1"), (10, "p2"), (0, "f3")] {
+        for (p, x) in [
+            (0, "f1"),
+            (10, "p1"),
+            (0, "f2"),
+            (5, "m1"),
+            (10, "p2"),
+            (0, "f3"),
+        ] {
             assert!(matches!(q.push(p, x), Pushed::Queued(_)));
         }
         assert_eq!(q.len_at(0), 3);

@@ -163,5 +163,8 @@ async fn an_adaptive_pool_counts_answered_permits_as_samples() {
     let Control::Adaptive(g) = &s.control else {
         panic!("adaptive")
     };
-    assert!(g.floor().is_some(), "the answered permit was a low-concurrency sample");
+    assert!(
+        g.floor().is_some(),
+        "the answered permit was a low-concurrency sample"
+    );
 }
