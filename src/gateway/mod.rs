@@ -719,8 +719,8 @@ impl Gateway {
             Err(resp) => return (resp, pass.note),
         };
         let forwarded = pool.forward(&mut out, &down, pick).await;
-        if forwarded.result.is_ok() {
-            permit.map(crate::overload::Permit::answered);
+        if let (Some(p), true) = (permit, forwarded.result.is_ok()) {
+            p.answered();
         }
         pass.note.server = forwarded.server;
         pass.note.attempts = forwarded.attempts;

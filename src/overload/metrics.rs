@@ -22,6 +22,9 @@ pub struct OverloadPriorityLabels {
     pub priority: u32,
 }
 
+/// Each protected pool's name, with the priorities its requests may have.
+pub type Protected = Vec<(String, Vec<u32>)>;
+
 /// The families, registered once.
 #[derive(Clone)]
 pub struct OverloadMetrics {
@@ -31,7 +34,7 @@ pub struct OverloadMetrics {
     wait: Family<OverloadPriorityLabels, Histogram>,
     shed: Family<OverloadPriorityLabels, Counter>,
     /// The series the last config implied ([`OverloadMetrics::configure`]).
-    known: Arc<Mutex<Vec<(String, Vec<u32>)>>>,
+    known: Arc<Mutex<Protected>>,
 }
 
 /// One pool's handles.
@@ -121,7 +124,7 @@ impl OverloadMetrics {
     /// The series of `pools` (each protected pool's name, with the priorities its
     /// requests may have), created at zero; those of pools and priorities no longer
     /// there, removed.
-    pub fn configure(&self, pools: Vec<(String, Vec<u32>)>) {
+    pub fn configure(&self, pools: Protected) {
         let mut known = self.known.lock().unwrap_or_else(|p| p.into_inner());
         for (pool, priorities) in known.iter() {
             let kept = pools.iter().find(|(p, _)| p == pool);
