@@ -65,6 +65,10 @@
 //!   by `peer_settings`, bodies and trailers both ways), and `error`: a typed
 //!   [`upstream::Error`] that says the client's status (502, 504, 400, 408) and whether
 //!   the request may go again.
+//! - [`overload`]: a pool's overload protection (`overload = { … }`): its concurrency
+//!   limit, adaptive (`limit.rs`, a gradient controller on an injected clock) or fixed,
+//!   and the queue beyond it by priority (`queue.rs`); a [`overload::Permit`] held from
+//!   send to the answer's head. Asked by `gateway/overload.rs` after the rate limits.
 //! - [`settle`]: settling reservations; `usage`, the tokens an OpenAI-compatible backend
 //!   reports, read from its answer's body (JSON or server-sent events) as it streams past.
 //! - [`websocket`]: RFC 6455 as a gateway passing frames through needs it: `frame` (an
@@ -93,6 +97,7 @@ pub mod headers;
 pub mod identity;
 pub mod limiter;
 pub mod metrics;
+pub mod overload;
 pub mod random;
 pub mod rules;
 pub mod server;

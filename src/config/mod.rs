@@ -14,6 +14,7 @@ mod diff;
 mod jwt;
 mod keys;
 mod matching;
+mod overload;
 mod overrides;
 mod routes;
 mod rules;

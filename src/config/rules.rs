@@ -107,6 +107,8 @@ struct RawMessages {
 #[serde(deny_unknown_fields)]
 struct RawPlanOverride {
     exempt: Option<Spanned<bool>>,
+    /// Its requests' place in an overloaded pool's queue (higher first; default 0).
+    priority: Option<u32>,
     rate: Option<Rate>,
     burst: Option<NonZeroU64>,
     algorithm: Option<Algorithm>,
@@ -221,6 +223,11 @@ impl RawRule {
                 };
             }
         }
+        let priorities = self
+            .plans
+            .iter()
+            .filter_map(|(plan, o)| Some((plan.clone(), o.get_ref().priority?)))
+            .collect();
         Ok(Rule {
             name: self.name.get_ref().0.clone(),
             matcher: match &self.matcher {
@@ -238,6 +245,7 @@ impl RawRule {
                 missing: self.missing_key,
             },
             plans,
+            priorities,
             quota,
             mode,
             enforce_percent,

@@ -13,6 +13,7 @@ use serde::de::{self, Deserializer, MapAccess, Visitor};
 use serde::Deserialize;
 use toml::Spanned;
 
+use super::overload::RawOverload;
 use super::values::{
     BalanceSpec, Expect, FailStatus, HealthPath, HumanDuration, Percent, PoolName, ProtocolSpec,
     Retries, UpstreamUrl, Weight,
@@ -49,6 +50,7 @@ pub(super) struct RawUpstream {
     retries: Option<Spanned<Retries>>,
     resolve_every: Option<Spanned<HumanDuration>>,
     protocol: Option<Spanned<ProtocolSpec>>,
+    overload: Option<Spanned<RawOverload>>,
 }
 
 /// One `[[upstreams]]` pool: the keys of `[upstream]` (but `url`), a name and servers.
@@ -74,6 +76,7 @@ pub(super) struct RawPool {
     retries: Option<Spanned<Retries>>,
     resolve_every: Option<Spanned<HumanDuration>>,
     protocol: Option<Spanned<ProtocolSpec>>,
+    overload: Option<Spanned<RawOverload>>,
 }
 
 /// One of `servers` written as a table: `{ url = "https://b:8443", weight = 2 }`.
@@ -141,6 +144,7 @@ struct Keys<'a> {
     retries: Option<&'a Spanned<Retries>>,
     resolve_every: Option<&'a Spanned<HumanDuration>>,
     protocol: Option<&'a Spanned<ProtocolSpec>>,
+    overload: Option<&'a Spanned<RawOverload>>,
 }
 
 /// `$raw`'s pool keys, as [`Keys`] of the table `$table`.
@@ -165,6 +169,7 @@ macro_rules! keys_of {
             retries: $raw.retries.as_ref(),
             resolve_every: $raw.resolve_every.as_ref(),
             protocol: $raw.protocol.as_ref(),
+            overload: $raw.overload.as_ref(),
         }
     };
 }
@@ -349,6 +354,7 @@ fn empty_keys<'a>() -> Keys<'a> {
         retries: None,
         resolve_every: None,
         protocol: None,
+        overload: None,
     }
 }
 
@@ -392,6 +398,10 @@ fn settings_without_servers(k: &Layered<'_>, client_certs: bool) -> Result<PoolS
         Some((table, h)) => Some(health(table, h)?),
         None => None,
     };
+    let overload = match k.pick(|k| k.overload) {
+        Some((table, o)) => Some(super::overload::validate(table, o)?),
+        None => None,
+    };
     Ok(PoolSettings {
         name: String::new(),
         servers: Vec::new(),
@@ -407,6 +417,7 @@ fn settings_without_servers(k: &Layered<'_>, client_certs: bool) -> Result<PoolS
         protocol: k
             .pick(|k| k.protocol)
             .map_or_else(Protocol::default, |(_, p)| p.get_ref().0),
+        overload,
     })
 }
 

@@ -108,6 +108,25 @@ impl Live {
                 ))
             }
         };
+        // The overload series a config implies: each protected pool at priority 0 and at
+        // each priority a plan sets.
+        let mut priorities: Vec<u32> = std::iter::once(0)
+            .chain(
+                config
+                    .rules
+                    .iter()
+                    .flat_map(|r| r.priorities.values().copied()),
+            )
+            .collect();
+        priorities.sort_unstable();
+        priorities.dedup();
+        metrics.pools.overload.configure(
+            pools
+                .iter()
+                .filter(|p| p.overload().is_some())
+                .map(|p| (p.settings.name.clone(), priorities.clone()))
+                .collect(),
+        );
         // In a cluster, rules on different identities mean refunds, and a refund can make
         // a remembered denial stale: cache only when every rule counts the same identity.
         let one_identity = config

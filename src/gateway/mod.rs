@@ -20,6 +20,7 @@ pub mod jwks;
 mod limits;
 mod live;
 pub mod metrics;
+mod overload;
 mod reserve;
 mod route;
 mod screen;
@@ -92,7 +93,7 @@ pub struct Note<'l> {
     /// The rule that decided: the one that denied, or the one closest to denying.
     pub rule: Option<&'l str>,
     /// `allowed`, `delayed`, `denied`, `unlimited`, `store_error`, `unauthorized`,
-    /// `bad_key`, `bad_request`, `redirect` (`redirect_https`).
+    /// `bad_key`, `bad_request`, `redirect` (`redirect_https`), `shed` (overload).
     pub decision: &'static str,
     pub identity: Option<IdentityDigest>,
     /// Whether the upstream answered (rather than the gateway).
@@ -182,6 +183,8 @@ pub struct Pass<'l> {
     /// The charges of its rules that settle once the answer is known (`charge`,
     /// `cost_header`, `cost_from`); none for rules whose charge stands as taken.
     settling: Option<Settling>,
+    /// Its place in an overloaded pool's queue (`gateway/overload.rs`).
+    priority: u32,
 }
 
 impl<'l> Pass<'l> {
@@ -197,6 +200,7 @@ impl<'l> Pass<'l> {
             messages: Vec::new(),
             claims: Vec::new(),
             settling: None,
+            priority: 0,
         }
     }
 
@@ -503,10 +507,12 @@ impl Gateway {
             }
         };
         let to = to.hashed(cfg, requester);
+        let priority = overload::priority(live, parts, requester, &to);
         let limits = match Limit::all(live, parts, requester, Some(&to), tokens) {
             Ok(limits) if limits.is_empty() => {
                 let note = Note::gateway("unlimited").to(&to, cfg);
-                return Admission::Forward(Pass::unlimited(note, to, dialect));
+                let pass = Pass::unlimited(note, to, dialect);
+                return Admission::Forward(Pass { priority, ..pass });
             }
             Ok(limits) => limits,
             Err(limits::Refused { index, refusal }) => {
@@ -532,7 +538,11 @@ impl Gateway {
             }
             (Verdict::Forward | Verdict::Delay(_), Some(d)) => {
                 let pass = self.pass(live, limits, &d, verdict, leases, local, to);
-                Admission::Forward(Pass { dialect, ..pass })
+                Admission::Forward(Pass {
+                    dialect,
+                    priority,
+                    ..pass
+                })
             }
             (v, _) => store_failed(live, &limits, v, to, dialect),
         }
@@ -640,6 +650,7 @@ impl Gateway {
             messages,
             claims: Vec::new(),
             settling,
+            priority: 0,
         }
     }
 
@@ -703,7 +714,14 @@ impl Gateway {
             hash: pass.to.hash,
             worker: ctx.worker,
         };
+        let permit = match self.permit(live, pool, &mut pass).await {
+            Ok(permit) => permit,
+            Err(resp) => return (resp, pass.note),
+        };
         let forwarded = pool.forward(&mut out, &down, pick).await;
+        if let (Some(p), true) = (permit, forwarded.result.is_ok()) {
+            p.answered();
+        }
         pass.note.server = forwarded.server;
         pass.note.attempts = forwarded.attempts;
         let result = forwarded.result;

@@ -116,6 +116,9 @@ pub struct Rule {
     /// The quota for requests without a plan, then per plan name.
     pub quota: Quota,
     pub plans: HashMap<String, Plan>,
+    /// The plans' `priority`, where one sets it (others: 0): a request's place in an
+    /// overloaded pool's queue.
+    pub priorities: HashMap<String, u32>,
     pub mode: Mode,
     /// With `mode = "enforce"`: the share of identities (by hash) the rule enforces for,
     /// 0 to 100; the others are treated as in shadow mode.

@@ -87,6 +87,8 @@ pub struct PoolMetrics {
     retries: Family<PoolLabels, Counter>,
     budget_exhausted: Family<PoolLabels, Counter>,
     no_server: Family<PoolLabels, Counter>,
+    /// The pools' overload protection (`crate::overload`).
+    pub overload: crate::overload::OverloadMetrics,
     /// The pools and servers the last config had ([`PoolMetrics::retain`]).
     known: Arc<Mutex<Configured>>,
 }
@@ -149,6 +151,7 @@ impl PoolMetrics {
             retries,
             budget_exhausted,
             no_server,
+            overload: crate::overload::OverloadMetrics::register(registry),
             known: Arc::default(),
         }
     }

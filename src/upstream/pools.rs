@@ -116,6 +116,8 @@ pub struct Pool {
     outage: OutageLog,
     /// Per-worker clients per server.
     workers: usize,
+    /// `overload = { … }`: its concurrency limit and queue, if it has one.
+    overload: Option<Arc<crate::overload::Overload>>,
     handshakes: TlsHandshakes,
 }
 
@@ -191,7 +193,11 @@ impl Pool {
             );
         }
         let workers = workers.max(1);
+        let overload = settings
+            .overload
+            .map(|o| crate::overload::Overload::new(o, &settings.name, &metrics.overload));
         let pool = Arc::new(Pool {
+            overload,
             counters: metrics.pool(&settings.name),
             metrics: metrics.clone(),
             budget: RetryBudget::new(Instant::now()),
@@ -267,6 +273,11 @@ impl Pool {
             recent: Recent::default(),
             attempts: AtomicU64::new(0),
         })
+    }
+
+    /// Its overload protection, if it has one.
+    pub fn overload(&self) -> Option<&Arc<crate::overload::Overload>> {
+        self.overload.as_ref()
     }
 
     /// The `Host` a request that names none is sent with: the first server's authority.
@@ -549,6 +560,7 @@ impl Pool {
                     }
                 })
                 .collect(),
+            overload: self.overload.as_ref().map(|o| o.status()),
         }
     }
 }
@@ -787,6 +799,8 @@ pub struct PoolStatus {
     pub name: String,
     pub balance: String,
     pub servers: Vec<ServerStatus>,
+    /// Its overload protection now: limit, in flight, queued, shed (none without one).
+    pub overload: Option<crate::overload::OverloadStatus>,
 }
 
 /// A server on the status page.

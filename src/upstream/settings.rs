@@ -63,6 +63,8 @@ pub struct PoolSettings {
     pub resolve_every: Duration,
     /// What its servers are spoken to in (`protocol`).
     pub protocol: Protocol,
+    /// `overload = { … }`: its concurrency limit and the queue beyond it, if any.
+    pub overload: Option<crate::overload::Settings>,
 }
 
 /// `protocol`: what a pool's servers are spoken to in. Upgrades (WebSocket) always go over

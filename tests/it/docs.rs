@@ -299,6 +299,7 @@ fn place(name: &str) -> Option<Place> {
         "RawPool" => Place::Section("[[upstreams]]"),
         "RawPoolServer" => Place::Within("[[upstreams]]", "servers"),
         "RawHealth" => Place::Within("[[upstreams]]", "health"),
+        "RawOverload" => Place::Within("[[upstreams]]", "overload"),
         "RawRoute" => Place::Section("[[routes]]"),
         "RawStore" => Place::Section("[store]"),
         "RawClientIp" => Place::Section("[client_ip]"),

@@ -1,0 +1,82 @@
+//! A request and its pool's overload protection (`crate::overload`): its priority, and
+//! the permit it holds while the backend has it — or the 503 it gets when shed.
+//!
+//! Asked after the rate limits admitted the request (and after any `max_delay` wait), so
+//! a request the limits deny never takes a place in the queue. A shed request was not
+//! answered by the backend: its settling charges are refunded as a 502's are
+//! ([`Pass::unanswered`]); a charge that stands as taken (no settlement policy) stays
+//! spent, as it does for a 502.
+
+use http::request::Parts;
+use http::{Response, StatusCode};
+
+use super::limits::matching;
+use super::live::Live;
+use super::route::Destination;
+use super::{problem, Body, Gateway, Pass};
+use crate::headers::{self, Problem};
+use crate::identity::Requester;
+use crate::overload::{Permit, RETRY_AFTER};
+use crate::upstream::Pool;
+
+/// The priority of a request bound for `to`: the highest `priority` among the
+/// `[rules.plans.<plan>]` tables of its plan in the rules whose match fits it (an exempt
+/// plan's table counts too); 0 without a plan, or where no such table sets one. Read only
+/// for a pool with overload protection.
+pub(super) fn priority(
+    live: &Live,
+    parts: &Parts,
+    requester: &Requester<'_>,
+    to: &Destination,
+) -> u32 {
+    let cfg = &*live.config;
+    let protected = live
+        .pools
+        .get(to.pool)
+        .is_some_and(|p| p.overload().is_some());
+    if !protected || cfg.rules.iter().all(|r| r.priorities.is_empty()) {
+        return 0;
+    }
+    let Some(plan) = requester.plan() else {
+        return 0;
+    };
+    matching(cfg, parts, Some(to))
+        .into_iter()
+        .filter_map(|i| cfg.rules[i].priorities.get(plan).copied())
+        .max()
+        .unwrap_or(0)
+}
+
+impl Gateway {
+    /// The pool's permit for the request, where the pool has overload protection (none
+    /// needed where it has not); or the 503 of a shed request, its charges refunded.
+    pub(super) async fn permit(
+        &self,
+        live: &Live,
+        pool: &Pool,
+        pass: &mut Pass<'_>,
+    ) -> Result<Option<Permit>, Response<Body>> {
+        let Some(overload) = pool.overload() else {
+            return Ok(None);
+        };
+        match overload.admit(pass.priority).await {
+            Ok(permit) => Ok(Some(permit)),
+            Err(shed) => {
+                tracing::debug!(
+                    pool = pass.note.pool,
+                    priority = pass.priority,
+                    reason = shed.detail(),
+                    "overloaded: request shed"
+                );
+                pass.unanswered().await;
+                let cfg = &*live.config;
+                let p = Problem::new(StatusCode::SERVICE_UNAVAILABLE, shed.detail())
+                    .with_retry_after(RETRY_AFTER);
+                let mut resp = problem(p, cfg, &pass.applied, pass.dialect);
+                headers::add_shadow(resp.headers_mut(), cfg.response, &pass.shadow);
+                pass.note.decision = "shed";
+                Err(resp)
+            }
+        }
+    }
+}

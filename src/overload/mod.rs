@@ -1,0 +1,382 @@
+//! Overload protection for a pool (`overload = { … }`): a limit on the requests in flight
+//! to its backend, adapted to the backend's latency ([`limit::Gradient`]) or fixed
+//! (`max_concurrency`), and the queue of those waiting beyond it ([`queue::Queue`]):
+//! highest priority first (a plan's `priority`), first come first served within one, at
+//! most `max_queue` of them for at most `max_wait` each. A request past those is *shed*:
+//! the gateway answers it 503 with `Retry-After`, the backend never sees it.
+//!
+//! A request holds a [`Permit`] from the moment it is let through until its answer's head
+//! arrives (or its forwarding fails); the permit's drop gives the place to the next waiter,
+//! on every path — answered, failed, the client gone. A waiter whose client leaves is taken
+//! out of the queue by its future's drop. Memory is bounded by `max_queue` waiters.
+//!
+//! The gateway asks only after the rate limits admitted the request
+//! (`gateway/overload.rs`): a shed request is "unanswered by the backend", as a 502 is,
+//! and its settling charges are refunded as a 502's are.
+
+pub mod limit;
+pub mod metrics;
+pub mod queue;
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+use tokio::sync::oneshot;
+
+pub use limit::Adaptive;
+use limit::Gradient;
+pub use metrics::OverloadMetrics;
+use metrics::{PoolHandles, PriorityHandles};
+use queue::{Place, Pushed, Queue};
+
+/// `min_limit`'s default.
+pub const MIN_LIMIT: u32 = 4;
+/// `max_limit`'s default.
+pub const MAX_LIMIT: u32 = 1000;
+/// `probe_interval`'s default.
+pub const PROBE_INTERVAL: Duration = Duration::from_secs(30);
+/// `max_queue`'s default.
+pub const MAX_QUEUE: u32 = 1000;
+/// `max_wait`'s default.
+pub const MAX_WAIT: Duration = Duration::from_secs(2);
+/// A shed request's `Retry-After`, seconds.
+pub const RETRY_AFTER: u64 = 1;
+
+/// How the limit is set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Limiting {
+    /// `adaptive = true`.
+    Adaptive(Adaptive),
+    /// `max_concurrency = N`.
+    Fixed(u32),
+}
+
+/// A pool's `overload`, validated.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Settings {
+    pub limiting: Limiting,
+    /// At most this many wait (0: none; a request finding no room is shed at once).
+    pub max_queue: u32,
+    /// The longest one waits.
+    pub max_wait: Duration,
+}
+
+/// Why a request was shed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Shed {
+    /// The queue was full of requests of its priority or higher.
+    Full,
+    /// A request of higher priority took its place in the full queue.
+    Evicted,
+    /// It waited `max_wait`.
+    Waited,
+}
+
+impl Shed {
+    /// The 503's `detail`.
+    pub fn detail(self) -> &'static str {
+        match self {
+            Shed::Full => "the backend is at its concurrency limit and the queue is full",
+            Shed::Evicted => {
+                "the backend is at its concurrency limit and a request of higher priority took this one's place"
+            }
+            Shed::Waited => "the backend is at its concurrency limit and the request waited max_wait",
+        }
+    }
+}
+
+/// One pool's limit and queue.
+pub struct Overload {
+    settings: Settings,
+    pool: String,
+    state: Mutex<State>,
+    handles: PoolHandles,
+    metrics: OverloadMetrics,
+}
+
+struct State {
+    control: Control,
+    in_flight: u32,
+    queue: Queue<Waiter>,
+    /// Requests shed since the pool was built (the status page).
+    shed: u64,
+    /// Handles per priority, found once each.
+    priorities: Vec<(u32, PriorityHandles)>,
+}
+
+enum Control {
+    Fixed(u32),
+    Adaptive(Box<Gradient>),
+}
+
+impl Control {
+    fn limit(&self) -> u32 {
+        match self {
+            Control::Fixed(n) => *n,
+            Control::Adaptive(g) => g.limit(),
+        }
+    }
+}
+
+struct Waiter {
+    tx: oneshot::Sender<Permit>,
+}
+
+/// What the status page shows of a pool's protection.
+#[derive(Debug, Clone, Serialize)]
+pub struct OverloadStatus {
+    /// `adaptive` or `fixed`.
+    pub mode: &'static str,
+    pub limit: u32,
+    pub in_flight: u32,
+    pub queued: u32,
+    pub shed: u64,
+}
+
+fn lock(m: &Mutex<State>) -> MutexGuard<'_, State> {
+    // A panic never happens under this lock; were one to, the state is still whole.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A number in [0, 1) for a probe's jitter.
+fn jitter() -> f64 {
+    (crate::random::bits() >> 11) as f64 / (1u64 << 53) as f64
+}
+
+impl Overload {
+    pub fn new(settings: Settings, pool: &str, metrics: &OverloadMetrics) -> Arc<Overload> {
+        let control = match settings.limiting {
+            Limiting::Fixed(n) => Control::Fixed(n),
+            Limiting::Adaptive(a) => {
+                Control::Adaptive(Box::new(Gradient::new(a, Instant::now(), jitter())))
+            }
+        };
+        let handles = metrics.pool(pool);
+        handles.limit.set(i64::from(control.limit()));
+        Arc::new(Overload {
+            state: Mutex::new(State {
+                control,
+                in_flight: 0,
+                queue: Queue::new(settings.max_queue as usize),
+                shed: 0,
+                priorities: Vec::new(),
+            }),
+            settings,
+            pool: pool.to_string(),
+            handles,
+            metrics: metrics.clone(),
+        })
+    }
+
+    pub fn settings(&self) -> &Settings {
+        &self.settings
+    }
+
+    /// A permit for a request of `priority`: at once where the limit has room and nobody
+    /// waits, else once its turn comes in the queue; or why it is shed. Dropping the
+    /// future (the client left) takes it out of the queue.
+    pub async fn admit(self: &Arc<Self>, priority: u32) -> Result<Permit, Shed> {
+        let since = Instant::now();
+        let (place, rx, handles) = {
+            let mut s = lock(&self.state);
+            let handles = s.handles(&self.metrics, &self.pool, priority);
+            if s.queue.is_empty() && s.in_flight < s.control.limit() {
+                let permit = s.grant(self);
+                drop(s);
+                handles.wait.observe(0.0);
+                return Ok(permit);
+            }
+            let (tx, rx) = oneshot::channel();
+            let place = match s.queue.push(priority, Waiter { tx }) {
+                Pushed::Queued(place) => place,
+                Pushed::Evicted(place, evicted, at) => {
+                    // Its sender dropped: its future wakes and answers `Evicted`.
+                    drop(evicted);
+                    let h = s.handles(&self.metrics, &self.pool, at.priority());
+                    h.queue_length.dec();
+                    h.shed.inc();
+                    s.shed += 1;
+                    place
+                }
+                Pushed::Full(_) => {
+                    handles.shed.inc();
+                    s.shed += 1;
+                    return Err(Shed::Full);
+                }
+            };
+            handles.queue_length.inc();
+            (place, rx, handles)
+        };
+        let mut waiting = Waiting {
+            overload: self,
+            place,
+            handles: &handles,
+            rx: Some(rx),
+        };
+        let outcome = match waiting.rx.as_mut() {
+            Some(rx) => tokio::time::timeout(self.settings.max_wait, rx).await,
+            None => return Err(Shed::Waited),
+        };
+        match outcome {
+            Ok(Ok(permit)) => {
+                waiting.rx = None;
+                handles.wait.observe(since.elapsed().as_secs_f64());
+                Ok(permit)
+            }
+            Ok(Err(_)) => {
+                waiting.rx = None;
+                Err(Shed::Evicted)
+            }
+            Err(_) => waiting.timed_out(since),
+        }
+    }
+
+    /// What the status page shows.
+    pub fn status(&self) -> OverloadStatus {
+        let s = lock(&self.state);
+        OverloadStatus {
+            mode: match s.control {
+                Control::Fixed(_) => "fixed",
+                Control::Adaptive(_) => "adaptive",
+            },
+            limit: s.control.limit(),
+            in_flight: s.in_flight,
+            queued: s.queue.len() as u32,
+            shed: s.shed,
+        }
+    }
+
+    /// A permit's end: its sample (if it was answered) counted, its place given to the
+    /// waiters that now fit, highest priority first. The permits are sent after the lock
+    /// is let go: one whose waiter is gone comes back and is dropped, ending in turn.
+    fn release(self: &Arc<Self>, sample: Option<(Duration, u32)>) {
+        let mut granted = Vec::new();
+        {
+            let mut s = lock(&self.state);
+            s.in_flight = s.in_flight.saturating_sub(1);
+            if let (Some((rtt, at)), Control::Adaptive(g)) = (sample, &mut s.control) {
+                g.sample(Instant::now(), rtt, at, jitter());
+                self.handles.limit.set(i64::from(g.limit()));
+            }
+            while s.in_flight < s.control.limit() {
+                let Some((place, waiter)) = s.queue.pop() else {
+                    break;
+                };
+                s.handles(&self.metrics, &self.pool, place.priority())
+                    .queue_length
+                    .dec();
+                granted.push((waiter, s.grant(self)));
+            }
+            self.handles.in_flight.set(i64::from(s.in_flight));
+        }
+        for (waiter, permit) in granted {
+            // A waiter gone since: the permit comes back, and its drop releases it.
+            let _ = waiter.tx.send(permit);
+        }
+    }
+}
+
+impl State {
+    /// One more in flight, as a permit of `overload`.
+    fn grant(&mut self, overload: &Arc<Overload>) -> Permit {
+        self.in_flight += 1;
+        overload.handles.in_flight.set(i64::from(self.in_flight));
+        Permit {
+            overload: overload.clone(),
+            started: Instant::now(),
+            in_flight: self.in_flight,
+            answered: false,
+        }
+    }
+
+    fn handles(&mut self, m: &OverloadMetrics, pool: &str, priority: u32) -> PriorityHandles {
+        if let Some((_, h)) = self.priorities.iter().find(|(p, _)| *p == priority) {
+            return h.clone();
+        }
+        let h = m.priority(pool, priority);
+        // Bounded by the priorities a config names (plus those of configs before it).
+        if self.priorities.len() < 256 {
+            self.priorities.push((priority, h.clone()));
+        }
+        h
+    }
+}
+
+/// A request's place in the queue while it waits; its drop (the client gone) takes it
+/// out, or, where its permit came meanwhile, gives that back.
+struct Waiting<'a> {
+    overload: &'a Arc<Overload>,
+    place: Place,
+    handles: &'a PriorityHandles,
+    rx: Option<oneshot::Receiver<Permit>>,
+}
+
+impl Waiting<'_> {
+    /// `max_wait` passed: shed, unless its permit came at the same moment.
+    fn timed_out(&mut self, since: Instant) -> Result<Permit, Shed> {
+        {
+            let mut s = lock(&self.overload.state);
+            if s.queue.remove(self.place).is_some() {
+                self.handles.queue_length.dec();
+                self.handles.shed.inc();
+                s.shed += 1;
+                return Err(Shed::Waited);
+            }
+        }
+        match self.rx.take().map(|mut rx| rx.try_recv()) {
+            Some(Ok(permit)) => {
+                self.handles.wait.observe(since.elapsed().as_secs_f64());
+                Ok(permit)
+            }
+            _ => Err(Shed::Waited),
+        }
+    }
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        if self.rx.is_none() {
+            return;
+        }
+        {
+            let mut s = lock(&self.overload.state);
+            if s.queue.remove(self.place).is_some() {
+                self.handles.queue_length.dec();
+            }
+        }
+        // Outside the lock: a permit sent meanwhile is dropped with the receiver, and its
+        // drop releases it.
+        self.rx = None;
+    }
+}
+
+/// A place among the pool's requests in flight, held until the answer's head (see
+/// [`Permit::answered`]); its drop gives it back.
+pub struct Permit {
+    overload: Arc<Overload>,
+    started: Instant,
+    /// The requests in flight when it was granted, itself included.
+    in_flight: u32,
+    answered: bool,
+}
+
+impl Permit {
+    /// The backend's answer head arrived: the time since the permit was granted is the
+    /// controller's latency sample. The place is given back.
+    pub fn answered(mut self) {
+        self.answered = true;
+    }
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let sample = self
+            .answered
+            .then(|| (self.started.elapsed(), self.in_flight));
+        self.overload.release(sample);
+    }
+}
+
+#[cfg(test)]
+mod tests;
