@@ -827,7 +827,7 @@ mod tests {
             (
                 "[upstream]\nurl = \"http://10.0.0.1\"\nservers = [\"http://10.0.0.2\"]\n",
                 "upstream.servers",
-                "unknown field `servers`, expected one of `url`, `connect_timeout`, `timeout`, `ca`, `sni`, `cert`, `key`, `insecure_skip_verify`, `balance`, `max_fails`, `fail_window`, `fail_timeout`, `max_ejected_percent`, `fail_on_status`, `health`, `retries`, `resolve_every`, `protocol`",
+                "unknown field `servers`, expected one of `url`, `connect_timeout`, `timeout`, `ca`, `sni`, `cert`, `key`, `insecure_skip_verify`, `balance`, `max_fails`, `fail_window`, `fail_timeout`, `max_ejected_percent`, `fail_on_status`, `health`, `retries`, `resolve_every`, `protocol`, `overload`",
             ),
         ] {
             let (_, _, k, m) = err(body);
