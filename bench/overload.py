@@ -19,7 +19,7 @@ and `free` (priority 0). Twice:
 
 During each run /metrics (ratewall_overload_limit, in_flight, queue_length) and the
 backend's GET /max are sampled every 100 ms. Prints per run a table by plan and phase
-(burst: requests due in the burst; outside: before and after it): requests, answered 200,
+(by when each request was due: before the burst, in it, after it): requests, answered 200,
 shed 503, other answers, unanswered; the 200s' latency p50/p99/max (from when each was
 due); `lag p99`, how late the load client itself sent them (its own CPU or connections
 short: what of the latency is not the gateway's nor the backend's); then the backend's
@@ -235,9 +235,12 @@ def report(rows, samples):
     b0, b1 = burst_window()
     print(f"{'plan':<5} {'phase':<8} {'requests':>8} {'200':>7} {'503':>7} {'other':>6} {'unans.':>6}"
           f" {'p50 ms':>8} {'p99 ms':>8} {'max ms':>8} {'lag p99':>8}")
+    def phase_of(t):
+        return "before" if t < b0 else "burst" if t < b1 else "after"
+
     for cls in ("pro", "free"):
-        for phase, inside in (("burst", True), ("outside", False)):
-            sel = [r for r in rows if r[0] == cls and (b0 <= r[1] < b1) == inside]
+        for phase in ("before", "burst", "after"):
+            sel = [r for r in rows if r[0] == cls and phase_of(r[1]) == phase]
             ok = [(r[3] - r[1]) * 1e3 for r in sel if r[4] == 200]
             shed = sum(1 for r in sel if r[4] == 503)
             unanswered = sum(1 for r in sel if r[4] == 0)
@@ -246,11 +249,11 @@ def report(rows, samples):
             print(f"{cls:<5} {phase:<8} {len(sel):>8} {len(ok):>7} {shed:>7} {other:>6} {unanswered:>6}"
                   f" {pct(ok, 0.5):>8.1f} {pct(ok, 0.99):>8.1f} {max(ok, default=float('nan')):>8.1f}"
                   f" {pct(lag, 0.99):>8.1f}")
-    for phase, inside in (("burst", True), ("outside", False)):
-        sel = [s for s in samples if (b0 <= s["t"] < b1) == inside]
+    for phase in ("before", "burst", "after"):
+        sel = [s for s in samples if phase_of(s["t"]) == phase]
         backend = max((s.get("backend_max", 0) for s in sel), default=0)
         line = f"{phase:<8} backend max in flight {backend:.0f}"
-        if inside and len(sel) > 1 and "served" in sel[0]:
+        if phase == "burst" and len(sel) > 1 and "served" in sel[0]:
             rate = (sel[-1]["served"] - sel[0]["served"]) / (sel[-1]["t"] - sel[0]["t"])
             line += f", served {rate:.0f}/s"
         limits = [s["limit"] for s in sel if "limit" in s]
@@ -266,9 +269,11 @@ def report(rows, samples):
         reasons = {}
         for r in rows:
             if r[0] == cls and r[4] == 503:
-                reasons[r[5]] = reasons.get(r[5], 0) + 1
+                k = (phase_of(r[1]), r[5])
+                reasons[k] = reasons.get(k, 0) + 1
         if reasons:
-            print(f"{cls} 503s by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())))
+            print(f"{cls} 503s by phase and reason: "
+                  + ", ".join(f"{p} {k} {v}" for (p, k), v in sorted(reasons.items())))
 
 
 def rolling_p99(rows, cls, step=0.25):
