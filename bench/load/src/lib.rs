@@ -6,6 +6,11 @@
 //! - `bench-h2-backend ADDR`: HTTP/1.1 and cleartext HTTP/2 (prior knowledge) on one port,
 //!   one thread: `200 ok` to any request, and to a gRPC call one message back with
 //!   `grpc-status: 0` in its trailers.
+//! - `bench-knee-backend ADDR [PERMITS] [SLEEP_MS]`: bench/overload's backend, 16 requests
+//!   served at once for 20 ms each by default, the rest waiting their turn (a knee at 16);
+//!   `GET /max` says how many were inside.
+//! - `bench-overload-load ADDR OUT.csv PHASES [CONNECTIONS] [GRACE_S]`: bench/overload's
+//!   open-loop load, half free and half pro API keys, every request written to a CSV.
 //!
 //! Each is single-threaded (a current-thread runtime) so that `taskset` puts all of it on
 //! the load CPU, beside the other load processes.
