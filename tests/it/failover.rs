@@ -24,7 +24,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use common::{
-    redis_key, serial, Gateway, HttpClient, RedisSentinel, RedisServer, Scrape, Upstream,
+    redis_key, serial, Gateway, HttpClient, RedisCluster, RedisSentinel, RedisServer, Scrape,
+    Upstream,
 };
 use http::StatusCode;
 
@@ -80,6 +81,62 @@ impl Primary for SentinelPrimary {
     }
 }
 
+/// A Redis Cluster of three masters with two replicas each (`backend =
+/// "redis_cluster"`): the master killed is the one holding most of the scenario's keys,
+/// and only its slots fail over; the replica promoted still has one to confirm writes.
+struct ClusterPrimary {
+    cluster: RedisCluster,
+    victim: usize,
+    /// Who served each slot before the kill.
+    masters: Vec<Option<usize>>,
+}
+
+impl ClusterPrimary {
+    /// The cluster, its victim the master of most of `keys`' Redis keys.
+    fn start(keys: &[String]) -> ClusterPrimary {
+        let cluster = RedisCluster::start_with(2);
+        let masters = cluster.masters_by_slot();
+        let mut held = std::collections::BTreeMap::<usize, usize>::new();
+        for key in keys {
+            if let Some(m) = masters[usize::from(cluster.slot_of(key))] {
+                *held.entry(m).or_default() += 1;
+            }
+        }
+        let victim = held
+            .iter()
+            .max_by_key(|&(_, n)| *n)
+            .map(|(&m, _)| m)
+            .expect("a master holds the keys");
+        ClusterPrimary {
+            cluster,
+            victim,
+            masters,
+        }
+    }
+}
+
+impl Primary for ClusterPrimary {
+    fn store_toml(&self, on_error: &str, timeout: &str) -> String {
+        self.cluster.store_toml(on_error, timeout)
+    }
+
+    fn on_victim(&self, key: &str) -> bool {
+        self.masters[usize::from(self.cluster.slot_of(key))] == Some(self.victim)
+    }
+
+    fn kill_primary(&mut self) {
+        self.cluster.kill(self.victim);
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "node {} killed; the cluster now:\n{}",
+            self.victim,
+            self.cluster.cluster_nodes()
+        )
+    }
+}
+
 /// What one run measured.
 #[derive(Debug)]
 struct Figures {
@@ -111,6 +168,16 @@ struct Figures {
 /// One request's outcome: its key, status (0: no answer), when it was sent.
 type Outcome = (usize, u16, Instant);
 
+/// The scenario's API keys.
+fn api_keys() -> Vec<String> {
+    (0..KEYS).map(|i| format!("failover-{i}")).collect()
+}
+
+/// Their Redis keys, as a store set-up places them.
+fn redis_keys() -> Vec<String> {
+    api_keys().iter().map(|k| redis_key(k, "api")).collect()
+}
+
 /// The scenario: 3 gateways on `set` with `replication`, the load, the kill, the count.
 async fn failover_excess(mut set: impl Primary, replication: &str) -> Figures {
     let upstream = Upstream::start().await;
@@ -120,8 +187,11 @@ async fn failover_excess(mut set: impl Primary, replication: &str) -> Figures {
         upstream.url(),
         set.store_toml("deny", "1s")
     );
-    let gateways: Vec<Gateway> = (0..3).map(|_| Gateway::start(&config)).collect();
-    let keys: Arc<Vec<String>> = Arc::new((0..KEYS).map(|i| format!("failover-{i}")).collect());
+    let dbg_log = std::env::var("FAILOVER_RUST_LOG").unwrap_or_else(|_| "info".into());
+    let gateways: Vec<Gateway> = (0..3)
+        .map(|_| Gateway::start_with(&config, &[], &[("RUST_LOG", &dbg_log)]))
+        .collect();
+    let keys = Arc::new(api_keys());
     let victim: Vec<bool> = keys
         .iter()
         .map(|k| set.on_victim(&redis_key(k, "api")))
@@ -193,6 +263,9 @@ async fn failover_excess(mut set: impl Primary, replication: &str) -> Figures {
             continue;
         }
         if started.elapsed() > DEADLINE {
+            for (i, gw) in gateways.iter().enumerate() {
+                let _ = std::fs::write(format!("/tmp/clfail-gw{i}.log"), gw.logs());
+            }
             panic!(
                 "no end within {DEADLINE:?} ({replication}): killed {:?} after the start, promoted {:?} after the kill; \
                  {ok} admitted, {denied} denied, {unavailable} 503s, {other} other of {sent}; store errors {:?}\n{}",
@@ -405,5 +478,35 @@ async fn wait_admits_only_what_a_replica_confirmed() {
     assert!(
         on_replica.is_some(),
         "the replica has {key} once it was admitted"
+    );
+}
+
+/// The same scenario on a Redis Cluster (three masters, two replicas each), the master of
+/// most keys SIGKILLed: only its slots fail over, and the gateways follow the promoted
+/// replica. With asynchronous replication the excess is bounded as on Sentinel; with
+/// `replication = { wait = 1 }` in the same run, none.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cluster_failover_costs_a_bounded_excess_async_and_none_with_wait() {
+    let _serial = serial().await;
+
+    let run = failover_excess(ClusterPrimary::start(&redis_keys()), "\"async\"").await;
+    report("redis_cluster, async", &run);
+    check_common("async", &run);
+    assert!(
+        run.excess <= KEYS as u64 * BURST / 20,
+        "async: {} admissions beyond the limit, more than 5% of it: {run:?}",
+        run.excess
+    );
+
+    let run = failover_excess(
+        ClusterPrimary::start(&redis_keys()),
+        "{ wait = 1, timeout = \"50ms\" }",
+    )
+    .await;
+    report("redis_cluster, wait = 1", &run);
+    check_common("wait = 1", &run);
+    assert_eq!(
+        run.excess, 0,
+        "wait = 1: every admission was on a replica when it was answered: {run:?}"
     );
 }
