@@ -61,13 +61,21 @@ impl Stall {
     }
 
     fn answered(&self) {
-        self.last_answer_ms.store(self.now_ms(), Ordering::Relaxed);
+        self.answered_at(self.now_ms());
     }
 
-    /// A call timed out: whether the connection has answered nothing for `after` (then
-    /// the clock restarts, so that one replacement is made per `after` at most).
     fn timed_out(&self) -> bool {
-        let now = self.now_ms();
+        self.timed_out_at(self.now_ms())
+    }
+
+    fn answered_at(&self, now: u64) {
+        self.last_answer_ms.store(now, Ordering::Relaxed);
+    }
+
+    /// A call timed out at `now`: whether the connection has answered nothing for
+    /// `after` (then the clock restarts, so that one replacement is made per `after` at
+    /// most, however many calls time out together).
+    fn timed_out_at(&self, now: u64) -> bool {
         let last = self.last_answer_ms.load(Ordering::Relaxed);
         let after = u64::try_from(self.after.as_millis()).unwrap_or(u64::MAX);
         now.saturating_sub(last) >= after
@@ -369,5 +377,33 @@ impl RedisClusterStore {
         out.into_iter()
             .map(|d| d.ok_or_else(|| StoreError::Protocol("a rule went unanswered".into())))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_connection_is_replaced_once_per_stall_and_never_while_it_answers() {
+        let stall = Stall::new(Duration::from_millis(50));
+        assert_eq!(stall.after, Duration::from_secs(1), "at least a second");
+        assert_eq!(
+            Stall::new(Duration::from_secs(2)).after,
+            Duration::from_secs(4),
+            "twice a long store timeout"
+        );
+        stall.answered_at(0);
+        assert!(!stall.timed_out_at(999), "answered within the second");
+        assert!(stall.timed_out_at(1000), "a second of timeouts only");
+        assert!(!stall.timed_out_at(1000), "one replacement, not one a call");
+        assert!(!stall.timed_out_at(1999));
+        assert!(
+            stall.timed_out_at(2000),
+            "the new one answers nothing either"
+        );
+        stall.answered_at(2100);
+        assert!(!stall.timed_out_at(3000), "it answered since");
+        assert!(stall.timed_out_at(3100));
     }
 }
