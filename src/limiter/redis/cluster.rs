@@ -26,7 +26,7 @@ use crate::limiter::store::{Kind, Replication, Settlement};
 use crate::limiter::{Adjust, Check, Decision, StoreError};
 
 /// A Redis Cluster through redis-rs' cluster client, which follows MOVED/ASK redirections
-/// and node failovers by itself.
+/// and node failovers by itself (and is replaced when it wedges: see [`Stall`]).
 pub struct RedisClusterStore {
     client: ClusterClient,
     /// The connection, made by the first call that needs it; replaced whole (a new cell)
@@ -145,21 +145,18 @@ impl RedisClusterStore {
             Err(StoreError::Redis(e)) => e.is_timeout(),
             _ => false,
         };
-        match timed_out {
-            true => {
-                if self.stall.timed_out() {
-                    tracing::warn!(
-                        after = ?self.stall.after,
-                        "the cluster connection answered nothing; connecting again"
-                    );
-                    let fresh = Arc::new(tokio::sync::OnceCell::new());
-                    match self.conn.lock() {
-                        Ok(mut cell) => *cell = fresh,
-                        Err(poisoned) => *poisoned.into_inner() = fresh,
-                    }
-                }
+        if !timed_out {
+            self.stall.answered();
+        } else if self.stall.timed_out() {
+            tracing::warn!(
+                after = ?self.stall.after,
+                "the cluster connection answered nothing; connecting again"
+            );
+            let fresh = Arc::new(tokio::sync::OnceCell::new());
+            match self.conn.lock() {
+                Ok(mut cell) => *cell = fresh,
+                Err(poisoned) => *poisoned.into_inner() = fresh,
             }
-            false => self.stall.answered(),
         }
     }
 
