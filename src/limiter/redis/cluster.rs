@@ -1,7 +1,21 @@
 //! A Redis Cluster ([`RedisClusterStore`]): one atomic call per identity (one slot
 //! each); a denial refunds what the identities before it took.
+//!
+//! A cluster connection that answers nothing is replaced ([`Stall`]). redis-rs runs a
+//! cluster connection as one task whose calls share one lock over its slot map; while it
+//! refreshes that map it polls nothing but the refresh, which waits for the write lock.
+//! Since tokio 1.54 (tokio#8371) a lock acquisition takes its permit *before* it checks
+//! the task's cooperative budget, so under load a call can hold a read permit while it
+//! yields; if a refresh starts then, it waits for a permit that the call, never polled
+//! again, never gives back, and every call on the connection times out from then on (seen
+//! in `tests/it/failover.rs` on a master SIGKILLed under 2,000 requests a second: the
+//! refresh logged waiting for the lock for good while redis-cli saw the cluster whole
+//! again). Dropping the connection's last handle aborts its task; the next call connects
+//! afresh.
 
-use std::time::Duration;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
 
 use redis::cluster::ClusterClient;
 use redis::cluster_async::ClusterConnection;
@@ -12,11 +26,64 @@ use crate::limiter::store::{Kind, Replication, Settlement};
 use crate::limiter::{Adjust, Check, Decision, StoreError};
 
 /// A Redis Cluster through redis-rs' cluster client, which follows MOVED/ASK redirections
-/// and node failovers by itself.
+/// and node failovers by itself (and is replaced when it wedges: see [`Stall`]).
 pub struct RedisClusterStore {
     client: ClusterClient,
-    conn: tokio::sync::OnceCell<ClusterConnection>,
+    /// The connection, made by the first call that needs it; replaced whole (a new cell)
+    /// when it stalls. The lock is held only to clone or swap the `Arc`.
+    conn: Mutex<Arc<tokio::sync::OnceCell<ClusterConnection>>>,
+    stall: Stall,
     s: Scripted,
+}
+
+/// When a cluster connection counts as wedged: no call on it has had any answer but a
+/// timeout (a result, a Redis error, a refused connection all count as answers) for
+/// `after`. A dead master's slots alone do not make it so while other slots answer; a
+/// whole cluster down does, and reconnecting then costs one failed connect per `after`.
+struct Stall {
+    after: Duration,
+    epoch: Instant,
+    /// Milliseconds since `epoch` of the last answer, or of the last replacement.
+    last_answer_ms: AtomicU64,
+}
+
+impl Stall {
+    fn new(timeout: Duration) -> Stall {
+        Stall {
+            after: (timeout * 2).max(Duration::from_secs(1)),
+            epoch: Instant::now(),
+            last_answer_ms: AtomicU64::new(0),
+        }
+    }
+
+    fn now_ms(&self) -> u64 {
+        u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
+
+    fn answered(&self) {
+        self.answered_at(self.now_ms());
+    }
+
+    fn timed_out(&self) -> bool {
+        self.timed_out_at(self.now_ms())
+    }
+
+    fn answered_at(&self, now: u64) {
+        self.last_answer_ms.store(now, Ordering::Relaxed);
+    }
+
+    /// A call timed out at `now`: whether the connection has answered nothing for
+    /// `after` (then the clock restarts, so that one replacement is made per `after` at
+    /// most, however many calls time out together).
+    fn timed_out_at(&self, now: u64) -> bool {
+        let last = self.last_answer_ms.load(Ordering::Relaxed);
+        let after = u64::try_from(self.after.as_millis()).unwrap_or(u64::MAX);
+        now.saturating_sub(last) >= after
+            && self
+                .last_answer_ms
+                .compare_exchange(last, now, Ordering::Relaxed, Ordering::Relaxed)
+                .is_ok()
+    }
 }
 
 impl RedisClusterStore {
@@ -44,7 +111,8 @@ impl RedisClusterStore {
             .build()?;
         Ok(RedisClusterStore {
             client,
-            conn: tokio::sync::OnceCell::new(),
+            conn: Mutex::new(Arc::new(tokio::sync::OnceCell::new())),
+            stall: Stall::new(timeout),
             s: Scripted::new(prefix, timeout, replication),
         })
     }
@@ -55,14 +123,41 @@ impl RedisClusterStore {
 
     async fn connection(&self) -> Result<ClusterConnection, StoreError> {
         let timeout = self.s.timeout.max(Duration::from_millis(250));
+        let cell = match self.conn.lock() {
+            Ok(cell) => cell.clone(),
+            Err(poisoned) => poisoned.into_inner().clone(),
+        };
         let conn = tokio::time::timeout(
             timeout,
-            self.conn
-                .get_or_try_init(|| self.client.get_async_connection()),
+            cell.get_or_try_init(|| self.client.get_async_connection()),
         )
         .await
         .map_err(|_| StoreError::Timeout(timeout))??;
         Ok(conn.clone())
+    }
+
+    /// Note how a call on the connection ended; replace the connection once it has
+    /// answered nothing for [`Stall::after`].
+    fn observe<T>(&self, result: &Result<T, StoreError>) {
+        // A timeout ours (the store timeout) or redis-rs' (its response timeout).
+        let timed_out = match result {
+            Err(StoreError::Timeout(_)) => true,
+            Err(StoreError::Redis(e)) => e.is_timeout(),
+            _ => false,
+        };
+        if !timed_out {
+            self.stall.answered();
+        } else if self.stall.timed_out() {
+            tracing::warn!(
+                after = ?self.stall.after,
+                "the cluster connection answered nothing; connecting again"
+            );
+            let fresh = Arc::new(tokio::sync::OnceCell::new());
+            match self.conn.lock() {
+                Ok(mut cell) => *cell = fresh,
+                Err(poisoned) => *poisoned.into_inner() = fresh,
+            }
+        }
     }
 
     /// Give back what `charged` groups took; their answers become what they would be told
@@ -128,10 +223,42 @@ impl Shared for RedisClusterStore {
 }
 
 impl DecideAt for RedisClusterStore {
+    async fn decide_at(
+        &self,
+        checks: &[Check<'_>],
+        now_us: Option<u64>,
+    ) -> Result<Vec<Decision>, StoreError> {
+        let result = self.decide_on(checks, now_us).await;
+        self.observe(&result);
+        result
+    }
+
+    async fn settle_at(
+        &self,
+        items: &[Settlement<'_>],
+        now_us: Option<u64>,
+    ) -> Result<Vec<Decision>, StoreError> {
+        let result = self.settle_on(items, now_us).await;
+        self.observe(&result);
+        result
+    }
+
+    async fn peek_at(
+        &self,
+        checks: &[Check<'_>],
+        now_us: Option<u64>,
+    ) -> Result<Vec<Decision>, StoreError> {
+        let result = self.peek_on(checks, now_us).await;
+        self.observe(&result);
+        result
+    }
+}
+
+impl RedisClusterStore {
     /// Decide all `checks`: one atomic call per identity (one slot each); when an identity
     /// denies, the identities already charged are refunded and the rest only looked at,
     /// so a denied request takes nothing. The answers are in `checks`' order.
-    async fn decide_at(
+    async fn decide_on(
         &self,
         checks: &[Check<'_>],
         now_us: Option<u64>,
@@ -202,7 +329,7 @@ impl DecideAt for RedisClusterStore {
     }
 
     /// Settle `items`, one atomic call per identity (one slot each).
-    async fn settle_at(
+    async fn settle_on(
         &self,
         items: &[Settlement<'_>],
         now_us: Option<u64>,
@@ -228,7 +355,7 @@ impl DecideAt for RedisClusterStore {
     }
 
     /// What `checks` would be told, one identity at a time, charging nothing.
-    async fn peek_at(
+    async fn peek_on(
         &self,
         checks: &[Check<'_>],
         now_us: Option<u64>,
@@ -247,5 +374,33 @@ impl DecideAt for RedisClusterStore {
         out.into_iter()
             .map(|d| d.ok_or_else(|| StoreError::Protocol("a rule went unanswered".into())))
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_connection_is_replaced_once_per_stall_and_never_while_it_answers() {
+        let stall = Stall::new(Duration::from_millis(50));
+        assert_eq!(stall.after, Duration::from_secs(1), "at least a second");
+        assert_eq!(
+            Stall::new(Duration::from_secs(2)).after,
+            Duration::from_secs(4),
+            "twice a long store timeout"
+        );
+        stall.answered_at(0);
+        assert!(!stall.timed_out_at(999), "answered within the second");
+        assert!(stall.timed_out_at(1000), "a second of timeouts only");
+        assert!(!stall.timed_out_at(1000), "one replacement, not one a call");
+        assert!(!stall.timed_out_at(1999));
+        assert!(
+            stall.timed_out_at(2000),
+            "the new one answers nothing either"
+        );
+        stall.answered_at(2100);
+        assert!(!stall.timed_out_at(3000), "it answered since");
+        assert!(stall.timed_out_at(3100));
     }
 }

@@ -266,7 +266,9 @@ impl RedisCluster {
         Self::start_with(1)
     }
 
-    fn start_with(replicas: usize) -> RedisCluster {
+    /// Three masters with `replicas` replicas each (two: a promoted replica still has one
+    /// to confirm writes, for `replication = { wait = 1 }`).
+    pub fn start_with(replicas: usize) -> RedisCluster {
         let dir = tempfile::tempdir().expect("tempdir");
         let ports: Vec<u16> = (0..3 * (1 + replicas)).map(|_| free_port()).collect();
         let mut children = Vec::new();
