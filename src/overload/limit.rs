@@ -18,7 +18,8 @@
 //! busiest): then nothing about the backend's capacity was learnt, and the limit stays.
 //!
 //! **The floor** is the backend's latency unloaded: the least latency of the requests
-//! sent while at most `min_limit` were in flight. Gradient2's long-term average alone
+//! sent while at most `min_limit` were in flight (a lower one is taken at once, a higher
+//! one at a renewal). Gradient2's long-term average alone
 //! follows a sustained overload up (it is an average of overloaded windows), and the limit
 //! with it; the floor bounds it. The floor is renewed every `probe_interval` (±25%
 //! jitter, so that gateways do not renew together) from the last period's low-concurrency
@@ -125,10 +126,11 @@ impl Gradient {
         let rtt = rtt.as_secs_f64();
         if in_flight <= self.settings.min_limit {
             self.period_floor = Some(self.period_floor.map_or(rtt, |f| f.min(rtt)));
-            // The first floor is taken at once; later ones at each renewal.
-            if self.floor.is_none() {
-                self.floor = Some(rtt);
-            }
+            // A lower floor is taken at once (the first one included: the first requests,
+            // which open connections, are seldom the fastest, and a floor too high would
+            // let the limit settle above the backend's knee); a higher one only at a
+            // renewal, from a whole period of low-concurrency requests.
+            self.floor = Some(self.floor.map_or(rtt, |f| f.min(rtt)));
         }
         if now >= self.renew_at {
             if let Some(f) = self.period_floor.take() {
@@ -349,6 +351,39 @@ mod tests {
         assert_eq!(g.floor(), Some(35 * MS));
         g.sample(at(124), 90 * MS, 40, 0.5);
         assert_eq!(g.floor(), Some(35 * MS));
+    }
+
+    #[test]
+    fn a_lower_floor_is_taken_at_once_and_a_higher_one_only_at_a_renewal() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut g = Gradient::new(settings(), t0, 0.5);
+        // The first request opened a connection: 70 ms for a backend of 50.
+        g.sample(at(0), 70 * MS, 1, 0.5);
+        assert_eq!(g.floor(), Some(70 * MS));
+        g.sample(at(100), 51 * MS, 2, 0.5);
+        assert_eq!(g.floor(), Some(51 * MS), "a lower floor at once");
+        // Fast at high concurrency says nothing; slower at low concurrency waits for the
+        // renewal (30 s).
+        g.sample(at(200), 20 * MS, 40, 0.5);
+        g.sample(at(300), 60 * MS, 3, 0.5);
+        assert_eq!(g.floor(), Some(51 * MS));
+    }
+
+    #[test]
+    fn behind_a_knee_backend_a_first_slow_request_does_not_raise_where_the_limit_settles() {
+        let mut now = Instant::now();
+        let mut g = Gradient::new(settings(), now, 0.0);
+        // The first request is 40% slow (a connection opened), the next at low
+        // concurrency is not; then demand far above capacity.
+        g.sample(now, knee(1) * 14 / 10, 1, 0.0);
+        window(&mut g, &mut now, knee(1), 2);
+        for _ in 0..600 {
+            let c = g.limit();
+            window(&mut g, &mut now, knee(c), c);
+        }
+        let l = g.limit();
+        assert!((16..=28).contains(&l), "settled at {l}, knee 16");
     }
 
     #[test]
