@@ -1,6 +1,8 @@
-//! A backend with a knee: `capacity` requests are served at once, each for `service`;
-//! the rest wait for a place (a semaphore), so past the knee its latency grows with its
-//! concurrency (at `c` in flight, about `service · c / capacity`). It counts the requests
+//! A backend with a knee: `capacity` requests are served at once, each for `service` ±50%
+//! (uniform over [0.5, 1.5] × `service`, from a fixed sequence: a real backend's requests
+//! do not all take one time, and places of one fixed time would move in lockstep
+//! batches); the rest wait for a place (a semaphore), so past the knee its latency grows
+//! with its concurrency (at `c` in flight, about `service · c / capacity`). It counts the requests
 //! in its handler, those waiting for a place included, and keeps the most it ever held,
 //! so that a test can see the concurrency a gateway let reach it.
 //!
@@ -9,7 +11,7 @@
 
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -30,6 +32,8 @@ struct Shared {
     max_in_flight: AtomicUsize,
     /// Requests answered.
     served: AtomicUsize,
+    /// Requests come so far: where each one's service time is drawn in the sequence.
+    drawn: AtomicU64,
 }
 
 /// Counts one request in the handler for as long as it lives (a request whose
@@ -69,6 +73,7 @@ impl Knee {
             in_flight: AtomicUsize::new(0),
             max_in_flight: AtomicUsize::new(0),
             served: AtomicUsize::new(0),
+            drawn: AtomicU64::new(0),
         });
         let std_listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the knee");
         std_listener.set_nonblocking(true).expect("nonblocking");
@@ -159,8 +164,18 @@ impl Drop for Knee {
 async fn answer(shared: &Shared) -> Response<Full<Bytes>> {
     let _counted = InHandler::enter(shared);
     let place = shared.places.acquire().await;
-    tokio::time::sleep(shared.service).await;
+    let n = shared.drawn.fetch_add(1, Ordering::SeqCst);
+    tokio::time::sleep(shared.service.mul_f64(0.5 + unit(n))).await;
     drop(place);
     shared.served.fetch_add(1, Ordering::SeqCst);
     Response::new(Full::new(Bytes::from_static(b"ok\n")))
+}
+
+/// The `n`th number of a fixed sequence spread uniformly over [0, 1) (SplitMix64).
+fn unit(n: u64) -> f64 {
+    let mut z = n.wrapping_add(1).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    z ^= z >> 31;
+    (z >> 11) as f64 / (1u64 << 53) as f64
 }
