@@ -44,6 +44,9 @@ crate::metrics::label_enum! {
         NoRoute = "no_route",
         /// 503: the store failed and `on_error = "deny"`.
         StoreUnavailable = "store_unavailable",
+        /// 503: shed by the pool's overload protection (its queue full, its place taken
+        /// by a higher priority, or `max_wait` passed).
+        Overloaded = "overloaded",
         /// 502: the upstream refused, reset, or answered something unreadable.
         UpstreamError = "upstream_error",
         /// 504: the upstream did not answer within its `timeout`.
@@ -231,6 +234,7 @@ pub struct Outcomes {
     pub bad_request: u64,
     pub no_route: u64,
     pub store_unavailable: u64,
+    pub overloaded: u64,
     pub upstream_error: u64,
     pub upstream_timeout: u64,
     pub client_error: u64,
@@ -246,6 +250,7 @@ impl Outcomes {
             bad_request: n(Outcome::BadRequest),
             no_route: n(Outcome::NoRoute),
             store_unavailable: n(Outcome::StoreUnavailable),
+            overloaded: n(Outcome::Overloaded),
             upstream_error: n(Outcome::UpstreamError),
             upstream_timeout: n(Outcome::UpstreamTimeout),
             client_error: n(Outcome::ClientError),
@@ -699,12 +704,15 @@ mod tests {
             st.limited(&w.id, &w.rule, || w.hint.clone());
         }
         st.ended(Outcome::StoreUnavailable);
+        st.ended(Outcome::Overloaded);
+        st.ended(Outcome::Overloaded);
         st.sample();
         st.ended(Outcome::UpstreamTimeout);
         let want = Outcomes {
             allowed: 7,
             denied: 3,
             store_unavailable: 1,
+            overloaded: 2,
             upstream_timeout: 1,
             ..Outcomes::default()
         };
@@ -714,6 +722,7 @@ mod tests {
         assert_eq!(sum(|o| o.allowed), 7, "{h:?}");
         assert_eq!(sum(|o| o.denied), 3, "{h:?}");
         assert_eq!(sum(|o| o.upstream_timeout), 1, "{h:?}");
+        assert_eq!(sum(|o| o.overloaded), 2, "{h:?}");
         assert_eq!(st.window().outcomes, want);
         let top = st.top(5, 10);
         assert_eq!(top.len(), 1);

@@ -12,7 +12,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::matching::{self, Owner, RawMatch};
-use super::values::{HumanDuration, KeySpec, RuleName};
+use super::values::{HumanDuration, KeySpec, Priority, RuleName};
 use super::Invalid;
 use crate::identity::{Key, KeyKind, MissingKey};
 use crate::limiter::calendar::{self, Period};
@@ -108,7 +108,7 @@ struct RawMessages {
 struct RawPlanOverride {
     exempt: Option<Spanned<bool>>,
     /// Its requests' place in an overloaded pool's queue (higher first; default 0).
-    priority: Option<u32>,
+    priority: Option<Priority>,
     rate: Option<Rate>,
     burst: Option<NonZeroU64>,
     algorithm: Option<Algorithm>,
@@ -226,7 +226,7 @@ impl RawRule {
         let priorities = self
             .plans
             .iter()
-            .filter_map(|(plan, o)| Some((plan.clone(), o.get_ref().priority?)))
+            .filter_map(|(plan, o)| Some((plan.clone(), o.get_ref().priority.as_ref()?.0)))
             .collect();
         Ok(Rule {
             name: self.name.get_ref().0.clone(),

@@ -255,6 +255,37 @@ impl<'de> Deserialize<'de> for Weight {
     }
 }
 
+/// A plan's `priority`: a whole number from 0 to `u32::MAX` (a string, a float or a
+/// negative number is refused in those words, not serde's `expected u32`).
+pub(super) struct Priority(pub(super) u32);
+
+impl Priority {
+    const EXPECTED: &'static str = "a whole number from 0 to 4294967295 (default 0)";
+}
+
+impl<'de> Deserialize<'de> for Priority {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl de::Visitor<'_> for V {
+            type Value = Priority;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str(Priority::EXPECTED)
+            }
+            fn visit_i64<E: de::Error>(self, n: i64) -> Result<Priority, E> {
+                u32::try_from(n)
+                    .map(Priority)
+                    .map_err(|_| E::custom(format!("priority = {n}: {}", Priority::EXPECTED)))
+            }
+            fn visit_u64<E: de::Error>(self, n: u64) -> Result<Priority, E> {
+                u32::try_from(n)
+                    .map(Priority)
+                    .map_err(|_| E::custom(format!("priority = {n}: {}", Priority::EXPECTED)))
+            }
+        }
+        d.deserialize_any(V)
+    }
+}
+
 /// `max_ejected_percent`: 0 to 100.
 pub(super) struct Percent(pub(super) u8);
 

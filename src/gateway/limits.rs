@@ -43,22 +43,23 @@ pub struct Limit<'l, 'p> {
 }
 
 impl<'l: 'p, 'p> Limit<'l, 'p> {
-    /// The rules of `live` that apply to the request (`parts`), sent by the route `route`
-    /// (a position in `Config::routes`, or none), in config order, as `requester` is
+    /// The rules of `live` that apply to the request, in config order, as `requester` is
     /// counted by each; or why it is refused before any is consulted. A rule applies when
-    /// its path, method, host and route fit ([`matching`]) and then [`Rule::applies`] says
-    /// so: what the request carries, its plan. `tokens`: the request's own `max_tokens`,
-    /// reserved (at most a burst) by the rules that say `reserve = "max_tokens"`.
+    /// its path, method, host and route fit (`fitting`: the request's [`matching`], found
+    /// once per request and shared with its overload priority) and then
+    /// [`Rule::applies`] says so: what the request carries, its plan. `tokens`: the
+    /// request's own `max_tokens`, reserved (at most a burst) by the rules that say
+    /// `reserve = "max_tokens"`.
     pub fn all(
         live: &'l Live,
-        parts: &Parts,
+        fitting: &[usize],
         requester: &Requester<'p>,
-        to: Option<&Destination>,
         tokens: Option<u64>,
     ) -> Result<Vec<Limit<'l, 'p>>, Refused> {
         let cfg = &*live.config;
-        matching(cfg, parts, to)
-            .into_iter()
+        fitting
+            .iter()
+            .copied()
             .filter_map(|index| {
                 let rule = &cfg.rules[index];
                 let limit = match rule.applies(requester) {

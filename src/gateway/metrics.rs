@@ -290,7 +290,7 @@ impl GatewayMetrics {
         });
         registry.register(
             "request_duration_seconds",
-            "Requests end to end, from the head read to the answer's head sent, by outcome: allowed (the upstream answered), denied (429), unauthorized (401: no key or an unknown one), bad_request (400 or 501 before any limit: a malformed head or key, a tunnel), store_unavailable (503), upstream_error (502), upstream_timeout (504), client_error (the client's body malformed or stalled while forwarding). Its _count is every request once",
+            "Requests end to end, from the head read to the answer's head sent, by outcome: allowed (the upstream answered), denied (429), unauthorized (401: no key or an unknown one), bad_request (400 or 501 before any limit: a malformed head or key, a tunnel), store_unavailable (503: the store failed), overloaded (503: shed by the pool's overload protection), upstream_error (502), upstream_timeout (504), client_error (the client's body malformed or stalled while forwarding). Its _count is every request once",
             request_duration.clone(),
         );
         let refusals = Family::<RefusalLabels, Counter>::default();

@@ -366,9 +366,11 @@ impl Gateway {
         self.metrics
             .gateway
             .count_response(status_class(meant), note.upstream);
-        let outcome = match forwarded {
-            true => Outcome::forwarded(note.upstream, meant),
-            false => Outcome::answered(meant),
+        let outcome = match (forwarded, note.decision) {
+            // Shed by the pool's overload protection: a 503 (or gRPC 14) of its own kind.
+            (_, "shed") => Outcome::Overloaded,
+            (true, _) => Outcome::forwarded(note.upstream, meant),
+            (false, _) => Outcome::answered(meant),
         };
         self.metrics
             .gateway
@@ -507,8 +509,9 @@ impl Gateway {
             }
         };
         let to = to.hashed(cfg, requester);
-        let priority = overload::priority(live, parts, requester, &to);
-        let limits = match Limit::all(live, parts, requester, Some(&to), tokens) {
+        let fitting = limits::matching(cfg, parts, Some(&to));
+        let priority = overload::priority(live, &fitting, requester, &to);
+        let limits = match Limit::all(live, &fitting, requester, tokens) {
             Ok(limits) if limits.is_empty() => {
                 let note = Note::gateway("unlimited").to(&to, cfg);
                 let pass = Pass::unlimited(note, to, dialect);

@@ -7,10 +7,8 @@
 //! ([`Pass::unanswered`]); a charge that stands as taken (no settlement policy) stays
 //! spent, as it does for a 502.
 
-use http::request::Parts;
 use http::{Response, StatusCode};
 
-use super::limits::matching;
 use super::live::Live;
 use super::route::Destination;
 use super::{problem, Body, Gateway, Pass};
@@ -20,12 +18,13 @@ use crate::overload::{Permit, RETRY_AFTER};
 use crate::upstream::Pool;
 
 /// The priority of a request bound for `to`: the highest `priority` among the
-/// `[rules.plans.<plan>]` tables of its plan in the rules whose match fits it (an exempt
-/// plan's table counts too); 0 without a plan, or where no such table sets one. Read only
-/// for a pool with overload protection.
+/// `[rules.plans.<plan>]` tables of its plan in the rules whose match fits it (`fitting`,
+/// the request's [`super::limits::matching`], found once for its limits too; an exempt
+/// plan's table counts as well); 0 without a plan, or where no such table sets one. Read
+/// only for a pool with overload protection.
 pub(super) fn priority(
     live: &Live,
-    parts: &Parts,
+    fitting: &[usize],
     requester: &Requester<'_>,
     to: &Destination,
 ) -> u32 {
@@ -40,9 +39,9 @@ pub(super) fn priority(
     let Some(plan) = requester.plan() else {
         return 0;
     };
-    matching(cfg, parts, Some(to))
-        .into_iter()
-        .filter_map(|i| cfg.rules[i].priorities.get(plan).copied())
+    fitting
+        .iter()
+        .filter_map(|&i| cfg.rules.get(i)?.priorities.get(plan).copied())
         .max()
         .unwrap_or(0)
 }

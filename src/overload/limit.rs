@@ -17,8 +17,13 @@
 //! unless the window was *app-limited* (fewer than half the limit in flight at its
 //! busiest): then nothing about the backend's capacity was learnt, and the limit stays.
 //!
-//! **The floor** is the backend's latency unloaded: the least latency of the requests
-//! sent while at most `min_limit` were in flight. Gradient2's long-term average alone
+//! **The floor** is the backend's latency unloaded: the mean latency of the requests sent
+//! while at most `min_limit` were in flight, once [`WINDOW_SAMPLES`] of them are in (a
+//! lower mean is taken at once, a higher one at a renewal). A mean, as the short-term RTT
+//! is: the least single latency would stand below every window's mean for a backend whose
+//! latency varies (±50% around 100 ms: a floor of 50 against windows of 100), and the
+//! limit would fall below the backend's knee, shedding what it could serve. Gradient2's
+//! long-term average alone
 //! follows a sustained overload up (it is an average of overloaded windows), and the limit
 //! with it; the floor bounds it. The floor is renewed every `probe_interval` (±25%
 //! jitter, so that gateways do not renew together) from the last period's low-concurrency
@@ -60,12 +65,27 @@ pub struct Gradient {
     limit: f64,
     /// The long-term RTT, seconds (none before the first window).
     long: Option<f64>,
-    /// The floor now, and the least low-concurrency latency of the current period.
+    /// The floor now, and the low-concurrency latencies of the current period.
     floor: Option<f64>,
-    period_floor: Option<f64>,
+    period: Low,
     /// When the current period ends (the floor is renewed).
     renew_at: Instant,
     window: Window,
+}
+
+/// The latencies of the requests sent at low concurrency (at most `min_limit` in flight)
+/// in one period: their sum and count.
+#[derive(Debug, Default)]
+struct Low {
+    sum: f64,
+    samples: u32,
+}
+
+impl Low {
+    /// Their mean, once there are enough of them to stand for the backend unloaded.
+    fn mean(&self) -> Option<f64> {
+        (self.samples >= WINDOW_SAMPLES).then(|| self.sum / f64::from(self.samples))
+    }
 }
 
 #[derive(Debug)]
@@ -96,7 +116,7 @@ impl Gradient {
             limit: f64::from(INITIAL.clamp(settings.min_limit, settings.max_limit)),
             long: None,
             floor: None,
-            period_floor: None,
+            period: Low::default(),
             renew_at: now + jittered(settings.probe_interval, jitter),
             window: Window::new(now),
             settings,
@@ -124,15 +144,20 @@ impl Gradient {
     pub fn sample(&mut self, now: Instant, rtt: Duration, in_flight: u32, jitter: f64) {
         let rtt = rtt.as_secs_f64();
         if in_flight <= self.settings.min_limit {
-            self.period_floor = Some(self.period_floor.map_or(rtt, |f| f.min(rtt)));
-            // The first floor is taken at once; later ones at each renewal.
-            if self.floor.is_none() {
-                self.floor = Some(rtt);
+            self.period.sum += rtt;
+            self.period.samples += 1;
+            // A lower floor is taken at once (the first one included: the first requests,
+            // which open connections, are slower, and a floor too high would let the
+            // limit settle above the backend's knee); a higher one only at a renewal,
+            // from a whole period of low-concurrency requests.
+            if let Some(m) = self.period.mean() {
+                self.floor = Some(self.floor.map_or(m, |f| f.min(m)));
             }
         }
         if now >= self.renew_at {
-            if let Some(f) = self.period_floor.take() {
-                self.floor = Some(f);
+            // A period with too few low-concurrency requests keeps the floor it had.
+            if let Some(m) = std::mem::take(&mut self.period).mean() {
+                self.floor = Some(m);
             }
             self.renew_at = now + jittered(self.settings.probe_interval, jitter);
         }
@@ -323,32 +348,124 @@ mod tests {
         assert_eq!(g.limit(), 6);
     }
 
+    /// `WINDOW_SAMPLES` samples of `rtt` sent at `in_flight`, all answered at `at`: enough
+    /// low-concurrency requests for a floor.
+    fn burst(g: &mut Gradient, at: Instant, rtt: Duration, in_flight: u32) {
+        for _ in 0..WINDOW_SAMPLES {
+            g.sample(at, rtt, in_flight, 0.5);
+        }
+    }
+
     #[test]
     fn the_floor_is_renewed_each_probe_interval_from_low_concurrency_requests_only() {
         let t0 = Instant::now();
         let at = |s: u64| t0 + Duration::from_secs(s);
         // jitter 0.5: every period is exactly the interval (30 s).
         let mut g = Gradient::new(settings(), t0, 0.5);
-        g.sample(t0, 10 * MS, 1, 0.5);
+        burst(&mut g, t0, 10 * MS, 1);
         assert_eq!(g.floor(), Some(10 * MS));
         // The backend became slower for good: 30 ms unloaded. Within the period the old
-        // floor holds; its end (the sample at 31 s) renews it from the period's least,
-        // still 10 ms.
-        g.sample(at(10), 30 * MS, 2, 0.5);
-        g.sample(at(31), 30 * MS, 2, 0.5);
+        // floor holds; its end (the sample at 31 s) renews it from the period's mean,
+        // 10 ms × 10 and 30 ms × 10 in it: 20 ms.
+        burst(&mut g, at(10), 30 * MS, 2);
         assert_eq!(g.floor(), Some(10 * MS));
-        // The next period has only slow requests; a request at high concurrency says
+        g.sample(at(31), 30 * MS, 40, 0.5);
+        assert_eq!(g.floor(), Some(20 * MS));
+        // The next period has only slow requests; requests at high concurrency say
         // nothing of the floor, however fast.
-        g.sample(at(40), 35 * MS, 3, 0.5);
-        g.sample(at(45), 5 * MS, 50, 0.5);
-        g.sample(at(62), 40 * MS, 4, 0.5);
+        burst(&mut g, at(40), 35 * MS, 3);
+        burst(&mut g, at(45), 5 * MS, 50);
+        g.sample(at(62), 90 * MS, 40, 0.5);
         assert_eq!(g.floor(), Some(35 * MS));
-        // A period with none at low concurrency keeps the floor it had.
-        g.sample(at(80), 90 * MS, 40, 0.5);
+        // A period with too few at low concurrency keeps the floor it had.
+        g.sample(at(80), 90 * MS, 4, 0.5);
+        burst(&mut g, at(85), 90 * MS, 40);
         g.sample(at(93), 90 * MS, 40, 0.5);
         assert_eq!(g.floor(), Some(35 * MS));
-        g.sample(at(124), 90 * MS, 40, 0.5);
-        assert_eq!(g.floor(), Some(35 * MS));
+    }
+
+    #[test]
+    fn a_lower_floor_is_taken_at_once_and_a_higher_one_only_at_a_renewal() {
+        let t0 = Instant::now();
+        let at = |ms: u64| t0 + Duration::from_millis(ms);
+        let mut g = Gradient::new(settings(), t0, 0.5);
+        // Too few requests at low concurrency for a floor yet.
+        for _ in 1..WINDOW_SAMPLES {
+            g.sample(at(0), 70 * MS, 1, 0.5);
+        }
+        assert_eq!(g.floor(), None);
+        g.sample(at(10), 70 * MS, 1, 0.5);
+        assert_eq!(g.floor(), Some(70 * MS));
+        // Ten more at 50 ms: the period's mean, 60 ms, is lower: taken at once.
+        burst(&mut g, at(100), 50 * MS, 2);
+        assert_eq!(g.floor(), Some(60 * MS), "a lower floor at once");
+        // Fast at high concurrency says nothing; slower at low concurrency waits for the
+        // renewal (30 s).
+        burst(&mut g, at(200), 20 * MS, 40);
+        burst(&mut g, at(300), 200 * MS, 3);
+        assert_eq!(g.floor(), Some(60 * MS));
+    }
+
+    #[test]
+    fn behind_a_knee_backend_whose_latency_varies_the_limit_does_not_fall_below_the_knee() {
+        // A backend of 16 servers whose requests take 100 ms ± 50% (a fixed sequence,
+        // uniform over [50, 150] ms), waiting their turn past 16: the least latency is half
+        // the mean. A floor of the least would make every window look twice as slow as
+        // the floor, and the limit would fall to min_limit; the floor is a mean.
+        let mut now = Instant::now();
+        let mut g = Gradient::new(settings(), now, 0.0);
+        let mut x: u32 = 1;
+        let mut hold = move || {
+            // A small LCG: deterministic, spread over [0, 1).
+            x = x.wrapping_mul(1_103_515_245).wrapping_add(12_345);
+            f64::from(x >> 8) / f64::from(1u32 << 24)
+        };
+        let mut window_at = |g: &mut Gradient, now: &mut Instant, c: u32| {
+            for i in 0..WINDOW_SAMPLES {
+                let h = 0.05 + 0.1 * hold();
+                let rtt = Duration::from_secs_f64(h * f64::from(c.max(16)) / 16.0);
+                g.sample(*now + WINDOW * (i + 1) / WINDOW_SAMPLES, rtt, c, 0.5);
+            }
+            *now += WINDOW;
+        };
+        for _ in 0..3 {
+            window_at(&mut g, &mut now, 1);
+        }
+        let floor = g.floor().expect("a floor from 30 low-concurrency requests");
+        assert!(
+            (80 * MS..=120 * MS).contains(&floor),
+            "floor {floor:?}: the mean, about 100 ms"
+        );
+        let mut least = u32::MAX;
+        for i in 0..600 {
+            let c = g.limit();
+            window_at(&mut g, &mut now, c);
+            if i >= 100 {
+                least = least.min(g.limit());
+            }
+        }
+        let l = g.limit();
+        assert!((16..=32).contains(&l), "settled at {l}, knee 16");
+        assert!(
+            least >= 14,
+            "fell to {least} once settled, below the knee of 16"
+        );
+    }
+
+    #[test]
+    fn behind_a_knee_backend_a_first_slow_request_does_not_raise_where_the_limit_settles() {
+        let mut now = Instant::now();
+        let mut g = Gradient::new(settings(), now, 0.0);
+        // The first request is 40% slow (a connection opened), the next at low
+        // concurrency is not; then demand far above capacity.
+        g.sample(now, knee(1) * 14 / 10, 1, 0.0);
+        window(&mut g, &mut now, knee(1), 2);
+        for _ in 0..600 {
+            let c = g.limit();
+            window(&mut g, &mut now, knee(c), c);
+        }
+        let l = g.limit();
+        assert!((16..=28).contains(&l), "settled at {l}, knee 16");
     }
 
     #[test]
@@ -365,7 +482,12 @@ mod tests {
             let c = g.limit();
             window(&mut g, &mut now, slow(c), c);
         }
-        assert_eq!(g.floor(), Some(slow(4)));
+        let floor = g.floor().map(|f| f.as_secs_f64()).unwrap_or(0.0);
+        assert!(
+            (floor - slow(4).as_secs_f64()).abs() < 1e-9,
+            "floor {floor} s, not {:?}",
+            slow(4)
+        );
         let l = g.limit();
         assert!((16..=32).contains(&l), "limit {l} after the new floor");
     }

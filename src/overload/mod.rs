@@ -228,7 +228,7 @@ impl Overload {
                 waiting.rx = None;
                 Err(Shed::Evicted)
             }
-            Err(_) => waiting.timed_out(since),
+            Err(_) => waiting.timed_out(since).await,
         }
     }
 
@@ -313,8 +313,13 @@ struct Waiting<'a> {
 }
 
 impl Waiting<'_> {
-    /// `max_wait` passed: shed, unless its permit came at the same moment.
-    fn timed_out(&mut self, since: Instant) -> Result<Permit, Shed> {
+    /// `max_wait` passed: shed, unless its permit came at the same moment. A waiter no
+    /// longer in the queue was taken out under the lock by [`Overload::release`], whose
+    /// permit is on its way (sent just after the lock is let go), or by an eviction, whose
+    /// sender is already dropped: either way the answer is there at once, and it is
+    /// awaited rather than read now — reading it now could find the permit not yet sent
+    /// and shed a request that was granted its place, uncounted.
+    async fn timed_out(&mut self, since: Instant) -> Result<Permit, Shed> {
         {
             let mut s = lock(&self.overload.state);
             if s.queue.remove(self.place).is_some() {
@@ -324,12 +329,18 @@ impl Waiting<'_> {
                 return Err(Shed::Waited);
             }
         }
-        match self.rx.take().map(|mut rx| rx.try_recv()) {
-            Some(Ok(permit)) => {
+        let Some(rx) = self.rx.as_mut() else {
+            return Err(Shed::Waited);
+        };
+        let granted = rx.await;
+        self.rx = None;
+        match granted {
+            Ok(permit) => {
                 self.handles.wait.observe(since.elapsed().as_secs_f64());
                 Ok(permit)
             }
-            _ => Err(Shed::Waited),
+            // Evicted, and counted as shed then.
+            Err(_) => Err(Shed::Evicted),
         }
     }
 }

@@ -26,6 +26,7 @@ mod local_share;
 mod logs;
 mod message_meter;
 mod observability;
+mod overload;
 mod perimeter;
 mod pools;
 mod request_path;

@@ -515,12 +515,14 @@ fn assert_series_at_zero(m: &Scrape, rules: &[&str], ctx: &str) {
 
 /// The request outcomes, as `ratewall_request_duration_seconds{outcome}` and
 /// `/status.json` name them.
-const OUTCOMES: [&str; 8] = [
+const OUTCOMES: [&str; 10] = [
     "allowed",
     "denied",
     "unauthorized",
     "bad_request",
+    "no_route",
     "store_unavailable",
+    "overloaded",
     "upstream_error",
     "upstream_timeout",
     "client_error",
@@ -1418,12 +1420,14 @@ async fn status_page_shows_every_outcome_backend_store_and_reloads_in_headless_c
         gw.logs()
     );
 
-    let want: [(&str, u64); 8] = [
+    let want: [(&str, u64); 10] = [
         ("allowed", 4 + 2 + 1),
         ("denied", 7),
         ("unauthorized", 1),
         ("bad_request", 0),
+        ("no_route", 0),
         ("store_unavailable", 3),
+        ("overloaded", 0),
         ("upstream_error", 2),
         ("upstream_timeout", 0),
         ("client_error", 0),

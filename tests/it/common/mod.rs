@@ -19,6 +19,8 @@
 //! - [`gateway`]: the `ratewall` binary on a generated config, and config snippets.
 //! - [`grpc`]: gRPC's own server and client (grpcio, Python scripts in `tests/it/py/`),
 //!   raw bytes both ways, each call's outcome in the client's own words.
+//! - [`knee`]: a backend whose latency grows with its concurrency past a knee (a
+//!   semaphore of places and a sleep), counting the most requests it held at once.
 //! - [`upstream`]: an HTTP upstream in the test process that records what it saw.
 //! - [`backend`]: a pool's servers: bound where a test says, killed and started again on
 //!   the same address, recording request targets byte for byte; and one that resets.
@@ -46,6 +48,7 @@ pub mod grpc;
 pub mod headers;
 pub mod jwt;
 pub mod keys;
+pub mod knee;
 pub mod llm;
 pub mod metrics;
 pub mod nginx;
