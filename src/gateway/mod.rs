@@ -762,13 +762,14 @@ impl Gateway {
         if result.as_ref().is_err_and(upstream::Error::is_client_error) {
             return;
         }
+        let took = started.elapsed();
         self.metrics
             .gateway
             .upstream_duration
-            .observe(started.elapsed().as_secs_f64());
+            .observe(took.as_secs_f64());
         let class = match result {
             Ok(resp) => {
-                self.metrics.stats.upstream_answered(started.elapsed());
+                self.metrics.stats.upstream_answered(took);
                 status_class(resp.status().as_u16())
             }
             Err(_) => "error",
