@@ -317,7 +317,9 @@ impl Gateway {
 
     /// Serve one request, in its context (built at its connection): admit it, then answer
     /// or forward it, and record how it went.
-    pub async fn handle(&self, req: Request<Incoming>, ctx: Context) -> Response<Body> {
+    /// `ctx` is borrowed, not moved in: an `async fn`'s arguments are laid out twice in its
+    /// future, and the future is moved whole on its way to the connection's task.
+    pub async fn handle(&self, req: Request<Incoming>, ctx: &Context) -> Response<Body> {
         let started = Instant::now();
         let _in_flight = Gauged::new(&self.metrics.gateway.in_flight);
         let live = self.live.load_full();
