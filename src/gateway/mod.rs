@@ -351,9 +351,11 @@ impl Gateway {
             match self.admit_as(&live, &parts, &ctx, dialect, tokens).await {
                 Admission::Answer(resp, note) => (resp, note, false),
                 Admission::Forward(pass) => {
-                    let (resp, note) = self
-                        .forward(&live, Request::from_parts(parts, body), &ctx, pass)
-                        .await;
+                    // Boxed: forwarding's state is most of this future's size, and the
+                    // whole future is moved on its way to the connection's task — for a
+                    // request answered here (a 429) too, which never forwards.
+                    let forward = self.forward(&live, Request::from_parts(parts, body), ctx, pass);
+                    let (resp, note) = Box::pin(forward).await;
                     (resp, note, true)
                 }
             };
