@@ -14,7 +14,13 @@ client or examples/tls_handshakes.rs:
   requests/s, p50/p99 latency, CPU time per request and ratios.
 - The pinned table. Each server under test alone on CPU 1 (`taskset -c 1`) with one worker
   process or thread; wrk, the upstream and Redis on CPU 0. Prints requests/s and the CPU
-  time per request of the server under test (all its processes, from /proc), and of Redis.
+  time per request of the server under test (all its processes, from /proc), and of Redis;
+  its context switches per request; and its instructions per request under callgrind (each
+  server again, alone under valgrind; CALLGRIND=0 skips that).
+
+Every table's rounds are printed too, each figure as its median and its range over the
+RUNS rounds: one round can be 20% off the next on a shared machine, and a figure is read
+from the medians of three separate invocations (docs/performance.md says how).
 
 - The TLS table (issue 16). ratewall's TLS listener against nginx `ssl` on the same
   certificate (made with `openssl req` at the start; EC P-256, or RSA 2048 with
@@ -222,6 +228,27 @@ def cpu_seconds(pid):
     return user / tick, system / tick
 
 
+def ctx_switches(pid):
+    """Voluntary and involuntary context switches a process and its descendants have made so
+    far, all their threads (/proc/<pid>/task/<tid>/status)."""
+    vol = invol = 0
+    for p in process_tree(pid):
+        try:
+            tasks = os.listdir(f"/proc/{p}/task")
+        except OSError:
+            continue
+        for t in tasks:
+            try:
+                text = open(f"/proc/{p}/task/{t}/status").read()
+            except OSError:
+                continue
+            v = re.search(r"^voluntary_ctxt_switches:\s+(\d+)", text, re.M)
+            n = re.search(r"^nonvoluntary_ctxt_switches:\s+(\d+)", text, re.M)
+            vol += int(v.group(1)) if v else 0
+            invol += int(n.group(1)) if n else 0
+    return vol, invol
+
+
 class Tls(int):
     """A port that speaks TLS (wrk drives it with https://)."""
 
@@ -288,6 +315,7 @@ def measure(targets, redis, wrk_cpu=None, label="", backends=(), per="req/s"):
         for name, port, script, counts_redis, proc in targets:
             before = script_calls(redis_port) if counts_redis else None
             cpu_before = cpu_seconds(proc.pid) if proc else None
+            cs_before = ctx_switches(proc.pid) if proc else None
             redis_before = cpu_seconds(redis_proc.pid) if counts_redis else None
             backends_before = sum(sum(cpu_seconds(b.pid)) for b in backends)
             children_before = resource.getrusage(resource.RUSAGE_CHILDREN)
@@ -307,16 +335,45 @@ def measure(targets, redis, wrk_cpu=None, label="", backends=(), per="req/s"):
                 r["user_us"] = (u1 - u0) * 1e6 / n
                 r["sys_us"] = (s1 - s0) * 1e6 / n
                 r["busy"] = (u1 - u0 + s1 - s0) / secs
+                (v0, i0), (v1, i1) = cs_before, ctx_switches(proc.pid)
+                r["vcs"], r["ivcs"] = (v1 - v0) / n, (i1 - i0) / n
             else:
-                r["user_us"] = r["sys_us"] = r["busy"] = None
+                r["user_us"] = r["sys_us"] = r["busy"] = r["vcs"] = r["ivcs"] = None
             results.setdefault(name, []).append(r)
             p99 = "" if r["p99"] is None else f"  p99 {r['p99']:.2f} ms"
             errors = "".join(f"  {k[4:]} {v:.0f}" for k, v in r.items() if k.startswith("err_") and v)
             print(f"  {label}run {run + 1}/{RUNS} {name:40} {r['rps']:>9.0f} {per}{p99}{errors}", flush=True)
     def pick(k):
         return max if k.startswith("err_") else statistics.median
-    return {n: {k: pick(k)(x[k] for x in rs) if rs[0][k] is not None else None for k in rs[0]}
-            for n, rs in results.items()}
+    med = {n: {k: pick(k)(x[k] for x in rs) if rs[0][k] is not None else None for k in rs[0]}
+           for n, rs in results.items()}
+    rounds(results, label, per)
+    return med
+
+
+# The figures `rounds` shows the spread of, as they are named in `measure`'s results.
+ROUND_FIGURES = (("rps", "{:,.0f}", ""), ("p99", "{:.2f}", " ms"), ("cpu", "{:.1f}", " us"),
+                 ("vcs", "{:.3f}", ""), ("ivcs", "{:.3f}", ""))
+
+
+def rounds(results, label, per):
+    """Each target's figures over its RUNS rounds: the median and, in brackets, the range
+    (least to most), so that a reader sees how far one round is from the next. CPU: user +
+    system per request of the server under test; vcs/ivcs: its voluntary and involuntary
+    context switches per request (all its threads)."""
+    if RUNS < 2:
+        return
+    print(f"  {label}rounds: median [range] of {RUNS}; {per}, p99, CPU per request, context switches per "
+          f"request (voluntary, involuntary)")
+    for name, rs in results.items():
+        cells = []
+        for key, fmt, suffix in ROUND_FIGURES:
+            xs = [cpu_us(x) if key == "cpu" else x.get(key) for x in rs]
+            if any(v is None for v in xs):
+                continue
+            cells.append(f"{key} {fmt.format(statistics.median(xs))}{suffix} "
+                         f"[{fmt.format(min(xs))}-{fmt.format(max(xs))}]")
+        print(f"    {name:40} " + "  ".join(cells))
 
 
 def cpu_us(m):
@@ -380,15 +437,17 @@ def main_table():
     print()
     print(f"median of {RUNS} runs, wrk -t{THREADS} -c{CONNS} -d{SECS}s, {os.cpu_count()} cores")
     print(f"{'':40}{'req/s':>10}{'p50 ms':>9}{'p99 ms':>9}{'non-2xx':>10}{'Redis/req':>11}"
-          f"{'CPU us/req':>12}{'vs nginx lr':>12}{'vs HAProxy':>11}")
+          f"{'CPU us/req':>12}{'cs/req':>13}{'vs nginx lr':>12}{'vs HAProxy':>11}")
     for name, _, _, _, _ in targets:
         m = med[name]
         per = "" if m["redis_per_req"] is None else f"{m['redis_per_req']:.3f}"
         cpu = "" if m["user_us"] is None else f"{m['user_us']:.1f}+{m['sys_us']:.1f}"
+        cs = "" if m["vcs"] is None else f"{m['vcs']:.3f}+{m['ivcs']:.3f}"
         print(f"{name:40}{m['rps']:>10.0f}{m['p50']:>9.2f}{m['p99']:>9.2f}{m['non2xx']:>10.0f}{per:>11}{cpu:>12}"
-              f"{m['rps'] / nginx_lr['rps']:>11.2f}x{m['rps'] / haproxy['rps']:>10.2f}x")
+              f"{cs:>13}{m['rps'] / nginx_lr['rps']:>11.2f}x{m['rps'] / haproxy['rps']:>10.2f}x")
     print("(CPU us/req: user+system CPU time of the server under test per request, where it runs in processes of")
-    print(" its own (nginx + Lua + Redis: its master and workers); Redis/req: script calls (EVALSHA, EVAL) per request;")
+    print(" its own (nginx + Lua + Redis: its master and workers); cs/req: its context switches per request, voluntary")
+    print(" + involuntary, all its threads; Redis/req: script calls (EVALSHA, EVAL) per request;")
     print(" the 1-worker rows: ratewall with [server] workers = 1, for information, not a target)")
     lua_allowed, lua_abuse = med["nginx + Lua + Redis (lua-resty-redis)"], med["nginx + Lua + Redis, one key (abuse)"]
     print()
@@ -424,6 +483,95 @@ def main_table():
     print("  " + "\n  ".join(out.strip().splitlines()[:6]))
 
 
+# Instructions per request (callgrind) beside the pinned table's CPU figures: CALLGRIND=0
+# skips them. Each server runs under valgrind on its pinned port + CALLGRIND_SHIFT, warmed
+# up, then counted over CALLGRIND_SECS of wrk with 8 connections (valgrind is ~50x slower).
+CALLGRIND = os.environ.get("CALLGRIND", "1") != "0"
+CALLGRIND_SHIFT = 100
+CALLGRIND_SECS = int(os.environ.get("CALLGRIND_SECS", "10"))
+
+
+def wrk_count(port, script, secs, conns=8):
+    """The requests one wrk run of `secs` completed against `port` (on the load CPU)."""
+    out = subprocess.run(["taskset", "-c", str(LOAD_CPU), "wrk", "-t1", f"-c{conns}", f"-d{secs}s",
+                          "-s", os.path.join(HERE, script), f"http://127.0.0.1:{port}/"],
+                         capture_output=True, text=True, check=True).stdout
+    return int(re.search(r"(\d+) requests in", out).group(1))
+
+
+def instructions(cmd, ports, env=None):
+    """Instructions per request of a server under callgrind (all its threads), for each
+    (port, wrk script) in `ports`: started on the server CPU under valgrind, warmed up with
+    3 s of wrk, its counters zeroed, driven for CALLGRIND_SECS, and dumped. Unlike CPU time,
+    the count barely moves between runs: the figure to guard regressions with. (Under
+    valgrind the CPU lacks SHA-NI and AVX-512, so what uses them counts more than it runs.)"""
+    out = os.path.join(LAB, f"callgrind-{ports[0][0]}.out")
+    p = start(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", *cmd], SERVER_CPU, env)
+    counts = []
+    try:
+        for i, (port, script) in enumerate(ports):
+            wait_port(port, 60)
+            wrk_count(port, script, 3)
+            subprocess.run(["callgrind_control", "-z", str(p.pid)], capture_output=True, check=True)
+            n = wrk_count(port, script, CALLGRIND_SECS)
+            subprocess.run(["callgrind_control", "-d", str(p.pid)], capture_output=True, check=True)
+            dump = f"{out}.{i + 1}"
+            for _ in range(100):
+                if os.path.exists(dump) and "totals:" in open(dump, errors="replace").read()[-4096:]:
+                    break
+                time.sleep(0.1)
+            total = int(re.search(r"^summary: (\d+)", open(dump, errors="replace").read(), re.M).group(1))
+            counts.append(total / max(n, 1))
+    finally:
+        try:
+            os.killpg(p.pid, signal.SIGTERM)
+            p.wait(timeout=30)
+        except (ProcessLookupError, subprocess.TimeoutExpired):
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        procs.remove(p)
+    return counts
+
+
+def pinned_instructions(configs, s):
+    """Instructions per request of the pinned table's servers under test, by row name, each
+    alone under callgrind with the pinned table's config moved by CALLGRIND_SHIFT (the
+    upstream and Redis stay those of the pinned table). `configs`: name -> (kind, text)."""
+    c = CALLGRIND_SHIFT
+
+    def moved(text):
+        text = shifted(text, c)
+        for port in (18080 + s, 16379 + s):
+            text = text.replace(f"127.0.0.1:{port + c}", f"127.0.0.1:{port}")
+            text = text.replace(f"port={port + c}", f"port={port}")
+        return text
+
+    counts = {}
+    print(f"  callgrind: each server alone under valgrind, wrk -c8 {CALLGRIND_SECS}s after a 3 s warm-up", flush=True)
+    nginx = moved(configs["nginx"]).replace("nginx.pid", "nginx-cg.pid")
+    path = os.path.join(LAB, "callgrind-nginx.conf")
+    open(path, "w").write("master_process off;\n" + nginx)
+    subprocess.run(["nginx", "-q", "-t", "-c", path], check=True)
+    counts["nginx limit_req"], counts["nginx limit_req, one key (abuse)"] = instructions(
+        ["nginx", "-c", path, "-g", "daemon off;"], [(18082 + s + c, "keys.lua"), (18084 + s + c, "one-key.lua")])
+    path = os.path.join(LAB, "callgrind-haproxy.cfg")
+    open(path, "w").write(moved(configs["haproxy"]))
+    counts["HAProxy stick table"], = instructions(["haproxy", "-db", "-f", path], [(18083 + s + c, "keys.lua")])
+    counts["bare hyper proxy (no limiting)"], = instructions(
+        [os.path.join(RELEASE, "examples", "hyper_proxy"), f"127.0.0.1:{18088 + s + c}", f"http://127.0.0.1:{18080 + s}"],
+        [(18088 + s + c, "keys.lua")])
+    env = dict(os.environ, RUST_LOG="warn")
+    for row, name, port, script in (("ratewall memory", "ratewall-memory.toml", 18085, "keys.lua"),
+                                    ("ratewall redis", "ratewall-redis.toml", 18086, "keys.lua"),
+                                    ("ratewall redis, one key (abuse)", "ratewall-redis-tight.toml", 18087,
+                                     "one-key.lua")):
+        path = os.path.join(LAB, "callgrind-" + name)
+        open(path, "w").write(moved(configs[name]))
+        counts[row], = instructions([os.path.join(RELEASE, "ratewall"), "--config", path],
+                                    [(port + s + c, script)], env)
+    return counts
+
+
 def one_worker_nginx(text, keep_upstream):
     """nginx.conf for the pinned table: one worker, and either only the upstream's server
     (keep_upstream) or everything but it, each nginx with its own pid file and error log."""
@@ -454,13 +602,15 @@ def pinned_table():
     start_nginx("pinned-upstream.conf", one_worker_nginx(nginx_conf, True), LOAD_CPU)
     redis = start(["redis-server", "--port", str(16379 + s), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
                   LOAD_CPU)
-    servers = {"nginx": start_nginx("pinned-nginx.conf", one_worker_nginx(nginx_conf, False), SERVER_CPU)}
+    configs = {"nginx": one_worker_nginx(nginx_conf, False).replace("/tmp/lab/nginx", LAB)}
+    servers = {"nginx": start_nginx("pinned-nginx.conf", configs["nginx"], SERVER_CPU)}
     text = shifted(open(os.path.join(HERE, "peers", "haproxy.cfg")).read(), s)
     text, n = re.subn(r"^global$", "global\n  nbthread 1", text, flags=re.M)
     if n != 1:
         sys.exit("bench/peers/haproxy.cfg: no global section")
     path = os.path.join(LAB, "pinned-haproxy.cfg")
     open(path, "w").write(text)
+    configs["haproxy"] = text
     servers["haproxy"] = start(["haproxy", "-db", "-f", path], SERVER_CPU)
     text = open(os.path.join(HERE, "peers", "nginx-lua-redis.conf")).read()
     text = re.sub(r"^worker_processes \w+;", "worker_processes 1;", text, flags=re.M)
@@ -474,6 +624,7 @@ def pinned_table():
             sys.exit(f"bench/{name}: no listen line")
         path = os.path.join(LAB, "pinned-" + name)
         open(path, "w").write(text)
+        configs[name] = text
         servers[name] = start([binary, "--config", path], SERVER_CPU, env)
     # available_parallelism() counts the CPUs it may run on: one worker thread
     servers["bare"] = start([os.path.join(RELEASE, "examples", "hyper_proxy"), f"127.0.0.1:{18088 + s}",
@@ -501,23 +652,29 @@ def pinned_table():
     ]
     med = measure(targets, (16379 + s, redis), LOAD_CPU, "pinned ")
     haproxy, nginx_lr = med["HAProxy stick table"], med["nginx limit_req"]
+    ir = pinned_instructions(configs, s) if CALLGRIND else {}
     print()
     print(f"pinned: the server under test alone on CPU {SERVER_CPU}, one worker/thread; wrk, the upstream (nginx, "
           f"1 worker) and Redis on CPU {LOAD_CPU}")
     print(f"median of {RUNS} runs, wrk -t{THREADS} -c{CONNS} -d{SECS}s")
-    print(f"{'':40}{'req/s':>9}{'p99 ms':>8}{'CPU us/req':>12}{'Redis/req':>10}{'Redis us':>9}"
-          f"{'CPU vs':>8}{'CPU vs':>8}{'req/s vs':>9}{'req/s vs':>9}")
-    print(f"{'':40}{'':>9}{'':>8}{'user+sys':>12}{'':>10}{'/req':>9}"
+    print(f"{'':40}{'req/s':>9}{'p99 ms':>8}{'CPU us/req':>12}{'instr':>8}{'cs/req':>13}{'Redis/req':>10}"
+          f"{'Redis us':>9}{'CPU vs':>8}{'CPU vs':>8}{'req/s vs':>9}{'req/s vs':>9}")
+    print(f"{'':40}{'':>9}{'':>8}{'user+sys':>12}{'/req':>8}{'vol+invol':>13}{'':>10}{'/req':>9}"
           f"{'HAProxy':>8}{'nginx lr':>9}{'HAProxy':>8}{'nginx lr':>9}")
     for name, _, _, _, _ in targets:
         m = med[name]
         per = "" if m["redis_per_req"] is None else f"{m['redis_per_req']:.3f}"
         redis_us = "" if m["redis_us"] is None else f"{m['redis_us']:.1f}"
-        print(f"{name:40}{m['rps']:>9.0f}{m['p99']:>8.2f}{m['user_us']:>6.1f}+{m['sys_us']:<5.1f}{per:>10}{redis_us:>9}"
+        instr = f"{ir[name]:,.0f}" if name in ir else ""
+        cs = f"{m['vcs']:.3f}+{m['ivcs']:.3f}"
+        print(f"{name:40}{m['rps']:>9.0f}{m['p99']:>8.2f}{m['user_us']:>6.1f}+{m['sys_us']:<5.1f}{instr:>8}{cs:>13}"
+              f"{per:>10}{redis_us:>9}"
               f"{cpu_us(m) / cpu_us(haproxy):>7.2f}x{cpu_us(m) / cpu_us(nginx_lr):>8.2f}x"
               f"{m['rps'] / haproxy['rps']:>8.2f}x{m['rps'] / nginx_lr['rps']:>8.2f}x")
     print("(CPU us/req: user+system CPU time of the server under test per request, all its processes (nginx: master")
-    print(" and worker); Redis us/req: redis-server's CPU time per request; CPU vs: the server's CPU per request over")
+    print(" and worker); instr/req: its instructions per request under callgrind (CALLGRIND=0 skips them; nginx + Lua")
+    print(" is not run under valgrind); cs/req: its context switches per request, voluntary + involuntary, all its")
+    print(" threads; Redis us/req: redis-server's CPU time per request; CPU vs: the server's CPU per request over")
     print(" HAProxy's or nginx limit_req's, lower is leaner; the abuse rows are measured against the allowed rows too)")
     lua_allowed, lua_abuse = med["nginx + Lua + Redis (lua-resty-redis)"], med["nginx + Lua + Redis, one key (abuse)"]
     print()
@@ -1405,7 +1562,8 @@ def main():
         sys.exit(f"BENCH_ONLY={ONLY}: {', '.join(tables)}, or unset for all {len(tables)}")
     # What each table runs (the pools table: nginx and wrk only).
     needs = {"main": ("nginx", "haproxy", "wrk", "redis-server", "redis-cli", "taskset"),
-             "pinned": ("nginx", "haproxy", "wrk", "redis-server", "redis-cli", "taskset"),
+             "pinned": ("nginx", "haproxy", "wrk", "redis-server", "redis-cli", "taskset")
+             + (("valgrind", "callgrind_control") if CALLGRIND else ()),
              "tls": ("nginx", "wrk", "taskset", "openssl"),
              "pools": ("nginx", "wrk", "taskset"),
              "ws": ("nginx", "taskset"),

@@ -317,7 +317,9 @@ impl Gateway {
 
     /// Serve one request, in its context (built at its connection): admit it, then answer
     /// or forward it, and record how it went.
-    pub async fn handle(&self, req: Request<Incoming>, ctx: Context) -> Response<Body> {
+    /// `ctx` is borrowed, not moved in: an `async fn`'s arguments are laid out twice in its
+    /// future, and the future is moved whole on its way to the connection's task.
+    pub async fn handle(&self, req: Request<Incoming>, ctx: &Context) -> Response<Body> {
         let started = Instant::now();
         let _in_flight = Gauged::new(&self.metrics.gateway.in_flight);
         let live = self.live.load_full();
@@ -349,9 +351,11 @@ impl Gateway {
             match self.admit_as(&live, &parts, &ctx, dialect, tokens).await {
                 Admission::Answer(resp, note) => (resp, note, false),
                 Admission::Forward(pass) => {
-                    let (resp, note) = self
-                        .forward(&live, Request::from_parts(parts, body), &ctx, pass)
-                        .await;
+                    // Boxed: forwarding's state is most of this future's size, and the
+                    // whole future is moved on its way to the connection's task — for a
+                    // request answered here (a 429) too, which never forwards.
+                    let forward = self.forward(&live, Request::from_parts(parts, body), ctx, pass);
+                    let (resp, note) = Box::pin(forward).await;
                     (resp, note, true)
                 }
             };
@@ -765,13 +769,14 @@ impl Gateway {
         if result.as_ref().is_err_and(upstream::Error::is_client_error) {
             return;
         }
+        let took = started.elapsed();
         self.metrics
             .gateway
             .upstream_duration
-            .observe(started.elapsed().as_secs_f64());
+            .observe(took.as_secs_f64());
         let class = match result {
             Ok(resp) => {
-                self.metrics.stats.upstream_answered(started.elapsed());
+                self.metrics.stats.upstream_answered(took);
                 status_class(resp.status().as_u16())
             }
             Err(_) => "error",

@@ -50,6 +50,11 @@ use super::metrics::{EvictionLabels, LimiterMetrics};
 use super::store::{Call, Kind, Settlement, Store};
 use super::{concurrency, fixed_window, gcra, sliding_window, token_bucket};
 use super::{Check, Clock, Decision, Fnv1a, State, StoreError};
+use smallvec::SmallVec;
+
+/// A request's per-check scratch, inline for the few rules a request meets (no
+/// allocation on the request path), on the heap past that.
+type Small<T> = SmallVec<[T; 4]>;
 
 /// Shards at most; a small store has fewer (one per [`KEYS_PER_SHARD`]), so that the
 /// per-shard bound is the whole store's and eviction order is exact.
@@ -724,7 +729,7 @@ impl MemoryStore {
 
     fn run(&self, checks: &[Check<'_>], commit: bool) -> Result<Vec<Decision>, Full> {
         let now = self.clock.now_us();
-        let mut places: Vec<Place> = checks
+        let mut places: Small<Place> = checks
             .iter()
             .map(|c| {
                 let (shard, key) = self.key(c);
@@ -737,7 +742,7 @@ impl MemoryStore {
             .collect();
         let mut guards = self.lock_shards(&places);
         // Each check's outcome, and where its slot was if it has one.
-        let mut outcomes = Vec::with_capacity(checks.len());
+        let mut outcomes: Small<_> = SmallVec::with_capacity(checks.len());
         for (check, place) in checks.iter().zip(&mut places) {
             let shard = held(&guards, place.shard).and_then(|g| guards.get(g));
             place.at = shard.and_then(|(_, shard)| shard.find(place.key));
@@ -764,8 +769,8 @@ impl MemoryStore {
     }
 
     /// Lock every shard `places` are in, in index order so two requests never deadlock.
-    fn lock_shards(&self, places: &[Place]) -> Vec<(usize, MutexGuard<'_, Shard>)> {
-        let mut ids: Vec<usize> = places.iter().map(|p| p.shard).collect();
+    fn lock_shards(&self, places: &[Place]) -> Small<(usize, MutexGuard<'_, Shard>)> {
+        let mut ids: Small<usize> = places.iter().map(|p| p.shard).collect();
         ids.sort_unstable();
         ids.dedup();
         ids.into_iter().map(|i| (i, self.lock(i))).collect()
@@ -786,7 +791,7 @@ impl MemoryStore {
         guards: &mut [(usize, MutexGuard<'_, Shard>)],
     ) -> Result<(), Full> {
         let own = |key: Key| places.iter().any(|p| p.key == key);
-        let mut reserved = vec![0usize; guards.len()];
+        let mut reserved: Small<usize> = smallvec::smallvec![0; guards.len()];
         for (place, o) in places.iter().zip(outcomes) {
             let Some(g) = held(guards, place.shard) else {
                 continue;

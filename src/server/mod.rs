@@ -625,7 +625,7 @@ impl Clients {
             async move {
                 let resp = match redirect {
                     Some(port) => gw.redirect(&req, &ctx, |req| to_https(req, port)),
-                    None => gw.handle(req, ctx).await,
+                    None => gw.handle(req, &ctx).await,
                 };
                 Ok::<_, Infallible>(resp.map(|body| Tracked::new(body, request, http2)))
             }

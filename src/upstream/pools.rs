@@ -313,11 +313,14 @@ impl Pool {
         pick: Pick,
     ) -> Forwarded {
         let set = self.servers.load_full();
-        self.budget.request(Instant::now());
+        // One reading of the clock for the budget, the choice and the first attempt's
+        // start; the next is where the attempt ends.
+        let mut now = Instant::now();
+        self.budget.request(now);
         // The servers tried, in order: at most `MAX_RETRIES + 1` (config refuses more).
         let mut tried = [0usize; MAX_RETRIES as usize + 1];
         let mut n = 0;
-        let Some(mut k) = self.choose(&set, pick.hash, &[], Instant::now()) else {
+        let Some(mut k) = self.choose(&set, pick.hash, &[], now) else {
             self.counters.no_server.inc();
             self.log_outage(self.outage.failed(&Error::NoServer), Some(&Error::NoServer));
             return Forwarded {
@@ -331,8 +334,9 @@ impl Pool {
             n += 1;
             let tried = &tried[..n];
             let server = &set.list[k];
-            let result = server.send(out, down, pick.worker).await;
-            self.record(&set, k, &result);
+            let result;
+            (result, now) = server.send(out, down, pick.worker, now).await;
+            self.record(&set, k, &result, now);
             let e = match result {
                 Ok(resp) => {
                     self.log_outage(self.outage.answered(), None);
@@ -348,10 +352,10 @@ impl Pool {
             // that takes requests is there to take it: only then is the budget asked.
             let retries = (self.settings.retries as usize).min(MAX_RETRIES as usize);
             let next = (tried.len() <= retries && out.may_retry(&e))
-                .then(|| self.choose(&set, pick.hash, tried, Instant::now()))
+                .then(|| self.choose(&set, pick.hash, tried, now))
                 .flatten();
             if let Some(n) = next {
-                if self.budget.try_retry(Instant::now()) {
+                if self.budget.try_retry(now) {
                     self.counters.retries.inc();
                     tracing::debug!(pool = self.settings.name.as_str(), server = &*server.label, error = %e, "retrying on another server");
                     k = n;
@@ -362,7 +366,6 @@ impl Pool {
             // The pool's outage is logged when it has no server left to answer (or its one
             // server fails): one server failing among others that answer is that server's
             // ejection, logged as such, not an outage of the pool.
-            let now = Instant::now();
             let left = set.list.iter().any(|s| s.health.available(now));
             if !e.is_client_error() && (set.list.len() == 1 || !left) {
                 self.log_outage(self.outage.failed(&e), Some(&e));
@@ -421,10 +424,16 @@ impl Pool {
         panic_pick(&servers).map(|i| checked[i].0)
     }
 
-    /// Count an attempt's outcome in its server's metrics and health.
-    fn record(&self, set: &ServerSet, k: usize, result: &Result<Response<ResponseBody>, Error>) {
+    /// Count an attempt's outcome, as of `now` (when it ended), in its server's metrics and
+    /// health.
+    fn record(
+        &self,
+        set: &ServerSet,
+        k: usize,
+        result: &Result<Response<ResponseBody>, Error>,
+        now: Instant,
+    ) {
         let server = &set.list[k];
-        let now = Instant::now();
         let failed = match result {
             Ok(resp) => self
                 .settings
@@ -598,16 +607,17 @@ impl AsRef<ServerHealth> for Arc<Server> {
 }
 
 impl Server {
-    /// One attempt on this server, from `worker`'s kept connections.
+    /// One attempt on this server, from `worker`'s kept connections, `started` now: its
+    /// result, and when it ended.
     async fn send(
         &self,
         out: &mut Outbound,
         down: &Downstream<'_>,
         worker: usize,
-    ) -> Result<Response<ResponseBody>, Error> {
+        started: Instant,
+    ) -> (Result<Response<ResponseBody>, Error>, Instant) {
         let client = &self.clients[worker % self.clients.len().max(1)];
         self.attempts.fetch_add(1, Relaxed);
-        let started = Instant::now();
         let result = {
             // Given back however the attempt ends: a client that goes away drops it.
             let _in_flight = InFlight::new(&self.in_flight);
@@ -617,7 +627,8 @@ impl Server {
                 _ => client.send(out, down).await,
             }
         };
-        let took = started.elapsed();
+        let ended = Instant::now();
+        let took = ended.saturating_duration_since(started);
         let how = match &result {
             Ok(resp) => Some(Attempt::Answered(resp.status().as_u16())),
             Err(e) if e.is_client_error() => None,
@@ -627,10 +638,10 @@ impl Server {
         if let Some(how) = how {
             self.counters.attempted(how, took);
             if matches!(how, Attempt::Answered(_)) {
-                self.recent.observe(Instant::now(), took);
+                self.recent.observe(ended, took);
             }
         }
-        result
+        (result, ended)
     }
 }
 
