@@ -27,8 +27,8 @@
 //!   (`route.rs`; a 404 where none fits), find its rules, identify it, ask the store, one
 //!   pure verdict, then answer or forward it through its pool; each request in its
 //!   [`gateway::Context`] (peer, TLS session, client certificate, worker), built at the
-//!   connection. Every answer it writes goes through one function, HTTP or, to a gRPC
-//!   call, a Trailers-Only gRPC answer ([`gateway::grpc`]). Also what it runs on
+//!   connection. Every answer it writes goes through one function (`answer.rs`), HTTP or,
+//!   to a gRPC call, a Trailers-Only gRPC answer ([`gateway::grpc`]). Also what it runs on
 //!   ([`gateway::Live`], swapped whole on reload) and `ratewall check`'s explanation, and
 //!   the dashboards' metrics (`dashboards.rs`: denials by plan, retry waits, near-limit
 //!   requests, the good-client SLO judged by the bounded demand meter, `demand.rs`).

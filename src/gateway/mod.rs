@@ -10,6 +10,7 @@
 
 mod access;
 pub mod all_metrics;
+mod answer;
 mod body;
 mod context;
 pub mod dashboards;
@@ -32,10 +33,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arc_swap::ArcSwap;
-use bytes::Bytes;
 use http::request::Parts;
 use http::{HeaderMap, Request, Response, StatusCode};
-use http_body_util::{Either, Full};
+use http_body_util::Either;
 use hyper::body::Incoming;
 
 use crate::config::{Config, ConfigError, Source};
@@ -57,6 +57,8 @@ use route::Destination;
 use verdict::{Ruled, Tally, Verdict};
 
 pub use all_metrics::Metrics;
+use answer::close_after;
+pub use answer::problem;
 pub use body::{Body, LeasedBody};
 pub use context::Context;
 pub use explain::explain;
@@ -317,8 +319,7 @@ impl Gateway {
 
     /// Serve one request, in its context (built at its connection): admit it, then answer
     /// or forward it, and record how it went.
-    /// `ctx` is borrowed, not moved in: an `async fn`'s arguments are laid out twice in its
-    /// future, and the future is moved whole on its way to the connection's task.
+    /// `ctx` is borrowed: an `async fn`'s arguments are laid out twice in its future.
     pub async fn handle(&self, req: Request<Incoming>, ctx: &Context) -> Response<Body> {
         let started = Instant::now();
         let _in_flight = Gauged::new(&self.metrics.gateway.in_flight);
@@ -348,12 +349,10 @@ impl Gateway {
             }
         };
         let (mut resp, mut note, forwarded) =
-            match self.admit_as(&live, &parts, &ctx, dialect, tokens).await {
+            match self.admit_as(&live, &parts, ctx, dialect, tokens).await {
                 Admission::Answer(resp, note) => (resp, note, false),
                 Admission::Forward(pass) => {
-                    // Boxed: forwarding's state is most of this future's size, and the
-                    // whole future is moved on its way to the connection's task — for a
-                    // request answered here (a 429) too, which never forwards.
+                    // Boxed: most of this future's size, moved whole even for a 429.
                     let forward = self.forward(&live, Request::from_parts(parts, body), ctx, pass);
                     let (resp, note) = Box::pin(forward).await;
                     (resp, note, true)
@@ -964,40 +963,4 @@ fn refused(refusal: crate::identity::Refusal) -> Problem {
         StatusCode::SERVICE_UNAVAILABLE => p.with_retry_after(1),
         _ => p,
     }
-}
-
-/// Ask hyper to close the client connection once `resp` is sent (HTTP/1).
-fn close_after<B>(resp: &mut Response<B>) {
-    resp.headers_mut().insert(
-        http::header::CONNECTION,
-        http::HeaderValue::from_static("close"),
-    );
-}
-
-/// A response the gateway writes itself: every one goes through here. To HTTP, `p`'s
-/// status and problem+json body; to a gRPC call, a Trailers-Only gRPC answer (HTTP 200,
-/// empty body, `grpc-status` by [`grpc::Code::of_status`], [`grpc::trailers_only`]).
-/// Either way with the `RateLimit-*` fields of `applied` and `Retry-After` where `p` has
-/// one.
-pub fn problem(
-    p: Problem,
-    cfg: &Config,
-    applied: &[Applied<'_>],
-    dialect: Dialect,
-) -> Response<Body> {
-    let mut resp = match dialect {
-        Dialect::Http => {
-            let mut resp = Response::new(Either::Right(Full::new(p.body.clone())));
-            *resp.status_mut() = p.status;
-            p.headers(resp.headers_mut());
-            resp
-        }
-        Dialect::Grpc => {
-            let mut resp = Response::new(Either::Right(Full::new(Bytes::new())));
-            grpc::trailers_only(&p, applied, resp.headers_mut());
-            resp
-        }
-    };
-    headers::add_ratelimit(resp.headers_mut(), cfg.response, applied);
-    resp
 }
