@@ -19,7 +19,9 @@
 //!
 //! **The floor** is the backend's latency unloaded: the mean latency of the requests sent
 //! while at most `min_limit` were in flight, once [`WINDOW_SAMPLES`] of them are in (a
-//! lower mean is taken at once, a higher one at a renewal). A mean, as the short-term RTT
+//! lower mean is taken at once, a higher one at a renewal). Until that many came, the mean
+//! of those there are stands in, *provisional*: traffic that stays above `min_limit` in
+//! flight (steady load at half capacity) may offer only its first few requests. A mean, as the short-term RTT
 //! is: the least single latency would stand below every window's mean for a backend whose
 //! latency varies (±50% around 100 ms: a floor of 50 against windows of 100), and the
 //! limit would fall below the backend's knee, shedding what it could serve. Gradient2's
@@ -65,8 +67,10 @@ pub struct Gradient {
     limit: f64,
     /// The long-term RTT, seconds (none before the first window).
     long: Option<f64>,
-    /// The floor now, and the low-concurrency latencies of the current period.
+    /// The floor now (provisional while fewer than [`WINDOW_SAMPLES`] requests made it),
+    /// and the low-concurrency latencies of the current period.
     floor: Option<f64>,
+    provisional: bool,
     period: Low,
     /// When the current period ends (the floor is renewed).
     renew_at: Instant,
@@ -116,6 +120,7 @@ impl Gradient {
             limit: f64::from(INITIAL.clamp(settings.min_limit, settings.max_limit)),
             long: None,
             floor: None,
+            provisional: false,
             period: Low::default(),
             renew_at: now + jittered(settings.probe_interval, jitter),
             window: Window::new(now),
@@ -150,14 +155,25 @@ impl Gradient {
             // which open connections, are slower, and a floor too high would let the
             // limit settle above the backend's knee); a higher one only at a renewal,
             // from a whole period of low-concurrency requests.
-            if let Some(m) = self.period.mean() {
-                self.floor = Some(self.floor.map_or(m, |f| f.min(m)));
+            match self.period.mean() {
+                Some(m) => {
+                    let lower = self.floor.filter(|_| !self.provisional).map(|f| f.min(m));
+                    self.floor = Some(lower.unwrap_or(m));
+                    self.provisional = false;
+                }
+                // Fewer than enough: the mean of those there are, until enough are in.
+                None if self.floor.is_none() || self.provisional => {
+                    self.floor = Some(self.period.sum / f64::from(self.period.samples));
+                    self.provisional = true;
+                }
+                None => {}
             }
         }
         if now >= self.renew_at {
             // A period with too few low-concurrency requests keeps the floor it had.
             if let Some(m) = std::mem::take(&mut self.period).mean() {
                 self.floor = Some(m);
+                self.provisional = false;
             }
             self.renew_at = now + jittered(self.settings.probe_interval, jitter);
         }
@@ -389,11 +405,14 @@ mod tests {
         let t0 = Instant::now();
         let at = |ms: u64| t0 + Duration::from_millis(ms);
         let mut g = Gradient::new(settings(), t0, 0.5);
-        // Too few requests at low concurrency for a floor yet.
-        for _ in 1..WINDOW_SAMPLES {
-            g.sample(at(0), 70 * MS, 1, 0.5);
+        // Too few requests at low concurrency for a floor yet: their mean stands in,
+        // provisional, higher or lower as they come.
+        g.sample(at(0), 90 * MS, 1, 0.5);
+        assert_eq!(g.floor(), Some(90 * MS));
+        for _ in 2..WINDOW_SAMPLES {
+            g.sample(at(0), 67 * MS + MS / 2, 1, 0.5);
         }
-        assert_eq!(g.floor(), None);
+        assert_eq!(g.floor(), Some(70 * MS), "(90 + 8 × 67.5) / 9");
         g.sample(at(10), 70 * MS, 1, 0.5);
         assert_eq!(g.floor(), Some(70 * MS));
         // Ten more at 50 ms: the period's mean, 60 ms, is lower: taken at once.
