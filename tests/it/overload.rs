@@ -8,6 +8,8 @@
 //!   delayed then shed (503, `Retry-After`), pro is never shed, the backend's concurrency
 //!   stays near its knee (adaptive limit), and pro's p99 stays within 2x its p99 without
 //!   the burst.
+//! - The issue's mix, half pro and half free at 10x: pro is served first and shed only when
+//!   the queue is full of pro; free is delayed then shed (pro's p99 ratio printed).
 //! - No overload (8 in flight of the knee's 16): the adaptive limit sheds nothing, of
 //!   `RATEWALL_OVERLOAD_N` requests (default 20,000; the issue's figure is 100,000).
 //! - A fixed `max_concurrency = 16`: the backend never holds more than 16; a request that
@@ -49,6 +51,31 @@ struct Seen {
     status: u16,
     took: Duration,
     retry_after: bool,
+    /// A 503's reason, from its problem+json `detail`.
+    shed: Option<Shed>,
+}
+
+/// Why a request was shed, as its 503 says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Shed {
+    /// The queue was full of requests of its priority or higher.
+    Full,
+    /// A request of higher priority took its place in the queue.
+    Evicted,
+    /// It waited max_wait.
+    Waited,
+}
+
+fn shed_reason(detail: &str) -> Option<Shed> {
+    if detail.ends_with("the queue is full") {
+        Some(Shed::Full)
+    } else if detail.contains("took this one's place") {
+        Some(Shed::Evicted)
+    } else if detail.ends_with("waited max_wait") {
+        Some(Shed::Waited)
+    } else {
+        None
+    }
 }
 
 /// `loops` clients with API key `key`, each sending GET `url` again as soon as its last
@@ -83,12 +110,20 @@ async fn closed_loops(
                             status: r.status.as_u16(),
                             took,
                             retry_after: r.header("retry-after") == Some("1"),
+                            shed: shed
+                                .then(|| {
+                                    serde_json::from_slice::<serde_json::Value>(&r.body)
+                                        .ok()
+                                        .and_then(|v| v["detail"].as_str().and_then(shed_reason))
+                                })
+                                .flatten(),
                         },
                         Err(_) => Seen {
                             at,
                             status: 0,
                             took,
                             retry_after: false,
+                            shed: None,
                         },
                     });
                     if shed && start.elapsed() + RETRY_AFTER < run {
@@ -474,4 +509,108 @@ async fn a_request_shed_at_once_is_a_503_with_retry_after_and_a_grpc_call_unavai
         .json();
     assert_eq!(status["totals"]["overloaded"], 2, "{status}");
     assert_eq!(status["totals"]["store_unavailable"], 0, "{status}");
+}
+
+/// The issue's mix: a burst of 10x the knee's in-flight capacity, half pro and half free
+/// (80 loops each). Pro alone is then five times what the backend serves, so pro is shed
+/// too; what priority promises is the order: a pro request is never shed while a free one
+/// is queued (a pro arriving at a full queue takes a free one's place; a pro 503 is only
+/// ever "the queue is full", full of pro), pro is served first, and free requests are
+/// delayed then shed. Pro's p99 against its unloaded one is printed, not asserted: here,
+/// with pro itself past capacity, it measured 1.85x to 1.98x (the adaptive limit's
+/// overshoot past the knee, about 8 waiting inside the backend, plus the queue), too close
+/// to 2x for a test on a loaded machine; the 2x bound is asserted where pro fits in the
+/// capacity (the test above).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn half_pro_half_free_at_ten_times_the_knee_pro_is_served_first_shed_only_when_the_queue_is_full_of_pro_and_free_is_delayed_then_shed(
+) {
+    let _serial = serial().await;
+    let knee = Knee::start(16, Duration::from_millis(100));
+    let gw = gateway(
+        &knee.url(),
+        "{ adaptive = true, max_queue = 4, max_wait = \"500ms\" }",
+    );
+    let client = HttpClient::new();
+    let url = gw.url("/api/work");
+    closed_loops(&client, &url, PRO, 2, Duration::from_secs(2)).await;
+    let (pro, free) = tokio::join!(
+        closed_loops(&client, &url, PRO, 6, Duration::from_secs(4)),
+        closed_loops(&client, &url, FREE, 6, Duration::from_secs(4)),
+    );
+    assert!(
+        pro.iter().chain(&free).all(|s| s.status == 200),
+        "without the burst every request is served"
+    );
+    let steady = |s: &&Seen| s.at >= Duration::from_millis(500);
+    let calm_pro: Vec<&Seen> = pro.iter().filter(steady).collect();
+    let calm_pro_p99 = quantile_ms(&calm_pro, 0.99);
+
+    knee.reset_max();
+    let burst = Duration::from_secs(6);
+    let (pro, free) = tokio::join!(
+        closed_loops(&client, &url, PRO, 80, burst),
+        closed_loops(&client, &url, FREE, 80, burst),
+    );
+    let backend_max = knee.max_in_flight();
+    let m = Scrape::take(&client, &gw).await;
+    let (pro_ok, pro_shed) = (with_status(&pro, 200), with_status(&pro, 503));
+    let (free_ok, free_shed) = (with_status(&free, 200), with_status(&free, 503));
+    let pro_p99 = quantile_ms(&pro_ok, 0.99);
+    let reasons = |shed: &[&Seen]| {
+        let n = |r: Shed| shed.iter().filter(|s| s.shed == Some(r)).count();
+        (n(Shed::Full), n(Shed::Evicted), n(Shed::Waited))
+    };
+    println!(
+        "half and half: unloaded pro p99 {calm_pro_p99:.1} ms; burst: pro {} served p99 {pro_p99:.1} ms ({:.2}x), \
+         {} shed (full, evicted, waited: {:?}); free {} served, {} shed ({:?}); backend max in flight {backend_max}",
+        pro_ok.len(),
+        pro_p99 / calm_pro_p99,
+        pro_shed.len(),
+        reasons(&pro_shed),
+        free_ok.len(),
+        free_shed.len(),
+        reasons(&free_shed),
+    );
+    assert!(
+        pro.iter()
+            .chain(&free)
+            .all(|s| [200, 503].contains(&s.status)),
+        "answers other than 200 and 503"
+    );
+    assert!(
+        pro_shed
+            .iter()
+            .chain(&free_shed)
+            .all(|s| s.retry_after && s.shed.is_some()),
+        "every shed request has Retry-After: 1 and says why"
+    );
+    assert!(
+        pro_shed.iter().all(|s| s.shed == Some(Shed::Full)),
+        "a pro request is shed only when the queue is full of pro, never while a free one is queued: {:?}",
+        reasons(&pro_shed)
+    );
+    assert!(
+        pro_ok.len() > 3 * free_ok.len().max(1),
+        "pro is served first: {} pro against {} free",
+        pro_ok.len(),
+        free_ok.len()
+    );
+    let delayed = free_shed
+        .iter()
+        .filter(|s| s.shed != Some(Shed::Full) && s.took >= Duration::from_millis(5))
+        .count();
+    assert!(
+        delayed > 0,
+        "free requests are delayed (queued), then shed when pro takes their place or max_wait passes: {:?}",
+        reasons(&free_shed)
+    );
+    assert!(
+        backend_max <= 32,
+        "the backend's concurrency stays near its knee of 16 (at most 2x): {backend_max}"
+    );
+    assert_eq!(
+        shed_total(&m, "10") + shed_total(&m, "0"),
+        (pro_shed.len() + free_shed.len()) as f64,
+        "shed_total counts every 503"
+    );
 }
