@@ -667,10 +667,9 @@ impl Gateway {
         live: &'l Live,
         req: Request<upstream::RequestBody>,
         ctx: &Context,
-        pass: Pass<'l>,
+        mut pass: Pass<'l>,
     ) -> (Response<Body>, Note<'l>) {
         let peer = &ctx.peer;
-        let mut pass = pass;
         if !pass.note.waited.is_zero() {
             let _waiting = Gauged::new(&self.metrics.gateway.waiting);
             tokio::time::sleep(pass.note.waited).await;
