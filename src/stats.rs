@@ -263,7 +263,8 @@ impl Outcomes {
 pub struct Point {
     /// Unix seconds at the end of the interval.
     pub t: u64,
-    /// Its length in seconds (the last point, up to now, may be shorter).
+    /// Its length in seconds, at least 1 (what ended within the second of the point
+    /// before is counted in that one).
     pub step: u64,
     #[serde(flatten)]
     pub counts: Outcomes,
@@ -441,21 +442,35 @@ impl Stats {
         let t = self.now();
         let now = self.current(t);
         let ring = self.samples.lock().unwrap_or_else(|p| p.into_inner());
-        let mut out = Vec::with_capacity(ring.len());
+        let mut out: Vec<(u64, u64, [u64; OUTCOMES])> = Vec::with_capacity(ring.len());
         let mut prev = ring.front();
         for s in ring.iter().skip(1).chain(std::iter::once(&now)) {
             if let Some(p) = prev {
                 if s.t + HISTORY_SECS > t && (s.t > p.t || s.outcomes != p.outcomes) {
-                    out.push(Point {
-                        t: s.t,
-                        step: s.t.saturating_sub(p.t),
-                        counts: Outcomes::of(&minus(&s.outcomes, &p.outcomes)),
-                    });
+                    let counts = minus(&s.outcomes, &p.outcomes);
+                    match out.last_mut() {
+                        // What ended in the second of the point before (after its sample,
+                        // or up to now) is counted in it: a point of no length is drawn
+                        // nowhere, and its requests would be missing from the chart.
+                        Some((last, _, sum)) if *last == s.t => {
+                            for (n, c) in sum.iter_mut().zip(counts) {
+                                *n += c;
+                            }
+                        }
+                        // The first, within the second the process started: one second.
+                        _ => out.push((s.t, s.t.saturating_sub(p.t).max(1), counts)),
+                    }
                 }
             }
             prev = Some(s);
         }
-        out
+        out.into_iter()
+            .map(|(t, step, counts)| Point {
+                t,
+                step,
+                counts: Outcomes::of(&counts),
+            })
+            .collect()
     }
 
     /// The last [`WINDOW_SECS`] (from the newest sample at least that old, or from start).
@@ -718,6 +733,13 @@ mod tests {
         };
         assert_eq!(st.totals(), want);
         let h = st.history();
+        // The page draws a point over its `step` seconds: one of none would be lost.
+        assert!(h.iter().all(|p| p.step >= 1), "{h:?}");
+        let ends: Vec<u64> = h.iter().map(|p| p.t).collect();
+        assert!(
+            ends.windows(2).all(|w| w[0] < w[1]),
+            "one point a second at most: {h:?}"
+        );
         let sum = |f: fn(&Outcomes) -> u64| h.iter().map(|p| f(&p.counts)).sum::<u64>();
         assert_eq!(sum(|o| o.allowed), 7, "{h:?}");
         assert_eq!(sum(|o| o.denied), 3, "{h:?}");
