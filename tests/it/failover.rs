@@ -481,10 +481,12 @@ async fn a_sentinel_failover_costs_a_bounded_excess_async_and_none_with_wait() {
 async fn wait_admits_only_what_a_replica_confirmed() {
     let primary = RedisServer::start();
     let upstream = Upstream::start().await;
-    let config = |redis: &RedisServer| {
+    // `wait`: 200 ms where no replica can answer (the 503 comes within it); where one
+    // can, a second (a loaded machine can hold an acknowledgement past 200 ms).
+    let config = |redis: &RedisServer, wait: &str, timeout: &str| {
         format!(
-            "[upstream]\nurl = \"{}\"\n[store]\nbackend = \"redis\"\nurl = \"{}\"\nprefix = \"{}\"\ntimeout = \"500ms\"\non_error = \"deny\"\n\
-             breaker_failures = 1000\nreplication = {{ wait = 1, timeout = \"200ms\" }}\n\
+            "[upstream]\nurl = \"{}\"\n[store]\nbackend = \"redis\"\nurl = \"{}\"\nprefix = \"{}\"\ntimeout = \"{timeout}\"\non_error = \"deny\"\n\
+             breaker_failures = 1000\nreplication = {{ wait = 1, timeout = \"{wait}\" }}\n\
              [[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"1/h\"\nburst = 3\n",
             upstream.url(),
             redis.url(),
@@ -494,7 +496,7 @@ async fn wait_admits_only_what_a_replica_confirmed() {
     let client = HttpClient::new();
 
     // No replica: nothing is confirmed.
-    let gw = Gateway::start(&config(&primary));
+    let gw = Gateway::start(&config(&primary, "200ms", "500ms"));
     for _ in 0..3 {
         let sent = Instant::now();
         let r = client.get(&gw.url("/x"), &[("x-api-key", "lonely")]).await;
@@ -524,10 +526,12 @@ async fn wait_admits_only_what_a_replica_confirmed() {
 
     // With a replica: the burst passes, then 429, as without replication.
     let replica = RedisServer::start_replica_of(&primary);
-    let gw = Gateway::start(&config(&primary));
+    let gw = Gateway::start(&config(&primary, "1s", "2s"));
     assert_eq!(
         client.statuses(&gw.url("/x"), "paired", 4).await,
-        common::burst_then_429(3)
+        common::burst_then_429(3),
+        "{}",
+        gw.logs()
     );
     let key = redis_key("paired", "api");
     let on_replica: Option<String> = redis::cmd("GET")

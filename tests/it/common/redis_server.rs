@@ -83,8 +83,18 @@ impl RedisServer {
                 .arg("replication")
                 .query(&mut s.conn())
                 .unwrap_or_default();
+            // In sync on its side, and counted by the primary: a `WAIT` the primary
+            // answers with this replica's acknowledgement (until the primary has marked it
+            // online, `WAIT 1` answers 0 though the link is up).
             if info.contains("master_link_status:up") {
-                return s;
+                let acked: i64 = redis::cmd("WAIT")
+                    .arg(1)
+                    .arg(100)
+                    .query(&mut primary.conn())
+                    .unwrap_or(0);
+                if acked >= 1 {
+                    return s;
+                }
             }
             assert!(Instant::now() < end, "the replica never synced:\n{info}");
             std::thread::sleep(Duration::from_millis(50));
