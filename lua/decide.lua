@@ -124,7 +124,7 @@ local function judge(i)
       redis.call('DEL', key)
       raw = nil
     elseif value ~= true then
-      redis.call('SET', key, value, 'PX', cdiv(ttl, 1000))
+      redis.call('SET', key, value, 'PX', ms(ttl))
       raw = value
     end
   end
@@ -135,7 +135,7 @@ end
 local function charge(i, value, ttl)
   local key = KEYS[i]
   if value ~= LEASE and value ~= REPLACE then
-    redis.call('SET', key, value, 'PX', cdiv(ttl, 1000))
+    redis.call('SET', key, value, 'PX', ms(ttl))
     return
   end
   local q = quota(ARGV[1 + 2 * i])
@@ -144,7 +144,7 @@ local function charge(i, value, ttl)
   redis.call('ZREMRANGEBYSCORE', key, '-inf', format('%d', now))
   redis.call('ZADD', key, format('%d', now + q[3]), q[4])
   local last_lease = redis.call('ZRANGE', key, -1, -1, 'WITHSCORES')
-  redis.call('PEXPIRE', key, cdiv(tonumber(last_lease[2]) - now, 1000))
+  redis.call('PEXPIRE', key, ms(tonumber(last_lease[2]) - now))
 end
 
 -- Each key's judgement while its request is decided, 9 values a key (prelude.lua), flat.
