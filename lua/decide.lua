@@ -30,41 +30,39 @@ local function key_type(key)
   return type(t) == 'table' and t.ok or t
 end
 
--- A quota argument as { code, p1, p2, p3, p4, p5 }, parsed once per call however many
--- keys share it; nil if it is not one.
+-- How many parameters each algorithm code takes (see each algorithm's file).
+local ARITY = { 6, 6, 4, 4, 3, 6 }
+
+-- A quota argument as { code, p1, ..., pk }, parsed once per call however many keys share
+-- it; nil if it is not one. Every parameter is a whole number but a concurrency limit's
+-- third, its lease id, which stays a string.
 local QUOTAS = {}
 local function quota(s)
   if type(s) ~= 'string' then return nil end
   local q = QUOTAS[s]
   if q then return q end
-  local code, p1, p2, p3, p4, p5 = match(s, '^(%d+):(%d+):(%d+):([^:]+):(%d+):(%d+)$')
-  code = tonumber(code)
-  if code == 5 then
-    -- The lease id stays a string.
-    q = { code, tonumber(p1), tonumber(p2), p3, 0, 0 }
-  else
-    q = { code, tonumber(p1), tonumber(p2), tonumber(p3), tonumber(p4), tonumber(p5) }
-  end
-  for k = 1, 6 do
-    if q[k] == nil then return nil end
+  if match(s, '::') or match(s, '^:') or match(s, ':$') then return nil end
+  q = {}
+  for part in string.gmatch(s, '[^:]+') do q[#q + 1] = part end
+  local code = tonumber(q[1])
+  if not (code and ARITY[code] and #q == ARITY[code] + 1) then return nil end
+  for k = 1, #q do
+    if not (code == 5 and k == 4) then
+      if not match(q[k], '^%d+$') then return nil end
+      q[k] = tonumber(q[k])
+    end
   end
   QUOTAS[s] = q
   return q
 end
 
--- A key's settle argument: delta, left (nil: now), debt; nil if it is not one.
+-- A key's settle argument: delta and window; nil if it is not one.
 local function settlement(s)
   if type(s) ~= 'string' then return nil end
-  local delta, left, debt = match(s, '^(%-?%d+):([%d%-]+):(%d+)$')
-  delta, debt = tonumber(delta), tonumber(debt)
-  if not (delta and debt) then return nil end
-  if left == '-' then
-    left = nil
-  else
-    left = tonumber(left)
-    if not left then return nil end
-  end
-  return delta, left, debt
+  local delta, window = match(s, '^(%-?%d+):(%d+)$')
+  delta, window = tonumber(delta), tonumber(window)
+  if not (delta and window) then return nil end
+  return delta, window
 end
 
 local function concurrency(i, key, max, member)
@@ -89,11 +87,11 @@ local function concurrency(i, key, max, member)
   if after > max then after = max end
   return allowed, replace and REPLACE or LEASE, 0,
     max - after, 0, 0,
-    max - count, retry, 0
+    max - count, retry, 0, 0
 end
 
--- Judge KEYS[i], writing nothing (but a refund): what its algorithm returns (see
--- prelude.lua), or nil and why.
+-- Judge KEYS[i], writing nothing (but a settlement): what its algorithm returns (see
+-- prelude.lua), then in settle mode the cost units forgiven; or nil and why.
 local function judge(i)
   local key, q = KEYS[i], quota(ARGV[1 + 2 * i])
   if not q then return nil, 'bad quota argument ' .. tostring(ARGV[1 + 2 * i]) end
@@ -111,12 +109,13 @@ local function judge(i)
     raw = false
   end
   if not raw then raw = nil end
+  local forgiven = 0
   if settling then
-    local delta, left, debt = settlement(ARGV[2 + 2 * i])
+    local delta, window = settlement(ARGV[2 + 2 * i])
     if not delta then return nil, 'bad settle argument ' .. tostring(ARGV[2 + 2 * i]) end
     local value, ttl = true, 0
     if delta ~= 0 then
-      value, ttl = SETTLE[code](raw, now, q[2], q[3], q[4], q[5], q[6], delta, left, debt)
+      value, ttl, forgiven = SETTLE[code](raw, now, q[2], q[3], q[4], q[5], q[6], q[7], delta, window)
     end
     if value == nil then
       return nil, tostring(ttl)
@@ -128,7 +127,9 @@ local function judge(i)
       raw = value
     end
   end
-  return algorithm(raw, now, q[2], q[3], q[4], q[5], q[6])
+  local allowed, value, ttl, c1, c2, c3, u1, u2, u3, w =
+    algorithm(raw, now, q[2], q[3], q[4], q[5], q[6], q[7])
+  return allowed, value, ttl, c1, c2, c3, u1, u2, u3, w, forgiven
 end
 
 -- Write what a charged check leaves: its state for its TTL, or its lease.
@@ -147,37 +148,40 @@ local function charge(i, value, ttl)
   redis.call('PEXPIRE', key, ms(tonumber(last_lease[2]) - now))
 end
 
--- Each key's judgement while its request is decided, 9 values a key (prelude.lua), flat.
+-- Each key's judgement while its request is decided, 11 values a key (see judge), flat.
 local R = {}
+local W = 11
 
--- Decide keys first..last: one request, all or nothing. Its answers (4 numbers per key)
+-- Decide keys first..last: one request, all or nothing. Its answers (5 numbers per key)
 -- go into `reply` from position `at`; returns the position after them, or nil and the
 -- failing key's error (nothing written).
 local function decide(first, last, reply, at)
   local all = true
   for i = first, last do
-    local allowed, value, ttl, c1, c2, c3, u1, u2, u3 = judge(i)
+    local allowed, value, ttl, c1, c2, c3, u1, u2, u3, w, forgiven = judge(i)
     if allowed == nil then return nil, KEYS[i] .. ': ' .. tostring(value) end
-    local b = 9 * (i - first)
+    local b = W * (i - first)
     R[b + 1], R[b + 2], R[b + 3] = allowed, value, ttl
     R[b + 4], R[b + 5], R[b + 6] = c1, c2, c3
     R[b + 7], R[b + 8], R[b + 9] = u1, u2, u3
+    R[b + 10], R[b + 11] = w or 0, forgiven or 0
     if not allowed then
       local flags = ARGV[2 + 2 * i]
       if flags ~= '1' and flags ~= '3' then all = false end
     end
   end
   for i = first, last do
-    local b = 9 * (i - first)
-    local allowed = R[b + 1]
+    local b = W * (i - first)
+    local allowed, fifth = R[b + 1], R[b + 10]
+    if settling then fifth = R[b + 11] end
     if all and not peek and allowed then
       charge(i, R[b + 2], R[b + 3])
     else
       b = b + 3
     end
-    reply[at], reply[at + 1], reply[at + 2], reply[at + 3] =
-      allowed and 1 or 0, R[b + 4], R[b + 5], R[b + 6]
-    at = at + 4
+    reply[at], reply[at + 1], reply[at + 2], reply[at + 3], reply[at + 4] =
+      allowed and 1 or 0, R[b + 4], R[b + 5], R[b + 6], fifth
+    at = at + 5
   end
   return at
 end
@@ -198,16 +202,16 @@ if #starts == 1 then
 end
 
 -- A batch: one request's key error fails that request only. Its answers are the error
--- message, then zeros, in the place of its first key's four numbers and the rest.
+-- message, then zeros, in the place of its first key's five numbers and the rest.
 local at = 1
 for s = 1, #starts do
   local first = starts[s]
   local last = (starts[s + 1] or (n + 1)) - 1
   local next_at, err = decide(first, last, reply, at)
   if not next_at then
-    for k = at, at + 4 * (last - first + 1) - 1 do reply[k] = 0 end
+    for k = at, at + 5 * (last - first + 1) - 1 do reply[k] = 0 end
     reply[at] = 'RATEWALL ' .. err
-    next_at = at + 4 * (last - first + 1)
+    next_at = at + 5 * (last - first + 1)
   end
   at = next_at
 end

@@ -1,11 +1,10 @@
 -- GCRA: the twin of src/limiter/gcra.rs.
--- Parameters: as the token bucket's (unit, per_us, cap, need, slack).
+-- Parameters: as the token bucket's (unit, per_us, cap, need, slack, borrow).
 -- State: the theoretical arrival time "g:<µs>" or "g:<µs>:<remainder in 1/per_us µs>".
 
 -- How far the TAT is ahead of now, in units. Not capped at the bucket's size: a TAT left
 -- by a larger quota is honoured, so a denial's retry is when the request really passes.
--- Capped only at 2^52, where doubles stop being exact.
-local GCRA_MAX_DEBT = 4503599627370496
+-- Capped only at MAX_LEVEL (2^52), where doubles stop being exact.
 local function gcra_debt(raw, now, per_us, cap)
   if not (raw and sub(raw, 1, 2) == 'g:') then
     if raw and not ours(raw) then return nil, 'not a ratewall state' end
@@ -34,20 +33,20 @@ local function gcra_value(now, per_us, debt)
   return format('g:%d:%d', now + us, frac)
 end
 
-ALGORITHMS[2] = function(raw, now, unit, per_us, cap, need, slack)
-  local debt, err = gcra_debt(raw, now, per_us, GCRA_MAX_DEBT)
+ALGORITHMS[2] = function(raw, now, unit, per_us, cap, need, slack, borrow)
+  local debt, err = gcra_debt(raw, now, per_us, MAX_LEVEL)
   if not debt then return nil, err end
   local after = debt + need
-  local allowed = after <= cap + slack
+  local allowed = after <= cap + borrow + slack
   local retry, value = 0, false
   if allowed then
     value = gcra_value(now, per_us, after)
   else
-    retry = cdiv(after - cap - slack, per_us)
+    retry = cdiv(after - cap - borrow - slack, per_us)
   end
-  -- An allowed request past the burst waits until it conforms.
+  -- An allowed request past the burst and what it may borrow waits until it conforms.
   local wait = 0
-  if after > cap then wait = cdiv(after - cap, per_us) end
+  if after > cap + borrow then wait = cdiv(after - cap - borrow, per_us) end
   local left = cap - after
   if left < 0 then left = 0 end
   local avail = cap - debt
@@ -55,29 +54,35 @@ ALGORITHMS[2] = function(raw, now, unit, per_us, cap, need, slack)
   local ttl = cdiv(after, per_us)
   return allowed, value, ttl,
     idiv(left, unit), wait, ttl,
-    idiv(avail, unit), retry, cdiv(debt, per_us)
+    idiv(avail, unit), retry, cdiv(debt, per_us), 0
 end
 
 -- Settle a charge made earlier (the twin of gcra::settle): delta more cost units push the
--- TAT on, to at most debt past a full burst ahead (never pulling it back); given back,
--- they pull it in, exactly, to now at the latest (then no state).
-SETTLE[2] = function(raw, now, unit, per_us, cap, need, slack, delta, left, debt)
-  local ahead, err = gcra_debt(raw, now, per_us, GCRA_MAX_DEBT)
+-- TAT on, in full (but MAX_LEVEL units ahead, past which the rest is forgiven); given
+-- back, they pull it in, exactly, to now at the latest (then no state). Returns the state
+-- and its TTL (false when none is left), and the cost units forgiven.
+SETTLE[2] = function(raw, now, unit, per_us, cap, need, slack, borrow, delta, window)
+  local ahead, err = gcra_debt(raw, now, per_us, MAX_LEVEL)
   if not ahead then return nil, err end
-  local ceiling = cap + debt * unit
-  local size = delta
-  if size < 0 then size = -size end
-  local units = size * unit
-  if units > ceiling then units = ceiling end
+  local forgiven = 0
   if delta < 0 then
-    ahead = ahead - units
-    if ahead < 0 then ahead = 0 end
+    if -delta >= cdiv(ahead, unit) then
+      ahead = 0
+    else
+      ahead = ahead + delta * unit
+    end
   else
-    local most = ceiling
-    if ahead > most then most = ahead end
-    ahead = ahead + units
-    if ahead > most then ahead = most end
+    -- Past MAX_LEVEL ahead the rest is forgiven: ceil((delta·unit - room) / unit), which
+    -- is delta - floor(room / unit), computed without the product.
+    local room = MAX_LEVEL - ahead
+    local fits = idiv(room, unit)
+    if delta > fits then
+      forgiven = delta - fits
+      ahead = MAX_LEVEL
+    else
+      ahead = ahead + delta * unit
+    end
   end
-  if ahead == 0 then return false end
-  return gcra_value(now, per_us, ahead), cdiv(ahead, per_us)
+  if ahead == 0 then return false, 0, forgiven end
+  return gcra_value(now, per_us, ahead), cdiv(ahead, per_us), forgiven
 end

@@ -11,29 +11,36 @@
 --          decided earlier: give back what a decision took (a Redis Cluster request denied
 --          by a rule on another identity; an answer its rule does not charge for), or take
 --          the difference the backend reported (issue 27)
--- ARGV[1 + 2i] for KEYS[i]: its quota, "<algorithm code>:<five parameters>" joined by ':'
---          (see each file; a concurrency limit's third is its lease id; a calendar
---          window, code 6, sends its limit, cost and the gateway's three period edges).
+-- ARGV[1 + 2i] for KEYS[i]: its quota, "<algorithm code>:<parameters>" joined by ':'
+--          (see each file for its parameters and their number; a concurrency limit's third
+--          is its lease id; a calendar window, code 6, sends the gateway's period edges).
 --          A batch repeats one rule's quota for every request: it is parsed once per call.
 -- ARGV[2 + 2i] for KEYS[i]: flags, "0" to "3": 1 = shadow (decided and counted, never
 --          denies the request); 2 = this key starts another request of a batch (decide
---          mode only; see decide.lua). In settle mode instead "<delta>:<left>:<debt>": the
---          cost units to take (negative: give back), the µs until the window the charge fell
---          in ends ("-": the one open now; windows only), how many cost units below empty a
---          charge may go (max_debt).
--- Returns 4 integers per key: allowed (1/0), remaining, retry-after µs (for an allowed
--- request: how long it waits for reserved tokens), reset µs.
+--          mode only; see decide.lua). In settle mode instead "<delta>:<window>": the cost
+--          units to take (negative: give back) and, for a window, the window the charge
+--          fell in as this script named it when it charged (the fifth answer below).
+-- Returns 5 integers per key: allowed (1/0), remaining, retry-after µs (for an allowed
+-- request: how long it waits for reserved tokens), reset µs, and in decide and peek mode
+-- the window decided in (a fixed window's start µs, a sliding window's index, else 0), in
+-- settle mode the cost units the settlement could not charge (forgiven).
 --
 -- Each algorithm is a function of the key's state (nil when none), now and the quota's
--- five parameters. It returns, flat (no table per key): allowed, the state to write if the
+-- parameters. It returns, flat (no table per key): allowed, the state to write if the
 -- request is charged, that state's TTL in µs, then the answer if charged (remaining,
--- retry µs, reset µs) and if not (the same three); or nil and why the state is unusable.
--- Each algorithm's SETTLE function takes the state, now, the five parameters, then delta,
--- left (nil: now) and debt, and returns the state to write and its TTL, false to delete
--- the key (whole again), true to leave it as it is, or nil and why.
+-- retry µs, reset µs) and if not (the same three), then the window; or nil and why the
+-- state is unusable. Each algorithm's SETTLE function takes the state, now, six
+-- parameter places, then delta and window, and returns the state to write and its TTL
+-- (false to delete the key: whole again; true to leave it as it is), then the cost units
+-- forgiven; or nil and why.
 --
--- Lua 5.1 numbers are doubles: the gateway keeps every value below 2^52 at load, so all
--- the arithmetic here is exact integer arithmetic, like the Rust twins'.
+-- Lua 5.1 numbers are doubles: the gateway keeps every value below 2^52 at load, and the
+-- settlements clamp there, so all the arithmetic here is exact integer arithmetic, like
+-- the Rust twins'.
+--
+-- A settlement never moves a key's time backwards: a bucket is judged at its last
+-- charge's time when Redis' clock stepped back before it, and a window never opens
+-- before the state's.
 --
 -- Each state is a string tagged by its algorithm ("t:", "g:", "f:", "s:"). A state left by
 -- another algorithm (the rule changed) counts as none; anything else is an error, which
@@ -66,16 +73,16 @@ local function ms(us)
   return format('%d', cdiv(us, 1000))
 end
 
--- A window's count after a settlement charges `add` (> 0) more: at most `most` (N plus
--- max_debt), and a count already past it is never lowered (the twin of
--- settle::charged).
-local function charged(count, add, most)
-  if add > most then add = most end
-  local top = most
-  if count > top then top = count end
-  count = count + add
-  if count > top then count = top end
-  return count
+-- The most any level, count or debt holds: beyond 2^52 doubles stop being exact
+-- (MAX_LEVEL in src/limiter/quota.rs).
+local MAX_LEVEL = 4503599627370496
+
+-- What a window that counted `count` leaves `k` windows on: its excess over n, less n for
+-- each window after it (k = 0: the count itself). The twin of `carried` in
+-- src/limiter/fixed_window.rs and sliding_window.rs.
+local function carried(count, n, k)
+  if k >= cdiv(count, n) then return 0 end
+  return count - k * n
 end
 
 -- A state some ratewall algorithm wrote (maybe not the one asking).

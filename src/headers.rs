@@ -361,6 +361,7 @@ mod tests {
             remaining,
             retry_after_us,
             reset_us,
+            window: 0,
         }
     }
 

@@ -430,7 +430,7 @@ impl At<'_> {
                 return Err(self.no(
                     Some(d.span()),
                     "max_debt",
-                    "max_debt bounds what a reported cost may charge below empty; it applies with cost_header or cost_from",
+                    "max_debt lets a request borrow ahead of a cost reported later; it applies with cost_header or cost_from",
                 ));
             }
         }
@@ -456,7 +456,7 @@ impl At<'_> {
         }
     }
 
-    /// `q`, with the rule's `max_debt` where it sets one (else one burst: the quota's own).
+    /// `q`, with the rule's `max_debt` where it sets one (else 0: no borrowing).
     fn with_debt(&self, q: Quota) -> Result<Quota, Invalid> {
         match &self.rule.max_debt {
             Some(d) => q

@@ -51,7 +51,7 @@ impl Gateway {
                 rule: Arc::from(l.rule.name.as_str()),
                 quota: l.quota,
                 shadow: !l.enforced,
-                reset_us: d.reset_us,
+                window: d.window,
             });
             held.push(Held::new(policy.clone(), shown));
         }

@@ -132,6 +132,7 @@ mod tests {
             remaining,
             retry_after_us,
             reset_us: 1_000_000,
+            window: 0,
         })
     }
 

@@ -31,12 +31,14 @@ pub fn decide(q: &Quota, state: Option<&State>, _now_us: u64) -> Outcome<State> 
             remaining: max - after,
             retry_after_us: 0,
             reset_us: 0,
+            window: 0,
         },
         uncharged: Decision {
             allowed,
             remaining: max - count,
             retry_after_us: if allowed { 0 } else { RETRY_US },
             reset_us: 0,
+            window: 0,
         },
         next: State { in_flight: after },
         // Held until released: no time makes a slot free.

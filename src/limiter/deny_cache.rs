@@ -102,6 +102,7 @@ impl DenyCache {
                     remaining: 0,
                     retry_after_us: d.until_us - now_us,
                     reset_us: d.reset_at_us.saturating_sub(now_us),
+                    window: 0,
                 }
             }));
         }
@@ -161,6 +162,7 @@ mod tests {
             remaining: 0,
             retry_after_us: retry,
             reset_us: retry * 2,
+            window: 0,
         }
     }
 
@@ -211,6 +213,7 @@ mod tests {
             remaining: 0,
             retry_after_us: 0,
             reset_us: 10,
+            window: 0,
         };
         cache.remember(&c, &[ok], 0);
         assert!(cache.lookup(&c, 1).is_none());

@@ -18,8 +18,8 @@
 //! pass within moments of each other — up to 2N in a short interval. Choose it for coarse
 //! quotas (per day, per month), where the simplicity and the tiny state matter more.
 
-use super::settle::{charged, same_window, Adjust, Settled};
-use super::{Decision, Outcome, Quota};
+use super::settle::{carried, Adjust, Settled};
+use super::{Decision, Outcome, Quota, MAX_LEVEL};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct State {
@@ -27,84 +27,180 @@ pub struct State {
     pub count: u64,
 }
 
-/// The window a request at `now_us` is decided in: its start, its end and what `state`
-/// has counted in it (0 for a fresh one).
+/// The window a request at `now_us` is decided in: its start, its end, what `state`
+/// counts in it.
 ///
 /// A window never moves backwards: a request timed before the state's start (the clock
-/// stepped back — a Redis failover, an NTP step) is decided at the start, inside the
+/// stepped back — a Redis failover, an NTP step) is placed at the start, inside the
 /// window, not as the first request of a fresh one. Its waits are then counted from
 /// `now_us`, so the end is never below it.
-fn window(q: &Quota, state: Option<&State>, now_us: u64) -> (u64, u64, u64) {
+///
+/// A fresh window starts with what the last one counted past N (a debt: costs reported
+/// above their reservations, or what `max_debt` let a request borrow), less N for every
+/// whole window that passed unused in between: a debt is paid by the windows after it,
+/// never dropped. While a debt is carried, those windows run back to back from the
+/// state's end (so a denial's retry names the instant the debt shrinks); once it is paid,
+/// a window opens at a first request again. A calendar window carries into the period
+/// right after the state's a debt of at most one period ([`calendar_most`]), and into a
+/// later one that less N.
+fn window(q: &Quota, state: Option<&State>, now_us: u64) -> Window {
+    let n = q.rate.count;
     let at = state.map_or(now_us, |s| now_us.max(s.start_us));
-    match q.calendar {
+    let (start, end, count) = match q.calendar {
         Some(cal) => {
             let (start, end) = cal.window(at);
-            let count = state.filter(|s| s.start_us == start).map_or(0, |s| s.count);
+            let count = match state {
+                Some(s) if s.start_us == start => s.count,
+                Some(s) if s.start_us < start => {
+                    // The period right before: nearer than one and a half of this one
+                    // (periods differ in length by less than a third: 23 to 25 hours, 28
+                    // to 31 days); else at least one whole period passed unused.
+                    let right_before =
+                        (start - s.start_us).saturating_mul(2) < (end - start).saturating_mul(3);
+                    carried(s.count, n, if right_before { 1 } else { 2 })
+                }
+                _ => 0,
+            };
             (start, end, count)
         }
         None => {
             let period = q.period_us();
-            match state.filter(|s| at < s.start_us.saturating_add(period)) {
-                Some(s) => (s.start_us, s.start_us + period, s.count),
+            match state {
+                Some(s) if at < s.start_us.saturating_add(period) => {
+                    (s.start_us, s.start_us + period, s.count)
+                }
+                Some(s) => {
+                    // The windows after a debt run back to back from the state's end
+                    // until it is paid; then a window opens at a first request again.
+                    let ended = s.start_us + period;
+                    let idle = (at - ended) / period;
+                    match carried(s.count, n, idle.saturating_add(1)) {
+                        0 => (at, at + period, 0),
+                        debt => {
+                            let start = ended + idle * period;
+                            (start, start + period, debt)
+                        }
+                    }
+                }
                 None => (at, at + period, 0),
             }
         }
-    }
+    };
+    Window { start, end, count }
+}
+
+/// The window a request is decided in: `[start, end)`, holding `count`.
+struct Window {
+    start: u64,
+    end: u64,
+    count: u64,
+}
+
+/// The most a calendar window's count may hold after a settlement: one whole period past
+/// N and the borrowing. Lua has no zone database to count the periods a long debt would
+/// span; what a settlement would add past this is forgiven (and counted).
+fn calendar_most(q: &Quota) -> u64 {
+    2 * q.rate.count + q.max_debt
+}
+
+/// How long a window's state matters: to its end, and past it while its count carries a
+/// debt into the windows after (a calendar period's length taken at twice the current's,
+/// longer than any next period). At most [`MAX_LEVEL`] µs.
+fn ttl(q: &Quota, w: &Window, count: u64, now_us: u64) -> u64 {
+    let debt = count.saturating_sub(q.rate.count);
+    let windows = debt.div_ceil(q.rate.count);
+    let each = match q.calendar {
+        Some(_) => (w.end - w.start).saturating_mul(2),
+        None => q.period_us(),
+    };
+    let past = windows.saturating_mul(each);
+    (w.end - now_us).saturating_add(past).min(MAX_LEVEL)
 }
 
 pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
-    let limit = q.rate.count;
-    let (start_us, end_us, count) = window(q, state, now_us);
-    let ends_in = end_us - now_us;
-    let allowed = count + q.cost <= limit;
+    let n = q.rate.count;
+    let w = window(q, state, now_us);
+    let ends_in = w.end - now_us;
+    let count = w.count;
+    let allowed = count + q.cost <= n + q.max_debt;
     let next = State {
-        start_us,
+        start_us: w.start,
         count: count + q.cost,
+    };
+    // Denied: the first window whose carried count leaves room, the windows after this
+    // one paying N each (a calendar period's next one taken as long as the one after it
+    // the gateway knows).
+    let retry = if allowed {
+        0
+    } else {
+        let short = (count.saturating_sub(n) + q.cost).saturating_sub(n + q.max_debt);
+        let windows = short.div_ceil(n);
+        let each = match q.calendar {
+            Some(cal) => {
+                let (s, e) = cal.window(w.end);
+                e - s
+            }
+            None => q.period_us(),
+        };
+        ends_in
+            .saturating_add(windows.saturating_mul(each))
+            .min(MAX_LEVEL)
     };
     Outcome {
         allowed,
         charged: Decision {
             allowed,
-            remaining: limit.saturating_sub(next.count),
+            remaining: n.saturating_sub(next.count),
             retry_after_us: 0,
             reset_us: ends_in,
+            window: w.start,
         },
         uncharged: Decision {
             allowed,
-            remaining: limit - count.min(limit),
-            retry_after_us: if allowed { 0 } else { ends_in },
+            remaining: n.saturating_sub(count),
+            retry_after_us: retry,
             reset_us: if count == 0 { 0 } else { ends_in },
+            window: w.start,
         },
         next,
-        ttl_us: ends_in,
+        ttl_us: ttl(q, &w, next.count, now_us),
     }
 }
 
 /// Settle a charge made earlier (`lua/fixed_window.lua`'s `SETTLE`). A refund goes back
-/// into the window the charge fell in while it is open (else the charge stands); a charge
-/// counts in the window open now (a fresh one if none is), up to `max_debt` past N.
-pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, adj: Adjust) -> Settled<State> {
-    let (start_us, end_us, count) = window(q, state, now_us);
-    let ends_in = end_us - now_us;
+/// into the window the charge fell in — the one the store said when it charged,
+/// `adj.window` — while it is open, else the charge stands. A charge counts, in full, in
+/// the window open now (a fresh one if none is, carrying the last one's debt); its excess
+/// over N is carried into the windows after. The second value: cost units forgiven (a
+/// calendar window past [`calendar_most`], any window past [`MAX_LEVEL`]).
+pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, adj: Adjust) -> (Settled<State>, u64) {
+    let w = window(q, state, now_us);
+    let mut forgiven = 0;
     let count = if adj.delta < 0 {
-        // A calendar window's length is its own (a 23-hour day, a 28-day month).
-        let charged_here = adj
-            .left_us
-            .is_none_or(|left| same_window(end_us, now_us, left, end_us - start_us));
-        if count == 0 || !charged_here {
-            return Settled::Keep;
+        if w.count == 0 || w.start != adj.window {
+            return (Settled::Keep, 0);
         }
-        count.saturating_sub(adj.delta.unsigned_abs())
+        w.count.saturating_sub(adj.delta.unsigned_abs())
     } else {
-        charged(count, adj.delta.unsigned_abs(), q.rate.count + q.max_debt)
+        let most = match q.calendar {
+            Some(_) => calendar_most(q).max(w.count),
+            None => MAX_LEVEL,
+        };
+        let wanted = w.count.saturating_add(adj.delta.unsigned_abs());
+        forgiven = wanted.saturating_sub(most);
+        wanted.min(most)
     };
     if count == 0 {
-        return Settled::Clear;
+        return (Settled::Clear, forgiven);
     }
-    Settled::Write {
-        next: State { start_us, count },
-        ttl_us: ends_in,
-    }
+    let settled = Settled::Write {
+        next: State {
+            start_us: w.start,
+            count,
+        },
+        ttl_us: ttl(q, &w, count, now_us),
+    };
+    (settled, forgiven)
 }
 
 #[cfg(test)]
@@ -276,26 +372,20 @@ mod tests {
         let at = local(3, 14, 23, 0);
         let charged = run(&q, &mut st, at);
         assert_eq!(st.unwrap().start_us, local(2, 15, 0, 0));
+        assert_eq!(charged.window, local(2, 15, 0, 0));
         let state = st.map(Into::into);
         // While the window is open: the refund goes back.
-        let adj = Adjust {
-            delta: -1,
-            left_us: Some(charged.reset_us - HOUR / 2),
-        };
+        let adj = Adjust::refund(1, &charged);
         let later = at + HOUR / 2;
         assert_eq!(
             crate::limiter::settle(&q, state.as_ref(), later, adj),
-            Settled::Clear
+            (Settled::Clear, 0)
         );
         // Once the 15th has begun, the charge stands.
-        let adj = Adjust {
-            delta: -1,
-            left_us: Some(0),
-        };
         let after = local(3, 15, 0, 30);
         assert_eq!(
             crate::limiter::settle(&q, state.as_ref(), after, adj),
-            Settled::Keep
+            (Settled::Keep, 0)
         );
     }
 

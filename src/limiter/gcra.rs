@@ -10,7 +10,7 @@
 //! admits (a property test holds them side by side); it stores one number instead of two.
 
 use super::settle::Settled;
-use super::{Decision, Outcome, Quota};
+use super::{Decision, Outcome, Quota, MAX_LEVEL};
 
 /// The theoretical arrival time: `tat_us + frac / per_us` µs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -32,17 +32,20 @@ fn debt(q: &Quota, state: Option<&State>, now_us: u64) -> u64 {
     } else {
         0
     };
-    ahead.min(u128::from(super::MAX_LEVEL)) as u64
+    ahead.min(u128::from(MAX_LEVEL)) as u64
 }
 
 /// Judge one request. With `max_delay`, a request that would conform within it is allowed
 /// and told to wait until it does (the TAT moves for it now, so later ones wait longer).
+/// With `max_debt`, a request passes at once while its TAT stays within that much past a
+/// full burst (it borrows ahead), as the token bucket's level may go below empty.
 pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
     let cap = q.capacity();
     let need = q.need();
+    let borrow = q.borrow();
     let debt = debt(q, state, now_us);
     let after = debt + need;
-    let allowed = after <= cap + q.slack();
+    let allowed = after <= cap + borrow + q.slack();
     let next = State {
         tat_us: now_us + after / q.per_us,
         frac: after % q.per_us,
@@ -54,15 +57,17 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
         retry_after_us: if allowed {
             0
         } else {
-            drip(after - cap - q.slack())
+            drip(after - cap - borrow - q.slack())
         },
         reset_us: drip(debt),
+        window: 0,
     };
     let charged = Decision {
         allowed,
         remaining: cap.saturating_sub(after) / q.unit,
-        retry_after_us: drip(after.saturating_sub(cap)),
+        retry_after_us: drip(after.saturating_sub(cap + borrow)),
         reset_us: drip(after),
+        window: 0,
     };
     Outcome {
         allowed,
@@ -74,28 +79,39 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
 }
 
 /// Settle a charge made earlier (`lua/gcra.lua`'s `SETTLE`), the token bucket's twin in
-/// TAT terms: `delta` more cost units push the TAT on, to at most `max_debt` past a full
-/// burst ahead (never pulling it back); given back, they pull it in, exactly, to now at
-/// the latest (then no state).
-pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, delta: i64) -> Settled<State> {
+/// TAT terms: `delta` more cost units push the TAT on, in full, however far past a full
+/// burst (the identity's next request waits until it conforms again); given back, they
+/// pull it in, exactly, to now at the latest (then no state). Only past
+/// [`super::MAX_LEVEL`] units ahead, where Lua's numbers stop being exact, is the rest
+/// forgiven: the second value, in cost units (rounded up).
+pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, delta: i64) -> (Settled<State>, u64) {
     let ahead = debt(q, state, now_us);
-    let ceiling = q.capacity() + q.max_debt * q.unit;
-    let units = delta.unsigned_abs().saturating_mul(q.unit).min(ceiling);
-    let ahead = if delta < 0 {
-        ahead.saturating_sub(units)
+    let units = u128::from(delta.unsigned_abs()) * u128::from(q.unit);
+    let (ahead, forgiven) = if delta < 0 {
+        (
+            ahead.saturating_sub(units.min(u128::from(u64::MAX)) as u64),
+            0,
+        )
     } else {
-        (ahead + units).min(ahead.max(ceiling))
+        let wanted = u128::from(ahead) + units;
+        let most = u128::from(MAX_LEVEL);
+        let over = wanted.saturating_sub(most);
+        (
+            wanted.min(most) as u64,
+            over.div_ceil(u128::from(q.unit)) as u64,
+        )
     };
     if ahead == 0 {
-        return Settled::Clear;
+        return (Settled::Clear, forgiven);
     }
-    Settled::Write {
+    let settled = Settled::Write {
         next: State {
             tat_us: now_us + ahead / q.per_us,
             frac: ahead % q.per_us,
         },
         ttl_us: ahead.div_ceil(q.per_us),
-    }
+    };
+    (settled, forgiven)
 }
 
 #[cfg(test)]

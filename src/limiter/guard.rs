@@ -21,7 +21,7 @@ use super::deny_cache::DenyCache;
 use super::heartbeat::{self, Gateways};
 use super::memory::{Evictions, MemoryStore};
 use super::metrics::{LimiterMetrics, StoreErrorKind, StoreErrorLabels, StoreLabels};
-use super::store::{self, Call, OnError, Settlement, Store};
+use super::store::{self, Call, OnError, Receipt, Settlement, Store};
 use super::{Check, Decision, MonotonicClock, StoreError};
 use crate::stats::Stats;
 
@@ -264,7 +264,7 @@ impl Limiter {
     /// them (`local`: the `on_error = "local"` fallback). A store that fails, or whose
     /// breaker is open, is counted and logged, and the charges stand as they were: a
     /// refund lost is stricter, an added charge lost is at most that charge looser.
-    pub async fn settle(&self, items: &[Settlement<'_>], local: bool) -> Option<Vec<Decision>> {
+    pub async fn settle(&self, items: &[Settlement<'_>], local: bool) -> Option<Vec<Receipt>> {
         if local {
             // At the share the charges were decided at (the count of gateways is frozen
             // while the store fails).

@@ -47,7 +47,7 @@ use hashbrown::HashTable;
 use prometheus_client::metrics::counter::Counter;
 
 use super::metrics::{EvictionLabels, LimiterMetrics};
-use super::store::{Call, Kind, Settlement, Store};
+use super::store::{Call, Kind, Receipt, Settlement, Store};
 use super::{concurrency, fixed_window, gcra, sliding_window, token_bucket};
 use super::{Check, Clock, Decision, Fnv1a, State, StoreError};
 use smallvec::SmallVec;
@@ -831,7 +831,7 @@ impl MemoryStore {
     /// Settle charges decided earlier, each on its own, at the store's clock; the answers
     /// are what each rule would tell the next request now. A settlement that would add a
     /// key finding no room is dropped (the shard is full of requests in flight).
-    pub fn settle(&self, items: &[Settlement<'_>]) -> Vec<Decision> {
+    pub fn settle(&self, items: &[Settlement<'_>]) -> Vec<Receipt> {
         let now = self.clock.now_us();
         items
             .iter()
@@ -841,7 +841,9 @@ impl MemoryStore {
                 let mut shard = self.lock(shard);
                 let at = shard.find(key);
                 let state = shard.state_at(at, now);
-                let state = match super::settle(check.quota, state.as_ref(), now, item.adjust) {
+                let (settled, forgiven) =
+                    super::settle(check.quota, state.as_ref(), now, item.adjust);
+                let state = match settled {
                     super::Settled::Keep => state,
                     super::Settled::Clear => {
                         if at.is_some() {
@@ -862,7 +864,10 @@ impl MemoryStore {
                         Some(next)
                     }
                 };
-                super::decide(check.quota, state.as_ref(), now).uncharged
+                Receipt::new(
+                    super::decide(check.quota, state.as_ref(), now).uncharged,
+                    forgiven,
+                )
             })
             .collect()
     }
@@ -932,12 +937,8 @@ impl Store for MemoryStore {
         Call::Ready(Ok(()))
     }
 
-    fn settle<'a>(&'a self, items: &'a [Settlement<'a>]) -> Call<'a, Vec<Decision>> {
+    fn settle<'a>(&'a self, items: &'a [Settlement<'a>]) -> Call<'a, Vec<Receipt>> {
         Call::Ready(Ok(MemoryStore::settle(self, items)))
-    }
-
-    fn clock_us(&self) -> Option<u64> {
-        Some(self.clock.now_us())
     }
 
     fn release<'a>(&'a self, check: &'a Check<'a>) -> Call<'a, ()> {

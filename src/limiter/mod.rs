@@ -41,10 +41,10 @@ use crate::identity::IdentityDigest;
 
 pub use quota::{Algorithm, LocalShare, Quota, QuotaError, QuotaField, Rate, Share, MAX_LEVEL};
 pub use settle::{settle, Adjust, Settled};
-pub use store::{Backend, OnError, Replication, Store};
+pub use store::{Backend, OnError, Receipt, Replication, Store};
 
 /// What one rule said about one request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct Decision {
     pub allowed: bool,
     /// Whole requests (of cost 1) still allowed now, after this request if it was charged.
@@ -54,6 +54,11 @@ pub struct Decision {
     pub retry_after_us: u64,
     /// Microseconds until the full quota is available again.
     pub reset_us: u64,
+    /// Windows only: the window the request was decided in, as the store names it (a
+    /// fixed window's start in µs, a sliding window's index; 0 for the buckets). A
+    /// settlement's refund goes only into the window its charge fell in
+    /// ([`settle::Adjust::window`]).
+    pub window: u64,
 }
 
 /// One rule's verdict on one request, before anything is written. A request passes only

@@ -203,8 +203,10 @@ pub struct Quota {
     pub max_delay_us: u64,
     /// Concurrency only: how long a lease in a shared store lives without renewal, in µs.
     pub lease_us: u64,
-    /// How far below empty a settlement may charge, in cost units (`max_debt`; default one
-    /// burst, or the rate's N for a window). The limit's own decisions never go there.
+    /// How far past empty (a window: past N) a request may still be admitted, in cost
+    /// units (`max_debt`, on rules that settle by a reported cost; default 0): what an
+    /// identity may borrow ahead before it is refused. Settled costs are charged in full
+    /// whatever it is, and the debt is paid by waiting.
     pub max_debt: u64,
     /// A calendar rate's periods (`fixed_window` only): its windows are the calendar's,
     /// not `rate.period` from a key's first request.
@@ -398,7 +400,7 @@ impl Quota {
             per_us,
             max_delay_us: 0,
             lease_us: 0,
-            max_debt: burst,
+            max_debt: 0,
             calendar: rate.calendar.map(Calendar::utc),
             local_share: LocalShare::default(),
         })
@@ -541,8 +543,9 @@ impl Quota {
         Ok(q)
     }
 
-    /// The same limit, letting a settlement charge up to `max_debt` cost units below empty
-    /// (`max_debt`; issue 27). A bucket's level then still fits Lua's exact numbers.
+    /// The same limit, admitting a request while it leaves the identity at most
+    /// `max_debt` cost units past empty (`max_debt`): borrowing ahead. Every value the
+    /// step functions compute then still fits Lua's exact numbers.
     pub fn with_max_debt(self, max_debt: u64) -> Result<Quota, QuotaError> {
         let q = Quota { max_debt, ..self };
         let fits = match q.algorithm {
@@ -551,8 +554,17 @@ impl Quota {
                 .and_then(|t| t.checked_mul(q.unit))
                 .and_then(|v| v.checked_add(q.slack()))
                 .is_some_and(|v| v <= MAX_LEVEL),
+            // prev·(P-e) + cur·P + cost·P against (N + max_debt)·P: at most (3N + debt)·P.
+            Algorithm::SlidingWindow => q
+                .rate
+                .count
+                .checked_mul(3)
+                .and_then(|n| n.checked_add(max_debt))
+                .and_then(|v| v.checked_mul(q.period_us()))
+                .is_some_and(|v| v <= MAX_LEVEL),
             _ => max_debt
-                .checked_add(q.rate.count)
+                .checked_mul(2)
+                .and_then(|d| d.checked_add(q.rate.count.checked_mul(2)?))
                 .is_some_and(|v| v <= MAX_LEVEL),
         };
         if !fits {
@@ -576,7 +588,14 @@ impl Quota {
         }
     }
 
-    /// How far below empty a bucket may go for requests waiting on their tokens, in units.
+    /// How far below empty a request may take a bucket and still pass at once
+    /// (`max_debt`), in units.
+    pub fn borrow(&self) -> u64 {
+        self.max_debt * self.unit
+    }
+
+    /// How far below empty (past what may be borrowed) a bucket may go for requests
+    /// waiting on their tokens, in units.
     pub fn slack(&self) -> u64 {
         self.max_delay_us * self.per_us
     }

@@ -7,35 +7,51 @@
 //! What a settlement means, per algorithm (docs/algorithms.md says it for users):
 //! - **token bucket, GCRA**: the units go back (or are taken) exactly, in the quota's
 //!   integer units: a refund never rounds and never fills a bucket past its burst. A
-//!   charge may take the bucket below empty, down to `max_debt` cost units; the next
-//!   admission then waits until the bucket has dripped back.
-//! - **fixed and sliding window**: a refund goes back into the window the charge fell in,
-//!   and only while that window is still the open one; once it has closed, the charge
-//!   stands (a closed window's count no longer decides anything a refund could undo, and
-//!   taking from the new window would give back what another request paid). A charge
-//!   counts in the window open when it is settled, up to `max_debt` past the rate's N;
-//!   a debt never outlives its window.
+//!   reported cost is charged in full, however far below empty it takes the bucket; the
+//!   identity's next admission waits until the bucket has dripped back.
+//! - **fixed and sliding window**: a refund goes back into the window the charge fell in
+//!   — identified by what the store said when it charged ([`Decision::window`]), never by
+//!   arithmetic on elapsed time — and only while that window is still the open one; once
+//!   it has closed, the charge stands (taking from the new window would give back what
+//!   another request paid). A charge counts in full in the window open when it is
+//!   settled; what passes N is carried into the windows after, N paid by each.
+//! - on every algorithm, a settlement never moves a key's time backwards, however the
+//!   store's clock stepped between the charge and the settlement.
+//!
+//! Nothing is forgiven but where Lua's numbers stop being exact ([`super::MAX_LEVEL`])
+//! and, on a calendar window, past one whole period of debt; what is, the store reports
+//! and the gateway counts (`ratewall_settle_forgiven_total`).
 
-use super::{fixed_window, gcra, sliding_window, token_bucket, Algorithm, Quota, State};
+use super::{fixed_window, gcra, sliding_window, token_bucket, Algorithm, Decision, Quota, State};
 
 /// One charge's settlement.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Adjust {
     /// Cost units to take beyond what was reserved (negative: to give back).
     pub delta: i64,
-    /// Windows only: µs from now until the window the charge fell in ends, as the store's
-    /// clock has it (the charged decision's reset, less the time since); `None`: the
-    /// window open now (a refund made at once, in the same call's time frame).
-    pub left_us: Option<u64>,
+    /// Windows only: the window the charge fell in, as the store named it when it charged
+    /// ([`Decision::window`]); a refund goes only there.
+    pub window: u64,
 }
 
 impl Adjust {
-    /// Give back a whole charge of `cost`, made just now.
-    pub fn refund_now(cost: u64) -> Adjust {
+    /// Give back a whole charge of `cost`, decided as `charged`.
+    pub fn refund(cost: u64, charged: &Decision) -> Adjust {
         Adjust {
             delta: -(cost.min(i64::MAX as u64) as i64),
-            left_us: None,
+            window: charged.window,
         }
+    }
+}
+
+/// What a window that counted `count` leaves `k` windows on: its excess over `n`, less
+/// `n` for each window after it (`k = 0`: the count itself). A window's debt is paid this
+/// way, never dropped (`carried` in `lua/prelude.lua`).
+pub(crate) fn carried(count: u64, n: u64, k: u64) -> u64 {
+    if k >= count.div_ceil(n) {
+        0
+    } else {
+        count - k * n
     }
 }
 
@@ -63,44 +79,40 @@ impl<S> Settled<S> {
     }
 }
 
-/// Settle one charge on `state` at `now_us`, by `q`'s algorithm. A state kept by another
-/// algorithm counts as none (as in [`super::decide`]). A concurrency limit has nothing to
-/// settle: its slot is given back when the request ends.
-pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, adj: Adjust) -> Settled<State> {
+/// Settle one charge on `state` at `now_us`, by `q`'s algorithm: what it leaves, and the
+/// cost units it could not charge (forgiven; see the module's comment). A state kept by
+/// another algorithm counts as none (as in [`super::decide`]). A concurrency limit has
+/// nothing to settle: its slot is given back when the request ends.
+pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, adj: Adjust) -> (Settled<State>, u64) {
     fn pick<S: TryFrom<State>>(state: Option<&State>) -> Option<S> {
         state.and_then(|s| S::try_from(*s).ok())
     }
+    fn wrap<S>(
+        (s, forgiven): (Settled<S>, u64),
+        f: impl FnOnce(S) -> State,
+    ) -> (Settled<State>, u64) {
+        (s.map(f), forgiven)
+    }
     if adj.delta == 0 {
-        return Settled::Keep;
+        return (Settled::Keep, 0);
     }
     match q.algorithm {
-        Algorithm::TokenBucket => {
-            token_bucket::settle(q, pick(state).as_ref(), now_us, adj.delta).map(State::TokenBucket)
-        }
-        Algorithm::Gcra => {
-            gcra::settle(q, pick(state).as_ref(), now_us, adj.delta).map(State::Gcra)
-        }
-        Algorithm::FixedWindow => {
-            fixed_window::settle(q, pick(state).as_ref(), now_us, adj).map(State::FixedWindow)
-        }
-        Algorithm::SlidingWindow => {
-            sliding_window::settle(q, pick(state).as_ref(), now_us, adj).map(State::SlidingWindow)
-        }
-        Algorithm::Concurrency => Settled::Keep,
+        Algorithm::TokenBucket => wrap(
+            token_bucket::settle(q, pick(state).as_ref(), now_us, adj.delta),
+            State::TokenBucket,
+        ),
+        Algorithm::Gcra => wrap(
+            gcra::settle(q, pick(state).as_ref(), now_us, adj.delta),
+            State::Gcra,
+        ),
+        Algorithm::FixedWindow => wrap(
+            fixed_window::settle(q, pick(state).as_ref(), now_us, adj),
+            State::FixedWindow,
+        ),
+        Algorithm::SlidingWindow => wrap(
+            sliding_window::settle(q, pick(state).as_ref(), now_us, adj),
+            State::SlidingWindow,
+        ),
+        Algorithm::Concurrency => (Settled::Keep, 0),
     }
-}
-
-/// A window's count after a settlement charges `add` more: at most `most` (N plus
-/// `max_debt`), and a count already past it is never lowered (`charged` in
-/// `lua/prelude.lua`).
-pub(crate) fn charged(count: u64, add: u64, most: u64) -> u64 {
-    (count + add.min(most)).min(count.max(most))
-}
-
-/// Whether a window ending at `ends_us` is the one a charge fell in, told `left_us` from
-/// `now_us`. Windows' ends are at least a period apart and the estimate is off by no more
-/// than the store's latency, so the nearest end within half a period is the charge's.
-pub(crate) fn same_window(ends_us: u64, now_us: u64, left_us: u64, period_us: u64) -> bool {
-    let told = u128::from(now_us) + u128::from(left_us);
-    u128::from(ends_us).abs_diff(told) * 2 < u128::from(period_us)
 }

@@ -1,11 +1,18 @@
-//! Property tests of settlements (issue 27; [`super::settle`]): random timelines of
-//! decisions, refunds and charges beyond the reservation, exact claims about what each
+//! Property tests of settlements (issues 27 and 41; [`super::settle`]): random timelines
+//! of decisions, refunds and charges beyond the reservation, exact claims about what each
 //! leaves behind. The Lua twins are held to the same answers by tests/it/settle_agree.rs.
 //!
 //! A settlement here is made as the gateway makes it: a reservation ([`Reserved`]) settled
-//! at a real cost through [`adjust`], which times a window's refund from the charged
-//! decision's reset and the reservation's age; or, for another request's settlement in the
-//! middle of a timeline, a bare [`Adjust`].
+//! at a real cost through [`adjust`], which names the window the charge fell in as the
+//! charged decision named it; or, for another request's settlement in the middle of a
+//! timeline, a bare [`Adjust`].
+//!
+//! What issue 41 added, each a property that failed before it: a reported cost is charged
+//! in full on every algorithm, so a client reporting far more than it reserves gets no
+//! more than the limit (`a_client_reporting_more_than_it_reserved_gets_no_more_than_the_limit`);
+//! a clock stepped back and forth between charges and settlements never moves a state's
+//! time back nor refills a stretch twice (`a_clock_stepping_back_and_forth_never_refills_twice`);
+//! a window's refund goes only into the window its charge fell in (windows.rs).
 
 use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
@@ -17,8 +24,8 @@ use proptest::test_runner::TestCaseError;
 
 use super::reservation::{adjust, Reserved};
 use super::{
-    decide, fixed_window, settle, sliding_window, token_bucket, Adjust, Algorithm, Decision,
-    Outcome, Quota, Rate, Settled, State,
+    decide, token_bucket, Adjust, Algorithm, Decision, Outcome, Quota, Rate, Settled, State,
+    MAX_LEVEL,
 };
 use crate::identity::digest_api_key;
 
@@ -55,8 +62,8 @@ fn rate() -> impl Strategy<Value = (u64, u64)> {
     )
 }
 
-/// A limit of one of `algorithms`: any rate, burst and cost; no debt allowed, one, a
-/// burst's worth (the default) or three.
+/// A limit of one of `algorithms`: any rate, burst and cost; no borrowing (the default),
+/// one cost unit, a burst's worth or three.
 fn limit(algorithms: &'static [Algorithm]) -> impl Strategy<Value = Quota> {
     (
         prop::sample::select(algorithms),
@@ -184,23 +191,31 @@ fn setup(limit: impl Strategy<Value = Quota>, most_ops: usize) -> impl Strategy<
     })
 }
 
-/// A reservation of `q.cost` whose charged decision said `reset_us`.
-fn reserved(q: &Quota, reset_us: u64) -> Reserved {
+/// A reservation of `q.cost` charged in the window `window` (as its decision named it).
+fn reserved(q: &Quota, window: u64) -> Reserved {
     Reserved {
         identity: digest_api_key(b"settle-properties"),
         rule: Arc::from("r"),
         quota: *q,
         shadow: false,
-        reset_us,
+        window,
     }
 }
 
-/// A bare settlement of `delta` cost units (another request's, in a timeline).
+/// A bare settlement of `delta` cost units (another request's, in a timeline; a refund
+/// of one names no live window).
 fn by(delta: i64) -> Adjust {
     Adjust {
         delta,
-        left_us: None,
+        window: u64::MAX,
     }
+}
+
+/// [`super::settle`], its state only; a test of ordinary sizes is never forgiven anything.
+fn settle(q: &Quota, state: Option<&State>, now: u64, adj: Adjust) -> Settled<State> {
+    let (settled, forgiven) = super::settle(q, state, now, adj);
+    assert_eq!(forgiven, 0, "forgiven at ordinary sizes: {q:?} {adj:?}");
+    settled
 }
 
 /// `state` after a settlement.
@@ -238,7 +253,7 @@ impl World {
         if o.allowed {
             self.state = Some(o.next);
             self.charges
-                .push((self.now, reserved(&q, o.charged.reset_us)));
+                .push((self.now, reserved(&q, o.charged.window)));
         }
         o
     }
@@ -266,8 +281,8 @@ impl World {
                 if self.charges.is_empty() {
                     return Ok(());
                 }
-                let (at, r) = self.charges.remove(pick % self.charges.len());
-                if let Some(adj) = adjust(&r, real.cost(r.quota.cost), self.now - at) {
+                let (_, r) = self.charges.remove(pick % self.charges.len());
+                if let Some(adj) = adjust(&r, real.cost(r.quota.cost)) {
                     let s = settle(&self.q, self.state.as_ref(), self.now, adj);
                     self.state = apply(self.state, s);
                 }
@@ -276,22 +291,20 @@ impl World {
         self.invariants()
     }
 
-    /// What no timeline of decisions and settlements may break: a bucket is never more
-    /// than `max_debt` below empty (nor `max_delay`'s reservations), never above full; a
-    /// window never counts more than N + `max_debt`.
+    /// What no timeline of decisions and settlements may break: a bucket is never above
+    /// full, nor below what Lua's numbers hold; a window's count fits them too.
     fn invariants(&self) -> Result<(), TestCaseError> {
         let q = &self.q;
-        let most = (q.rate.count + q.max_debt) as i128;
         match self.state {
             Some(State::FixedWindow(f)) => {
-                prop_assert!(i128::from(f.count) <= most, "{} counted: {:?}", f.count, q);
+                prop_assert!(f.count <= MAX_LEVEL, "{} counted: {:?}", f.count, q);
             }
             Some(State::SlidingWindow(s)) => {
-                prop_assert!(i128::from(s.cur) <= most, "{} counted: {:?}", s.cur, q);
+                prop_assert!(s.cur <= MAX_LEVEL, "{} counted: {:?}", s.cur, q);
             }
             _ if q.algorithm.has_burst() => {
                 let l = level(q, self.state.as_ref(), self.now);
-                let floor = -i128::from(q.max_debt * q.unit + q.slack());
+                let floor = i128::from(q.capacity()) - i128::from(MAX_LEVEL);
                 prop_assert!(
                     l >= floor && l <= i128::from(q.capacity()),
                     "level {} outside [{}, {}]",
@@ -321,14 +334,11 @@ fn level(q: &Quota, state: Option<&State>, now: u64) -> i128 {
     }
 }
 
-/// Whether a settlement of `delta` on a bucket at `level` is cut short: a charge stopped
-/// at `max_debt` below empty, a refund stopped at full, or a delta beyond what the step
-/// clamps to (the gateway never sends one).
+/// Whether a settlement of `delta` on a bucket at `level` is cut short: a refund stopped
+/// at full (a charge is always taken whole, at these sizes).
 fn cut_short(q: &Quota, level: i128, delta: i64) -> bool {
     let units = i128::from(delta) * i128::from(q.unit);
-    let most = i128::from(q.capacity() + q.max_debt * q.unit);
-    let floor = -i128::from(q.max_debt * q.unit);
-    units.abs() > most || level - units < floor || level - units > i128::from(q.capacity())
+    level - units > i128::from(q.capacity())
 }
 
 /// The times worth asking `state` about after `t`: each probe's, and where its answers
@@ -431,7 +441,7 @@ proptest! {
         let (t, o) = w.charge()?;
         // If the limit denied at first, the charge came later: the state before it is the
         // same one, asked at that later time.
-        let settled = settle(&q, Some(&o.next), t, Adjust::refund_now(q.cost));
+        let settled = settle(&q, Some(&o.next), t, Adjust::refund(q.cost, &o.charged));
         let refunded = apply(Some(o.next), settled);
         prop_assert_eq!(level(&q, refunded.as_ref(), t), level(&q, was.as_ref(), t));
         if level(&q, was.as_ref(), t) == i128::from(q.capacity()) {
@@ -496,7 +506,7 @@ fn refund_later_case(
     // was never full while time passed (its level plus what dripped in since the last
     // event never went above the burst: A, k's cost lower, then got the drip B lost), and
     // no settlement in between was cut short in either world (a charge stopped at
-    // max_debt, a refund stopped at full).
+    // a refund stopped at full).
     let mut filled = false;
     let (mut last, mut others) = (t_k, 0usize);
     let drip_loss = |b: Option<State>, last: u64, now: u64| {
@@ -531,9 +541,9 @@ fn refund_later_case(
     }
     let t_r = refund_gap.after(&q, last);
     filled |= drip_loss(b, last, t_r);
-    let r = reserved(&q, charged.charged.reset_us);
-    let adj = adjust(&r, 0, t_r - t_k).expect("a bucket's refund is always made");
-    prop_assert_eq!(adj, Adjust::refund_now(q.cost));
+    let r = reserved(&q, charged.charged.window);
+    let adj = adjust(&r, 0).expect("a bucket's refund is always made");
+    prop_assert_eq!(adj, Adjust::refund(q.cost, &charged.charged));
     let a = apply(a, settle(&q, a.as_ref(), t_r, adj));
     let (la, lb) = (level(&q, a.as_ref(), t_r), level(&q, b.as_ref(), t_r));
     if !filled {
@@ -653,11 +663,11 @@ proptest! {
                         continue;
                     }
                     let k = pick % a.charges.len();
-                    let ((at, ra), (_, rb)) = (a.charges.remove(k), b.charges.remove(k));
-                    prop_assert_eq!(ra.reset_us, rb.reset_us, "step {}", i);
+                    let ((_, ra), (_, rb)) = (a.charges.remove(k), b.charges.remove(k));
+                    prop_assert_eq!(ra.window, rb.window, "step {}", i);
                     let cost = real.cost(ra.quota.cost);
-                    let adj = adjust(&ra, cost, a.now - at);
-                    prop_assert_eq!(adj, adjust(&rb, cost, a.now - at), "step {}", i);
+                    let adj = adjust(&ra, cost);
+                    prop_assert_eq!(adj, adjust(&rb, cost), "step {}", i);
                     if let Some(adj) = adj {
                         let sa = settle(&qa, a.state.as_ref(), a.now, adj);
                         let sb = settle(&qb, b.state.as_ref(), b.now, adj);
@@ -696,13 +706,16 @@ proptest! {
 }
 
 // ---------------------------------------------------------------------------------------
-// Debt.
+// Debt: a reported cost is charged in full.
 
 #[derive(Default)]
 struct DebtTally {
-    capped: AtomicUsize,
-    exact: AtomicUsize,
-    denied_after: AtomicUsize,
+    /// The next admission still passes at once (within what may be borrowed).
+    within: AtomicUsize,
+    /// It waits: the bucket is in debt past what may be borrowed.
+    waits: AtomicUsize,
+    /// Of those, charges past a whole burst below empty (forgiven before issue 41).
+    past_a_burst: AtomicUsize,
 }
 
 /// A charge beyond the reservation (the backend reported more) on a bucket without
@@ -719,24 +732,20 @@ fn debt_case(
     }
     let t = gap.after(&q, w.now);
     let l = level(&q, w.state.as_ref(), t);
-    let floor = -i128::from(q.max_debt * q.unit);
     let took = i128::from(delta) * i128::from(q.unit);
-    let settled = settle(&q, w.state.as_ref(), t, by(delta));
-    let state = apply(w.state, settled);
+    let state = apply(w.state, settle(&q, w.state.as_ref(), t, by(delta)));
     let after = level(&q, state.as_ref(), t);
-    // Exactly the delta while that stays within max_debt below empty; else exactly
-    // max_debt below empty: never further.
-    if l - took >= floor {
-        prop_assert_eq!(after, l - took, "the charge was not taken exactly");
-        tally.exact.fetch_add(1, Relaxed);
-    } else {
-        prop_assert_eq!(after, floor, "the debt is not capped at max_debt");
-        tally.capped.fetch_add(1, Relaxed);
+    // Exactly the delta, however deep: nothing forgiven.
+    prop_assert_eq!(after, l - took, "the charge was not taken whole");
+    if after < -i128::from(q.capacity()) {
+        tally.past_a_burst.fetch_add(1, Relaxed);
     }
-    // The next admission waits exactly until the debt and its own tokens have dripped
-    // back, and the bucket is full again when all of it has.
+    // The next admission passes while it leaves the bucket no deeper than what may be
+    // borrowed; else it waits exactly until the bucket has dripped back that far; the
+    // bucket is full again once all of it has.
     let d = decide(&q, state.as_ref(), t).uncharged;
     let need = i128::from(q.need());
+    let borrow = i128::from(q.borrow());
     let per = i128::from(q.per_us);
     let drip = |units: i128| u64::try_from((units.max(0) + per - 1) / per).expect("a time");
     prop_assert_eq!(
@@ -744,14 +753,9 @@ fn debt_case(
         u64::try_from(after.max(0)).expect("a level") / q.unit
     );
     prop_assert_eq!(d.reset_us, drip(i128::from(q.capacity()) - after));
-    if after < need {
-        let retry = drip(need - after);
-        prop_assert!(
-            !d.allowed,
-            "allowed with {} units of {} needed",
-            after,
-            need
-        );
+    if after - need < -borrow {
+        let retry = drip(need - borrow - after);
+        prop_assert!(!d.allowed, "allowed {} units deep", after - need);
         prop_assert_eq!(d.retry_after_us, retry);
         prop_assert!(
             decide(&q, state.as_ref(), t + retry).allowed,
@@ -761,55 +765,275 @@ fn debt_case(
             !decide(&q, state.as_ref(), t + retry - 1).allowed,
             "allowed 1 µs early"
         );
-        tally.denied_after.fetch_add(1, Relaxed);
+        tally.waits.fetch_add(1, Relaxed);
     } else {
         prop_assert!(d.allowed);
+        tally.within.fetch_add(1, Relaxed);
     }
     Ok(())
 }
 
-/// A charge never takes a bucket more than max_debt below empty, and the next admission
+/// A charge beyond the reservation is taken whole, however far below empty it goes (and
+/// whatever `max_debt`, which only lets a request borrow ahead), and the next admission
 /// waits exactly until the bucket has dripped back (token bucket and GCRA).
 #[test]
-fn a_bucket_debt_is_capped_at_max_debt_and_the_next_admission_waits_it_out() {
+fn a_bucket_charge_is_taken_whole_and_the_next_admission_waits_it_out() {
     let tally = DebtTally::default();
     proptest!(config("bucket_debt", 500), |(
         setup in setup(limit(&BUCKETS), 40),
         gap in gap(),
-        delta in prop_oneof![1i64..4, 1i64..200],
+        delta in prop_oneof![1i64..4, 1i64..200, 200i64..100_000],
     )| {
         debt_case(setup, gap, delta, &tally)?;
     });
     let n = |c: &AtomicUsize| c.load(Relaxed);
     eprintln!(
-        "bucket debt: {} exact, {} capped, {} denied after",
-        n(&tally.exact),
-        n(&tally.capped),
-        n(&tally.denied_after)
+        "bucket debt: {} within what may be borrowed, {} waiting ({} past a whole burst)",
+        n(&tally.within),
+        n(&tally.waits),
+        n(&tally.past_a_burst)
     );
-    assert!(n(&tally.exact) >= 100 && n(&tally.capped) >= 100);
-    assert!(n(&tally.denied_after) >= 100);
+    assert!(n(&tally.within) >= 50 && n(&tally.waits) >= 150);
+    assert!(n(&tally.past_a_burst) >= 50);
+}
+
+// ---------------------------------------------------------------------------------------
+// The worst a client that reports more than it reserves can do.
+
+/// What a greedy client got over a span: how many requests it was let through, each
+/// reported at `report`, and the span.
+struct Greedy {
+    admitted: u64,
+    span_us: u64,
+}
+
+/// A client that fires `at_once` requests whenever it may (each reserving the rule's
+/// cost), every answer then reporting `report`, settled at once; denied, it comes back at
+/// the instant its denial names. For `periods` periods of the rule.
+fn greedy(q: &Quota, start: u64, report: u64, at_once: u64, periods: u64) -> Greedy {
+    let end = start + periods * q.period_us();
+    let (mut state, mut now, mut admitted) = (None::<State>, start, 0u64);
+    while now < end {
+        let mut charged = Vec::new();
+        let mut wait = 1;
+        for _ in 0..at_once {
+            let o = decide(q, state.as_ref(), now);
+            if !o.allowed {
+                wait = o.uncharged.retry_after_us.max(1);
+                break;
+            }
+            state = Some(o.next);
+            charged.push(o.charged);
+        }
+        for d in &charged {
+            let r = reserved(q, d.window);
+            if let Some(adj) = adjust(&r, report) {
+                state = apply(state, settle(q, state.as_ref(), now, adj));
+            }
+        }
+        admitted += charged.len() as u64;
+        now += wait;
+    }
+    Greedy {
+        admitted,
+        span_us: end - start,
+    }
+}
+
+proptest! {
+    #![proptest_config(config("greedy", 120))]
+
+    /// A client that reserves a request's cost and reports far more (a burst and one, ten
+    /// bursts), firing several at once and coming back the instant it may: everything it
+    /// was charged is what the limit pays for over the span — the burst (a window's N),
+    /// what `max_debt` lets it borrow, the rate over the span (a sliding window: one more
+    /// period's N, its estimate's bound) — plus the last round's reported costs, which it
+    /// still owes when the span ends. Before issue 41 a debt past `max_debt` was dropped:
+    /// 10.95× the limit for a client reporting a burst and one with `max_debt = 0`.
+    #[test]
+    fn a_client_reporting_more_than_it_reserved_gets_no_more_than_the_limit(
+        q in limit(&[Algorithm::TokenBucket, Algorithm::Gcra, Algorithm::FixedWindow, Algorithm::SlidingWindow]),
+        start in 0u64..1_000_000_000_000,
+        report_bursts in prop_oneof![Just(0u64), Just(1), Just(10)],
+        at_once in 1u64..4,
+    ) {
+        let report = q.burst * report_bursts + q.cost + 1;
+        let periods = 40;
+        let g = greedy(&q, start, report, at_once, periods);
+        let n = u128::from(q.rate.count);
+        let span_periods = u128::from(g.span_us.div_ceil(q.period_us()));
+        let paid = match q.algorithm {
+            Algorithm::TokenBucket | Algorithm::Gcra => u128::from(q.burst) + n * span_periods,
+            Algorithm::FixedWindow => n * (span_periods + 1),
+            _ => n * (span_periods + 2),
+        };
+        let bound = paid + u128::from(q.max_debt) + u128::from(at_once) * u128::from(report);
+        let charged = u128::from(g.admitted) * u128::from(report);
+        prop_assert!(
+            charged <= bound,
+            "{} requests reporting {} each: {} charged, the limit pays for {} ({:?})",
+            g.admitted,
+            report,
+            charged,
+            bound,
+            q
+        );
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// A clock stepping back and forth.
+
+/// One event of a timeline read on a clock that steps: the true time moves on by `gap`;
+/// the clock reads it `back` µs behind (0: right).
+#[derive(Debug, Clone, Copy)]
+struct Stepped {
+    op: Op,
+    back: u64,
+}
+
+fn stepped() -> impl Strategy<Value = Vec<Stepped>> {
+    prop::collection::vec(
+        (
+            op(),
+            prop_oneof![
+                3 => Just(0u64),
+                1 => 1u64..5_000,
+                1 => 5_000u64..3_000_000,
+                1 => 3_000_000u64..120_000_000,
+            ],
+        )
+            .prop_map(|(op, back)| Stepped { op, back }),
+        1..150,
+    )
+}
+
+/// The time a state says it was last changed at, where it has one that must never move
+/// back while the state lives: a token bucket's last charge, a window's start or index.
+fn state_time(state: Option<&State>) -> Option<u64> {
+    match state {
+        Some(State::TokenBucket(t)) => Some(t.last_us),
+        Some(State::FixedWindow(f)) => Some(f.start_us),
+        Some(State::SlidingWindow(s)) => Some(s.window),
+        _ => None,
+    }
+}
+
+fn clock_case(q: Quota, start: u64, timeline: Vec<Stepped>) -> Result<(), TestCaseError> {
+    let mut w = World::new(q, start);
+    let mut truth = start;
+    let mut reading = start;
+    // While a bucket's state lives: the reading it was made at, the furthest reading
+    // since, and the units it rose by between events (its drip, as the step functions
+    // judge it). A key whole again (no state) remembers no time: the next starts afresh.
+    let mut life: Option<(u64, u64, i128)> = None;
+    let mut time = state_time(None);
+    for (i, s) in timeline.into_iter().enumerate() {
+        let gap = match s.op {
+            Op::Decide { gap, .. } | Op::Settle { gap, .. } => gap,
+        };
+        truth = gap.after(&q, truth);
+        let now = truth.saturating_sub(s.back).max(start);
+        if let Some((_, furthest, credited)) = life.as_mut() {
+            *credited += level(&q, w.state.as_ref(), now) - level(&q, w.state.as_ref(), reading);
+            *furthest = (*furthest).max(now);
+        }
+        reading = now;
+        // The op at `now` (its own gap already taken).
+        w.now = now;
+        let op = match s.op {
+            Op::Decide { cost, .. } => Op::Decide {
+                gap: Gap::Micros(0),
+                cost,
+            },
+            Op::Settle { pick, real, .. } => Op::Settle {
+                gap: Gap::Micros(0),
+                pick,
+                real,
+            },
+        };
+        w.step(op)?;
+        let t = state_time(w.state.as_ref());
+        if let (Some(before), Some(after)) = (time, t) {
+            prop_assert!(
+                after >= before,
+                "step {}: the state's time moved back from {} to {}",
+                i,
+                before,
+                after
+            );
+        }
+        time = t;
+        life = match (life, w.state.is_some() && q.algorithm.has_burst()) {
+            (_, false) => None,
+            (None, true) => Some((now, now, 0)),
+            (alive, true) => alive,
+        };
+        if let Some((born, furthest, credited)) = life {
+            let most = i128::from(furthest - born) * i128::from(q.per_us);
+            prop_assert!(
+                credited <= most,
+                "step {}: {} units refilled over the {} µs the clock covered ({} at most)",
+                i,
+                credited,
+                furthest - born,
+                most
+            );
+        }
+    }
+    Ok(())
+}
+
+proptest! {
+    #![proptest_config(config("clock_steps", 400))]
+
+    /// On a clock that steps back (a Redis failover to a host behind, an NTP step) and
+    /// forward again between decisions and settlements, no state's time ever moves back,
+    /// and a bucket never refills the same stretch twice: what it rose by between events,
+    /// in all, is at most what drips in over the span the clock actually covered. Before
+    /// issue 41 a settlement at a stepped-back time wrote that time into a token bucket's
+    /// state, and the stretch was refilled again when the clock caught up.
+    #[test]
+    fn a_clock_stepping_back_and_forth_never_refills_twice(
+        q in prop_oneof![bucket_limit(), limit(&WINDOWS)],
+        start in 1_000_000_000u64..1_000_000_000_000,
+        timeline in stepped(),
+    ) {
+        clock_case(q, start, timeline)?;
+    }
 }
 
 /// A small fixed case of each, read by a person: the numbers the properties hold.
 #[test]
 fn examples() {
-    // Token bucket 10/s, burst 10, max_debt 10: a charge of 25 more on a full bucket
-    // stops 10 below empty; the next request waits for 11 tokens: 1.1 s.
-    let q = quota(Algorithm::TokenBucket, (10, 1), 10, 1, 10);
+    // Token bucket 10/s, burst 10: a charge of 25 more on a full bucket takes it 15 below
+    // empty; the next request waits for 16 tokens: 1.6 s; full again in 2.5 s.
+    let q = quota(Algorithm::TokenBucket, (10, 1), 10, 1, 0);
     let s = apply(None, settle(&q, None, 0, by(25)));
     let d: Decision = decide(&q, s.as_ref(), 0).uncharged;
     assert_eq!(
         (d.allowed, d.remaining, d.retry_after_us),
-        (false, 0, 1_100_000)
+        (false, 0, 1_600_000)
     );
-    assert_eq!(d.reset_us, 2_000_000);
-    // Fixed window 5/10s: a refund 3 s into the window gives its unit back; 10 s after
-    // the charge the window has closed and the refund is not made.
-    let q = quota(Algorithm::FixedWindow, (5, 10), 0, 1, 5);
+    assert_eq!(d.reset_us, 2_500_000);
+    // With max_debt = 5 the request borrows ahead: it passes once 11 tokens are back.
+    let q5 = q.with_max_debt(5).expect("fits");
+    let d = decide(&q5, s.as_ref(), 0).uncharged;
+    assert_eq!((d.allowed, d.retry_after_us), (false, 1_100_000));
+    assert!(decide(&q5, s.as_ref(), 1_100_000).allowed);
+    // Fixed window 5/10s: a refund into the charge's window gives its unit back; once a
+    // new window has opened, it changes nothing there.
+    let q = quota(Algorithm::FixedWindow, (5, 10), 0, 1, 0);
     let o = decide(&q, None, 0);
-    let r = reserved(&q, o.charged.reset_us);
-    let adj = adjust(&r, 0, 3_000_000).expect("open");
+    let r = reserved(&q, o.charged.window);
+    let adj = adjust(&r, 0).expect("a refund");
     assert_eq!(settle(&q, Some(&o.next), 3_000_000, adj), Settled::Clear);
-    assert_eq!(adjust(&r, 0, 10_000_000), None);
+    let next = decide(&q, Some(&o.next), 10_000_000);
+    assert_eq!(settle(&q, Some(&next.next), 10_000_001, adj), Settled::Keep);
+    // A charge of 12 more on a 5/10s window: 13 counted; the next window starts at 8,
+    // the one after at 3, and a request passes once 3 + 1 fits: in the third window.
+    let s = apply(Some(o.next), settle(&q, Some(&o.next), 1, by(12)));
+    let d = decide(&q, s.as_ref(), 1).uncharged;
+    assert!(!d.allowed);
+    assert_eq!(d.retry_after_us, 10_000_000 - 1 + 10_000_000);
 }

@@ -17,8 +17,8 @@
 //! one request's cost) pass, and never more than `2N` in any period: there is no burst
 //! of 2N at a boundary, unlike a fixed window, where 2N can pass within a microsecond.
 
-use super::settle::{charged, same_window, Adjust, Settled};
-use super::{Decision, Outcome, Quota};
+use super::settle::{carried, Adjust, Settled};
+use super::{Decision, Outcome, Quota, MAX_LEVEL};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct State {
@@ -28,9 +28,45 @@ pub struct State {
     pub prev: u64,
 }
 
+/// The counts of window `w` as `state` leaves them: `(prev, cur)`. A window's count past
+/// N (a debt: costs reported above their reservations, or what `max_debt` let a request
+/// borrow) is carried into the windows after it, N paid by each: the next window sees N
+/// as its previous one's count and the rest as its own, and so on. A debt is never
+/// dropped.
+fn counts(q: &Quota, state: Option<&State>, w: u64) -> (u64, u64) {
+    let n = q.rate.count;
+    match state {
+        Some(s) if s.window == w => (s.prev.min(n), s.cur),
+        Some(s) if s.window < w => {
+            let k = w - s.window;
+            (carried(s.cur, n, k - 1).min(n), carried(s.cur, n, k))
+        }
+        _ => (0, 0),
+    }
+}
+
+/// µs from `now_us` to the start of window `w` (at most [`MAX_LEVEL`]).
+fn until(w: u64, p: u64, now_us: u64) -> u64 {
+    w.saturating_mul(p).saturating_sub(now_us).min(MAX_LEVEL)
+}
+
+/// The window in which a state of `cur` in window `w` (and `prev` before it) no longer
+/// weighs anything: its debt paid and its last N slid out.
+fn clear_after(w: u64, n: u64, cur: u64, prev: u64) -> Option<u64> {
+    if cur > 0 {
+        Some(w.saturating_add(cur.div_ceil(n)).saturating_add(1))
+    } else if prev > 0 {
+        Some(w + 1)
+    } else {
+        None
+    }
+}
+
 pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
     let p = q.period_us();
     let n = q.rate.count;
+    // What may be counted at once: N, and what `max_debt` lets a request borrow.
+    let most = n + q.max_debt;
     let cost = q.cost;
     // The windows never move backwards: a request timed before the state's window (the
     // clock stepped back across a window start — a Redis failover, an NTP step) is decided
@@ -39,39 +75,36 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
     let at = state.map_or(now_us, |s| now_us.max(s.window.saturating_mul(p)));
     let skew = at - now_us;
     let (w, e) = (at / p, at % p);
-    let (prev, cur) = match state {
-        Some(s) if s.window == w => (s.prev, s.cur),
-        Some(s) if s.window + 1 == w => (s.cur, 0),
-        _ => (0, 0),
-    };
-    let (prev, cur) = (prev.min(n), cur.min(n));
+    let (prev, cur) = counts(q, state, w);
     let budget = n * p;
     let weighted_prev = prev * (p - e);
-    let used = |cur: u64| weighted_prev + cur * p;
-    let allowed = used(cur) + cost * p <= budget;
-    // Whole requests of cost 1 that would still pass now.
+    // Past `most` a count denies whatever its size: clamped, the products stay exact.
+    let used = |cur: u64| weighted_prev + cur.min(most) * p;
+    let allowed = used(cur) + cost * p <= most * p;
+    // Whole requests of cost 1 that would still pass now, within N.
     let remaining = |cur: u64| budget.saturating_sub(used(cur)) / p;
-    // Until the estimate is back to zero: `cur` must age through the next window too.
-    let reset = |cur: u64| {
-        if cur > 0 {
-            2 * p - e + skew
-        } else if prev > 0 {
-            p - e + skew
-        } else {
-            0
-        }
-    };
+    // Until the estimate is back to zero: `cur` must age through the windows after it.
+    let reset = |cur: u64| clear_after(w, n, cur, prev).map_or(0, |c| until(c, p, now_us));
     let retry = if allowed {
         0
-    } else if cur + cost <= n {
+    } else if cur + cost <= most {
         // Within this window, once enough of `prev` has slid out: the first e' with
-        // prev * (P - e') <= (N - cur - cost) * P.
-        let e_pass = p - ((n - cur - cost) * p) / prev;
+        // prev * (P - e') <= (most - cur - cost) * P.
+        let e_pass = p - ((most - cur - cost) * p) / prev;
         e_pass - e + skew
     } else {
-        // In the next window, where `cur` becomes the weighted previous count.
-        let e_pass = p - ((n - cost) * p) / cur;
-        (p - e) + e_pass + skew
+        // In the first window on whose carried count the request fits, once enough of
+        // that window's previous count has slid out.
+        let k = (cur + cost - most).div_ceil(n).max(1);
+        let (prev_k, cur_k) = (carried(cur, n, k - 1).min(n), carried(cur, n, k));
+        let e_pass = match prev_k {
+            0 => 0,
+            // Positive: the window before k did not fit the request, so prev_k does not.
+            _ => p.saturating_sub(((most - cur_k - cost) * p) / prev_k),
+        };
+        until(w.saturating_add(k), p, now_us)
+            .saturating_add(e_pass)
+            .min(MAX_LEVEL)
     };
     let next = State {
         window: w,
@@ -85,64 +118,68 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
             remaining: remaining(next.cur),
             retry_after_us: 0,
             reset_us: reset(next.cur),
+            window: w,
         },
         uncharged: Decision {
             allowed,
             remaining: remaining(cur),
             retry_after_us: retry,
             reset_us: reset(cur),
+            window: w,
         },
         next,
-        ttl_us: 2 * p - e + skew,
+        ttl_us: ttl(w, p, n, next.cur, now_us),
     }
 }
 
+/// How long a state of `cur` in window `w` matters: through the next window at least,
+/// and through every window its debt is carried into.
+fn ttl(w: u64, p: u64, n: u64, cur: u64, now_us: u64) -> u64 {
+    let clear = clear_after(w, n, cur, 0).unwrap_or(w).max(w + 2);
+    until(clear, p, now_us)
+}
+
 /// Settle a charge made earlier (`lua/sliding_window.lua`'s `SETTLE`). A refund goes back
-/// into the window the charge fell in while it is the current one (else the charge
-/// stands: it only weighs as the previous window's count now); a charge counts in the
-/// current window, up to `max_debt` past N.
-pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, adj: Adjust) -> Settled<State> {
+/// into the window the charge fell in — the one the store said when it charged,
+/// `adj.window` — while it is the current one, else the charge stands (it only weighs as
+/// the previous window's count now). A charge counts, in full, in the current window; its
+/// excess over N is carried into the windows after. The second value: cost units
+/// forgiven (only past [`MAX_LEVEL`]).
+pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, adj: Adjust) -> (Settled<State>, u64) {
     let p = q.period_us();
     let n = q.rate.count;
     let at = state.map_or(now_us, |s| now_us.max(s.window.saturating_mul(p)));
     let w = at / p;
     if adj.delta < 0 {
-        let Some(s) = state else {
-            return Settled::Keep;
+        let Some(s) = state.filter(|s| s.window == w && w == adj.window) else {
+            return (Settled::Keep, 0);
         };
-        let open = match adj.left_us {
-            // A refund made at once (a cluster's denial): the state's window, as long as
-            // it still weighs.
-            None => s.window + 1 >= w,
-            // The charged decision's reset is the end of the window after the charge's.
-            Some(left) => s.window == w && same_window((s.window + 2) * p, now_us, left, p),
-        };
-        if !open || s.cur == 0 {
-            return Settled::Keep;
+        if s.cur == 0 {
+            return (Settled::Keep, 0);
         }
         let cur = s.cur.saturating_sub(adj.delta.unsigned_abs());
         if cur == 0 && s.prev == 0 {
-            return Settled::Clear;
+            return (Settled::Clear, 0);
         }
-        return Settled::Write {
+        let settled = Settled::Write {
             next: State { cur, ..*s },
-            ttl_us: (s.window + 2) * p - now_us,
+            ttl_us: ttl(w, p, n, cur, now_us),
         };
+        return (settled, 0);
     }
-    let (prev, cur) = match state {
-        Some(s) if s.window == w => (s.prev, s.cur),
-        Some(s) if s.window + 1 == w => (s.cur, 0),
-        _ => (0, 0),
-    };
-    let cur = charged(cur, adj.delta.unsigned_abs(), n + q.max_debt);
-    Settled::Write {
+    let (prev, cur) = counts(q, state, w);
+    let wanted = cur.saturating_add(adj.delta.unsigned_abs());
+    let forgiven = wanted.saturating_sub(MAX_LEVEL);
+    let cur = wanted.min(MAX_LEVEL);
+    let settled = Settled::Write {
         next: State {
             window: w,
             cur,
             prev,
         },
-        ttl_us: (w + 2) * p - now_us,
-    }
+        ttl_us: ttl(w, p, n, cur, now_us),
+    };
+    (settled, forgiven)
 }
 
 #[cfg(test)]

@@ -159,6 +159,26 @@ pub struct Settlement<'a> {
     pub adjust: Adjust,
 }
 
+/// What one settlement left: what its rule would tell the identity's next request now
+/// (its window not named: 0, as the script's settle mode answers the cost forgiven in
+/// that place), and the cost units the store could not charge (forgiven: see
+/// [`super::settle`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Receipt {
+    pub now: Decision,
+    pub forgiven: u64,
+}
+
+impl Receipt {
+    /// The receipt of a settlement that leaves `now` to tell, having forgiven `forgiven`.
+    pub fn new(now: Decision, forgiven: u64) -> Receipt {
+        Receipt {
+            now: Decision { window: 0, ..now },
+            forgiven,
+        }
+    }
+}
+
 /// Where limit state is kept.
 pub trait Store: Send + Sync {
     fn kind(&self) -> Kind;
@@ -173,14 +193,8 @@ pub trait Store: Send + Sync {
 
     /// Settle charges decided earlier ([`super::settle`]): each stands on its own (a
     /// request's rules on one Redis, or on one identity in a cluster, in one atomic call).
-    /// The answers are what each rule would tell that identity's next request now.
-    fn settle<'a>(&'a self, items: &'a [Settlement<'a>]) -> Call<'a, Vec<Decision>>;
-
-    /// The store's own clock, where it is in process: a reservation's age is timed on the
-    /// clock its windows run on. `None` for a shared store (Redis keeps the time).
-    fn clock_us(&self) -> Option<u64> {
-        None
-    }
+    /// One [`Receipt`] per item, in order.
+    fn settle<'a>(&'a self, items: &'a [Settlement<'a>]) -> Call<'a, Vec<Receipt>>;
 
     /// Forget one identity's state under one rule (the admin API's reset).
     fn reset<'a>(&'a self, check: &'a Check<'a>) -> Call<'a, ()>;

@@ -7,7 +7,7 @@
 //! refills completely: the time to full refill is exactly how long its state matters.
 
 use super::settle::Settled;
-use super::{Decision, Outcome, Quota};
+use super::{Decision, Outcome, Quota, MAX_LEVEL};
 
 /// A bucket's state after its last charge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,7 +36,9 @@ pub fn level_at(q: &Quota, state: Option<&State>, now_us: u64) -> i64 {
             .div_euclid(s.unit.max(1) as i64)
             .saturating_mul(q.unit as i64)
     }
-    .min(cap);
+    // A debt deeper than Lua's numbers hold exactly was never written: clamped as
+    // settling clamps it.
+    .clamp(cap - MAX_LEVEL as i64, cap);
     let elapsed = now_us.saturating_sub(s.last_us);
     let dripped = i128::from(elapsed) * i128::from(q.per_us);
     (i128::from(level) + dripped).min(i128::from(cap)) as i64
@@ -45,15 +47,25 @@ pub fn level_at(q: &Quota, state: Option<&State>, now_us: u64) -> i64 {
 /// Judge one request of `q.cost` against the bucket at `now_us`. With `max_delay`, a
 /// request whose tokens drip in within it is allowed and told to wait that long; its
 /// tokens are taken now, so requests waiting behind it wait longer: they pass in order.
+/// With `max_debt` (a rule that settles by a reported cost), a request passes while it
+/// leaves the bucket at most that far below empty: it borrows ahead, and waits only
+/// beyond that.
+///
+/// A clock stepped back (a Redis failover, an NTP step) never moves the state's time
+/// back: the bucket is judged as it stood at its last charge, and every wait is counted
+/// from `now_us`, so the stretch stepped over is never refilled twice.
 pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
     let cap = q.capacity() as i64;
     let need = q.need() as i64;
     let slack = q.slack() as i64;
-    let level = level_at(q, state, now_us);
+    let borrow = q.borrow() as i64;
+    let at = at(state, now_us);
+    let skew = at - now_us;
+    let level = level_at(q, state, at);
     let after = level - need;
-    let allowed = after >= -slack;
-    // Time for `units` more to drip in.
-    let drip = |units: i64| (units.max(0) as u64).div_ceil(q.per_us);
+    let allowed = after >= -slack - borrow;
+    // Time for `units` more to drip in, counted from now.
+    let drip = |units: i64| skew + (units.max(0) as u64).div_ceil(q.per_us);
     let until_full = |level: i64| drip(cap - level);
     let whole = |level: i64| level.max(0) as u64 / q.unit;
     Outcome {
@@ -61,19 +73,30 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
         charged: Decision {
             allowed,
             remaining: whole(after),
-            // Waiting until the bucket is back at zero: the tokens are then there.
-            retry_after_us: drip(-after),
+            // Waiting until the bucket is back at what may be borrowed: the tokens are
+            // then there.
+            retry_after_us: if after >= -borrow {
+                0
+            } else {
+                drip(-borrow - after)
+            },
             reset_us: until_full(after),
+            window: 0,
         },
         uncharged: Decision {
             allowed,
             remaining: whole(level),
-            retry_after_us: if allowed { 0 } else { drip(-slack - after) },
+            retry_after_us: if allowed {
+                0
+            } else {
+                drip(-slack - borrow - after)
+            },
             reset_us: until_full(level),
+            window: 0,
         },
         next: State {
             level: after,
-            last_us: now_us,
+            last_us: at,
             unit: q.unit,
         },
         // A missing bucket is full: the state matters until the bucket refills.
@@ -81,32 +104,44 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
     }
 }
 
+/// The time a bucket is judged at: `now_us`, or its last charge's if the clock stepped
+/// back before it.
+fn at(state: Option<&State>, now_us: u64) -> u64 {
+    state.map_or(now_us, |s| now_us.max(s.last_us))
+}
+
 /// Settle a charge made earlier (`lua/token_bucket.lua`'s `SETTLE`): `delta` more cost
-/// units taken, down to `max_debt` below empty (never raising the level), or given back,
-/// exactly, up to full (a full bucket is no state).
-pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, delta: i64) -> Settled<State> {
+/// units taken, in full, however far below empty that takes the bucket (the identity's
+/// next request waits until it has dripped back), or given back, exactly, up to full (a
+/// full bucket is no state). Only past [`super::MAX_LEVEL`] units below a full bucket,
+/// where Lua's numbers stop being exact, is the rest forgiven: the second value, in cost
+/// units (rounded up). Never moves the state's time back.
+pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, delta: i64) -> (Settled<State>, u64) {
     let cap = q.capacity() as i64;
-    let level = level_at(q, state, now_us);
-    // Validated at load: (burst + max_debt) · unit fits 2^52; the gateway keeps a delta
-    // within it, and this clamp (Lua's too) within any level a bucket can hold.
-    let most = (q.capacity() + q.max_debt * q.unit) as i64;
-    let units = delta.saturating_mul(q.unit as i64).clamp(-most, most);
-    let level = if units < 0 {
-        level - units
+    let at = at(state, now_us);
+    let skew = at - now_us;
+    let level = level_at(q, state, at);
+    let floor = cap - MAX_LEVEL as i64;
+    let units = i128::from(delta) * i128::from(q.unit);
+    let wanted = i128::from(level) - units;
+    let level = wanted.clamp(i128::from(floor), i128::from(cap)) as i64;
+    let forgiven = if wanted < i128::from(floor) {
+        ((i128::from(floor) - wanted) as u128).div_ceil(u128::from(q.unit)) as u64
     } else {
-        (level - units).max(level.min(-((q.max_debt * q.unit) as i64)))
+        0
     };
     if level >= cap {
-        return Settled::Clear;
+        return (Settled::Clear, forgiven);
     }
-    Settled::Write {
+    let settled = Settled::Write {
         next: State {
             level,
-            last_us: now_us,
+            last_us: at,
             unit: q.unit,
         },
-        ttl_us: ((cap - level) as u64).div_ceil(q.per_us),
-    }
+        ttl_us: skew + ((cap - level) as u64).div_ceil(q.per_us),
+    };
+    (settled, forgiven)
 }
 
 #[cfg(test)]

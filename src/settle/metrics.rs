@@ -44,10 +44,18 @@ pub struct CostLabels {
     pub direction: SettleDirection,
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct ForgivenLabels {
+    pub rule: String,
+}
+
 #[derive(Clone, Default)]
 pub struct SettleMetrics {
     pub settlements: Family<SettleLabels, Counter>,
     pub cost: Family<CostLabels, Counter>,
+    /// Cost units a store could not charge (docs/algorithms.md, "Reservations and
+    /// settlement": past the exact numbers' bound, or a calendar period's worth of debt).
+    pub forgiven: Family<ForgivenLabels, Counter>,
 }
 
 impl SettleMetrics {
@@ -64,7 +72,17 @@ impl SettleMetrics {
             "Cost units settlements gave back (refunded) or took beyond the reservation (charged), per rule",
             cost.clone(),
         );
-        SettleMetrics { settlements, cost }
+        let forgiven = Family::<ForgivenLabels, Counter>::default();
+        registry.register(
+            "settle_forgiven",
+            "Cost units a settlement could not charge, per rule: past the most a store's state holds exactly (2^52 units), or past one whole period of debt on a calendar quota; zero in any ordinary run",
+            forgiven.clone(),
+        );
+        SettleMetrics {
+            settlements,
+            cost,
+            forgiven,
+        }
     }
 
     /// Every series of a rule that settles, at zero (from its load on).
@@ -80,6 +98,20 @@ impl SettleMetrics {
                 rule: rule.to_string(),
                 direction,
             });
+        }
+        let _ = self.forgiven.get_or_create(&ForgivenLabels {
+            rule: rule.to_string(),
+        });
+    }
+
+    /// `units` of a reported cost the store could not charge.
+    pub fn forgave(&self, rule: &str, units: u64) {
+        if units > 0 {
+            self.forgiven
+                .get_or_create(&ForgivenLabels {
+                    rule: rule.to_string(),
+                })
+                .inc_by(units);
         }
     }
 

@@ -148,10 +148,11 @@ impl Settling {
             match &result {
                 Err(_) => self.metrics.count(rule, Outcome::Failed),
                 Ok(done) => {
-                    let Some(d) = done.get(k).copied().flatten() else {
+                    let Some(receipt) = done.get(k).copied().flatten() else {
                         continue;
                     };
-                    updates.push((held.shown, d));
+                    updates.push((held.shown, receipt.now));
+                    self.metrics.forgave(rule, receipt.forgiven);
                     if *cost < reserved {
                         let outcome = if refunds && *cost == 0 {
                             Outcome::Refunded
@@ -163,9 +164,11 @@ impl Settling {
                             .moved(rule, Direction::Refunded, reserved - cost);
                     } else {
                         self.metrics.count(rule, Outcome::ChargedMore);
-                        let most = item.quota.burst + item.quota.max_debt;
-                        self.metrics
-                            .moved(rule, Direction::Charged, (cost - reserved).min(most));
+                        self.metrics.moved(
+                            rule,
+                            Direction::Charged,
+                            (cost - reserved).saturating_sub(receipt.forgiven),
+                        );
                     }
                 }
             }

@@ -333,6 +333,7 @@ mod tests {
             remaining: 0,
             retry_after_us: 250_000,
             reset_us: 1_000_000,
+            window: 0,
         })]);
         let mut m = Meter::new(
             limiter_on(Box::new(store)),
@@ -417,10 +418,13 @@ mod tests {
         fn peek<'a>(&'a self, checks: &'a [Check<'a>]) -> Call<'a, Vec<Decision>> {
             self.decide(checks)
         }
-        fn settle<'a>(&'a self, items: &'a [store::Settlement<'a>]) -> Call<'a, Vec<Decision>> {
+        fn settle<'a>(
+            &'a self,
+            items: &'a [store::Settlement<'a>],
+        ) -> Call<'a, Vec<store::Receipt>> {
             // The meter never settles: its charges are frames already sent.
             let answer = self.answers.lock().unwrap()[0].clone();
-            Call::Ready(answer.map(|d| vec![d; items.len()]))
+            Call::Ready(answer.map(|now| vec![store::Receipt::new(now, 0); items.len()]))
         }
         fn reset<'a>(&'a self, _: &'a Check<'a>) -> Call<'a, ()> {
             Call::Ready(Ok(()))

@@ -1160,6 +1160,7 @@ fn wrong_algorithm_state_counts_as_none() {
                     remaining: 3,
                     retry_after_us: 0,
                     reset_us: limiter::decide(&q_new, None, t1).charged.reset_us,
+                    window: limiter::decide(&q_new, None, t1).charged.window,
                 },
                 "{what}"
             );

@@ -230,16 +230,14 @@ async fn agree_from(
                 50..=97 => rng.range(1_000_000, 10 * MINUTE),
                 _ => rng.range(HOUR, 6 * HOUR),
             };
+            // Into the period the charge fell in, as the store named it.
             let adjust = if rng.below(3) == 0 {
                 Adjust {
                     delta: rng.range(1, 4) as i64,
-                    left_us: None,
+                    window: from_memory[k].window,
                 }
             } else {
-                Adjust {
-                    delta: -cost,
-                    left_us: Some(from_memory[k].reset_us.saturating_sub(age)),
-                }
+                Adjust::refund(cost as u64, &from_memory[k])
             };
             now += age;
             clock.set(now);
@@ -398,19 +396,20 @@ fn the_script_counts_in_the_period_of_redis_clock_as_documented() {
         berlin(2026, 4, 1, 0, 0),
         berlin(2026, 5, 1, 0, 0),
     );
-    let quota = format!("6:10:1:{e0}:{e1}:{e2}");
+    // Limit 10, cost 1, no borrowing (max_debt 0), then the edges.
+    let quota = format!("6:10:1:0:{e0}:{e1}:{e2}");
     let state = |conn: &mut redis::Connection, key: &str| get(conn, key).expect("written");
 
     // Redis' clock in the gateway's period: counted there, to its end.
     let now = e1 - HOUR;
     let d = script(&mut conn, "cal:a", now, &quota).unwrap();
-    assert_eq!(d, vec![1, 9, 0, HOUR as i64]);
+    assert_eq!(d, vec![1, 9, 0, HOUR as i64, e0 as i64]);
     assert_eq!(state(&mut conn, "cal:a"), format!("f:{e0}:1"));
 
     // Redis ahead of the gateway, past e1: Redis' period, April.
     let now = e1 + 5_000_000;
     let d = script(&mut conn, "cal:b", now, &quota).unwrap();
-    assert_eq!(d, vec![1, 9, 0, (e2 - now) as i64]);
+    assert_eq!(d, vec![1, 9, 0, (e2 - now) as i64, e1 as i64]);
     assert_eq!(state(&mut conn, "cal:b"), format!("f:{e1}:1"));
     // The key charged in March is in April now: a fresh count.
     let d = script(&mut conn, "cal:a", now, &quota).unwrap();
@@ -420,18 +419,21 @@ fn the_script_counts_in_the_period_of_redis_clock_as_documented() {
     // Redis behind the gateway, before e0: counted in the gateway's period, to its end.
     let now = e0 - 5_000_000;
     let d = script(&mut conn, "cal:c", now, &quota).unwrap();
-    assert_eq!(d, vec![1, 9, 0, (e1 - now) as i64]);
+    assert_eq!(d, vec![1, 9, 0, (e1 - now) as i64, e0 as i64]);
     assert_eq!(state(&mut conn, "cal:c"), format!("f:{e0}:1"));
 
     // Past e2: periods of the next one's length (April's 30 days) on from e2.
     let len = e2 - e1;
     let now = e2 + len + 7;
     let d = script(&mut conn, "cal:d", now, &quota).unwrap();
-    assert_eq!(d, vec![1, 9, 0, (e2 + 2 * len - now) as i64]);
+    assert_eq!(
+        d,
+        vec![1, 9, 0, (e2 + 2 * len - now) as i64, (e2 + len) as i64]
+    );
     assert_eq!(state(&mut conn, "cal:d"), format!("f:{}:1", e2 + len));
 
     // Edges that are not a period: the key's error, nothing written.
-    let bad = format!("6:10:1:{e1}:{e0}:{e2}");
+    let bad = format!("6:10:1:0:{e1}:{e0}:{e2}");
     let e = script(&mut conn, "cal:e", e0, &bad).unwrap_err();
     assert_eq!(e.code(), Some("RATEWALL"), "{e}");
     assert!(e.to_string().contains("bad calendar edges"), "{e}");

@@ -9,8 +9,10 @@
 //! must hold exactly the state the Rust step computed, under the TTL it computed.
 //!
 //! A settlement is made as the gateway makes it: [`adjust`] turns a reservation's real
-//! cost and its age into the delta and, for a window, the µs left until the window the
-//! charge fell in ends (from the charged decision's reset).
+//! cost into the delta and, for a window, names the window the charge fell in as the
+//! store named it when it charged. The timelines' clock steps back (up to minutes) and
+//! forward again between charges and settlements, as a store failing over to a host whose
+//! clock is behind would: the twins must still agree, and no state's time moves back.
 //!
 //! The same timelines then run against a 3-master Redis Cluster, where a request's rules
 //! on two identities are two script calls (a denial by the second refunds the first), and
@@ -35,7 +37,7 @@ use proptest::test_runner::TestCaseError;
 use ratewall::identity::{digest_api_key, IdentityDigest};
 use ratewall::limiter::reservation::{adjust, Reserved};
 use ratewall::limiter::store::Settlement;
-use ratewall::limiter::{Adjust, Algorithm, Check, Decision, Quota, Rate, Settled};
+use ratewall::limiter::{Algorithm, Check, Decision, Quota, Rate, Settled};
 
 mod replay;
 
@@ -72,7 +74,8 @@ struct RuleSpec {
     burst: Option<u64>,
     cost: u64,
     max_delay_ms: Option<u64>,
-    /// Which `max_debt`: none, one, a burst's worth (the default), three bursts.
+    /// Which `max_debt` (what a request may borrow ahead): none (the default), one, a
+    /// burst's worth, three bursts.
     debt: usize,
 }
 
@@ -145,6 +148,9 @@ enum Gap {
     },
     /// Longer than any rule's state matters.
     Beyond(u64),
+    /// The clock stepped back this far (never before the timeline's start): a store that
+    /// failed over to a host whose clock is behind. Later gaps move it on from there.
+    Back(u64),
 }
 
 fn gap(rules: usize) -> impl Strategy<Value = Gap> {
@@ -155,6 +161,8 @@ fn gap(rules: usize) -> impl Strategy<Value = Gap> {
         1 => (0..rules, 0..=1u64).prop_map(|(rule, early)| Gap::Boundary { rule, early }),
         3 => (0..=1u64).prop_map(|early| Gap::Retry { early }),
         1 => (0..=5_000_000u64).prop_map(Gap::Beyond),
+        2 => prop_oneof![1..=5_000u64, 5_000..=3_000_000u64, 3_000_000..=120_000_000u64]
+            .prop_map(Gap::Back),
     ]
 }
 
@@ -167,7 +175,7 @@ enum Real {
     Nothing,
     /// ‰ of the reserved cost, rounded down: a partial refund.
     Part(u64),
-    /// This much more: a charge beyond the reservation (debt, up to max_debt).
+    /// This much more: a charge beyond the reservation (into debt, however far).
     More(u64),
 }
 
@@ -204,15 +212,11 @@ enum Step {
     /// A request checking these rules (distinct); its charges are held as a reservation.
     Decide { gap: Gap, on: Vec<On> },
     /// One held reservation (`pick`, modulo how many are held) settled, each of its
-    /// charges at its real cost (`reals`, cycled). With a `skew` (‰ of the period, below
-    /// half; late or early), a window's refund is told a `left` that far off, as from a
-    /// gateway clock that is not the store's: it must still find the charge's window while
-    /// that is open, and no other.
+    /// charges at its real cost (`reals`, cycled).
     Settle {
         gap: Gap,
         pick: usize,
         reals: Vec<Real>,
-        skew: Option<(u64, bool)>,
     },
     /// What these checks would be told, charging nothing.
     Peek { gap: Gap, on: Vec<On> },
@@ -268,9 +272,8 @@ fn step(rules: usize, other_in: u32) -> impl Strategy<Value = Step> {
             gap(rules),
             any::<usize>(),
             prop::collection::vec(real(), 1..4),
-            prop_oneof![2 => Just(None), 1 => (0u64..500, any::<bool>()).prop_map(Some)],
         )
-            .prop_map(|(gap, pick, reals, skew)| Step::Settle { gap, pick, reals, skew }),
+            .prop_map(|(gap, pick, reals)| Step::Settle { gap, pick, reals }),
         1 => (gap(rules), on(rules, other_in)).prop_map(|(gap, on)| Step::Peek { gap, on }),
         1 => (0..=1u64).prop_map(|early| Step::Wait { early }),
     ]
@@ -306,13 +309,15 @@ fn timeline(
         })
 }
 
-/// How long `q`'s state can matter: a full refill from as deep as it can go (max_delay's
-/// reservations and max_debt), or two periods.
+/// How long `q`'s state can matter in a timeline: a full refill from as deep as its
+/// charges take it (at most 300 beyond each reservation, a few dozen steps), or the
+/// windows such a debt is carried into.
 fn longest_state_us(q: &Quota) -> u64 {
+    let debt = 300 * 40 + q.max_debt;
     if q.algorithm.has_burst() {
-        (q.capacity() + q.slack() + q.max_debt * q.unit).div_ceil(q.per_us)
+        (q.capacity() + q.slack() + debt * q.unit).div_ceil(q.per_us)
     } else {
-        2 * q.period_us()
+        (2 + debt.div_ceil(q.rate.count)) * q.period_us()
     }
 }
 
@@ -356,12 +361,18 @@ struct Tally {
     at_retry: AtomicUsize,
     before_retry: AtomicUsize,
     denied_multi_identity: AtomicUsize,
-    /// Window refunds told a `left` off by a skew.
-    skewed: AtomicUsize,
+    /// Steps made on a clock stepped back from the furthest it had read, and of them
+    /// settlements.
+    stepped_back: AtomicUsize,
+    settled_back: AtomicUsize,
     restored: AtomicUsize,
 }
 
-fn case(h: &Harness, tl: &Timeline, tally: &Tally) -> Result<(), TestCaseError> {
+/// One timeline. `steps_back`: whether its clock may step back; not on a cluster, where a
+/// request denied by its second identity is charged then refunded on the first, leaving
+/// that key rewritten in the window it was decided in where the memory store, deciding
+/// all at once, wrote nothing: the two mean the same from that time on, not before it.
+fn case(h: &Harness, tl: &Timeline, tally: &Tally, steps_back: bool) -> Result<(), TestCaseError> {
     let quotas: Vec<Quota> = tl.rules.iter().map(RuleSpec::quota).collect();
     let names = rule_names(quotas.len());
     let ids = identities();
@@ -378,6 +389,7 @@ fn case(h: &Harness, tl: &Timeline, tally: &Tally) -> Result<(), TestCaseError> 
             .is_some_and(|(_, _, r)| r.identity == *c.identity && *r.rule == *c.rule)
     };
     let mut now = tl.start_us;
+    let mut furthest = now;
     for (i, st) in tl.steps.iter().enumerate() {
         if let Step::Wait { early } = *st {
             let Some((t, d, r)) = debt.take() else {
@@ -411,7 +423,7 @@ fn case(h: &Harness, tl: &Timeline, tally: &Tally) -> Result<(), TestCaseError> 
                 held.push((
                     now,
                     vec![Reserved {
-                        reset_us: d.reset_us,
+                        window: d.window,
                         ..r
                     }],
                 ));
@@ -447,7 +459,16 @@ fn case(h: &Harness, tl: &Timeline, tally: &Tally) -> Result<(), TestCaseError> 
             Gap::Beyond(extra) => {
                 now + quotas.iter().map(longest_state_us).max().unwrap_or(0) + extra
             }
+            Gap::Back(us) if steps_back => now.saturating_sub(us).max(tl.start_us),
+            Gap::Back(_) => now,
         };
+        furthest = furthest.max(now);
+        if now < furthest {
+            tally.stepped_back.fetch_add(1, Relaxed);
+            if matches!(st, Step::Settle { .. }) {
+                tally.settled_back.fetch_add(1, Relaxed);
+            }
+        }
         let at = |e: String| {
             TestCaseError::fail(format!(
                 "step {i} ({st:?}) at +{} µs: {e}",
@@ -482,7 +503,7 @@ fn case(h: &Harness, tl: &Timeline, tally: &Tally) -> Result<(), TestCaseError> 
                             rule: Arc::from(c.rule),
                             quota: *c.quota,
                             shadow: c.shadow,
-                            reset_us: d.reset_us,
+                            window: d.window,
                         });
                     }
                 }
@@ -490,14 +511,11 @@ fn case(h: &Harness, tl: &Timeline, tally: &Tally) -> Result<(), TestCaseError> 
                     held.push((now, reservation));
                 }
             }
-            Step::Settle {
-                pick, reals, skew, ..
-            } => {
+            Step::Settle { pick, reals, .. } => {
                 if held.is_empty() {
                     continue;
                 }
-                let (charged_at, reservation) = held.remove(pick % held.len());
-                let age = now - charged_at;
+                let (_, reservation) = held.remove(pick % held.len());
                 // As `Reservation::settle`: only the charges that change are sent.
                 let mut items = Vec::new();
                 for (k, r) in reservation.iter().enumerate() {
@@ -506,39 +524,14 @@ fn case(h: &Harness, tl: &Timeline, tally: &Tally) -> Result<(), TestCaseError> 
                         continue;
                     };
                     let a = index_of(r.quota.algorithm);
-                    let q = &r.quota;
-                    let window = !q.algorithm.has_burst();
-                    let off =
-                        skew.filter(|_| window && cost < q.cost)
-                            .and_then(|(permille, late)| {
-                                let skew = i128::from(q.period_us() * permille / 1000);
-                                let left = i128::from(r.reset_us) - i128::from(age);
-                                let left = if late { left + skew } else { left - skew };
-                                u64::try_from(left).ok().filter(|&l| l > 0)
-                            });
-                    if off.is_some() {
-                        tally.skewed.fetch_add(1, Relaxed);
-                    }
-                    let made = match off {
-                        Some(left) => Some(Adjust {
-                            delta: cost as i64 - q.cost as i64,
-                            left_us: Some(left),
-                        }),
-                        None => adjust(r, cost, age),
-                    };
-                    match made {
-                        Some(adj) => items.push((
+                    if let Some(adj) = adjust(r, cost) {
+                        items.push((
                             a,
                             Settlement {
                                 check: check_of(r),
                                 adjust: adj,
                             },
-                        )),
-                        None if cost < r.quota.cost => {
-                            // A window's refund after its window ended: the charge stands.
-                            tally.refunds_closed[a].fetch_add(1, Relaxed);
-                        }
-                        None => {}
+                        ));
                     }
                 }
                 if items.is_empty() {
@@ -550,7 +543,9 @@ fn case(h: &Harness, tl: &Timeline, tally: &Tally) -> Result<(), TestCaseError> 
                     debt = None;
                 }
                 let (got, done) = replay.settle(&settlements, now).map_err(at)?;
-                for ((&(a, ref s), d), did) in items.iter().zip(&got).zip(&done) {
+                for ((&(a, ref s), receipt), did) in items.iter().zip(&got).zip(&done) {
+                    let d = &receipt.now;
+                    prop_assert_eq!(receipt.forgiven, 0, "step {}: forgiven", i);
                     last.insert((*s.check.identity, Arc::from(s.check.rule)), (now, *d));
                     if s.adjust.delta < 0 {
                         let counter = match did {
@@ -610,9 +605,9 @@ fn report(what: &str, tally: &Tally, started: Instant) {
         "{what}: {} cases, {} steps in {:?}; per algorithm (token_bucket, gcra, fixed_window, \
          sliding_window): refunds {:?}, refunds after the window closed {:?}, charges beyond \
          the reservation {:?} (the next request waiting after {:?}); {} cleared; {} \
-         multi-rule settlements ({} on two identities); {} window refunds told a skewed \
-         left; {} denied multi-identity requests; a debt's retry instant {} at / {} 1 µs \
-         before; {} keys put back after a real-time expiry",
+         multi-rule settlements ({} on two identities); {} steps on a clock stepped back \
+         ({} of them settlements); {} denied multi-identity requests; a debt's retry \
+         instant {} at / {} 1 µs before; {} keys put back after a real-time expiry",
         n(&tally.cases),
         n(&tally.steps),
         started.elapsed(),
@@ -623,7 +618,8 @@ fn report(what: &str, tally: &Tally, started: Instant) {
         n(&tally.cleared),
         n(&tally.multi_item),
         n(&tally.two_identities),
-        n(&tally.skewed),
+        n(&tally.stepped_back),
+        n(&tally.settled_back),
         n(&tally.denied_multi_identity),
         n(&tally.at_retry),
         n(&tally.before_retry),
@@ -639,7 +635,7 @@ fn memory_and_redis_agree_on_settlement_timelines() {
     let tally = Tally::default();
     let started = Instant::now();
     proptest!(common::proptest_config("settle_agree::redis", 60), |(tl in timeline(20..=120, 4))| {
-        case(&h, &tl, &tally)?;
+        case(&h, &tl, &tally, true)?;
     });
     report("redis", &tally, started);
     let load = |c: &[AtomicUsize; 4]| c.each_ref().map(|v| v.load(Relaxed));
@@ -664,8 +660,8 @@ fn memory_and_redis_agree_on_settlement_timelines() {
     assert!(n(&tally.multi_item) >= 30 && n(&tally.two_identities) >= 10);
     assert!(n(&tally.cleared) >= 20);
     assert!(
-        n(&tally.skewed) >= 15,
-        "window refunds barely told a skewed left"
+        n(&tally.settled_back) >= 30,
+        "settlements on a stepped-back clock barely tried"
     );
     assert!(
         n(&tally.at_retry) >= 5 && n(&tally.before_retry) >= 5,
@@ -682,7 +678,7 @@ fn memory_and_a_redis_cluster_agree_on_settlement_timelines() {
     let tally = Tally::default();
     let started = Instant::now();
     proptest!(common::proptest_config("settle_agree::cluster", 36), |(tl in timeline(20..=80, 2))| {
-        case(&h, &tl, &tally)?;
+        case(&h, &tl, &tally, false)?;
     });
     report("cluster", &tally, started);
     let n = |c: &AtomicUsize| c.load(Relaxed);
@@ -696,13 +692,13 @@ fn memory_and_a_redis_cluster_agree_on_settlement_timelines() {
     );
 }
 
-/// Each of `held` settled at its real cost (`costs`), `age_us` after it was charged.
-fn settlements<'a>(held: &'a [Reserved], costs: &[u64], age_us: u64) -> Vec<Settlement<'a>> {
+/// Each of `held` settled at its real cost (`costs`).
+fn settlements<'a>(held: &'a [Reserved], costs: &[u64]) -> Vec<Settlement<'a>> {
     held.iter()
         .zip(costs)
         .map(|(r, &cost)| Settlement {
             check: check_of(r),
-            adjust: adjust(r, cost, age_us).expect("a settlement to make"),
+            adjust: adjust(r, cost).expect("a settlement to make"),
         })
         .collect()
 }
@@ -757,7 +753,7 @@ fn a_multi_rule_refund_across_two_identities_stays_exact_on_a_cluster() {
                 rule: Arc::from(c.rule),
                 quota: *c.quota,
                 shadow: false,
-                reset_us: d.reset_us,
+                window: d.window,
             })
             .collect()
     };
@@ -769,7 +765,8 @@ fn a_multi_rule_refund_across_two_identities_stays_exact_on_a_cluster() {
     // A second later the backend's answer is one the rules do not charge for: all three
     // refunded, one call per identity.
     let held = hold(&d);
-    let (d, done) = ok(replay.settle(&settlements(&held, &[0, 0, 0], 1_000_000), t0 + 1_000_000));
+    let (d, done) = ok(replay.settle(&settlements(&held, &[0, 0, 0]), t0 + 1_000_000));
+    let d: Vec<Decision> = d.iter().map(|r| r.now).collect();
     assert_eq!(done, vec![Settled::Clear; 3], "every key whole again");
     assert_eq!(remaining(&d), vec![10, 6, 3]);
     assert!(d.iter().all(|d| d.allowed && d.reset_us == 0), "{d:?}");
@@ -807,7 +804,8 @@ fn a_multi_rule_refund_across_two_identities_stays_exact_on_a_cluster() {
     let (d, charged) = ok(replay.decide(&all, t2));
     assert_eq!((remaining(&d), charged), (vec![8, 5, 2], vec![true; 3]));
     let held = hold(&d);
-    let (d, done) = ok(replay.settle(&settlements(&held, &[5, 0, 2], 500_000), t2 + 500_000));
+    let (d, done) = ok(replay.settle(&settlements(&held, &[5, 0, 2]), t2 + 500_000));
+    let d: Vec<Decision> = d.iter().map(|r| r.now).collect();
     assert_eq!(remaining(&d), vec![5, 6, 1]);
     assert!(
         matches!(
@@ -816,4 +814,52 @@ fn a_multi_rule_refund_across_two_identities_stays_exact_on_a_cluster() {
         ),
         "{done:?}"
     );
+}
+
+/// The refund issue 41 found, on both twins: a window of 10 per second, charges at 0,
+/// 999,999 µs and 1,000,000 µs; the second refunded at 1,000,800 µs is its own window's,
+/// closed by then: it must not touch the third charge's window. The same on a clock
+/// stepped back half a period between the charge and the refund. Before, the refund was
+/// timed by the gateway's elapsed time against the store's clock and cleared the third.
+#[test]
+fn a_refund_just_after_its_window_ended_never_reaches_the_next_one() {
+    let h = Harness::start(Servers::One(RedisServer::start()));
+    for algorithm in [Algorithm::FixedWindow, Algorithm::SlidingWindow] {
+        for back in [0, 500_000] {
+            let mut replay = Replay::new(&h);
+            let q = Quota::new(
+                algorithm,
+                Rate::every(10, Duration::from_secs(1)),
+                None,
+                NonZeroU64::MIN,
+            )
+            .expect("quota");
+            let id = digest_api_key(b"refund-next-window");
+            let check = Check::new(&id, "w", &q);
+            // Aligned to a second, so the sliding window turns at +1 s too.
+            let t0 = (EPOCH_US / 1_000_000 + 1) * 1_000_000;
+            let mut charged = Vec::new();
+            for t in [t0, t0 + 999_999, t0 + 1_000_000] {
+                let (d, ch) = ok(replay.decide(std::slice::from_ref(&check), t));
+                assert_eq!(ch, vec![true], "{algorithm:?} at +{}", t - t0);
+                charged.push(d[0]);
+            }
+            let third = charged[2].remaining;
+            let held = Reserved {
+                identity: id,
+                rule: Arc::from("w"),
+                quota: q,
+                shadow: false,
+                window: charged[1].window,
+            };
+            let at = t0 + 1_000_800 - back;
+            let (d, done) = ok(replay.settle(&settlements(&[held], &[0]), at));
+            assert_eq!(done, vec![Settled::Keep], "{algorithm:?}, {back} µs back");
+            let peek = ok(replay.peek(std::slice::from_ref(&check), t0 + 1_000_800));
+            assert_eq!(
+                peek[0].remaining, third,
+                "{algorithm:?}, {back} µs back: the next window's count changed ({d:?})"
+            );
+        }
+    }
 }

@@ -8,8 +8,8 @@
 //!   200s use the bucket up exactly. Concurrent requests never overshoot while reserved.
 //! - by a reported cost (`cost_header`): the header's cost replaces the reservation at the
 //!   head, never reaches the client, an invalid one leaves the reservation, a debt is
-//!   capped at `max_debt` (the 429's `Retry-After` says exactly how far), and a trailer's
-//!   cost is charged at the end.
+//!   charged in full less what `max_debt` lets a request borrow (the 429's `Retry-After`
+//!   says exactly how far), and a trailer's cost is charged at the end.
 //! - across identities on the cluster: two rules on two slots refunded exactly.
 //! - by LLM usage (`cost_from = "openai_usage"`): a JSON answer's and a stream's usage,
 //!   the stream passing byte for byte and without delay, `usage = "completion_tokens"`,
@@ -466,8 +466,9 @@ max_debt = {DEBT}
     assert!(try_remaining(&r, "api").is_none(), "{store}: not limited");
     no_cost_header(&r, "unlimited");
 
-    // Debt: a cost of 1000 on a bucket of 100 takes it at most DEBT below empty; the next
-    // request waits for DEBT + 1 tokens, at one an hour.
+    // Debt: a cost of 1000 on a bucket of 100 is charged in full, 900 below empty; the next
+    // request may borrow DEBT ahead (max_debt), so it waits for 900 - DEBT + 1 tokens, at
+    // one an hour. (Before issue 41 the debt stopped at DEBT: DEBT + 1 tokens.)
     let key = "debt";
     let r = get(&c, &gw, "/c?cost=1000", key).await;
     assert_eq!(r_of(&r, "api", 200, store), 0, "{store}: in debt");
@@ -476,8 +477,10 @@ max_debt = {DEBT}
     assert_eq!(r_of(&r, "api", 429, store), 0, "{store}");
     assert_eq!(
         r.header("retry-after"),
-        Some((DEBT + 1) * HOUR_S).map(|s| s.to_string()).as_deref(),
-        "{store}: the debt was capped at {DEBT}: {DEBT} + 1 tokens to wait for"
+        Some((1000 - B - DEBT + 1) * HOUR_S)
+            .map(|s| s.to_string())
+            .as_deref(),
+        "{store}: the whole cost is owed, less what max_debt lets it borrow"
     );
     assert!(
         !backend.seen().iter().any(|s| s.path() == "/debt-next"),
@@ -534,11 +537,9 @@ max_debt = {DEBT}
         );
     }
 
-    // 40, 1000, 7, 5 above the reservation of 1, as reported: the 1000 counts at most
-    // burst + max_debt past its reservation (the store took 99 + DEBT of them, to DEBT
-    // below empty: the metric counts what the answers reported, capped at what any bucket
-    // could take); 0 below it; one invalid.
-    let charged = (39 + (B + DEBT) + 6 + 4) as u64;
+    // 40, 1000, 7, 5 above the reservation of 1, as reported, each charged in full; 0
+    // below it; one invalid.
+    let charged = (39 + 999 + 6 + 4) as u64;
     assert_settled(
         &gw,
         "api",
@@ -549,18 +550,18 @@ max_debt = {DEBT}
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reported_cost_is_charged_stripped_and_capped_on_memory() {
+async fn reported_cost_is_charged_whole_and_stripped_on_memory() {
     reported_cost(On::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reported_cost_is_charged_stripped_and_capped_on_redis() {
+async fn reported_cost_is_charged_whole_and_stripped_on_redis() {
     let redis = RedisServer::start();
     reported_cost(On::Redis(&redis)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn reported_cost_is_charged_stripped_and_capped_on_the_cluster() {
+async fn reported_cost_is_charged_whole_and_stripped_on_the_cluster() {
     let cluster = RedisCluster::start();
     reported_cost(On::Cluster(&cluster)).await;
 }

@@ -329,6 +329,7 @@ async fn redis_keys_have_ttl_equal_to_time_to_full_refill() {
             remaining: 3,
             retry_after_us: 0,
             reset_us: 500_000,
+            window: 0,
         }]
     );
     let ttl = pttl(&mut conn, &store.key(&check));
@@ -554,6 +555,7 @@ async fn wrong_type_key_is_a_store_error_not_a_crash() {
             remaining: 9,
             retry_after_us: 0,
             reset_us: 100_000,
+            window: 0,
         }],
         "the healthy bucket was charged by a failed request"
     );
@@ -592,6 +594,7 @@ async fn all_or_nothing_in_redis() {
             remaining: 9,
             retry_after_us: 0,
             reset_us: 99_000,
+            window: 0,
         },
         "the roomy rule says yes and is untouched"
     );
@@ -602,6 +605,7 @@ async fn all_or_nothing_in_redis() {
             remaining: 0,
             retry_after_us: 59_999_000,
             reset_us: 59_999_000,
+            window: 0,
         }
     );
     assert_eq!(
@@ -620,6 +624,7 @@ async fn all_or_nothing_in_redis() {
             remaining: 8,
             retry_after_us: 0,
             reset_us: 198_000,
+            window: 0,
         }]
     );
 }

@@ -22,7 +22,7 @@ use redis::cluster_async::ClusterConnection;
 
 use super::{DecideAt, Mode, Scripted, Shared};
 use crate::identity::IdentityDigest;
-use crate::limiter::store::{Kind, Replication, Settlement};
+use crate::limiter::store::{Kind, Receipt, Replication, Settlement};
 use crate::limiter::{Adjust, Check, Decision, StoreError};
 
 /// A Redis Cluster through redis-rs' cluster client, which follows MOVED/ASK redirections
@@ -172,14 +172,23 @@ impl RedisClusterStore {
         out: &mut [Option<Decision>],
     ) {
         for idx in charged.iter().filter(|idx| !idx.is_empty()) {
-            let group: Vec<(&Check<'_>, Adjust)> = idx
+            // Each into the window its charge fell in, as its decision named it.
+            let (taken, group): (Vec<usize>, Vec<(&Check<'_>, Adjust)>) = idx
                 .iter()
-                .map(|&i| (&checks[i], Adjust::refund_now(checks[i].quota.cost)))
-                .collect();
+                .filter_map(|&i| {
+                    let charged = out[i].as_ref()?;
+                    Some((
+                        i,
+                        (&checks[i], Adjust::refund(checks[i].quota.cost, charged)),
+                    ))
+                })
+                .unzip();
             match self.s.settle(conn, &group, now_us).await {
-                Ok(decisions) => {
-                    for (&i, d) in idx.iter().zip(decisions) {
-                        out[i] = Some(d);
+                Ok(receipts) => {
+                    // Told as the window it was decided in, now without its charge.
+                    for (i, r) in taken.into_iter().zip(receipts) {
+                        let window = out[i].map_or(0, |d| d.window);
+                        out[i] = Some(Decision { window, ..r.now });
                     }
                 }
                 Err(e) => tracing::warn!(error = %e, "refund failed; the charge stands"),
@@ -237,7 +246,7 @@ impl DecideAt for RedisClusterStore {
         &self,
         items: &[Settlement<'_>],
         now_us: Option<u64>,
-    ) -> Result<Vec<Decision>, StoreError> {
+    ) -> Result<Vec<Receipt>, StoreError> {
         let result = self.settle_on(items, now_us).await;
         self.observe(&result);
         result
@@ -289,6 +298,7 @@ impl RedisClusterStore {
                             remaining: 0,
                             retry_after_us: 0,
                             reset_us: 0,
+                            window: 0,
                         };
                         group.len()
                     ]
@@ -333,24 +343,24 @@ impl RedisClusterStore {
         &self,
         items: &[Settlement<'_>],
         now_us: Option<u64>,
-    ) -> Result<Vec<Decision>, StoreError> {
+    ) -> Result<Vec<Receipt>, StoreError> {
         let mut conn = self.connection().await?;
         let checks: Vec<Check<'_>> = items.iter().map(|i| i.check.clone()).collect();
-        let mut out: Vec<Option<Decision>> = vec![None; items.len()];
+        let mut out: Vec<Option<Receipt>> = vec![None; items.len()];
         for idx in by_identity(&checks) {
             let group: Vec<(&Check<'_>, Adjust)> = idx
                 .iter()
                 .map(|&i| (&items[i].check, items[i].adjust))
                 .collect();
-            for (&i, d) in idx
+            for (&i, r) in idx
                 .iter()
                 .zip(self.s.settle(&mut conn, &group, now_us).await?)
             {
-                out[i] = Some(d);
+                out[i] = Some(r);
             }
         }
         out.into_iter()
-            .map(|d| d.ok_or_else(|| StoreError::Protocol("a rule went unsettled".into())))
+            .map(|r| r.ok_or_else(|| StoreError::Protocol("a rule went unsettled".into())))
             .collect()
     }
 

@@ -34,7 +34,7 @@ use redis::aio::ConnectionLike;
 use eval::{eval, eval_waited, Evaluates, Invocation, Lua, Wait};
 
 use super::settle::Adjust;
-use super::store::{Call, Kind, Replication, Settlement, Store};
+use super::store::{Call, Kind, Receipt, Replication, Settlement, Store};
 use super::{unix_now_us, Algorithm, Check, Decision, StoreError};
 
 /// The script's algorithm code for a calendar window (`lua/fixed_window.lua`): a fixed
@@ -82,8 +82,8 @@ struct Scripted {
 /// One check as the script's arguments (see `lua/prelude.lua`).
 struct Encoded {
     key: String,
-    /// `<algorithm code>:<five parameters>`: the same string for every request on one
-    /// rule's quota, which the script parses once per call.
+    /// `<algorithm code>:<parameters>`: the same string for every request on one rule's
+    /// quota, which the script parses once per call.
     quota: String,
     shadow: bool,
 }
@@ -209,7 +209,7 @@ impl Scripted {
             // period either side of this one's (docs/algorithms.md, "Calendar windows").
             let (e0, e1) = cal.window(now_us.unwrap_or_else(unix_now_us));
             let (_, e2) = cal.window(e1);
-            for p in [q.rate.count, q.cost, e0, e1, e2] {
+            for p in [q.rate.count, q.cost, q.max_debt, e0, e1, e2] {
                 param(n.format(p));
             }
             return Encoded {
@@ -220,12 +220,19 @@ impl Scripted {
         }
         match q.algorithm {
             Algorithm::TokenBucket | Algorithm::Gcra => {
-                for p in [q.unit, q.per_us, q.capacity(), q.need(), q.slack()] {
+                for p in [
+                    q.unit,
+                    q.per_us,
+                    q.capacity(),
+                    q.need(),
+                    q.slack(),
+                    q.borrow(),
+                ] {
                     param(n.format(p));
                 }
             }
             Algorithm::FixedWindow | Algorithm::SlidingWindow => {
-                for p in [q.period_us(), q.rate.count, q.cost, 0, 0] {
+                for p in [q.period_us(), q.rate.count, q.cost, q.max_debt] {
                     param(n.format(p));
                 }
             }
@@ -234,8 +241,6 @@ impl Scripted {
                 param(n.format(q.burst));
                 param(n.format(q.lease_us));
                 param(&self.member(c));
-                param("0");
-                param("0");
             }
         }
         Encoded {
@@ -258,14 +263,13 @@ impl Scripted {
     }
 
     /// One script call settling `items` (all on one slot, in a cluster): each key's
-    /// settlement stands on its own. The answers are what each rule would tell the next
-    /// request now.
+    /// settlement stands on its own. One [`Receipt`] per item.
     async fn settle<C: Evaluates>(
         &self,
         conn: &mut C,
         items: &[(&Check<'_>, Adjust)],
         now_us: Option<u64>,
-    ) -> Result<Vec<Decision>, StoreError> {
+    ) -> Result<Vec<Receipt>, StoreError> {
         let mut inv = self.script.invocation();
         match now_us {
             Some(t) => inv.arg(t),
@@ -278,15 +282,14 @@ impl Scripted {
             let mut arg = String::with_capacity(40);
             arg.push_str(n.format(adj.delta));
             arg.push(':');
-            match adj.left_us {
-                Some(left) => arg.push_str(n.format(left)),
-                None => arg.push('-'),
-            }
-            arg.push(':');
-            arg.push_str(n.format(check.quota.max_debt));
+            arg.push_str(n.format(adj.window));
             inv.key(&e.key).arg(&e.quota).arg(arg);
         }
-        self.answers(conn, &inv, items.len(), true).await
+        let reply = self.run(conn, &inv, true).await?;
+        Ok(answers(&reply, items.len())?
+            .into_iter()
+            .map(|(now, forgiven)| Receipt::new(now, forgiven))
+            .collect())
     }
 
     /// Run `inv`, within the store timeout: the script's reply. A write (`write`) with
@@ -313,9 +316,9 @@ impl Scripted {
         Ok(reply)
     }
 
-    /// Run `inv` on `keys` keys: their answers, 4 numbers a key. `write`: the call may
-    /// write (a decision, a settlement), so replication applies.
-    async fn answers<C: Evaluates>(
+    /// Run `inv` on `keys` keys: their decisions. `write`: the call may write (a
+    /// decision), so replication applies.
+    async fn decisions<C: Evaluates>(
         &self,
         conn: &mut C,
         inv: &Invocation<'_>,
@@ -323,13 +326,7 @@ impl Scripted {
         write: bool,
     ) -> Result<Vec<Decision>, StoreError> {
         let reply = self.run(conn, inv, write).await?;
-        if reply.len() != keys * 4 {
-            return Err(StoreError::Protocol(format!(
-                "the script returned {} values for {keys} keys",
-                reply.len()
-            )));
-        }
-        decisions(&reply)
+        decisions(&reply, keys)
     }
 
     async fn call_encoded<C: Evaluates>(
@@ -351,7 +348,7 @@ impl Scripted {
         for c in checks {
             c.push(&mut inv, false);
         }
-        self.answers(conn, &inv, checks.len(), mode == Mode::Decide)
+        self.decisions(conn, &inv, checks.len(), mode == Mode::Decide)
             .await
     }
 
@@ -371,7 +368,7 @@ impl Scripted {
         }
         let reply = self.run(conn, &inv, true).await?;
         let keys: usize = requests.iter().map(|r| r.len()).sum();
-        if reply.len() != keys * 4 {
+        if reply.len() != keys * PER_KEY {
             return Err(StoreError::Protocol(format!(
                 "the script returned {} values for {keys} keys",
                 reply.len()
@@ -380,7 +377,7 @@ impl Scripted {
         let mut rest = &reply[..];
         let mut out = Vec::with_capacity(requests.len());
         for checks in requests {
-            let (mine, after) = rest.split_at(checks.len() * 4);
+            let (mine, after) = rest.split_at(checks.len() * PER_KEY);
             rest = after;
             let failed = match &mine[0] {
                 redis::Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
@@ -389,7 +386,7 @@ impl Scripted {
             };
             out.push(match failed {
                 Some(why) => Err(StoreError::Data(why)),
-                None => decisions(mine),
+                None => decisions(mine, checks.len()),
             });
         }
         Ok(out)
@@ -444,7 +441,7 @@ pub trait DecideAt {
         &'a self,
         items: &'a [Settlement<'a>],
         now_us: Option<u64>,
-    ) -> impl Future<Output = Result<Vec<Decision>, StoreError>> + Send + 'a;
+    ) -> impl Future<Output = Result<Vec<Receipt>, StoreError>> + Send + 'a;
 }
 
 /// What tells the two shared stores apart: how a call gets a connection, and how a
@@ -487,7 +484,7 @@ impl<S: Shared> Store for S {
         Call::pending(self.peek_at(checks, None))
     }
 
-    fn settle<'a>(&'a self, items: &'a [Settlement<'a>]) -> Call<'a, Vec<Decision>> {
+    fn settle<'a>(&'a self, items: &'a [Settlement<'a>]) -> Call<'a, Vec<Receipt>> {
         Call::pending(self.settle_at(items, None))
     }
 
@@ -540,8 +537,18 @@ impl<S: Shared> Store for S {
     }
 }
 
-/// The script's answers, 4 numbers per key (`lua/decide.lua`).
-fn decisions(reply: &[redis::Value]) -> Result<Vec<Decision>, StoreError> {
+/// The numbers the script answers per key (`lua/decide.lua`).
+const PER_KEY: usize = 5;
+
+/// The script's answers for `keys` keys, [`PER_KEY`] numbers each: the decision, and the
+/// fifth (in decide and peek mode the window, in settle mode the cost forgiven) apart.
+fn answers(reply: &[redis::Value], keys: usize) -> Result<Vec<(Decision, u64)>, StoreError> {
+    if reply.len() != keys * PER_KEY {
+        return Err(StoreError::Protocol(format!(
+            "the script returned {} values for {keys} keys",
+            reply.len()
+        )));
+    }
     let num = |v: &redis::Value| match v {
         redis::Value::Int(n) => {
             u64::try_from(*n).map_err(|_| StoreError::Protocol(format!("negative value {n}")))
@@ -549,16 +556,25 @@ fn decisions(reply: &[redis::Value]) -> Result<Vec<Decision>, StoreError> {
         other => Err(StoreError::Protocol(format!("not a number: {other:?}"))),
     };
     reply
-        .chunks_exact(4)
+        .chunks_exact(PER_KEY)
         .map(|c| {
-            Ok(Decision {
+            let fifth = num(&c[4])?;
+            let d = Decision {
                 allowed: num(&c[0])? == 1,
                 remaining: num(&c[1])?,
                 retry_after_us: num(&c[2])?,
                 reset_us: num(&c[3])?,
-            })
+                window: fifth,
+            };
+            Ok((d, fifth))
         })
         .collect()
+}
+
+/// The script's decisions for `keys` keys (decide and peek mode: the fifth number is the
+/// window each was decided in).
+fn decisions(reply: &[redis::Value], keys: usize) -> Result<Vec<Decision>, StoreError> {
+    Ok(answers(reply, keys)?.into_iter().map(|(d, _)| d).collect())
 }
 
 /// Whether a call failed because its connection had dropped (worth one more try on the

@@ -32,7 +32,7 @@ use tokio::sync::{watch, Notify};
 use super::single::RedisStore;
 use super::{DecideAt, Scripted, Shared};
 use crate::limiter::metrics::{LimiterMetrics, PrimaryLabels};
-use crate::limiter::store::{Kind, Replication, Settlement};
+use crate::limiter::store::{Kind, Receipt, Replication, Settlement};
 use crate::limiter::{Check, Decision, StoreError};
 
 /// How often the sentinels are asked where the primary is, whatever else happens.
@@ -493,7 +493,7 @@ impl DecideAt for RedisSentinelStore {
         &self,
         items: &[Settlement<'_>],
         now_us: Option<u64>,
-    ) -> Result<Vec<Decision>, StoreError> {
+    ) -> Result<Vec<Receipt>, StoreError> {
         let primary = self.current()?;
         self.noticed(primary.store.settle_at(items, now_us).await)
     }

@@ -8,7 +8,7 @@ use redis::aio::{ConnectionManager, ConnectionManagerConfig};
 use tokio::sync::oneshot;
 
 use super::{dropped, DecideAt, Encoded, Mode, Scripted, Shared};
-use crate::limiter::store::{Kind, Replication, Settlement};
+use crate::limiter::store::{Kind, Receipt, Replication, Settlement};
 use crate::limiter::{Adjust, Check, Decision, StoreError};
 
 /// At most this many keys go in one batched script call (Redis runs one script at a time:
@@ -273,7 +273,7 @@ impl DecideAt for RedisStore {
         &self,
         items: &[Settlement<'_>],
         now_us: Option<u64>,
-    ) -> Result<Vec<Decision>, StoreError> {
+    ) -> Result<Vec<Receipt>, StoreError> {
         let all: Vec<(&Check<'_>, Adjust)> = items.iter().map(|i| (&i.check, i.adjust)).collect();
         match self.s.settle(&mut self.conn(), &all, now_us).await {
             Err(e) if dropped(&e) => self.s.settle(&mut self.conn(), &all, now_us).await,

@@ -13,7 +13,7 @@ use common::{key_slot, RedisCluster, RedisServer};
 use ratewall::identity::IdentityDigest;
 use ratewall::limiter::memory::MemoryStore;
 use ratewall::limiter::redis::{DecideAt, RedisClusterStore, RedisStore};
-use ratewall::limiter::store::Settlement;
+use ratewall::limiter::store::{Receipt, Settlement};
 use ratewall::limiter::{self, Adjust, Check, Decision, ManualClock, Settled, State, StoreError};
 
 /// Slack, in ms, when comparing a key's PTTL with the real time since the script ran.
@@ -42,11 +42,7 @@ impl Shared {
         }
     }
 
-    async fn settle(
-        &self,
-        items: &[Settlement<'_>],
-        now: u64,
-    ) -> Result<Vec<Decision>, StoreError> {
+    async fn settle(&self, items: &[Settlement<'_>], now: u64) -> Result<Vec<Receipt>, StoreError> {
         match self {
             Shared::One(s) => s.settle_at(items, Some(now)).await,
             Shared::Cluster(s) => s.settle_at(items, Some(now)).await,
@@ -228,6 +224,11 @@ impl<'h> Replay<'h> {
             .zip(checks)
             .all(|(o, c)| o.allowed || c.shadow);
         let charged: Vec<bool> = outcomes.iter().map(|o| passes && o.allowed).collect();
+        for ((o, &ch), b) in outcomes.iter().zip(&charged).zip(&before) {
+            if ch {
+                never_back(b.as_ref(), Some(&o.next))?;
+            }
+        }
         let pure: Vec<Decision> = outcomes
             .iter()
             .zip(&charged)
@@ -265,25 +266,32 @@ impl<'h> Replay<'h> {
         Ok((memory, charged))
     }
 
-    /// Settle `items` at `now`: the answers, and what each settlement did (by Rust).
+    /// Settle `items` at `now`: the answers (what the next request would be told, and what
+    /// was forgiven), and what each settlement did (by Rust).
     pub(super) fn settle(
         &mut self,
         items: &[Settlement<'_>],
         now: u64,
-    ) -> Result<(Vec<Decision>, Vec<Settled<State>>), String> {
+    ) -> Result<(Vec<Receipt>, Vec<Settled<State>>), String> {
         let mut pure = Vec::new();
         let mut done = Vec::new();
         let mut writes = Vec::new();
+        let mut befores = Vec::new();
         for item in items {
             let c = &item.check;
             let before = self.state(c, now);
-            let s = limiter::settle(c.quota, before.as_ref(), now, item.adjust);
+            befores.push(before);
+            let (s, forgiven) = limiter::settle(c.quota, before.as_ref(), now, item.adjust);
             let after = match s {
                 Settled::Keep => before,
                 Settled::Clear => None,
                 Settled::Write { next, .. } => Some(next),
             };
-            pure.push(limiter::decide(c.quota, after.as_ref(), now).uncharged);
+            never_back(before.as_ref(), after.as_ref())?;
+            pure.push(Receipt::new(
+                limiter::decide(c.quota, after.as_ref(), now).uncharged,
+                forgiven,
+            ));
             done.push(s);
             writes.push((self.store.key(c), s));
         }
@@ -297,7 +305,7 @@ impl<'h> Replay<'h> {
         if memory != pure || shared != memory {
             let adj: Vec<Adjust> = items.iter().map(|i| i.adjust).collect();
             return Err(format!(
-                "settle {adj:?}: the answers differ\n rust did: {done:?}\n   pure: {pure:?}\n memory: {memory:?}\n  redis: {shared:?}"
+                "settle {adj:?} at {now}: the answers differ\n states before: {befores:?}\n rust did: {done:?}\n   pure: {pure:?}\n memory: {memory:?}\n  redis: {shared:?}"
             ));
         }
         for (key, s) in writes {
@@ -423,5 +431,27 @@ impl<'h> Replay<'h> {
             }
         }
         Ok(())
+    }
+}
+
+/// The time a state says it was last changed at, where it has one (a token bucket's last
+/// charge, a window's start or index).
+fn state_time(s: &State) -> Option<u64> {
+    match s {
+        State::TokenBucket(t) => Some(t.last_us),
+        State::FixedWindow(f) => Some(f.start_us),
+        State::SlidingWindow(s) => Some(s.window),
+        _ => None,
+    }
+}
+
+/// A step that left `after` where `before` lived must not have moved its time back, on
+/// any clock (issue 41).
+fn never_back(before: Option<&State>, after: Option<&State>) -> Result<(), String> {
+    match (before.and_then(state_time), after.and_then(state_time)) {
+        (Some(b), Some(a)) if a < b => Err(format!(
+            "the state's time moved back from {b} to {a}: {before:?} -> {after:?}"
+        )),
+        _ => Ok(()),
     }
 }
