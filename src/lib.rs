@@ -70,7 +70,8 @@
 //!   and the queue beyond it by priority (`queue.rs`); a [`overload::Permit`] held from
 //!   send to the answer's head. Asked by `gateway/overload.rs` after the rate limits.
 //! - [`settle`]: settling reservations; `usage`, the tokens an OpenAI-compatible backend
-//!   reports, read from its answer's body (JSON or server-sent events) as it streams past.
+//!   reports, read from its answer's body (JSON or server-sent events) as it streams past;
+//!   `decode`, a compressed answer (gzip, deflate, br, zstd) decoded for it, within a budget.
 //! - [`websocket`]: RFC 6455 as a gateway passing frames through needs it: `frame` (an
 //!   exact, bounded, streaming §5 frame scanner; the close frames the gateway writes) and
 //!   `meter` (a rule's `messages` limit: one bucket per identity across its sockets,

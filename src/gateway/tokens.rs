@@ -1,16 +1,29 @@
 //! `reserve = "max_tokens"` (issue 27): a request to an LLM API reserves the tokens it
-//! asks the model for at most, read from its own JSON body, before the rules decide. The
-//! body is read only when it is JSON (`application/json`, `…+json`) that says its length
-//! and is at most [`MAX_BODY`]; it then goes upstream as read. Any other request reserves
-//! its rule's `cost`, its body streamed as always.
+//! asks the model for at most, read from its own JSON body, before the rules decide.
+//!
+//! What the request asks for is read whatever its `Content-Type` says and however it is
+//! framed (a `Content-Length`, chunked, HTTP/2 DATA frames): backends parse the body as
+//! JSON whatever its label, so a `text/plain` or chunked request must not dodge its bill.
+//! A body of at most [`MAX_BODY`] is read whole and goes upstream as read; a longer one is
+//! read that far, then goes up whole, the rest streamed after what was read
+//! ([`RequestBody::Prefixed`]).
+//!
+//! The answer is an [`Asked`]: the tokens, or why they could not be read
+//! ([`Unreadable`]), for each rule to settle its own way (its `default_reserve`, or a
+//! refusal with [`Unreadable::status`]). The fields that bound an answer are the Chat
+//! Completions' `max_tokens` and `max_completion_tokens` and the Responses API's
+//! `max_output_tokens`; every top-level occurrence of each counts, the largest valid one
+//! wins ([`asked_of`]).
 
+use std::fmt;
 use std::time::Duration;
 
 use bytes::{Bytes, BytesMut};
 use http::request::Parts;
-use http::StatusCode;
+use http::{Method, StatusCode};
 use http_body_util::BodyExt;
-use hyper::body::Body;
+use hyper::body::{Body, Incoming};
+use serde::de::{self, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 use crate::headers::Problem;
 use crate::upstream::RequestBody;
@@ -18,42 +31,168 @@ use crate::upstream::RequestBody;
 /// The largest body read for its `max_tokens`.
 pub const MAX_BODY: u64 = 1 << 20;
 
-/// Whether `parts` announce a body worth reading: JSON, of a known length up to
-/// [`MAX_BODY`].
-fn readable(parts: &Parts, body: &RequestBody) -> bool {
-    if body.is_end_stream() {
-        return false;
-    }
-    let json = parts
-        .headers
-        .get(http::header::CONTENT_TYPE)
-        .and_then(|v| v.to_str().ok())
-        .map(|v| {
-            let essence = v.split(';').next().unwrap_or("").trim();
-            let (kind, sub) = essence.split_once('/').unwrap_or(("", ""));
-            kind.eq_ignore_ascii_case("application")
-                && (sub.eq_ignore_ascii_case("json")
-                    || sub.len() > 5 && sub[sub.len() - 5..].eq_ignore_ascii_case("+json"))
-        })
-        .unwrap_or(false);
-    json && body.size_hint().exact().is_some_and(|n| n <= MAX_BODY)
-        && parts.headers.contains_key(http::header::CONTENT_LENGTH)
+/// The fields whose value bounds the tokens of the answer.
+const BOUNDS: [&str; 3] = ["max_tokens", "max_completion_tokens", "max_output_tokens"];
+
+/// UTF-8's byte order mark: one is skipped at the body's start, as Python's `utf-8-sig`
+/// and .NET's readers do.
+const BOM: &[u8] = b"\xEF\xBB\xBF";
+
+/// What a request asks the model for at most, as its body says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Asked {
+    /// The largest of its bounds (`max_tokens`, …), and the length of the body it was
+    /// read from (the prompt's size, see [`prompt_estimate`]).
+    Tokens { max: u64, body_bytes: u64 },
+    /// Why its bounds could not be read.
+    Unreadable(Unreadable),
 }
 
-/// The request's body, read whole if it is one to look into, and the `max_tokens` (or
-/// `max_completion_tokens`) it asks for, if it says; a client that stalls past
-/// `timeout` between reads, or whose body breaks, gets the documented 408 or 400.
+impl Asked {
+    /// The tokens asked for, where the body said.
+    pub fn max(self) -> Option<u64> {
+        match self {
+            Asked::Tokens { max, .. } => Some(max),
+            Asked::Unreadable(_) => None,
+        }
+    }
+}
+
+/// Why a request's `max_tokens` could not be read: a rule reserves its `default_reserve`
+/// for it, or refuses it with [`Unreadable::status`] (`on_unreadable = "reject"`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Unreadable {
+    /// No body at all (none announced, an empty one, or a `CONNECT`: an HTTP/2 extended
+    /// CONNECT's stream is its tunnel's, as an HTTP/1.1 upgrade request has no body).
+    NoBody,
+    /// More than [`MAX_BODY`].
+    TooLarge,
+    /// Not one JSON object (malformed, an array, text, a second BOM, …).
+    NotJson,
+    /// A JSON object without any of the fields.
+    NoMaxTokens,
+    /// A field present, but none of its values a whole number of at least 1 that fits a
+    /// `u64` (`0`, `-1`, `1e9`, `1.5`, `"500"`, `null`, …).
+    BadMaxTokens,
+}
+
+#[cfg_attr(
+    not(test),
+    expect(
+        dead_code,
+        reason = "the gateway refuses with them once it settles per rule"
+    )
+)]
+impl Unreadable {
+    /// The status a rule that refuses such a request answers with.
+    pub fn status(self) -> StatusCode {
+        match self {
+            Unreadable::NoBody => StatusCode::LENGTH_REQUIRED,
+            Unreadable::TooLarge => StatusCode::PAYLOAD_TOO_LARGE,
+            Unreadable::NotJson | Unreadable::NoMaxTokens | Unreadable::BadMaxTokens => {
+                StatusCode::BAD_REQUEST
+            }
+        }
+    }
+
+    /// The problem's `detail`: what the client can change.
+    pub fn detail(self) -> &'static str {
+        match self {
+            Unreadable::NoBody => "the request has no body to read max_tokens from",
+            Unreadable::TooLarge => {
+                "the request body is over 1 MiB, too large to read max_tokens from"
+            }
+            Unreadable::NotJson => "the request body is not a JSON object",
+            Unreadable::NoMaxTokens => {
+                "the request body sets none of max_tokens, max_completion_tokens, max_output_tokens"
+            }
+            Unreadable::BadMaxTokens => {
+                "max_tokens (or max_completion_tokens, max_output_tokens) is not a whole number of at least 1"
+            }
+        }
+    }
+
+    /// The reason as logs and metrics label it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Unreadable::NoBody => "no_body",
+            Unreadable::TooLarge => "too_large",
+            Unreadable::NotJson => "not_json",
+            Unreadable::NoMaxTokens => "no_max_tokens",
+            Unreadable::BadMaxTokens => "bad_max_tokens",
+        }
+    }
+
+    /// The answer of a rule that refuses such a request.
+    pub fn problem(self) -> Problem {
+        Problem::new(self.status(), self.detail())
+    }
+}
+
+/// The prompt's tokens, estimated from the body's bytes, for a rule that settles
+/// `total_tokens` and so reserves the prompt too: a token per four bytes, rounded up.
+/// English text runs about four bytes a token in OpenAI's tokenizers, a little more on
+/// the whole, so this errs high; the body's JSON syntax, field names and other parameters
+/// only add bytes that are no prompt: an English prompt is over-reserved. Text in other
+/// scripts may run fewer bytes a token (CJK about three: a quarter under); the settlement
+/// corrects it either way once the answer reports its usage.
+#[cfg_attr(
+    not(test),
+    expect(
+        dead_code,
+        reason = "the gateway reserves with it once it settles per rule"
+    )
+)]
+pub fn prompt_estimate(body_bytes: u64) -> u64 {
+    body_bytes.div_ceil(4)
+}
+
+/// The request's body as it goes up, and what it asks for; a client that stalls past
+/// `timeout` between two frames, or whose body breaks, gets the documented 408 or 400.
 pub async fn read(
     parts: &Parts,
-    body: RequestBody,
+    body: Incoming,
     timeout: Duration,
-) -> Result<(RequestBody, Option<u64>), Problem> {
-    if !readable(parts, &body) {
-        return Ok((body, None));
+) -> Result<(RequestBody, Asked), Problem> {
+    if parts.method == Method::CONNECT || body.is_end_stream() {
+        return Ok((body.into(), Asked::Unreadable(Unreadable::NoBody)));
     }
-    let mut body = body;
-    let mut read = BytesMut::new();
+    // A length over the limit is refused unread: the body streams up untouched.
+    let announced = body.size_hint().lower();
+    if announced > MAX_BODY {
+        return Ok((body.into(), Asked::Unreadable(Unreadable::TooLarge)));
+    }
+    match take(body, announced, timeout).await? {
+        Taken::Whole(read) => {
+            let asked = asked_of(&read);
+            Ok((RequestBody::Read(Some(read)), asked))
+        }
+        Taken::Over(read, rest) => Ok((
+            RequestBody::Prefixed {
+                read: Some(read),
+                rest,
+            },
+            Asked::Unreadable(Unreadable::TooLarge),
+        )),
+    }
+}
+
+/// How much of a body [`take`] read.
+enum Taken {
+    Whole(Bytes),
+    /// More than [`MAX_BODY`]: what was read, and the rest to come.
+    Over(Bytes, Incoming),
+}
+
+/// Read `body` whole, or until it is over [`MAX_BODY`] (the last frame read may take it
+/// past by up to one frame's length: hyper's own buffer bounds that). `announced`: the
+/// least it said it has, the room made at once.
+async fn take(mut body: Incoming, announced: u64, timeout: Duration) -> Result<Taken, Problem> {
+    let mut read = BytesMut::with_capacity(usize::try_from(announced).unwrap_or(0));
     loop {
+        if read.len() as u64 > MAX_BODY {
+            return Ok(Taken::Over(read.freeze(), body));
+        }
         let frame = match tokio::time::timeout(timeout, body.frame()).await {
             Err(_) => {
                 return Err(Problem::new(
@@ -61,7 +200,7 @@ pub async fn read(
                     "the request body stalled",
                 ))
             }
-            Ok(None) => break,
+            Ok(None) => return Ok(Taken::Whole(read.freeze())),
             Ok(Some(Err(_))) => {
                 return Err(Problem::new(
                     StatusCode::BAD_REQUEST,
@@ -70,87 +209,202 @@ pub async fn read(
             }
             Ok(Some(Ok(frame))) => frame,
         };
+        // Trailers (a frame other than data) end the body; they are not passed on.
         if let Ok(data) = frame.into_data() {
-            // The length was checked; hyper holds the client to it.
-            if read.len() as u64 + data.len() as u64 > MAX_BODY {
-                return Err(Problem::new(
-                    StatusCode::BAD_REQUEST,
-                    "the request body is longer than it said",
-                ));
-            }
             read.extend_from_slice(&data);
         }
     }
-    let read: Bytes = read.freeze();
-    let asked = max_tokens(&read);
-    Ok((RequestBody::Read(Some(read)), asked))
 }
 
-/// The request's body as it goes up, and the `max_tokens` it asks for where a rule of
-/// `live` reserves them (else its body streamed, untouched); or the gateway's answer to a
+/// The request's body as it goes up, and what it asks for where a rule of `live` reserves
+/// `max_tokens` (else `None`, its body streamed untouched); or the gateway's answer to a
 /// body that stalled or broke while it was read (408, 400; the connection closes after).
-pub async fn asked(
+pub async fn asking(
     live: &super::live::Live,
     parts: &Parts,
-    body: hyper::body::Incoming,
+    body: Incoming,
     dialect: super::grpc::Dialect,
-) -> Result<(RequestBody, Option<u64>), http::Response<super::body::Body>> {
-    let body = RequestBody::from(body);
+) -> Result<(RequestBody, Option<Asked>), http::Response<super::body::Body>> {
     if !live.reserves_max_tokens {
-        return Ok((body, None));
+        return Ok((body.into(), None));
     }
-    read(parts, body, live.config.server.timeouts.body)
-        .await
-        .map_err(|p| {
+    match read(parts, body, live.config.server.timeouts.body).await {
+        Ok((body, asked)) => Ok((body, Some(asked))),
+        Err(p) => {
             let mut resp = super::problem(p, &live.config, &[], dialect);
             super::close_after(&mut resp);
-            resp
-        })
-}
-
-/// The tokens a chat or completion request asks for at most, if its JSON says.
-pub fn max_tokens(body: &[u8]) -> Option<u64> {
-    #[derive(serde::Deserialize)]
-    struct Asked {
-        max_tokens: Option<serde_json::Value>,
-        max_completion_tokens: Option<serde_json::Value>,
-    }
-    // An object only: serde would read a struct from an array too, by position.
-    if body.iter().find(|b| !b.is_ascii_whitespace()) != Some(&b'{') {
-        return None;
-    }
-    let asked: Asked = serde_json::from_slice(body).ok()?;
-    asked
-        .max_tokens
-        .or(asked.max_completion_tokens)
-        .and_then(|v| v.as_u64())
-        .filter(|&n| n > 0)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn max_tokens_is_read_from_the_request_json() {
-        let b = br#"{"model":"m","messages":[{"role":"user","content":"max_tokens: 9"}],"max_tokens":256}"#;
-        assert_eq!(max_tokens(b), Some(256));
-        assert_eq!(max_tokens(br#"{"max_completion_tokens":64}"#), Some(64));
-        assert_eq!(
-            max_tokens(br#"{"max_tokens":100,"max_completion_tokens":64}"#),
-            Some(100)
-        );
-        for none in [
-            &br#"{"model":"m"}"#[..],
-            br#"{"max_tokens":-1}"#,
-            br#"{"max_tokens":1.5}"#,
-            br#"{"max_tokens":"100"}"#,
-            br#"{"max_tokens":0}"#,
-            br#"[1,2]"#,
-            b"not json",
-            b"",
-        ] {
-            assert_eq!(max_tokens(none), None, "{}", String::from_utf8_lossy(none));
+            Err(resp)
         }
     }
 }
+
+/// [`asking`] as the gateway takes it today: the tokens where the body said, else `None`
+/// (the rule's `cost`). It goes once the gateway settles [`Asked`] per rule.
+pub async fn asked(
+    live: &super::live::Live,
+    parts: &Parts,
+    body: Incoming,
+    dialect: super::grpc::Dialect,
+) -> Result<(RequestBody, Option<u64>), http::Response<super::body::Body>> {
+    let (body, asked) = asking(live, parts, body, dialect).await?;
+    Ok((body, asked.and_then(Asked::max)))
+}
+
+/// What a request body read whole asks for: one JSON object (after one optional BOM), the
+/// largest valid value among all the top-level occurrences of [`BOUNDS`]. One pass over
+/// the body by serde_json, other values skipped unparsed ([`IgnoredAny`]); a duplicated
+/// key is seen each time (a derived struct would refuse or drop it), as backends differ
+/// in which one they keep.
+pub fn asked_of(body: &[u8]) -> Asked {
+    if body.is_empty() {
+        return Asked::Unreadable(Unreadable::NoBody);
+    }
+    let json = body.strip_prefix(BOM).unwrap_or(body);
+    let mut de = serde_json::Deserializer::from_slice(json);
+    let found = de.deserialize_map(TopLevel).and_then(|found| {
+        de.end()?;
+        Ok(found)
+    });
+    match found {
+        Err(_) => Asked::Unreadable(Unreadable::NotJson),
+        Ok(Found {
+            largest: Some(max), ..
+        }) => Asked::Tokens {
+            max,
+            body_bytes: body.len() as u64,
+        },
+        Ok(Found { invalid: true, .. }) => Asked::Unreadable(Unreadable::BadMaxTokens),
+        Ok(Found { .. }) => Asked::Unreadable(Unreadable::NoMaxTokens),
+    }
+}
+
+/// What the top-level object's bounds say, over all their occurrences.
+#[derive(Debug, Default)]
+struct Found {
+    largest: Option<u64>,
+    /// Whether any occurrence was not a valid bound.
+    invalid: bool,
+}
+
+/// The top-level object, a member at a time.
+struct TopLevel;
+
+impl<'de> Visitor<'de> for TopLevel {
+    type Value = Found;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("a JSON object")
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Found, A::Error> {
+        let mut found = Found::default();
+        while let Some(key) = map.next_key::<Key>()? {
+            match key {
+                Key::Bound => match map.next_value::<Bound>()? {
+                    Bound::Valid(n) => found.largest = found.largest.max(Some(n)),
+                    Bound::Invalid => found.invalid = true,
+                },
+                Key::Other => {
+                    map.next_value::<IgnoredAny>()?;
+                }
+            }
+        }
+        Ok(found)
+    }
+}
+
+/// A top-level key: one of [`BOUNDS`] (spelled with escapes or not: serde_json hands it
+/// over unescaped, as the backend reads it), or another.
+enum Key {
+    Bound,
+    Other,
+}
+
+impl<'de> de::Deserialize<'de> for Key {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Key, D::Error> {
+        struct KeyVisitor;
+        impl Visitor<'_> for KeyVisitor {
+            type Value = Key;
+            fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+                f.write_str("a key")
+            }
+            fn visit_str<E: de::Error>(self, key: &str) -> Result<Key, E> {
+                Ok(if BOUNDS.contains(&key) {
+                    Key::Bound
+                } else {
+                    Key::Other
+                })
+            }
+        }
+        d.deserialize_str(KeyVisitor)
+    }
+}
+
+/// A bound's value: valid only as a JSON integer of at least 1 that fits a `u64`
+/// (serde_json hands a larger one, or one written with a fraction or an exponent, over as
+/// a float). Any other value is read to its end and invalid.
+enum Bound {
+    Valid(u64),
+    Invalid,
+}
+
+impl<'de> de::Deserialize<'de> for Bound {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Bound, D::Error> {
+        d.deserialize_any(BoundVisitor)
+    }
+}
+
+struct BoundVisitor;
+
+impl<'de> Visitor<'de> for BoundVisitor {
+    type Value = Bound;
+
+    fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
+        f.write_str("any JSON value")
+    }
+
+    fn visit_u64<E: de::Error>(self, n: u64) -> Result<Bound, E> {
+        Ok(if n >= 1 {
+            Bound::Valid(n)
+        } else {
+            Bound::Invalid
+        })
+    }
+
+    fn visit_i64<E: de::Error>(self, n: i64) -> Result<Bound, E> {
+        Ok(u64::try_from(n)
+            .ok()
+            .filter(|&n| n >= 1)
+            .map_or(Bound::Invalid, Bound::Valid))
+    }
+
+    fn visit_f64<E: de::Error>(self, _: f64) -> Result<Bound, E> {
+        Ok(Bound::Invalid)
+    }
+
+    fn visit_bool<E: de::Error>(self, _: bool) -> Result<Bound, E> {
+        Ok(Bound::Invalid)
+    }
+
+    fn visit_str<E: de::Error>(self, _: &str) -> Result<Bound, E> {
+        Ok(Bound::Invalid)
+    }
+
+    fn visit_unit<E: de::Error>(self) -> Result<Bound, E> {
+        Ok(Bound::Invalid)
+    }
+
+    fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<Bound, A::Error> {
+        while seq.next_element::<IgnoredAny>()?.is_some() {}
+        Ok(Bound::Invalid)
+    }
+
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Bound, A::Error> {
+        while map.next_entry::<IgnoredAny, IgnoredAny>()?.is_some() {}
+        Ok(Bound::Invalid)
+    }
+}
+
+#[cfg(test)]
+#[path = "tokens_tests.rs"]
+mod tests;

@@ -37,10 +37,16 @@ pub(super) enum Sending {
 }
 
 impl Sending {
-    /// How `body` goes up; a `Content-Length` that will not frame it is removed.
+    /// How `body` goes up; a `Content-Length` that will not frame it is removed, and a
+    /// body read whole is framed by its length whatever framed it from the client.
     pub(super) fn of(body: &RequestBody, headers: &mut HeaderMap) -> Sending {
         if body.is_end_stream() {
             Sending::None
+        } else if let RequestBody::Read(Some(read)) = body {
+            // A chunked body read whole (or one sent over HTTP/2 without a length) goes up
+            // with its length: the client's `Transfer-Encoding` is hop-by-hop, already gone.
+            headers.insert(CONTENT_LENGTH, HeaderValue::from(read.len()));
+            Sending::Length
         } else if body.size_hint().exact().is_some() && headers.contains_key(CONTENT_LENGTH) {
             Sending::Length
         } else {
@@ -50,13 +56,19 @@ impl Sending {
     }
 }
 
-/// A client's request body on its way up: streamed as it comes, or already read whole by
-/// the gateway, which had to look into it (`reserve = "max_tokens"`).
+/// A client's request body on its way up: streamed as it comes, or already read (whole,
+/// or its start) by the gateway, which had to look into it (`reserve = "max_tokens"`).
 #[derive(Debug)]
 pub enum RequestBody {
     Streaming(Incoming),
     /// Read whole; `None` once it has gone up.
     Read(Option<Bytes>),
+    /// Its start read (a body too long to look into), then the rest as it comes: the
+    /// request goes up whole all the same. `read` is `None` once it has gone up.
+    Prefixed {
+        read: Option<Bytes>,
+        rest: Incoming,
+    },
 }
 
 impl From<Incoming> for RequestBody {
@@ -80,6 +92,10 @@ impl Body for RequestBody {
                     .filter(|b| !b.is_empty())
                     .map(|b| Ok(Frame::data(b))),
             ),
+            RequestBody::Prefixed { read, rest } => match read.take().filter(|b| !b.is_empty()) {
+                Some(first) => std::task::Poll::Ready(Some(Ok(Frame::data(first)))),
+                None => Pin::new(rest).poll_frame(cx),
+            },
         }
     }
 
@@ -87,6 +103,9 @@ impl Body for RequestBody {
         match self {
             RequestBody::Streaming(body) => body.is_end_stream(),
             RequestBody::Read(read) => read.as_ref().is_none_or(Bytes::is_empty),
+            RequestBody::Prefixed { read, rest } => {
+                read.as_ref().is_none_or(Bytes::is_empty) && rest.is_end_stream()
+            }
         }
     }
 
@@ -95,6 +114,26 @@ impl Body for RequestBody {
             RequestBody::Streaming(body) => body.size_hint(),
             RequestBody::Read(read) => {
                 SizeHint::with_exact(read.as_ref().map_or(0, |b| b.len() as u64))
+            }
+            // hyper's hint is what is left of the body: with the client's `Content-Length`,
+            // exact, and the prefix plus it is that length again ([`Sending::of`] then
+            // sends the client's `Content-Length`); chunked, unknown (sent chunked).
+            RequestBody::Prefixed { read, rest } => {
+                let first = read.as_ref().map_or(0, |b| b.len() as u64);
+                let rest = rest.size_hint();
+                if let Some(exact) = rest.exact() {
+                    return SizeHint::with_exact(exact.saturating_add(first));
+                }
+                let mut hint = SizeHint::new();
+                hint.set_lower(rest.lower().saturating_add(first));
+                if let Some(upper) = rest.upper().map(|u| u.saturating_add(first)) {
+                    // Never below the lower bound (`set_upper` would panic): hyper's upper
+                    // is at least its lower, and both grew by the same.
+                    if upper >= hint.lower() {
+                        hint.set_upper(upper);
+                    }
+                }
+                hint
             }
         }
     }
@@ -699,6 +738,109 @@ mod tests {
                 },
             }
         }
+    }
+
+    /// The bytes `req` goes up as over HTTP/1.1: its head as this hop writes it, then its
+    /// body as [`Sending::of`] frames it.
+    async fn sent(req: http::Request<RequestBody>) -> String {
+        let host = HeaderValue::from_static("backend");
+        let mut out = super::super::Outbound::new(req, None, &host);
+        let peer = super::super::ClientPeer::new(([10, 0, 0, 1], 4000).into());
+        let down = super::super::Downstream {
+            peer: &peer,
+            trusted: false,
+            body_timeout: Duration::from_secs(1),
+        };
+        let chunked = out.sending == Sending::Chunked;
+        let head = super::super::head::request(&out.parts, "", chunked, &down, None, None)
+            .expect("a head");
+        let body = out.body.take().expect("the body");
+        let mut wire = Vec::new();
+        let second = Duration::from_secs(1);
+        let sent = send(&mut wire, &head, body, chunked, second, second, true).await;
+        assert!(sent.is_ok(), "{sent:?}");
+        String::from_utf8(wire).expect("text")
+    }
+
+    const CHUNKED: &[u8] = b"POST / HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n\
+        5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n";
+
+    #[tokio::test]
+    async fn a_chunked_body_read_whole_goes_up_with_its_length() {
+        let (parts, body) = super::super::served::http1(CHUNKED.to_vec())
+            .await
+            .into_parts();
+        let read = body.collect().await.expect("the body").to_bytes();
+        let req = http::Request::from_parts(parts, RequestBody::Read(Some(read)));
+        let wire = sent(req).await;
+        assert!(wire.contains("\r\ncontent-length: 11\r\n"), "{wire}");
+        assert!(!wire.contains("transfer-encoding"), "{wire}");
+        assert!(wire.ends_with("\r\n\r\nhello world"), "{wire}");
+    }
+
+    /// `wire`'s request with the first frame of its body read, as the gateway leaves a
+    /// body too long to look into.
+    async fn prefixed(wire: &[u8]) -> http::Request<RequestBody> {
+        let (parts, mut rest) = super::super::served::http1(wire.to_vec())
+            .await
+            .into_parts();
+        let first = rest.frame().await.and_then(|f| f.ok()?.into_data().ok());
+        let body = RequestBody::Prefixed { read: first, rest };
+        http::Request::from_parts(parts, body)
+    }
+
+    #[tokio::test]
+    async fn a_prefixed_body_goes_up_whole_framed_as_it_came() {
+        let with_length = b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: 11\r\n\r\nhello world";
+        let req = prefixed(with_length).await;
+        assert_eq!(req.body().size_hint().exact(), Some(11));
+        let wire = sent(req).await;
+        assert!(wire.contains("\r\ncontent-length: 11\r\n"), "{wire}");
+        assert!(!wire.contains("transfer-encoding"), "{wire}");
+        assert!(wire.ends_with("\r\n\r\nhello world"), "{wire}");
+
+        let req = prefixed(CHUNKED).await;
+        assert_eq!(req.body().size_hint().exact(), None);
+        let wire = sent(req).await;
+        assert!(!wire.contains("content-length"), "{wire}");
+        assert!(
+            wire.contains("\r\ntransfer-encoding: chunked\r\n"),
+            "{wire}"
+        );
+        assert!(
+            wire.ends_with("\r\n\r\n5\r\nhello\r\n6\r\n world\r\n0\r\n\r\n"),
+            "{wire}"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_prefixed_body_yields_its_start_then_the_rest_then_ends() {
+        let mut body = prefixed(CHUNKED).await.into_body();
+        assert!(!body.is_end_stream());
+        let mut frames = Vec::new();
+        while let Some(frame) = body.frame().await {
+            frames.push(frame.expect("a frame").into_data().expect("data"));
+        }
+        assert_eq!(frames, ["hello", " world"]);
+        // A length said, and all of it read: the end is known (a chunked one's is not).
+        let with_length = b"POST / HTTP/1.1\r\nhost: a\r\ncontent-length: 2\r\n\r\nok";
+        let mut body = prefixed(with_length).await.into_body();
+        assert!(!body.is_end_stream());
+        let first = body.frame().await.and_then(|f| f.ok()?.into_data().ok());
+        assert_eq!(first.as_deref(), Some(&b"ok"[..]));
+        assert!(body.is_end_stream());
+        assert!(body.frame().await.is_none());
+        // An empty start is no frame of its own.
+        let (parts, rest) = super::super::served::http1(CHUNKED.to_vec())
+            .await
+            .into_parts();
+        let mut body = RequestBody::Prefixed {
+            read: Some(Bytes::new()),
+            rest,
+        };
+        let first = body.frame().await.and_then(|f| f.ok()?.into_data().ok());
+        assert_eq!(first.as_deref(), Some(&b"hello"[..]));
+        assert_eq!(parts.method, http::Method::POST);
     }
 
     #[test]

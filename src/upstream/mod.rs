@@ -78,6 +78,8 @@ mod metrics;
 mod outage;
 mod peer_settings;
 mod pools;
+#[cfg(test)]
+pub(crate) mod served;
 mod settings;
 mod stream;
 mod tls;

@@ -1,0 +1,358 @@
+//! What a request asks for: the JSON read exactly ([`asked_of`], each dodge of the token
+//! bill a case), and bodies read as hyper's server hands them ([`read`], HTTP/1.1 and
+//! HTTP/2, any `Content-Type`, any framing, too long, stalled, broken).
+
+use std::time::Duration;
+
+use bytes::Bytes;
+use http::Request;
+use http_body_util::BodyExt;
+
+use super::*;
+use crate::upstream::served;
+
+fn tokens(max: u64, body: &[u8]) -> Asked {
+    Asked::Tokens {
+        max,
+        body_bytes: body.len() as u64,
+    }
+}
+
+fn unreadable(why: Unreadable) -> Asked {
+    Asked::Unreadable(why)
+}
+
+#[test]
+fn the_bounds_are_read_from_the_top_level_object() {
+    for (body, max) in [
+        (
+            &br#"{"model":"m","messages":[{"role":"user","content":"max_tokens: 9"}],"max_tokens":256}"#[..],
+            256,
+        ),
+        (br#"{"max_completion_tokens":64}"#, 64),
+        // The Responses API's field.
+        (br#"{"model":"m","input":"hi","max_output_tokens":300}"#, 300),
+        // Whitespace around the object is JSON's.
+        (b" \r\n\t{ \"max_tokens\" : 9 }\n", 9),
+        // A key spelled with an escape is the same key to the backend.
+        (br#"{"max\u005ftokens":9}"#, 9),
+        (br#"{"max_tokens":18446744073709551615}"#, u64::MAX),
+        (br#"{"max_tokens":1}"#, 1),
+    ] {
+        let text = String::from_utf8_lossy(body);
+        assert_eq!(asked_of(body), tokens(max, body), "{text}");
+    }
+}
+
+#[test]
+fn every_occurrence_of_every_bound_counts_and_the_largest_wins() {
+    for (body, max) in [
+        // A key given twice: whichever the backend keeps, the larger is reserved.
+        (&br#"{"max_tokens":10,"max_tokens":5000}"#[..], 5000),
+        (br#"{"max_tokens":5000,"max_tokens":10}"#, 5000),
+        (br#"{"max_tokens":100,"max_completion_tokens":6400}"#, 6400),
+        (br#"{"max_output_tokens":7,"max_tokens":3}"#, 7),
+        // An invalid occurrence beside a valid one: the valid one counts.
+        (br#"{"max_tokens":null,"max_completion_tokens":64}"#, 64),
+        (br#"{"max_tokens":64,"max_tokens":"9000"}"#, 64),
+        (br#"{"max_tokens":-1,"max_tokens":12,"max_tokens":1e9}"#, 12),
+    ] {
+        let text = String::from_utf8_lossy(body);
+        assert_eq!(asked_of(body), tokens(max, body), "{text}");
+    }
+}
+
+#[test]
+fn a_bound_that_is_not_a_whole_number_of_at_least_one_is_bad() {
+    for value in [
+        "0",
+        "-1",
+        "-0",
+        "1e9",
+        "1E3",
+        "1.0",
+        "1.5",
+        "\"500\"",
+        "null",
+        "true",
+        "[]",
+        "[500]",
+        "{}",
+        r#"{"max_tokens":500}"#,
+        // One over u64::MAX: serde_json reads it as a float.
+        "18446744073709551616",
+        "-9223372036854775809",
+    ] {
+        for field in BOUNDS {
+            let body = format!(r#"{{"model":"m","{field}":{value},"stream":true}}"#);
+            assert_eq!(
+                asked_of(body.as_bytes()),
+                unreadable(Unreadable::BadMaxTokens),
+                "{body}"
+            );
+        }
+    }
+    assert_eq!(
+        asked_of(br#"{"max_tokens":0,"max_completion_tokens":null}"#),
+        unreadable(Unreadable::BadMaxTokens)
+    );
+}
+
+#[test]
+fn an_object_without_a_bound_at_the_top_has_none() {
+    for body in [
+        &b"{}"[..],
+        br#"{"model":"m"}"#,
+        // Deeper, or in a string, or spelled otherwise: not the request's bound.
+        br#"{"extra":{"max_tokens":5}}"#,
+        br#"{"messages":[{"max_tokens":5}]}"#,
+        br#"{"prompt":"\"max_tokens\":5"}"#,
+        br#"{"Max_Tokens":5,"max-tokens":5,"maxTokens":5,"max_tokens ":5}"#,
+    ] {
+        let text = String::from_utf8_lossy(body);
+        assert_eq!(
+            asked_of(body),
+            unreadable(Unreadable::NoMaxTokens),
+            "{text}"
+        );
+    }
+}
+
+#[test]
+fn one_leading_bom_is_skipped_and_counted_in_the_bytes() {
+    let body = b"\xEF\xBB\xBF{\"max_tokens\":7}";
+    assert_eq!(asked_of(body), tokens(7, body));
+    assert_eq!(
+        asked_of(b"\xEF\xBB\xBF\xEF\xBB\xBF{\"max_tokens\":7}"),
+        unreadable(Unreadable::NotJson)
+    );
+    assert_eq!(asked_of(b"\xEF\xBB\xBF"), unreadable(Unreadable::NotJson));
+}
+
+#[test]
+fn anything_but_one_json_object_is_not_json() {
+    for body in [
+        &br#"[{"max_tokens":9}]"#[..],
+        br#""max_tokens""#,
+        b"42",
+        b"null",
+        b"not json",
+        b"max_tokens=9",
+        b"   ",
+        br#"{"max_tokens":9"#,
+        br#"{"max_tokens":9} x"#,
+        br#"{"max_tokens":9}{"max_tokens":1}"#,
+        br#"{"max_tokens":9,}"#,
+        br#"{max_tokens:9}"#,
+        // Malformed elsewhere: the backend refuses it too.
+        br#"{"max_tokens":9,"x":[1,2}"#,
+        // UTF-16, as a few clients send.
+        b"\xFF\xFE{\0\"\0m\0\"\0:\x001\0}\0",
+    ] {
+        let text: String = String::from_utf8_lossy(body).chars().take(60).collect();
+        assert_eq!(asked_of(body), unreadable(Unreadable::NotJson), "{text}");
+    }
+    assert_eq!(asked_of(b""), unreadable(Unreadable::NoBody));
+    // Values skipped unread are skipped without recursion (serde_json keeps the nesting
+    // in a buffer): a deep one costs no stack, in a bound or beside it.
+    let (open, close) = ("[".repeat(100_000), "]".repeat(100_000));
+    let deep = format!(r#"{{"max_tokens":9,"x":{open}{close}}}"#);
+    assert_eq!(asked_of(deep.as_bytes()), tokens(9, deep.as_bytes()));
+    let deep = format!(r#"{{"max_tokens":{open}{close}}}"#);
+    assert_eq!(
+        asked_of(deep.as_bytes()),
+        unreadable(Unreadable::BadMaxTokens)
+    );
+    // Bytes that are no UTF-8 inside a string skipped unread: the bound stands (serde_json
+    // skips strings unchecked), and the backend refuses the body anyway.
+    let body = b"{\"max_tokens\":9,\"x\":\"\xFF\"}";
+    assert_eq!(asked_of(body), tokens(9, body));
+}
+
+#[test]
+fn each_reason_says_its_status_detail_and_name() {
+    use Unreadable::*;
+    let all = [NoBody, TooLarge, NotJson, NoMaxTokens, BadMaxTokens];
+    let statuses: Vec<u16> = all.iter().map(|u| u.status().as_u16()).collect();
+    assert_eq!(statuses, [411, 413, 400, 400, 400]);
+    let mut names: Vec<&str> = all.iter().map(|u| u.name()).collect();
+    names.sort_unstable();
+    names.dedup();
+    assert_eq!(names.len(), all.len());
+    for u in all {
+        assert!(!u.detail().is_empty());
+        let p = u.problem();
+        assert_eq!(p.status, u.status());
+        assert_eq!(p.detail.as_deref(), Some(u.detail()));
+    }
+}
+
+#[test]
+fn the_prompt_is_estimated_at_a_token_per_four_bytes_rounded_up() {
+    let estimates: Vec<u64> = [0, 1, 4, 5, 8, 1 << 20].map(prompt_estimate).to_vec();
+    assert_eq!(estimates, [0, 1, 1, 2, 2, 1 << 18]);
+    assert_eq!(prompt_estimate(u64::MAX), u64::MAX / 4 + 1);
+}
+
+const SECOND: Duration = Duration::from_secs(5);
+
+/// An HTTP/1.1 request of `head` (its fields, each line ending in CRLF) and `body` as
+/// is (framed by the fields).
+fn http1(head: &str, body: &[u8]) -> Vec<u8> {
+    [
+        format!("POST /v1/chat/completions HTTP/1.1\r\nhost: a\r\n{head}\r\n").as_bytes(),
+        body,
+    ]
+    .concat()
+}
+
+/// `body` chunked in pieces of `size` bytes.
+fn chunked(body: &[u8], size: usize) -> Vec<u8> {
+    let mut wire = Vec::new();
+    for piece in body.chunks(size) {
+        wire.extend_from_slice(format!("{:x}\r\n", piece.len()).as_bytes());
+        wire.extend_from_slice(piece);
+        wire.extend_from_slice(b"\r\n");
+    }
+    wire.extend_from_slice(b"0\r\n\r\n");
+    wire
+}
+
+/// What [`read`] makes of a body it reads to the end.
+async fn read_ok(parts: &Parts, body: Incoming) -> (RequestBody, Asked) {
+    match read(parts, body, SECOND).await {
+        Ok(read) => read,
+        Err(p) => panic!("answered {} {:?}", p.status, p.detail),
+    }
+}
+
+/// What [`read`] makes of `req`, its body then read to the end as it goes up.
+async fn read_all(req: Request<Incoming>) -> (Asked, Vec<u8>, RequestBody) {
+    let (parts, body) = req.into_parts();
+    let (mut body, asked) = read_ok(&parts, body).await;
+    let mut up = Vec::new();
+    while let Some(frame) = body.frame().await {
+        if let Ok(data) = frame.expect("a frame").into_data() {
+            up.extend_from_slice(&data);
+        }
+    }
+    (asked, up, body)
+}
+
+#[tokio::test]
+async fn any_content_type_and_framing_is_read() {
+    let json = br#"{"model":"m","max_tokens":500}"#;
+    let length = format!("content-length: {}\r\n", json.len());
+    // application/json alone was read before: the others dodged the reservation.
+    for head in [
+        format!("content-type: application/json\r\n{length}"),
+        format!("content-type: text/plain\r\n{length}"),
+        format!("content-type: text/json; charset=utf-8\r\n{length}"),
+        format!("content-type: application/x-www-form-urlencoded\r\n{length}"),
+        length.clone(),
+    ] {
+        let req = served::http1(http1(&head, json)).await;
+        let (asked, up, _) = read_all(req).await;
+        assert_eq!(asked, tokens(500, json), "{head}");
+        assert_eq!(up, json);
+    }
+    for size in [1, 7, json.len()] {
+        let wire = http1("transfer-encoding: chunked\r\n", &chunked(json, size));
+        let (asked, up, body) = read_all(served::http1(wire).await).await;
+        assert_eq!(asked, tokens(500, json), "chunks of {size}");
+        assert_eq!(up, json);
+        assert!(matches!(body, RequestBody::Read(None)), "{body:?}");
+    }
+}
+
+#[tokio::test]
+async fn http2_bodies_are_read_with_a_length_or_without() {
+    let json = br#"{"max_output_tokens":42,"input":"hello"}"#;
+    let pieces: Vec<Bytes> = json.chunks(5).map(Bytes::copy_from_slice).collect();
+    for length in [Some(json.len()), None] {
+        let mut req = Request::post("http://a/v1/responses");
+        if let Some(n) = length {
+            req = req.header("content-length", n);
+        }
+        let req = req.body(()).expect("a request");
+        let (asked, up, _) = read_all(served::http2(req, pieces.clone()).await).await;
+        assert_eq!(asked, tokens(42, json), "length {length:?}");
+        assert_eq!(up, json);
+    }
+}
+
+#[tokio::test]
+async fn a_request_without_a_body_has_no_body() {
+    for head in ["", "content-length: 0\r\n"] {
+        let (asked, up, _) = read_all(served::http1(http1(head, b"")).await).await;
+        assert_eq!(asked, unreadable(Unreadable::NoBody), "{head:?}");
+        assert!(up.is_empty());
+    }
+    // Chunked, and nothing in it.
+    let wire = http1("transfer-encoding: chunked\r\n", b"0\r\n\r\n");
+    let (asked, _, _) = read_all(served::http1(wire).await).await;
+    assert_eq!(asked, unreadable(Unreadable::NoBody));
+    let get = Request::get("http://a/").body(()).expect("a request");
+    let (asked, _, _) = read_all(served::http2(get, vec![]).await).await;
+    assert_eq!(asked, unreadable(Unreadable::NoBody));
+}
+
+/// A JSON body of `len` bytes, its `max_tokens` first.
+fn long_json(len: usize) -> Vec<u8> {
+    let open = br#"{"max_tokens":9,"prompt":""#;
+    let mut body = open.to_vec();
+    body.resize(len - 2, b'a');
+    body.extend_from_slice(br#""}"#);
+    body
+}
+
+#[tokio::test]
+async fn a_body_over_the_limit_is_too_large_and_goes_up_whole() {
+    let limit = MAX_BODY as usize;
+    let exact = long_json(limit);
+    let wire = http1(&format!("content-length: {limit}\r\n"), &exact);
+    let (asked, up, _) = read_all(served::http1(wire).await).await;
+    assert_eq!(asked, tokens(9, &exact), "at the limit: read");
+    assert_eq!(up, exact);
+
+    let over = long_json(limit + 1);
+    // Its length said: not read at all, streamed.
+    let wire = http1(&format!("content-length: {}\r\n", over.len()), &over);
+    let (parts, body) = served::http1(wire).await.into_parts();
+    let (body, asked) = read_ok(&parts, body).await;
+    assert_eq!(asked, unreadable(Unreadable::TooLarge));
+    assert!(matches!(body, RequestBody::Streaming(_)), "{body:?}");
+    let up = body.collect().await.expect("the body").to_bytes();
+    assert_eq!(up, over);
+
+    // Chunked: read past the limit, then the rest after what was read.
+    let wire = http1("transfer-encoding: chunked\r\n", &chunked(&over, 16 * 1024));
+    let (parts, body) = served::http1(wire).await.into_parts();
+    let (body, asked) = read_ok(&parts, body).await;
+    assert_eq!(asked, unreadable(Unreadable::TooLarge));
+    assert!(matches!(body, RequestBody::Prefixed { .. }), "{body:?}");
+    assert_eq!(body.size_hint().exact(), None, "sent up chunked");
+    let up = body.collect().await.expect("the body").to_bytes();
+    assert_eq!(up, over);
+
+    // HTTP/2 without a length, likewise.
+    let pieces: Vec<Bytes> = over.chunks(60_000).map(Bytes::copy_from_slice).collect();
+    let req = Request::post("http://a/").body(()).expect("a request");
+    let (asked, up, _) = read_all(served::http2(req, pieces).await).await;
+    assert_eq!(asked, unreadable(Unreadable::TooLarge));
+    assert_eq!(up, over);
+}
+
+#[tokio::test]
+async fn a_stalled_body_is_a_408_and_a_broken_one_a_400() {
+    // Five bytes of the ten it announced, then nothing.
+    let wire = http1("content-length: 10\r\n", b"{\"max");
+    let (parts, body) = served::http1(wire).await.into_parts();
+    let stalled = read(&parts, body, Duration::from_millis(50)).await;
+    assert_eq!(stalled.err().map(|p| p.status.as_u16()), Some(408));
+
+    let wire = http1("transfer-encoding: chunked\r\n", b"zz\r\n{}\r\n0\r\n\r\n");
+    let (parts, body) = served::http1(wire).await.into_parts();
+    let broken = read(&parts, body, SECOND).await;
+    assert_eq!(broken.err().map(|p| p.status.as_u16()), Some(400));
+}
