@@ -335,6 +335,9 @@ impl Config {
         let route_names = routes::written_names(&raw.routes);
         let mut names = HashSet::new();
         let mut rules = Vec::with_capacity(raw.rules.len());
+        // The attempts ceilings of rules that refund by status: after the file's rules, so
+        // that a rule's position is its place in the file.
+        let mut ceilings: Vec<(usize, Rule)> = Vec::new();
         for (i, spanned) in raw.rules.iter().enumerate() {
             let r = spanned.get_ref();
             let name = r.name.get_ref().0.as_str();
@@ -345,7 +348,9 @@ impl Config {
                     format!("duplicate rule name {name:?}"),
                 ));
             }
-            rules.push(r.validate(i, spanned.span(), &keys.header, &route_names)?);
+            let (rule, ceiling) = r.validate(i, spanned.span(), &keys.header, &route_names)?;
+            rules.push(rule);
+            ceilings.extend(ceiling.map(|c| (i, c)));
             if rules[i].key.kind.uses_jwt() && jwt.is_none() {
                 return Err(Invalid::new(
                     Some(spanned.span()),
@@ -368,6 +373,21 @@ impl Config {
                     "key = \"client_cert\" needs client certificates: [server.tls] with client_ca",
                 ));
             }
+        }
+        for (i, ceiling) in ceilings {
+            if names.contains(ceiling.name.as_str()) {
+                let r = raw.rules[i].get_ref();
+                return Err(Invalid::new(
+                    Some(r.name.span()),
+                    format!("rules[{i}].charge.attempts"),
+                    format!(
+                        "the attempts ceiling of rule {:?} is the rule {:?}, and the file has a rule of that name already: rename one",
+                        r.name.get_ref().0,
+                        ceiling.name
+                    ),
+                ));
+            }
+            rules.push(ceiling);
         }
         let server = raw.server.validate(tls);
         if !server.underscores_in_headers {
@@ -481,6 +501,22 @@ impl Config {
             );
             let shared = !matches!(self.store.backend, Backend::Memory);
             let _ = writeln!(out, "      {}", r.behaviour(shared));
+            if let Some(policy) = &r.settle {
+                let _ = writeln!(out, "      settles: {}", policy.describe());
+                if r.quota.max_debt > 0 {
+                    let _ = writeln!(
+                        out,
+                        "      borrows up to {} ahead of a cost reported later (max_debt)",
+                        r.quota.max_debt
+                    );
+                }
+            }
+            if let Some(of) = &r.ceiling_of {
+                let _ = writeln!(
+                    out,
+                    "      the attempts ceiling of {of}: counts every request {of} applies to, whatever the answer, never given back"
+                );
+            }
             let mut plans: Vec<_> = r.plans.iter().collect();
             plans.sort_by(|a, b| a.0.cmp(b.0));
             for (p, plan) in plans {

@@ -12,13 +12,13 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::matching::{self, Owner, RawMatch};
-use super::values::{HumanDuration, KeySpec, Priority, RuleName};
+use super::values::{ByteSize, HumanDuration, KeySpec, Priority, RuleName};
 use super::Invalid;
 use crate::identity::{Key, KeyKind, MissingKey};
 use crate::limiter::calendar::{self, Period};
 use crate::limiter::{Algorithm, LocalShare, Quota, QuotaError, QuotaField, Rate};
 use crate::rules::{Match, Messages, Mode, Plan, Rule};
-use crate::settle::policy::{Charge, Policy, StatusSet};
+use crate::settle::policy::{Charge, Drain, MaxTokens, Policy, StatusSet};
 use crate::settle::usage::UsageField;
 
 /// Requests wait at most this many per rule, per gateway, unless `max_waiting` says.
@@ -56,6 +56,9 @@ pub(super) struct RawRule {
     cost_from: Option<Spanned<CostFrom>>,
     usage: Option<Spanned<UsageField>>,
     reserve: Option<Spanned<Reserve>>,
+    default_reserve: Option<Spanned<NonZeroU64>>,
+    on_unreadable: Option<Spanned<OnUnreadable>>,
+    settle_drain: Option<Spanned<RawDrain>>,
     max_debt: Option<Spanned<u64>>,
     local_share: Option<Spanned<String>>,
     #[serde(default)]
@@ -74,6 +77,37 @@ enum RawCharge {
 #[serde(deny_unknown_fields)]
 struct RawStatuses {
     statuses: Vec<String>,
+    attempts: Option<RawAttempts>,
+}
+
+/// `attempts = { rate = "100/m", burst = 100 }`: the ceiling on every attempt of a rule
+/// that refunds by status, counted whatever the answer and never refunded. (Inside the
+/// untagged `charge`, whose span its errors point at: a span of its own is not kept
+/// through an untagged enum.)
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawAttempts {
+    rate: Rate,
+    burst: Option<NonZeroU64>,
+}
+
+/// `on_unreadable`: what a rule with `reserve = "max_tokens"` does with a body that says
+/// no usable `max_tokens`.
+#[derive(Deserialize, Clone, Copy, PartialEq, Eq)]
+#[serde(rename_all = "snake_case")]
+enum OnUnreadable {
+    /// Reserve `default_reserve`.
+    Reserve,
+    /// Refuse the request (411 without a body, 413 over 1 MiB, 400 otherwise).
+    Reject,
+}
+
+/// `settle_drain = { bytes = "10MiB", time = "60s" }`.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawDrain {
+    bytes: Option<ByteSize>,
+    time: Option<HumanDuration>,
 }
 
 /// `cost_from`: where an answer reports its cost.
@@ -90,7 +124,8 @@ enum CostFrom {
 enum Reserve {
     /// The rule's `cost`.
     Cost,
-    /// The request's own `max_tokens` (JSON bodies up to 1 MiB).
+    /// The request's own `max_tokens` (bodies up to 1 MiB, whatever their type), else
+    /// `default_reserve`.
     MaxTokens,
 }
 
@@ -184,23 +219,24 @@ impl RawRule {
         self.plans.keys().map(String::as_str)
     }
 
-    /// One rule, validated: its limit, its plans, its match, its mode. `index` and
-    /// `span`: where the file has it. A plan no key in the files names is no error: keys
-    /// are given plans at runtime too (the admin API's directory).
+    /// One rule, validated: its limit, its plans, its match, its mode; and with `charge =
+    /// { statuses }` its attempts ceiling, a rule of its own ([`Rule::ceiling_of`]).
+    /// `index` and `span`: where the file has it. A plan no key in the files names is no
+    /// error: keys are given plans at runtime too (the admin API's directory).
     pub(super) fn validate(
         &self,
         index: usize,
         span: Range<usize>,
         key_header: &HeaderName,
         routes: &[Option<String>],
-    ) -> Result<Rule, Invalid> {
+    ) -> Result<(Rule, Option<Rule>), Invalid> {
         let at = At {
             index,
             span,
             rule: self,
         };
         let limit = at.limit()?;
-        let settle = at.settle()?;
+        let (settle, attempts) = at.settle()?;
         let (zone, anchor_day) = at.calendar(&limit)?;
         let quota = at.with_debt(
             limit
@@ -228,7 +264,7 @@ impl RawRule {
             .iter()
             .filter_map(|(plan, o)| Some((plan.clone(), o.get_ref().priority.as_ref()?.0)))
             .collect();
-        Ok(Rule {
+        let rule = Rule {
             name: self.name.get_ref().0.clone(),
             matcher: match &self.matcher {
                 Some(m) => {
@@ -259,7 +295,44 @@ impl RawRule {
                 .map_or(0, |j| u64::try_from(j.0.as_micros()).unwrap_or(u64::MAX)),
             messages: at.messages()?,
             settle,
-        })
+            ceiling_of: None,
+        };
+        let ceiling = attempts.map(|q| {
+            rule.attempts_ceiling(Quota {
+                local_share: share,
+                ..q
+            })
+        });
+        Ok((rule, ceiling))
+    }
+}
+
+impl Rule {
+    /// The attempts ceiling of this rule (`charge.attempts`): every request it applies to
+    /// is counted under `quota`, by the same identity, whatever the answer, and never
+    /// refunded. Named `<rule>.attempts`; a plan exempt from the rule is exempt from it
+    /// too; it enforces, watches and rolls out as the rule does.
+    fn attempts_ceiling(&self, quota: Quota) -> Rule {
+        Rule {
+            name: format!("{}.attempts", self.name),
+            matcher: self.matcher.clone(),
+            key: self.key.clone(),
+            quota,
+            plans: self
+                .plans
+                .iter()
+                .filter(|(_, p)| matches!(p, Plan::Exempt))
+                .map(|(name, _)| (name.clone(), Plan::Exempt))
+                .collect(),
+            priorities: HashMap::new(),
+            mode: self.mode,
+            enforce_percent: self.enforce_percent,
+            max_waiting: DEFAULT_MAX_WAITING,
+            retry_jitter_us: self.retry_jitter_us,
+            messages: None,
+            settle: None,
+            ceiling_of: Some(self.name.clone()),
+        }
     }
 }
 
@@ -281,13 +354,19 @@ impl At<'_> {
             (None, Some(m)) => Some(*m.get_ref()),
             (Some(_), None) => None,
         };
-        let only_rates: [(&str, Option<Range<usize>>); 11] = [
+        let only_rates: [(&str, Option<Range<usize>>); 14] = [
             ("algorithm", r.algorithm.as_ref().map(Spanned::span)),
             ("charge", r.charge.as_ref().map(Spanned::span)),
             ("cost_header", r.cost_header.as_ref().map(Spanned::span)),
             ("cost_from", r.cost_from.as_ref().map(Spanned::span)),
             ("usage", r.usage.as_ref().map(Spanned::span)),
             ("reserve", r.reserve.as_ref().map(Spanned::span)),
+            (
+                "default_reserve",
+                r.default_reserve.as_ref().map(Spanned::span),
+            ),
+            ("on_unreadable", r.on_unreadable.as_ref().map(Spanned::span)),
+            ("settle_drain", r.settle_drain.as_ref().map(Spanned::span)),
             ("max_debt", r.max_debt.as_ref().map(Spanned::span)),
             ("burst", r.burst.as_ref().map(Spanned::span)),
             ("cost", r.cost.as_ref().map(Spanned::span)),
@@ -370,10 +449,13 @@ impl At<'_> {
         Ok(Some(messages))
     }
 
-    /// `charge`, `cost_header`, `cost_from` (with `usage`, `reserve`) and `max_debt`:
-    /// how the rule's charges are settled, or `None` when they stand as taken.
-    fn settle(&self) -> Result<Option<std::sync::Arc<Policy>>, Invalid> {
+    /// `charge`, `cost_header`, `cost_from` (with `usage`, `reserve`, `default_reserve`,
+    /// `on_unreadable`), `settle_drain` and `max_debt`: how the rule's charges are
+    /// settled, or `None` when they stand as taken; and with `charge = { statuses }` its
+    /// attempts ceiling's quota.
+    fn settle(&self) -> Result<(Option<std::sync::Arc<Policy>>, Option<Quota>), Invalid> {
         let r = self.rule;
+        let mut attempts = None;
         let charge = match &r.charge {
             None => Charge::Always,
             Some(c) => match c.get_ref() {
@@ -383,14 +465,16 @@ impl At<'_> {
                         Some(c.span()),
                         "charge",
                         format!(
-                            "charge is \"always\" or {{ statuses = [\"2xx\", ...] }}, not {n:?}"
+                            "charge is \"always\" or {{ statuses = [\"2xx\", ...], attempts = {{ rate, burst }} }}, not {n:?}"
                         ),
                     ))
                 }
-                RawCharge::Statuses(s) => Charge::Statuses(
-                    StatusSet::parse(s.statuses.iter().map(String::as_str))
-                        .map_err(|e| self.no(Some(c.span()), "charge.statuses", e))?,
-                ),
+                RawCharge::Statuses(s) => {
+                    let set = StatusSet::parse(s.statuses.iter().map(String::as_str))
+                        .map_err(|e| self.no(Some(c.span()), "charge.statuses", e))?;
+                    attempts = Some(self.attempts(s.attempts.as_ref(), c.span())?);
+                    Charge::Statuses(set)
+                }
             },
         };
         let cost_header = match &r.cost_header {
@@ -420,13 +504,10 @@ impl At<'_> {
             (None, Some(u)) => return Err(needs_cost_from("usage", u.span())),
             (None, None) => None,
         };
-        let reserve_max_tokens = match (&r.reserve, usage) {
-            (Some(v), None) => return Err(needs_cost_from("reserve", v.span())),
-            (Some(v), Some(_)) => *v.get_ref() == Reserve::MaxTokens,
-            (None, _) => false,
-        };
+        let max_tokens = self.max_tokens(usage.is_some())?;
+        let reads_a_cost = cost_header.is_some() || usage.is_some();
         if let Some(d) = &r.max_debt {
-            if cost_header.is_none() && usage.is_none() {
+            if !reads_a_cost {
                 return Err(self.no(
                     Some(d.span()),
                     "max_debt",
@@ -434,15 +515,111 @@ impl At<'_> {
                 ));
             }
         }
-        if charge == Charge::Always && cost_header.is_none() && usage.is_none() {
-            return Ok(None);
+        let drain = match &r.settle_drain {
+            None => Drain::default(),
+            Some(d) if !reads_a_cost => {
+                return Err(self.no(
+                    Some(d.span()),
+                    "settle_drain",
+                    "settle_drain bounds how long an answer is read after its client left, to settle the cost its end reports; it applies with cost_header or cost_from",
+                ))
+            }
+            Some(d) => {
+                let raw = d.get_ref();
+                let default = Drain::default();
+                let bytes = raw.bytes.as_ref().map_or(default.bytes, |b| b.0);
+                let time = raw.time.as_ref().map_or(default.time, |t| t.0);
+                if bytes == 0 || time.is_zero() {
+                    return Err(self.no(
+                        Some(d.span()),
+                        "settle_drain",
+                        "settle_drain = { bytes, time } are both above 0 (default 10MiB and 60s): an answer cut at once would leave its cost unread",
+                    ));
+                }
+                Drain { bytes, time }
+            }
+        };
+        if charge == Charge::Always && !reads_a_cost {
+            return Ok((None, attempts));
         }
-        Ok(Some(std::sync::Arc::new(Policy {
+        let policy = Policy {
             charge,
             cost_header,
             usage,
-            reserve_max_tokens,
-        })))
+            max_tokens,
+            drain,
+        };
+        Ok((Some(std::sync::Arc::new(policy)), attempts))
+    }
+
+    /// `charge.attempts`: required with `statuses`, since a rule that gives back every
+    /// answer but those would otherwise make every failure free (a login endpoint that
+    /// charges only successes lets a password be guessed without end).
+    fn attempts(&self, raw: Option<&RawAttempts>, charge: Range<usize>) -> Result<Quota, Invalid> {
+        let Some(attempts) = raw else {
+            return Err(self.no(
+                Some(charge),
+                "charge.attempts",
+                "charge = { statuses } gives back every other answer, so without a ceiling every failure would be free (a login that charges only successes lets a password be guessed without end): add attempts = { rate = \"100/m\", burst = 100 }, counted on every attempt and never given back",
+            ));
+        };
+        Quota::new(
+            Algorithm::TokenBucket,
+            attempts.rate,
+            attempts.burst,
+            NonZeroU64::MIN,
+        )
+        .map_err(|e| {
+            let key = match e.field {
+                QuotaField::Burst => "charge.attempts.burst",
+                _ => "charge.attempts.rate",
+            };
+            self.no(Some(charge), key, e.message)
+        })
+    }
+
+    /// `reserve`, `default_reserve` and `on_unreadable`. `usage`: whether the rule reads
+    /// an LLM answer's usage (`cost_from`), which `reserve` needs.
+    fn max_tokens(&self, usage: bool) -> Result<Option<MaxTokens>, Invalid> {
+        let r = self.rule;
+        let needs_reserve = |key: &str, span: Range<usize>| {
+            self.no(
+                Some(span),
+                key,
+                format!("{key} applies with reserve = \"max_tokens\""),
+            )
+        };
+        let reserves = match &r.reserve {
+            Some(v) if !usage => {
+                return Err(self.no(
+                    Some(v.span()),
+                    "reserve",
+                    "reserve applies with cost_from = \"openai_usage\"",
+                ))
+            }
+            Some(v) => *v.get_ref() == Reserve::MaxTokens,
+            None => false,
+        };
+        if !reserves {
+            if let Some(d) = &r.default_reserve {
+                return Err(needs_reserve("default_reserve", d.span()));
+            }
+            if let Some(o) = &r.on_unreadable {
+                return Err(needs_reserve("on_unreadable", o.span()));
+            }
+            return Ok(None);
+        }
+        let Some(default) = &r.default_reserve else {
+            return Err(self.no(
+                r.reserve.as_ref().map(Spanned::span),
+                "default_reserve",
+                "reserve = \"max_tokens\" needs default_reserve: what a request reserves when its body says no usable max_tokens (chunked, another type, none, 0, \"500\" ...), e.g. default_reserve = 4096; or on_unreadable = \"reject\" with it to refuse such bodies",
+            ));
+        };
+        Ok(Some(MaxTokens {
+            default: default.get_ref().get(),
+            reject: r.on_unreadable.as_ref().map(|o| *o.get_ref()) == Some(OnUnreadable::Reject),
+        }))
     }
 
     /// `local_share`: this gateway's part of the limit while the store fails and

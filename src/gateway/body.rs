@@ -2,7 +2,10 @@
 //! concurrency slots until it ends (and, for a gRPC call, watched for its status), or an
 //! answer the gateway wrote.
 
+use std::sync::Arc;
+
 use bytes::Bytes;
+use http::HeaderName;
 use http_body_util::{Either, Full};
 
 use super::grpc::Watch;
@@ -26,8 +29,11 @@ pub struct LeasedBody {
     /// that other bodies pay one word and one check a frame).
     grpc: Option<Box<Watch>>,
     /// What reads the cost the body's end reports (rules that settle by a trailer or an
-    /// LLM answer's usage); boxed, as `grpc`.
+    /// LLM answer's usage); boxed, as `grpc`. Still here when the client goes away: the
+    /// rest of the answer is then read on to settle it ([`Meter::drain`]).
     meter: Option<Box<Meter>>,
+    /// Names the answer's trailers lose, whatever settles: every rule's cost header.
+    screened: Option<Arc<[HeaderName]>>,
 }
 
 impl LeasedBody {
@@ -38,7 +44,15 @@ impl LeasedBody {
             releasing: None,
             grpc: None,
             meter: None,
+            screened: None,
         }
+    }
+
+    /// Take `names` out of the answer's trailers (every rule's cost header: no client ever
+    /// sees one, whether or not a rule waited for it).
+    pub(super) fn screened(mut self, names: Option<Arc<[HeaderName]>>) -> LeasedBody {
+        self.screened = names;
+        self
     }
 
     /// Watch this body for the cost its end reports ([`Meter`]), if there is one to watch.
@@ -50,6 +64,27 @@ impl LeasedBody {
     /// Watch this body for its `grpc-status` trailer ([`Watch`]).
     pub(super) fn watch(&mut self, watch: Watch) {
         self.grpc = Some(Box::new(watch));
+    }
+}
+
+impl Drop for LeasedBody {
+    /// The client went away before the answer's end while a cost is still to come at it:
+    /// the rest is read on, in the background (within the rules' `settle_drain`), and
+    /// settled; the request's concurrency slots are held until then, since the backend is
+    /// still working for it.
+    fn drop(&mut self) {
+        let Some(meter) = self.meter.take() else {
+            return;
+        };
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let body = std::mem::replace(&mut self.body, ResponseBody::taken());
+        let leases = self.leases.take();
+        runtime.spawn(async move {
+            meter.drain(body).await;
+            drop(leases);
+        });
     }
 }
 
@@ -72,6 +107,13 @@ impl hyper::body::Body for LeasedBody {
             }
             if let (Some(w), Poll::Ready(Some(Ok(frame)))) = (this.grpc.as_deref_mut(), &polled) {
                 w.frame(frame);
+            }
+            if let (Some(names), Poll::Ready(Some(Ok(frame)))) = (&this.screened, &mut polled) {
+                if let Some(trailers) = frame.trailers_mut() {
+                    for name in names.iter() {
+                        trailers.remove(name);
+                    }
+                }
             }
             let last = match polled {
                 Poll::Ready(Some(Ok(frame))) if this.body.is_end_stream() => Some(frame),

@@ -10,6 +10,7 @@ use crate::headers::Applied;
 use crate::identity::{Identity, Refusal, Requester};
 use crate::limiter::{Algorithm, Check, Decision, Quota};
 use crate::rules::{self, Applies, Rule};
+use crate::settle::max_tokens::{Asked, Unreadable};
 
 /// A request one rule refused before any limit was consulted: the rule's position in
 /// the config, and why.
@@ -47,14 +48,14 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
     /// counted by each; or why it is refused before any is consulted. A rule applies when
     /// its path, method, host and route fit (`fitting`: the request's [`matching`], found
     /// once per request and shared with its overload priority) and then
-    /// [`Rule::applies`] says so: what the request carries, its plan. `tokens`: the
-    /// request's own `max_tokens`, reserved (at most a burst) by the rules that say
-    /// `reserve = "max_tokens"`.
+    /// [`Rule::applies`] says so: what the request carries, its plan. `asked`: what the
+    /// request's body asks the model for, read where a rule that fits says `reserve =
+    /// "max_tokens"`; such a rule reserves it (at most a burst), or its `default_reserve`.
     pub fn all(
         live: &'l Live,
         fitting: &[usize],
         requester: &Requester<'p>,
-        tokens: Option<u64>,
+        asked: Option<&Asked>,
     ) -> Result<Vec<Limit<'l, 'p>>, Refused> {
         let cfg = &*live.config;
         fitting
@@ -64,10 +65,10 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
                 let rule = &cfg.rules[index];
                 let limit = match rule.applies(requester) {
                     Ok(Applies::Limits(quota)) => {
-                        let reserves = rule.settle.as_ref().is_some_and(|p| p.reserve_max_tokens);
-                        let quota = match tokens {
-                            Some(t) if reserves => quota.with_cost(t),
-                            _ => *quota,
+                        let reserved = rule.settle.as_ref().and_then(|p| p.reservation(asked));
+                        let quota = match reserved {
+                            Some(t) => quota.with_cost(t),
+                            None => *quota,
                         };
                         Self::new(live, index, quota, requester)
                     }
@@ -127,6 +128,55 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
             lease: self.lease,
         }
     }
+}
+
+/// Whether a rule that may apply to the request reserves what its body asks for
+/// (`reserve = "max_tokens"`): only then is its body read. Decided before the request's
+/// route is (routes can need its identity, which is found after the body is read), so
+/// a rule's route condition is not looked at: a rule that fits the path, method and host
+/// reads the body, whatever its route; a request naming no host, for any such rule.
+pub fn may_read_body(live: &Live, parts: &Parts) -> bool {
+    if !live.reserves_max_tokens {
+        return false;
+    }
+    let cfg = &*live.config;
+    let Some(host) = rules::request_host(&parts.uri, &parts.headers) else {
+        return true;
+    };
+    let host = cfg.index.uses_host.then_some(host);
+    let path = cfg.index.path_of(parts.uri.path());
+    cfg.index
+        .matching(&parts.method, &path, host)
+        .into_iter()
+        .any(|i| {
+            cfg.rules[i]
+                .settle
+                .as_ref()
+                .is_some_and(|p| p.max_tokens.is_some())
+        })
+}
+
+/// The first rule that applies to the request and refuses a body that says no usable
+/// `max_tokens` (`on_unreadable = "reject"`), with why, where `asked` is such a body.
+pub fn refuses_body(
+    live: &Live,
+    fitting: &[usize],
+    requester: &Requester<'_>,
+    asked: Option<&Asked>,
+) -> Option<(usize, Unreadable)> {
+    let Some(Asked::Unreadable(why)) = asked else {
+        return None;
+    };
+    fitting.iter().copied().find_map(|i| {
+        let rule = &live.config.rules[i];
+        let rejects = rule
+            .settle
+            .as_ref()
+            .and_then(|p| p.max_tokens)
+            .is_some_and(|m| m.reject);
+        let applies = matches!(rule.applies(requester), Ok(Applies::Limits(_)));
+        (rejects && applies).then_some((i, *why))
+    })
 }
 
 /// The positions of the rules that apply to a request sent by the route `route`, in

@@ -28,10 +28,12 @@ pub struct Live {
     /// Whether any rule settles its charges after the answer (`charge`, `cost_header`,
     /// `cost_from`): only then does an admitted request hold a reservation.
     pub settles: bool,
-    /// Whether any rule reserves a request's own `max_tokens` (its JSON body is read).
+    /// Whether any rule reserves a request's own `max_tokens` (the body of a request such
+    /// a rule applies to is read).
     pub reserves_max_tokens: bool,
-    /// Every rule's `cost_header`: removed from every answer before a client sees it.
-    pub cost_headers: Vec<http::HeaderName>,
+    /// Every rule's `cost_header`: removed from every answer (head and trailers) before a
+    /// client sees it, and from every request (head and trailers) before a backend does.
+    pub cost_headers: Arc<[http::HeaderName]>,
     /// `ratewall_requests_total` handles for each of `config.rules`, in order.
     pub counters: Vec<RuleCounters>,
     /// Per rule of `config.rules`: requests waiting on its `max_delay` now.
@@ -135,11 +137,12 @@ impl Live {
             .all(|w| w[0].key.kind == w[1].key.kind);
         let policies = || config.rules.iter().filter_map(|r| r.settle.as_deref());
         let settles = policies().next().is_some();
-        let reserves_max_tokens = policies().any(|p| p.reserve_max_tokens);
+        let reserves_max_tokens = policies().any(|p| p.max_tokens.is_some());
         let mut cost_headers: Vec<http::HeaderName> =
             policies().filter_map(|p| p.cost_header.clone()).collect();
         cost_headers.sort_by(|a, b| a.as_str().cmp(b.as_str()));
         cost_headers.dedup();
+        let cost_headers: Arc<[http::HeaderName]> = cost_headers.into();
         // A refund can make a remembered denial stale too (stricter than the store).
         let cache_denials = (!limiter.store().kind().is_clustered() || one_identity) && !settles;
         for rule in config.rules.iter().filter(|r| r.settle.is_some()) {

@@ -96,6 +96,9 @@ label_enum! {
         InvalidToken = "invalid_token",
         /// 503: a rule counts by a token claim, and no key set has been fetched yet.
         KeysUnavailable = "keys_unavailable",
+        /// 400, 411, 413: a rule reserves the request's `max_tokens` and refuses a body
+        /// that says none it can use (`on_unreadable = "reject"`).
+        UnreadableBody = "unreadable_body",
     }
 }
 

@@ -339,25 +339,20 @@ impl Gateway {
             }
         }
         let dialect = Dialect::of(&parts.headers);
-        let (body, tokens) = match tokens::asked(&live, &parts, body, dialect).await {
-            Ok(read) => read,
-            Err(resp) => {
-                if let Some(log) = log {
-                    log.write(resp.status().as_u16(), &Note::gateway("bad_request"));
-                }
-                return resp;
+        // Read only where a rule the request meets reserves what its body asks for.
+        let mut body = upstream::RequestBody::from(body);
+        let (mut resp, mut note, forwarded) = match self
+            .admit_as(&live, &parts, ctx, dialect, Some(&mut body))
+            .await
+        {
+            Admission::Answer(resp, note) => (resp, note, false),
+            Admission::Forward(pass) => {
+                // Boxed: most of this future's size, moved whole even for a 429.
+                let forward = self.forward(&live, Request::from_parts(parts, body), ctx, pass);
+                let (resp, note) = Box::pin(forward).await;
+                (resp, note, true)
             }
         };
-        let (mut resp, mut note, forwarded) =
-            match self.admit_as(&live, &parts, ctx, dialect, tokens).await {
-                Admission::Answer(resp, note) => (resp, note, false),
-                Admission::Forward(pass) => {
-                    // Boxed: most of this future's size, moved whole even for a 429.
-                    let forward = self.forward(&live, Request::from_parts(parts, body), ctx, pass);
-                    let (resp, note) = Box::pin(forward).await;
-                    (resp, note, true)
-                }
-            };
         let status = resp.status().as_u16();
         // A gRPC answer of the gateway is an HTTP 200: it counts as the status it stands for.
         let meant = match (dialect, note.upstream) {
@@ -454,15 +449,16 @@ impl Gateway {
             .await
     }
 
-    /// [`Gateway::admit`], the request's dialect already known; `tokens`: the request's
-    /// own `max_tokens`, where a rule reserves it and its body said.
+    /// [`Gateway::admit`], the request's dialect already known; `body`: its body, still
+    /// streaming from the client, read (and left as it goes up) where a rule it meets
+    /// reserves what it asks for (`reserve = "max_tokens"`).
     async fn admit_as<'l>(
         &self,
         live: &'l Live,
         parts: &Parts,
         ctx: &Context,
         dialect: Dialect,
-        tokens: Option<u64>,
+        body: Option<&mut upstream::RequestBody>,
     ) -> Admission<'l> {
         let cfg = &*live.config;
         let peer = ctx.peer.ip();
@@ -477,12 +473,28 @@ impl Gateway {
             }
             return Admission::Answer(resp, Note::gateway("bad_request"));
         }
+        // Read before anything is identified (identities are not held across a wait).
+        let asked = match body {
+            Some(body) if limits::may_read_body(live, parts) => {
+                match tokens::read_into(body, parts, cfg.server.timeouts.body).await {
+                    Ok(asked) => Some(asked),
+                    Err(p) => {
+                        // The rest of the body is in an unknown state: nothing after it on
+                        // this connection can be trusted to start where a request starts.
+                        let mut resp = problem(p, cfg, &[], dialect);
+                        close_after(&mut resp);
+                        return Admission::Answer(resp, Note::gateway("bad_request"));
+                    }
+                }
+            }
+            _ => None,
+        };
         let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip)
             .with_client_cert(ctx.client_cert.as_ref())
             .with_jwt(cfg.jwt.as_ref().map(|j| &*j.verifier));
         // Read first (the token verified once, for the rules too): the request is moved on.
         let claims = requester.forwarded_claims();
-        match self.admit_by(live, parts, dialect, requester, tokens).await {
+        match self.admit_by(live, parts, dialect, requester, asked).await {
             Admission::Forward(mut pass) => {
                 pass.claims = claims;
                 Admission::Forward(pass)
@@ -491,14 +503,15 @@ impl Gateway {
         }
     }
 
-    /// [`Gateway::admit_as`], for the request as `requester` reads it.
+    /// [`Gateway::admit_as`], for the request as `requester` reads it; `asked`: what its
+    /// body asks the model for, where it was read.
     async fn admit_by<'l: 'p, 'p>(
         &self,
         live: &'l Live,
         parts: &Parts,
         dialect: Dialect,
         requester: Requester<'p>,
-        tokens: Option<u64>,
+        asked: Option<tokens::Asked>,
     ) -> Admission<'l> {
         let requester = &requester;
         let cfg = &*live.config;
@@ -514,7 +527,26 @@ impl Gateway {
         let to = to.hashed(cfg, requester);
         let fitting = limits::matching(cfg, parts, Some(&to));
         let priority = overload::priority(live, &fitting, requester, &to);
-        let limits = match Limit::all(live, &fitting, requester, tokens) {
+        if let Some((index, why)) = limits::refuses_body(live, &fitting, requester, asked.as_ref())
+        {
+            if let Some(c) = live.counters.get(index) {
+                c.refused.inc();
+            }
+            self.metrics
+                .gateway
+                .count_refusal(RefusalReason::UnreadableBody);
+            let mut resp = problem(tokens::refusal(why), cfg, &[], dialect);
+            if why == tokens::Unreadable::TooLarge {
+                // The rest of an overlong body was never read.
+                close_after(&mut resp);
+            }
+            let note = Note {
+                rule: cfg.rules.get(index).map(|r| r.name.as_str()),
+                ..Note::gateway("bad_request").to(&to, cfg)
+            };
+            return Admission::Answer(resp, note);
+        }
+        let limits = match Limit::all(live, &fitting, requester, asked.as_ref()) {
             Ok(limits) if limits.is_empty() => {
                 let note = Note::gateway("unlimited").to(&to, cfg);
                 let pass = Pass::unlimited(note, to, dialect);
@@ -705,6 +737,19 @@ impl Gateway {
                 parts.headers.append(header, value);
             }
         }
+        // A client's own copy of a cost header never goes up: a backend that echoed it
+        // would report it back as the request's cost.
+        for name in live.cost_headers.iter() {
+            parts.headers.remove(name);
+        }
+        if pass.settling.as_ref().is_some_and(Settling::reads_usage) {
+            // An answer whose usage is read is asked for uncompressed (one that comes
+            // compressed anyway is decoded for the scanner: `settle::decode`).
+            parts.headers.insert(
+                http::header::ACCEPT_ENCODING,
+                http::HeaderValue::from_static("identity"),
+            );
+        }
         let upgrade = upstream::Upgrade::asked(&parts, hyper::body::Body::is_end_stream(&body))
             .and_then(|asked| {
                 let on = parts.extensions.remove::<hyper::upgrade::OnUpgrade>()?;
@@ -714,6 +759,12 @@ impl Gateway {
         let mut out = upstream::Outbound::new(req, target, &pool.default_host());
         if let Some((asked, _)) = &upgrade {
             out.upgrading(asked.clone());
+        }
+        if let Some(settling) = &pass.settling {
+            out.reaching(settling.reached());
+        }
+        if !live.cost_headers.is_empty() {
+            out.screening(live.cost_headers.clone());
         }
         let pick = upstream::Pick {
             hash: pass.to.hash,
@@ -742,8 +793,13 @@ impl Gateway {
                     self.tunnel(live, ctx, &mut pass, &mut resp, asked, on);
                 }
                 let leases = pass.leases.take();
-                let mut resp =
-                    resp.map(|body| Either::Left(LeasedBody::new(body, leases).metered(meter)));
+                let screened = (!live.cost_headers.is_empty()).then(|| live.cost_headers.clone());
+                let mut resp = resp.map(|body| {
+                    let body = LeasedBody::new(body, leases)
+                        .metered(meter)
+                        .screened(screened);
+                    Either::Left(body)
+                });
                 pass.decorate(resp.headers_mut(), cfg);
                 pass.note.upstream = true;
                 (resp, pass.note)

@@ -80,17 +80,17 @@ impl Pass<'_> {
         if let Some(settling) = self.settling.take() {
             let (updates, rest) = settling.head(resp.status(), resp.headers_mut()).await;
             self.settled(updates);
-            let ct = resp.headers().get(http::header::CONTENT_TYPE);
-            meter = rest.map(|s| Meter::new(s, ct));
+            meter = rest.map(|s| Meter::new(s, resp.headers()));
         }
-        for name in &live.cost_headers {
+        for name in live.cost_headers.iter() {
             resp.headers_mut().remove(name);
         }
         meter
     }
 
-    /// No answer came (the backend failed, the client's body did): refund what charges
-    /// by status, and show it in the gateway's answer.
+    /// No answer came (no server could be reached, none answered in time, the client's
+    /// body failed): give back what charges by status if the request never reached a
+    /// backend, and show it in the gateway's answer.
     pub(super) async fn unanswered(&mut self) {
         if let Some(settling) = self.settling.take() {
             let updates = settling.unanswered().await;

@@ -134,6 +134,9 @@ pub struct Rule {
     /// `cost_header`, `cost_from`): `None` charges every admitted request on arrival, as
     /// it stands, with nothing to settle.
     pub settle: Option<std::sync::Arc<crate::settle::policy::Policy>>,
+    /// The rule whose attempts this rule counts (`charge.attempts`), where it is such a
+    /// ceiling: made at load, after the file's own rules, named `<rule>.attempts`.
+    pub ceiling_of: Option<String>,
 }
 
 /// `messages = { rate = "50/s", burst = 100 }`: a token bucket of data frames per

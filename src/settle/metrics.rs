@@ -10,7 +10,8 @@ crate::metrics::label_enum! {
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     pub enum SettleOutcome {
         /// Given back whole: the answer's status is one the rule does not charge, or
-        /// there was no answer (the backend failed, the client went away first).
+        /// the request never reached a backend (none could be, shed, the client gone
+        /// before it was sent).
         Refunded = "refunded",
         /// The reported cost was below the reservation: the difference given back.
         ChargedLess = "charged_less",
@@ -21,7 +22,29 @@ crate::metrics::label_enum! {
         Invalid = "invalid",
         /// The store did not take the settlement: the reservation stands.
         Failed = "failed",
+        /// The answer's usage could not be read (a content coding not undone, a corrupt
+        /// one, or one decoding past its bound): the reservation stands.
+        Unread = "unread",
     }
+}
+
+crate::metrics::label_enum! {
+    /// How an answer read on after its client left ended (`settle_drain`).
+    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+    pub enum DrainResult {
+        /// Its end reported a cost, which was settled.
+        Settled = "settled",
+        /// It ended reporting none: the reservations stand.
+        Stood = "stood",
+        /// Cut at `settle_drain`'s bytes or time, or broken by the backend: the
+        /// reservations stand.
+        Cut = "cut",
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct DrainLabels {
+    pub result: DrainResult,
 }
 
 crate::metrics::label_enum! {
@@ -56,6 +79,8 @@ pub struct SettleMetrics {
     /// Cost units a store could not charge (docs/algorithms.md, "Reservations and
     /// settlement": past the exact numbers' bound, or a calendar period's worth of debt).
     pub forgiven: Family<ForgivenLabels, Counter>,
+    /// Answers read on after their client left, by how that ended.
+    pub drains: Family<DrainLabels, Counter>,
 }
 
 impl SettleMetrics {
@@ -64,7 +89,7 @@ impl SettleMetrics {
         let cost = Family::<CostLabels, Counter>::default();
         registry.register(
             "settlements",
-            "Charges settled after the answer, per rule and outcome: refunded (the status is not charged, or no answer), charged_less / charged_more (the reported cost differed from the reservation), invalid (a reported cost was not a whole number; the reservation stands), failed (the store did not take it)",
+            "Charges settled after the answer, per rule and outcome: refunded (the status is not charged, or the request never reached a backend), charged_less / charged_more (the reported cost differed from the reservation), invalid (a reported cost was not a whole number; the reservation stands), failed (the store did not take it), unread (the answer's usage could not be read; the reservation stands)",
             settlements.clone(),
         );
         registry.register(
@@ -78,11 +103,26 @@ impl SettleMetrics {
             "Cost units a settlement could not charge, per rule: past the most a store's state holds exactly (2^52 units), or past one whole period of debt on a calendar quota; zero in any ordinary run",
             forgiven.clone(),
         );
+        let drains = Family::<DrainLabels, Counter>::default();
+        registry.register(
+            "settle_drains",
+            "Answers read on after their client left, to settle the cost their end reports (settle_drain), by result: settled, stood (no cost came: the reservations stand), cut (past settle_drain's bytes or time, or broken by the backend: the reservations stand)",
+            drains.clone(),
+        );
+        for result in DrainResult::ALL {
+            let _ = drains.get_or_create(&DrainLabels { result });
+        }
         SettleMetrics {
             settlements,
             cost,
             forgiven,
+            drains,
         }
+    }
+
+    /// An answer read on after its client left ended this way.
+    pub fn drained(&self, result: DrainResult) {
+        self.drains.get_or_create(&DrainLabels { result }).inc();
     }
 
     /// Every series of a rule that settles, at zero (from its load on).

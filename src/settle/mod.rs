@@ -5,6 +5,7 @@
 //! ([`Settling`], over the limiter's [`Reservation`](crate::limiter::reservation)).
 
 pub mod decode;
+pub mod max_tokens;
 pub mod metrics;
 pub mod policy;
 pub mod settling;

@@ -1,16 +1,34 @@
 //! The charges one admitted request holds until its answer says what they cost
 //! ([`Settling`]), and what watches the answer's body for a cost that comes at its end
-//! ([`Meter`]: a trailer, the usage an LLM answer reports).
+//! ([`Meter`]: a trailer, the usage an LLM answer reports), reading on after the client
+//! has gone ([`Meter::drain`]) so that leaving early never dodges the bill.
+//!
+//! What a client can do to its charge (issue 41), and what each does:
+//! - it leaves (FIN, RST, a cancelled HTTP/2 stream, a body cut, malformed or stalled)
+//!   before its request reached a backend: given back, as for a backend that could not
+//!   be reached, an overload shed, the gateway's own refusal — nothing was done for it;
+//! - it leaves once a backend may have received the request (a connection to it was open
+//!   and the request going up): the charge stands, whatever the rule charges by, as
+//!   nginx's 499 still counts;
+//! - it leaves mid-answer while a cost is still to come at the answer's end: the gateway
+//!   reads on (within `settle_drain`) and settles what the end reports; where no cost
+//!   ever comes, the reservation stands — never less.
 
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::atomic::{AtomicBool, Ordering::Relaxed};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{HeaderMap, StatusCode};
+use http_body_util::BodyExt;
 
-use super::metrics::{SettleDirection as Direction, SettleMetrics, SettleOutcome as Outcome};
-use super::policy::{parse_cost, Policy};
+use super::decode::Decoder;
+use super::metrics::{
+    DrainResult, SettleDirection as Direction, SettleMetrics, SettleOutcome as Outcome,
+};
+use super::policy::{parse_cost, Drain, Policy};
 use super::usage::{Framing, UsageField, UsageScanner};
 use crate::limiter::reservation::Reservation;
 use crate::limiter::Decision;
@@ -47,11 +65,14 @@ pub type Update = (Shown, Decision);
 
 /// The charges a request holds (its [`Reservation`], item for item with `held`). Dropped
 /// before the answer's head arrived (the client went away, the request was given up), it
-/// refunds, in the background, the charges of the rules that charge by status.
+/// gives back, in the background, the charges of the rules that charge by status — if
+/// the request never reached a backend ([`Settling::reached`]).
 pub struct Settling {
     reservation: Option<Reservation>,
     held: Vec<Held>,
     metrics: SettleMetrics,
+    /// Set by the upstream hop once an attempt starts sending the request to a server.
+    reached: Arc<AtomicBool>,
     /// The head has arrived: what is still open is settled at the body's end, or stands.
     answered: bool,
 }
@@ -62,21 +83,48 @@ impl Settling {
             reservation: Some(reservation),
             held,
             metrics,
+            reached: Arc::new(AtomicBool::new(false)),
             answered: false,
         }
     }
 
-    /// The backend did not answer (unreachable, too slow, or the request failed on the
-    /// client's side): refund what charges by status. The decisions to show in the
-    /// gateway's answer.
-    pub async fn unanswered(mut self) -> Vec<Update> {
+    /// What the upstream hop sets once the request may have reached a backend
+    /// (`upstream::Outbound::reaching`).
+    pub fn reached(&self) -> Arc<AtomicBool> {
+        self.reached.clone()
+    }
+
+    /// Whether a rule reads the answer's body for its usage (`cost_from`): the request
+    /// then asks the backend for an answer it can read (`Accept-Encoding: identity`).
+    pub fn reads_usage(&self) -> bool {
+        self.held.iter().any(|h| h.policy.usage.is_some())
+    }
+
+    /// The costs that give back what a request that never reached a backend holds under
+    /// the rules that charge by status (`None` elsewhere: the charge stands), or none at
+    /// all where it may have reached one.
+    fn unsent_costs(&self) -> Option<Vec<Option<u64>>> {
+        if self.reached.load(Relaxed) {
+            return None;
+        }
         let costs: Vec<Option<u64>> = self
             .held
             .iter()
-            .map(|h| h.policy.refunds_unanswered().then_some(0))
+            .map(|h| h.policy.refunds_unsent().then_some(0))
             .collect();
+        costs.iter().any(Option::is_some).then_some(costs)
+    }
+
+    /// No answer came (no server could be reached, none answered in time, the client's
+    /// body failed): give back what charges by status if the request never reached a
+    /// backend; one that may have keeps every charge. The decisions to show in the
+    /// gateway's answer.
+    pub async fn unanswered(mut self) -> Vec<Update> {
         self.answered = true;
-        self.apply(&costs, true).await
+        match self.unsent_costs() {
+            Some(costs) => self.apply(&costs, true).await,
+            None => Vec::new(),
+        }
     }
 
     /// The answer's head has arrived: settle what its status and cost header say, and
@@ -176,18 +224,56 @@ impl Settling {
         updates
     }
 
-    fn invalid(&self, k: usize, source: &'static str) {
-        let rule = self
-            .reservation
+    fn rule(&self, k: usize) -> &str {
+        self.reservation
             .as_ref()
             .and_then(|r| r.items.get(k))
-            .map_or("", |i| &*i.rule);
+            .map_or("", |i| &*i.rule)
+    }
+
+    fn invalid(&self, k: usize, source: &'static str) {
+        let rule = self.rule(k);
         tracing::warn!(
             rule,
             source,
             "the answer reported a cost that is not a whole number at least 0; the reserved cost stands"
         );
         self.metrics.count(rule, Outcome::Invalid);
+    }
+
+    /// The usage of the held charges still open at the end cannot be read (the answer's
+    /// coding, a corrupt one, past its bound): counted; their reservations stand.
+    fn unread(&self, why: &str) {
+        for (k, h) in self.held.iter().enumerate() {
+            if !h.settled && h.policy.usage.is_some() {
+                let rule = self.rule(k);
+                tracing::warn!(
+                    rule,
+                    why,
+                    "the answer's usage cannot be read; the reserved cost stands"
+                );
+                self.metrics.count(rule, Outcome::Unread);
+            }
+        }
+    }
+
+    /// The most a drain reads, and for how long: the largest bounds of the rules still
+    /// open at the end.
+    fn drain_bounds(&self) -> Drain {
+        self.held
+            .iter()
+            .filter(|h| !h.settled && h.policy.settles_at_end())
+            .map(|h| h.policy.drain)
+            .fold(
+                Drain {
+                    bytes: 0,
+                    time: Duration::ZERO,
+                },
+                |a, b| Drain {
+                    bytes: a.bytes.max(b.bytes),
+                    time: a.time.max(b.time),
+                },
+            )
     }
 }
 
@@ -196,14 +282,9 @@ impl Drop for Settling {
         if self.answered {
             return;
         }
-        let costs: Vec<Option<u64>> = self
-            .held
-            .iter()
-            .map(|h| h.policy.refunds_unanswered().then_some(0))
-            .collect();
-        if costs.iter().all(Option::is_none) {
+        let Some(costs) = self.unsent_costs() else {
             return;
-        }
+        };
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
@@ -211,6 +292,7 @@ impl Drop for Settling {
             reservation: self.reservation.take(),
             held: std::mem::take(&mut self.held),
             metrics: self.metrics.clone(),
+            reached: self.reached.clone(),
             answered: true,
         };
         runtime.spawn(async move {
@@ -223,30 +305,59 @@ impl Drop for Settling {
 /// that has the whole answer sees it on its next request).
 pub type Finishing = Pin<Box<dyn Future<Output = ()> + Send>>;
 
+/// How many decoded bytes a compressed answer's usage is looked for in, per byte of the
+/// answer a drain would read: past it the reservation stands (a decompression bomb costs
+/// a bounded amount of work).
+const DECODED_PER_BYTE: u64 = 16;
+
 /// Watches an answer's body for the cost its end reports: a trailer named by a rule's
 /// `cost_header`, or the usage an OpenAI-compatible answer reports (`cost_from`), read by
-/// one [`UsageScanner`] per count asked for as the bytes pass. Never holds a byte back;
-/// keeps no copy of the body.
+/// one [`UsageScanner`] per count asked for as the bytes pass — from the bytes decoded
+/// where the answer came compressed anyway (the gateway asked for `identity`). Never
+/// holds a byte back; keeps no copy of the body.
 pub struct Meter {
     settling: Settling,
     /// Per held charge: the cost its end reported, once seen.
     costs: Vec<Option<u64>>,
     /// The usage counts the rules ask for, each scanned once (at most three).
     scanners: Vec<(UsageField, UsageScanner)>,
+    /// The answer's content coding, undone for the scanners.
+    decoder: Option<Decoder>,
+    /// The usage cannot be read (a coding not undone, or one that failed): what it
+    /// would have settled stands as reserved.
+    unread: bool,
 }
 
 impl Meter {
-    /// A meter for the body of an answer of `content_type` (a usage is read from JSON
-    /// and event-stream bodies only).
-    pub fn new(settling: Settling, content_type: Option<&http::HeaderValue>) -> Meter {
+    /// A meter for the body of an answer with these `headers` (a usage is read from JSON
+    /// and event-stream bodies only, decoded where they are compressed).
+    pub fn new(settling: Settling, headers: &HeaderMap) -> Meter {
         let costs = vec![None; settling.held.len()];
         let mut scanners: Vec<(UsageField, UsageScanner)> = Vec::new();
-        if let Some(framing) = Framing::of(content_type) {
-            for h in settling.held.iter().filter(|h| !h.settled) {
-                if let Some(field) = h.policy.usage {
-                    if scanners.iter().all(|(f, _)| *f != field) {
-                        scanners.push((field, UsageScanner::new(framing, field)));
-                    }
+        let mut decoder = None;
+        let mut unread = false;
+        let content_type = headers.get(http::header::CONTENT_TYPE);
+        let wanted: Vec<UsageField> = settling
+            .held
+            .iter()
+            .filter(|h| !h.settled)
+            .filter_map(|h| h.policy.usage)
+            .collect();
+        if let (Some(framing), false) = (Framing::of(content_type), wanted.is_empty()) {
+            let budget = settling
+                .drain_bounds()
+                .bytes
+                .saturating_mul(DECODED_PER_BYTE);
+            match Decoder::of(headers, budget) {
+                Ok(d) => decoder = d,
+                Err(why) => {
+                    settling.unread(why.name());
+                    unread = true;
+                }
+            }
+            for field in wanted {
+                if scanners.iter().all(|(f, _)| *f != field) {
+                    scanners.push((field, UsageScanner::new(framing, field)));
                 }
             }
         }
@@ -254,6 +365,8 @@ impl Meter {
             settling,
             costs,
             scanners,
+            decoder,
+            unread,
         }
     }
 
@@ -261,11 +374,34 @@ impl Meter {
     /// are read and the cost removed.
     pub fn frame(&mut self, frame: &mut hyper::body::Frame<Bytes>) {
         if let Some(data) = frame.data_ref() {
-            for (_, scanner) in &mut self.scanners {
-                scanner.feed(data);
-            }
+            self.scan(data);
         } else if let Some(trailers) = frame.trailers_mut() {
             self.trailers(trailers);
+        }
+    }
+
+    fn scan(&mut self, data: &Bytes) {
+        if self.unread || self.scanners.is_empty() {
+            return;
+        }
+        let scanners = &mut self.scanners;
+        match &mut self.decoder {
+            None => {
+                for (_, scanner) in scanners.iter_mut() {
+                    scanner.feed(data);
+                }
+            }
+            Some(decoder) => {
+                let fed = decoder.feed(data, |decoded| {
+                    for (_, scanner) in scanners.iter_mut() {
+                        scanner.feed(decoded);
+                    }
+                });
+                if let Err(e) = fed {
+                    self.settling.unread(e.name());
+                    self.unread = true;
+                }
+            }
         }
     }
 
@@ -292,11 +428,20 @@ impl Meter {
     /// The body has ended: the settlement of what it reported, to run before its last
     /// frame goes out; `None` when it reported nothing (the reservations stand).
     pub fn finish(mut self) -> Option<Finishing> {
+        if let Some(Err(e)) = self.decoder.as_mut().map(Decoder::finish) {
+            if !self.unread {
+                self.settling.unread(e.name());
+                self.unread = true;
+            }
+        }
         let mut costs = std::mem::take(&mut self.costs);
         for (k, h) in self.settling.held.iter().enumerate() {
             let Some(field) = h.policy.usage.filter(|_| !h.settled && costs[k].is_none()) else {
                 continue;
             };
+            if self.unread {
+                continue;
+            }
             if let Some((_, scanner)) = self.scanners.iter_mut().find(|(f, _)| *f == field) {
                 costs[k] = scanner.finish();
             }
@@ -308,5 +453,49 @@ impl Meter {
         Some(Box::pin(async move {
             settling.apply(&costs, false).await;
         }))
+    }
+
+    /// The client went away before the answer's end: read the rest of `body` (within the
+    /// rules' `settle_drain`: so many bytes, so long) and settle what its end reports, as
+    /// if the client had stayed. Cut at a bound, broken by the backend, or ending without
+    /// a cost, the reservations stand: a client that leaves never pays less than them.
+    pub async fn drain<B>(mut self, mut body: B)
+    where
+        B: hyper::body::Body<Data = Bytes> + Unpin,
+    {
+        let bounds = self.settling.drain_bounds();
+        let metrics = self.settling.metrics.clone();
+        let deadline = tokio::time::Instant::now() + bounds.time;
+        let mut read = 0u64;
+        let result = loop {
+            let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
+                Err(_) | Ok(Some(Err(_))) => break DrainResult::Cut,
+                Ok(None) => break self.finished().await,
+                Ok(Some(Ok(frame))) => frame,
+            };
+            let mut frame = frame;
+            if let Some(data) = frame.data_ref() {
+                read = read.saturating_add(data.len() as u64);
+                if read > bounds.bytes {
+                    break DrainResult::Cut;
+                }
+            }
+            self.frame(&mut frame);
+            if body.is_end_stream() {
+                break self.finished().await;
+            }
+        };
+        metrics.drained(result);
+    }
+
+    /// The end reached while draining: settle what it reported.
+    async fn finished(self) -> DrainResult {
+        match self.finish() {
+            Some(settle) => {
+                settle.await;
+                DrainResult::Settled
+            }
+            None => DrainResult::Stood,
+        }
     }
 }

@@ -291,11 +291,18 @@ pub struct ResponseBody(Kind);
 enum Kind {
     Http1(Http1Body),
     Http2(super::h2::Http2Body),
+    /// Moved elsewhere (a body read on after its client left): nothing.
+    Taken,
 }
 
 impl ResponseBody {
     pub(super) fn http2(body: super::h2::Http2Body) -> ResponseBody {
         ResponseBody(Kind::Http2(body))
+    }
+
+    /// A body with nothing in it, left where one was taken away to be read elsewhere.
+    pub fn taken() -> ResponseBody {
+        ResponseBody(Kind::Taken)
     }
 }
 
@@ -310,6 +317,7 @@ impl Body for ResponseBody {
         match &mut self.0 {
             Kind::Http1(b) => Pin::new(b).poll_frame(cx),
             Kind::Http2(b) => Pin::new(b).poll_frame(cx),
+            Kind::Taken => Poll::Ready(None),
         }
     }
 
@@ -317,6 +325,7 @@ impl Body for ResponseBody {
         match &self.0 {
             Kind::Http1(b) => b.is_end_stream(),
             Kind::Http2(b) => b.is_end_stream(),
+            Kind::Taken => true,
         }
     }
 
@@ -324,6 +333,7 @@ impl Body for ResponseBody {
         match &self.0 {
             Kind::Http1(b) => b.size_hint(),
             Kind::Http2(b) => b.size_hint(),
+            Kind::Taken => SizeHint::with_exact(0),
         }
     }
 }

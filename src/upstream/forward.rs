@@ -193,6 +193,21 @@ impl Forwarding {
     }
 }
 
+/// A request's trailers as they go up (after [`super::body::clean_trailers`]): never a
+/// forwarding field (`X-Forwarded-*`, `Forwarded`, `X-Real-IP`), which the gateway sets
+/// in the head alone, nor any of `screened` (a rule's cost header: a client's own copy
+/// must not reach a backend that could echo it back as a cost).
+pub(super) fn screen_request_trailers(map: &mut HeaderMap, screened: Option<&[HeaderName]>) {
+    let forwarding: Vec<HeaderName> = map
+        .keys()
+        .filter(|n| Forwarding::of(n).is_some())
+        .cloned()
+        .collect();
+    for name in forwarding.iter().chain(screened.unwrap_or_default()) {
+        map.remove(name);
+    }
+}
+
 /// Which forwarding fields a trusted proxy set itself.
 #[derive(Default)]
 struct Kept {

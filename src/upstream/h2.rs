@@ -44,7 +44,7 @@ use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use http::header::{HeaderValue, HOST, TE};
+use http::header::{HeaderName, HeaderValue, HOST, TE};
 use http::uri::{Authority, PathAndQuery, Scheme};
 use http::{Method, Request, Response, Uri, Version};
 use hyper::body::{Body, Frame, Incoming, SizeHint};
@@ -333,6 +333,7 @@ impl Http2 {
     ) -> Result<Response<ResponseBody>, Error> {
         let (req, upload) = self.request(out, down)?;
         let replayable = upload.is_none() && out.parts.method.is_idempotent();
+        out.sending_now();
         let mut send = slot.0.send.clone();
         let answer = send.send_request(req);
         tokio::pin!(answer);
@@ -441,7 +442,10 @@ impl Http2 {
             (Sending::None, _) | (_, None) => (UpBody::empty(), None),
             (_, Some(body)) => {
                 let upload = Arc::new(Upload::new(down.body_timeout));
-                (UpBody::new(body, upload.clone()), Some(upload))
+                (
+                    UpBody::new(body, upload.clone(), out.screened.clone()),
+                    Some(upload),
+                )
             }
         };
         let mut req = Request::new(body);
@@ -519,6 +523,9 @@ impl Upload {
 pub(super) struct UpBody {
     body: Option<RequestBody>,
     upload: Option<Arc<Upload>>,
+    /// Names its trailers lose beside the hop-by-hop and forwarding ones
+    /// ([`Outbound::screening`]).
+    screened: Option<Arc<[HeaderName]>>,
     /// Since when the client has been awaited, and the clock on it.
     silence: Silence,
 }
@@ -528,14 +535,16 @@ impl UpBody {
         UpBody {
             body: None,
             upload: None,
+            screened: None,
             silence: Silence::default(),
         }
     }
 
-    fn new(body: RequestBody, upload: Arc<Upload>) -> UpBody {
+    fn new(body: RequestBody, upload: Arc<Upload>, screened: Option<Arc<[HeaderName]>>) -> UpBody {
         UpBody {
             body: Some(body),
             upload: Some(upload),
+            screened,
             silence: Silence::default(),
         }
     }
@@ -572,6 +581,7 @@ impl Body for UpBody {
                 let frame = match frame.into_trailers() {
                     Ok(mut trailers) => {
                         clean_trailers(&mut trailers);
+                        forward::screen_request_trailers(&mut trailers, this.screened.as_deref());
                         Frame::trailers(trailers)
                     }
                     Err(frame) => frame,

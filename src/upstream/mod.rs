@@ -85,10 +85,11 @@ mod stream;
 mod tls;
 mod upgrade;
 
+use std::sync::atomic::AtomicBool;
 use std::sync::Arc;
 use std::time::Duration;
 
-use http::header::HeaderValue;
+use http::header::{HeaderName, HeaderValue};
 use http::{Method, Request, Response};
 use tokio::io::AsyncWriteExt;
 
@@ -263,6 +264,7 @@ impl Client {
             Some(conn) => conn,
             None => self.open(Alpn::Http1).await?.0,
         };
+        out.sending_now();
         let answer = if out.sending == Sending::None {
             self.exchange(conn, going).await?
         } else {
@@ -450,6 +452,12 @@ pub struct Outbound {
     /// Whether the client said `TE: trailers`: hop-by-hop, so never sent over HTTP/1.1,
     /// but the one `TE` HTTP/2 allows (RFC 9113 §8.2.2), which gRPC servers require.
     te_trailers: bool,
+    /// Set once an attempt has a connection to a server and starts sending on it: from
+    /// then on a backend may have received the request ([`Outbound::reaching`]).
+    reached: Option<Arc<AtomicBool>>,
+    /// Names the request's trailers lose on the way up beside the hop-by-hop and framing
+    /// ones ([`Outbound::screening`]).
+    screened: Option<Arc<[HeaderName]>>,
 }
 
 impl Outbound {
@@ -481,6 +489,29 @@ impl Outbound {
             target,
             upgrade: None,
             te_trailers,
+            reached: None,
+            screened: None,
+        }
+    }
+
+    /// Tell `flag` when an attempt starts sending the request to a server (a connection
+    /// to it open): what a settlement by status needs to know — a request that never
+    /// reached a backend (none could be reached) is given back, one that may have is not.
+    /// A stream an HTTP/2 server refused unprocessed still counts as reached: stricter.
+    pub fn reaching(&mut self, flag: Arc<AtomicBool>) {
+        self.reached = Some(flag);
+    }
+
+    /// Drop `names` from the request's trailers too (a cost header: a client's own copy
+    /// never reaches a backend that could echo it back as a cost).
+    pub fn screening(&mut self, names: Arc<[HeaderName]>) {
+        self.screened = Some(names);
+    }
+
+    /// An attempt has a connection and starts sending on it.
+    fn sending_now(&self) {
+        if let Some(flag) = &self.reached {
+            flag.store(true, std::sync::atomic::Ordering::Relaxed);
         }
     }
 

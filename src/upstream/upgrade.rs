@@ -249,6 +249,7 @@ impl Client {
         bytes.extend_from_slice(b"\r\n");
         let replayable = out.parts.method.is_idempotent();
         let mut conn = self.open(super::tls::Alpn::Http1).await?.0;
+        out.sending_now();
         let exchange = async {
             let written = match conn.write_all(&bytes).await {
                 Ok(()) => conn.flush().await,
