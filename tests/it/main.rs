@@ -33,6 +33,7 @@ mod request_path;
 mod scale;
 mod sentinel;
 mod settle_agree;
+mod settle_attacks;
 mod settlement;
 mod setup;
 mod stores_agree;

@@ -37,14 +37,22 @@
 //! - [`seed`]: seeded, time-bounded property runs.
 //! - [`serial`]: a lock for tests whose bounds are timed, so that they do not run beside
 //!   each other's load.
+//! - [`witness`]: a scripted backend counting request heads the moment they arrive (before
+//!   any body), with their fields, bodies and trailers; costs as fields and trailers, a
+//!   gate before the last chunk, and an echo of what it was sent.
+//! - [`early`]: clients that leave once their request reached the backend (FIN, RST,
+//!   HTTP/2 RST_STREAM, a body cut short, broken or stalled).
+//! - [`gzip_backend`]: an OpenAI-compatible backend that gzips its answers (Python).
 //! - [`websocket`]: a WebSocket echo backend and client (Python's `websockets`, run as
 //!   subprocesses), RFC 6455 frames by hand, and a raw upgrade backend.
 
 pub mod backend;
 pub mod browser;
 pub mod client;
+pub mod early;
 pub mod gateway;
 pub mod grpc;
+pub mod gzip_backend;
 pub mod headers;
 pub mod jwt;
 pub mod keys;
@@ -61,6 +69,7 @@ pub mod tls;
 pub mod tls_upstream;
 pub mod upstream;
 pub mod websocket;
+pub mod witness;
 
 pub use backend::*;
 pub use browser::*;
