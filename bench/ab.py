@@ -9,6 +9,14 @@ turn with the same wrk settings as bench/run (1 thread, 64 connections, a key ou
 100,000 per request), ROUNDS times each (default 6, BENCH_SECS=8 each), alternating, so
 that both see the same machine. Prints requests/s and CPU µs per request (user + system,
 from /proc) of every round and their medians. Everything on 127.0.0.1; stops by itself.
+
+    CALLGRIND=1 bench/ab OLD_BINARY [NEW_BINARY]
+
+counts instead each build's instructions per request under valgrind's callgrind (one
+worker, wrk -c8 for CALLGRIND_SECS, default 10, after a 3 s warm-up): forwarded (a key out
+of 100,000 per request, never denied) and denied (one key past a limit of 1/h). Unlike CPU
+time the counts barely move between runs: the figure to guard "pay only for what you use"
+with (valgrind's CPU has no SHA-NI: the key's SHA-256 counts more than it runs).
 """
 
 import os
@@ -25,6 +33,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 SECS = int(os.environ.get("BENCH_SECS", "8"))
+CALLGRIND = os.environ.get("CALLGRIND", "0") == "1"
+CALLGRIND_SECS = int(os.environ.get("CALLGRIND_SECS", "10"))
 ROUNDS = int(os.environ.get("ROUNDS", "6"))
 LAB = tempfile.mkdtemp(prefix="ratewall-ab-")
 
@@ -54,6 +64,62 @@ def wrk(port):
     return int(m.group(1)) if m else 0
 
 
+DENY_CONFIG = """[server]
+listen = "127.0.0.1:18085"
+workers = 1
+[upstream]
+url = "http://127.0.0.1:18080"
+[store]
+backend = "memory"
+[[rules]]
+name = "tight"
+key = "api_key"
+rate = "1/h"
+burst = 1
+"""
+
+
+def instructions(binary, config, script, port):
+    """Instructions per request of `binary` on `config` under callgrind, driven by `script`."""
+    path = os.path.join(LAB, f"cg-{port}.toml")
+    open(path, "w").write(config.replace("127.0.0.1:18085", f"127.0.0.1:{port}"))
+    out = os.path.join(LAB, f"cg-{port}.out")
+    p = subprocess.Popen(["valgrind", "--tool=callgrind", f"--callgrind-out-file={out}", binary, "--config", path],
+                         env=dict(os.environ, RUST_LOG="warn"), stdout=subprocess.DEVNULL,
+                         stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(600):
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
+                break
+            except OSError:
+                time.sleep(0.1)
+        run = lambda secs: subprocess.run(["wrk", "-t1", "-c8", f"-d{secs}s", "-s", os.path.join(HERE, script),
+                                           f"http://127.0.0.1:{port}/"], capture_output=True, text=True).stdout
+        run(3)
+        subprocess.run(["callgrind_control", "-z", str(p.pid)], capture_output=True, check=True)
+        n = int(re.search(r"(\d+) requests in", run(CALLGRIND_SECS)).group(1))
+        subprocess.run(["callgrind_control", "-d", str(p.pid)], capture_output=True, check=True)
+        dump = f"{out}.1"
+        for _ in range(100):
+            if os.path.exists(dump) and "totals:" in open(dump, errors="replace").read()[-4096:]:
+                break
+            time.sleep(0.1)
+        total = int(re.search(r"^summary: (\d+)", open(dump, errors="replace").read(), re.M).group(1))
+        return total / max(n, 1)
+    finally:
+        p.send_signal(signal.SIGTERM)
+        p.wait(timeout=60)
+
+
+def callgrind(binaries):
+    forward = CONFIG if "workers" in CONFIG else CONFIG.replace("[server]\n", "[server]\nworkers = 1\n", 1)
+    for name, binary in sorted(binaries.items()):
+        f = instructions(binary, forward, "keys.lua", 18185)
+        d = instructions(binary, DENY_CONFIG, "one-key.lua", 18186)
+        print(f"{name} {binary}: {f:9.0f} instructions/req forwarded, {d:9.0f} denied", flush=True)
+
+
 def main():
     if len(sys.argv) < 2:
         sys.exit(__doc__)
@@ -67,6 +133,9 @@ def main():
     procs = {}
     try:
         wait_port(18080)
+        if CALLGRIND:
+            callgrind(binaries)
+            return
         for i, (name, binary) in enumerate(sorted(binaries.items())):
             port = 18185 + i
             path = os.path.join(LAB, f"{name}.toml")

@@ -56,7 +56,7 @@ pub(super) struct RawRule {
     cost_from: Option<Spanned<CostFrom>>,
     usage: Option<Spanned<UsageField>>,
     reserve: Option<Spanned<Reserve>>,
-    default_reserve: Option<Spanned<NonZeroU64>>,
+    default_reserve: Option<Spanned<DefaultReserve>>,
     on_unreadable: Option<Spanned<OnUnreadable>>,
     settle_drain: Option<Spanned<RawDrain>>,
     max_debt: Option<Spanned<u64>>,
@@ -65,12 +65,36 @@ pub(super) struct RawRule {
     plans: HashMap<String, Spanned<RawPlanOverride>>,
 }
 
-/// `charge = "always"` or `charge = { statuses = ["2xx", "3xx"] }`.
-#[derive(Deserialize)]
-#[serde(untagged)]
+/// `charge = "always"` or `charge = { statuses = ["2xx", "3xx"], attempts = { ... } }`.
+/// (Not an untagged enum: its error would hide what is wrong inside the table.)
 enum RawCharge {
     Named(String),
     Statuses(RawStatuses),
+}
+
+impl<'de> Deserialize<'de> for RawCharge {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct V;
+        impl<'de> serde::de::Visitor<'de> for V {
+            type Value = RawCharge;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str(
+                    "\"always\" or { statuses = [\"2xx\", ...], attempts = { rate, burst } }",
+                )
+            }
+            fn visit_str<E: serde::de::Error>(self, s: &str) -> Result<RawCharge, E> {
+                Ok(RawCharge::Named(s.to_string()))
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                map: A,
+            ) -> Result<RawCharge, A::Error> {
+                RawStatuses::deserialize(serde::de::value::MapAccessDeserializer::new(map))
+                    .map(RawCharge::Statuses)
+            }
+        }
+        d.deserialize_any(V)
+    }
 }
 
 #[derive(Deserialize)]
@@ -89,6 +113,25 @@ struct RawStatuses {
 struct RawAttempts {
     rate: Rate,
     burst: Option<NonZeroU64>,
+}
+
+/// `default_reserve`: a whole number of tokens, at least 1.
+struct DefaultReserve(u64);
+
+impl<'de> Deserialize<'de> for DefaultReserve {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let n = i64::deserialize(d).map_err(|_| {
+            serde::de::Error::custom(
+                "default_reserve is a whole number of tokens, at least 1 (e.g. default_reserve = 4096)",
+            )
+        })?;
+        match u64::try_from(n) {
+            Ok(n) if n >= 1 => Ok(DefaultReserve(n)),
+            _ => Err(serde::de::Error::custom(format!(
+                "default_reserve = {n}: a whole number of tokens, at least 1 (e.g. default_reserve = 4096)"
+            ))),
+        }
+    }
 }
 
 /// `on_unreadable`: what a rule with `reserve = "max_tokens"` does with a body that says
@@ -617,7 +660,7 @@ impl At<'_> {
             ));
         };
         Ok(Some(MaxTokens {
-            default: default.get_ref().get(),
+            default: default.get_ref().0,
             reject: r.on_unreadable.as_ref().map(|o| *o.get_ref()) == Some(OnUnreadable::Reject),
         }))
     }

@@ -200,9 +200,14 @@ impl Policy {
             ));
         }
         if self.settles_at_end() {
+            let b = self.drain.bytes;
+            let bytes = match b {
+                _ if b.is_multiple_of(1 << 20) => format!("{}MiB", b >> 20),
+                _ if b.is_multiple_of(1 << 10) => format!("{}KiB", b >> 10),
+                _ => format!("{b} bytes"),
+            };
             parts.push(format!(
-                "reads on up to {} bytes or {} after a client leaves",
-                self.drain.bytes,
+                "reads on up to {bytes} or {} after a client leaves",
                 humantime::format_duration(self.drain.time)
             ));
         }

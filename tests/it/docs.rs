@@ -311,6 +311,8 @@ fn place(name: &str) -> Option<Place> {
         "RawMatch" => Place::Within("[[rules]]", "match"),
         "RawMessages" => Place::Within("[[rules]]", "messages"),
         "RawStatuses" => Place::Within("[[rules]]", "charge"),
+        "RawAttempts" => Place::Within("[[rules]]", "attempts"),
+        "RawDrain" => Place::Within("[[rules]]", "settle_drain"),
         "RawTls" | "RawCertificate" => Place::Within("[server]", "tls"),
         "RawPlanOverride" => Place::Section("[rules.plans.<plan>]"),
         _ => return None,

@@ -1743,7 +1743,7 @@ fn check_explains_a_sample_request() {
     );
     // The rules that do not apply, each with why: path, method, plan.
     let (_, not) = s
-        .split_once("4 rule(s) do not apply:\n")
+        .split_once("5 rule(s) do not apply:\n")
         .unwrap_or_else(|| panic!("no rules that do not apply:\n{s}"));
     let not: Vec<&str> = not.lines().map(str::trim).collect();
     assert_eq!(
@@ -1753,6 +1753,7 @@ fn check_explains_a_sample_request() {
             "login: the path is not /api/login",
             "uploads: the path does not start with /api/upload",
             "per-ip: plan pro is exempt from it",
+            "exports.attempts: the path does not fit glob /api/*/export",
         ],
         "{s}"
     );

@@ -4,7 +4,8 @@
 //! state is read from the `RateLimit` header's `r`.
 //!
 //! - by status (`charge = { statuses = ["2xx"] }`): answers of another status, a dead
-//!   backend (502), a slow one (504) and a client that leaves first give the charge back;
+//!   backend (502) gives the charge back; a slow one (504) and a client that leaves once
+//!   the backend holds its request keep it (issue 41);
 //!   200s use the bucket up exactly. Concurrent requests never overshoot while reserved.
 //! - by a reported cost (`cost_header`): the header's cost replaces the reservation at the
 //!   head, never reaches the client, an invalid one leaves the reservation, a debt is
@@ -182,7 +183,7 @@ name = "api"
 key = "api_key"
 rate = "1/h"
 burst = {B}
-charge = {{ statuses = ["2xx"] }}
+charge = {{ statuses = ["2xx"], attempts = {{ rate = "1/h", burst = 1000 }} }}
 "#,
         backend.url(),
         closed_port_url(),
@@ -210,22 +211,25 @@ charge = {{ statuses = ["2xx"] }}
         "{store}: every 500 reached the backend"
     );
 
-    // The backend unreachable (502) and too slow (504): given back too.
+    // The backend unreachable (502): the request never reached one: given back too.
     let r = get(&c, &gw, "/dead/work", key).await;
     assert_eq!(
         r_of(&r, "api", 502, &format!("{store}: dead")),
         B,
         "{store}: 502"
     );
+    // Too slow (504): the backend had the request, and may have done the work: the
+    // charge stands (issue 41).
     let r = get(&c, &gw, "/work?hold=4000", key).await;
     assert_eq!(
         r_of(&r, "api", 504, &format!("{store}: slow")),
-        B,
+        B - 1,
         "{store}: 504"
     );
 
-    // A client that goes away before the head: its charge is given back while the
-    // backend still holds the request (a 200 would come later, to nobody).
+    // A client that goes away before the head, once the backend holds its request: the
+    // charge stands, as nginx's 499 counts (issue 41; before, it was given back and a
+    // client leaving early got every request free).
     {
         use tokio::io::AsyncWriteExt;
         let mut s = common::connect(gw.port).await;
@@ -246,21 +250,21 @@ charge = {{ statuses = ["2xx"] }}
         drop(s);
     }
     tokio::time::sleep(Duration::from_millis(1500)).await;
-    // Probe with a 500 (itself refunded): the bucket is full again.
+    // Probe with a 500 (itself refunded): the 504 and the client that left still count.
     let r = get(&c, &gw, "/work?status=500", key).await;
     assert_eq!(
         r_of(&r, "api", 500, &format!("{store}: probe")),
-        B,
-        "{store}: the charge of the client that left was given back before the backend answered"
+        B - 2,
+        "{store}: the charge of the client that left stands"
     );
     backend.open();
 
-    // B answers of 200 use the bucket up exactly; the next is denied at the gateway.
-    for i in 0..B {
+    // B - 2 answers of 200 use the bucket up exactly; the next is denied at the gateway.
+    for i in 0..B - 2 {
         let r = get(&c, &gw, "/ok", key).await;
         assert_eq!(
             r_of(&r, "api", 200, &format!("{store}: 200 #{i}")),
-            B - 1 - i,
+            B - 3 - i,
             "{store}: each 200 is charged"
         );
     }
@@ -273,8 +277,8 @@ charge = {{ statuses = ["2xx"] }}
         "{store}: the 429 never reached the backend"
     );
 
-    // 15 + 1 + 1 + 1 (the client gone) + 1 (the probe): each given back whole.
-    let refunds = (B + 5 + 4) as u64;
+    // 15 + 1 (the 502) + 1 (the probe): each given back whole.
+    let refunds = (B + 5 + 2) as u64;
     assert_settled(
         &gw,
         "api",
@@ -309,7 +313,7 @@ async fn concurrent_reservations(on: On<'_>) {
     const N: usize = 200;
     let backend = LlmBackend::start().await;
     let rules = format!(
-        "[[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"1/h\"\nburst = {B}\ncharge = {{ statuses = [\"2xx\"] }}\n"
+        "[[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"1/h\"\nburst = {B}\ncharge = {{ statuses = [\"2xx\"], attempts = {{ rate = \"1/h\", burst = 1000 }} }}\n"
     );
     let gw = Gateway::start(&config(&backend, on, &rules));
     let store = on.name();
@@ -582,14 +586,14 @@ name = "per-key"
 key = "api_key"
 rate = "1/h"
 burst = {KEY_B}
-charge = {{ statuses = ["2xx"] }}
+charge = {{ statuses = ["2xx"], attempts = {{ rate = "1/h", burst = 1000 }} }}
 
 [[rules]]
 name = "per-ip"
 key = "client_ip"
 rate = "1/h"
 burst = {IP_B}
-charge = {{ statuses = ["2xx"] }}
+charge = {{ statuses = ["2xx"], attempts = {{ rate = "1/h", burst = 1000 }} }}
 "#
     );
     let gw = Gateway::start(&config(&backend, On::Cluster(&cluster), &rules));
@@ -711,7 +715,11 @@ async fn llm_usage(on: On<'_>) {
     let rules = [
         rule("total", "/v1/", ""),
         rule("completion", "/v2/", "usage = \"completion_tokens\""),
-        rule("reserve", "/v3/", "reserve = \"max_tokens\""),
+        rule(
+            "reserve",
+            "/v3/",
+            "reserve = \"max_tokens\"\ndefault_reserve = 500",
+        ),
     ]
     .concat();
     let body = config(&backend, on, &rules);
@@ -808,10 +816,12 @@ async fn llm_usage(on: On<'_>) {
         );
     }
 
-    // reserve = "max_tokens": the request's own max_tokens is reserved, the usage (100)
-    // settles it, the difference is given back.
+    // reserve = "max_tokens": the request's own max_tokens is reserved, and (the rule
+    // settles total_tokens) its prompt, estimated at a token per 4 bytes of the body; the
+    // usage (100) settles it, the difference is given back.
     let ask =
         br#"{"model":"test-model","max_tokens":500,"messages":[{"role":"user","content":"hi"}]}"#;
+    let reserved = 500 + ask.len().div_ceil(4) as i64;
     let path = "/v3/chat?usage=json&prompt=20&completion=80";
     let r = c
         .send(
@@ -824,28 +834,30 @@ async fn llm_usage(on: On<'_>) {
             Bytes::from_static(ask),
         )
         .await;
-    // RateLimit counts requests of the request's own cost (docs/reference.md): 9,500
-    // tokens left are 19 requests of 500, of a quota of 20 such requests.
+    // RateLimit counts requests of the request's own cost (docs/reference.md): what is
+    // left after it, in requests of its reservation, of a quota of so many.
     assert_eq!(
         r_of(&r, "reserve", 200, store),
-        (LLM_B - 500) / 500,
-        "{store}: reserved its max_tokens, 500"
+        (LLM_B - reserved) / reserved,
+        "{store}: reserved its max_tokens, 500, and its prompt's estimate"
     );
     assert_eq!(
         int(&common::item(&r, "ratelimit-policy", "reserve"), "q"),
-        LLM_B / 500,
-        "{store}: the policy in requests of 500"
+        LLM_B / reserved,
+        "{store}: the policy in requests of {reserved}"
     );
     assert_eq!(
         backend.only(path).body,
         &ask[..],
         "{store}: the request body read for max_tokens went upstream as sent"
     );
+    // The probe has no body to say a max_tokens: it reserves default_reserve (500), and
+    // its answer reports no usage: r counts requests of 500.
     let r = probe("/v3/chat", "reserve").await;
     assert_eq!(
         remaining(&r, "reserve"),
-        LLM_B - 100 - 1,
-        "{store}: 400 of the 500 reserved were given back"
+        (LLM_B - 100 - 500) / 500,
+        "{store}: all but the 100 used of the {reserved} reserved were given back"
     );
 
     assert_settled(
@@ -862,7 +874,13 @@ async fn llm_usage(on: On<'_>) {
         &[("charged", 89)],
     )
     .await;
-    assert_settled(&gw, "reserve", &[("charged_less", 1)], &[("refunded", 400)]).await;
+    assert_settled(
+        &gw,
+        "reserve",
+        &[("charged_less", 1)],
+        &[("refunded", (reserved - 100) as u64)],
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
