@@ -73,10 +73,15 @@ impl Drop for LeasedBody {
     /// settled; the request's concurrency slots are held until then, since the backend is
     /// still working for it.
     fn drop(&mut self) {
-        let Some(meter) = self.meter.take() else {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+        // A settlement (and the slots' release) begun as the body ended, its client gone
+        // before it finished: it finishes on its own.
+        if let Some((finishing, _)) = self.releasing.take() {
+            runtime.spawn(finishing);
+        }
+        let Some(meter) = self.meter.take() else {
             return;
         };
         let body = std::mem::replace(&mut self.body, ResponseBody::taken());
@@ -120,8 +125,14 @@ impl hyper::body::Body for LeasedBody {
                 Poll::Ready(None) => None,
                 Poll::Ready(Some(Err(e))) => {
                     this.leases = None;
-                    // Cut short: the reservations stand as they are.
-                    this.meter = None;
+                    // Cut short: the reservations stand, or the usage seen so far if it is
+                    // more (settled in the background: the client is being cut too).
+                    if let (Some(settle), Ok(runtime)) = (
+                        this.meter.take().and_then(|m| m.cut()),
+                        tokio::runtime::Handle::try_current(),
+                    ) {
+                        runtime.spawn(settle);
+                    }
                     if let Some(w) = this.grpc.as_deref_mut() {
                         w.end();
                     }

@@ -841,7 +841,7 @@ impl MemoryStore {
                 let mut shard = self.lock(shard);
                 let at = shard.find(key);
                 let state = shard.state_at(at, now);
-                let (settled, forgiven) =
+                let (settled, mut forgiven) =
                     super::settle(check.quota, state.as_ref(), now, item.adjust);
                 let state = match settled {
                     super::Settled::Keep => state,
@@ -855,13 +855,20 @@ impl MemoryStore {
                         let o = super::decide(check.quota, Some(&next), now);
                         let held = !check.shadow && o.uncharged.remaining < check.quota.cost;
                         let slot = Slot::new(key, next, now.saturating_add(ttl_us), held);
-                        if !shard.update(slot, at) {
-                            let own = |k: Key| k == key;
-                            if shard.make_room(now, 0, &own, &self.evictions).is_ok() {
-                                shard.insert(slot);
-                            }
+                        let own = |k: Key| k == key;
+                        if shard.update(slot, at) {
+                            Some(next)
+                        } else if shard.make_room(now, 0, &own, &self.evictions).is_ok() {
+                            shard.insert(slot);
+                            Some(next)
+                        } else {
+                            // No room (the shard full of requests in flight): a charge is
+                            // not kept, and is counted as forgiven; a refund not made is
+                            // stricter.
+                            forgiven = forgiven
+                                .saturating_add(u64::try_from(item.adjust.delta).unwrap_or(0));
+                            state
                         }
-                        Some(next)
                     }
                 };
                 Receipt::new(

@@ -8,7 +8,7 @@ use std::sync::Arc;
 
 use super::guard::Limiter;
 use super::store::{Receipt, Settlement};
-use super::{Adjust, Algorithm, Check, Quota};
+use super::{Adjust, Algorithm, Check, Quota, MAX_LEVEL};
 use crate::identity::IdentityDigest;
 
 /// One charge a request holds.
@@ -87,18 +87,20 @@ impl Reservation {
 pub struct Failed;
 
 /// How to settle `item`, reserved at its quota's cost, at a real `cost`; `None` when
-/// there is nothing to do. The whole difference is settled, however large: a reported
-/// cost is charged in full (the store forgives only what its numbers cannot hold, and
-/// says so). A window's refund goes to the window the charge fell in.
+/// there is nothing to do. The whole difference is settled, however large — a reported
+/// cost is charged in full — up to [`MAX_LEVEL`] cost units, more than any store holds
+/// (past it the store forgives the rest anyway; bounded here, every number the Lua twin
+/// sees stays exact). A window's refund goes to the window the charge fell in.
 pub fn adjust(item: &Reserved, cost: u64) -> Option<Adjust> {
     let q = &item.quota;
     let reserved = q.cost;
     if cost == reserved || q.algorithm == Algorithm::Concurrency {
         return None;
     }
-    let delta = i128::from(cost) - i128::from(reserved);
+    let most = i128::from(MAX_LEVEL);
+    let delta = (i128::from(cost) - i128::from(reserved)).clamp(-most, most);
     Some(Adjust {
-        delta: delta.clamp(i128::from(i64::MIN), i128::from(i64::MAX)) as i64,
+        delta: delta as i64,
         window: item.window,
     })
 }

@@ -20,6 +20,10 @@ pub const MAX_BODY: u64 = 1 << 20;
 /// The fields whose value bounds the tokens of the answer.
 const BOUNDS: [&str; 3] = ["max_tokens", "max_completion_tokens", "max_output_tokens"];
 
+/// The fields that ask for several answers, each up to the bound: the Chat Completions'
+/// `n` (choices) and the Completions' `best_of` (candidates generated, the best returned).
+const MULTIPLES: [&str; 2] = ["n", "best_of"];
+
 /// UTF-8's byte order mark: one is skipped at the body's start, as Python's `utf-8-sig`
 /// and .NET's readers do.
 const BOM: &[u8] = b"\xEF\xBB\xBF";
@@ -115,7 +119,9 @@ pub fn prompt_estimate(body_bytes: u64) -> u64 {
 }
 
 /// What a request body read whole asks for: one JSON object (after one optional BOM), the
-/// largest valid value among all the top-level occurrences of [`BOUNDS`]. One pass over
+/// largest valid value among all the top-level occurrences of [`BOUNDS`], times the
+/// largest of [`MULTIPLES`] (`{"max_tokens":1000,"n":8}` may generate 8,000; an `n` that
+/// is not a whole number of at least 1 makes the body unusable). One pass over
 /// the body by serde_json, other values skipped unparsed ([`IgnoredAny`]); a duplicated
 /// key is seen each time (a derived struct would refuse or drop it), as backends differ
 /// in which one they keep.
@@ -131,10 +137,17 @@ pub fn asked_of(body: &[u8]) -> Asked {
     });
     match found {
         Err(_) => Asked::Unreadable(Unreadable::NotJson),
+        // A count of answers that is not a whole number of at least 1 says nothing usable
+        // of what the answer may cost.
         Ok(Found {
-            largest: Some(max), ..
+            bad_multiple: true, ..
+        }) => Asked::Unreadable(Unreadable::BadMaxTokens),
+        Ok(Found {
+            largest: Some(max),
+            multiple,
+            ..
         }) => Asked::Tokens {
-            max,
+            max: max.saturating_mul(multiple.unwrap_or(1)),
             body_bytes: body.len() as u64,
         },
         Ok(Found { invalid: true, .. }) => Asked::Unreadable(Unreadable::BadMaxTokens),
@@ -148,6 +161,10 @@ struct Found {
     largest: Option<u64>,
     /// Whether any occurrence was not a valid bound.
     invalid: bool,
+    /// The largest `n` or `best_of`: the answers generated, each up to the bound.
+    multiple: Option<u64>,
+    /// Whether an `n` or `best_of` was not a whole number of at least 1.
+    bad_multiple: bool,
 }
 
 /// The top-level object, a member at a time.
@@ -164,6 +181,10 @@ impl<'de> Visitor<'de> for TopLevel {
         let mut found = Found::default();
         while let Some(key) = map.next_key::<Key>()? {
             match key {
+                Key::Multiple => match map.next_value::<Bound>()? {
+                    Bound::Valid(n) => found.multiple = found.multiple.max(Some(n)),
+                    Bound::Invalid => found.bad_multiple = true,
+                },
                 Key::Bound => match map.next_value::<Bound>()? {
                     Bound::Valid(n) => found.largest = found.largest.max(Some(n)),
                     Bound::Invalid => found.invalid = true,
@@ -181,6 +202,8 @@ impl<'de> Visitor<'de> for TopLevel {
 /// over unescaped, as the backend reads it), or another.
 enum Key {
     Bound,
+    /// One of [`MULTIPLES`].
+    Multiple,
     Other,
 }
 
@@ -195,6 +218,8 @@ impl<'de> de::Deserialize<'de> for Key {
             fn visit_str<E: de::Error>(self, key: &str) -> Result<Key, E> {
                 Ok(if BOUNDS.contains(&key) {
                     Key::Bound
+                } else if MULTIPLES.contains(&key) {
+                    Key::Multiple
                 } else {
                     Key::Other
                 })

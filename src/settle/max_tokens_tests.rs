@@ -182,3 +182,35 @@ fn the_prompt_is_estimated_at_a_token_per_four_bytes_rounded_up() {
     assert_eq!(estimates, [0, 1, 1, 2, 2, 1 << 18]);
     assert_eq!(prompt_estimate(u64::MAX), u64::MAX / 4 + 1);
 }
+
+#[test]
+fn several_answers_asked_for_multiply_the_bound() {
+    for (body, max) in [
+        (&br#"{"max_tokens":1000,"n":8}"#[..], 8000),
+        (br#"{"n":3,"max_completion_tokens":100}"#, 300),
+        (br#"{"max_tokens":100,"best_of":5,"n":2}"#, 500),
+        (br#"{"max_tokens":100,"n":1}"#, 100),
+        (br#"{"max_tokens":100,"n":2,"n":7}"#, 700),
+        (br#"{"max_tokens":18446744073709551615,"n":2}"#, u64::MAX),
+    ] {
+        assert_eq!(
+            asked_of(body),
+            tokens(max, body),
+            "{}",
+            String::from_utf8_lossy(body)
+        );
+    }
+    for body in [
+        &br#"{"max_tokens":100,"n":0}"#[..],
+        br#"{"max_tokens":100,"n":"8"}"#,
+        br#"{"max_tokens":100,"n":8.0}"#,
+        br#"{"max_tokens":100,"best_of":null}"#,
+    ] {
+        assert_eq!(
+            asked_of(body),
+            unreadable(Unreadable::BadMaxTokens),
+            "{}",
+            String::from_utf8_lossy(body)
+        );
+    }
+}

@@ -68,7 +68,9 @@ pub type Update = (Shown, Decision);
 /// gives back, in the background, the charges of the rules that charge by status — if
 /// the request never reached a backend ([`Settling::reached`]).
 pub struct Settling {
-    reservation: Option<Reservation>,
+    /// Shared with the settlements under way (each a task of its own: a client that goes
+    /// away never cuts one short).
+    reservation: Option<Arc<Reservation>>,
     held: Vec<Held>,
     metrics: SettleMetrics,
     /// Set by the upstream hop once an attempt starts sending the request to a server.
@@ -80,7 +82,7 @@ pub struct Settling {
 impl Settling {
     pub fn new(reservation: Reservation, held: Vec<Held>, metrics: SettleMetrics) -> Settling {
         Settling {
-            reservation: Some(reservation),
+            reservation: Some(Arc::new(reservation)),
             held,
             metrics,
             reached: Arc::new(AtomicBool::new(false)),
@@ -179,49 +181,38 @@ impl Settling {
     }
 
     /// Settle at `costs` (`None`: as reserved); `refunds`: the ones at 0 are refunds of
-    /// the whole charge (the status, no answer), not a reported cost of 0.
+    /// the whole charge (the status, no answer), not a reported cost of 0. The store call
+    /// runs as a task of its own, awaited here: dropped mid-way (its client gone), this
+    /// leaves it to finish — a settlement once begun is never lost to a client leaving.
     async fn apply(&mut self, costs: &[Option<u64>], refunds: bool) -> Vec<Update> {
-        let Some(r) = &self.reservation else {
+        let Some(r) = self.reservation.clone() else {
             return Vec::new();
         };
-        let result = r.settle(costs).await;
-        let mut updates = Vec::new();
-        for (k, cost) in costs.iter().enumerate() {
-            let (Some(cost), Some(item), Some(held)) = (cost, r.items.get(k), self.held.get(k))
-            else {
-                continue;
-            };
-            let rule = &*item.rule;
-            let reserved = item.quota.cost;
-            match &result {
-                Err(_) => self.metrics.count(rule, Outcome::Failed),
-                Ok(done) => {
-                    let Some(receipt) = done.get(k).copied().flatten() else {
-                        continue;
-                    };
-                    updates.push((held.shown, receipt.now));
-                    self.metrics.forgave(rule, receipt.forgiven);
-                    if *cost < reserved {
-                        let outcome = if refunds && *cost == 0 {
-                            Outcome::Refunded
-                        } else {
-                            Outcome::ChargedLess
-                        };
-                        self.metrics.count(rule, outcome);
-                        self.metrics
-                            .moved(rule, Direction::Refunded, reserved - cost);
-                    } else {
-                        self.metrics.count(rule, Outcome::ChargedMore);
-                        self.metrics.moved(
-                            rule,
-                            Direction::Charged,
-                            (cost - reserved).saturating_sub(receipt.forgiven),
-                        );
-                    }
-                }
-            }
+        let shown: Vec<Shown> = self.held.iter().map(|h| h.shown).collect();
+        let task = settle(r, self.metrics.clone(), shown, costs.to_vec(), refunds);
+        match tokio::runtime::Handle::try_current() {
+            Ok(runtime) => runtime.spawn(task).await.unwrap_or_default(),
+            Err(_) => task.await,
         }
-        updates
+    }
+
+    /// A settling whose charges are all settled (what a [`Meter`] cut short leaves).
+    fn done() -> Settling {
+        Settling {
+            reservation: None,
+            held: Vec::new(),
+            metrics: SettleMetrics::default(),
+            reached: Arc::new(AtomicBool::new(true)),
+            answered: true,
+        }
+    }
+
+    /// The reserved cost of held charge `k`.
+    fn reserved(&self, k: usize) -> u64 {
+        self.reservation
+            .as_ref()
+            .and_then(|r| r.items.get(k))
+            .map_or(0, |i| i.quota.cost)
     }
 
     fn rule(&self, k: usize) -> &str {
@@ -277,6 +268,59 @@ impl Settling {
     }
 }
 
+/// One settlement of `reservation` at `costs`, and the metrics it adds: what each settled
+/// rule now tells, where it is `shown`. (See [`Settling::apply`].)
+async fn settle(
+    reservation: Arc<Reservation>,
+    metrics: SettleMetrics,
+    shown: Vec<Shown>,
+    costs: Vec<Option<u64>>,
+    refunds: bool,
+) -> Vec<Update> {
+    let result = reservation.settle(&costs).await;
+    let mut updates = Vec::new();
+    for (k, cost) in costs.iter().enumerate() {
+        let (Some(cost), Some(item), Some(&shown)) = (cost, reservation.items.get(k), shown.get(k))
+        else {
+            continue;
+        };
+        let rule = &*item.rule;
+        let reserved = item.quota.cost;
+        match &result {
+            Err(_) => metrics.count(rule, Outcome::Failed),
+            Ok(done) => {
+                let Some(receipt) = done.get(k).copied().flatten() else {
+                    continue;
+                };
+                updates.push((shown, receipt.now));
+                // A cost past what a settlement carries (`adjust`'s bound) is forgiven too.
+                let sent = crate::limiter::reservation::adjust(item, *cost)
+                    .map_or(0, |a| a.delta.unsigned_abs());
+                let clipped = cost.abs_diff(reserved).saturating_sub(sent);
+                let forgiven = receipt.forgiven.saturating_add(clipped);
+                metrics.forgave(rule, forgiven);
+                if *cost < reserved {
+                    let outcome = if refunds && *cost == 0 {
+                        Outcome::Refunded
+                    } else {
+                        Outcome::ChargedLess
+                    };
+                    metrics.count(rule, outcome);
+                    metrics.moved(rule, Direction::Refunded, reserved - cost);
+                } else {
+                    metrics.count(rule, Outcome::ChargedMore);
+                    metrics.moved(
+                        rule,
+                        Direction::Charged,
+                        (cost - reserved).saturating_sub(forgiven),
+                    );
+                }
+            }
+        }
+    }
+    updates
+}
+
 impl Drop for Settling {
     fn drop(&mut self) {
         if self.answered {
@@ -309,6 +353,33 @@ pub type Finishing = Pin<Box<dyn Future<Output = ()> + Send>>;
 /// answer a drain would read: past it the reservation stands (a decompression bomb costs
 /// a bounded amount of work).
 const DECODED_PER_BYTE: u64 = 16;
+
+/// The most answers read on at once after their clients left, in the whole process: each
+/// holds an upstream connection (and its decoder's window) for up to `settle_drain`'s
+/// time. Past it an answer is not read on: what its scanners saw so far is settled (no
+/// less than the reservation), as for one cut at its bounds.
+pub const MAX_DRAINS: usize = 1024;
+
+/// The answers being read on now ([`MAX_DRAINS`]).
+static DRAINING: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+/// One place among the [`MAX_DRAINS`] answers read on at once, given back when dropped.
+struct DrainPlace;
+
+impl DrainPlace {
+    fn take() -> Option<DrainPlace> {
+        DRAINING
+            .fetch_update(Relaxed, Relaxed, |n| (n < MAX_DRAINS).then_some(n + 1))
+            .ok()
+            .map(|_| DrainPlace)
+    }
+}
+
+impl Drop for DrainPlace {
+    fn drop(&mut self) {
+        DRAINING.fetch_sub(1, Relaxed);
+    }
+}
 
 /// Watches an answer's body for the cost its end reports: a trailer named by a rule's
 /// `cost_header`, or the usage an OpenAI-compatible answer reports (`cost_from`), read by
@@ -455,34 +526,79 @@ impl Meter {
         }))
     }
 
+    /// The body was cut short (the backend broke it, or a drain stopped at its bounds):
+    /// the settlement of the usage its scanners saw so far where it is above the
+    /// reservation (a backend that reports usage as it goes), else none (the reservations
+    /// stand). Never less than the reservation.
+    pub fn cut(mut self) -> Option<Finishing> {
+        let mut costs = vec![None; self.settling.held.len()];
+        for (k, h) in self.settling.held.iter().enumerate() {
+            let Some(field) = h.policy.usage.filter(|_| !h.settled && !self.unread) else {
+                continue;
+            };
+            let reserved = self.settling.reserved(k);
+            costs[k] = self
+                .scanners
+                .iter()
+                .find(|(f, _)| *f == field)
+                .and_then(|(_, s)| s.seen())
+                .filter(|&seen| seen > reserved);
+        }
+        if costs.iter().all(Option::is_none) {
+            return None;
+        }
+        let mut settling = std::mem::replace(&mut self.settling, Settling::done());
+        Some(Box::pin(async move {
+            settling.apply(&costs, false).await;
+        }))
+    }
+
     /// The client went away before the answer's end: read the rest of `body` (within the
     /// rules' `settle_drain`: so many bytes, so long) and settle what its end reports, as
-    /// if the client had stayed. Cut at a bound, broken by the backend, or ending without
-    /// a cost, the reservations stand: a client that leaves never pays less than them.
+    /// if the client had stayed. Cut at a bound, broken by the backend, past
+    /// [`MAX_DRAINS`] at once, or ending without a cost, the reservations stand (or the
+    /// usage seen so far, if more): a client that leaves never pays less than them.
     pub async fn drain<B>(mut self, mut body: B)
     where
         B: hyper::body::Body<Data = Bytes> + Unpin,
     {
-        let bounds = self.settling.drain_bounds();
         let metrics = self.settling.metrics.clone();
+        let Some(_place) = DrainPlace::take() else {
+            if let Some(settle) = self.cut() {
+                settle.await;
+            }
+            metrics.drained(DrainResult::Cut);
+            return;
+        };
+        let bounds = self.settling.drain_bounds();
         let deadline = tokio::time::Instant::now() + bounds.time;
         let mut read = 0u64;
-        let result = loop {
+        // Whether the answer ended (else it was cut).
+        let ended = loop {
             let frame = match tokio::time::timeout_at(deadline, body.frame()).await {
-                Err(_) | Ok(Some(Err(_))) => break DrainResult::Cut,
-                Ok(None) => break self.finished().await,
+                Err(_) | Ok(Some(Err(_))) => break false,
+                Ok(None) => break true,
                 Ok(Some(Ok(frame))) => frame,
             };
             let mut frame = frame;
             if let Some(data) = frame.data_ref() {
                 read = read.saturating_add(data.len() as u64);
                 if read > bounds.bytes {
-                    break DrainResult::Cut;
+                    break false;
                 }
             }
             self.frame(&mut frame);
             if body.is_end_stream() {
-                break self.finished().await;
+                break true;
+            }
+        };
+        let result = match ended {
+            true => self.finished().await,
+            false => {
+                if let Some(settle) = self.cut() {
+                    settle.await;
+                }
+                DrainResult::Cut
             }
         };
         metrics.drained(result);

@@ -73,6 +73,16 @@ pub enum UsageField {
 }
 
 impl UsageField {
+    /// The field's name in the Responses API's usage object, where it differs
+    /// (`input_tokens`, `output_tokens`): read where the first is absent.
+    fn alias(self) -> Option<&'static str> {
+        match self {
+            UsageField::PromptTokens => Some("input_tokens"),
+            UsageField::CompletionTokens => Some("output_tokens"),
+            UsageField::TotalTokens => None,
+        }
+    }
+
     /// The field's name in the usage object, as the config spells it.
     pub fn name(self) -> &'static str {
         match self {
@@ -494,7 +504,10 @@ impl Document {
         }
         let said = match serde_json::from_slice::<Map<String, Value>>(&self.capture) {
             Err(_) => Said::Unusable,
-            Ok(usage) => match usage.get(self.field.name()) {
+            Ok(usage) => match usage
+                .get(self.field.name())
+                .or_else(|| usage.get(self.field.alias()?))
+            {
                 None | Some(Value::Null) => Said::Nothing,
                 Some(n) => n.as_u64().map_or(Said::Unusable, Said::Count),
             },

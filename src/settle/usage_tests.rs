@@ -373,6 +373,17 @@ fn content_types_choose_the_framing() {
 }
 
 #[test]
+fn a_responses_api_usage_is_read_by_its_own_names() {
+    let body = br#"{"object":"response","usage":{"input_tokens":12,"output_tokens":30,"total_tokens":42}}"#;
+    assert_eq!(whole(Framing::Json, PromptTokens, body), Some(12));
+    assert_eq!(whole(Framing::Json, CompletionTokens, body), Some(30));
+    assert_eq!(whole(Framing::Json, TotalTokens, body), Some(42));
+    // The Chat Completions' name wins where both are there.
+    let both = br#"{"usage":{"prompt_tokens":5,"input_tokens":12,"completion_tokens":7}}"#;
+    assert_eq!(whole(Framing::Json, PromptTokens, both), Some(5));
+}
+
+#[test]
 fn field_names_are_the_configs() {
     for f in FIELDS {
         let parsed: UsageField = serde_json::from_value(Value::String(f.name().into())).unwrap();
