@@ -527,24 +527,10 @@ impl Gateway {
         let to = to.hashed(cfg, requester);
         let fitting = limits::matching(cfg, parts, Some(&to));
         let priority = overload::priority(live, &fitting, requester, &to);
-        if let Some((index, why)) = limits::refuses_body(live, &fitting, requester, asked.as_ref())
+        if let Some(refused) =
+            self.refuse_body(live, &fitting, requester, asked.as_ref(), &to, dialect)
         {
-            if let Some(c) = live.counters.get(index) {
-                c.refused.inc();
-            }
-            self.metrics
-                .gateway
-                .count_refusal(RefusalReason::UnreadableBody);
-            let mut resp = problem(tokens::refusal(why), cfg, &[], dialect);
-            if why == tokens::Unreadable::TooLarge {
-                // The rest of an overlong body was never read.
-                close_after(&mut resp);
-            }
-            let note = Note {
-                rule: cfg.rules.get(index).map(|r| r.name.as_str()),
-                ..Note::gateway("bad_request").to(&to, cfg)
-            };
-            return Admission::Answer(resp, note);
+            return refused;
         }
         let limits = match Limit::all(live, &fitting, requester, asked.as_ref()) {
             Ok(limits) if limits.is_empty() => {
@@ -737,19 +723,7 @@ impl Gateway {
                 parts.headers.append(header, value);
             }
         }
-        // A client's own copy of a cost header never goes up: a backend that echoed it
-        // would report it back as the request's cost.
-        for name in live.cost_headers.iter() {
-            parts.headers.remove(name);
-        }
-        if pass.settling.as_ref().is_some_and(Settling::reads_usage) {
-            // An answer whose usage is read is asked for uncompressed (one that comes
-            // compressed anyway is decoded for the scanner: `settle::decode`).
-            parts.headers.insert(
-                http::header::ACCEPT_ENCODING,
-                http::HeaderValue::from_static("identity"),
-            );
-        }
+        pass.settled_fields(live, &mut parts.headers);
         let upgrade = upstream::Upgrade::asked(&parts, hyper::body::Body::is_end_stream(&body))
             .and_then(|asked| {
                 let on = parts.extensions.remove::<hyper::upgrade::OnUpgrade>()?;
@@ -760,12 +734,7 @@ impl Gateway {
         if let Some((asked, _)) = &upgrade {
             out.upgrading(asked.clone());
         }
-        if let Some(settling) = &pass.settling {
-            out.reaching(settling.reached());
-        }
-        if !live.cost_headers.is_empty() {
-            out.screening(live.cost_headers.clone());
-        }
+        pass.settled_outbound(live, &mut out);
         let pick = upstream::Pick {
             hash: pass.to.hash,
             worker: ctx.worker,

@@ -14,6 +14,38 @@ use crate::settle::{Held, Meter, Settling, Shown};
 use crate::upstream::ResponseBody;
 
 impl Gateway {
+    /// The answer to a request whose body says no usable `max_tokens` where a rule it
+    /// meets refuses such bodies (`on_unreadable = "reject"`): 400, 411 or 413, counted
+    /// and logged under that rule; `None` where none does.
+    pub(super) fn refuse_body<'l>(
+        &self,
+        live: &'l Live,
+        fitting: &[usize],
+        requester: &crate::identity::Requester<'_>,
+        asked: Option<&super::tokens::Asked>,
+        to: &super::route::Destination,
+        dialect: super::grpc::Dialect,
+    ) -> Option<super::Admission<'l>> {
+        let (index, why) = super::limits::refuses_body(live, fitting, requester, asked)?;
+        let cfg = &*live.config;
+        if let Some(c) = live.counters.get(index) {
+            c.refused.inc();
+        }
+        self.metrics
+            .gateway
+            .count_refusal(super::metrics::RefusalReason::UnreadableBody);
+        let mut resp = super::problem(super::tokens::refusal(why), cfg, &[], dialect);
+        if why == super::tokens::Unreadable::TooLarge {
+            // The rest of an overlong body was never read.
+            super::close_after(&mut resp);
+        }
+        let note = super::Note {
+            rule: cfg.rules.get(index).map(|r| r.name.as_str()),
+            ..super::Note::gateway("bad_request").to(to, cfg)
+        };
+        Some(super::Admission::Answer(resp, note))
+    }
+
     /// The charges of an admitted request's rules that settle once its answer is known:
     /// every rule with a settlement policy whose check was charged (allowed), each shown
     /// where [`split`] puts its decision. `None` when no rule settles (the common case:
@@ -68,6 +100,33 @@ impl Gateway {
 }
 
 impl Pass<'_> {
+    /// The request's fields as a settlement needs them: a client's own copy of a cost
+    /// header never goes up (a backend that echoed it would report it back as the
+    /// request's cost), and an answer whose usage a rule reads is asked for uncompressed
+    /// (one that comes compressed anyway is decoded for the scanner: `settle::decode`).
+    pub(super) fn settled_fields(&self, live: &Live, headers: &mut http::HeaderMap) {
+        for name in live.cost_headers.iter() {
+            headers.remove(name);
+        }
+        if self.settling.as_ref().is_some_and(Settling::reads_usage) {
+            headers.insert(
+                http::header::ACCEPT_ENCODING,
+                http::HeaderValue::from_static("identity"),
+            );
+        }
+    }
+
+    /// What the upstream hop tells a settlement: when the request may have reached a
+    /// backend; and the cost names its trailers lose.
+    pub(super) fn settled_outbound(&self, live: &Live, out: &mut crate::upstream::Outbound) {
+        if let Some(settling) = &self.settling {
+            out.reaching(settling.reached());
+        }
+        if !live.cost_headers.is_empty() {
+            out.screening(live.cost_headers.clone());
+        }
+    }
+
     /// The answer's head arrived: settle what it tells (status, cost header) and show it;
     /// remove every rule's cost header, whether or not it applied (a client never sees
     /// one). What watches the body for a cost at its end, if anything still settles.

@@ -8,18 +8,8 @@ use http::Request;
 use http_body_util::BodyExt;
 
 use super::*;
+use crate::settle::max_tokens::tests::{tokens, unreadable};
 use crate::upstream::served;
-
-fn tokens(max: u64, body: &[u8]) -> Asked {
-    Asked::Tokens {
-        max,
-        body_bytes: body.len() as u64,
-    }
-}
-
-fn unreadable(why: Unreadable) -> Asked {
-    Asked::Unreadable(why)
-}
 
 const SECOND: Duration = Duration::from_secs(5);
 

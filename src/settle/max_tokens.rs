@@ -296,4 +296,4 @@ impl<'de> Visitor<'de> for BoundVisitor {
 
 #[cfg(test)]
 #[path = "max_tokens_tests.rs"]
-mod tests;
+pub(crate) mod tests;

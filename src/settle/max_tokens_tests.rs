@@ -3,14 +3,15 @@
 
 use super::*;
 
-fn tokens(max: u64, body: &[u8]) -> Asked {
+/// What `body` asks for when it says `max` (the gateway's body tests use it too).
+pub(crate) fn tokens(max: u64, body: &[u8]) -> Asked {
     Asked::Tokens {
         max,
         body_bytes: body.len() as u64,
     }
 }
 
-fn unreadable(why: Unreadable) -> Asked {
+pub(crate) fn unreadable(why: Unreadable) -> Asked {
     Asked::Unreadable(why)
 }
 
