@@ -34,6 +34,11 @@ pub struct Live {
     /// Every rule's `cost_header`: removed from every answer (head and trailers) before a
     /// client sees it, and from every request (head and trailers) before a backend does.
     pub cost_headers: Arc<[http::HeaderName]>,
+    /// What a request's trailers lose on the way up beside the hop-by-hop and forwarding
+    /// fields: every name the gateway strips or sets in its head (the cost headers, the
+    /// claims' headers, `[jwt] forward_claims`), so that a trailer never carries what the
+    /// head may not.
+    pub screened: Arc<[http::HeaderName]>,
     /// `ratewall_requests_total` handles for each of `config.rules`, in order.
     pub counters: Vec<RuleCounters>,
     /// Per rule of `config.rules`: requests waiting on its `max_delay` now.
@@ -142,7 +147,20 @@ impl Live {
             policies().filter_map(|p| p.cost_header.clone()).collect();
         cost_headers.sort_by(|a, b| a.as_str().cmp(b.as_str()));
         cost_headers.dedup();
+        let mut screened = cost_headers.clone();
+        if let Some(jwt) = &config.jwt {
+            screened.extend(
+                jwt.verifier
+                    .settings
+                    .forward_claims
+                    .iter()
+                    .map(|(_, h)| h.clone()),
+            );
+        }
+        screened.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+        screened.dedup();
         let cost_headers: Arc<[http::HeaderName]> = cost_headers.into();
+        let screened: Arc<[http::HeaderName]> = screened.into();
         // A refund can make a remembered denial stale too (stricter than the store).
         let cache_denials = (!limiter.store().kind().is_clustered() || one_identity) && !settles;
         for rule in config.rules.iter().filter(|r| r.settle.is_some()) {
@@ -152,6 +170,7 @@ impl Live {
             settles,
             reserves_max_tokens,
             cost_headers,
+            screened,
             counters: config
                 .rules
                 .iter()

@@ -117,13 +117,14 @@ impl Pass<'_> {
     }
 
     /// What the upstream hop tells a settlement: when the request may have reached a
-    /// backend; and the cost names its trailers lose.
+    /// backend; and the names the request's trailers lose ([`Live::screened`]: the cost
+    /// headers, the claims').
     pub(super) fn settled_outbound(&self, live: &Live, out: &mut crate::upstream::Outbound) {
         if let Some(settling) = &self.settling {
             out.reaching(settling.reached());
         }
-        if !live.cost_headers.is_empty() {
-            out.screening(live.cost_headers.clone());
+        if !live.screened.is_empty() {
+            out.screening(live.screened.clone());
         }
     }
 

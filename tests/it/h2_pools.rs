@@ -666,3 +666,59 @@ fn a_protocol_its_servers_cannot_carry_is_refused_naming_the_key() {
     assert!(shown.contains("protocol h2c, round_robin"), "{shown}");
     assert!(shown.contains("protocol http1, round_robin"), "{shown}");
 }
+
+/// Trailers are screened like headers (issue 42): a client's HTTP/2 request trailers
+/// lose every name the gateway strips or sets in a head — the forwarding fields, the
+/// claims' headers (`[jwt] forward_claims`), the cost headers — on their way to an h2c
+/// backend, which echoes what it got as its answer's trailers; other trailers pass.
+/// Before, `x-user-id` and `x-forwarded-for` reached the backend as the client wrote them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn request_trailers_lose_what_a_head_may_not_carry() {
+    let backend = H2Backend::start(Speaks::H2c, None, None).await;
+    let config = format!(
+        "workers = 2\n[[upstreams]]\nname = \"default\"\nservers = [\"http://{}\"]\nprotocol = \"h2c\"\n\
+         connect_timeout = \"2s\"\ntimeout = \"5s\"\nretries = 0\n\
+         [jwt]\nalgorithms = [\"HS256\"]\nsecret_env = \"JWT_TEST_SECRET\"\n\
+         forward_claims = {{ sub = \"x-user-id\" }}\n\
+         [[rules]]\nname = \"api\"\nkey = \"global\"\nrate = \"1000/s\"\ncost_header = \"x-ratelimit-cost\"\n{}",
+        backend.addr,
+        Store::Memory.toml()
+    );
+    let g = Gateway::start_with(
+        &config,
+        &[],
+        &[("JWT_TEST_SECRET", "a-secret-of-at-least-thirty-two-bytes!")],
+    );
+    let (status, body, trailers) = with_trailers(
+        &g.url("/echo"),
+        &["hello"],
+        &[
+            ("x-user-id", "someone-else"),
+            ("x-forwarded-for", "6.6.6.6"),
+            ("x-real-ip", "6.6.6.6"),
+            ("forwarded", "for=6.6.6.6"),
+            ("x-forwarded-host", "evil.test"),
+            ("x-checksum", "abc"),
+        ],
+    )
+    .await;
+    assert_eq!(status, 200, "{}", g.logs());
+    assert_eq!(body, "hello");
+    for gone in [
+        "x-user-id",
+        "x-forwarded-for",
+        "x-real-ip",
+        "forwarded",
+        "x-forwarded-host",
+    ] {
+        assert!(
+            trailers.get(gone).is_none(),
+            "{gone} reached the backend as a trailer: {trailers:?}"
+        );
+    }
+    assert_eq!(
+        trailers.get("x-checksum").map(|v| v.as_bytes()),
+        Some(&b"abc"[..]),
+        "other trailers pass: {trailers:?}"
+    );
+}
