@@ -4,7 +4,7 @@
 //!
 //! ```toml
 //! overload = { adaptive = true, min_limit = 4, max_limit = 1000, probe_interval = "30s", max_queue = 1000, max_wait = "2s" }
-//! overload = { max_concurrency = 64, max_queue = 100, max_wait = "1s" }
+//! overload = { max_concurrency = 64, max_queue = 100, max_wait = "1s", reserve_for_higher = "25%" }
 //! ```
 
 use serde::Deserialize;
@@ -14,7 +14,31 @@ use super::values::HumanDuration;
 use super::Invalid;
 use crate::overload::{
     Adaptive, Limiting, Settings, MAX_LIMIT, MAX_QUEUE, MAX_WAIT, MIN_LIMIT, PROBE_INTERVAL,
+    RESERVE_FOR_HIGHER,
 };
+
+/// `reserve_for_higher = "25%"`: a share of the limit, 0% to 90%.
+struct Reserve(u8);
+
+impl<'de> Deserialize<'de> for Reserve {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d).map_err(|_| {
+            serde::de::Error::custom(
+                "reserve_for_higher is a share of the limit, \"0%\" to \"90%\" (default \"25%\")",
+            )
+        })?;
+        let n = s
+            .trim()
+            .strip_suffix('%')
+            .and_then(|n| n.trim().parse::<u8>().ok())
+            .filter(|&n| n <= 90);
+        n.map(Reserve).ok_or_else(|| {
+            serde::de::Error::custom(format!(
+                "reserve_for_higher = {s:?}: a share of the limit, \"0%\" to \"90%\" (default \"25%\")"
+            ))
+        })
+    }
+}
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -26,6 +50,7 @@ pub(super) struct RawOverload {
     max_concurrency: Option<Spanned<u32>>,
     max_queue: Option<Spanned<u32>>,
     max_wait: Option<Spanned<HumanDuration>>,
+    reserve_for_higher: Option<Reserve>,
 }
 
 /// `table.overload`, validated (`table`: `upstream` or `upstreams[i]`).
@@ -106,5 +131,9 @@ pub(super) fn validate(table: &str, o: &Spanned<RawOverload>) -> Result<Settings
         limiting,
         max_queue: raw.max_queue.as_ref().map_or(MAX_QUEUE, |n| *n.get_ref()),
         max_wait: raw.max_wait.as_ref().map_or(MAX_WAIT, |d| d.get_ref().0),
+        reserve_for_higher: raw
+            .reserve_for_higher
+            .as_ref()
+            .map_or(RESERVE_FOR_HIGHER, |r| r.0),
     })
 }

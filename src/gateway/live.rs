@@ -127,6 +127,9 @@ impl Live {
             .collect();
         priorities.sort_unstable();
         priorities.dedup();
+        for overload in pools.iter().filter_map(|p| p.overload()) {
+            overload.levels(&priorities);
+        }
         metrics.pools.overload.configure(
             pools
                 .iter()

@@ -10,6 +10,17 @@
 //! on every path — answered, failed, the client gone. A waiter whose client leaves is taken
 //! out of the queue by its future's drop. Memory is bounded by `max_queue` waiters.
 //!
+//! **A share kept for higher priorities** (`reserve_for_higher`, default 25%): the queue
+//! orders waiters, but once lower-priority requests hold every place, a higher one could
+//! only wait for one of them to end — a slow backend's free requests would starve the pro
+//! ones. So the requests of a priority and those below it may hold at most the limit less
+//! that share, and less it again for each further priority above them that the config
+//! names: with priorities 0 and 10 and a limit of 16, priority 0 holds at most 12 and
+//! priority 10 may take all 16; with 0, 10 and 20, priority 0 holds at most 9, 0 and 10
+//! together at most 12. A request of the highest priority a config names is then never
+//! kept waiting by lower ones past that share: it finds a place within `max_wait` unless
+//! requests of its own priority (or higher) fill the backend.
+//!
 //! The gateway asks only after the rate limits admitted the request
 //! (`gateway/overload.rs`): a shed request is "unanswered by the backend", as a 502 is,
 //! and its settling charges are refunded as a 502's are.
@@ -40,6 +51,8 @@ pub const PROBE_INTERVAL: Duration = Duration::from_secs(30);
 pub const MAX_QUEUE: u32 = 1000;
 /// `max_wait`'s default.
 pub const MAX_WAIT: Duration = Duration::from_secs(2);
+/// `reserve_for_higher`'s default, percent of the limit.
+pub const RESERVE_FOR_HIGHER: u8 = 25;
 /// A shed request's `Retry-After`, seconds.
 pub const RETRY_AFTER: u64 = 1;
 
@@ -60,6 +73,9 @@ pub struct Settings {
     pub max_queue: u32,
     /// The longest one waits.
     pub max_wait: Duration,
+    /// The share of the limit (percent) each priority keeps for the priorities above it
+    /// (`reserve_for_higher`): see [`Overload`].
+    pub reserve_for_higher: u8,
 }
 
 /// Why a request was shed.
@@ -98,6 +114,12 @@ pub struct Overload {
 struct State {
     control: Control,
     in_flight: u32,
+    /// Requests in flight per priority (the priorities seen, few).
+    held: Vec<(u32, u32)>,
+    /// The priorities the config names, highest first ([`Overload::levels`]).
+    levels: Vec<u32>,
+    /// `reserve_for_higher`, percent.
+    reserve: u8,
     queue: Queue<Waiter>,
     /// Requests shed since the pool was built (the status page).
     shed: u64,
@@ -158,6 +180,9 @@ impl Overload {
             state: Mutex::new(State {
                 control,
                 in_flight: 0,
+                held: Vec::new(),
+                levels: Vec::new(),
+                reserve: settings.reserve_for_higher,
                 queue: Queue::new(settings.max_queue as usize),
                 shed: 0,
                 priorities: Vec::new(),
@@ -173,6 +198,15 @@ impl Overload {
         &self.settings
     }
 
+    /// The priorities the config names (its plans' `priority`, and 0): each below the
+    /// highest keeps a share of the limit for those above it (see the module).
+    pub fn levels(&self, priorities: &[u32]) {
+        let mut levels = priorities.to_vec();
+        levels.sort_unstable_by(|a, b| b.cmp(a));
+        levels.dedup();
+        lock(&self.state).levels = levels;
+    }
+
     /// A permit for a request of `priority`: at once where the limit has room and nobody
     /// waits, else once its turn comes in the queue; or why it is shed. Dropping the
     /// future (the client left) takes it out of the queue.
@@ -181,8 +215,9 @@ impl Overload {
         let (place, rx, handles) = {
             let mut s = lock(&self.state);
             let handles = s.handles(&self.metrics, &self.pool, priority);
-            if s.queue.is_empty() && s.in_flight < s.control.limit() {
-                let permit = s.grant(self);
+            // At once where it fits and nobody it would overtake waits.
+            if s.fits(priority) && !s.queue.waits_at_or_above(priority) {
+                let permit = s.grant(self, priority);
                 drop(s);
                 handles.wait.observe(0.0);
                 return Ok(permit);
@@ -250,23 +285,38 @@ impl Overload {
     /// A permit's end: its sample (if it was answered) counted, its place given to the
     /// waiters that now fit, highest priority first. The permits are sent after the lock
     /// is let go: one whose waiter is gone comes back and is dropped, ending in turn.
-    fn release(self: &Arc<Self>, sample: Option<(Duration, u32)>) {
+    fn release(self: &Arc<Self>, priority: u32, sample: Option<(Duration, u32)>) {
         let mut granted = Vec::new();
         {
             let mut s = lock(&self.state);
             s.in_flight = s.in_flight.saturating_sub(1);
+            if let Some((_, n)) = s.held.iter_mut().find(|(p, _)| *p == priority) {
+                *n = n.saturating_sub(1);
+            }
             if let (Some((rtt, at)), Control::Adaptive(g)) = (sample, &mut s.control) {
                 g.sample(Instant::now(), rtt, at, jitter());
                 self.handles.limit.set(i64::from(g.limit()));
             }
+            // The highest waiter that fits: one of a priority whose share is full does
+            // not keep a higher one waiting, nor a lower one that still has room.
             while s.in_flight < s.control.limit() {
-                let Some((place, waiter)) = s.queue.pop() else {
+                let State {
+                    queue,
+                    control,
+                    in_flight,
+                    held,
+                    levels,
+                    reserve,
+                    ..
+                } = &mut *s;
+                let fits = |p: u32| fits(control.limit(), *in_flight, held, levels, *reserve, p);
+                let Some((place, waiter)) = queue.pop_first_where(fits) else {
                     break;
                 };
                 s.handles(&self.metrics, &self.pool, place.priority())
                     .queue_length
                     .dec();
-                granted.push((waiter, s.grant(self)));
+                granted.push((waiter, s.grant(self, place.priority())));
             }
             self.handles.in_flight.set(i64::from(s.in_flight));
         }
@@ -277,15 +327,69 @@ impl Overload {
     }
 }
 
+/// Whether a request of `priority` fits: the limit has room, and each share it counts in
+/// (see the module) too. A request of priority `p` counts in the share of every level
+/// `q ≥ p` below the highest: the requests at or below `q` hold less than the limit less
+/// the reserve once for each level above `q`.
+fn fits(
+    limit: u32,
+    in_flight: u32,
+    held: &[(u32, u32)],
+    levels: &[u32],
+    reserve: u8,
+    priority: u32,
+) -> bool {
+    if in_flight >= limit {
+        return false;
+    }
+    if reserve == 0 {
+        return true;
+    }
+    let groups = levels.iter().copied().filter(|&q| q > priority);
+    std::iter::once(priority).chain(groups).all(|q| {
+        let above = levels.iter().filter(|&&l| l > q).count();
+        if above == 0 {
+            return true;
+        }
+        let mut share = u64::from(limit);
+        for _ in 0..above {
+            share = share * u64::from(100 - reserve.min(100)) / 100;
+        }
+        let at_or_below: u64 = held
+            .iter()
+            .filter(|(p, _)| *p <= q)
+            .map(|(_, n)| u64::from(*n))
+            .sum();
+        at_or_below < share.max(1)
+    })
+}
+
 impl State {
-    /// One more in flight, as a permit of `overload`.
-    fn grant(&mut self, overload: &Arc<Overload>) -> Permit {
+    /// Whether a request of `priority` fits now.
+    fn fits(&self, priority: u32) -> bool {
+        fits(
+            self.control.limit(),
+            self.in_flight,
+            &self.held,
+            &self.levels,
+            self.reserve,
+            priority,
+        )
+    }
+
+    /// One more in flight, at `priority`, as a permit of `overload`.
+    fn grant(&mut self, overload: &Arc<Overload>, priority: u32) -> Permit {
         self.in_flight += 1;
+        match self.held.iter_mut().find(|(p, _)| *p == priority) {
+            Some((_, n)) => *n += 1,
+            None => self.held.push((priority, 1)),
+        }
         overload.handles.in_flight.set(i64::from(self.in_flight));
         Permit {
             overload: overload.clone(),
             started: Instant::now(),
             in_flight: self.in_flight,
+            priority,
             answered: false,
         }
     }
@@ -369,6 +473,8 @@ pub struct Permit {
     started: Instant,
     /// The requests in flight when it was granted, itself included.
     in_flight: u32,
+    /// Its request's priority (its share is given back on its drop).
+    priority: u32,
     answered: bool,
 }
 
@@ -385,7 +491,7 @@ impl Drop for Permit {
         let sample = self
             .answered
             .then(|| (self.started.elapsed(), self.in_flight));
-        self.overload.release(sample);
+        self.overload.release(self.priority, sample);
     }
 }
 

@@ -80,6 +80,28 @@ impl<T> Queue<T> {
         self.waiting.pop_first()
     }
 
+    /// The next to serve among the priorities `fits` lets through: the highest such
+    /// priority's oldest (each priority waiting is asked once, the queue's length aside).
+    pub fn pop_first_where(&mut self, mut fits: impl FnMut(u32) -> bool) -> Option<(Place, T)> {
+        let mut from = Place(Reverse(u32::MAX), 0);
+        loop {
+            let (&place, _) = self.waiting.range(from..).next()?;
+            let p = place.priority();
+            if fits(p) {
+                return self.waiting.remove(&place).map(|item| (place, item));
+            }
+            // The first place of the next lower priority.
+            from = Place(Reverse(p.checked_sub(1)?), 0);
+        }
+    }
+
+    /// Whether anyone of `priority` or higher waits.
+    pub fn waits_at_or_above(&self, priority: u32) -> bool {
+        self.waiting
+            .first_key_value()
+            .is_some_and(|(place, _)| place.priority() >= priority)
+    }
+
     /// Take `place` out (its waiter gave up or timed out); `None` if it is gone already.
     pub fn remove(&mut self, place: Place) -> Option<T> {
         self.waiting.remove(&place)
@@ -118,6 +140,25 @@ mod tests {
         assert_eq!(q.len_at(10), 2);
         assert_eq!(q.len_at(7), 0);
         assert_eq!(drain(&mut q), ["p1", "p2", "m1", "f1", "f2", "f3"]);
+    }
+
+    #[test]
+    fn the_first_that_fits_is_the_oldest_of_the_highest_priority_let_through() {
+        let mut q = Queue::new(10);
+        for (p, x) in [(0, "f1"), (10, "p1"), (0, "f2"), (5, "m1"), (10, "p2")] {
+            q.push(p, x);
+        }
+        let mut asked = Vec::new();
+        let got = q.pop_first_where(|p| {
+            asked.push(p);
+            p == 0
+        });
+        assert_eq!(got.map(|(_, x)| x), Some("f1"));
+        assert_eq!(asked, [10, 5, 0], "each priority asked once, highest first");
+        assert_eq!(q.pop_first_where(|p| p > 10).map(|(_, x)| x), None);
+        assert!(q.waits_at_or_above(10));
+        assert!(!q.waits_at_or_above(11));
+        assert_eq!(drain(&mut q), ["p1", "p2", "m1", "f2"]);
     }
 
     #[test]

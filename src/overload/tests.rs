@@ -9,6 +9,7 @@ fn fixed(n: u32, max_queue: u32, max_wait_ms: u64) -> Arc<Overload> {
         limiting: Limiting::Fixed(n),
         max_queue,
         max_wait: Duration::from_millis(max_wait_ms),
+        reserve_for_higher: RESERVE_FOR_HIGHER,
     };
     Overload::new(settings, "api", &metrics)
 }
@@ -152,6 +153,7 @@ async fn an_adaptive_pool_counts_answered_permits_as_samples() {
         }),
         max_queue: 10,
         max_wait: Duration::from_secs(1),
+        reserve_for_higher: RESERVE_FOR_HIGHER,
     };
     let o = Overload::new(settings, "api", &metrics);
     assert_eq!(o.status().limit, limit::INITIAL);
@@ -167,4 +169,76 @@ async fn an_adaptive_pool_counts_answered_permits_as_samples() {
         g.floor().is_some(),
         "the answered permit was a low-concurrency sample"
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn slow_low_priority_work_leaves_a_place_for_a_higher_priority() {
+    let o = fixed(4, 10, 1000);
+    o.levels(&[0, 10]);
+    // Priority 0 may hold 3 of 4 (25% kept for 10).
+    let free = taken(&o, 0, 3).await;
+    let o2 = o.clone();
+    let fourth_free = tokio::spawn(async move { o2.admit(0).await.map(|_| ()) });
+    settle().await;
+    assert_eq!(o.status().queued, 1, "the fourth free request waits");
+    assert_eq!(o.status().in_flight, 3);
+    // A pro request finds the place kept for it at once, the free one still waiting.
+    let pro = o.admit(10).await.expect("the reserved place");
+    assert_eq!(o.status().in_flight, 4);
+    // When the pro request ends, the free waiter is still over its share: it waits on,
+    // and the next pro request again goes at once.
+    drop(pro);
+    settle().await;
+    assert_eq!(o.status().queued, 1);
+    let _pro_again = o.admit(10).await.expect("the reserved place again");
+    drop(free);
+    assert_eq!(fourth_free.await.expect("joined"), Ok(()));
+}
+
+#[tokio::test(start_paused = true)]
+async fn the_highest_priority_may_take_every_place() {
+    let o = fixed(4, 10, 1000);
+    o.levels(&[0, 10]);
+    let _pro = taken(&o, 10, 4).await;
+    assert_eq!(o.status().in_flight, 4);
+    assert_eq!(o.admit(10).await.err(), Some(Shed::Waited));
+}
+
+#[tokio::test(start_paused = true)]
+async fn shares_nest_so_a_middle_priority_cannot_spend_the_top_ones_reserve() {
+    // Limit 16, levels 0, 10, 20: 0 holds at most 9, 0 and 10 together at most 12.
+    let o = fixed(16, 0, 1000);
+    o.levels(&[20, 0, 10]);
+    let _low = taken(&o, 0, 5).await;
+    let _mid = taken(&o, 10, 7).await;
+    assert_eq!(o.status().in_flight, 12);
+    // 0 holds 5 of its 9, but 0 and 10 together hold 12: neither may take another.
+    assert_eq!(o.admit(0).await.err(), Some(Shed::Full));
+    assert_eq!(o.admit(10).await.err(), Some(Shed::Full));
+    let _top = taken(&o, 20, 4).await;
+    assert_eq!(o.status().in_flight, 16);
+}
+
+#[tokio::test(start_paused = true)]
+async fn no_reserve_is_kept_at_zero_percent() {
+    let metrics = OverloadMetrics::register(&mut Registry::default());
+    let settings = Settings {
+        limiting: Limiting::Fixed(4),
+        max_queue: 0,
+        max_wait: Duration::from_secs(1),
+        reserve_for_higher: 0,
+    };
+    let o = Overload::new(settings, "api", &metrics);
+    o.levels(&[0, 10]);
+    let _free = taken(&o, 0, 4).await;
+    assert_eq!(o.status().in_flight, 4);
+}
+
+/// `n` permits of `priority` taken at once (each must fit).
+async fn taken(o: &Arc<Overload>, priority: u32, n: usize) -> Vec<Permit> {
+    let mut held = Vec::new();
+    for _ in 0..n {
+        held.push(o.admit(priority).await.expect("room"));
+    }
+    held
 }

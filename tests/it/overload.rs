@@ -614,3 +614,72 @@ async fn half_pro_half_free_at_ten_times_the_knee_pro_is_served_first_shed_only_
         "shed_total counts every 503"
     );
 }
+
+/// Issue 42, item 2: free requests that take 5 s at the backend fill what they may of
+/// `max_concurrency = 4` (3 places, 25% kept for priority 10); every pro request sent
+/// meanwhile is served at once, none shed (before: 6 of 10 shed after `max_wait`).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_free_requests_never_take_the_place_kept_for_pro() {
+    let _serial = serial().await;
+    let backend = crate::common::backend::Backend::start().await;
+    let gw = gateway(
+        &backend.url(),
+        "{ max_concurrency = 4, max_queue = 20, max_wait = \"1s\" }",
+    );
+    let client = HttpClient::new();
+    let slow = gw.url("/slow/5000");
+    let free: Vec<_> = (0..8)
+        .map(|_| {
+            let (client, url) = (client.clone(), slow.clone());
+            tokio::spawn(async move {
+                client
+                    .try_get(&url, &[("x-api-key", FREE)], Duration::from_secs(30))
+                    .await
+                    .map(|r| r.status.as_u16())
+                    .unwrap_or(0)
+            })
+        })
+        .collect();
+    // The free requests hold their 3 places (the others wait, then are shed).
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while backend.in_flight() < 3 && Instant::now() < deadline {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        backend.in_flight(),
+        3,
+        "the free requests hold 3 of 4 places"
+    );
+    let mut pro = Vec::new();
+    for _ in 0..10 {
+        let r = client
+            .try_get(
+                &gw.url("/pro"),
+                &[("x-api-key", PRO)],
+                Duration::from_secs(30),
+            )
+            .await
+            .map(|r| r.status.as_u16())
+            .unwrap_or(0);
+        pro.push(r);
+    }
+    assert_eq!(
+        backend.in_flight(),
+        3,
+        "no fourth free request got in meanwhile"
+    );
+    assert_eq!(
+        pro, [200; 10],
+        "every pro request found the place kept for it"
+    );
+    let mut statuses = Vec::new();
+    for f in free {
+        statuses.push(f.await.expect("a free request"));
+    }
+    statuses.sort_unstable();
+    assert_eq!(
+        statuses,
+        [200, 200, 200, 503, 503, 503, 503, 503],
+        "3 free requests were served; those that waited past max_wait were shed"
+    );
+}
