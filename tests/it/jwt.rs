@@ -3,7 +3,9 @@
 //! a secret). Limited per `sub` exactly under concurrency; every kind of invalid token a
 //! 401 with its Bearer challenge that never reaches the upstream; a plan from a claim;
 //! claims forwarded as headers, a client's copies dropped; a JWKS over https rotated
-//! without a reload and outliving its server; no JWKS ever fetched: 503.
+//! without a reload and outliving its server; no JWKS ever fetched: 503; a `crit` or
+//! `b64: false` header, the token cookie or `Authorization` sent twice: 401, never
+//! forwarded.
 
 use crate::common;
 
