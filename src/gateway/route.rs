@@ -37,7 +37,8 @@ impl Destination {
     }
 
     /// The path and query the request is forwarded with, where its route rewrites them
-    /// (`strip_prefix`, `add_prefix`).
+    /// (`strip_prefix`, `add_prefix`): the path the route matched, normalised, never
+    /// outside `add_prefix` ([`crate::rules::Routes::forwarded_path`]).
     pub fn target(&self, cfg: &Config, uri: &http::Uri) -> Option<String> {
         let route = cfg.routes.list.get(self.route?)?;
         if route.strip_prefix.is_none() && route.add_prefix.is_none() {

@@ -522,6 +522,18 @@ pub enum TokenError {
     WrongIssuer,
     WrongAudience,
     MissingClaim,
+    /// The header's `crit` names extensions the recipient must understand to accept the
+    /// token (RFC 7515 §4.1.11), and ratewall understands none.
+    Critical,
+    /// A `crit` that is not a non-empty list of extension names: empty, not a list, or
+    /// naming a header parameter RFC 7515 §4.1 defines (§4.1.11 forbids each).
+    BadCritical,
+    /// `b64: false` (RFC 7797): the payload is not base64url-encoded, and its signature
+    /// covers other bytes than a JWS's. Not supported.
+    UnencodedPayload,
+    /// The token's header field, or its cookie, is sent more than once: a backend that
+    /// reads another copy than the gateway would trust a token never verified.
+    Repeated,
 }
 
 impl TokenError {
@@ -540,6 +552,16 @@ impl TokenError {
             TokenError::WrongIssuer => "the token's issuer is not accepted",
             TokenError::WrongAudience => "the token's audience is not accepted",
             TokenError::MissingClaim => "the token lacks a required claim",
+            TokenError::Critical => {
+                "the token marks extensions critical (crit) that this gateway does not understand"
+            }
+            TokenError::BadCritical => {
+                "the token's crit header parameter is not a list of extension names"
+            }
+            TokenError::UnencodedPayload => {
+                "the token's payload is unencoded (b64 false), which is not supported"
+            }
+            TokenError::Repeated => "the token's header or cookie is sent more than once",
         }
     }
 }
@@ -645,17 +667,20 @@ impl Verifier {
     }
 
     /// The token `headers` carry where [`Settings::from`] says: none when absent (or,
-    /// in the header, under another scheme than Bearer).
+    /// in the header, under another scheme than Bearer). The header sent twice, or the
+    /// cookie named twice (in one `Cookie` field or across several), is
+    /// [`TokenError::Repeated`] whatever the copies hold: the gateway would verify one and
+    /// a backend might read another.
     pub fn token_of<'h>(&self, headers: &'h HeaderMap) -> Result<Option<&'h str>, TokenError> {
         match &self.settings.from {
             TokenFrom::Bearer(name) => {
                 let mut values = headers.get_all(name).iter();
-                let (Some(v), None) = (values.next(), values.next()) else {
-                    return match headers.contains_key(name) {
-                        true => Err(TokenError::Malformed),
-                        false => Ok(None),
-                    };
+                let Some(v) = values.next() else {
+                    return Ok(None);
                 };
+                if values.next().is_some() {
+                    return Err(TokenError::Repeated);
+                }
                 let v = v.to_str().map_err(|_| TokenError::Malformed)?.trim();
                 let Some((scheme, token)) = v.split_once(' ') else {
                     return Ok(None);
@@ -668,19 +693,7 @@ impl Verifier {
                     t => Ok(Some(t)),
                 }
             }
-            TokenFrom::Cookie(name) => {
-                for v in headers.get_all(http::header::COOKIE) {
-                    let Ok(v) = v.to_str() else { continue };
-                    for pair in v.split(';') {
-                        if let Some((k, value)) = pair.trim().split_once('=') {
-                            if k == name && !value.is_empty() {
-                                return Ok(Some(value.trim_matches('"')));
-                            }
-                        }
-                    }
-                }
-                Ok(None)
-            }
+            TokenFrom::Cookie(name) => cookie(headers, name),
         }
     }
 
@@ -812,13 +825,61 @@ impl Verifier {
     }
 }
 
-/// A token's header: its `alg` and `kid`, or [`TokenError::Malformed`] when it is not
-/// three base64url parts with a JSON header.
+/// The value of cookie `name` among every `Cookie` field of `headers` (RFC 6265 §4.2.1:
+/// `name=value` pairs split by `;`; HTTP/2 may send them in several fields, RFC 9113
+/// §8.2.3), its quotes taken off; none where it is absent or empty. A pair's name is
+/// compared with the spaces around it trimmed, and a pair without `=` counts as a name
+/// (backends differ on both), the bytes as sent (a field that is not UTF-8 is read too):
+/// the name found twice is [`TokenError::Repeated`].
+fn cookie<'h>(headers: &'h HeaderMap, name: &str) -> Result<Option<&'h str>, TokenError> {
+    let mut found: Option<&'h [u8]> = None;
+    for field in headers.get_all(http::header::COOKIE) {
+        for pair in field.as_bytes().split(|&b| b == b';') {
+            let (k, value) = match pair.iter().position(|&b| b == b'=') {
+                Some(eq) => (&pair[..eq], &pair[eq + 1..]),
+                None => (pair, &[][..]),
+            };
+            if k.trim_ascii() != name.as_bytes() {
+                continue;
+            }
+            if found.is_some() {
+                return Err(TokenError::Repeated);
+            }
+            found = Some(value.trim_ascii());
+        }
+    }
+    match found {
+        None | Some([]) => Ok(None),
+        Some(v) => {
+            let v = std::str::from_utf8(v).map_err(|_| TokenError::Malformed)?;
+            Ok(Some(v.trim_matches('"')).filter(|v| !v.is_empty()))
+        }
+    }
+}
+
+/// Header parameters RFC 7515 §4.1 defines: a `crit` may not name them (§4.1.11).
+const REGISTERED_PARAMETERS: [&str; 11] = [
+    "alg", "jku", "jwk", "kid", "x5u", "x5c", "x5t", "x5t#S256", "typ", "cty", "crit",
+];
+
+/// A token's header: its `alg` and `kid`, or why it is refused: [`TokenError::Malformed`]
+/// when it is not three base64url parts with a JSON header; [`TokenError::Critical`] (or
+/// [`TokenError::BadCritical`]) when it has a `crit`, since RFC 7515 §4.1.11 has a
+/// recipient refuse a token naming critical extensions it does not understand, and this
+/// gateway understands none; [`TokenError::UnencodedPayload`] for RFC 7797's `b64: false`.
 fn header(token: &str) -> Result<(String, Option<String>), TokenError> {
     #[derive(serde::Deserialize)]
     struct Header {
         alg: String,
         kid: Option<String>,
+        /// Present (`null` included) or not.
+        #[serde(default, deserialize_with = "present")]
+        crit: Option<Value>,
+        #[serde(default, deserialize_with = "present")]
+        b64: Option<Value>,
+    }
+    fn present<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<Value>, D::Error> {
+        <Value as serde::Deserialize>::deserialize(d).map(Some)
     }
     let mut parts = token.split('.');
     let (Some(head), Some(_), Some(_), None) =
@@ -830,6 +891,25 @@ fn header(token: &str) -> Result<(String, Option<String>), TokenError> {
         .decode(head)
         .map_err(|_| TokenError::Malformed)?;
     let h: Header = serde_json::from_slice(&json).map_err(|_| TokenError::Malformed)?;
+    match h.b64 {
+        // `true` is the default, said aloud.
+        None | Some(Value::Bool(true)) => {}
+        Some(Value::Bool(false)) => return Err(TokenError::UnencodedPayload),
+        Some(_) => return Err(TokenError::Malformed),
+    }
+    if let Some(crit) = h.crit {
+        let names = crit.as_array().filter(|names| !names.is_empty());
+        let well_formed = names.is_some_and(|names| {
+            names.iter().all(|n| {
+                n.as_str()
+                    .is_some_and(|n| !REGISTERED_PARAMETERS.contains(&n))
+            })
+        });
+        return Err(match well_formed {
+            true => TokenError::Critical,
+            false => TokenError::BadCritical,
+        });
+    }
     Ok((h.alg, h.kid))
 }
 

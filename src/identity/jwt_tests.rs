@@ -170,3 +170,150 @@ fn claim_paths_reach_nested_claims_and_only_scalars_are_values() {
     assert!(ClaimPath::parse("a..b").is_err());
     assert!(ClaimPath::parse("").is_err());
 }
+
+/// `claims` signed with HS256 under a header of the test's making.
+fn sign_with_header(
+    secret: &[u8],
+    header: &serde_json::Value,
+    claims: &serde_json::Value,
+) -> String {
+    let b64 = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+    let message = format!("{}.{}", b64(&header.to_string()), b64(&claims.to_string()));
+    let sig = jsonwebtoken::crypto::sign(
+        message.as_bytes(),
+        &jsonwebtoken::EncodingKey::from_secret(secret),
+        jsonwebtoken::Algorithm::HS256,
+    )
+    .unwrap();
+    format!("{message}.{sig}")
+}
+
+#[test]
+fn a_critical_extension_or_an_unencoded_payload_is_refused_and_never_cached() {
+    let v = Verifier::with_clock(
+        settings(vec![Alg::HS256]),
+        Some(KeySet::from_secret(b"k")),
+        now_b,
+        100,
+    );
+    let claims =
+        serde_json::json!({"sub": "a", "iss": "iss-a", "aud": "api", "exp": now_b() + 100});
+    let token = |extra: serde_json::Value| {
+        let mut h = serde_json::json!({"alg": "HS256"});
+        for (k, val) in extra.as_object().unwrap() {
+            h[k] = val.clone();
+        }
+        sign_with_header(b"k", &h, &claims)
+    };
+    use serde_json::json;
+    for (extra, want) in [
+        (json!({"crit": ["ext"], "ext": 1}), TokenError::Critical),
+        (json!({"crit": ["ext"]}), TokenError::Critical),
+        (json!({"crit": ["b64"], "b64": true}), TokenError::Critical),
+        (json!({"crit": ["alg"]}), TokenError::BadCritical),
+        (
+            json!({"crit": ["ext", "x5t#S256"]}),
+            TokenError::BadCritical,
+        ),
+        (json!({"crit": []}), TokenError::BadCritical),
+        (json!({"crit": "ext"}), TokenError::BadCritical),
+        (json!({"crit": [1]}), TokenError::BadCritical),
+        (json!({"crit": null}), TokenError::BadCritical),
+        (json!({"crit": {}}), TokenError::BadCritical),
+        (json!({"b64": false}), TokenError::UnencodedPayload),
+        (
+            json!({"b64": false, "crit": ["b64"]}),
+            TokenError::UnencodedPayload,
+        ),
+        (json!({"b64": "false"}), TokenError::Malformed),
+        (json!({"b64": null}), TokenError::Malformed),
+    ] {
+        let t = token(extra.clone());
+        for _ in 0..2 {
+            assert_eq!(v.verify(&t).unwrap_err(), Failure::Invalid(want), "{extra}");
+        }
+    }
+    assert_eq!(v.cached(), 0, "no refused token is remembered");
+    // The same header without them verifies (and is remembered), `b64: true` too.
+    assert!(v.verify(&token(json!({}))).is_ok());
+    assert!(v.verify(&token(json!({"b64": true}))).is_ok());
+    assert_eq!(v.cached(), 2);
+    // A header member named twice: malformed, as a JSON object with duplicate names is.
+    let b64 = |s: &str| base64::engine::general_purpose::URL_SAFE_NO_PAD.encode(s);
+    let twice = format!(
+        "{}.{}.x",
+        b64(r#"{"alg":"HS256","crit":["e"],"crit":null}"#),
+        b64(&claims.to_string())
+    );
+    assert_eq!(
+        v.verify(&twice).unwrap_err(),
+        Failure::Invalid(TokenError::Malformed)
+    );
+}
+
+#[test]
+fn the_token_is_read_once_and_its_header_or_cookie_twice_is_refused() {
+    let bearer = Verifier::with_clock(settings(vec![Alg::HS256]), None, now_b, 10);
+    let mut s = settings(vec![Alg::HS256]);
+    s.from = TokenFrom::Cookie("session".into());
+    let cookie = Verifier::with_clock(s, None, now_b, 10);
+    let headers = |name: &str, values: &[&[u8]]| {
+        let mut h = HeaderMap::new();
+        for v in values {
+            h.append(
+                HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                HeaderValue::from_bytes(v).unwrap(),
+            );
+        }
+        h
+    };
+    let auth = |values: &[&[u8]]| {
+        let h = headers("authorization", values);
+        bearer.token_of(&h).map(|t| t.map(str::to_string))
+    };
+    assert_eq!(auth(&[]), Ok(None));
+    assert_eq!(auth(&[b"Bearer t"]), Ok(Some("t".to_string())));
+    assert_eq!(auth(&[b"bearer  t "]), Ok(Some("t".to_string())));
+    assert_eq!(auth(&[b"Basic dTpw"]), Ok(None));
+    assert_eq!(auth(&[b"Bearer "]), Ok(None));
+    for twice in [
+        &[&b"Bearer a"[..], b"Bearer b"][..],
+        &[b"Bearer a", b"Bearer a"],
+        &[b"Basic dTpw", b"Bearer a"],
+        &[b"Bearer a", b""],
+    ] {
+        assert_eq!(auth(twice), Err(TokenError::Repeated), "{twice:?}");
+    }
+    let jar = |values: &[&[u8]]| {
+        let h = headers("cookie", values);
+        cookie.token_of(&h).map(|t| t.map(str::to_string))
+    };
+    assert_eq!(jar(&[]), Ok(None));
+    assert_eq!(jar(&[b"session=t"]), Ok(Some("t".to_string())));
+    assert_eq!(
+        jar(&[b"a=1; session=\"t\"; b=2"]),
+        Ok(Some("t".to_string()))
+    );
+    assert_eq!(
+        jar(&[b"a=1", b"session=t"]),
+        Ok(Some("t".to_string())),
+        "HTTP/2 crumbs"
+    );
+    assert_eq!(jar(&[b"Session=t; sessions=u; xsession=v"]), Ok(None));
+    assert_eq!(jar(&[b"session="]), Ok(None));
+    assert_eq!(jar(&[b"session"]), Ok(None));
+    assert_eq!(jar(&[b"session=a=b"]), Ok(Some("a=b".to_string())));
+    for twice in [
+        &[&b"session=a; session=b"[..]][..],
+        &[b"session=a; session=a"],
+        &[b"session=a", b"session=b"],
+        &[b"session=a; session="],
+        &[b"session=; session=a"],
+        &[b"session=a; session"],
+        &[b"session=a;  session =b"],
+        &[b"x=\xff; session=a", b"session=b"],
+    ] {
+        assert_eq!(jar(twice), Err(TokenError::Repeated), "{twice:?}");
+    }
+    assert_eq!(jar(&[b"session=\xff"]), Err(TokenError::Malformed));
+}

@@ -244,7 +244,9 @@ impl PathCase {
 /// `/%2Fapi/x` and `/api;v=1/x` cannot slip past a rule for `/api/`. Reading more paths as
 /// matching a rule than a given backend would is the safe side: a rule then limits more
 /// requests, never fewer (parameters are dropped after decoding, so `%3B` is cut there too,
-/// though Tomcat keeps it as text). The request is still forwarded with its original bytes.
+/// though Tomcat keeps it as text). The request is still forwarded with its original bytes,
+/// but by a route that rewrites the path (`strip_prefix`, `add_prefix`), which forwards
+/// this one ([`super::Routes::forwarded_path`]).
 ///
 /// Decoded once, as backends do: `%252F` is the segment text `%2F`, not a slash.
 pub fn normalize_path(raw: &str) -> std::borrow::Cow<'_, str> {

@@ -82,16 +82,19 @@ impl Routes {
         Ok(None)
     }
 
-    /// The path (and query) a request sent by route `route` is forwarded with:
-    /// `path_and_query` as the client sent it, its path's `strip_prefix` taken off where
-    /// the path as sent starts with it and it ends a segment there (letters' case ignored
-    /// under `path_case = "insensitive"`), then `add_prefix` put in front. Every other byte
-    /// is the client's, percent-encodings and the query included; a path left empty
-    /// becomes `/`. A path that spells the prefix otherwise (`/%76%31/x`, `//v1/x`,
-    /// `/v1;p/x`) is stripped as the backend routes it ([`super::normalize_path`]), what a
-    /// path cannot carry encoded again: never sent with the prefix the route takes away. A route
-    /// with neither prefix, an unknown `route`, or a target that is no path (`*` of
-    /// `OPTIONS *`) leaves it as it is.
+    /// The path (and query) a request sent by route `route` is forwarded with, where the
+    /// route has `strip_prefix` or `add_prefix`: the path its match was tried on — as the
+    /// backend routes it ([`super::normalize_path`]: percent-decoded, `%2F` a slash, dot
+    /// segments resolved from the root as RFC 3986 §5.2.4 does, doubled slashes folded,
+    /// `;` parameters dropped) — with `strip_prefix` taken off where that path starts with
+    /// it and it ends a segment there (letters' case ignored under `path_case =
+    /// "insensitive"`), then `add_prefix` put in front; bytes a path cannot carry as they
+    /// are encoded again; a path left empty is `/`; the query as the client sent it.
+    /// What follows `add_prefix` never holds a dot segment, so no request climbs out of it
+    /// (`/billing/x/%2e%2e/%2e%2e/billing/internal` is `/v2/internal`). A path already in
+    /// that form keeps the client's bytes. A route with neither prefix, an unknown
+    /// `route`, or a target that is no path (`*` of `OPTIONS *`) leaves the target as
+    /// sent: there is no prefix to climb out of, and the backend resolves it itself.
     pub fn forwarded_path<'a>(&self, route: usize, path_and_query: &'a str) -> Cow<'a, str> {
         let Some(r) = self.list.get(route) else {
             return Cow::Borrowed(path_and_query);
@@ -102,38 +105,34 @@ impl Routes {
         if r.strip_prefix.is_none() && r.add_prefix.is_none() {
             return Cow::Borrowed(path_and_query);
         }
-        let mut rest = Cow::Borrowed(path_and_query);
-        if let Some(strip) = &r.strip_prefix {
-            let path_end = path_and_query.find('?').unwrap_or(path_and_query.len());
-            let (path, query) = path_and_query.split_at(path_end);
-            // Taken off the bytes as sent where they spell it and it ends at a segment's
-            // end (`/v1` of `/v1/x`, not of `/v1;p/x` or `/v1%2Fx`).
-            let literal = self
-                .strip(path, strip)
-                .filter(|after| after.is_empty() || after.starts_with('/') || strip.ends_with('/'));
-            if let Some(after) = literal {
-                rest = Cow::Borrowed(&path_and_query[path.len() - after.len()..]);
-            } else {
-                // The client spelled the prefix otherwise (`/%76%31/`, `//v1/`, `/./v1/`,
-                // `/v1;x/`): the route matched its path as the backend routes it, so that
-                // path is stripped and sent — with its bytes that a path cannot carry
-                // encoded again — rather than the unstripped original, which would reach
-                // the backend under the prefix the route takes away.
-                let normal = super::normalize_path(path);
-                if let Some(after) = self.strip(&normal, strip) {
-                    let mut sent = encode_path(after);
-                    sent.push_str(query);
-                    rest = Cow::Owned(sent);
-                }
-            }
+        let path_end = path_and_query.find('?').unwrap_or(path_and_query.len());
+        let (path, query) = path_and_query.split_at(path_end);
+        // The one normalisation the rules read paths by: the route matched this path.
+        let normal = super::normalize_path(path);
+        let rest = match &r.strip_prefix {
+            // Not where the prefix ends inside a segment (`/v1` of `/v1x` or `/v1..`):
+            // taking it off there would make a new segment of what is left.
+            Some(strip) => self
+                .strip(&normal, strip)
+                .filter(|after| after.is_empty() || after.starts_with('/') || strip.ends_with('/')),
+            None => None,
         }
+        .unwrap_or(&normal);
         let add = r.add_prefix.as_deref().unwrap_or("");
-        let mut out = String::with_capacity(add.len() + rest.len() + 1);
+        let mut out = String::with_capacity(add.len() + rest.len() + query.len() + 8);
         out.push_str(add);
         if !rest.starts_with('/') {
             out.push('/');
         }
-        out.push_str(&rest);
+        if matches!(normal, Cow::Borrowed(_)) {
+            // The path as sent was already normal: its bytes, as the client wrote them.
+            out.push_str(rest);
+        } else {
+            // Decoded: what a path segment cannot carry (`%`, `?`, `#`, spaces, non-ASCII)
+            // is encoded again; `/` stays the separator the rules read it as.
+            encode_path(&mut out, rest);
+        }
+        out.push_str(query);
         Cow::Owned(out)
     }
 
@@ -149,11 +148,11 @@ impl Routes {
     }
 }
 
-/// `path` with every byte a path segment may not carry as it is (RFC 3986 §3.3: pchar is
-/// unreserved, sub-delims, `:` and `@`; `/` separates segments) percent-encoded.
-fn encode_path(path: &str) -> String {
+/// `path` appended to `out` with every byte a path segment may not carry as it is (RFC
+/// 3986 §3.3: pchar is unreserved, sub-delims, `:` and `@`; `/` separates segments)
+/// percent-encoded.
+fn encode_path(out: &mut String, path: &str) {
     use std::fmt::Write;
-    let mut out = String::with_capacity(path.len() + 8);
     for &b in path.as_bytes() {
         let keep = b.is_ascii_alphanumeric() || b"-._~!$&'()*+,;=:@/".contains(&b);
         if keep {
@@ -162,7 +161,6 @@ fn encode_path(path: &str) -> String {
             let _ = write!(out, "%{b:02X}");
         }
     }
-    out
 }
 
 #[cfg(test)]
@@ -336,36 +334,78 @@ mod tests {
     }
 
     #[test]
-    fn the_forwarded_path_strips_then_adds_and_keeps_every_other_byte() {
+    fn the_forwarded_path_is_the_matched_path_stripped_then_added_to() {
         let s = PathCase::Sensitive;
         for (strip, add, sent, want) in [
+            // A path already normal keeps its bytes; the query is always the client's.
             (
                 Some("/v1"),
                 None,
-                "/v1/orders/%2F%41?a=%20b&c",
-                "/orders/%2F%41?a=%20b&c",
+                "/v1/orders/x?a=%20b&c",
+                "/orders/x?a=%20b&c",
             ),
             (Some("/v1"), None, "/v1", "/"),
             (Some("/v1"), None, "/v1?x=1", "/?x=1"),
             (Some("/v1/"), None, "/v1/", "/"),
-            (Some("/v1"), None, "/v1abc", "/abc"),
+            (Some("/v1/"), None, "/v1/x", "/x"),
+            // The prefix ends a segment, or it is not taken off.
+            (Some("/v1"), None, "/v1abc", "/v1abc"),
+            (Some("/v1"), Some("/api"), "/v1../x", "/api/v1../x"),
             (Some("/v1"), None, "/v2/x", "/v2/x"),
             // The query is no part of the path: `?` in it is never stripped.
             (Some("/v1"), None, "/a?/v1", "/a?/v1"),
             (Some("/v1"), None, "/V1/x", "/V1/x"),
-            (None, Some("/api"), "/x%20y?q", "/api/x%20y?q"),
             (None, Some("/api"), "/", "/api/"),
-            (Some("/v1"), Some("/api"), "/v1/x;p=1", "/api/x;p=1"),
             (Some("/v1"), Some("/api"), "/v1", "/api/"),
+            // Neither prefix: the target as sent, dot segments and all.
             (None, None, "/a//b/../c?x", "/a//b/../c?x"),
             (Some("/v1"), Some("/api"), "*", "*"),
-            // Other spellings of the prefix: the path as the backend routes it is stripped,
-            // what a path cannot carry encoded again, the query as sent.
+            // Decoded as the rules read it, and encoded again where a path must be.
+            (None, Some("/api"), "/x%20y?q", "/api/x%20y?q"),
+            (
+                Some("/v1"),
+                None,
+                "/v1/orders/%2F%41?a=%20b&c",
+                "/orders/A?a=%20b&c",
+            ),
+            (Some("/v1"), None, "/v1/a%2Fb", "/a/b"),
+            (Some("/v1"), None, "/v1/a%252Fb", "/a%252Fb"),
+            (Some("/v1"), None, "/v1/a%3Fb%23c%25", "/a%3Fb%23c%25"),
+            (Some("/v1"), None, "/v1/caf%C3%A9", "/caf%C3%A9"),
+            (Some("/v1"), Some("/api"), "/v1/x;p=1", "/api/x"),
+            // Other spellings of the prefix.
             (Some("/v1"), None, "/%76%31/orders?x=%20", "/orders?x=%20"),
             (Some("/v1"), None, "//v1/orders", "/orders"),
             (Some("/v1"), None, "/./v1/a%20b", "/a%20b"),
             (Some("/v1"), None, "/v1;x/orders", "/orders"),
             (Some("/v1"), None, "/v1%2Forders", "/orders"),
+            // Dot segments, plain and encoded in any case, resolved before the prefix is
+            // taken off: what is left never climbs out of add_prefix.
+            (Some("/v1"), Some("/v2"), "/v1/../v1/x", "/v2/x"),
+            (
+                Some("/v1"),
+                Some("/v2"),
+                "/v1/x/%2e%2e/%2E%2e/v1/internal",
+                "/v2/internal",
+            ),
+            (Some("/v1"), Some("/v2"), "/v1/x/.%2e/y", "/v2/y"),
+            (Some("/v1"), Some("/v2"), "/v1/./x/.", "/v2/x/"),
+            (Some("/v1"), Some("/v2"), "/v1/x/..", "/v2/"),
+            (Some("/v1"), Some("/v2"), "/v1//x//", "/v2/x/"),
+            (
+                Some("/v1"),
+                Some("/v2"),
+                "/v1/x/..%2F..%2F..%2Fetc",
+                "/v2/etc",
+            ),
+            (Some("/v1"), Some("/v2"), "/v1/x/..%5C..%5Cetc", "/v2/etc"),
+            (
+                Some("/v1"),
+                Some("/v2"),
+                "/v1/%2e%2e/%2e%2e/etc?q=/../",
+                "/v2/etc?q=/../",
+            ),
+            (None, Some("/v2"), "/x/../../etc", "/v2/etc"),
         ] {
             assert_eq!(
                 forwarded(strip, add, s, sent),
@@ -377,8 +417,47 @@ mod tests {
             forwarded(Some("/v1"), None, PathCase::Insensitive, "/V1/X?Q"),
             "/X?Q"
         );
+        assert_eq!(
+            forwarded(Some("/v1"), None, PathCase::Insensitive, "/V1/%2e%2e/V1/X"),
+            "/X"
+        );
         let routes = Routes::default();
         assert_eq!(routes.forwarded_path(3, "/x?y"), "/x?y");
+    }
+
+    mod fuzz {
+        use super::*;
+        use proptest::prelude::*;
+
+        /// Pieces a path that tries to climb out is made of.
+        fn piece() -> impl Strategy<Value = &'static str> {
+            prop::sample::select(vec![
+                "/", "..", ".", "%2e", "%2E", "%2F", "%2f", "%5C", "\\", ";p", "%3B", "%25",
+                "%252e", "v1", "x", "?", "%3F", "%00",
+            ])
+        }
+
+        proptest! {
+            #![proptest_config(crate::seed::proptest_config("rules::route::fuzz", 2048))]
+
+            /// Whatever the path, what a route with `strip_prefix = "/v1"` and `add_prefix =
+            /// "/v2"` forwards starts with `/v2/`, and stays there for a backend that
+            /// resolves it again as the rules read paths: decoded once more (`%252e` is
+            /// `%2e` to it), dot segments and all.
+            #[test]
+            fn no_path_climbs_out_of_add_prefix(pieces in prop::collection::vec(piece(), 0..24)) {
+                let sent = format!("/v1/{}", pieces.concat());
+                let out = forwarded(Some("/v1"), Some("/v2"), PathCase::Sensitive, &sent);
+                let path = out.split('?').next().unwrap_or_default();
+                prop_assert!(path.starts_with("/v2/"), "{} -> {}", sent, out);
+                prop_assert!(
+                    !path.split('/').any(|seg| seg == "." || seg == ".."),
+                    "{} -> {}", sent, out
+                );
+                let resolved = crate::rules::normalize_path(path);
+                prop_assert!(resolved.starts_with("/v2/"), "{} -> {} -> {}", sent, out, resolved);
+            }
+        }
     }
 
     #[test]

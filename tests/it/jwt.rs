@@ -3,7 +3,9 @@
 //! a secret). Limited per `sub` exactly under concurrency; every kind of invalid token a
 //! 401 with its Bearer challenge that never reaches the upstream; a plan from a claim;
 //! claims forwarded as headers, a client's copies dropped; a JWKS over https rotated
-//! without a reload and outliving its server; no JWKS ever fetched: 503.
+//! without a reload and outliving its server; no JWKS ever fetched: 503; a `crit` or
+//! `b64: false` header, the token cookie or `Authorization` sent twice: 401, never
+//! forwarded.
 
 use crate::common;
 
@@ -482,4 +484,296 @@ async fn a_gateway_that_never_fetched_its_jwks_answers_503() {
     )
     .await;
     assert_eq!(refused, 1.0);
+}
+
+/// A gateway limiting `/api/` by `jwt:sub`, HS256 with `secret`, reading the token where
+/// `from` says (`header = ...` or `cookie = ...`; empty: `Authorization`).
+fn hs_gateway(upstream: &Upstream, secret: &str, from: &str) -> Gateway {
+    Gateway::start_with(
+        &format!(
+            "[upstream]\nurl = \"{}\"\n[jwt]\nalgorithms = [\"HS256\"]\nsecret_env = \"JWT_TEST_SECRET\"\n{from}{}",
+            upstream.url(),
+            jwt_rule(1000)
+        ),
+        &[],
+        &[("JWT_TEST_SECRET", secret)],
+    )
+}
+
+/// `GET /api/x` with each of `fields` as a header line of its own, on a raw connection:
+/// the status, and the `error_description` of an `invalid_token` challenge if it has one.
+async fn raw_get(gw: &Gateway, fields: &[String]) -> (u16, Option<String>) {
+    let mut request = String::from("GET /api/x HTTP/1.1\r\nHost: api.test\r\n");
+    for f in fields {
+        request.push_str(f);
+        request.push_str("\r\n");
+    }
+    request.push_str("Connection: close\r\n\r\n");
+    let a = common::raw_exchange(gw.port, request.as_bytes()).await;
+    let challenge = a.text.lines().find_map(|l| {
+        let (name, value) = l.split_once(':')?;
+        let value = value.trim();
+        let rest = value.strip_prefix("Bearer error=\"invalid_token\", error_description=\"")?;
+        name.eq_ignore_ascii_case("www-authenticate")
+            .then(|| rest.trim_end_matches('"').to_string())
+    });
+    (a.status, challenge)
+}
+
+/// RFC 7515 §4.1.11: a JWS whose `crit` lists an extension the recipient does not
+/// understand must be rejected, and ratewall understands none; a `crit` that is not a
+/// non-empty list of names, or that lists a standard header parameter, is invalid. RFC
+/// 7797's `b64: false` (an unencoded payload, whose signature covers other bytes than the
+/// ones decoded) is not supported. Each is a 401 `invalid_token` like any invalid token,
+/// twice in a row (the second would be a cache hit had the first been remembered as
+/// good), and none reaches the upstream. Before the fix, all 20 of these requests were
+/// answered 200 and forwarded.
+#[tokio::test(flavor = "multi_thread")]
+async fn a_token_with_critical_extensions_or_an_unencoded_payload_is_refused() {
+    let upstream = Upstream::start().await;
+    let gw = hs_gateway(&upstream, "crit-secret", "");
+    let key = SigningKey::secret(b"crit-secret");
+    let good = serde_json::json!({"sub": "u", "exp": unix_now() + 600});
+    let with = |extra: serde_json::Value| {
+        let mut h = serde_json::json!({"alg": "HS256", "typ": "JWT"});
+        for (k, v) in extra.as_object().unwrap() {
+            h[k] = v.clone();
+        }
+        key.sign_with_header(&h, &good)
+    };
+    let client = HttpClient::new();
+    let url = gw.url("/api/x");
+    // The header made here, and `b64: true` (the default, said aloud), verify.
+    for token in [
+        with(serde_json::json!({})),
+        with(serde_json::json!({"b64": true})),
+    ] {
+        let r = client
+            .get(&url, &[("authorization", &bearer(&token))])
+            .await;
+        assert_eq!(r.status, StatusCode::OK, "{}", gw.logs());
+    }
+    let cases = [
+        (
+            "crit naming an extension",
+            serde_json::json!({"crit": ["https://ext.test/tenant"], "https://ext.test/tenant": "a"}),
+            "critical",
+        ),
+        (
+            "crit naming an extension the header lacks",
+            serde_json::json!({"crit": ["exp"]}),
+            "critical",
+        ),
+        (
+            "crit naming a standard parameter",
+            serde_json::json!({"crit": ["alg"]}),
+            "crit",
+        ),
+        ("crit empty", serde_json::json!({"crit": []}), "crit"),
+        ("crit a string", serde_json::json!({"crit": "x"}), "crit"),
+        ("crit of a number", serde_json::json!({"crit": [1]}), "crit"),
+        ("crit null", serde_json::json!({"crit": null}), "crit"),
+        ("b64 false", serde_json::json!({"b64": false}), "unencoded"),
+        (
+            "b64 false, marked critical",
+            serde_json::json!({"b64": false, "crit": ["b64"]}),
+            "unencoded",
+        ),
+        (
+            "b64 not a boolean",
+            serde_json::json!({"b64": "false"}),
+            "malformed",
+        ),
+    ];
+    let mut wrong = Vec::new();
+    for (what, extra, says) in &cases {
+        let token = bearer(&with(extra.clone()));
+        for attempt in 1..=2 {
+            let r = client.get(&url, &[("authorization", &token)]).await;
+            let challenge = r.header("www-authenticate").unwrap_or_default();
+            let ok = r.status == StatusCode::UNAUTHORIZED
+                && challenge.starts_with("Bearer error=\"invalid_token\", error_description=\"")
+                && challenge.contains(says);
+            if !ok {
+                wrong.push(format!("{what} (#{attempt}): {} {challenge:?}", r.status));
+            }
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} of {} wrong:\n{}",
+        wrong.len(),
+        2 * cases.len(),
+        wrong.join("\n")
+    );
+    assert_eq!(
+        upstream.arrived(),
+        2,
+        "only the two valid tokens were forwarded"
+    );
+    let refused = metric(
+        &gw,
+        "ratewall_refusals_total",
+        &[("reason", "invalid_token")],
+    )
+    .await;
+    assert_eq!(refused, 2.0 * cases.len() as f64);
+}
+
+/// `cookie = "session"`: the token cookie sent twice — in one `Cookie` field or in two,
+/// the same token or another, or an empty one beside it — is a 401 `invalid_token` that
+/// never reaches the upstream (a backend reading the last, or every, `session` would see
+/// a token the gateway never verified). One `session` among other cookies passes, and a
+/// cookie of another name (`Session`) is not it. Before the fix the first one won: the
+/// five doubled requests were 200 and forwarded with both.
+#[tokio::test(flavor = "multi_thread")]
+async fn the_token_cookie_sent_twice_is_refused() {
+    let upstream = Upstream::start().await;
+    let gw = hs_gateway(&upstream, "cookie-secret", "cookie = \"session\"\n");
+    let key = SigningKey::secret(b"cookie-secret");
+    let token = |sub: &str| {
+        key.sign(
+            &serde_json::json!({"sub": sub, "exp": unix_now() + 600}),
+            None,
+        )
+    };
+    let (a, b) = (token("alice"), token("bob"));
+    let cookie = |v: &str| format!("Cookie: {v}");
+    let cases: Vec<(&str, Vec<String>, u16)> = vec![
+        ("one", vec![cookie(&format!("session={a}"))], 200),
+        (
+            "one among others",
+            vec![cookie(&format!("x=1; session={a}; y=2"))],
+            200,
+        ),
+        (
+            "one, other cookies in another field",
+            vec![cookie("x=1"), cookie(&format!("session={a}"))],
+            200,
+        ),
+        (
+            "another name",
+            vec![cookie(&format!("session={a}; Session={b}"))],
+            200,
+        ),
+        (
+            "two in one field",
+            vec![cookie(&format!("session={a}; session={b}"))],
+            401,
+        ),
+        (
+            "the same twice",
+            vec![cookie(&format!("session={a}; session={a}"))],
+            401,
+        ),
+        (
+            "two fields",
+            vec![
+                cookie(&format!("session={a}")),
+                cookie(&format!("session={b}")),
+            ],
+            401,
+        ),
+        (
+            "an empty one after",
+            vec![cookie(&format!("session={a}; session="))],
+            401,
+        ),
+        (
+            "a spaced name after",
+            vec![cookie(&format!("session={a}; session ={b}"))],
+            401,
+        ),
+    ];
+    let mut wrong = Vec::new();
+    let mut passed = 0;
+    for (what, fields, want) in &cases {
+        let (status, challenge) = raw_get(&gw, fields).await;
+        let said = challenge.as_deref().unwrap_or_default();
+        if status != *want || (status == 401) != said.contains("more than once") {
+            wrong.push(format!("{what}: {status} {challenge:?}"));
+        }
+        passed += usize::from(status == 200);
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} of {} wrong:\n{}",
+        wrong.len(),
+        cases.len(),
+        wrong.join("\n")
+    );
+    assert_eq!(
+        upstream.arrived(),
+        passed,
+        "no refused request was forwarded"
+    );
+}
+
+/// The token's header sent twice (`Authorization`, Bearer both times or one of them) is a
+/// 401 `invalid_token` that never reaches the upstream, as is one field naming two tokens.
+/// One `Authorization` passes. (The status held before the fix: the header twice was
+/// already refused, as "malformed"; the four doubled cases now say why.)
+#[tokio::test(flavor = "multi_thread")]
+async fn the_authorization_header_sent_twice_is_refused() {
+    let upstream = Upstream::start().await;
+    let gw = hs_gateway(&upstream, "auth-secret", "");
+    let key = SigningKey::secret(b"auth-secret");
+    let token = |sub: &str| {
+        key.sign(
+            &serde_json::json!({"sub": sub, "exp": unix_now() + 600}),
+            None,
+        )
+    };
+    let (a, b) = (token("alice"), token("bob"));
+    let auth = |v: &str| format!("Authorization: {v}");
+    let cases: Vec<(&str, Vec<String>, u16, &str)> = vec![
+        ("one", vec![auth(&bearer(&a))], 200, ""),
+        (
+            "two tokens",
+            vec![auth(&bearer(&a)), auth(&bearer(&b))],
+            401,
+            "more than once",
+        ),
+        (
+            "the same twice",
+            vec![auth(&bearer(&a)), auth(&bearer(&a))],
+            401,
+            "more than once",
+        ),
+        (
+            "Bearer, then Basic",
+            vec![auth(&bearer(&a)), auth("Basic dTpw")],
+            401,
+            "more than once",
+        ),
+        (
+            "Basic, then Bearer",
+            vec![auth("Basic dTpw"), auth(&bearer(&a))],
+            401,
+            "more than once",
+        ),
+        (
+            "two tokens in one field",
+            vec![auth(&format!("Bearer {a}, Bearer {b}"))],
+            401,
+            "malformed",
+        ),
+    ];
+    let mut wrong = Vec::new();
+    let client_count = cases.iter().filter(|c| c.2 == 200).count();
+    for (what, fields, want, says) in &cases {
+        let (status, challenge) = raw_get(&gw, fields).await;
+        let said = challenge.as_deref().unwrap_or_default();
+        if status != *want || (status == 401) != (challenge.is_some() && said.contains(says)) {
+            wrong.push(format!("{what}: {status} {challenge:?}"));
+        }
+    }
+    assert!(
+        wrong.is_empty(),
+        "{} of {} wrong:\n{}",
+        wrong.len(),
+        cases.len(),
+        wrong.join("\n")
+    );
+    assert_eq!(upstream.arrived(), client_count);
 }

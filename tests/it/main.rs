@@ -30,6 +30,7 @@ mod overload;
 mod perimeter;
 mod pools;
 mod request_path;
+mod route_prefix;
 mod scale;
 mod sentinel;
 mod settle_agree;

@@ -121,6 +121,23 @@ impl SigningKey {
         jsonwebtoken::encode(&header, claims, &self.encoding).expect("sign")
     }
 
+    /// `claims` under a header of the test's own making (any members: `crit`, `b64`...),
+    /// signed with this key by its algorithm, whatever the header's `alg` says.
+    pub fn sign_with_header(
+        &self,
+        header: &serde_json::Value,
+        claims: &serde_json::Value,
+    ) -> String {
+        let message = format!(
+            "{}.{}",
+            b64(header.to_string().as_bytes()),
+            b64(claims.to_string().as_bytes())
+        );
+        let signature =
+            jsonwebtoken::crypto::sign(message.as_bytes(), &self.encoding, self.alg).expect("sign");
+        format!("{message}.{signature}")
+    }
+
     /// The public key as a JWKS entry with `kid` (EC and Ed25519 keys).
     pub fn jwk(&self, kid: &str) -> serde_json::Value {
         let mut jwk = self.jwk.clone().expect("a JWK for EC and Ed25519 keys");
