@@ -111,7 +111,7 @@ impl Admin {
         guard::count_from_zero(&gateway.metrics().admin_auth_failures);
         Admin {
             gateway,
-            guard: Arc::new(Guard::new()),
+            guard: Arc::new(guard::new_guard()),
             _sampler: Arc::new(sampler),
         }
     }

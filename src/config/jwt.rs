@@ -12,10 +12,11 @@ use http::header::HeaderName;
 use serde::Deserialize;
 use toml::Spanned;
 
-use super::values::Header;
+use super::values::{Header, RawFailures};
 use super::Invalid;
 use crate::identity::jwt::{
-    Alg, KeySet, KeyType, KeysFrom, Settings, TokenFrom, DEFAULT_LEEWAY, DEFAULT_REFRESH,
+    Alg, KeySet, KeyType, KeysFrom, Settings, TokenFrom, DEFAULT_FAILURES, DEFAULT_LEEWAY,
+    DEFAULT_REFRESH,
 };
 use crate::identity::{ClaimPath, Verifier};
 use crate::upstream::{Tls, TlsOptions};
@@ -39,6 +40,7 @@ pub(super) struct RawJwt {
     required_claims: Vec<Spanned<String>>,
     plan_claim: Option<Spanned<String>>,
     forward_claims: Option<Spanned<BTreeMap<String, String>>>,
+    failures: Option<RawFailures>,
 }
 
 /// `issuer = "a"` or `issuer = ["a", "b"]`.
@@ -286,6 +288,10 @@ impl RawJwt {
                 .map(|c| claim(c, "plan_claim"))
                 .transpose()?,
             forward_claims,
+            failures: match &self.failures {
+                Some(f) => f.allowance("jwt")?,
+                None => DEFAULT_FAILURES,
+            },
         };
         Ok(Jwt {
             verifier: Arc::new(Verifier::new(settings, keys)),

@@ -48,6 +48,7 @@ pub(super) struct RawKeys {
     plans: HashMap<String, Spanned<PlanName>>,
     pub(super) file: Option<Spanned<String>>,
     resync: Option<Spanned<HumanDuration>>,
+    failures: Option<super::values::RawFailures>,
 }
 
 /// The keys file: `[plans]`, API key (or `sha256:<hex>` of one) -> plan name.
@@ -107,6 +108,10 @@ impl RawKeys {
                 v
             }
         };
+        let failures = match &self.failures {
+            Some(f) => f.allowance("keys")?,
+            None => crate::identity::DEFAULT_KEY_FAILURES,
+        };
         let mut listed: HashMap<[u8; 32], String> = HashMap::new();
         let mut inline: Vec<(&String, &Spanned<PlanName>)> = self.plans.iter().collect();
         inline.sort_by(|a, b| a.0.cmp(b.0));
@@ -157,7 +162,8 @@ impl RawKeys {
             in_file,
             defined.iter().map(|p| p.to_string()).collect(),
             resync,
-        ))
+        )
+        .with_failures(failures))
     }
 }
 

@@ -753,3 +753,51 @@ impl<'de> Deserialize<'de> for Rate {
         Rate::parse(&s).map_err(de::Error::custom)
     }
 }
+
+/// `failures = { rate = "10/m", burst = 20 }` (`[jwt]`, `[keys]`): how many failed checks
+/// a client address may make before its checks are answered 429 unmade.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+pub(super) struct RawFailures {
+    rate: toml::Spanned<Rate>,
+    burst: Option<toml::Spanned<u64>>,
+}
+
+impl RawFailures {
+    /// The allowance, or why not (`table`: `jwt` or `keys`). A rate of at most 1000/s, not
+    /// a calendar's; a burst of 1 to 1,000,000 (default: the rate's count).
+    pub(super) fn allowance(
+        &self,
+        table: &str,
+    ) -> Result<crate::identity::failures::Allowance, super::Invalid> {
+        let no = |span, m: String| super::Invalid::new(Some(span), format!("{table}.failures"), m);
+        let rate = self.rate.get_ref();
+        let every_ms = rate.period.as_millis() / u128::from(rate.count.max(1));
+        if rate.calendar.is_some() || rate.count == 0 || every_ms == 0 {
+            return Err(no(
+                self.rate.span(),
+                format!(
+                    "failures' rate is a steady rate of 1 or more, at most 1000/s (e.g. \"10/m\"), not {}/{:?}",
+                    rate.count, rate.period
+                ),
+            ));
+        }
+        let burst = match &self.burst {
+            Some(b) if !(1..=1_000_000).contains(b.get_ref()) => {
+                return Err(no(
+                    b.span(),
+                    format!(
+                        "failures' burst is 1 to 1000000 (the failures an address may make at once), not {}",
+                        b.get_ref()
+                    ),
+                ));
+            }
+            Some(b) => *b.get_ref(),
+            None => rate.count,
+        };
+        Ok(crate::identity::failures::Allowance {
+            burst,
+            every_ms: u64::try_from(every_ms).unwrap_or(u64::MAX),
+        })
+    }
+}

@@ -218,6 +218,8 @@ fn refused(refusal: &Refusal, name: &http::HeaderName) -> String {
         Refusal::KeysUnavailable => {
             "refused with 503: no JWKS fetched (check does not fetch jwks_url; the gateway does at start)".into()
         }
+        // `check` counts no failures: never here.
+        Refusal::Throttled(_) => format!("refused with 429: {refusal}"),
     }
 }
 

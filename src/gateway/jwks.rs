@@ -48,9 +48,24 @@ pub struct FetchLabels {
     pub result: FetchResult,
 }
 
-/// `ratewall_jwks_fetches_total{result}`.
+crate::metrics::label_enum! {
+    /// What a bearer token's signature check found.
+    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
+    pub enum CheckResult {
+        Accepted = "accepted",
+        Refused = "refused",
+    }
+}
+
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct CheckLabels {
+    pub result: CheckResult,
+}
+
+/// `ratewall_jwks_fetches_total{result}`, `ratewall_token_checks_total{result}`.
 pub struct JwksMetrics {
     pub fetches: Family<FetchLabels, Counter>,
+    pub token_checks: Family<CheckLabels, Counter>,
 }
 
 impl JwksMetrics {
@@ -64,7 +79,28 @@ impl JwksMetrics {
         for result in FetchResult::ALL {
             let _ = fetches.get_or_create(&FetchLabels { result });
         }
-        JwksMetrics { fetches }
+        let token_checks = Family::<CheckLabels, Counter>::default();
+        registry.register(
+            "token_checks",
+            "Bearer tokens checked in full (a signature verified), by result: accepted, refused. A token either cache knows is not checked again, nor is one whose address failed too many ([jwt] failures)",
+            token_checks.clone(),
+        );
+        for result in CheckResult::ALL {
+            let _ = token_checks.get_or_create(&CheckLabels { result });
+        }
+        JwksMetrics {
+            fetches,
+            token_checks,
+        }
+    }
+
+    /// The counters a verifier counts its signature checks with: accepted, refused.
+    pub fn checks(&self) -> [Counter; 2] {
+        [CheckResult::Accepted, CheckResult::Refused].map(|result| {
+            self.token_checks
+                .get_or_create(&CheckLabels { result })
+                .clone()
+        })
     }
 
     fn count(&self, result: FetchResult) {

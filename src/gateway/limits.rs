@@ -90,9 +90,9 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
         let rule = &live.config.rules[index];
         let identity = requester.identify(&rule.key)?;
         let enforced = rule.enforces(&identity.digest);
-        let plan = requester
-            .plan()
-            .filter(|_| !rule.plans.is_empty())
+        let plan = (!rule.plans.is_empty())
+            .then(|| requester.plan())
+            .flatten()
             .and_then(|p| rule.plans.get_key_value(p))
             .map(|(name, _)| name.as_str());
         let mut slot = None;

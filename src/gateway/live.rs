@@ -203,6 +203,7 @@ fn carry_jwt(config: &mut Config, old: Option<&Live>, metrics: &Arc<Metrics>) {
         jwt.verifier = kept.verifier.clone();
         return;
     }
+    jwt.verifier.count_checks(metrics.jwks.checks());
     if let (Some(fetch), Ok(_)) = (&jwt.fetch, tokio::runtime::Handle::try_current()) {
         super::jwks::start(&jwt.verifier, fetch, metrics.clone());
     }

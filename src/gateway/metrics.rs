@@ -42,6 +42,10 @@ label_enum! {
         /// The rule refused the request before any limit was consulted: the key (or header)
         /// it counts by is malformed (400: sent twice, too long).
         BadKey = "bad_key",
+        /// The rule allowed and charged the request (it needs no credential, so it was
+        /// decided first), and another rule refused it for its credentials (401, or 429
+        /// once its address failed too often) or its body: the charge stands.
+        RefusedByOther = "refused_by_other",
     }
 }
 
@@ -99,6 +103,9 @@ label_enum! {
         /// 400, 411, 413: a rule reserves the request's `max_tokens` and refuses a body
         /// that says none it can use (`on_unreadable = "reject"`).
         UnreadableBody = "unreadable_body",
+        /// 429: the client's address failed too many tokens or sent too many unknown keys
+        /// (`[jwt] failures`, `[keys] failures`); its credential was not checked.
+        Throttled = "throttled",
     }
 }
 
@@ -124,6 +131,7 @@ impl From<crate::identity::Refusal> for RefusalReason {
             Refusal::KeysUnavailable => RefusalReason::KeysUnavailable,
             Refusal::UnknownKey => RefusalReason::UnknownKey,
             Refusal::Malformed(_) => RefusalReason::Malformed,
+            Refusal::Throttled(_) => RefusalReason::Throttled,
         }
     }
 }
@@ -243,7 +251,7 @@ impl GatewayMetrics {
         let requests = Family::<RuleLabels, Counter>::default();
         registry.register(
             "requests",
-            "Decisions by rule: allowed (let through, and the upstream answered), delayed (the same, after waiting, max_delay), denied, shadow_denied (would have denied: shadow mode or outside enforce_percent), denied_by_other (this rule would have allowed it, another denied it: charged nothing here), error (store failed), refused (this rule refused the request before any limit: its key missing or unknown, 401), bad_key (its key malformed, 400)",
+            "Decisions by rule: allowed (let through, and the upstream answered), delayed (the same, after waiting, max_delay), denied, shadow_denied (would have denied: shadow mode or outside enforce_percent), denied_by_other (this rule would have allowed it, another denied it: charged nothing here), error (store failed), refused (this rule refused the request before any limit: its key missing or unknown, 401), bad_key (its key malformed, 400), refused_by_other (this rule, which needs no credential, charged the request and another refused it for its credentials: the charge stands)",
             requests.clone(),
         );
         let responses = Family::<ResponseLabels, Counter>::default();
@@ -477,6 +485,7 @@ impl GatewayMetrics {
             error: counter(DecisionLabel::Error),
             refused: counter(DecisionLabel::Refused),
             bad_key: counter(DecisionLabel::BadKey),
+            refused_by_other: counter(DecisionLabel::RefusedByOther),
             upstream_error: failures(UpstreamFailure::Error),
             upstream_timeout: failures(UpstreamFailure::Timeout),
             dashboard: self.dashboards.rule_named(rule, std::iter::empty()),
@@ -496,6 +505,7 @@ pub struct RuleCounters {
     pub error: Counter,
     pub refused: Counter,
     pub bad_key: Counter,
+    pub refused_by_other: Counter,
     pub upstream_error: Counter,
     pub upstream_timeout: Counter,
     /// Its denials by plan, retry delays, near-limit requests and SLO counts.

@@ -9,6 +9,7 @@
 //! The live configuration each request runs on ([`Live`]) is swapped whole on reload.
 
 mod access;
+mod admit;
 pub mod all_metrics;
 mod answer;
 mod body;
@@ -491,85 +492,9 @@ impl Gateway {
         };
         let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip)
             .with_client_cert(ctx.client_cert.as_ref())
-            .with_jwt(cfg.jwt.as_ref().map(|j| &*j.verifier));
-        // Read first (the token verified once, for the rules too): the request is moved on.
-        let claims = requester.forwarded_claims();
-        match self.admit_by(live, parts, dialect, requester, asked).await {
-            Admission::Forward(mut pass) => {
-                pass.claims = claims;
-                Admission::Forward(pass)
-            }
-            answer => answer,
-        }
-    }
-
-    /// [`Gateway::admit_as`], for the request as `requester` reads it; `asked`: what its
-    /// body asks the model for, where it was read.
-    async fn admit_by<'l: 'p, 'p>(
-        &self,
-        live: &'l Live,
-        parts: &Parts,
-        dialect: Dialect,
-        requester: Requester<'p>,
-        asked: Option<tokens::Asked>,
-    ) -> Admission<'l> {
-        let requester = &requester;
-        let cfg = &*live.config;
-        let to = match route::choose(cfg, parts, requester) {
-            Ok(Some(to)) => to,
-            Ok(None) => return self.no_route(cfg, parts, dialect),
-            Err(refusal) => {
-                self.metrics.gateway.count_refusal(refusal.into());
-                let note = Note::gateway(Verdict::Refuse(refusal).decision());
-                return Admission::Answer(problem(refused(refusal), cfg, &[], dialect), note);
-            }
-        };
-        let to = to.hashed(cfg, requester);
-        let fitting = limits::matching(cfg, parts, Some(&to));
-        let priority = overload::priority(live, &fitting, requester, &to);
-        if let Some(refused) =
-            self.refuse_body(live, &fitting, requester, asked.as_ref(), &to, dialect)
-        {
-            return refused;
-        }
-        let limits = match Limit::all(live, &fitting, requester, asked.as_ref()) {
-            Ok(limits) if limits.is_empty() => {
-                let note = Note::gateway("unlimited").to(&to, cfg);
-                let pass = Pass::unlimited(note, to, dialect);
-                return Admission::Forward(Pass { priority, ..pass });
-            }
-            Ok(limits) => limits,
-            Err(limits::Refused { index, refusal }) => {
-                if let Some(c) = live.counters.get(index) {
-                    match refusal.status() {
-                        StatusCode::BAD_REQUEST => c.bad_key.inc(),
-                        _ => c.refused.inc(),
-                    };
-                }
-                self.metrics.gateway.count_refusal(refusal.into());
-                let resp = problem(refused(refusal), cfg, &[], dialect);
-                let note = Note {
-                    rule: live.config.rules.get(index).map(|r| r.name.as_str()),
-                    ..Note::gateway(Verdict::Refuse(refusal).decision()).to(&to, cfg)
-                };
-                return Admission::Answer(resp, note);
-            }
-        };
-        let (decisions, verdict, leases, local) = consult(live, &limits).await;
-        match (verdict, decisions) {
-            (Verdict::Deny { by, jitter_us }, Some(d)) => {
-                self.deny(live, &limits, &d, by, jitter_us, &to, dialect)
-            }
-            (Verdict::Forward | Verdict::Delay(_), Some(d)) => {
-                let pass = self.pass(live, limits, &d, verdict, leases, local, to);
-                Admission::Forward(Pass {
-                    dialect,
-                    priority,
-                    ..pass
-                })
-            }
-            (v, _) => store_failed(live, &limits, v, to, dialect),
-        }
+            .with_jwt(cfg.jwt.as_ref().map(|j| &*j.verifier))
+            .counting_failures();
+        self.admit_by(live, parts, dialect, requester, asked).await
     }
 
     /// The 404 of a request no route fits when no pool `default` takes the rest: never
@@ -983,8 +908,9 @@ fn store_failed<'l>(
 /// token's challenge (`WWW-Authenticate`) where a token was missing or did not verify.
 fn refused(refusal: crate::identity::Refusal) -> Problem {
     let p = Problem::new(refusal.status(), refusal.to_string()).with_challenge(refusal.challenge());
-    match refusal.status() {
-        StatusCode::SERVICE_UNAVAILABLE => p.with_retry_after(1),
+    match refusal {
+        crate::identity::Refusal::KeysUnavailable => p.with_retry_after(1),
+        crate::identity::Refusal::Throttled(ms) => p.with_retry_after(ms.div_ceil(1000).max(1)),
         _ => p,
     }
 }

@@ -26,7 +26,8 @@ use jsonwebtoken::{DecodingKey, Validation};
 use serde_json::{Map, Value};
 use sha2::{Digest, Sha256};
 
-use super::token_cache::TokenCache;
+use super::failures::{Allowance, Failures};
+use super::token_cache::{Accepted, Refused, Rejected};
 
 /// A token longer than this is refused unread.
 pub const MAX_TOKEN_BYTES: usize = 8 * 1024;
@@ -38,6 +39,16 @@ pub const DEFAULT_REFRESH: Duration = Duration::from_secs(300);
 pub const REFETCH_EVERY: Duration = Duration::from_secs(30);
 /// The verified-token cache holds at most this many tokens.
 pub const CACHE_ENTRIES: usize = 100_000;
+/// The refused-token cache holds at most this many tokens…
+pub const REFUSED_ENTRIES: usize = 10_000;
+/// …each for at most this long (a token that is not valid yet is never remembered).
+pub const REFUSED_FOR: Duration = Duration::from_secs(60);
+/// `failures`' default: 20 tokens that fail at once per client address, then one more
+/// every 6 s ("10/m").
+pub const DEFAULT_FAILURES: Allowance = Allowance {
+    burst: 20,
+    every_ms: 6_000,
+};
 
 /// The algorithms `algorithms` may list (RFC 7518 §3.1, and EdDSA of RFC 8037). `none`
 /// is never one.
@@ -496,6 +507,9 @@ pub struct Settings {
     pub plan_claim: Option<ClaimPath>,
     /// Claims sent to the backend as headers, after verification.
     pub forward_claims: Vec<(ClaimPath, HeaderName)>,
+    /// Tokens a client address may fail before its tokens are refused unchecked
+    /// (`failures`).
+    pub failures: Allowance,
 }
 
 /// A token the verifier accepted: its claims, and until when (Unix seconds, leeway
@@ -580,6 +594,11 @@ pub enum Failure {
     Unavailable,
 }
 
+/// A token's SHA-256: what the caches know it by.
+pub fn digest(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
+}
+
 /// Unix seconds now, by the system's clock.
 fn system_now() -> u64 {
     std::time::SystemTime::now()
@@ -587,12 +606,28 @@ fn system_now() -> u64 {
         .map_or(0, |d| d.as_secs())
 }
 
+/// What the caches know of a token, by its SHA-256.
+#[derive(Debug, Clone)]
+pub enum Known {
+    Accepted(Arc<Verified>),
+    /// Refused a moment ago (or too long to read).
+    Refused(TokenError),
+    /// Never seen, or forgotten: only a signature check tells.
+    Unknown,
+}
+
 /// Verifies tokens with [`Settings`] against the current [`KeySet`], and remembers the
-/// ones it accepted.
+/// ones it accepted and, for a while, the ones it refused.
 pub struct Verifier {
     pub settings: Settings,
     keys: ArcSwapOption<KeySet>,
-    cache: TokenCache,
+    cache: Accepted,
+    refused: Rejected,
+    /// The failures of each client address (`failures`): the request path charges it
+    /// before a signature is checked.
+    pub failures: Failures,
+    /// Counts each signature check: accepted, refused (the gateway's metrics).
+    checks: std::sync::OnceLock<[prometheus_client::metrics::counter::Counter; 2]>,
     /// Unix seconds now: injected in tests.
     now: fn() -> u64,
     /// When (Unix seconds) an unknown kid last asked for a new key set.
@@ -624,10 +659,14 @@ impl Verifier {
         now: fn() -> u64,
         cache_entries: usize,
     ) -> Verifier {
+        let failures = settings.failures;
         Verifier {
             settings,
             keys: ArcSwapOption::new(keys.map(Arc::new)),
-            cache: TokenCache::new(cache_entries),
+            cache: Accepted::new(cache_entries),
+            refused: Rejected::new(REFUSED_ENTRIES),
+            failures: Failures::new(failures),
+            checks: std::sync::OnceLock::new(),
             now,
             refetch_asked: AtomicU64::new(0),
             refetch: Arc::new(tokio::sync::Notify::new()),
@@ -658,6 +697,7 @@ impl Verifier {
         }
         self.keys.store(Some(Arc::new(keys)));
         self.cache.clear();
+        self.refused.clear();
         true
     }
 
@@ -697,31 +737,74 @@ impl Verifier {
         }
     }
 
-    /// `token`, verified: from the cache where it was accepted before and is still
-    /// within its `exp`, else checked in full.
+    /// `token`, verified: from the caches where it was judged a moment ago (accepted and
+    /// still within its `exp`, or refused), else checked in full.
     pub fn verify(&self, token: &str) -> Result<Arc<Verified>, Failure> {
+        let hash = digest(token);
+        match self.known(token, &hash)? {
+            Known::Accepted(v) => Ok(v),
+            Known::Refused(e) => Err(Failure::Invalid(e)),
+            Known::Unknown => self.check_unknown(token, hash),
+        }
+    }
+
+    /// What the caches know of `token` (of SHA-256 `hash`, [`digest`]): no signature is
+    /// checked.
+    pub fn known(&self, token: &str, hash: &[u8; 32]) -> Result<Known, Failure> {
         if token.len() > MAX_TOKEN_BYTES {
-            return Err(Failure::Invalid(TokenError::TooLong));
+            return Ok(Known::Refused(TokenError::TooLong));
         }
         let now = (self.now)();
         let keys = self.keys.load_full().ok_or(Failure::Unavailable)?;
-        let hash: [u8; 32] = Sha256::digest(token.as_bytes()).into();
-        if let Some(v) = self.cache.get(&hash, now, keys.generation) {
-            return Ok(v);
+        if let Some(v) = self.cache.get(hash, now, keys.generation) {
+            return Ok(Known::Accepted(v));
         }
-        let verified = self
-            .check(&keys, token, now)
-            .map_err(Failure::Invalid)
-            .inspect_err(|e| {
-                if *e == Failure::Invalid(TokenError::UnknownKid) {
+        if let Some(r) = self.refused.get(hash, now, keys.generation) {
+            return Ok(Known::Refused(r.error));
+        }
+        Ok(Known::Unknown)
+    }
+
+    /// `token` (of SHA-256 `hash`), checked in full, and its verdict remembered: an
+    /// acceptance until its `exp`, a refusal for [`REFUSED_FOR`] (one that is not valid
+    /// yet, never: it may become so).
+    pub fn check_unknown(&self, token: &str, hash: [u8; 32]) -> Result<Arc<Verified>, Failure> {
+        let now = (self.now)();
+        let keys = self.keys.load_full().ok_or(Failure::Unavailable)?;
+        let checked = self.check(&keys, token, now);
+        if let Some(c) = self.checks.get() {
+            c[usize::from(checked.is_err())].inc();
+        }
+        let verified = match checked {
+            Ok(v) => v,
+            Err(e) => {
+                if e == TokenError::UnknownKid {
                     self.ask_refetch(now);
                 }
-            })?;
+                if e != TokenError::NotYetValid {
+                    let until = now.saturating_add(REFUSED_FOR.as_secs());
+                    let refused = Refused { error: e, until };
+                    self.refused.insert(hash, refused, now, keys.generation);
+                }
+                return Err(Failure::Invalid(e));
+            }
+        };
         let verified = Arc::new(verified);
         // Served from the cache only while `keys` is the current set.
         self.cache
             .insert(hash, verified.clone(), now, keys.generation);
         Ok(verified)
+    }
+
+    /// Count each signature check with `counters` (accepted, refused) from now on; a
+    /// verifier kept across a reload keeps the ones it had.
+    pub fn count_checks(&self, counters: [prometheus_client::metrics::counter::Counter; 2]) {
+        let _ = self.checks.set(counters);
+    }
+
+    /// How many refused tokens are remembered now.
+    pub fn refused(&self) -> usize {
+        self.refused.len()
     }
 
     /// An unknown kid may mean the issuer rotated its keys: ask for a new set, at most

@@ -15,6 +15,7 @@ fn settings(algorithms: Vec<Alg>) -> Settings {
         required_claims: vec![ClaimPath::parse("sub").unwrap()],
         plan_claim: None,
         forward_claims: Vec::new(),
+        failures: DEFAULT_FAILURES,
     }
 }
 
@@ -316,4 +317,70 @@ fn the_token_is_read_once_and_its_header_or_cookie_twice_is_refused() {
         assert_eq!(jar(twice), Err(TokenError::Repeated), "{twice:?}");
     }
     assert_eq!(jar(&[b"session=\xff"]), Err(TokenError::Malformed));
+}
+
+static NOW_C: AtomicU64 = AtomicU64::new(1_000_000);
+fn now_c() -> u64 {
+    NOW_C.load(Ordering::Relaxed)
+}
+
+/// A refused token is refused again from the cache, without a signature check, for
+/// `REFUSED_FOR`; one not valid yet is never remembered (it may become valid); a new
+/// key set forgets them all. Bounded like the accepted ones.
+#[test]
+fn refused_tokens_are_remembered_a_while_and_known_without_a_check() {
+    let v = Verifier::with_clock(
+        settings(vec![Alg::HS256]),
+        Some(KeySet::from_secret(b"k")),
+        now_c,
+        100,
+    );
+    let now = now_c();
+    let claims = serde_json::json!({"sub": "a", "iss": "iss-a", "aud": "api", "exp": now + 1000});
+    let forged = sign(b"not-k", claims.clone());
+    let hash = digest(&forged);
+    assert!(matches!(v.known(&forged, &hash), Ok(Known::Unknown)));
+    assert_eq!(
+        v.verify(&forged).unwrap_err(),
+        Failure::Invalid(TokenError::BadSignature)
+    );
+    assert_eq!(v.refused(), 1);
+    assert!(matches!(
+        v.known(&forged, &hash),
+        Ok(Known::Refused(TokenError::BadSignature))
+    ));
+    NOW_C.store(now + REFUSED_FOR.as_secs() - 1, Ordering::Relaxed);
+    assert!(matches!(v.known(&forged, &hash), Ok(Known::Refused(_))));
+    NOW_C.store(now + REFUSED_FOR.as_secs(), Ordering::Relaxed);
+    assert!(
+        matches!(v.known(&forged, &hash), Ok(Known::Unknown)),
+        "forgotten after REFUSED_FOR"
+    );
+    // Not valid yet: checked again every time.
+    let now = now_c();
+    let mut later = claims.clone();
+    later["nbf"] = (now + 100).into();
+    let later = sign(b"k", later);
+    assert_eq!(
+        v.verify(&later).unwrap_err(),
+        Failure::Invalid(TokenError::NotYetValid)
+    );
+    assert!(matches!(
+        v.known(&later, &digest(&later)),
+        Ok(Known::Unknown)
+    ));
+    // A new key set forgets what the old one refused.
+    assert!(v.verify(&forged).is_err());
+    assert!(v.refused() >= 1);
+    assert!(v.set_keys(KeySet::from_secret(b"not-k")));
+    assert_eq!(v.refused(), 0);
+    assert!(v.verify(&forged).is_ok(), "the new set signs it");
+    // Bounded: a flood of distinct forgeries keeps at most REFUSED_ENTRIES (per shard,
+    // rounded up).
+    for i in 0..(REFUSED_ENTRIES + 2_000) {
+        let mut c = claims.clone();
+        c["sub"] = format!("s{i}").into();
+        let _ = v.verify(&sign(b"k", c));
+    }
+    assert!(v.refused() <= REFUSED_ENTRIES + 16, "{}", v.refused());
 }

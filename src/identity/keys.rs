@@ -93,7 +93,17 @@ pub struct Keys {
     defined: BTreeSet<String>,
     /// How often a shared store's directory is read whole (`[keys] resync`).
     pub resync: Duration,
+    /// The unknown keys each client address sent (`[keys] failures`; counted only with
+    /// `unknown = "reject"`): past its allowance, an address's keys are not looked up.
+    pub failures: super::failures::Failures,
 }
+
+/// `[keys] failures`' default: 20 unknown keys at once per client address, then one more
+/// every 6 s ("10/m").
+pub const DEFAULT_FAILURES: super::failures::Allowance = super::failures::Allowance {
+    burst: 20,
+    every_ms: 6_000,
+};
 
 /// `[keys] resync`'s default.
 pub const DEFAULT_RESYNC: Duration = Duration::from_secs(30);
@@ -116,7 +126,14 @@ impl Keys {
             file_entries: None,
             file,
             resync: DEFAULT_RESYNC,
+            failures: super::failures::Failures::new(DEFAULT_FAILURES),
         }
+    }
+
+    /// Unknown keys are allowed `allowance` per client address (`[keys] failures`).
+    pub fn with_failures(mut self, allowance: super::failures::Allowance) -> Self {
+        self.failures = super::failures::Failures::new(allowance);
+        self
     }
 
     /// The runtime directory starts with `file_entries` (the keys file's, with the memory

@@ -13,14 +13,15 @@
 
 mod client_ip;
 pub mod directory;
+pub mod failures;
 pub mod jwt;
 mod keys;
 mod token_cache;
 
-use std::cell::OnceCell;
 use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
+use std::sync::OnceLock;
 
 use http::header::{HeaderMap, HeaderName, HeaderValue};
 use http::StatusCode;
@@ -29,9 +30,10 @@ use sha2::{Digest, Sha256};
 
 pub use client_ip::{client_ip, is_trusted, ClientIp, ForwardingHeader};
 pub use directory::Directory;
-pub use jwt::{ClaimPath, Failure, TokenError, Verified, Verifier};
+pub use jwt::{ClaimPath, Failure, Known, TokenError, Verified, Verifier};
 pub use keys::{
-    api_key, sha256, KeyError, Keys, UnknownKeys, DEFAULT_KEY_HEADER, DEFAULT_RESYNC, MAX_KEY_LEN,
+    api_key, sha256, KeyError, Keys, UnknownKeys, DEFAULT_FAILURES as DEFAULT_KEY_FAILURES,
+    DEFAULT_KEY_HEADER, DEFAULT_RESYNC, MAX_KEY_LEN,
 };
 
 /// What a rule counts requests by (`key`), and what it does when the request does not
@@ -238,6 +240,10 @@ pub enum Refusal {
     /// No key set to verify tokens with yet (a `jwks_url` never fetched): 503, never
     /// forwarded unverified.
     KeysUnavailable,
+    /// The client's address failed too many tokens (`[jwt] failures`) or sent too many
+    /// unknown keys (`[keys] failures`): 429, its credential not even checked, for this
+    /// many milliseconds.
+    Throttled(u64),
 }
 
 impl Refusal {
@@ -245,6 +251,7 @@ impl Refusal {
         match self {
             Refusal::Malformed(_) => StatusCode::BAD_REQUEST,
             Refusal::KeysUnavailable => StatusCode::SERVICE_UNAVAILABLE,
+            Refusal::Throttled(_) => StatusCode::TOO_MANY_REQUESTS,
             _ => StatusCode::UNAUTHORIZED,
         }
     }
@@ -255,8 +262,16 @@ impl Refusal {
             Refusal::Malformed(_) => "bad_key",
             Refusal::InvalidToken(_) | Refusal::MissingClaim => "invalid_token",
             Refusal::KeysUnavailable => "keys_unavailable",
+            Refusal::Throttled(_) => "throttled",
             _ => "unauthorized",
         }
+    }
+
+    /// Whether the refused request is charged to the rules that need no credential (see
+    /// `gateway/admit.rs`): every refusal of the client's doing, not the gateway's own
+    /// 503 for keys it has not fetched yet.
+    pub fn is_charged(self) -> bool {
+        self != Refusal::KeysUnavailable
     }
 
     /// Whether the request lacks what the rule counts by (and `missing_key` decides).
@@ -303,6 +318,9 @@ impl fmt::Display for Refusal {
             Refusal::KeysUnavailable => {
                 f.write_str("the keys to verify tokens with are not available yet")
             }
+            Refusal::Throttled(_) => f.write_str(
+                "too many requests from this address failed their credentials: none is checked until Retry-After",
+            ),
         }
     }
 }
@@ -315,19 +333,32 @@ pub struct Requester<'a> {
     peer: IpAddr,
     keys: &'a Keys,
     trust: &'a ClientIp,
-    client_ip: OnceCell<IpAddr>,
+    client_ip: OnceLock<IpAddr>,
     /// The API key as sent, and its digest.
-    api_key: OnceCell<SentKey<'a>>,
+    api_key: OnceLock<SentKey<'a>>,
     /// The verified client certificate's fingerprint, over TLS.
     client_cert: Option<&'a [u8; 32]>,
     /// `[jwt]`'s verifier, where the config has one.
     jwt: Option<&'a Verifier>,
     /// The bearer token, verified once however many rules ask.
-    token: OnceCell<SentToken>,
+    token: OnceLock<SentToken>,
+    /// The bearer token as sent, and its SHA-256 (what the caches know it by).
+    sent_token: OnceLock<SentBearer<'a>>,
+    /// Whether a failed credential is charged to the client's address, and refused
+    /// unchecked past its allowance (`failures`): the request path's, not `check`'s or
+    /// the admin API's.
+    count_failures: bool,
+    /// Why the API key is refused, if it is (unknown, or its address throttled): found
+    /// once, so a request is charged one failure however many rules ask.
+    key_refused: OnceLock<Option<Refusal>>,
     /// How the API key is listed ([`Keys::listing`]): looked up once, so that every rule
     /// of the request sees one answer however the directory changes meanwhile.
-    listed: OnceCell<Option<Option<&'a str>>>,
+    listed: OnceLock<Option<Option<&'a str>>>,
 }
+
+/// A bearer token as sent and its SHA-256 (`None`: none was sent), or why it cannot be
+/// read.
+type SentBearer<'a> = Result<Option<(&'a str, [u8; 32])>, TokenError>;
 
 /// A bearer token as verified (`None`: none was sent), or why it cannot be used.
 type SentToken = Result<Option<Arc<Verified>>, Refusal>;
@@ -342,13 +373,24 @@ impl<'a> Requester<'a> {
             peer,
             keys,
             trust,
-            client_ip: OnceCell::new(),
-            api_key: OnceCell::new(),
+            client_ip: OnceLock::new(),
+            api_key: OnceLock::new(),
             client_cert: None,
-            listed: OnceCell::new(),
+            listed: OnceLock::new(),
             jwt: None,
-            token: OnceCell::new(),
+            token: OnceLock::new(),
+            sent_token: OnceLock::new(),
+            count_failures: false,
+            key_refused: OnceLock::new(),
         }
+    }
+
+    /// A failed credential (a token that does not verify, an unknown key) is charged to
+    /// the client's address, and past its allowance the credentials it sends are
+    /// refused with 429 unchecked (`[jwt] failures`, `[keys] failures`).
+    pub fn counting_failures(mut self) -> Self {
+        self.count_failures = true;
+        self
     }
 
     /// Bearer tokens are verified with `jwt` (`[jwt]`).
@@ -363,18 +405,79 @@ impl<'a> Requester<'a> {
             let Some(v) = self.jwt else {
                 return Err(Refusal::KeysUnavailable);
             };
-            let Some(token) = v.token_of(self.headers).map_err(Refusal::InvalidToken)? else {
-                return Ok(None);
+            let (token, hash) = match self.sent_token(v) {
+                Ok(Some(sent)) => sent,
+                Ok(None) => return Ok(None),
+                Err(e) => return Err(self.token_failed(v, e)),
             };
-            match v.verify(token) {
-                Ok(verified) => Ok(Some(verified)),
-                Err(Failure::Invalid(e)) => Err(Refusal::InvalidToken(e)),
-                Err(Failure::Unavailable) => Err(Refusal::KeysUnavailable),
+            match v.known(token, &hash) {
+                Ok(Known::Accepted(verified)) => Ok(Some(verified)),
+                Ok(Known::Refused(e)) => Err(self.token_failed(v, e)),
+                Ok(Known::Unknown) => self.check_token(v, token, hash),
+                Err(_) => Err(Refusal::KeysUnavailable),
             }
         });
         match sent {
             Ok(v) => Ok(v.as_deref()),
             Err(r) => Err(*r),
+        }
+    }
+
+    /// Whether the request carries a bearer token that only a signature check can judge
+    /// (neither cache knows it): the gateway then decides the rules that do not need it
+    /// first, so that a forger pays them before any CPU is spent on its signature.
+    pub fn token_pending(&self) -> bool {
+        let Some(v) = self.jwt.filter(|_| self.token.get().is_none()) else {
+            return false;
+        };
+        let Ok(Some((token, hash))) = self.sent_token(v) else {
+            return false;
+        };
+        matches!(v.known(token, &hash), Ok(Known::Unknown))
+    }
+
+    /// The bearer token as sent, and its SHA-256; none where none was sent.
+    fn sent_token(&self, v: &Verifier) -> SentBearer<'a> {
+        *self
+            .sent_token
+            .get_or_init(|| Ok(v.token_of(self.headers)?.map(|t| (t, jwt::digest(t)))))
+    }
+
+    /// A token no cache knows, checked in full: charged to the client's address first
+    /// where failures count (and refused unchecked past its allowance), its charge given
+    /// back if it verified.
+    fn check_token(&self, v: &Verifier, token: &str, hash: [u8; 32]) -> SentToken {
+        let f = &v.failures;
+        let now = f.now_ms();
+        let charged = match self.count_failures {
+            true => Some(
+                f.reserve(self.client_ip(), now)
+                    .map_err(Refusal::Throttled)?,
+            ),
+            false => None,
+        };
+        let verified = v.check_unknown(token, hash);
+        if let (Some(key), Ok(_) | Err(Failure::Unavailable)) = (charged, &verified) {
+            f.refund(key, now);
+        }
+        match verified {
+            Ok(verified) => Ok(Some(verified)),
+            Err(Failure::Invalid(e)) => Err(Refusal::InvalidToken(e)),
+            Err(Failure::Unavailable) => Err(Refusal::KeysUnavailable),
+        }
+    }
+
+    /// A token refused without a signature check (malformed, too long, refused a moment
+    /// ago): one failure of the client's address where failures count, and 429 once its
+    /// allowance is spent.
+    fn token_failed(&self, v: &Verifier, e: TokenError) -> Refusal {
+        if !self.count_failures {
+            return Refusal::InvalidToken(e);
+        }
+        let f = &v.failures;
+        match f.reserve(self.client_ip(), f.now_ms()) {
+            Ok(_) => Refusal::InvalidToken(e),
+            Err(ms) => Refusal::Throttled(ms),
         }
     }
 
@@ -462,8 +565,8 @@ impl<'a> Requester<'a> {
             KeyKind::ClientIp => Ok(self.ip_identity()),
             KeyKind::ApiKey => match self.api_key().map_err(Refusal::Malformed)? {
                 Some((v, digest)) => {
-                    if self.unlisted_refused() {
-                        return Err(Refusal::UnknownKey);
+                    if let Some(refused) = self.key_refusal() {
+                        return Err(refused);
                     }
                     Ok(Identity {
                         digest,
@@ -525,16 +628,42 @@ impl<'a> Requester<'a> {
         match what {
             Carried::ApiKey => match self.api_key().map_err(Refusal::Malformed)? {
                 None => Ok(false),
-                Some(_) if self.unlisted_refused() => Err(Refusal::UnknownKey),
-                Some(_) => Ok(true),
+                Some(_) => match self.key_refusal() {
+                    Some(refused) => Err(refused),
+                    None => Ok(true),
+                },
             },
             Carried::Header(h) => Ok(!matches!(api_key(self.headers, h), Ok(None))),
         }
     }
 
-    /// Whether the request's key, well formed and sent, is refused as unknown.
-    fn unlisted_refused(&self) -> bool {
-        self.keys.unknown == UnknownKeys::Reject && self.listing().is_none()
+    /// Why the request's key, well formed and sent, is refused, if it is: unknown with
+    /// `unknown = "reject"`; or, where failures count, sent from an address whose
+    /// allowance of unknown keys is spent — then refused with 429 without being looked
+    /// up, whatever it is (a known key let through would tell a guesser it guessed
+    /// right). An unknown key is one failure of its address. Found once per request.
+    fn key_refusal(&self) -> Option<Refusal> {
+        *self.key_refused.get_or_init(|| {
+            if self.keys.unknown != UnknownKeys::Reject {
+                return None;
+            }
+            let f = &self.keys.failures;
+            if !self.count_failures {
+                return self.listing().is_none().then_some(Refusal::UnknownKey);
+            }
+            if !f.quiet() {
+                if let Some(ms) = f.throttled(self.client_ip(), f.now_ms()) {
+                    return Some(Refusal::Throttled(ms));
+                }
+            }
+            if self.listing().is_some() {
+                return None;
+            }
+            Some(match f.reserve(self.client_ip(), f.now_ms()) {
+                Ok(_) => Refusal::UnknownKey,
+                Err(ms) => Refusal::Throttled(ms),
+            })
+        })
     }
 
     fn ip_identity(&self) -> Identity<'a> {
@@ -858,6 +987,7 @@ mod tests {
             required_claims: Vec::new(),
             plan_claim: Some(ClaimPath::parse("tier").unwrap()),
             forward_claims: Vec::new(),
+            failures: jwt::DEFAULT_FAILURES,
         };
         let verifier = Verifier::new(settings, Some(KeySet::from_secret(b"s")));
         let token = |claims: serde_json::Value| {

@@ -1,27 +1,54 @@
-//! The verified-token cache: a token accepted once is accepted again, until its `exp`
-//! (leeway included), at the cost of a SHA-256 and one map lookup under one shard's lock,
-//! and only while the key set it was verified with is the current one (its generation).
-//! Bounded: at most `max` tokens; a full shard first drops its expired tokens, then any
-//! one (a dropped token is verified again when it comes back: only CPU is lost).
+//! The token caches: a token accepted once is accepted again, until its `exp` (leeway
+//! included), and one refused is refused again for a while, at the cost of a SHA-256 and
+//! one map lookup under one shard's lock — and only while the key set that judged it is
+//! the current one (its generation). Bounded: at most `max` tokens; a full shard first
+//! drops its expired tokens, then any one (a dropped token is judged again when it comes
+//! back: only CPU is lost).
 
 use std::collections::HashMap;
-use std::hash::{BuildHasherDefault, Hasher};
+use std::hash::{BuildHasher, BuildHasherDefault, Hasher, RandomState};
 use std::sync::{Arc, Mutex};
 
-use super::jwt::Verified;
+use super::jwt::{TokenError, Verified};
 
 /// Shards, each with a lock of its own: the workers verifying tokens rarely meet.
 const SHARDS: usize = 16;
 
-/// One shard: tokens by their SHA-256, with the generation of the key set that verified
-/// them.
-type Shard = Mutex<HashMap<[u8; 32], (Arc<Verified>, u64), BuildHasherDefault<Prehashed>>>;
+/// What a cache holds of a token: until when (Unix seconds) it stands.
+pub(super) trait Judged: Clone {
+    fn until(&self) -> u64;
+}
 
-/// The map's hasher: a key is a SHA-256 already, so 8 of its bytes are as good a hash as
-/// any (bytes 8 to 16: byte 0 picks the shard). Only tokens that verified are ever
-/// inserted, so no client chooses where an entry lands.
+impl Judged for Arc<Verified> {
+    fn until(&self) -> u64 {
+        self.until
+    }
+}
+
+/// A token refused, and until when that stands.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct Refused {
+    pub error: TokenError,
+    pub until: u64,
+}
+
+impl Judged for Refused {
+    fn until(&self) -> u64 {
+        self.until
+    }
+}
+
+/// One shard: tokens by their SHA-256, with the generation of the key set that judged
+/// them.
+type Shard<V, S> = Mutex<HashMap<[u8; 32], (V, u64), S>>;
+
+/// The accepted tokens' hasher: a key is a SHA-256 already, so 8 of its bytes are as good
+/// a hash as any (bytes 8 to 16: byte 0 picks the shard). Only tokens that verified are
+/// ever inserted there, so no client chooses where an entry lands. The refused tokens' map
+/// is one any client fills, with tokens it may grind for a hash: it hashes with a random
+/// key ([`RandomState`]).
 #[derive(Default)]
-struct Prehashed(u64);
+pub(super) struct Prehashed(u64);
 
 impl Hasher for Prehashed {
     fn write(&mut self, bytes: &[u8]) {
@@ -48,14 +75,19 @@ impl Hasher for Prehashed {
     }
 }
 
-pub(super) struct TokenCache {
-    shards: Box<[Shard]>,
+/// The accepted tokens.
+pub(super) type Accepted = TokenCache<Arc<Verified>, BuildHasherDefault<Prehashed>>;
+/// The refused tokens.
+pub(super) type Rejected = TokenCache<Refused, RandomState>;
+
+pub(super) struct TokenCache<V, S> {
+    shards: Box<[Shard<V, S>]>,
     /// Tokens per shard at most.
     per_shard: usize,
 }
 
-impl TokenCache {
-    pub(super) fn new(max: usize) -> TokenCache {
+impl<V: Judged, S: BuildHasher + Default> TokenCache<V, S> {
+    pub(super) fn new(max: usize) -> TokenCache<V, S> {
         TokenCache {
             shards: (0..SHARDS)
                 .map(|_| Mutex::new(HashMap::default()))
@@ -64,16 +96,16 @@ impl TokenCache {
         }
     }
 
-    fn shard(&self, hash: &[u8; 32]) -> &Shard {
+    fn shard(&self, hash: &[u8; 32]) -> &Shard<V, S> {
         &self.shards[usize::from(hash[0]) % SHARDS]
     }
 
-    /// The token of SHA-256 `hash`, if it was accepted by the key set of `generation`
-    /// and is still valid at `now`.
-    pub(super) fn get(&self, hash: &[u8; 32], now: u64, generation: u64) -> Option<Arc<Verified>> {
+    /// The token of SHA-256 `hash`, if it was judged by the key set of `generation` and
+    /// that still stands at `now`.
+    pub(super) fn get(&self, hash: &[u8; 32], now: u64, generation: u64) -> Option<V> {
         let mut shard = self.shard(hash).lock().unwrap_or_else(|p| p.into_inner());
         match shard.get(hash) {
-            Some((v, g)) if now < v.until && *g == generation => Some(v.clone()),
+            Some((v, g)) if now < v.until() && *g == generation => Some(v.clone()),
             Some(_) => {
                 shard.remove(hash);
                 None
@@ -82,23 +114,17 @@ impl TokenCache {
         }
     }
 
-    pub(super) fn insert(
-        &self,
-        hash: [u8; 32],
-        verified: Arc<Verified>,
-        now: u64,
-        generation: u64,
-    ) {
+    pub(super) fn insert(&self, hash: [u8; 32], judged: V, now: u64, generation: u64) {
         let mut shard = self.shard(&hash).lock().unwrap_or_else(|p| p.into_inner());
         if shard.len() >= self.per_shard && !shard.contains_key(&hash) {
-            shard.retain(|_, (v, _)| now < v.until);
+            shard.retain(|_, (v, _)| now < v.until());
             if shard.len() >= self.per_shard {
                 if let Some(any) = shard.keys().next().copied() {
                     shard.remove(&any);
                 }
             }
         }
-        shard.insert(hash, (verified, generation));
+        shard.insert(hash, (judged, generation));
     }
 
     pub(super) fn clear(&self) {

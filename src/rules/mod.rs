@@ -253,7 +253,12 @@ impl Rule {
         if let Some(c) = unmet {
             return Ok(Applies::Unmet(c));
         }
-        Ok(match self.quota_for(requester.plan()) {
+        // The plan only where the rule has plans: finding it may verify a token.
+        let plan = match self.plans.is_empty() {
+            true => None,
+            false => requester.plan(),
+        };
+        Ok(match self.quota_for(plan) {
             Some(q) => Applies::Limits(q),
             None => Applies::Exempt,
         })

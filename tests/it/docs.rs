@@ -313,6 +313,7 @@ fn place(name: &str) -> Option<Place> {
         "RawStatuses" => Place::Within("[[rules]]", "charge"),
         "RawAttempts" => Place::Within("[[rules]]", "attempts"),
         "RawDrain" => Place::Within("[[rules]]", "settle_drain"),
+        "RawFailures" => Place::Within("[keys]", "failures"),
         "RawTls" | "RawCertificate" => Place::Within("[server]", "tls"),
         "RawPlanOverride" => Place::Section("[rules.plans.<plan>]"),
         _ => return None,

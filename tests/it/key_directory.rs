@@ -25,9 +25,13 @@ const PROPAGATION: Duration = Duration::from_secs(1);
 /// plan, 5 for `pro`, 7 for `gold`.
 const RULES: &str = "[[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"1/h\"\nburst = 2\n[rules.plans.pro]\nburst = 5\n[rules.plans.gold]\nburst = 7\n";
 
+/// The tests poll with keys not known yet: each poll is an unknown key, which `[keys]
+/// failures` would throttle after 20 from one address.
+const POLLING: &str = "failures = { rate = \"1000/s\", burst = 100000 }\n";
+
 fn config(upstream: &Upstream, store: &Store, keys: &str) -> String {
     format!(
-        "[admin]\ntoken = \"{TOKEN}\"\n{}[keys]\nunknown = \"reject\"\n{keys}{RULES}",
+        "[admin]\ntoken = \"{TOKEN}\"\n{}[keys]\nunknown = \"reject\"\n{POLLING}{keys}{RULES}",
         common::upstream_and_store(&upstream.url(), store)
     )
 }
@@ -398,7 +402,7 @@ async fn a_broken_or_missing_directory_keeps_the_last_set() {
     let store = Store::redis_roomy(&redis);
     // Requests are not limited by Redis here (exempt plan), only identified.
     let body = format!(
-        "[admin]\ntoken = \"{TOKEN}\"\n{}[keys]\nunknown = \"reject\"\nresync = \"1s\"\n[[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"1/h\"\nburst = 100\n[rules.plans.pro]\nexempt = true\n",
+        "[admin]\ntoken = \"{TOKEN}\"\n{}[keys]\nunknown = \"reject\"\n{POLLING}resync = \"1s\"\n[[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"1/h\"\nburst = 100\n[rules.plans.pro]\nexempt = true\n",
         common::upstream_and_store(&upstream.url(), &store)
     );
     let gw = Gateway::start(&body);
@@ -797,7 +801,7 @@ async fn on_a_cluster_a_change_reaches_the_other_gateway_within_a_second() {
     let cluster = common::RedisCluster::start();
     let upstream = Upstream::start().await;
     let body = format!(
-        "[admin]\ntoken = \"{TOKEN}\"\n[upstream]\nurl = \"{}\"\n{}[keys]\nunknown = \"reject\"\nresync = \"1h\"\n{RULES}",
+        "[admin]\ntoken = \"{TOKEN}\"\n[upstream]\nurl = \"{}\"\n{}[keys]\nunknown = \"reject\"\n{POLLING}resync = \"1h\"\n{RULES}",
         upstream.url(),
         cluster.store_toml("deny", "2s")
     );

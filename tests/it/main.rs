@@ -29,6 +29,7 @@ mod observability;
 mod overload;
 mod perimeter;
 mod pools;
+mod refused_counted;
 mod request_path;
 mod route_prefix;
 mod scale;

@@ -357,10 +357,12 @@ async fn metrics_count_known_traffic_exactly() {
         map2(&[
             ("api", "allowed", 4),
             ("api", "denied", 2),
-            // The two requests without a key: `api` refused them, `site` never saw them.
+            // The two requests without a key: `api` refused them, and `site`, which needs
+            // no key, charged them all the same.
             ("api", "refused", 2),
             ("site", "allowed", 3 + 1 + 1),
             ("site", "denied_by_other", 2),
+            ("site", "refused_by_other", 2),
         ]),
         "ratewall_requests_total by rule and decision{ctx}"
     );
@@ -374,7 +376,8 @@ async fn metrics_count_known_traffic_exactly() {
         ]),
         "ratewall_responses_total by class and source{ctx}"
     );
-    // Limited requests that reached the store: 3 + 2 (api+site) + 1 (site) + 1 (boom).
+    // Limited requests that reached the store: 3 + 2 (api+site) + 2 (the 401s, charged to
+    // site alone) + 1 (site) + 1 (boom).
     // Should a deny cache answer a denial without a store call, it counts there instead.
     let cache_hits = m.scalar("ratewall_deny_cache_hits_total");
     assert!(cache_hits <= 2.0, "only 2 requests were denied{ctx}");
@@ -383,12 +386,12 @@ async fn metrics_count_known_traffic_exactly() {
             "ratewall_store_call_duration_seconds_count",
             &[("backend", "memory")]
         ),
-        7.0 - cache_hits,
+        9.0 - cache_hits,
         "one store call per limited request{ctx}"
     );
     assert_eq!(
         m.nonzero1("ratewall_store_call_duration_seconds_count", "backend"),
-        map1(&[("memory", 7 - cache_hits as u64)]),
+        map1(&[("memory", 9 - cache_hits as u64)]),
         "only the memory backend{ctx}"
     );
     assert_eq!(
@@ -543,7 +546,7 @@ async fn alertable_series_exist_at_zero_and_a_request_counts_once_per_rule_and_o
          [[rules]]\nname = \"per-key\"\nmatch = {{ path_prefix = \"/api/\" }}\nkey = \"api_key\"\n\
          rate = \"1/h\"\nburst = 2\n[rules.plans.std]\nrate = \"1/h\"\nburst = 2\n\
          [[rules]]\nname = \"all\"\nmatch = {{ path_prefix = \"/api/\" }}\nkey = \"global\"\n\
-         rate = \"1/h\"\nburst = 4\n",
+         rate = \"1/h\"\nburst = 7\n",
         upstream.url()
     );
     let gw = start(&rules);
@@ -574,23 +577,26 @@ async fn alertable_series_exist_at_zero_and_a_request_counts_once_per_rule_and_o
             client.get(&url, &headers).await.status.as_u16()
         }
     };
-    // Both rules allow: per-key K1 2 -> 0, all 4 -> 2.
+    // Both rules allow: per-key K1 2 -> 0, all 7 -> 5.
     assert_eq!(get(Some(K1), "/api/x").await, 200);
     assert_eq!(get(Some(K1), "/api/x").await, 200);
     // Allowed by both, then the upstream is slower than its 1 s timeout: 504.
     assert_eq!(get(Some(K2), "/api/slow/3000").await, 504);
     assert_eq!(get(Some(K2), "/api/x").await, 200);
-    // `all` is spent. K1: denied by both rules (per-key is spent too).
-    assert_eq!(get(Some(K1), "/api/x").await, 429);
-    // K3: `per-key` allows (and is not charged), `all` denies.
-    assert_eq!(get(Some(K3), "/api/x").await, 429);
-    // Refused before any limit: no key, a key not listed, a key sent twice.
+    // Refused by per-key for their keys: no key, a key not listed, a key sent twice.
+    // Each is charged to `all`, which needs no credential: 3 -> 0.
     assert_eq!(get(None, "/api/x").await, 401);
     assert_eq!(get(Some("sk_live_not_listed_0000"), "/api/x").await, 401);
     let twice = client
         .get(&gw.url("/api/x"), &[("x-api-key", K1), ("x-api-key", K2)])
         .await;
     assert_eq!(twice.status, StatusCode::BAD_REQUEST, "a key sent twice");
+    // `all` is spent. K1: denied by both rules (per-key is spent too).
+    assert_eq!(get(Some(K1), "/api/x").await, 429);
+    // K3: `per-key` allows (and is not charged), `all` denies.
+    assert_eq!(get(Some(K3), "/api/x").await, 429);
+    // A request without a key now: `all` denies it before its key is looked at.
+    assert_eq!(get(None, "/api/x").await, 429);
     // A malformed head, refused before any rule: a lower-case standard method.
     let lower = client
         .send("get", &gw.url("/api/x"), &[], Bytes::new())
@@ -614,7 +620,9 @@ async fn alertable_series_exist_at_zero_and_a_request_counts_once_per_rule_and_o
             ("per-key", "refused", 2),
             ("per-key", "bad_key", 1),
             ("all", "allowed", 3),
-            ("all", "denied", 2),
+            ("all", "denied", 3),
+            // The three refused for their keys, charged here all the same.
+            ("all", "refused_by_other", 3),
         ]),
         "ratewall_requests_total{ctx}"
     );
@@ -626,7 +634,7 @@ async fn alertable_series_exist_at_zero_and_a_request_counts_once_per_rule_and_o
         ]),
         "ratewall_rule_upstream_failures_total{ctx}"
     );
-    // In total: every request once. Two 429s, though the per-rule denials add up to 3.
+    // In total: every request once. Three 429s, though the per-rule denials add up to 4.
     let count = |outcome: &str| {
         m.get(
             "ratewall_request_duration_seconds_count",
@@ -642,7 +650,7 @@ async fn alertable_series_exist_at_zero_and_a_request_counts_once_per_rule_and_o
         totals,
         map1(&[
             ("allowed", 4),
-            ("denied", 2),
+            ("denied", 3),
             ("unauthorized", 2),
             ("bad_request", 2),
             ("upstream_timeout", 1)

@@ -399,7 +399,11 @@ async fn at_half_the_knee_the_adaptive_limit_sheds_nothing() {
 async fn a_fixed_limit_of_16_never_lets_more_reach_the_backend_and_sheds_who_waited_max_wait() {
     let _serial = serial().await;
     let knee = Knee::start(16, Duration::from_millis(20));
-    let gw = gateway(&knee.url(), "{ max_concurrency = 16, max_wait = \"50ms\" }");
+    // Free requests alone, and no share kept for pro: all 16 places are theirs.
+    let gw = gateway(
+        &knee.url(),
+        "{ max_concurrency = 16, max_wait = \"50ms\", reserve_for_higher = \"0%\" }",
+    );
     let client = HttpClient::new();
     let url = gw.url("/api/work");
     // 64 loops: 48 waiting at any time, about 60 ms of queue at 800/s: some wait 50 ms.
