@@ -75,6 +75,7 @@ fn verifier(alg: Alg, public: &[u8]) -> Verifier {
         required_claims: Vec::new(),
         plan_claim: None,
         forward_claims: Vec::new(),
+        failures: ratewall::identity::jwt::DEFAULT_FAILURES,
     };
     Verifier::with_clock(settings, Some(keys), now, 1)
 }
