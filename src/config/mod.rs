@@ -725,7 +725,8 @@ url = "http://127.0.0.1:3000"
             m(0),
             Some(Messages {
                 rate: crate::limiter::Rate::parse("50/s").unwrap(),
-                burst: 100
+                burst: 100,
+                max_bytes: None,
             })
         );
         assert_eq!(m(1).map(|m| m.burst), Some(10), "burst: the rate's N");
@@ -777,6 +778,53 @@ url = "http://127.0.0.1:3000"
             let (_, _, k, message) = err(&rule(messages));
             assert_eq!(k, key, "{messages}: {message}");
             assert!(message.contains(says), "{messages}: {message}");
+        }
+    }
+
+    #[test]
+    fn a_rule_may_bound_its_sockets_message_size() {
+        let cfg = parse(
+            "[[rules]]\nname = \"chat\"\nkey = \"client_ip\"\nrate = \"5/s\"\n\
+             messages = { rate = \"50/s\", max_bytes = \"1MiB\" }\n\
+             [[rules]]\nname = \"plain\"\nkey = \"global\"\nrate = \"5/s\"\n\
+             messages = { rate = \"5/s\", max_bytes = 4096 }\n",
+        )
+        .unwrap();
+        let r = &cfg.rules;
+        assert_eq!(r[0].messages.and_then(|m| m.max_bytes), Some(1 << 20));
+        assert_eq!(r[1].messages.and_then(|m| m.max_bytes), Some(4096));
+        let shown = cfg.describe();
+        assert!(
+            shown.contains("WebSocket messages at most 1048576 bytes"),
+            "{shown}"
+        );
+    }
+
+    #[test]
+    fn a_bad_message_size_names_its_key() {
+        let rule = |line: &str| {
+            format!("[[rules]]\nname = \"chat\"\nkey = \"client_ip\"\nrate = \"5/s\"\n{line}\n")
+        };
+        for (line, key, says) in [
+            (
+                "messages = { rate = \"5/s\", max_bytes = 0 }",
+                "rules[0].messages.max_bytes",
+                "at least 1 byte",
+            ),
+            (
+                "messages = { rate = \"5/s\", max_bytes = \"1MB\" }",
+                "rules[0].messages.max_bytes",
+                "write KiB or MiB",
+            ),
+            (
+                "messages = { rate = \"5/s\", max_bytes = -1 }",
+                "rules[0].messages.max_bytes",
+                "below zero",
+            ),
+        ] {
+            let (_, _, k, message) = err(&rule(line));
+            assert_eq!(k, key, "{line}: {message}");
+            assert!(message.contains(says), "{line}: {message}");
         }
     }
 

@@ -172,13 +172,15 @@ enum Reserve {
     MaxTokens,
 }
 
-/// `messages = { rate = "50/s", burst = 100 }`: the WebSocket data frames a client may
-/// send on the sockets the rule admitted, per identity.
+/// `messages = { rate = "50/s", burst = 100, max_bytes = "1MiB" }`: the WebSocket data
+/// frames a client may send on the sockets the rule admitted, per identity, and the
+/// largest message.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawMessages {
     rate: Spanned<Rate>,
     burst: Option<Spanned<NonZeroU64>>,
+    max_bytes: Option<Spanned<ByteSize>>,
 }
 
 #[derive(Deserialize)]
@@ -470,17 +472,29 @@ impl At<'_> {
         })
     }
 
-    /// `messages`, on any rule: it limits the frames of the sockets the rule admitted. Its
-    /// bucket is checked as the meter will charge it (a batch at a time).
+    /// `messages`, on any rule: it limits the frames of the sockets the rule admitted, and
+    /// their messages' size. Its bucket is checked as the meter will charge it (a batch at
+    /// a time).
     fn messages(&self) -> Result<Option<Messages>, Invalid> {
         let Some(raw) = &self.rule.messages else {
             return Ok(None);
         };
         let m = raw.get_ref();
         let rate = *m.rate.get_ref();
+        let max_bytes = match &m.max_bytes {
+            Some(b) if b.get_ref().0 == 0 => {
+                return Err(self.no(
+                    Some(b.span()),
+                    "messages.max_bytes",
+                    "max_bytes is at least 1 byte (e.g. max_bytes = \"1MiB\"); leave it out for no limit",
+                ))
+            }
+            b => b.as_ref().map(|b| b.get_ref().0),
+        };
         let messages = Messages {
             rate,
             burst: m.burst.as_ref().map_or(rate.count, |b| b.get_ref().get()),
+            max_bytes,
         };
         crate::websocket::meter::quota(&messages).map_err(|e| {
             let (key, span) = match e.field {

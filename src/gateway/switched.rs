@@ -58,6 +58,12 @@ impl Gateway {
                 ))
             })
             .collect();
+        let max_message = pass
+            .messages
+            .iter()
+            .filter(|_| websocket)
+            .filter_map(|&(index, _, _)| cfg.rules.get(index)?.messages?.max_bytes)
+            .min();
         let max_delay = pass
             .messages
             .iter()
@@ -68,6 +74,7 @@ impl Gateway {
             websocket,
             meters,
             max_delay: Duration::from_micros(max_delay),
+            max_message,
             idle: cfg.server.upgrade_idle_timeout,
             hold: ctx
                 .connection

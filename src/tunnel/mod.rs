@@ -7,6 +7,9 @@
 //!   admitted the socket (`messages = { rate, burst }`, [`Meter`]): past one, the client
 //!   is not read from (back-pressure) for up to the rule's `max_delay`, and then the socket
 //!   is closed with 1008 and a reason, to both ends;
+//! - a message larger than `messages.max_bytes` closes the socket with 1009 before the
+//!   frame that makes it so goes on;
+//! - data frames after a side's close frame are dropped (RFC 6455 §5.5.1), not passed;
 //! - a shutdown whose grace ran out, a stream that breaks RFC 6455, or a store that failed
 //!   under `on_error = "deny"` close the socket with a close frame to both ends (1001,
 //!   1002, 1011) where each side's stream is between frames.
@@ -39,8 +42,10 @@ use tokio::time::{Instant, Sleep};
 use crate::connection::Hold;
 use crate::limiter::lease::Leases;
 use crate::metrics::Gauged;
-use crate::websocket::frame::{GOING_AWAY, INTERNAL_ERROR, POLICY_VIOLATION, PROTOCOL_ERROR};
-use crate::websocket::{self, Meter, Refill, Scanner, Side};
+use crate::websocket::frame::{
+    GOING_AWAY, INTERNAL_ERROR, MESSAGE_TOO_BIG, POLICY_VIOLATION, PROTOCOL_ERROR,
+};
+use crate::websocket::{self, Budget, Meter, Refill, Scanner, Side, Stop};
 use metrics::{BytesLabels, Direction, EndedLabels, TunnelLabels, TunnelMetrics};
 
 /// How much each direction reads at a time.
@@ -58,6 +63,7 @@ crate::metrics::label_enum! {
         IdleTimeout = "idle_timeout",
         Shutdown = "shutdown",
         MessageLimit = "message_limit",
+        MessageTooBig = "message_too_big",
         ProtocolError = "protocol_error",
         StoreError = "store_error",
         Failed = "failed",
@@ -70,6 +76,7 @@ impl Ended {
         match self {
             Ended::Shutdown => Some((GOING_AWAY, "the gateway is shutting down")),
             Ended::MessageLimit => Some((POLICY_VIOLATION, "message rate limit exceeded")),
+            Ended::MessageTooBig => Some((MESSAGE_TOO_BIG, "message too big")),
             Ended::ProtocolError => Some((PROTOCOL_ERROR, "WebSocket protocol error")),
             Ended::StoreError => Some((INTERNAL_ERROR, "the rate-limit store is unavailable")),
             Ended::IdleTimeout => Some((GOING_AWAY, "idle for upgrade_idle_timeout")),
@@ -86,6 +93,9 @@ pub struct Tunnel {
     pub meters: Vec<Meter>,
     /// How long a client past a message limit is held back before it is closed.
     pub max_delay: Duration,
+    /// The largest message the client may send, in payload bytes (the smallest
+    /// `messages.max_bytes` of the rules that admitted it; WebSocket only).
+    pub max_message: Option<u64>,
     /// `upgrade_idle_timeout`.
     pub idle: Duration,
     pub hold: Hold,
@@ -125,13 +135,16 @@ impl Tunnel {
             websocket,
             meters,
             max_delay,
+            max_message,
             idle,
             hold,
             leases,
             labels: _,
         } = self;
+        let sent = websocket
+            .then(|| Scanner::new(Side::Client).with_max_message(max_message.unwrap_or(u64::MAX)));
         let mut copy = Copy {
-            up: Pipe::new(websocket.then(|| Scanner::new(Side::Client))),
+            up: Pipe::new(sent),
             down: Pipe::new(websocket.then(|| Scanner::new(Side::Server))),
             client,
             upstream,
@@ -175,7 +188,8 @@ impl Tunnel {
 }
 
 /// One direction's bytes: `buf[start..passed]` read and let through, still to be written;
-/// `buf[passed..filled]` read and held back (a data frame past a message limit).
+/// `buf[passed..filled]` read and held back (a data frame past a message limit, or the
+/// start of a data frame's header whose rest is still to be read).
 struct Pipe {
     buf: Box<[u8]>,
     start: usize,
@@ -221,22 +235,64 @@ impl Pipe {
                 .is_none_or(|s| s.at_boundary() && !s.closed())
     }
 
-    /// Let through what the scanner allows of the held bytes, with `tokens` data frames at
-    /// most; how many started.
-    fn scan(&mut self, tokens: u64) -> Result<u64, Ended> {
+    /// Let through what the scanner allows of the held bytes within `budget`, and drop
+    /// what it drops.
+    fn scan(&mut self, budget: Budget) -> Result<Scanned, Ended> {
         let held = &self.buf[self.passed..self.filled];
         let Some(scanner) = self.scanner.as_mut() else {
             self.passed = self.filled;
-            return Ok(0);
+            return Ok(Scanned {
+                moved: !held.is_empty(),
+                ..Scanned::default()
+            });
         };
-        let scan = scanner.scan(held, tokens).map_err(|v| {
+        let scan = scanner.scan(held, budget).map_err(|v| {
             tracing::debug!(violation = %v, "WebSocket frames break RFC 6455: closed");
             Ended::ProtocolError
         })?;
         self.passed += scan.passed;
-        self.blocked = scan.blocked;
-        Ok(scan.frames)
+        self.blocked = false;
+        let mut scanned = Scanned {
+            frames: scan.frames,
+            moved: scan.passed > 0,
+            partial: false,
+        };
+        match scan.stop {
+            None => {}
+            Some(Stop::Tokens { .. }) => self.blocked = true,
+            Some(Stop::Header) => scanned.partial = true,
+            Some(Stop::Discard(n)) => {
+                // Data after a close: the bytes behind it move up over it.
+                self.buf
+                    .copy_within(self.passed + n..self.filled, self.passed);
+                self.filled -= n;
+                scanned.moved = true;
+            }
+            Some(Stop::TooBig { size }) => {
+                tracing::debug!(size, "WebSocket message over max_bytes: closed");
+                return Err(Ended::MessageTooBig);
+            }
+        }
+        Ok(scanned)
     }
+}
+
+/// What one [`Pipe::scan`] did.
+#[derive(Default)]
+struct Scanned {
+    /// Data frames let through (tokens spent).
+    frames: u64,
+    /// Bytes were let through or dropped.
+    moved: bool,
+    /// It stopped at a data frame's header not all read: more is to be read behind it.
+    partial: bool,
+}
+
+/// What one [`pump`] moved.
+#[derive(Default)]
+struct Pumped {
+    written: usize,
+    frames: u64,
 }
 
 /// A refill under way: it holds the meters until it is done.
@@ -285,37 +341,44 @@ where
                 Poll::Ready(Ok(())) => moved = true,
                 Poll::Pending => {}
             }
-            let tokens = self.tokens();
-            match pump(
+            // What a pump moved is counted even where it ends the tunnel: the bytes it
+            // wrote before the frame that ends it did reach the other side.
+            let (tokens, mut p) = (self.tokens(), Pumped::default());
+            let budget = Budget {
+                frames: tokens,
+                bytes: u64::MAX,
+            };
+            let up = pump(
                 &mut self.up,
                 &mut self.client,
                 &mut self.upstream,
-                tokens,
+                budget,
                 cx,
-            ) {
-                Err(ended) => return Poll::Ready(ended),
-                Ok((n, frames)) => {
-                    if n > 0 || frames > 0 {
-                        moved = true;
-                        self.counts.up.inc_by(n as u64);
-                    }
-                    self.spend(frames);
-                }
+                &mut p,
+            );
+            if p.written > 0 || p.frames > 0 {
+                moved = true;
+                self.counts.up.inc_by(p.written as u64);
             }
-            match pump(
+            self.spend(p.frames);
+            if let Err(ended) = up {
+                return Poll::Ready(ended);
+            }
+            let mut p = Pumped::default();
+            let down = pump(
                 &mut self.down,
                 &mut self.upstream,
                 &mut self.client,
-                u64::MAX,
+                Budget::UNLIMITED,
                 cx,
-            ) {
-                Err(ended) => return Poll::Ready(ended),
-                Ok((n, _)) => {
-                    if n > 0 {
-                        moved = true;
-                        self.counts.down.inc_by(n as u64);
-                    }
-                }
+                &mut p,
+            );
+            if p.written > 0 {
+                moved = true;
+                self.counts.down.inc_by(p.written as u64);
+            }
+            if let Err(ended) = down {
+                return Poll::Ready(ended);
             }
             if self.up.drained {
                 // The client has caught up: all it sent went through.
@@ -463,17 +526,23 @@ where
     async fn close(&mut self, (code, reason): (u16, &str)) {
         let (mut up_ok, mut down_ok) = (true, true);
         // What was held back (a frame past a limit, bytes that break RFC 6455) never goes;
-        // what was let through but not yet written goes first.
+        // what was let through but not yet written goes first, and is counted.
         self.up.filled = self.up.passed;
         self.down.filled = self.down.passed;
         if self.up.start < self.up.passed {
             let (s, p) = (self.up.start, self.up.passed);
             up_ok = self.upstream.write_all(&self.up.buf[s..p]).await.is_ok();
+            if up_ok {
+                self.counts.up.inc_by((p - s) as u64);
+            }
             self.up.start = p;
         }
         if self.down.start < self.down.passed {
             let (s, p) = (self.down.start, self.down.passed);
             down_ok = self.client.write_all(&self.down.buf[s..p]).await.is_ok();
+            if down_ok {
+                self.counts.down.inc_by((p - s) as u64);
+            }
             self.down.start = p;
         }
         if up_ok && self.up.may_close() {
@@ -506,82 +575,87 @@ where
     }
 }
 
-/// Move one direction on: write what waits, let through what the scanner allows, read
-/// more once all is out. Returns the bytes written and the data frames that started, or
-/// how the tunnel ends.
+/// Move one direction on: write what waits, let through what the scanner allows within
+/// `budget` (dropping what it drops), read more once all is out. Adds to `p` what was
+/// written and the data frames that started; `Err`: how the tunnel ends.
 fn pump<R, W>(
     pipe: &mut Pipe,
     src: &mut R,
     dst: &mut W,
-    tokens: u64,
+    budget: Budget,
     cx: &mut Context<'_>,
-) -> Result<(usize, u64), Ended>
+    p: &mut Pumped,
+) -> Result<(), Ended>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    let (mut written, mut frames) = (0, 0);
     loop {
         while pipe.start < pipe.passed {
             match Pin::new(&mut *dst).poll_write(cx, &pipe.buf[pipe.start..pipe.passed]) {
                 Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Err(Ended::Failed),
                 Poll::Ready(Ok(n)) => {
                     pipe.start += n;
-                    written += n;
+                    p.written += n;
                     pipe.unflushed = true;
                 }
-                Poll::Pending => return Ok((written, frames)),
+                Poll::Pending => return Ok(()),
             }
         }
         if pipe.unflushed {
             match Pin::new(&mut *dst).poll_flush(cx) {
                 Poll::Ready(Ok(())) => pipe.unflushed = false,
                 Poll::Ready(Err(_)) => return Err(Ended::Failed),
-                Poll::Pending => return Ok((written, frames)),
+                Poll::Pending => return Ok(()),
             }
         }
         if pipe.passed < pipe.filled {
-            let left = tokens.saturating_sub(frames);
-            if left == 0 && pipe.scanner.is_some() {
-                pipe.blocked = true;
-                return Ok((written, frames));
-            }
-            let before = pipe.passed;
-            frames += pipe.scan(left)?;
-            if pipe.passed > before {
+            let left = Budget {
+                frames: budget.frames.saturating_sub(p.frames),
+                bytes: budget.bytes,
+            };
+            let scanned = pipe.scan(left)?;
+            p.frames += scanned.frames;
+            if scanned.moved {
                 continue;
             }
-            // Held back: the next data frame needs a token.
-            return Ok((written, frames));
+            if !scanned.partial {
+                // Held back: the next data frame needs tokens.
+                return Ok(());
+            }
+            // The start of a data frame's header: read the rest behind it.
         }
         if pipe.eof {
             if !pipe.shut {
                 match Pin::new(&mut *dst).poll_shutdown(cx) {
                     Poll::Ready(_) => pipe.shut = true,
-                    Poll::Pending => return Ok((written, frames)),
+                    Poll::Pending => return Ok(()),
                 }
             }
-            return Ok((written, frames));
+            return Ok(());
         }
-        // Everything read went out: read more.
+        // Everything read went out (but for the start of a header, kept at the front, at
+        // most 13 bytes): read more.
         pipe.drained = false;
+        let kept = pipe.filled - pipe.passed;
+        pipe.buf.copy_within(pipe.passed..pipe.filled, 0);
         pipe.start = 0;
         pipe.passed = 0;
-        pipe.filled = 0;
-        let mut rb = ReadBuf::new(&mut pipe.buf);
+        pipe.filled = kept;
+        let mut rb = ReadBuf::new(&mut pipe.buf[kept..]);
         match Pin::new(&mut *src).poll_read(cx, &mut rb) {
             Poll::Ready(Ok(())) => {
                 let n = rb.filled().len();
                 if n == 0 {
                     pipe.eof = true;
                 } else {
-                    pipe.filled = n;
+                    pipe.filled = kept + n;
                 }
             }
             Poll::Ready(Err(_)) => return Err(Ended::Failed),
             Poll::Pending => {
                 pipe.drained = true;
-                return Ok((written, frames));
+                return Ok(());
             }
         }
     }

@@ -28,6 +28,7 @@ fn tunnel(websocket: bool, meters: Vec<Meter>) -> Tunnel {
         websocket,
         meters,
         max_delay: MAX_DELAY,
+        max_message: None,
         idle: IDLE,
         hold: Hold::detached(),
         leases: None,
@@ -50,6 +51,7 @@ fn meter(burst: u64) -> Meter {
     let messages = Messages {
         rate: Rate::parse("10/s").expect("a rate"),
         burst,
+        max_bytes: None,
     };
     Meter::new(
         limiter,
@@ -288,4 +290,78 @@ async fn a_backend_that_does_not_read_holds_the_client_back() {
     assert!(got.iter().all(|&b| b == 0x5a));
     let (ended, _) = task.await.unwrap();
     assert_eq!(ended, Ended::ClientClosed);
+}
+
+#[tokio::test(start_paused = true)]
+async fn data_frames_after_the_client_s_close_are_dropped_and_its_handshake_completes() {
+    let (mut client, mut backend, task) = start(tunnel(true, vec![meter(1)]), 64 * 1024);
+    let close = client_frame(0x8, &[0x03, 0xe8]);
+    let mut sent = client_frame(0x1, b"hi");
+    sent.extend(&close);
+    // RFC 6455 §5.5.1: no data frame may follow a close. These are dropped, and take no
+    // token (the meter holds one frame, spent on "hi").
+    sent.extend(client_frame(0x1, b"after"));
+    sent.extend(client_frame(0x0, b"stray continuation"));
+    sent.extend(client_frame(0x9, b"ping"));
+    sent.extend(client_frame(0x2, &[1; 100]));
+    client.write_all(&sent).await.unwrap();
+    let mut got = vec![0u8; 8 + close.len() + 10];
+    backend.read_exact(&mut got).await.unwrap();
+    assert_eq!(
+        frames(&got),
+        vec![
+            (0x1, b"hi".to_vec()),
+            (0x8, vec![0x03, 0xe8]),
+            (0x9, b"ping".to_vec())
+        ],
+        "the close and the ping after it pass, the data does not"
+    );
+    backend
+        .write_all(&server_frame(0x8, &[0x03, 0xe8]))
+        .await
+        .unwrap();
+    drop(backend);
+    let to_client = frames(&rest(&mut client).await);
+    assert_eq!(to_client, vec![(0x8, vec![0x03, 0xe8])]);
+    let (ended, m) = task.await.unwrap();
+    assert_eq!(ended, Ended::UpstreamClosed);
+    let up = m
+        .bytes
+        .get_or_create(&BytesLabels {
+            route: "r".into(),
+            pool: "p".into(),
+            direction: Direction::Upstream,
+        })
+        .get();
+    assert_eq!(up, got.len() as u64, "what was dropped is not counted");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_message_over_max_message_is_closed_1009_before_its_frame_goes_on() {
+    let t = Tunnel {
+        max_message: Some(10),
+        ..tunnel(true, Vec::new())
+    };
+    let (mut client, mut backend, task) = start(t, 64 * 1024);
+    client
+        .write_all(&client_frame(0x2, &[1; 10]))
+        .await
+        .unwrap();
+    let mut first = [0u8; 16];
+    backend.read_exact(&mut first).await.unwrap();
+    // An 11-byte frame, its header in two reads: nothing of it goes on while its length
+    // is unknown, nor once it is.
+    let over = client_frame(0x2, &[2; 11]);
+    client.write_all(&over[..1]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    client.write_all(&over[1..]).await.unwrap();
+    let (ended, _) = task.await.unwrap();
+    assert_eq!(ended, Ended::MessageTooBig);
+    let to_backend = frames(&rest(&mut backend).await);
+    assert_eq!(to_backend.len(), 1, "only the close: {to_backend:?}");
+    assert_eq!((to_backend[0].0, code(&to_backend[0].1)), (0x8, 1009));
+    let to_client = frames(&rest(&mut client).await);
+    assert_eq!(to_client.len(), 1);
+    assert_eq!(code(&to_client[0].1), 1009);
+    assert_eq!(&to_client[0].1[2..], b"message too big");
 }

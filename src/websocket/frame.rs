@@ -4,8 +4,13 @@
 //! (at most 14 bytes: 2, then 0, 2 or 8 of extended length, then 4 of masking key; §5.2)
 //! and how much of the current payload is left to pass, whatever the size of the message
 //! or how the stream is cut into reads. Frames are not changed: the scanner only says how
-//! many bytes may pass now, how many data frames started in them, and where the stream
-//! breaks the protocol.
+//! many bytes may pass now, how many data frames (and payload bytes) started in them,
+//! which bytes are to be dropped, and where the stream breaks the protocol.
+//!
+//! A data frame (text, binary, continuation) passes only with its whole header: what is
+//! decided from it — the size of its message, the tokens its payload takes — is decided
+//! before any byte of it goes on. A header not all read yet waits for the rest
+//! ([`Stop::Header`]); control frames pass as their bytes come.
 //!
 //! What it refuses ([`Violation`]), each a MUST of §5:
 //! - a client's frame without a mask, a server's frame with one (§5.1, §5.3);
@@ -15,14 +20,24 @@
 //!   2-byte code);
 //! - a continuation frame with no fragmented message begun, and a new text or binary
 //!   frame while one is unfinished (§5.4);
-//! - a 64-bit payload length with its most significant bit set (§5.2);
-//! - a data frame after a close frame (§5.5.1).
+//! - a 64-bit payload length with its most significant bit set (§5.2).
+//!
+//! What it drops ([`Stop::Discard`]): data frames after a close frame. "After sending a
+//! Close frame, the endpoint MUST NOT send any more data frames" (§5.5.1), and the
+//! receiver discards what comes after a close: so does the gateway, rather than pass on
+//! what the other end must not get (or fail a socket whose closing handshake is under
+//! way). Control frames after a close still pass (a ping is harmless; a second close is
+//! the other end's to judge).
+//!
+//! What it stops at: a data frame that would make its message larger than the scanner's
+//! limit (`messages.max_bytes`, [`Stop::TooBig`]), and one the caller has no tokens for
+//! ([`Stop::Tokens`]).
 //!
 //! What it lets through: the RSV bits (an extension negotiated in the handshake, such as
-//! permessage-deflate, gives them a meaning the gateway need not know), non-minimal
-//! length encodings (§5.2 asks senders for the minimal one; receivers lose nothing), and
-//! control frames between the fragments of a message (§5.4), which are never counted:
-//! only data frames (text, binary, continuation) take tokens.
+//! permessage-deflate, gives them a meaning the gateway need not know: a compressed
+//! payload is counted as sent), non-minimal length encodings (§5.2 asks senders for the
+//! minimal one; receivers lose nothing), and control frames between the fragments of a
+//! message (§5.4), which are never counted: only data frames take tokens.
 
 /// Who sends the frames scanned: a client's must be masked, a server's must not (§5.1).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -36,26 +51,70 @@ pub enum Side {
 #[error("{0}")]
 pub struct Violation(pub &'static str);
 
+/// The tokens one [`Scanner::scan`] may spend: the data frames that may start, and the
+/// payload bytes they may carry between them (a frame's whole payload is taken at its
+/// header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Budget {
+    pub frames: u64,
+    pub bytes: u64,
+}
+
+impl Budget {
+    /// No limit: a stream no meter counts.
+    pub const UNLIMITED: Budget = Budget {
+        frames: u64::MAX,
+        bytes: u64::MAX,
+    };
+
+    /// What is left of it once `scan` spent its share.
+    pub fn after(self, scan: &Scan) -> Budget {
+        Budget {
+            frames: self.frames.saturating_sub(scan.frames),
+            bytes: self.bytes.saturating_sub(scan.bytes),
+        }
+    }
+}
+
 /// What one [`Scanner::scan`] found.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Scan {
     /// Bytes from the start of the slice that may pass now.
     pub passed: usize,
-    /// Data frames (text, binary, continuation) whose first byte is among them.
+    /// Data frames (text, binary, continuation) whose header is among them.
     pub frames: u64,
-    /// The scan stopped before the first byte of a data frame for want of a token: the
-    /// rest of the slice waits for more.
-    pub blocked: bool,
+    /// Those frames' payload bytes (as framed: compressed where the sender compressed).
+    pub bytes: u64,
+    /// Why the scan ended before the end of the slice; `None`: all of it passes.
+    pub stop: Option<Stop>,
+}
+
+/// Why a scan stopped at `passed`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Stop {
+    /// Before a data frame's header, for want of tokens: it takes one frame and `bytes`
+    /// of payload. The rest waits until the caller has them.
+    Tokens { bytes: u64 },
+    /// Before a data frame's header that is not all read: the rest of the slice (fewer
+    /// than 14 bytes) waits for the bytes after it.
+    Header,
+    /// The next `n` bytes (from `passed`) belong to data frames after a close frame: they
+    /// are dropped, never passed. The scan goes on after them.
+    Discard(usize),
+    /// Before a data frame that would make its message `size` bytes, over the limit: the
+    /// socket is to be closed (1009, §7.4.1), the frame never passed.
+    TooBig { size: u64 },
 }
 
 /// Close status codes the gateway sends (RFC 6455 §7.4.1).
 pub const GOING_AWAY: u16 = 1001;
 pub const PROTOCOL_ERROR: u16 = 1002;
 pub const POLICY_VIOLATION: u16 = 1008;
+pub const MESSAGE_TOO_BIG: u16 = 1009;
 pub const INTERNAL_ERROR: u16 = 1011;
 
 /// The longest header: 2 bytes, 8 of extended length, 4 of masking key.
-const MAX_HEADER: usize = 14;
+pub const MAX_HEADER: usize = 14;
 /// A control frame's longest payload (§5.5); a close frame's reason gets 2 bytes less.
 const MAX_CONTROL_PAYLOAD: u64 = 125;
 const MAX_CLOSE_REASON: usize = 123;
@@ -72,17 +131,24 @@ const CLOSE: u8 = 0x8;
 #[derive(Debug, Clone, Copy)]
 pub struct Scanner {
     side: Side,
-    /// The header of the frame being read, as far as it has come.
+    /// The header of the control frame being read, as far as it has come (a data
+    /// frame's is read whole, from the stream).
     header: [u8; MAX_HEADER],
     /// Header bytes read so far: 0 between frames and inside a payload.
     have: u8,
-    /// Payload bytes of the current frame still to pass.
+    /// Payload bytes of the current frame still to pass (or to drop).
     left: u64,
+    /// The current frame's payload is dropped, not passed: a data frame after a close.
+    dropping: bool,
     /// A text or binary frame without FIN began a message that is not finished: only
     /// continuations (and control frames) may come until one with FIN.
     fragmented: bool,
-    /// A close frame was seen: no data frame may follow it (§5.5.1).
+    /// A close frame was seen: data frames after it are dropped (§5.5.1).
     closed: bool,
+    /// The payload bytes of the message being read (or last read), its frames summed.
+    message: u64,
+    /// The largest message allowed, in payload bytes (`u64::MAX`: no limit).
+    max_message: u64,
     /// The first violation: the stream is not scanned past it.
     failed: Option<Violation>,
 }
@@ -95,6 +161,18 @@ fn is_control(opcode: u8) -> bool {
     opcode & 0x8 != 0
 }
 
+/// What the scanner makes of a data frame's header at the front of a slice.
+enum DataHeader {
+    /// Not all here yet.
+    Partial,
+    /// It stops the scan here.
+    Stop(Stop),
+    /// It passes: `len` header bytes, then `payload` bytes.
+    Pass { len: usize, payload: u64 },
+    /// It is dropped, header and payload.
+    Drop { len: usize, payload: u64 },
+}
+
 impl Scanner {
     pub fn new(side: Side) -> Scanner {
         Scanner {
@@ -102,29 +180,42 @@ impl Scanner {
             header: [0; MAX_HEADER],
             have: 0,
             left: 0,
+            dropping: false,
             fragmented: false,
             closed: false,
+            message: 0,
+            max_message: u64::MAX,
             failed: None,
         }
     }
 
-    /// Scan the next bytes of the stream. Stops *before the first byte* of a data frame
-    /// (text, binary, continuation) once `tokens` data frames have started in this call;
-    /// control frames pass without tokens. Returns how many bytes may pass now, how many
-    /// data frames started in them, and whether it stopped for want of a token: the
-    /// caller passes `bytes[..passed]` and scans the rest again, from `passed`, once it
-    /// has tokens.
+    /// The same scanner, stopping at a message (a data frame with its fragments) of more
+    /// than `max` payload bytes ([`Stop::TooBig`]).
+    pub fn with_max_message(self, max: u64) -> Scanner {
+        Scanner {
+            max_message: max,
+            ..self
+        }
+    }
+
+    /// Scan the next bytes of the stream, spending at most `budget`: stops *before* a
+    /// data frame (text, binary, continuation) whose frame or payload bytes the budget no
+    /// longer holds; control frames pass without tokens. Returns how many bytes may pass
+    /// now, how many data frames (and payload bytes) started in them, and why it stopped
+    /// short, if it did ([`Stop`]): the caller passes `bytes[..passed]`, acts on the stop
+    /// (drops the bytes of a [`Stop::Discard`], finds tokens, reads more, closes), and
+    /// scans the rest again.
     ///
     /// A violation anywhere in `bytes` fails the whole call: none of `bytes` is to pass
     /// (the connection is failed, §7.1.7), the scanner stays where it was before the call
     /// (so [`Scanner::at_boundary`] still tells whether what already passed ends between
     /// frames), and every later call returns the same violation.
-    pub fn scan(&mut self, bytes: &[u8], tokens: u64) -> Result<Scan, Violation> {
+    pub fn scan(&mut self, bytes: &[u8], budget: Budget) -> Result<Scan, Violation> {
         if let Some(v) = self.failed {
             return Err(v);
         }
         let before = *self;
-        self.run(bytes, tokens).inspect_err(|&v| {
+        self.run(bytes, budget).inspect_err(|&v| {
             *self = before;
             self.failed = Some(v);
         })
@@ -143,32 +234,58 @@ impl Scanner {
         self.closed
     }
 
-    fn run(&mut self, bytes: &[u8], tokens: u64) -> Result<Scan, Violation> {
+    fn run(&mut self, bytes: &[u8], budget: Budget) -> Result<Scan, Violation> {
+        let mut scan = Scan {
+            passed: 0,
+            frames: 0,
+            bytes: 0,
+            stop: None,
+        };
         let mut i = 0;
-        let mut frames = 0;
         while i < bytes.len() {
             if self.left > 0 {
                 // Payload: skipped whole, never looked at.
-                let n =
-                    usize::try_from(self.left).map_or(bytes.len() - i, |l| l.min(bytes.len() - i));
+                let n = self.take_payload(bytes.len() - i);
+                if self.dropping {
+                    // Only ever at the start of a call: a drop ends the call it begins in.
+                    self.dropping = self.left > 0;
+                    return Ok(Scan {
+                        passed: i,
+                        stop: Some(Stop::Discard(n)),
+                        ..scan
+                    });
+                }
                 i += n;
-                self.left -= n as u64;
                 continue;
             }
             let b = bytes[i];
-            if self.have == 0 {
-                if is_data(b & OPCODE) {
-                    if frames >= tokens {
-                        return Ok(Scan {
-                            passed: i,
-                            frames,
-                            blocked: true,
-                        });
+            if self.have == 0 && is_data(b & OPCODE) {
+                let stop = |stop| Scan {
+                    passed: i,
+                    stop: Some(stop),
+                    ..scan
+                };
+                match self.data_header(&bytes[i..], budget.after(&scan))? {
+                    DataHeader::Partial => return Ok(stop(Stop::Header)),
+                    DataHeader::Stop(s) => return Ok(stop(s)),
+                    DataHeader::Pass { len, payload } => {
+                        scan.frames += 1;
+                        scan.bytes += payload;
+                        self.left = payload;
+                        i += len;
                     }
-                    frames += 1;
+                    DataHeader::Drop { len, payload } => {
+                        self.left = payload;
+                        let n = self.take_payload(bytes.len() - i - len);
+                        self.dropping = self.left > 0;
+                        return Ok(stop(Stop::Discard(len + n)));
+                    }
                 }
-                // The whole header at hand (as it nearly always is): taken at once, checked
-                // as the byte-at-a-time path below checks it.
+                continue;
+            }
+            // A control frame: its whole header at hand (as it nearly always is) taken at
+            // once, checked as the byte-at-a-time path below checks it.
+            if self.have == 0 {
                 if let Some(&second) = bytes.get(i + 1) {
                     let len = header_len(second);
                     if let Some(header) = bytes.get(i..i + len) {
@@ -184,14 +301,63 @@ impl Scanner {
             self.header_byte(b)?;
             i += 1;
         }
-        Ok(Scan {
-            passed: i,
-            frames,
-            blocked: false,
-        })
+        scan.passed = i;
+        Ok(scan)
     }
 
-    /// One more byte of the current frame's header.
+    /// Up to `at_most` bytes of the current payload, taken: how many.
+    fn take_payload(&mut self, at_most: usize) -> usize {
+        let n = usize::try_from(self.left).map_or(at_most, |l| l.min(at_most));
+        self.left -= n as u64;
+        n
+    }
+
+    /// A data frame's header at the front of `bytes`: checked, then passed (its message's
+    /// size and its tokens allowing), stopped at, or dropped after a close.
+    fn data_header(&mut self, bytes: &[u8], budget: Budget) -> Result<DataHeader, Violation> {
+        let first = bytes[0];
+        let (fin, opcode) = (first & FIN != 0, first & OPCODE);
+        if !self.closed {
+            match opcode {
+                CONTINUATION if !self.fragmented => {
+                    return Err(Violation("continuation frame outside a fragmented message"))
+                }
+                TEXT | BINARY if self.fragmented => {
+                    return Err(Violation(
+                        "new message inside an unfinished fragmented message",
+                    ))
+                }
+                _ => {}
+            }
+        }
+        let Some(&second) = bytes.get(1) else {
+            return Ok(DataHeader::Partial);
+        };
+        self.second_byte(second)?;
+        let len = header_len(second);
+        let Some(header) = bytes.get(..len) else {
+            return Ok(DataHeader::Partial);
+        };
+        let payload = payload_len(header)?;
+        if self.closed {
+            return Ok(DataHeader::Drop { len, payload });
+        }
+        let size = match opcode {
+            CONTINUATION => self.message.saturating_add(payload),
+            _ => payload,
+        };
+        if size > self.max_message {
+            return Ok(DataHeader::Stop(Stop::TooBig { size }));
+        }
+        if budget.frames == 0 || payload > budget.bytes {
+            return Ok(DataHeader::Stop(Stop::Tokens { bytes: payload }));
+        }
+        self.fragmented = !fin;
+        self.message = size;
+        Ok(DataHeader::Pass { len, payload })
+    }
+
+    /// One more byte of the current (control) frame's header.
     fn header_byte(&mut self, b: u8) -> Result<(), Violation> {
         let at = usize::from(self.have);
         self.header[at] = b;
@@ -207,30 +373,19 @@ impl Scanner {
         Ok(())
     }
 
-    /// FIN, RSV1-3 (passed as they are), opcode: is this frame allowed here?
+    /// FIN, RSV1-3 (passed as they are), opcode of a frame that is not a data frame
+    /// (those are read by `data_header`): is it allowed?
     fn first_byte(&mut self, b: u8) -> Result<(), Violation> {
         let fin = b & FIN != 0;
-        let opcode = b & OPCODE;
-        match opcode {
-            CONTINUATION | TEXT | BINARY if self.closed => {
-                return Err(Violation("data frame after a close frame"))
+        match b & OPCODE {
+            0x8..=0xA if !fin => Err(Violation("fragmented control frame")),
+            CLOSE => {
+                self.closed = true;
+                Ok(())
             }
-            CONTINUATION if !self.fragmented => {
-                return Err(Violation("continuation frame outside a fragmented message"))
-            }
-            CONTINUATION => self.fragmented = !fin,
-            TEXT | BINARY if self.fragmented => {
-                return Err(Violation(
-                    "new message inside an unfinished fragmented message",
-                ))
-            }
-            TEXT | BINARY => self.fragmented = !fin,
-            0x8..=0xA if !fin => return Err(Violation("fragmented control frame")),
-            CLOSE => self.closed = true,
-            0x9 | 0xA => {}
-            _ => return Err(Violation("reserved opcode")),
+            0x9 | 0xA => Ok(()),
+            _ => Err(Violation("reserved opcode")),
         }
-        Ok(())
     }
 
     /// MASK and the 7-bit length.
@@ -242,25 +397,11 @@ impl Scanner {
         }
     }
 
-    /// The header is complete: its payload length, checked; the payload comes next.
+    /// The control frame's header is complete: its payload length, checked; the payload
+    /// comes next.
     fn end_header(&mut self) -> Result<(), Violation> {
-        let h = &self.header;
-        let len = match h[1] & 0x7F {
-            126 => u64::from(u16::from_be_bytes([h[2], h[3]])),
-            127 => {
-                let mut b = [0u8; 8];
-                b.copy_from_slice(&h[2..10]);
-                let len = u64::from_be_bytes(b);
-                if len >> 63 != 0 {
-                    return Err(Violation(
-                        "64-bit payload length with the most significant bit set",
-                    ));
-                }
-                len
-            }
-            n => u64::from(n),
-        };
-        let opcode = h[0] & OPCODE;
+        let len = payload_len(&self.header)?;
+        let opcode = self.header[0] & OPCODE;
         if is_control(opcode) && len > MAX_CONTROL_PAYLOAD {
             return Err(Violation("control frame payload over 125 bytes"));
         }
@@ -282,6 +423,25 @@ fn header_len(second: u8) -> usize {
     };
     let mask = if second & MASK != 0 { 4 } else { 0 };
     2 + extended + mask
+}
+
+/// The payload length a whole header gives (§5.2).
+fn payload_len(h: &[u8]) -> Result<u64, Violation> {
+    Ok(match h[1] & 0x7F {
+        126 => u64::from(u16::from_be_bytes([h[2], h[3]])),
+        127 => {
+            let mut b = [0u8; 8];
+            b.copy_from_slice(&h[2..10]);
+            let len = u64::from_be_bytes(b);
+            if len >> 63 != 0 {
+                return Err(Violation(
+                    "64-bit payload length with the most significant bit set",
+                ));
+            }
+            len
+        }
+        n => u64::from(n),
+    })
 }
 
 /// A close frame (§5.5.1) with `code` and `reason`, cut to 123 bytes on a character
@@ -382,15 +542,44 @@ mod tests {
         out
     }
 
+    /// Data frames, as many as `n`; payload bytes without limit.
+    fn frames(n: u64) -> Budget {
+        Budget {
+            frames: n,
+            bytes: u64::MAX,
+        }
+    }
+
     /// Everything scanned in one call with tokens to spare.
     fn scan_all(side: Side, stream: &[u8]) -> Result<Scan, Violation> {
-        Scanner::new(side).scan(stream, u64::MAX)
+        Scanner::new(side).scan(stream, Budget::UNLIMITED)
     }
 
     fn refused(side: Side, frames: &[F]) -> &'static str {
         match scan_all(side, &bytes(frames, side)) {
             Err(Violation(why)) => why,
             Ok(s) => panic!("{frames:?} passed: {s:?}"),
+        }
+    }
+
+    /// What a copy loop makes of `stream` through `s`, fed whole: the bytes passed, the
+    /// bytes dropped, the data frames and payload bytes counted, and the last stop.
+    fn pass_through(s: &mut Scanner, stream: &[u8]) -> (Vec<u8>, usize, u64, u64, Option<Stop>) {
+        let (mut passed, mut dropped, mut counted, mut payload) = (Vec::new(), 0, 0, 0);
+        let mut at = 0;
+        loop {
+            let scan = s.scan(&stream[at..], Budget::UNLIMITED).unwrap();
+            passed.extend_from_slice(&stream[at..at + scan.passed]);
+            at += scan.passed;
+            counted += scan.frames;
+            payload += scan.bytes;
+            match scan.stop {
+                Some(Stop::Discard(n)) => {
+                    at += n;
+                    dropped += n;
+                }
+                stop => return (passed, dropped, counted, payload, stop),
+            }
         }
     }
 
@@ -407,11 +596,18 @@ mod tests {
                     let mut s = Scanner::new(side);
                     // The second frame starts exactly after the first one's payload.
                     let first = stream.len() - bytes(&[f(true, TEXT, 3)], side).len();
-                    let one = s.scan(&stream[..first], u64::MAX).unwrap();
-                    assert_eq!((one.passed, one.frames), (first, 1), "{len} {width:?}");
+                    let one = s.scan(&stream[..first], Budget::UNLIMITED).unwrap();
+                    assert_eq!(
+                        (one.passed, one.frames, one.bytes),
+                        (first, 1, len as u64),
+                        "{len} {width:?}"
+                    );
                     assert!(s.at_boundary(), "{len} {width:?}");
-                    let two = s.scan(&stream[first..], 0).unwrap();
-                    assert_eq!((two.passed, two.frames, two.blocked), (0, 0, true));
+                    let two = s.scan(&stream[first..], frames(0)).unwrap();
+                    assert_eq!(
+                        (two.passed, two.frames, two.stop),
+                        (0, 0, Some(Stop::Tokens { bytes: 3 }))
+                    );
                 }
             }
         }
@@ -432,7 +628,8 @@ mod tests {
         stream.extend_from_slice(&(u64::MAX >> 1).to_be_bytes());
         stream.extend_from_slice(&[0; 100]);
         let mut s = Scanner::new(Side::Server);
-        assert_eq!(s.scan(&stream, 1).unwrap().passed, stream.len());
+        let scan = s.scan(&stream, frames(1)).unwrap();
+        assert_eq!((scan.passed, scan.bytes), (stream.len(), u64::MAX >> 1));
         assert!(!s.at_boundary());
     }
 
@@ -450,6 +647,11 @@ mod tests {
         );
         assert!(scan_all(Side::Client, &masked).is_ok());
         assert!(scan_all(Side::Server, &unmasked).is_ok());
+        // Known from a data frame's second byte, before its header is all there.
+        assert_eq!(
+            scan_all(Side::Client, &unmasked[..2]),
+            Err(Violation("unmasked frame from the client"))
+        );
     }
 
     #[test]
@@ -505,6 +707,7 @@ mod tests {
         ];
         let scan = scan_all(Side::Client, &bytes(&message, Side::Client)).unwrap();
         assert_eq!(scan.frames, 4, "the pings and the pong are not counted");
+        assert_eq!(scan.bytes, 18, "nor their payloads");
         assert_eq!(
             refused(Side::Client, &[f(true, CONTINUATION, 1)]),
             "continuation frame outside a fragmented message"
@@ -517,16 +720,178 @@ mod tests {
             refused(Side::Client, &[f(false, BINARY, 1), f(true, TEXT, 1)]),
             "new message inside an unfinished fragmented message"
         );
+    }
+
+    #[test]
+    fn data_frames_after_a_close_are_dropped_and_control_frames_still_pass() {
+        for side in [Side::Client, Side::Server] {
+            let kept = [f(true, TEXT, 5), f(true, CLOSE, 2)];
+            let after = [
+                f(true, TEXT, 3),
+                // Each of these would break §5.4 before a close: here they are dropped.
+                f(true, CONTINUATION, 300),
+                f(false, BINARY, 70_000),
+                f(true, TEXT, 0),
+            ];
+            let mut stream = bytes(&kept, side);
+            stream.extend(bytes(&after, side));
+            let ping = bytes(&[f(true, 0x9, 4)], side);
+            stream.extend(&ping);
+            let mut s = Scanner::new(side);
+            let (passed, dropped, counted, payload, stop) = pass_through(&mut s, &stream);
+            let mut want = bytes(&kept, side);
+            want.extend(&ping);
+            assert_eq!(passed, want, "{side:?}");
+            assert_eq!(dropped, bytes(&after, side).len(), "{side:?}");
+            assert_eq!((counted, payload, stop), (1, 5, None), "{side:?}");
+            assert!(s.closed() && s.at_boundary());
+
+            // Cut anywhere, the same.
+            for cut in [1, 9, 20, 400, 1_000, 60_000] {
+                let mut s = Scanner::new(side);
+                let (mut got, mut gone, mut at) = (Vec::new(), 0, 0);
+                for piece in [&stream[..cut], &stream[..]] {
+                    loop {
+                        let scan = s.scan(&piece[at..], frames(9)).unwrap();
+                        got.extend_from_slice(&piece[at..at + scan.passed]);
+                        at += scan.passed;
+                        match scan.stop {
+                            Some(Stop::Discard(n)) => {
+                                at += n;
+                                gone += n;
+                            }
+                            None | Some(Stop::Header) => break,
+                            other => panic!("{other:?}"),
+                        }
+                    }
+                }
+                assert_eq!((got, gone), (want.clone(), dropped), "cut at {cut}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_data_frame_passes_with_its_whole_header() {
+        // 126 bytes: 2 + 2 of length + 4 of mask.
+        let stream = bytes(&[f(true, TEXT, 300)], Side::Client);
+        let mut s = Scanner::new(Side::Client);
+        for part in 0..8 {
+            let scan = s.scan(&stream[..part], frames(1)).unwrap();
+            assert_eq!(
+                (scan.passed, scan.frames, scan.stop),
+                (0, 0, (part > 0).then_some(Stop::Header)),
+                "{part} bytes of the header"
+            );
+            assert!(s.at_boundary());
+        }
+        let scan = s.scan(&stream[..8], frames(1)).unwrap();
+        assert_eq!((scan.passed, scan.frames, scan.bytes), (8, 1, 300));
+        assert!(!s.at_boundary());
+        // The rest of the frame (its payload) needs no token.
+        let rest = s.scan(&stream[8..], frames(0)).unwrap();
+        assert_eq!((rest.passed, rest.frames, rest.stop), (300, 0, None));
+        assert!(s.at_boundary());
+        // A control frame's header passes as it comes.
+        let ping = bytes(&[f(true, 0x9, 3)], Side::Client);
+        assert_eq!(s.scan(&ping[..1], frames(0)).unwrap().passed, 1);
+        assert!(!s.at_boundary());
         assert_eq!(
-            refused(Side::Server, &[f(true, CLOSE, 2), f(true, TEXT, 1)]),
-            "data frame after a close frame"
+            s.scan(&ping[1..], frames(0)).unwrap().passed,
+            ping.len() - 1
         );
-        // A ping after a close is no data frame.
-        assert!(scan_all(
-            Side::Server,
-            &bytes(&[f(true, CLOSE, 2), f(true, 0x9, 1)], Side::Server)
-        )
-        .is_ok());
+    }
+
+    #[test]
+    fn a_message_over_the_limit_stops_before_the_frame_that_makes_it_so() {
+        let side = Side::Client;
+        let limited = || Scanner::new(side).with_max_message(1_000);
+        // One frame: 1,000 bytes pass, 1,001 do not (not one byte of it).
+        let at_limit = bytes(&[f(true, BINARY, 1_000)], side);
+        assert_eq!(limited().scan(&at_limit, frames(9)).unwrap().stop, None);
+        let over = bytes(&[f(true, TEXT, 5), f(true, BINARY, 1_001)], side);
+        let first = bytes(&[f(true, TEXT, 5)], side).len();
+        let mut s = limited();
+        let scan = s.scan(&over, frames(9)).unwrap();
+        assert_eq!(
+            (scan.passed, scan.frames, scan.stop),
+            (first, 1, Some(Stop::TooBig { size: 1_001 }))
+        );
+        assert!(s.at_boundary(), "a close frame may follow what passed");
+        // Before tokens are asked for: a frame too big is not waited for.
+        let mut s = limited();
+        assert_eq!(
+            s.scan(&over[first..], frames(0)).unwrap().stop,
+            Some(Stop::TooBig { size: 1_001 })
+        );
+
+        // Fragments add up; control frames between them do not count; the next message
+        // starts from nothing.
+        let fragments = [
+            f(false, TEXT, 400),
+            f(true, 0x9, 100),
+            f(false, CONTINUATION, 600),
+            f(true, CONTINUATION, 0),
+            f(true, BINARY, 1_000),
+            f(false, BINARY, 999),
+            f(true, CONTINUATION, 2),
+        ];
+        let stream = bytes(&fragments, side);
+        let held = bytes(&fragments[..6], side).len();
+        let mut s = limited();
+        let scan = s.scan(&stream, frames(99)).unwrap();
+        assert_eq!(
+            (scan.passed, scan.frames, scan.bytes),
+            (held, 5, 400 + 600 + 1_000 + 999)
+        );
+        assert_eq!(scan.stop, Some(Stop::TooBig { size: 1_001 }));
+        // No limit: anything (up to 2^63 - 1) passes.
+        assert_eq!(scan_all(side, &stream).unwrap().passed, stream.len());
+    }
+
+    #[test]
+    fn a_byte_budget_stops_before_a_payload_it_cannot_pay_for_whole() {
+        let stream = bytes(
+            &[
+                f(true, TEXT, 100),
+                f(true, 0x9, 50),
+                f(true, BINARY, 200),
+                f(true, TEXT, 0),
+            ],
+            Side::Client,
+        );
+        let two = bytes(&[f(true, TEXT, 100), f(true, 0x9, 50)], Side::Client).len();
+        let budget = Budget {
+            frames: 9,
+            bytes: 299,
+        };
+        let mut s = Scanner::new(Side::Client);
+        let scan = s.scan(&stream, budget).unwrap();
+        assert_eq!(
+            (scan.passed, scan.frames, scan.bytes, scan.stop),
+            (two, 1, 100, Some(Stop::Tokens { bytes: 200 })),
+            "the ping passes, the binary frame needs 200 of the 199 left"
+        );
+        let rest = s
+            .scan(
+                &stream[two..],
+                Budget {
+                    frames: 2,
+                    bytes: 200,
+                },
+            )
+            .unwrap();
+        assert_eq!(
+            (rest.passed, rest.frames, rest.bytes, rest.stop),
+            (stream.len() - two, 2, 200, None),
+            "an empty frame needs a frame token, no byte"
+        );
+        assert_eq!(
+            budget.after(&scan),
+            Budget {
+                frames: 8,
+                bytes: 199
+            }
+        );
     }
 
     #[test]
@@ -542,62 +907,57 @@ mod tests {
 
     #[test]
     fn tokens_stop_the_scan_before_a_data_frame_and_control_frames_need_none() {
-        let frames = [
+        let frames_ = [
             f(true, 0x9, 3),
             f(true, TEXT, 2),
             f(true, 0xA, 0),
             f(true, BINARY, 4),
         ];
-        let stream = bytes(&frames, Side::Client);
-        let ping = bytes(&frames[..1], Side::Client).len();
-        let then_pong = bytes(&frames[..3], Side::Client).len();
+        let stream = bytes(&frames_, Side::Client);
+        let ping = bytes(&frames_[..1], Side::Client).len();
+        let then_pong = bytes(&frames_[..3], Side::Client).len();
         let mut s = Scanner::new(Side::Client);
-        let a = s.scan(&stream, 0).unwrap();
-        assert_eq!((a.passed, a.frames, a.blocked), (ping, 0, true));
-        assert!(s.at_boundary());
-        let b = s.scan(&stream[a.passed..], 1).unwrap();
-        assert_eq!((b.passed, b.frames, b.blocked), (then_pong - ping, 1, true));
-        let c = s.scan(&stream[then_pong..], 5).unwrap();
+        let a = s.scan(&stream, frames(0)).unwrap();
         assert_eq!(
-            (c.passed, c.frames, c.blocked),
-            (stream.len() - then_pong, 1, false)
+            (a.passed, a.frames, a.stop),
+            (ping, 0, Some(Stop::Tokens { bytes: 2 }))
         );
         assert!(s.at_boundary());
-        // Nothing to scan: nothing blocked.
+        let b = s.scan(&stream[a.passed..], frames(1)).unwrap();
         assert_eq!(
-            s.scan(&[], 0).unwrap(),
+            (b.passed, b.frames, b.stop),
+            (then_pong - ping, 1, Some(Stop::Tokens { bytes: 4 }))
+        );
+        let c = s.scan(&stream[then_pong..], frames(5)).unwrap();
+        assert_eq!(
+            (c.passed, c.frames, c.stop),
+            (stream.len() - then_pong, 1, None)
+        );
+        assert!(s.at_boundary());
+        // Nothing to scan: nothing stopped.
+        assert_eq!(
+            s.scan(&[], frames(0)).unwrap(),
             Scan {
                 passed: 0,
                 frames: 0,
-                blocked: false
+                bytes: 0,
+                stop: None
             }
         );
     }
 
     #[test]
-    fn a_frame_counts_where_its_first_byte_passes() {
-        let stream = bytes(&[f(true, TEXT, 300)], Side::Client);
-        let mut s = Scanner::new(Side::Client);
-        assert_eq!(s.scan(&stream[..1], 1).unwrap().frames, 1);
-        assert!(!s.at_boundary());
-        // The rest of the frame (header and payload) needs no token.
-        let rest = s.scan(&stream[1..], 0).unwrap();
-        assert_eq!((rest.passed, rest.frames), (stream.len() - 1, 0));
-        assert!(s.at_boundary());
-    }
-
-    #[test]
     fn a_violation_passes_nothing_of_its_call_and_sticks() {
-        let good = bytes(&[f(false, TEXT, 3)], Side::Client);
-        let mut stream = good.clone();
-        stream.extend(bytes(&[f(true, TEXT, 3)], Side::Client));
+        let ping = bytes(&[f(true, 0x9, 3)], Side::Client);
+        let mut stream = ping.clone();
+        stream.extend(bytes(&[f(true, CONTINUATION, 3)], Side::Client));
         let mut s = Scanner::new(Side::Client);
-        assert!(s.scan(&good[..4], 9).is_ok());
-        let why = s.scan(&stream[4..], 9).unwrap_err();
-        assert_eq!(why.0, "new message inside an unfinished fragmented message");
-        // Still where it was: inside the first frame's header.
+        assert_eq!(s.scan(&ping[..4], frames(9)).unwrap().passed, 4);
+        let why = s.scan(&stream[4..], frames(9)).unwrap_err();
+        assert_eq!(why.0, "continuation frame outside a fragmented message");
+        // Still where it was: inside the ping's header.
         assert!(!s.at_boundary());
-        assert_eq!(s.scan(&[], 9), Err(why));
+        assert_eq!(s.scan(&[], frames(9)), Err(why));
         assert_eq!(why.to_string(), why.0);
     }
 
@@ -605,10 +965,10 @@ mod tests {
     fn a_1_mib_fragmented_message_scans_in_constant_memory() {
         // All the scanner ever holds: no payload, no buffer that grows.
         assert!(std::mem::size_of::<Scanner>() <= 64);
-        let mut s = Scanner::new(Side::Client);
+        let mut s = Scanner::new(Side::Client).with_max_message(1 << 20);
         let zeros = [0u8; 4096];
         let fragment = 64 * 1024;
-        let mut frames = 0;
+        let mut counted = 0;
         for i in 0..16 {
             let opcode = if i == 0 { TEXT } else { CONTINUATION };
             let mut header = Vec::new();
@@ -616,24 +976,24 @@ mod tests {
             // The same header with the 64-bit length of a 64 KiB fragment.
             header[1] = MASK | 127;
             header.splice(2..2, (fragment as u64).to_be_bytes());
-            let scan = s.scan(&header, 1).unwrap();
+            let scan = s.scan(&header, frames(1)).unwrap();
             assert_eq!(scan.passed, header.len());
-            frames += scan.frames;
+            counted += scan.frames;
             for _ in 0..fragment / zeros.len() {
-                let scan = s.scan(&zeros, 0).unwrap();
-                assert_eq!((scan.passed, scan.blocked), (zeros.len(), false));
+                let scan = s.scan(&zeros, frames(0)).unwrap();
+                assert_eq!((scan.passed, scan.stop), (zeros.len(), None));
             }
             assert!(s.at_boundary());
             if i == 7 {
                 // A ping between fragments.
                 let ping = bytes(&[f(true, 0x9, 125)], Side::Client);
-                assert_eq!(s.scan(&ping, 0).unwrap().passed, ping.len());
+                assert_eq!(s.scan(&ping, frames(0)).unwrap().passed, ping.len());
             }
         }
-        assert_eq!(frames, 16);
-        // The message is finished: a new one may begin.
+        assert_eq!(counted, 16);
+        // The message is finished, at exactly its limit: a new one may begin.
         let next = bytes(&[f(true, BINARY, 1)], Side::Client);
-        assert_eq!(s.scan(&next, 1).unwrap().frames, 1);
+        assert_eq!(s.scan(&next, frames(1)).unwrap().frames, 1);
     }
 
     #[test]
@@ -663,16 +1023,21 @@ mod tests {
             .collect();
         assert_eq!(payload, [0x03, 0xEA, b'b', b'y', b'e']);
         let mut s = Scanner::new(Side::Client);
-        assert_eq!(s.scan(&masked, 0).unwrap().passed, masked.len());
+        assert_eq!(s.scan(&masked, frames(0)).unwrap().passed, masked.len());
         assert!(s.closed() && s.at_boundary());
         assert_eq!(
             close_frame(INTERNAL_ERROR, "", None),
             [FIN | CLOSE, 2, 0x03, 0xF3]
         );
+        assert_eq!(
+            close_frame(MESSAGE_TOO_BIG, "", None),
+            [FIN | CLOSE, 2, 0x03, 0xF1]
+        );
     }
 
     /// A valid stream: messages of 1 to 4 fragments, control frames between them and
-    /// between fragments, lengths in every width; perhaps a close at the end.
+    /// between fragments, lengths in every width; perhaps a close at the end, and after
+    /// it data frames a sender must not send (dropped) and control frames (passed).
     fn valid_frames() -> impl Strategy<Value = Vec<F>> {
         let width = prop_oneof![
             4 => Just(Width::Minimal),
@@ -684,15 +1049,27 @@ mod tests {
             2 => 126usize..=70_000,
         ];
         let data = (len.clone(), width.clone(), 0u8..8);
-        let control = (prop_oneof![Just(0x9u8), Just(0xA)], 0usize..=125, width);
-        let piece = (data, proptest::option::weighted(0.3, control));
+        let control = (
+            prop_oneof![Just(0x9u8), Just(0xA)],
+            0usize..=125,
+            width.clone(),
+        );
+        let piece = (data, proptest::option::weighted(0.3, control.clone()));
         let message = (
             prop_oneof![Just(TEXT), Just(BINARY)],
             proptest::collection::vec(piece, 1..=4),
         );
+        let stray = (
+            prop_oneof![Just(CONTINUATION), Just(TEXT), Just(BINARY)],
+            any::<bool>(),
+            len,
+            width,
+        );
+        let after =
+            proptest::collection::vec((stray, proptest::option::weighted(0.3, control)), 0..4);
         (
             proptest::collection::vec(message, 0..6),
-            proptest::bool::weighted(0.3),
+            proptest::option::weighted(0.3, after),
         )
             .prop_map(|(messages, close)| {
                 let mut frames = Vec::new();
@@ -714,25 +1091,50 @@ mod tests {
                         }
                     }
                 }
-                if close {
+                if let Some(after) = close {
                     frames.push(f(true, CLOSE, 2));
+                    for ((opcode, fin, len, width), control) in after {
+                        frames.push(F {
+                            width,
+                            ..f(fin, opcode, len)
+                        });
+                        if let Some((op, len, width)) = control {
+                            frames.push(F {
+                                width,
+                                ..f(true, op, len)
+                            });
+                        }
+                    }
                 }
                 frames
             })
     }
 
-    /// Where each frame of `frames` starts in the stream, whether it is a data frame,
-    /// and the stream's length.
-    fn layout(frames: &[F], side: Side) -> (Vec<(usize, bool)>, usize) {
-        let mut starts = Vec::new();
-        let mut at = 0;
+    /// Each frame of a stream: where it starts, its length in bytes, its payload length,
+    /// and what becomes of it.
+    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
+    enum Fate {
+        Data,
+        Control,
+        Dropped,
+    }
+
+    fn layout(frames: &[F], side: Side) -> (Vec<(usize, usize, u64, Fate)>, usize) {
+        let mut out = Vec::new();
+        let (mut at, mut closed) = (0, false);
         for &fr in frames {
-            starts.push((at, is_data(fr.opcode)));
             let mut one = Vec::new();
             write(fr, side, &mut one);
+            let fate = match (is_data(fr.opcode), closed) {
+                (true, false) => Fate::Data,
+                (true, true) => Fate::Dropped,
+                (false, _) => Fate::Control,
+            };
+            closed |= fr.opcode == CLOSE;
+            out.push((at, one.len(), fr.len as u64, fate));
             at += one.len();
         }
-        (starts, at)
+        (out, at)
     }
 
     fn side() -> impl Strategy<Value = Side> {
@@ -742,71 +1144,126 @@ mod tests {
     proptest! {
         #![proptest_config(crate::seed::proptest_config("websocket::frame::splits", 300))]
 
-        /// However a valid stream is cut into reads, every byte passes, every data frame
-        /// is counted once, and the scanner is at a boundary exactly between frames.
+        /// However a stream is cut into reads (each read scanned as far as it goes, what
+        /// is held kept for the next, as the copy loop does), the bytes that pass are
+        /// those of every frame but the data frames after a close, those are dropped
+        /// whole, every data frame that passes is counted once with its payload, and the
+        /// scanner is at a boundary exactly between frames.
         #[test]
-        fn any_split_gives_the_same_counts_and_boundaries(
+        fn any_split_passes_the_same_bytes_and_counts(
             frames in valid_frames(),
             side in side(),
             cuts in proptest::collection::vec(0.0f64..1.0, 0..12),
         ) {
             let stream = bytes(&frames, side);
-            let (starts, end) = layout(&frames, side);
+            let (layout, end) = layout(&frames, side);
             let mut cuts: Vec<usize> = cuts.iter().map(|c| (c * end as f64) as usize).collect();
             cuts.push(end);
             cuts.sort_unstable();
+            let in_dropped = |from: usize, to: usize| {
+                layout.iter().any(|&(st, len, _, fate)| {
+                    fate == Fate::Dropped && st <= from && to <= st + len
+                })
+            };
             let mut s = Scanner::new(side);
-            let (mut at, mut counted) = (0, 0);
+            let (mut at, mut counted, mut payload) = (0, 0, 0);
+            let mut passed = Vec::new();
             for cut in cuts {
-                let scan = s.scan(&stream[at..cut], u64::MAX).map_err(|v| TestCaseError::fail(v.0))?;
-                prop_assert_eq!(scan.passed, cut - at);
-                prop_assert!(!scan.blocked);
-                counted += scan.frames;
-                at = cut;
-                let between = at == end || starts.iter().any(|&(st, _)| st == at);
+                loop {
+                    let scan = s
+                        .scan(&stream[at..cut], Budget::UNLIMITED)
+                        .map_err(|v| TestCaseError::fail(v.0))?;
+                    passed.extend_from_slice(&stream[at..at + scan.passed]);
+                    counted += scan.frames;
+                    payload += scan.bytes;
+                    at += scan.passed;
+                    match scan.stop {
+                        None => {
+                            prop_assert_eq!(at, cut);
+                            break;
+                        }
+                        Some(Stop::Discard(n)) => {
+                            prop_assert!(in_dropped(at, at + n), "dropped {}..{}", at, at + n);
+                            at += n;
+                        }
+                        Some(Stop::Header) => {
+                            prop_assert!(cut - at < MAX_HEADER);
+                            prop_assert!(
+                                layout.iter().any(|&(st, _, _, f)| st == at && f != Fate::Control),
+                                "held at {}", at
+                            );
+                            break;
+                        }
+                        Some(other) => return Err(TestCaseError::fail(format!("{other:?}"))),
+                    }
+                }
+                let between = at == end || layout.iter().any(|&(st, ..)| st == at);
                 prop_assert_eq!(s.at_boundary(), between, "at {}", at);
             }
-            let data = starts.iter().filter(|(_, d)| *d).count() as u64;
-            prop_assert_eq!(counted, data);
+            prop_assert_eq!(at, end);
+            let kept: Vec<u8> = layout
+                .iter()
+                .filter(|l| l.3 != Fate::Dropped)
+                .flat_map(|&(st, len, ..)| stream[st..st + len].iter().copied())
+                .collect();
+            prop_assert!(passed == kept, "{} bytes passed, {} kept", passed.len(), kept.len());
+            let data = layout.iter().filter(|l| l.3 == Fate::Data);
+            prop_assert_eq!(counted, data.clone().count() as u64);
+            prop_assert_eq!(payload, data.map(|l| l.2).sum::<u64>());
         }
 
-        /// With few tokens a call, the scan stops exactly at data frames' first bytes and
-        /// counts exactly the data frames it let start.
+        /// With few tokens a call (frames and payload bytes), the scan stops exactly at
+        /// data frames' headers, and counts exactly the data frames (and payload) it let
+        /// start: never more than the budget.
         #[test]
         fn tokens_stop_exactly_at_data_frames(
             frames in valid_frames(),
             side in side(),
-            reads in proptest::collection::vec((1usize..5_000, 0u64..3), 1..40),
+            reads in proptest::collection::vec((1usize..5_000, 0u64..3, 0u64..100_000), 1..40),
         ) {
             let stream = bytes(&frames, side);
-            let (starts, end) = layout(&frames, side);
+            let (layout, end) = layout(&frames, side);
             let mut s = Scanner::new(side);
-            let (mut at, mut counted, mut turn) = (0, 0, 0);
+            let (mut at, mut counted, mut turn, mut wanting) = (0, 0, 0, false);
             while at < end {
-                let (len, tokens) = reads[turn % reads.len()];
-                // Every few turns, tokens to spare: the stream always moves on.
-                let tokens = if turn % reads.len() == reads.len() - 1 { tokens + 1 } else { tokens };
+                let (len, tokens, bytes) = reads[turn % reads.len()];
+                // Every few turns, tokens to spare: the stream always moves on; after a
+                // header cut short, the read brings the rest of it.
+                let budget = if turn % reads.len() == reads.len() - 1 {
+                    Budget { frames: tokens + 1, bytes: u64::MAX }
+                } else {
+                    Budget { frames: tokens, bytes }
+                };
+                let len = if wanting { len.max(MAX_HEADER) } else { len };
                 turn += 1;
                 prop_assert!(turn < 10_000_000, "no progress at {}", at);
                 let upto = (at + len).min(end);
-                let scan = s.scan(&stream[at..upto], tokens).map_err(|v| TestCaseError::fail(v.0))?;
-                let started = starts
+                let scan = s.scan(&stream[at..upto], budget).map_err(|v| TestCaseError::fail(v.0))?;
+                let started: Vec<_> = layout
                     .iter()
-                    .filter(|&&(st, d)| d && st >= at && st < at + scan.passed)
-                    .count() as u64;
-                prop_assert_eq!(scan.frames, started);
-                prop_assert!(scan.frames <= tokens);
-                if scan.blocked {
-                    prop_assert_eq!(scan.frames, tokens);
-                    let stop = at + scan.passed;
-                    prop_assert!(starts.contains(&(stop, true)), "blocked at {} mid-frame", stop);
-                } else {
-                    prop_assert_eq!(scan.passed, upto - at);
+                    .filter(|&&(st, _, _, f)| f == Fate::Data && st >= at && st < at + scan.passed)
+                    .collect();
+                prop_assert_eq!(scan.frames, started.len() as u64);
+                prop_assert_eq!(scan.bytes, started.iter().map(|l| l.2).sum::<u64>());
+                prop_assert!(scan.frames <= budget.frames && scan.bytes <= budget.bytes);
+                let stop = at + scan.passed;
+                wanting = scan.stop == Some(Stop::Header);
+                match scan.stop {
+                    Some(Stop::Tokens { bytes }) => {
+                        let next = layout.iter().find(|l| l.0 == stop);
+                        prop_assert!(next.is_some_and(|l| l.3 == Fate::Data && l.2 == bytes), "stopped at {} mid-frame", stop);
+                        let left = budget.after(&scan);
+                        prop_assert!(left.frames == 0 || left.bytes < bytes);
+                    }
+                    Some(Stop::Discard(n)) => at += n,
+                    Some(Stop::Header) => prop_assert!(upto - stop < MAX_HEADER),
+                    None => prop_assert_eq!(stop, upto),
+                    Some(other) => return Err(TestCaseError::fail(format!("{other:?}"))),
                 }
                 counted += scan.frames;
                 at += scan.passed;
             }
-            prop_assert_eq!(counted, starts.iter().filter(|(_, d)| *d).count() as u64);
+            prop_assert_eq!(counted, layout.iter().filter(|l| l.3 == Fate::Data).count() as u64);
             prop_assert!(s.at_boundary());
         }
     }

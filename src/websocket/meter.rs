@@ -181,6 +181,7 @@ mod tests {
         Messages {
             rate: Rate::parse(rate).unwrap(),
             burst,
+            max_bytes: None,
         }
     }
 
@@ -370,6 +371,7 @@ mod tests {
         let bad = Messages {
             rate: Rate::every(1, Duration::from_secs(u64::MAX / 1_000_000)),
             burst: 1,
+            max_bytes: None,
         };
         assert!(quota(&bad).is_err());
         let mut m = Meter::new(limiter.clone(), id(1), "chat", bad, OnError::Deny);

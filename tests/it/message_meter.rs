@@ -57,6 +57,7 @@ async fn two_meters_of_one_identity_share_one_bucket_in_redis() {
     let messages = Messages {
         rate: Rate::parse("50/s").expect("a rate"),
         burst: 1_000,
+        max_bytes: None,
     };
     let client = digest_ip("192.0.2.10".parse().expect("an address"));
     let started = Instant::now();
