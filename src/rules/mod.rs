@@ -130,6 +130,9 @@ pub struct Rule {
     /// `messages = { rate, burst, max_bytes }`: the WebSocket data frames a client sends
     /// on the sockets this rule admitted, per identity, and how large a message may be.
     pub messages: Option<Messages>,
+    /// `bytes = { rate, burst }`: the WebSocket payload bytes a client sends on the
+    /// sockets this rule admitted, per identity.
+    pub bytes: Option<Bytes>,
     /// How its charges are settled once the backend has answered (`charge`,
     /// `cost_header`, `cost_from`): `None` charges every admitted request on arrival, as
     /// it stands, with nothing to settle.
@@ -150,6 +153,16 @@ pub struct Messages {
     /// The largest message, its frames' payloads summed (as sent: compressed where they
     /// are); a larger one closes the socket with 1009. `None`: no limit.
     pub max_bytes: Option<u64>,
+}
+
+/// `bytes = { rate = "1MiB/s", burst = "4MiB" }`: a token bucket of payload bytes per
+/// identity, across its sockets, counted as sent (a compressed payload compressed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bytes {
+    /// Bytes per period.
+    pub rate: crate::limiter::Rate,
+    /// Bytes a client may send at once; the rate's bytes when the file gives none.
+    pub burst: u64,
 }
 
 impl Match {
@@ -305,6 +318,12 @@ impl Rule {
             if let Some(max) = m.max_bytes {
                 s.push_str(&format!("; WebSocket messages at most {max} bytes"));
             }
+        }
+        if let Some(b) = &self.bytes {
+            s.push_str(&format!(
+                "; WebSocket payload bytes {}, burst {}, per identity across its sockets (as sent)",
+                b.rate, b.burst
+            ));
         }
         s
     }

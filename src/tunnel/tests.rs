@@ -53,11 +53,11 @@ fn meter(burst: u64) -> Meter {
         burst,
         max_bytes: None,
     };
-    Meter::new(
+    Meter::messages(
         limiter,
         IdentityDigest([7; 16]),
         "chat",
-        messages,
+        &messages,
         OnError::Deny,
     )
 }
@@ -292,6 +292,29 @@ async fn a_backend_that_does_not_read_holds_the_client_back() {
     assert_eq!(ended, Ended::ClientClosed);
 }
 
+/// A byte meter on the memory store whose clock never moves: `burst` payload bytes (at
+/// 100 a second: batches of 10), then none.
+fn byte_meter(burst: u64) -> Meter {
+    let clock = ManualClock::new(1_000_000_000);
+    let limiter = Limiter::new(
+        Box::new(MemoryStore::new(clock)),
+        &crate::limiter::store::Settings::default(),
+        LimiterMetrics::register(&mut prometheus_client::registry::Registry::default()),
+        Arc::new(Stats::new()),
+    );
+    let bytes = crate::rules::Bytes {
+        rate: Rate::parse("100/s").expect("a rate"),
+        burst,
+    };
+    Meter::bytes(
+        limiter,
+        IdentityDigest([7; 16]),
+        "chat",
+        &bytes,
+        OnError::Deny,
+    )
+}
+
 #[tokio::test(start_paused = true)]
 async fn data_frames_after_the_client_s_close_are_dropped_and_its_handshake_completes() {
     let (mut client, mut backend, task) = start(tunnel(true, vec![meter(1)]), 64 * 1024);
@@ -364,4 +387,36 @@ async fn a_message_over_max_message_is_closed_1009_before_its_frame_goes_on() {
     assert_eq!(to_client.len(), 1);
     assert_eq!(code(&to_client[0].1), 1009);
     assert_eq!(&to_client[0].1[2..], b"message too big");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_past_its_byte_limit_is_held_back_then_closed_with_1008() {
+    let (mut client, mut backend, task) = start(tunnel(true, vec![byte_meter(100)]), 64 * 1024);
+    // 40 bytes a frame: two fit the burst of 100, the third waits for tokens that never
+    // come (the store's clock stands still).
+    for n in 0..3u8 {
+        client
+            .write_all(&client_frame(0x2, &[n; 40]))
+            .await
+            .unwrap();
+    }
+    // Control frames need no byte token, but wait behind the held frame.
+    client.write_all(&client_frame(0x9, b"ping")).await.unwrap();
+    let began = tokio::time::Instant::now();
+    let (ended, _) = task.await.unwrap();
+    assert_eq!(ended, Ended::ByteLimit);
+    let held = began.elapsed();
+    assert!(
+        held >= MAX_DELAY - Duration::from_millis(200) && held <= MAX_DELAY * 2,
+        "closed after {held:?}, max_delay {MAX_DELAY:?}"
+    );
+    let to_backend = frames(&rest(&mut backend).await);
+    let data: Vec<_> = to_backend.iter().filter(|(op, _)| *op == 0x2).collect();
+    assert_eq!(data.len(), 2, "{to_backend:?}");
+    let (op, payload) = to_backend.last().unwrap();
+    assert_eq!((*op, code(payload)), (0x8, 1008));
+    assert_eq!(&payload[2..], b"byte rate limit exceeded");
+    let to_client = frames(&rest(&mut client).await);
+    assert_eq!(to_client.len(), 1);
+    assert_eq!(code(&to_client[0].1), 1008);
 }

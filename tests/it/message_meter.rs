@@ -38,7 +38,7 @@ async fn drain(meter: &mut Meter) -> (u64, u64) {
     let (mut frames, mut calls) = (0, 0);
     loop {
         calls += 1;
-        match meter.refill().await {
+        match meter.refill(1).await {
             Refill::Granted => {
                 frames += meter.tokens();
                 meter.spend(meter.tokens());
@@ -61,8 +61,8 @@ async fn two_meters_of_one_identity_share_one_bucket_in_redis() {
     };
     let client = digest_ip("192.0.2.10".parse().expect("an address"));
     let started = Instant::now();
-    let mut a = Meter::new(one.clone(), client, "chat", messages, OnError::Deny);
-    let mut b = Meter::new(two, client, "chat", messages, OnError::Deny);
+    let mut a = Meter::messages(one.clone(), client, "chat", &messages, OnError::Deny);
+    let mut b = Meter::messages(two, client, "chat", &messages, OnError::Deny);
     assert_eq!(a.batch(), 5);
 
     let (a_frames, a_calls) = drain(&mut a).await;
@@ -87,7 +87,7 @@ async fn two_meters_of_one_identity_share_one_bucket_in_redis() {
 
     // Another identity has its own bucket.
     let other = digest_ip("192.0.2.11".parse().expect("an address"));
-    let mut c = Meter::new(one, other, "chat", messages, OnError::Deny);
+    let mut c = Meter::messages(one, other, "chat", &messages, OnError::Deny);
     assert!(drain(&mut c).await.0 >= 1_000);
 
     // One key per identity, under the rule "<rule>:messages".
