@@ -827,74 +827,34 @@ url = "http://127.0.0.1:3000"
 
     #[test]
     fn a_bad_size_or_byte_limit_names_its_key() {
-        let rule = |line: &str| {
-            format!("[[rules]]\nname = \"chat\"\nkey = \"client_ip\"\nrate = \"5/s\"\n{line}\n")
-        };
-        for (line, key, says) in [
-            (
-                "messages = { rate = \"5/s\", max_bytes = 0 }",
-                "rules[0].messages.max_bytes",
-                "at least 1 byte",
-            ),
-            (
-                "messages = { rate = \"5/s\", max_bytes = \"1MB\" }",
-                "rules[0].messages.max_bytes",
-                "write KiB or MiB",
-            ),
-            (
-                "messages = { rate = \"5/s\", max_bytes = -1 }",
-                "rules[0].messages.max_bytes",
-                "below zero",
-            ),
-            (
-                "bytes = { rate = \"fast\" }",
-                "rules[0].bytes.rate",
-                "expected a size per period",
-            ),
-            (
-                "bytes = { rate = \"1MB/s\" }",
-                "rules[0].bytes.rate",
-                "write KiB or MiB",
-            ),
-            (
-                "bytes = { rate = \"0/s\" }",
-                "rules[0].bytes.rate",
-                "at least 1 byte per period",
-            ),
-            (
-                "bytes = { rate = \"1MiB/month\" }",
-                "rules[0].bytes.rate",
-                "is not one of s, m, h, d",
-            ),
-            (
-                "bytes = { rate = \"1MiB/sec\" }",
-                "rules[0].bytes.rate",
-                "is not one of s, m, h, d",
-            ),
-            (
-                "bytes = { rate = \"1MiB/s\", burst = 0 }",
-                "rules[0].bytes.burst",
-                "at least 1 byte",
-            ),
-            (
-                "bytes = { rate = \"1MiB/s\", brust = 5 }",
-                "rules[0].bytes.brust",
-                "unknown field",
-            ),
-            (
-                "bytes = { burst = 5 }",
-                "rules[0].bytes",
-                "missing field `rate`",
-            ),
-            (
-                "bytes = { rate = \"1/d\", burst = \"4294967296MiB\" }",
-                "rules[0].bytes.burst",
-                "precision",
-            ),
-            ("bytes = \"1MiB/s\"", "rules[0].bytes", ""),
-        ] {
-            let (_, _, k, message) = err(&rule(line));
-            assert_eq!(k, key, "{line}: {message}");
+        // The line, the key blamed (under rules[0]), what the message says.
+        let cases = r#"
+            messages = { rate = "5/s", max_bytes = 0 }        | messages.max_bytes | at least 1 byte
+            messages = { rate = "5/s", max_bytes = "1MB" }    | messages.max_bytes | write KiB or MiB
+            messages = { rate = "5/s", max_bytes = -1 }       | messages.max_bytes | below zero
+            bytes = { rate = "fast" }                         | bytes.rate  | expected a size per period
+            bytes = { rate = "1MB/s" }                        | bytes.rate  | write KiB or MiB
+            bytes = { rate = "0/s" }                          | bytes.rate  | at least 1 byte per period
+            bytes = { rate = "1MiB/month" }                   | bytes.rate  | is not one of s, m, h, d
+            bytes = { rate = "1MiB/sec" }                     | bytes.rate  | is not one of s, m, h, d
+            bytes = { rate = "1MiB/s", burst = 0 }            | bytes.burst | at least 1 byte
+            bytes = { rate = "1MiB/s", brust = 5 }            | bytes.brust | unknown field
+            bytes = { burst = 5 }                             | bytes       | missing field `rate`
+            bytes = { rate = "1/d", burst = "4294967296MiB" } | bytes.burst | precision
+            bytes = "1MiB/s"                                  | bytes       |
+        "#;
+        for case in cases.lines().filter(|l| !l.trim().is_empty()) {
+            let [line, key, says]: [&str; 3] = case
+                .split('|')
+                .map(str::trim)
+                .collect::<Vec<_>>()
+                .try_into()
+                .unwrap();
+            let rule = format!(
+                "[[rules]]\nname = \"chat\"\nkey = \"client_ip\"\nrate = \"5/s\"\n{line}\n"
+            );
+            let (_, _, k, message) = err(&rule);
+            assert_eq!(k, format!("rules[0].{key}"), "{line}: {message}");
             assert!(message.contains(says), "{line}: {message}");
         }
     }
