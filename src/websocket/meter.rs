@@ -195,13 +195,13 @@ impl Meter {
     /// [`Meter::ask_for`]. [`Refill::Granted`]: [`Meter::tokens`] grew by that much (a
     /// need over the burst takes several). [`Refill::Wait`]: the store's retry time for
     /// it. A store failure follows `on_error`: `deny` gives [`Refill::Unavailable`],
-    /// `allow` the tokens without a store (so frames pass, and the store is asked again
-    /// a batch later). With `local` the limiter has already answered from its in-process
+    /// `allow` the tokens without a store, all `need` lacks at least (so frames pass, and
+    /// the store is asked again a batch later). With `local` the limiter has already answered from its in-process
     /// fallback; if even that fails (it is full), the socket is denied, as requests are.
     pub async fn refill(&mut self, need: u64) -> Refill {
         let take = self.ask_for(need);
         let Some(quota) = self.quota else {
-            return self.failed(take);
+            return self.failed(take, need);
         };
         let quota = Quota {
             cost: take,
@@ -229,14 +229,17 @@ impl Meter {
                 Refill::Granted
             }
             Some(d) => Refill::Wait(Duration::from_micros(d.retry_after_us).max(MIN_WAIT)),
-            None => self.failed(take),
+            None => self.failed(take, need),
         }
     }
 
-    fn failed(&mut self, take: u64) -> Refill {
+    /// The store failed: `allow` gives what was asked for, and at least all `need` lacks
+    /// (unlimited while the store is down, and a payload larger than the burst is not
+    /// paid for a burst at a time with no store to wait on).
+    fn failed(&mut self, take: u64, need: u64) -> Refill {
         match self.on_error {
             OnError::Allow => {
-                self.tokens += take;
+                self.tokens += take.max(need.saturating_sub(self.tokens));
                 Refill::Granted
             }
             OnError::Deny | OnError::Local => Refill::Unavailable,
@@ -443,6 +446,16 @@ mod tests {
         assert_eq!(allow.tokens(), 5);
         let mut local = on(OnError::Local);
         assert_eq!(local.refill(1).await, Refill::Unavailable);
+        // A byte meter under `allow` gets all a payload lacks at once, even past its burst.
+        let limit = Bytes {
+            rate: rate("10240/s"),
+            burst: 40 << 10,
+        };
+        let mut bytes = Meter::bytes(limiter_on(down()), id(1), "chat", &limit, OnError::Allow);
+        assert_eq!(bytes.refill(100).await, Refill::Granted);
+        assert_eq!(bytes.tokens(), 1_024, "a batch");
+        assert_eq!(bytes.refill(1 << 30).await, Refill::Granted);
+        assert_eq!(bytes.tokens(), 1 << 30);
     }
 
     #[tokio::test]
