@@ -164,6 +164,7 @@ fn same_rule((o, a): (&Config, &Rule), (n, b): (&Config, &Rule)) -> bool {
         && a.max_waiting == b.max_waiting
         && a.retry_jitter_us == b.retry_jitter_us
         && a.messages == b.messages
+        && a.bytes == b.bytes
 }
 
 /// The keys outside `[[rules]]` and the routes whose values differ.

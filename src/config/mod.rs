@@ -725,7 +725,8 @@ url = "http://127.0.0.1:3000"
             m(0),
             Some(Messages {
                 rate: crate::limiter::Rate::parse("50/s").unwrap(),
-                burst: 100
+                burst: 100,
+                max_bytes: None,
             })
         );
         assert_eq!(m(1).map(|m| m.burst), Some(10), "burst: the rate's N");
@@ -777,6 +778,84 @@ url = "http://127.0.0.1:3000"
             let (_, _, k, message) = err(&rule(messages));
             assert_eq!(k, key, "{messages}: {message}");
             assert!(message.contains(says), "{messages}: {message}");
+        }
+    }
+
+    #[test]
+    fn a_rule_may_bound_its_sockets_message_size_and_payload_bytes() {
+        use crate::limiter::Rate;
+        use crate::rules::Bytes;
+        let cfg = parse(
+            "[[rules]]\nname = \"chat\"\nkey = \"client_ip\"\nrate = \"5/s\"\n\
+             messages = { rate = \"50/s\", max_bytes = \"1MiB\" }\n\
+             bytes = { rate = \"1MiB/s\", burst = \"4MiB\" }\n\
+             [[rules]]\nname = \"sockets\"\nkey = \"client_ip\"\nmax_in_flight = 2\n\
+             bytes = { rate = \"512KiB/10s\" }\n\
+             [[rules]]\nname = \"plain\"\nkey = \"global\"\nrate = \"5/s\"\n\
+             messages = { rate = \"5/s\", max_bytes = 4096 }\n",
+        )
+        .unwrap();
+        let r = &cfg.rules;
+        assert_eq!(r[0].messages.and_then(|m| m.max_bytes), Some(1 << 20));
+        assert_eq!(
+            r[0].bytes,
+            Some(Bytes {
+                rate: Rate::every(1 << 20, Duration::from_secs(1)),
+                burst: 4 << 20,
+            })
+        );
+        assert_eq!(
+            r[1].bytes,
+            Some(Bytes {
+                rate: Rate::every(512 << 10, Duration::from_secs(10)),
+                burst: 512 << 10,
+            }),
+            "burst: the rate's bytes"
+        );
+        assert_eq!(r[1].messages, None);
+        assert_eq!(r[2].messages.and_then(|m| m.max_bytes), Some(4096));
+        assert_eq!(r[2].bytes, None);
+        let shown = cfg.describe();
+        for says in [
+            "WebSocket messages at most 1048576 bytes",
+            "WebSocket payload bytes 1048576/s, burst 4194304, per identity across its sockets (as sent)",
+            "WebSocket payload bytes 524288/10s, burst 524288,",
+        ] {
+            assert!(shown.contains(says), "{says}: {shown}");
+        }
+    }
+
+    #[test]
+    fn a_bad_size_or_byte_limit_names_its_key() {
+        // The line, the key blamed (under rules[0]), what the message says.
+        let cases = r#"
+            messages = { rate = "5/s", max_bytes = 0 }        | messages.max_bytes | at least 1 byte
+            messages = { rate = "5/s", max_bytes = "1MB" }    | messages.max_bytes | write KiB or MiB
+            messages = { rate = "5/s", max_bytes = -1 }       | messages.max_bytes | below zero
+            bytes = { rate = "fast" }                         | bytes.rate  | expected a size per period
+            bytes = { rate = "1MB/s" }                        | bytes.rate  | write KiB or MiB
+            bytes = { rate = "0/s" }                          | bytes.rate  | at least 1 byte per period
+            bytes = { rate = "1MiB/month" }                   | bytes.rate  | is not one of s, m, h, d
+            bytes = { rate = "1MiB/sec" }                     | bytes.rate  | is not one of s, m, h, d
+            bytes = { rate = "1MiB/s", burst = 0 }            | bytes.burst | at least 1 byte
+            bytes = { rate = "1MiB/s", brust = 5 }            | bytes.brust | unknown field
+            bytes = { burst = 5 }                             | bytes       | missing field `rate`
+            bytes = { rate = "1/d", burst = "4294967296MiB" } | bytes.burst | precision
+            bytes = "1MiB/s"                                  | bytes       |
+        "#;
+        for case in cases.lines().filter(|l| !l.trim().is_empty()) {
+            let [line, key, says]: [&str; 3] = case
+                .split('|')
+                .map(str::trim)
+                .collect::<Vec<_>>()
+                .try_into()
+                .unwrap();
+            let rule = format!(
+                "[[rules]]\nname = \"chat\"\nkey = \"client_ip\"\nrate = \"5/s\"\n{line}\n"
+            );
+            let (_, _, k, message) = err(&rule);
+            assert_eq!(k, format!("rules[0].{key}"), "{line}: {message}");
+            assert!(message.contains(says), "{line}: {message}");
         }
     }
 

@@ -12,12 +12,12 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::matching::{self, Owner, RawMatch};
-use super::values::{ByteSize, HumanDuration, KeySpec, Priority, RuleName};
+use super::values::{ByteRate, ByteSize, HumanDuration, KeySpec, Priority, RuleName};
 use super::Invalid;
 use crate::identity::{Key, KeyKind, MissingKey};
 use crate::limiter::calendar::{self, Period};
 use crate::limiter::{Algorithm, LocalShare, Quota, QuotaError, QuotaField, Rate};
-use crate::rules::{Match, Messages, Mode, Plan, Rule};
+use crate::rules::{Bytes, Match, Messages, Mode, Plan, Rule};
 use crate::settle::policy::{Charge, Drain, MaxTokens, Policy, StatusSet};
 use crate::settle::usage::UsageField;
 
@@ -51,6 +51,7 @@ pub(super) struct RawRule {
     lease_ttl: Option<Spanned<HumanDuration>>,
     retry_jitter: Option<HumanDuration>,
     messages: Option<Spanned<RawMessages>>,
+    bytes: Option<Spanned<RawBytes>>,
     charge: Option<Spanned<RawCharge>>,
     cost_header: Option<Spanned<String>>,
     cost_from: Option<Spanned<CostFrom>>,
@@ -172,13 +173,24 @@ enum Reserve {
     MaxTokens,
 }
 
-/// `messages = { rate = "50/s", burst = 100 }`: the WebSocket data frames a client may
-/// send on the sockets the rule admitted, per identity.
+/// `messages = { rate = "50/s", burst = 100, max_bytes = "1MiB" }`: the WebSocket data
+/// frames a client may send on the sockets the rule admitted, per identity, and the
+/// largest message.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawMessages {
     rate: Spanned<Rate>,
     burst: Option<Spanned<NonZeroU64>>,
+    max_bytes: Option<Spanned<ByteSize>>,
+}
+
+/// `bytes = { rate = "1MiB/s", burst = "4MiB" }`: the WebSocket payload bytes a client
+/// may send on the sockets the rule admitted, per identity.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawBytes {
+    rate: Spanned<ByteRate>,
+    burst: Option<Spanned<ByteSize>>,
 }
 
 #[derive(Deserialize)]
@@ -337,6 +349,7 @@ impl RawRule {
                 .as_ref()
                 .map_or(0, |j| u64::try_from(j.0.as_micros()).unwrap_or(u64::MAX)),
             messages: at.messages()?,
+            bytes: at.bytes()?,
             settle,
             ceiling_of: None,
         };
@@ -373,6 +386,7 @@ impl Rule {
             max_waiting: DEFAULT_MAX_WAITING,
             retry_jitter_us: self.retry_jitter_us,
             messages: None,
+            bytes: None,
             settle: None,
             ceiling_of: Some(self.name.clone()),
         }
@@ -470,19 +484,31 @@ impl At<'_> {
         })
     }
 
-    /// `messages`, on any rule: it limits the frames of the sockets the rule admitted. Its
-    /// bucket is checked as the meter will charge it (a batch at a time).
+    /// `messages`, on any rule: it limits the frames of the sockets the rule admitted, and
+    /// their messages' size. Its bucket is checked as the meter will charge it (a batch at
+    /// a time).
     fn messages(&self) -> Result<Option<Messages>, Invalid> {
         let Some(raw) = &self.rule.messages else {
             return Ok(None);
         };
         let m = raw.get_ref();
         let rate = *m.rate.get_ref();
+        let max_bytes = match &m.max_bytes {
+            Some(b) if b.get_ref().0 == 0 => {
+                return Err(self.no(
+                    Some(b.span()),
+                    "messages.max_bytes",
+                    "max_bytes is at least 1 byte (e.g. max_bytes = \"1MiB\"); leave it out for no limit",
+                ))
+            }
+            b => b.as_ref().map(|b| b.get_ref().0),
+        };
         let messages = Messages {
             rate,
             burst: m.burst.as_ref().map_or(rate.count, |b| b.get_ref().get()),
+            max_bytes,
         };
-        crate::websocket::meter::quota(&messages).map_err(|e| {
+        crate::websocket::meter::quota(messages.rate, messages.burst).map_err(|e| {
             let (key, span) = match e.field {
                 QuotaField::Rate => ("rate", m.rate.span()),
                 _ => ("burst", m.burst.as_ref().map_or(raw.span(), Spanned::span)),
@@ -490,6 +516,34 @@ impl At<'_> {
             self.no(Some(span), &format!("messages.{key}"), e.message)
         })?;
         Ok(Some(messages))
+    }
+
+    /// `bytes`, on any rule: it limits the payload bytes of the sockets the rule admitted.
+    /// Its bucket is checked as the meter will charge it.
+    fn bytes(&self) -> Result<Option<Bytes>, Invalid> {
+        let Some(raw) = &self.rule.bytes else {
+            return Ok(None);
+        };
+        let b = raw.get_ref();
+        let rate = b.rate.get_ref().0;
+        let burst = match &b.burst {
+            Some(s) if s.get_ref().0 == 0 => {
+                return Err(self.no(
+                    Some(s.span()),
+                    "bytes.burst",
+                    "burst is at least 1 byte (e.g. burst = \"4MiB\"); leave it out for the rate's bytes",
+                ))
+            }
+            s => s.as_ref().map_or(rate.count, |s| s.get_ref().0),
+        };
+        crate::websocket::meter::quota(rate, burst).map_err(|e| {
+            let (key, span) = match e.field {
+                QuotaField::Rate => ("rate", b.rate.span()),
+                _ => ("burst", b.burst.as_ref().map_or(raw.span(), Spanned::span)),
+            };
+            self.no(Some(span), &format!("bytes.{key}"), e.message)
+        })?;
+        Ok(Some(Bytes { rate, burst }))
     }
 
     /// `charge`, `cost_header`, `cost_from` (with `usage`, `reserve`, `default_reserve`,

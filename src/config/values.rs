@@ -696,6 +696,43 @@ impl<'de> Deserialize<'de> for ByteSize {
     }
 }
 
+/// A rate of bytes: a size per period, `"1MiB/s"`, `"512KiB/m"`, `"10MiB/10s"` (the size
+/// as [`ByteSize`] reads it, the period as a rate's, not a calendar's): a [`Rate`] whose
+/// count is bytes.
+pub(super) struct ByteRate(pub(super) Rate);
+
+impl ByteRate {
+    fn parse(s: &str) -> Result<Rate, String> {
+        let forms = "expected a size per period, e.g. \"1MiB/s\", \"512KiB/m\" or \"10MiB/10s\"";
+        let (size, per) = s
+            .split_once('/')
+            .ok_or_else(|| format!("invalid byte rate {s:?}: {forms}"))?;
+        let bytes = ByteSize::parse(size).map_err(|e| format!("invalid byte rate {s:?}: {e}"))?;
+        if bytes == 0 {
+            return Err(format!(
+                "invalid byte rate {s:?}: at least 1 byte per period"
+            ));
+        }
+        // The period as a rate's (s, m, h, d or a whole number of seconds).
+        let period = Rate::parse(&format!("1/{}", per.trim()))
+            .ok()
+            .filter(|r| r.calendar.is_none())
+            .ok_or_else(|| {
+                format!(
+                    "invalid byte rate {s:?}: the period {per:?} is not one of s, m, h, d or a whole number of seconds (\"10s\"); {forms}"
+                )
+            })?;
+        Ok(Rate::every(bytes, period.period))
+    }
+}
+
+impl<'de> Deserialize<'de> for ByteRate {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        ByteRate::parse(&s).map(ByteRate).map_err(de::Error::custom)
+    }
+}
+
 /// 1 to 1024 worker threads.
 pub(super) struct Workers(pub(super) usize);
 

@@ -177,7 +177,7 @@ pub struct Pass<'l> {
     /// gRPC answers.
     pub dialect: Dialect,
     pub note: Note<'l>,
-    /// The rules with a WebSocket message limit (`messages`) that let it through: each
+    /// The rules with a WebSocket limit (`messages`, `bytes`) that let it through: each
     /// one's position, who the request is under it, and how long it may hold a client back
     /// (its `max_delay`, µs). Used only where the request upgrades.
     messages: Vec<(usize, IdentityDigest, u64)>,
@@ -578,7 +578,7 @@ impl Gateway {
         };
         let messages = limits
             .iter()
-            .filter(|l| l.enforced && l.rule.messages.is_some())
+            .filter(|l| l.enforced && (l.rule.messages.is_some() || l.rule.bytes.is_some()))
             .map(|l| (l.index, l.identity.digest, l.quota.max_delay_us))
             .collect();
         // Waiting on a rule holds its place in that rule's queue; the others are free.

@@ -9,6 +9,7 @@ use super::context::Context;
 use super::live::Live;
 use super::{Gateway, Pass};
 use crate::upstream;
+use crate::websocket::Meter;
 
 impl Gateway {
     /// The backend switched protocols: the client's side is answered (`101`, or `200` to
@@ -42,22 +43,27 @@ impl Gateway {
                     .headers()
                     .get(http::header::UPGRADE)
                     .is_some_and(|u| u.as_bytes().eq_ignore_ascii_case(b"websocket")));
-        let meters: Vec<_> = pass
-            .messages
-            .iter()
-            .filter(|_| websocket)
-            .filter_map(|&(index, digest, _)| {
-                let rule = cfg.rules.get(index)?;
-                let messages = rule.messages?;
-                Some(crate::websocket::Meter::new(
-                    live.limiter.clone(),
-                    digest,
-                    &rule.name,
-                    messages,
-                    cfg.store.on_error,
-                ))
-            })
-            .collect();
+        // Each rule's message meter and byte meter, in that order.
+        let limited = || {
+            pass.messages
+                .iter()
+                .filter(|_| websocket)
+                .filter_map(|&(index, digest, _)| Some((cfg.rules.get(index)?, digest)))
+        };
+        let mut meters = Vec::new();
+        for (rule, digest) in limited() {
+            let (limiter, on_error) = (live.limiter.clone(), cfg.store.on_error);
+            if let Some(m) = &rule.messages {
+                let meter = Meter::messages(limiter.clone(), digest, &rule.name, m, on_error);
+                meters.push(meter);
+            }
+            if let Some(b) = &rule.bytes {
+                meters.push(Meter::bytes(limiter, digest, &rule.name, b, on_error));
+            }
+        }
+        let max_message = limited()
+            .filter_map(|(rule, _)| rule.messages?.max_bytes)
+            .min();
         let max_delay = pass
             .messages
             .iter()
@@ -68,6 +74,7 @@ impl Gateway {
             websocket,
             meters,
             max_delay: Duration::from_micros(max_delay),
+            max_message,
             idle: cfg.server.upgrade_idle_timeout,
             hold: ctx
                 .connection

@@ -127,9 +127,12 @@ pub struct Rule {
     pub max_waiting: u32,
     /// Up to this much random time is added to a denial's `Retry-After`, in µs.
     pub retry_jitter_us: u64,
-    /// `messages = { rate, burst }`: the WebSocket data frames a client sends on the
-    /// sockets this rule admitted, per identity.
+    /// `messages = { rate, burst, max_bytes }`: the WebSocket data frames a client sends
+    /// on the sockets this rule admitted, per identity, and how large a message may be.
     pub messages: Option<Messages>,
+    /// `bytes = { rate, burst }`: the WebSocket payload bytes a client sends on the
+    /// sockets this rule admitted, per identity.
+    pub bytes: Option<Bytes>,
     /// How its charges are settled once the backend has answered (`charge`,
     /// `cost_header`, `cost_from`): `None` charges every admitted request on arrival, as
     /// it stands, with nothing to settle.
@@ -139,12 +142,26 @@ pub struct Rule {
     pub ceiling_of: Option<String>,
 }
 
-/// `messages = { rate = "50/s", burst = 100 }`: a token bucket of data frames per
-/// identity, across its sockets (and, through a shared store, across gateways).
+/// `messages = { rate = "50/s", burst = 100, max_bytes = "1MiB" }`: a token bucket of
+/// data frames per identity, across its sockets (and, through a shared store, across
+/// gateways), and the largest message one may send.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Messages {
     pub rate: crate::limiter::Rate,
     /// Frames a client may send at once; `rate.count` when the file gives none.
+    pub burst: u64,
+    /// The largest message, its frames' payloads summed (as sent: compressed where they
+    /// are); a larger one closes the socket with 1009. `None`: no limit.
+    pub max_bytes: Option<u64>,
+}
+
+/// `bytes = { rate = "1MiB/s", burst = "4MiB" }`: a token bucket of payload bytes per
+/// identity, across its sockets, counted as sent (a compressed payload compressed).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Bytes {
+    /// Bytes per period.
+    pub rate: crate::limiter::Rate,
+    /// Bytes a client may send at once; the rate's bytes when the file gives none.
     pub burst: u64,
 }
 
@@ -302,6 +319,15 @@ impl Rule {
             s.push_str(&format!(
                 "; WebSocket data frames {}, burst {}, per identity across its sockets",
                 m.rate, m.burst
+            ));
+            if let Some(max) = m.max_bytes {
+                s.push_str(&format!("; WebSocket messages at most {max} bytes"));
+            }
+        }
+        if let Some(b) = &self.bytes {
+            s.push_str(&format!(
+                "; WebSocket payload bytes {}, burst {}, per identity across its sockets (as sent)",
+                b.rate, b.burst
             ));
         }
         s

@@ -65,7 +65,7 @@ impl TunnelMetrics {
         let ended = Family::<EndedLabels, Counter>::default();
         registry.register(
             "upgraded_closed",
-            "Upgraded connections closed, by reason: client_closed, upstream_closed, idle_timeout (upgrade_idle_timeout), shutdown (the shutdown grace ran out), message_limit (a rule's messages limit, close code 1008), protocol_error (frames that break RFC 6455, 1002), store_error (the store failed under on_error = deny, 1011), failed (an I/O error)",
+            "Upgraded connections closed, by reason: client_closed, upstream_closed, idle_timeout (upgrade_idle_timeout), shutdown (the shutdown grace ran out), message_limit (a rule's messages limit, close code 1008), byte_limit (a rule's bytes limit, 1008), message_too_big (a message over messages.max_bytes, 1009), protocol_error (frames that break RFC 6455, 1002), store_error (the store failed under on_error = deny, 1011), failed (an I/O error)",
             ended.clone(),
         );
         for reason in Ended::ALL {

@@ -3,10 +3,14 @@
 //! side is done, and, for a WebSocket, its frames read on the way (never changed, never
 //! buffered whole: `crate::websocket`'s scanner), so that
 //!
-//! - the data frames a client sends count against the message limits of the rules that
-//!   admitted the socket (`messages = { rate, burst }`, [`Meter`]): past one, the client
-//!   is not read from (back-pressure) for up to the rule's `max_delay`, and then the socket
-//!   is closed with 1008 and a reason, to both ends;
+//! - the data frames a client sends, and their payload bytes, count against the limits of
+//!   the rules that admitted the socket (`messages = { rate, burst }`, `bytes = { rate,
+//!   burst }`, [`Meter`]): past one, the client is not read from (back-pressure) for up to
+//!   the rule's `max_delay`, and then the socket is closed with 1008 and a reason, to both
+//!   ends;
+//! - a message larger than `messages.max_bytes` closes the socket with 1009 before the
+//!   frame that makes it so goes on;
+//! - data frames after a side's close frame are dropped (RFC 6455 §5.5.1), not passed;
 //! - a shutdown whose grace ran out, a stream that breaks RFC 6455, or a store that failed
 //!   under `on_error = "deny"` close the socket with a close frame to both ends (1001,
 //!   1002, 1011) where each side's stream is between frames.
@@ -39,8 +43,10 @@ use tokio::time::{Instant, Sleep};
 use crate::connection::Hold;
 use crate::limiter::lease::Leases;
 use crate::metrics::Gauged;
-use crate::websocket::frame::{GOING_AWAY, INTERNAL_ERROR, POLICY_VIOLATION, PROTOCOL_ERROR};
-use crate::websocket::{self, Meter, Refill, Scanner, Side};
+use crate::websocket::frame::{
+    GOING_AWAY, INTERNAL_ERROR, MESSAGE_TOO_BIG, POLICY_VIOLATION, PROTOCOL_ERROR,
+};
+use crate::websocket::{self, Budget, Meter, Refill, Scanner, Side, Stop, Unit};
 use metrics::{BytesLabels, Direction, EndedLabels, TunnelLabels, TunnelMetrics};
 
 /// How much each direction reads at a time.
@@ -58,6 +64,8 @@ crate::metrics::label_enum! {
         IdleTimeout = "idle_timeout",
         Shutdown = "shutdown",
         MessageLimit = "message_limit",
+        ByteLimit = "byte_limit",
+        MessageTooBig = "message_too_big",
         ProtocolError = "protocol_error",
         StoreError = "store_error",
         Failed = "failed",
@@ -70,6 +78,8 @@ impl Ended {
         match self {
             Ended::Shutdown => Some((GOING_AWAY, "the gateway is shutting down")),
             Ended::MessageLimit => Some((POLICY_VIOLATION, "message rate limit exceeded")),
+            Ended::ByteLimit => Some((POLICY_VIOLATION, "byte rate limit exceeded")),
+            Ended::MessageTooBig => Some((MESSAGE_TOO_BIG, "message too big")),
             Ended::ProtocolError => Some((PROTOCOL_ERROR, "WebSocket protocol error")),
             Ended::StoreError => Some((INTERNAL_ERROR, "the rate-limit store is unavailable")),
             Ended::IdleTimeout => Some((GOING_AWAY, "idle for upgrade_idle_timeout")),
@@ -82,10 +92,13 @@ impl Ended {
 pub struct Tunnel {
     /// Whether both ends speak WebSocket (asked and switched to): its frames are read.
     pub websocket: bool,
-    /// The message limits of the rules that admitted it (WebSocket only).
+    /// The message and byte limits of the rules that admitted it (WebSocket only).
     pub meters: Vec<Meter>,
-    /// How long a client past a message limit is held back before it is closed.
+    /// How long a client past a message or byte limit is held back before it is closed.
     pub max_delay: Duration,
+    /// The largest message the client may send, in payload bytes (the smallest
+    /// `messages.max_bytes` of the rules that admitted it; WebSocket only).
+    pub max_message: Option<u64>,
     /// `upgrade_idle_timeout`.
     pub idle: Duration,
     pub hold: Hold,
@@ -125,19 +138,23 @@ impl Tunnel {
             websocket,
             meters,
             max_delay,
+            max_message,
             idle,
             hold,
             leases,
             labels: _,
         } = self;
+        let sent = websocket
+            .then(|| Scanner::new(Side::Client).with_max_message(max_message.unwrap_or(u64::MAX)));
         let mut copy = Copy {
-            up: Pipe::new(websocket.then(|| Scanner::new(Side::Client))),
+            up: Pipe::new(sent),
             down: Pipe::new(websocket.then(|| Scanner::new(Side::Server))),
             client,
             upstream,
             meters: Some(meters),
             refill: None,
             wait: None,
+            need: 0,
             blocked_since: None,
             max_delay,
             idle,
@@ -175,7 +192,8 @@ impl Tunnel {
 }
 
 /// One direction's bytes: `buf[start..passed]` read and let through, still to be written;
-/// `buf[passed..filled]` read and held back (a data frame past a message limit).
+/// `buf[passed..filled]` read and held back (a data frame past a limit, or the start of a
+/// data frame's header whose rest is still to be read).
 struct Pipe {
     buf: Box<[u8]>,
     start: usize,
@@ -186,8 +204,8 @@ struct Pipe {
     shut: bool,
     /// Written since the last flush (TLS holds writes until flushed).
     unflushed: bool,
-    /// Held back for want of a token.
-    blocked: bool,
+    /// Held back for want of tokens: the next data frame's payload length.
+    held: Option<u64>,
     /// Its source had nothing more to read at the last try: all it sent has been taken.
     drained: bool,
     scanner: Option<Scanner>,
@@ -203,7 +221,7 @@ impl Pipe {
             eof: false,
             shut: false,
             unflushed: false,
-            blocked: false,
+            held: None,
             drained: false,
             scanner,
         }
@@ -221,26 +239,72 @@ impl Pipe {
                 .is_none_or(|s| s.at_boundary() && !s.closed())
     }
 
-    /// Let through what the scanner allows of the held bytes, with `tokens` data frames at
-    /// most; how many started.
-    fn scan(&mut self, tokens: u64) -> Result<u64, Ended> {
+    /// Let through what the scanner allows of the held bytes within `budget`, and drop
+    /// what it drops.
+    fn scan(&mut self, budget: Budget) -> Result<Scanned, Ended> {
         let held = &self.buf[self.passed..self.filled];
         let Some(scanner) = self.scanner.as_mut() else {
             self.passed = self.filled;
-            return Ok(0);
+            return Ok(Scanned {
+                moved: !held.is_empty(),
+                ..Scanned::default()
+            });
         };
-        let scan = scanner.scan(held, tokens).map_err(|v| {
+        let scan = scanner.scan(held, budget).map_err(|v| {
             tracing::debug!(violation = %v, "WebSocket frames break RFC 6455: closed");
             Ended::ProtocolError
         })?;
         self.passed += scan.passed;
-        self.blocked = scan.blocked;
-        Ok(scan.frames)
+        self.held = None;
+        let mut scanned = Scanned {
+            frames: scan.frames,
+            bytes: scan.bytes,
+            moved: scan.passed > 0,
+            partial: false,
+        };
+        match scan.stop {
+            None => {}
+            Some(Stop::Tokens { bytes }) => self.held = Some(bytes),
+            Some(Stop::Header) => scanned.partial = true,
+            Some(Stop::Discard(n)) => {
+                // Data after a close: the bytes behind it move up over it.
+                self.buf
+                    .copy_within(self.passed + n..self.filled, self.passed);
+                self.filled -= n;
+                scanned.moved = true;
+            }
+            Some(Stop::TooBig { size }) => {
+                tracing::debug!(size, "WebSocket message over max_bytes: closed");
+                return Err(Ended::MessageTooBig);
+            }
+        }
+        Ok(scanned)
     }
 }
 
-/// A refill under way: it holds the meters until it is done.
-type Refilling = Pin<Box<dyn Future<Output = (Vec<Meter>, Refill)> + Send>>;
+/// What one [`Pipe::scan`] did.
+#[derive(Default)]
+struct Scanned {
+    /// Data frames and payload bytes let through (tokens spent).
+    frames: u64,
+    bytes: u64,
+    /// Bytes were let through or dropped.
+    moved: bool,
+    /// It stopped at a data frame's header not all read: more is to be read behind it.
+    partial: bool,
+}
+
+/// What one [`pump`] moved.
+#[derive(Default)]
+struct Pumped {
+    written: usize,
+    frames: u64,
+    bytes: u64,
+}
+
+/// A refill under way: it holds the meters until it is done, and says what the last meter
+/// it asked got (and what that meter counts).
+type Refilling = Pin<Box<dyn Future<Output = (Vec<Meter>, Refill, Unit)> + Send>>;
 
 /// The copy loop's state (see [`Tunnel::run`]).
 struct Copy<C, U> {
@@ -255,8 +319,10 @@ struct Copy<C, U> {
     refill: Option<Refilling>,
     /// The store's wait before the next refill.
     wait: Option<Pin<Box<Sleep>>>,
-    /// Since when the client has been behind its message limit: from the first frame held
-    /// back until all it sent has gone through.
+    /// The payload length of the data frame held back for want of tokens.
+    need: u64,
+    /// Since when the client has been behind a limit: from the first frame held back until
+    /// all it sent has gone through.
     blocked_since: Option<Instant>,
     max_delay: Duration,
     idle: Duration,
@@ -285,37 +351,40 @@ where
                 Poll::Ready(Ok(())) => moved = true,
                 Poll::Pending => {}
             }
-            let tokens = self.tokens();
-            match pump(
+            // What a pump moved is counted even where it ends the tunnel: the bytes it
+            // wrote before the frame that ends it did reach the other side.
+            let (budget, mut p) = (self.budget(), Pumped::default());
+            let up = pump(
                 &mut self.up,
                 &mut self.client,
                 &mut self.upstream,
-                tokens,
+                budget,
                 cx,
-            ) {
-                Err(ended) => return Poll::Ready(ended),
-                Ok((n, frames)) => {
-                    if n > 0 || frames > 0 {
-                        moved = true;
-                        self.counts.up.inc_by(n as u64);
-                    }
-                    self.spend(frames);
-                }
+                &mut p,
+            );
+            if p.written > 0 || p.frames > 0 {
+                moved = true;
+                self.counts.up.inc_by(p.written as u64);
             }
-            match pump(
+            self.spend(&p);
+            if let Err(ended) = up {
+                return Poll::Ready(ended);
+            }
+            let mut p = Pumped::default();
+            let down = pump(
                 &mut self.down,
                 &mut self.upstream,
                 &mut self.client,
-                u64::MAX,
+                Budget::UNLIMITED,
                 cx,
-            ) {
-                Err(ended) => return Poll::Ready(ended),
-                Ok((n, _)) => {
-                    if n > 0 {
-                        moved = true;
-                        self.counts.down.inc_by(n as u64);
-                    }
-                }
+                &mut p,
+            );
+            if p.written > 0 {
+                moved = true;
+                self.counts.down.inc_by(p.written as u64);
+            }
+            if let Err(ended) = down {
+                return Poll::Ready(ended);
             }
             if self.up.drained {
                 // The client has caught up: all it sent went through.
@@ -342,8 +411,13 @@ where
                     return Poll::Ready(first);
                 }
             }
-            if self.up.blocked && self.refill.is_none() && self.wait.is_none() {
+            if let Some(need) = self
+                .up
+                .held
+                .filter(|_| self.refill.is_none() && self.wait.is_none())
+            {
                 self.blocked_since.get_or_insert_with(Instant::now);
+                self.need = need;
                 self.start_refill();
                 continue;
             }
@@ -368,40 +442,64 @@ where
         Poll::Pending
     }
 
-    /// The data frames the client may start now without asking the store.
-    fn tokens(&self) -> u64 {
-        match &self.meters {
-            Some(m) => m.iter().map(Meter::tokens).min().unwrap_or(u64::MAX),
+    /// The data frames (and their payload bytes) the client may start now without asking
+    /// the store: the fewest any meter of each unit holds.
+    fn budget(&self) -> Budget {
+        let Some(meters) = &self.meters else {
             // A refill holds them: nothing more until it is back.
-            None => 0,
+            return Budget {
+                frames: 0,
+                bytes: 0,
+            };
+        };
+        let mut budget = Budget::UNLIMITED;
+        for m in meters {
+            let of = match m.unit() {
+                Unit::Frames => &mut budget.frames,
+                Unit::Bytes => &mut budget.bytes,
+            };
+            *of = (*of).min(m.tokens());
         }
+        budget
     }
 
-    fn spend(&mut self, frames: u64) {
-        if frames == 0 {
+    fn spend(&mut self, p: &Pumped) {
+        if p.frames == 0 {
             return;
         }
         if let Some(meters) = self.meters.as_mut() {
             for m in meters {
-                m.spend(frames);
+                m.spend(match m.unit() {
+                    Unit::Frames => p.frames,
+                    Unit::Bytes => p.bytes,
+                });
             }
         }
     }
 
-    /// Ask the store for the next batch of every meter that is out of tokens.
+    /// Ask the store for what each meter lacks toward the frame held back: a message
+    /// meter its frame, a byte meter its payload (or a burst of it, for a payload larger).
     fn start_refill(&mut self) {
         let Some(mut meters) = self.meters.take() else {
             return;
         };
+        let need = self.need;
         self.refill = Some(Box::pin(async move {
-            let mut how = Refill::Granted;
-            for m in meters.iter_mut().filter(|m| m.tokens() == 0) {
-                how = m.refill().await;
-                if !matches!(how, Refill::Granted) {
+            let mut how = (Refill::Granted, Unit::Frames);
+            for m in meters.iter_mut() {
+                let want = match m.unit() {
+                    Unit::Frames => 1,
+                    Unit::Bytes => need,
+                };
+                if m.tokens() >= want {
+                    continue;
+                }
+                how = (m.refill(want).await, m.unit());
+                if !matches!(how.0, Refill::Granted) {
                     break;
                 }
             }
-            (meters, how)
+            (meters, how.0, how.1)
         }));
     }
 
@@ -418,31 +516,29 @@ where
         let Some(refill) = self.refill.as_mut() else {
             return Poll::Pending;
         };
-        let Poll::Ready((meters, how)) = refill.as_mut().poll(cx) else {
+        let Poll::Ready((meters, how, unit)) = refill.as_mut().poll(cx) else {
             return Poll::Pending;
         };
         self.refill = None;
         self.meters = Some(meters);
         match how {
-            // Granted, yet no token to show for it (never, by the meter's word): asked again
-            // shortly, so the loop never spins on the store.
-            Refill::Granted if self.tokens() == 0 => {
-                self.wait = Some(Box::pin(tokio::time::sleep(Duration::from_millis(10))));
-                cx.waker().wake_by_ref();
-                Poll::Pending
-            }
             Refill::Granted => {
                 // Still held back until it has caught up (`drained`): a client that keeps
                 // sending faster than its limit is closed once it has been behind for
-                // `max_delay`, however many batches trickle through meanwhile.
-                self.up.blocked = false;
+                // `max_delay`, however many batches trickle through meanwhile. (A grant
+                // always brings tokens: the frame passes, or, short still, the next
+                // refill asks for the rest.)
+                self.up.held = None;
                 Poll::Ready(Ok(()))
             }
             Refill::Wait(d) => {
                 let since = *self.blocked_since.get_or_insert_with(Instant::now);
                 if since.elapsed() + d > self.max_delay {
-                    tracing::debug!(waited = ?since.elapsed(), "WebSocket client past its message limit: closed");
-                    return Poll::Ready(Err(Ended::MessageLimit));
+                    tracing::debug!(waited = ?since.elapsed(), limit = unit.suffix(), "WebSocket client past its limit: closed");
+                    return Poll::Ready(Err(match unit {
+                        Unit::Frames => Ended::MessageLimit,
+                        Unit::Bytes => Ended::ByteLimit,
+                    }));
                 }
                 let mut wait = Box::pin(tokio::time::sleep(d));
                 // Registered now, so that its end wakes the task.
@@ -463,17 +559,23 @@ where
     async fn close(&mut self, (code, reason): (u16, &str)) {
         let (mut up_ok, mut down_ok) = (true, true);
         // What was held back (a frame past a limit, bytes that break RFC 6455) never goes;
-        // what was let through but not yet written goes first.
+        // what was let through but not yet written goes first, and is counted.
         self.up.filled = self.up.passed;
         self.down.filled = self.down.passed;
         if self.up.start < self.up.passed {
             let (s, p) = (self.up.start, self.up.passed);
             up_ok = self.upstream.write_all(&self.up.buf[s..p]).await.is_ok();
+            if up_ok {
+                self.counts.up.inc_by((p - s) as u64);
+            }
             self.up.start = p;
         }
         if self.down.start < self.down.passed {
             let (s, p) = (self.down.start, self.down.passed);
             down_ok = self.client.write_all(&self.down.buf[s..p]).await.is_ok();
+            if down_ok {
+                self.counts.down.inc_by((p - s) as u64);
+            }
             self.down.start = p;
         }
         if up_ok && self.up.may_close() {
@@ -506,82 +608,88 @@ where
     }
 }
 
-/// Move one direction on: write what waits, let through what the scanner allows, read
-/// more once all is out. Returns the bytes written and the data frames that started, or
-/// how the tunnel ends.
+/// Move one direction on: write what waits, let through what the scanner allows within
+/// `budget` (dropping what it drops), read more once all is out. Adds to `p` what was
+/// written and the data frames and payload bytes that started; `Err`: how the tunnel ends.
 fn pump<R, W>(
     pipe: &mut Pipe,
     src: &mut R,
     dst: &mut W,
-    tokens: u64,
+    budget: Budget,
     cx: &mut Context<'_>,
-) -> Result<(usize, u64), Ended>
+    p: &mut Pumped,
+) -> Result<(), Ended>
 where
     R: AsyncRead + Unpin,
     W: AsyncWrite + Unpin,
 {
-    let (mut written, mut frames) = (0, 0);
     loop {
         while pipe.start < pipe.passed {
             match Pin::new(&mut *dst).poll_write(cx, &pipe.buf[pipe.start..pipe.passed]) {
                 Poll::Ready(Ok(0)) | Poll::Ready(Err(_)) => return Err(Ended::Failed),
                 Poll::Ready(Ok(n)) => {
                     pipe.start += n;
-                    written += n;
+                    p.written += n;
                     pipe.unflushed = true;
                 }
-                Poll::Pending => return Ok((written, frames)),
+                Poll::Pending => return Ok(()),
             }
         }
         if pipe.unflushed {
             match Pin::new(&mut *dst).poll_flush(cx) {
                 Poll::Ready(Ok(())) => pipe.unflushed = false,
                 Poll::Ready(Err(_)) => return Err(Ended::Failed),
-                Poll::Pending => return Ok((written, frames)),
+                Poll::Pending => return Ok(()),
             }
         }
         if pipe.passed < pipe.filled {
-            let left = tokens.saturating_sub(frames);
-            if left == 0 && pipe.scanner.is_some() {
-                pipe.blocked = true;
-                return Ok((written, frames));
-            }
-            let before = pipe.passed;
-            frames += pipe.scan(left)?;
-            if pipe.passed > before {
+            let left = Budget {
+                frames: budget.frames.saturating_sub(p.frames),
+                bytes: budget.bytes.saturating_sub(p.bytes),
+            };
+            let scanned = pipe.scan(left)?;
+            p.frames += scanned.frames;
+            p.bytes += scanned.bytes;
+            if scanned.moved {
                 continue;
             }
-            // Held back: the next data frame needs a token.
-            return Ok((written, frames));
+            if !scanned.partial {
+                // Held back: the next data frame needs tokens.
+                return Ok(());
+            }
+            // The start of a data frame's header: read the rest behind it.
         }
         if pipe.eof {
             if !pipe.shut {
                 match Pin::new(&mut *dst).poll_shutdown(cx) {
                     Poll::Ready(_) => pipe.shut = true,
-                    Poll::Pending => return Ok((written, frames)),
+                    Poll::Pending => return Ok(()),
                 }
             }
-            return Ok((written, frames));
+            return Ok(());
         }
-        // Everything read went out: read more.
+        // Everything read went out (but for the start of a header, kept at the front, at
+        // most 13 bytes): read more.
         pipe.drained = false;
+        let kept = pipe.filled - pipe.passed;
+        pipe.buf.copy_within(pipe.passed..pipe.filled, 0);
         pipe.start = 0;
         pipe.passed = 0;
-        pipe.filled = 0;
-        let mut rb = ReadBuf::new(&mut pipe.buf);
+        pipe.filled = kept;
+        let mut rb = ReadBuf::new(&mut pipe.buf[kept..]);
         match Pin::new(&mut *src).poll_read(cx, &mut rb) {
             Poll::Ready(Ok(())) => {
                 let n = rb.filled().len();
                 if n == 0 {
                     pipe.eof = true;
                 } else {
-                    pipe.filled = n;
+                    pipe.filled = kept + n;
                 }
             }
             Poll::Ready(Err(_)) => return Err(Ended::Failed),
             Poll::Pending => {
                 pipe.drained = true;
-                return Ok((written, frames));
+                return Ok(());
             }
         }
     }

@@ -28,6 +28,7 @@ fn tunnel(websocket: bool, meters: Vec<Meter>) -> Tunnel {
         websocket,
         meters,
         max_delay: MAX_DELAY,
+        max_message: None,
         idle: IDLE,
         hold: Hold::detached(),
         leases: None,
@@ -50,12 +51,13 @@ fn meter(burst: u64) -> Meter {
     let messages = Messages {
         rate: Rate::parse("10/s").expect("a rate"),
         burst,
+        max_bytes: None,
     };
-    Meter::new(
+    Meter::messages(
         limiter,
         IdentityDigest([7; 16]),
         "chat",
-        messages,
+        &messages,
         OnError::Deny,
     )
 }
@@ -288,4 +290,133 @@ async fn a_backend_that_does_not_read_holds_the_client_back() {
     assert!(got.iter().all(|&b| b == 0x5a));
     let (ended, _) = task.await.unwrap();
     assert_eq!(ended, Ended::ClientClosed);
+}
+
+/// A byte meter on the memory store whose clock never moves: `burst` payload bytes (at
+/// 100 a second: batches of 10), then none.
+fn byte_meter(burst: u64) -> Meter {
+    let clock = ManualClock::new(1_000_000_000);
+    let limiter = Limiter::new(
+        Box::new(MemoryStore::new(clock)),
+        &crate::limiter::store::Settings::default(),
+        LimiterMetrics::register(&mut prometheus_client::registry::Registry::default()),
+        Arc::new(Stats::new()),
+    );
+    let bytes = crate::rules::Bytes {
+        rate: Rate::parse("100/s").expect("a rate"),
+        burst,
+    };
+    Meter::bytes(
+        limiter,
+        IdentityDigest([7; 16]),
+        "chat",
+        &bytes,
+        OnError::Deny,
+    )
+}
+
+#[tokio::test(start_paused = true)]
+async fn data_frames_after_the_client_s_close_are_dropped_and_its_handshake_completes() {
+    let (mut client, mut backend, task) = start(tunnel(true, vec![meter(1)]), 64 * 1024);
+    let close = client_frame(0x8, &[0x03, 0xe8]);
+    let mut sent = client_frame(0x1, b"hi");
+    sent.extend(&close);
+    // RFC 6455 §5.5.1: no data frame may follow a close. These are dropped, and take no
+    // token (the meter holds one frame, spent on "hi").
+    sent.extend(client_frame(0x1, b"after"));
+    sent.extend(client_frame(0x0, b"stray continuation"));
+    sent.extend(client_frame(0x9, b"ping"));
+    sent.extend(client_frame(0x2, &[1; 100]));
+    client.write_all(&sent).await.unwrap();
+    let mut got = vec![0u8; 8 + close.len() + 10];
+    backend.read_exact(&mut got).await.unwrap();
+    assert_eq!(
+        frames(&got),
+        vec![
+            (0x1, b"hi".to_vec()),
+            (0x8, vec![0x03, 0xe8]),
+            (0x9, b"ping".to_vec())
+        ],
+        "the close and the ping after it pass, the data does not"
+    );
+    backend
+        .write_all(&server_frame(0x8, &[0x03, 0xe8]))
+        .await
+        .unwrap();
+    drop(backend);
+    let to_client = frames(&rest(&mut client).await);
+    assert_eq!(to_client, vec![(0x8, vec![0x03, 0xe8])]);
+    let (ended, m) = task.await.unwrap();
+    assert_eq!(ended, Ended::UpstreamClosed);
+    let up = m
+        .bytes
+        .get_or_create(&BytesLabels {
+            route: "r".into(),
+            pool: "p".into(),
+            direction: Direction::Upstream,
+        })
+        .get();
+    assert_eq!(up, got.len() as u64, "what was dropped is not counted");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_message_over_max_message_is_closed_1009_before_its_frame_goes_on() {
+    let t = Tunnel {
+        max_message: Some(10),
+        ..tunnel(true, Vec::new())
+    };
+    let (mut client, mut backend, task) = start(t, 64 * 1024);
+    client
+        .write_all(&client_frame(0x2, &[1; 10]))
+        .await
+        .unwrap();
+    let mut first = [0u8; 16];
+    backend.read_exact(&mut first).await.unwrap();
+    // An 11-byte frame, its header in two reads: nothing of it goes on while its length
+    // is unknown, nor once it is.
+    let over = client_frame(0x2, &[2; 11]);
+    client.write_all(&over[..1]).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    client.write_all(&over[1..]).await.unwrap();
+    let (ended, _) = task.await.unwrap();
+    assert_eq!(ended, Ended::MessageTooBig);
+    let to_backend = frames(&rest(&mut backend).await);
+    assert_eq!(to_backend.len(), 1, "only the close: {to_backend:?}");
+    assert_eq!((to_backend[0].0, code(&to_backend[0].1)), (0x8, 1009));
+    let to_client = frames(&rest(&mut client).await);
+    assert_eq!(to_client.len(), 1);
+    assert_eq!(code(&to_client[0].1), 1009);
+    assert_eq!(&to_client[0].1[2..], b"message too big");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_client_past_its_byte_limit_is_held_back_then_closed_with_1008() {
+    let (mut client, mut backend, task) = start(tunnel(true, vec![byte_meter(100)]), 64 * 1024);
+    // 40 bytes a frame: two fit the burst of 100, the third waits for tokens that never
+    // come (the store's clock stands still).
+    for n in 0..3u8 {
+        client
+            .write_all(&client_frame(0x2, &[n; 40]))
+            .await
+            .unwrap();
+    }
+    // Control frames need no byte token, but wait behind the held frame.
+    client.write_all(&client_frame(0x9, b"ping")).await.unwrap();
+    let began = tokio::time::Instant::now();
+    let (ended, _) = task.await.unwrap();
+    assert_eq!(ended, Ended::ByteLimit);
+    let held = began.elapsed();
+    assert!(
+        held >= MAX_DELAY - Duration::from_millis(200) && held <= MAX_DELAY * 2,
+        "closed after {held:?}, max_delay {MAX_DELAY:?}"
+    );
+    let to_backend = frames(&rest(&mut backend).await);
+    let data: Vec<_> = to_backend.iter().filter(|(op, _)| *op == 0x2).collect();
+    assert_eq!(data.len(), 2, "{to_backend:?}");
+    let (op, payload) = to_backend.last().unwrap();
+    assert_eq!((*op, code(payload)), (0x8, 1008));
+    assert_eq!(&payload[2..], b"byte rate limit exceeded");
+    let to_client = frames(&rest(&mut client).await);
+    assert_eq!(to_client.len(), 1);
+    assert_eq!(code(&to_client[0].1), 1008);
 }

@@ -310,6 +310,7 @@ fn place(name: &str) -> Option<Place> {
         "RawRule" => Place::Section("[[rules]]"),
         "RawMatch" => Place::Within("[[rules]]", "match"),
         "RawMessages" => Place::Within("[[rules]]", "messages"),
+        "RawBytes" => Place::Within("[[rules]]", "bytes"),
         "RawStatuses" => Place::Within("[[rules]]", "charge"),
         "RawAttempts" => Place::Within("[[rules]]", "attempts"),
         "RawDrain" => Place::Within("[[rules]]", "settle_drain"),

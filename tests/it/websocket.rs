@@ -27,12 +27,14 @@
 //! - HTTP/2 extended CONNECT on the cleartext listener: `200`, then frames both ways to an
 //!   HTTP/1.1 WebSocket backend; idle and shutdown close its stream with 1001 too;
 //! - `ratewall_upgraded_connections`, `ratewall_upgraded_bytes_total` (to the byte) and
-//!   `ratewall_upgraded_closed_total{reason}`; the access line's `upgrade`.
+//!   `ratewall_upgraded_closed_total{reason}`; the access line's `upgrade`; data after a
+//!   close, `max_bytes` and `bytes`: [`past_limits`].
 //!
 //! Tests whose bounds are timed (message rates, the idle clock, the shutdown grace) hold
 //! [`common::serial`].
 
 use crate::common;
+mod past_limits;
 
 use std::time::{Duration, Instant};
 

@@ -17,6 +17,8 @@ JSON line:
 - `{"send_binary": n, "seed": s}` -> `{"sent": true, "sha256": ...}`: n pseudo-random bytes
 - `{"send_fragments": n, "fragment": m, "seed": s}` -> as `send_binary`, one message of
   n bytes sent as fragments of m bytes
+- `{"send_zeros": n}` -> as `send_binary`, n zero bytes (permessage-deflate, where it was
+  negotiated, sends them in a small fraction of that)
 - `{"recv": seconds}` -> `{"text": ...}` | `{"binary": n, "sha256": ...}` |
   `{"timeout": true}` | `{"closed": CLOSED}`
 - `{"ping": "payload"}` -> `{"pong": true}` once its pong came (`{"closed": CLOSED}` if not)
@@ -105,6 +107,10 @@ async def run(ws, command):
             return {"sent": True}
         if "send_binary" in command:
             data = payload(command["send_binary"], command.get("seed", 0))
+            await ws.send(data)
+            return {"sent": True, "sha256": hashlib.sha256(data).hexdigest()}
+        if "send_zeros" in command:
+            data = bytes(command["send_zeros"])
             await ws.send(data)
             return {"sent": True, "sha256": hashlib.sha256(data).hexdigest()}
         if "send_fragments" in command:
