@@ -160,7 +160,9 @@ fn main() {
         let r = per_call(secs, |_| refuse(&remembered, &requests[0]));
         let throttled = verifier(&trusted, tight);
         refuse(&throttled, &requests[0]);
-        let th = per_call(secs, |i| refuse(&throttled, &requests[1 + i % (TOKENS - 1)]));
+        let th = per_call(secs, |i| {
+            refuse(&throttled, &requests[1 + i % (TOKENS - 1)])
+        });
         let none = verifier(&trusted, open);
         let n = per_call(secs, |_| {
             let r = Requester::new(&empty, peer, &keys, &trust)

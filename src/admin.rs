@@ -652,7 +652,7 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
             burst: r.quota.algorithm.has_burst().then_some(r.quota.burst),
             cost: r.quota.cost,
             key: r.key.kind.to_string(),
-            applies_to: r.matcher.describe(),
+            applies_to: cfg.applies_to(r),
             plans: {
                 let mut p: Vec<String> = r.plans.iter().map(|(n, q)| format!("{n}: {q}")).collect();
                 p.sort();

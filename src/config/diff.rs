@@ -3,7 +3,6 @@
 //! admin token, a Redis password, an API key listed with a plan).
 
 use std::fmt;
-use std::time::Duration;
 
 use super::Config;
 use crate::rules::{Match, Route, Rule};
@@ -19,9 +18,8 @@ pub struct Changes {
     pub pools: Named,
     /// The routes, by name (an unnamed one's is `route-<n>`: moving it renames it).
     pub routes: Named,
-    /// Dotted keys of the settings outside `[[rules]]` and the routes that differ:
-    /// `upstream.timeout` (of the pool `default`, which `pools` names too), `keys.plans`
-    /// (the keys listed, or their plans).
+    /// Dotted keys of the settings outside `[[rules]]`, the pools and the routes that
+    /// differ (`keys.plans`: the keys listed, or their plans).
     pub settings: Vec<&'static str>,
 }
 
@@ -174,19 +172,6 @@ fn settings(o: &Config, n: &Config) -> Vec<&'static str> {
     let (ostore, nstore) = (&o.store, &n.store);
     let (oip, nip) = (&o.client_ip, &n.client_ip);
     let (ok, nk) = (&o.keys, &n.keys);
-    // `[upstream]`'s own keys, as the pool `default` has them (also listed in `pools`):
-    // its first server's URL and base path, its connect_timeout and timeout.
-    type Default<'c> = (Option<(&'c http::Uri, &'c String)>, Duration, Duration);
-    fn default(c: &Config) -> Option<Default<'_>> {
-        c.upstreams
-            .iter()
-            .find(|p| p.name == crate::upstream::DEFAULT_POOL)
-            .map(|p| {
-                let first = p.servers.first().map(|s| (&s.url, &s.base_path));
-                (first, p.connect_timeout, p.timeout)
-            })
-    }
-    let (ou, nu) = (default(o), default(n));
     [
         ("server.listen", os.listen == ns.listen),
         ("server.admin_listen", os.admin_listen == ns.admin_listen),
@@ -247,12 +232,6 @@ fn settings(o: &Config, n: &Config) -> Vec<&'static str> {
                 == ns.tls.as_ref().is_some_and(|t| t.redirect_https),
         ),
         ("admin.token", o.admin.token == n.admin.token),
-        ("upstream.url", ou.map(|u| u.0) == nu.map(|u| u.0)),
-        (
-            "upstream.connect_timeout",
-            ou.map(|u| u.1) == nu.map(|u| u.1),
-        ),
-        ("upstream.timeout", ou.map(|u| u.2) == nu.map(|u| u.2)),
         ("store.backend", ostore.backend == nstore.backend),
         ("store.prefix", ostore.prefix == nstore.prefix),
         ("store.timeout", ostore.timeout == nstore.timeout),
@@ -395,17 +374,38 @@ mod tests {
         );
         assert_eq!(
             c.settings,
-            [
-                "upstream.timeout",
-                "keys.plans",
-                "response.headers",
-                "log.client_ip"
-            ]
+            ["keys.plans", "response.headers", "log.client_ip"],
+            "a pool's keys are the pool's change, named in pools only"
         );
         assert_eq!(c.added, ["r"]);
         assert!(!format!("{c:?}").contains("secret-key-123"));
         assert_eq!(Listed(&c.settings[..0]).to_string(), "-");
         assert_eq!(Listed(&c.added).to_string(), "r");
+    }
+
+    /// Issue 42: a reload that changed the servers of a pool (the pool `default`,
+    /// written as `[[upstreams]]`) names the pool, never `upstream.url`.
+    #[test]
+    fn a_pools_servers_are_its_change_not_a_setting() {
+        let two = |a: &str, b: &str| {
+            Config::parse(
+                &format!(
+                    "[server]\nlisten = \"127.0.0.1:8080\"\n\
+                     [[upstreams]]\nname = \"default\"\nservers = [\"{a}\", \"{b}\"]\n"
+                ),
+                Path::new("x.toml"),
+            )
+            .unwrap()
+        };
+        let old = two("http://10.0.0.1", "http://10.0.0.2");
+        for new in [
+            two("http://10.0.0.9", "http://10.0.0.2"),
+            two("http://10.0.0.1", "http://10.0.0.9"),
+        ] {
+            let c = Changes::between(&old, &new);
+            assert_eq!(c.pools.changed, ["default"]);
+            assert!(c.settings.is_empty(), "{:?}", c.settings);
+        }
     }
 
     #[test]

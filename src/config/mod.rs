@@ -24,6 +24,7 @@ mod suggest;
 mod tls;
 mod upstream;
 mod values;
+mod wording;
 
 use std::collections::{BTreeSet, HashSet};
 use std::ops::Range;
@@ -193,7 +194,9 @@ fn from_toml<T: DeserializeOwned>(text: &str, path: &Path, plans: &str) -> Resul
             k => redact_key(k, plans),
         };
         let inner = e.into_inner();
-        let message = suggest::with_suggestion(inner.message().trim());
+        let said = inner.message().trim();
+        let message =
+            wording::in_own_words(&key, said).unwrap_or_else(|| suggest::with_suggestion(said));
         Invalid::new(inner.span(), key, message).locate(text, path)
     })
 }
@@ -479,10 +482,7 @@ impl Config {
         self.describe_routes(&mut out);
         let _ = writeln!(out, "rules         {}", self.rules.len());
         for r in &self.rules {
-            let mut when = r.matcher.describe();
-            if let Some(route) = r.matcher.route.and_then(|i| self.routes.list.get(i)) {
-                when.push_str(&format!(", route {}", route.name));
-            }
+            let when = self.applies_to(r);
             let key = match (&r.key.kind, r.key.missing) {
                 (KeyKind::ApiKey, MissingKey::Reject) => "api_key (missing: 401)".to_string(),
                 (KeyKind::ApiKey, MissingKey::ClientIp) => {
@@ -535,6 +535,17 @@ impl Config {
 }
 
 impl Config {
+    /// What requests `rule` applies to, as `ratewall check` and the status page say it:
+    /// its match, then the route it is limited to (`every request, route billing`).
+    pub fn applies_to(&self, rule: &Rule) -> String {
+        let mut when = rule.matcher.describe();
+        if let Some(route) = rule.matcher.route.and_then(|i| self.routes.list.get(i)) {
+            when.push_str(", route ");
+            when.push_str(&route.name);
+        }
+        when
+    }
+
     /// `routes        2, first match wins; otherwise pool default`, then each route.
     fn describe_routes(&self, out: &mut String) {
         use std::fmt::Write;
@@ -1272,6 +1283,40 @@ url = "http://127.0.0.1:3000"
             "{}",
             redis.describe()
         );
+    }
+
+    /// `ratewall check` says how a rule settles: `charge`, `cost_header`, `cost_from` with
+    /// `reserve`, `max_debt` (issue 42, item 9), and a rule limited to a route says so.
+    #[test]
+    fn check_says_how_a_rule_settles_and_for_which_route() {
+        let cfg = Config::parse(
+            "[server]\nlisten = \"127.0.0.1:1\"\n\
+             [[upstreams]]\nname = \"default\"\nservers = [\"http://127.0.0.1:2\"]\n\
+             [[upstreams]]\nname = \"llm\"\nservers = [\"http://127.0.0.1:3\"]\n\
+             [[routes]]\nname = \"chat\"\nmatch = { path_prefix = \"/v1/\" }\nupstream = \"llm\"\n\
+             [[rules]]\nname = \"ok-only\"\nkey = \"client_ip\"\nrate = \"10/m\"\n\
+             charge = { statuses = [\"2xx\"], attempts = { rate = \"100/m\", burst = 100 } }\n\
+             [[rules]]\nname = \"reported\"\nkey = \"client_ip\"\nrate = \"1000/m\"\n\
+             cost_header = \"x-ratelimit-cost\"\nmax_debt = 50\n\
+             [[rules]]\nname = \"tokens\"\nkey = \"client_ip\"\nrate = \"10000/m\"\nburst = 4000\n\
+             cost_from = \"openai_usage\"\nreserve = \"max_tokens\"\ndefault_reserve = 256\n\
+             match = { route = \"chat\" }\n",
+            Path::new("x"),
+        )
+        .unwrap();
+        let said = cfg.describe();
+        for want in [
+            "charges answers 2xx only",
+            "the cost the answer reports in x-ratelimit-cost",
+            "borrows up to 50 ahead of a cost reported later (max_debt)",
+            "the total_tokens an OpenAI-style answer reports",
+            "reserves the request's max_tokens",
+            "256 for a body that says none",
+        ] {
+            assert!(said.contains(want), "{want:?} missing:\n{said}");
+        }
+        assert_eq!(cfg.applies_to(&cfg.rules[2]), "every request, route chat");
+        assert_eq!(cfg.applies_to(&cfg.rules[0]), "every request");
     }
 
     #[test]

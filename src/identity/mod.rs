@@ -836,6 +836,40 @@ fn truncated(h: Sha256) -> IdentityDigest {
 mod tests {
     use super::*;
 
+    /// docs/observability.md names every kind the public page shows of a hint (its first
+    /// word; issue 42, item 9: `jwt` was missing).
+    #[test]
+    fn the_public_hint_kinds_are_the_documents() {
+        let doc = include_str!("../../docs/observability.md");
+        let listed = doc
+            .split_once("`hint`: its kind — ")
+            .and_then(|(_, rest)| rest.split_once(" — "))
+            .map(|(kinds, _)| kinds)
+            .expect("the kinds in docs/observability.md");
+        let header = HeaderName::from_static("x-tenant");
+        let claim = ClaimPath::parse("sub").expect("a claim path");
+        let parts = [KeyKind::ApiKey, KeyKind::ClientIp];
+        let d = digest_global();
+        let sources = [
+            Source::Everyone,
+            Source::ClientIp(ip("192.0.2.1")),
+            Source::ClientIp(ip("2001:db8::1")),
+            Source::ApiKey(b"sk_live_0123456789"),
+            Source::Header(&header, b"acme"),
+            Source::ClientCert(&[7; 32]),
+            Source::Jwt(&claim),
+            Source::Combined(&parts),
+        ];
+        for source in sources {
+            let hint = Identity { digest: d, source }.hint();
+            let kind = hint.split(' ').next().unwrap_or_default();
+            assert!(
+                listed.contains(&format!("`{kind}`")),
+                "{kind} ({hint}) not in: {listed}"
+            );
+        }
+    }
+
     fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()
     }

@@ -209,6 +209,7 @@ fn say_listening(config: &Config) {
         tls_listen = %config.server.tls.as_ref().map_or_else(|| "none".to_string(), |t| t.listen.to_string()),
         admin = %admin_listen,
         upstream = %upstream_of(config),
+        pools = %pools_of(config),
         store = store_of(config),
         workers = config.server.workers.max(1),
         rules = config.rules.len(),
@@ -355,14 +356,38 @@ async fn serve_worker(
     served.load(Relaxed)
 }
 
-/// The upstream as the file names it: `http://127.0.0.1:3000/base`.
+/// The servers of the first pool (the pool `default` where there is one), each as the
+/// file names it with its base path: `http://a:3000, http://b:3000/base`.
 fn upstream_of(config: &Config) -> String {
-    let url = config.upstream().url.to_string();
-    format!(
-        "{}{}",
-        url.trim_end_matches('/'),
-        config.upstream().base_path
-    )
+    config
+        .upstreams
+        .first()
+        .map_or_else(String::new, servers_of)
+}
+
+/// The other pools and their servers: `billing: http://a, http://b; search: http://c`,
+/// or `-`.
+fn pools_of(config: &Config) -> String {
+    let others: Vec<String> = config
+        .upstreams
+        .iter()
+        .skip(1)
+        .map(|p| format!("{}: {}", p.name, servers_of(p)))
+        .collect();
+    if others.is_empty() {
+        "-".to_string()
+    } else {
+        others.join("; ")
+    }
+}
+
+fn servers_of(pool: &crate::upstream::PoolSettings) -> String {
+    let urls: Vec<String> = pool
+        .servers
+        .iter()
+        .map(|s| format!("{}{}", s.url.to_string().trim_end_matches('/'), s.base_path))
+        .collect();
+    urls.join(", ")
 }
 
 fn store_of(config: &Config) -> &'static str {

@@ -16,8 +16,11 @@ pub const MAX_NAME: usize = 64;
 /// The pool `[upstream] url` makes, and where requests no route matches go.
 pub const DEFAULT_POOL: &str = "default";
 
-/// `[upstream] connect_timeout`'s default.
-pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(1);
+/// `[upstream] connect_timeout`'s default: 5 s, as Envoy's. Not 1 s: Linux sends a SYN
+/// that went unanswered again after 1 s, then 3 s (RFC 6298's initial RTO, doubled), so
+/// a backend whose listen queue was full for a moment answers the second or third SYN.
+/// A 1 s bound cut exactly those connections: 502s, and a healthy server ejected.
+pub const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 /// `[upstream] timeout`'s default.
 pub const TIMEOUT: Duration = Duration::from_secs(30);
 /// `max_fails`' default: failures within `fail_window` that eject a server.

@@ -25,6 +25,7 @@ mod layering;
 mod local_share;
 mod logs;
 mod message_meter;
+mod newcomer;
 mod observability;
 mod overload;
 mod perimeter;
