@@ -811,6 +811,7 @@ fn agree_case(h: &Harness, tl: &Timeline, tally: &AgreeTally) -> Result<(), Test
 
 #[test]
 fn rust_and_lua_agree_for_all_four_algorithms() {
+    let _watch = common::watchdog();
     let h = Harness::start();
     let tally = AgreeTally::default();
     let started = Instant::now();
@@ -1070,6 +1071,7 @@ fn retry_case(h: &Harness, tl: &Timeline, tally: &RetryTally) -> Result<(), Test
 
 #[test]
 fn retry_after_is_exact_for_all_four_algorithms() {
+    let _watch = common::watchdog();
     let h = Harness::start();
     let tally = RetryTally::default();
     let started = Instant::now();
@@ -1111,6 +1113,7 @@ fn retry_after_is_exact_for_all_four_algorithms() {
 
 #[test]
 fn wrong_algorithm_state_counts_as_none() {
+    let _watch = common::watchdog();
     let h = Harness::start();
     let spec = |algorithm, count, period_s, cost| RuleSpec {
         algorithm,
@@ -1277,6 +1280,7 @@ fn twins_case(h: &Harness, tl: &Timeline, tally: &TwinTally) -> Result<(), TestC
 
 #[test]
 fn token_bucket_and_gcra_agree_with_max_delay() {
+    let _watch = common::watchdog();
     let h = Harness::start();
     let tally = TwinTally::default();
     let started = Instant::now();
@@ -1389,6 +1393,7 @@ fn back_case(h: &Harness, spec: RuleSpec, steps: &[Step]) -> Result<(), TestCase
 
 #[test]
 fn a_clock_stepped_back_never_reopens_a_window() {
+    let _watch = common::watchdog();
     let h = Harness::start();
     let started = Instant::now();
     let spec = (

@@ -22,6 +22,7 @@ fn fixtures() -> Vec<PathBuf> {
 
 #[test]
 fn every_bad_config_is_rejected_with_its_exact_error() {
+    let _watch = common::watchdog();
     let files = fixtures();
     assert!(files.len() >= 25, "the fixtures are there: {}", files.len());
     for file in files {
@@ -132,6 +133,7 @@ proptest! {
     /// points inside the file; the parser never panics.
     #[test]
     fn mutated_configs_never_panic_and_errors_point_inside_the_file(edits in prop::collection::vec(edit(), 1..6)) {
+        let _watch = common::watchdog();
         let text = apply(SHIPPED, &edits);
         if let Err(e) = Config::parse(&text, Path::new("limits.toml")) {
             check_position(&text, &e);

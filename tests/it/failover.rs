@@ -471,6 +471,7 @@ fn check_common(what: &str, f: &Figures) {
 /// `replication = { wait = 1 }` in the same run, none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sentinel_failover_costs_a_bounded_excess_async_and_none_with_wait() {
+    let _watch = common::watchdog();
     both_modes("redis_sentinel", || SentinelPrimary(RedisSentinel::start())).await;
 }
 
@@ -479,6 +480,7 @@ async fn a_sentinel_failover_costs_a_bounded_excess_async_and_none_with_wait() {
 /// counted as `unreplicated`, within the store timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_admits_only_what_a_replica_confirmed() {
+    let _watch = common::watchdog();
     let primary = RedisServer::start();
     let upstream = Upstream::start().await;
     // `wait`: 200 ms where no replica can answer (the 503 comes within it); where one
@@ -550,6 +552,7 @@ async fn wait_admits_only_what_a_replica_confirmed() {
 /// `replication = { wait = 1 }` in the same run, none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_failover_costs_a_bounded_excess_async_and_none_with_wait() {
+    let _watch = common::watchdog();
     both_modes("redis_cluster", || ClusterPrimary::start(&redis_keys())).await;
 }
 

@@ -331,6 +331,7 @@ async fn redis_outage_under_load(on_error: &'static str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_killed_and_restarted_under_load() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     redis_outage_under_load("deny").await;
     redis_outage_under_load("local").await;
@@ -341,6 +342,7 @@ async fn redis_killed_and_restarted_under_load() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn client_pause_opens_the_breaker_and_answers_stay_fast() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     const BURST: usize = 3;
     let redis = RedisServer::start();
@@ -458,6 +460,7 @@ async fn client_pause_opens_the_breaker_and_answers_stay_fast() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reload_under_load_valid_then_invalid() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let upstream = Upstream::start().await;
     let base = upstream_and_store(&upstream.url(), &Store::Memory);
@@ -616,6 +619,7 @@ async fn reload_under_load_valid_then_invalid() {
 /// exactly its burst, wherever the reloads fell among them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reload_under_load_on_redis_drops_nothing_and_admits_no_more_than_the_burst() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     const BURST: usize = 5;
     const RELOADS: usize = 5;
@@ -724,6 +728,7 @@ async fn reload_under_load_on_redis_drops_nothing_and_admits_no_more_than_the_bu
 /// loses it. Twenty starts, each signalled the moment "ratewall listening" is in its log.
 #[test]
 fn a_sighup_right_after_listening_neither_kills_nor_is_lost() {
+    let _watch = common::watchdog();
     const STARTS: usize = 20;
     let dir = tempfile::tempdir().expect("tempdir");
     let mut outcomes = Vec::new();
@@ -826,6 +831,7 @@ async fn new_connection_is_not_served(port: u16) -> Result<(), String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_drains_in_flight_requests_and_exits_zero() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let upstream = Upstream::start().await;
     let mut gw =
@@ -890,6 +896,7 @@ async fn sigterm_drains_in_flight_requests_and_exits_zero() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigterm_grace_bounds_the_drain() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let upstream = Upstream::start().await;
     let mut gw = Gateway::try_start_with_grace(
@@ -928,6 +935,7 @@ async fn sigterm_grace_bounds_the_drain() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_faults_do_not_spill_over() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
@@ -1068,6 +1076,7 @@ struct Attempt {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_smuggling_attempts_are_rejected() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&upstream_and_store(&upstream.url(), &Store::Memory));
@@ -1238,6 +1247,7 @@ async fn request_smuggling_attempts_are_rejected() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_type_redis_key_is_answered_by_on_error_and_logged_with_its_key() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     const FAILURES: usize = 3;
     let redis = RedisServer::start();

@@ -153,11 +153,13 @@ async fn plans_pro_key_from_keys_file_gets_plan_limit(store: Store) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plans_pro_key_from_keys_file_gets_plan_limit_memory() {
+    let _watch = common::watchdog();
     plans_pro_key_from_keys_file_gets_plan_limit(Store::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plans_pro_key_from_keys_file_gets_plan_limit_redis() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     plans_pro_key_from_keys_file_gets_plan_limit(redis_store(&redis)).await;
 }
@@ -216,11 +218,13 @@ async fn plans_reject_mode_401s_unlisted_keys_and_admits_listed_ones(store: Stor
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plans_reject_mode_401s_unlisted_keys_and_admits_listed_ones_memory() {
+    let _watch = common::watchdog();
     plans_reject_mode_401s_unlisted_keys_and_admits_listed_ones(Store::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plans_reject_mode_401s_unlisted_keys_and_admits_listed_ones_redis() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     plans_reject_mode_401s_unlisted_keys_and_admits_listed_ones(redis_store(&redis)).await;
 }
@@ -328,11 +332,13 @@ async fn plans_keys_file_is_reread_on_sighup(store: Store) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plans_keys_file_is_reread_on_sighup_memory() {
+    let _watch = common::watchdog();
     plans_keys_file_is_reread_on_sighup(Store::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn plans_keys_file_is_reread_on_sighup_redis() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     plans_keys_file_is_reread_on_sighup(redis_store(&redis)).await;
 }
@@ -424,11 +430,13 @@ async fn endpoints_glob_rule_with_cost_is_counted_apart_from_light_calls(store: 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endpoints_glob_rule_with_cost_is_counted_apart_from_light_calls_memory() {
+    let _watch = common::watchdog();
     endpoints_glob_rule_with_cost_is_counted_apart_from_light_calls(Store::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endpoints_glob_rule_with_cost_is_counted_apart_from_light_calls_redis() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     endpoints_glob_rule_with_cost_is_counted_apart_from_light_calls(redis_store(&redis)).await;
 }
@@ -536,11 +544,13 @@ async fn endpoints_exact_path_methods_and_host_match(store: Store) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endpoints_exact_path_methods_and_host_match_memory() {
+    let _watch = common::watchdog();
     endpoints_exact_path_methods_and_host_match(Store::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endpoints_exact_path_methods_and_host_match_redis() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     endpoints_exact_path_methods_and_host_match(redis_store(&redis)).await;
 }
@@ -642,11 +652,13 @@ async fn shadow_rule_never_blocks_reports_and_counts_would_be_denials(store: Sto
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shadow_rule_never_blocks_reports_and_counts_would_be_denials_memory() {
+    let _watch = common::watchdog();
     shadow_rule_never_blocks_reports_and_counts_would_be_denials(Store::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shadow_rule_never_blocks_reports_and_counts_would_be_denials_redis() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     shadow_rule_never_blocks_reports_and_counts_would_be_denials(redis_store(&redis)).await;
 }
@@ -763,12 +775,14 @@ async fn enforce_percent_enforces_a_stable_share_of_identities(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enforce_percent_enforces_a_stable_share_of_identities_memory() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     enforce_percent_enforces_a_stable_share_of_identities(Store::Memory, None).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn enforce_percent_enforces_a_stable_share_of_identities_redis() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let redis = RedisServer::start();
     enforce_percent_enforces_a_stable_share_of_identities(redis_store(&redis), Some(&redis)).await;
@@ -911,12 +925,14 @@ async fn delay_waits_within_max_delay_then_rejects(store: Store) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delay_waits_within_max_delay_then_rejects_memory() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     delay_waits_within_max_delay_then_rejects(Store::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delay_waits_within_max_delay_then_rejects_redis() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let redis = RedisServer::start();
     delay_waits_within_max_delay_then_rejects(redis_store(&redis)).await;
@@ -1008,12 +1024,14 @@ async fn delay_max_waiting_caps_the_queue(store: Store) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delay_max_waiting_caps_the_queue_memory() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     delay_max_waiting_caps_the_queue(Store::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn delay_max_waiting_caps_the_queue_redis() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let redis = RedisServer::start();
     delay_max_waiting_caps_the_queue(redis_store(&redis)).await;
@@ -1126,12 +1144,14 @@ async fn concurrency_caps_in_flight_and_releases_on_completion(store: Store) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_caps_in_flight_and_releases_on_completion_memory() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     concurrency_caps_in_flight_and_releases_on_completion(Store::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_caps_in_flight_and_releases_on_completion_redis() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let redis = RedisServer::start();
     concurrency_caps_in_flight_and_releases_on_completion(redis_store(&redis)).await;
@@ -1189,12 +1209,14 @@ async fn concurrency_slot_is_released_when_the_client_disconnects(store: Store) 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_slot_is_released_when_the_client_disconnects_memory() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     concurrency_slot_is_released_when_the_client_disconnects(Store::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_slot_is_released_when_the_client_disconnects_redis() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let redis = RedisServer::start();
     concurrency_slot_is_released_when_the_client_disconnects(redis_store(&redis)).await;
@@ -1203,6 +1225,7 @@ async fn concurrency_slot_is_released_when_the_client_disconnects_redis() {
 /// Redis only: the leases of a gateway that dies expire after `lease_ttl`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrency_leases_of_a_killed_gateway_expire_after_lease_ttl_redis() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let redis = RedisServer::start();
     let upstream = Upstream::start().await;
@@ -1341,11 +1364,13 @@ async fn retry_jitter_spreads_retry_after_above_the_honest_wait(store: Store) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_jitter_spreads_retry_after_above_the_honest_wait_memory() {
+    let _watch = common::watchdog();
     retry_jitter_spreads_retry_after_above_the_honest_wait(Store::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_jitter_spreads_retry_after_above_the_honest_wait_redis() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     retry_jitter_spreads_retry_after_above_the_honest_wait(redis_store(&redis)).await;
 }
@@ -1422,11 +1447,13 @@ async fn streamed_upload(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sequential_client_never_trips_its_own_concurrency_limit_memory() {
+    let _watch = common::watchdog();
     a_sequential_client_never_trips_its_own_concurrency_limit(Store::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sequential_client_never_trips_its_own_concurrency_limit_redis() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     a_sequential_client_never_trips_its_own_concurrency_limit(redis_store(&redis)).await;
 }
@@ -1440,6 +1467,7 @@ async fn raw_status(port: u16, request: &str) -> u16 {
 /// than `Host` (refused with 400), not by a trailing dot; and `/static/**` covers `/static`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn host_scoped_and_glob_rules_cannot_be_dodged() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let rules = "[[rules]]\nname = \"search\"\nmatch = { path = \"/search\", host = \"api.example.com\" }\nkey = \"global\"\nrate = \"1/h\"\nburst = 1\n\
                  [[rules]]\nname = \"static\"\nmatch = { glob = \"/static/**\" }\nkey = \"global\"\nrate = \"1/h\"\nburst = 1\n";

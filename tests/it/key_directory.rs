@@ -122,6 +122,7 @@ fn numsub(redis: &RedisServer) -> i64 {
 /// within a second. Redis holds digests and plans, never a raw key.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_change_on_one_gateway_is_seen_by_the_other_within_a_second() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     let upstream = Upstream::start().await;
     let store = Store::redis_roomy(&redis);
@@ -269,6 +270,7 @@ async fn a_change_on_one_gateway_is_seen_by_the_other_within_a_second() {
 /// (b) a field written straight into the hash, with no PUBLISH at all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lost_message_is_caught_up_by_the_resynchronisation() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     let upstream = Upstream::start().await;
     let store = Store::redis_roomy(&redis);
@@ -393,6 +395,7 @@ async fn a_lost_message_is_caught_up_by_the_resynchronisation() {
 /// is followed again. Redis down: the last directory keeps serving too.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_broken_or_missing_directory_keeps_the_last_set() {
+    let _watch = common::watchdog();
     let mut redis = RedisServer::start();
     let upstream = Upstream::start().await;
     let store = Store::redis_roomy(&redis);
@@ -483,6 +486,7 @@ async fn a_broken_or_missing_directory_keeps_the_last_set() {
 /// only (an operator's raw key too), and survive a reload and a restart.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_memory_store_keeps_runtime_keys_in_the_keys_file_across_a_restart() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("keys.toml");
@@ -594,6 +598,7 @@ async fn the_memory_store_keeps_runtime_keys_in_the_keys_file_across_a_restart()
 /// 409. None of them changes anything.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_key_api_refuses_what_it_cannot_do() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let client = HttpClient::new();
     let digest = sha256_hex(b"some-key-000");
@@ -729,6 +734,7 @@ async fn the_key_api_refuses_what_it_cannot_do() {
 /// every key exactly once; `plan=` gives that plan's only.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn listing_pages_cover_every_key_exactly_once() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&config(
@@ -794,6 +800,7 @@ async fn listing_pages_cover_every_key_exactly_once() {
 /// on that slot's node, heard by a gateway subscribed on whichever node it reached first.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_a_cluster_a_change_reaches_the_other_gateway_within_a_second() {
+    let _watch = common::watchdog();
     let cluster = common::RedisCluster::start();
     let upstream = Upstream::start().await;
     let body = format!(

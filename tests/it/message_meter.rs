@@ -51,6 +51,7 @@ async fn drain(meter: &mut Meter) -> (u64, u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_meters_of_one_identity_share_one_bucket_in_redis() {
+    let _watch = common::watchdog();
     let server = RedisServer::start();
     // Two gateways, each with its own limiter and connection, on one Redis.
     let (one, two) = (gateway_limiter(&server), gateway_limiter(&server));

@@ -290,6 +290,7 @@ fn run_ratewall(args: &[&str]) -> (i32, String, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_count_known_traffic_exactly() {
+    let _watch = common::watchdog();
     const K1: &str = "sk_live_metrics_alpha_7c1d";
     const K2: &str = "sk_live_metrics_bravo_2b9e";
     let upstream = FaultyUpstream::start().await;
@@ -530,6 +531,7 @@ const OUTCOMES: [&str; 10] = [
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alertable_series_exist_at_zero_and_a_request_counts_once_per_rule_and_once_in_total() {
+    let _watch = common::watchdog();
     const K1: &str = "sk_live_alerts_one_1111";
     const K2: &str = "sk_live_alerts_two_2222";
     const K3: &str = "sk_live_alerts_three_3333";
@@ -691,6 +693,7 @@ async fn alertable_series_exist_at_zero_and_a_request_counts_once_per_rule_and_o
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_show_store_errors_and_the_breaker() {
+    let _watch = common::watchdog();
     const FAILED: usize = 6;
     let mut redis = RedisServer::start();
     let upstream = Upstream::start().await;
@@ -844,6 +847,7 @@ struct Logged {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn access_log_has_one_json_event_per_request() {
+    let _watch = common::watchdog();
     const K1: &str = "sk_live_access_log_one_a1a1";
     const K2: &str = "sk_live_access_log_two_b2b2";
     let upstream = Upstream::start().await;
@@ -1137,11 +1141,13 @@ async fn admin_state_and_reset(store: Store, redis: Option<&RedisServer>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_state_and_reset_memory() {
+    let _watch = common::watchdog();
     admin_state_and_reset(Store::Memory, None).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_state_and_reset_redis() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     let store = Store::Redis {
         url: redis.url(),
@@ -1153,6 +1159,7 @@ async fn admin_state_and_reset_redis() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_reset_needs_a_configured_token() {
+    let _watch = common::watchdog();
     const KEY: &str = "sk_live_token_gate_7777";
     const ENV_TOKEN: &str = "obs-env-token-fedcba9876543210";
     let upstream = Upstream::start().await;
@@ -1218,6 +1225,7 @@ async fn admin_reset_needs_a_configured_token() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn admin_top_names_the_noisy_identity_by_hash_and_hint() {
+    let _watch = common::watchdog();
     const NOISY: &str = "sk_live_noisy_neighbour_9f3e";
     const QUIET: &str = "sk_live_quiet_tenant_abcd";
     const SHORT: &str = "short";
@@ -1343,6 +1351,7 @@ fn page_ms(text: Option<&str>) -> Option<f64> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn status_page_shows_every_outcome_backend_store_and_reloads_in_headless_chromium() {
+    let _watch = common::watchdog();
     const NOISY: &str = "sk_live_status_page_noisy_c0de";
     const CALM: &str = "sk_live_status_page_calm_0000";
     let browser = chromium();
@@ -1697,6 +1706,7 @@ async fn status_page_shows_every_outcome_backend_store_and_reloads_in_headless_c
 
 #[test]
 fn check_explains_a_sample_request() {
+    let _watch = common::watchdog();
     let config = concat!(env!("CARGO_MANIFEST_DIR"), "/config/limits.toml");
     let sample = |out: &str| -> String {
         out.split_once("sample request:")

@@ -41,6 +41,7 @@ fn get(path: &str) -> Vec<u8> {
 /// HTTP/2 preface, or nothing after an answer — on the gateway's listener and the admin's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_and_slow_connections_are_closed_by_their_clocks() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "header_timeout = \"1s\"\nidle_timeout = \"2s\"\n{}",
@@ -170,6 +171,7 @@ fn h2_get(path: &str) -> Vec<u8> {
 /// HTTP/2 layer's send buffer are read whole from the upstream at once; these are not.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_client_that_takes_nothing_is_cut_off_at_body_timeout() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "body_timeout = \"1s\"\nidle_timeout = \"30s\"\n{}",
@@ -199,6 +201,7 @@ async fn an_http2_client_that_takes_nothing_is_cut_off_at_body_timeout() {
 /// than idle_timeout itself is followed by a full idle period, then the close.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_longer_than_idle_timeout_still_gets_its_idle_clock() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "idle_timeout = \"1s\"\n{}",
@@ -222,6 +225,7 @@ async fn a_request_longer_than_idle_timeout_still_gets_its_idle_clock() {
 /// HTTP/2 and sent no stream. Each new client is served at once, not after their clocks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_half_and_idle_http2_connections_make_room_too() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "workers = 1\nmax_connections = 3\nheader_timeout = \"20s\"\n{}",
@@ -261,6 +265,7 @@ async fn silent_half_and_idle_http2_connections_make_room_too() {
 /// error, never a crash.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_max_connections_idle_ones_make_room_and_busy_ones_are_waited_for() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "workers = 1\nmax_connections = 3\n{}",
@@ -326,6 +331,7 @@ async fn at_max_connections_idle_ones_make_room_and_busy_ones_are_waited_for() {
 /// meanwhile, and serves again as soon as descriptors are free.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_file_descriptors_the_accept_loop_neither_spins_nor_floods_the_log() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     // max_connections set beyond what 48 descriptors hold (left unset, it would be derived
     // to fit them, and no accept would fail).
@@ -394,6 +400,7 @@ async fn out_of_file_descriptors_the_accept_loop_neither_spins_nor_floods_the_lo
 /// abuser gets no fresh burst by flooding.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_flood_stays_within_max_keys_and_a_denied_key_stays_denied() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "{}max_keys = 200\n\
@@ -443,6 +450,7 @@ async fn a_key_flood_stays_within_max_keys_and_a_denied_key_stays_denied() {
 /// still gets in — the state held longest ago makes room — instead of `on_error` (503).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_full_of_held_keys_still_takes_new_identities() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "{}max_keys = 100\n\
@@ -481,6 +489,7 @@ async fn a_store_full_of_held_keys_still_takes_new_identities() {
 /// every such field is replaced by what the gateway saw.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forwarding_headers_are_continued_from_trusted_proxies_and_replaced_from_others() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "{}[client_ip]\ntrusted_proxies = [\"127.0.0.1/32\"]\n",
@@ -548,6 +557,7 @@ async fn forwarding_headers_are_continued_from_trusted_proxies_and_replaced_from
 /// upstream gets the bytes as sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn encoded_slashes_do_not_walk_around_a_path_rule() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "{}[[rules]]\nname = \"api\"\nmatch = {{ path_prefix = \"/api/\" }}\nkey = \"global\"\n\
@@ -595,6 +605,7 @@ async fn encoded_slashes_do_not_walk_around_a_path_rule() {
 /// standard methods in any other case are refused, before any rule or the upstream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lower_case_method_is_refused_not_forwarded() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "{}[[rules]]\nname = \"m\"\nmatch = {{ path_prefix = \"/m/\", methods = [\"GET\", \"POST\"] }}\n\
@@ -631,6 +642,7 @@ async fn a_lower_case_method_is_refused_not_forwarded() {
 /// never reach the upstream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_requests_are_refused_at_once() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&upstream_and_store(&upstream.url(), &Store::Memory));
     let quick = Duration::from_secs(1);
@@ -674,6 +686,7 @@ async fn malformed_requests_are_refused_at_once() {
 /// connections each sending a huge unfinished head cost the gateway at most that much each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_heads_are_bounded_by_max_header_bytes() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "workers = 1\n{}",
@@ -745,6 +758,7 @@ async fn request_heads_are_bounded_by_max_header_bytes() {
 /// admin token — not even from its read-only calls.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_api_answers_only_to_its_token() {
+    let _watch = common::watchdog();
     const TOKEN: &str = "perimeter-admin-token-0123456789";
     let upstream = Upstream::start().await;
     let rules = "[keys.plans]\n\"sk_pro_key_0001\" = \"pro\"\n\
@@ -797,6 +811,7 @@ async fn the_admin_api_answers_only_to_its_token() {
 /// the window, and denied — not counted as the first of a fresh one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_window_written_by_a_clock_ahead_is_not_reopened() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
@@ -850,6 +865,7 @@ async fn a_window_written_by_a_clock_ahead_is_not_reopened() {
 /// of the body (the gateway stopped reading: backpressure, not a buffer).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_streamed_body_is_carried_in_bounded_memory() {
+    let _watch = common::watchdog();
     const TOTAL: usize = 512 << 20;
     const CHUNK: usize = 1 << 20;
     const BOUND_KIB: u64 = 64 << 10;

@@ -180,6 +180,7 @@ async fn three_gateways_admit_exactly_the_limit(backend: Backend<'_>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_gateways_one_redis_admit_exactly_the_limit() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let redis = RedisServer::start();
     three_gateways_admit_exactly_the_limit(Backend::Single(&redis)).await;
@@ -187,6 +188,7 @@ async fn three_gateways_one_redis_admit_exactly_the_limit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_gateways_one_cluster_admit_exactly_the_limit() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let cluster = RedisCluster::start();
     three_gateways_admit_exactly_the_limit(Backend::Cluster(&cluster)).await;
@@ -197,6 +199,7 @@ async fn three_gateways_one_cluster_admit_exactly_the_limit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn identities_spread_over_every_master() {
+    let _watch = common::watchdog();
     const KEYS: usize = 10_000;
     const IN_FLIGHT: usize = 32;
     let _serial = serial().await;
@@ -287,6 +290,7 @@ async fn identities_spread_over_every_master() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_master_gets_on_error_for_its_slots_while_others_keep_working() {
+    let _watch = common::watchdog();
     const BURST: u64 = 40;
     const IN_A_ROW: u32 = 2;
     let _serial = serial().await;
@@ -584,6 +588,7 @@ fn assert_denied_by_ip_only(r: &Reply, at: &str) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_denied_by_one_rule_leaves_the_other_unchanged_redis() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let redis = RedisServer::start();
     denied_by_one_rule_leaves_the_other_unchanged(Backend::Single(&redis)).await;
@@ -591,6 +596,7 @@ async fn a_request_denied_by_one_rule_leaves_the_other_unchanged_redis() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_denied_by_one_rule_leaves_the_other_unchanged_cluster() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let cluster = RedisCluster::start();
     denied_by_one_rule_leaves_the_other_unchanged(Backend::Cluster(&cluster)).await;
@@ -664,6 +670,7 @@ async fn a_denied_request_holds_no_lease(backend: Backend<'_>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_denied_request_holds_no_lease_redis() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let redis = RedisServer::start();
     a_denied_request_holds_no_lease(Backend::Single(&redis)).await;
@@ -671,6 +678,7 @@ async fn a_denied_request_holds_no_lease_redis() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_denied_request_holds_no_lease_cluster() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let cluster = RedisCluster::start();
     a_denied_request_holds_no_lease(Backend::Cluster(&cluster)).await;
@@ -725,6 +733,7 @@ fn masters(cluster: &RedisCluster) -> Vec<usize> {
 /// the script again there and decides the request as before.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn scripts_flushed_from_every_cluster_node_are_loaded_again() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let cluster = RedisCluster::start();
     let (gw, upstream, client) = cluster_gateway(&cluster, 3, "2s").await;
@@ -791,6 +800,7 @@ async fn scripts_flushed_from_every_cluster_node_are_loaded_again() {
 /// stale copy.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slot_moved_to_another_master_mid_run_keeps_its_state() {
+    let _watch = common::watchdog();
     const BURST: u64 = 100_000;
     let _serial = serial().await;
     let cluster = RedisCluster::start();
@@ -947,6 +957,7 @@ async fn a_slot_moved_to_another_master_mid_run_keeps_its_state() {
 /// and answer throughout but for the moment the cluster client rebuilds its slot map.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_taking_over_a_dead_master_keeps_the_limits() {
+    let _watch = common::watchdog();
     const BURST: u64 = 5;
     let _serial = serial().await;
     let mut cluster = RedisCluster::start_with_replicas();

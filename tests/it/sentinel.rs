@@ -72,6 +72,7 @@ fn config(upstream: &Upstream, sentinel: &RedisSentinel, on_error: &str, timeout
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_on_sentinel_limits_exactly_on_the_primary_it_names() {
+    let _watch = common::watchdog();
     let sentinel = tokio::task::block_in_place(RedisSentinel::start);
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&config(&upstream, &sentinel, "deny", "2s"));
@@ -121,6 +122,7 @@ async fn a_gateway_on_sentinel_limits_exactly_on_the_primary_it_names() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failover_under_load_is_followed_and_the_limit_holds_after_it() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let mut sentinel = tokio::task::block_in_place(RedisSentinel::start);
     let upstream = Upstream::start().await;

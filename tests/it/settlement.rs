@@ -290,17 +290,20 @@ charge = {{ statuses = ["2xx"], attempts = {{ rate = "1/h", burst = 1000 }} }}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charge_by_status_gives_back_what_was_not_2xx_on_memory() {
+    let _watch = common::watchdog();
     charge_by_status(On::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charge_by_status_gives_back_what_was_not_2xx_on_redis() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     charge_by_status(On::Redis(&redis)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charge_by_status_gives_back_what_was_not_2xx_on_the_cluster() {
+    let _watch = common::watchdog();
     let cluster = RedisCluster::start();
     charge_by_status(On::Cluster(&cluster)).await;
 }
@@ -387,12 +390,14 @@ async fn concurrent_reservations(on: On<'_>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_never_overshoot_while_reserved_on_memory() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     concurrent_reservations(On::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_never_overshoot_while_reserved_on_redis() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let redis = RedisServer::start();
     concurrent_reservations(On::Redis(&redis)).await;
@@ -555,17 +560,20 @@ max_debt = {DEBT}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reported_cost_is_charged_whole_and_stripped_on_memory() {
+    let _watch = common::watchdog();
     reported_cost(On::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reported_cost_is_charged_whole_and_stripped_on_redis() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     reported_cost(On::Redis(&redis)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reported_cost_is_charged_whole_and_stripped_on_the_cluster() {
+    let _watch = common::watchdog();
     let cluster = RedisCluster::start();
     reported_cost(On::Cluster(&cluster)).await;
 }
@@ -575,6 +583,7 @@ async fn reported_cost_is_charged_whole_and_stripped_on_the_cluster() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refunds_across_identities_on_the_cluster_are_exact() {
+    let _watch = common::watchdog();
     const KEY_B: i64 = 10;
     const IP_B: i64 = 15;
     const N: i64 = 20;
@@ -885,17 +894,20 @@ async fn llm_usage(on: On<'_>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn llm_usage_is_charged_exactly_and_streams_pass_untouched_on_memory() {
+    let _watch = common::watchdog();
     llm_usage(On::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn llm_usage_is_charged_exactly_and_streams_pass_untouched_on_redis() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     llm_usage(On::Redis(&redis)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn llm_usage_is_charged_exactly_and_streams_pass_untouched_on_the_cluster() {
+    let _watch = common::watchdog();
     let cluster = RedisCluster::start();
     llm_usage(On::Cluster(&cluster)).await;
 }

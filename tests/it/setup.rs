@@ -42,6 +42,7 @@ fn listening(port: u16) -> bool {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn flags_override_the_files_listen_admin_listen_and_upstream() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let (listen, admin) = (free_port(), free_port());
     let gw = Gateway::start_with(
@@ -75,6 +76,7 @@ async fn flags_override_the_files_listen_admin_listen_and_upstream() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_environment_overrides_the_file_and_a_flag_overrides_the_environment() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let (env_listen, env_admin, flag_admin) = (free_port(), free_port(), free_port());
     let gw = Gateway::start_with(
@@ -120,6 +122,7 @@ async fn the_environment_overrides_the_file_and_a_flag_overrides_the_environment
 
 #[tokio::test(flavor = "multi_thread")]
 async fn overrides_survive_a_reload() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let listen = free_port();
     let gw = Gateway::start_with(
@@ -191,6 +194,7 @@ fn run(config: &str, args: &[&str], env: &[(&str, &str)]) -> (i32, String, Strin
 
 #[test]
 fn a_bad_override_is_an_error_that_names_it_and_exits_1_before_binding() {
+    let _watch = common::watchdog();
     let port = free_port();
     let config = format!(
         "[server]\nlisten = \"127.0.0.1:{port}\"\n{}",
@@ -228,6 +232,7 @@ fn a_bad_override_is_an_error_that_names_it_and_exits_1_before_binding() {
 
 #[test]
 fn check_applies_the_overrides_and_says_so() {
+    let _watch = common::watchdog();
     let config = format!(
         "[server]\nlisten = \"127.0.0.1:8080\"\n{}",
         file_upstream("http://127.0.0.1:3000")
@@ -357,6 +362,7 @@ impl Drop for Shipped {
 /// 401's access line names its rule; the first log line is no warning.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_readme_session_holds_on_the_shipped_config() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Shipped::start(&upstream.url());
     let client = HttpClient::new();
@@ -541,6 +547,7 @@ async fn the_readme_session_holds_on_the_shipped_config() {
 /// `max_connections` the file sets beyond the limit is warned of at start.
 #[test]
 fn max_connections_is_derived_from_the_open_file_limit_unless_set() {
+    let _watch = common::watchdog();
     let out = limited_ratewall()
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .arg("check")
@@ -593,6 +600,7 @@ fn max_connections_is_derived_from_the_open_file_limit_unless_set() {
 /// headers gets 200 over HTTP/2.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_tls_quick_start_works_as_written_on_loopback() {
+    let _watch = common::watchdog();
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
     let tls = &readme[readme.find("### TLS").expect("README: ### TLS")..];

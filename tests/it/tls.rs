@@ -26,6 +26,7 @@ fn tls_gateway(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sni_picks_the_certificate_and_the_first_is_the_default() {
+    let _watch = common::watchdog();
     let pki = Pki::new("sni");
     let a = pki.server_cert("a", &["a.test"], 90);
     let b = pki.server_cert("b", &["*.b.test"], 90);
@@ -72,6 +73,7 @@ async fn sni_picks_the_certificate_and_the_first_is_the_default() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alpn_gives_http2_and_the_upstream_learns_the_scheme() {
+    let _watch = common::watchdog();
     let pki = Pki::new("alpn");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
@@ -137,6 +139,7 @@ async fn alpn_gives_http2_and_the_upstream_learns_the_scheme() {
 /// TLS 1.2 is spoken too (rustls' safe suites), for clients that have nothing newer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls12_clients_are_served() {
+    let _watch = common::watchdog();
     let pki = Pki::new("v12");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
@@ -159,6 +162,7 @@ async fn tls12_clients_are_served() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn curl_speaks_http2_over_tls() {
+    let _watch = common::watchdog();
     if std::process::Command::new("curl")
         .arg("--version")
         .output()
@@ -199,6 +203,7 @@ async fn curl_speaks_http2_over_tls() {
 /// header_timeout, and counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_handshake_is_closed_at_header_timeout() {
+    let _watch = common::watchdog();
     let pki = Pki::new("stall");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
@@ -247,6 +252,7 @@ async fn a_stalled_handshake_is_closed_at_header_timeout() {
 /// later SIGHUP is refused with its reason, and the new certificate keeps serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_rotates_certificates_under_load_and_a_bad_file_keeps_the_old() {
+    let _watch = common::watchdog();
     let pki = Pki::new("rotate");
     let old = pki.server_cert("old", &["gw.test"], 90);
     let upstream = Upstream::start().await;
@@ -364,6 +370,7 @@ fn check(body: &str) -> (bool, String, String) {
 
 #[test]
 fn check_shows_certificates_and_their_expiry_and_warns_within_14_days() {
+    let _watch = common::watchdog();
     let pki = Pki::new("check");
     let long = pki.server_cert("long", &["a.test", "*.a.test"], 90);
     let short = pki.server_cert("short", &["b.test"], 5);
@@ -393,6 +400,7 @@ fn check_shows_certificates_and_their_expiry_and_warns_within_14_days() {
 
 #[test]
 fn check_refuses_unreadable_files_and_mismatched_keys() {
+    let _watch = common::watchdog();
     let pki = Pki::new("bad");
     let a = pki.server_cert("a", &["a.test"], 90);
     let b = pki.server_cert("b", &["b.test"], 90);
@@ -422,6 +430,7 @@ fn check_refuses_unreadable_files_and_mismatched_keys() {
 /// its own exact count.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn required_client_certificates_are_each_limited_exactly() {
+    let _watch = common::watchdog();
     let pki = Pki::new("mtls");
     let clients = Pki::new("clients");
     let strangers = Pki::new("strangers");
@@ -503,6 +512,7 @@ async fn required_client_certificates_are_each_limited_exactly() {
 /// `client_cert` rule applies its `missing_key`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn optional_client_certificates_fall_back_to_missing_key() {
+    let _watch = common::watchdog();
     let pki = Pki::new("opt");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
@@ -582,6 +592,7 @@ async fn handshakes_become(
 /// (rustls sends an `unknown_ca` alert and hangs up).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_handshakes_are_counted_by_reason() {
+    let _watch = common::watchdog();
     let pki = Pki::new("refused");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
@@ -683,6 +694,7 @@ fn sha2_hex(der: &[u8]) -> String {
 
 #[test]
 fn client_cert_rules_need_client_certificates() {
+    let _watch = common::watchdog();
     let pki = Pki::new("norules");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let (ok, _, err) = check(&format!(
@@ -698,6 +710,7 @@ fn client_cert_rules_need_client_certificates() {
 /// expiry, the one expiring within 14 days flagged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_status_page_shows_certificates_and_flags_one_expiring_soon() {
+    let _watch = common::watchdog();
     if !std::path::Path::new("/usr/bin/chromium").is_file() {
         eprintln!("no chromium here: skipped");
         return;
@@ -753,6 +766,7 @@ async fn the_status_page_shows_certificates_and_flags_one_expiring_soon() {
 /// the same path and query on the TLS listener, and forwards nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redirect_https_sends_cleartext_clients_to_the_tls_listener() {
+    let _watch = common::watchdog();
     let pki = Pki::new("redirect");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
@@ -825,6 +839,7 @@ async fn redirect_https_sends_cleartext_clients_to_the_tls_listener() {
 /// A client that comes back resumes its session (a ticket), also after a reload.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_resume_across_connections_and_reloads() {
+    let _watch = common::watchdog();
     let pki = Pki::new("resume");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;

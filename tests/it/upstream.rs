@@ -689,6 +689,7 @@ async fn still_serves(gw: &Gateway, path: &str, body: &[u8]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn content_length_body_arrives_intact_and_the_upstream_connection_is_reused() {
+    let _watch = common::watchdog();
     const LEN: usize = 100 * 1024;
     let up = ScriptedUpstream::start(|req| {
         let seed: u8 = req.target().trim_start_matches("/r/").parse().unwrap_or(0);
@@ -723,6 +724,7 @@ async fn content_length_body_arrives_intact_and_the_upstream_connection_is_reuse
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chunked_body_with_extensions_and_trailers_arrives_as_exactly_its_bytes() {
+    let _watch = common::watchdog();
     let up = ScriptedUpstream::start(|req| {
         if req.target() != "/chunked" {
             return vec![Step::Write(ok(b"next"))];
@@ -761,6 +763,7 @@ async fn chunked_body_with_extensions_and_trailers_arrives_as_exactly_its_bytes(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn close_delimited_body_arrives_intact_and_the_next_request_gets_a_new_connection() {
+    let _watch = common::watchdog();
     const LEN: usize = 50 * 1024;
     let up = ScriptedUpstream::start(|req| {
         if req.target() != "/until-close" {
@@ -794,6 +797,7 @@ async fn close_delimited_body_arrives_intact_and_the_next_request_gets_a_new_con
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn connection_close_from_the_upstream_is_honoured_with_a_fresh_connection() {
+    let _watch = common::watchdog();
     // The upstream says `Connection: close` but leaves the socket open: only the header
     // tells the gateway not to send anything more on it.
     let up = ScriptedUpstream::start(|req| match req.target() {
@@ -828,6 +832,7 @@ async fn connection_close_from_the_upstream_is_honoured_with_a_fresh_connection(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn head_answer_has_no_body_and_the_connections_stay_in_step() {
+    let _watch = common::watchdog();
     let up = ScriptedUpstream::start(|req| match req.method() {
         // The length a GET would have; no body follows, and the socket stays open.
         "HEAD" => vec![Step::Write(
@@ -874,6 +879,7 @@ async fn head_answer_has_no_body_and_the_connections_stay_in_step() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_content_and_not_modified_have_no_body_and_the_connection_stays_in_step() {
+    let _watch = common::watchdog();
     let up = ScriptedUpstream::start(|req| match req.target() {
         "/204" => vec![Step::Write(
             b"HTTP/1.1 204 No Content\r\nX-Kind: none\r\n\r\n".to_vec(),
@@ -912,6 +918,7 @@ async fn no_content_and_not_modified_have_no_body_and_the_connection_stays_in_st
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn informational_answers_before_the_final_one_leave_the_final_answer_intact() {
+    let _watch = common::watchdog();
     let up = ScriptedUpstream::start(|req| match req.target() {
         "/hints" => vec![
             Step::Write(b"HTTP/1.1 100 Continue\r\n\r\n".to_vec()),
@@ -944,6 +951,7 @@ async fn informational_answers_before_the_final_one_leave_the_final_answer_intac
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn chunked_with_content_length_is_read_as_chunked_or_refused_never_desynchronised() {
+    let _watch = common::watchdog();
     // RFC 9112 §6.3: Transfer-Encoding overrides Content-Length. Read by the
     // Content-Length, the body would be "5\r\n" and the rest would pass for the next
     // answer on the connection.
@@ -989,6 +997,7 @@ async fn chunked_with_content_length_is_read_as_chunked_or_refused_never_desynch
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_response_heads_are_502_and_the_gateway_keeps_serving() {
+    let _watch = common::watchdog();
     let up = ScriptedUpstream::start(|req| {
         let bytes: &[u8] = match req.target() {
             "/garbage" => b"this is not HTTP at all\r\n\r\n",
@@ -1030,6 +1039,7 @@ async fn malformed_response_heads_are_502_and_the_gateway_keeps_serving() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_chunk_size_never_reaches_the_client_as_a_whole_answer() {
+    let _watch = common::watchdog();
     // The head is fine, so the answer may have begun; the client must then see it cut,
     // never completed as if the body were whole.
     let up = ScriptedUpstream::start(|req| match req.target() {
@@ -1064,6 +1074,7 @@ async fn bad_chunk_size_never_reaches_the_client_as_a_whole_answer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn content_length_body_cut_short_never_reaches_the_client_as_whole() {
+    let _watch = common::watchdog();
     let up = ScriptedUpstream::start(|req| match req.target() {
         "/cut" => vec![
             Step::Write(b"HTTP/1.1 200 OK\r\nContent-Length: 1000\r\n\r\n".to_vec()),
@@ -1086,6 +1097,7 @@ async fn content_length_body_cut_short_never_reaches_the_client_as_whole() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bytes_after_a_whole_answer_are_never_taken_for_the_next_answer() {
+    let _watch = common::watchdog();
     // A second, unasked-for answer right behind the first, in the same write.
     let up = ScriptedUpstream::start(|req| match req.target() {
         "/first" => vec![Step::Write(
@@ -1110,6 +1122,7 @@ async fn bytes_after_a_whole_answer_are_never_taken_for_the_next_answer() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_closing_without_an_answer_is_a_quick_502() {
+    let _watch = common::watchdog();
     let up = ScriptedUpstream::start(|req| match req.target() {
         "/vanish" => vec![Step::Close],
         _ => vec![Step::Write(ok(b"fine"))],
@@ -1134,6 +1147,7 @@ async fn upstream_closing_without_an_answer_is_a_quick_502() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn idle_connection_closed_by_the_upstream_does_not_fail_the_next_request() {
+    let _watch = common::watchdog();
     let up = ScriptedUpstream::start(|req| match req.target() {
         "/one" => vec![Step::Write(ok(b"one")), Step::Sleep(ms(200)), Step::Close],
         _ => vec![Step::Write(ok(b"two"))],
@@ -1156,6 +1170,7 @@ async fn idle_connection_closed_by_the_upstream_does_not_fail_the_next_request()
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn response_head_over_64_kib_is_502_and_the_gateway_keeps_serving() {
+    let _watch = common::watchdog();
     let up = ScriptedUpstream::start(|req| match req.target() {
         "/big-head" => {
             let mut head = b"HTTP/1.1 200 OK\r\nX-Big: ".to_vec();
@@ -1185,6 +1200,7 @@ async fn response_head_over_64_kib_is_502_and_the_gateway_keeps_serving() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn response_head_of_a_megabyte_is_502_and_the_gateway_keeps_serving() {
+    let _watch = common::watchdog();
     // Far beyond any head buffer, and sent without its end: a client without a limit
     // would wait (and buffer) until the upstream timeout.
     let up = ScriptedUpstream::start(|req| match req.target() {
@@ -1216,6 +1232,7 @@ async fn response_head_of_a_megabyte_is_502_and_the_gateway_keeps_serving() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn response_with_many_header_lines_passes_whole() {
+    let _watch = common::watchdog();
     // 150 short `Set-Cookie` lines: under 4 KiB of head in all.
     let up = ScriptedUpstream::start(|_| {
         let mut r = b"HTTP/1.1 200 OK\r\n".to_vec();
@@ -1246,6 +1263,7 @@ async fn response_with_many_header_lines_passes_whole() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_slower_than_the_timeout_is_504() {
+    let _watch = common::watchdog();
     let up = ScriptedUpstream::start(|req| match req.target() {
         "/slow" => vec![
             Step::Sleep(Duration::from_secs(2)),
@@ -1273,6 +1291,7 @@ async fn upstream_slower_than_the_timeout_is_504() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_bodies_arrive_with_their_exact_bytes_and_framing() {
+    let _watch = common::watchdog();
     let up = ScriptedUpstream::start(|req| {
         vec![Step::Write(
             ok(format!("got {}", req.body.len()).as_bytes()),
@@ -1361,6 +1380,7 @@ async fn request_bodies_arrive_with_their_exact_bytes_and_framing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_line_and_header_lines_arrive_as_sent_with_forwarding_fields() {
+    let _watch = common::watchdog();
     let up = ScriptedUpstream::start(|_| vec![Step::Write(ok(b"seen"))]).await;
     let gw = gateway(&up);
     let mut client = RawClient::connect(gw.port).await;
@@ -1438,6 +1458,7 @@ async fn request_line_and_header_lines_arrive_as_sent_with_forwarding_fields() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn large_answer_streams_to_the_client_before_the_upstream_has_sent_it_all() {
+    let _watch = common::watchdog();
     const MB: usize = 1 << 20;
     const LEN: usize = 8 * MB;
     let go = Arc::new(Notify::new());
@@ -1552,6 +1573,7 @@ async fn upload_and_read_head(port: u16) -> Result<(Head, Duration), String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_answer_before_the_whole_upload_reaches_the_client_at_once() {
+    let _watch = common::watchdog();
     const TOO_LARGE: &[u8] =
         b"HTTP/1.1 413 Payload Too Large\r\nContent-Length: 0\r\nConnection: close\r\n\r\n";
     // The upstream that answers and closes, and the one that answers and stops reading.
@@ -1575,6 +1597,7 @@ async fn an_answer_before_the_whole_upload_reaches_the_client_at_once() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_connection_the_upstream_closed_is_closed_without_waiting_for_traffic() {
+    let _watch = common::watchdog();
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
     let url = format!("http://{}", listener.local_addr().expect("addr"));
     let gw = Gateway::start(&format!(
@@ -1636,6 +1659,7 @@ fn dechunk(wire: &[u8]) -> Option<Vec<u8>> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_that_answers_while_it_reads_streams_both_ways() {
+    let _watch = common::watchdog();
     const SIZE: usize = 8 << 20;
     // The upstream echoes the body back, chunk by chunk, as it reads it.
     let listener = TcpListener::bind("127.0.0.1:0").await.expect("bind");
@@ -1734,6 +1758,7 @@ async fn metrics_text(gw: &Gateway) -> String {
 /// would hand that to the next client as its own answer; it is never reused.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_bodiless_answer_that_announces_a_body_leaves_no_stray_answer_for_another_client() {
+    let _watch = common::watchdog();
     let up = ScriptedUpstream::start(|req| match req.target() {
         "/no-content" => vec![
             Step::Write(b"HTTP/1.1 204 No Content\r\nContent-Length: 12\r\n\r\n".to_vec()),
@@ -1763,6 +1788,7 @@ async fn a_bodiless_answer_that_announces_a_body_leaves_no_stray_answer_for_anot
 /// read as another request's answer: the connection is discarded when it is next taken.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bytes_written_on_an_idle_pooled_connection_are_never_taken_for_an_answer() {
+    let _watch = common::watchdog();
     let up = ScriptedUpstream::start(|req| match req.target() {
         "/first" => vec![
             Step::Write(ok(b"first")),
@@ -1797,6 +1823,7 @@ async fn bytes_written_on_an_idle_pooled_connection_are_never_taken_for_an_answe
 /// answer, not as an upstream failure (502); and the connection is closed.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_malformed_chunked_request_body_is_a_400_not_an_upstream_failure() {
+    let _watch = common::watchdog();
     let up = ScriptedUpstream::start(|_| vec![Step::Write(ok(b"fine"))]).await;
     let gw = gateway(&up);
     let mut client = RawClient::connect(gw.port).await;
@@ -1830,6 +1857,7 @@ async fn a_malformed_chunked_request_body_is_a_400_not_an_upstream_failure() {
 /// upload slower than it (2.4 s against 1 s) is answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upload_slower_than_the_upstream_timeout_is_answered() {
+    let _watch = common::watchdog();
     const LEN: usize = 64 * 1024;
     let up = ScriptedUpstream::start(|req| {
         vec![Step::Write(
@@ -1864,6 +1892,7 @@ async fn an_upload_slower_than_the_upstream_timeout_is_answered() {
 /// pooled.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_upload_gets_408_and_its_upstream_connection_is_dropped() {
+    let _watch = common::watchdog();
     let up = ScriptedUpstream::start(|_| vec![Step::Write(ok(b"fine"))]).await;
     let gw = Gateway::start(&format!(
         "workers = 1\nbody_timeout = \"1s\"\n{}",
@@ -1906,6 +1935,7 @@ async fn a_stalled_upload_gets_408_and_its_upstream_connection_is_dropped() {
 /// sent a transfer coding, gets a 502 — never the coded bytes with no coding named.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn transfer_codings_reach_an_http11_client_intact_and_others_get_502() {
+    let _watch = common::watchdog();
     let coded = pattern(9, 3_000);
     let mut answer =
         b"HTTP/1.1 200 OK\r\nContent-Type: text/plain\r\nTransfer-Encoding: gzip, chunked\r\n\r\n"
@@ -1952,6 +1982,7 @@ async fn transfer_codings_reach_an_http11_client_intact_and_others_get_502() {
 /// the upstream connection is held by it for ever.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upstream_silent_in_the_middle_of_its_body_is_cut_off_at_its_timeout() {
+    let _watch = common::watchdog();
     let up = ScriptedUpstream::start(|req| match req.target() {
         "/hang" => vec![
             Step::Write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nfirst bytes".to_vec()),
@@ -2037,6 +2068,7 @@ fn get_10(path: &str, keep_alive: bool) -> Vec<u8> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http10_backend_keeps_the_http11_clients_connection_and_its_bytes() {
+    let _watch = common::watchdog();
     const LEN: usize = 40 * 1024;
     let body = pattern(3, LEN);
     let up = http10_backend(body.clone()).await;
@@ -2083,6 +2115,7 @@ async fn still_serves_on(client: &mut RawClient, up: &ScriptedUpstream) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http10_backends_head_204_and_304_have_no_body_and_keep_the_connection() {
+    let _watch = common::watchdog();
     let up = http10_backend(b"body".to_vec()).await;
     let gw = gateway(&up);
     let mut client = RawClient::connect(gw.port).await;
@@ -2114,6 +2147,7 @@ async fn an_http10_backends_head_204_and_304_have_no_body_and_keep_the_connectio
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http10_client_behind_an_http10_backend_gets_what_http10_allows() {
+    let _watch = common::watchdog();
     let body = pattern(5, 20 * 1024);
     let up = http10_backend(body.clone()).await;
     let gw = gateway(&up);
@@ -2149,6 +2183,7 @@ async fn an_http10_client_behind_an_http10_backend_gets_what_http10_allows() {
 /// HTTP/2 frames every body itself: a close-delimited answer arrives whole.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http10_backends_close_delimited_answer_reaches_an_http2_client_whole() {
+    let _watch = common::watchdog();
     let body = pattern(7, 30 * 1024);
     let up = http10_backend(body.clone()).await;
     let gw = gateway(&up);

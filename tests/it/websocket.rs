@@ -120,6 +120,7 @@ fn number(v: &Value) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn text_binary_a_fragmented_mebibyte_and_pings_pass_unchanged() {
+    let _watch = common::watchdog();
     let echo = EchoServer::start().await;
     let gw = Gateway::start(&config(&echo.url(), ""));
     let mut c = WsClient::open(&ws_url(&gw, "/echo"), &[]).await;
@@ -178,6 +179,7 @@ async fn text_binary_a_fragmented_mebibyte_and_pings_pass_unchanged() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_closing_handshake_carries_its_code_and_reason_whichever_side_starts_it() {
+    let _watch = common::watchdog();
     let echo = EchoServer::start().await;
     let gw = Gateway::start(&config(&echo.url(), ""));
 
@@ -219,6 +221,7 @@ async fn the_closing_handshake_carries_its_code_and_reason_whichever_side_starts
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_past_the_burst_is_a_429_before_any_101() {
+    let _watch = common::watchdog();
     let echo = EchoServer::start().await;
     let rule = "[[rules]]\nname = \"sockets\"\nkey = \"api_key\"\nrate = \"1/h\"\nburst = 2\n";
     let gw = Gateway::start(&config(&echo.url(), rule));
@@ -266,6 +269,7 @@ async fn an_upgrade_past_the_burst_is_a_429_before_any_101() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_in_flight_bounds_the_open_sockets_of_a_key_until_one_closes() {
+    let _watch = common::watchdog();
     let echo = EchoServer::start().await;
     let rule = "[[rules]]\nname = \"sockets\"\nkey = \"api_key\"\nmax_in_flight = 2\n";
     let gw = Gateway::start(&config(&echo.url(), rule));
@@ -329,6 +333,7 @@ async fn max_in_flight_bounds_the_open_sockets_of_a_key_until_one_closes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_flooding_client_is_held_back_then_closed_1008_and_a_polite_one_is_untouched() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let echo = EchoServer::start().await;
     // The README's shape: the sockets a key may hold open, and the rate rule that carries
@@ -388,6 +393,7 @@ async fn a_flooding_client_is_held_back_then_closed_1008_and_a_polite_one_is_unt
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn control_frames_are_never_counted_against_messages() {
+    let _watch = common::watchdog();
     let echo = EchoServer::start().await;
     let rule = "[[rules]]\nname = \"chat\"\nkey = \"client_ip\"\nrate = \"60/m\"\n\
                 messages = { rate = \"1/m\", burst = 2 }\n";
@@ -410,6 +416,7 @@ async fn control_frames_are_never_counted_against_messages() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sockets_of_one_key_share_one_message_bucket() {
+    let _watch = common::watchdog();
     let echo = EchoServer::start().await;
     // A batch of 1 (a tenth of a second of 1/m, at least 1): no socket holds tokens
     // another could use.
@@ -439,6 +446,7 @@ async fn the_sockets_of_one_key_share_one_message_bucket() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_idle_socket_is_closed_1001_after_upgrade_idle_timeout_and_an_active_one_lives() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let echo = EchoServer::start().await;
     let gw = Gateway::start(&config(&echo.url(), "upgrade_idle_timeout = \"2s\"\n"));
@@ -479,6 +487,7 @@ async fn an_idle_socket_is_closed_1001_after_upgrade_idle_timeout_and_an_active_
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_sigterm_sockets_work_through_the_grace_then_get_1001_at_both_ends() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let echo = EchoServer::start().await;
     let mut gw = Gateway::try_start_with_grace(&config(&echo.url(), ""), "3s")
@@ -524,6 +533,7 @@ async fn on_sigterm_sockets_work_through_the_grace_then_get_1001_at_both_ends() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn another_upgrade_tunnels_raw_bytes_and_ends_when_either_side_closes() {
+    let _watch = common::watchdog();
     let backend = RawBackend::start(Answer::Switch("foo")).await;
     let gw = Gateway::start(&config(&backend.url(), ""));
     let upgrade =
@@ -600,6 +610,7 @@ async fn another_upgrade_tunnels_raw_bytes_and_ends_when_either_side_closes() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn h2c_is_never_asked_of_the_backend() {
+    let _watch = common::watchdog();
     // Offered alone: an ordinary request, without its upgrade fields.
     let plain = RawBackend::start(Answer::Ok).await;
     let gw = Gateway::start(&config(&plain.url(), ""));
@@ -635,6 +646,7 @@ async fn h2c_is_never_asked_of_the_backend() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unmasked_client_frame_is_closed_1002_at_both_ends() {
+    let _watch = common::watchdog();
     let echo = EchoServer::start().await;
     let gw = Gateway::start(&config(&echo.url(), ""));
     let mut r = send_raw(gw.port, &ws_handshake("/unmasked", "")).await;
@@ -675,6 +687,7 @@ async fn an_unmasked_client_frame_is_closed_1002_at_both_ends() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_declined_upgrade_and_one_with_a_body_are_ordinary_requests() {
+    let _watch = common::watchdog();
     let backend = RawBackend::start(Answer::Ok).await;
     let gw = Gateway::start(&config(&backend.url(), ""));
 
@@ -715,6 +728,7 @@ async fn a_declined_upgrade_and_one_with_a_body_are_ordinary_requests() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_101_to_a_protocol_the_client_did_not_offer_is_a_502() {
+    let _watch = common::watchdog();
     let backend = RawBackend::start(Answer::Switch("bar")).await;
     let gw = Gateway::start(&config(&backend.url(), ""));
     let foo = b"GET /foo HTTP/1.1\r\nHost: raw.test\r\nConnection: Upgrade\r\nUpgrade: foo\r\n\r\n";
@@ -735,6 +749,7 @@ async fn a_101_to_a_protocol_the_client_did_not_offer_is_a_502() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_extended_connect_is_a_websocket_to_an_http1_backend() {
+    let _watch = common::watchdog();
     let echo = EchoServer::start().await;
     let gw = Gateway::start(&config(&echo.url(), ""));
     // Cleartext HTTP/2 with prior knowledge, on the gateway's one listener.
@@ -800,6 +815,7 @@ async fn an_http2_extended_connect_is_a_websocket_to_an_http1_backend() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_socket_is_closed_1001_when_idle_and_when_the_grace_runs_out() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let echo = EchoServer::start().await;
     let body = config(&echo.url(), "upgrade_idle_timeout = \"3s\"\n");
@@ -857,6 +873,7 @@ async fn an_http2_socket_is_closed_1001_when_idle_and_when_the_grace_runs_out() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_goes_http1_to_a_pool_that_speaks_h2c() {
+    let _watch = common::watchdog();
     // The echo backend speaks HTTP/1.1 only: an upgrade must not go up as HTTP/2.
     let echo = EchoServer::start().await;
     let body = format!(
@@ -873,6 +890,7 @@ async fn an_upgrade_goes_http1_to_a_pool_that_speaks_h2c() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_outage_closes_a_metered_socket_1011_at_both_ends() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let mut redis = common::RedisServer::start();
     let echo = EchoServer::start().await;
@@ -908,6 +926,7 @@ async fn a_store_outage_closes_a_metered_socket_1011_at_both_ends() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_and_the_access_line_follow_a_socket_to_the_byte() {
+    let _watch = common::watchdog();
     let echo = EchoServer::start().await;
     let body = format!(
         "[[upstreams]]\nname = \"ws\"\nservers = [\"{}\"]\n\

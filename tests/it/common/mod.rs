@@ -37,6 +37,7 @@
 //! - [`seed`]: seeded, time-bounded property runs.
 //! - [`serial`]: a lock for tests whose bounds are timed, so that they do not run beside
 //!   each other's load.
+//! - [`watchdog`]: a time budget for every test; a hung one ends the run, named.
 //! - [`witness`]: a scripted backend counting request heads the moment they arrive (before
 //!   any body), with their fields, bodies and trailers; costs as fields and trailers, a
 //!   gate before the last chunk, and an echo of what it was sent.
@@ -68,6 +69,7 @@ pub mod serial;
 pub mod tls;
 pub mod tls_upstream;
 pub mod upstream;
+pub mod watchdog;
 pub mod websocket;
 pub mod witness;
 
@@ -86,6 +88,7 @@ pub use sentinel::*;
 pub use serial::*;
 pub use tls::*;
 pub use upstream::*;
+pub use watchdog::watchdog;
 pub use websocket::*;
 
 use std::net::TcpListener as StdListener;

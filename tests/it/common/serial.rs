@@ -11,7 +11,9 @@ use tokio::sync::{Mutex, MutexGuard};
 
 static SERIAL: Mutex<()> = Mutex::const_new(());
 
-/// Hold this for the whole test: `let _serial = serial().await;`.
+/// Hold this for the whole test: `let _serial = serial().await;`. The test's watchdog
+/// clock stops while it waits, and starts again once it holds the lock.
 pub async fn serial() -> MutexGuard<'static, ()> {
+    let _waiting = super::watchdog::waiting();
     SERIAL.lock().await
 }
