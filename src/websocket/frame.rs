@@ -739,8 +739,8 @@ mod tests {
         prop_oneof![Just(Side::Client), Just(Side::Server)]
     }
 
-    proptest! {
-        #![proptest_config(crate::seed::proptest_config("websocket::frame::splits", 300))]
+    crate::proptest_seeds! {
+        #![cases(300)]
 
         /// However a valid stream is cut into reads, every byte passes, every data frame
         /// is counted once, and the scanner is at a boundary exactly between frames.

@@ -95,12 +95,6 @@ impl Harness {
     }
 }
 
-/// A seeded, time-bounded proptest config for `cases` cases of `test` (see
-/// `common::seed`: `RATEWALL_TEST_SEED` replays another run).
-fn config(test: &str, cases: u32) -> ProptestConfig {
-    common::proptest_config(test, cases)
-}
-
 // ---------------------------------------------------------------------------------------
 // Timelines.
 
@@ -815,7 +809,7 @@ fn rust_and_lua_agree_for_all_four_algorithms() {
     let h = Harness::start();
     let tally = AgreeTally::default();
     let started = Instant::now();
-    proptest!(config("rust_and_lua_agree_for_all_four_algorithms", 64), |(tl in timeline(4))| {
+    crate::proptest_seeds!("algorithms_agree::rust_and_lua_agree_for_all_four_algorithms", 64, |(tl in timeline(4))| {
         agree_case(&h, &tl, &tally)?;
     });
 
@@ -1075,12 +1069,12 @@ fn retry_after_is_exact_for_all_four_algorithms() {
     let h = Harness::start();
     let tally = RetryTally::default();
     let started = Instant::now();
-    proptest!(config("retry_after_is_exact_for_all_four_algorithms", 64), |(tl in timeline(1))| {
+    crate::proptest_seeds!("algorithms_agree::retry_after_is_exact_for_all_four_algorithms", 64, |(tl in timeline(1))| {
         retry_case(&h, &tl, &tally)?;
     });
     // And more waits: a token bucket or GCRA with a max_delay, every time.
     let waiting = rule_spec(&[Algorithm::TokenBucket, Algorithm::Gcra], 0);
-    proptest!(config("retry_after_is_exact_for_all_four_algorithms", 16), |(tl in timeline_of(waiting, 1))| {
+    crate::proptest_seeds!("algorithms_agree::retry_after_is_exact_for_all_four_algorithms", 16, |(tl in timeline_of(&waiting, 1))| {
         retry_case(&h, &tl, &tally)?;
     });
     let denials = tally.denials.each_ref().map(|v| v.load(Relaxed));
@@ -1286,7 +1280,7 @@ fn token_bucket_and_gcra_agree_with_max_delay() {
     let started = Instant::now();
     // Bucket rules with a max_delay 4 times in 5.
     let rules = rule_spec(&[Algorithm::TokenBucket], 1);
-    proptest!(config("token_bucket_and_gcra_agree_with_max_delay", 16), |(tl in timeline_of(rules, 3))| {
+    crate::proptest_seeds!("algorithms_agree::token_bucket_and_gcra_agree_with_max_delay", 16, |(tl in timeline_of(&rules, 3))| {
         twins_case(&h, &tl, &tally)?;
     });
     let n = |c: &AtomicUsize| c.load(Relaxed);
@@ -1418,7 +1412,7 @@ fn a_clock_stepped_back_never_reopens_a_window() {
         ],
         5..80,
     );
-    proptest!(config("a_clock_stepped_back_never_reopens_a_window", 40), |(spec in spec, steps in steps)| {
+    crate::proptest_seeds!("algorithms_agree::a_clock_stepped_back_never_reopens_a_window", 40, |(spec in &spec, steps in &steps)| {
         back_case(&h, spec, &steps)?;
     });
     eprintln!("stepped-back timelines agreed in {:?}", started.elapsed());

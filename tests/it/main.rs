@@ -3,6 +3,8 @@
 //! `common/` is compiled and linked once for all of them. Fixtures stay in `tests/fixtures/`.
 
 mod common;
+// `crate::seed`, as in the library's unit tests (`proptest_seeds!` names it so).
+use common::seed;
 
 mod algorithms_agree;
 mod batching;

@@ -635,7 +635,7 @@ fn memory_and_redis_agree_on_settlement_timelines() {
     let h = Harness::start(Servers::One(RedisServer::start()));
     let tally = Tally::default();
     let started = Instant::now();
-    proptest!(common::proptest_config("settle_agree::redis", 60), |(tl in timeline(20..=120, 4))| {
+    crate::proptest_seeds!("settle_agree::redis", 60, |(tl in timeline(20..=120, 4))| {
         case(&h, &tl, &tally, true)?;
     });
     report("redis", &tally, started);
@@ -679,7 +679,7 @@ fn memory_and_a_redis_cluster_agree_on_settlement_timelines() {
     let h = Harness::start(Servers::Cluster(RedisCluster::start()));
     let tally = Tally::default();
     let started = Instant::now();
-    proptest!(common::proptest_config("settle_agree::cluster", 36), |(tl in timeline(20..=80, 2))| {
+    crate::proptest_seeds!("settle_agree::cluster", 36, |(tl in timeline(20..=80, 2))| {
         case(&h, &tl, &tally, false)?;
     });
     report("cluster", &tally, started);

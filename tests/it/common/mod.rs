@@ -34,7 +34,8 @@
 //! - [`metrics`]: `/metrics` parsed with `prometheus-parse`.
 //! - [`tls`]: a throw-away CA (rcgen), server and client certificates as PEM files, a
 //!   `[server.tls]` table, and a rustls client (HTTP/1.1 or HTTP/2 by ALPN).
-//! - [`seed`]: seeded, time-bounded property runs.
+//! - [`seed`]: property runs: the saved regressions, a fixed seed, a fresh one on CI
+//!   (`RATEWALL_FRESH_SEED=1`), each seed printed with its replay (`proptest_seeds!`).
 //! - [`serial`]: a lock for tests whose bounds are timed, so that they do not run beside
 //!   each other's load.
 //! - [`watchdog`]: a time budget for every test; a hung one ends the run, named.
@@ -83,7 +84,6 @@ pub use metrics::*;
 pub use nginx::*;
 pub use raw::*;
 pub use redis_server::*;
-pub use seed::*;
 pub use sentinel::*;
 pub use serial::*;
 pub use tls::*;
