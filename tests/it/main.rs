@@ -20,6 +20,7 @@ mod features;
 mod grpc;
 mod grpc_answers;
 mod h2_pools;
+mod h2_refusals;
 mod jwt;
 mod jwt_quick_start;
 mod key_directory;
