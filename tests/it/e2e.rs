@@ -592,7 +592,8 @@ async fn request_body_streams_to_the_upstream_without_buffering() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn upstream_refused_is_502_and_slow_is_504() {
     let _watch = common::watchdog();
-    let dead = format!("http://127.0.0.1:{}", common::free_port());
+    let refusing = common::RefusingPort::new();
+    let dead = refusing.url();
     let gw = Gateway::start(&upstream_and_store(&dead, &Store::Memory));
     let r = HttpClient::new().get(&gw.url("/"), &[]).await;
     assert_eq!(r.status, StatusCode::BAD_GATEWAY);

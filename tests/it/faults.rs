@@ -1040,7 +1040,8 @@ async fn upstream_faults_do_not_spill_over() {
     );
 
     // Nothing listening upstream: 502.
-    let dead = format!("http://127.0.0.1:{}", common::free_port());
+    let refusing = common::RefusingPort::new();
+    let dead = refusing.url();
     let gw = Gateway::start(&upstream_and_store(&dead, &Store::Memory));
     let start = Instant::now();
     let r = client.get(&gw.url("/"), &[]).await;

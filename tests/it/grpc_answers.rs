@@ -464,9 +464,10 @@ fn check_shows_the_rules_a_grpc_method_matches() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_upstream_is_unavailable_to_a_grpc_call_and_a_502_to_others() {
     let _watch = common::watchdog();
+    let refusing = common::RefusingPort::new();
     let gw = Binary::start(&format!(
         "[upstream]\nurl = \"{}\"\nconnect_timeout = \"1s\"\n",
-        common::closed_port_url()
+        refusing.url()
     ));
     let client = HttpClient::h2();
     let frame = bytes::Bytes::from_static(b"\x00\x00\x00\x00\x00");

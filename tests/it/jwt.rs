@@ -463,7 +463,8 @@ async fn a_jwks_is_rotated_without_reload_and_outlives_its_server() {
 async fn a_gateway_that_never_fetched_its_jwks_answers_503() {
     let _watch = common::watchdog();
     let upstream = Upstream::start().await;
-    let nothing = common::free_port();
+    let refusing = common::RefusingPort::new();
+    let nothing = refusing.port;
     let gw = Gateway::start(&format!(
         "[upstream]\nurl = \"{}\"\n[jwt]\nalgorithms = [\"ES256\"]\njwks_url = \"https://127.0.0.1:{nothing}/jwks.json\"\n{}",
         upstream.url(),

@@ -200,8 +200,9 @@ async fn a_gateway_that_never_reached_redis_counts_itself_alone_and_keeps_the_wh
     let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     // Nothing listens there: no heartbeat is ever answered.
+    let refusing = common::RefusingPort::new();
     let store = Store::Redis {
-        url: format!("redis://127.0.0.1:{}", common::free_port()),
+        url: format!("redis://127.0.0.1:{}", refusing.port),
         on_error: "local",
         timeout: "250ms",
     };

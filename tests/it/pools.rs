@@ -38,8 +38,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{
-    binary, channel_body, closed_port_url, dump_dom, raw_exchange, serial, Backend, Gateway,
-    HttpClient, OnBody, Resetter, Scrape,
+    binary, channel_body, dump_dom, raw_exchange, serial, Backend, Gateway, HttpClient, OnBody,
+    RefusingPort, Resetter, Scrape,
 };
 use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -557,7 +557,8 @@ fn row_naming<'a>(dom: &'a str, label: &str) -> Option<&'a str> {
 async fn the_status_page_shows_each_server_of_a_pool_with_its_state() {
     let _watch = common::watchdog();
     let live = Backend::start().await;
-    let refused = closed_port_url();
+    let refusing = RefusingPort::new();
+    let refused = refusing.url();
     // Ejected after its first failure, for longer than the test takes.
     let gw = Gateway::start(&one_pool(
         &[live.url(), refused.clone()],
@@ -651,7 +652,8 @@ async fn a_post_partly_sent_is_not_retried_and_one_refused_before_sending_is() {
 
     // Refused before anything was sent: tried again on the other server, body and all.
     let live = Backend::start().await;
-    let refused = closed_port_url();
+    let refusing = RefusingPort::new();
+    let refused = refusing.url();
     let gw = Gateway::start(&one_pool(&[refused.clone(), live.url()], ""));
     for i in 0..4 {
         let (tx, body) = channel_body();
@@ -1109,7 +1111,8 @@ fn check_names_the_route_and_pool_a_request_would_take() {
 async fn the_access_line_names_route_pool_server_and_attempts() {
     let _watch = common::watchdog();
     let live = Backend::start().await;
-    let refused = closed_port_url();
+    let refusing = RefusingPort::new();
+    let refused = refusing.url();
     let body = format!(
         "{}{MEMORY}[[routes]]\nname = \"billing\"\nmatch = {{ path_prefix = \"/billing/\" }}\nupstream = \"payments\"\n",
         pool("payments", &servers(&[refused.clone(), live.url()]), ""),

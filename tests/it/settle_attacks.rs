@@ -36,8 +36,8 @@ use common::gzip_backend::GzipBackend;
 use common::llm::{stream_get, Http, LlmBackend, COST_HEADER};
 use common::witness::Witness;
 use common::{
-    closed_port_url, raw_exchange, redis_key, remaining, send_raw, serial, try_remaining,
-    ws_handshake, EchoServer, Gateway, HttpClient, RedisServer, Reply, Scrape, Store, WAIT,
+    raw_exchange, redis_key, remaining, send_raw, serial, try_remaining, ws_handshake, EchoServer,
+    Gateway, HttpClient, RedisServer, Reply, Scrape, Store, WAIT,
 };
 use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -272,6 +272,7 @@ async fn what_never_reached_a_backend_is_refunded() {
     const B: i64 = 10;
     let backend = Arc::new(Witness::start().await);
     let w = backend.url();
+    let refusing = common::RefusingPort::new();
     let body = format!(
         r#"[upstream]
 connect_timeout = "1s"
@@ -317,7 +318,7 @@ upstream = "queued"
 token = "{ADMIN_TOKEN}"
 
 {}"#,
-        closed_port_url(),
+        refusing.url(),
         Store::Memory.toml(),
         rule(
             "api",

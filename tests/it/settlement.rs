@@ -25,9 +25,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{
-    closed_port_url, int, llm::sse_events, llm::stream_get, llm::Http, llm::LlmBackend,
-    llm::COST_HEADER, redis_key, remaining, scan, serial, sf_list, tally, try_remaining, Gateway,
-    HttpClient, RedisCluster, RedisServer, Reply, Scrape, Store,
+    int, llm::sse_events, llm::stream_get, llm::Http, llm::LlmBackend, llm::COST_HEADER, redis_key,
+    remaining, scan, serial, sf_list, tally, try_remaining, Gateway, HttpClient, RedisCluster,
+    RedisServer, Reply, Scrape, Store,
 };
 use http::StatusCode;
 
@@ -155,6 +155,7 @@ async fn assert_settled(gw: &Gateway, rule: &str, outcomes: &[(&str, u64)], cost
 // 1. Charge by status: what was not a 2xx is given back.
 
 async fn charge_by_status(on: On<'_>) {
+    let refusing = common::RefusingPort::new();
     const B: i64 = 10;
     let backend = LlmBackend::start().await;
     let body = format!(
@@ -186,7 +187,7 @@ burst = {B}
 charge = {{ statuses = ["2xx"], attempts = {{ rate = "1/h", burst = 1000 }} }}
 "#,
         backend.url(),
-        closed_port_url(),
+        refusing.url(),
         on.toml()
     );
     let gw = Gateway::start(&body);

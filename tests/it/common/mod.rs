@@ -1,8 +1,10 @@
 //! The one harness of the tests in `tests/it/`: real processes and real clients, each
 //! helper written once. Everything binds to 127.0.0.1 and is killed (or aborted) on drop.
 //!
-//! - [`redis_server`]: a `redis-server` on a free port, a Redis Cluster (with or without
-//!   replicas), and what the tests read from them (INFO counters, TTLs, Redis' clock). No
+//! - [`redis_server`]: a `redis-server` on a free port (again on another when it was taken
+//!   meanwhile, as the gateway's start does; [`sentinel`] and [`nginx`] too), a Redis
+//!   Cluster (with or without replicas), and what the tests read from them (INFO
+//!   counters, TTLs, Redis' clock). No
 //!   server the harness starts writes anything to disk (`--save ""`, `--appendonly no`,
 //!   `--dir` in a temporary directory).
 //! - [`sentinel`]: Redis under Sentinel: a primary, two replicas and three sentinels,
@@ -23,7 +25,8 @@
 //!   semaphore of places and a sleep), counting the most requests it held at once.
 //! - [`upstream`]: an HTTP upstream in the test process that records what it saw.
 //! - [`backend`]: a pool's servers: bound where a test says, killed and started again on
-//!   the same address, recording request targets byte for byte; and one that resets.
+//!   the same address, recording request targets byte for byte; one that resets; and a
+//!   dead one, [`RefusingPort`]: a port held (bound, never listening) that refuses.
 //! - [`browser`]: a page's DOM as headless Chromium renders it.
 //! - [`tls_upstream`]: an https upstream in the test process, with certificates made by
 //!   the harness (rcgen), counting handshakes, SNI and client certificates.
@@ -94,7 +97,9 @@ pub use websocket::*;
 use std::net::TcpListener as StdListener;
 use std::time::{Duration, Instant};
 
-/// A port that was free a moment ago.
+/// A port that was free a moment ago (anyone's by the time it is used: a server started
+/// on it checks that it is the one answering, and starts again on another if not; a dead
+/// upstream is a [`RefusingPort`], held).
 pub fn free_port() -> u16 {
     StdListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
