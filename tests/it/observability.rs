@@ -8,7 +8,7 @@ use crate::common;
 use std::collections::BTreeMap;
 use std::convert::Infallible;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -202,25 +202,10 @@ fn tbody<'d>(dom: &'d str, id: &str) -> &'d str {
     &rest[..rest.find("</tbody>").expect("</tbody>")]
 }
 
-fn chromium() -> PathBuf {
-    let found = std::env::var_os("PATH").and_then(|paths| {
-        std::env::split_paths(&paths)
-            .map(|d| d.join("chromium"))
-            .find(|p| p.is_file())
-    });
-    let path = found.unwrap_or_else(|| PathBuf::from("/usr/bin/chromium"));
-    assert!(
-        path.is_file(),
-        "chromium is not installed: the status page test needs it (./scripts/test installs \
-         it, or: apt-get install chromium)"
-    );
-    path
-}
-
 /// Run headless Chromium on `url` with `extra` arguments; at most 90 s. Its stdout.
 async fn run_chromium(url: &str, extra: &[String]) -> String {
     let profile = tempfile::tempdir().expect("profile dir");
-    let mut cmd = tokio::process::Command::new(chromium());
+    let mut cmd = tokio::process::Command::new(common::chromium());
     cmd.args([
         "--headless",
         "--no-sandbox",
@@ -1354,7 +1339,7 @@ async fn status_page_shows_every_outcome_backend_store_and_reloads_in_headless_c
     let _watch = common::watchdog();
     const NOISY: &str = "sk_live_status_page_noisy_c0de";
     const CALM: &str = "sk_live_status_page_calm_0000";
-    let browser = chromium();
+    let browser = common::chromium();
     let mut redis = RedisServer::start();
     let upstream = FaultyUpstream::start().await;
     let rules =

@@ -696,7 +696,7 @@ async fn the_tls_quick_start_works_as_written_on_loopback() {
         &[("x-api-key", "demo-free-key")],
     )
     .await;
-    // The README's own curl, where curl is installed: `200 2`.
+    // The README's own curl: `200 2`.
     let curl = Command::new("curl")
         .current_dir(dir.path())
         .args([
@@ -723,11 +723,11 @@ async fn the_tls_quick_start_works_as_written_on_loopback() {
         Some(&b"h2"[..]),
         "HTTP/2, as `200 2` says"
     );
-    if let Ok(out) = curl {
-        assert_eq!(
-            String::from_utf8_lossy(&out.stdout),
-            "200 2",
-            "curl, as the README runs it"
-        );
-    }
+    let out = curl.expect("run curl (./scripts/test installs it, or: apt-get install curl)");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "200 2",
+        "curl, as the README runs it: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }
