@@ -36,8 +36,8 @@ use common::gzip_backend::GzipBackend;
 use common::llm::{stream_get, Http, LlmBackend, COST_HEADER};
 use common::witness::Witness;
 use common::{
-    raw_exchange, redis_key, remaining, send_raw, serial, try_remaining, ws_handshake, EchoServer,
-    Gateway, HttpClient, RedisServer, Reply, Scrape, Store, WAIT,
+    raw_exchange, redis_key, remaining, send_raw, serial, try_remaining, until_quiet, ws_handshake,
+    EchoServer, Gateway, HttpClient, RedisServer, Reply, Scrape, Store, WAIT,
 };
 use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -226,8 +226,9 @@ async fn leaving_early_is_not_a_refund() {
             answered.push(format!("stall: {s}"));
         }
     }
-    // Let the gateway notice every departure and settle what it settles.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Until the gateway has seen every departure: only the HTTP/2 connection is open, and
+    // no request is in flight (a cancelled stream's is dropped).
+    until_quiet(&gw, 1.0).await;
 
     let c = HttpClient::new();
     let mut rows = Vec::new();
@@ -443,7 +444,8 @@ async fn early_leavers_get_no_more_than_the_limit() {
         denied += d;
     }
     let secs = started.elapsed().as_secs_f64();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Until every client is seen gone and nothing is in flight: no more heads can come.
+    until_quiet(&gw, 0.0).await;
     let hits = backend.heads_of("leaver");
     let most = (B + RATE_PER_MIN * secs / 60.0).floor() as usize;
     assert!(

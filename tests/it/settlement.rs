@@ -250,7 +250,11 @@ charge = {{ statuses = ["2xx"], attempts = {{ rate = "1/h", burst = 1000 }} }}
         }
         drop(s);
     }
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Until the gateway has seen the client go (its request no longer in flight).
+    common::until_scrape(&gw, "the client that left seen gone", |s| {
+        s.scalar("ratewall_in_flight_requests") == 0.0
+    })
+    .await;
     // Probe with a 500 (itself refunded): the 504 and the client that left still count.
     let r = get(&c, &gw, "/work?status=500", key).await;
     assert_eq!(
@@ -352,6 +356,7 @@ async fn concurrent_reservations(on: On<'_>) {
     while backend.arrived() < B && Instant::now() < end {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // Real time on purpose: a window in which one more than the burst would show.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         backend.arrived(),

@@ -403,7 +403,8 @@ async fn guessing_the_admin_token_is_slowed_counted_and_logged() {
     );
     assert!(!logs.contains("guess-0"), "a guessed token reached the log");
 
-    // The guesser's address, once its allowance is back, is checked again.
+    // The guesser's address, once its allowance is back, is checked again (real time on
+    // purpose: the allowance refills on the gateway's clock).
     tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
     let r = guesser
         .get(&state, &[("authorization", &format!("Bearer {TOKEN}"))])
