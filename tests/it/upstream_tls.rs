@@ -454,7 +454,10 @@ async fn a_kept_tls_connection_the_backend_closed_is_not_used_again() {
     );
     assert_eq!(status(&gw, "/x").await.0, 200);
     // The backend closes the idle connection; the next request gets a new one, not a 502.
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(
+        up.wait_ended(1).await,
+        "the backend never closed the idle connection"
+    );
     assert_eq!(
         status(&gw, "/y").await,
         (200, "tls ok".into()),
