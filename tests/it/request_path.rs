@@ -318,6 +318,53 @@ async fn a_request_waits_for_reserved_tokens_up_to_max_delay_and_the_queue_is_bo
     drop(third);
 }
 
+/// A batch at once against 10/s, a burst of 1 and `max_delay = "500ms"`, for both
+/// algorithms that delay: the first passes at once, the next five wait for their reserved
+/// tokens, 100 ms apart and never past max_delay, and the rest are refused without
+/// waiting (denied with Retry-After, no pass). (tests/it/features.rs shows the real binary
+/// sleeps these waits; the exact waits are here.)
+#[tokio::test]
+async fn delayed_requests_wait_at_most_max_delay_and_the_rest_are_refused_at_once() {
+    let _watch = common::watchdog();
+    for algorithm in ["token_bucket", "gcra"] {
+        let t = InProcess::new(&format!(
+            "[[rules]]\nname = \"api\"\nkey = \"global\"\nalgorithm = \"{algorithm}\"\nrate = \"10/s\"\nburst = 1\nmax_delay = \"500ms\"\n"
+        ));
+        let live = t.gw.live();
+        let mut seen = Vec::new();
+        for _ in 0..12 {
+            seen.push(t.get(&live, "/d", None).await);
+        }
+        let waits: Vec<Option<u64>> = seen
+            .iter()
+            .map(|s| s.pass.as_ref().map(|p| p.wait().as_millis() as u64))
+            .collect();
+        let none: Option<u64> = None;
+        assert_eq!(
+            waits,
+            [
+                Some(0),
+                Some(100),
+                Some(200),
+                Some(300),
+                Some(400),
+                Some(500),
+                none,
+                none,
+                none,
+                none,
+                none,
+                none
+            ],
+            "{algorithm}"
+        );
+        for refused in &seen[6..] {
+            assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS, "{algorithm}");
+            assert!(refused.headers.contains_key("retry-after"), "{algorithm}");
+        }
+    }
+}
+
 #[tokio::test]
 async fn concurrency_slots_are_held_until_the_request_is_done() {
     let _watch = common::watchdog();
