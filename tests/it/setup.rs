@@ -385,6 +385,8 @@ async fn the_readme_session_holds_on_the_shipped_config() {
         assert!(int(st, "r") <= int(p, "q"), "{name}: r above q: {state:?}");
     }
     assert_eq!(int(&state[0].1, "r"), 19);
+    // Real time on purpose: the README's reader runs the next command after `api` has
+    // refilled (10/s, on the gateway's clock).
     tokio::time::sleep(Duration::from_millis(2_100)).await;
     let started = std::time::Instant::now();
     let burst: Vec<_> = (0..25)
@@ -419,7 +421,8 @@ async fn the_readme_session_holds_on_the_shipped_config() {
         started.elapsed()
     );
 
-    // A reader types the next command well after `api` refilled; each export takes 1 of it.
+    // A reader types the next command well after `api` refilled (real time on purpose);
+    // each export takes 1 of it.
     tokio::time::sleep(Duration::from_millis(2_100)).await;
     let export = local(gw.port, "/api/reports/export");
     for _ in 0..3 {

@@ -217,11 +217,9 @@ async fn a_stalled_handshake_is_closed_at_header_timeout() {
         .unwrap();
     let started = std::time::Instant::now();
     let (_, closed) = until_closed(&mut stream).await;
-    let took = closed.unwrap_or_else(|| started.elapsed());
-    assert!(
-        took >= Duration::from_millis(800) && took < Duration::from_secs(5),
-        "closed after {took:?}"
-    );
+    // Closed (within WAIT), not before header_timeout; by it, as counted below.
+    let took = closed.unwrap_or_else(|| panic!("not closed after {:?}", started.elapsed()));
+    assert!(took >= Duration::from_millis(800), "closed after {took:?}");
     // Counted as the handshake's task ends, which may be a moment after the socket closed.
     let mut counted = 0.0;
     for _ in 0..100 {
@@ -263,9 +261,10 @@ async fn sighup_rotates_certificates_under_load_and_a_bad_file_keeps_the_old() {
     let (gw, port) = start_on_free_tls_port(|port| body(port, std::slice::from_ref(&live)));
     let config = client_config(&[pki.ca_der()], &[b"h2", b"http/1.1"], None);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let load: Vec<_> = (0..4)
         .map(|_| {
-            let (config, stop) = (config.clone(), stop.clone());
+            let (config, stop, done) = (config.clone(), stop.clone(), done.clone());
             tokio::spawn(async move {
                 let (mut ok, mut failed) = (0u32, Vec::new());
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
@@ -274,19 +273,32 @@ async fn sighup_rotates_certificates_under_load_and_a_bad_file_keeps_the_old() {
                         Ok(r) => failed.push(format!("status {}", r.status)),
                         Err(e) => failed.push(e),
                     }
+                    done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
                 (ok, failed)
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Until the load has made `n` more requests.
+    let more = |n: usize| {
+        let done = done.clone();
+        async move {
+            let from = done.load(std::sync::atomic::Ordering::Relaxed);
+            let end = std::time::Instant::now() + Duration::from_secs(20);
+            while done.load(std::sync::atomic::Ordering::Relaxed) < from + n {
+                assert!(std::time::Instant::now() < end, "the load stalled");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    more(8).await;
     let new = pki.server_cert("new", &["gw.test"], 60);
     // The key first would leave a moment where the pair does not match: a reload then
     // would be refused, and the old pair keep serving. Both in place, then SIGHUP.
     std::fs::copy(&new.0, &cert).unwrap();
     std::fs::copy(&new.1, &key).unwrap();
     gw.reload(1);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    more(8).await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let mut total = 0;
     for l in load {
