@@ -497,17 +497,12 @@ async fn wait_admits_only_what_a_replica_confirmed() {
     };
     let client = HttpClient::new();
 
-    // No replica: nothing is confirmed.
+    // No replica: nothing is confirmed. (That the 503 comes from the replication wait,
+    // not the store timeout, is what `kind = "unreplicated"` below says, not a clock.)
     let gw = Gateway::start(&config(&primary, "200ms", "500ms"));
     for _ in 0..3 {
-        let sent = Instant::now();
         let r = client.get(&gw.url("/x"), &[("x-api-key", "lonely")]).await;
         assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", gw.logs());
-        assert!(
-            sent.elapsed() < Duration::from_millis(450),
-            "{:?}",
-            sent.elapsed()
-        );
     }
     let scrape = Scrape::take(&client, &gw).await;
     assert_eq!(

@@ -613,9 +613,11 @@ async fn a_slow_backend(pool: Pool) {
         Some("the upstream did not answer in time"),
         "the gateway's words, not the client's own deadline: {slow:?}"
     );
+    // Not before the pool's timeout; that it was the timeout's answer, not the backend's,
+    // is in the details above and the gateway's count below (no clock needed).
     assert!(
-        slow.elapsed >= Duration::from_millis(900) && slow.elapsed < Duration::from_millis(4500),
-        "answered at the pool's timeout, before the backend: {:?}",
+        slow.elapsed >= Duration::from_millis(900),
+        "answered before the pool's timeout: {:?}",
         slow.elapsed
     );
     assert_eq!(b.backend.calls("/pkg.Echo/Slow"), 1);

@@ -80,9 +80,11 @@ async fn two_meters_of_one_identity_share_one_bucket_in_redis() {
         a_frames + b_frames <= 1_000 + dripped,
         "a {a_frames} + b {b_frames} frames in {elapsed:?}: more than one bucket"
     );
+    // The check above tells one bucket from two while what dripped is less than a bucket
+    // (a run under 20 s): a bound on meaning, not on speed.
     assert!(
-        elapsed < Duration::from_secs(5),
-        "too slow to tell: {elapsed:?}"
+        dripped < 1_000,
+        "too slow to tell one bucket from two: {elapsed:?}"
     );
 
     // Another identity has its own bucket.

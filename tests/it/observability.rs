@@ -729,8 +729,9 @@ async fn metrics_show_store_errors_and_the_breaker() {
             "request {i} with Redis down, on_error = deny"
         );
         assert_eq!(r.header("retry-after"), Some("1"));
+        // Within the store timeout, not a wait for Redis: within WAIT, room for any load.
         assert!(
-            t.elapsed() < Duration::from_secs(5),
+            t.elapsed() < common::WAIT,
             "request {i} took {:?}",
             t.elapsed()
         );

@@ -662,8 +662,10 @@ async fn redis_restart_is_survived() {
         let r = store.decide_at(&check, Some(EPOCH_US + 1_000)).await;
         let took = start.elapsed();
         assert!(r.is_err(), "try {n}: redis is down but decide said {r:?}");
+        // Bounded by the store's timeout, not a wait for Redis to come back: within WAIT,
+        // room for any load.
         assert!(
-            took < Duration::from_secs(2),
+            took < common::WAIT,
             "try {n}: an error took {took:?} with a {timeout:?} timeout"
         );
     }
