@@ -110,8 +110,9 @@ pub mod upstream;
 pub mod websocket;
 pub mod worker;
 
-/// The seeded, time-bounded proptest config the unit tests share with the integration
-/// tests: one file, `tests/it/common/seed.rs` (`RATEWALL_TEST_SEED` replays another run).
+/// The property runs the unit tests share with the integration tests (`proptest_seeds!`:
+/// the saved regressions, a fixed seed, and on CI a fresh one, each seed printed with the
+/// `RATEWALL_TEST_SEED` that replays it): one file, `tests/it/common/seed.rs`.
 #[cfg(test)]
 #[path = "../tests/it/common/seed.rs"]
 pub(crate) mod seed;

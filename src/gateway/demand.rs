@@ -427,8 +427,8 @@ mod tests {
             .is_some());
     }
 
-    proptest! {
-        #![proptest_config(crate::seed::proptest_config("the_meter_judges_as_the_sliding_window_decides", 256))]
+    crate::proptest_seeds! {
+        #![cases(256)]
 
         /// Where the limiter admits everything asked (every request within), the meter and
         /// `sliding_window::decide` agree request for request, state for state; where the

@@ -338,8 +338,8 @@ mod tests {
                 .collect()
         }
 
-        proptest! {
-            #![proptest_config(crate::seed::proptest_config("identity::client_ip::fuzz", 2_000))]
+        crate::proptest_seeds! {
+            #![cases(2_000)]
 
             /// Whatever bytes arrive, the answer is the peer or an address written in the
             /// header; from an untrusted peer it is always the peer.

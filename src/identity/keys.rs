@@ -338,8 +338,8 @@ mod tests {
         use super::*;
         use proptest::prelude::*;
 
-        proptest! {
-            #![proptest_config(crate::seed::proptest_config("identity::keys::fuzz", 256))]
+        crate::proptest_seeds! {
+            #![cases(256)]
 
             /// Any key header bytes: a clean answer, never a panic; accepted keys are bounded.
             #[test]

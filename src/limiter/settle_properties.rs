@@ -411,15 +411,11 @@ fn probes() -> impl Strategy<Value = Vec<(u64, u64)>> {
     )
 }
 
-fn config(test: &str, cases: u32) -> ProptestConfig {
-    crate::seed::proptest_config(&format!("limiter::settle_properties::{test}"), cases)
-}
-
 // ---------------------------------------------------------------------------------------
 // Token bucket and GCRA: refunds are exact.
 
-proptest! {
-    #![proptest_config(config("refund_at_once", 400))]
+crate::proptest_seeds! {
+    #![cases(400)]
 
     /// A refund right after its charge (no time passing, as when another rule denies the
     /// request, or the answer is one the rule does not charge for, at once) leaves exactly
@@ -584,7 +580,7 @@ fn refund_later_case(
 #[test]
 fn a_bucket_refund_later_is_as_if_never_charged_unless_it_filled_up() {
     let tally = LaterTally::default();
-    proptest!(config("refund_later", 500), |(
+    crate::proptest_seeds!("limiter::settle_properties::refund_later", 500, |(
         setup in setup(bucket_limit(), 40),
         charge_gap in gap(),
         between in between(),
@@ -622,8 +618,8 @@ fn shape(settled: &Settled<State>) -> (u8, u64) {
     }
 }
 
-proptest! {
-    #![proptest_config(config("same_limit", 300))]
+crate::proptest_seeds! {
+    #![cases(300)]
 
     /// For the same rate, burst, max_delay and max_debt, token bucket and GCRA admit the
     /// same requests and tell the same numbers on any timeline of decisions and
@@ -779,7 +775,7 @@ fn debt_case(
 #[test]
 fn a_bucket_charge_is_taken_whole_and_the_next_admission_waits_it_out() {
     let tally = DebtTally::default();
-    proptest!(config("bucket_debt", 500), |(
+    crate::proptest_seeds!("limiter::settle_properties::bucket_debt", 500, |(
         setup in setup(limit(&BUCKETS), 40),
         gap in gap(),
         delta in prop_oneof![1i64..4, 1i64..200, 200i64..100_000],
@@ -840,8 +836,8 @@ fn greedy(q: &Quota, start: u64, report: u64, at_once: u64, periods: u64) -> Gre
     }
 }
 
-proptest! {
-    #![proptest_config(config("greedy", 120))]
+crate::proptest_seeds! {
+    #![cases(120)]
 
     /// A client that reserves a request's cost and reports far more (a burst and one, ten
     /// bursts), firing several at once and coming back the instant it may: everything it
@@ -984,8 +980,8 @@ fn clock_case(q: Quota, start: u64, timeline: Vec<Stepped>) -> Result<(), TestCa
     Ok(())
 }
 
-proptest! {
-    #![proptest_config(config("clock_steps", 400))]
+crate::proptest_seeds! {
+    #![cases(400)]
 
     /// On a clock that steps back (a Redis failover to a host behind, an NTP step) and
     /// forward again between decisions and settlements, no state's time ever moves back,

@@ -437,8 +437,8 @@ mod tests {
             ])
         }
 
-        proptest! {
-            #![proptest_config(crate::seed::proptest_config("rules::route::fuzz", 2048))]
+        crate::proptest_seeds! {
+            #![cases(2048)]
 
             /// Whatever the path, what a route with `strip_prefix = "/v1"` and `add_prefix =
             /// "/v2"` forwards starts with `/v2/`, and stays there for a backend that

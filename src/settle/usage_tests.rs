@@ -606,8 +606,8 @@ fn cuts(len: usize, at: &[f64]) -> Vec<usize> {
     c
 }
 
-proptest! {
-    #![proptest_config(crate::seed::proptest_config("settle::usage::properties", 300))]
+crate::proptest_seeds! {
+    #![cases(300)]
 
     /// A JSON answer, cut anywhere, counts what serde_json reads in the whole document.
     #[test]

@@ -668,8 +668,8 @@ mod tests {
                 .collect()
         }
 
-        proptest! {
-            #![proptest_config(crate::seed::proptest_config("upstream::balance::properties", 200))]
+        crate::proptest_seeds! {
+            #![cases(200)]
 
             /// Over whole cycles, round robin gives each available server exactly its
             /// weight's share of the available weight, wherever the cursor started.

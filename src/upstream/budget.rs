@@ -285,8 +285,8 @@ mod tests {
         use super::*;
         use proptest::prelude::*;
 
-        proptest! {
-            #![proptest_config(crate::seed::proptest_config("upstream::budget::properties", 200))]
+        crate::proptest_seeds! {
+            #![cases(200)]
 
             /// On any timeline of requests and retries, the budget admits exactly the
             /// retries a plain count over the last ten seconds allows: retries in

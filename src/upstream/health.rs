@@ -735,8 +735,8 @@ mod tests {
             prop::collection::vec((gap, op), 1..300)
         }
 
-        proptest! {
-            #![proptest_config(crate::seed::proptest_config("upstream::health::properties", 200))]
+        crate::proptest_seeds! {
+            #![cases(200)]
 
             /// On any timeline: the pool never has more than its cap ejected; each
             /// ejection lasts `fail_timeout × 2^(n-1)` (at most 300 s) with `n` counting

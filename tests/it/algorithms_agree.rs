@@ -95,12 +95,6 @@ impl Harness {
     }
 }
 
-/// A seeded, time-bounded proptest config for `cases` cases of `test` (see
-/// `common::seed`: `RATEWALL_TEST_SEED` replays another run).
-fn config(test: &str, cases: u32) -> ProptestConfig {
-    common::proptest_config(test, cases)
-}
-
 // ---------------------------------------------------------------------------------------
 // Timelines.
 
@@ -811,10 +805,11 @@ fn agree_case(h: &Harness, tl: &Timeline, tally: &AgreeTally) -> Result<(), Test
 
 #[test]
 fn rust_and_lua_agree_for_all_four_algorithms() {
+    let _watch = common::watchdog();
     let h = Harness::start();
     let tally = AgreeTally::default();
     let started = Instant::now();
-    proptest!(config("rust_and_lua_agree_for_all_four_algorithms", 64), |(tl in timeline(4))| {
+    crate::proptest_seeds!("algorithms_agree::rust_and_lua_agree_for_all_four_algorithms", 64, |(tl in timeline(4))| {
         agree_case(&h, &tl, &tally)?;
     });
 
@@ -1070,15 +1065,16 @@ fn retry_case(h: &Harness, tl: &Timeline, tally: &RetryTally) -> Result<(), Test
 
 #[test]
 fn retry_after_is_exact_for_all_four_algorithms() {
+    let _watch = common::watchdog();
     let h = Harness::start();
     let tally = RetryTally::default();
     let started = Instant::now();
-    proptest!(config("retry_after_is_exact_for_all_four_algorithms", 64), |(tl in timeline(1))| {
+    crate::proptest_seeds!("algorithms_agree::retry_after_is_exact_for_all_four_algorithms", 64, |(tl in timeline(1))| {
         retry_case(&h, &tl, &tally)?;
     });
     // And more waits: a token bucket or GCRA with a max_delay, every time.
     let waiting = rule_spec(&[Algorithm::TokenBucket, Algorithm::Gcra], 0);
-    proptest!(config("retry_after_is_exact_for_all_four_algorithms", 16), |(tl in timeline_of(waiting, 1))| {
+    crate::proptest_seeds!("algorithms_agree::retry_after_is_exact_for_all_four_algorithms", 16, |(tl in timeline_of(&waiting, 1))| {
         retry_case(&h, &tl, &tally)?;
     });
     let denials = tally.denials.each_ref().map(|v| v.load(Relaxed));
@@ -1111,6 +1107,7 @@ fn retry_after_is_exact_for_all_four_algorithms() {
 
 #[test]
 fn wrong_algorithm_state_counts_as_none() {
+    let _watch = common::watchdog();
     let h = Harness::start();
     let spec = |algorithm, count, period_s, cost| RuleSpec {
         algorithm,
@@ -1277,12 +1274,13 @@ fn twins_case(h: &Harness, tl: &Timeline, tally: &TwinTally) -> Result<(), TestC
 
 #[test]
 fn token_bucket_and_gcra_agree_with_max_delay() {
+    let _watch = common::watchdog();
     let h = Harness::start();
     let tally = TwinTally::default();
     let started = Instant::now();
     // Bucket rules with a max_delay 4 times in 5.
     let rules = rule_spec(&[Algorithm::TokenBucket], 1);
-    proptest!(config("token_bucket_and_gcra_agree_with_max_delay", 16), |(tl in timeline_of(rules, 3))| {
+    crate::proptest_seeds!("algorithms_agree::token_bucket_and_gcra_agree_with_max_delay", 16, |(tl in timeline_of(&rules, 3))| {
         twins_case(&h, &tl, &tally)?;
     });
     let n = |c: &AtomicUsize| c.load(Relaxed);
@@ -1389,6 +1387,7 @@ fn back_case(h: &Harness, spec: RuleSpec, steps: &[Step]) -> Result<(), TestCase
 
 #[test]
 fn a_clock_stepped_back_never_reopens_a_window() {
+    let _watch = common::watchdog();
     let h = Harness::start();
     let started = Instant::now();
     let spec = (
@@ -1413,7 +1412,7 @@ fn a_clock_stepped_back_never_reopens_a_window() {
         ],
         5..80,
     );
-    proptest!(config("a_clock_stepped_back_never_reopens_a_window", 40), |(spec in spec, steps in steps)| {
+    crate::proptest_seeds!("algorithms_agree::a_clock_stepped_back_never_reopens_a_window", 40, |(spec in &spec, steps in &steps)| {
         back_case(&h, spec, &steps)?;
     });
     eprintln!("stepped-back timelines agreed in {:?}", started.elapsed());

@@ -69,6 +69,7 @@ async fn decide_all(
 
 #[tokio::test]
 async fn a_batch_charges_one_key_exactly_as_requests_one_by_one_would() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     let store = store(&redis).await;
     let before = evalsha_calls(&redis);
@@ -110,6 +111,7 @@ async fn a_batch_charges_one_key_exactly_as_requests_one_by_one_would() {
 
 #[tokio::test]
 async fn a_request_denied_inside_a_batch_takes_nothing() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     let store = store(&redis).await;
     let per_key = bucket("1/h", 100);
@@ -153,6 +155,7 @@ async fn a_request_denied_inside_a_batch_takes_nothing() {
 
 #[tokio::test]
 async fn a_bad_key_fails_its_own_request_not_the_batch() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     let store = store(&redis).await;
     let q = bucket("10/s", 10);
@@ -194,6 +197,7 @@ async fn a_bad_key_fails_its_own_request_not_the_batch() {
 
 #[tokio::test]
 async fn concurrency_leases_in_one_batch_stop_at_the_limit() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     let store = store(&redis).await;
     let q = Quota::concurrency(NonZeroU64::new(3).expect("3"), Duration::from_secs(30));
@@ -229,6 +233,7 @@ async fn concurrency_leases_in_one_batch_stop_at_the_limit() {
 
 #[tokio::test]
 async fn a_shadow_rule_first_in_a_request_never_denies_inside_a_batch() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     let store = store(&redis).await;
     let shared = bucket("1/h", 10);

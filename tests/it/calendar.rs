@@ -323,6 +323,7 @@ fn enough(seen: &Seen, what: &str, edges: &[u64]) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_and_redis_agree_across_the_berlin_month_end_after_the_spring_change() {
+    let _watch = common::watchdog();
     let server = RedisServer::start();
     let rules = berlin_rules();
     // 28 March to 2 April 2026: the clocks go forward on the 29th, March ends on the 31st
@@ -346,6 +347,7 @@ async fn memory_and_redis_agree_across_the_berlin_month_end_after_the_spring_cha
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_and_redis_agree_across_the_autumn_change_and_the_october_month_end() {
+    let _watch = common::watchdog();
     let server = RedisServer::start();
     let rules = berlin_rules();
     // 24 October to 1 November 2026: "bill25"'s month ends at midnight on the 25th, three
@@ -388,6 +390,7 @@ fn script(
 
 #[test]
 fn the_script_counts_in_the_period_of_redis_clock_as_documented() {
+    let _watch = common::watchdog();
     let server = RedisServer::start();
     let mut conn = server.conn();
     // March and April 2026 in Berlin, as a gateway would send them on 31 March.
@@ -462,6 +465,7 @@ fn month_by_jiff(now_us: u64) -> (u64, u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_monthly_rule_advertises_this_months_length_and_the_seconds_to_its_end() {
+    let _watch = common::watchdog();
     let server = RedisServer::start();
     for store in [Store::Memory, Store::redis_roomy(&server)] {
         let upstream = Upstream::start().await;

@@ -14,6 +14,7 @@ const ADMIN_TOKEN: &str = "combined-keys-admin-token";
 
 #[tokio::test(flavor = "multi_thread")]
 async fn each_combination_is_counted_apart_and_a_missing_part_follows_missing_key() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start_with(
         &format!(

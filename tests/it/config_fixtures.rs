@@ -22,6 +22,7 @@ fn fixtures() -> Vec<PathBuf> {
 
 #[test]
 fn every_bad_config_is_rejected_with_its_exact_error() {
+    let _watch = common::watchdog();
     let files = fixtures();
     assert!(files.len() >= 25, "the fixtures are there: {}", files.len());
     for file in files {
@@ -125,17 +126,16 @@ fn apply(text: &str, edits: &[Edit]) -> String {
     chars.into_iter().collect()
 }
 
-proptest! {
-    #![proptest_config(common::proptest_config("mutated_configs_never_panic", 2_000))]
-
-    /// Any mutation of the shipped file is either a valid config or a clear error that
-    /// points inside the file; the parser never panics.
-    #[test]
-    fn mutated_configs_never_panic_and_errors_point_inside_the_file(edits in prop::collection::vec(edit(), 1..6)) {
+/// Any mutation of the shipped file is either a valid config or a clear error that points
+/// inside the file; the parser never panics.
+#[test]
+fn mutated_configs_never_panic_and_errors_point_inside_the_file() {
+    let _watch = common::watchdog();
+    crate::proptest_seeds!("config_fixtures::mutated_configs_never_panic", 2_000, |(edits in prop::collection::vec(edit(), 1..6))| {
         let text = apply(SHIPPED, &edits);
         if let Err(e) = Config::parse(&text, Path::new("limits.toml")) {
             check_position(&text, &e);
             prop_assert!(!e.to_string().is_empty());
         }
-    }
+    });
 }

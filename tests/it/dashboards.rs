@@ -78,6 +78,7 @@ fn cell<'d>(dom: &'d str, rule: &str, k: &str) -> &'d str {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn denials_retry_waits_near_limit_and_the_slo_count_exactly_and_the_page_shows_them() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     // Slow refills (an hour's rates): no token comes back while the test runs.
     //  api: default 5 at once; plan pro 10, plan gold 3.
@@ -321,6 +322,7 @@ async fn denials_retry_waits_near_limit_and_the_slo_count_exactly_and_the_page_s
 /// becomes a label. A plan the rule defines counts as itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_claimed_plan_the_rule_does_not_define_counts_as_default() {
+    let _watch = common::watchdog();
     const CLAIMED: &str = "platinum-claimed-by-the-client";
     let upstream = Upstream::start().await;
     let gw = Gateway::start_with(

@@ -15,6 +15,8 @@
 //! Plain text checks on the files as shipped, and for the last three the binary: its
 //! `--help`, `check`, and `/metrics` of the gateway started on the shipped config.
 
+use crate::common;
+
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Component, Path, PathBuf};
 
@@ -211,6 +213,7 @@ fn header_token(line: &str) -> Option<(String, String)> {
 
 #[test]
 fn every_key_of_the_shipped_config_is_documented() {
+    let _watch = common::watchdog();
     let doc = Doc::load("docs/configuration.md");
     let text = read("config/limits.toml");
     let config: toml::Table = toml::from_str(&text).expect("config/limits.toml parses");
@@ -382,6 +385,7 @@ fn raw_structs(src: &str) -> BTreeMap<String, Vec<String>> {
 
 #[test]
 fn every_key_the_parser_accepts_is_documented() {
+    let _watch = common::watchdog();
     let doc = Doc::load("docs/configuration.md");
     let mut sources: Vec<String> = std::fs::read_dir(root().join("src/config"))
         .expect("src/config/")
@@ -494,6 +498,7 @@ fn resolve(base: &Path, rel: &str) -> Option<PathBuf> {
 
 #[test]
 fn docs_link_only_inside_the_repository() {
+    let _watch = common::watchdog();
     let files = markdown_files();
     assert!(files.len() >= 3, "{files:?}");
     let mut anchors: HashMap<String, Vec<String>> = HashMap::new();
@@ -577,6 +582,7 @@ fn docs_link_only_inside_the_repository() {
 
 #[test]
 fn the_reference_is_linked_from_readme_and_the_shipped_config() {
+    let _watch = common::watchdog();
     let readme = read("README.md");
     for doc in ["docs/configuration.md", "docs/reference.md"] {
         assert!(
@@ -633,6 +639,7 @@ fn stdout_of(args: &[&str]) -> String {
 
 #[test]
 fn every_command_line_option_and_variable_is_documented() {
+    let _watch = common::watchdog();
     let doc = Doc::load("docs/configuration.md");
     let mut missing = Vec::new();
     let start = doc
@@ -988,6 +995,7 @@ fn registered_metrics() -> BTreeMap<String, Registered> {
 
 #[test]
 fn the_metrics_table_lists_every_metric_with_its_type_labels_and_values() {
+    let _watch = common::watchdog();
     let registered = registered_metrics();
     assert!(
         registered.contains_key("ratewall_requests_total"),
@@ -1132,6 +1140,7 @@ fn matches_with_ellipsis(expected: &[String], actual: &[&str]) -> bool {
 
 #[test]
 fn the_check_example_is_what_check_prints_on_the_shipped_config() {
+    let _watch = common::watchdog();
     let block = console_block("docs/observability.md", "Testing a config without traffic");
     let (command, expected) = block.split_first().expect("a console block");
     let words = shell_words(command.strip_prefix("$ ").expect("a $ command"));
@@ -1151,6 +1160,7 @@ fn the_check_example_is_what_check_prints_on_the_shipped_config() {
 /// the overrides' and `RUST_LOG`.
 #[test]
 fn help_names_the_environment() {
+    let _watch = common::watchdog();
     let help = stdout_of(&["--help"]);
     for var in [
         "RATEWALL_ADMIN_TOKEN",
@@ -1169,6 +1179,7 @@ fn help_names_the_environment() {
 /// shows the same command.
 #[test]
 fn the_docker_image_and_its_run_command_fit_together() {
+    let _watch = common::watchdog();
     let dockerfile = read("Dockerfile");
     let runtime = dockerfile
         .rsplit("\nFROM ")
@@ -1222,6 +1233,7 @@ fn the_docker_image_and_its_run_command_fit_together() {
 /// every figure, with its run and its spread).
 #[test]
 fn the_readme_names_the_rust_version_and_quotes_no_ratio() {
+    let _watch = common::watchdog();
     let readme = read("README.md");
     let cargo = read("Cargo.toml");
     let version = cargo

@@ -471,6 +471,7 @@ fn check_common(what: &str, f: &Figures) {
 /// `replication = { wait = 1 }` in the same run, none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sentinel_failover_costs_a_bounded_excess_async_and_none_with_wait() {
+    let _watch = common::watchdog();
     both_modes("redis_sentinel", || SentinelPrimary(RedisSentinel::start())).await;
 }
 
@@ -479,6 +480,7 @@ async fn a_sentinel_failover_costs_a_bounded_excess_async_and_none_with_wait() {
 /// counted as `unreplicated`, within the store timeout.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wait_admits_only_what_a_replica_confirmed() {
+    let _watch = common::watchdog();
     let primary = RedisServer::start();
     let upstream = Upstream::start().await;
     // `wait`: 200 ms where no replica can answer (the 503 comes within it); where one
@@ -495,17 +497,12 @@ async fn wait_admits_only_what_a_replica_confirmed() {
     };
     let client = HttpClient::new();
 
-    // No replica: nothing is confirmed.
+    // No replica: nothing is confirmed. (That the 503 comes from the replication wait,
+    // not the store timeout, is what `kind = "unreplicated"` below says, not a clock.)
     let gw = Gateway::start(&config(&primary, "200ms", "500ms"));
     for _ in 0..3 {
-        let sent = Instant::now();
         let r = client.get(&gw.url("/x"), &[("x-api-key", "lonely")]).await;
         assert_eq!(r.status, StatusCode::SERVICE_UNAVAILABLE, "{}", gw.logs());
-        assert!(
-            sent.elapsed() < Duration::from_millis(450),
-            "{:?}",
-            sent.elapsed()
-        );
     }
     let scrape = Scrape::take(&client, &gw).await;
     assert_eq!(
@@ -550,6 +547,7 @@ async fn wait_admits_only_what_a_replica_confirmed() {
 /// `replication = { wait = 1 }` in the same run, none.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_cluster_failover_costs_a_bounded_excess_async_and_none_with_wait() {
+    let _watch = common::watchdog();
     both_modes("redis_cluster", || ClusterPrimary::start(&redis_keys())).await;
 }
 

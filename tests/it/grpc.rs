@@ -167,11 +167,13 @@ async fn every_kind_of_call(pool: Pool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_kind_of_call_arrives_whole_and_in_order_through_an_h2c_pool() {
+    let _watch = common::watchdog();
     every_kind_of_call(Pool::H2c).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_kind_of_call_arrives_whole_and_in_order_through_an_h2_pool() {
+    let _watch = common::watchdog();
     every_kind_of_call(Pool::H2).await;
 }
 
@@ -225,11 +227,13 @@ async fn the_call_past_the_burst(pool: Pool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_call_past_a_burst_of_three_is_resource_exhausted_through_an_h2c_pool() {
+    let _watch = common::watchdog();
     the_call_past_the_burst(Pool::H2c).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_call_past_a_burst_of_three_is_resource_exhausted_through_an_h2_pool() {
+    let _watch = common::watchdog();
     the_call_past_the_burst(Pool::H2).await;
 }
 
@@ -261,11 +265,13 @@ async fn a_store_outage(pool: Pool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_outage_under_deny_is_unavailable_through_an_h2c_pool() {
+    let _watch = common::watchdog();
     a_store_outage(Pool::H2c).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_outage_under_deny_is_unavailable_through_an_h2_pool() {
+    let _watch = common::watchdog();
     a_store_outage(Pool::H2).await;
 }
 
@@ -324,11 +330,13 @@ async fn the_backends_trailers(pool: Pool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_backends_code_message_and_trailers_arrive_through_an_h2c_pool() {
+    let _watch = common::watchdog();
     the_backends_trailers(Pool::H2c).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_backends_code_message_and_trailers_arrive_through_an_h2_pool() {
+    let _watch = common::watchdog();
     the_backends_trailers(Pool::H2).await;
 }
 
@@ -379,11 +387,13 @@ async fn a_64_mib_stream(pool: Pool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_64_mib_client_stream_arrives_whole_in_bounded_memory_through_an_h2c_pool() {
+    let _watch = common::watchdog();
     a_64_mib_stream(Pool::H2c).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_64_mib_client_stream_arrives_whole_in_bounded_memory_through_an_h2_pool() {
+    let _watch = common::watchdog();
     a_64_mib_stream(Pool::H2).await;
 }
 
@@ -414,6 +424,7 @@ fn check(config: &std::path::Path, path: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn check_names_the_rule_a_grpc_method_matches_and_the_gateway_applies_just_that() {
+    let _watch = common::watchdog();
     let b = Bench::plain(Pool::H2c, ECHO_BURST_3);
     let echo = check(&b.gw.config, SAY);
     assert!(echo.starts_with(" POST /pkg.Echo/Say\n"), "{echo}");
@@ -542,11 +553,13 @@ async fn statuses_counted_and_logged(pool: Pool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_statuses_are_counted_by_code_and_source_and_logged_through_an_h2c_pool() {
+    let _watch = common::watchdog();
     statuses_counted_and_logged(Pool::H2c).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_statuses_are_counted_by_code_and_source_and_logged_through_an_h2_pool() {
+    let _watch = common::watchdog();
     statuses_counted_and_logged(Pool::H2).await;
 }
 
@@ -577,11 +590,13 @@ async fn a_dead_backend(pool: Pool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_backend_behind_an_h2c_pool_is_unavailable() {
+    let _watch = common::watchdog();
     a_dead_backend(Pool::H2c).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_backend_behind_an_h2_pool_is_unavailable() {
+    let _watch = common::watchdog();
     a_dead_backend(Pool::H2).await;
 }
 
@@ -598,9 +613,11 @@ async fn a_slow_backend(pool: Pool) {
         Some("the upstream did not answer in time"),
         "the gateway's words, not the client's own deadline: {slow:?}"
     );
+    // Not before the pool's timeout; that it was the timeout's answer, not the backend's,
+    // is in the details above and the gateway's count below (no clock needed).
     assert!(
-        slow.elapsed >= Duration::from_millis(900) && slow.elapsed < Duration::from_millis(4500),
-        "answered at the pool's timeout, before the backend: {:?}",
+        slow.elapsed >= Duration::from_millis(900),
+        "answered before the pool's timeout: {:?}",
         slow.elapsed
     );
     assert_eq!(b.backend.calls("/pkg.Echo/Slow"), 1);
@@ -615,10 +632,12 @@ async fn a_slow_backend(pool: Pool) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backend_slower_than_the_pools_timeout_is_deadline_exceeded_through_an_h2c_pool() {
+    let _watch = common::watchdog();
     a_slow_backend(Pool::H2c).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backend_slower_than_the_pools_timeout_is_deadline_exceeded_through_an_h2_pool() {
+    let _watch = common::watchdog();
     a_slow_backend(Pool::H2).await;
 }

@@ -101,6 +101,7 @@ const LIMITED: &str = "[[rules]]\nname = \"calls\"\nmatch = { path_prefix = \"/p
 
 #[tokio::test]
 async fn a_denied_grpc_call_is_resource_exhausted_with_its_ratelimit_fields_and_pushback() {
+    let _watch = common::watchdog();
     let gw = in_process(LIMITED);
     let live = gw.live();
     for _ in 0..2 {
@@ -131,6 +132,7 @@ async fn a_denied_grpc_call_is_resource_exhausted_with_its_ratelimit_fields_and_
 
 #[tokio::test]
 async fn a_non_grpc_requests_answers_are_unchanged() {
+    let _watch = common::watchdog();
     let gw = in_process(LIMITED);
     let live = gw.live();
     for _ in 0..2 {
@@ -175,6 +177,7 @@ async fn a_non_grpc_requests_answers_are_unchanged() {
 
 #[tokio::test]
 async fn a_store_outage_under_deny_is_unavailable_and_a_missing_key_unauthenticated() {
+    let _watch = common::watchdog();
     let gw = in_process(
         "[[rules]]\nname = \"keyed\"\nkey = \"api_key\"\nrate = \"10/s\"\n\
          [store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:1\"\ntimeout = \"50ms\"\non_error = \"deny\"\n",
@@ -210,6 +213,7 @@ async fn a_store_outage_under_deny_is_unavailable_and_a_missing_key_unauthentica
 
 #[tokio::test]
 async fn a_malformed_call_is_internal() {
+    let _watch = common::watchdog();
     let gw = in_process(
         "[[upstreams]]\nname = \"svc\"\nservers = [\"http://127.0.0.1:3\"]\n\
          [[routes]]\nname = \"svc\"\nmatch = { path_prefix = \"/pkg.Service/\" }\nupstream = \"svc\"\n",
@@ -240,6 +244,7 @@ async fn a_malformed_call_is_internal() {
 
 #[tokio::test]
 async fn a_call_no_route_fits_is_unimplemented() {
+    let _watch = common::watchdog();
     let text = "[server]\nlisten = \"127.0.0.1:1\"\n\
         [[upstreams]]\nname = \"svc\"\nservers = [\"http://127.0.0.1:3\"]\n\
         [[routes]]\nname = \"svc\"\nmatch = { path_prefix = \"/pkg.Service/\" }\nupstream = \"svc\"\n";
@@ -314,6 +319,7 @@ fn access_lines(logs: &str) -> Vec<serde_json::Value> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn passed_on_grpc_statuses_are_counted_and_logged_from_headers_or_trailers() {
+    let _watch = common::watchdog();
     let (url, backend) = grpc_backend().await;
     let gw = Binary::start_with(
         &format!(
@@ -402,6 +408,7 @@ async fn passed_on_grpc_statuses_are_counted_and_logged_from_headers_or_trailers
 
 #[test]
 fn check_shows_the_rules_a_grpc_method_matches() {
+    let _watch = common::watchdog();
     let mut file = tempfile::NamedTempFile::new().expect("a temp file");
     write!(
         file,
@@ -456,9 +463,11 @@ fn check_shows_the_rules_a_grpc_method_matches() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_upstream_is_unavailable_to_a_grpc_call_and_a_502_to_others() {
+    let _watch = common::watchdog();
+    let refusing = common::RefusingPort::new();
     let gw = Binary::start(&format!(
         "[upstream]\nurl = \"{}\"\nconnect_timeout = \"1s\"\n",
-        common::closed_port_url()
+        refusing.url()
     ));
     let client = HttpClient::h2();
     let frame = bytes::Bytes::from_static(b"\x00\x00\x00\x00\x00");

@@ -77,6 +77,7 @@ fn jwt_rule(burst: u64) -> String {
 /// reach the upstream, the other 90 are 429.
 #[tokio::test(flavor = "multi_thread")]
 async fn tokens_of_every_algorithm_are_limited_per_sub_exactly() {
+    let _watch = common::watchdog();
     let dir = tempfile::tempdir().unwrap();
     let rsa = SigningKey::rsa(dir.path());
     let (ec, ed) = (SigningKey::p256(), SigningKey::ed25519());
@@ -129,6 +130,7 @@ async fn tokens_of_every_algorithm_are_limited_per_sub_exactly() {
 /// no token at all gets 401 with a bare `Bearer` challenge.
 #[tokio::test(flavor = "multi_thread")]
 async fn every_invalid_token_is_a_401_that_never_reaches_the_upstream() {
+    let _watch = common::watchdog();
     let dir = tempfile::tempdir().unwrap();
     let rsa = SigningKey::rsa(dir.path());
     let ec = SigningKey::p256();
@@ -277,6 +279,7 @@ async fn every_invalid_token_is_a_401_that_never_reaches_the_upstream() {
 /// without a token, on a path no rule limits too.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_plan_comes_from_a_claim_and_claims_are_forwarded_never_forged() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start_with(
         &format!(
@@ -350,6 +353,7 @@ async fn a_plan_comes_from_a_claim_and_claims_are_forwarded_never_forged() {
 /// refresh keeps serving the last good keys, and one reloaded keeps them too.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_jwks_is_rotated_without_reload_and_outlives_its_server() {
+    let _watch = common::watchdog();
     let dir = tempfile::tempdir().unwrap();
     let (k1, k2) = (SigningKey::p256(), SigningKey::ed25519());
     let server = JwksServer::start(dir.path(), jwks(&[("k1", &k1)])).await;
@@ -459,8 +463,10 @@ async fn a_jwks_is_rotated_without_reload_and_outlives_its_server() {
 /// answer 503 problem+json and forward nothing; a request without a token is still 401.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_gateway_that_never_fetched_its_jwks_answers_503() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
-    let nothing = common::free_port();
+    let refusing = common::RefusingPort::new();
+    let nothing = refusing.port;
     let gw = Gateway::start(&format!(
         "[upstream]\nurl = \"{}\"\n[jwt]\nalgorithms = [\"ES256\"]\njwks_url = \"https://127.0.0.1:{nothing}/jwks.json\"\n{}",
         upstream.url(),
@@ -530,6 +536,7 @@ async fn raw_get(gw: &Gateway, fields: &[String]) -> (u16, Option<String>) {
 /// answered 200 and forwarded.
 #[tokio::test(flavor = "multi_thread")]
 async fn a_token_with_critical_extensions_or_an_unencoded_payload_is_refused() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = hs_gateway(&upstream, "crit-secret", "");
     let key = SigningKey::secret(b"crit-secret");
@@ -628,6 +635,7 @@ async fn a_token_with_critical_extensions_or_an_unencoded_payload_is_refused() {
 /// five doubled requests were 200 and forwarded with both.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_token_cookie_sent_twice_is_refused() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = hs_gateway(&upstream, "cookie-secret", "cookie = \"session\"\n");
     let key = SigningKey::secret(b"cookie-secret");
@@ -715,6 +723,7 @@ async fn the_token_cookie_sent_twice_is_refused() {
 /// already refused, as "malformed"; the four doubled cases now say why.)
 #[tokio::test(flavor = "multi_thread")]
 async fn the_authorization_header_sent_twice_is_refused() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = hs_gateway(&upstream, "auth-secret", "");
     let key = SigningKey::secret(b"auth-secret");

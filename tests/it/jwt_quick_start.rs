@@ -72,6 +72,7 @@ async fn futures_join(handles: Vec<tokio::task::JoinHandle<StatusCode>>) -> Vec<
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_jwt_quick_start_works_as_written() {
+    let _watch = common::watchdog();
     let readme = std::fs::read_to_string(root().join("README.md")).unwrap();
     let section = &readme[readme
         .find("### Signed tokens (JWT)")

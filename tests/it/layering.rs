@@ -6,6 +6,8 @@
 //! test prints the graph in dependency order, so `cargo test --test it layering:: --
 //! --nocapture` shows the layers, and fails naming a cycle if there is one.
 
+use crate::common;
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
 
@@ -200,6 +202,7 @@ fn cycle(deps: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
 
 #[test]
 fn modules_form_no_import_cycle() {
+    let _watch = common::watchdog();
     let deps = graph();
     assert!(
         deps.len() >= 8,
@@ -234,6 +237,7 @@ fn modules_form_no_import_cycle() {
 
 #[test]
 fn the_cycle_finder_finds_a_cycle() {
+    let _watch = common::watchdog();
     let mut deps: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
     deps.entry("a".into()).or_default().insert("b".into());
     deps.entry("b".into()).or_default().insert("c".into());
@@ -248,6 +252,7 @@ fn the_cycle_finder_finds_a_cycle() {
 
 #[test]
 fn literals_comments_and_tests_are_not_code() {
+    let _watch = common::watchdog();
     let text = "use crate::a; // crate::b\nlet s = \"crate::c {\"; let r = r#\"crate::d\"#;\n/* crate::e */ let c = '{';\n#[cfg(test)]\nmod tests { use crate::f; }\nfn g() { crate::h::x() }";
     let code = without_tests(&code_only(text));
     for gone in ["crate::b", "crate::c", "crate::d", "crate::e", "crate::f"] {

@@ -45,6 +45,7 @@ async fn admitted(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_gateways_with_a_third_each_stay_at_the_limit_while_redis_is_down() {
+    let _watch = common::watchdog();
     let mut redis = RedisServer::start();
     let upstream = Upstream::start().await;
     let store = Store::Redis {
@@ -121,6 +122,7 @@ async fn until_each_sees(client: &HttpClient, gateways: &[Gateway], n: u64, with
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn three_gateways_with_auto_count_each_other_and_keep_a_third_each_while_redis_is_down() {
+    let _watch = common::watchdog();
     let mut redis = RedisServer::start();
     let upstream = Upstream::start().await;
     let store = Store::Redis {
@@ -195,10 +197,12 @@ async fn three_gateways_with_auto_count_each_other_and_keep_a_third_each_while_r
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_that_never_reached_redis_counts_itself_alone_and_keeps_the_whole_limit() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     // Nothing listens there: no heartbeat is ever answered.
+    let refusing = common::RefusingPort::new();
     let store = Store::Redis {
-        url: format!("redis://127.0.0.1:{}", common::free_port()),
+        url: format!("redis://127.0.0.1:{}", refusing.port),
         on_error: "local",
         timeout: "250ms",
     };
@@ -229,6 +233,7 @@ async fn a_gateway_that_never_reached_redis_counts_itself_alone_and_keeps_the_wh
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn heartbeats_count_the_gateways_within_the_window_and_drop_the_rest() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     let window = Duration::from_secs(15);
     let open = || RedisStore::new(&redis.url(), PREFIX, Duration::from_secs(5)).expect("store");
@@ -274,6 +279,7 @@ async fn heartbeats_count_the_gateways_within_the_window_and_drop_the_rest() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_a_cluster_the_heartbeats_meet_in_one_key_on_one_node() {
+    let _watch = common::watchdog();
     let cluster = tokio::task::block_in_place(RedisCluster::start);
     let window = Duration::from_secs(15);
     let open =

@@ -70,6 +70,7 @@ const FORGED_UA: &[u8] =
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn access_lines_name_the_resolved_client_host_and_user_agent_escaped() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let body = format!(
         "{}[client_ip]\ntrusted_proxies = [\"127.0.0.1/32\"]\n\
@@ -151,6 +152,7 @@ async fn access_lines_name_the_resolved_client_host_and_user_agent_escaped() {
 /// `user_agent` value, and the line is one line.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn in_the_text_format_a_client_value_cannot_pass_for_a_field() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&upstream_and_store(&upstream.url(), &Store::Memory));
     let mut forged = b"GET /t HTTP/1.1\r\nHost: h.example\r\nUser-Agent: ".to_vec();
@@ -211,6 +213,7 @@ fn log_of_a_start(config: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_startup_line_prints_plain_addresses() {
+    let _watch = common::watchdog();
     let port = free_port();
     let logs = log_of_a_start(&format!(
         "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 1\n\
@@ -249,6 +252,7 @@ async fn the_startup_line_prints_plain_addresses() {
 /// Issue 42, item 9: the startup line named only a pool's first server.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_startup_line_names_every_server_of_every_pool() {
+    let _watch = common::watchdog();
     let port = free_port();
     let logs = log_of_a_start(&format!(
         "[server]\nlisten = \"127.0.0.1:{port}\"\nworkers = 1\n\
@@ -270,6 +274,7 @@ async fn the_startup_line_names_every_server_of_every_pool() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn shutdown_ends_with_a_final_line_of_uptime_and_requests_served() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let mut gw = Gateway::start(&upstream_and_store(&upstream.url(), &Store::Memory));
     let client = HttpClient::new();
@@ -333,6 +338,7 @@ async fn answer_on(port: u16) -> tokio::task::JoinHandle<()> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_unreachable_upstream_is_logged_once_per_change_of_state_with_a_count() {
+    let _watch = common::watchdog();
     let port = free_port();
     let gw = Gateway::start(&format!(
         "workers = 1\n{}",
@@ -395,6 +401,7 @@ async fn an_unreachable_upstream_is_logged_once_per_change_of_state_with_a_count
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_names_what_changed() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let upstream_with = |timeout: &str| {
         format!(

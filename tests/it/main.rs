@@ -3,6 +3,8 @@
 //! `common/` is compiled and linked once for all of them. Fixtures stay in `tests/fixtures/`.
 
 mod common;
+// `crate::seed`, as in the library's unit tests (`proptest_seeds!` names it so).
+use common::seed;
 
 mod algorithms_agree;
 mod batching;
@@ -18,6 +20,7 @@ mod features;
 mod grpc;
 mod grpc_answers;
 mod h2_pools;
+mod h2_refusals;
 mod jwt;
 mod jwt_quick_start;
 mod key_directory;

@@ -57,6 +57,7 @@ async fn drain_by(meter: &mut Meter, need: u64) -> (u64, u64) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_meters_of_one_identity_share_one_bucket_in_redis() {
+    let _watch = common::watchdog();
     let server = RedisServer::start();
     // Two gateways, each with its own limiter and connection, on one Redis.
     let (one, two) = (gateway_limiter(&server), gateway_limiter(&server));
@@ -86,9 +87,11 @@ async fn two_meters_of_one_identity_share_one_bucket_in_redis() {
         a_frames + b_frames <= 1_000 + dripped,
         "a {a_frames} + b {b_frames} frames in {elapsed:?}: more than one bucket"
     );
+    // The check above tells one bucket from two while what dripped is less than a bucket
+    // (a run under 20 s): a bound on meaning, not on speed.
     assert!(
-        elapsed < Duration::from_secs(5),
-        "too slow to tell: {elapsed:?}"
+        dripped < 1_000,
+        "too slow to tell one bucket from two: {elapsed:?}"
     );
 
     // Another identity has its own bucket.
@@ -108,6 +111,7 @@ async fn two_meters_of_one_identity_share_one_bucket_in_redis() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_byte_meters_of_one_identity_share_one_bucket_in_redis() {
+    let _watch = common::watchdog();
     let server = RedisServer::start();
     let (one, two) = (gateway_limiter(&server), gateway_limiter(&server));
     // 100 KiB/s, burst 1 MiB: batches of 10,240 bytes.

@@ -13,6 +13,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt};
 /// `applies_to` on the status page said "every request" for a rule limited to a route.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_status_page_says_which_route_a_rule_applies_to() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "[[upstreams]]\nname = \"default\"\nservers = [\"{u}\"]\n\
@@ -47,6 +48,7 @@ async fn the_status_page_says_which_route_a_rule_applies_to() {
 /// default the gateway gave up first (502); with the default now it is answered.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_backend_with_a_full_listen_queue_is_waited_for_by_default() {
+    let _watch = common::watchdog();
     let socket = tokio::net::TcpSocket::new_v4().expect("socket");
     socket
         .bind("127.0.0.1:0".parse().expect("addr"))

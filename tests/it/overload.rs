@@ -164,6 +164,7 @@ fn shed_total(m: &Scrape, priority: &str) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_burst_of_ten_times_the_knee_keeps_pro_within_2x_its_unloaded_p99_never_sheds_it_delays_then_sheds_free_and_holds_the_backend_near_its_knee(
 ) {
+    let _watch = common::watchdog();
     burst().await;
 }
 
@@ -328,6 +329,7 @@ fn no_overload_n() -> usize {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_half_the_knee_the_adaptive_limit_sheds_nothing() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     // A quick knee (16 places of 2 ms) and 8 loops: half its concurrency, never past it.
     let knee = Knee::start(16, Duration::from_millis(2));
@@ -397,6 +399,7 @@ async fn at_half_the_knee_the_adaptive_limit_sheds_nothing() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_fixed_limit_of_16_never_lets_more_reach_the_backend_and_sheds_who_waited_max_wait() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let knee = Knee::start(16, Duration::from_millis(20));
     // Free requests alone, and no share kept for pro: all 16 places are theirs.
@@ -452,6 +455,7 @@ async fn a_fixed_limit_of_16_never_lets_more_reach_the_backend_and_sheds_who_wai
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_shed_at_once_is_a_503_with_retry_after_and_a_grpc_call_unavailable() {
+    let _watch = common::watchdog();
     let upstream = common::Upstream::start().await;
     // One place, no queue: while one request holds the place, the next is shed at once.
     let gw = gateway(&upstream.url(), "{ max_concurrency = 1, max_queue = 0 }");
@@ -528,6 +532,7 @@ async fn a_request_shed_at_once_is_a_503_with_retry_after_and_a_grpc_call_unavai
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn half_pro_half_free_at_ten_times_the_knee_pro_is_served_first_shed_only_when_the_queue_is_full_of_pro_and_free_is_delayed_then_shed(
 ) {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let knee = Knee::start(16, Duration::from_millis(100));
     let gw = gateway(
@@ -624,6 +629,7 @@ async fn half_pro_half_free_at_ten_times_the_knee_pro_is_served_first_shed_only_
 /// meanwhile is served at once, none shed (before: 6 of 10 shed after `max_wait`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn slow_free_requests_never_take_the_place_kept_for_pro() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let backend = crate::common::backend::Backend::start().await;
     let gw = gateway(

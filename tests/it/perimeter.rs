@@ -14,7 +14,8 @@ use std::time::{Duration, Instant};
 
 use common::{
     connect, exchange, global_hash, h2_frame, raw_until_closed, series, status_of, until_closed,
-    upstream_and_store, Gateway, HttpClient, RedisServer, Store, Upstream, H2_START, WAIT,
+    until_quiet, until_scrape, upstream_and_store, Gateway, HttpClient, RedisServer, Store,
+    Upstream, H2_START, WAIT,
 };
 use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -41,26 +42,29 @@ fn get(path: &str) -> Vec<u8> {
 /// HTTP/2 preface, or nothing after an answer — on the gateway's listener and the admin's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_and_slow_connections_are_closed_by_their_clocks() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "header_timeout = \"1s\"\nidle_timeout = \"2s\"\n{}",
         upstream_and_store(&upstream.url(), &Store::Memory)
     ));
-    let (between, header) = (Duration::from_millis(800), Duration::from_secs(4));
+    // Each is closed no sooner than its clock (`between`: the header clock less a margin
+    // for the timer), and at all (within WAIT, or `until_closed` says None); which clock
+    // closed it is counted by reason at the end. (No upper bound in time: on a loaded
+    // machine a close can come late, and the reasons already tell header_timeout from
+    // idle_timeout.)
+    let between = Duration::from_millis(800);
 
     // Nothing at all: closed, nothing said.
     let (bytes, took) = raw_until_closed(gw.port, b"").await;
     let took = took.expect("a silent connection is closed");
-    assert!(
-        bytes.is_empty() && took >= between && took < header,
-        "{took:?} {bytes:?}"
-    );
+    assert!(bytes.is_empty() && took >= between, "{took:?} {bytes:?}");
 
     // Part of a head: 408, then closed.
     let (bytes, took) = raw_until_closed(gw.port, b"GET / HTTP/1.1\r\nHost: app.test\r\n").await;
     let took = took.expect("a half head is closed");
     assert_eq!(status_of(&bytes), 408);
-    assert!(took >= between && took < header, "{took:?}");
+    assert!(took >= between, "{took:?}");
 
     // Slowloris: a byte every 200 ms keeps nothing open past the head's clock.
     let mut s = connect(gw.port).await;
@@ -82,15 +86,12 @@ async fn silent_and_slow_connections_are_closed_by_their_clocks() {
     answer.extend_from_slice(&rest);
     let took = start.elapsed();
     assert_eq!(status_of(&answer), 408, "slowloris");
-    assert!(
-        took >= between && took < header,
-        "slowloris kept it {took:?}"
-    );
+    assert!(took >= between, "slowloris kept it {took:?}");
 
     // Only the HTTP/2 preface, no SETTINGS: closed.
     let (_, took) = raw_until_closed(gw.port, &H2_START[..24]).await;
     let took = took.expect("a preface alone is closed");
-    assert!(took >= between && took < header, "{took:?}");
+    assert!(took >= between, "{took:?}");
 
     // An answer, then nothing: kept for idle_timeout (2 s), not header_timeout (1 s).
     let mut s = connect(gw.port).await;
@@ -98,7 +99,7 @@ async fn silent_and_slow_connections_are_closed_by_their_clocks() {
     let (_, took) = until_closed(&mut s).await;
     let took = took.expect("an idle kept-alive connection is closed");
     assert!(
-        took >= Duration::from_millis(1700) && took < Duration::from_secs(6),
+        took >= Duration::from_millis(1700),
         "idle kept-alive closed after {took:?}"
     );
 
@@ -133,7 +134,7 @@ async fn silent_and_slow_connections_are_closed_by_their_clocks() {
     .flatten()
     .expect("a GOAWAY on an idle HTTP/2 connection");
     assert!(
-        goaway >= Duration::from_millis(1700) && goaway < Duration::from_secs(6),
+        goaway >= Duration::from_millis(1700),
         "GOAWAY after {goaway:?}"
     );
     drop(s);
@@ -141,11 +142,16 @@ async fn silent_and_slow_connections_are_closed_by_their_clocks() {
     // The admin listener has the same clocks.
     let (_, took) = raw_until_closed(gw.admin_port, b"").await;
     let took = took.expect("a silent admin connection is closed");
-    assert!(took >= between && took < header, "admin: {took:?}");
+    assert!(took >= between, "admin: {took:?}");
 
     // Counted by clock; nothing left open.
     assert_eq!(closed_by(&gw, "header_timeout").await, Some(4.0));
     assert_eq!(closed_by(&gw, "idle_timeout").await, Some(2.0));
+    let admin = [("listener", "admin"), ("reason", "header_timeout")];
+    assert_eq!(
+        series(&gw, "ratewall_connections_closed_total", &admin).await,
+        Some(1.0)
+    );
     let end = Instant::now() + WAIT;
     while series(&gw, "ratewall_connections", &[("listener", "gateway")]).await != Some(0.0) {
         assert!(Instant::now() < end, "connections left open");
@@ -170,6 +176,7 @@ fn h2_get(path: &str) -> Vec<u8> {
 /// HTTP/2 layer's send buffer are read whole from the upstream at once; these are not.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http2_client_that_takes_nothing_is_cut_off_at_body_timeout() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "body_timeout = \"1s\"\nidle_timeout = \"30s\"\n{}",
@@ -186,8 +193,10 @@ async fn an_http2_client_that_takes_nothing_is_cut_off_at_body_timeout() {
     let started = Instant::now();
     let (_, took) = until_closed(&mut s).await;
     let took = took.expect("the connection is closed");
+    // Not before its clock; closed by it (counted below), not by idle_timeout (30 s: past
+    // the WAIT `until_closed` gives it).
     assert!(
-        took >= Duration::from_millis(800) && took < Duration::from_secs(5),
+        took >= Duration::from_millis(800),
         "closed after {took:?} with body_timeout 1s"
     );
     assert!(started.elapsed() < WAIT);
@@ -199,6 +208,7 @@ async fn an_http2_client_that_takes_nothing_is_cut_off_at_body_timeout() {
 /// than idle_timeout itself is followed by a full idle period, then the close.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_request_longer_than_idle_timeout_still_gets_its_idle_clock() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "idle_timeout = \"1s\"\n{}",
@@ -207,9 +217,10 @@ async fn a_request_longer_than_idle_timeout_still_gets_its_idle_clock() {
     let mut s = connect(gw.port).await;
     assert_eq!(exchange(&mut s, &get("/slow/1600")).await, 200);
     let (_, took) = until_closed(&mut s).await;
+    // A full idle period after the answer (the claim), then closed (within WAIT).
     let took = took.expect("closed after the idle period");
     assert!(
-        took >= Duration::from_millis(800) && took < Duration::from_secs(4),
+        took >= Duration::from_millis(800),
         "closed {took:?} after the answer"
     );
 }
@@ -222,6 +233,7 @@ async fn a_request_longer_than_idle_timeout_still_gets_its_idle_clock() {
 /// HTTP/2 and sent no stream. Each new client is served at once, not after their clocks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn silent_half_and_idle_http2_connections_make_room_too() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "workers = 1\nmax_connections = 3\nheader_timeout = \"20s\"\n{}",
@@ -234,15 +246,20 @@ async fn silent_half_and_idle_http2_connections_make_room_too() {
         .expect("send");
     let mut h2 = connect(gw.port).await;
     h2.write_all(H2_START).await.expect("send");
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    until_scrape(&gw, "the three connections accepted", |s| {
+        s.get("ratewall_connections", &[("listener", "gateway")]) == 3.0
+    })
+    .await;
     // Each new client keeps its connection: the next needs room again.
     let mut kept = Vec::new();
     for i in 0..3 {
         let start = Instant::now();
         let mut s = connect(gw.port).await;
         assert_eq!(exchange(&mut s, &get(&format!("/new/{i}"))).await, 200);
+        // At once, not after the clocks (header_timeout is 20 s; room made is counted
+        // below): within WAIT, whatever the machine's load.
         assert!(
-            start.elapsed() < Duration::from_secs(3),
+            start.elapsed() < WAIT,
             "client {i} waited {:?} for room",
             start.elapsed()
         );
@@ -261,6 +278,7 @@ async fn silent_half_and_idle_http2_connections_make_room_too() {
 /// error, never a crash.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn at_max_connections_idle_ones_make_room_and_busy_ones_are_waited_for() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "workers = 1\nmax_connections = 3\n{}",
@@ -271,19 +289,16 @@ async fn at_max_connections_idle_ones_make_room_and_busy_ones_are_waited_for() {
         let mut s = connect(gw.port).await;
         assert_eq!(exchange(&mut s, &get(&format!("/idle/{i}"))).await, 200);
         idle.push(s);
-        // Apart by more than a loaded machine's scheduling delay: the gateway marks a
-        // connection idle when its task gets back to reading, after the client has read
-        // the answer.
+        // Real time on purpose: apart by more than a loaded machine's scheduling delay, the
+        // gateway marks a connection idle when its task gets back to reading, after the
+        // client has read the answer (nothing shows when it has).
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     let start = Instant::now();
     let mut fourth = connect(gw.port).await;
     assert_eq!(exchange(&mut fourth, &get("/fourth")).await, 200);
-    assert!(
-        start.elapsed() < Duration::from_secs(2),
-        "{:?}",
-        start.elapsed()
-    );
+    // At once (counted as make_room below), not after an idle clock (60 s).
+    assert!(start.elapsed() < WAIT, "{:?}", start.elapsed());
     // Exactly one was closed: the one idle the longest.
     let mut closed = Vec::new();
     for (i, s) in idle.iter_mut().enumerate() {
@@ -299,7 +314,7 @@ async fn at_max_connections_idle_ones_make_room_and_busy_ones_are_waited_for() {
     drop(fourth);
 
     // Three requests in flight (1.5 s each); a fourth waits for one of them.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    until_quiet(&gw, 0.0).await;
     let client = HttpClient::new();
     let busy: Vec<_> = (0..3)
         .map(|_| {
@@ -307,7 +322,11 @@ async fn at_max_connections_idle_ones_make_room_and_busy_ones_are_waited_for() {
             tokio::spawn(async move { c.get(&url, &[]).await.status })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // 3 idle, the fourth, and these three.
+    assert!(
+        upstream.wait_arrived(7, WAIT).await,
+        "the three never reached the upstream"
+    );
     let start = Instant::now();
     let late = HttpClient::new().get(&gw.url("/late"), &[]).await;
     assert_eq!(late.status, StatusCode::OK);
@@ -326,6 +345,7 @@ async fn at_max_connections_idle_ones_make_room_and_busy_ones_are_waited_for() {
 /// meanwhile, and serves again as soon as descriptors are free.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn out_of_file_descriptors_the_accept_loop_neither_spins_nor_floods_the_log() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     // max_connections set beyond what 48 descriptors hold (left unset, it would be derived
     // to fit them, and no accept would fail).
@@ -355,6 +375,7 @@ async fn out_of_file_descriptors_the_accept_loop_neither_spins_nor_floods_the_lo
         fields[11].parse::<u64>().unwrap_or(0) + fields[12].parse::<u64>().unwrap_or(0)
     };
     let before = cpu(gw.pid());
+    // Real time on purpose: the CPU spent over 2 s of nothing but failing accepts.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let used = cpu(gw.pid()) - before;
     assert!(
@@ -368,7 +389,10 @@ async fn out_of_file_descriptors_the_accept_loop_neither_spins_nor_floods_the_lo
         "{lines} accept-failure lines:\n{logs}"
     );
     drop(flood);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    until_scrape(&gw, "the flood's connections seen closed", |s| {
+        s.get("ratewall_connections", &[("listener", "gateway")]) == 0.0
+    })
+    .await;
     let r = HttpClient::new().get(&gw.url("/after"), &[]).await;
     assert_eq!(r.status, StatusCode::OK, "serving again");
     assert!(
@@ -394,6 +418,7 @@ async fn out_of_file_descriptors_the_accept_loop_neither_spins_nor_floods_the_lo
 /// abuser gets no fresh burst by flooding.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_key_flood_stays_within_max_keys_and_a_denied_key_stays_denied() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "{}max_keys = 200\n\
@@ -425,9 +450,13 @@ async fn a_key_flood_stays_within_max_keys_and_a_denied_key_stays_denied() {
         StatusCode::TOO_MANY_REQUESTS,
         "the flood evicted the abuser's state"
     );
-    // The key count is reported by the sweep, once a second.
-    tokio::time::sleep(Duration::from_millis(1_300)).await;
-    let keys = series(&gw, "ratewall_store_keys", &[("store", "memory")]).await;
+    // The key count is reported by the sweep, once a second: until it is.
+    let scrape = until_scrape(&gw, "the sweep reports at most max_keys keys", |s| {
+        s.find("ratewall_store_keys", &[("store", "memory")])
+            .is_some_and(|k| k > 0.0 && k <= 200.0)
+    })
+    .await;
+    let keys = scrape.find("ratewall_store_keys", &[("store", "memory")]);
     assert!(keys.is_some_and(|k| k > 0.0 && k <= 200.0), "{keys:?} keys");
     let lru = series(
         &gw,
@@ -443,6 +472,7 @@ async fn a_key_flood_stays_within_max_keys_and_a_denied_key_stays_denied() {
 /// still gets in — the state held longest ago makes room — instead of `on_error` (503).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_store_full_of_held_keys_still_takes_new_identities() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "{}max_keys = 100\n\
@@ -481,6 +511,7 @@ async fn a_store_full_of_held_keys_still_takes_new_identities() {
 /// every such field is replaced by what the gateway saw.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forwarding_headers_are_continued_from_trusted_proxies_and_replaced_from_others() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "{}[client_ip]\ntrusted_proxies = [\"127.0.0.1/32\"]\n",
@@ -548,6 +579,7 @@ async fn forwarding_headers_are_continued_from_trusted_proxies_and_replaced_from
 /// upstream gets the bytes as sent.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn encoded_slashes_do_not_walk_around_a_path_rule() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "{}[[rules]]\nname = \"api\"\nmatch = {{ path_prefix = \"/api/\" }}\nkey = \"global\"\n\
@@ -595,6 +627,7 @@ async fn encoded_slashes_do_not_walk_around_a_path_rule() {
 /// standard methods in any other case are refused, before any rule or the upstream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_lower_case_method_is_refused_not_forwarded() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "{}[[rules]]\nname = \"m\"\nmatch = {{ path_prefix = \"/m/\", methods = [\"GET\", \"POST\"] }}\n\
@@ -631,9 +664,13 @@ async fn a_lower_case_method_is_refused_not_forwarded() {
 /// never reach the upstream.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn malformed_requests_are_refused_at_once() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
-    let gw = Gateway::start(&upstream_and_store(&upstream.url(), &Store::Memory));
-    let quick = Duration::from_secs(1);
+    // Clocks of a minute: a close within WAIT is the refusal's, not a clock's.
+    let gw = Gateway::start(&format!(
+        "header_timeout = \"60s\"\nidle_timeout = \"60s\"\n{}",
+        upstream_and_store(&upstream.url(), &Store::Memory)
+    ));
     for (request, want) in [
         (&b"GET /no-host HTTP/1.1\r\n\r\n"[..], 400),
         (
@@ -648,7 +685,6 @@ async fn malformed_requests_are_refused_at_once() {
         ),
     ] {
         let (bytes, took) = raw_until_closed(gw.port, request).await;
-        let took = took.unwrap_or(WAIT);
         assert_eq!(
             status_of(&bytes),
             want,
@@ -656,8 +692,8 @@ async fn malformed_requests_are_refused_at_once() {
             String::from_utf8_lossy(request)
         );
         assert!(
-            took < quick,
-            "{:?}: closed after {took:?}",
+            took.is_some(),
+            "{:?}: not closed within {WAIT:?}",
             String::from_utf8_lossy(request)
         );
     }
@@ -674,6 +710,7 @@ async fn malformed_requests_are_refused_at_once() {
 /// connections each sending a huge unfinished head cost the gateway at most that much each.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_heads_are_bounded_by_max_header_bytes() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "workers = 1\n{}",
@@ -745,6 +782,7 @@ async fn request_heads_are_bounded_by_max_header_bytes() {
 /// admin token — not even from its read-only calls.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_admin_api_answers_only_to_its_token() {
+    let _watch = common::watchdog();
     const TOKEN: &str = "perimeter-admin-token-0123456789";
     let upstream = Upstream::start().await;
     let rules = "[keys.plans]\n\"sk_pro_key_0001\" = \"pro\"\n\
@@ -797,6 +835,7 @@ async fn the_admin_api_answers_only_to_its_token() {
 /// the window, and denied — not counted as the first of a fresh one.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_window_written_by_a_clock_ahead_is_not_reopened() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
@@ -850,6 +889,7 @@ async fn a_window_written_by_a_clock_ahead_is_not_reopened() {
 /// of the body (the gateway stopped reading: backpressure, not a buffer).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_large_streamed_body_is_carried_in_bounded_memory() {
+    let _watch = common::watchdog();
     const TOTAL: usize = 512 << 20;
     const CHUNK: usize = 1 << 20;
     const BOUND_KIB: u64 = 64 << 10;

@@ -39,8 +39,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{
-    binary, channel_body, closed_port_url, dump_dom, raw_exchange, serial, Backend, Gateway,
-    HttpClient, OnBody, Resetter, Scrape,
+    binary, channel_body, dump_dom, raw_exchange, serial, Backend, Gateway, HttpClient, OnBody,
+    RefusingPort, Resetter, Scrape,
 };
 use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -294,6 +294,7 @@ impl std::fmt::Display for Shown {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn round_robin_splits_evenly_and_by_weight() {
+    let _watch = common::watchdog();
     let b = backends(3).await;
     let gw = Gateway::start(&one_pool(&urls(&[&b[0], &b[1], &b[2]]), ""));
     let client = HttpClient::new();
@@ -333,6 +334,7 @@ async fn round_robin_splits_evenly_and_by_weight() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn least_requests_prefers_an_idle_server_to_one_holding_a_slow_request() {
+    let _watch = common::watchdog();
     let b = backends(3).await;
     let gw = Gateway::start(&one_pool(
         &urls(&[&b[0], &b[1], &b[2]]),
@@ -410,6 +412,7 @@ async fn route_keys(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hash_by_api_key_keeps_each_key_on_one_server_and_a_fourth_moves_few() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let b = backends(4).await;
     let three = urls(&[&b[0], &b[1], &b[2]]);
@@ -471,6 +474,7 @@ async fn hash_by_api_key_keeps_each_key_on_one_server_and_a_fourth_moves_few() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_server_killed_under_load_costs_no_client_an_error_and_comes_back() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let mut b = backends(3).await;
     let label = b[2].url();
@@ -552,8 +556,10 @@ fn row_naming<'a>(dom: &'a str, label: &str) -> Option<&'a str> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_status_page_shows_each_server_of_a_pool_with_its_state() {
+    let _watch = common::watchdog();
     let live = Backend::start().await;
-    let refused = closed_port_url();
+    let refusing = RefusingPort::new();
+    let refused = refusing.url();
     // Ejected after its first failure, for longer than the test takes.
     let gw = Gateway::start(&one_pool(
         &[live.url(), refused.clone()],
@@ -587,6 +593,7 @@ async fn the_status_page_shows_each_server_of_a_pool_with_its_state() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_post_partly_sent_is_not_retried_and_one_refused_before_sending_is() {
+    let _watch = common::watchdog();
     // Partly sent: the server reads the head and the body's first bytes, then resets.
     let dying = Backend::start_on(
         "127.0.0.1:0".parse().expect("addr"),
@@ -646,7 +653,8 @@ async fn a_post_partly_sent_is_not_retried_and_one_refused_before_sending_is() {
 
     // Refused before anything was sent: tried again on the other server, body and all.
     let live = Backend::start().await;
-    let refused = closed_port_url();
+    let refusing = RefusingPort::new();
+    let refused = refusing.url();
     let gw = Gateway::start(&one_pool(&[refused.clone(), live.url()], ""));
     for i in 0..4 {
         let (tx, body) = channel_body();
@@ -691,6 +699,7 @@ async fn a_post_partly_sent_is_not_retried_and_one_refused_before_sending_is() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_retry_budget_holds_retries_down_when_every_server_resets() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let r = [
         Resetter::start().await,
@@ -777,6 +786,7 @@ fn targets(b: &Backend) -> Vec<String> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn routes_by_host_and_path_prefix_strip_the_prefix_of_the_path_as_matched() {
+    let _watch = common::watchdog();
     let (web, billing, api) = (
         Backend::start().await,
         Backend::start().await,
@@ -821,6 +831,7 @@ async fn routes_by_host_and_path_prefix_strip_the_prefix_of_the_path_as_matched(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rule_matching_a_route_limits_only_that_routes_requests() {
+    let _watch = common::watchdog();
     let (web, billing) = (Backend::start().await, Backend::start().await);
     let body = format!(
         "{}{}{MEMORY}\
@@ -859,6 +870,7 @@ async fn a_rule_matching_a_route_limits_only_that_routes_requests() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_route_without_a_default_pool_is_a_404_problem_and_nothing_is_forwarded() {
+    let _watch = common::watchdog();
     let api = Backend::start().await;
     let body = format!(
         "{}{MEMORY}[[routes]]\nname = \"api\"\nmatch = {{ path_prefix = \"/api/\" }}\nupstream = \"api\"\n",
@@ -910,6 +922,7 @@ async fn no_route_without_a_default_pool_is_a_404_problem_and_nothing_is_forward
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_sighup_removing_a_server_under_load_loses_no_request() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let b = backends(3).await;
     let gw = Gateway::start(&one_pool(&urls(&[&b[0], &b[1], &b[2]]), ""));
@@ -969,17 +982,17 @@ const TWO_ADDRESS_NAME: &str = "ratewall-pools.test";
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_name_resolving_to_two_addresses_is_balanced_over_both() {
+    let _watch = common::watchdog();
     let resolved: Vec<std::net::IpAddr> = (TWO_ADDRESS_NAME, 80)
         .to_socket_addrs()
         .map(|a| a.map(|s| s.ip()).collect())
         .unwrap_or_default();
     let want: [std::net::IpAddr; 2] = [[127, 0, 0, 1].into(), [127, 0, 0, 2].into()];
     if !want.iter().all(|ip| resolved.contains(ip)) {
-        eprintln!(
-            "SKIPPED: {TWO_ADDRESS_NAME} resolves to {resolved:?}, not to both 127.0.0.1 and \
-             127.0.0.2; add both lines to /etc/hosts to run this test"
-        );
-        return;
+        return common::skip(&format!(
+            "{TWO_ADDRESS_NAME} resolves to {resolved:?}, not to both 127.0.0.1 and \
+             127.0.0.2; add both lines to /etc/hosts to run this test (.ci/run does)"
+        ));
     }
     // The same port on both addresses.
     let (first, second) = {
@@ -1031,6 +1044,7 @@ async fn a_name_resolving_to_two_addresses_is_balanced_over_both() {
 
 #[test]
 fn check_names_the_route_and_pool_a_request_would_take() {
+    let _watch = common::watchdog();
     let dir = tempfile::tempdir().expect("tempdir");
     let file = dir.path().join("limits.toml");
     std::fs::write(
@@ -1091,8 +1105,10 @@ fn check_names_the_route_and_pool_a_request_would_take() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_access_line_names_route_pool_server_and_attempts() {
+    let _watch = common::watchdog();
     let live = Backend::start().await;
-    let refused = closed_port_url();
+    let refusing = RefusingPort::new();
+    let refused = refusing.url();
     let body = format!(
         "{}{MEMORY}[[routes]]\nname = \"billing\"\nmatch = {{ path_prefix = \"/billing/\" }}\nupstream = \"payments\"\n",
         pool("payments", &servers(&[refused.clone(), live.url()]), ""),

@@ -35,6 +35,7 @@ fn runs(statuses: &[u16]) -> Vec<(u16, usize)> {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forged_tokens_pay_the_per_ip_rule_and_are_throttled_before_any_signature_check() {
+    let _watch = common::watchdog();
     let dir = tempfile::tempdir().unwrap();
     let issuer = SigningKey::rsa(dir.path());
     let forger = SigningKey::rsa(dir.path());
@@ -120,6 +121,7 @@ async fn forged_tokens_pay_the_per_ip_rule_and_are_throttled_before_any_signatur
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn requests_without_credentials_and_unknown_keys_are_charged_then_throttled() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&format!(
         "[upstream]\nurl = \"{}\"\n[store]\nbackend = \"memory\"\n\

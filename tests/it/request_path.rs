@@ -4,6 +4,8 @@
 //! process can show (framing, connections, Redis, the upstream hop) is tested end to end
 //! in the other files.
 
+use crate::common;
+
 use std::net::{IpAddr, SocketAddr};
 use std::path::Path;
 use std::sync::Arc;
@@ -137,6 +139,7 @@ impl InProcess {
 
 #[tokio::test]
 async fn remaining_counts_down_exactly_and_refills_with_the_clock() {
+    let _watch = common::watchdog();
     let t = InProcess::new(
         "[[rules]]\nname = \"api\"\nkey = \"api_key\"\nalgorithm = \"token_bucket\"\nrate = \"100/10s\"\n",
     );
@@ -158,6 +161,7 @@ async fn remaining_counts_down_exactly_and_refills_with_the_clock() {
 
 #[tokio::test]
 async fn a_denial_says_when_to_come_back_to_the_second() {
+    let _watch = common::watchdog();
     let t = InProcess::new(
         "[[rules]]\nname = \"login\"\nkey = \"client_ip\"\nalgorithm = \"fixed_window\"\nrate = \"3/m\"\n",
     );
@@ -184,6 +188,7 @@ async fn a_denial_says_when_to_come_back_to_the_second() {
 
 #[tokio::test]
 async fn a_request_denied_by_one_rule_takes_nothing_from_the_others() {
+    let _watch = common::watchdog();
     let t = InProcess::new(concat!(
         "[[rules]]\nname = \"wide\"\nkey = \"api_key\"\nrate = \"10/s\"\n",
         "[[rules]]\nname = \"narrow\"\nkey = \"api_key\"\nrate = \"2/s\"\nmatch = { path_prefix = \"/narrow/\" }\n",
@@ -207,6 +212,7 @@ async fn a_request_denied_by_one_rule_takes_nothing_from_the_others() {
 
 #[tokio::test]
 async fn who_a_request_is_decides_whether_it_is_refused() {
+    let _watch = common::watchdog();
     let t = InProcess::new(concat!(
         "[keys]\nunknown = \"reject\"\n[keys.plans]\n\"gold-key\" = \"gold\"\n",
         "[[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"5/s\"\nmatch = { path_prefix = \"/api/\" }\n",
@@ -263,6 +269,7 @@ async fn who_a_request_is_decides_whether_it_is_refused() {
 
 #[tokio::test]
 async fn a_shadow_rule_reports_what_it_would_deny_and_denies_nothing() {
+    let _watch = common::watchdog();
     let t = InProcess::new(concat!(
         "[[rules]]\nname = \"watch\"\nkey = \"api_key\"\nrate = \"1/m\"\nmode = \"shadow\"\n",
         "[[rules]]\nname = \"real\"\nkey = \"api_key\"\nrate = \"100/m\"\n",
@@ -286,6 +293,7 @@ async fn a_shadow_rule_reports_what_it_would_deny_and_denies_nothing() {
 
 #[tokio::test]
 async fn a_request_waits_for_reserved_tokens_up_to_max_delay_and_the_queue_is_bounded() {
+    let _watch = common::watchdog();
     let t = InProcess::new(
         "[[rules]]\nname = \"smooth\"\nkey = \"global\"\nrate = \"10/s\"\nburst = 1\nmax_delay = \"1s\"\nmax_waiting = 2\n",
     );
@@ -310,8 +318,56 @@ async fn a_request_waits_for_reserved_tokens_up_to_max_delay_and_the_queue_is_bo
     drop(third);
 }
 
+/// A batch at once against 10/s, a burst of 1 and `max_delay = "500ms"`, for both
+/// algorithms that delay: the first passes at once, the next five wait for their reserved
+/// tokens, 100 ms apart and never past max_delay, and the rest are refused without
+/// waiting (denied with Retry-After, no pass). (tests/it/features.rs shows the real binary
+/// sleeps these waits; the exact waits are here.)
+#[tokio::test]
+async fn delayed_requests_wait_at_most_max_delay_and_the_rest_are_refused_at_once() {
+    let _watch = common::watchdog();
+    for algorithm in ["token_bucket", "gcra"] {
+        let t = InProcess::new(&format!(
+            "[[rules]]\nname = \"api\"\nkey = \"global\"\nalgorithm = \"{algorithm}\"\nrate = \"10/s\"\nburst = 1\nmax_delay = \"500ms\"\n"
+        ));
+        let live = t.gw.live();
+        let mut seen = Vec::new();
+        for _ in 0..12 {
+            seen.push(t.get(&live, "/d", None).await);
+        }
+        let waits: Vec<Option<u64>> = seen
+            .iter()
+            .map(|s| s.pass.as_ref().map(|p| p.wait().as_millis() as u64))
+            .collect();
+        let none: Option<u64> = None;
+        assert_eq!(
+            waits,
+            [
+                Some(0),
+                Some(100),
+                Some(200),
+                Some(300),
+                Some(400),
+                Some(500),
+                none,
+                none,
+                none,
+                none,
+                none,
+                none
+            ],
+            "{algorithm}"
+        );
+        for refused in &seen[6..] {
+            assert_eq!(refused.status, StatusCode::TOO_MANY_REQUESTS, "{algorithm}");
+            assert!(refused.headers.contains_key("retry-after"), "{algorithm}");
+        }
+    }
+}
+
 #[tokio::test]
 async fn concurrency_slots_are_held_until_the_request_is_done() {
+    let _watch = common::watchdog();
     let t = InProcess::new("[[rules]]\nname = \"slots\"\nkey = \"api_key\"\nmax_in_flight = 2\n");
     let live = t.gw.live();
     let a = t.get(&live, "/x", Some("k")).await;
@@ -335,6 +391,7 @@ async fn concurrency_slots_are_held_until_the_request_is_done() {
 /// rule counts nothing, though it would deny. Near the limit: 0 of 2 slots left.
 #[tokio::test]
 async fn a_concurrency_rule_judges_the_slo_by_its_own_decision_and_a_shadow_rule_not_at_all() {
+    let _watch = common::watchdog();
     let t = InProcess::new(
         "[[rules]]\nname = \"slots\"\nkey = \"api_key\"\nmax_in_flight = 2\n\
          [[rules]]\nname = \"watch\"\nkey = \"api_key\"\nrate = \"1/h\"\nmode = \"shadow\"\n",
@@ -373,6 +430,7 @@ async fn a_concurrency_rule_judges_the_slo_by_its_own_decision_and_a_shadow_rule
 
 #[tokio::test]
 async fn unlimited_requests_and_malformed_ones_never_reach_the_store() {
+    let _watch = common::watchdog();
     let t = InProcess::new(
         "[[rules]]\nname = \"api\"\nkey = \"api_key\"\nrate = \"1/m\"\nmatch = { path_prefix = \"/api/\", methods = [\"GET\"] }\n",
     );
@@ -457,6 +515,7 @@ async fn tally(
 
 #[tokio::test]
 async fn a_per_ip_ceiling_caps_a_pro_key_unless_the_rule_leaves_keyed_requests_out() {
+    let _watch = common::watchdog();
     // Today's policy: the per-IP rule counts every request, so a pro key behind one
     // address gets 300 of its 320.
     let t = InProcess::new(&policy("reject", ""));
@@ -497,6 +556,7 @@ async fn a_per_ip_ceiling_caps_a_pro_key_unless_the_rule_leaves_keyed_requests_o
 
 #[tokio::test]
 async fn an_absent_key_is_only_one_no_key_rule_would_refuse() {
+    let _watch = common::watchdog();
     let t = InProcess::new(&policy("reject", "match = { api_key = \"absent\" }"));
     let live = t.gw.live();
     // The per-IP rule alone applies to /public; it reads the key as the per-key rule
@@ -537,6 +597,7 @@ async fn an_absent_key_is_only_one_no_key_rule_would_refuse() {
 
 #[tokio::test]
 async fn a_header_condition_asks_only_whether_the_header_is_there() {
+    let _watch = common::watchdog();
     let t = InProcess::new(concat!(
         "[[rules]]\nname = \"anon\"\nkey = \"client_ip\"\nrate = \"1/h\"\nburst = 2\nmatch = { \"header:authorization\" = \"absent\" }\n",
         "[[rules]]\nname = \"users\"\nkey = \"header:authorization\"\nrate = \"1/h\"\nburst = 3\nmatch = { \"header:Authorization\" = \"present\", methods = [\"POST\"] }\n",
@@ -564,6 +625,7 @@ async fn a_header_condition_asks_only_whether_the_header_is_there() {
 /// refused, whatever its headers say.
 #[tokio::test]
 async fn a_client_cert_rule_counts_the_certificate_in_the_requests_context() {
+    let _watch = common::watchdog();
     let dir = tempfile::tempdir().expect("a temporary folder");
     let cert = rcgen::generate_simple_self_signed(vec!["app.test".to_string()]).expect("a cert");
     let (pem, key) = (dir.path().join("gw.pem"), dir.path().join("gw-key.pem"));

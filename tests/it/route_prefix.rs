@@ -75,6 +75,7 @@ fn routes(backend: &Backend) -> String {
 /// `/v2/%2e%2e/%2e%2e/internal` (`/internal`), and `/billing../x` as `/v2/../x` (`/x`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_routes_prefix_holds_whatever_dot_segments_the_path_carries() {
+    let _watch = common::watchdog();
     let (ours, theirs) = (Backend::start().await, Backend::start().await);
     let gw = Gateway::start(&routes(&ours));
     let nginx = Nginx::start(&format!(

@@ -11,7 +11,7 @@
 
 use crate::common;
 
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -72,6 +72,7 @@ fn config(upstream: &Upstream, sentinel: &RedisSentinel, on_error: &str, timeout
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_gateway_on_sentinel_limits_exactly_on_the_primary_it_names() {
+    let _watch = common::watchdog();
     let sentinel = tokio::task::block_in_place(RedisSentinel::start);
     let upstream = Upstream::start().await;
     let gw = Gateway::start(&config(&upstream, &sentinel, "deny", "2s"));
@@ -121,6 +122,7 @@ async fn a_gateway_on_sentinel_limits_exactly_on_the_primary_it_names() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_failover_under_load_is_followed_and_the_limit_holds_after_it() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let mut sentinel = tokio::task::block_in_place(RedisSentinel::start);
     let upstream = Upstream::start().await;
@@ -131,25 +133,44 @@ async fn a_failover_under_load_is_followed_and_the_limit_holds_after_it() {
     let old = sentinel.primary_port();
     wait_named(&client, &gw, old, Duration::from_secs(15)).await;
 
-    // Four clients, a key each, until told to stop: each answer with when it came.
+    // Four clients, a key each, until told to stop: each answer with when it came, and a
+    // count of each one's 200s.
     let stop = Arc::new(AtomicBool::new(false));
+    let served: Arc<[AtomicUsize; 4]> = Arc::new(Default::default());
     let started = Instant::now();
     let load: Vec<_> = (0..4)
         .map(|i| {
-            let (gw, stop, client) = (gw.clone(), stop.clone(), client.clone());
+            let (gw, stop, client, served) =
+                (gw.clone(), stop.clone(), client.clone(), served.clone());
             tokio::spawn(async move {
                 let key = format!("k-load-{i}");
                 let mut seen = Vec::new();
                 while !stop.load(Ordering::Relaxed) {
                     let r = client.get(&gw.url("/load"), &[("x-api-key", &key)]).await;
                     seen.push((started.elapsed(), r.status.as_u16()));
+                    if r.status == StatusCode::OK {
+                        served[i].fetch_add(1, Ordering::Relaxed);
+                    }
                     tokio::time::sleep(Duration::from_millis(5)).await;
                 }
                 seen
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Until every client has been served more than `than`'s count.
+    let more_served = |than: [usize; 4], within: Duration| {
+        let served = served.clone();
+        async move {
+            let end = Instant::now() + within;
+            let now = || served.each_ref().map(|n| n.load(Ordering::Relaxed));
+            while (0..4).any(|i| now()[i] <= than[i]) {
+                assert!(Instant::now() < end, "a client is not served: {:?}", now());
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            now()
+        }
+    };
+    more_served([0; 4], Duration::from_secs(15)).await;
 
     let killed_at = started.elapsed();
     tokio::task::block_in_place(|| sentinel.kill_primary());
@@ -158,8 +179,13 @@ async fn a_failover_under_load_is_followed_and_the_limit_holds_after_it() {
     assert_ne!(new, old);
     wait_named(&client, &gw, new, Duration::from_secs(30)).await;
     let switched_at = started.elapsed();
-    // Load goes on against the new primary for a while.
-    tokio::time::sleep(Duration::from_secs(2)).await;
+    // Load goes on against the new primary: the second after the switch (real time on
+    // purpose: the checks below count from it), then until every client is served again.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    // (Two more each: one counted just after the second began could have been answered
+    // just before.)
+    let then = served.each_ref().map(|n| n.load(Ordering::Relaxed) + 1);
+    more_served(then, Duration::from_secs(15)).await;
     stop.store(true, Ordering::Relaxed);
     let mut all = Vec::new();
     for (i, task) in load.into_iter().enumerate() {
@@ -266,6 +292,8 @@ async fn a_failover_under_load_is_followed_and_the_limit_holds_after_it() {
         );
         tokio::time::sleep(Duration::from_millis(200)).await;
     }
+    // Real time on purpose: a window in which a gateway that went back to the old primary
+    // would show it.
     tokio::time::sleep(Duration::from_secs(2)).await;
     assert_eq!(
         store_status(&client, &gw).await["primary"],

@@ -631,10 +631,11 @@ fn report(what: &str, tally: &Tally, started: Instant) {
 /// and settlements for all four algorithms, and Redis holds exactly the Rust state.
 #[test]
 fn memory_and_redis_agree_on_settlement_timelines() {
+    let _watch = common::watchdog();
     let h = Harness::start(Servers::One(RedisServer::start()));
     let tally = Tally::default();
     let started = Instant::now();
-    proptest!(common::proptest_config("settle_agree::redis", 60), |(tl in timeline(20..=120, 4))| {
+    crate::proptest_seeds!("settle_agree::redis", 60, |(tl in timeline(20..=120, 4))| {
         case(&h, &tl, &tally, true)?;
     });
     report("redis", &tally, started);
@@ -674,10 +675,11 @@ fn memory_and_redis_agree_on_settlement_timelines() {
 /// cluster's refund is a settlement), and every answer is the memory store's.
 #[test]
 fn memory_and_a_redis_cluster_agree_on_settlement_timelines() {
+    let _watch = common::watchdog();
     let h = Harness::start(Servers::Cluster(RedisCluster::start()));
     let tally = Tally::default();
     let started = Instant::now();
-    proptest!(common::proptest_config("settle_agree::cluster", 36), |(tl in timeline(20..=80, 2))| {
+    crate::proptest_seeds!("settle_agree::cluster", 36, |(tl in timeline(20..=80, 2))| {
         case(&h, &tl, &tally, false)?;
     });
     report("cluster", &tally, started);
@@ -716,6 +718,7 @@ fn ok<T>(r: Result<T, String>) -> T {
 /// step functions (`Replay`), which must agree with the cluster field for field.
 #[test]
 fn a_multi_rule_refund_across_two_identities_stays_exact_on_a_cluster() {
+    let _watch = common::watchdog();
     let h = Harness::start(Servers::Cluster(RedisCluster::start()));
     let mut replay = Replay::new(&h);
     let quota = |algorithm, rate: &str, burst: Option<u64>, cost| {
@@ -823,6 +826,7 @@ fn a_multi_rule_refund_across_two_identities_stays_exact_on_a_cluster() {
 /// timed by the gateway's elapsed time against the store's clock and cleared the third.
 #[test]
 fn a_refund_just_after_its_window_ended_never_reaches_the_next_one() {
+    let _watch = common::watchdog();
     let h = Harness::start(Servers::One(RedisServer::start()));
     for algorithm in [Algorithm::FixedWindow, Algorithm::SlidingWindow] {
         for back in [0, 500_000] {

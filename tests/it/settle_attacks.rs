@@ -36,8 +36,8 @@ use common::gzip_backend::GzipBackend;
 use common::llm::{stream_get, Http, LlmBackend, COST_HEADER};
 use common::witness::Witness;
 use common::{
-    closed_port_url, raw_exchange, redis_key, remaining, send_raw, serial, try_remaining,
-    ws_handshake, EchoServer, Gateway, HttpClient, RedisServer, Reply, Scrape, Store, WAIT,
+    raw_exchange, redis_key, remaining, send_raw, serial, try_remaining, until_quiet, ws_handshake,
+    EchoServer, Gateway, HttpClient, RedisServer, Reply, Scrape, Store, WAIT,
 };
 use http::StatusCode;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -175,6 +175,7 @@ fn raw_request(
 /// `B` of them the next proper request is 429, and the backend read exactly `B` heads.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn leaving_early_is_not_a_refund() {
+    let _watch = common::watchdog();
     const B: usize = 10;
     let backend = Arc::new(Witness::start().await);
     let rules = rule(
@@ -225,8 +226,9 @@ async fn leaving_early_is_not_a_refund() {
             answered.push(format!("stall: {s}"));
         }
     }
-    // Let the gateway notice every departure and settle what it settles.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Until the gateway has seen every departure: only the HTTP/2 connection is open, and
+    // no request is in flight (a cancelled stream's is dropped).
+    until_quiet(&gw, 1.0).await;
 
     let c = HttpClient::new();
     let mut rows = Vec::new();
@@ -267,9 +269,11 @@ async fn leaving_early_is_not_a_refund() {
 /// queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn what_never_reached_a_backend_is_refunded() {
+    let _watch = common::watchdog();
     const B: i64 = 10;
     let backend = Arc::new(Witness::start().await);
     let w = backend.url();
+    let refusing = common::RefusingPort::new();
     let body = format!(
         r#"[upstream]
 connect_timeout = "1s"
@@ -315,7 +319,7 @@ upstream = "queued"
 token = "{ADMIN_TOKEN}"
 
 {}"#,
-        closed_port_url(),
+        refusing.url(),
         Store::Memory.toml(),
         rule(
             "api",
@@ -391,6 +395,7 @@ token = "{ADMIN_TOKEN}"
 /// burst and the rate's worth of them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn early_leavers_get_no_more_than_the_limit() {
+    let _watch = common::watchdog();
     const B: f64 = 10.0;
     const RATE_PER_MIN: f64 = 10.0;
     const RUN: Duration = Duration::from_secs(15);
@@ -439,7 +444,8 @@ async fn early_leavers_get_no_more_than_the_limit() {
         denied += d;
     }
     let secs = started.elapsed().as_secs_f64();
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Until every client is seen gone and nothing is in flight: no more heads can come.
+    until_quiet(&gw, 0.0).await;
     let hits = backend.heads_of("leaver");
     let most = (B + RATE_PER_MIN * secs / 60.0).floor() as usize;
     assert!(
@@ -457,6 +463,7 @@ async fn early_leavers_get_no_more_than_the_limit() {
 /// at start, naming `attempts`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refunds_by_status_without_attempts_are_refused_at_load() {
+    let _watch = common::watchdog();
     let rules = rule("api", 10, "charge = { statuses = [\"2xx\"] }");
     let body = config("", "http://127.0.0.1:9", &Store::Memory, &rules);
     let dir = tempfile::tempdir().expect("tempdir");
@@ -498,6 +505,7 @@ async fn refunds_by_status_without_attempts_are_refused_at_load() {
 /// 5 reach the backend, the 6th is 429, the rule's own bucket stays full.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn failed_attempts_stop_at_the_attempts_ceiling() {
+    let _watch = common::watchdog();
     const B: i64 = 10;
     const ATTEMPTS_BURST: usize = 5;
     let backend = Witness::start().await;
@@ -535,6 +543,7 @@ async fn failed_attempts_stop_at_the_attempts_ceiling() {
 /// burst of 3 the 4th socket is 429.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_upgrade_answered_101_is_charged() {
+    let _watch = common::watchdog();
     let echo = EchoServer::start().await;
     let rules = rule(
         "api",
@@ -585,6 +594,7 @@ fn llm_rule(extra: &str) -> String {
 /// reports no usage, so the reservation is the charge.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_token_bill_cannot_be_dodged() {
+    let _watch = common::watchdog();
     let backend = Witness::start().await;
     let rules = llm_rule("on_unreadable = \"reserve\"\n");
     let gw = Gateway::start(&config("", &backend.url(), &Store::Memory, &rules));
@@ -660,6 +670,7 @@ async fn the_token_bill_cannot_be_dodged() {
 /// refused (411 none, 413 over 1 MiB, 400 unusable) and never reaches the backend.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn unreadable_bodies_are_refused_when_the_rule_says_so() {
+    let _watch = common::watchdog();
     let backend = Witness::start().await;
     let gw = Gateway::start(&config(
         "",
@@ -704,6 +715,7 @@ async fn unreadable_bodies_are_refused_when_the_rule_says_so() {
 /// bytes of the body (rounded up).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn total_tokens_reserve_the_prompt_too() {
+    let _watch = common::watchdog();
     let backend = Witness::start().await;
     let rules = rule(
         "llm",
@@ -742,6 +754,7 @@ async fn total_tokens_reserve_the_prompt_too() {
 /// not the reservation (100). A stream cut before any usage keeps its reservation.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_usage_after_the_client_left_is_still_charged() {
+    let _watch = common::watchdog();
     let backend = LlmBackend::start().await;
     let gw = Gateway::start(&config(
         "",
@@ -809,6 +822,7 @@ async fn a_usage_after_the_client_left_is_still_charged() {
 /// request; at most a burst and a minute's limit of them may pass.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn llm_dodgers_get_no_more_than_the_limit() {
+    let _watch = common::watchdog();
     const RUN: Duration = Duration::from_secs(15);
     const WORKERS: usize = 6;
     const PER_REQUEST: u64 = 1000;
@@ -924,6 +938,7 @@ async fn llm_dodgers_get_no_more_than_the_limit() {
 /// always: a client sending `Accept-Encoding: gzip` is charged the usage reported in both.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn compressed_answers_are_counted() {
+    let _watch = common::watchdog();
     let backend = GzipBackend::start().await;
     let rules = rule(
         "llm",
@@ -966,6 +981,7 @@ async fn compressed_answers_are_counted() {
 /// another rule's name settles, where no rule settles at all.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn cost_names_never_leak() {
+    let _watch = common::watchdog();
     const OTHER: &str = "x-tokens-used";
     let backend = Witness::start().await;
     let rules = format!(
@@ -1040,6 +1056,7 @@ async fn cost_names_never_leak() {
 /// trailers of its answer — and never lowers the charge.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_clients_own_cost_field_is_dropped() {
+    let _watch = common::watchdog();
     let backend = Witness::start().await;
     let rules = rule("api", 1000, &format!("cost_header = \"{COST_HEADER}\""));
     let gw = Gateway::start(&config("", &backend.url(), &Store::Memory, &rules));
@@ -1084,6 +1101,7 @@ async fn a_clients_own_cost_field_is_dropped() {
 /// last chunk; the instant the client has the whole body, Redis already holds the cost.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trailers_cost_is_in_redis_before_the_last_byte() {
+    let _watch = common::watchdog();
     const B: i64 = 100;
     const COST: i64 = 40;
     let redis = RedisServer::start();
@@ -1148,6 +1166,7 @@ async fn a_trailers_cost_is_in_redis_before_the_last_byte() {
 /// (a remembered denial would answer it 429).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn no_remembered_denial_outlives_a_refund_on_redis() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     let backend = Witness::start().await;
     let rules = rule(

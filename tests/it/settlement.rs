@@ -25,9 +25,9 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{
-    closed_port_url, int, llm::sse_events, llm::stream_get, llm::Http, llm::LlmBackend,
-    llm::COST_HEADER, redis_key, remaining, scan, serial, sf_list, tally, try_remaining, Gateway,
-    HttpClient, RedisCluster, RedisServer, Reply, Scrape, Store,
+    int, llm::sse_events, llm::stream_get, llm::Http, llm::LlmBackend, llm::COST_HEADER, redis_key,
+    remaining, scan, serial, sf_list, tally, try_remaining, Gateway, HttpClient, RedisCluster,
+    RedisServer, Reply, Scrape, Store,
 };
 use http::StatusCode;
 
@@ -155,6 +155,7 @@ async fn assert_settled(gw: &Gateway, rule: &str, outcomes: &[(&str, u64)], cost
 // 1. Charge by status: what was not a 2xx is given back.
 
 async fn charge_by_status(on: On<'_>) {
+    let refusing = common::RefusingPort::new();
     const B: i64 = 10;
     let backend = LlmBackend::start().await;
     let body = format!(
@@ -186,7 +187,7 @@ burst = {B}
 charge = {{ statuses = ["2xx"], attempts = {{ rate = "1/h", burst = 1000 }} }}
 "#,
         backend.url(),
-        closed_port_url(),
+        refusing.url(),
         on.toml()
     );
     let gw = Gateway::start(&body);
@@ -249,7 +250,11 @@ charge = {{ statuses = ["2xx"], attempts = {{ rate = "1/h", burst = 1000 }} }}
         }
         drop(s);
     }
-    tokio::time::sleep(Duration::from_millis(1500)).await;
+    // Until the gateway has seen the client go (its request no longer in flight).
+    common::until_scrape(&gw, "the client that left seen gone", |s| {
+        s.scalar("ratewall_in_flight_requests") == 0.0
+    })
+    .await;
     // Probe with a 500 (itself refunded): the 504 and the client that left still count.
     let r = get(&c, &gw, "/work?status=500", key).await;
     assert_eq!(
@@ -290,17 +295,20 @@ charge = {{ statuses = ["2xx"], attempts = {{ rate = "1/h", burst = 1000 }} }}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charge_by_status_gives_back_what_was_not_2xx_on_memory() {
+    let _watch = common::watchdog();
     charge_by_status(On::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charge_by_status_gives_back_what_was_not_2xx_on_redis() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     charge_by_status(On::Redis(&redis)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn charge_by_status_gives_back_what_was_not_2xx_on_the_cluster() {
+    let _watch = common::watchdog();
     let cluster = RedisCluster::start();
     charge_by_status(On::Cluster(&cluster)).await;
 }
@@ -348,6 +356,7 @@ async fn concurrent_reservations(on: On<'_>) {
     while backend.arrived() < B && Instant::now() < end {
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // Real time on purpose: a window in which one more than the burst would show.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         backend.arrived(),
@@ -387,12 +396,14 @@ async fn concurrent_reservations(on: On<'_>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_never_overshoot_while_reserved_on_memory() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     concurrent_reservations(On::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn concurrent_requests_never_overshoot_while_reserved_on_redis() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let redis = RedisServer::start();
     concurrent_reservations(On::Redis(&redis)).await;
@@ -555,17 +566,20 @@ max_debt = {DEBT}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reported_cost_is_charged_whole_and_stripped_on_memory() {
+    let _watch = common::watchdog();
     reported_cost(On::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reported_cost_is_charged_whole_and_stripped_on_redis() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     reported_cost(On::Redis(&redis)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reported_cost_is_charged_whole_and_stripped_on_the_cluster() {
+    let _watch = common::watchdog();
     let cluster = RedisCluster::start();
     reported_cost(On::Cluster(&cluster)).await;
 }
@@ -575,6 +589,7 @@ async fn reported_cost_is_charged_whole_and_stripped_on_the_cluster() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refunds_across_identities_on_the_cluster_are_exact() {
+    let _watch = common::watchdog();
     const KEY_B: i64 = 10;
     const IP_B: i64 = 15;
     const N: i64 = 20;
@@ -885,17 +900,20 @@ async fn llm_usage(on: On<'_>) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn llm_usage_is_charged_exactly_and_streams_pass_untouched_on_memory() {
+    let _watch = common::watchdog();
     llm_usage(On::Memory).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn llm_usage_is_charged_exactly_and_streams_pass_untouched_on_redis() {
+    let _watch = common::watchdog();
     let redis = RedisServer::start();
     llm_usage(On::Redis(&redis)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn llm_usage_is_charged_exactly_and_streams_pass_untouched_on_the_cluster() {
+    let _watch = common::watchdog();
     let cluster = RedisCluster::start();
     llm_usage(On::Cluster(&cluster)).await;
 }

@@ -42,6 +42,7 @@ fn listening(port: u16) -> bool {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn flags_override_the_files_listen_admin_listen_and_upstream() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let (listen, admin) = (free_port(), free_port());
     let gw = Gateway::start_with(
@@ -75,6 +76,7 @@ async fn flags_override_the_files_listen_admin_listen_and_upstream() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_environment_overrides_the_file_and_a_flag_overrides_the_environment() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let (env_listen, env_admin, flag_admin) = (free_port(), free_port(), free_port());
     let gw = Gateway::start_with(
@@ -120,6 +122,7 @@ async fn the_environment_overrides_the_file_and_a_flag_overrides_the_environment
 
 #[tokio::test(flavor = "multi_thread")]
 async fn overrides_survive_a_reload() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let listen = free_port();
     let gw = Gateway::start_with(
@@ -191,6 +194,7 @@ fn run(config: &str, args: &[&str], env: &[(&str, &str)]) -> (i32, String, Strin
 
 #[test]
 fn a_bad_override_is_an_error_that_names_it_and_exits_1_before_binding() {
+    let _watch = common::watchdog();
     let port = free_port();
     let config = format!(
         "[server]\nlisten = \"127.0.0.1:{port}\"\n{}",
@@ -228,6 +232,7 @@ fn a_bad_override_is_an_error_that_names_it_and_exits_1_before_binding() {
 
 #[test]
 fn check_applies_the_overrides_and_says_so() {
+    let _watch = common::watchdog();
     let config = format!(
         "[server]\nlisten = \"127.0.0.1:8080\"\n{}",
         file_upstream("http://127.0.0.1:3000")
@@ -360,6 +365,7 @@ impl Drop for Shipped {
 /// 401's access line names its rule; the first log line is no warning.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_readme_session_holds_on_the_shipped_config() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = Shipped::start(&upstream.url());
     let client = HttpClient::new();
@@ -382,6 +388,8 @@ async fn the_readme_session_holds_on_the_shipped_config() {
         assert!(int(st, "r") <= int(p, "q"), "{name}: r above q: {state:?}");
     }
     assert_eq!(int(&state[0].1, "r"), 19);
+    // Real time on purpose: the README's reader runs the next command after `api` has
+    // refilled (10/s, on the gateway's clock).
     tokio::time::sleep(Duration::from_millis(2_100)).await;
     let started = std::time::Instant::now();
     let burst: Vec<_> = (0..25)
@@ -416,7 +424,8 @@ async fn the_readme_session_holds_on_the_shipped_config() {
         started.elapsed()
     );
 
-    // A reader types the next command well after `api` refilled; each export takes 1 of it.
+    // A reader types the next command well after `api` refilled (real time on purpose);
+    // each export takes 1 of it.
     tokio::time::sleep(Duration::from_millis(2_100)).await;
     let export = local(gw.port, "/api/reports/export");
     for _ in 0..3 {
@@ -557,6 +566,7 @@ async fn the_readme_session_holds_on_the_shipped_config() {
 /// `max_connections` the file sets beyond the limit is warned of at start.
 #[test]
 fn max_connections_is_derived_from_the_open_file_limit_unless_set() {
+    let _watch = common::watchdog();
     let out = limited_ratewall()
         .current_dir(env!("CARGO_MANIFEST_DIR"))
         .arg("check")
@@ -609,6 +619,7 @@ fn max_connections_is_derived_from_the_open_file_limit_unless_set() {
 /// headers gets 200 over HTTP/2.
 #[tokio::test(flavor = "multi_thread")]
 async fn the_tls_quick_start_works_as_written_on_loopback() {
+    let _watch = common::watchdog();
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
     let tls = &readme[readme.find("### TLS").expect("README: ### TLS")..];
@@ -704,7 +715,7 @@ async fn the_tls_quick_start_works_as_written_on_loopback() {
         &[("x-api-key", "demo-free-key")],
     )
     .await;
-    // The README's own curl, where curl is installed: `200 2`.
+    // The README's own curl: `200 2`.
     let curl = Command::new("curl")
         .current_dir(dir.path())
         .args([
@@ -731,11 +742,11 @@ async fn the_tls_quick_start_works_as_written_on_loopback() {
         Some(&b"h2"[..]),
         "HTTP/2, as `200 2` says"
     );
-    if let Ok(out) = curl {
-        assert_eq!(
-            String::from_utf8_lossy(&out.stdout),
-            "200 2",
-            "curl, as the README runs it"
-        );
-    }
+    let out = curl.expect("run curl (./scripts/test installs it, or: apt-get install curl)");
+    assert_eq!(
+        String::from_utf8_lossy(&out.stdout),
+        "200 2",
+        "curl, as the README runs it: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
 }

@@ -65,6 +65,7 @@ fn full_refill_us(q: &Quota) -> u64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_and_redis_agree_on_every_decision() {
+    let _watch = common::watchdog();
     let server = RedisServer::start();
     let mut conn = server.conn();
     let redis_store = redis_store(&server, Duration::from_secs(5));
@@ -308,6 +309,7 @@ async fn memory_and_redis_agree_on_every_decision() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_keys_have_ttl_equal_to_time_to_full_refill() {
+    let _watch = common::watchdog();
     let server = RedisServer::start();
     let mut conn = server.conn();
     let store = redis_store(&server, Duration::from_secs(5));
@@ -412,6 +414,7 @@ async fn redis_keys_have_ttl_equal_to_time_to_full_refill() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_key_names_never_contain_the_raw_api_key() {
+    let _watch = common::watchdog();
     let server = RedisServer::start();
     let mut conn = server.conn();
     let store = redis_store(&server, Duration::from_secs(5));
@@ -479,6 +482,7 @@ async fn redis_key_names_never_contain_the_raw_api_key() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn wrong_type_key_is_a_store_error_not_a_crash() {
+    let _watch = common::watchdog();
     let server = RedisServer::start();
     let mut conn = server.conn();
     let store = redis_store(&server, Duration::from_secs(5));
@@ -567,6 +571,7 @@ async fn wrong_type_key_is_a_store_error_not_a_crash() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn all_or_nothing_in_redis() {
+    let _watch = common::watchdog();
     let server = RedisServer::start();
     let mut conn = server.conn();
     let store = redis_store(&server, Duration::from_secs(5));
@@ -631,6 +636,7 @@ async fn all_or_nothing_in_redis() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redis_restart_is_survived() {
+    let _watch = common::watchdog();
     let mut server = RedisServer::start();
     let timeout = Duration::from_millis(200);
     let store = redis_store(&server, timeout);
@@ -656,8 +662,10 @@ async fn redis_restart_is_survived() {
         let r = store.decide_at(&check, Some(EPOCH_US + 1_000)).await;
         let took = start.elapsed();
         assert!(r.is_err(), "try {n}: redis is down but decide said {r:?}");
+        // Bounded by the store's timeout, not a wait for Redis to come back: within WAIT,
+        // room for any load.
         assert!(
-            took < Duration::from_secs(2),
+            took < common::WAIT,
             "try {n}: an error took {took:?} with a {timeout:?} timeout"
         );
     }
@@ -690,6 +698,7 @@ async fn redis_restart_is_survived() {
 /// then says when the request will really pass, and both stores agree on it.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reserved_tokens_outlive_a_shrunk_quota_with_honest_retries() {
+    let _watch = common::watchdog();
     let server = RedisServer::start();
     let redis = redis_store(&server, Duration::from_secs(2));
     for (n, algorithm) in [Algorithm::TokenBucket, Algorithm::Gcra]
@@ -750,6 +759,7 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
 /// of failing every request of the identity until the old key expires.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_rule_changing_kind_starts_afresh_in_both_stores() {
+    let _watch = common::watchdog();
     let server = RedisServer::start();
     let redis = redis_store(&server, Duration::from_secs(2));
     let clock = ManualClock::new(EPOCH_US);

@@ -26,6 +26,7 @@ fn tls_gateway(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sni_picks_the_certificate_and_the_first_is_the_default() {
+    let _watch = common::watchdog();
     let pki = Pki::new("sni");
     let a = pki.server_cert("a", &["a.test"], 90);
     let b = pki.server_cert("b", &["*.b.test"], 90);
@@ -72,6 +73,7 @@ async fn sni_picks_the_certificate_and_the_first_is_the_default() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn alpn_gives_http2_and_the_upstream_learns_the_scheme() {
+    let _watch = common::watchdog();
     let pki = Pki::new("alpn");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
@@ -137,6 +139,7 @@ async fn alpn_gives_http2_and_the_upstream_learns_the_scheme() {
 /// TLS 1.2 is spoken too (rustls' safe suites), for clients that have nothing newer.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls12_clients_are_served() {
+    let _watch = common::watchdog();
     let pki = Pki::new("v12");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
@@ -159,14 +162,7 @@ async fn tls12_clients_are_served() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn curl_speaks_http2_over_tls() {
-    if std::process::Command::new("curl")
-        .arg("--version")
-        .output()
-        .is_err()
-    {
-        eprintln!("no curl here: skipped");
-        return;
-    }
+    let _watch = common::watchdog();
     let pki = Pki::new("curl");
     let cert = pki.server_cert("gw", &["localhost"], 90);
     let upstream = Upstream::start().await;
@@ -185,7 +181,7 @@ async fn curl_speaks_http2_over_tls() {
         .arg(format!("https://localhost:{port}/x"))
         .output()
         .await
-        .expect("curl");
+        .expect("run curl (./scripts/test installs it, or: apt-get install curl)");
     let said = String::from_utf8_lossy(&out.stdout);
     assert_eq!(
         said,
@@ -199,6 +195,7 @@ async fn curl_speaks_http2_over_tls() {
 /// header_timeout, and counted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stalled_handshake_is_closed_at_header_timeout() {
+    let _watch = common::watchdog();
     let pki = Pki::new("stall");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
@@ -220,11 +217,9 @@ async fn a_stalled_handshake_is_closed_at_header_timeout() {
         .unwrap();
     let started = std::time::Instant::now();
     let (_, closed) = until_closed(&mut stream).await;
-    let took = closed.unwrap_or_else(|| started.elapsed());
-    assert!(
-        took >= Duration::from_millis(800) && took < Duration::from_secs(5),
-        "closed after {took:?}"
-    );
+    // Closed (within WAIT), not before header_timeout; by it, as counted below.
+    let took = closed.unwrap_or_else(|| panic!("not closed after {:?}", started.elapsed()));
+    assert!(took >= Duration::from_millis(800), "closed after {took:?}");
     // Counted as the handshake's task ends, which may be a moment after the socket closed.
     let mut counted = 0.0;
     for _ in 0..100 {
@@ -247,6 +242,7 @@ async fn a_stalled_handshake_is_closed_at_header_timeout() {
 /// later SIGHUP is refused with its reason, and the new certificate keeps serving.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sighup_rotates_certificates_under_load_and_a_bad_file_keeps_the_old() {
+    let _watch = common::watchdog();
     let pki = Pki::new("rotate");
     let old = pki.server_cert("old", &["gw.test"], 90);
     let upstream = Upstream::start().await;
@@ -265,9 +261,10 @@ async fn sighup_rotates_certificates_under_load_and_a_bad_file_keeps_the_old() {
     let (gw, port) = start_on_free_tls_port(|port| body(port, std::slice::from_ref(&live)));
     let config = client_config(&[pki.ca_der()], &[b"h2", b"http/1.1"], None);
     let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let done = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
     let load: Vec<_> = (0..4)
         .map(|_| {
-            let (config, stop) = (config.clone(), stop.clone());
+            let (config, stop, done) = (config.clone(), stop.clone(), done.clone());
             tokio::spawn(async move {
                 let (mut ok, mut failed) = (0u32, Vec::new());
                 while !stop.load(std::sync::atomic::Ordering::Relaxed) {
@@ -276,19 +273,32 @@ async fn sighup_rotates_certificates_under_load_and_a_bad_file_keeps_the_old() {
                         Ok(r) => failed.push(format!("status {}", r.status)),
                         Err(e) => failed.push(e),
                     }
+                    done.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
                 (ok, failed)
             })
         })
         .collect();
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // Until the load has made `n` more requests.
+    let more = |n: usize| {
+        let done = done.clone();
+        async move {
+            let from = done.load(std::sync::atomic::Ordering::Relaxed);
+            let end = std::time::Instant::now() + Duration::from_secs(20);
+            while done.load(std::sync::atomic::Ordering::Relaxed) < from + n {
+                assert!(std::time::Instant::now() < end, "the load stalled");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        }
+    };
+    more(8).await;
     let new = pki.server_cert("new", &["gw.test"], 60);
     // The key first would leave a moment where the pair does not match: a reload then
     // would be refused, and the old pair keep serving. Both in place, then SIGHUP.
     std::fs::copy(&new.0, &cert).unwrap();
     std::fs::copy(&new.1, &key).unwrap();
     gw.reload(1);
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    more(8).await;
     stop.store(true, std::sync::atomic::Ordering::Relaxed);
     let mut total = 0;
     for l in load {
@@ -364,6 +374,7 @@ fn check(body: &str) -> (bool, String, String) {
 
 #[test]
 fn check_shows_certificates_and_their_expiry_and_warns_within_14_days() {
+    let _watch = common::watchdog();
     let pki = Pki::new("check");
     let long = pki.server_cert("long", &["a.test", "*.a.test"], 90);
     let short = pki.server_cert("short", &["b.test"], 5);
@@ -393,6 +404,7 @@ fn check_shows_certificates_and_their_expiry_and_warns_within_14_days() {
 
 #[test]
 fn check_refuses_unreadable_files_and_mismatched_keys() {
+    let _watch = common::watchdog();
     let pki = Pki::new("bad");
     let a = pki.server_cert("a", &["a.test"], 90);
     let b = pki.server_cert("b", &["b.test"], 90);
@@ -422,6 +434,7 @@ fn check_refuses_unreadable_files_and_mismatched_keys() {
 /// its own exact count.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn required_client_certificates_are_each_limited_exactly() {
+    let _watch = common::watchdog();
     let pki = Pki::new("mtls");
     let clients = Pki::new("clients");
     let strangers = Pki::new("strangers");
@@ -503,6 +516,7 @@ async fn required_client_certificates_are_each_limited_exactly() {
 /// `client_cert` rule applies its `missing_key`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn optional_client_certificates_fall_back_to_missing_key() {
+    let _watch = common::watchdog();
     let pki = Pki::new("opt");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
@@ -582,6 +596,7 @@ async fn handshakes_become(
 /// (rustls sends an `unknown_ca` alert and hangs up).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn refused_handshakes_are_counted_by_reason() {
+    let _watch = common::watchdog();
     let pki = Pki::new("refused");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
@@ -683,6 +698,7 @@ fn sha2_hex(der: &[u8]) -> String {
 
 #[test]
 fn client_cert_rules_need_client_certificates() {
+    let _watch = common::watchdog();
     let pki = Pki::new("norules");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let (ok, _, err) = check(&format!(
@@ -698,38 +714,15 @@ fn client_cert_rules_need_client_certificates() {
 /// expiry, the one expiring within 14 days flagged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_status_page_shows_certificates_and_flags_one_expiring_soon() {
-    if !std::path::Path::new("/usr/bin/chromium").is_file() {
-        eprintln!("no chromium here: skipped");
-        return;
-    }
+    let _watch = common::watchdog();
     let pki = Pki::new("page");
     let long = pki.server_cert("long", &["a.test"], 90);
     let short = pki.server_cert("short", &["b.test"], 5);
     let upstream = Upstream::start().await;
     let (gw, _) = tls_gateway(&[long, short], "", &upstream, "");
-    let profile = tempfile::tempdir().unwrap();
-    let out = tokio::time::timeout(
-        Duration::from_secs(90),
-        tokio::process::Command::new("/usr/bin/chromium")
-            .args([
-                "--headless",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--no-first-run",
-                "--disable-dev-shm-usage",
-                "--virtual-time-budget=5000",
-                "--dump-dom",
-            ])
-            .arg(format!("--user-data-dir={}", profile.path().display()))
-            .arg(gw.admin_url("/"))
-            .stdin(std::process::Stdio::null())
-            .kill_on_drop(true)
-            .output(),
-    )
-    .await
-    .expect("chromium within 90 s")
-    .expect("chromium");
-    let dom = String::from_utf8_lossy(&out.stdout);
+    // Chromium is required, not optional: `common::chromium` fails the test, saying how
+    // to install it, where there is none (./scripts/test installs it).
+    let dom = common::dump_dom(&gw.admin_url("/")).await;
     let at = dom
         .find("id=\"certificates\"")
         .expect("the certificates section");
@@ -753,6 +746,7 @@ async fn the_status_page_shows_certificates_and_flags_one_expiring_soon() {
 /// the same path and query on the TLS listener, and forwards nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn redirect_https_sends_cleartext_clients_to_the_tls_listener() {
+    let _watch = common::watchdog();
     let pki = Pki::new("redirect");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;
@@ -825,6 +819,7 @@ async fn redirect_https_sends_cleartext_clients_to_the_tls_listener() {
 /// A client that comes back resumes its session (a ticket), also after a reload.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sessions_resume_across_connections_and_reloads() {
+    let _watch = common::watchdog();
     let pki = Pki::new("resume");
     let cert = pki.server_cert("gw", &["gw.test"], 90);
     let upstream = Upstream::start().await;

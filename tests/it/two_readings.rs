@@ -43,6 +43,7 @@ async fn in_turn(port: u16, paths: &[&str], n: usize) -> Vec<u16> {
 /// never reach the backend; the plain Host is limited as the rule says.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_host_with_userinfo_is_refused_not_matched_as_another_host() {
+    let _watch = common::watchdog();
     let nginx = Nginx::start(VHOSTS);
     let gw = Gateway::start(&format!(
         "{}[[rules]]\nname = \"api-host\"\nmatch = {{ host = \"api.example.com\" }}\n\
@@ -115,6 +116,7 @@ fn check_path(gw: &Gateway, path: &str) -> String {
 /// prints the path the rules saw.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn path_parameters_control_bytes_and_case_do_not_walk_around_a_path_rule() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let rule = "[[rules]]\nname = \"api\"\nmatch = { path_prefix = \"/api/\" }\nkey = \"global\"\n\
                 rate = \"1/h\"\nburst = 5\n";
@@ -200,6 +202,7 @@ async fn path_parameters_control_bytes_and_case_do_not_walk_around_a_path_rule()
 /// since rules match the host forwarded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http10_request_without_host_meets_the_rules_of_the_host_it_is_forwarded_with() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let rule = "[[rules]]\nname = \"vhost\"\nmatch = { host = \"127.0.0.1\" }\nkey = \"global\"\n\
                 rate = \"1/h\"\nburst = 2\n";
@@ -242,6 +245,7 @@ async fn an_http10_request_without_host_meets_the_rules_of_the_host_it_is_forwar
 /// rewrote. They are dropped (and counted) unless `underscores_in_headers = true`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn header_names_with_underscores_are_dropped_unless_asked_for() {
+    let _watch = common::watchdog();
     let request = b"GET /u HTTP/1.1\r\nHost: app.test\r\nX_Api_Key: sk_victim_key\r\n\
                     X_Forwarded_For: 203.0.113.66\r\nx_forwarded_for: 203.0.113.67\r\n\
                     X-Api-Key: sk_mine\r\nConnection: close\r\n\r\n";
@@ -312,6 +316,7 @@ async fn header_names_with_underscores_are_dropped_unless_asked_for() {
 /// slowed, and the `Bearer` scheme is matched in any case.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guessing_the_admin_token_is_slowed_counted_and_logged() {
+    let _watch = common::watchdog();
     const TOKEN: &str = "round-two-admin-token-0123456789";
     let upstream = Upstream::start().await;
     let base = format!(
@@ -398,7 +403,8 @@ async fn guessing_the_admin_token_is_slowed_counted_and_logged() {
     );
     assert!(!logs.contains("guess-0"), "a guessed token reached the log");
 
-    // The guesser's address, once its allowance is back, is checked again.
+    // The guesser's address, once its allowance is back, is checked again (real time on
+    // purpose: the allowance refills on the gateway's clock).
     tokio::time::sleep(std::time::Duration::from_millis(1100)).await;
     let r = guesser
         .get(&state, &[("authorization", &format!("Bearer {TOKEN}"))])
@@ -433,6 +439,7 @@ fn somaxconn() -> u32 {
 /// retransmits. Past `net.core.somaxconn` it is cut there, and the start-up log says so.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_listeners_take_the_configured_backlog_up_to_somaxconn() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let pki = common::Pki::new("backlog");
     let cert = pki.server_cert("gw", &["localhost"], 30);
@@ -478,6 +485,7 @@ async fn the_listeners_take_the_configured_backlog_up_to_somaxconn() {
 /// backend answers 400 to two); two that differ are refused by the gateway itself.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_http2_content_lengths_go_up_as_one_or_are_refused() {
+    let _watch = common::watchdog();
     let nginx = Nginx::start(VHOSTS);
     let gw = Gateway::start(&upstream_and_store(&nginx.url(), &Store::Memory));
     let post = |lengths: &'static [&'static str]| {
@@ -505,6 +513,7 @@ async fn two_http2_content_lengths_go_up_as_one_or_are_refused() {
 /// accepts them); the bound that remains is one field per 32 bytes of `max_header_bytes`.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn more_than_100_header_fields_within_max_header_bytes_are_served() {
+    let _watch = common::watchdog();
     // Room in nginx's header buffers (4 x 8 KiB by default) for 700 fields, as a backend
     // that takes such heads has.
     let nginx = Nginx::start(&format!("  large_client_header_buffers 8 16k;\n{VHOSTS}"));
@@ -617,6 +626,7 @@ fn renegotiate(port: u16, request: Option<&str>) -> (bool, String) {
 /// OpenSSL's `s_client`, asked to renegotiate (`R`), as the probe did.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tls12_renegotiation_is_answered_with_no_renegotiation_at_once() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let pki = common::Pki::new("reneg");
     let cert = pki.server_cert("gw", &["localhost"], 30);

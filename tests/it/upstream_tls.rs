@@ -83,6 +83,7 @@ async fn backend(files: &Files, names: &[&str]) -> (TlsUpstream, String) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_trusted_backend_answers_and_its_tls_connection_is_kept() {
+    let _watch = common::watchdog();
     let files = Files::new();
     let (up, ca) = backend(&files, &["localhost"]).await;
     let gw = gateway(
@@ -115,6 +116,7 @@ async fn a_trusted_backend_answers_and_its_tls_connection_is_kept() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_new_connection_resumes_the_tls_session() {
+    let _watch = common::watchdog();
     let files = Files::new();
     let (up, ca) = backend(&files, &["localhost"]).await;
     let gw = gateway(
@@ -163,6 +165,7 @@ async fn a_new_connection_resumes_the_tls_session() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_http_upstream_has_no_tls_handshake_series() {
+    let _watch = common::watchdog();
     let upstream = Upstream::start().await;
     let gw = gateway(&upstream.url(), "");
     assert_eq!(status(&gw, "/x").await.0, 200);
@@ -173,6 +176,7 @@ async fn an_http_upstream_has_no_tls_handshake_series() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_certificate_from_an_unknown_issuer_is_a_502_with_the_reason_logged() {
+    let _watch = common::watchdog();
     let files = Files::new();
     let (up, _) = backend(&files, &["localhost"]).await;
     // The gateway trusts another CA.
@@ -205,6 +209,7 @@ async fn a_certificate_from_an_unknown_issuer_is_a_502_with_the_reason_logged() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_certificate_for_another_name_is_a_502() {
+    let _watch = common::watchdog();
     let files = Files::new();
     let (up, ca) = backend(&files, &["other.test"]).await;
     let gw = gateway(
@@ -226,6 +231,7 @@ async fn a_certificate_for_another_name_is_a_502() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sni_names_the_backend_where_the_url_has_an_address() {
+    let _watch = common::watchdog();
     let files = Files::new();
     let (up, ca) = backend(&files, &["backend.test"]).await;
     let gw = gateway(
@@ -243,6 +249,7 @@ async fn sni_names_the_backend_where_the_url_has_an_address() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_client_certificate_goes_up_when_configured() {
+    let _watch = common::watchdog();
     let files = Files::new();
     let server_ca = Ca::new("backend CA");
     let client_ca = Ca::new("client CA");
@@ -293,6 +300,7 @@ async fn a_client_certificate_goes_up_when_configured() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn insecure_skip_verify_takes_any_certificate_and_says_so_loudly() {
+    let _watch = common::watchdog();
     let files = Files::new();
     let (up, _) = backend(&files, &["not-this-name.test"]).await;
     let gw = gateway(
@@ -313,6 +321,7 @@ async fn insecure_skip_verify_takes_any_certificate_and_says_so_loudly() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn request_bodies_go_up_over_tls_whole_and_the_connection_is_kept() {
+    let _watch = common::watchdog();
     let files = Files::new();
     let (up, ca) = backend(&files, &["localhost"]).await;
     let gw = gateway(
@@ -356,6 +365,7 @@ async fn request_bodies_go_up_over_tls_whole_and_the_connection_is_kept() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_https_override_of_an_http_file_is_verified_against_the_system_roots() {
+    let _watch = common::watchdog();
     let files = Files::new();
     let (up, _) = backend(&files, &["localhost"]).await;
     let url = format!("https://localhost:{}", up.port());
@@ -379,6 +389,7 @@ async fn an_https_override_of_an_http_file_is_verified_against_the_system_roots(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_reload_reads_the_ca_again_and_a_missing_one_keeps_the_old() {
+    let _watch = common::watchdog();
     let files = Files::new();
     let (up, ca) = backend(&files, &["localhost"]).await;
     let other = files.pem("other-ca.pem", &Ca::new("another CA").pem());
@@ -427,6 +438,7 @@ async fn a_reload_reads_the_ca_again_and_a_missing_one_keeps_the_old() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_kept_tls_connection_the_backend_closed_is_not_used_again() {
+    let _watch = common::watchdog();
     let files = Files::new();
     let ca = Ca::new("backend CA");
     let up = TlsUpstream::start_with(
@@ -442,7 +454,10 @@ async fn a_kept_tls_connection_the_backend_closed_is_not_used_again() {
     );
     assert_eq!(status(&gw, "/x").await.0, 200);
     // The backend closes the idle connection; the next request gets a new one, not a 502.
-    tokio::time::sleep(Duration::from_millis(600)).await;
+    assert!(
+        up.wait_ended(1).await,
+        "the backend never closed the idle connection"
+    );
     assert_eq!(
         status(&gw, "/y").await,
         (200, "tls ok".into()),

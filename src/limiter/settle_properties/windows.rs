@@ -149,7 +149,7 @@ fn window_refund_case(
 #[test]
 fn a_window_refund_goes_back_only_into_the_charges_window() {
     let tally = WindowTally::default();
-    proptest!(config("window_refund", 600), |(
+    crate::proptest_seeds!("limiter::settle_properties::window_refund", 600, |(
         setup in setup(limit(&WINDOWS), 40),
         charge_gap in gap(),
         between in ops(0..8),
@@ -276,8 +276,8 @@ fn carried_count(q: &Quota, state: Option<&State>, t: u64) -> u64 {
     }
 }
 
-proptest! {
-    #![proptest_config(config("window_charge", 500))]
+crate::proptest_seeds! {
+    #![cases(500)]
 
     /// A charge beyond the reservation counts whole in the window open when it is settled
     /// (a fresh one if none is, carrying the last one's debt; whatever window the

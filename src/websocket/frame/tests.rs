@@ -667,8 +667,8 @@ fn side() -> impl Strategy<Value = Side> {
     prop_oneof![Just(Side::Client), Just(Side::Server)]
 }
 
-proptest! {
-    #![proptest_config(crate::seed::proptest_config("websocket::frame::splits", 300))]
+crate::proptest_seeds! {
+    #![cases(300)]
 
     /// However a stream is cut into reads (each read scanned as far as it goes, what
     /// is held kept for the next, as the copy loop does), the bytes that pass are

@@ -341,7 +341,41 @@ impl Drop for Resetter {
     }
 }
 
-/// A port of 127.0.0.1 nothing listens on (free a moment ago): connecting is refused.
-pub fn closed_port_url() -> String {
-    format!("http://127.0.0.1:{}", super::free_port())
+/// A port of 127.0.0.1 held and refusing: a socket bound to it that never listens. While
+/// it lives no other process can take the port (a port merely free a moment ago could be
+/// anyone's by the time it is dialled), and a connection to it is refused at once (Linux
+/// answers the SYN with a reset: no listening socket), as to a server that is down.
+pub struct RefusingPort {
+    pub port: u16,
+    _socket: socket2::Socket,
+}
+
+impl RefusingPort {
+    pub fn new() -> RefusingPort {
+        let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None)
+            .expect("a TCP socket");
+        let any = SocketAddr::from(([127, 0, 0, 1], 0));
+        socket.bind(&any.into()).expect("bind 127.0.0.1:0");
+        let port = socket
+            .local_addr()
+            .ok()
+            .and_then(|a| a.as_socket())
+            .map(|a| a.port())
+            .expect("the bound port");
+        RefusingPort {
+            port,
+            _socket: socket,
+        }
+    }
+
+    /// `http://127.0.0.1:<port>`.
+    pub fn url(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Default for RefusingPort {
+    fn default() -> RefusingPort {
+        RefusingPort::new()
+    }
 }

@@ -164,3 +164,39 @@ pub async fn series(gw: &Gateway, metric: &str, labels: &[(&str, &str)]) -> Opti
         .await
         .find(metric, labels)
 }
+
+/// Scrape the gateway's `/metrics` every 20 ms until `holds` is true of a scrape, at most
+/// [`super::WAIT`]: the scrape it held of, or panic with `what` and the last scrape's
+/// text.
+pub async fn until_scrape(gw: &Gateway, what: &str, holds: impl Fn(&Scrape) -> bool) -> Scrape {
+    let client = HttpClient::new();
+    let end = std::time::Instant::now() + super::WAIT;
+    loop {
+        let scrape = Scrape::take(&client, gw).await;
+        if holds(&scrape) {
+            return scrape;
+        }
+        assert!(
+            std::time::Instant::now() < end,
+            "not within {:?}: {what}\n{}",
+            super::WAIT,
+            scrape.text
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    }
+}
+
+/// Wait until the gateway has at most `open` client connections on its listener and no
+/// request in flight: every client that left has been seen to go (its requests dropped),
+/// and nothing more will be forwarded for one.
+pub async fn until_quiet(gw: &Gateway, open: f64) {
+    until_scrape(
+        gw,
+        &format!("at most {open} connections open and no request in flight"),
+        |s| {
+            s.get("ratewall_connections", &[("listener", "gateway")]) <= open
+                && s.scalar("ratewall_in_flight_requests") == 0.0
+        },
+    )
+    .await;
+}

@@ -1,8 +1,10 @@
 //! The one harness of the tests in `tests/it/`: real processes and real clients, each
 //! helper written once. Everything binds to 127.0.0.1 and is killed (or aborted) on drop.
 //!
-//! - [`redis_server`]: a `redis-server` on a free port, a Redis Cluster (with or without
-//!   replicas), and what the tests read from them (INFO counters, TTLs, Redis' clock). No
+//! - [`redis_server`]: a `redis-server` on a free port (again on another when it was taken
+//!   meanwhile, as the gateway's start does; [`sentinel`] and [`nginx`] too), a Redis
+//!   Cluster (with or without replicas), and what the tests read from them (INFO
+//!   counters, TTLs, Redis' clock). No
 //!   server the harness starts writes anything to disk (`--save ""`, `--appendonly no`,
 //!   `--dir` in a temporary directory).
 //! - [`sentinel`]: Redis under Sentinel: a primary, two replicas and three sentinels,
@@ -23,7 +25,8 @@
 //!   semaphore of places and a sleep), counting the most requests it held at once.
 //! - [`upstream`]: an HTTP upstream in the test process that records what it saw.
 //! - [`backend`]: a pool's servers: bound where a test says, killed and started again on
-//!   the same address, recording request targets byte for byte; and one that resets.
+//!   the same address, recording request targets byte for byte; one that resets; and a
+//!   dead one, [`RefusingPort`]: a port held (bound, never listening) that refuses.
 //! - [`browser`]: a page's DOM as headless Chromium renders it.
 //! - [`tls_upstream`]: an https upstream in the test process, with certificates made by
 //!   the harness (rcgen), counting handshakes, SNI and client certificates.
@@ -34,9 +37,11 @@
 //! - [`metrics`]: `/metrics` parsed with `prometheus-parse`.
 //! - [`tls`]: a throw-away CA (rcgen), server and client certificates as PEM files, a
 //!   `[server.tls]` table, and a rustls client (HTTP/1.1 or HTTP/2 by ALPN).
-//! - [`seed`]: seeded, time-bounded property runs.
+//! - [`seed`]: property runs: the saved regressions, a fixed seed, a fresh one on CI
+//!   (`RATEWALL_FRESH_SEED=1`), each seed printed with its replay (`proptest_seeds!`).
 //! - [`serial`]: a lock for tests whose bounds are timed, so that they do not run beside
 //!   each other's load.
+//! - [`watchdog`]: a time budget for every test; a hung one ends the run, named.
 //! - [`witness`]: a scripted backend counting request heads the moment they arrive (before
 //!   any body), with their fields, bodies and trailers; costs as fields and trailers, a
 //!   gate before the last chunk, and an echo of what it was sent.
@@ -68,6 +73,7 @@ pub mod serial;
 pub mod tls;
 pub mod tls_upstream;
 pub mod upstream;
+pub mod watchdog;
 pub mod websocket;
 pub mod witness;
 
@@ -81,17 +87,19 @@ pub use metrics::*;
 pub use nginx::*;
 pub use raw::*;
 pub use redis_server::*;
-pub use seed::*;
 pub use sentinel::*;
 pub use serial::*;
 pub use tls::*;
 pub use upstream::*;
+pub use watchdog::watchdog;
 pub use websocket::*;
 
 use std::net::TcpListener as StdListener;
 use std::time::{Duration, Instant};
 
-/// A port that was free a moment ago.
+/// A port that was free a moment ago (anyone's by the time it is used: a server started
+/// on it checks that it is the one answering, and starts again on another if not; a dead
+/// upstream is a [`RefusingPort`], held).
 pub fn free_port() -> u16 {
     StdListener::bind("127.0.0.1:0")
         .and_then(|l| l.local_addr())
@@ -109,6 +117,24 @@ pub fn wait_for_port(port: u16, within: Duration) -> bool {
         std::thread::sleep(Duration::from_millis(20));
     }
     false
+}
+
+/// A test that cannot run on this machine (something the test needs and `./scripts/test`
+/// cannot install) says so on the terminal, past libtest's capture of a passing test's
+/// output, and returns; with `RATEWALL_NO_SKIP=1` (`.ci/run` sets it) it fails instead, so
+/// that CI never passes a test it did not run. (What `./scripts/test` installs —
+/// Chromium, curl, nginx, redis-server — is never skipped: a test without it fails.)
+pub fn skip(why: &str) {
+    use std::io::Write;
+    let test = std::thread::current()
+        .name()
+        .unwrap_or("(a test)")
+        .to_string();
+    assert!(
+        std::env::var("RATEWALL_NO_SKIP").map_or(true, |v| v.trim() != "1"),
+        "{test} cannot run here, and RATEWALL_NO_SKIP=1 forbids skipping it: {why}"
+    );
+    let _ = writeln!(std::io::stderr(), "SKIPPED {test}: {why}");
 }
 
 /// Count statuses.

@@ -17,15 +17,20 @@ pub struct Nginx {
 impl Nginx {
     /// nginx serving the `server { ... }` blocks of `servers`, in which `LISTEN` stands for
     /// `127.0.0.1:<its port>`.
+    ///
+    /// Its port is picked free just before; if it was taken in between (nginx exits: "bind()
+    /// ... Address already in use"), it starts again on another, as
+    /// [`super::Gateway::start`] does. Any other failure panics with nginx's log.
     pub fn start(servers: &str) -> Nginx {
         let mut last = String::new();
         for _ in 0..5 {
             match Self::start_once(servers) {
                 Ok(n) => return n,
-                Err(e) => last = e,
+                Err(e) if e.contains("Address already in use") => last = e,
+                Err(e) => panic!("nginx did not start: {e}"),
             }
         }
-        panic!("nginx did not start: {last}");
+        panic!("nginx found its port taken five times in a row: {last}");
     }
 
     fn start_once(servers: &str) -> Result<Nginx, String> {
@@ -48,16 +53,23 @@ impl Nginx {
             .arg(&file)
             .args(["-g", "daemon off;"])
             .stdout(Stdio::null())
-            .stderr(Stdio::null())
+            .stderr(std::fs::File::create(dir.path().join("stderr.log")).expect("a log file"))
             .spawn()
             .map_err(|e| format!("spawn nginx (is it installed? scripts/test installs it): {e}"))?;
         let end = Instant::now() + Duration::from_secs(10);
         while Instant::now() < end {
             if let Ok(Some(status)) = child.try_wait() {
-                let log = std::fs::read_to_string(dir.path().join("error.log")).unwrap_or_default();
-                return Err(format!("nginx exited {status}: {log}"));
+                let read =
+                    |f: &str| std::fs::read_to_string(dir.path().join(f)).unwrap_or_default();
+                let (log, stderr) = (read("error.log"), read("stderr.log"));
+                return Err(format!("nginx exited {status}: {log}{stderr}"));
             }
-            if std::net::TcpStream::connect(("127.0.0.1", port)).is_ok() {
+            // Its pid file is written once its sockets are bound (a bare connect could
+            // reach another process that took the port first).
+            let pid = std::fs::read_to_string(dir.path().join("nginx.pid")).unwrap_or_default();
+            if pid.trim() == child.id().to_string()
+                && std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+            {
                 return Ok(Nginx { port, child, dir });
             }
             std::thread::sleep(Duration::from_millis(20));

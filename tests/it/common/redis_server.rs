@@ -10,7 +10,7 @@ use std::path::Path;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{free_port, wait_for_port};
+use super::free_port;
 
 /// The arguments every redis-server here starts with.
 pub(super) fn redis_args(port: u16, dir: &Path) -> Vec<String> {
@@ -31,13 +31,92 @@ pub(super) fn redis_args(port: u16, dir: &Path) -> Vec<String> {
     .collect()
 }
 
-pub(super) fn spawn_redis(args: &[String]) -> Child {
-    Command::new("redis-server")
+/// How a `redis-server` start ended.
+pub(super) enum Started {
+    /// It runs and answers on its port, as itself.
+    Up(Child),
+    /// It exited because its port (or a cluster node's bus port, the port + 10000) was
+    /// taken: by another process here, or an outgoing connection's.
+    Taken,
+}
+
+/// Start `redis-server <args>` listening on `port` (its output in `log`), and wait until
+/// it answers there as itself: `INFO server` names the child's process id (a bare
+/// connect could reach another process that took the port first). `Taken` when it exited
+/// for a port in use; any other exit, or no answer within 10 s, panics with its log.
+pub(super) fn start_redis(port: u16, args: &[String], log: &Path) -> Started {
+    let out = std::fs::File::create(log).expect("a redis-server log file");
+    let err = out.try_clone().expect("a redis-server log file");
+    let mut child = Command::new("redis-server")
         .args(args)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
+        .stdout(Stdio::from(out))
+        .stderr(Stdio::from(err))
         .spawn()
-        .expect("redis-server must be installed (the README's test command installs it)")
+        .expect("redis-server must be installed (the README's test command installs it)");
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Ok(Some(status)) = child.try_wait() {
+            let said = std::fs::read_to_string(log).unwrap_or_default();
+            if said.contains("Address already in use") {
+                return Started::Taken;
+            }
+            panic!("redis-server on {port} exited ({status}):\n{said}");
+        }
+        let pid: Option<u32> = connect(port, Duration::from_secs(1))
+            .and_then(|mut c| redis::cmd("INFO").arg("server").query::<String>(&mut c))
+            .ok()
+            .and_then(|info| {
+                info.lines()
+                    .find_map(|l| l.strip_prefix("process_id:"))
+                    .and_then(|p| p.trim().parse().ok())
+            });
+        if pid == Some(child.id()) {
+            return Started::Up(child);
+        }
+        if Instant::now() >= end {
+            let _ = child.kill();
+            let _ = child.wait();
+            let said = std::fs::read_to_string(log).unwrap_or_default();
+            panic!("redis-server on {port} did not answer within 10 s:\n{said}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Start `redis-server` with `args(port)` on a free port, its log in `dir`; on a port
+/// taken meanwhile (as [`super::Gateway::start`] does), again on another. The port and
+/// the process.
+pub(super) fn start_on_free_port(dir: &Path, args: impl Fn(u16) -> Vec<String>) -> (u16, Child) {
+    for _ in 0..5 {
+        let port = free_port();
+        let log = dir.join(format!("redis-{port}.log"));
+        if let Started::Up(child) = start_redis(port, &args(port), &log) {
+            return (port, child);
+        }
+    }
+    panic!("redis-server found its port taken five times in a row");
+}
+
+/// Start `redis-server <args>` again on `port`, its own port before (a restart keeps the
+/// address the gateway was given).
+pub(super) fn restart_on(port: u16, dir: &Path, args: &[String]) -> Child {
+    match start_redis(port, args, &dir.join(format!("redis-{port}.log"))) {
+        Started::Up(child) => child,
+        Started::Taken => panic!("port {port} was taken while its redis-server was down"),
+    }
+}
+
+/// A server's arguments: [`redis_args`], and `--replicaof` for a replica.
+fn args(port: u16, dir: &Path, replica_of: Option<u16>) -> Vec<String> {
+    let mut args = redis_args(port, dir);
+    if let Some(primary) = replica_of {
+        args.extend([
+            "--replicaof".into(),
+            "127.0.0.1".into(),
+            primary.to_string(),
+        ]);
+    }
+    args
 }
 
 fn connect(port: u16, within: Duration) -> redis::RedisResult<redis::Connection> {
@@ -57,26 +136,26 @@ pub struct RedisServer {
 
 impl RedisServer {
     pub fn start() -> RedisServer {
-        let mut s = RedisServer {
-            port: free_port(),
-            child: None,
-            dir: tempfile::tempdir().expect("tempdir"),
-            replica_of: None,
-        };
-        s.spawn();
-        s
+        Self::start_as(None)
+    }
+
+    /// A server of its own, or a replica of the primary on `replica_of`.
+    fn start_as(replica_of: Option<u16>) -> RedisServer {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (port, child) =
+            start_on_free_port(dir.path(), |port| args(port, dir.path(), replica_of));
+        RedisServer {
+            port,
+            child: Some(child),
+            dir,
+            replica_of,
+        }
     }
 
     /// A replica of `primary` (`--replicaof`), returned once its link is up and it has
     /// everything the primary had.
     pub fn start_replica_of(primary: &RedisServer) -> RedisServer {
-        let mut s = RedisServer {
-            port: free_port(),
-            child: None,
-            dir: tempfile::tempdir().expect("tempdir"),
-            replica_of: Some(primary.port),
-        };
-        s.spawn();
+        let s = Self::start_as(Some(primary.port));
         let end = Instant::now() + Duration::from_secs(20);
         loop {
             let info: String = redis::cmd("INFO")
@@ -99,30 +178,6 @@ impl RedisServer {
             assert!(Instant::now() < end, "the replica never synced:\n{info}");
             std::thread::sleep(Duration::from_millis(50));
         }
-    }
-
-    fn spawn(&mut self) {
-        let mut args = redis_args(self.port, self.dir.path());
-        if let Some(primary) = self.replica_of {
-            args.extend([
-                "--replicaof".into(),
-                "127.0.0.1".into(),
-                primary.to_string(),
-            ]);
-        }
-        self.child = Some(spawn_redis(&args));
-        assert!(
-            wait_for_port(self.port, Duration::from_secs(10)),
-            "redis-server did not start"
-        );
-        let end = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < end {
-            if self.connection().is_ok() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        panic!("redis-server does not answer PING");
     }
 
     pub fn url(&self) -> String {
@@ -151,7 +206,8 @@ impl RedisServer {
     /// Start it again on the same port (empty: no persistence).
     pub fn restart(&mut self) {
         self.kill();
-        self.spawn();
+        let args = args(self.port, self.dir.path(), self.replica_of);
+        self.child = Some(restart_on(self.port, self.dir.path(), &args));
     }
 }
 
@@ -280,29 +336,27 @@ impl RedisCluster {
     /// to confirm writes, for `replication = { wait = 1 }`).
     pub fn start_with(replicas: usize) -> RedisCluster {
         let dir = tempfile::tempdir().expect("tempdir");
-        let ports: Vec<u16> = (0..3 * (1 + replicas)).map(|_| free_port()).collect();
+        let mut ports = Vec::new();
         let mut children = Vec::new();
-        for &port in &ports {
-            let mut args = redis_args(port, dir.path());
-            args.extend(
-                [
-                    "--cluster-enabled",
-                    "yes",
-                    "--cluster-config-file",
-                    &format!("nodes-{port}.conf"),
-                    "--cluster-node-timeout",
-                    "2000",
-                ]
-                .iter()
-                .map(|s| s.to_string()),
-            );
-            children.push(Some(spawn_redis(&args)));
-        }
-        for &port in &ports {
-            assert!(
-                wait_for_port(port, Duration::from_secs(10)),
-                "cluster node {port} did not start"
-            );
+        for _ in 0..3 * (1 + replicas) {
+            let (port, child) = start_on_free_port(dir.path(), |port| {
+                let mut args = redis_args(port, dir.path());
+                args.extend(
+                    [
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        &format!("nodes-{port}.conf"),
+                        "--cluster-node-timeout",
+                        "2000",
+                    ]
+                    .iter()
+                    .map(|s| s.to_string()),
+                );
+                args
+            });
+            ports.push(port);
+            children.push(Some(child));
         }
         // `--cluster create` makes the first three masters and, in order, the rest their
         // replicas; which replica gets which master is its choice, read back below.

@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 use std::process::Child;
 use std::time::{Duration, Instant};
 
-use super::redis_server::{redis_args, spawn_redis};
-use super::{free_port, wait_for_port};
+use super::free_port;
+use super::redis_server::{redis_args, restart_on, start_redis, Started};
 
 /// The name the sentinels monitor the primary by.
 pub const MASTER_NAME: &str = "m";
@@ -22,27 +22,35 @@ pub const MASTER_NAME: &str = "m";
 struct Process {
     port: u16,
     args: Vec<String>,
+    /// Its folder (its log there).
+    dir: PathBuf,
     child: Option<Child>,
 }
 
 impl Process {
-    fn start(port: u16, args: Vec<String>) -> Process {
-        let mut p = Process {
-            port,
-            args,
-            child: None,
-        };
-        p.spawn();
-        p
+    /// `redis-server` with `args(port)` on a free port (again on another if it was taken
+    /// meanwhile), its folder `dir(port)`.
+    fn start(dir: impl Fn(u16) -> PathBuf, args: impl Fn(u16, &Path) -> Vec<String>) -> Process {
+        for _ in 0..5 {
+            let port = free_port();
+            let home = dir(port);
+            let argv = args(port, &home);
+            let log = home.join(format!("redis-{port}.log"));
+            if let Started::Up(child) = start_redis(port, &argv, &log) {
+                return Process {
+                    port,
+                    args: argv,
+                    dir: home,
+                    child: Some(child),
+                };
+            }
+        }
+        panic!("redis-server found its port taken five times in a row");
     }
 
-    fn spawn(&mut self) {
-        self.child = Some(spawn_redis(&self.args));
-        assert!(
-            wait_for_port(self.port, Duration::from_secs(10)),
-            "redis-server on {} did not start",
-            self.port
-        );
+    /// Start it again on its port.
+    fn respawn(&mut self) {
+        self.child = Some(restart_on(self.port, &self.dir, &self.args));
     }
 
     fn kill(&mut self) {
@@ -79,44 +87,45 @@ impl RedisSentinel {
     /// replicas and the two other sentinels (what a failover needs).
     pub fn start() -> RedisSentinel {
         let dir = tempfile::tempdir().expect("tempdir");
-        let ports: Vec<u16> = (0..3).map(|_| free_port()).collect();
-        let mut nodes = Vec::new();
-        for (i, &port) in ports.iter().enumerate() {
-            let mut args = redis_args(port, &subdir(dir.path(), &format!("node-{port}")));
-            if i > 0 {
-                args.extend([
-                    "--replicaof".into(),
-                    "127.0.0.1".into(),
-                    ports[0].to_string(),
-                ]);
-            }
-            nodes.push(Process::start(port, args));
+        let root = dir.path().to_path_buf();
+        let node_dir = |port: u16| subdir(&root, &format!("node-{port}"));
+        let primary = Process::start(node_dir, redis_args);
+        let first = primary.port;
+        let mut nodes = vec![primary];
+        for _ in 0..2 {
+            nodes.push(Process::start(node_dir, |port, home| {
+                let mut args = redis_args(port, home);
+                args.extend(["--replicaof".into(), "127.0.0.1".into(), first.to_string()]);
+                args
+            }));
         }
         let mut s = RedisSentinel {
             nodes,
             sentinels: Vec::new(),
             _dir: dir,
         };
-        s.wait_in_sync(ports[0], 2, Duration::from_secs(30));
+        s.wait_in_sync(first, 2, Duration::from_secs(30));
         for _ in 0..3 {
-            let port = free_port();
-            let home = subdir(s._dir.path(), &format!("sentinel-{port}"));
-            let conf = home.join("sentinel.conf");
-            std::fs::write(
-                &conf,
-                format!(
-                    "port {port}\nbind 127.0.0.1\ndir {}\n\
-                     sentinel monitor {MASTER_NAME} 127.0.0.1 {} 2\n\
-                     sentinel down-after-milliseconds {MASTER_NAME} 1000\n\
-                     sentinel failover-timeout {MASTER_NAME} 5000\n\
-                     sentinel parallel-syncs {MASTER_NAME} 1\n",
-                    home.display(),
-                    ports[0]
-                ),
-            )
-            .expect("write sentinel.conf");
-            let args = vec![conf.display().to_string(), "--sentinel".to_string()];
-            s.sentinels.push(Process::start(port, args));
+            let sentinel = Process::start(
+                |port| subdir(&root, &format!("sentinel-{port}")),
+                |port, home| {
+                    let conf = home.join("sentinel.conf");
+                    std::fs::write(
+                        &conf,
+                        format!(
+                            "port {port}\nbind 127.0.0.1\ndir {}\n\
+                             sentinel monitor {MASTER_NAME} 127.0.0.1 {first} 2\n\
+                             sentinel down-after-milliseconds {MASTER_NAME} 1000\n\
+                             sentinel failover-timeout {MASTER_NAME} 5000\n\
+                             sentinel parallel-syncs {MASTER_NAME} 1\n",
+                            home.display(),
+                        ),
+                    )
+                    .expect("write sentinel.conf");
+                    vec![conf.display().to_string(), "--sentinel".to_string()]
+                },
+            );
+            s.sentinels.push(sentinel);
         }
         s.wait_for_sentinels(Duration::from_secs(30));
         s
@@ -190,7 +199,7 @@ impl RedisSentinel {
     pub fn restart_node(&mut self, port: u16) {
         if let Some(n) = self.nodes.iter_mut().find(|n| n.port == port) {
             n.kill();
-            n.spawn();
+            n.respawn();
         }
     }
 

@@ -98,6 +98,8 @@ pub struct TlsSeen {
     pub alpn: Mutex<Vec<Option<Vec<u8>>>>,
     /// Handshakes that failed, with rustls' reason.
     pub failed: Mutex<Vec<String>>,
+    /// Connections served and ended (closed by either side).
+    pub ended: AtomicUsize,
 }
 
 /// Whether the upstream asks for a client certificate.
@@ -187,6 +189,19 @@ impl TlsUpstream {
     pub fn failed(&self) -> Vec<String> {
         self.seen.failed.lock().unwrap().clone()
     }
+
+    /// Wait until `n` connections served have ended (at most [`super::WAIT`]): whether they
+    /// did.
+    pub async fn wait_ended(&self, n: usize) -> bool {
+        let end = std::time::Instant::now() + super::WAIT;
+        while self.seen.ended.load(Ordering::SeqCst) < n {
+            if std::time::Instant::now() >= end {
+                return false;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        true
+    }
 }
 
 async fn serve(
@@ -258,6 +273,7 @@ async fn serve(
                     .header_read_timeout(idle);
             }
             let _ = http.serve_connection(TokioIo::new(tls), service).await;
+            seen.ended.fetch_add(1, Ordering::SeqCst);
         });
     }
 }

@@ -39,6 +39,7 @@ async fn upstream_bytes(gw: &Gateway) -> f64 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn data_frames_after_the_client_s_close_are_discarded_not_answered_with_1002() {
+    let _watch = common::watchdog();
     let echo = EchoServer::start().await;
     let gw = Gateway::start(&config(&echo.url(), ""));
     let mut r = send_raw(gw.port, &ws_handshake("/after-close", "")).await;
@@ -94,6 +95,7 @@ async fn data_frames_after_the_client_s_close_are_discarded_not_answered_with_10
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_message_over_max_bytes_is_closed_1009_before_its_bytes_reach_the_backend() {
+    let _watch = common::watchdog();
     let echo = EchoServer::start().await;
     let rule = "[[rules]]\nname = \"chat\"\nkey = \"api_key\"\nrate = \"60/m\"\n\
                 messages = { rate = \"50/s\", burst = 100, max_bytes = \"64KiB\" }\n";
@@ -160,6 +162,7 @@ async fn a_message_over_max_bytes_is_closed_1009_before_its_bytes_reach_the_back
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_byte_meter_counts_bytes_as_sent_holds_a_client_back_then_closes_1008() {
+    let _watch = common::watchdog();
     let _serial = serial().await;
     let echo = EchoServer::start().await;
     let rules = "[[rules]]\nname = \"chat\"\nkey = \"api_key\"\nrate = \"60/m\"\n\
