@@ -1,6 +1,9 @@
 # ratewall: multi-stage build, small non-root runtime image.
 #
 #   docker build -t ratewall .
+#   # The secret identity tags are keyed by, kept with the config (the gateway cannot write
+#   # to a read-only mount; docs/configuration.md, tag_secret).
+#   [ -f config/.ratewall-tag-secret ] || openssl rand -hex 32 > config/.ratewall-tag-secret
 #   docker run --rm -p 8080:8080 -p 8443:8443 -p 127.0.0.1:9090:9090 \
 #     --user "$(id -u):$(id -g)" \
 #     -e RATEWALL_LISTEN=0.0.0.0:8080 -e RATEWALL_ADMIN_LISTEN=0.0.0.0:9090 \

@@ -356,8 +356,12 @@ fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
 #[derive(Serialize)]
 struct StateAnswer<'a> {
     rule: &'a str,
-    /// The identity's hash (first 8 hex digits), as logs and /admin/top show it.
+    /// The identity's tag (8 hex digits keyed by the deployment's secret), as logs and
+    /// /admin/top show it.
     identity: String,
+    /// Its digest (32 hex digits): what its Redis keys are named by,
+    /// `<prefix>:{<digest>}:<rule>`. For token holders, as Redis key names are.
+    digest: String,
     algorithm: &'static str,
     limit: u64,
     window_s: u64,
@@ -495,14 +499,14 @@ async fn identity_call(gw: &Gateway, query: &[(String, Vec<u8>)], reset: bool) -
         Err(r) => return refused(r),
     };
     let check = Check::new(&digest, &rule.name, quota);
-    let id = digest.short_hex().as_str().to_string();
+    let id = digest.tag().as_str().to_string();
     if reset {
         return match live.limiter.reset(&check).await {
             Ok(()) => {
                 tracing::info!(rule = %rule.name, id = %id, "admin reset an identity's state");
                 json(
                     StatusCode::OK,
-                    &serde_json::json!({ "rule": rule.name, "identity": id, "reset": true }),
+                    &serde_json::json!({ "rule": rule.name, "identity": id, "digest": digest.hex(), "reset": true }),
                 )
             }
             Err(e) => error(StatusCode::SERVICE_UNAVAILABLE, &format!("store: {e}")),
@@ -518,6 +522,7 @@ async fn identity_call(gw: &Gateway, query: &[(String, Vec<u8>)], reset: bool) -
                 &StateAnswer {
                     rule: &rule.name,
                     identity: id,
+                    digest: digest.hex(),
                     algorithm: quota.algorithm.name(),
                     limit: quota.rate.count,
                     // A calendar rule's: the period open now.
@@ -665,11 +670,11 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
     if audience == Audience::Public {
         for t in &mut top {
             // A key's hint shows its last characters: key material, for token holders
-            // only. Its id stays: the identity's tag, the first digits of the digest that
-            // names its Redis keys, the same in the access log and the admin API, on every
-            // gateway and across restarts. It tells no more than a Redis key name does.
-            // An address's network is shown to token holders only too: beside the tag,
-            // its /24 would leave 256 addresses to try.
+            // only. Its id stays: the identity's tag, keyed by the deployment's secret
+            // (identity::tag), the same in the access log and the admin API, on every
+            // gateway and across restarts, and nothing without the secret: no address is
+            // found again by hashing them all. An address's network is shown to token
+            // holders only too: beside the tag, its /24 would leave 256 addresses to try.
             if t.who.hint != "everyone" {
                 let kind = t.who.hint.split(' ').next().unwrap_or("key");
                 t.who.hint = kind.to_string();

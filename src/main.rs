@@ -132,11 +132,15 @@ fn main() -> ExitCode {
         if let Some(path) = path {
             match sample_request(&method, &headers) {
                 Ok((method, headers)) => {
+                    let keyed = ratewall::server::key_check_tags(&config, &source.path);
                     println!();
                     print!(
                         "{}",
                         ratewall::gateway::explain(&config, &method, &path, &headers, peer)
                     );
+                    if !keyed {
+                        println!("(identity tags read --------: they are keyed by the deployment's tag secret, which is kept in the shared store or made at the gateway's first start; /admin/state gives an identity's tag)");
+                    }
                 }
                 Err(e) => {
                     eprintln!("ratewall: {e}");

@@ -200,6 +200,7 @@ fn settings(o: &Config, n: &Config) -> Vec<&'static str> {
             os.max_header_fields == ns.max_header_fields,
         ),
         ("server.backlog", os.backlog == ns.backlog),
+        ("server.tag_secret", os.tag_secret == ns.tag_secret),
         ("server.path_case", os.path_case == ns.path_case),
         (
             "server.underscores_in_headers",

@@ -49,6 +49,7 @@ pub use server::{
     MAX_HEADER_BYTES, RESERVED_DESCRIPTORS, SHUTDOWN_GRACE,
 };
 pub use upstream::PoolDefaults;
+pub use values::TagSecret;
 
 /// A configuration file that could not be loaded, with where and why.
 #[derive(Debug, thiserror::Error)]
@@ -270,6 +271,7 @@ impl Config {
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
         let raw: RawConfig = from_toml(text, path, "keys.plans.")?;
         let env_token = server::env_admin_token(std::env::var("RATEWALL_ADMIN_TOKEN").ok())?;
+        let env_tag_secret = server::env_tag_secret(std::env::var("RATEWALL_TAG_SECRET").ok())?;
         let defined = defined_plans(&raw.rules);
         let keys_file = match &raw.keys.file {
             Some(f) => {
@@ -302,6 +304,10 @@ impl Config {
         let mut config = Config::validate(raw, keys_file, tls, env_token, dir)
             .map_err(|e| e.locate(text, path))?;
         config.sha256 = Some(sha256_hex(text.as_bytes()));
+        // `RATEWALL_TAG_SECRET` wins over the file's.
+        if env_tag_secret.is_some() {
+            config.server.tag_secret = env_tag_secret;
+        }
         Ok(config)
     }
 

@@ -9,7 +9,8 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use super::values::{
-    AdminToken, Backlog, HeaderBytes, HeaderFields, HumanDuration, MaxConnections, Workers,
+    AdminToken, Backlog, HeaderBytes, HeaderFields, HumanDuration, MaxConnections, TagSecret,
+    Workers,
 };
 use crate::connection::{self, Timeouts};
 use crate::headers::ResponseStyle;
@@ -50,6 +51,10 @@ pub struct Server {
     pub underscores_in_headers: bool,
     /// `[server.tls]`: the TLS listener beside the cleartext one, its certificates loaded.
     pub tls: Option<crate::tls::Settings>,
+    /// The secret identity tags are keyed by (`RATEWALL_TAG_SECRET`, which wins, or
+    /// `tag_secret`); none: the shared store's, or one kept beside the keys file
+    /// ([`crate::identity::tag`]).
+    pub tag_secret: Option<TagSecret>,
 }
 
 /// The defaults of `[server]` not set by a type of their own.
@@ -130,6 +135,7 @@ pub(super) struct RawServer {
     max_header_fields: Option<HeaderFields>,
     path_case: Option<PathCase>,
     underscores_in_headers: Option<bool>,
+    tag_secret: Option<TagSecret>,
     pub(super) tls: Option<super::tls::RawTls>,
 }
 
@@ -168,6 +174,7 @@ impl RawServer {
             path_case: self.path_case.unwrap_or_default(),
             underscores_in_headers: self.underscores_in_headers.unwrap_or(false),
             tls,
+            tag_secret: self.tag_secret,
         }
     }
 }
@@ -201,6 +208,22 @@ pub(super) fn env_admin_token(
         .map(Some)
         .map_err(|message| super::ConfigError::Environment {
             variable: "RATEWALL_ADMIN_TOKEN",
+            message: message.to_string(),
+        })
+}
+
+/// `RATEWALL_TAG_SECRET`'s value held to the file's rule; set but empty: unset. The error
+/// never repeats the value.
+pub(super) fn env_tag_secret(
+    value: Option<String>,
+) -> Result<Option<TagSecret>, super::ConfigError> {
+    let Some(value) = value.filter(|v| !v.is_empty()) else {
+        return Ok(None);
+    };
+    TagSecret::new(value)
+        .map(Some)
+        .map_err(|message| super::ConfigError::Environment {
+            variable: "RATEWALL_TAG_SECRET",
             message: message.to_string(),
         })
 }

@@ -768,6 +768,36 @@ impl<'de> Deserialize<'de> for AdminToken {
     }
 }
 
+/// A deployment's tag secret (`[server] tag_secret`, `RATEWALL_TAG_SECRET`): as long as
+/// an admin token, never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct TagSecret(pub(crate) String);
+
+impl TagSecret {
+    pub(super) fn new(s: String) -> Result<TagSecret, &'static str> {
+        if s.len() < 16 || s.bytes().any(|b| !b.is_ascii_graphic()) {
+            return Err("a tag secret is at least 16 printable characters without spaces");
+        }
+        Ok(TagSecret(s))
+    }
+
+    pub fn as_bytes(&self) -> &[u8] {
+        self.0.as_bytes()
+    }
+}
+
+impl fmt::Debug for TagSecret {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("TagSecret(<set>)")
+    }
+}
+
+impl<'de> Deserialize<'de> for TagSecret {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        TagSecret::new(String::deserialize(d)?).map_err(de::Error::custom)
+    }
+}
+
 /// 1 to 1,000,000,000 keys in the memory store.
 pub(super) struct MaxKeys(pub(super) usize);
 

@@ -97,7 +97,7 @@ impl AccessLine {
     }
 
     pub(super) fn write(self, status: u16, note: &Note<'_>) {
-        let id = note.identity.map(|d| d.short_hex());
+        let id = note.identity.map(|d| d.tag());
         // Text values go as `&str`: the text format quotes and escapes them, the JSON one
         // writes them as JSON strings. An absent `Option` leaves its field out.
         tracing::info!(

@@ -270,7 +270,7 @@ fn counted<'a>(cfg: &'a Config, rule: &'a Rule, requester: &Requester<'a>) -> St
     let by_key = matches!(rule.key.kind, KeyKind::ApiKey | KeyKind::Header(_));
     let who = match identity.source {
         Source::ApiKey(_) | Source::Header(..) => {
-            format!("{name} (identity {})", identity.digest.short_hex().as_str())
+            format!("{name} (identity {})", identity.digest.tag().as_str())
         }
         Source::ClientIp(_) if rule.key.kind == KeyKind::ClientCert => {
             format!("no client certificate: {}", identity.source)
@@ -282,7 +282,7 @@ fn counted<'a>(cfg: &'a Config, rule: &'a Rule, requester: &Requester<'a>) -> St
         Source::Jwt(_) | Source::Combined(_) => format!(
             "{} (identity {})",
             identity.source,
-            identity.digest.short_hex().as_str()
+            identity.digest.tag().as_str()
         ),
         Source::ClientIp(_) if by_key => format!("no {name}: {}", identity.source),
         source => source.to_string(),

@@ -523,7 +523,7 @@ impl Gateway {
         let (applied, shadow) = split(limits, decisions);
         let limit = &limits[by];
         self.metrics.stats.limited(
-            limit.identity.digest.short_hex().as_str(),
+            limit.identity.digest.tag().as_str(),
             &limit.rule.name,
             || limit.identity.hint(),
         );

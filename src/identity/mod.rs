@@ -16,6 +16,7 @@ pub mod directory;
 pub mod failures;
 pub mod jwt;
 mod keys;
+pub mod tag;
 mod token_cache;
 
 use std::fmt;
@@ -179,13 +180,11 @@ impl Identity<'_> {
             Source::ApiKey(v) => ("key", v),
             Source::Header(_, v) => ("header", v),
             // Not secret, but never shown raw: the identity's digest names it.
-            Source::ClientCert(_) => {
-                return format!("client cert {}", self.digest.short_hex().as_str())
-            }
-            Source::Jwt(path) => return format!("jwt {path} {}", self.digest.short_hex().as_str()),
+            Source::ClientCert(_) => return format!("client cert {}", self.digest.tag().as_str()),
+            Source::Jwt(path) => return format!("jwt {path} {}", self.digest.tag().as_str()),
             Source::Combined(parts) => {
                 let parts: Vec<String> = parts.iter().map(ToString::to_string).collect();
-                return format!("{} {}", parts.join(" + "), self.digest.short_hex().as_str());
+                return format!("{} {}", parts.join(" + "), self.digest.tag().as_str());
             }
         };
         if value.len() >= 12 {

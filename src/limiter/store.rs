@@ -216,6 +216,14 @@ pub trait Store: Send + Sync {
         Call::Ready(Ok(1))
     }
 
+    /// The deployment's identity tag secret, kept in a shared store
+    /// ([`crate::identity::tag`]): `fresh` is written where there is none yet (the first
+    /// gateway's wins), and what the store keeps is answered. `None` from a store that is
+    /// one gateway's own.
+    fn tag_secret<'a>(&'a self, _fresh: &'a str) -> Call<'a, Option<String>> {
+        Call::Ready(Ok(None))
+    }
+
     /// The address of the node calls go to now, where the store follows one that can
     /// change (a Sentinel's primary); `None` otherwise, or while none is known.
     fn primary(&self) -> Option<String> {

@@ -30,6 +30,9 @@ use crate::upstream::ClientPeer;
 use listener::{Handler, Listener};
 
 mod listener;
+mod tags;
+
+pub use tags::key_check_tags;
 
 /// Open connections the admin listener takes at most: enough for dashboards and scrapers,
 /// and a bound of its own, so a flood of gateway clients never locks the operator out.
@@ -73,7 +76,9 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     }
     let config = live.config.clone();
     let sockets = Sockets::bind(&config.server)?;
+    let config_path = source.as_ref().map(|s| s.path.clone());
     let gateway = Arc::new(Gateway::new(live, source, metrics.clone()));
+    tags::key_tags(&gateway, config_path.as_deref()).await;
     let registry = Registry::new(
         "gateway",
         config.server.max_connections,

@@ -1138,6 +1138,9 @@ fn matches_with_ellipsis(expected: &[String], actual: &[&str]) -> bool {
     }
 }
 
+/// The tag secret docs/observability.md's `check` example was printed with.
+const DOCS_TAG_SECRET: &str = "the-docs-example-secret";
+
 #[test]
 fn the_check_example_is_what_check_prints_on_the_shipped_config() {
     let _watch = common::watchdog();
@@ -1146,8 +1149,28 @@ fn the_check_example_is_what_check_prints_on_the_shipped_config() {
     let words = shell_words(command.strip_prefix("$ ").expect("a $ command"));
     assert_eq!(words[0], "ratewall", "{command}");
     let args: Vec<&str> = words[1..].iter().map(String::as_str).collect();
-    let actual = stdout_of(&args);
+    // Identity tags are keyed by the deployment's secret: the example's is the one the
+    // docs name beside it.
+    let out = ratewall()
+        .args(&args)
+        .env("RATEWALL_TAG_SECRET", DOCS_TAG_SECRET)
+        .output()
+        .expect("run ratewall");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let actual = String::from_utf8(out.stdout).expect("utf-8 output");
     let actual: Vec<&str> = actual.lines().collect();
+    let doc = std::fs::read_to_string(
+        Path::new(env!("CARGO_MANIFEST_DIR")).join("docs/observability.md"),
+    )
+    .expect("docs/observability.md");
+    assert!(
+        doc.contains(&format!("RATEWALL_TAG_SECRET={DOCS_TAG_SECRET}")),
+        "the docs name the example's secret"
+    );
     assert!(
         matches_with_ellipsis(expected, &actual),
         "docs/observability.md's `{command}` shows:\n{}\n\nratewall prints:\n{}",

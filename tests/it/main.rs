@@ -43,6 +43,7 @@ mod settle_attacks;
 mod settlement;
 mod setup;
 mod stores_agree;
+mod tags;
 mod tls;
 mod two_readings;
 mod upstream;

@@ -180,9 +180,9 @@ async fn admin_post(client: &HttpClient, url: &str, token: Option<&str>) -> Repl
     client.send("POST", url, &headers, Bytes::new()).await
 }
 
-/// Keys `<prefix>:{<hash>}:<rule>` in Redis whose hash starts with `id`.
-fn redis_keys_of(redis: &RedisServer, prefix: &str, id: &str, rule: &str) -> Vec<String> {
-    common::scan(&mut redis.conn(), &format!("{prefix}:{{{id}*}}:{rule}"))
+/// Keys `<prefix>:{<digest>}:<rule>` in Redis (the digest `/admin/state` gives).
+fn redis_keys_of(redis: &RedisServer, prefix: &str, digest: &str, rule: &str) -> Vec<String> {
+    common::scan(&mut redis.conn(), &format!("{prefix}:{{{digest}}}:{rule}"))
 }
 
 /// The text of the element with `id="<id>"` up to its first child tag.
@@ -1018,6 +1018,10 @@ async fn admin_state_and_reset(store: Store, redis: Option<&RedisServer>) {
     assert!(s1["reset_s"].as_u64().is_some_and(|t| t > 0), "{s1}");
     let id = s1["identity"].as_str().expect("identity").to_string();
     assert!(is_short_id(&id), "{s1}");
+    // Its Redis keys are named by its digest; the tag shown is keyed, not the digest's start.
+    let digest = s1["digest"].as_str().expect("digest").to_string();
+    assert_eq!(digest.len(), 32, "{s1}");
+    assert!(!digest.starts_with(&id), "{s1}");
     assert!(
         !s1.to_string().contains(KEY),
         "the answer never names the key"
@@ -1032,7 +1036,7 @@ async fn admin_state_and_reset(store: Store, redis: Option<&RedisServer>) {
     assert_eq!(state().await["remaining"], r_after_two - 1);
 
     if let Some(redis) = redis {
-        let keys = redis_keys_of(redis, "rwtest", &id, "api");
+        let keys = redis_keys_of(redis, "rwtest", &digest, "api");
         assert_eq!(keys.len(), 1, "the identity's Redis key exists: {keys:?}");
     }
 
@@ -1075,7 +1079,7 @@ async fn admin_state_and_reset(store: Store, redis: Option<&RedisServer>) {
     assert_eq!(body["reset"], true, "{body}");
     assert!(!body.to_string().contains(KEY));
     if let Some(redis) = redis {
-        let keys = redis_keys_of(redis, "rwtest", &id, "api");
+        let keys = redis_keys_of(redis, "rwtest", &digest, "api");
         assert!(keys.is_empty(), "reset deleted the Redis key: {keys:?}");
     }
     assert_eq!(
@@ -1087,7 +1091,7 @@ async fn admin_state_and_reset(store: Store, redis: Option<&RedisServer>) {
     assert_eq!(r.status, StatusCode::OK);
     assert_eq!(remaining(&r, "api"), BURST - 1, "the bucket starts over");
     if let Some(redis) = redis {
-        let keys = redis_keys_of(redis, "rwtest", &id, "api");
+        let keys = redis_keys_of(redis, "rwtest", &digest, "api");
         assert_eq!(
             keys.len(),
             1,
@@ -1282,10 +1286,23 @@ async fn admin_top_names_the_noisy_identity_by_hash_and_hint() {
     let entries = public_top.as_array().expect("a top list");
     assert_eq!(entries.len(), 3, "{public_top}");
     // Each by its tag: the one the access log, /admin/top and /admin/state use, stable
-    // across restarts and gateways (the digest's first digits, as in its Redis keys).
+    // across restarts and gateways: keyed by the secret kept beside the config (no keys
+    // file), never the digest's first digits (those name its Redis keys).
+    let secret = std::fs::read_to_string(
+        gw.config
+            .parent()
+            .expect("the config's folder")
+            .join(".ratewall-tag-secret"),
+    )
+    .expect("the tag secret");
+    let key = ratewall::identity::tag::TagKey::from_secret(secret.trim().as_bytes());
     let ids: Vec<String> = [NOISY, QUIET, SHORT]
         .iter()
-        .map(|k| api_key_hash(k)[..8].to_string())
+        .map(|k| {
+            let tag = key.tag(&ratewall::identity::digest_api_key(k.as_bytes()));
+            assert_ne!(tag.as_str(), &api_key_hash(k)[..8]);
+            tag.as_str().to_string()
+        })
         .collect();
     for entry in entries {
         assert_eq!(entry["hint"], "key", "/status.json: {entry}");

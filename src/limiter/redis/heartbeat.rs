@@ -29,6 +29,41 @@ impl Scripted {
         format!("{:016x}", self.instance)
     }
 
+    /// `<prefix>:tag-secret`: the deployment's identity tag secret (one key, one slot; no
+    /// TTL: tags stay the same as long as it lives).
+    pub(super) fn tag_secret_key(&self) -> String {
+        format!("{}:tag-secret", self.prefix)
+    }
+
+    /// The secret at [`Self::tag_secret_key`], `fresh` written first where there is none
+    /// (`SET NX`, then `GET`: of gateways starting at once, one writes and all read it).
+    /// Anything there but 64 hex digits is an error, never a weaker key.
+    pub(super) async fn tag_secret<C: redis::aio::ConnectionLike>(
+        &self,
+        conn: &mut C,
+        fresh: &str,
+    ) -> Result<String, StoreError> {
+        let key = self.tag_secret_key();
+        let _: redis::Value = self
+            .timed(
+                redis::cmd("SET")
+                    .arg(&key)
+                    .arg(fresh)
+                    .arg("NX")
+                    .query_async(conn),
+            )
+            .await?;
+        let kept: Option<String> = self
+            .timed(redis::cmd("GET").arg(&key).query_async(conn))
+            .await?;
+        match kept {
+            Some(s) if s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit()) => Ok(s),
+            _ => Err(StoreError::Protocol(format!(
+                "{key} is not 64 hex digits: delete it to have a new tag secret made"
+            ))),
+        }
+    }
+
     /// Write this gateway's heartbeat; the gateways heard from within `window`.
     pub(super) async fn heartbeat<C: Evaluates>(
         &self,

@@ -524,6 +524,15 @@ impl<S: Shared> Store for S {
         })
     }
 
+    fn tag_secret<'a>(&'a self, fresh: &'a str) -> Call<'a, Option<String>> {
+        Call::pending(async move {
+            self.scripted()
+                .tag_secret(&mut self.connection().await?, fresh)
+                .await
+                .map(Some)
+        })
+    }
+
     fn warm(&self) -> Call<'_, ()> {
         Call::pending(Shared::warm(self))
     }
