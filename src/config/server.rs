@@ -201,29 +201,30 @@ impl RawAdmin {
 pub(super) fn env_admin_token(
     value: Option<String>,
 ) -> Result<Option<AdminToken>, super::ConfigError> {
-    let Some(value) = value.filter(|v| !v.is_empty()) else {
-        return Ok(None);
-    };
-    AdminToken::new(value)
-        .map(Some)
-        .map_err(|message| super::ConfigError::Environment {
-            variable: "RATEWALL_ADMIN_TOKEN",
-            message: message.to_string(),
-        })
+    env_secret("RATEWALL_ADMIN_TOKEN", value, AdminToken::new)
 }
 
-/// `RATEWALL_TAG_SECRET`'s value held to the file's rule; set but empty: unset. The error
-/// never repeats the value.
+/// `RATEWALL_TAG_SECRET`'s value held to the file's rule, as the admin token's.
 pub(super) fn env_tag_secret(
     value: Option<String>,
 ) -> Result<Option<TagSecret>, super::ConfigError> {
+    env_secret("RATEWALL_TAG_SECRET", value, TagSecret::new)
+}
+
+/// A secret from the environment variable `variable`, made by `new`; set but empty:
+/// unset. The error names the variable, never the value.
+fn env_secret<T>(
+    variable: &'static str,
+    value: Option<String>,
+    new: fn(String) -> Result<T, &'static str>,
+) -> Result<Option<T>, super::ConfigError> {
     let Some(value) = value.filter(|v| !v.is_empty()) else {
         return Ok(None);
     };
-    TagSecret::new(value)
+    new(value)
         .map(Some)
         .map_err(|message| super::ConfigError::Environment {
-            variable: "RATEWALL_TAG_SECRET",
+            variable,
             message: message.to_string(),
         })
 }
@@ -280,5 +281,24 @@ mod tests {
         // A tiny one still serves one client; an unreadable one takes the default.
         assert_eq!(derive_max_connections(Some(10)), 1);
         assert_eq!(derive_max_connections(None), MAX_CONNECTIONS);
+    }
+
+    #[test]
+    fn a_tag_secret_from_the_environment_is_held_to_the_files_rule() {
+        assert!(env_tag_secret(None).unwrap().is_none());
+        assert!(env_tag_secret(Some(String::new())).unwrap().is_none());
+        let secret = env_tag_secret(Some("sixteen-chars-ok".into())).unwrap();
+        assert_eq!(secret.map(|s| s.as_bytes().len()), Some(16));
+        let e = env_tag_secret(Some("too short".into()))
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("RATEWALL_TAG_SECRET"), "{e}");
+        assert!(!e.contains("too short"), "the value is never repeated: {e}");
+        let file = TagSecret::new("spaces are not allowed here".into());
+        assert!(file.is_err());
+        assert_eq!(
+            format!("{:?}", TagSecret::new("sixteen-chars-ok".into()).unwrap()),
+            "TagSecret(<set>)"
+        );
     }
 }

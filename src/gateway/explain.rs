@@ -332,11 +332,22 @@ mod tests {
                 "    users: match \"header:x-user\" = \"present\", and the request carries no x-user header",
             ]
         );
+        // The identity by its tag, keyed by the process's secret (this test is the only one
+        // of the library's to set it).
+        let key = crate::identity::tag::TagKey::from_secret(b"explain's own secret");
+        crate::identity::tag::process().set(key.clone());
+        let digest = crate::identity::digest_api_key(b"pro-key");
+        let tag = key.tag(&digest);
+        assert_ne!(tag, digest.short_hex());
+        let keyed = format!(
+            "  - keyed: 10/s burst 10 (plan pro), token_bucket; counted per x-api-key (identity {})",
+            tag.as_str()
+        );
         assert_eq!(
             ask(Method::POST, &[("x-api-key", "pro-key"), ("x-user", "u")]),
             [
                 "1 rule(s) apply; the request passes only if all allow it:",
-                "  - keyed: 10/s burst 10 (plan pro), token_bucket; counted per x-api-key (identity d3101a88)",
+                keyed.as_str(),
                 "2 rule(s) do not apply:",
                 "    anon: match api_key = \"absent\", and the request carries an API key (x-api-key)",
                 "    users: the host 127.0.0.1 is not app.test",

@@ -205,8 +205,16 @@ mod tests {
                 .filter(|ip| digest_ip(*ip).short_hex() == tag)
                 .collect()
         };
-        assert_eq!(search(digest_ip(victim).short_hex()), vec![victim], "unkeyed: found");
-        assert_eq!(search(shown), Vec::<std::net::IpAddr>::new(), "keyed: nothing");
+        assert_eq!(
+            search(digest_ip(victim).short_hex()),
+            vec![victim],
+            "unkeyed: found"
+        );
+        assert_eq!(
+            search(shown),
+            Vec::<std::net::IpAddr>::new(),
+            "keyed: nothing"
+        );
     }
 
     #[test]

@@ -263,7 +263,7 @@ async fn identities_spread_over_every_master() {
     // token taken at 1/h), never none and never more.
     for (i, &size) in sizes.iter().enumerate() {
         let mut conn = cluster.node(i);
-        let keys: Vec<String> = redis::cmd("KEYS").arg("*").query(&mut conn).expect("KEYS");
+        let keys = common::scan(&mut conn, "*");
         assert_eq!(keys.len(), size, "node {i}");
         for key in &keys {
             assert!(is_hash_tagged(key, "api"), "node {i}: {key}");

@@ -247,8 +247,11 @@ pub fn get(conn: &mut redis::Connection, key: &str) -> Option<String> {
     redis::cmd("GET").arg(key).query(conn).expect("GET")
 }
 
+/// The keys a node holds, the deployment's identity tag secret (`<prefix>:tag-secret`,
+/// which one node of a cluster holds) aside, as [`scan`] leaves it out.
 pub fn dbsize(conn: &mut redis::Connection) -> usize {
-    redis::cmd("DBSIZE").query(conn).expect("DBSIZE")
+    let all: usize = redis::cmd("DBSIZE").query(conn).expect("DBSIZE");
+    all - scan_all(conn, "*:tag-secret").len()
 }
 
 /// Redis' clock, in microseconds.
@@ -261,6 +264,13 @@ pub fn redis_now_us(conn: &mut redis::Connection) -> u64 {
 /// identity tag secret (`<prefix>:tag-secret`, which every gateway on a Redis store makes
 /// or reads at start) aside: the tests count what requests wrote.
 pub fn scan(conn: &mut redis::Connection, pattern: &str) -> Vec<String> {
+    let mut keys = scan_all(conn, pattern);
+    keys.retain(|k| !k.ends_with(":tag-secret"));
+    keys
+}
+
+/// Every key matching `pattern`, by SCAN, sorted and without repeats.
+fn scan_all(conn: &mut redis::Connection, pattern: &str) -> Vec<String> {
     let mut cursor: u64 = 0;
     let mut keys = Vec::new();
     loop {
@@ -278,7 +288,6 @@ pub fn scan(conn: &mut redis::Connection, pattern: &str) -> Vec<String> {
         }
         cursor = next;
     }
-    keys.retain(|k| !k.ends_with(":tag-secret"));
     keys.sort();
     keys.dedup();
     keys
