@@ -2,17 +2,18 @@
 //!
 //! | call | what |
 //! | --- | --- |
-//! | `PUT /admin/keys/<sha256-hex>` `{"plan":"pro"}` | list a key (by its digest) with a plan |
-//! | `POST /admin/keys` `{"key":"<raw>","plan":"pro"}` | the same, by the raw key: hashed on arrival, never stored, logged or echoed |
+//! | `PUT /admin/keys/<sha256-hex>` `{"plan":"pro","label":"Acme Corp"}` | list a key (by its digest) with a plan, and a label if given |
+//! | `POST /admin/keys` `{"key":"<raw>","plan":"pro","label":"Acme Corp"}` | the same, by the raw key: hashed on arrival, never stored, logged or echoed |
 //! | `DELETE /admin/keys/<sha256-hex>` | revoke a key: unlisted from the next request on |
-//! | `GET /admin/keys?plan=pro&after=<hex>&limit=100` | digests and plans, sorted by digest; `next` is the following page's `after` |
+//! | `GET /admin/keys?plan=pro&after=<hex>&limit=100` | digests, plans and labels, sorted by digest; `next` is the following page's `after` |
 //!
 //! Changes land in the runtime directory ([`crate::identity::directory`]): with the
 //! memory store, the keys file, rewritten atomically (no file: 409, a change must survive a
 //! restart); with Redis, the `<prefix>:keys` hash, which every gateway follows. A plan no
 //! rule defines is 400; a key listed in `limits.toml` (inline, or in a shared store's keys
-//! file) is the file's to change: 409. Each change is one audit line (target
-//! `ratewall::audit`): action, digest, old and new plan, the admin's address.
+//! file) is the file's to change: 409. A label is optional, and checked as the config
+//! checks one ([`directory::label`]): 400 otherwise. Each change is one audit line (target
+//! `ratewall::audit`): action, digest, old and new plan, the label, the admin's address.
 
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -26,7 +27,7 @@ use serde::{Deserialize, Serialize};
 use super::{error, json, parse_query, refused, BadCall, Reply};
 use crate::config::Config;
 use crate::gateway::Gateway;
-use crate::identity::directory::{self, Change, Entries, KeyDigest};
+use crate::identity::directory::{self, Change, Entries, Entry, KeyDigest};
 use crate::identity::{sha256, MAX_KEY_LEN};
 use crate::limiter::redis::directory::{Location, RedisKeys};
 
@@ -86,6 +87,7 @@ fn not_allowed(which: &str) -> BadCall {
 #[serde(deny_unknown_fields)]
 struct PlanBody {
     plan: String,
+    label: Option<String>,
 }
 
 #[derive(Deserialize)]
@@ -93,18 +95,28 @@ struct PlanBody {
 struct KeyBody {
     key: String,
     plan: String,
+    label: Option<String>,
 }
 
-/// `PUT`'s body: `{"plan": "<plan>"}`, nothing else.
-pub(super) fn plan_body(body: &[u8]) -> Result<String, BadCall> {
+/// A plan as a body names it, and the label given with it, if any.
+pub(super) type Planned = (String, Option<String>);
+
+/// `PUT`'s body: `{"plan": "<plan>"}` or `{"plan": "<plan>", "label": "<label>"}`,
+/// nothing else.
+pub(super) fn plan_body(body: &[u8]) -> Result<Planned, BadCall> {
     serde_json::from_slice::<PlanBody>(body)
-        .map(|b| b.plan)
-        .map_err(|e| bad(format!("the body is {{\"plan\": \"<plan>\"}}: {e}")))
+        .map(|b| (b.plan, b.label))
+        .map_err(|e| {
+            bad(format!(
+                "the body is {{\"plan\": \"<plan>\"}}, with \"label\": \"<label>\" if you like: {e}"
+            ))
+        })
 }
 
-/// `POST`'s body: `{"key": "<raw key>", "plan": "<plan>"}`, nothing else; the key's
-/// digest. An error never repeats the body (it holds a key): it says only what is wrong.
-pub(super) fn key_body(body: &[u8]) -> Result<(KeyDigest, String), BadCall> {
+/// `POST`'s body: `{"key": "<raw key>", "plan": "<plan>"}`, and `"label"` if given,
+/// nothing else; the key's digest. An error never repeats the body (it holds a key): it
+/// says only what is wrong.
+pub(super) fn key_body(body: &[u8]) -> Result<(KeyDigest, Planned), BadCall> {
     let b = serde_json::from_slice::<KeyBody>(body).map_err(|e| {
         let what = match e.classify() {
             serde_json::error::Category::Data => "a field is missing, unknown or not a string",
@@ -127,7 +139,20 @@ pub(super) fn key_body(body: &[u8]) -> Result<(KeyDigest, String), BadCall> {
             "the key is a header value: no control characters, no spaces around it",
         ));
     }
-    Ok((sha256(k), b.plan))
+    Ok((sha256(k), (b.plan, b.label)))
+}
+
+/// The entry a body asks for: its plan must be one a rule defines, its label one the
+/// config would take.
+fn entry(cfg: &Config, (plan, label): Planned) -> Result<Entry, BadCall> {
+    let label = match label {
+        Some(l) => Some(directory::label(&l).map_err(bad)?),
+        None => None,
+    };
+    Ok(Entry {
+        plan: defined(cfg, &plan)?,
+        label,
+    })
 }
 
 /// The plan must be one a rule defines.
@@ -155,12 +180,17 @@ struct Changed<'a> {
     old_plan: Option<&'a str>,
     /// The plan now (`null`: deleted).
     plan: Option<&'a str>,
+    /// The label now, where it has one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    label: Option<&'a str>,
 }
 
 #[derive(Serialize)]
 struct Listed {
     digest: String,
     plan: String,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    label: Option<String>,
     /// `runtime` (the directory: this API's) or `config` (`limits.toml` or its keys file).
     source: &'static str,
 }
@@ -183,15 +213,15 @@ pub(super) async fn call(gw: &Gateway, peer: IpAddr, req: http::Request<Incoming
         }
         Call::Delete(d) => Change::Delete(d),
         Call::Set(d) => match read_body(req).await.and_then(|b| plan_body(&b)) {
-            Ok(plan) => match defined(cfg, &plan) {
-                Ok(p) => Change::Set(d, p),
+            Ok(planned) => match entry(cfg, planned) {
+                Ok(e) => Change::Set(d, e),
                 Err(r) => return refused(r),
             },
             Err(r) => return refused(r),
         },
         Call::Add => match read_body(req).await.and_then(|b| key_body(&b)) {
-            Ok((d, plan)) => match defined(cfg, &plan) {
-                Ok(p) => Change::Set(d, p),
+            Ok((d, planned)) => match entry(cfg, planned) {
+                Ok(e) => Change::Set(d, e),
                 Err(r) => return refused(r),
             },
             Err(r) => return refused(r),
@@ -199,9 +229,9 @@ pub(super) async fn call(gw: &Gateway, peer: IpAddr, req: http::Request<Incoming
     };
     match apply(cfg, &change).await {
         Ok(old) => {
-            let new = match &change {
-                Change::Set(_, p) => Some(&**p),
-                Change::Delete(_) => None,
+            let (new, label) = match &change {
+                Change::Set(_, e) => (Some(&*e.plan), e.label.as_deref()),
+                Change::Delete(_) => (None, None),
             };
             let digest = directory::hex(change.digest());
             if matches!(change, Change::Delete(_)) && old.is_none() {
@@ -213,6 +243,7 @@ pub(super) async fn call(gw: &Gateway, peer: IpAddr, req: http::Request<Incoming
                 digest = %digest,
                 old_plan = old.as_deref().unwrap_or("-"),
                 new_plan = new.unwrap_or("-"),
+                label = label.unwrap_or("-"),
                 admin = %peer,
                 "key directory changed"
             );
@@ -227,6 +258,7 @@ pub(super) async fn call(gw: &Gateway, peer: IpAddr, req: http::Request<Incoming
                     digest,
                     old_plan: old.as_deref(),
                     plan: new,
+                    label,
                 },
             )
         }
@@ -267,7 +299,8 @@ async fn apply(cfg: &Config, change: &Change) -> Result<Option<String>, BadCall>
             .map_err(|e| (StatusCode::SERVICE_UNAVAILABLE, format!("store: {e}")))?;
         // This gateway knows at once; the others within milliseconds (its message).
         directory.apply(change);
-        return Ok(old);
+        // The hash holds the plan, then the label: the plan is its first word.
+        return Ok(old.map(|o| Entry::parse(&o).map_or(o, |e| e.plan.to_string())));
     }
     let Some(path) = keys.file.clone().filter(|_| keys.directory_in_file()) else {
         return Err((
@@ -289,7 +322,7 @@ async fn apply(cfg: &Config, change: &Change) -> Result<Option<String>, BadCall>
                 .map_err(|e| format!("cannot write the keys file {}: {e}", path.display()))?;
             directory.replace(next);
         }
-        Ok::<_, String>(old.map(|p| p.to_string()))
+        Ok::<_, String>(old.map(|e| e.plan.to_string()))
     })
     .await;
     match written {
@@ -333,20 +366,27 @@ fn list(cfg: &Config, query: &[(String, Vec<u8>)]) -> Result<Reply, BadCall> {
     let mut all: Entries = keys
         .static_entries()
         .filter(|(d, _)| !runtime.contains_key(*d))
-        .map(|(d, p)| (*d, Arc::from(p)))
+        .map(|(d, p)| {
+            let entry = Entry {
+                plan: Arc::from(p),
+                label: keys.static_label(d).cloned(),
+            };
+            (*d, entry)
+        })
         .collect();
-    all.extend(runtime.iter().map(|(d, p)| (*d, p.clone())));
+    all.extend(runtime.iter().map(|(d, e)| (*d, e.clone())));
     let (page, next) = directory::page(&all, plan, after.as_ref(), limit);
     let listed: Vec<Listed> = page
         .into_iter()
-        .map(|(d, p)| Listed {
+        .map(|(d, e)| Listed {
             source: if runtime.contains_key(&d) {
                 "runtime"
             } else {
                 "config"
             },
             digest: directory::hex(&d),
-            plan: p.to_string(),
+            plan: e.plan.to_string(),
+            label: e.label.map(|l| l.to_string()),
         })
         .collect();
     Ok(json(
@@ -405,10 +445,18 @@ mod tests {
 
     #[test]
     fn bodies_are_parsed_strictly() {
-        assert_eq!(plan_body(br#"{"plan":"pro"}"#), Ok("pro".to_string()));
+        assert_eq!(
+            plan_body(br#"{"plan":"pro"}"#),
+            Ok(("pro".to_string(), None))
+        );
+        assert_eq!(
+            plan_body(br#"{"plan":"pro","label":"Acme Corp"}"#),
+            Ok(("pro".to_string(), Some("Acme Corp".to_string())))
+        );
         for b in [
             &br#"{"plan":"pro","x":1}"#[..],
             br#"{"plan":7}"#,
+            br#"{"plan":"pro","label":7}"#,
             br#"{}"#,
             br#"{"plan":"pro"} trailing"#,
             b"\xff\xfe",
@@ -416,8 +464,14 @@ mod tests {
         ] {
             assert_eq!(plan_body(b).unwrap_err().0, StatusCode::BAD_REQUEST);
         }
-        let (d, plan) = key_body(br#"{"key":"secret-key-1","plan":"pro"}"#).unwrap();
-        assert_eq!((d, plan.as_str()), (sha256(b"secret-key-1"), "pro"));
+        let (d, (plan, label)) = key_body(br#"{"key":"secret-key-1","plan":"pro"}"#).unwrap();
+        assert_eq!(
+            (d, plan.as_str(), label),
+            (sha256(b"secret-key-1"), "pro", None)
+        );
+        let (_, (_, label)) =
+            key_body(br#"{"key":"secret-key-1","plan":"pro","label":"Acme Corp"}"#).unwrap();
+        assert_eq!(label.as_deref(), Some("Acme Corp"));
         let long = format!(
             r#"{{"key":"{}","plan":"pro"}}"#,
             "k".repeat(MAX_KEY_LEN + 1)

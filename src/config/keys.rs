@@ -10,9 +10,9 @@ use std::time::Duration;
 use serde::Deserialize;
 use toml::Spanned;
 
-use super::values::{Cidr, Header, HumanDuration, PlanName};
+use super::values::{Cidr, Header, HumanDuration, KeyListing};
 use super::{from_toml, ConfigError, Invalid};
-use crate::identity::directory::{self, Entries};
+use crate::identity::directory::{self, Entries, Entry};
 use crate::identity::{
     sha256, ClientIp, ForwardingHeader, Keys, UnknownKeys, DEFAULT_KEY_HEADER, DEFAULT_RESYNC,
 };
@@ -45,18 +45,19 @@ pub(super) struct RawKeys {
     #[serde(default)]
     unknown: UnknownKeys,
     #[serde(default)]
-    plans: HashMap<String, Spanned<PlanName>>,
+    plans: HashMap<String, Spanned<KeyListing>>,
     pub(super) file: Option<Spanned<String>>,
     resync: Option<Spanned<HumanDuration>>,
     failures: Option<super::values::RawFailures>,
 }
 
-/// The keys file: `[plans]`, API key (or `sha256:<hex>` of one) -> plan name.
+/// The keys file: `[plans]`, API key (or `sha256:<hex>` of one) -> plan name, or
+/// `{ plan, label }`.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawKeysFile {
     #[serde(default)]
-    plans: HashMap<String, Spanned<PlanName>>,
+    plans: HashMap<String, Spanned<KeyListing>>,
 }
 
 /// A listed key's plan must be one some rule has a `[rules.plans.<plan>]` table for
@@ -89,7 +90,7 @@ impl RawKeys {
     /// which the admin API changes; with a shared store they are static, like inline ones.
     pub(super) fn validate(
         self,
-        file: Option<(PathBuf, HashMap<[u8; 32], String>)>,
+        file: Option<(PathBuf, HashMap<[u8; 32], Entry>)>,
         defined: &BTreeSet<&str>,
         shared: bool,
     ) -> Result<Keys, Invalid> {
@@ -113,29 +114,38 @@ impl RawKeys {
             None => crate::identity::DEFAULT_KEY_FAILURES,
         };
         let mut listed: HashMap<[u8; 32], String> = HashMap::new();
-        let mut inline: Vec<(&String, &Spanned<PlanName>)> = self.plans.iter().collect();
+        let mut labels: HashMap<[u8; 32], Arc<str>> = HashMap::new();
+        let mut inline: Vec<(&String, &Spanned<KeyListing>)> = self.plans.iter().collect();
         inline.sort_by(|a, b| a.0.cmp(b.0));
         for (k, spanned) in inline {
-            let plan = spanned.get_ref();
+            let listing = spanned.get_ref();
             let d =
                 key_digest(k).map_err(|m| Invalid::new(Some(spanned.span()), "keys.plans", m))?;
-            check_plan(&plan.0, defined)
+            check_plan(&listing.plan, defined)
                 .map_err(|m| Invalid::new(Some(spanned.span()), "keys.plans.<key>", m))?;
-            if listed.get(&d).is_some_and(|p| *p != plan.0) {
+            let label = checked_label(listing.label.as_deref())
+                .map_err(|m| Invalid::new(Some(spanned.span()), "keys.plans.<key>", m))?;
+            if listed.get(&d).is_some_and(|p| *p != listing.plan)
+                || (listed.contains_key(&d) && labels.get(&d) != label.as_ref())
+            {
                 return Err(Invalid::new(
                     Some(spanned.span()),
                     "keys.plans",
-                    "one API key is listed twice with different plans (as itself and as its sha256:)",
+                    "one API key is listed twice with different plans or labels (as itself and as its sha256:)",
                 ));
             }
-            listed.insert(d, plan.0.clone());
+            listed.insert(d, listing.plan.clone());
+            if let Some(label) = label {
+                labels.insert(d, label);
+            }
         }
         let (path, from_file) = match file {
             Some((p, k)) => (Some(p), k),
             None => (None, HashMap::new()),
         };
         let mut file_entries = Entries::new();
-        for (d, plan) in from_file {
+        for (d, entry) in from_file {
+            let plan = &*entry.plan;
             if let Some(inline) = listed.get(&d).filter(|p| **p != plan) {
                 return Err(Invalid::new(
                     self.file.as_ref().map(Spanned::span),
@@ -144,9 +154,12 @@ impl RawKeys {
                 ));
             }
             if shared {
-                listed.insert(d, plan);
+                listed.insert(d, plan.to_string());
+                if let Some(label) = &entry.label {
+                    labels.insert(d, label.clone());
+                }
             } else {
-                file_entries.insert(d, Arc::from(plan));
+                file_entries.insert(d, entry);
             }
         }
         // With the memory store and no file, the directory is empty and stays so (the
@@ -163,8 +176,14 @@ impl RawKeys {
             defined.iter().map(|p| p.to_string()).collect(),
             resync,
         )
+        .with_labels(labels)
         .with_failures(failures))
     }
+}
+
+/// A listed key's label, if it has one, as [`directory::label`] takes it.
+fn checked_label(label: Option<&str>) -> Result<Option<Arc<str>>, String> {
+    label.map(directory::label).transpose()
 }
 
 /// An API key as listed: the key itself, or `sha256:<64 hex digits>` of it.
@@ -181,32 +200,39 @@ fn key_digest(listed: &str) -> Result<[u8; 32], String> {
     Ok(sha256(listed.as_bytes()))
 }
 
-/// Read a keys file: `[plans]`, each API key (or `sha256:<hex>`) -> plan name, each plan
-/// one of `defined`. Errors name the keys file, its line and column.
+/// Read a keys file: `[plans]`, each API key (or `sha256:<hex>`) -> plan name or `{
+/// plan, label }`, each plan one of `defined`. Errors name the keys file, its line and
+/// column.
 pub(super) fn load_keys_file(
     path: &Path,
     defined: &BTreeSet<&str>,
-) -> Result<HashMap<[u8; 32], String>, ConfigError> {
+) -> Result<HashMap<[u8; 32], Entry>, ConfigError> {
     let text = super::read(path)?;
     let raw: RawKeysFile = from_toml(&text, path, "plans.")?;
     let mut out = HashMap::with_capacity(raw.plans.len());
     // In file order, so the first bad line is the one reported.
-    let mut entries: Vec<(String, Spanned<PlanName>)> = raw.plans.into_iter().collect();
+    let mut entries: Vec<(String, Spanned<KeyListing>)> = raw.plans.into_iter().collect();
     entries.sort_by_key(|(_, p)| p.span().start);
     for (listed, spanned) in entries {
         let span = spanned.span();
-        let plan = spanned.into_inner();
+        let listing = spanned.into_inner();
         let invalid = |m: String| Invalid::new(Some(span.clone()), "plans", m).locate(&text, path);
         let d = key_digest(&listed).map_err(invalid)?;
-        check_plan(&plan.0, defined)
+        check_plan(&listing.plan, defined)
             .map_err(|m| Invalid::new(Some(span.clone()), "plans.<key>", m).locate(&text, path))?;
-        if out.get(&d).is_some_and(|p: &String| *p != plan.0) {
+        let label = checked_label(listing.label.as_deref())
+            .map_err(|m| Invalid::new(Some(span.clone()), "plans.<key>", m).locate(&text, path))?;
+        let entry = Entry {
+            plan: Arc::from(listing.plan),
+            label,
+        };
+        if out.get(&d).is_some_and(|e: &Entry| *e != entry) {
             return Err(invalid(
-                "one API key is listed twice with different plans (as itself and as its sha256:)"
+                "one API key is listed twice with different plans or labels (as itself and as its sha256:)"
                     .into(),
             ));
         }
-        out.insert(d, plan.0);
+        out.insert(d, entry);
     }
     Ok(out)
 }
@@ -215,10 +241,7 @@ pub(super) fn load_keys_file(
 /// directory's writers' lock; see [`Keys::adopt`]).
 pub fn reread_keys_file(path: &Path, keys: &Keys) -> Result<Entries, ConfigError> {
     let defined: BTreeSet<&str> = keys.defined().collect();
-    Ok(load_keys_file(path, &defined)?
-        .into_iter()
-        .map(|(d, p)| (d, Arc::from(p)))
-        .collect())
+    load_keys_file(path, &defined)
 }
 
 /// Rewrite the keys file with `entries`, atomically: a temporary file in the same folder,
@@ -227,16 +250,24 @@ pub fn reread_keys_file(path: &Path, keys: &Keys) -> Result<Entries, ConfigError
 /// of one. Entries are written as digests, sorted: raw keys an operator wrote become
 /// `sha256:` lines, and comments are not kept. The file keeps its permissions.
 pub fn write_keys_file(path: &Path, entries: &Entries) -> std::io::Result<()> {
-    let mut sorted: Vec<(&[u8; 32], &Arc<str>)> = entries.iter().collect();
+    let mut sorted: Vec<(&[u8; 32], &Entry)> = entries.iter().collect();
     sorted.sort_unstable_by(|a, b| a.0.cmp(b.0));
     let mut text = String::from(
-        "# API key digests -> plans. Rewritten by ratewall on every change through the admin\n\
-         # API (/admin/keys): comments are not kept, raw keys become their sha256.\n[plans]\n",
+        "# API key digests -> plans (and labels). Rewritten by ratewall on every change through\n\
+         # the admin API (/admin/keys): comments are not kept, raw keys become their sha256.\n[plans]\n",
     );
-    for (d, plan) in sorted {
-        // A plan is a TOML basic string: escape what needs it.
-        let quoted = toml::Value::String(plan.to_string()).to_string();
-        text.push_str(&format!("\"sha256:{}\" = {quoted}\n", directory::hex(d)));
+    // Plans and labels are TOML basic strings: escaped where they need it.
+    let quoted = |s: &str| toml::Value::String(s.to_string()).to_string();
+    for (d, entry) in sorted {
+        let value = match &entry.label {
+            None => quoted(&entry.plan),
+            Some(label) => format!(
+                "{{ plan = {}, label = {} }}",
+                quoted(&entry.plan),
+                quoted(label)
+            ),
+        };
+        text.push_str(&format!("\"sha256:{}\" = {value}\n", directory::hex(d)));
     }
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
@@ -276,9 +307,15 @@ mod tests {
         std::fs::write(&path, "# mine\n[plans]\n\"raw-key\" = \"pro\"\n").unwrap();
         std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o640)).unwrap();
         let entries: Entries = [
-            (sha256(b"raw-key"), Arc::from("pro")),
-            ([0u8; 32], Arc::from("gold \"quoted\"")),
-            ([0xff; 32], Arc::from("pro")),
+            (sha256(b"raw-key"), Entry::from("pro")),
+            ([0u8; 32], Entry::from("gold \"quoted\"")),
+            (
+                [0xff; 32],
+                Entry {
+                    plan: Arc::from("pro"),
+                    label: Some(Arc::from("Acme \"Corp\" — Süd")),
+                },
+            ),
         ]
         .into_iter()
         .collect();
@@ -294,9 +331,7 @@ mod tests {
         let defined = BTreeSet::from(["pro", "gold \"quoted\""]);
         let back = load_keys_file(&path, &defined).unwrap();
         assert_eq!(back.len(), 3);
-        for (d, p) in &entries {
-            assert_eq!(back.get(d).map(String::as_str), Some(&**p));
-        }
+        assert_eq!(back, entries, "labels too");
         let mode = std::fs::metadata(&path).unwrap().permissions().mode() & 0o777;
         assert_eq!(mode, 0o640);
         assert_eq!(std::fs::read_dir(dir.path()).unwrap().count(), 1);

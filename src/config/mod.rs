@@ -313,7 +313,10 @@ impl Config {
 
     fn validate(
         raw: RawConfig,
-        keys_file: Option<(PathBuf, std::collections::HashMap<[u8; 32], String>)>,
+        keys_file: Option<(
+            PathBuf,
+            std::collections::HashMap<[u8; 32], crate::identity::directory::Entry>,
+        )>,
         tls: Option<crate::tls::Settings>,
         env_token: Option<values::AdminToken>,
         dir: &Path,
@@ -1052,6 +1055,54 @@ url = "http://127.0.0.1:3000"
         );
     }
 
+    /// A key is listed with its plan alone (`"pro"`) or with a label (`{ plan = "pro",
+    /// label = "Acme Corp" }`); a label that is too long or could break a log line is an
+    /// error at its line, in the config's words, and never names the key.
+    #[test]
+    fn a_key_may_carry_a_label_and_a_bad_one_is_an_error() {
+        let cfg = parse(&format!(
+            "[keys.plans]\n\"plain-key\" = \"pro\"\n\"acme-key\" = {{ plan = \"pro\", label = \"Acme Corp\" }}\n{PLANNED}"
+        ))
+        .unwrap();
+        let acme = cfg.keys.listing(b"acme-key").unwrap();
+        assert_eq!(
+            (acme.plan, acme.label.as_deref()),
+            (Some("pro"), Some("Acme Corp"))
+        );
+        let plain = cfg.keys.listing(b"plain-key").unwrap();
+        assert_eq!((plain.plan, plain.label), (Some("pro"), None));
+        assert_eq!(cfg.keys.static_labels(), vec![("Acme Corp", "pro")]);
+        let long = "x".repeat(65);
+        for (value, key, want) in [
+            (
+                format!("{{ plan = \"pro\", label = \"{long}\" }}"),
+                "keys.plans.<key>",
+                "a label is 1 to 64 characters (this one has 65), like \"Acme Corp\"",
+            ),
+            (
+                "{ plan = \"pro\", label = \"Acme\\nINFO forged\" }".to_string(),
+                "keys.plans.<key>",
+                "a label is shown in logs and on pages: no control or invisible characters (it has \\u{a})",
+            ),
+            (
+                "{ plan = \"pro\", label = \"Acme\", note = \"x\" }".to_string(),
+                "keys.plans.<key>",
+                "unknown field `note`, expected `plan` or `label`",
+            ),
+            (
+                "{ label = \"Acme\" }".to_string(),
+                "keys.plans.<key>",
+                "missing field `plan`",
+            ),
+        ] {
+            let (line, _, k, message) =
+                err(&format!("[keys.plans]\n\"secret-key-9\" = {value}\n{PLANNED}"));
+            assert_eq!((line, k.as_str()), (7, key), "{value}");
+            assert!(message.contains(want), "{value}: {message}");
+            assert!(!message.contains("secret-key-9"), "{message}");
+        }
+    }
+
     /// With the memory store the keys file's keys are the runtime directory's (the admin
     /// API changes them); with Redis they are static config, like inline ones.
     #[test]
@@ -1072,7 +1123,7 @@ url = "http://127.0.0.1:3000"
         let sha256 = crate::identity::sha256;
         let (file, inline) = (sha256(b"file-key"), sha256(b"inline-key"));
         assert!(memory.keys.directory_in_file());
-        assert_eq!(memory.keys.directory().get(&file).as_deref(), Some("pro"));
+        assert_eq!(memory.keys.directory().get(&file), Some("pro".into()));
         assert_eq!(memory.keys.static_plan(&file), None);
         assert_eq!(memory.keys.static_plan(&inline), Some("pro"));
         assert_eq!(memory.keys.resync, std::time::Duration::from_secs(2));

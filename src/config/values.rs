@@ -422,6 +422,48 @@ impl<'de> Deserialize<'de> for PlanName {
     }
 }
 
+/// A listed API key's value in `[keys.plans]` (and a keys file's `[plans]`): its plan,
+/// `"pro"`, or its plan and the label operators know it by, `{ plan = "pro", label =
+/// "Acme Corp" }`. The label is checked where the listing's span is known (see
+/// [`crate::identity::directory::label`] for what a label may hold).
+pub(super) struct KeyListing {
+    pub(super) plan: String,
+    pub(super) label: Option<String>,
+}
+
+impl<'de> Deserialize<'de> for KeyListing {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        struct Table {
+            plan: PlanName,
+            label: Option<String>,
+        }
+        struct Listing;
+        impl<'de> de::Visitor<'de> for Listing {
+            type Value = KeyListing;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a plan name (\"pro\") or { plan = \"pro\", label = \"Acme Corp\" }")
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<KeyListing, E> {
+                let plan = PlanName::deserialize(de::value::StrDeserializer::<E>::new(v))?;
+                Ok(KeyListing {
+                    plan: plan.0,
+                    label: None,
+                })
+            }
+            fn visit_map<A: de::MapAccess<'de>>(self, map: A) -> Result<KeyListing, A::Error> {
+                let t = Table::deserialize(de::value::MapAccessDeserializer::new(map))?;
+                Ok(KeyListing {
+                    plan: t.plan.0,
+                    label: t.label,
+                })
+            }
+        }
+        d.deserialize_any(Listing)
+    }
+}
+
 /// The prefix of every Redis key; `{`, `}` and spaces would break the hash tag.
 pub(super) struct Prefix(pub(super) String);
 

@@ -14,6 +14,7 @@ use http::{Method, Request};
 use super::grpc::Code;
 use super::Note;
 use crate::config::Config;
+use crate::identity::directory::hides;
 use crate::upstream::ClientPeer;
 
 /// The most of a client-chosen value (host, user agent) a line carries, in bytes before
@@ -202,20 +203,6 @@ pub fn field(bytes: &[u8]) -> String {
         out.push('…');
     }
     out
-}
-
-/// Characters that break, reorder or hide text on a terminal or in a viewer: controls
-/// (C0, DEL, C1), and Unicode's invisible and bidirectional formatting characters.
-fn hides(c: char) -> bool {
-    c.is_control()
-        || matches!(c,
-            '\u{200B}'..='\u{200F}'   // zero-width spaces and joiners, LRM, RLM
-            | '\u{2028}' | '\u{2029}' // line and paragraph separators
-            | '\u{202A}'..='\u{202E}' // bidirectional embeddings and overrides
-            | '\u{2060}'..='\u{2064}' // word joiner, invisible operators
-            | '\u{2066}'..='\u{2069}' // bidirectional isolates
-            | '\u{FEFF}'              // zero-width no-break space
-        )
 }
 
 #[cfg(test)]

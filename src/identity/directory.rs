@@ -1,5 +1,5 @@
 //! The key directory: the API keys an operator adds, re-plans and revokes at runtime, as
-//! SHA-256 digests with their plans. Read on every request that carries a key, without a
+//! SHA-256 digests with their plans (and the labels operators know them by). Read on every request that carries a key, without a
 //! lock: a snapshot (`ArcSwap<HashMap>`) swapped whole on each change; one per process,
 //! shared across reloads.
 //!
@@ -22,11 +22,93 @@ use arc_swap::ArcSwap;
 /// The SHA-256 of a raw API key: how a listed key is held, everywhere.
 pub type KeyDigest = [u8; 32];
 
-/// A digest -> plan map, as one snapshot of the directory holds it.
-pub type Entries = HashMap<KeyDigest, Arc<str>>;
+/// A digest -> entry map, as one snapshot of the directory holds it.
+pub type Entries = HashMap<KeyDigest, Entry>;
 
 /// The longest plan name (as the config allows: 1 to 64 characters).
 pub const MAX_PLAN_LEN: usize = 64;
+
+/// The longest label, in characters.
+pub const MAX_LABEL_LEN: usize = 64;
+
+/// A listed key: its plan, and the label an operator gave it ("Acme Corp"), shown where
+/// operators look (the status page, `/admin/top`, the access line, `ratewall check`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    pub plan: Arc<str>,
+    pub label: Option<Arc<str>>,
+}
+
+impl Entry {
+    /// As the Redis hash stores it and a change message carries it: the plan, then a
+    /// space and the label where there is one. A plan has no spaces, so an entry stored
+    /// before labels existed (its plan alone) reads back as it was.
+    pub fn encode(&self) -> String {
+        match &self.label {
+            Some(label) => format!("{} {label}", self.plan),
+            None => self.plan.to_string(),
+        }
+    }
+
+    /// An entry as [`Entry::encode`] writes it; `None` for a bad plan or label.
+    pub fn parse(text: &str) -> Option<Entry> {
+        let (plan, label) = match text.split_once(' ') {
+            Some((plan, label)) => (plan, Some(self::label(label).ok()?)),
+            None => (text, None),
+        };
+        Some(Entry {
+            plan: plan_name(plan)?,
+            label,
+        })
+    }
+}
+
+impl From<&str> for Entry {
+    /// A plan without a label.
+    fn from(plan: &str) -> Entry {
+        Entry {
+            plan: Arc::from(plan),
+            label: None,
+        }
+    }
+}
+
+/// A label as an operator may give one: 1 to [`MAX_LABEL_LEN`] characters, no spaces
+/// around it, and none of the characters that break, reorder or hide text ([`hides`]):
+/// it is shown in a log line and on a page. The error says so in the config's words.
+pub fn label(text: &str) -> Result<Arc<str>, String> {
+    let count = text.chars().count();
+    if count == 0 || count > MAX_LABEL_LEN {
+        return Err(format!(
+            "a label is 1 to {MAX_LABEL_LEN} characters (this one has {count}), like \"Acme Corp\""
+        ));
+    }
+    if let Some(c) = text.chars().find(|&c| hides(c)) {
+        return Err(format!(
+            "a label is shown in logs and on pages: no control or invisible characters (it has {})",
+            c.escape_unicode()
+        ));
+    }
+    if text.trim() != text {
+        return Err("a label has no spaces around it".into());
+    }
+    Ok(Arc::from(text))
+}
+
+/// Characters that break, reorder or hide text on a terminal or in a viewer: controls
+/// (C0, DEL, C1), and Unicode's invisible and bidirectional formatting characters. A
+/// label may hold none; the access log escapes them in what clients send.
+pub fn hides(c: char) -> bool {
+    c.is_control()
+        || matches!(c,
+            '\u{200B}'..='\u{200F}'   // zero-width spaces and joiners, LRM, RLM
+            | '\u{2028}' | '\u{2029}' // line and paragraph separators
+            | '\u{202A}'..='\u{202E}' // bidirectional embeddings and overrides
+            | '\u{2060}'..='\u{2064}' // word joiner, invisible operators
+            | '\u{2066}'..='\u{2069}' // bidirectional isolates
+            | '\u{FEFF}'              // zero-width no-break space
+        )
+}
 
 pub struct Directory {
     entries: ArcSwap<Entries>,
@@ -57,15 +139,15 @@ impl Directory {
         }
     }
 
-    /// The plan `digest` is listed with here, if it is.
-    pub fn get(&self, digest: &KeyDigest) -> Option<Arc<str>> {
+    /// How `digest` is listed here, if it is.
+    pub fn get(&self, digest: &KeyDigest) -> Option<Entry> {
         self.entries.load().get(digest).cloned()
     }
 
-    /// `resolve` of the plan `digest` is listed with, if it is: read in place, without
-    /// touching the plan's reference count (the request path's lookup).
-    pub fn resolve<R>(&self, digest: &KeyDigest, resolve: impl FnOnce(&str) -> R) -> Option<R> {
-        self.entries.load().get(digest).map(|p| resolve(p))
+    /// `resolve` of the entry `digest` is listed with, if it is: read in place, without
+    /// touching its reference counts (the request path's lookup).
+    pub fn resolve<R>(&self, digest: &KeyDigest, resolve: impl FnOnce(&Entry) -> R) -> Option<R> {
+        self.entries.load().get(digest).map(resolve)
     }
 
     /// Whether nothing is listed (read without hashing a request's key).
@@ -82,13 +164,13 @@ impl Directory {
         self.entries.load_full()
     }
 
-    /// Apply one change; the plan the key had before it.
-    pub fn apply(&self, change: &Change) -> Option<Arc<str>> {
+    /// Apply one change; the entry the key had before it.
+    pub fn apply(&self, change: &Change) -> Option<Entry> {
         let mut old = None;
         self.entries.rcu(|current| {
             let mut next = Entries::clone(current);
             old = match change {
-                Change::Set(d, plan) => next.insert(*d, plan.clone()),
+                Change::Set(d, entry) => next.insert(*d, entry.clone()),
                 Change::Delete(d) => next.remove(d),
             };
             next
@@ -105,7 +187,7 @@ impl Directory {
             let mut next = Entries::clone(current);
             for change in changes {
                 match change {
-                    Change::Set(d, plan) => next.insert(*d, plan.clone()),
+                    Change::Set(d, entry) => next.insert(*d, entry.clone()),
                     Change::Delete(d) => next.remove(d),
                 };
             }
@@ -127,7 +209,7 @@ impl Directory {
 /// One change to the directory.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
-    Set(KeyDigest, Arc<str>),
+    Set(KeyDigest, Entry),
     Delete(KeyDigest),
 }
 
@@ -138,10 +220,11 @@ impl Change {
         }
     }
 
-    /// As published on `<prefix>:keys:changes`: `set <hex> <plan>` or `del <hex>`.
+    /// As published on `<prefix>:keys:changes`: `set <hex> <plan>`, `set <hex> <plan>
+    /// <label>` or `del <hex>`.
     pub fn message(&self) -> String {
         match self {
-            Change::Set(d, plan) => format!("set {} {plan}", hex(d)),
+            Change::Set(d, entry) => format!("set {} {}", hex(d), entry.encode()),
             Change::Delete(d) => format!("del {}", hex(d)),
         }
     }
@@ -151,8 +234,8 @@ impl Change {
         let (verb, rest) = text.split_once(' ')?;
         match verb {
             "set" => {
-                let (d, plan) = rest.split_once(' ')?;
-                Some(Change::Set(parse_hex(d)?, plan_name(plan)?))
+                let (d, entry) = rest.split_once(' ')?;
+                Some(Change::Set(parse_hex(d)?, Entry::parse(entry)?))
             }
             "del" => Some(Change::Delete(parse_hex(rest)?)),
             _ => None,
@@ -203,10 +286,10 @@ pub fn page(
     plan: Option<&str>,
     after: Option<&KeyDigest>,
     limit: usize,
-) -> (Vec<(KeyDigest, Arc<str>)>, Option<KeyDigest>) {
-    let mut picked: Vec<(KeyDigest, Arc<str>)> = entries
+) -> (Vec<(KeyDigest, Entry)>, Option<KeyDigest>) {
+    let mut picked: Vec<(KeyDigest, Entry)> = entries
         .iter()
-        .filter(|(d, p)| after.is_none_or(|a| *d > a) && plan.is_none_or(|want| &***p == want))
+        .filter(|(d, e)| after.is_none_or(|a| *d > a) && plan.is_none_or(|want| &*e.plan == want))
         .map(|(d, p)| (*d, p.clone()))
         .collect();
     picked.sort_unstable_by_key(|e| e.0);
@@ -229,15 +312,15 @@ mod tests {
         let dir = Directory::default();
         assert!(dir.is_empty());
         assert_eq!(dir.apply(&Change::Set(d(1), "pro".into())), None);
-        assert_eq!(dir.get(&d(1)).as_deref(), Some("pro"));
+        assert_eq!(dir.get(&d(1)), Some(Entry::from("pro")));
         let before = dir.snapshot();
         assert_eq!(
-            dir.apply(&Change::Set(d(1), "free".into())).as_deref(),
-            Some("pro")
+            dir.apply(&Change::Set(d(1), "free".into())),
+            Some(Entry::from("pro"))
         );
         // A snapshot taken before a change keeps what it saw: a request reads one set.
-        assert_eq!(before.get(&d(1)).map(|p| &**p), Some("pro"));
-        assert_eq!(dir.apply(&Change::Delete(d(1))).as_deref(), Some("free"));
+        assert_eq!(before.get(&d(1)), Some(&Entry::from("pro")));
+        assert_eq!(dir.apply(&Change::Delete(d(1))), Some(Entry::from("free")));
         assert_eq!(dir.apply(&Change::Delete(d(1))), None);
         assert_eq!(dir.len(), 0);
         dir.apply_all(&[
@@ -246,8 +329,8 @@ mod tests {
             Change::Delete(d(2)),
         ]);
         assert_eq!(dir.len(), 1);
-        assert_eq!(dir.get(&d(3)).as_deref(), Some("b"));
-        dir.replace(Entries::from([(d(4), Arc::from("c"))]));
+        assert_eq!(dir.get(&d(3)), Some(Entry::from("b")));
+        dir.replace(Entries::from([(d(4), Entry::from("c"))]));
         assert_eq!((dir.len(), dir.get(&d(3))), (1, None));
         assert_eq!(format!("{dir:?}"), "Directory(1 keys)");
     }
@@ -266,7 +349,9 @@ mod tests {
             "set",
             &format!("set {h}"),
             &format!("set {h} "),
-            &format!("set {h} two words"),
+            // Two words: a plan and its label; a label with spaces around it is refused.
+            &format!("set {h} pro  Acme"),
+            &format!("set {h} pro Acme\nCorp"),
             &format!("put {h} pro"),
             &format!("del {h}x"),
             "del 1234",
@@ -275,6 +360,53 @@ mod tests {
         ] {
             assert_eq!(Change::parse_message(bad), None, "{bad:?}");
         }
+    }
+
+    /// A label travels with its plan (`set <hex> <plan> <label>`, spaces in the label
+    /// kept); an entry stored before labels (its plan alone) reads as it was; a label
+    /// that could break a log line or a page is refused.
+    #[test]
+    fn labels_round_trip_and_bad_ones_are_refused() {
+        let acme = Entry {
+            plan: Arc::from("pro"),
+            label: Some(Arc::from("Acme Corp")),
+        };
+        assert_eq!(acme.encode(), "pro Acme Corp");
+        assert_eq!(Entry::parse("pro Acme Corp"), Some(acme.clone()));
+        assert_eq!(Entry::parse("pro"), Some(Entry::from("pro")));
+        let set = Change::Set(d(7), acme);
+        assert_eq!(
+            set.message(),
+            format!("set {} pro Acme Corp", "07".repeat(32))
+        );
+        assert_eq!(Change::parse_message(&set.message()), Some(set));
+        assert_eq!(
+            label("Müller GmbH — Süd").as_deref(),
+            Ok("Müller GmbH — Süd")
+        );
+        assert!(label(&"é".repeat(MAX_LABEL_LEN)).is_ok());
+        for bad in [
+            String::new(),
+            "x".repeat(MAX_LABEL_LEN + 1),
+            "Acme\nINFO forged=1".into(),
+            "Acme\r".into(),
+            "tab\there".into(),
+            "abc\u{202E}gpj".into(),
+            "zero\u{200B}width".into(),
+            " Acme".into(),
+            "Acme ".into(),
+        ] {
+            assert!(label(&bad).is_err(), "{bad:?}");
+            assert_eq!(Entry::parse(&format!("pro {bad}")), None, "{bad:?}");
+        }
+        assert_eq!(
+            label(&"x".repeat(65)).unwrap_err(),
+            "a label is 1 to 64 characters (this one has 65), like \"Acme Corp\""
+        );
+        assert_eq!(
+            label("Acme\nCorp").unwrap_err(),
+            "a label is shown in logs and on pages: no control or invisible characters (it has \\u{a})"
+        );
     }
 
     #[test]
@@ -297,7 +429,7 @@ mod tests {
     #[test]
     fn pages_cover_every_entry_once_in_order() {
         let entries: Entries = (0..=250u8)
-            .map(|n| (d(n), Arc::from(if n % 3 == 0 { "pro" } else { "free" })))
+            .map(|n| (d(n), Entry::from(if n % 3 == 0 { "pro" } else { "free" })))
             .collect();
         for (plan, want) in [(None, 251), (Some("pro"), 84), (Some("none"), 0)] {
             let mut seen = Vec::new();

@@ -12,6 +12,14 @@ use sha2::{Digest, Sha256};
 
 use super::directory::{Directory, Entries};
 
+/// How a key is listed ([`Keys::listing`]): its plan, if a rule of this config defines it,
+/// and its label, if it has one.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Listing<'k> {
+    pub plan: Option<&'k str>,
+    pub label: Option<Arc<str>>,
+}
+
 /// The header API keys come in, unless `[keys] header` says.
 pub const DEFAULT_KEY_HEADER: HeaderName = HeaderName::from_static("x-api-key");
 
@@ -82,6 +90,8 @@ pub struct Keys {
     /// directory's). Keys are held as digests only, so the process never holds a listed
     /// key it has not seen in a request.
     plans: HashMap<[u8; 32], String>,
+    /// The labels of some of `plans`' keys (`{ plan = "pro", label = "Acme Corp" }`).
+    labels: HashMap<[u8; 32], Arc<str>>,
     /// The keys listed at runtime, looked up before `plans`.
     directory: Arc<Directory>,
     /// Whether `directory` is the keys file's (the memory store), and what the file held
@@ -122,12 +132,19 @@ impl Keys {
             unknown,
             defined: plans.values().cloned().collect(),
             plans,
+            labels: HashMap::new(),
             directory: Arc::default(),
             file_entries: None,
             file,
             resync: DEFAULT_RESYNC,
             failures: super::failures::Failures::new(DEFAULT_FAILURES),
         }
+    }
+
+    /// The labels of listed keys (each also in `plans`).
+    pub fn with_labels(mut self, labels: HashMap<[u8; 32], Arc<str>>) -> Self {
+        self.labels = labels;
+        self
     }
 
     /// Unknown keys are allowed `allowance` per client address (`[keys] failures`).
@@ -190,6 +207,23 @@ impl Keys {
         self.plans.iter().map(|(d, p)| (d, p.as_str()))
     }
 
+    /// The label the config gives a key it lists, if any.
+    pub fn static_label(&self, digest: &[u8; 32]) -> Option<&Arc<str>> {
+        self.labels.get(digest)
+    }
+
+    /// The labels the config gives (inline, and a shared store's keys file), with each
+    /// key's plan, sorted by label: what `ratewall check` names.
+    pub fn static_labels(&self) -> Vec<(&str, &str)> {
+        let mut out: Vec<(&str, &str)> = self
+            .labels
+            .iter()
+            .filter_map(|(d, l)| Some((&**l, self.plans.get(d)?.as_str())))
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
     /// Whether `plan` is one a rule defines.
     pub fn defines(&self, plan: &str) -> bool {
         self.defined.contains(plan)
@@ -200,27 +234,30 @@ impl Keys {
         self.defined.iter().map(String::as_str)
     }
 
-    /// How `key` is listed: `None`, not at all; `Some(plan)` listed, with its plan if a
-    /// rule of this config defines it (a runtime entry may name a plan only another
-    /// gateway's config defines: the key is known, and gets the rules' own limits). The
+    /// How `key` is listed: `None`, not at all; else with its plan if a rule of this
+    /// config defines it (a runtime entry may name a plan only another gateway's config
+    /// defines: the key is known, and gets the rules' own limits), and its label. The
     /// runtime directory first, then the config's own.
-    pub fn listing(&self, key: &[u8]) -> Option<Option<&str>> {
+    pub fn listing(&self, key: &[u8]) -> Option<Listing<'_>> {
         if self.plans.is_empty() && self.directory.is_empty() {
             return None;
         }
         let digest = sha256(key);
-        if let Some(plan) = self
-            .directory
-            .resolve(&digest, |plan| self.defined.get(plan).map(String::as_str))
-        {
-            return Some(plan);
+        if let Some(listing) = self.directory.resolve(&digest, |e| Listing {
+            plan: self.defined.get(&*e.plan).map(String::as_str),
+            label: e.label.clone(),
+        }) {
+            return Some(listing);
         }
-        self.plans.get(&digest).map(|p| Some(p.as_str()))
+        self.plans.get(&digest).map(|p| Listing {
+            plan: Some(p.as_str()),
+            label: self.labels.get(&digest).cloned(),
+        })
     }
 
     /// The plan `key` maps to, if it is listed with one.
     pub fn plan_of(&self, key: &[u8]) -> Option<&str> {
-        self.listing(key).flatten()
+        self.listing(key)?.plan
     }
 
     /// The plans listed keys have.
@@ -228,10 +265,12 @@ impl Keys {
         self.plans.values().map(String::as_str)
     }
 
-    /// Whether `other` lists the same keys with the same plans in its files (what a
-    /// reload compares).
+    /// Whether `other` lists the same keys with the same plans and labels in its files
+    /// (what a reload compares).
     pub fn same_plans(&self, other: &Keys) -> bool {
-        self.plans == other.plans && self.file_entries == other.file_entries
+        self.plans == other.plans
+            && self.labels == other.labels
+            && self.file_entries == other.file_entries
     }
 
     /// How many keys the config lists (inline and in the keys file).

@@ -33,8 +33,8 @@ pub use client_ip::{client_ip, is_trusted, ClientIp, ForwardingHeader};
 pub use directory::Directory;
 pub use jwt::{ClaimPath, Failure, Known, TokenError, Verified, Verifier};
 pub use keys::{
-    api_key, sha256, KeyError, Keys, UnknownKeys, DEFAULT_FAILURES as DEFAULT_KEY_FAILURES,
-    DEFAULT_KEY_HEADER, DEFAULT_RESYNC, MAX_KEY_LEN,
+    api_key, sha256, KeyError, Keys, Listing, UnknownKeys,
+    DEFAULT_FAILURES as DEFAULT_KEY_FAILURES, DEFAULT_KEY_HEADER, DEFAULT_RESYNC, MAX_KEY_LEN,
 };
 
 /// What a rule counts requests by (`key`), and what it does when the request does not
@@ -352,7 +352,7 @@ pub struct Requester<'a> {
     key_refused: OnceLock<Option<Refusal>>,
     /// How the API key is listed ([`Keys::listing`]): looked up once, so that every rule
     /// of the request sees one answer however the directory changes meanwhile.
-    listed: OnceLock<Option<Option<&'a str>>>,
+    listed: OnceLock<Option<Listing<'a>>>,
 }
 
 /// A bearer token as sent and its SHA-256 (`None`: none was sent), or why it cannot be
@@ -519,7 +519,13 @@ impl<'a> Requester<'a> {
         if let Some(plan) = self.token_plan() {
             return Some(plan);
         }
-        self.listing().flatten()
+        self.listing()?.plan
+    }
+
+    /// The label of the request's API key, where it is listed with one (for operators:
+    /// the access line, the status page's most limited identities).
+    pub fn label(&self) -> Option<&Arc<str>> {
+        self.listing()?.label.as_ref()
     }
 
     /// The `plan_claim` of the request's verified token (a string claim).
@@ -530,11 +536,13 @@ impl<'a> Requester<'a> {
     }
 
     /// How the request's API key is listed (see [`Keys::listing`]), once per request.
-    fn listing(&self) -> Option<Option<&'a str>> {
-        *self.listed.get_or_init(|| {
-            let (key, _) = self.api_key().ok().flatten()?;
-            self.keys.listing(key)
-        })
+    fn listing(&self) -> Option<&Listing<'a>> {
+        self.listed
+            .get_or_init(|| {
+                let (key, _) = self.api_key().ok().flatten()?;
+                self.keys.listing(key)
+            })
+            .as_ref()
     }
 
     /// Who the request is under a rule counting by `key`.

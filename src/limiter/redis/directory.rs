@@ -26,7 +26,7 @@ use futures_util::{FutureExt, StreamExt};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 
-use crate::identity::directory::{self, Change, Directory, Entries};
+use crate::identity::directory::{self, Change, Directory, Entries, Entry};
 use crate::limiter::metrics::{SyncLabels, SyncOutcome};
 use crate::limiter::store::{Backend, Settings};
 
@@ -174,10 +174,11 @@ impl RedisKeys {
             .map_err(DirectoryError::Sentinel)
     }
 
-    /// Apply `change` to the hash and publish it; the plan the key had before.
+    /// Apply `change` to the hash and publish it; the entry the key had before, as the
+    /// hash held it ([`Entry::encode`]: its plan, then its label where it had one).
     pub async fn change(&self, change: &Change) -> Result<Option<String>, DirectoryError> {
         let plan = match change {
-            Change::Set(_, p) => p.to_string(),
+            Change::Set(_, entry) => entry.encode(),
             Change::Delete(_) => String::new(),
         };
         let script = redis::Script::new(CHANGE_SCRIPT);
@@ -195,7 +196,9 @@ impl RedisKeys {
     }
 
     /// The whole hash, read with HSCAN on one connection; and how many fields were not a
-    /// valid entry (not 64 hex digits, or not a plan name), which are left out.
+    /// valid entry (not 64 hex digits, or not a plan name and label), which are left out.
+    /// A value is the plan, then a space and the label where it has one: a value written
+    /// before labels (its plan alone) reads as it was.
     pub async fn read_all(&self) -> Result<(Entries, usize), DirectoryError> {
         let mut conn = self.connect().await?;
         let mut entries = Entries::new();
@@ -214,9 +217,9 @@ impl RedisKeys {
             };
             let (next, page) = page.map_err(|e| self.wrong_type(e))?;
             for (field, plan) in page {
-                match (directory::parse_hex(&field), directory::plan_name(&plan)) {
-                    (Some(d), Some(p)) => {
-                        entries.insert(d, p);
+                match (directory::parse_hex(&field), Entry::parse(&plan)) {
+                    (Some(d), Some(entry)) => {
+                        entries.insert(d, entry);
                     }
                     _ => bad += 1,
                 }
