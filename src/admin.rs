@@ -7,8 +7,8 @@
 //! | `GET /metrics` | Prometheus metrics (OpenMetrics text) |
 //! | `GET /healthz` | 200 while the process runs |
 //! | `GET /readyz` | 200 while traffic is served as configured, else 503 |
-//! | `GET /admin/stats` | the status page's data, with each limited key's hint |
-//! | `GET /admin/top?minutes=5&n=20` | the most limited identities (hash + hint, never a key) |
+//! | `GET /admin/stats` | the status page's data, with each limited key's hint and a token's claims |
+//! | `GET /admin/top?minutes=5&n=20` | the most limited identities (tag + hint, label, a token's claims; never a key) |
 //! | `GET /admin/state?rule=R&key=K` (or `ip=`, `header=`, nothing for `global`) | one identity's state |
 //! | `POST /admin/reset?rule=R&key=K` (likewise) | forget one identity's state |
 //! | `PUT /admin/keys/<sha256-hex>` `{"plan":"pro"}` | list an API key (by its digest) with a plan, at runtime |
@@ -675,10 +675,13 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
             // gateway and across restarts, and nothing without the secret: no address is
             // found again by hashing them all. An address's network is shown to token
             // holders only too: beside the tag, its /24 would leave 256 addresses to try.
-            if t.who.hint != "everyone" {
-                let kind = t.who.hint.split(' ').next().unwrap_or("key");
-                t.who.hint = kind.to_string();
+            if t.who.named.hint != "everyone" {
+                let kind = t.who.named.hint.split(' ').next().unwrap_or("key");
+                t.who.named.hint = kind.to_string();
             }
+            // A token's claim values say who the user is (`sub=alice`): token holders
+            // only. A key's label is the operator's name for a customer: shown.
+            t.who.named.claims = None;
         }
     }
     let health = match live.limiter.health() {

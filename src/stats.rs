@@ -529,10 +529,10 @@ impl Stats {
         self.loads.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Count one denial of the identity shown as `id` under `rule`. `hint` is only made
-    /// when the identity is new to the current minute's heavy hitters: a key hammering
-    /// past its limit costs no allocation per denial.
-    pub fn limited(&self, id: &str, rule: &str, hint: impl FnOnce() -> String) {
+    /// Count one denial of the identity shown as `id` under `rule`. `named` is only
+    /// called when the identity is new to the current minute's heavy hitters: a key
+    /// hammering past its limit costs no allocation per denial.
+    pub fn limited(&self, id: &str, rule: &str, named: impl FnOnce() -> Named) {
         let minute = self.now() / 60;
         let mut top = self.top.lock().unwrap_or_else(|p| p.into_inner());
         if top.back().is_none_or(|(m, _)| *m != minute) {
@@ -542,7 +542,7 @@ impl Stats {
             }
         }
         if let Some((_, s)) = top.back_mut() {
-            s.add(id, rule, hint);
+            s.add(id, rule, named);
         }
     }
 
@@ -582,12 +582,38 @@ impl Default for Stats {
     }
 }
 
-/// One limited identity: its digest (short hex), a hint an operator can recognise, the rule.
+/// One limited identity: its tag, what an operator recognises it by, the rule.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
 pub struct Limited {
     pub id: String,
-    pub hint: String,
+    #[serde(flatten)]
+    pub named: Named,
     pub rule: String,
+}
+
+/// What an operator recognises a limited identity by, beside its tag.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize)]
+pub struct Named {
+    /// Its kind and, for token holders, a part of it (`key …9f3e`, `ip 192.0.2.x`).
+    pub hint: String,
+    /// Its API key's label, where it is counted by a key listed with one: an operator's
+    /// name for a customer, shown on the public page too.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+    /// The claim values of a token it is counted by (`sub=alice`): for admin views only,
+    /// taken off the public page's copy (see `admin::stats`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub claims: Option<String>,
+}
+
+impl Named {
+    /// A hint alone.
+    pub fn hint(hint: String) -> Named {
+        Named {
+            hint,
+            ..Named::default()
+        }
+    }
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -607,7 +633,7 @@ struct SpaceSaving {
 }
 
 impl SpaceSaving {
-    fn add(&mut self, id: &str, rule: &str, hint: impl FnOnce() -> String) {
+    fn add(&mut self, id: &str, rule: &str, named: impl FnOnce() -> Named) {
         if let Some(e) = self
             .entries
             .iter_mut()
@@ -618,7 +644,7 @@ impl SpaceSaving {
         }
         let who = Limited {
             id: id.to_string(),
-            hint: hint(),
+            named: named(),
             rule: rule.to_string(),
         };
         if self.entries.len() < TOP_K {
@@ -645,13 +671,13 @@ mod tests {
     use super::*;
 
     fn add(s: &mut SpaceSaving, w: Limited) {
-        s.add(&w.id, &w.rule, || w.hint.clone());
+        s.add(&w.id, &w.rule, || w.named.clone());
     }
 
     fn who(i: u32) -> Limited {
         Limited {
             id: format!("{i:08x}"),
-            hint: String::new(),
+            named: Named::default(),
             rule: "api".into(),
         }
     }
@@ -716,7 +742,7 @@ mod tests {
         for _ in 0..3 {
             st.ended(Outcome::Denied);
             let w = who(9);
-            st.limited(&w.id, &w.rule, || w.hint.clone());
+            st.limited(&w.id, &w.rule, || w.named.clone());
         }
         st.ended(Outcome::StoreUnavailable);
         st.ended(Outcome::Overloaded);

@@ -485,6 +485,10 @@ impl Config {
                 None => String::new(),
             }
         );
+        // Keys by their labels (never by their characters).
+        for (label, plan) in self.keys.labels() {
+            let _ = writeln!(out, "  label       {label:?} (plan {plan})");
+        }
         if let Some(j) = &self.jwt {
             out.push_str(&j.describe());
         }

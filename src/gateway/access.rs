@@ -84,6 +84,7 @@ impl AccessLine {
                 rule: None,
                 decision: note.decision,
                 identity: note.identity,
+                label: note.label.clone(),
                 upstream: note.upstream,
                 shadow_denied: None,
                 waited: note.waited,
@@ -116,6 +117,9 @@ impl AccessLine {
             shadow_denied = note.shadow_denied.unwrap_or("-"),
             waited_ms = note.waited.as_millis() as u64,
             id = id.as_ref().map_or("-", |h| h.as_str()),
+            // An operator's name for the key (checked when it was given: no control
+            // character), quoted and escaped as every text value; absent without one.
+            label = note.label.as_deref(),
             route = note.route.unwrap_or("-"),
             pool = note.pool.unwrap_or("-"),
             server = note.server.as_deref().unwrap_or("-"),

@@ -83,10 +83,9 @@ impl Gateway {
         live: &'l Live,
         parts: &Parts,
         dialect: Dialect,
-        requester: Requester<'p>,
+        requester: &Requester<'p>,
         asked: Option<tokens::Asked>,
     ) -> Admission<'l> {
-        let requester = &requester;
         let cfg = &*live.config;
         let to = match route::choose(cfg, parts, requester) {
             Ok(Some(to)) => to,
@@ -189,7 +188,7 @@ impl Gateway {
         };
         match (verdict, decisions) {
             (Verdict::Deny { by, jitter_us }, Some(d)) => {
-                self.deny(live, &limits, &d, by, jitter_us, &to, dialect)
+                self.deny(live, requester, &limits, &d, by, jitter_us, &to, dialect)
             }
             (Verdict::Forward | Verdict::Delay(_), Some(d)) => {
                 let pass = self.pass(live, limits, &d, verdict, leases, local, to);
@@ -247,7 +246,7 @@ impl Gateway {
         let (decisions, verdict, _, local) = consult(live, &limits).await;
         match (verdict, decisions) {
             (Verdict::Deny { by, jitter_us }, Some(d)) => {
-                Err(self.deny(live, &limits, &d, by, jitter_us, to, dialect))
+                Err(self.deny(live, requester, &limits, &d, by, jitter_us, to, dialect))
             }
             (Verdict::Forward | Verdict::Delay(_), Some(decisions)) => Ok(Some(First {
                 limits,

@@ -293,7 +293,12 @@ fn counted<'a>(cfg: &'a Config, rule: &'a Rule, requester: &Requester<'a>) -> St
         _ if rule.enforces(&identity.digest) => ", enforced for this identity (enforce_percent)",
         _ => ", shadow for this identity (outside enforce_percent)",
     };
-    format!("counted per {who}{mode}")
+    // The key's label, where it is listed with one: whose key this is.
+    let label = match requester.label_of(&identity.source) {
+        Some(l) => format!(", key labelled {l:?}"),
+        None => String::new(),
+    };
+    format!("counted per {who}{label}{mode}")
 }
 
 #[cfg(test)]

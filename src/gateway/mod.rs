@@ -47,7 +47,7 @@ use crate::limiter::lease::Leases;
 use crate::limiter::{Check, Decision, StoreError};
 use crate::metrics::Gauged;
 use crate::settle::Settling;
-use crate::stats::Outcome;
+use crate::stats::{Named, Outcome};
 use crate::upstream::{self, ClientPeer, Downstream};
 use access::AccessLine;
 use grpc::{Dialect, Origin};
@@ -99,6 +99,8 @@ pub struct Note<'l> {
     /// `bad_key`, `bad_request`, `redirect` (`redirect_https`), `shed` (overload).
     pub decision: &'static str,
     pub identity: Option<IdentityDigest>,
+    /// The label of the request's API key, where it is listed with one.
+    pub label: Option<Arc<str>>,
     /// Whether the upstream answered (rather than the gateway).
     pub upstream: bool,
     /// A rule that would have denied had it enforced (shadow mode, rollout).
@@ -128,6 +130,7 @@ impl<'l> Note<'l> {
             rule: None,
             decision,
             identity: None,
+            label: None,
             upstream: false,
             shadow_denied: None,
             waited: Duration::ZERO,
@@ -494,7 +497,14 @@ impl Gateway {
             .with_client_cert(ctx.client_cert.as_ref())
             .with_jwt(cfg.jwt.as_ref().map(|j| &*j.verifier))
             .counting_failures();
-        self.admit_by(live, parts, dialect, requester, asked).await
+        let mut admission = self.admit_by(live, parts, dialect, &requester, asked).await;
+        // Whoever decided, the access line names the key's label.
+        let note = match &mut admission {
+            Admission::Answer(_, note) => note,
+            Admission::Forward(pass) => &mut pass.note,
+        };
+        note.label = requester.label().cloned();
+        admission
     }
 
     /// The 404 of a request no route fits when no pool `default` takes the rest: never
@@ -511,6 +521,7 @@ impl Gateway {
     fn deny<'l>(
         &self,
         live: &'l Live,
+        requester: &Requester<'_>,
         limits: &[Limit<'l, '_>],
         decisions: &[Option<Decision>],
         by: usize,
@@ -525,7 +536,14 @@ impl Gateway {
         self.metrics.stats.limited(
             limit.identity.digest.tag().as_str(),
             &limit.rule.name,
-            || limit.identity.hint(),
+            || {
+                let source = &limit.identity.source;
+                Named {
+                    hint: limit.identity.hint(),
+                    label: requester.label_of(source).map(|l| l.to_string()),
+                    claims: requester.claims_of(source),
+                }
+            },
         );
         let note = Note {
             rule: Some(limit.rule.name.as_str()),

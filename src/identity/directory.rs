@@ -15,6 +15,7 @@
 
 use std::collections::HashMap;
 use std::fmt;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 
 use arc_swap::ArcSwap;
@@ -112,6 +113,9 @@ pub fn hides(c: char) -> bool {
 
 pub struct Directory {
     entries: ArcSwap<Entries>,
+    /// Whether any entry has had a label since the set was last replaced whole: a request
+    /// looks its key's label up only then.
+    labelled: AtomicBool,
     /// Held by whoever changes the set and its backing copy together (the admin API
     /// rewriting the keys file, a reload re-reading it), so that the two never disagree.
     /// Never held across an `.await`.
@@ -134,6 +138,7 @@ impl Default for Directory {
 impl Directory {
     pub fn new(entries: Entries) -> Directory {
         Directory {
+            labelled: AtomicBool::new(entries.values().any(|e| e.label.is_some())),
             entries: ArcSwap::from_pointee(entries),
             writer: Mutex::new(()),
         }
@@ -159,6 +164,17 @@ impl Directory {
         self.entries.load().len()
     }
 
+    /// Whether an entry may have a label (see the field).
+    pub fn labelled(&self) -> bool {
+        self.labelled.load(Ordering::Relaxed)
+    }
+
+    fn note_labels<'c>(&self, mut changes: impl Iterator<Item = &'c Change>) {
+        if changes.any(|c| matches!(c, Change::Set(_, e) if e.label.is_some())) {
+            self.labelled.store(true, Ordering::Relaxed);
+        }
+    }
+
     /// The whole set now (for a page, or a rewrite of the keys file).
     pub fn snapshot(&self) -> Arc<Entries> {
         self.entries.load_full()
@@ -166,6 +182,7 @@ impl Directory {
 
     /// Apply one change; the entry the key had before it.
     pub fn apply(&self, change: &Change) -> Option<Entry> {
+        self.note_labels(std::iter::once(change));
         let mut old = None;
         self.entries.rcu(|current| {
             let mut next = Entries::clone(current);
@@ -183,6 +200,7 @@ impl Directory {
         if changes.is_empty() {
             return;
         }
+        self.note_labels(changes.iter());
         self.entries.rcu(|current| {
             let mut next = Entries::clone(current);
             for change in changes {
@@ -197,6 +215,8 @@ impl Directory {
 
     /// Replace the whole set (a resynchronisation, a reload of the keys file).
     pub fn replace(&self, entries: Entries) {
+        let labelled = entries.values().any(|e| e.label.is_some());
+        self.labelled.store(labelled, Ordering::Relaxed);
         self.entries.store(Arc::new(entries));
     }
 
@@ -312,6 +332,7 @@ mod tests {
         let dir = Directory::default();
         assert!(dir.is_empty());
         assert_eq!(dir.apply(&Change::Set(d(1), "pro".into())), None);
+        assert!(!dir.labelled(), "no label yet");
         assert_eq!(dir.get(&d(1)), Some(Entry::from("pro")));
         let before = dir.snapshot();
         assert_eq!(
@@ -374,6 +395,11 @@ mod tests {
         assert_eq!(acme.encode(), "pro Acme Corp");
         assert_eq!(Entry::parse("pro Acme Corp"), Some(acme.clone()));
         assert_eq!(Entry::parse("pro"), Some(Entry::from("pro")));
+        let dir = Directory::default();
+        dir.apply(&Change::Set(d(7), acme.clone()));
+        assert!(dir.labelled());
+        dir.replace(Entries::from([(d(7), Entry::from("pro"))]));
+        assert!(!dir.labelled(), "recounted on a whole replacement");
         let set = Change::Set(d(7), acme);
         assert_eq!(
             set.message(),

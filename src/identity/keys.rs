@@ -207,18 +207,44 @@ impl Keys {
         self.plans.iter().map(|(d, p)| (d, p.as_str()))
     }
 
+    /// Whether any listed key may have a label (the config's, or the runtime directory's):
+    /// a request's key's label is looked up only then.
+    pub fn labelled(&self) -> bool {
+        !self.labels.is_empty() || self.directory.labelled()
+    }
+
     /// The label the config gives a key it lists, if any.
     pub fn static_label(&self, digest: &[u8; 32]) -> Option<&Arc<str>> {
         self.labels.get(digest)
     }
 
     /// The labels the config gives (inline, and a shared store's keys file), with each
-    /// key's plan, sorted by label: what `ratewall check` names.
+    /// key's plan, sorted by label.
     pub fn static_labels(&self) -> Vec<(&str, &str)> {
         let mut out: Vec<(&str, &str)> = self
             .labels
             .iter()
             .filter_map(|(d, l)| Some((&**l, self.plans.get(d)?.as_str())))
+            .collect();
+        out.sort_unstable();
+        out
+    }
+
+    /// Every label known now, the config's and the runtime directory's (which, with the
+    /// memory store, holds the keys file's), with each key's plan, sorted by label: what
+    /// `ratewall check` names. A runtime entry hides the config's for its key.
+    pub fn labels(&self) -> Vec<(String, String)> {
+        let runtime = self.directory.snapshot();
+        let mut out: Vec<(String, String)> = self
+            .labels
+            .iter()
+            .filter(|(d, _)| !runtime.contains_key(*d))
+            .filter_map(|(d, l)| Some((l.to_string(), self.plans.get(d)?.clone())))
+            .chain(
+                runtime
+                    .values()
+                    .filter_map(|e| Some((e.label.as_deref()?.to_string(), e.plan.to_string()))),
+            )
             .collect();
         out.sort_unstable();
         out

@@ -355,6 +355,9 @@ pub struct Requester<'a> {
     listed: OnceLock<Option<Listing<'a>>>,
 }
 
+/// The most of a claim's value [`Requester::claims_of`] shows, in characters.
+pub const MAX_CLAIM_SHOWN: usize = 64;
+
 /// A bearer token as sent and its SHA-256 (`None`: none was sent), or why it cannot be
 /// read.
 type SentBearer<'a> = Result<Option<(&'a str, [u8; 32])>, TokenError>;
@@ -524,8 +527,55 @@ impl<'a> Requester<'a> {
 
     /// The label of the request's API key, where it is listed with one (for operators:
     /// the access line, the status page's most limited identities).
+    /// Looked up only where some key has a label: a request with a key no rule counts
+    /// by hashes it for nothing otherwise.
     pub fn label(&self) -> Option<&Arc<str>> {
+        if !self.keys.labelled() {
+            return None;
+        }
         self.listing()?.label.as_ref()
+    }
+
+    /// The label an identity is shown with: its API key's, where it is counted by one
+    /// (alone, or as a part of a combination); none for an address, a header, a claim.
+    pub fn label_of(&self, source: &Source<'_>) -> Option<&Arc<str>> {
+        let by_key = match source {
+            Source::ApiKey(_) => true,
+            Source::Combined(parts) => parts.contains(&KeyKind::ApiKey),
+            _ => false,
+        };
+        by_key.then(|| self.label()).flatten()
+    }
+
+    /// The claim values an identity counted by a token's claims is made of, as `sub=alice`
+    /// (`, `-separated for a combination), each value cut at [`MAX_CLAIM_SHOWN`]
+    /// characters. Who the user is, so for admin views only (the admin token required):
+    /// never the public page, `/status.json`, logs or metrics.
+    pub fn claims_of(&self, source: &Source<'_>) -> Option<String> {
+        let paths: Vec<&ClaimPath> = match source {
+            Source::Jwt(path) => vec![*path],
+            Source::Combined(parts) => parts
+                .iter()
+                .filter_map(|p| match p {
+                    KeyKind::Jwt(path) => Some(path),
+                    _ => None,
+                })
+                .collect(),
+            _ => return None,
+        };
+        let verified = self.token().ok().flatten()?;
+        let shown: Vec<String> = paths
+            .iter()
+            .filter_map(|path| {
+                let value = path.text(&verified.claims)?;
+                let mut cut: String = value.chars().take(MAX_CLAIM_SHOWN).collect();
+                if cut.len() < value.len() {
+                    cut.push('…');
+                }
+                Some(format!("{path}={cut}"))
+            })
+            .collect();
+        (!shown.is_empty()).then(|| shown.join(", "))
     }
 
     /// The `plan_claim` of the request's verified token (a string claim).
