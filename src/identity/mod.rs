@@ -1062,6 +1062,113 @@ mod tests {
         }
     }
 
+    /// Who an identity is, for operators: a labelled key's label where it is counted by
+    /// the key (alone or as a part), never for an address; a token's claim values
+    /// (`sub=alice`, each part of a combination) where it is counted by them, cut when
+    /// long; nothing looked up while no key has a label.
+    #[test]
+    fn labels_and_claims_name_the_identities_they_belong_to() {
+        use jwt::{Alg, KeySet, KeysFrom, Settings, TokenFrom};
+        let settings = Settings {
+            from: TokenFrom::Bearer(http::header::AUTHORIZATION),
+            algorithms: vec![Alg::HS256],
+            keys_from: KeysFrom::SecretEnv("X".into()),
+            issuer: Vec::new(),
+            audience: Vec::new(),
+            leeway: 30,
+            required_claims: Vec::new(),
+            plan_claim: None,
+            forward_claims: Vec::new(),
+            failures: jwt::DEFAULT_FAILURES,
+        };
+        let verifier = Verifier::new(settings, Some(KeySet::from_secret(b"s")));
+        let plans = std::collections::HashMap::from([
+            (sha256(b"acme-key"), "pro".to_string()),
+            (sha256(b"plain-key"), "pro".to_string()),
+        ]);
+        let labels =
+            std::collections::HashMap::from([(sha256(b"acme-key"), Arc::from("Acme Corp"))]);
+        let keys = Keys::new(DEFAULT_KEY_HEADER, UnknownKeys::Allow, plans.clone(), None)
+            .with_labels(labels);
+        let unlabelled = Keys::new(DEFAULT_KEY_HEADER, UnknownKeys::Allow, plans, None);
+        assert!(keys.labelled() && !unlabelled.labelled());
+        let trust = ClientIp::default();
+        let sub = ClaimPath::parse("sub").unwrap();
+        let org = ClaimPath::parse("org.id").unwrap();
+        let per_key = Key {
+            kind: KeyKind::ApiKey,
+            missing: MissingKey::Reject,
+        };
+        let per_ip = Key {
+            kind: KeyKind::ClientIp,
+            missing: MissingKey::Reject,
+        };
+        let key_and_ip = Key {
+            kind: KeyKind::Combined(vec![KeyKind::ApiKey, KeyKind::ClientIp]),
+            missing: MissingKey::Reject,
+        };
+        let per_sub = Key {
+            kind: KeyKind::Jwt(sub.clone()),
+            missing: MissingKey::Reject,
+        };
+        let sub_and_org = Key {
+            kind: KeyKind::Combined(vec![KeyKind::Jwt(sub), KeyKind::Jwt(org)]),
+            missing: MissingKey::Reject,
+        };
+        let with_key = |key: &'static str| {
+            let mut h = HeaderMap::new();
+            h.insert("x-api-key", HeaderValue::from_static(key));
+            h
+        };
+        let label = |keys: &Keys, h: &HeaderMap, rule: &Key| {
+            let r = Requester::new(h, ip("192.0.2.9"), keys, &trust);
+            let id = r.identify(rule).unwrap();
+            r.label_of(&id.source).map(ToString::to_string)
+        };
+        let acme = with_key("acme-key");
+        assert_eq!(label(&keys, &acme, &per_key).as_deref(), Some("Acme Corp"));
+        assert_eq!(
+            label(&keys, &acme, &key_and_ip).as_deref(),
+            Some("Acme Corp")
+        );
+        assert_eq!(
+            label(&keys, &acme, &per_ip),
+            None,
+            "an address is not the key"
+        );
+        assert_eq!(label(&keys, &with_key("plain-key"), &per_key), None);
+        assert_eq!(label(&keys, &with_key("unlisted"), &per_key), None);
+        let r = Requester::new(&acme, ip("192.0.2.9"), &unlabelled, &trust);
+        assert_eq!(r.label(), None);
+        assert!(r.listed.get().is_none(), "not looked up for a label");
+
+        let long = "x".repeat(MAX_CLAIM_SHOWN + 10);
+        let token = jsonwebtoken::encode(
+            &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
+            &serde_json::json!({"sub": "alice", "org": {"id": long}, "exp": 4_000_000_000u64}),
+            &jsonwebtoken::EncodingKey::from_secret(b"s"),
+        )
+        .unwrap();
+        let mut h = HeaderMap::new();
+        h.insert(
+            http::header::AUTHORIZATION,
+            HeaderValue::from_str(&format!("Bearer {token}")).unwrap(),
+        );
+        let claims = |rule: &Key| {
+            let r = Requester::new(&h, ip("192.0.2.9"), &keys, &trust).with_jwt(Some(&verifier));
+            r.claims_of(&r.identify(rule).unwrap().source)
+        };
+        assert_eq!(claims(&per_sub).as_deref(), Some("sub=alice"));
+        assert_eq!(
+            claims(&sub_and_org),
+            Some(format!(
+                "sub=alice, org.id={}…",
+                "x".repeat(MAX_CLAIM_SHOWN)
+            ))
+        );
+        assert_eq!(claims(&per_ip), None);
+    }
+
     /// `jwt:<claim>` and combined keys: a claim in a domain of its own, a missing claim
     /// or token following `missing_key`, an invalid token always refused, and each
     /// combination (by its parts' values and order) an identity apart.
