@@ -362,6 +362,9 @@ struct StateAnswer<'a> {
     /// Its digest (32 hex digits): what its Redis keys are named by,
     /// `<prefix>:{<digest>}:<rule>`. For token holders, as Redis key names are.
     digest: String,
+    /// Its API key's label, where the rule counts by a key listed with one.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    label: Option<String>,
     algorithm: &'static str,
     limit: u64,
     window_s: u64,
@@ -375,13 +378,11 @@ struct StateAnswer<'a> {
     allowed_now: bool,
 }
 
-/// The rule and identity a `state` or `reset` call names: the request path's own
-/// [`Requester::identify`], given a request that carries the named key (`key=`, or
-/// `header=` for a `header:` rule) or comes from the named address (`ip=`).
-fn target<'c>(
-    cfg: &'c Config,
-    query: &[(String, Vec<u8>)],
-) -> Result<(&'c Rule, IdentityDigest, &'c Quota), BadCall> {
+/// The rule and identity a `state` or `reset` call names, and its key's label if it has
+/// one: the request path's own [`Requester::identify`], given a request that carries the
+/// named key (`key=`, or `header=` for a `header:` rule) or comes from the named address
+/// (`ip=`).
+fn target<'c>(cfg: &'c Config, query: &[(String, Vec<u8>)]) -> Result<Target<'c>, BadCall> {
     let rule_name = param(query, "rule")
         .ok_or_else(|| (StatusCode::BAD_REQUEST, "rule= is required".to_string()))?;
     let rule = cfg
@@ -399,7 +400,8 @@ fn target<'c>(
     };
     let bad = |what: &str| (StatusCode::BAD_REQUEST, format!("{what} is not valid"));
     if let KeyKind::Jwt(_) | KeyKind::Combined(_) = &rule.key.kind {
-        return named_parts(rule, query);
+        let (rule, digest, quota) = named_parts(rule, query)?;
+        return Ok((rule, digest, quota, None));
     }
     let (peer, value) = match &rule.key.kind {
         KeyKind::Global => (IpAddr::from([0, 0, 0, 0]), None),
@@ -444,8 +446,12 @@ fn target<'c>(
             "this key's plan is exempt from the rule: nothing is counted for it".to_string(),
         )
     })?;
-    Ok((rule, identity.digest, quota))
+    let label = requester.label_of(&identity.source).map(|l| l.to_string());
+    Ok((rule, identity.digest, quota, label))
 }
+
+/// What [`target`] finds: the rule, the identity's digest, its quota, its key's label.
+type Target<'c> = (&'c Rule, IdentityDigest, &'c Quota, Option<String>);
 
 /// The identity of a rule counting by a token claim or a combination, named part by
 /// part as the rule's `key` writes them (`jwt:org_id=acme&header:x-project=p1`; for a
@@ -494,7 +500,7 @@ fn fingerprint(text: &[u8]) -> Option<identity::ClientCert> {
 /// `/admin/state` (`reset` false: look, charge nothing) and `/admin/reset` (`reset` true).
 async fn identity_call(gw: &Gateway, query: &[(String, Vec<u8>)], reset: bool) -> Reply {
     let live = gw.live();
-    let (rule, digest, quota) = match target(&live.config, query) {
+    let (rule, digest, quota, label) = match target(&live.config, query) {
         Ok(t) => t,
         Err(r) => return refused(r),
     };
@@ -523,6 +529,7 @@ async fn identity_call(gw: &Gateway, query: &[(String, Vec<u8>)], reset: bool) -
                     rule: &rule.name,
                     identity: id,
                     digest: digest.hex(),
+                    label,
                     algorithm: quota.algorithm.name(),
                     limit: quota.rate.count,
                     // A calendar rule's: the period open now.

@@ -59,7 +59,8 @@ async fn body_of(client: &HttpClient, gw: &Gateway, path: &str, auth: bool) -> S
 }
 
 /// A key labelled in `[keys.plans]`: its label on `/status.json` (beside a hint with no
-/// key material), on the page's rendering of it, in `/admin/top` (beside the key's hint),
+/// key material), on the page's rendering of it, in `/admin/top` (beside the key's hint)
+/// and `/admin/state`,
 /// on the access line, and in `ratewall check`, both in the effective config and for a
 /// sample request carrying the key. The raw key nowhere.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -85,6 +86,15 @@ async fn a_configured_label_is_shown_on_the_page_admin_top_the_access_line_and_c
     assert_eq!(admin["label"], "Acme Corp", "{admin}");
     assert_eq!(admin["hint"], "key …0001", "{admin}");
     assert_eq!(admin["id"], public["id"], "one tag for both");
+    let state = client
+        .get(
+            &gw.admin_url(&format!("/admin/state?rule=api&key={ACME_KEY}")),
+            &[AUTH],
+        )
+        .await
+        .json();
+    assert_eq!(state["label"], "Acme Corp", "{state}");
+    assert_eq!(state["identity"], public["id"], "{state}");
     // The page draws the label from /status.json, escaped as every value it shows.
     let page = body_of(&client, &gw, "/", false).await;
     assert!(page.contains("esc(t.label)"), "the page renders the label");
