@@ -158,8 +158,12 @@ async fn a_configured_label_is_shown_on_the_page_admin_top_the_access_line_and_c
 /// `/admin/top` and on the access line as a configured one is, listed with it by `GET
 /// /admin/keys`; a label that could break a log line is refused (400) and nothing is
 /// listed. On the memory store (the keys file keeps it) with the text log, where the
-/// label is quoted as every text value; on Redis with the JSON log.
-async fn a_runtime_label_is_shown(store: Store, keys_file: Option<&std::path::Path>) {
+/// label is quoted as every text value; on Redis with the JSON log. The config and its
+/// upstream, for another gateway.
+async fn a_runtime_label_is_shown(
+    store: Store,
+    keys_file: Option<&std::path::Path>,
+) -> (String, Upstream) {
     let json = keys_file.is_none();
     let upstream = Upstream::start().await;
     let file = keys_file.map_or(String::new(), |p| {
@@ -221,6 +225,8 @@ async fn a_runtime_label_is_shown(store: Store, keys_file: Option<&std::path::Pa
         assert!(text.contains("label = \"Globex Inc\""), "{text}");
         assert!(!text.contains("sk_live_globex"), "{text}");
     }
+    drop(gw);
+    (body, upstream)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -236,14 +242,49 @@ async fn a_runtime_label_is_shown_with_the_memory_store() {
 async fn a_runtime_label_is_shown_with_redis() {
     let _watch = common::watchdog();
     let redis = RedisServer::start();
-    a_runtime_label_is_shown(Store::redis(&redis), None).await;
+    let (body, _upstream) = a_runtime_label_is_shown(Store::redis(&redis), None).await;
     // The hash holds the plan, then the label; no raw key in any name or value.
+    let hash = format!("{}:keys", common::keys::PREFIX);
     let mut conn = redis.conn();
     let values: Vec<String> = redis::cmd("HVALS")
-        .arg(format!("{}:keys", common::keys::PREFIX))
+        .arg(&hash)
         .query(&mut conn)
         .expect("HVALS");
     assert_eq!(values, vec!["pro Globex Inc".to_string()]);
+    // An entry as a gateway before labels wrote it (the plan alone) reads as it did: a
+    // new gateway reads the hash whole, old entry and labelled one alike.
+    let _: () = redis::cmd("HSET")
+        .arg(&hash)
+        .arg(common::sha256_hex(b"sk_live_older_0004"))
+        .arg("pro")
+        .query(&mut conn)
+        .expect("HSET");
+    let gw = Gateway::start(&body);
+    let client = HttpClient::new();
+    let end = Instant::now() + common::WAIT;
+    let listed = loop {
+        let listed = client
+            .get(&gw.admin_url("/admin/keys"), &[AUTH])
+            .await
+            .json();
+        if listed["keys"].as_array().map(Vec::len) == Some(2) || Instant::now() > end {
+            break listed;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    let keys = listed["keys"].as_array().expect("keys");
+    let labels: Vec<&serde_json::Value> = keys.iter().map(|k| &k["label"]).collect();
+    assert!(
+        labels.contains(&&serde_json::json!("Globex Inc")),
+        "{listed}"
+    );
+    assert!(labels.contains(&&serde_json::Value::Null), "{listed}");
+    assert!(keys.iter().all(|k| k["plan"] == "pro"), "{listed}");
+    // The plan-only key has its plan: 2 requests (pro), then 429.
+    let statuses = client
+        .statuses(&gw.url("/x"), "sk_live_older_0004", 3)
+        .await;
+    assert_eq!(statuses, vec![200, 200, 429], "{}", gw.logs());
 }
 
 /// A rule counting by a token's `sub`: `/admin/top` and `/admin/stats` (token required)
