@@ -522,11 +522,11 @@ impl Gateway {
         let shadow_denied = tally(live, limits, decisions, true);
         let (applied, shadow) = split(limits, decisions);
         let limit = &limits[by];
-        self.metrics.stats.limited(
-            limit.identity.digest.tag().as_str(),
-            &limit.rule.name,
-            || limit.identity.hint(),
-        );
+        self.metrics
+            .stats
+            .limited(limit.identity.digest, &limit.rule.name, || {
+                limit.identity.hint()
+            });
         let note = Note {
             rule: Some(limit.rule.name.as_str()),
             identity: Some(limit.identity.digest),
