@@ -17,6 +17,8 @@ use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 use serde::Serialize;
 
+use crate::identity::IdentityDigest;
+
 /// Seconds of history kept for the status page's chart.
 pub const HISTORY_SECS: u64 = 600;
 /// Seconds between two samples of the counts: the chart's resolution.
@@ -529,10 +531,11 @@ impl Stats {
         self.loads.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Count one denial of the identity shown as `id` under `rule`. `named` is only
-    /// called when the identity is new to the current minute's heavy hitters: a key
-    /// hammering past its limit costs no allocation per denial.
-    pub fn limited(&self, id: &str, rule: &str, named: impl FnOnce() -> Named) {
+    /// Count one denial of the identity `who` under `rule`. `named` is only called when
+    /// the identity is new to the current minute's heavy hitters, and its tag made only
+    /// when the list is read: a key hammering past its limit costs no allocation and no
+    /// keyed hash per denial.
+    pub fn limited(&self, who: IdentityDigest, rule: &str, named: impl FnOnce() -> Named) {
         let minute = self.now() / 60;
         let mut top = self.top.lock().unwrap_or_else(|p| p.into_inner());
         if top.back().is_none_or(|(m, _)| *m != minute) {
@@ -542,7 +545,7 @@ impl Stats {
             }
         }
         if let Some((_, s)) = top.back_mut() {
-            s.add(id, rule, named);
+            s.add(who, rule, named);
         }
     }
 
@@ -569,7 +572,7 @@ impl Stats {
         out.sort_by(|a, b| {
             b.denied
                 .cmp(&a.denied)
-                .then_with(|| a.who.id.cmp(&b.who.id))
+                .then_with(|| a.who.digest.0.cmp(&b.who.digest.0))
         });
         out.truncate(n);
         out
@@ -582,10 +585,12 @@ impl Default for Stats {
     }
 }
 
-/// One limited identity: its tag, what an operator recognises it by, the rule.
+/// One limited identity: its digest (shown as its tag, `id`), what an operator
+/// recognises it by, the rule.
 #[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
 pub struct Limited {
-    pub id: String,
+    #[serde(rename = "id", serialize_with = "as_tag")]
+    pub digest: IdentityDigest,
     #[serde(flatten)]
     pub named: Named,
     pub rule: String,
@@ -606,14 +611,10 @@ pub struct Named {
     pub claims: Option<String>,
 }
 
-impl Named {
-    /// A hint alone.
-    pub fn hint(hint: String) -> Named {
-        Named {
-            hint,
-            ..Named::default()
-        }
-    }
+/// The keyed tag of `digest`, made as the list is read (the secret may have come after
+/// the denial).
+fn as_tag<S: serde::Serializer>(digest: &IdentityDigest, s: S) -> Result<S::Ok, S::Error> {
+    s.serialize_str(digest.tag().as_str())
 }
 
 #[derive(Clone, Debug, Serialize)]
@@ -633,17 +634,17 @@ struct SpaceSaving {
 }
 
 impl SpaceSaving {
-    fn add(&mut self, id: &str, rule: &str, named: impl FnOnce() -> Named) {
+    fn add(&mut self, who: IdentityDigest, rule: &str, named: impl FnOnce() -> Named) {
         if let Some(e) = self
             .entries
             .iter_mut()
-            .find(|e| e.who.id == id && e.who.rule == rule)
+            .find(|e| e.who.digest == who && e.who.rule == rule)
         {
             e.denied += 1;
             return;
         }
         let who = Limited {
-            id: id.to_string(),
+            digest: who,
             named: named(),
             rule: rule.to_string(),
         };
@@ -671,12 +672,14 @@ mod tests {
     use super::*;
 
     fn add(s: &mut SpaceSaving, w: Limited) {
-        s.add(&w.id, &w.rule, || w.named.clone());
+        s.add(w.digest, &w.rule, || w.named.clone());
     }
 
     fn who(i: u32) -> Limited {
+        let mut digest = [0u8; 16];
+        digest[..4].copy_from_slice(&i.to_be_bytes());
         Limited {
-            id: format!("{i:08x}"),
+            digest: IdentityDigest(digest),
             named: Named::default(),
             rule: "api".into(),
         }
@@ -723,10 +726,10 @@ mod tests {
         assert_eq!(s.entries.len(), TOP_K);
         let mut top: Vec<&TopEntry> = s.entries.iter().collect();
         top.sort_by_key(|e| std::cmp::Reverse(e.denied));
-        let ids: Vec<&str> = top[..3].iter().map(|e| e.who.id.as_str()).collect();
+        let ids: Vec<IdentityDigest> = top[..3].iter().map(|e| e.who.digest).collect();
         assert_eq!(ids.len(), 3);
         for heavy in 0..3 {
-            assert!(ids.contains(&who(heavy).id.as_str()));
+            assert!(ids.contains(&who(heavy).digest));
         }
         for e in &top[..3] {
             assert!(e.denied >= 1_000 && e.denied - e.error <= 1_000);
@@ -742,7 +745,7 @@ mod tests {
         for _ in 0..3 {
             st.ended(Outcome::Denied);
             let w = who(9);
-            st.limited(&w.id, &w.rule, || w.named.clone());
+            st.limited(w.digest, &w.rule, || w.named.clone());
         }
         st.ended(Outcome::StoreUnavailable);
         st.ended(Outcome::Overloaded);

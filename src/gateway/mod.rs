@@ -533,18 +533,16 @@ impl Gateway {
         let shadow_denied = tally(live, limits, decisions, true);
         let (applied, shadow) = split(limits, decisions);
         let limit = &limits[by];
-        self.metrics.stats.limited(
-            limit.identity.digest.tag().as_str(),
-            &limit.rule.name,
-            || {
+        self.metrics
+            .stats
+            .limited(limit.identity.digest, &limit.rule.name, || {
                 let source = &limit.identity.source;
                 Named {
                     hint: limit.identity.hint(),
                     label: requester.label_of(source).map(|l| l.to_string()),
                     claims: requester.claims_of(source),
                 }
-            },
-        );
+            });
         let note = Note {
             rule: Some(limit.rule.name.as_str()),
             identity: Some(limit.identity.digest),

@@ -176,34 +176,35 @@ fn streams(server: &ScriptedH2) -> Vec<(usize, Plan)> {
     got.iter().map(|g| (g.connection, g.plan)).collect()
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refused_stream_goes_again_once_on_a_new_connection_and_is_answered() {
-    let _watch = common::watchdog();
-    let server = ScriptedH2::start(&[Plan::Refuse]).await;
+/// A GET the first connection cuts as `plan` says goes again once, on a second
+/// connection, and is answered there.
+async fn answered_on_a_second_connection(plan: Plan, why: &str) {
+    let server = ScriptedH2::start(&[plan]).await;
     let gw = gateway(&server);
     let r = HttpClient::new().get(&gw.url("/x"), &[]).await;
     assert_eq!(r.status, StatusCode::OK, "{}", gw.logs());
     assert_eq!(&r.body[..], b"ok");
-    assert_eq!(
-        streams(&server),
-        [(0, Plan::Refuse), (1, Plan::Answer)],
-        "refused on the first connection, answered on a second"
-    );
+    assert_eq!(streams(&server), [(0, plan), (1, Plan::Answer)], "{why}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_stream_goes_again_once_on_a_new_connection_and_is_answered() {
+    let _watch = common::watchdog();
+    answered_on_a_second_connection(
+        Plan::Refuse,
+        "refused on the first connection, answered on a second",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_stream_above_a_graceful_goaway_goes_again_once_and_is_answered() {
     let _watch = common::watchdog();
-    let server = ScriptedH2::start(&[Plan::GoAway]).await;
-    let gw = gateway(&server);
-    let r = HttpClient::new().get(&gw.url("/x"), &[]).await;
-    assert_eq!(r.status, StatusCode::OK, "{}", gw.logs());
-    assert_eq!(&r.body[..], b"ok");
-    assert_eq!(
-        streams(&server),
-        [(0, Plan::GoAway), (1, Plan::Answer)],
-        "cut by the GOAWAY on the first connection, answered on a second"
-    );
+    answered_on_a_second_connection(
+        Plan::GoAway,
+        "cut by the GOAWAY on the first connection, answered on a second",
+    )
+    .await;
 }
 
 /// A POST without a body is unprocessed all the same when refused: it goes again.

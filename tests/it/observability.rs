@@ -241,10 +241,16 @@ async fn run_chromium(url: &str, extra: &[String]) -> String {
 
 /// Run the `ratewall` binary with `args`, at most 30 s: (exit code, stdout, stderr).
 fn run_ratewall(args: &[&str]) -> (i32, String, String) {
+    run_ratewall_with(args, &[])
+}
+
+/// [`run_ratewall`] with `env` set for it.
+fn run_ratewall_with(args: &[&str], env: &[(&str, &str)]) -> (i32, String, String) {
     let dir = tempfile::tempdir().expect("tempdir");
     let (out_path, err_path) = (dir.path().join("out"), dir.path().join("err"));
     let mut child = Command::new(env!("CARGO_BIN_EXE_ratewall"))
         .args(args)
+        .envs(env.iter().copied())
         .stdin(Stdio::null())
         .stdout(std::fs::File::create(&out_path).expect("stdout file"))
         .stderr(std::fs::File::create(&err_path).expect("stderr file"))
@@ -1725,17 +1731,22 @@ fn check_explains_a_sample_request() {
             .unwrap_or_else(|| panic!("no sample request section in:\n{out}"))
     };
 
-    let (code, out, err) = run_ratewall(&[
-        "check",
-        "--config",
-        config,
-        "--path",
-        "/api/orders",
-        "--method",
-        "post",
-        "--header",
-        "x-api-key: demo-pro-key",
-    ]);
+    // The shipped config names no tag secret: the environment's keys the tags, so that the
+    // answer does not hang on whether another test's gateway made one beside the config.
+    let (code, out, err) = run_ratewall_with(
+        &[
+            "check",
+            "--config",
+            config,
+            "--path",
+            "/api/orders",
+            "--method",
+            "post",
+            "--header",
+            "x-api-key: demo-pro-key",
+        ],
+        &[("RATEWALL_TAG_SECRET", "the-docs-example-secret")],
+    );
     assert_eq!(code, 0, "stdout:\n{out}\nstderr:\n{err}");
     assert!(out.contains(": valid"), "{out}");
     let s = sample(&out);
