@@ -498,12 +498,15 @@ impl Gateway {
             .with_jwt(cfg.jwt.as_ref().map(|j| &*j.verifier))
             .counting_failures();
         let mut admission = self.admit_by(live, parts, dialect, &requester, asked).await;
-        // Whoever decided, the access line names the key's label.
-        let note = match &mut admission {
-            Admission::Answer(_, note) => note,
-            Admission::Forward(pass) => &mut pass.note,
-        };
-        note.label = requester.label().cloned();
+        // Whoever decided, the access line names the key's label: looked up (a key's
+        // digest, where no rule took it) only where an access line is written.
+        if tracing::enabled!(target: "ratewall::access", tracing::Level::INFO) {
+            let note = match &mut admission {
+                Admission::Answer(_, note) => note,
+                Admission::Forward(pass) => &mut pass.note,
+            };
+            note.label = requester.label().cloned();
+        }
         admission
     }
 
