@@ -24,6 +24,7 @@ mod h2_refusals;
 mod jwt;
 mod jwt_quick_start;
 mod key_directory;
+mod key_flood;
 mod layering;
 mod local_share;
 mod logs;
