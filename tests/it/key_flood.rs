@@ -1,7 +1,8 @@
 //! A flood of keys that are themselves denied, against a tiny memory store (issue 42, item
 //! 11): the real binary, a real upstream. A store full of identities being denied
 //! refuses new keys (429, counted in `ratewall_store_refused_keys_total`) rather than
-//! dropping one of them, so flooding buys the abuser nothing.
+//! dropping one of them, so flooding buys the abuser nothing; the `on_error = "local"`
+//! fallback, the same store, alike.
 
 use crate::common;
 
@@ -84,4 +85,48 @@ async fn a_flood_of_denied_keys_does_not_free_the_abuser() {
     )
     .await;
     assert_eq!(held, None, "no held state is ever evicted");
+}
+
+/// The `on_error = "local"` fallback is a memory store too, bounded by the same `max_keys`:
+/// while Redis is down, once it is full of identities being denied it refuses new keys
+/// (429), counted as `store="local"`, and keeps every state it holds.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_local_fallback_refuses_new_keys_when_full_of_denied_ones() {
+    let _watch = common::watchdog();
+    let upstream = Upstream::start().await;
+    // Nothing listens there: every call fails, and the fallback decides.
+    let refusing = common::RefusingPort::new();
+    let store = Store::Redis {
+        url: format!("redis://127.0.0.1:{}", refusing.port),
+        on_error: "local",
+        timeout: "250ms",
+    };
+    let gw = Gateway::start(&format!(
+        "{}max_keys = 5\n\
+         [[rules]]\nname = \"login\"\nkey = \"api_key\"\nrate = \"1/m\"\nburst = 1\n",
+        upstream_and_store(&upstream.url(), &store)
+    ));
+    let client = HttpClient::new();
+    for n in 0..10 {
+        let key = format!("sk_local_{n:06}");
+        let r = client.get(&gw.url("/x"), &[("x-api-key", &key)]).await;
+        let want = if n < 5 {
+            StatusCode::OK
+        } else {
+            StatusCode::TOO_MANY_REQUESTS
+        };
+        assert_eq!(r.status, want, "new key {n}");
+    }
+    let first = [("x-api-key", "sk_local_000000")];
+    assert_eq!(
+        client.get(&gw.url("/x"), &first).await.status,
+        StatusCode::TOO_MANY_REQUESTS,
+        "the first key kept its state"
+    );
+    let refused = "ratewall_store_refused_keys_total";
+    assert_eq!(series(&gw, refused, &[("store", "local")]).await, Some(5.0));
+    assert_eq!(
+        series(&gw, refused, &[("store", "memory")]).await,
+        Some(0.0)
+    );
 }
