@@ -66,6 +66,15 @@ from the medians of three separate invocations (docs/performance.md says how).
   in turn, so each is verified once and then found in the verified-token cache). Prints
   requests/s, CPU time per request and the ratio of the two (target: under 1.05x).
 
+- The keyflood table (issue 42, item 10), pinned alike: nginx `return 200` and wrk on CPU
+  0; on CPU 1 ratewall alone, one worker, the memory store with `max_keys` = KEYFLOOD_KEYS
+  (default 1,000,000) and a `1000/d` fixed window per API key (bench/soak's flood: states
+  that live a day). wrk sends every request with a key never seen before, into a fresh
+  gateway (the empty store: fewer keys than `max_keys`, no eviction), and into a fresh
+  gateway first filled past `max_keys` by wrk (the full store: every new key evicts the
+  least recently used). Prints requests/s of each per round, the medians, and the ratio
+  full / empty (target: at least 0.80).
+
 Everything listens on 127.0.0.1, runs for a bounded time and is stopped at the end, also on
 Ctrl-C or a failure.
 
@@ -80,6 +89,7 @@ Ctrl-C or a failure.
     BENCH_ONLY=jwt bench/run      # only the jwt table (JWT_IDENTITIES=10000 tokens in turn)
     BENCH_ONLY=settle bench/run   # only the settle table (charge by status and by reported cost)
     BENCH_ONLY=replication bench/run  # only the replication table (async against WAIT 1)
+    BENCH_ONLY=keyflood bench/run     # only the key flood table (issue 42, item 10)
 """
 
 import base64
@@ -97,6 +107,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -1554,10 +1565,83 @@ def replication_table():
     print(" non-2xx: 503s, calls whose WAIT saw no replica in time: on_error = deny)")
 
 
+# The keyflood table: the backend, and the gateway (one at a time, on the same port).
+KEYFLOOD_BACKEND, KEYFLOOD_PORT, KEYFLOOD_ADMIN = 19190, 19191, 19192
+KEYFLOOD_KEYS = int(os.environ.get("KEYFLOOD_KEYS", "1000000"))
+
+
+def keyflood_metric(name, labels):
+    """The sum of a series of the gateway's /metrics whose line starts with name{labels."""
+    text = urllib.request.urlopen(f"http://127.0.0.1:{KEYFLOOD_ADMIN}/metrics", timeout=5).read().decode()
+    return sum(float(l.split()[-1]) for l in text.splitlines() if l.startswith(f"{name}{{{labels}"))
+
+
+def keyflood_script(prefix):
+    """A wrk script whose every request carries an API key never sent before (`prefix`
+    apart: wrk's Lua starts from the same random seed every time)."""
+    path = os.path.join(LAB, f"keyflood-{prefix}.lua")
+    open(path, "w").write(f"""local n = 0
+request = function()
+  n = n + 1
+  return wrk.format("GET", "/", {{ ["x-api-key"] = "{prefix}-" .. n }}, nil)
+end
+""")
+    return path
+
+
+def keyflood_table():
+    """A flood of distinct keys into an empty memory store and into a full one (issue 42,
+    item 10): requests/s of each, and full / empty."""
+    check_free((KEYFLOOD_BACKEND, KEYFLOOD_PORT, KEYFLOOD_ADMIN))
+    os.makedirs(os.path.join(LAB, "nginx"), exist_ok=True)
+    start_nginx("nginx-keyflood.conf", SETTLE_NGINX.replace("BACKEND", str(KEYFLOOD_BACKEND))
+                .replace("settle", "keyflood"), LOAD_CPU)
+    wait_port(KEYFLOOD_BACKEND)
+    text = (f'[server]\nlisten = "127.0.0.1:{KEYFLOOD_PORT}"\nadmin_listen = "127.0.0.1:{KEYFLOOD_ADMIN}"\n'
+            f'workers = 1\n[upstream]\nurl = "http://127.0.0.1:{KEYFLOOD_BACKEND}"\n'
+            f'[store]\nmax_keys = {KEYFLOOD_KEYS}\n'
+            '[[rules]]\nname = "daily"\nkey = "api_key"\nalgorithm = "fixed_window"\nrate = "1000/d"\n')
+    evictions = ("ratewall_store_evictions_total", 'store="memory"')
+    results = {"empty": [], "full": []}
+    for run in range(RUNS):
+        for mode in results:
+            gw = start_ratewall("keyflood.toml", text)
+            wait_port(KEYFLOOD_PORT)
+            wait_port(KEYFLOOD_ADMIN)
+            filled = 0
+            if mode == "full":
+                # Past max_keys: until the store evicts.
+                while keyflood_metric(*evictions) == 0:
+                    filled += wrk(KEYFLOOD_PORT, keyflood_script(f"fill{run}-{filled}"), LOAD_CPU)["total"]
+            before = keyflood_metric(*evictions)
+            r = wrk(KEYFLOOD_PORT, keyflood_script(f"flood{run}"), LOAD_CPU)
+            evicted = keyflood_metric(*evictions) - before
+            results[mode].append(r)
+            print(f"  keyflood run {run + 1}/{RUNS} {mode:6} {r['rps']:>9.0f} req/s  p99 {r['p99']:.2f} ms  "
+                  f"non-2xx {r['non2xx']}  {r['total']} keys, {evicted:.0f} evicted"
+                  + (f" (filled with {filled} keys first)" if filled else ""), flush=True)
+            if mode == "empty" and evicted:
+                print(f"  (the empty run evicted: raise KEYFLOOD_KEYS above {r['total']})")
+            gw.terminate()
+            gw.wait(timeout=15)
+            procs.remove(gw)
+    med = {m: statistics.median(r["rps"] for r in rs) for m, rs in results.items()}
+    print()
+    print(f"keyflood: ratewall alone on CPU {SERVER_CPU}, one worker, max_keys {KEYFLOOD_KEYS}, a 1000/d fixed "
+          f"window per API key; wrk and nginx (the backend) on CPU {LOAD_CPU}")
+    print(f"median of {RUNS} runs, wrk -t{THREADS} -c{CONNS} -d{SECS}s; every request a key never seen before")
+    for m, rs in results.items():
+        xs = [r["rps"] for r in rs]
+        print(f"{m + ' store':12} {med[m]:>9.0f} req/s  [{min(xs):.0f}-{max(xs):.0f}]")
+    ratio = med["full"] / med["empty"]
+    print(f"full / empty: {ratio:.2f} (target at least 0.80: {verdict(ratio >= 0.80)})")
+
+
 def main():
     tables = {"main": main_table, "pinned": pinned_table, "tls": tls_table, "pools": pools_table,
               "ws": ws_table, "grpc": grpc_table, "h2": h2_table,
-              "jwt": jwt_table, "settle": settle_table, "replication": replication_table}
+              "jwt": jwt_table, "settle": settle_table, "replication": replication_table,
+              "keyflood": keyflood_table}
     if ONLY not in ("", *tables):
         sys.exit(f"BENCH_ONLY={ONLY}: {', '.join(tables)}, or unset for all {len(tables)}")
     # What each table runs (the pools table: nginx and wrk only).
@@ -1571,7 +1655,8 @@ def main():
              "h2": ("wrk", "taskset"),
              "jwt": ("wrk", "taskset", "curl"),
              "settle": ("nginx", "wrk", "redis-server", "redis-cli", "taskset"),
-             "replication": ("nginx", "wrk", "redis-server", "redis-cli", "taskset")}
+             "replication": ("nginx", "wrk", "redis-server", "redis-cli", "taskset"),
+             "keyflood": ("nginx", "wrk", "taskset")}
     for tool in sorted({t for table in ([ONLY] if ONLY else needs) for t in needs[table]}):
         if not shutil.which(tool):
             sys.exit(f"{tool} is missing: bench/run installs it")

@@ -12,7 +12,7 @@ use std::num::NonZeroU64;
 use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
 
 use ratewall::identity::digest_api_key;
-use ratewall::limiter::memory::{Evictions, MemoryStore};
+use ratewall::limiter::memory::{MemoryStore, Pressure};
 use ratewall::limiter::redis::{DecideAt, RedisStore};
 use ratewall::limiter::{Algorithm, Check, ManualClock, Quota, Rate};
 
@@ -60,7 +60,7 @@ fn quota(algorithm: Algorithm) -> Quota {
 /// A memory store whose `max_keys` is well above the million keys measured (its shards
 /// hold an even share each, and keys do not hash perfectly evenly): nothing is evicted.
 fn unbounded(clock: std::sync::Arc<ManualClock>) -> MemoryStore {
-    MemoryStore::bounded(clock, 4_000_000, Evictions::default())
+    MemoryStore::bounded(clock, 4_000_000, Pressure::default())
 }
 
 #[tokio::main(flavor = "current_thread")]

@@ -19,7 +19,7 @@ use std::time::{Duration, Instant};
 
 use super::deny_cache::DenyCache;
 use super::heartbeat::{self, Gateways};
-use super::memory::{Evictions, MemoryStore};
+use super::memory::{MemoryStore, Pressure};
 use super::metrics::{LimiterMetrics, StoreErrorKind, StoreErrorLabels, StoreLabels};
 use super::store::{self, Call, OnError, Receipt, Settlement, Store};
 use super::{Check, Decision, MonotonicClock, StoreError};
@@ -121,7 +121,7 @@ impl Limiter {
             local: MemoryStore::bounded(
                 Arc::new(MonotonicClock::new()),
                 settings.max_keys,
-                Evictions::of(&metrics, "local"),
+                Pressure::of(&metrics, "local"),
             ),
             full_logged_ms: AtomicU64::new(0),
             gateways: Gateways::new(metrics.gateways_seen.clone()),

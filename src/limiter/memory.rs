@@ -16,15 +16,19 @@
 //! 2. the least recently used entry that is not *held*. An entry is held while its
 //!    identity is being denied: from a denial, or from a charge that left it unable to
 //!    pay for its next request, until a charge leaves it able to again, or until it is
-//!    whole again (expired). Dropping a held entry would hand the identity being limited a
-//!    fresh burst — the very client the limit is for could buy one by flooding new keys;
-//! 3. only when every entry is held: the one held longest ago — denied, or charged, least
-//!    recently. An identity still being hammered is denied again and again, so it is
-//!    never that one; refusing every new identity instead would let a flood of denied
-//!    keys shut everyone else out.
+//!    whole again (expired).
 //!
-//! Concurrency entries are never dropped (requests in flight hold them); a request that
-//! finds nothing but those fails with [`Full`] (the gateway's `on_error`).
+//! A held entry is never dropped: that would hand the identity being limited a fresh
+//! burst, and the very client the limit is for could buy one by flooding new keys (keys
+//! that are themselves denied fill a shard with held entries as surely as any). When every
+//! entry of a full shard is held, a new key is *refused* instead: nothing is stored for
+//! it, and its request is denied like any other (429), told to come back when the
+//! soonest held entry could be whole again (a bound each shard keeps: exact after a
+//! sweep, else sooner), and counted (`ratewall_store_refused_keys_total`). Identities the store
+//! already tracks are decided as ever; new ones wait until the flood's own states expire.
+//!
+//! Concurrency entries are never dropped either (requests in flight hold them); a request
+//! that finds nothing but those fails with [`Full`] (the gateway's `on_error`).
 //!
 //! Recency is exact within a shard: three linked lists through the slots (free, held,
 //! pinned), most recent first, so every step above is O(1). Keys hash evenly over the
@@ -210,38 +214,51 @@ impl Slot {
 #[error("the memory store is full (max_keys) of requests in flight")]
 pub struct Full;
 
-/// Why entries were dropped to make room (`ratewall_store_evictions_total`).
+/// What a full in-process store did for a new key: dropped an entry to make room
+/// (`ratewall_store_evictions_total`, by reason), or refused the key
+/// (`ratewall_store_refused_keys_total`).
 #[derive(Clone, Default)]
-pub struct Evictions {
+pub struct Pressure {
     /// Expired entries (equivalent to none) dropped before the sweep would have.
     pub expired: Counter,
     /// Live entries that were not held, least recently used first.
     pub lru: Counter,
-    /// Held entries, when a shard held nothing else: the one denied least recently.
-    pub held: Counter,
+    /// New keys not stored, their requests denied: every entry of their shard was held.
+    pub refused: Counter,
 }
 
-impl Evictions {
+impl Pressure {
     /// The counters of the in-process store `store` (`memory`, or `local`: the
-    /// `on_error = "local"` fallback) in `ratewall_store_evictions_total`.
-    pub fn of(metrics: &LimiterMetrics, store: &'static str) -> Evictions {
+    /// `on_error = "local"` fallback).
+    pub fn of(metrics: &LimiterMetrics, store: &'static str) -> Pressure {
         let counter = |reason| {
             metrics
                 .memory_evictions
                 .get_or_create(&EvictionLabels { store, reason })
                 .clone()
         };
-        Evictions {
+        Pressure {
             expired: counter("expired"),
             lru: counter("lru"),
-            held: counter("held"),
+            refused: metrics.refused_keys(store),
         }
     }
 }
 
+/// Why a full shard took no new key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum NoRoom {
+    /// Nothing left but requests in flight and the request's own entries: [`Full`].
+    Full,
+    /// Every entry that could go is held: the key is refused, until `until_us` at the
+    /// soonest (when a held entry could be whole again).
+    Held { until_us: u64 },
+}
+
 /// Which recency list a slot is on. Room is made from the least recently used end of
-/// `Free`, then of `Held`; `Pinned` slots (concurrency counts: requests in flight hold
-/// them) are never dropped.
+/// `Free` (after expired entries of `Free` or `Held`); live `Held` slots (identities
+/// being denied) and `Pinned` ones (concurrency counts: requests in flight hold them) are
+/// never dropped.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum List {
     Free = 0,
@@ -489,15 +506,16 @@ impl Shard {
 
     /// Make room for one more entry, `reserved` being already promised to this request:
     /// drop one if the shard would be full, in the order the module describes, never one
-    /// of the request's own keys (`kept`). Counts what it drops in `evictions`. `Full` only
-    /// when nothing but pinned slots and the request's own are left.
+    /// of the request's own keys (`kept`) nor a live held one. Counts what it drops in
+    /// `pressure`. [`NoRoom::Held`] when only held entries could have gone,
+    /// [`NoRoom::Full`] when nothing but pinned slots and the request's own are left.
     fn make_room(
         &mut self,
         now_us: u64,
         reserved: usize,
         kept: &dyn Fn(Key) -> bool,
-        evictions: &Evictions,
-    ) -> Result<(), Full> {
+        pressure: &Pressure,
+    ) -> Result<(), NoRoom> {
         if self.slots.len() + reserved < self.cap {
             return Ok(());
         }
@@ -511,7 +529,7 @@ impl Shard {
                 .is_some_and(|s| !s.live(now_us) && !kept(s.key()))
             {
                 self.remove_at(oldest);
-                evictions.expired.inc();
+                pressure.expired.inc();
                 return Ok(());
             }
         }
@@ -522,24 +540,31 @@ impl Shard {
             self.swept_at = Some(now_us);
             let dropped = self.sweep(now_us, kept);
             if dropped > 0 {
-                evictions.expired.inc_by(dropped as u64);
+                pressure.expired.inc_by(dropped as u64);
                 return Ok(());
             }
         }
-        // 2. The least recently used entry not being denied; 3. only if there is none, the
-        // one being denied that was denied (or charged) least recently.
-        for (l, counter) in [(List::Free, &evictions.lru), (List::Held, &evictions.held)] {
-            let mut i = self.lists[l as usize].oldest;
-            while let Some(s) = self.slots.get(i as usize).copied() {
-                if !kept(s.key()) {
-                    self.remove_at(i as usize);
-                    counter.inc();
-                    return Ok(());
-                }
-                i = s.newer;
+        // 2. The least recently used entry not being denied.
+        let mut i = self.lists[List::Free as usize].oldest;
+        while let Some(s) = self.slots.get(i as usize).copied() {
+            if !kept(s.key()) {
+                self.remove_at(i as usize);
+                pressure.lru.inc();
+                return Ok(());
             }
+            i = s.newer;
         }
-        Err(Full)
+        // 3. Held entries only (besides the request's own): none goes.
+        let mut i = self.lists[List::Held as usize].oldest;
+        while let Some(s) = self.slots.get(i as usize).copied() {
+            if !kept(s.key()) {
+                return Err(NoRoom::Held {
+                    until_us: self.next_expiry,
+                });
+            }
+            i = s.newer;
+        }
+        Err(NoRoom::Full)
     }
 
     /// Drop every slot expired at `now_us` (but `kept` ones), then give memory back: the
@@ -629,7 +654,7 @@ impl Shard {
 pub struct MemoryStore {
     shards: Box<[Mutex<Shard>]>,
     clock: Arc<dyn Clock>,
-    evictions: Evictions,
+    pressure: Pressure,
     /// Picks a key's shard: keyed afresh in every process, so that no client can choose
     /// API keys that all land in one shard (and fill it with states it holds).
     shard_seed: [u64; 3],
@@ -651,12 +676,12 @@ fn held(guards: &[(usize, MutexGuard<'_, Shard>)], i: usize) -> Option<usize> {
 impl MemoryStore {
     /// A store of at most [`DEFAULT_MAX_KEYS`] keys.
     pub fn new(clock: Arc<dyn Clock>) -> Self {
-        Self::bounded(clock, DEFAULT_MAX_KEYS, Evictions::default())
+        Self::bounded(clock, DEFAULT_MAX_KEYS, Pressure::default())
     }
 
     /// A store of at most `max_keys` keys (at least one per shard), counting what it drops
-    /// to make room in `evictions`.
-    pub fn bounded(clock: Arc<dyn Clock>, max_keys: usize, evictions: Evictions) -> Self {
+    /// to make room, and the keys it refuses, in `pressure`.
+    pub fn bounded(clock: Arc<dyn Clock>, max_keys: usize, pressure: Pressure) -> Self {
         let shards = (max_keys / KEYS_PER_SHARD)
             .next_power_of_two()
             .clamp(1, MAX_SHARDS);
@@ -664,7 +689,7 @@ impl MemoryStore {
         MemoryStore {
             shards: (0..shards).map(|_| Mutex::new(Shard::new(cap))).collect(),
             clock,
-            evictions,
+            pressure,
             shard_seed: {
                 // Random keys, from the standard library's per-process random hasher keys.
                 use std::hash::BuildHasher;
@@ -755,17 +780,41 @@ impl MemoryStore {
             .iter()
             .zip(checks)
             .all(|(o, c)| o.allowed || c.shadow);
-        let answers = outcomes
+        let refused = match commit {
+            true => match self.write(now, checks, &places, &outcomes, all, &mut guards) {
+                Ok(()) => None,
+                Err((_, NoRoom::Full)) => return Err(Full),
+                Err((k, NoRoom::Held { until_us })) => Some((k, until_us)),
+            },
+            false => None,
+        };
+        let Some((k, until_us)) = refused else {
+            return Ok(outcomes
+                .iter()
+                .map(|o| match commit && all && o.allowed {
+                    true => o.charged,
+                    false => o.uncharged,
+                })
+                .collect());
+        };
+        // A key refused for lack of room (every entry in its way held): nothing was
+        // charged, and its rule denies the request until a held entry could be whole.
+        self.pressure.refused.inc();
+        let wait_us = until_us.saturating_sub(now).max(1);
+        Ok(outcomes
             .iter()
-            .map(|o| match commit && all && o.allowed {
-                true => o.charged,
+            .enumerate()
+            .map(|(j, o)| match j == k {
+                true => Decision {
+                    allowed: false,
+                    remaining: 0,
+                    retry_after_us: wait_us,
+                    reset_us: wait_us,
+                    ..o.uncharged
+                },
                 false => o.uncharged,
             })
-            .collect();
-        if commit {
-            self.write(now, checks, &places, &outcomes, all, &mut guards)?;
-        }
-        Ok(answers)
+            .collect())
     }
 
     /// Lock every shard `places` are in, in index order so two requests never deadlock.
@@ -777,10 +826,10 @@ impl MemoryStore {
     }
 
     /// Store a decided request's outcomes (`all`: whether the request passed, so that
-    /// the checks that allowed are charged). Room
-    /// first, for every key the request adds (however many in one shard), so that it is
-    /// charged all or not at all; the request's own entries are used now (most recent)
-    /// and never make room.
+    /// the checks that allowed are charged). Room first, for every key the request adds
+    /// (however many in one shard), so that it is charged all or not at all; the request's
+    /// own entries are used now (most recent) and never make room. Without room, nothing
+    /// is charged, and the error names the check (its position) whose key found none.
     fn write(
         &self,
         now: u64,
@@ -789,10 +838,10 @@ impl MemoryStore {
         outcomes: &[super::Outcome<State>],
         all: bool,
         guards: &mut [(usize, MutexGuard<'_, Shard>)],
-    ) -> Result<(), Full> {
+    ) -> Result<(), (usize, NoRoom)> {
         let own = |key: Key| places.iter().any(|p| p.key == key);
         let mut reserved: Small<usize> = smallvec::smallvec![0; guards.len()];
-        for (place, o) in places.iter().zip(outcomes) {
+        for (k, (place, o)) in places.iter().zip(outcomes).enumerate() {
             let Some(g) = held(guards, place.shard) else {
                 continue;
             };
@@ -802,7 +851,9 @@ impl MemoryStore {
             if let Some(i) = shard.locate(place.key, place.at) {
                 shard.touch(i);
             } else if all && o.allowed {
-                shard.make_room(now, reserved[g], &own, &self.evictions)?;
+                shard
+                    .make_room(now, reserved[g], &own, &self.pressure)
+                    .map_err(|no| (k, no))?;
                 reserved[g] += 1;
             }
         }
@@ -830,7 +881,8 @@ impl MemoryStore {
 
     /// Settle charges decided earlier, each on its own, at the store's clock; the answers
     /// are what each rule would tell the next request now. A settlement that would add a
-    /// key finding no room is dropped (the shard is full of requests in flight).
+    /// key finding no room is dropped (the shard is full of requests in flight, or of
+    /// identities being denied).
     pub fn settle(&self, items: &[Settlement<'_>]) -> Vec<Receipt> {
         let now = self.clock.now_us();
         items
@@ -858,11 +910,12 @@ impl MemoryStore {
                         let own = |k: Key| k == key;
                         if shard.update(slot, at) {
                             Some(next)
-                        } else if shard.make_room(now, 0, &own, &self.evictions).is_ok() {
+                        } else if shard.make_room(now, 0, &own, &self.pressure).is_ok() {
                             shard.insert(slot);
                             Some(next)
                         } else {
-                            // No room (the shard full of requests in flight): a charge is
+                            // No room (the shard full of requests in flight, or of
+                            // identities being denied; no key is refused here): a charge is
                             // not kept, and is counted as forgiven; a refund not made is
                             // stricter.
                             forgiven = forgiven
@@ -1302,14 +1355,14 @@ mod tests {
     /// A store of `max_keys` on a manual clock, with its eviction counters.
     fn bounded(max_keys: usize) -> (Arc<ManualClock>, MemoryStore) {
         let clock = ManualClock::new(1_000_000);
-        let store = MemoryStore::bounded(clock.clone(), max_keys, Evictions::default());
+        let store = MemoryStore::bounded(clock.clone(), max_keys, Pressure::default());
         (clock, store)
     }
 
-    /// Evictions so far: (expired, lru, held).
+    /// What making room did so far: (expired and lru evictions, keys refused).
     fn evicted(store: &MemoryStore) -> (u64, u64, u64) {
-        let e = &store.evictions;
-        (e.expired.get(), e.lru.get(), e.held.get())
+        let p = &store.pressure;
+        (p.expired.get(), p.lru.get(), p.refused.get())
     }
 
     #[test]
@@ -1398,27 +1451,103 @@ mod tests {
         assert_eq!(store.peek(&at(&v))[0].remaining, 1);
     }
 
-    /// A store that holds nothing but states being denied still takes a new key: it drops
-    /// the one denied least recently (an identity still being hammered is denied again and
-    /// again, so it is never that one), rather than refusing every new identity.
+    /// A store that holds nothing but states being denied drops none of them for a new
+    /// key: the new key is refused (denied, nothing stored), told to come back when the
+    /// soonest of them is whole again, and counted. A flood of keys that are themselves
+    /// denied frees no abuser, however quiet the abuser has been meanwhile.
     #[test]
-    fn a_store_of_denied_identities_drops_the_one_denied_least_recently() {
-        let (_, store) = bounded(3);
+    fn a_store_full_of_denied_identities_refuses_a_new_key() {
+        let (clock, store) = bounded(3);
         let q = quota(1, 1);
         let at = |who| [Check::new(who, "r", &q)];
-        let (a, b, c, d) = (id(1), id(2), id(3), id(4));
-        for who in [&a, &b, &c] {
+        let (a, b, c) = (id(1), id(2), id(3));
+        // a is drained first, then b and c 200 ms later; a is the one denied longest ago.
+        assert!(store.decide(&at(&a)).unwrap()[0].allowed);
+        assert!(!store.decide(&at(&a)).unwrap()[0].allowed);
+        clock.advance(200_000);
+        for who in [&b, &c] {
             assert!(store.decide(&at(who)).unwrap()[0].allowed);
             assert!(!store.decide(&at(who)).unwrap()[0].allowed);
         }
-        // a is hammered again: b is now the one denied least recently.
-        assert!(!store.decide(&at(&a)).unwrap()[0].allowed);
-        assert!(store.decide(&at(&d)).unwrap()[0].allowed);
-        assert_eq!(evicted(&store), (0, 0, 1));
-        assert!(store.peek(&at(&b))[0].allowed, "b was dropped: whole again");
-        for who in [&a, &c, &d] {
+        clock.advance(300_000);
+        for n in 10..110 {
+            let flood = id(n);
+            let d = store.decide(&[Check::new(&flood, "r", &q)]).unwrap();
+            assert!(!d[0].allowed, "flood key {n} refused");
+            // a is whole again 1 s after it was drained: 500 ms from now.
+            assert_eq!((d[0].remaining, d[0].retry_after_us), (0, 500_000));
+        }
+        assert_eq!(evicted(&store), (0, 0, 100), "nothing dropped, 100 refused");
+        assert_eq!(store.len(), 3);
+        for who in [&a, &b, &c] {
             assert!(!store.peek(&at(who))[0].allowed, "{who:?} kept its state");
         }
+        let refused = id(10);
+        assert!(
+            store.peek(&[Check::new(&refused, "r", &q)])[0].allowed,
+            "nothing was stored for a refused key"
+        );
+        // Once a is whole again its entry is as good as none: it makes room.
+        clock.advance(500_000);
+        let d = id(4);
+        assert!(store.decide(&at(&d)).unwrap()[0].allowed);
+        assert_eq!(evicted(&store), (1, 0, 100));
+        for who in [&b, &c, &d] {
+            assert!(!store.peek(&at(who))[0].allowed, "{who:?} is being denied");
+        }
+    }
+
+    /// A key the store already tracks is decided as ever in a store full of held
+    /// entries; a request that would add a key is refused whole: its other rules are not
+    /// charged, and the refusing rule is the one whose key found no room.
+    #[test]
+    fn a_refused_key_charges_none_of_its_requests_rules() {
+        let (_, store) = bounded(2);
+        let (tight, wide) = (quota(1, 1), quota(1, 10));
+        let (a, b) = (id(1), id(2));
+        assert!(store.decide(&[Check::new(&a, "wide", &wide)]).unwrap()[0].allowed);
+        assert!(store.decide(&[Check::new(&b, "tight", &tight)]).unwrap()[0].allowed);
+        // b is held (drained); a's wide bucket, 9 of 10 left, is not: drain it.
+        for _ in 0..9 {
+            assert!(store.decide(&[Check::new(&a, "wide", &wide)]).unwrap()[0].allowed);
+        }
+        assert!(!store.decide(&[Check::new(&a, "wide", &wide)]).unwrap()[0].allowed);
+        let both = [
+            Check::new(&b, "tight", &tight),
+            Check::new(&a, "tight", &tight),
+        ];
+        // b is denied by its own bucket: the request is denied, a's new key not stored,
+        // nothing refused.
+        let d = store.decide(&both).unwrap();
+        assert!(!d[0].allowed && d[1].allowed);
+        assert_eq!(evicted(&store).2, 0);
+        let c = id(3);
+        let wide_and_new = [
+            Check::new(&c, "wide", &wide),
+            Check::new(&c, "tight", &tight),
+        ];
+        let d = store.decide(&wide_and_new).unwrap();
+        assert!(!d[0].allowed, "the first key that found no room refuses");
+        assert!(d[1].allowed, "the other rule would have allowed");
+        assert_eq!(d[1].remaining, 1, "and was not charged");
+        assert_eq!(evicted(&store), (0, 0, 1));
+        assert_eq!(store.len(), 2);
+    }
+
+    /// Requests in flight and held entries: a new key is refused (a denial, as for held
+    /// entries), not failed as [`Full`] (`on_error`), since held entries will expire.
+    #[test]
+    fn held_entries_beside_requests_in_flight_refuse_rather_than_fail() {
+        let (_, store) = bounded(2);
+        let conc = Quota::concurrency(NonZeroU64::new(2).unwrap(), Duration::from_secs(10));
+        let q = quota(1, 1);
+        let (x, y, z) = (id(1), id(2), id(3));
+        assert!(store.decide(&[Check::new(&x, "conc", &conc)]).unwrap()[0].allowed);
+        assert!(store.decide(&[Check::new(&y, "r", &q)]).unwrap()[0].allowed);
+        let d = store.decide(&[Check::new(&z, "r", &q)]).unwrap();
+        assert!(!d[0].allowed);
+        assert_eq!(d[0].retry_after_us, 1_000_000);
+        assert_eq!(evicted(&store), (0, 0, 1));
     }
 
     #[test]

@@ -21,7 +21,8 @@ crate::metrics::label_enum! {
         Unreplicated = "unreplicated",
         /// Not tried: the circuit breaker is open.
         BreakerOpen = "breaker_open",
-        /// The memory store had no room for a new key (every key in the way is being denied).
+        /// The memory store had no room for a new key (every key in the way counts requests
+        /// in flight).
         Full = "full",
         /// Anything else the store answered unexpectedly.
         Other = "other",
@@ -82,14 +83,14 @@ pub struct MemoryLabels {
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct EvictionLabels {
     pub store: &'static str,
-    /// `expired` (equivalent to no entry), `lru` (live, not being denied) or `held`
-    /// (being denied, when nothing else could make room).
+    /// `expired` (equivalent to no entry) or `lru` (live, not being denied). An entry
+    /// being denied is never dropped: the new key is refused instead (`store_refused_keys`).
     pub reason: &'static str,
 }
 
-/// The in-process stores `store_keys` and `store_evictions` count by.
+/// The in-process stores `store_keys`, `store_evictions` and `store_refused_keys` count by.
 const MEMORY_STORES: [&str; 2] = ["memory", "local"];
-const EVICTION_REASONS: [&str; 3] = ["expired", "lru", "held"];
+const EVICTION_REASONS: [&str; 2] = ["expired", "lru"];
 
 /// Clones share the registered series.
 #[derive(Clone)]
@@ -103,6 +104,9 @@ pub struct LimiterMetrics {
     pub memory_keys: Family<MemoryLabels, Gauge>,
     /// Entries the in-process stores dropped to make room for new keys.
     pub memory_evictions: Family<EvictionLabels, Counter>,
+    /// New keys an in-process store refused (their requests denied): every entry in the
+    /// way was an identity being denied.
+    pub memory_refused: Family<MemoryLabels, Counter>,
     /// Keys the runtime key directory holds, as of the last second.
     pub key_directory_keys: Gauge,
     /// What following a shared store's key directory did, by outcome.
@@ -158,8 +162,14 @@ impl LimiterMetrics {
         let memory_evictions = Family::<EvictionLabels, Counter>::default();
         registry.register(
             "store_evictions",
-            "Entries an in-process store dropped to make room for a new key at max_keys: reason=expired (already equivalent to none), lru (the least recently used not being denied), held (the least recently denied, when a shard held nothing else)",
+            "Entries an in-process store dropped to make room for a new key at max_keys: reason=expired (already equivalent to none), lru (the least recently used not being denied); an identity being denied is never dropped",
             memory_evictions.clone(),
+        );
+        let memory_refused = Family::<MemoryLabels, Counter>::default();
+        registry.register(
+            "store_refused_keys",
+            "New keys an in-process store at max_keys refused, their requests denied (429), because every state in the way was an identity being denied (store=memory or local)",
+            memory_refused.clone(),
         );
         let key_directory_keys = Gauge::default();
         registry.register(
@@ -199,6 +209,7 @@ impl LimiterMetrics {
         }
         for store in MEMORY_STORES {
             let _ = memory_keys.get_or_create(&MemoryLabels { store });
+            let _ = memory_refused.get_or_create(&MemoryLabels { store });
             for reason in EVICTION_REASONS {
                 let _ = memory_evictions.get_or_create(&EvictionLabels { store, reason });
             }
@@ -210,12 +221,20 @@ impl LimiterMetrics {
             breaker_open,
             memory_keys,
             memory_evictions,
+            memory_refused,
             key_directory_keys,
             key_directory_syncs,
             gateways_seen,
             primary_changes,
             primary,
         }
+    }
+
+    /// The refused keys counter of the in-process store `store`.
+    pub fn refused_keys(&self, store: &'static str) -> Counter {
+        self.memory_refused
+            .get_or_create(&MemoryLabels { store })
+            .clone()
     }
 
     /// The key count gauge of the in-process store `store`.

@@ -9,7 +9,7 @@ use std::pin::Pin;
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::memory::{Evictions, MemoryStore};
+use super::memory::{MemoryStore, Pressure};
 use super::metrics::LimiterMetrics;
 use super::redis::{RedisClusterStore, RedisSentinelStore, RedisStore, Sentinels};
 use super::{Adjust, Check, Clock, Decision, StoreError};
@@ -261,7 +261,7 @@ pub fn open(
         Backend::Memory => Box::new(MemoryStore::bounded(
             clock,
             settings.max_keys,
-            Evictions::of(metrics, "memory"),
+            Pressure::of(metrics, "memory"),
         )),
         Backend::Redis { url } => Box::new(RedisStore::replicated(
             url,

@@ -24,6 +24,7 @@ mod h2_refusals;
 mod jwt;
 mod jwt_quick_start;
 mod key_directory;
+mod key_flood;
 mod labels;
 mod layering;
 mod local_share;
