@@ -927,6 +927,25 @@ mod tests {
         }
     }
 
+    /// A verifier of HS256 bearer tokens signed with the secret `s`, reading the plan from
+    /// `plan_claim`.
+    fn hs256_verifier(plan_claim: Option<ClaimPath>) -> Verifier {
+        use jwt::{Alg, KeySet, KeysFrom, Settings, TokenFrom};
+        let settings = Settings {
+            from: TokenFrom::Bearer(http::header::AUTHORIZATION),
+            algorithms: vec![Alg::HS256],
+            keys_from: KeysFrom::SecretEnv("X".into()),
+            issuer: Vec::new(),
+            audience: Vec::new(),
+            leeway: 30,
+            required_claims: Vec::new(),
+            plan_claim,
+            forward_claims: Vec::new(),
+            failures: jwt::DEFAULT_FAILURES,
+        };
+        Verifier::new(settings, Some(KeySet::from_secret(b"s")))
+    }
+
     fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()
     }
@@ -1068,20 +1087,7 @@ mod tests {
     /// long; nothing looked up while no key has a label.
     #[test]
     fn labels_and_claims_name_the_identities_they_belong_to() {
-        use jwt::{Alg, KeySet, KeysFrom, Settings, TokenFrom};
-        let settings = Settings {
-            from: TokenFrom::Bearer(http::header::AUTHORIZATION),
-            algorithms: vec![Alg::HS256],
-            keys_from: KeysFrom::SecretEnv("X".into()),
-            issuer: Vec::new(),
-            audience: Vec::new(),
-            leeway: 30,
-            required_claims: Vec::new(),
-            plan_claim: None,
-            forward_claims: Vec::new(),
-            failures: jwt::DEFAULT_FAILURES,
-        };
-        let verifier = Verifier::new(settings, Some(KeySet::from_secret(b"s")));
+        let verifier = hs256_verifier(None);
         let plans = std::collections::HashMap::from([
             (sha256(b"acme-key"), "pro".to_string()),
             (sha256(b"plain-key"), "pro".to_string()),
@@ -1174,20 +1180,7 @@ mod tests {
     /// combination (by its parts' values and order) an identity apart.
     #[test]
     fn claims_and_combinations_are_identities_of_their_own() {
-        use jwt::{Alg, KeySet, KeysFrom, Settings, TokenFrom};
-        let settings = Settings {
-            from: TokenFrom::Bearer(http::header::AUTHORIZATION),
-            algorithms: vec![Alg::HS256],
-            keys_from: KeysFrom::SecretEnv("X".into()),
-            issuer: Vec::new(),
-            audience: Vec::new(),
-            leeway: 30,
-            required_claims: Vec::new(),
-            plan_claim: Some(ClaimPath::parse("tier").unwrap()),
-            forward_claims: Vec::new(),
-            failures: jwt::DEFAULT_FAILURES,
-        };
-        let verifier = Verifier::new(settings, Some(KeySet::from_secret(b"s")));
+        let verifier = hs256_verifier(Some(ClaimPath::parse("tier").unwrap()));
         let token = |claims: serde_json::Value| {
             let t = jsonwebtoken::encode(
                 &jsonwebtoken::Header::new(jsonwebtoken::Algorithm::HS256),
