@@ -553,17 +553,22 @@ impl Stats {
     pub fn top(&self, minutes: u64, n: usize) -> Vec<TopEntry> {
         let now = self.now() / 60;
         let top = self.top.lock().unwrap_or_else(|p| p.into_inner());
-        let mut merged: HashMap<&Limited, (u64, u64)> = HashMap::new();
+        // By identity and rule; named as the newest minute names it (a key relabelled
+        // meanwhile is one row, with its label now).
+        let mut merged: HashMap<(IdentityDigest, &str), (&Limited, u64, u64)> = HashMap::new();
         for (_, s) in top.iter().filter(|(m, _)| m + minutes > now) {
             for e in &s.entries {
-                let c = merged.entry(&e.who).or_default();
-                c.0 += e.denied;
-                c.1 += e.error;
+                let c = merged
+                    .entry((e.who.digest, e.who.rule.as_str()))
+                    .or_insert((&e.who, 0, 0));
+                c.0 = &e.who;
+                c.1 += e.denied;
+                c.2 += e.error;
             }
         }
         let mut out: Vec<TopEntry> = merged
-            .into_iter()
-            .map(|(who, (denied, error))| TopEntry {
+            .into_values()
+            .map(|(who, denied, error)| TopEntry {
                 who: who.clone(),
                 denied,
                 error,
@@ -587,7 +592,7 @@ impl Default for Stats {
 
 /// One limited identity: its digest (shown as its tag, `id`), what an operator
 /// recognises it by, the rule.
-#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Debug, PartialEq, Eq, Serialize)]
 pub struct Limited {
     #[serde(rename = "id", serialize_with = "as_tag")]
     pub digest: IdentityDigest,
@@ -597,7 +602,7 @@ pub struct Limited {
 }
 
 /// What an operator recognises a limited identity by, beside its tag.
-#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, Serialize)]
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize)]
 pub struct Named {
     /// Its kind and, for token holders, a part of it (`key …9f3e`, `ip 192.0.2.x`).
     pub hint: String,
@@ -778,6 +783,33 @@ mod tests {
         let top = st.top(5, 10);
         assert_eq!(top.len(), 1);
         assert_eq!((top[0].denied, top[0].error), (3, 0));
+    }
+
+    /// An identity limited in two minutes is one row of the list, its denials summed and
+    /// named as the newer minute names it (a key relabelled meanwhile).
+    #[test]
+    fn the_top_is_one_row_an_identity_named_as_last_seen() {
+        let st = Stats::new();
+        let minute = st.now() / 60;
+        let named = |label: &str| {
+            let mut s = SpaceSaving::default();
+            for _ in 0..2 {
+                s.add(who(1).digest, "api", || Named {
+                    label: Some(label.into()),
+                    ..Named::default()
+                });
+            }
+            s
+        };
+        {
+            let mut top = st.top.lock().unwrap();
+            top.push_back((minute - 1, named("Old Name")));
+            top.push_back((minute, named("New Name")));
+        }
+        let top = st.top(5, 10);
+        assert_eq!(top.len(), 1, "{top:?}");
+        assert_eq!(top[0].denied, 4);
+        assert_eq!(top[0].who.named.label.as_deref(), Some("New Name"));
     }
 
     #[test]
