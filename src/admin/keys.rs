@@ -366,13 +366,7 @@ fn list(cfg: &Config, query: &[(String, Vec<u8>)]) -> Result<Reply, BadCall> {
     let mut all: Entries = keys
         .static_entries()
         .filter(|(d, _)| !runtime.contains_key(*d))
-        .map(|(d, p)| {
-            let entry = Entry {
-                plan: Arc::from(p),
-                label: keys.static_label(d).cloned(),
-            };
-            (*d, entry)
-        })
+        .map(|(d, e)| (*d, e.clone()))
         .collect();
     all.extend(runtime.iter().map(|(d, e)| (*d, e.clone())));
     let (page, next) = directory::page(&all, plan, after.as_ref(), limit);

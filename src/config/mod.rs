@@ -1075,7 +1075,10 @@ url = "http://127.0.0.1:3000"
         );
         let plain = cfg.keys.listing(b"plain-key").unwrap();
         assert_eq!((plain.plan, plain.label), (Some("pro"), None));
-        assert_eq!(cfg.keys.static_labels(), vec![("Acme Corp", "pro")]);
+        assert_eq!(
+            cfg.keys.labels(),
+            vec![("Acme Corp".to_string(), "pro".to_string())]
+        );
         let long = "x".repeat(65);
         for (value, key, want) in [
             (

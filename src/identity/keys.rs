@@ -10,7 +10,7 @@ use http::header::{HeaderMap, HeaderName};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 
-use super::directory::{Directory, Entries};
+use super::directory::{Directory, Entries, Entry};
 
 /// How a key is listed ([`Keys::listing`]): its plan, if a rule of this config defines it,
 /// and its label, if it has one.
@@ -85,13 +85,13 @@ pub enum UnknownKeys {
 pub struct Keys {
     pub header: HeaderName,
     pub unknown: UnknownKeys,
-    /// SHA-256 of an API key -> plan name, listed in the config: `[keys.plans]`, and the
-    /// keys file with a shared store (with the memory store the keys file is the
+    /// SHA-256 of an API key -> its plan and label, listed in the config: `[keys.plans]`,
+    /// and the keys file with a shared store (with the memory store the keys file is the
     /// directory's). Keys are held as digests only, so the process never holds a listed
     /// key it has not seen in a request.
-    plans: HashMap<[u8; 32], String>,
-    /// The labels of some of `plans`' keys (`{ plan = "pro", label = "Acme Corp" }`).
-    labels: HashMap<[u8; 32], Arc<str>>,
+    plans: Entries,
+    /// Whether an entry of `plans` has a label.
+    labelled: bool,
     /// The keys listed at runtime, looked up before `plans`.
     directory: Arc<Directory>,
     /// Whether `directory` is the keys file's (the memory store), and what the file held
@@ -131,8 +131,11 @@ impl Keys {
             header,
             unknown,
             defined: plans.values().cloned().collect(),
-            plans,
-            labels: HashMap::new(),
+            plans: plans
+                .into_iter()
+                .map(|(d, p)| (d, Entry::from(p.as_str())))
+                .collect(),
+            labelled: false,
             directory: Arc::default(),
             file_entries: None,
             file,
@@ -141,9 +144,14 @@ impl Keys {
         }
     }
 
-    /// The labels of listed keys (each also in `plans`).
+    /// The labels of listed keys (a label of a key not in `plans` is not kept).
     pub fn with_labels(mut self, labels: HashMap<[u8; 32], Arc<str>>) -> Self {
-        self.labels = labels;
+        for (d, label) in labels {
+            if let Some(entry) = self.plans.get_mut(&d) {
+                entry.label = Some(label);
+                self.labelled = true;
+            }
+        }
         self
     }
 
@@ -199,35 +207,18 @@ impl Keys {
     /// Whether `digest` is listed in the config itself (inline, or in a shared store's
     /// keys file): not the admin API's to change.
     pub fn static_plan(&self, digest: &[u8; 32]) -> Option<&str> {
-        self.plans.get(digest).map(String::as_str)
+        self.plans.get(digest).map(|e| &*e.plan)
     }
 
-    /// The keys the config itself lists, with their plans.
-    pub fn static_entries(&self) -> impl Iterator<Item = (&[u8; 32], &str)> {
-        self.plans.iter().map(|(d, p)| (d, p.as_str()))
+    /// The keys the config itself lists, with their plans and labels.
+    pub fn static_entries(&self) -> impl Iterator<Item = (&[u8; 32], &Entry)> {
+        self.plans.iter()
     }
 
     /// Whether any listed key may have a label (the config's, or the runtime directory's):
     /// a request's key's label is looked up only then.
     pub fn labelled(&self) -> bool {
-        !self.labels.is_empty() || self.directory.labelled()
-    }
-
-    /// The label the config gives a key it lists, if any.
-    pub fn static_label(&self, digest: &[u8; 32]) -> Option<&Arc<str>> {
-        self.labels.get(digest)
-    }
-
-    /// The labels the config gives (inline, and a shared store's keys file), with each
-    /// key's plan, sorted by label.
-    pub fn static_labels(&self) -> Vec<(&str, &str)> {
-        let mut out: Vec<(&str, &str)> = self
-            .labels
-            .iter()
-            .filter_map(|(d, l)| Some((&**l, self.plans.get(d)?.as_str())))
-            .collect();
-        out.sort_unstable();
-        out
+        self.labelled || self.directory.labelled()
     }
 
     /// Every label known now, the config's and the runtime directory's (which, with the
@@ -236,15 +227,12 @@ impl Keys {
     pub fn labels(&self) -> Vec<(String, String)> {
         let runtime = self.directory.snapshot();
         let mut out: Vec<(String, String)> = self
-            .labels
+            .plans
             .iter()
             .filter(|(d, _)| !runtime.contains_key(*d))
-            .filter_map(|(d, l)| Some((l.to_string(), self.plans.get(d)?.clone())))
-            .chain(
-                runtime
-                    .values()
-                    .filter_map(|e| Some((e.label.as_deref()?.to_string(), e.plan.to_string()))),
-            )
+            .map(|(_, e)| e)
+            .chain(runtime.values())
+            .filter_map(|e| Some((e.label.as_deref()?.to_string(), e.plan.to_string())))
             .collect();
         out.sort_unstable();
         out
@@ -275,9 +263,9 @@ impl Keys {
         }) {
             return Some(listing);
         }
-        self.plans.get(&digest).map(|p| Listing {
-            plan: Some(p.as_str()),
-            label: self.labels.get(&digest).cloned(),
+        self.plans.get(&digest).map(|e| Listing {
+            plan: Some(&*e.plan),
+            label: e.label.clone(),
         })
     }
 
@@ -288,15 +276,13 @@ impl Keys {
 
     /// The plans listed keys have.
     pub fn plan_names(&self) -> impl Iterator<Item = &str> {
-        self.plans.values().map(String::as_str)
+        self.plans.values().map(|e| &*e.plan)
     }
 
     /// Whether `other` lists the same keys with the same plans and labels in its files
     /// (what a reload compares).
     pub fn same_plans(&self, other: &Keys) -> bool {
-        self.plans == other.plans
-            && self.labels == other.labels
-            && self.file_entries == other.file_entries
+        self.plans == other.plans && self.file_entries == other.file_entries
     }
 
     /// How many keys the config lists (inline and in the keys file).
