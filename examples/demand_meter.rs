@@ -12,7 +12,7 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ratewall::gateway::demand::{DemandMeter, Terms};
+use ratewall::proxy::demand::{DemandMeter, Terms};
 use ratewall::identity::IdentityDigest;
 
 const OPS: u64 = 4_000_000;

@@ -44,7 +44,7 @@ use serde::Serialize;
 
 use crate::config::Config;
 use crate::connection::{self, InFlight, Track, Tracked};
-use crate::gateway::Gateway;
+use crate::proxy::Gateway;
 use crate::headers::ceil_secs;
 use crate::identity;
 use crate::identity::{IdentityDigest, KeyKind, Requester};

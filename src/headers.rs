@@ -248,7 +248,7 @@ impl ProblemBody<'_> {
 const QUOTA_EXCEEDED_HEAD: &[u8] = br#"{"type":"https://iana.org/assignments/http-problem-types#quota-exceeded","title":"Too Many Requests","status":429,"violated-policies":["#;
 
 /// A problem+json answer (RFC 9457), and what a gRPC answer of it needs
-/// (`gateway::grpc::trailers_only`).
+/// (`proxy::grpc::trailers_only`).
 pub struct Problem {
     pub status: StatusCode,
     pub body: Bytes,

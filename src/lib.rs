@@ -26,10 +26,10 @@
 //! - [`gateway`]: one request, top to bottom: screen its head, choose its route and pool
 //!   (`route.rs`; a 404 where none fits), find its rules, identify it, ask the store, one
 //!   pure verdict, then answer or forward it through its pool; each request in its
-//!   [`gateway::Context`] (peer, TLS session, client certificate, worker), built at the
+//!   [`proxy::Context`] (peer, TLS session, client certificate, worker), built at the
 //!   connection. Every answer it writes goes through one function (`answer.rs`), HTTP or,
-//!   to a gRPC call, a Trailers-Only gRPC answer ([`gateway::grpc`]). Also what it runs on
-//!   ([`gateway::Live`], swapped whole on reload) and `ratewall check`'s explanation, and
+//!   to a gRPC call, a Trailers-Only gRPC answer ([`proxy::grpc`]). Also what it runs on
+//!   ([`proxy::Live`], swapped whole on reload) and `ratewall check`'s explanation, and
 //!   the dashboards' metrics (`dashboards.rs`: denials by plan, retry waits, near-limit
 //!   requests, the good-client SLO judged by the bounded demand meter, `demand.rs`).
 //! - [`admin`]: what the admin listener serves: metrics, health, the admin API, the status
@@ -80,7 +80,7 @@
 //!   once with its label values) and `Gauged`. Each module registers the metrics it owns
 //!   (`connection/metrics.rs`, `gateway/metrics.rs`, `limiter/metrics.rs`,
 //!   `upstream/tls.rs`, `upstream/metrics.rs`), held with the one registry by
-//!   [`gateway::Metrics`] (`gateway/all_metrics.rs`); every series a config implies is
+//!   [`proxy::Metrics`] (`gateway/all_metrics.rs`); every series a config implies is
 //!   created at zero.
 //! - [`stats`]: what the status page shows: outcomes, latencies, the loads of the config;
 //!   counted with atomics on the request path, sampled into a bounded ring.
@@ -88,17 +88,17 @@
 //!   rustls server config the TLS listener's handshakes run on.
 //! - [`worker`]: which worker thread the current code runs on, for per-thread resources
 //!   found without a request's context (Redis connections);
-//!   a request carries its worker in its [`gateway::Context`].
+//!   a request carries its worker in its [`proxy::Context`].
 
 pub mod admin;
 pub mod config;
 pub mod connection;
-pub mod gateway;
 pub mod headers;
 pub mod identity;
 pub mod limiter;
 pub mod metrics;
 pub mod overload;
+pub mod proxy;
 pub mod random;
 pub mod rules;
 pub mod server;

@@ -136,7 +136,7 @@ fn main() -> ExitCode {
                     println!();
                     print!(
                         "{}",
-                        ratewall::gateway::explain(&config, &method, &path, &headers, peer)
+                        ratewall::proxy::explain(&config, &method, &path, &headers, peer)
                     );
                     if !keyed {
                         println!("(identity tags read --------: they are keyed by the deployment's tag secret, which is kept in the shared store or made at the gateway's first start; /admin/state gives an identity's tag)");

@@ -5,7 +5,7 @@
 //! its own beside its code (`ConnectionMetrics` in `connection/`, `GatewayMetrics` in
 //! `gateway/`, `LimiterMetrics` in `limiter/`, `UpstreamTlsMetrics` in `upstream/tls.rs`,
 //! `PoolMetrics` in `upstream/metrics.rs`), and held, with the one registry, by
-//! [`crate::gateway::Metrics`]. Label sets are bounded: rule names (from the config),
+//! [`crate::proxy::Metrics`]. Label sets are bounded: rule names (from the config),
 //! fixed enums, status classes. Never an API key, never an IP. Every series a config
 //! implies exists from the moment it loads, at zero (rules added by a reload at theirs),
 //! so that an alert's query answers 0 rather than nothing. The request path counts

@@ -1,7 +1,7 @@
 //! Which worker thread the current code runs on ([`crate::server`] starts them). Per-worker
 //! resources — an upstream pool, a Redis connection — are picked by it, so a request's
 //! I/O is driven by the thread that serves it and never wakes another thread. A request
-//! carries its worker in its context ([`crate::gateway::Context::worker`]); this is for
+//! carries its worker in its context ([`crate::proxy::Context::worker`]); this is for
 //! what is reached without one.
 
 use std::cell::Cell;

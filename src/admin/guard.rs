@@ -14,7 +14,7 @@
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 
-use crate::gateway::all_metrics::AdminFailureLabels;
+use crate::proxy::all_metrics::AdminFailureLabels;
 use crate::identity::failures::{Allowance, Failures};
 
 /// Failed calls a peer may make at once.

@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 
 use super::{error, json, parse_query, refused, BadCall, Reply};
 use crate::config::Config;
-use crate::gateway::Gateway;
+use crate::proxy::Gateway;
 use crate::identity::directory::{self, Change, Entries, Entry, KeyDigest};
 use crate::identity::{sha256, MAX_KEY_LEN};
 use crate::limiter::redis::directory::{Location, RedisKeys};

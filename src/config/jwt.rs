@@ -1,7 +1,7 @@
 //! `[jwt]`: where a request carries its bearer token, which algorithms and keys verify
 //! it, which issuers and audiences are accepted, and what its claims give (a plan, headers
 //! for the backend). Key files (`jwks_file`, `keys`) are read here, at every load; a
-//! `jwks_url` is fetched by the running gateway (`gateway::jwks`), never by a load.
+//! `jwks_url` is fetched by the running gateway (`proxy::jwks`), never by a load.
 
 use std::collections::BTreeMap;
 use std::path::Path;

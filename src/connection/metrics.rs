@@ -1,6 +1,6 @@
 //! The metrics client connections own, registered here ([`ConnectionMetrics`]): the
 //! connections open and closed (by listener, and why), failed accepts, and the TLS
-//! listener's handshakes, sessions and certificates' expiry. `gateway::Metrics` holds
+//! listener's handshakes, sessions and certificates' expiry. `proxy::Metrics` holds
 //! them, with the one registry; a listener's [`Registry`](super::Registry) counts
 //! through its [`ListenerMetrics`], every series resolved when the listener starts.
 

@@ -86,7 +86,7 @@ impl KeyKind {
 
 /// The SHA-256 fingerprint (of the DER) of the client certificate a request's connection
 /// presented and the TLS handshake verified. Carried in the request's context
-/// (`gateway::Context`, built from the handshake at the connection) to
+/// (`proxy::Context`, built from the handshake at the connection) to
 /// [`Requester::with_client_cert`]: a client cannot put it there.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ClientCert(pub [u8; 32]);

@@ -25,7 +25,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use crate::admin::Admin;
 use crate::config::Config;
 use crate::connection::{self, InFlight, Registry, Tracked};
-use crate::gateway::{Context, Gateway, Live};
+use crate::proxy::{Context, Gateway, Live};
 use crate::upstream::ClientPeer;
 use listener::{Handler, Listener};
 
@@ -60,7 +60,7 @@ pub enum StartError {
 /// `source` (the file, with the same overrides).
 pub async fn run(config: Config, source: Option<crate::config::Source>) -> Result<(), StartError> {
     let started = std::time::Instant::now();
-    let metrics = Arc::new(crate::gateway::Metrics::new());
+    let metrics = Arc::new(crate::proxy::Metrics::new());
     let live = Live::build(config, None, &metrics)?;
     live.limiter.warm().await;
     if let Some(at) =
@@ -639,7 +639,7 @@ impl Clients {
         redirect: Option<u16>,
         client: ClientPeer,
         track: Arc<connection::Track>,
-    ) -> impl connection::Service<Tracked<crate::gateway::Body>> {
+    ) -> impl connection::Service<Tracked<crate::proxy::Body>> {
         let Clients {
             gateway: gw,
             served,
@@ -685,10 +685,10 @@ impl Handler for Admin {
 
 /// The cleartext listener's answer where `redirect_https` is on: 308 to the same URL on
 /// the TLS listener's `port` (RFC 9110 §15.4.9: the method and body are kept).
-fn to_https<B>(req: &Request<B>, port: u16) -> http::Response<crate::gateway::Body> {
+fn to_https<B>(req: &Request<B>, port: u16) -> http::Response<crate::proxy::Body> {
     // A host the gateway would refuse (userinfo, a path, two that disagree) never becomes
     // a Location: `Host: evil.example/x` is a 400, not a redirect elsewhere.
-    let sound = crate::gateway::host_is_sound(req.version(), req.uri(), req.headers());
+    let sound = crate::proxy::host_is_sound(req.version(), req.uri(), req.headers());
     let host = sound
         .then(|| req.uri().host().map(str::to_string))
         .flatten()
@@ -710,7 +710,7 @@ fn to_https<B>(req: &Request<B>, port: u16) -> http::Response<crate::gateway::Bo
         (Some(h), p) => Some(format!("https://{h}:{p}{path}")),
         (None, _) => None,
     };
-    let mut resp = http::Response::new(crate::gateway::Body::Right(Default::default()));
+    let mut resp = http::Response::new(crate::proxy::Body::Right(Default::default()));
     match location.and_then(|l| http::HeaderValue::try_from(l).ok()) {
         Some(l) => {
             *resp.status_mut() = http::StatusCode::PERMANENT_REDIRECT;

@@ -9,7 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::Config;
-use crate::gateway::Gateway;
+use crate::proxy::Gateway;
 use crate::identity::tag::{self, TagKey};
 use crate::limiter::store::Backend;
 

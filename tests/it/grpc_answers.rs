@@ -16,7 +16,7 @@ use std::time::Duration;
 use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::BodyExt;
 use ratewall::config::Config;
-use ratewall::gateway::{Admission, Context, Gateway, Live, Metrics};
+use ratewall::proxy::{Admission, Context, Gateway, Live, Metrics};
 use ratewall::limiter::ManualClock;
 use ratewall::upstream::ClientPeer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};

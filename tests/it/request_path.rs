@@ -15,7 +15,7 @@ use http::request::Parts;
 use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::BodyExt;
 use ratewall::config::Config;
-use ratewall::gateway::{Admission, Context, Gateway, Live, Metrics, Pass};
+use ratewall::proxy::{Admission, Context, Gateway, Live, Metrics, Pass};
 use ratewall::identity::ClientCert;
 use ratewall::limiter::ManualClock;
 use ratewall::upstream::ClientPeer;
