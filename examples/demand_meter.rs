@@ -12,8 +12,8 @@ use std::hint::black_box;
 use std::sync::Arc;
 use std::time::Instant;
 
-use ratewall::proxy::demand::{DemandMeter, Terms};
 use ratewall::identity::IdentityDigest;
+use ratewall::proxy::demand::{DemandMeter, Terms};
 
 const OPS: u64 = 4_000_000;
 

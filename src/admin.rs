@@ -44,12 +44,12 @@ use serde::Serialize;
 
 use crate::config::Config;
 use crate::connection::{self, InFlight, Track, Tracked};
-use crate::proxy::Gateway;
 use crate::headers::ceil_secs;
 use crate::identity;
 use crate::identity::{IdentityDigest, KeyKind, Requester};
 use crate::limiter::guard::Health;
 use crate::limiter::{Check, OnError, Quota};
+use crate::proxy::Gateway;
 use crate::rules::Rule;
 use crate::stats::{Window, HISTORY_SECS, SAMPLE_SECS};
 use guard::{Failure, Guard};

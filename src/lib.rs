@@ -93,6 +93,7 @@
 pub mod admin;
 pub mod config;
 pub mod connection;
+pub mod disposition;
 pub mod headers;
 pub mod identity;
 pub mod limiter;

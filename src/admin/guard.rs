@@ -14,8 +14,8 @@
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 
-use crate::proxy::all_metrics::AdminFailureLabels;
 use crate::identity::failures::{Allowance, Failures};
+use crate::proxy::all_metrics::AdminFailureLabels;
 
 /// Failed calls a peer may make at once.
 pub const BURST: u64 = 10;

@@ -26,10 +26,10 @@ use serde::{Deserialize, Serialize};
 
 use super::{error, json, parse_query, refused, BadCall, Reply};
 use crate::config::Config;
-use crate::proxy::Gateway;
 use crate::identity::directory::{self, Change, Entries, Entry, KeyDigest};
 use crate::identity::{sha256, MAX_KEY_LEN};
 use crate::limiter::redis::directory::{Location, RedisKeys};
+use crate::proxy::Gateway;
 
 /// The largest body a key call takes.
 pub const MAX_BODY: usize = 16 * 1024;

@@ -12,7 +12,6 @@ use http::header::{HeaderValue, HOST, USER_AGENT};
 use http::{Method, Request};
 
 use super::grpc::Code;
-use super::Note;
 use crate::config::Config;
 use crate::identity::directory::hides;
 use crate::upstream::ClientPeer;
@@ -70,35 +69,27 @@ impl AccessLine {
     }
 
     /// This line, held until the answer's body ends (a passed-on gRPC answer, whose
-    /// status comes in its trailers): what `note` borrows is copied.
-    pub(super) fn defer(self, status: u16, note: &Note<'_>) -> Deferred {
+    /// status comes in its trailers): what `entry` borrows is copied.
+    pub(super) fn defer(self, status: u16, entry: &Entry<'_>) -> Deferred {
         let owned = |s: Option<&str>| s.map(Box::<str>::from);
         Deferred {
             line: self,
             status,
-            rule: owned(note.rule),
-            shadow_denied: owned(note.shadow_denied),
-            route: owned(note.route),
-            pool: owned(note.pool),
-            rest: Note {
-                rule: None,
-                decision: note.decision,
-                identity: note.identity,
-                label: note.label.clone(),
-                upstream: note.upstream,
-                shadow_denied: None,
-                waited: note.waited,
-                route: None,
-                pool: None,
-                server: note.server.clone(),
-                attempts: note.attempts,
-                upgrade: note.upgrade,
-                grpc_status: note.grpc_status,
-            },
+            rule: owned(entry.rule),
+            decision: entry.decision,
+            identity: entry.identity,
+            label: owned(entry.label),
+            shadow_denied: owned(entry.shadow_denied),
+            waited: entry.waited,
+            route: owned(entry.route),
+            pool: owned(entry.pool),
+            server: owned(entry.server),
+            attempts: entry.attempts,
+            upgrade: entry.upgrade,
         }
     }
 
-    pub(super) fn write(self, status: u16, note: &Note<'_>) {
+    pub(super) fn write(self, status: u16, note: &Entry<'_>) {
         let id = note.identity.map(|d| d.tag());
         // Text values go as `&str`: the text format quotes and escapes them, the JSON one
         // writes them as JSON strings. An absent `Option` leaves its field out.
@@ -119,10 +110,10 @@ impl AccessLine {
             id = id.as_ref().map_or("-", |h| h.as_str()),
             // An operator's name for the key (checked when it was given: no control
             // character), quoted and escaped as every text value; absent without one.
-            label = note.label.as_deref(),
+            label = note.label,
             route = note.route.unwrap_or("-"),
             pool = note.pool.unwrap_or("-"),
-            server = note.server.as_deref().unwrap_or("-"),
+            server = note.server.unwrap_or("-"),
             attempts = note.attempts,
             upgrade = note.upgrade,
             grpc_status = note.grpc_status.map(|c| u64::from(c.number())),
@@ -131,30 +122,58 @@ impl AccessLine {
     }
 }
 
+/// What an access line says of a request beside its head, borrowed from the request's
+/// context ([`super::RequestCtx::entry`]).
+pub(super) struct Entry<'a> {
+    pub rule: Option<&'a str>,
+    pub decision: &'static str,
+    pub identity: Option<crate::identity::IdentityDigest>,
+    pub label: Option<&'a str>,
+    pub shadow_denied: Option<&'a str>,
+    pub waited: std::time::Duration,
+    pub route: Option<&'a str>,
+    pub pool: Option<&'a str>,
+    pub server: Option<&'a str>,
+    pub attempts: u32,
+    pub upgrade: Option<&'static str>,
+    pub grpc_status: Option<Code>,
+}
+
 /// An access line written when the answer's body ends: its `latency_us` runs to then.
 pub(super) struct Deferred {
     line: AccessLine,
     status: u16,
     rule: Option<Box<str>>,
+    decision: &'static str,
+    identity: Option<crate::identity::IdentityDigest>,
+    label: Option<Box<str>>,
     shadow_denied: Option<Box<str>>,
+    waited: std::time::Duration,
     route: Option<Box<str>>,
     pool: Option<Box<str>>,
-    /// The rest of the note; its borrowed fields are the ones above.
-    rest: Note<'static>,
+    server: Option<Box<str>>,
+    attempts: u32,
+    upgrade: Option<&'static str>,
 }
 
 impl Deferred {
     /// Write the line, with the gRPC status the body ended with (none if it had none).
     pub(super) fn write(self, grpc_status: Option<Code>) {
-        let note = Note {
+        let entry = Entry {
             rule: self.rule.as_deref(),
+            decision: self.decision,
+            identity: self.identity,
+            label: self.label.as_deref(),
             shadow_denied: self.shadow_denied.as_deref(),
+            waited: self.waited,
             route: self.route.as_deref(),
             pool: self.pool.as_deref(),
+            server: self.server.as_deref(),
+            attempts: self.attempts,
+            upgrade: self.upgrade,
             grpc_status,
-            ..self.rest
         };
-        self.line.write(self.status, &note);
+        self.line.write(self.status, &entry);
     }
 }
 

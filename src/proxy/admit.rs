@@ -22,19 +22,26 @@
 //! charged. A request whose credentials need no signature check (none sent, or one a
 //! cache knows) is decided all at once, as before: one round trip to the store.
 
-use http::request::Parts;
+use std::time::Duration;
 
-use super::limits::{self, Limit, Refused};
+use http::request::Parts;
+use http::{Response, StatusCode};
+
+use super::limits::{self, split, Limit, Refused};
 use super::live::Live;
-use super::route::{self, Destination};
+use super::route;
+use super::verdict::{self, Ruled};
 use super::{
-    consult, overload, problem, refused, store_failed, tokens, Admission, Dialect, Gateway, Note,
-    Pass, Verdict,
+    consult, overload, problem, refused, tally, tokens, Body, Gateway, RequestCtx, Verdict,
 };
+use crate::disposition::Disposition;
+use crate::headers::{self, Problem};
 use crate::identity::{KeyKind, Refusal, Requester};
+use crate::limiter::lease::Leases;
 use crate::limiter::store::Settlement;
 use crate::limiter::{Adjust, Algorithm, Decision};
 use crate::rules::Rule;
+use crate::stats::Named;
 
 /// Whether `rule` can be decided without the request's credentials: it counts by the
 /// client IP, a header, everyone or the TLS client certificate (alone or combined), has
@@ -76,26 +83,28 @@ struct First<'l, 'p> {
 }
 
 impl Gateway {
-    /// [`Gateway::admit_as`](super::Gateway), for the request as `requester` reads it;
-    /// `asked`: what its body asks the model for, where it was read.
-    pub(super) async fn admit_by<'l: 'p, 'p>(
+    /// Decide: the request's route, then its rules, as `requester` reads it (`asked`:
+    /// what its body asks the model for, where it was read), the store's answer and the
+    /// verdict. `Ok`: to be forwarded, with what its answer carries in `ctx`; `Err`: the
+    /// gateway's answer.
+    pub(super) async fn decide<'l: 'p, 'p>(
         &self,
-        live: &'l Live,
+        ctx: &mut RequestCtx<'l>,
         parts: &Parts,
-        dialect: Dialect,
         requester: &Requester<'p>,
         asked: Option<tokens::Asked>,
-    ) -> Admission<'l> {
+    ) -> Result<(), Response<Body>> {
+        let live = ctx.live;
         let cfg = &*live.config;
         let to = match route::choose(cfg, parts, requester) {
             Ok(Some(to)) => to,
-            Ok(None) => return self.no_route(cfg, parts, dialect),
+            Ok(None) => return Err(self.no_route(ctx, parts)),
             Err(refusal) => {
-                self.metrics.gateway.count_refusal(refusal.into());
-                let note = Note::gateway(refusal_decision(refusal));
-                return Admission::Answer(problem(refused(refusal), cfg, &[], dialect), note);
+                ctx.disposed(Disposition::Refused(refusal));
+                return Err(problem(refused(refusal), cfg, &[], ctx.dialect));
             }
         };
+        ctx.going(to);
         let fitting = limits::matching(cfg, parts, Some(&to));
         let asked = asked.as_ref();
         // A token only a signature check can judge: the rules that need no credential
@@ -108,17 +117,11 @@ impl Gateway {
             (free, rest) = fitting
                 .iter()
                 .partition(|&&i| credential_free(&cfg.rules[i]));
-            first = match self
-                .first(live, &free, requester, asked, &to, dialect)
-                .await
-            {
-                Ok(first) => first,
-                Err(answer) => return answer,
-            };
+            first = self.first(ctx, &free, requester, asked).await?;
         }
-        if let Some(refused) = self.refuse_body(live, &rest, requester, asked, &to, dialect) {
+        if let Some(refused) = self.refuse_body(ctx, &rest, requester, asked) {
             refused_by_other(live, first.as_ref());
-            return refused;
+            return Err(refused);
         }
         let limits = match Limit::all(live, &rest, requester, asked) {
             Ok(limits) => limits,
@@ -131,23 +134,17 @@ impl Gateway {
                         .copied()
                         .filter(|&i| credential_free(&cfg.rules[i]))
                         .collect();
-                    first = match self
-                        .first(live, &free, requester, asked, &to, dialect)
-                        .await
-                    {
-                        Ok(first) => first,
-                        Err(answer) => return answer,
-                    };
+                    first = self.first(ctx, &free, requester, asked).await?;
                 }
                 refused_by_other(live, first.as_ref());
-                return self.refuse(live, index, refusal, &to, dialect);
+                return Err(self.refuse(ctx, index, refusal));
             }
         };
         let (limits, decisions, verdict, leases, local) = match (first, limits.is_empty()) {
             (None, true) => {
-                let note = Note::gateway("unlimited").to(&to, cfg);
-                let pass = Pass::unlimited(note, to, dialect);
-                return Admission::Forward(self.forwarded(live, requester, pass, &fitting));
+                ctx.disposed(Disposition::Unlimited);
+                self.forwarded(ctx, requester, &fitting);
+                return Ok(());
             }
             (None, false) => {
                 let (decisions, verdict, leases, local) = consult(live, &limits).await;
@@ -171,7 +168,7 @@ impl Gateway {
                     if verdict != Verdict::Unlimited {
                         give_back(live, &first).await;
                     }
-                    return store_failed(live, &limits, verdict, to, dialect);
+                    return store_failed(ctx, &limits, verdict);
                 };
                 // Denied after the first ones allowed: theirs given back, as one
                 // decision for the whole request would never have charged them.
@@ -188,35 +185,33 @@ impl Gateway {
         };
         match (verdict, decisions) {
             (Verdict::Deny { by, jitter_us }, Some(d)) => {
-                self.deny(live, requester, &limits, &d, by, jitter_us, &to, dialect)
+                Err(self.deny(ctx, requester, &limits, &d, by, jitter_us))
             }
             (Verdict::Forward | Verdict::Delay(_), Some(d)) => {
-                let pass = self.pass(live, limits, &d, verdict, leases, local, to);
-                let pass = Pass { dialect, ..pass };
-                Admission::Forward(self.forwarded(live, requester, pass, &fitting))
+                self.pass(ctx, limits, &d, verdict, leases, local);
+                self.forwarded(ctx, requester, &fitting);
+                Ok(())
             }
-            (v, _) => store_failed(live, &limits, v, to, dialect),
+            (v, _) => store_failed(ctx, &limits, v),
         }
     }
 
-    /// A pass, with what is found only for a request let through: its pool's balancing
-    /// hash, its overload priority, the claims its backend gets (each may verify a token
-    /// no rule asked for; never before the rules were charged).
+    /// What is found only for a request let through: its pool's balancing hash, its
+    /// overload priority, the claims its backend gets (each may verify a token no rule
+    /// asked for; never before the rules were charged).
     fn forwarded<'l: 'p, 'p>(
         &self,
-        live: &'l Live,
+        ctx: &mut RequestCtx<'l>,
         requester: &Requester<'p>,
-        pass: Pass<'l>,
         fitting: &[usize],
-    ) -> Pass<'l> {
-        let cfg = &*live.config;
-        let to = pass.to.hashed(cfg, requester);
-        Pass {
-            priority: overload::priority(live, fitting, requester, &to),
-            claims: requester.forwarded_claims(),
-            to,
-            ..pass
+    ) {
+        let live = ctx.live;
+        if let Some(to) = ctx.to {
+            let to = to.hashed(&live.config, requester);
+            ctx.priority = overload::priority(live, fitting, requester, &to);
+            ctx.to = Some(to);
         }
+        ctx.claims = requester.forwarded_claims();
     }
 
     /// Decide the rules `free` (each [`credential_free`]) on their own: what they said,
@@ -225,28 +220,26 @@ impl Gateway {
     /// 503).
     async fn first<'l: 'p, 'p>(
         &self,
-        live: &'l Live,
+        ctx: &mut RequestCtx<'l>,
         free: &[usize],
         requester: &Requester<'p>,
         asked: Option<&tokens::Asked>,
-        to: &Destination,
-        dialect: Dialect,
-    ) -> Result<Option<First<'l, 'p>>, Admission<'l>> {
+    ) -> Result<Option<First<'l, 'p>>, Response<Body>> {
         if free.is_empty() {
             return Ok(None);
         }
         // A rule that refuses on its own (a header it counts by is missing) is left to
         // the whole request's decision, which refuses it.
-        let Ok(limits) = Limit::all(live, free, requester, asked) else {
+        let Ok(limits) = Limit::all(ctx.live, free, requester, asked) else {
             return Ok(None);
         };
         if limits.is_empty() {
             return Ok(None);
         }
-        let (decisions, verdict, _, local) = consult(live, &limits).await;
+        let (decisions, verdict, _, local) = consult(ctx.live, &limits).await;
         match (verdict, decisions) {
             (Verdict::Deny { by, jitter_us }, Some(d)) => {
-                Err(self.deny(live, requester, &limits, &d, by, jitter_us, to, dialect))
+                Err(self.deny(ctx, requester, &limits, &d, by, jitter_us))
             }
             (Verdict::Forward | Verdict::Delay(_), Some(decisions)) => Ok(Some(First {
                 limits,
@@ -254,35 +247,144 @@ impl Gateway {
                 local,
             })),
             (Verdict::Unlimited, _) => Ok(None),
-            (v, _) => Err(store_failed(live, &limits, v, *to, dialect)),
+            (v, _) => store_failed(ctx, &limits, v).map(|()| None),
         }
     }
 
     /// A request one rule refused before any limit was consulted (its credentials, a
     /// malformed key): its answer, counted under that rule.
-    fn refuse<'l>(
-        &self,
-        live: &'l Live,
-        index: usize,
-        refusal: Refusal,
-        to: &Destination,
-        dialect: Dialect,
-    ) -> Admission<'l> {
-        let cfg = &*live.config;
-        if let Some(c) = live.counters.get(index) {
+    fn refuse(&self, ctx: &mut RequestCtx<'_>, index: usize, refusal: Refusal) -> Response<Body> {
+        let cfg = ctx.config();
+        if let Some(c) = ctx.live.counters.get(index) {
             match refusal.status() {
-                http::StatusCode::BAD_REQUEST => c.bad_key.inc(),
+                StatusCode::BAD_REQUEST => c.bad_key.inc(),
                 _ => c.refused.inc(),
             };
         }
-        self.metrics.gateway.count_refusal(refusal.into());
-        let resp = problem(refused(refusal), cfg, &[], dialect);
-        let note = Note {
-            rule: cfg.rules.get(index).map(|r| r.name.as_str()),
-            ..Note::gateway(refusal_decision(refusal)).to(to, cfg)
-        };
-        Admission::Answer(resp, note)
+        ctx.disposed(Disposition::Refused(refusal));
+        ctx.rule = cfg.rules.get(index).map(|r| r.name.as_str());
+        problem(refused(refusal), cfg, &[], ctx.dialect)
     }
+
+    /// The 404 of a request no route fits when no pool `default` takes the rest: never
+    /// forwarded, counted (`ratewall_refusals_total{reason="no_route"}`) and logged.
+    fn no_route(&self, ctx: &mut RequestCtx<'_>, parts: &Parts) -> Response<Body> {
+        tracing::debug!(method = %parts.method, path = parts.uri.path(), "no route matches the request");
+        ctx.disposed(Disposition::NoRoute);
+        let p = Problem::new(StatusCode::NOT_FOUND, "no route matches this request");
+        problem(p, ctx.config(), &[], ctx.dialect)
+    }
+
+    /// A denied request's 429, and the counts it adds.
+    fn deny<'l>(
+        &self,
+        ctx: &mut RequestCtx<'l>,
+        requester: &Requester<'_>,
+        limits: &[Limit<'l, '_>],
+        decisions: &[Option<Decision>],
+        by: usize,
+        jitter_us: u64,
+    ) -> Response<Body> {
+        let live = ctx.live;
+        let cfg = &*live.config;
+        let shadow_denied = tally(live, limits, decisions, true);
+        let (applied, shadow) = split(limits, decisions);
+        let limit = &limits[by];
+        self.metrics
+            .stats
+            .limited(limit.identity.digest, &limit.rule.name, || {
+                let source = &limit.identity.source;
+                Named {
+                    hint: limit.identity.hint(),
+                    label: requester.label_of(source).map(|l| l.to_string()),
+                    claims: requester.claims_of(source),
+                }
+            });
+        ctx.disposed(Disposition::Denied)
+            .by(Some(limit.rule.name.as_str()), Some(limit.identity.digest));
+        ctx.shadow_denied = shadow_denied;
+        let p = Problem::too_many_requests(&applied, crate::random::up_to(jitter_us));
+        let waits_ms = p.retry_after_ms.unwrap_or(0);
+        self.metrics
+            .gateway
+            .dashboards
+            .denied(live, limits, decisions, by, waits_ms);
+        let mut resp = problem(p, cfg, &applied, ctx.dialect);
+        headers::add_shadow(resp.headers_mut(), cfg.response, &shadow);
+        resp
+    }
+
+    /// An admitted request's decisions, and the counts they add.
+    fn pass<'l>(
+        &self,
+        ctx: &mut RequestCtx<'l>,
+        limits: Vec<Limit<'l, '_>>,
+        decisions: &[Option<Decision>],
+        verdict: Verdict,
+        leases: Option<Leases>,
+        local: bool,
+    ) {
+        let live = ctx.live;
+        ctx.shadow_denied = tally(live, &limits, decisions, false);
+        self.metrics
+            .gateway
+            .dashboards
+            .admitted(live, &limits, decisions);
+        (ctx.applied, ctx.shadow) = split(&limits, decisions);
+        ctx.settling = self.reserve(live, &limits, decisions, local);
+        let ruled: Vec<Ruled> = limits.iter().map(Limit::ruled).collect();
+        let closest = verdict::closest(&ruled, decisions).map(|k| &limits[k]);
+        ctx.disposed(verdict.disposition()).by(
+            closest.map(|l| l.rule.name.as_str()),
+            closest.map(|l| l.identity.digest),
+        );
+        if let Verdict::Delay(us) = verdict {
+            ctx.waited = Duration::from_micros(us);
+        }
+        ctx.messages = limits
+            .iter()
+            .filter(|l| l.enforced && (l.rule.messages.is_some() || l.rule.bytes.is_some()))
+            .map(|l| (l.index, l.identity.digest, l.quota.max_delay_us))
+            .collect();
+        // Waiting on a rule holds its place in that rule's queue; the others are free.
+        ctx.slots = limits
+            .into_iter()
+            .zip(decisions)
+            .filter(|(_, d)| d.is_some_and(|d| d.allowed && d.retry_after_us > 0))
+            .filter_map(|(l, _)| l.slot)
+            .collect();
+        ctx.leases = leases;
+    }
+}
+
+/// The store failed: forward unlimited or answer 503, as `on_error` said.
+// The answer is made once and returned at once: boxing it would cost an allocation.
+#[allow(clippy::result_large_err)]
+fn store_failed<'l>(
+    ctx: &mut RequestCtx<'l>,
+    limits: &[Limit<'l, '_>],
+    verdict: Verdict,
+) -> Result<(), Response<Body>> {
+    for l in limits {
+        ctx.live.counters[l.index].error.inc();
+    }
+    ctx.disposed(verdict.disposition()).by(
+        limits.first().map(|l| l.rule.name.as_str()),
+        limits.first().map(|l| l.identity.digest),
+    );
+    if verdict == Verdict::Unlimited {
+        return Ok(());
+    }
+    let p = Problem::new(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the rate-limit store is unavailable",
+    );
+    Err(problem(
+        p.with_retry_after(1),
+        ctx.config(),
+        &[],
+        ctx.dialect,
+    ))
 }
 
 /// The rules decided first that charged a request another then refused: each counts it
@@ -298,16 +400,11 @@ fn refused_by_other(live: &Live, first: Option<&First<'_, '_>>) {
     }
 }
 
-/// The access log's `decision` of a refusal.
-fn refusal_decision(refusal: Refusal) -> &'static str {
-    Verdict::Refuse(refusal).decision()
-}
-
 /// The verdict on `limits` decided as `decisions` (each rule's own, however many calls
 /// decided them).
 fn judge(live: &Live, limits: &[Limit<'_, '_>], decisions: &[Option<Decision>]) -> Verdict {
     let ruled: Vec<_> = limits.iter().map(Limit::ruled).collect();
-    super::verdict::judge(&ruled, Some(decisions), live.config.store.on_error)
+    verdict::judge(&ruled, Some(decisions), live.config.store.on_error)
 }
 
 /// The rules decided first and the others, as one request's: in the config's order.

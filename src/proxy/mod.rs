@@ -1,12 +1,18 @@
-//! One request, top to bottom: screen its head (`screen.rs`) -> the rules that apply and
-//! who the request is under each (`limits.rs`) -> the store's answer -> one [`Verdict`]
-//! ([`verdict`], pure) -> an answer written here, or the request forwarded upstream with
-//! its `RateLimit-*` headers. Every answer written here goes through [`problem`], which
-//! writes it as HTTP (problem+json) or, to a gRPC call, as a gRPC answer ([`grpc`]). [`Gateway::admit`] does everything up to forwarding (the
-//! part tested in process, with an injected clock and no sockets); [`Gateway::handle`] is
-//! the thin shell around it: admit, wait, forward or answer, record.
+//! One request, top to bottom, in its [`RequestCtx`]: the phases of [`Gateway::handle`]
+//! run in the order they are written below — screen its head (`screen.rs`), read what its
+//! body asks a model for (`tokens.rs`), identify it (the request's [`Requester`]), decide
+//! it (`admit.rs`: its route, the rules that apply and who it is under each, the store's
+//! answer, one pure [`Verdict`]), wait for the tokens it reserved, ask its pool's
+//! overload protection (`overload.rs`), forward it, respond (settle what the answer
+//! says, `reserve.rs`; tunnel an upgrade, `switched.rs`), and [`Gateway::finish`]: the
+//! one place that writes its access line, counts it and feeds the status page, all read
+//! off its [`Disposition`].
 //!
-//! The live configuration each request runs on ([`Live`]) is swapped whole on reload.
+//! Every answer written here goes through [`problem`], which writes it as HTTP
+//! (problem+json) or, to a gRPC call, as a gRPC answer ([`grpc`]). [`Gateway::admit`]
+//! runs the phases up to forwarding (the part tested in process, with an injected clock
+//! and no sockets). The live configuration each request runs on ([`Live`]) is swapped
+//! whole on reload.
 
 mod access;
 mod admit;
@@ -14,6 +20,7 @@ pub mod all_metrics;
 mod answer;
 mod body;
 mod context;
+mod ctx;
 pub mod dashboards;
 pub mod demand;
 mod explain;
@@ -31,7 +38,7 @@ mod tokens;
 pub mod verdict;
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use arc_swap::ArcSwap;
 use http::request::Parts;
@@ -40,28 +47,27 @@ use http_body_util::Either;
 use hyper::body::Incoming;
 
 use crate::config::{Config, ConfigError, Source};
-use crate::headers::{self, Applied, Problem};
-use crate::identity::{IdentityDigest, Requester};
+use crate::disposition::Disposition;
+use crate::headers::{self, Problem};
+use crate::identity::Requester;
 use crate::limiter::guard::{Answer, Now};
 use crate::limiter::lease::Leases;
 use crate::limiter::{Check, Decision, StoreError};
 use crate::metrics::Gauged;
-use crate::settle::Settling;
-use crate::stats::{Named, Outcome};
-use crate::upstream::{self, ClientPeer, Downstream};
+use crate::stats::Outcome;
+use crate::upstream::{self, Downstream};
 use access::AccessLine;
 use grpc::{Dialect, Origin};
-use limits::{split, Limit};
-use live::WaitSlot;
+use limits::Limit;
 use metrics::{status_class, RefusalReason, ReloadLabels, ReloadResult};
-use route::Destination;
-use verdict::{Ruled, Tally, Verdict};
+use verdict::{Ruled, Verdict};
 
 pub use all_metrics::Metrics;
 use answer::close_after;
 pub use answer::problem;
 pub use body::{Body, LeasedBody};
 pub use context::Context;
+pub use ctx::RequestCtx;
 pub use explain::explain;
 pub use live::Live;
 
@@ -90,157 +96,15 @@ pub fn host_is_sound(version: http::Version, uri: &http::Uri, headers: &HeaderMa
     screen::host_problem(version, uri, headers).is_none()
 }
 
-/// How a request was answered, for the access log and the metrics.
-#[derive(Debug, Clone)]
-pub struct Note<'l> {
-    /// The rule that decided: the one that denied, or the one closest to denying.
-    pub rule: Option<&'l str>,
-    /// `allowed`, `delayed`, `denied`, `unlimited`, `store_error`, `unauthorized`,
-    /// `bad_key`, `bad_request`, `redirect` (`redirect_https`), `shed` (overload).
-    pub decision: &'static str,
-    pub identity: Option<IdentityDigest>,
-    /// The label of the request's API key, where it is listed with one.
-    pub label: Option<Arc<str>>,
-    /// Whether the upstream answered (rather than the gateway).
-    pub upstream: bool,
-    /// A rule that would have denied had it enforced (shadow mode, rollout).
-    pub shadow_denied: Option<&'l str>,
-    /// How long the request waited for reserved tokens.
-    pub waited: Duration,
-    /// The route it matched, and its pool (none for a request answered before routing,
-    /// or that no route fits).
-    pub route: Option<&'l str>,
-    pub pool: Option<&'l str>,
-    /// The server of its last attempt (its URL as the file writes it), and how many
-    /// servers were tried.
-    pub server: Option<Arc<str>>,
-    pub attempts: u32,
-    /// What an upgraded connection switched to, when it was one: `websocket`, or
-    /// `other` for any other `Upgrade` token.
-    pub upgrade: Option<&'static str>,
-    /// A gRPC call's final `grpc-status`: the gateway's, or the upstream's (from its
-    /// Trailers-Only headers, or its trailers: the line is then written when the body
-    /// ends). None for other requests, and for a gRPC answer that carried none.
-    pub grpc_status: Option<grpc::Code>,
-}
-
-impl<'l> Note<'l> {
-    fn gateway(decision: &'static str) -> Self {
-        Note {
-            rule: None,
-            decision,
-            identity: None,
-            label: None,
-            upstream: false,
-            shadow_denied: None,
-            waited: Duration::ZERO,
-            route: None,
-            pool: None,
-            server: None,
-            attempts: 0,
-            upgrade: None,
-            grpc_status: None,
-        }
-    }
-
-    /// This note, for a request going to `to`.
-    fn to(self, to: &Destination, cfg: &'l Config) -> Self {
-        Note {
-            route: to.route_name(cfg),
-            pool: to.pool_name(cfg),
-            ..self
-        }
-    }
-}
-
-/// What the gateway decided about a request, before anything went upstream.
+/// What the gateway decided about a request, before anything went upstream
+/// ([`Gateway::admit`]): answered by the gateway (a bad request, a refusal, a denial, a
+/// failed store), or to be forwarded; its context either way.
 // Made once per request and matched at once: boxing the answer would cost more than the
 // bytes it saves.
 #[allow(clippy::large_enum_variant)]
 pub enum Admission<'l> {
-    /// Answered by the gateway: a bad request, a refusal, a denial, a failed store.
-    Answer(Response<Body>, Note<'l>),
-    /// To be forwarded.
-    Forward(Pass<'l>),
-}
-
-/// A request let through: what its answer carries, what it holds, how long it waits.
-pub struct Pass<'l> {
-    /// The enforcing rules' decisions (`RateLimit-*`), and apart, the watching ones'
-    /// (`RateLimit-Shadow`).
-    pub applied: Vec<Applied<'l>>,
-    pub shadow: Vec<Applied<'l>>,
-    /// Its concurrency slots, given back when its response ends.
-    leases: Option<Leases>,
-    /// Its places in the queues of the rules it waits on, held while it waits.
-    slots: Vec<WaitSlot<'l>>,
-    /// Where it goes.
-    pub to: Destination,
-    /// Whether it is a gRPC call: the gateway's answers to it, if forwarding fails, are
-    /// gRPC answers.
-    pub dialect: Dialect,
-    pub note: Note<'l>,
-    /// The rules with a WebSocket limit (`messages`, `bytes`) that let it through: each
-    /// one's position, who the request is under it, and how long it may hold a client back
-    /// (its `max_delay`, µs). Used only where the request upgrades.
-    messages: Vec<(usize, IdentityDigest, u64)>,
-    /// The headers its verified token's claims give the backend (`[jwt] forward_claims`).
-    claims: Vec<(http::HeaderName, http::HeaderValue)>,
-    /// The charges of its rules that settle once the answer is known (`charge`,
-    /// `cost_header`, `cost_from`); none for rules whose charge stands as taken.
-    settling: Option<Settling>,
-    /// Its place in an overloaded pool's queue (`gateway/overload.rs`).
-    priority: u32,
-}
-
-impl<'l> Pass<'l> {
-    fn unlimited(note: Note<'l>, to: Destination, dialect: Dialect) -> Pass<'l> {
-        Pass {
-            applied: Vec::new(),
-            shadow: Vec::new(),
-            leases: None,
-            slots: Vec::new(),
-            to,
-            dialect,
-            note,
-            messages: Vec::new(),
-            claims: Vec::new(),
-            settling: None,
-            priority: 0,
-        }
-    }
-
-    /// The upstream answered: count each rule's pass (allowed, or delayed where it waited),
-    /// enforcing or watching. Counted only now: a request the backend never answered is
-    /// that rule's 502 or 504, not its pass, so no rule counts more passes than the
-    /// requests that passed.
-    fn count_passed(&self, live: &Live) {
-        for a in self.applied.iter().chain(&self.shadow) {
-            let Some(c) = live.counters.get(a.index) else {
-                continue;
-            };
-            if !a.decision.allowed {
-                // A watching rule that would have denied: its shadow_denied is counted.
-                continue;
-            }
-            if a.decision.retry_after_us > 0 {
-                c.delayed.inc();
-            } else {
-                c.allowed.inc();
-            }
-        }
-    }
-
-    /// How long the request waits for its reserved tokens before it is forwarded.
-    pub fn wait(&self) -> Duration {
-        self.note.waited
-    }
-
-    /// The rate-limit headers the upstream's answer gets.
-    pub fn decorate(&self, headers: &mut HeaderMap, cfg: &Config) {
-        headers::add_ratelimit(headers, cfg.response, &self.applied);
-        headers::add_shadow(headers, cfg.response, &self.shadow);
-    }
+    Answer(Response<Body>, RequestCtx<'l>),
+    Forward(RequestCtx<'l>),
 }
 
 impl Gateway {
@@ -321,20 +185,77 @@ impl Gateway {
         Ok(())
     }
 
-    /// Serve one request, in its context (built at its connection): admit it, then answer
-    /// or forward it, and record how it went.
-    /// `ctx` is borrowed: an `async fn`'s arguments are laid out twice in its future.
-    pub async fn handle(&self, req: Request<Incoming>, ctx: &Context) -> Response<Body> {
-        let started = Instant::now();
+    /// Serve one request, in its connection's context: its phases in the order they run,
+    /// then [`Gateway::finish`].
+    /// `conn` is borrowed: an `async fn`'s arguments are laid out twice in its future.
+    pub async fn handle(&self, req: Request<Incoming>, conn: &Context) -> Response<Body> {
         let _in_flight = Gauged::new(&self.metrics.gateway.in_flight);
         let live = self.live.load_full();
-        let log = AccessLine::start(&req, &ctx.peer, &live.config);
+        let line = AccessLine::start(&req, &conn.peer, &live.config);
         self.metrics
             .gateway
-            .count_protocol(req.version(), ctx.peer.tls.as_ref().map(|t| t.version));
+            .count_protocol(req.version(), conn.peer.tls.as_ref().map(|t| t.version));
         let (mut parts, body) = req.into_parts();
-        if !live.config.server.underscores_in_headers {
-            let dropped = screen::drop_underscored(&mut parts.headers);
+        self.drop_underscored(&live.config, &mut parts.headers);
+        let mut ctx = RequestCtx::new(&live, Dialect::of(&parts.headers), line);
+        // Read only where a rule the request meets reserves what its body asks for.
+        let mut body = upstream::RequestBody::from(body);
+        let resp = match self.admit_in(&mut ctx, &parts, conn, Some(&mut body)).await {
+            Err(answer) => answer,
+            Ok(()) => {
+                // Boxed: most of this future's size, moved whole even for a 429.
+                let req = Request::from_parts(parts, body);
+                Box::pin(self.forward(&mut ctx, req, conn)).await
+            }
+        };
+        self.finish(ctx, resp)
+    }
+
+    /// Everything a request goes through before it is forwarded: screened, matched,
+    /// identified (from its parts and its connection's [`Context`]: the peer, the client
+    /// certificate), limited, judged. No socket is touched: the store is asked, and
+    /// nothing else happens outside the process.
+    ///
+    /// A gRPC call (by its `content-type`, [`Dialect::of`]) gets gRPC answers.
+    pub async fn admit<'l>(&self, live: &'l Live, parts: &Parts, conn: &Context) -> Admission<'l> {
+        let mut ctx = RequestCtx::new(live, Dialect::of(&parts.headers), None);
+        match self.admit_in(&mut ctx, parts, conn, None).await {
+            Ok(()) => Admission::Forward(ctx),
+            Err(resp) => Admission::Answer(resp, ctx),
+        }
+    }
+
+    /// The phases before forwarding: screen, read what the body asks for (`body`: still
+    /// streaming from the client, read where a rule it meets reserves `max_tokens`),
+    /// identify, decide. `Err`: the gateway's answer.
+    async fn admit_in<'l>(
+        &self,
+        ctx: &mut RequestCtx<'l>,
+        parts: &Parts,
+        conn: &Context,
+        body: Option<&mut upstream::RequestBody>,
+    ) -> Result<(), Response<Body>> {
+        self.screen(ctx, parts, conn)?;
+        let asked = self.read_asked(ctx, parts, body).await?;
+        let cfg = ctx.config();
+        let requester = Requester::new(&parts.headers, conn.peer.ip(), &cfg.keys, &cfg.client_ip)
+            .with_client_cert(conn.client_cert.as_ref())
+            .with_jwt(cfg.jwt.as_ref().map(|j| &*j.verifier))
+            .counting_failures();
+        let decided = self.decide(ctx, parts, &requester, asked).await;
+        // Whoever decided, the access line names the key's label: looked up (a key's
+        // digest, where no rule took it) only where an access line is written.
+        if tracing::enabled!(target: "ratewall::access", tracing::Level::INFO) {
+            ctx.label = requester.label().cloned();
+        }
+        decided
+    }
+
+    /// A client's fields with an underscore in their name are dropped unless
+    /// `underscores_in_headers` (a backend may read `X_Api_Key` as `X-Api-Key`).
+    fn drop_underscored(&self, cfg: &Config, headers: &mut HeaderMap) {
+        if !cfg.server.underscores_in_headers {
+            let dropped = screen::drop_underscored(headers);
             if dropped > 0 {
                 self.metrics
                     .gateway
@@ -342,46 +263,199 @@ impl Gateway {
                     .inc_by(dropped);
             }
         }
-        let dialect = Dialect::of(&parts.headers);
-        // Read only where a rule the request meets reserves what its body asks for.
-        let mut body = upstream::RequestBody::from(body);
-        let (mut resp, mut note, forwarded) = match self
-            .admit_as(&live, &parts, ctx, dialect, Some(&mut body))
-            .await
-        {
-            Admission::Answer(resp, note) => (resp, note, false),
-            Admission::Forward(pass) => {
-                // Boxed: most of this future's size, moved whole even for a 429.
-                let forward = self.forward(&live, Request::from_parts(parts, body), ctx, pass);
-                let (resp, note) = Box::pin(forward).await;
-                (resp, note, true)
-            }
+    }
+
+    /// Screen: a head the gateway will not pass on is answered 400 (or 501).
+    // The answer is made once and returned at once: boxing it would cost an allocation
+    // per refused request.
+    #[allow(clippy::result_large_err)]
+    fn screen(
+        &self,
+        ctx: &mut RequestCtx<'_>,
+        parts: &Parts,
+        conn: &Context,
+    ) -> Result<(), Response<Body>> {
+        let Some(p) = screen::problem(parts) else {
+            return Ok(());
         };
+        tracing::debug!(peer = %conn.peer.ip(), status = p.status.as_u16(), "malformed request refused");
+        let not_implemented = p.status == StatusCode::NOT_IMPLEMENTED;
+        ctx.disposed(Disposition::Malformed { not_implemented });
+        let mut resp = problem(p, ctx.config(), &[], ctx.dialect);
+        if parts.version < http::Version::HTTP_2 {
+            close_after(&mut resp);
+        }
+        Err(resp)
+    }
+
+    /// What the body asks a model for, read before anything is identified (identities are
+    /// not held across a wait), where a rule the request meets reserves it.
+    async fn read_asked(
+        &self,
+        ctx: &mut RequestCtx<'_>,
+        parts: &Parts,
+        body: Option<&mut upstream::RequestBody>,
+    ) -> Result<Option<tokens::Asked>, Response<Body>> {
+        let live = ctx.live;
+        let Some(body) = body.filter(|_| limits::may_read_body(live, parts)) else {
+            return Ok(None);
+        };
+        let timeout = live.config.server.timeouts.body;
+        match tokens::read_into(body, parts, timeout).await {
+            Ok(asked) => Ok(Some(asked)),
+            Err(p) => {
+                // The rest of the body is in an unknown state: nothing after it on this
+                // connection can be trusted to start where a request starts.
+                ctx.disposed(Disposition::BodyUnread);
+                let mut resp = problem(p, ctx.config(), &[], ctx.dialect);
+                close_after(&mut resp);
+                Err(resp)
+            }
+        }
+    }
+
+    /// Wait for the reserved tokens, then forward: the upstream's answer with the
+    /// rate-limit headers, or the gateway's answer to what went wrong.
+    async fn forward(
+        &self,
+        ctx: &mut RequestCtx<'_>,
+        req: Request<upstream::RequestBody>,
+        conn: &Context,
+    ) -> Response<Body> {
+        if !ctx.waited.is_zero() {
+            let _waiting = Gauged::new(&self.metrics.gateway.waiting);
+            tokio::time::sleep(ctx.waited).await;
+        }
+        ctx.slots.clear();
+        let live = ctx.live;
+        let cfg = &*live.config;
+        let peer = &conn.peer;
+        let down = Downstream {
+            peer,
+            trusted: crate::identity::is_trusted(
+                peer.ip().to_canonical(),
+                &cfg.client_ip.trusted_proxies,
+            ),
+            body_timeout: cfg.server.timeouts.body,
+        };
+        let version = req.version();
+        let started = Instant::now();
+        // Never without: a request is admitted with its destination, one of the config's
+        // pools, and `live` is built from it.
+        let Some((to, pool)) = ctx.to.and_then(|to| Some((to, live.pools.get(to.pool)?))) else {
+            drop(ctx.leases.take());
+            return self.upstream_failed(ctx, upstream::Error::NoServer, version, conn);
+        };
+        let target = to.target(cfg, req.uri());
+        // An upgrade goes up as one only where the client's side can switch too.
+        let (mut parts, body) = req.into_parts();
+        // The claims' headers come from the verified token only: a client's own copies
+        // are dropped, whether or not the request carried a token.
+        if let Some(jwt) = &cfg.jwt {
+            for (_, header) in &jwt.verifier.settings.forward_claims {
+                parts.headers.remove(header);
+            }
+            for (header, value) in std::mem::take(&mut ctx.claims) {
+                parts.headers.append(header, value);
+            }
+        }
+        ctx.settled_fields(&mut parts.headers);
+        let upgrade = upstream::Upgrade::asked(&parts, hyper::body::Body::is_end_stream(&body))
+            .and_then(|asked| {
+                let on = parts.extensions.remove::<hyper::upgrade::OnUpgrade>()?;
+                Some((asked, on))
+            });
+        let req = Request::from_parts(parts, body);
+        let mut out = upstream::Outbound::new(req, target, &pool.default_host());
+        if let Some((asked, _)) = &upgrade {
+            out.upgrading(asked.clone());
+        }
+        ctx.settled_outbound(&mut out);
+        let pick = upstream::Pick {
+            hash: to.hash,
+            worker: conn.worker,
+        };
+        let permit = match self.permit(ctx, pool).await {
+            Ok(permit) => permit,
+            Err(resp) => return resp,
+        };
+        let forwarded = pool.forward(&mut out, &down, pick).await;
+        if let (Some(p), true) = (permit, forwarded.result.is_ok()) {
+            p.answered();
+        }
+        ctx.server = forwarded.server;
+        ctx.attempts = forwarded.attempts;
+        let result = forwarded.result;
+        self.count_upstream(&result, started);
+        if let Err(e) = &result {
+            count_rule_failures(ctx, e);
+        }
+        match result {
+            Ok(resp) => self.respond(ctx, resp, upgrade, conn).await,
+            Err(e) => {
+                // The request is over: its leases are dropped here, giving its slots back.
+                drop(ctx.leases.take());
+                ctx.unanswered().await;
+                self.upstream_failed(ctx, e, version, conn)
+            }
+        }
+    }
+
+    /// The upstream answered: settle what its head says, tunnel an upgrade, and pass the
+    /// answer on with the rate-limit headers, its body holding the request's leases.
+    async fn respond(
+        &self,
+        ctx: &mut RequestCtx<'_>,
+        mut resp: Response<upstream::ResponseBody>,
+        upgrade: Option<(upstream::Upgrade, hyper::upgrade::OnUpgrade)>,
+        conn: &Context,
+    ) -> Response<Body> {
+        ctx.count_passed();
+        let meter = ctx.answered(&mut resp).await;
+        if let Some((asked, on)) = upgrade {
+            self.tunnel(ctx, conn, &mut resp, asked, on);
+        }
+        let leases = ctx.leases.take();
+        let cost_headers = &ctx.live.cost_headers;
+        let screened = (!cost_headers.is_empty()).then(|| cost_headers.clone());
+        let mut resp = resp.map(|body| {
+            let body = LeasedBody::new(body, leases)
+                .metered(meter)
+                .screened(screened);
+            Either::Left(body)
+        });
+        ctx.decorate(resp.headers_mut());
+        ctx.upstream = true;
+        resp
+    }
+
+    /// The request is over: count it, feed the status page and write its access line,
+    /// all read off its context. A redirect (answered before the gateway proper) has its
+    /// access line only.
+    fn finish(&self, mut ctx: RequestCtx<'_>, mut resp: Response<Body>) -> Response<Body> {
         let status = resp.status().as_u16();
-        // A gRPC answer of the gateway is an HTTP 200: it counts as the status it stands for.
-        let meant = match (dialect, note.upstream) {
-            (Dialect::Grpc, false) => {
-                grpc::status_of(resp.headers()).map_or(status, |code| code.stands_for(forwarded))
+        if ctx.disposition.is_counted() {
+            // A gRPC answer of the gateway is an HTTP 200: it counts as the status it
+            // stands for.
+            let meant = match (ctx.dialect, ctx.upstream) {
+                (Dialect::Grpc, false) => grpc::status_of(resp.headers()).map_or(status, |code| {
+                    code.stands_for(ctx.disposition.passed_limits())
+                }),
+                _ => status,
+            };
+            let m = &self.metrics;
+            m.gateway.count_response(status_class(meant), ctx.upstream);
+            if let Some(reason) = refusal_reason(ctx.disposition) {
+                m.gateway.count_refusal(reason);
             }
-            _ => status,
-        };
-        self.metrics
-            .gateway
-            .count_response(status_class(meant), note.upstream);
-        let outcome = match (forwarded, note.decision) {
-            // Shed by the pool's overload protection: a 503 (or gRPC 14) of its own kind.
-            (_, "shed") => Outcome::Overloaded,
-            (true, _) => Outcome::forwarded(note.upstream, meant),
-            (false, _) => Outcome::answered(meant),
-        };
-        self.metrics
-            .gateway
-            .count_outcome(outcome, started.elapsed());
-        self.metrics.stats.ended(outcome);
-        if dialect == Dialect::Grpc {
-            self.grpc_answered(&mut resp, &mut note, log.map(|l| (l, status)));
-        } else if let Some(log) = log {
-            log.write(status, &note);
+            let outcome = outcome(ctx.disposition, ctx.upstream, meant);
+            m.gateway.count_outcome(outcome, ctx.started.elapsed());
+            m.stats.ended(outcome);
+        }
+        if ctx.dialect == Dialect::Grpc {
+            self.grpc_answered(&mut resp, &mut ctx, status);
+        } else if let Some(line) = ctx.line.take() {
+            line.write(status, &ctx.entry());
         }
         resp
     }
@@ -389,28 +463,24 @@ impl Gateway {
     /// A gRPC call's answer: its status counted and logged now when its headers carry it
     /// (the gateway's answers, an upstream's Trailers-Only one), or else, for a passed-on
     /// answer, once its body ends with its trailers ([`grpc::Watch`]).
-    fn grpc_answered(
-        &self,
-        resp: &mut Response<Body>,
-        note: &mut Note<'_>,
-        log: Option<(AccessLine, u16)>,
-    ) {
-        let origin = match note.upstream {
+    fn grpc_answered(&self, resp: &mut Response<Body>, ctx: &mut RequestCtx<'_>, status: u16) {
+        let origin = match ctx.upstream {
             true => Origin::Upstream,
             false => Origin::Gateway,
         };
-        note.grpc_status = grpc::status_of(resp.headers());
-        match (note.grpc_status, resp.body_mut()) {
+        ctx.grpc_status = grpc::status_of(resp.headers());
+        let line = ctx.line.take();
+        match (ctx.grpc_status, resp.body_mut()) {
             (None, Either::Left(body)) => {
-                let log = log.map(|(l, status)| l.defer(status, note));
+                let log = line.map(|l| l.defer(status, &ctx.entry()));
                 body.watch(grpc::Watch::new(self.metrics.clone(), log));
             }
-            (status, _) => {
-                if let Some(code) = status {
+            (code, _) => {
+                if let Some(code) = code {
                     self.metrics.gateway.count_grpc(code, origin);
                 }
-                if let Some((log, status)) = log {
-                    log.write(status, note);
+                if let Some(line) = line {
+                    line.write(status, &ctx.entry());
                 }
             }
         }
@@ -424,307 +494,23 @@ impl Gateway {
     pub fn redirect<B>(
         &self,
         req: &Request<B>,
-        ctx: &Context,
+        conn: &Context,
         answer: impl FnOnce(&Request<B>) -> Response<Body>,
     ) -> Response<Body> {
-        let log = AccessLine::start(req, &ctx.peer, &self.live.load().config);
+        let live = self.live.load_full();
+        let line = AccessLine::start(req, &conn.peer, &live.config);
         let resp = answer(req);
-        let decision = match resp.status() {
+        let mut ctx = RequestCtx::new(&live, Dialect::Http, line);
+        match resp.status() {
             StatusCode::PERMANENT_REDIRECT => {
                 self.metrics.gateway.https_redirects.inc();
-                "redirect"
+                ctx.disposed(Disposition::Redirected);
             }
-            _ => "bad_request",
-        };
-        if let Some(log) = log {
-            log.write(resp.status().as_u16(), &Note::gateway(decision));
-        }
-        resp
-    }
-
-    /// Everything a request goes through before it is forwarded: screened, matched,
-    /// identified (from its parts and its [`Context`]: the peer, the client certificate),
-    /// limited, judged. No socket is touched: the store is asked, and nothing else happens
-    /// outside the process.
-    ///
-    /// A gRPC call (by its `content-type`, [`Dialect::of`]) gets gRPC answers.
-    pub async fn admit<'l>(&self, live: &'l Live, parts: &Parts, ctx: &Context) -> Admission<'l> {
-        self.admit_as(live, parts, ctx, Dialect::of(&parts.headers), None)
-            .await
-    }
-
-    /// [`Gateway::admit`], the request's dialect already known; `body`: its body, still
-    /// streaming from the client, read (and left as it goes up) where a rule it meets
-    /// reserves what it asks for (`reserve = "max_tokens"`).
-    async fn admit_as<'l>(
-        &self,
-        live: &'l Live,
-        parts: &Parts,
-        ctx: &Context,
-        dialect: Dialect,
-        body: Option<&mut upstream::RequestBody>,
-    ) -> Admission<'l> {
-        let cfg = &*live.config;
-        let peer = ctx.peer.ip();
-        if let Some(p) = screen::problem(parts) {
-            tracing::debug!(%peer, status = p.status.as_u16(), "malformed request refused");
-            self.metrics
-                .gateway
-                .count_refusal(RefusalReason::of_status(p.status.as_u16()));
-            let mut resp = problem(p, cfg, &[], dialect);
-            if parts.version < http::Version::HTTP_2 {
-                close_after(&mut resp);
-            }
-            return Admission::Answer(resp, Note::gateway("bad_request"));
-        }
-        // Read before anything is identified (identities are not held across a wait).
-        let asked = match body {
-            Some(body) if limits::may_read_body(live, parts) => {
-                match tokens::read_into(body, parts, cfg.server.timeouts.body).await {
-                    Ok(asked) => Some(asked),
-                    Err(p) => {
-                        // The rest of the body is in an unknown state: nothing after it on
-                        // this connection can be trusted to start where a request starts.
-                        let mut resp = problem(p, cfg, &[], dialect);
-                        close_after(&mut resp);
-                        return Admission::Answer(resp, Note::gateway("bad_request"));
-                    }
-                }
-            }
-            _ => None,
-        };
-        let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip)
-            .with_client_cert(ctx.client_cert.as_ref())
-            .with_jwt(cfg.jwt.as_ref().map(|j| &*j.verifier))
-            .counting_failures();
-        let mut admission = self.admit_by(live, parts, dialect, &requester, asked).await;
-        // Whoever decided, the access line names the key's label: looked up (a key's
-        // digest, where no rule took it) only where an access line is written.
-        if tracing::enabled!(target: "ratewall::access", tracing::Level::INFO) {
-            let note = match &mut admission {
-                Admission::Answer(_, note) => note,
-                Admission::Forward(pass) => &mut pass.note,
-            };
-            note.label = requester.label().cloned();
-        }
-        admission
-    }
-
-    /// The 404 of a request no route fits when no pool `default` takes the rest: never
-    /// forwarded, counted (`ratewall_refusals_total{reason="no_route"}`) and logged.
-    fn no_route<'l>(&self, cfg: &Config, parts: &Parts, dialect: Dialect) -> Admission<'l> {
-        tracing::debug!(method = %parts.method, path = parts.uri.path(), "no route matches the request");
-        self.metrics.gateway.count_refusal(RefusalReason::NoRoute);
-        let p = Problem::new(StatusCode::NOT_FOUND, "no route matches this request");
-        Admission::Answer(problem(p, cfg, &[], dialect), Note::gateway("no_route"))
-    }
-
-    /// A denied request's 429, and the counts it adds.
-    #[allow(clippy::too_many_arguments)]
-    fn deny<'l>(
-        &self,
-        live: &'l Live,
-        requester: &Requester<'_>,
-        limits: &[Limit<'l, '_>],
-        decisions: &[Option<Decision>],
-        by: usize,
-        jitter_us: u64,
-        to: &Destination,
-        dialect: Dialect,
-    ) -> Admission<'l> {
-        let cfg = &*live.config;
-        let shadow_denied = tally(live, limits, decisions, true);
-        let (applied, shadow) = split(limits, decisions);
-        let limit = &limits[by];
-        self.metrics
-            .stats
-            .limited(limit.identity.digest, &limit.rule.name, || {
-                let source = &limit.identity.source;
-                Named {
-                    hint: limit.identity.hint(),
-                    label: requester.label_of(source).map(|l| l.to_string()),
-                    claims: requester.claims_of(source),
-                }
-            });
-        let note = Note {
-            rule: Some(limit.rule.name.as_str()),
-            identity: Some(limit.identity.digest),
-            shadow_denied,
-            ..Note::gateway("denied").to(to, cfg)
-        };
-        let p = Problem::too_many_requests(&applied, crate::random::up_to(jitter_us));
-        let waits_ms = p.retry_after_ms.unwrap_or(0);
-        self.metrics
-            .gateway
-            .dashboards
-            .denied(live, limits, decisions, by, waits_ms);
-        let mut resp = problem(p, cfg, &applied, dialect);
-        headers::add_shadow(resp.headers_mut(), cfg.response, &shadow);
-        Admission::Answer(resp, note)
-    }
-
-    /// An admitted request's pass, and the counts it adds.
-    #[allow(clippy::too_many_arguments)]
-    fn pass<'l>(
-        &self,
-        live: &'l Live,
-        limits: Vec<Limit<'l, '_>>,
-        decisions: &[Option<Decision>],
-        verdict: Verdict,
-        leases: Option<Leases>,
-        local: bool,
-        to: Destination,
-    ) -> Pass<'l> {
-        let shadow_denied = tally(live, &limits, decisions, false);
-        self.metrics
-            .gateway
-            .dashboards
-            .admitted(live, &limits, decisions);
-        let (applied, shadow) = split(&limits, decisions);
-        let settling = self.reserve(live, &limits, decisions, local);
-        let ruled: Vec<Ruled> = limits.iter().map(Limit::ruled).collect();
-        let closest = verdict::closest(&ruled, decisions).map(|k| &limits[k]);
-        let (decision, waited) = match verdict {
-            Verdict::Delay(us) => ("delayed", Duration::from_micros(us)),
-            _ => ("allowed", Duration::ZERO),
-        };
-        let note = Note {
-            rule: closest.map(|l| l.rule.name.as_str()),
-            identity: closest.map(|l| l.identity.digest),
-            shadow_denied,
-            waited,
-            ..Note::gateway(decision).to(&to, &live.config)
-        };
-        let messages = limits
-            .iter()
-            .filter(|l| l.enforced && (l.rule.messages.is_some() || l.rule.bytes.is_some()))
-            .map(|l| (l.index, l.identity.digest, l.quota.max_delay_us))
-            .collect();
-        // Waiting on a rule holds its place in that rule's queue; the others are free.
-        let slots = limits
-            .into_iter()
-            .zip(decisions)
-            .filter(|(_, d)| d.is_some_and(|d| d.allowed && d.retry_after_us > 0))
-            .filter_map(|(l, _)| l.slot)
-            .collect();
-        Pass {
-            applied,
-            shadow,
-            leases,
-            slots,
-            to,
-            dialect: Dialect::Http,
-            note,
-            messages,
-            claims: Vec::new(),
-            settling,
-            priority: 0,
-        }
-    }
-
-    /// Wait for the reserved tokens, then forward: the upstream's answer with the
-    /// rate-limit headers, or the gateway's answer to what went wrong.
-    async fn forward<'l>(
-        &self,
-        live: &'l Live,
-        req: Request<upstream::RequestBody>,
-        ctx: &Context,
-        mut pass: Pass<'l>,
-    ) -> (Response<Body>, Note<'l>) {
-        let peer = &ctx.peer;
-        if !pass.note.waited.is_zero() {
-            let _waiting = Gauged::new(&self.metrics.gateway.waiting);
-            tokio::time::sleep(pass.note.waited).await;
-        }
-        pass.slots.clear();
-        let cfg = &*live.config;
-        let down = Downstream {
-            peer,
-            trusted: crate::identity::is_trusted(
-                peer.ip().to_canonical(),
-                &cfg.client_ip.trusted_proxies,
-            ),
-            body_timeout: cfg.server.timeouts.body,
-        };
-        let version = req.version();
-        let started = Instant::now();
-        let Some(pool) = live.pools.get(pass.to.pool) else {
-            // Never: a destination's pool is one of the config's, and `live` is built from it.
-            drop(pass.leases.take());
-            let resp = self.upstream_failed(cfg, upstream::Error::NoServer, version, peer, &pass);
-            return (resp, pass.note);
-        };
-        let target = pass.to.target(cfg, req.uri());
-        // An upgrade goes up as one only where the client's side can switch too.
-        let (mut parts, body) = req.into_parts();
-        // The claims' headers come from the verified token only: a client's own copies
-        // are dropped, whether or not the request carried a token.
-        if let Some(jwt) = &cfg.jwt {
-            for (_, header) in &jwt.verifier.settings.forward_claims {
-                parts.headers.remove(header);
-            }
-            for (header, value) in std::mem::take(&mut pass.claims) {
-                parts.headers.append(header, value);
+            _ => {
+                ctx.disposed(Disposition::NotRedirected);
             }
         }
-        pass.settled_fields(live, &mut parts.headers);
-        let upgrade = upstream::Upgrade::asked(&parts, hyper::body::Body::is_end_stream(&body))
-            .and_then(|asked| {
-                let on = parts.extensions.remove::<hyper::upgrade::OnUpgrade>()?;
-                Some((asked, on))
-            });
-        let req = Request::from_parts(parts, body);
-        let mut out = upstream::Outbound::new(req, target, &pool.default_host());
-        if let Some((asked, _)) = &upgrade {
-            out.upgrading(asked.clone());
-        }
-        pass.settled_outbound(live, &mut out);
-        let pick = upstream::Pick {
-            hash: pass.to.hash,
-            worker: ctx.worker,
-        };
-        let permit = match self.permit(live, pool, &mut pass).await {
-            Ok(permit) => permit,
-            Err(resp) => return (resp, pass.note),
-        };
-        let forwarded = pool.forward(&mut out, &down, pick).await;
-        if let (Some(p), true) = (permit, forwarded.result.is_ok()) {
-            p.answered();
-        }
-        pass.note.server = forwarded.server;
-        pass.note.attempts = forwarded.attempts;
-        let result = forwarded.result;
-        self.count_upstream(&result, started);
-        if let Err(e) = &result {
-            count_rule_failures(live, &pass, e);
-        }
-        match result {
-            Ok(mut resp) => {
-                pass.count_passed(live);
-                let meter = pass.answered(live, &mut resp).await;
-                if let Some((asked, on)) = upgrade {
-                    self.tunnel(live, ctx, &mut pass, &mut resp, asked, on);
-                }
-                let leases = pass.leases.take();
-                let screened = (!live.cost_headers.is_empty()).then(|| live.cost_headers.clone());
-                let mut resp = resp.map(|body| {
-                    let body = LeasedBody::new(body, leases)
-                        .metered(meter)
-                        .screened(screened);
-                    Either::Left(body)
-                });
-                pass.decorate(resp.headers_mut(), cfg);
-                pass.note.upstream = true;
-                (resp, pass.note)
-            }
-            Err(e) => {
-                // The request is over: its leases are dropped here, giving its slots back.
-                drop(pass.leases.take());
-                pass.unanswered().await;
-                let resp = self.upstream_failed(cfg, e, version, peer, &pass);
-                (resp, pass.note)
-            }
-        }
+        self.finish(ctx, resp)
     }
 
     fn count_upstream(
@@ -755,22 +541,22 @@ impl Gateway {
     /// the client's (400, 408).
     fn upstream_failed(
         &self,
-        cfg: &Config,
+        ctx: &RequestCtx<'_>,
         e: upstream::Error,
         version: http::Version,
-        peer: &ClientPeer,
-        pass: &Pass<'_>,
+        conn: &Context,
     ) -> Response<Body> {
         let (status, detail) = (e.status(), e.detail());
         if e.is_client_error() {
-            tracing::debug!(error = %e, status = status.as_u16(), peer = %peer.addr, "client request failed");
+            tracing::debug!(error = %e, status = status.as_u16(), peer = %conn.peer.addr, "client request failed");
         } else {
             // The pool logs its outages, once each (`upstream::Pool::forward`).
-            tracing::debug!(error = %e, status = status.as_u16(), pool = pass.note.pool, "upstream failed");
+            tracing::debug!(error = %e, status = status.as_u16(), pool = ctx.pool(), "upstream failed");
         }
+        let cfg = ctx.config();
         let p = Problem::new(status, detail);
-        let mut resp = problem(p, cfg, &pass.applied, pass.dialect);
-        headers::add_shadow(resp.headers_mut(), cfg.response, &pass.shadow);
+        let mut resp = problem(p, cfg, &ctx.applied, ctx.dialect);
+        headers::add_shadow(resp.headers_mut(), cfg.response, &ctx.shadow);
         if matches!(e, upstream::Error::ClientStalled(_)) && version < http::Version::HTTP_2 {
             self.metrics
                 .connection
@@ -790,16 +576,29 @@ impl Gateway {
     }
 }
 
-impl Verdict {
-    /// The access log's `decision` for a request this verdict answers.
-    fn decision(self) -> &'static str {
-        match self {
-            Verdict::Forward => "allowed",
-            Verdict::Delay(_) => "delayed",
-            Verdict::Deny { .. } => "denied",
-            Verdict::Unlimited | Verdict::Unavailable => "store_error",
-            Verdict::Refuse(r) => r.decision(),
-        }
+/// `ratewall_refusals_total`'s reason for a request refused before any limit was
+/// consulted; none for the rest.
+fn refusal_reason(d: Disposition) -> Option<RefusalReason> {
+    Some(match d {
+        Disposition::Refused(r) => r.into(),
+        Disposition::Malformed {
+            not_implemented: true,
+        } => RefusalReason::NotImplemented,
+        Disposition::Malformed { .. } => RefusalReason::Malformed,
+        Disposition::UnreadableBody => RefusalReason::UnreadableBody,
+        Disposition::NoRoute => RefusalReason::NoRoute,
+        _ => return None,
+    })
+}
+
+/// The status page's outcome (and `ratewall_request_duration_seconds{outcome}`) of a
+/// request disposed of as `d`, answered by the upstream or not, with the status `meant`.
+fn outcome(d: Disposition, upstream: bool, meant: u16) -> Outcome {
+    match d {
+        // Shed by the pool's overload protection: a 503 (or gRPC 14) of its own kind.
+        Disposition::Shed => Outcome::Overloaded,
+        d if d.passed_limits() => Outcome::forwarded(upstream, meant),
+        _ => Outcome::answered(meant),
     }
 }
 
@@ -846,9 +645,9 @@ async fn consult(
     (decisions, v, leases, local)
 }
 
-/// Count each rule's decision (`denied`: another rule, or this one, denied the request);
-/// the first watching rule that would have denied. The passes (allowed, delayed) count
-/// once the upstream has answered ([`Pass::count_passed`]).
+/// Count each rule's share of the request (`denied`: another rule, or this one, denied
+/// it); the first watching rule that would have denied. The passes (allowed, delayed)
+/// count once the upstream has answered ([`RequestCtx::count_passed`]).
 fn tally<'l>(
     live: &Live,
     limits: &[Limit<'l, '_>],
@@ -861,32 +660,28 @@ fn tally<'l>(
         let Some(counters) = live.counters.get(l.index) else {
             continue;
         };
-        match Tally::of(l.enforced, d, denied) {
-            Tally::Allowed | Tally::Delayed => {}
-            Tally::DeniedByOther => {
-                counters.denied_by_other.inc();
-            }
-            Tally::Denied => {
-                counters.denied.inc();
-            }
-            Tally::ShadowDenied => {
+        match verdict::share(l.enforced, d, denied) {
+            Disposition::DeniedByOther => counters.denied_by_other.inc(),
+            Disposition::Denied => counters.denied.inc(),
+            Disposition::ShadowDenied => {
                 shadow_denied.get_or_insert(l.rule.name.as_str());
-                counters.shadow_denied.inc();
+                counters.shadow_denied.inc()
             }
-        }
+            _ => continue,
+        };
     }
     shadow_denied
 }
 
 /// A forwarded request the upstream did not answer (502, 504), counted under each rule
-/// that let it through (each [`Applied`] carries its rule's position).
-fn count_rule_failures(live: &Live, pass: &Pass<'_>, e: &upstream::Error) {
+/// that let it through (each [`Applied`](headers::Applied) carries its rule's position).
+fn count_rule_failures(ctx: &RequestCtx<'_>, e: &upstream::Error) {
     if e.is_client_error() {
         return;
     }
     let timeout = e.status() == StatusCode::GATEWAY_TIMEOUT;
-    for a in pass.applied.iter().chain(&pass.shadow) {
-        if let Some(c) = live.counters.get(a.index) {
+    for a in ctx.applied.iter().chain(&ctx.shadow) {
+        if let Some(c) = ctx.live.counters.get(a.index) {
             if timeout {
                 c.upstream_timeout.inc();
             } else {
@@ -894,33 +689,6 @@ fn count_rule_failures(live: &Live, pass: &Pass<'_>, e: &upstream::Error) {
             }
         }
     }
-}
-
-/// The store failed: forward unlimited or answer 503, as `on_error` said.
-fn store_failed<'l>(
-    live: &'l Live,
-    limits: &[Limit<'l, '_>],
-    verdict: Verdict,
-    to: Destination,
-    dialect: Dialect,
-) -> Admission<'l> {
-    for l in limits {
-        live.counters[l.index].error.inc();
-    }
-    let note = Note {
-        rule: limits.first().map(|l| l.rule.name.as_str()),
-        identity: limits.first().map(|l| l.identity.digest),
-        ..Note::gateway("store_error").to(&to, &live.config)
-    };
-    if verdict == Verdict::Unlimited {
-        return Admission::Forward(Pass::unlimited(note, to, dialect));
-    }
-    let p = Problem::new(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "the rate-limit store is unavailable",
-    );
-    let resp = problem(p.with_retry_after(1), &live.config, &[], dialect);
-    Admission::Answer(resp, note)
 }
 
 /// The answer to a request refused before any limit: its status and reason, and a bearer

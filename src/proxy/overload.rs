@@ -4,14 +4,15 @@
 //! Asked after the rate limits admitted the request (and after any `max_delay` wait), so
 //! a request the limits deny never takes a place in the queue. A shed request was not
 //! answered by the backend: its settling charges are refunded as a 502's are
-//! ([`Pass::unanswered`]); a charge that stands as taken (no settlement policy) stays
+//! ([`RequestCtx::unanswered`]); a charge that stands as taken (no settlement policy) stays
 //! spent, as it does for a 502.
 
 use http::{Response, StatusCode};
 
 use super::live::Live;
 use super::route::Destination;
-use super::{problem, Body, Gateway, Pass};
+use super::{problem, Body, Gateway, RequestCtx};
+use crate::disposition::Disposition;
 use crate::headers::{self, Problem};
 use crate::identity::Requester;
 use crate::overload::{Permit, RETRY_AFTER};
@@ -51,29 +52,28 @@ impl Gateway {
     /// needed where it has not); or the 503 of a shed request, its charges refunded.
     pub(super) async fn permit(
         &self,
-        live: &Live,
+        ctx: &mut RequestCtx<'_>,
         pool: &Pool,
-        pass: &mut Pass<'_>,
     ) -> Result<Option<Permit>, Response<Body>> {
         let Some(overload) = pool.overload() else {
             return Ok(None);
         };
-        match overload.admit(pass.priority).await {
+        match overload.admit(ctx.priority).await {
             Ok(permit) => Ok(Some(permit)),
             Err(shed) => {
                 tracing::debug!(
-                    pool = pass.note.pool,
-                    priority = pass.priority,
+                    pool = ctx.pool(),
+                    priority = ctx.priority,
                     reason = shed.detail(),
                     "overloaded: request shed"
                 );
-                pass.unanswered().await;
-                let cfg = &*live.config;
+                ctx.unanswered().await;
+                let cfg = ctx.config();
                 let p = Problem::new(StatusCode::SERVICE_UNAVAILABLE, shed.detail())
                     .with_retry_after(RETRY_AFTER);
-                let mut resp = problem(p, cfg, &pass.applied, pass.dialect);
-                headers::add_shadow(resp.headers_mut(), cfg.response, &pass.shadow);
-                pass.note.decision = "shed";
+                let mut resp = problem(p, cfg, &ctx.applied, ctx.dialect);
+                headers::add_shadow(resp.headers_mut(), cfg.response, &ctx.shadow);
+                ctx.disposed(Disposition::Shed);
                 Err(resp)
             }
         }

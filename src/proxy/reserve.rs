@@ -1,13 +1,15 @@
 //! An admitted request's reservation (issue 27): the charges of its rules that settle once
 //! its answer is known, taken from its decisions ([`Gateway::reserve`]), settled when the
-//! answer's head arrives or does not ([`Pass::answered`], [`Pass::unanswered`]), and
+//! answer's head arrives or does not ([`RequestCtx::answered`], [`RequestCtx::unanswered`]),
+//! and
 //! what that shows in the answer's headers.
 
 use std::sync::Arc;
 
 use super::limits::Limit;
 use super::live::Live;
-use super::{Gateway, Pass};
+use super::{Body, Gateway, RequestCtx};
+use crate::disposition::Disposition;
 use crate::limiter::reservation::{Reservation, Reserved};
 use crate::limiter::{Algorithm, Decision};
 use crate::settle::{Held, Meter, Settling, Shown};
@@ -17,33 +19,26 @@ impl Gateway {
     /// The answer to a request whose body says no usable `max_tokens` where a rule it
     /// meets refuses such bodies (`on_unreadable = "reject"`): 400, 411 or 413, counted
     /// and logged under that rule; `None` where none does.
-    pub(super) fn refuse_body<'l>(
+    pub(super) fn refuse_body(
         &self,
-        live: &'l Live,
+        ctx: &mut RequestCtx<'_>,
         fitting: &[usize],
         requester: &crate::identity::Requester<'_>,
         asked: Option<&super::tokens::Asked>,
-        to: &super::route::Destination,
-        dialect: super::grpc::Dialect,
-    ) -> Option<super::Admission<'l>> {
-        let (index, why) = super::limits::refuses_body(live, fitting, requester, asked)?;
-        let cfg = &*live.config;
-        if let Some(c) = live.counters.get(index) {
+    ) -> Option<http::Response<Body>> {
+        let (index, why) = super::limits::refuses_body(ctx.live, fitting, requester, asked)?;
+        let cfg = ctx.config();
+        if let Some(c) = ctx.live.counters.get(index) {
             c.refused.inc();
         }
-        self.metrics
-            .gateway
-            .count_refusal(super::metrics::RefusalReason::UnreadableBody);
-        let mut resp = super::problem(super::tokens::refusal(why), cfg, &[], dialect);
+        ctx.disposed(Disposition::UnreadableBody);
+        ctx.rule = cfg.rules.get(index).map(|r| r.name.as_str());
+        let mut resp = super::problem(super::tokens::refusal(why), cfg, &[], ctx.dialect);
         if why == super::tokens::Unreadable::TooLarge {
             // The rest of an overlong body was never read.
             super::close_after(&mut resp);
         }
-        let note = super::Note {
-            rule: cfg.rules.get(index).map(|r| r.name.as_str()),
-            ..super::Note::gateway("bad_request").to(to, cfg)
-        };
-        Some(super::Admission::Answer(resp, note))
+        Some(resp)
     }
 
     /// The charges of an admitted request's rules that settle once its answer is known:
@@ -99,13 +94,13 @@ impl Gateway {
     }
 }
 
-impl Pass<'_> {
+impl RequestCtx<'_> {
     /// The request's fields as a settlement needs them: a client's own copy of a cost
     /// header never goes up (a backend that echoed it would report it back as the
     /// request's cost), and an answer whose usage a rule reads is asked for uncompressed
     /// (one that comes compressed anyway is decoded for the scanner: `settle::decode`).
-    pub(super) fn settled_fields(&self, live: &Live, headers: &mut http::HeaderMap) {
-        for name in live.cost_headers.iter() {
+    pub(super) fn settled_fields(&self, headers: &mut http::HeaderMap) {
+        for name in self.live.cost_headers.iter() {
             headers.remove(name);
         }
         if self.settling.as_ref().is_some_and(Settling::reads_usage) {
@@ -119,7 +114,8 @@ impl Pass<'_> {
     /// What the upstream hop tells a settlement: when the request may have reached a
     /// backend; and the names the request's trailers lose ([`Live::screened`]: the cost
     /// headers, the claims').
-    pub(super) fn settled_outbound(&self, live: &Live, out: &mut crate::upstream::Outbound) {
+    pub(super) fn settled_outbound(&self, out: &mut crate::upstream::Outbound) {
+        let live = self.live;
         if let Some(settling) = &self.settling {
             out.reaching(settling.reached());
         }
@@ -133,7 +129,6 @@ impl Pass<'_> {
     /// one). What watches the body for a cost at its end, if anything still settles.
     pub(super) async fn answered(
         &mut self,
-        live: &Live,
         resp: &mut http::Response<ResponseBody>,
     ) -> Option<Meter> {
         let mut meter = None;
@@ -142,7 +137,7 @@ impl Pass<'_> {
             self.settled(updates);
             meter = rest.map(|s| Meter::new(s, resp.headers()));
         }
-        for name in live.cost_headers.iter() {
+        for name in self.live.cost_headers.iter() {
             resp.headers_mut().remove(name);
         }
         meter

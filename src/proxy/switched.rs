@@ -6,8 +6,7 @@ use std::time::Duration;
 use http::Response;
 
 use super::context::Context;
-use super::live::Live;
-use super::{Gateway, Pass};
+use super::{Gateway, RequestCtx};
 use crate::upstream;
 use crate::websocket::Meter;
 
@@ -17,9 +16,8 @@ impl Gateway {
     /// there, holding the request's slots and its connection until the socket closes.
     pub(super) fn tunnel(
         &self,
-        live: &Live,
-        ctx: &Context,
-        pass: &mut Pass<'_>,
+        ctx: &mut RequestCtx<'_>,
+        conn: &Context,
         resp: &mut Response<upstream::ResponseBody>,
         asked: upstream::Upgrade,
         on: hyper::upgrade::OnUpgrade,
@@ -31,8 +29,9 @@ impl Gateway {
         else {
             return;
         };
+        let live = ctx.live;
         let cfg = &*live.config;
-        pass.note.upgrade = Some(if asked.websocket {
+        ctx.upgrade = Some(if asked.websocket {
             "websocket"
         } else {
             "other"
@@ -45,7 +44,7 @@ impl Gateway {
                     .is_some_and(|u| u.as_bytes().eq_ignore_ascii_case(b"websocket")));
         // Each rule's message meter and byte meter, in that order.
         let limited = || {
-            pass.messages
+            ctx.messages
                 .iter()
                 .filter(|_| websocket)
                 .filter_map(|&(index, digest, _)| Some((cfg.rules.get(index)?, digest)))
@@ -64,26 +63,21 @@ impl Gateway {
         let max_message = limited()
             .filter_map(|(rule, _)| rule.messages?.max_bytes)
             .min();
-        let max_delay = pass
-            .messages
-            .iter()
-            .map(|&(_, _, us)| us)
-            .min()
-            .unwrap_or(0);
+        let max_delay = ctx.messages.iter().map(|&(_, _, us)| us).min().unwrap_or(0);
         let tunnel = crate::tunnel::Tunnel {
             websocket,
             meters,
             max_delay: Duration::from_micros(max_delay),
             max_message,
             idle: cfg.server.upgrade_idle_timeout,
-            hold: ctx
+            hold: conn
                 .connection
                 .as_ref()
                 .map_or_else(crate::connection::Hold::detached, |t| t.hold()),
-            leases: pass.leases.take(),
+            leases: ctx.leases.take(),
             labels: crate::tunnel::metrics::TunnelLabels {
-                route: pass.note.route.unwrap_or("").to_string(),
-                pool: pass.note.pool.unwrap_or("").to_string(),
+                route: ctx.route().unwrap_or("").to_string(),
+                pool: ctx.pool().unwrap_or("").to_string(),
             },
         };
         let metrics = self.metrics.clone();

@@ -2,6 +2,7 @@
 //! is decided here from the rules' decisions and the store policy, and tested without a
 //! store, a clock or a socket; the request path only carries it out.
 
+use crate::disposition::Disposition;
 use crate::identity::Refusal;
 use crate::limiter::guard::Answer;
 use crate::limiter::{Decision, OnError};
@@ -28,31 +29,31 @@ pub enum Verdict {
     Refuse(Refusal),
 }
 
-/// How one rule's decision counts (`ratewall_requests_total{decision}`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Tally {
-    Allowed,
-    Delayed,
-    Denied,
-    /// A watching rule (shadow, or outside `enforce_percent`) that would have denied.
-    ShadowDenied,
-    /// The rule would have let the request through, but another rule denied it: the
-    /// store charged this rule nothing, so it is not this rule's pass.
-    DeniedByOther,
+impl Verdict {
+    /// How a request this verdict answers was disposed of.
+    pub fn disposition(self) -> Disposition {
+        match self {
+            Verdict::Forward => Disposition::Allowed,
+            Verdict::Delay(_) => Disposition::Delayed,
+            Verdict::Deny { .. } => Disposition::Denied,
+            Verdict::Unlimited => Disposition::StoreBypassed,
+            Verdict::Unavailable => Disposition::StoreUnavailable,
+            Verdict::Refuse(r) => Disposition::Refused(r),
+        }
+    }
 }
 
-impl Tally {
-    /// `enforced`: whether the rule enforces for this request; `denied`: whether the
-    /// request as a whole was denied. A watching rule that would have made the request
-    /// wait counts as delayed, not denied.
-    pub fn of(enforced: bool, d: &Decision, denied: bool) -> Tally {
-        match (enforced, d.allowed, d.retry_after_us > 0) {
-            (_, true, _) if denied => Tally::DeniedByOther,
-            (_, true, true) => Tally::Delayed,
-            (_, true, false) => Tally::Allowed,
-            (true, false, _) => Tally::Denied,
-            (false, false, _) => Tally::ShadowDenied,
-        }
+/// One rule's share of a request it decided `d` (`ratewall_requests_total{decision}`):
+/// `enforced`, whether the rule enforces for this request; `denied`, whether the request
+/// as a whole was denied. A watching rule that would have made the request wait counts
+/// as delayed, not denied; one that let a denied request through, as denied by another.
+pub fn share(enforced: bool, d: &Decision, denied: bool) -> Disposition {
+    match (enforced, d.allowed, d.retry_after_us > 0) {
+        (_, true, _) if denied => Disposition::DeniedByOther,
+        (_, true, true) => Disposition::Delayed,
+        (_, true, false) => Disposition::Allowed,
+        (true, false, _) => Disposition::Denied,
+        (false, false, _) => Disposition::ShadowDenied,
     }
 }
 
@@ -201,30 +202,30 @@ mod tests {
             Verdict::Forward
         );
         assert_eq!(
-            Tally::of(false, &d(false, 0, 1).unwrap(), false),
-            Tally::ShadowDenied
+            share(false, &d(false, 0, 1).unwrap(), false),
+            Disposition::ShadowDenied
         );
         assert_eq!(
-            Tally::of(false, &d(true, 0, 1).unwrap(), false),
-            Tally::Delayed
+            share(false, &d(true, 0, 1).unwrap(), false),
+            Disposition::Delayed
         );
         // A request another rule denied is no rule's pass, enforced or watching; a
         // watching rule that would have denied it still says so.
         for enforced in [true, false] {
             for wait in [0, 1] {
                 assert_eq!(
-                    Tally::of(enforced, &d(true, 0, wait).unwrap(), true),
-                    Tally::DeniedByOther
+                    share(enforced, &d(true, 0, wait).unwrap(), true),
+                    Disposition::DeniedByOther
                 );
             }
         }
         assert_eq!(
-            Tally::of(false, &d(false, 0, 1).unwrap(), true),
-            Tally::ShadowDenied
+            share(false, &d(false, 0, 1).unwrap(), true),
+            Disposition::ShadowDenied
         );
         assert_eq!(
-            Tally::of(true, &d(false, 0, 1).unwrap(), true),
-            Tally::Denied
+            share(true, &d(false, 0, 1).unwrap(), true),
+            Disposition::Denied
         );
     }
 

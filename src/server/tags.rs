@@ -9,9 +9,9 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::Config;
-use crate::proxy::Gateway;
 use crate::identity::tag::{self, TagKey};
 use crate::limiter::store::Backend;
+use crate::proxy::Gateway;
 
 /// How often a shared store that did not answer is asked again for the secret.
 const RETRY: Duration = Duration::from_secs(2);

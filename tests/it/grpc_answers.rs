@@ -16,8 +16,8 @@ use std::time::Duration;
 use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::BodyExt;
 use ratewall::config::Config;
-use ratewall::proxy::{Admission, Context, Gateway, Live, Metrics};
 use ratewall::limiter::ManualClock;
+use ratewall::proxy::{Admission, Context, Gateway, Live, Metrics};
 use ratewall::upstream::ClientPeer;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 
@@ -89,7 +89,7 @@ async fn send(gw: &Gateway, live: &Live, path: &str, headers: &[(&str, &str)]) -
                 status: head.status,
                 headers: head.headers,
                 body: body.to_vec(),
-                decision: note.decision,
+                decision: note.disposition.decision(),
             })
         }
         Admission::Forward(_) => None,

@@ -15,9 +15,9 @@ use http::request::Parts;
 use http::{HeaderMap, Method, Request, StatusCode};
 use http_body_util::BodyExt;
 use ratewall::config::Config;
-use ratewall::proxy::{Admission, Context, Gateway, Live, Metrics, Pass};
 use ratewall::identity::ClientCert;
 use ratewall::limiter::ManualClock;
+use ratewall::proxy::{Admission, Context, Gateway, Live, Metrics, RequestCtx};
 use ratewall::upstream::ClientPeer;
 
 const UPSTREAM: &str =
@@ -35,7 +35,7 @@ struct Seen<'l> {
     status: StatusCode,
     headers: HeaderMap,
     body: String,
-    pass: Option<Pass<'l>>,
+    pass: Option<RequestCtx<'l>>,
     decision: &'static str,
 }
 
@@ -48,7 +48,7 @@ impl Seen<'_> {
     }
 
     fn wait(&self) -> Duration {
-        self.pass.as_ref().map_or(Duration::ZERO, Pass::wait)
+        self.pass.as_ref().map_or(Duration::ZERO, RequestCtx::wait)
     }
 }
 
@@ -114,17 +114,17 @@ impl InProcess {
                     headers: head.headers,
                     body: String::from_utf8_lossy(&body).into_owned(),
                     pass: None,
-                    decision: note.decision,
+                    decision: note.disposition.decision(),
                 }
             }
             Admission::Forward(pass) => {
                 let mut headers = HeaderMap::new();
-                pass.decorate(&mut headers, &live.config);
+                pass.decorate(&mut headers);
                 Seen {
                     status: StatusCode::OK,
                     headers,
                     body: String::new(),
-                    decision: pass.note.decision,
+                    decision: pass.disposition.decision(),
                     pass: Some(pass),
                 }
             }
@@ -286,7 +286,7 @@ async fn a_shadow_rule_reports_what_it_would_deny_and_denies_nothing() {
     // The enforcing rule is the client's limit, and only it.
     assert_eq!(second.header("ratelimit-policy"), "\"real\";q=100;w=60");
     assert_eq!(
-        second.pass.as_ref().map(|p| p.note.shadow_denied),
+        second.pass.as_ref().map(|p| p.shadow_denied),
         Some(Some("watch"))
     );
 }
