@@ -1,6 +1,7 @@
 //! `[jwt]`: where a request carries its bearer token, which algorithms and keys verify
 //! it, which issuers and audiences are accepted, and what its claims give (a plan, headers
-//! for the backend). Key files (`jwks_file`, `keys`) are read here, at every load; a
+//! for the backend). Key files (`jwks_file`, `keys`) and the `secret_env` variable are read
+//! with the config ([`super::Inputs`]), at every load, and their contents validated here; a
 //! `jwks_url` is fetched by the running gateway (`gateway::jwks`), never by a load.
 
 use std::collections::BTreeMap;
@@ -13,7 +14,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::values::{Header, RawFailures};
-use super::Invalid;
+use super::{Inputs, Invalid};
 use crate::identity::jwt::{
     Alg, KeySet, KeyType, KeysFrom, Settings, TokenFrom, DEFAULT_FAILURES, DEFAULT_LEEWAY,
     DEFAULT_REFRESH,
@@ -162,8 +163,30 @@ const RESERVED: &[&str] = &[
 ];
 
 impl RawJwt {
-    /// `[jwt]`, validated, its key files read (relative to `dir`, the config's folder).
-    pub(super) fn validate(self, span: std::ops::Range<usize>, dir: &Path) -> Result<Jwt, Invalid> {
+    /// The key files (`jwks_file`, `keys`), relative to `dir` (the config's folder).
+    pub(super) fn files(&self, dir: &Path) -> Vec<std::path::PathBuf> {
+        let listed = self.keys.iter().flat_map(|k| k.get_ref().iter());
+        self.jwks_file
+            .iter()
+            .map(|f| f.get_ref())
+            .chain(listed)
+            .map(|p| dir.join(p.trim()))
+            .collect()
+    }
+
+    /// The environment variable holding the HS secret (`secret_env`).
+    pub(super) fn secret_env(&self) -> Option<&str> {
+        self.secret_env.as_ref().map(|s| s.get_ref().trim())
+    }
+
+    /// `[jwt]`, validated, with its key files' contents and its secret from `inputs`
+    /// (paths relative to `dir`, the config's folder).
+    pub(super) fn validate(
+        self,
+        span: std::ops::Range<usize>,
+        dir: &Path,
+        inputs: &Inputs,
+    ) -> Result<Jwt, Invalid> {
         let table = |message: String| Invalid::new(Some(span.clone()), "jwt", message);
         let from = match (&self.header, &self.cookie) {
             (Some(_), Some(c)) => {
@@ -223,7 +246,7 @@ impl RawJwt {
                 ));
             }
         }
-        let (keys_from, keys, fetch) = self.keys(dir)?;
+        let (keys_from, keys, fetch) = self.keys(dir, inputs)?;
         if let Some(keys) = &keys {
             for alg in &algorithms {
                 let usable = |(kind, fixed): (KeyType, Option<Alg>)| {
@@ -334,10 +357,14 @@ impl RawJwt {
     }
 
     /// Where the keys come from; the keys read now (none for a URL); the URL's fetch.
-    fn keys(&self, dir: &Path) -> Result<(KeysFrom, Option<KeySet>, Option<JwksFetch>), Invalid> {
+    fn keys(
+        &self,
+        dir: &Path,
+        inputs: &Inputs,
+    ) -> Result<(KeysFrom, Option<KeySet>, Option<JwksFetch>), Invalid> {
         let read = |span: std::ops::Range<usize>, key: &str, path: &str| {
             let file = dir.join(path.trim());
-            std::fs::read(&file).map(|b| (file, b)).map_err(|e| {
+            inputs.contents(&file).map(|b| (file, b)).map_err(|e| {
                 Invalid::new(
                     Some(span),
                     format!("jwt.{key}"),
@@ -364,7 +391,7 @@ impl RawJwt {
         }
         if let Some(s) = &self.secret_env {
             let var = s.get_ref().trim();
-            let secret = std::env::var(var).unwrap_or_default();
+            let secret = inputs.var(var).unwrap_or_default();
             if secret.is_empty() {
                 return Err(no(
                     s,
@@ -428,7 +455,9 @@ mod tests {
             "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:2\"\n[jwt]\n{jwt}\n\
              [[rules]]\nname = \"u\"\nkey = \"jwt:sub\"\nrate = \"1/s\"\n"
         );
-        crate::config::Config::parse(&text, Path::new("t.toml")).map_err(|e| e.to_string())
+        let inputs = Inputs::default().env("RATEWALL_TEST_JWT_SECRET", "s3cret");
+        crate::config::Config::parse_with(&text, Path::new("t.toml"), &inputs)
+            .map_err(|e| e.to_string())
     }
 
     #[test]
@@ -439,7 +468,6 @@ mod tests {
                 .unwrap_or_else(|| panic!("{jwt}: accepted"));
             assert!(e.contains(says), "{jwt}: {e}");
         };
-        std::env::set_var("RATEWALL_TEST_JWT_SECRET", "s3cret");
         let ok = "algorithms = [\"HS256\"]\nsecret_env = \"RATEWALL_TEST_JWT_SECRET\"";
         let cfg = parse(ok).expect("a valid [jwt]");
         let jwt = cfg.jwt.as_ref().expect("[jwt]");

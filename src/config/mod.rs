@@ -11,6 +11,7 @@
 //! cross-field checks (burst against cost, duplicate rule names) point at the rule's table.
 
 mod diff;
+mod inputs;
 mod jwt;
 mod keys;
 mod matching;
@@ -40,6 +41,7 @@ use crate::limiter::store::{self as store_settings, Backend};
 use crate::rules::{Plan, Routes, Rule, RuleIndex};
 
 pub use diff::{Changes, Listed, Named};
+pub use inputs::Inputs;
 pub use jwt::{JwksFetch, Jwt};
 pub use keys::{reread_keys_file, write_keys_file};
 pub use overrides::{Given, OverrideError, Overrides, Source};
@@ -173,6 +175,11 @@ impl Invalid {
     }
 }
 
+/// The folder of the file at `path`, which the files it names are relative to.
+fn folder(path: &Path) -> &Path {
+    path.parent().unwrap_or(Path::new(""))
+}
+
 fn read(path: &Path) -> Result<String, ConfigError> {
     std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
         path: path.to_owned(),
@@ -261,47 +268,61 @@ impl Config {
         }
     }
 
-    /// Read and validate the file at `path`.
+    /// Read and validate the file at `path`, with the environment's settings and the
+    /// files it names (see [`Inputs`]).
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        Config::parse(&read(path)?, path)
+        let text = read(path)?;
+        let raw: RawConfig = from_toml(&text, path, "keys.plans.")?;
+        let inputs = Inputs::read(&raw, folder(path));
+        Config::parse_with(&text, path, &inputs)
     }
 
-    /// Validate `text`; `path` only names the file in errors, and the keys file is read
-    /// relative to its folder.
+    /// Validate `text` alone: no environment, and no file it names (a keys file, a
+    /// certificate) can be read. `path` only names the file in errors.
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        Config::parse_with(text, path, &Inputs::default())
+    }
+
+    /// Validate `text` with `inputs`: the environment's settings and the contents of the
+    /// files it names, relative to `path`'s folder. Reads nothing itself.
+    pub fn parse_with(text: &str, path: &Path, inputs: &Inputs) -> Result<Config, ConfigError> {
         let raw: RawConfig = from_toml(text, path, "keys.plans.")?;
-        let env_token = server::env_admin_token(std::env::var("RATEWALL_ADMIN_TOKEN").ok())?;
-        let env_tag_secret = server::env_tag_secret(std::env::var("RATEWALL_TAG_SECRET").ok())?;
+        let env_token = server::env_admin_token(inputs.var("RATEWALL_ADMIN_TOKEN"))?;
+        let env_tag_secret = server::env_tag_secret(inputs.var("RATEWALL_TAG_SECRET"))?;
         let defined = defined_plans(&raw.rules);
+        let dir = folder(path);
         let keys_file = match &raw.keys.file {
             Some(f) => {
-                let file = path
-                    .parent()
-                    .unwrap_or(Path::new(""))
-                    .join(f.get_ref().trim());
-                let listed = keys::load_keys_file(&file, &defined).map_err(|e| match e {
-                    // A missing keys file is the config's error: point at `file =`.
-                    ConfigError::Read { source, .. } => Invalid::new(
-                        Some(f.span()),
-                        "keys.file",
-                        format!(
-                            "cannot read the keys file {:?} (relative to this file's folder): {source}",
-                            f.get_ref()
-                        ),
-                    )
-                    .locate(text, path),
-                    e => e,
-                })?;
+                let file = dir.join(f.get_ref().trim());
+                let listed = inputs
+                    .text(&file)
+                    .map_err(|source| ConfigError::Read {
+                        path: file.clone(),
+                        source,
+                    })
+                    .and_then(|text| keys::keys_file_entries(&text, &file, &defined))
+                    .map_err(|e| match e {
+                        // A missing keys file is the config's error: point at `file =`.
+                        ConfigError::Read { source, .. } => Invalid::new(
+                            Some(f.span()),
+                            "keys.file",
+                            format!(
+                                "cannot read the keys file {:?} (relative to this file's folder): {source}",
+                                f.get_ref()
+                            ),
+                        )
+                        .locate(text, path),
+                        e => e,
+                    })?;
                 Some((file, listed))
             }
             None => None,
         };
-        let dir = path.parent().unwrap_or(Path::new(""));
         let tls = match &raw.server.tls {
-            Some(t) => Some(t.load(dir).map_err(|e| e.locate(text, path))?),
+            Some(t) => Some(t.build(dir, inputs).map_err(|e| e.locate(text, path))?),
             None => None,
         };
-        let mut config = Config::validate(raw, keys_file, tls, env_token, dir)
+        let mut config = Config::validate(raw, keys_file, tls, env_token, dir, inputs)
             .map_err(|e| e.locate(text, path))?;
         config.sha256 = Some(sha256_hex(text.as_bytes()));
         // `RATEWALL_TAG_SECRET` wins over the file's.
@@ -320,6 +341,7 @@ impl Config {
         tls: Option<crate::tls::Settings>,
         env_token: Option<values::AdminToken>,
         dir: &Path,
+        inputs: &Inputs,
     ) -> Result<Config, Invalid> {
         let store = match raw.store {
             Some(s) => {
@@ -334,7 +356,7 @@ impl Config {
         let jwt = match raw.jwt {
             Some(j) => {
                 let span = j.span();
-                Some(j.into_inner().validate(span, dir)?)
+                Some(j.into_inner().validate(span, dir, inputs)?)
             }
             None => None,
         };

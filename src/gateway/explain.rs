@@ -371,8 +371,9 @@ mod tests {
     /// keys, and names each part of a combination (and the part a request lacks).
     #[test]
     fn check_verifies_a_sample_token_and_names_each_part_of_a_combined_key() {
-        std::env::set_var("RATEWALL_EXPLAIN_TEST_SECRET", "explain-secret");
-        let cfg = Config::parse(
+        let inputs =
+            crate::config::Inputs::default().env("RATEWALL_EXPLAIN_TEST_SECRET", "explain-secret");
+        let cfg = Config::parse_with(
             concat!(
                 "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:2\"\n",
                 "[jwt]\nalgorithms = [\"HS256\"]\nsecret_env = \"RATEWALL_EXPLAIN_TEST_SECRET\"\n",
@@ -380,6 +381,7 @@ mod tests {
                 "[[rules]]\nname = \"projects\"\nkey = [\"jwt:org.id\", \"header:x-project\"]\nrate = \"5/s\"\n",
             ),
             std::path::Path::new("t.toml"),
+            &inputs,
         )
         .unwrap();
         let token = jsonwebtoken::encode(
