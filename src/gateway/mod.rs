@@ -16,7 +16,6 @@ mod body;
 mod context;
 pub mod dashboards;
 pub mod demand;
-mod explain;
 pub mod grpc;
 pub mod jwks;
 mod limits;
@@ -24,8 +23,8 @@ mod live;
 pub mod metrics;
 mod overload;
 mod reserve;
-mod route;
-mod screen;
+pub mod route;
+pub mod screen;
 mod switched;
 mod tokens;
 pub mod verdict;
@@ -62,7 +61,7 @@ use answer::close_after;
 pub use answer::problem;
 pub use body::{Body, LeasedBody};
 pub use context::Context;
-pub use explain::explain;
+pub use limits::{forwarded_host, matching};
 pub use live::Live;
 
 #[derive(Debug, thiserror::Error)]
