@@ -29,14 +29,17 @@
 //!   [`proxy::Context`] (peer, TLS session, client certificate, worker), built at the
 //!   connection. Every answer it writes goes through one function (`answer.rs`), HTTP or,
 //!   to a gRPC call, a Trailers-Only gRPC answer ([`proxy::grpc`]). Also what it runs on
-//!   ([`proxy::Live`], swapped whole on reload) and `ratewall check`'s explanation, and
-//!   the dashboards' metrics (`dashboards.rs`: denials by plan, retry waits, near-limit
+//!   ([`proxy::Live`], swapped whole on reload), and the dashboards' metrics (`dashboards.rs`: denials by plan, retry waits, near-limit
 //!   requests, the good-client SLO judged by the bounded demand meter, `demand.rs`).
 //! - [`admin`]: what the admin listener serves: metrics, health, the admin API, the status
 //!   page, the guard that slows a peer guessing the admin token (`admin/guard.rs`), and
 //!   the runtime key calls, `/admin/keys` (`admin/keys.rs`).
+//! - [`cli`]: `ratewall check`, whole: the loaded file described (`cli/describe.rs`) and
+//!   a sample request's way through the request path's own functions (`cli/explain.rs`).
 //! - [`config`]: the TOML file -> validated, immutable [`config::Config`], one file per
-//!   table; the types it fills live with their meaning, below.
+//!   table; the types it fills live with their meaning, below. [`config::Config::load`]
+//!   reads the file and what it names (the environment, the keys file, certificates, JWT
+//!   keys: [`config::Inputs`]); [`config::Config::parse`] reads nothing.
 //! - [`rules`]: request parts -> the route (`[[routes]]`, first match wins) and the rules
 //!   that apply (pure, through an index compiled at load: exact paths, a prefix trie,
 //!   globs, methods, hosts).
@@ -91,6 +94,7 @@
 //!   a request carries its worker in its [`proxy::Context`].
 
 pub mod admin;
+pub mod cli;
 pub mod config;
 pub mod connection;
 pub mod disposition;

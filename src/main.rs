@@ -1,4 +1,4 @@
-//! `ratewall`: arguments, logging, load the config, run.
+//! `ratewall`: arguments, logging, load the config, run (or `check` it: [`ratewall::cli`]).
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -113,42 +113,25 @@ fn main() -> ExitCode {
     if let Some(Command::Check {
         path,
         method,
-        mut headers,
+        headers,
         host,
         peer,
     }) = cli.command
     {
-        println!("{}: valid", source.path.display());
-        if !source.overrides.is_empty() {
-            println!("{}", source.overrides);
-        }
-        print!("{}", config.describe());
-        for warning in config.server.tls.iter().flat_map(|t| t.warnings()) {
-            eprintln!("ratewall: warning: {warning}");
-        }
-        if let Some(host) = host {
-            headers.push(format!("host: {host}"));
-        }
-        if let Some(path) = path {
-            match sample_request(&method, &headers) {
-                Ok((method, headers)) => {
-                    let keyed = ratewall::server::key_check_tags(&config, &source.path);
-                    println!();
-                    print!(
-                        "{}",
-                        ratewall::proxy::explain(&config, &method, &path, &headers, peer)
-                    );
-                    if !keyed {
-                        println!("(identity tags read --------: they are keyed by the deployment's tag secret, which is kept in the shared store or made at the gateway's first start; /admin/state gives an identity's tag)");
-                    }
-                }
-                Err(e) => {
-                    eprintln!("ratewall: {e}");
-                    return ExitCode::FAILURE;
-                }
+        let sample = ratewall::cli::Sample {
+            path,
+            method,
+            headers,
+            host,
+            peer,
+        };
+        return match ratewall::cli::check(&config, &source, sample) {
+            Ok(()) => ExitCode::SUCCESS,
+            Err(e) => {
+                eprintln!("ratewall: {e}");
+                ExitCode::FAILURE
             }
-        }
-        return ExitCode::SUCCESS;
+        };
     }
 
     // The control runtime: signals, reloads, the admin listener, upkeep and the store's
@@ -188,27 +171,6 @@ fn given(matches: &ArgMatches, id: &str, value: Option<String>) -> Option<Given>
     value
         .filter(|v| !v.is_empty() || origin.starts_with("--"))
         .map(|value| Given { value, origin })
-}
-
-/// The method and headers of `ratewall check`'s sample request.
-fn sample_request(
-    method: &str,
-    headers: &[String],
-) -> Result<(http::Method, http::HeaderMap), String> {
-    let method = http::Method::from_bytes(method.to_ascii_uppercase().as_bytes())
-        .map_err(|_| format!("--method {method:?} is not a method"))?;
-    let mut map = http::HeaderMap::new();
-    for h in headers {
-        let (name, value) = h
-            .split_once(':')
-            .ok_or_else(|| format!("--header {h:?}: expected \"name: value\""))?;
-        let name = http::HeaderName::from_bytes(name.trim().as_bytes())
-            .map_err(|_| format!("--header {h:?}: bad header name"))?;
-        let value = http::HeaderValue::from_str(value.trim())
-            .map_err(|_| format!("--header {h:?}: bad header value"))?;
-        map.append(name, value);
-    }
-    Ok((method, map))
 }
 
 fn init_logging(format: LogFormat) {

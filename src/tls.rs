@@ -1,7 +1,8 @@
 //! TLS at the perimeter (`[server.tls]`): the certificates the gateway presents, chosen by
 //! SNI, the client certificates it may ask for, and the rustls server config built from
-//! them once per load. Certificates are read when the config is (at start, by `ratewall
-//! check`, and on SIGHUP): a file that cannot be read or a key that does not match its
+//! them once per load. Certificates are read when the config is loaded (at start, by
+//! `ratewall check`, and on SIGHUP), and handed to [`Settings::build`] as bytes by path, so
+//! that building is no I/O of its own: a file that cannot be read or a key that does not match its
 //! certificate fails the load, so a bad rotation keeps the old config and certificates
 //! serving, like any bad config.
 //!
@@ -120,9 +121,15 @@ fn provider() -> Arc<rustls::crypto::CryptoProvider> {
     Arc::new(rustls::crypto::ring::default_provider())
 }
 
+/// A file's bytes by its path, or why it could not be read: what the config's load read.
+pub type Contents<'a> = &'a dyn Fn(&Path) -> std::io::Result<Vec<u8>>;
+
 /// Every PEM certificate in `path`, in order.
-fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, LoadError> {
-    let bytes = std::fs::read(path).map_err(|source| LoadError::Read {
+fn read_certs(
+    path: &Path,
+    contents: Contents<'_>,
+) -> Result<Vec<CertificateDer<'static>>, LoadError> {
+    let bytes = contents(path).map_err(|source| LoadError::Read {
         path: path.to_owned(),
         source,
     })?;
@@ -135,11 +142,15 @@ fn read_certs(path: &Path) -> Result<Vec<CertificateDer<'static>>, LoadError> {
     Ok(certs)
 }
 
-/// Load one certificate chain and its key: both readable, the key one rustls can sign
-/// with, and the certificate's own.
-pub fn load_certificate(cert_path: &Path, key_path: &Path) -> Result<Certificate, LoadError> {
-    let chain = read_certs(cert_path)?;
-    let key_bytes = std::fs::read(key_path).map_err(|source| LoadError::Read {
+/// One certificate chain and its key: both readable, the key one rustls can sign with,
+/// and the certificate's own.
+pub fn certificate(
+    cert_path: &Path,
+    key_path: &Path,
+    contents: Contents<'_>,
+) -> Result<Certificate, LoadError> {
+    let chain = read_certs(cert_path, contents)?;
+    let key_bytes = contents(key_path).map_err(|source| LoadError::Read {
         path: key_path.to_owned(),
         source,
     })?;
@@ -174,16 +185,18 @@ pub fn load_certificate(cert_path: &Path, key_path: &Path) -> Result<Certificate
 pub const ALPN: [&[u8]; 2] = [b"h2", b"http/1.1"];
 
 impl Settings {
-    /// Load the certificates (and the client CA) and build the server config.
-    pub fn load(
+    /// The certificates (and the client CA), from `contents`, and the server config built
+    /// on them.
+    pub fn build(
         listen: SocketAddr,
         files: &[(PathBuf, PathBuf)],
         client_auth: Option<ClientAuth>,
         redirect_https: bool,
+        contents: Contents<'_>,
     ) -> Result<Settings, LoadError> {
         let certificates = files
             .iter()
-            .map(|(c, k)| load_certificate(c, k))
+            .map(|(c, k)| certificate(c, k, contents))
             .collect::<Result<Vec<_>, _>>()?;
         let builder = rustls::ServerConfig::builder_with_provider(provider())
             .with_protocol_versions(&[&rustls::version::TLS13, &rustls::version::TLS12])
@@ -192,7 +205,7 @@ impl Settings {
             None => builder.with_no_client_auth(),
             Some(auth) => {
                 let mut roots = rustls::RootCertStore::empty();
-                for cert in read_certs(&auth.ca)? {
+                for cert in read_certs(&auth.ca, contents)? {
                     roots
                         .add(cert)
                         .map_err(|e| invalid(&auth.ca, format!("not a usable CA: {e}")))?;

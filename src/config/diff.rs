@@ -165,6 +165,15 @@ fn same_rule((o, a): (&Config, &Rule), (n, b): (&Config, &Rule)) -> bool {
         && a.bytes == b.bytes
 }
 
+/// `[(key, whether the two agree on it)]` for fields of one table read alike from both:
+/// `same!("server", os, ns; listen, workers)` gives `("server.listen", os.listen ==
+/// ns.listen)`, then `server.workers`'.
+macro_rules! same {
+    ($table:literal, $o:ident, $n:ident; $($field:ident),+) => {
+        [$((concat!($table, ".", stringify!($field)), $o.$field == $n.$field)),+]
+    };
+}
+
 /// The keys outside `[[rules]]` and the routes whose values differ.
 fn settings(o: &Config, n: &Config) -> Vec<&'static str> {
     let (os, ns) = (&o.server, &n.server);
@@ -172,96 +181,63 @@ fn settings(o: &Config, n: &Config) -> Vec<&'static str> {
     let (ostore, nstore) = (&o.store, &n.store);
     let (oip, nip) = (&o.client_ip, &n.client_ip);
     let (ok, nk) = (&o.keys, &n.keys);
-    [
-        ("server.listen", os.listen == ns.listen),
-        ("server.admin_listen", os.admin_listen == ns.admin_listen),
-        (
-            "server.shutdown_grace",
-            os.shutdown_grace == ns.shutdown_grace,
-        ),
-        ("server.workers", os.workers == ns.workers),
+    let mut keys = Vec::new();
+    keys.extend(same!("server", os, ns; listen, admin_listen, shutdown_grace, workers));
+    keys.extend([
         ("server.header_timeout", ot.header == nt.header),
         ("server.idle_timeout", ot.idle == nt.idle),
         ("server.body_timeout", ot.body == nt.body),
-        (
-            "server.upgrade_idle_timeout",
-            os.upgrade_idle_timeout == ns.upgrade_idle_timeout,
-        ),
-        (
-            "server.max_connections",
-            os.max_connections == ns.max_connections,
-        ),
-        (
-            "server.max_header_bytes",
-            os.max_header_bytes == ns.max_header_bytes,
-        ),
-        (
-            "server.max_header_fields",
-            os.max_header_fields == ns.max_header_fields,
-        ),
-        ("server.backlog", os.backlog == ns.backlog),
-        ("server.tag_secret", os.tag_secret == ns.tag_secret),
-        ("server.path_case", os.path_case == ns.path_case),
-        (
-            "server.underscores_in_headers",
-            os.underscores_in_headers == ns.underscores_in_headers,
-        ),
+    ]);
+    keys.extend(same!(
+        "server", os, ns;
+        upgrade_idle_timeout, max_connections, max_header_bytes, max_header_fields, backlog,
+        tag_secret, path_case, underscores_in_headers
+    ));
+    keys.extend(tls_settings(os.tls.as_ref(), ns.tls.as_ref()));
+    keys.push(("admin.token", o.admin.token == n.admin.token));
+    keys.extend(same!(
+        "store", ostore, nstore;
+        backend, prefix, timeout, on_error, breaker_failures, breaker_cooldown, max_keys
+    ));
+    keys.extend(same!("client_ip", oip, nip; trusted_proxies, header));
+    keys.extend(same!("keys", ok, nk; header, unknown, file));
+    keys.extend([
+        ("keys.plans", ok.same_plans(nk)),
+        ("response.headers", o.response == n.response),
+        ("log.client_ip", o.log.client_ip == n.log.client_ip),
+    ]);
+    keys.into_iter()
+        .filter(|(_, same)| !same)
+        .map(|(key, _)| key)
+        .collect()
+}
+
+/// `[server.tls]`'s keys, and whether the two agree on each.
+fn tls_settings(
+    o: Option<&crate::tls::Settings>,
+    n: Option<&crate::tls::Settings>,
+) -> [(&'static str, bool); 4] {
+    let client_ca = |t: Option<&crate::tls::Settings>| {
+        t.and_then(|t| t.client_auth.as_ref().map(|a| (a.ca.clone(), a.required)))
+    };
+    [
         (
             "server.tls.listen",
-            os.tls.as_ref().map(|t| t.listen) == ns.tls.as_ref().map(|t| t.listen),
+            o.map(|t| t.listen) == n.map(|t| t.listen),
         ),
         (
             "server.tls.certificates",
-            match (&os.tls, &ns.tls) {
+            match (o, n) {
                 (Some(a), Some(b)) => a.same_certificates(b),
                 (a, b) => a.is_none() == b.is_none(),
             },
         ),
-        (
-            "server.tls.client_ca",
-            os.tls
-                .as_ref()
-                .and_then(|t| t.client_auth.as_ref().map(|a| (&a.ca, a.required)))
-                == ns
-                    .tls
-                    .as_ref()
-                    .and_then(|t| t.client_auth.as_ref().map(|a| (&a.ca, a.required))),
-        ),
+        ("server.tls.client_ca", client_ca(o) == client_ca(n)),
         (
             "server.tls.redirect_https",
-            os.tls.as_ref().is_some_and(|t| t.redirect_https)
-                == ns.tls.as_ref().is_some_and(|t| t.redirect_https),
+            o.is_some_and(|t| t.redirect_https) == n.is_some_and(|t| t.redirect_https),
         ),
-        ("admin.token", o.admin.token == n.admin.token),
-        ("store.backend", ostore.backend == nstore.backend),
-        ("store.prefix", ostore.prefix == nstore.prefix),
-        ("store.timeout", ostore.timeout == nstore.timeout),
-        ("store.on_error", ostore.on_error == nstore.on_error),
-        (
-            "store.breaker_failures",
-            ostore.breaker_failures == nstore.breaker_failures,
-        ),
-        (
-            "store.breaker_cooldown",
-            ostore.breaker_cooldown == nstore.breaker_cooldown,
-        ),
-        ("store.max_keys", ostore.max_keys == nstore.max_keys),
-        (
-            "client_ip.trusted_proxies",
-            oip.trusted_proxies == nip.trusted_proxies,
-        ),
-        ("client_ip.header", oip.header == nip.header),
-        ("keys.header", ok.header == nk.header),
-        ("keys.unknown", ok.unknown == nk.unknown),
-        ("keys.file", ok.file == nk.file),
-        ("keys.plans", ok.same_plans(nk)),
-        ("response.headers", o.response == n.response),
-        ("log.client_ip", o.log.client_ip == n.log.client_ip),
     ]
-    .into_iter()
-    .filter(|(_, same)| !same)
-    .map(|(key, _)| key)
-    .collect()
 }
 
 /// A list for a log field: `a, b`, or `-` when empty.

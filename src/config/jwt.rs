@@ -1,6 +1,7 @@
 //! `[jwt]`: where a request carries its bearer token, which algorithms and keys verify
 //! it, which issuers and audiences are accepted, and what its claims give (a plan, headers
-//! for the backend). Key files (`jwks_file`, `keys`) are read here, at every load; a
+//! for the backend). Key files (`jwks_file`, `keys`) and the `secret_env` variable are read
+//! with the config ([`super::Inputs`]), at every load, and their contents validated here; a
 //! `jwks_url` is fetched by the running gateway (`proxy::jwks`), never by a load.
 
 use std::collections::BTreeMap;
@@ -13,7 +14,7 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use super::values::{Header, RawFailures};
-use super::Invalid;
+use super::{Inputs, Invalid};
 use crate::identity::jwt::{
     Alg, KeySet, KeyType, KeysFrom, Settings, TokenFrom, DEFAULT_FAILURES, DEFAULT_LEEWAY,
     DEFAULT_REFRESH,
@@ -162,111 +163,43 @@ const RESERVED: &[&str] = &[
 ];
 
 impl RawJwt {
-    /// `[jwt]`, validated, its key files read (relative to `dir`, the config's folder).
-    pub(super) fn validate(self, span: std::ops::Range<usize>, dir: &Path) -> Result<Jwt, Invalid> {
-        let table = |message: String| Invalid::new(Some(span.clone()), "jwt", message);
-        let from = match (&self.header, &self.cookie) {
-            (Some(_), Some(c)) => {
-                return Err(no(c, "cookie", "give header or cookie, not both"));
-            }
-            (_, Some(c)) if c.get_ref().trim().is_empty() => {
-                return Err(no(c, "cookie", "the cookie's name is empty"));
-            }
-            (_, Some(c)) => TokenFrom::Cookie(c.get_ref().trim().to_string()),
-            (Some(h), None) => TokenFrom::Bearer(h.get_ref().0.clone()),
-            (None, None) => TokenFrom::Bearer(http::header::AUTHORIZATION),
-        };
+    /// The key files (`jwks_file`, `keys`), relative to `dir` (the config's folder).
+    pub(super) fn files(&self, dir: &Path) -> Vec<std::path::PathBuf> {
+        let listed = self.keys.iter().flat_map(|k| k.get_ref().iter());
+        self.jwks_file
+            .iter()
+            .map(|f| f.get_ref())
+            .chain(listed)
+            .map(|p| dir.join(p.trim()))
+            .collect()
+    }
+
+    /// The environment variable holding the HS secret (`secret_env`).
+    pub(super) fn secret_env(&self) -> Option<&str> {
+        self.secret_env.as_ref().map(|s| s.get_ref().trim())
+    }
+
+    /// `[jwt]`, validated, with its key files' contents and its secret from `inputs`
+    /// (paths relative to `dir`, the config's folder).
+    pub(super) fn validate(
+        self,
+        span: std::ops::Range<usize>,
+        dir: &Path,
+        inputs: &Inputs,
+    ) -> Result<Jwt, Invalid> {
+        let from = self.token_from()?;
         let algorithms = self.algorithms()?;
-        let sources = [
-            ("jwks_file", self.jwks_file.is_some()),
-            ("jwks_url", self.jwks_url.is_some()),
-            ("keys", self.keys.is_some()),
-            ("secret_env", self.secret_env.is_some()),
-        ];
-        let given: Vec<&str> = sources.iter().filter(|s| s.1).map(|s| s.0).collect();
-        if given.len() != 1 {
-            return Err(table(format!(
-                "give exactly one of jwks_file, jwks_url, keys or secret_env (the keys tokens are verified with); {}",
-                match given.len() {
-                    0 => "none is given".to_string(),
-                    _ => format!("{} are given", given.join(", ")),
-                }
-            )));
-        }
-        let symmetric = algorithms.iter().filter(|a| a.is_symmetric()).count();
-        if symmetric > 0 && (symmetric < algorithms.len() || self.keys.is_some()) {
-            return Err(no(
-                &self.algorithms,
-                "algorithms",
-                "an HS algorithm (a shared secret) beside public keys or asymmetric algorithms lets anyone holding the public key sign tokens (key confusion): list HS algorithms alone, with secret_env",
-            ));
-        }
-        if let (Some(s), 0) = (&self.secret_env, symmetric) {
-            return Err(no(
-                s,
-                "secret_env",
-                "a secret verifies HS256, HS384 or HS512 only: list those in algorithms, or give public keys (jwks_url, jwks_file, keys)",
-            ));
-        }
-        for (key, set) in [
-            ("jwks_ca", self.jwks_ca.as_ref().map(Spanned::span)),
-            (
-                "jwks_refresh",
-                self.jwks_refresh.as_ref().map(Spanned::span),
-            ),
-        ] {
-            if let (Some(span), None) = (set, &self.jwks_url) {
-                return Err(Invalid::new(
-                    Some(span),
-                    format!("jwt.{key}"),
-                    format!("{key} applies to jwks_url only"),
-                ));
-            }
-        }
-        let (keys_from, keys, fetch) = self.keys(dir)?;
+        self.one_key_source(span)?;
+        self.no_key_confusion(&algorithms)?;
+        self.url_keys_with_url()?;
+        let (keys_from, keys, fetch) = self.keys(dir, inputs)?;
         if let Some(keys) = &keys {
-            for alg in &algorithms {
-                let usable = |(kind, fixed): (KeyType, Option<Alg>)| {
-                    kind.takes(*alg) && fixed.is_none_or(|f| f == *alg)
-                };
-                if !keys.kinds().any(usable) {
-                    return Err(no(
-                        &self.algorithms,
-                        "algorithms",
-                        format!(
-                            "no key given can verify {}: {}",
-                            alg.name(),
-                            keys.describe()
-                        ),
-                    ));
-                }
-            }
+            self.every_algorithm_verifiable(&algorithms, keys)?;
         }
+        let forward_claims = self.forward_claims(&from)?;
         let claim = |s: &Spanned<String>, key: &str| {
             ClaimPath::parse(s.get_ref()).map_err(|m| no(s, key, m))
         };
-        let mut forward_claims = Vec::new();
-        if let Some(f) = &self.forward_claims {
-            for (c, h) in f.get_ref() {
-                let path = ClaimPath::parse(c).map_err(|m| no(f, "forward_claims", m))?;
-                let header = HeaderName::from_bytes(h.trim().as_bytes()).map_err(|_| {
-                    no(
-                        f,
-                        "forward_claims",
-                        format!("invalid header name {h:?} for claim {c:?}"),
-                    )
-                })?;
-                let token_header = matches!(&from, TokenFrom::Bearer(t) if *t == header);
-                if RESERVED.contains(&header.as_str()) || token_header {
-                    return Err(no(
-                        f,
-                        "forward_claims",
-                        format!("claim {c:?} cannot be forwarded as {header:?}: that header frames the request or carries the token"),
-                    ));
-                }
-                forward_claims.push((path, header));
-            }
-        }
         let settings = Settings {
             from,
             algorithms,
@@ -297,6 +230,138 @@ impl RawJwt {
             verifier: Arc::new(Verifier::new(settings, keys)),
             fetch,
         })
+    }
+
+    /// `header` or `cookie` (not both): where a request carries its token.
+    fn token_from(&self) -> Result<TokenFrom, Invalid> {
+        Ok(match (&self.header, &self.cookie) {
+            (Some(_), Some(c)) => {
+                return Err(no(c, "cookie", "give header or cookie, not both"));
+            }
+            (_, Some(c)) if c.get_ref().trim().is_empty() => {
+                return Err(no(c, "cookie", "the cookie's name is empty"));
+            }
+            (_, Some(c)) => TokenFrom::Cookie(c.get_ref().trim().to_string()),
+            (Some(h), None) => TokenFrom::Bearer(h.get_ref().0.clone()),
+            (None, None) => TokenFrom::Bearer(http::header::AUTHORIZATION),
+        })
+    }
+
+    /// Exactly one of `jwks_file`, `jwks_url`, `keys`, `secret_env`; else the error is
+    /// the table's (`span`).
+    fn one_key_source(&self, span: std::ops::Range<usize>) -> Result<(), Invalid> {
+        let sources = [
+            ("jwks_file", self.jwks_file.is_some()),
+            ("jwks_url", self.jwks_url.is_some()),
+            ("keys", self.keys.is_some()),
+            ("secret_env", self.secret_env.is_some()),
+        ];
+        let given: Vec<&str> = sources.iter().filter(|s| s.1).map(|s| s.0).collect();
+        if given.len() == 1 {
+            return Ok(());
+        }
+        Err(Invalid::new(
+            Some(span),
+            "jwt",
+            format!(
+                "give exactly one of jwks_file, jwks_url, keys or secret_env (the keys tokens are verified with); {}",
+                match given.len() {
+                    0 => "none is given".to_string(),
+                    _ => format!("{} are given", given.join(", ")),
+                }
+            ),
+        ))
+    }
+
+    /// HS algorithms alone and with a secret, or none of them and no secret: a shared
+    /// secret beside public keys lets the holder of a public key sign tokens.
+    fn no_key_confusion(&self, algorithms: &[Alg]) -> Result<(), Invalid> {
+        let symmetric = algorithms.iter().filter(|a| a.is_symmetric()).count();
+        if symmetric > 0 && (symmetric < algorithms.len() || self.keys.is_some()) {
+            return Err(no(
+                &self.algorithms,
+                "algorithms",
+                "an HS algorithm (a shared secret) beside public keys or asymmetric algorithms lets anyone holding the public key sign tokens (key confusion): list HS algorithms alone, with secret_env",
+            ));
+        }
+        if let (Some(s), 0) = (&self.secret_env, symmetric) {
+            return Err(no(
+                s,
+                "secret_env",
+                "a secret verifies HS256, HS384 or HS512 only: list those in algorithms, or give public keys (jwks_url, jwks_file, keys)",
+            ));
+        }
+        Ok(())
+    }
+
+    /// `jwks_ca` and `jwks_refresh` only beside a `jwks_url`.
+    fn url_keys_with_url(&self) -> Result<(), Invalid> {
+        for (key, set) in [
+            ("jwks_ca", self.jwks_ca.as_ref().map(Spanned::span)),
+            (
+                "jwks_refresh",
+                self.jwks_refresh.as_ref().map(Spanned::span),
+            ),
+        ] {
+            if let (Some(span), None) = (set, &self.jwks_url) {
+                return Err(Invalid::new(
+                    Some(span),
+                    format!("jwt.{key}"),
+                    format!("{key} applies to jwks_url only"),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// Every algorithm listed has a key given that can verify it.
+    fn every_algorithm_verifiable(&self, algorithms: &[Alg], keys: &KeySet) -> Result<(), Invalid> {
+        for alg in algorithms {
+            let usable = |(kind, fixed): (KeyType, Option<Alg>)| {
+                kind.takes(*alg) && fixed.is_none_or(|f| f == *alg)
+            };
+            if !keys.kinds().any(usable) {
+                return Err(no(
+                    &self.algorithms,
+                    "algorithms",
+                    format!(
+                        "no key given can verify {}: {}",
+                        alg.name(),
+                        keys.describe()
+                    ),
+                ));
+            }
+        }
+        Ok(())
+    }
+
+    /// `forward_claims`: each claim's path and the header it goes as, never one that
+    /// frames the request or carries the token (`from`).
+    fn forward_claims(&self, from: &TokenFrom) -> Result<Vec<(ClaimPath, HeaderName)>, Invalid> {
+        let mut forward_claims = Vec::new();
+        let Some(f) = &self.forward_claims else {
+            return Ok(forward_claims);
+        };
+        for (c, h) in f.get_ref() {
+            let path = ClaimPath::parse(c).map_err(|m| no(f, "forward_claims", m))?;
+            let header = HeaderName::from_bytes(h.trim().as_bytes()).map_err(|_| {
+                no(
+                    f,
+                    "forward_claims",
+                    format!("invalid header name {h:?} for claim {c:?}"),
+                )
+            })?;
+            let token_header = matches!(from, TokenFrom::Bearer(t) if *t == header);
+            if RESERVED.contains(&header.as_str()) || token_header {
+                return Err(no(
+                    f,
+                    "forward_claims",
+                    format!("claim {c:?} cannot be forwarded as {header:?}: that header frames the request or carries the token"),
+                ));
+            }
+            forward_claims.push((path, header));
+        }
+        Ok(forward_claims)
     }
 
     /// `algorithms`: a non-empty list of known names; never `none`.
@@ -334,10 +399,14 @@ impl RawJwt {
     }
 
     /// Where the keys come from; the keys read now (none for a URL); the URL's fetch.
-    fn keys(&self, dir: &Path) -> Result<(KeysFrom, Option<KeySet>, Option<JwksFetch>), Invalid> {
+    fn keys(
+        &self,
+        dir: &Path,
+        inputs: &Inputs,
+    ) -> Result<(KeysFrom, Option<KeySet>, Option<JwksFetch>), Invalid> {
         let read = |span: std::ops::Range<usize>, key: &str, path: &str| {
             let file = dir.join(path.trim());
-            std::fs::read(&file).map(|b| (file, b)).map_err(|e| {
+            inputs.contents(&file).map(|b| (file, b)).map_err(|e| {
                 Invalid::new(
                     Some(span),
                     format!("jwt.{key}"),
@@ -364,7 +433,7 @@ impl RawJwt {
         }
         if let Some(s) = &self.secret_env {
             let var = s.get_ref().trim();
-            let secret = std::env::var(var).unwrap_or_default();
+            let secret = inputs.var(var).unwrap_or_default();
             if secret.is_empty() {
                 return Err(no(
                     s,
@@ -428,7 +497,9 @@ mod tests {
             "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:2\"\n[jwt]\n{jwt}\n\
              [[rules]]\nname = \"u\"\nkey = \"jwt:sub\"\nrate = \"1/s\"\n"
         );
-        crate::config::Config::parse(&text, Path::new("t.toml")).map_err(|e| e.to_string())
+        let inputs = Inputs::default().env("RATEWALL_TEST_JWT_SECRET", "s3cret");
+        crate::config::Config::parse_with(&text, Path::new("t.toml"), &inputs)
+            .map_err(|e| e.to_string())
     }
 
     #[test]
@@ -439,7 +510,6 @@ mod tests {
                 .unwrap_or_else(|| panic!("{jwt}: accepted"));
             assert!(e.contains(says), "{jwt}: {e}");
         };
-        std::env::set_var("RATEWALL_TEST_JWT_SECRET", "s3cret");
         let ok = "algorithms = [\"HS256\"]\nsecret_env = \"RATEWALL_TEST_JWT_SECRET\"";
         let cfg = parse(ok).expect("a valid [jwt]");
         let jwt = cfg.jwt.as_ref().expect("[jwt]");

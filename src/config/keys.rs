@@ -85,7 +85,7 @@ fn check_plan(plan: &str, defined: &BTreeSet<&str>) -> Result<(), String> {
 
 impl RawKeys {
     /// Every listed key as a digest: inline ones, then `file`'s (its path, and what
-    /// [`load_keys_file`] read from it). Every plan must be one of `defined`. With the
+    /// [`keys_file_entries`] made of it). Every plan must be one of `defined`. With the
     /// memory store (`shared` false) the keys file's entries are the runtime directory's,
     /// which the admin API changes; with a shared store they are static, like inline ones.
     pub(super) fn validate(
@@ -200,15 +200,23 @@ fn key_digest(listed: &str) -> Result<[u8; 32], String> {
     Ok(sha256(listed.as_bytes()))
 }
 
-/// Read a keys file: `[plans]`, each API key (or `sha256:<hex>`) -> plan name or `{
-/// plan, label }`, each plan one of `defined`. Errors name the keys file, its line and
-/// column.
-pub(super) fn load_keys_file(
+/// Read a keys file (see [`keys_file_entries`]).
+fn load_keys_file(
     path: &Path,
     defined: &BTreeSet<&str>,
 ) -> Result<HashMap<[u8; 32], Entry>, ConfigError> {
-    let text = super::read(path)?;
-    let raw: RawKeysFile = from_toml(&text, path, "plans.")?;
+    keys_file_entries(&super::read(path)?, path, defined)
+}
+
+/// A keys file's `text`: `[plans]`, each API key (or `sha256:<hex>`) -> plan name or `{
+/// plan, label }`, each plan one of `defined`. Errors name the keys file (`path`), its
+/// line and column.
+pub(super) fn keys_file_entries(
+    text: &str,
+    path: &Path,
+    defined: &BTreeSet<&str>,
+) -> Result<HashMap<[u8; 32], Entry>, ConfigError> {
+    let raw: RawKeysFile = from_toml(text, path, "plans.")?;
     let mut out = HashMap::with_capacity(raw.plans.len());
     // In file order, so the first bad line is the one reported.
     let mut entries: Vec<(String, Spanned<KeyListing>)> = raw.plans.into_iter().collect();
@@ -216,12 +224,12 @@ pub(super) fn load_keys_file(
     for (listed, spanned) in entries {
         let span = spanned.span();
         let listing = spanned.into_inner();
-        let invalid = |m: String| Invalid::new(Some(span.clone()), "plans", m).locate(&text, path);
+        let invalid = |m: String| Invalid::new(Some(span.clone()), "plans", m).locate(text, path);
         let d = key_digest(&listed).map_err(invalid)?;
         check_plan(&listing.plan, defined)
-            .map_err(|m| Invalid::new(Some(span.clone()), "plans.<key>", m).locate(&text, path))?;
+            .map_err(|m| Invalid::new(Some(span.clone()), "plans.<key>", m).locate(text, path))?;
         let label = checked_label(listing.label.as_deref())
-            .map_err(|m| Invalid::new(Some(span.clone()), "plans.<key>", m).locate(&text, path))?;
+            .map_err(|m| Invalid::new(Some(span.clone()), "plans.<key>", m).locate(text, path))?;
         let entry = Entry {
             plan: Arc::from(listing.plan),
             label,

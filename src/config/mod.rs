@@ -11,6 +11,7 @@
 //! cross-field checks (burst against cost, duplicate rule names) point at the rule's table.
 
 mod diff;
+mod inputs;
 mod jwt;
 mod keys;
 mod matching;
@@ -35,11 +36,12 @@ use serde::Deserialize;
 use toml::Spanned;
 
 use crate::headers::ResponseStyle;
-use crate::identity::{ClientIp, KeyKind, Keys, MissingKey};
-use crate::limiter::store::{self as store_settings, Backend};
-use crate::rules::{Plan, Routes, Rule, RuleIndex};
+use crate::identity::{ClientIp, KeyKind, Keys};
+use crate::limiter::store as store_settings;
+use crate::rules::{Routes, Rule, RuleIndex};
 
 pub use diff::{Changes, Listed, Named};
+pub use inputs::Inputs;
 pub use jwt::{JwksFetch, Jwt};
 pub use keys::{reread_keys_file, write_keys_file};
 pub use overrides::{Given, OverrideError, Overrides, Source};
@@ -173,6 +175,11 @@ impl Invalid {
     }
 }
 
+/// The folder of the file at `path`, which the files it names are relative to.
+fn folder(path: &Path) -> &Path {
+    path.parent().unwrap_or(Path::new(""))
+}
+
 fn read(path: &Path) -> Result<String, ConfigError> {
     std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
         path: path.to_owned(),
@@ -261,47 +268,61 @@ impl Config {
         }
     }
 
-    /// Read and validate the file at `path`.
+    /// Read and validate the file at `path`, with the environment's settings and the
+    /// files it names (see [`Inputs`]).
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        Config::parse(&read(path)?, path)
+        let text = read(path)?;
+        let raw: RawConfig = from_toml(&text, path, "keys.plans.")?;
+        let inputs = Inputs::read(&raw, folder(path));
+        Config::parse_with(&text, path, &inputs)
     }
 
-    /// Validate `text`; `path` only names the file in errors, and the keys file is read
-    /// relative to its folder.
+    /// Validate `text` alone: no environment, and no file it names (a keys file, a
+    /// certificate) can be read. `path` only names the file in errors.
     pub fn parse(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        Config::parse_with(text, path, &Inputs::default())
+    }
+
+    /// Validate `text` with `inputs`: the environment's settings and the contents of the
+    /// files it names, relative to `path`'s folder. Reads nothing itself.
+    pub fn parse_with(text: &str, path: &Path, inputs: &Inputs) -> Result<Config, ConfigError> {
         let raw: RawConfig = from_toml(text, path, "keys.plans.")?;
-        let env_token = server::env_admin_token(std::env::var("RATEWALL_ADMIN_TOKEN").ok())?;
-        let env_tag_secret = server::env_tag_secret(std::env::var("RATEWALL_TAG_SECRET").ok())?;
+        let env_token = server::env_admin_token(inputs.var("RATEWALL_ADMIN_TOKEN"))?;
+        let env_tag_secret = server::env_tag_secret(inputs.var("RATEWALL_TAG_SECRET"))?;
         let defined = defined_plans(&raw.rules);
+        let dir = folder(path);
         let keys_file = match &raw.keys.file {
             Some(f) => {
-                let file = path
-                    .parent()
-                    .unwrap_or(Path::new(""))
-                    .join(f.get_ref().trim());
-                let listed = keys::load_keys_file(&file, &defined).map_err(|e| match e {
-                    // A missing keys file is the config's error: point at `file =`.
-                    ConfigError::Read { source, .. } => Invalid::new(
-                        Some(f.span()),
-                        "keys.file",
-                        format!(
-                            "cannot read the keys file {:?} (relative to this file's folder): {source}",
-                            f.get_ref()
-                        ),
-                    )
-                    .locate(text, path),
-                    e => e,
-                })?;
+                let file = dir.join(f.get_ref().trim());
+                let listed = inputs
+                    .text(&file)
+                    .map_err(|source| ConfigError::Read {
+                        path: file.clone(),
+                        source,
+                    })
+                    .and_then(|text| keys::keys_file_entries(&text, &file, &defined))
+                    .map_err(|e| match e {
+                        // A missing keys file is the config's error: point at `file =`.
+                        ConfigError::Read { source, .. } => Invalid::new(
+                            Some(f.span()),
+                            "keys.file",
+                            format!(
+                                "cannot read the keys file {:?} (relative to this file's folder): {source}",
+                                f.get_ref()
+                            ),
+                        )
+                        .locate(text, path),
+                        e => e,
+                    })?;
                 Some((file, listed))
             }
             None => None,
         };
-        let dir = path.parent().unwrap_or(Path::new(""));
         let tls = match &raw.server.tls {
-            Some(t) => Some(t.load(dir).map_err(|e| e.locate(text, path))?),
+            Some(t) => Some(t.build(dir, inputs).map_err(|e| e.locate(text, path))?),
             None => None,
         };
-        let mut config = Config::validate(raw, keys_file, tls, env_token, dir)
+        let mut config = Config::validate(raw, keys_file, tls, env_token, dir, inputs)
             .map_err(|e| e.locate(text, path))?;
         config.sha256 = Some(sha256_hex(text.as_bytes()));
         // `RATEWALL_TAG_SECRET` wins over the file's.
@@ -320,6 +341,7 @@ impl Config {
         tls: Option<crate::tls::Settings>,
         env_token: Option<values::AdminToken>,
         dir: &Path,
+        inputs: &Inputs,
     ) -> Result<Config, Invalid> {
         let store = match raw.store {
             Some(s) => {
@@ -334,7 +356,7 @@ impl Config {
         let jwt = match raw.jwt {
             Some(j) => {
                 let span = j.span();
-                Some(j.into_inner().validate(span, dir)?)
+                Some(j.into_inner().validate(span, dir, inputs)?)
             }
             None => None,
         };
@@ -424,130 +446,6 @@ impl Config {
         })
     }
 
-    /// The effective configuration, for `ratewall check`. API keys are not printed.
-    pub fn describe(&self) -> String {
-        use std::fmt::Write;
-        let mut out = String::new();
-        let _ = writeln!(out, "listen        {}", self.server.listen);
-        if let Some(a) = self.server.admin_listen {
-            let _ = writeln!(out, "admin_listen  {a}");
-        }
-        for p in &self.upstreams {
-            describe_pool(&mut out, p);
-        }
-        let t = &self.server.timeouts;
-        let _ = writeln!(
-            out,
-            "clients       header_timeout {}, idle_timeout {}, body_timeout {}, upgrade_idle_timeout {}, max_connections {}{}, max_header_bytes {}",
-            humantime::format_duration(t.header),
-            humantime::format_duration(t.idle),
-            humantime::format_duration(t.body),
-            humantime::format_duration(self.server.upgrade_idle_timeout),
-            self.server.max_connections,
-            if self.server.max_connections_set {
-                ""
-            } else {
-                " (not set: 10000, or what the open-file limit holds)"
-            },
-            self.server.max_header_bytes
-        );
-        if let Some(tls) = &self.server.tls {
-            out.push_str(&tls.describe());
-        }
-        let backend = match &self.store.backend {
-            Backend::Memory => format!(
-                "memory (embedded, one instance; max_keys {})",
-                self.store.max_keys
-            ),
-            Backend::Redis { .. } => "redis".to_string(),
-            Backend::RedisCluster { nodes } => {
-                format!("redis_cluster ({} seed nodes)", nodes.len())
-            }
-            Backend::RedisSentinel(at) => format!(
-                "redis_sentinel (master {:?}, {} sentinels)",
-                at.master_name,
-                at.urls.len()
-            ),
-        };
-        let _ = writeln!(
-            out,
-            "store         {backend}, timeout {}, on_error {}",
-            humantime::format_duration(self.store.timeout),
-            self.store.on_error.name()
-        );
-        let _ = writeln!(
-            out,
-            "keys          header {}, {} listed with a plan{}",
-            self.keys.header,
-            self.keys.len(),
-            match &self.keys.file {
-                Some(f) => format!(" (with the keys file {})", f.display()),
-                None => String::new(),
-            }
-        );
-        // Keys by their labels (never by their characters).
-        for (label, plan) in self.keys.labels() {
-            let _ = writeln!(out, "  label       {label:?} (plan {plan})");
-        }
-        if let Some(j) = &self.jwt {
-            out.push_str(&j.describe());
-        }
-        self.describe_routes(&mut out);
-        let _ = writeln!(out, "rules         {}", self.rules.len());
-        for r in &self.rules {
-            let when = self.applies_to(r);
-            let key = match (&r.key.kind, r.key.missing) {
-                (KeyKind::ApiKey, MissingKey::Reject) => "api_key (missing: 401)".to_string(),
-                (KeyKind::ApiKey, MissingKey::ClientIp) => {
-                    "api_key (missing: client_ip)".to_string()
-                }
-                (kind, _) => kind.to_string(),
-            };
-            let _ = writeln!(
-                out,
-                "  - {}: {} per {}; {}; when {}",
-                r.name,
-                r.quota,
-                key,
-                r.quota.algorithm.name(),
-                when
-            );
-            let shared = !matches!(self.store.backend, Backend::Memory);
-            let _ = writeln!(out, "      {}", r.behaviour(shared));
-            if let Some(policy) = &r.settle {
-                let _ = writeln!(out, "      settles: {}", policy.describe());
-                if r.quota.max_debt > 0 {
-                    let _ = writeln!(
-                        out,
-                        "      borrows up to {} ahead of a cost reported later (max_debt)",
-                        r.quota.max_debt
-                    );
-                }
-            }
-            if let Some(of) = &r.ceiling_of {
-                let _ = writeln!(
-                    out,
-                    "      the attempts ceiling of {of}: counts every request {of} applies to, whatever the answer, never given back"
-                );
-            }
-            let mut plans: Vec<_> = r.plans.iter().collect();
-            plans.sort_by(|a, b| a.0.cmp(b.0));
-            for (p, plan) in plans {
-                let _ = match plan {
-                    Plan::Limit(q) => {
-                        writeln!(out, "      plan {p}: {q} ({})", q.algorithm.name())
-                    }
-                    Plan::Exempt => {
-                        writeln!(out, "      plan {p}: exempt, not limited by this rule")
-                    }
-                };
-            }
-        }
-        out
-    }
-}
-
-impl Config {
     /// What requests `rule` applies to, as `ratewall check` and the status page say it:
     /// its match, then the route it is limited to (`every request, route billing`).
     pub fn applies_to(&self, rule: &Rule) -> String {
@@ -558,111 +456,6 @@ impl Config {
         }
         when
     }
-
-    /// `routes        2, first match wins; otherwise pool default`, then each route.
-    fn describe_routes(&self, out: &mut String) {
-        use std::fmt::Write;
-        let otherwise = match self.routes.default_pool {
-            Some(i) => format!("pool {}", self.upstreams[i].name),
-            None => "404".to_string(),
-        };
-        if self.routes.list.is_empty() {
-            let _ = writeln!(out, "routes        none: every request goes to {otherwise}");
-            return;
-        }
-        let _ = writeln!(
-            out,
-            "routes        {}, first match wins; no match: {otherwise}",
-            self.routes.list.len()
-        );
-        for r in &self.routes.list {
-            let mut paths = String::new();
-            if let Some(s) = &r.strip_prefix {
-                paths.push_str(&format!(", strip_prefix {s}"));
-            }
-            if let Some(a) = &r.add_prefix {
-                paths.push_str(&format!(", add_prefix {a}"));
-            }
-            let _ = writeln!(
-                out,
-                "  - {}: {} -> pool {}{paths}",
-                r.name,
-                r.matcher.describe(),
-                self.upstreams[r.pool].name
-            );
-        }
-    }
-}
-
-/// `upstream      http://a, http://b (weight 2)` (`pool <name>` for another than the pool
-/// `default`), the TLS of its https:// servers, then how it balances, retries and ejects.
-fn describe_pool(out: &mut String, p: &crate::upstream::PoolSettings) {
-    use std::fmt::Write;
-    let fmt = |d: std::time::Duration| humantime::format_duration(d).to_string();
-    let label = if p.name == crate::upstream::DEFAULT_POOL {
-        "upstream".to_string()
-    } else {
-        format!("pool {}", p.name)
-    };
-    let servers: Vec<String> = p
-        .servers
-        .iter()
-        .map(|s| match s.weight {
-            1 => format!("{}{}", s.label(), s.base_path),
-            w => format!("{}{} (weight {w})", s.label(), s.base_path),
-        })
-        .collect();
-    let _ = writeln!(out, "{label:<13} {}", servers.join(", "));
-    let mut tls: Vec<String> = p
-        .servers
-        .iter()
-        .filter_map(|s| s.tls.as_ref().map(|t| t.describe()))
-        .collect();
-    tls.dedup();
-    for t in tls {
-        let _ = writeln!(out, "              {t}");
-    }
-    let passive = &p.passive;
-    let ejects = if passive.max_fails == 0 {
-        "never ejects a server".to_string()
-    } else {
-        let statuses: Vec<&str> = passive.fail_on_status.iter().map(|s| s.as_str()).collect();
-        format!(
-            "ejects a server after {} failures{} in {} for {} (doubling), at most {}% of the pool",
-            passive.max_fails,
-            if statuses.is_empty() {
-                String::new()
-            } else {
-                format!(" (with {})", statuses.join("/"))
-            },
-            fmt(passive.fail_window),
-            fmt(passive.fail_timeout),
-            passive.max_ejected_percent
-        )
-    };
-    let health = match &p.health {
-        Some(h) => format!(
-            "health GET {} every {} (timeout {}, {} up, {} down, expect {}-{})",
-            h.path,
-            fmt(h.interval),
-            fmt(h.timeout),
-            h.healthy,
-            h.unhealthy,
-            h.expect.start(),
-            h.expect.end()
-        ),
-        None => "no active health checks".to_string(),
-    };
-    let _ = writeln!(
-        out,
-        "              protocol {}, {}, connect_timeout {}, timeout {}, retries {}, resolved every {}; {ejects}; {health}",
-        p.protocol.name(),
-        p.balance.name(),
-        fmt(p.connect_timeout),
-        fmt(p.timeout),
-        p.retries,
-        fmt(p.resolve_every)
-    );
 }
 
 /// An error's key path with the API key in it replaced: `keys.plans.<key>` (the line and
@@ -694,6 +487,7 @@ fn line_col(text: &str, at: usize) -> (usize, usize) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::limiter::store::Backend;
     use crate::limiter::{Algorithm, OnError};
     use std::time::Duration;
 
@@ -755,7 +549,7 @@ url = "http://127.0.0.1:3000"
         );
         assert_eq!(m(1).map(|m| m.burst), Some(10), "burst: the rate's N");
         assert_eq!(m(2), None);
-        let shown = cfg.describe();
+        let shown = crate::cli::describe(&cfg);
         assert!(
             shown
                 .contains("WebSocket data frames 50/s, burst 100, per identity across its sockets"),
@@ -839,7 +633,7 @@ url = "http://127.0.0.1:3000"
         assert_eq!(r[1].messages, None);
         assert_eq!(r[2].messages.and_then(|m| m.max_bytes), Some(4096));
         assert_eq!(r[2].bytes, None);
-        let shown = cfg.describe();
+        let shown = crate::cli::describe(&cfg);
         for says in [
             "WebSocket messages at most 1048576 bytes",
             "WebSocket payload bytes 1048576/s, burst 4194304, per identity across its sockets (as sent)",
@@ -1175,9 +969,9 @@ url = "http://127.0.0.1:3000"
         let r = &cfg.rules[0];
         assert_eq!(r.quota_for(Some("partner")), None);
         assert!(
-            cfg.describe().contains("plan partner: exempt"),
+            crate::cli::describe(&cfg).contains("plan partner: exempt"),
             "{}",
-            cfg.describe()
+            crate::cli::describe(&cfg)
         );
         let (line, column, key, message) = err(
             "[keys.plans]\n\"k\" = \"pro\"\n[[rules]]\nname = \"ip\"\nkey = \"client_ip\"\nrate = \"1/s\"\n[rules.plans.pro]\nexempt = true\nrate = \"5/s\"\n",
@@ -1330,22 +1124,20 @@ url = "http://127.0.0.1:3000"
         let rule = "[[rules]]\nname = \"c\"\nkey = \"global\"\nmax_in_flight = 3\n";
         let memory = parse(rule).unwrap();
         assert!(
-            memory
-                .describe()
+            crate::cli::describe(&memory)
                 .contains("enforced; a slot is held until its request ends"),
             "{}",
-            memory.describe()
+            crate::cli::describe(&memory)
         );
         let redis = parse(&format!(
             "[store]\nbackend = \"redis\"\nurl = \"redis://127.0.0.1:6379\"\n{rule}"
         ))
         .unwrap();
         assert!(
-            redis
-                .describe()
+            crate::cli::describe(&redis)
                 .contains("enforced; leases live 10s in the store unless renewed"),
             "{}",
-            redis.describe()
+            crate::cli::describe(&redis)
         );
     }
 
@@ -1368,7 +1160,7 @@ url = "http://127.0.0.1:3000"
             Path::new("x"),
         )
         .unwrap();
-        let said = cfg.describe();
+        let said = crate::cli::describe(&cfg);
         for want in [
             "charges answers 2xx only",
             "the cost the answer reports in x-ratelimit-cost",
@@ -1411,7 +1203,7 @@ url = "http://127.0.0.1:3000"
             tls.describe(),
             "tls: name b.internal, verified against nothing (insecure_skip_verify) -- INSECURE: the backend's certificate is NOT verified"
         );
-        assert!(cfg.describe().contains(&tls.describe()));
+        assert!(crate::cli::describe(&cfg).contains(&tls.describe()));
         let plain = Config::parse(
             "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://10.0.0.1\"\n",
             Path::new("x"),

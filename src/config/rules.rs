@@ -226,45 +226,36 @@ impl At<'_> {
 
 /// The limit a rule's numbers make, before plans: a rate, or a concurrency cap.
 enum Limit {
-    Rate {
-        algorithm: Algorithm,
-        rate: Rate,
-        burst: Option<NonZeroU64>,
-        cost: NonZeroU64,
-        max_delay: Option<Duration>,
-    },
-    Concurrency {
-        max: NonZeroU64,
-        lease: Duration,
-    },
+    Rate(RateLimit),
+    Concurrency { max: NonZeroU64, lease: Duration },
+}
+
+/// A rate limit's numbers, as a rule (or a plan over it) gives them.
+#[derive(Clone, Copy)]
+struct RateLimit {
+    algorithm: Algorithm,
+    rate: Rate,
+    burst: Option<NonZeroU64>,
+    cost: NonZeroU64,
+    max_delay: Option<Duration>,
 }
 
 impl Limit {
     fn quota(&self) -> Result<Quota, QuotaError> {
         match *self {
             Limit::Concurrency { max, lease } => Ok(Quota::concurrency(max, lease)),
-            Limit::Rate {
-                algorithm,
-                rate,
-                burst,
-                cost,
-                max_delay,
-            } => rate_quota(algorithm, rate, burst, cost, max_delay),
+            Limit::Rate(rate) => rate.quota(),
         }
     }
 }
 
-fn rate_quota(
-    algorithm: Algorithm,
-    rate: Rate,
-    burst: Option<NonZeroU64>,
-    cost: NonZeroU64,
-    max_delay: Option<Duration>,
-) -> Result<Quota, QuotaError> {
-    let q = Quota::new(algorithm, rate, burst, cost)?;
-    match max_delay {
-        Some(d) => q.with_max_delay(d),
-        None => Ok(q),
+impl RateLimit {
+    fn quota(&self) -> Result<Quota, QuotaError> {
+        let q = Quota::new(self.algorithm, self.rate, self.burst, self.cost)?;
+        match self.max_delay {
+            Some(d) => q.with_max_delay(d),
+            None => Ok(q),
+        }
     }
 }
 
@@ -472,7 +463,7 @@ impl At<'_> {
             .as_ref()
             .map(|r| *r.get_ref())
             .ok_or_else(|| self.no(Some(self.span.clone()), "rate", "missing rate"))?;
-        Ok(Limit::Rate {
+        Ok(Limit::Rate(RateLimit {
             algorithm: r
                 .algorithm
                 .as_ref()
@@ -481,7 +472,7 @@ impl At<'_> {
             burst: r.burst.as_ref().map(|b| *b.get_ref()),
             cost: r.cost.as_ref().map_or(NonZeroU64::MIN, |c| *c.get_ref()),
             max_delay: r.max_delay.as_ref().map(|d| d.get_ref().0),
-        })
+        }))
     }
 
     /// `messages`, on any rule: it limits the frames of the sockets the rule admitted, and
@@ -758,7 +749,7 @@ impl At<'_> {
     fn calendar(&self, limit: &Limit) -> Result<(&'static TimeZone, u8), Invalid> {
         let r = self.rule;
         let rule_rate = match limit {
-            Limit::Rate { rate, .. } => Some(*rate),
+            Limit::Rate(r) => Some(r.rate),
             Limit::Concurrency { .. } => None,
         };
         // Every calendar rate the rule has, with the plan it is a plan's.
@@ -847,14 +838,16 @@ impl At<'_> {
                 Invalid::new(Some(o.span()), key, message)
             };
             let over = o.get_ref();
+            // What the plan sets, the rate's keys first: an exempt plan sets none, a
+            // concurrency rule's none of the rate's.
+            let set = [
+                ("rate", over.rate.is_some()),
+                ("burst", over.burst.is_some()),
+                ("algorithm", over.algorithm.is_some()),
+                ("cost", over.cost.is_some()),
+                ("max_in_flight", over.max_in_flight.is_some()),
+            ];
             if let Some(exempt) = over.exempt.as_ref().filter(|e| *e.get_ref()) {
-                let set = [
-                    ("rate", over.rate.is_some()),
-                    ("burst", over.burst.is_some()),
-                    ("algorithm", over.algorithm.is_some()),
-                    ("cost", over.cost.is_some()),
-                    ("max_in_flight", over.max_in_flight.is_some()),
-                ];
                 if let Some((k, _)) = set.iter().find(|(_, set)| *set) {
                     return Err(Invalid::new(
                         Some(exempt.span()),
@@ -867,35 +860,29 @@ impl At<'_> {
             }
             let q = match *limit {
                 Limit::Concurrency { max, lease } => {
-                    let extra = [
-                        ("rate", over.rate.is_some()),
-                        ("burst", over.burst.is_some()),
-                        ("algorithm", over.algorithm.is_some()),
-                        ("cost", over.cost.is_some()),
-                    ];
-                    if let Some((k, _)) = extra.iter().find(|(_, set)| *set) {
+                    if let Some((k, _)) = set[..4].iter().find(|(_, set)| *set) {
                         return Err(no(k, format!("{k} does not apply to a max_in_flight rule; a plan may set max_in_flight")));
                     }
                     Quota::concurrency(over.max_in_flight.unwrap_or(max), lease)
                 }
-                Limit::Rate {
-                    algorithm,
-                    rate,
-                    burst,
-                    cost,
-                    max_delay,
-                } => {
+                Limit::Rate(rule) => {
                     if over.max_in_flight.is_some() {
                         return Err(no(
                             "max_in_flight",
                             "max_in_flight applies to concurrency rules only".into(),
                         ));
                     }
-                    let alg = over.algorithm.unwrap_or(algorithm);
-                    // The rule's burst carries over only to an algorithm that has one.
-                    let burst = over.burst.or(burst.filter(|_| alg.has_burst()));
-                    let rate = over.rate.unwrap_or(rate);
-                    rate_quota(alg, rate, burst, over.cost.unwrap_or(cost), max_delay)
+                    let algorithm = over.algorithm.unwrap_or(rule.algorithm);
+                    let plan_rate = RateLimit {
+                        algorithm,
+                        rate: over.rate.unwrap_or(rule.rate),
+                        // The rule's burst carries over only to an algorithm that has one.
+                        burst: over.burst.or(rule.burst.filter(|_| algorithm.has_burst())),
+                        cost: over.cost.unwrap_or(rule.cost),
+                        max_delay: rule.max_delay,
+                    };
+                    plan_rate
+                        .quota()
                         .map_err(|e| no(e.field.name(), e.message))?
                         .in_zone(zone, anchor_day)
                 }

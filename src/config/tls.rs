@@ -1,6 +1,7 @@
-//! `[server.tls]`: the TLS listener. The certificate files are read here, relative to the
-//! config file's folder, so that a bad one fails the load (at start, in `ratewall check`,
-//! on SIGHUP) pointing at its entry; what they become lives in [`crate::tls`].
+//! `[server.tls]`: the TLS listener. The certificate files, relative to the config file's
+//! folder, are read with it ([`super::Inputs`]) and made into the listener's settings here,
+//! so that a bad one fails the load (at start, in `ratewall check`, on SIGHUP) pointing at
+//! its entry; what they become lives in [`crate::tls`].
 
 use std::net::SocketAddr;
 use std::path::Path;
@@ -8,7 +9,7 @@ use std::path::Path;
 use serde::Deserialize;
 use toml::Spanned;
 
-use super::Invalid;
+use super::{Inputs, Invalid};
 use crate::tls::{ClientAuth, Settings};
 
 #[derive(Deserialize)]
@@ -36,8 +37,22 @@ enum ClientAuthMode {
 }
 
 impl RawTls {
-    /// Load the files `dir` (the config file's folder) holds, into the listener's settings.
-    pub(super) fn load(&self, dir: &Path) -> Result<Settings, Invalid> {
+    /// The files the listener needs: each certificate and its key, then the client CA,
+    /// relative to `dir` (the config file's folder).
+    pub(super) fn files(&self, dir: &Path) -> Vec<std::path::PathBuf> {
+        let certificates = self.certificates.get_ref().iter().flat_map(|c| {
+            let c = c.get_ref();
+            [dir.join(c.cert.trim()), dir.join(c.key.trim())]
+        });
+        let ca = self
+            .client_ca
+            .iter()
+            .map(|ca| dir.join(ca.get_ref().trim()));
+        certificates.chain(ca).collect()
+    }
+
+    /// The listener's settings, of the files `inputs` holds (see [`RawTls::files`]).
+    pub(super) fn build(&self, dir: &Path, inputs: &Inputs) -> Result<Settings, Invalid> {
         if self.certificates.get_ref().is_empty() {
             return Err(Invalid::new(
                 Some(self.certificates.span()),
@@ -69,11 +84,12 @@ impl RawTls {
                         .is_none_or(|m| *m.get_ref() == ClientAuthMode::Required),
                 }),
             };
-        Settings::load(
+        Settings::build(
             self.listen,
             &files,
             client_auth,
             self.redirect_https.unwrap_or(false),
+            &|path| inputs.contents(path),
         )
         .map_err(|e| {
             // Point at the entry whose file failed (or at client_ca).

@@ -26,57 +26,105 @@ use crate::upstream::{
     MAX_FAILS, RESOLVE_EVERY, RETRIES, TIMEOUT,
 };
 
-/// `[upstream]`.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct RawUpstream {
-    /// Given: this table is the pool `default`, of this one server.
-    url: Option<Spanned<UpstreamUrl>>,
-    connect_timeout: Option<Spanned<HumanDuration>>,
-    timeout: Option<Spanned<HumanDuration>>,
-    // https:// only: see `crate::upstream::TlsOptions`.
-    ca: Option<Spanned<String>>,
-    sni: Option<Spanned<String>>,
-    cert: Option<Spanned<String>>,
-    key: Option<Spanned<String>>,
-    insecure_skip_verify: Option<Spanned<bool>>,
-    balance: Option<Spanned<BalanceSpec>>,
-    max_fails: Option<Spanned<u32>>,
-    fail_window: Option<Spanned<HumanDuration>>,
-    fail_timeout: Option<Spanned<HumanDuration>>,
-    max_ejected_percent: Option<Spanned<Percent>>,
-    fail_on_status: Option<Spanned<Vec<FailStatus>>>,
-    health: Option<Spanned<RawHealth>>,
-    retries: Option<Spanned<Retries>>,
-    resolve_every: Option<Spanned<HumanDuration>>,
-    protocol: Option<Spanned<ProtocolSpec>>,
-    overload: Option<Spanned<RawOverload>>,
+/// `[[upstreams]]`' pool table, and from its keys `[upstream]`'s and the view of either
+/// that validation reads, so that the pool keys are written once. (serde's `flatten`
+/// would share them too, but a flattened table loses its values' spans and the list of
+/// keys an unknown one's error gives.) The keys after `name` and `servers` are the pool's
+/// settings; the macro makes:
+/// - `$upstream`: `[upstream]`, the same settings with `url` for `name` and `servers`;
+/// - [`Keys`]: one table's settings by reference, with the table's key path, and each
+///   table's `keys(table)`; `empty_keys()`, a table that gives none.
+macro_rules! pool_tables {
+    (
+        upstream: $upstream:ident,
+        $(#[$meta:meta])*
+        $vis:vis struct $pool:ident {
+            name: $name:ty,
+            servers: $servers:ty,
+            $($key:ident: Option<$ty:ty>,)*
+        }
+    ) => {
+        $(#[$meta])*
+        $vis struct $pool {
+            name: $name,
+            servers: $servers,
+            $($key: Option<$ty>,)*
+        }
+
+        /// `[upstream]`: a pool's settings (see [`RawPool`]), and `url`.
+        #[derive(Deserialize)]
+        #[serde(deny_unknown_fields)]
+        $vis struct $upstream {
+            /// Given: this table is the pool `default`, of this one server.
+            url: Option<Spanned<UpstreamUrl>>,
+            $($key: Option<$ty>,)*
+        }
+
+        /// The pool keys of one table, and the table's key path (`upstream`,
+        /// `upstreams[2]`), so that an error names the table the value came from.
+        #[derive(Clone)]
+        struct Keys<'a> {
+            table: String,
+            $($key: Option<&'a $ty>,)*
+        }
+
+        impl $pool {
+            fn keys(&self, table: String) -> Keys<'_> {
+                Keys {
+                    table,
+                    $($key: self.$key.as_ref(),)*
+                }
+            }
+        }
+
+        impl $upstream {
+            fn keys(&self, table: String) -> Keys<'_> {
+                Keys {
+                    table,
+                    $($key: self.$key.as_ref(),)*
+                }
+            }
+        }
+
+        /// `[upstream]` without a key.
+        fn empty_keys<'a>() -> Keys<'a> {
+            Keys {
+                table: "upstream".to_string(),
+                $($key: None,)*
+            }
+        }
+    };
 }
 
-/// One `[[upstreams]]` pool: the keys of `[upstream]` (but `url`), a name and servers.
-#[derive(Deserialize)]
-#[serde(deny_unknown_fields)]
-pub(super) struct RawPool {
-    name: Spanned<PoolName>,
-    servers: Spanned<Vec<Spanned<ServerEntry>>>,
-    connect_timeout: Option<Spanned<HumanDuration>>,
-    timeout: Option<Spanned<HumanDuration>>,
-    ca: Option<Spanned<String>>,
-    sni: Option<Spanned<String>>,
-    cert: Option<Spanned<String>>,
-    key: Option<Spanned<String>>,
-    insecure_skip_verify: Option<Spanned<bool>>,
-    balance: Option<Spanned<BalanceSpec>>,
-    max_fails: Option<Spanned<u32>>,
-    fail_window: Option<Spanned<HumanDuration>>,
-    fail_timeout: Option<Spanned<HumanDuration>>,
-    max_ejected_percent: Option<Spanned<Percent>>,
-    fail_on_status: Option<Spanned<Vec<FailStatus>>>,
-    health: Option<Spanned<RawHealth>>,
-    retries: Option<Spanned<Retries>>,
-    resolve_every: Option<Spanned<HumanDuration>>,
-    protocol: Option<Spanned<ProtocolSpec>>,
-    overload: Option<Spanned<RawOverload>>,
+pool_tables! {
+    upstream: RawUpstream,
+    /// One `[[upstreams]]` pool: a name, servers, and the pool's settings (each also a
+    /// key of `[upstream]`).
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    pub(super) struct RawPool {
+        name: Spanned<PoolName>,
+        servers: Spanned<Vec<Spanned<ServerEntry>>>,
+        connect_timeout: Option<Spanned<HumanDuration>>,
+        timeout: Option<Spanned<HumanDuration>>,
+        // https:// only: see `crate::upstream::TlsOptions`.
+        ca: Option<Spanned<String>>,
+        sni: Option<Spanned<String>>,
+        cert: Option<Spanned<String>>,
+        key: Option<Spanned<String>>,
+        insecure_skip_verify: Option<Spanned<bool>>,
+        balance: Option<Spanned<BalanceSpec>>,
+        max_fails: Option<Spanned<u32>>,
+        fail_window: Option<Spanned<HumanDuration>>,
+        fail_timeout: Option<Spanned<HumanDuration>>,
+        max_ejected_percent: Option<Spanned<Percent>>,
+        fail_on_status: Option<Spanned<Vec<FailStatus>>>,
+        health: Option<Spanned<RawHealth>>,
+        retries: Option<Spanned<Retries>>,
+        resolve_every: Option<Spanned<HumanDuration>>,
+        protocol: Option<Spanned<ProtocolSpec>>,
+        overload: Option<Spanned<RawOverload>>,
+    }
 }
 
 /// One of `servers` written as a table: `{ url = "https://b:8443", weight = 2 }`.
@@ -123,57 +171,6 @@ struct RawHealth {
     expect: Option<Expect>,
 }
 
-/// The pool keys of one table, and the table's key path (`upstream`, `upstreams[2]`), so
-/// that an error names the table the value came from.
-struct Keys<'a> {
-    table: String,
-    connect_timeout: Option<&'a Spanned<HumanDuration>>,
-    timeout: Option<&'a Spanned<HumanDuration>>,
-    ca: Option<&'a Spanned<String>>,
-    sni: Option<&'a Spanned<String>>,
-    cert: Option<&'a Spanned<String>>,
-    key: Option<&'a Spanned<String>>,
-    insecure_skip_verify: Option<&'a Spanned<bool>>,
-    balance: Option<&'a Spanned<BalanceSpec>>,
-    max_fails: Option<&'a Spanned<u32>>,
-    fail_window: Option<&'a Spanned<HumanDuration>>,
-    fail_timeout: Option<&'a Spanned<HumanDuration>>,
-    max_ejected_percent: Option<&'a Spanned<Percent>>,
-    fail_on_status: Option<&'a Spanned<Vec<FailStatus>>>,
-    health: Option<&'a Spanned<RawHealth>>,
-    retries: Option<&'a Spanned<Retries>>,
-    resolve_every: Option<&'a Spanned<HumanDuration>>,
-    protocol: Option<&'a Spanned<ProtocolSpec>>,
-    overload: Option<&'a Spanned<RawOverload>>,
-}
-
-/// `$raw`'s pool keys, as [`Keys`] of the table `$table`.
-macro_rules! keys_of {
-    ($raw:expr, $table:expr) => {
-        Keys {
-            table: $table,
-            connect_timeout: $raw.connect_timeout.as_ref(),
-            timeout: $raw.timeout.as_ref(),
-            ca: $raw.ca.as_ref(),
-            sni: $raw.sni.as_ref(),
-            cert: $raw.cert.as_ref(),
-            key: $raw.key.as_ref(),
-            insecure_skip_verify: $raw.insecure_skip_verify.as_ref(),
-            balance: $raw.balance.as_ref(),
-            max_fails: $raw.max_fails.as_ref(),
-            fail_window: $raw.fail_window.as_ref(),
-            fail_timeout: $raw.fail_timeout.as_ref(),
-            max_ejected_percent: $raw.max_ejected_percent.as_ref(),
-            fail_on_status: $raw.fail_on_status.as_ref(),
-            health: $raw.health.as_ref(),
-            retries: $raw.retries.as_ref(),
-            resolve_every: $raw.resolve_every.as_ref(),
-            protocol: $raw.protocol.as_ref(),
-            overload: $raw.overload.as_ref(),
-        }
-    };
-}
-
 /// A pool's own keys, then what it inherits (`[upstream]` without a url), if anything.
 struct Layered<'a> {
     own: Keys<'a>,
@@ -217,7 +214,7 @@ pub(super) fn validate(
     // `[upstream]` with url: the pool `default`; without: what the pools inherit.
     let mut inherited = None;
     if let Some(u) = upstream.map(Spanned::get_ref) {
-        let own = keys_of!(u, "upstream".to_string());
+        let own = u.keys("upstream".to_string());
         match &u.url {
             Some(url) => {
                 let server = (url.span(), url.get_ref(), None::<u32>);
@@ -270,7 +267,7 @@ pub(super) fn validate(
             })
             .collect();
         let layered = Layered {
-            own: keys_of!(raw, at),
+            own: raw.keys(at),
             inherited: inherited.clone(),
         };
         let settings = pool(name, &servers, &layered, dir, client_certs)?;
@@ -298,16 +295,6 @@ pub(super) fn validate(
     Ok((out, defaults))
 }
 
-/// A second view of the same keys (a [`Keys`] holds only references).
-impl Clone for Keys<'_> {
-    fn clone(&self) -> Self {
-        Keys {
-            table: self.table.clone(),
-            ..*self
-        }
-    }
-}
-
 /// What a pool made by `--upstream` (where the file has no pool `default`) takes: the
 /// inherited `[upstream]` settings, and its TLS keys for an `https://` URL.
 #[derive(Debug, Clone, PartialEq)]
@@ -331,30 +318,6 @@ impl PoolDefaults {
             pool: settings_without_servers(&layered, client_certs)?,
             tls: tls_options(&layered, dir),
         })
-    }
-}
-
-fn empty_keys<'a>() -> Keys<'a> {
-    Keys {
-        table: "upstream".to_string(),
-        connect_timeout: None,
-        timeout: None,
-        ca: None,
-        sni: None,
-        cert: None,
-        key: None,
-        insecure_skip_verify: None,
-        balance: None,
-        max_fails: None,
-        fail_window: None,
-        fail_timeout: None,
-        max_ejected_percent: None,
-        fail_on_status: None,
-        health: None,
-        retries: None,
-        resolve_every: None,
-        protocol: None,
-        overload: None,
     }
 }
 

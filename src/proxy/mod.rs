@@ -23,7 +23,6 @@ mod context;
 mod ctx;
 pub mod dashboards;
 pub mod demand;
-mod explain;
 pub mod grpc;
 pub mod jwks;
 mod limits;
@@ -31,8 +30,8 @@ mod live;
 pub mod metrics;
 mod overload;
 mod reserve;
-mod route;
-mod screen;
+pub mod route;
+pub mod screen;
 mod switched;
 mod tokens;
 pub mod verdict;
@@ -68,7 +67,7 @@ pub use answer::problem;
 pub use body::{Body, LeasedBody};
 pub use context::Context;
 pub use ctx::RequestCtx;
-pub use explain::explain;
+pub use limits::{forwarded_host, matching};
 pub use live::Live;
 
 #[derive(Debug, thiserror::Error)]

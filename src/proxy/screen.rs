@@ -28,7 +28,7 @@ pub(super) fn problem(parts: &Parts) -> Option<Problem> {
 /// parameter before they decode it (`/api/o` above), the rules decode first and would cut
 /// after (`/o`), and nginx keeps `;` as text. No one reading wins every backend, so such a
 /// path is refused, as Jetty 10 refuses these "ambiguous" paths.
-pub(super) fn parameter_problem(path: &str) -> Option<Problem> {
+pub fn parameter_problem(path: &str) -> Option<Problem> {
     if !path.contains(';') {
         return None;
     }
@@ -56,7 +56,7 @@ pub(super) fn parameter_problem(path: &str) -> Option<Problem> {
 /// ends at it (`/api/x%00.png` is `/api/x` to one, a `.png` to another), and a log line
 /// may be broken by `%0A`. Raw control bytes never get this far: the request line's parser
 /// refuses them. The query is not looked at: its bytes are the application's.
-pub(super) fn path_problem(path: &str) -> Option<Problem> {
+pub fn path_problem(path: &str) -> Option<Problem> {
     let b = path.as_bytes();
     let hex = |c: u8| (c as char).to_digit(16);
     let control = memchr::memchr_iter(b'%', b).any(|at| {
@@ -84,7 +84,7 @@ pub(super) fn path_problem(path: &str) -> Option<Problem> {
 /// `-` to the same variable (`HTTP_X_API_KEY`), so a backend behind them would read a key
 /// the limiter never counted, or a forwarding chain the gateway never rewrote. nginx drops
 /// them too (`underscores_in_headers off`). Returns how many fields went.
-pub(super) fn drop_underscored(headers: &mut HeaderMap) -> u64 {
+pub fn drop_underscored(headers: &mut HeaderMap) -> u64 {
     // Most requests have none: one pass over the names, nothing allocated.
     if !headers.keys().any(|n| n.as_str().contains('_')) {
         return 0;

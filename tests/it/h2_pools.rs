@@ -673,7 +673,7 @@ fn a_protocol_its_servers_cannot_carry_is_refused_naming_the_key() {
         cfg.upstreams[1].protocol,
         ratewall::upstream::Protocol::Http1
     );
-    let shown = cfg.describe();
+    let shown = ratewall::cli::describe(&cfg);
     assert!(shown.contains("protocol h2c, round_robin"), "{shown}");
     assert!(shown.contains("protocol http1, round_robin"), "{shown}");
 }

@@ -6,15 +6,17 @@
 use std::fmt::Write;
 use std::net::IpAddr;
 
+use http::request::Parts;
 use http::{HeaderMap, Method};
 
-use super::limits::matching;
 use crate::config::Config;
+use crate::proxy::route::{self, Destination};
+use crate::proxy::{self, screen};
 use crate::identity::{Carried, KeyKind, Refusal, Requester, Source};
 use crate::rules::{Applies, Condition, Match, Mode, PathMatch, Rule};
 
 /// What `ratewall check` prints for a request of `method` to `raw_path` with `headers`
-/// from `peer`.
+/// from `peer`: the request path's steps in its order, until one stops it.
 pub fn explain(
     cfg: &Config,
     method: &Method,
@@ -26,124 +28,18 @@ pub fn explain(
     let _ = writeln!(out, "sample request: {method} {raw_path}");
     // The path part only: `--path` may carry a query.
     let raw = raw_path.split_once('?').map_or(raw_path, |(p, _)| p);
-    // What the gateway would answer before any rule: a path it refuses.
-    if let Some(p) =
-        super::screen::path_problem(raw).or_else(|| super::screen::parameter_problem(raw))
-    {
-        let detail = p.detail.as_deref().unwrap_or_default();
-        let _ = writeln!(
-            out,
-            "refused before any rule: {} ({detail})",
-            p.status.as_u16()
-        );
+    let Some(parts) = screened(cfg, method, raw_path, raw, headers, &mut out) else {
         return out;
-    }
-    let path = cfg.index.path_of(raw);
-    if path != raw {
-        let _ = writeln!(out, "  (rules see the path as {path})");
-    }
-    let request = http::Request::builder()
-        .method(method.clone())
-        .uri(raw_path)
-        .body(());
-    let mut parts = match request {
-        Ok(r) => r.into_parts().0,
-        Err(e) => {
-            let _ = writeln!(out, "not a request path a client could send: {e}");
-            return out;
-        }
     };
-    parts.headers = headers.clone();
-    if !cfg.server.underscores_in_headers {
-        let dropped = super::screen::drop_underscored(&mut parts.headers);
-        if dropped > 0 {
-            let _ = writeln!(
-                out,
-                "  ({dropped} header field(s) with '_' in the name dropped: underscores_in_headers = false)"
-            );
-        }
-    }
     let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip)
         .with_jwt(cfg.jwt.as_ref().map(|j| &*j.verifier));
-    // Where it goes, as the request path chooses (`route::choose`).
-    let to = match super::route::choose(cfg, &parts, &requester) {
-        // With one pool and no route, every request goes to the pool default: nothing to say.
-        Ok(Some(to)) if cfg.routes.list.is_empty() && cfg.upstreams.len() == 1 => to,
-        Ok(Some(to)) => {
-            let pool = to.pool_name(cfg).unwrap_or_default();
-            match to.route_name(cfg) {
-                Some(route) => {
-                    let _ = writeln!(out, "route: {route} -> pool {pool}");
-                }
-                None => {
-                    let _ = writeln!(out, "route: none matches -> pool {pool}");
-                }
-            }
-            if let Some(target) = to.target(cfg, &parts.uri) {
-                let _ = writeln!(out, "  (forwarded as {target})");
-            }
-            to
-        }
-        Ok(None) => {
-            let _ = writeln!(
-                out,
-                "route: none matches, and there is no pool default: answered 404, no rule consulted"
-            );
-            return out;
-        }
-        Err(refusal) => {
-            let _ = writeln!(
-                out,
-                "refused while choosing a route: {} (read for a route's match)",
-                refused(&refusal, &cfg.keys.header)
-            );
-            return out;
-        }
+    let Some(to) = routed(cfg, &parts, &requester, &mut out) else {
+        return out;
     };
     if let Some(line) = token_line(cfg, &requester) {
         let _ = writeln!(out, "{line}");
     }
-    let fitting = matching(cfg, &parts, Some(&to));
-    let plan = requester.plan();
-    let mut applied = Vec::new();
-    let mut not = Vec::new();
-    for (i, r) in cfg.rules.iter().enumerate() {
-        if !fitting.contains(&i) {
-            let host = super::limits::forwarded_host(cfg, &parts, Some(&to));
-            not.push(format!(
-                "{}: {}",
-                r.name,
-                misfit(&r.matcher, method, &path, host)
-            ));
-            continue;
-        }
-        match r.applies(&requester) {
-            Ok(Applies::Limits(quota)) => {
-                let plan_note = match plan {
-                    Some(p) if r.plans.contains_key(p) => format!(" (plan {p})"),
-                    _ => String::new(),
-                };
-                applied.push(format!(
-                    "{}: {quota}{plan_note}, {}; {}",
-                    r.name,
-                    quota.algorithm.name(),
-                    counted(cfg, r, &requester)
-                ));
-            }
-            Ok(Applies::Unmet(c)) => not.push(format!("{}: {}", r.name, unmet(cfg, c))),
-            Ok(Applies::Exempt) => not.push(format!(
-                "{}: plan {} is exempt from it",
-                r.name,
-                plan.unwrap_or_default()
-            )),
-            // Only an API key condition refuses: the key is read as an api_key rule would.
-            Err(refusal) => applied.push(format!(
-                "{}: {} (read for its match on api_key)",
-                r.name,
-                refused(&refusal, &cfg.keys.header),
-            )),
-        }
-    }
+    let (applied, not) = sorted(cfg, &parts, raw, &to, &requester);
     if applied.is_empty() {
         let _ = writeln!(out, "no rule applies: forwarded without limits");
     } else {
@@ -163,6 +59,164 @@ pub fn explain(
         }
     }
     out
+}
+
+/// The sample's head as the gateway would take it (`raw`: its path without the query):
+/// None (and why, in `out`) where it is refused before any rule or is no request a client
+/// could send; else with the header fields the gateway drops dropped.
+fn screened(
+    cfg: &Config,
+    method: &Method,
+    raw_path: &str,
+    raw: &str,
+    headers: &HeaderMap,
+    out: &mut String,
+) -> Option<Parts> {
+    // What the gateway would answer before any rule: a path it refuses.
+    if let Some(p) = screen::path_problem(raw).or_else(|| screen::parameter_problem(raw)) {
+        let detail = p.detail.as_deref().unwrap_or_default();
+        let _ = writeln!(
+            out,
+            "refused before any rule: {} ({detail})",
+            p.status.as_u16()
+        );
+        return None;
+    }
+    let path = cfg.index.path_of(raw);
+    if path != raw {
+        let _ = writeln!(out, "  (rules see the path as {path})");
+    }
+    let request = http::Request::builder()
+        .method(method.clone())
+        .uri(raw_path)
+        .body(());
+    let mut parts = match request {
+        Ok(r) => r.into_parts().0,
+        Err(e) => {
+            let _ = writeln!(out, "not a request path a client could send: {e}");
+            return None;
+        }
+    };
+    parts.headers = headers.clone();
+    if !cfg.server.underscores_in_headers {
+        let dropped = screen::drop_underscored(&mut parts.headers);
+        if dropped > 0 {
+            let _ = writeln!(
+                out,
+                "  ({dropped} header field(s) with '_' in the name dropped: underscores_in_headers = false)"
+            );
+        }
+    }
+    Some(parts)
+}
+
+/// Where the request goes, as the request path chooses (`proxy::route::choose`), said in
+/// `out`; None where it goes nowhere (a 404, or a refusal while choosing).
+fn routed(
+    cfg: &Config,
+    parts: &Parts,
+    requester: &Requester<'_>,
+    out: &mut String,
+) -> Option<Destination> {
+    let to = match route::choose(cfg, parts, requester) {
+        Ok(Some(to)) => to,
+        Ok(None) => {
+            let _ = writeln!(
+                out,
+                "route: none matches, and there is no pool default: answered 404, no rule consulted"
+            );
+            return None;
+        }
+        Err(refusal) => {
+            let _ = writeln!(
+                out,
+                "refused while choosing a route: {} (read for a route's match)",
+                refused(&refusal, &cfg.keys.header)
+            );
+            return None;
+        }
+    };
+    // With one pool and no route, every request goes to the pool default: nothing to say.
+    if cfg.routes.list.is_empty() && cfg.upstreams.len() == 1 {
+        return Some(to);
+    }
+    let pool = to.pool_name(cfg).unwrap_or_default();
+    let _ = match to.route_name(cfg) {
+        Some(route) => writeln!(out, "route: {route} -> pool {pool}"),
+        None => writeln!(out, "route: none matches -> pool {pool}"),
+    };
+    if let Some(target) = to.target(cfg, &parts.uri) {
+        let _ = writeln!(out, "  (forwarded as {target})");
+    }
+    Some(to)
+}
+
+/// The rules that apply to the request (how each counts it) and those that do not (why),
+/// each as a line, in the file's order. `raw`: the request's path without its query.
+fn sorted<'a>(
+    cfg: &'a Config,
+    parts: &Parts,
+    raw: &str,
+    to: &Destination,
+    requester: &Requester<'a>,
+) -> (Vec<String>, Vec<String>) {
+    let path = cfg.index.path_of(raw);
+    let plan = requester.plan();
+    let fitting = proxy::matching(cfg, parts, Some(to));
+    let mut applied = Vec::new();
+    let mut not = Vec::new();
+    for (i, r) in cfg.rules.iter().enumerate() {
+        if !fitting.contains(&i) {
+            let host = proxy::forwarded_host(cfg, parts, Some(to));
+            not.push(format!(
+                "{}: {}",
+                r.name,
+                misfit(&r.matcher, &parts.method, &path, host)
+            ));
+            continue;
+        }
+        match applies(cfg, r, requester, plan) {
+            Ok(line) => applied.push(line),
+            Err(line) => not.push(line),
+        }
+    }
+    (applied, not)
+}
+
+/// How a rule that fits the request's path, method and host takes it: the line for the
+/// rules that apply, or (Err) the line for those that do not. `plan`: the request's.
+fn applies<'a>(
+    cfg: &'a Config,
+    r: &'a Rule,
+    requester: &Requester<'a>,
+    plan: Option<&str>,
+) -> Result<String, String> {
+    match r.applies(requester) {
+        Ok(Applies::Limits(quota)) => {
+            let plan_note = match plan {
+                Some(p) if r.plans.contains_key(p) => format!(" (plan {p})"),
+                _ => String::new(),
+            };
+            Ok(format!(
+                "{}: {quota}{plan_note}, {}; {}",
+                r.name,
+                quota.algorithm.name(),
+                counted(cfg, r, requester)
+            ))
+        }
+        Ok(Applies::Unmet(c)) => Err(format!("{}: {}", r.name, unmet(cfg, c))),
+        Ok(Applies::Exempt) => Err(format!(
+            "{}: plan {} is exempt from it",
+            r.name,
+            plan.unwrap_or_default()
+        )),
+        // Only an API key condition refuses: the key is read as an api_key rule would.
+        Err(refusal) => Ok(format!(
+            "{}: {} (read for its match on api_key)",
+            r.name,
+            refused(&refusal, &cfg.keys.header),
+        )),
+    }
 }
 
 /// Why a rule's path, method or host does not fit the request (the first that does not).
@@ -371,8 +425,9 @@ mod tests {
     /// keys, and names each part of a combination (and the part a request lacks).
     #[test]
     fn check_verifies_a_sample_token_and_names_each_part_of_a_combined_key() {
-        std::env::set_var("RATEWALL_EXPLAIN_TEST_SECRET", "explain-secret");
-        let cfg = Config::parse(
+        let inputs =
+            crate::config::Inputs::default().env("RATEWALL_EXPLAIN_TEST_SECRET", "explain-secret");
+        let cfg = Config::parse_with(
             concat!(
                 "[server]\nlisten = \"127.0.0.1:1\"\n[upstream]\nurl = \"http://127.0.0.1:2\"\n",
                 "[jwt]\nalgorithms = [\"HS256\"]\nsecret_env = \"RATEWALL_EXPLAIN_TEST_SECRET\"\n",
@@ -380,6 +435,7 @@ mod tests {
                 "[[rules]]\nname = \"projects\"\nkey = [\"jwt:org.id\", \"header:x-project\"]\nrate = \"5/s\"\n",
             ),
             std::path::Path::new("t.toml"),
+            &inputs,
         )
         .unwrap();
         let token = jsonwebtoken::encode(
