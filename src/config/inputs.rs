@@ -5,8 +5,8 @@
 //! [`Config::parse_with`](super::Config::parse_with) only looks them up, so that parsing
 //! reads nothing and a test gives what it needs as values.
 //!
-//! An upstream's `ca`, `cert` and `key` are not among them: the upstream client reads
-//! those itself ([`crate::upstream::tls_for`]).
+//! An https:// upstream's (or `jwks_url`'s) `ca`, `cert` and `key` are not among them: the
+//! upstream client reads those itself ([`crate::upstream::tls_for`]), during validation.
 
 use std::collections::BTreeMap;
 use std::io;

@@ -6,6 +6,14 @@
 //! One file per table; each setting's default is written once, with the type it
 //! configures.
 //!
+//! [`Config::load`] reads the file, the environment variables and the files it names (the
+//! keys file, `[server.tls]`'s certificates, `[jwt]`'s keys) into [`Inputs`], and
+//! [`Config::parse_with`] validates the text with them; [`Config::parse`], with none.
+//! Still read while validating, outside this module: an https:// upstream's or
+//! `jwks_url`'s `ca`, `cert` and `key` (or the system's roots), by
+//! [`crate::upstream::tls_for`]; and the process's open-file limit and CPU count, which
+//! `max_connections`' and `workers`' defaults follow.
+//!
 //! Value-level checks (a rate, a CIDR, a duration) run inside deserialisation
 //! (`values.rs`), so their errors carry the line and column of the offending value;
 //! cross-field checks (burst against cost, duplicate rule names) point at the rule's table.
@@ -271,10 +279,15 @@ impl Config {
     /// Read and validate the file at `path`, with the environment's settings and the
     /// files it names (see [`Inputs`]).
     pub fn load(path: &Path) -> Result<Config, ConfigError> {
-        let text = read(path)?;
-        let raw: RawConfig = from_toml(&text, path, "keys.plans.")?;
+        Config::load_text(&read(path)?, path)
+    }
+
+    /// Validate `text` as [`Config::load`] does the file at `path`: with the environment
+    /// variables and the files it names, read now.
+    pub fn load_text(text: &str, path: &Path) -> Result<Config, ConfigError> {
+        let raw: RawConfig = from_toml(text, path, "keys.plans.")?;
         let inputs = Inputs::read(&raw, folder(path));
-        Config::parse_with(&text, path, &inputs)
+        Config::parse_with(text, path, &inputs)
     }
 
     /// Validate `text` alone: no environment, and no file it names (a keys file, a

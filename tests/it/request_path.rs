@@ -67,7 +67,7 @@ fn remaining(value: &str, rule: &str) -> u64 {
 impl InProcess {
     fn new(rules: &str) -> InProcess {
         let text = format!("{UPSTREAM}{rules}");
-        let config = Config::parse(&text, Path::new("inprocess.toml")).expect("a valid config");
+        let config = Config::load_text(&text, Path::new("inprocess.toml")).expect("a valid config");
         let metrics = Arc::new(Metrics::new());
         let clock = ManualClock::new(1_000_000_000);
         let live =
