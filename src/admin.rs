@@ -51,7 +51,7 @@ use crate::identity::{IdentityDigest, KeyKind, Requester};
 use crate::limiter::guard::Health;
 use crate::limiter::{Check, OnError, Quota};
 use crate::rules::Rule;
-use crate::stats::{Window, HISTORY_SECS, SAMPLE_SECS};
+use crate::telemetry::stats::{Window, HISTORY_SECS, SAMPLE_SECS};
 use guard::{Failure, Guard};
 
 const STATUS_PAGE: &str = include_str!("status.html");
@@ -108,7 +108,7 @@ impl Admin {
                 }
             }
         }));
-        guard::count_from_zero(&gateway.metrics().admin_auth_failures);
+        guard::count_from_zero(&gateway.metrics().admin.auth_failures);
         Admin {
             gateway,
             guard: Arc::new(guard::new_guard()),
@@ -286,7 +286,7 @@ fn guarded(gw: &Gateway, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -
             )))
         }
     };
-    guard::count(&gw.metrics().admin_auth_failures, why);
+    guard::count(&gw.metrics().admin.auth_failures, why);
     if let Some(times) = guard.log_due(now) {
         tracing::warn!(
             %peer,

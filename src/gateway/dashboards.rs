@@ -22,8 +22,8 @@ use super::demand::{DemandMeter, Terms};
 use super::limits::Limit;
 use super::live::Live;
 use crate::limiter::{Algorithm, Decision, Fnv1a};
-use crate::metrics::label_enum;
 use crate::rules::{Plan, Rule};
+use crate::telemetry::label_enum;
 
 /// The plan label of a rule's own quota.
 pub const DEFAULT_PLAN: &str = "default";

@@ -31,7 +31,7 @@ pub const FETCH_TIMEOUT: Duration = Duration::from_secs(10);
 /// sooner).
 const FIRST_RETRY: Duration = Duration::from_secs(2);
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// How a JWKS fetch ended.
     #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum FetchResult {
@@ -48,7 +48,7 @@ pub struct FetchLabels {
     pub result: FetchResult,
 }
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// What a bearer token's signature check found.
     #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum CheckResult {

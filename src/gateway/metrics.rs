@@ -14,8 +14,8 @@ use prometheus_client::registry::Registry;
 
 use super::dashboards::{Dashboards, RuleDashboard};
 use super::grpc::{Code, Origin};
-use crate::metrics::label_enum;
-use crate::stats::Outcome;
+use crate::telemetry::label_enum;
+use crate::telemetry::stats::Outcome;
 
 label_enum! {
     /// How a rule's decision on one request is counted (`decision=`).

@@ -8,7 +8,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::Registry;
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum StoreErrorKind {
         /// No answer within `[store].timeout`.
@@ -29,7 +29,7 @@ crate::metrics::label_enum! {
     }
 }
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// What keeping a shared store's key directory in step did.
     #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum SyncOutcome {

@@ -5,7 +5,7 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::registry::Registry;
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// What one settlement of one charge did.
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     pub enum SettleOutcome {
@@ -28,7 +28,7 @@ crate::metrics::label_enum! {
     }
 }
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// How an answer read on after its client left ended (`settle_drain`).
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     pub enum DrainResult {
@@ -47,7 +47,7 @@ pub struct DrainLabels {
     pub result: DrainResult,
 }
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     pub enum SettleDirection {
         Refunded = "refunded",

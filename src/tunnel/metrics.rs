@@ -29,7 +29,7 @@ pub struct EndedLabels {
     pub reason: Ended,
 }
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// Which way bytes went through a tunnel (`direction=`).
     #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum Direction {

@@ -31,7 +31,7 @@ pub struct ServerOutcomeLabels {
     pub outcome: ServerOutcome,
 }
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// How one attempt on a server ended (`outcome=`): its answer's status class, or its
     /// failure.
     #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]

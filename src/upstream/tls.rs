@@ -303,7 +303,7 @@ pub enum TlsHandshake {
     Timeout,
 }
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// Why a handshake with the backend failed.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub enum TlsFailure {
