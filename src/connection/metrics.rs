@@ -58,33 +58,15 @@ crate::telemetry::metrics! {
     /// The connections' and the TLS listener's metrics, registered by
     /// [`ConnectionMetrics::register`].
     pub struct ConnectionMetrics {
-        pub connections_open: Family<ListenerLabels, Gauge> = (
-            "connections",
-            "Client connections open now, by listener",
-        ),
-        pub connections_closed: Family<ClosedLabels, Counter> = (
-            "connections_closed",
-            "Client connections the gateway closed, by listener and why: the clock that ran out (header_timeout, idle_timeout, body_timeout, send_timeout) or make_room (idle, closed at max_connections)",
-        ),
-        pub accept_errors: Family<ListenerLabels, Counter> = (
-            "accept_errors",
-            "Failed accepts (out of file descriptors, say), by listener",
-        ),
+        pub connections_open: Family<ListenerLabels, Gauge> = ("connections", "Client connections open now, by listener"),
+        pub connections_closed: Family<ClosedLabels, Counter> = ("connections_closed", "Client connections the gateway closed, by listener and why: the clock that ran out (header_timeout, idle_timeout, body_timeout, send_timeout) or make_room (idle, closed at max_connections)"),
+        pub accept_errors: Family<ListenerLabels, Counter> = ("accept_errors", "Failed accepts (out of file descriptors, say), by listener"),
         /// TLS handshakes on the TLS listener, by result.
-        pub tls_handshakes: Family<HandshakeLabels, Counter> = (
-            "tls_handshakes",
-            "TLS handshakes on the TLS listener ([server.tls]), by result: ok, timeout (not done within header_timeout), closed (by the client, or the connection failed), failed (refused by TLS), shutdown (asked to close first). For failed, by reason: protocol (nothing in common: version, suite, ALPN), client_certificate (missing or not verified, mTLS), not_tls (bytes that are not TLS), alert (the client refused the handshake, e.g. our certificate), other; reason=none for the other results",
-        ),
+        pub tls_handshakes: Family<HandshakeLabels, Counter> = ("tls_handshakes", "TLS handshakes on the TLS listener ([server.tls]), by result: ok, timeout (not done within header_timeout), closed (by the client, or the connection failed), failed (refused by TLS), shutdown (asked to close first). For failed, by reason: protocol (nothing in common: version, suite, ALPN), client_certificate (missing or not verified, mTLS), not_tls (bytes that are not TLS), alert (the client refused the handshake, e.g. our certificate), other; reason=none for the other results"),
         /// TLS connections by the version and ALPN protocol agreed.
-        pub tls_sessions: Family<TlsSessionLabels, Counter> = (
-            "tls_connections",
-            "TLS connections by the protocol version and the ALPN protocol agreed (h2, http/1.1, none)",
-        ),
+        pub tls_sessions: Family<TlsSessionLabels, Counter> = ("tls_connections", "TLS connections by the protocol version and the ALPN protocol agreed (h2, http/1.1, none)"),
         /// Seconds until each configured certificate expires (negative: expired).
-        pub tls_certificate_expiry: Family<CertificateLabels, Gauge> = (
-            "tls_certificate_expiry_seconds",
-            "Seconds until each certificate of [server.tls] expires (negative: expired), by file",
-        ),
+        pub tls_certificate_expiry: Family<CertificateLabels, Gauge> = ("tls_certificate_expiry_seconds", "Seconds until each certificate of [server.tls] expires (negative: expired), by file"),
         /// The certificates `tls_certificate_expiry` has series for.
         tls_certificates_shown: Mutex<Vec<CertificateLabels>> = { Mutex::default() },
     }

@@ -166,22 +166,10 @@ crate::telemetry::metrics! {
     /// The dashboards' families, and the demand meter behind the SLO (one per process: an
     /// identity's demand outlives reloads).
     pub struct Dashboards {
-        denials: Family<DenialLabels, Counter> = (
-            "denials",
-            "Requests denied (429), under the rule that denied them (the first that did) and the plan whose quota applied: one the rule defines ([rules.plans.<name>]), else default",
-        ),
-        retry: Family<RuleOnlyLabels, Histogram> = (
-            "denial_retry_seconds",
-            "The wait each 429 gave, under the rule that denied it: the longest of the denying rules' waits with retry_jitter, in ms as grpc-retry-pushback-ms carries it, Retry-After being it rounded up to whole seconds. Buckets 1 ms x 2^i up to 49.7 days",
-        ),
-        near_limit: Family<RuleOnlyLabels, Counter> = (
-            "near_limit",
-            "Admitted requests whose decision left the identity at most 20% of the rule's limit (burst, the window's N, max_in_flight): 80% or more used. Enforcing rules only",
-        ),
-        plan_requests: Family<PlanRequestLabels, Counter> = (
-            "plan_requests",
-            "Requests from identities within their plan under an enforcing rule, by outcome: served (no 429) or limited (a 429, from any rule). Within its plan: the identity's demand over the last period of the rate, denied requests included, at most max(N, burst), as this gateway saw it",
-        ),
+        denials: Family<DenialLabels, Counter> = ("denials", "Requests denied (429), under the rule that denied them (the first that did) and the plan whose quota applied: one the rule defines ([rules.plans.<name>]), else default"),
+        retry: Family<RuleOnlyLabels, Histogram> = ("denial_retry_seconds", "The wait each 429 gave, under the rule that denied it: the longest of the denying rules' waits with retry_jitter, in ms as grpc-retry-pushback-ms carries it, Retry-After being it rounded up to whole seconds. Buckets 1 ms x 2^i up to 49.7 days"),
+        near_limit: Family<RuleOnlyLabels, Counter> = ("near_limit", "Admitted requests whose decision left the identity at most 20% of the rule's limit (burst, the window's N, max_in_flight): 80% or more used. Enforcing rules only"),
+        plan_requests: Family<PlanRequestLabels, Counter> = ("plan_requests", "Requests from identities within their plan under an enforcing rule, by outcome: served (no 429) or limited (a 429, from any rule). Within its plan: the identity's demand over the last period of the rate, denied requests included, at most max(N, burst), as this gateway saw it"),
         pub demand: DemandMeter = { DemandMeter::default() },
     }
 }

@@ -64,14 +64,10 @@ pub struct CheckLabels {
 crate::telemetry::metrics! {
     /// `ratewall_jwks_fetches_total{result}`, `ratewall_token_checks_total{result}`.
     pub struct JwksMetrics {
-        pub fetches: Family<FetchLabels, Counter> = (
-            "jwks_fetches",
-            "Fetches of [jwt] jwks_url by result: ok, failed (the last good key set keeps serving)",
+        pub fetches: Family<FetchLabels, Counter> = ("jwks_fetches", "Fetches of [jwt] jwks_url by result: ok, failed (the last good key set keeps serving)",
             zero = FetchResult::ALL.map(|result| FetchLabels { result }),
         ),
-        pub token_checks: Family<CheckLabels, Counter> = (
-            "token_checks",
-            "Bearer tokens checked in full (a signature verified), by result: accepted, refused. A token either cache knows is not checked again, nor is one whose address failed too many ([jwt] failures)",
+        pub token_checks: Family<CheckLabels, Counter> = ("token_checks", "Bearer tokens checked in full (a signature verified), by result: accepted, refused. A token either cache knows is not checked again, nor is one whose address failed too many ([jwt] failures)",
             zero = CheckResult::ALL.map(|result| CheckLabels { result }),
         ),
     }

@@ -208,72 +208,36 @@ crate::telemetry::metrics! {
     /// config does not name created then at zero (a rule's, by
     /// [`GatewayMetrics::rule_counters`], at load).
     pub struct GatewayMetrics {
-        pub requests: Family<RuleLabels, Counter> = (
-            "requests",
-            "Decisions by rule: allowed (let through, and the upstream answered), delayed (the same, after waiting, max_delay), denied, shadow_denied (would have denied: shadow mode or outside enforce_percent), denied_by_other (this rule would have allowed it, another denied it: charged nothing here), error (store failed), refused (this rule refused the request before any limit: its key missing or unknown, 401), bad_key (its key malformed, 400), refused_by_other (this rule, which needs no credential, charged the request and another refused it for its credentials: the charge stands)",
-        ),
-        pub responses: Family<ResponseLabels, Counter> = (
-            "responses",
-            "Responses sent to clients, by status class and by who answered (upstream or gateway)",
-        ),
-        pub upstream_duration: Histogram = (
-            "upstream_duration_seconds",
-            "Time until the upstream's response head (or its failure)",
+        pub requests: Family<RuleLabels, Counter> = ("requests", "Decisions by rule: allowed (let through, and the upstream answered), delayed (the same, after waiting, max_delay), denied, shadow_denied (would have denied: shadow mode or outside enforce_percent), denied_by_other (this rule would have allowed it, another denied it: charged nothing here), error (store failed), refused (this rule refused the request before any limit: its key missing or unknown, 401), bad_key (its key malformed, 400), refused_by_other (this rule, which needs no credential, charged the request and another refused it for its credentials: the charge stands)"),
+        pub responses: Family<ResponseLabels, Counter> = ("responses", "Responses sent to clients, by status class and by who answered (upstream or gateway)"),
+        pub upstream_duration: Histogram = ("upstream_duration_seconds", "Time until the upstream's response head (or its failure)",
             buckets = LATENCY_BUCKETS,
         ),
-        pub upstream_responses: Family<ClassLabels, Counter> = (
-            "upstream_responses",
-            "Upstream answers by status class, or error (refused, timed out, reset)",
-        ),
-        pub reloads: Family<ReloadLabels, Counter> = (
-            "config_reloads",
-            "Config reloads (SIGHUP) by result",
+        pub upstream_responses: Family<ClassLabels, Counter> = ("upstream_responses", "Upstream answers by status class, or error (refused, timed out, reset)"),
+        pub reloads: Family<ReloadLabels, Counter> = ("config_reloads", "Config reloads (SIGHUP) by result",
             zero = ReloadResult::ALL.map(|result| ReloadLabels { result }),
         ),
         pub in_flight: Gauge = ("in_flight_requests", "Requests being handled now"),
         /// Requests waiting for reserved tokens (`max_delay`) now.
-        pub waiting: Gauge = (
-            "waiting_requests",
-            "Requests waiting for their reserved tokens (max_delay) before they are forwarded",
-        ),
+        pub waiting: Gauge = ("waiting_requests", "Requests waiting for their reserved tokens (max_delay) before they are forwarded"),
         /// End to end, by outcome: from the request's head read to its answer's head handed
         /// to the connection. The upstream's buckets and a minute.
-        pub request_duration: Family<OutcomeLabels, Histogram> = (
-            "request_duration_seconds",
-            "Requests end to end, from the head read to the answer's head sent, by outcome: allowed (the upstream answered), denied (429), unauthorized (401: no key or an unknown one), bad_request (400 or 501 before any limit: a malformed head or key, a tunnel), store_unavailable (503: the store failed), overloaded (503: shed by the pool's overload protection), upstream_error (502), upstream_timeout (504), client_error (the client's body malformed or stalled while forwarding). Its _count is every request once",
+        pub request_duration: Family<OutcomeLabels, Histogram> = ("request_duration_seconds", "Requests end to end, from the head read to the answer's head sent, by outcome: allowed (the upstream answered), denied (429), unauthorized (401: no key or an unknown one), bad_request (400 or 501 before any limit: a malformed head or key, a tunnel), store_unavailable (503: the store failed), overloaded (503: shed by the pool's overload protection), upstream_error (502), upstream_timeout (504), client_error (the client's body malformed or stalled while forwarding). Its _count is every request once",
             buckets = LATENCY_BUCKETS.into_iter().chain([60.0]),
         ),
-        pub refusals: Family<RefusalLabels, Counter> = (
-            "refusals",
-            "Requests refused before any limit was consulted, by reason: missing_key (401), unknown_key (401), malformed (400), not_implemented (501), no_route (404), invalid_token (401: a bearer token that did not verify), keys_unavailable (503: no JWKS fetched yet)",
-        ),
+        pub refusals: Family<RefusalLabels, Counter> = ("refusals", "Requests refused before any limit was consulted, by reason: missing_key (401), unknown_key (401), malformed (400), not_implemented (501), no_route (404), invalid_token (401: a bearer token that did not verify), keys_unavailable (503: no JWKS fetched yet)"),
         /// Forwarded requests the upstream did not answer, per rule that let them through.
-        pub rule_upstream_failures: Family<RuleFailureLabels, Counter> = (
-            "rule_upstream_failures",
-            "Requests a rule let through that the upstream did not answer: upstream_error (502), upstream_timeout (504)",
-        ),
+        pub rule_upstream_failures: Family<RuleFailureLabels, Counter> = ("rule_upstream_failures", "Requests a rule let through that the upstream did not answer: upstream_error (502), upstream_timeout (504)"),
         /// Requests the cleartext listener answered with a 308 to the TLS listener
         /// (`redirect_https`), never admitted.
-        pub https_redirects: Counter = (
-            "https_redirects",
-            "Requests the cleartext listener answered with a 308 to the TLS listener (redirect_https): never admitted, so in no other request count",
-        ),
+        pub https_redirects: Counter = ("https_redirects", "Requests the cleartext listener answered with a 308 to the TLS listener (redirect_https): never admitted, so in no other request count"),
         /// Request header fields whose name has an underscore, dropped before anything read
         /// them (`[server] underscores_in_headers = false`).
-        pub underscore_fields_dropped: Counter = (
-            "underscore_fields_dropped",
-            "Request header fields whose name has an underscore (X_Api_Key), dropped before the rules or the upstream saw them: CGI, WSGI and Rack read them as the dashed name ([server] underscores_in_headers = false)",
-        ),
+        pub underscore_fields_dropped: Counter = ("underscore_fields_dropped", "Request header fields whose name has an underscore (X_Api_Key), dropped before the rules or the upstream saw them: CGI, WSGI and Rack read them as the dashed name ([server] underscores_in_headers = false)"),
         /// Requests by HTTP version and TLS version, and their handles (see `PROTOCOLS`).
-        pub client_requests: Family<ProtocolLabels, Counter> = (
-            "client_requests",
-            "Requests from clients by HTTP version (HTTP/1.0, HTTP/1.1, HTTP/2) and TLS version (TLSv1.3, TLSv1.2; none in cleartext)",
-        ),
+        pub client_requests: Family<ProtocolLabels, Counter> = ("client_requests", "Requests from clients by HTTP version (HTTP/1.0, HTTP/1.1, HTTP/2) and TLS version (TLSv1.3, TLSv1.2; none in cleartext)"),
         /// Answers to gRPC calls by `grpc-status` and by who wrote them.
-        pub grpc_responses: Family<GrpcLabels, Counter> = (
-            "grpc_responses",
-            "Answers to gRPC calls (content-type application/grpc) by grpc-status (0..16) and by who wrote them: gateway (its own Trailers-Only answers: 8 denied, 16 unauthenticated, 14 store or upstream unavailable, 4 upstream timeout, 13 malformed, 12 no route) or upstream (the backend's status, from its trailers or Trailers-Only headers; an answer ending without one is not counted)",
-        ),
+        pub grpc_responses: Family<GrpcLabels, Counter> = ("grpc_responses", "Answers to gRPC calls (content-type application/grpc) by grpc-status (0..16) and by who wrote them: gateway (its own Trailers-Only answers: 8 denied, 16 unauthenticated, 14 store or upstream unavailable, 4 upstream timeout, 13 malformed, 12 no route) or upstream (the backend's status, from its trailers or Trailers-Only headers; an answer ending without one is not counted)"),
         /// Denials by rule and plan, their retry delays, requests near their limit, the
         /// good-client SLO (`dashboards.rs`).
         pub dashboards: Dashboards = nested,

@@ -96,75 +96,45 @@ crate::telemetry::metrics! {
     #[derive(Clone)]
     pub struct LimiterMetrics {
         /// Time of one store call, by backend.
-        pub store_duration: Family<StoreLabels, Histogram> = (
-            "store_call_duration_seconds",
-            "Time of one store call (one per limited request), by backend",
+        pub store_duration: Family<StoreLabels, Histogram> = ("store_call_duration_seconds", "Time of one store call (one per limited request), by backend",
             buckets = [
                 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
                 0.25, 0.5, 1.0,
             ],
         ),
-        pub store_errors: Family<StoreErrorLabels, Counter> = (
-            "store_errors",
-            "Store calls that failed, by kind",
+        pub store_errors: Family<StoreErrorLabels, Counter> = ("store_errors", "Store calls that failed, by kind",
             zero = StoreErrorKind::ALL.map(|kind| StoreErrorLabels { kind }),
         ),
-        pub deny_cache_hits: Counter = (
-            "deny_cache_hits",
-            "Requests denied from the local cache of denials, without a store call",
-        ),
-        pub breaker_open: Gauge = (
-            "store_breaker_open",
-            "1 while the store's circuit breaker is open (on_error applied without trying the store)",
-        ),
+        pub deny_cache_hits: Counter = ("deny_cache_hits", "Requests denied from the local cache of denials, without a store call"),
+        pub breaker_open: Gauge = ("store_breaker_open", "1 while the store's circuit breaker is open (on_error applied without trying the store)"),
         /// Keys the in-process stores hold, as of the last sweep.
-        pub memory_keys: Family<MemoryLabels, Gauge> = (
-            "store_keys",
-            "Keys the in-process store holds (store=memory: the memory backend; store=local: the on_error = \"local\" fallback), as of the last sweep",
+        pub memory_keys: Family<MemoryLabels, Gauge> = ("store_keys", "Keys the in-process store holds (store=memory: the memory backend; store=local: the on_error = \"local\" fallback), as of the last sweep",
             zero = MEMORY_STORES.map(|store| MemoryLabels { store }),
         ),
         /// Entries the in-process stores dropped to make room for new keys.
-        pub memory_evictions: Family<EvictionLabels, Counter> = (
-            "store_evictions",
-            "Entries an in-process store dropped to make room for a new key at max_keys: reason=expired (already equivalent to none), lru (the least recently used not being denied); an identity being denied is never dropped",
+        pub memory_evictions: Family<EvictionLabels, Counter> = ("store_evictions", "Entries an in-process store dropped to make room for a new key at max_keys: reason=expired (already equivalent to none), lru (the least recently used not being denied); an identity being denied is never dropped",
             zero = MEMORY_STORES.into_iter().flat_map(|store| {
                 EVICTION_REASONS.map(|reason| EvictionLabels { store, reason })
             }),
         ),
         /// New keys an in-process store refused (their requests denied): every entry in the
         /// way was an identity being denied.
-        pub memory_refused: Family<MemoryLabels, Counter> = (
-            "store_refused_keys",
-            "New keys an in-process store at max_keys refused, their requests denied (429), because every state in the way was an identity being denied (store=memory or local)",
+        pub memory_refused: Family<MemoryLabels, Counter> = ("store_refused_keys", "New keys an in-process store at max_keys refused, their requests denied (429), because every state in the way was an identity being denied (store=memory or local)",
             zero = MEMORY_STORES.map(|store| MemoryLabels { store }),
         ),
         /// Keys the runtime key directory holds, as of the last second.
-        pub key_directory_keys: Gauge = (
-            "key_directory_keys",
-            "API keys the runtime key directory holds (added through /admin/keys: the keys file's with the memory store, the <prefix>:keys hash's with Redis), as of the last second",
-        ),
+        pub key_directory_keys: Gauge = ("key_directory_keys", "API keys the runtime key directory holds (added through /admin/keys: the keys file's with the memory store, the <prefix>:keys hash's with Redis), as of the last second"),
         /// What following a shared store's key directory did, by outcome.
-        pub key_directory_syncs: Family<SyncLabels, Counter> = (
-            "key_directory_syncs",
-            "What following a shared store's key directory did, by outcome: resynced (read whole), failed, wrong_type (the last directory serves), change (a published change applied), ignored (malformed), subscribed, subscribe_failed, lost (the subscription's connection)",
+        pub key_directory_syncs: Family<SyncLabels, Counter> = ("key_directory_syncs", "What following a shared store's key directory did, by outcome: resynced (read whole), failed, wrong_type (the last directory serves), change (a published change applied), ignored (malformed), subscribed, subscribe_failed, lost (the subscription's connection)",
             zero = SyncOutcome::ALL.map(|outcome| SyncLabels { outcome }),
         ),
         /// The gateways seen writing their heartbeat to the shared store lately
         /// (`local_share = "auto"`'s N); 1 where none is written.
-        pub gateways_seen: Gauge = (
-            "gateways_seen",
-            "Gateways (this one included) seen writing their heartbeat to the shared store within the last 15 s, as of the last heartbeat answered: the N of local_share = \"auto\" (kept while the store fails; 1 before any heartbeat, with the memory store, or where no rule has local_share = \"auto\")",
-        ),
+        pub gateways_seen: Gauge = ("gateways_seen", "Gateways (this one included) seen writing their heartbeat to the shared store within the last 15 s, as of the last heartbeat answered: the N of local_share = \"auto\" (kept while the store fails; 1 before any heartbeat, with the memory store, or where no rule has local_share = \"auto\")"),
         /// Times a `redis_sentinel` store moved its calls to another primary.
-        pub primary_changes: Counter = (
-            "store_primary_changes",
-            "Times a backend = \"redis_sentinel\" store moved its calls to another primary (a failover it followed); finding the first primary is not counted",
-        ),
+        pub primary_changes: Counter = ("store_primary_changes", "Times a backend = \"redis_sentinel\" store moved its calls to another primary (a failover it followed); finding the first primary is not counted"),
         /// 1 for the primary a `redis_sentinel` store calls now (no series before one is found).
-        pub primary: Family<PrimaryLabels, Gauge> = (
-            "store_primary",
-            "1 for the Redis primary a backend = \"redis_sentinel\" store sends its calls to now, by address (host:port, as the sentinels name it), no series while none is known",
-        ),
+        pub primary: Family<PrimaryLabels, Gauge> = ("store_primary", "1 for the Redis primary a backend = \"redis_sentinel\" store sends its calls to now, by address (host:port, as the sentinels name it), no series while none is known"),
     }
 }
 

@@ -28,27 +28,13 @@ crate::telemetry::metrics! {
     /// The families, registered once.
     #[derive(Clone)]
     pub struct OverloadMetrics {
-        limit: Family<OverloadLabels, Gauge> = (
-            "overload_limit",
-            "The concurrency limit of each pool with overload protection now: adapted from its backend's latency (adaptive), or its max_concurrency",
-        ),
-        in_flight: Family<OverloadLabels, Gauge> = (
-            "overload_in_flight",
-            "Requests holding one of the pool's overload permits: sent to its backend and not answered yet",
-        ),
-        queue_length: Family<OverloadPriorityLabels, Gauge> = (
-            "overload_queue_length",
-            "Requests waiting for the pool's permit now, by their plan's priority",
-        ),
-        wait: Family<OverloadPriorityLabels, Histogram> = (
-            "overload_wait_seconds",
-            "How long requests that got the pool's permit waited for it (0 for those that found room), by priority",
+        limit: Family<OverloadLabels, Gauge> = ("overload_limit", "The concurrency limit of each pool with overload protection now: adapted from its backend's latency (adaptive), or its max_concurrency"),
+        in_flight: Family<OverloadLabels, Gauge> = ("overload_in_flight", "Requests holding one of the pool's overload permits: sent to its backend and not answered yet"),
+        queue_length: Family<OverloadPriorityLabels, Gauge> = ("overload_queue_length", "Requests waiting for the pool's permit now, by their plan's priority"),
+        wait: Family<OverloadPriorityLabels, Histogram> = ("overload_wait_seconds", "How long requests that got the pool's permit waited for it (0 for those that found room), by priority",
             buckets = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
         ),
-        shed: Family<OverloadPriorityLabels, Counter> = (
-            "overload_shed",
-            "Requests answered 503 by the pool's overload protection, by priority: the queue full of requests of their priority or higher, evicted by a higher priority, or max_wait passed",
-        ),
+        shed: Family<OverloadPriorityLabels, Counter> = ("overload_shed", "Requests answered 503 by the pool's overload protection, by priority: the queue full of requests of their priority or higher, evicted by a higher priority, or max_wait passed"),
         /// The series the last config implied ([`OverloadMetrics::configure`]).
         known: Arc<Mutex<Protected>> = { Arc::default() },
     }

@@ -74,24 +74,13 @@ pub struct ForgivenLabels {
 crate::telemetry::metrics! {
     #[derive(Clone, Default)]
     pub struct SettleMetrics {
-        pub settlements: Family<SettleLabels, Counter> = (
-            "settlements",
-            "Charges settled after the answer, per rule and outcome: refunded (the status is not charged, or the request never reached a backend), charged_less / charged_more (the reported cost differed from the reservation), invalid (a reported cost was not a whole number; the reservation stands), failed (the store did not take it), unread (the answer's usage could not be read; the reservation stands)",
-        ),
-        pub cost: Family<CostLabels, Counter> = (
-            "settled_cost",
-            "Cost units settlements gave back (refunded) or took beyond the reservation (charged), per rule",
-        ),
+        pub settlements: Family<SettleLabels, Counter> = ("settlements", "Charges settled after the answer, per rule and outcome: refunded (the status is not charged, or the request never reached a backend), charged_less / charged_more (the reported cost differed from the reservation), invalid (a reported cost was not a whole number; the reservation stands), failed (the store did not take it), unread (the answer's usage could not be read; the reservation stands)"),
+        pub cost: Family<CostLabels, Counter> = ("settled_cost", "Cost units settlements gave back (refunded) or took beyond the reservation (charged), per rule"),
         /// Cost units a store could not charge (docs/algorithms.md, "Reservations and
         /// settlement": past the exact numbers' bound, or a calendar period's worth of debt).
-        pub forgiven: Family<ForgivenLabels, Counter> = (
-            "settle_forgiven",
-            "Cost units a settlement could not charge, per rule: past the most a store's state holds exactly (2^52 units), or past one whole period of debt on a calendar quota; zero in any ordinary run",
-        ),
+        pub forgiven: Family<ForgivenLabels, Counter> = ("settle_forgiven", "Cost units a settlement could not charge, per rule: past the most a store's state holds exactly (2^52 units), or past one whole period of debt on a calendar quota; zero in any ordinary run"),
         /// Answers read on after their client left, by how that ended.
-        pub drains: Family<DrainLabels, Counter> = (
-            "settle_drains",
-            "Answers read on after their client left, to settle the cost their end reports (settle_drain), by result: settled, stood (no cost came: the reservations stand), cut (past settle_drain's bytes or time, or broken by the backend: the reservations stand)",
+        pub drains: Family<DrainLabels, Counter> = ("settle_drains", "Answers read on after their client left, to settle the cost their end reports (settle_drain), by result: settled, stood (no cost came: the reservations stand), cut (past settle_drain's bytes or time, or broken by the backend: the reservations stand)",
             zero = DrainResult::ALL.map(|result| DrainLabels { result }),
         ),
     }

@@ -17,9 +17,6 @@ super::metrics! {
     pub struct AdminMetrics {
         /// `/admin/*` calls refused for their token, by reason (`missing`, `wrong`,
         /// `throttled`).
-        pub auth_failures: Family<AdminFailureLabels, Counter> = (
-            "admin_auth_failures",
-            "Admin API calls refused for their token, by reason: missing (no Bearer token), wrong, throttled (the peer's failed calls used up its allowance: 429, the token not checked)",
-        ),
+        pub auth_failures: Family<AdminFailureLabels, Counter> = ("admin_auth_failures", "Admin API calls refused for their token, by reason: missing (no Bearer token), wrong, throttled (the peer's failed calls used up its allowance: 429, the token not checked)"),
     }
 }

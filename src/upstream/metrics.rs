@@ -82,35 +82,15 @@ crate::telemetry::metrics! {
     /// Every pool's metric families.
     #[derive(Clone)]
     pub struct PoolMetrics {
-        requests: Family<ServerOutcomeLabels, Counter> = (
-            "upstream_server_requests",
-            "Attempts on each pool's servers, by how they ended: the answer's status class, error (refused, reset, unreadable: 502) or timeout (504), a retried request counting once per attempt",
-        ),
-        duration: Family<ServerLabels, Histogram> = (
-            "upstream_server_duration_seconds",
-            "Time until a server's response head (or its failure), per attempt",
+        requests: Family<ServerOutcomeLabels, Counter> = ("upstream_server_requests", "Attempts on each pool's servers, by how they ended: the answer's status class, error (refused, reset, unreadable: 502) or timeout (504), a retried request counting once per attempt"),
+        duration: Family<ServerLabels, Histogram> = ("upstream_server_duration_seconds", "Time until a server's response head (or its failure), per attempt",
             buckets = LATENCY_BUCKETS,
         ),
-        healthy: Family<ServerLabels, Gauge> = (
-            "upstream_server_healthy",
-            "How many of a server's addresses take requests (1 or 0 for one address; a name resolving to several counts each): not those ejected (passive health) or failing their health checks",
-        ),
-        ejections: Family<ServerLabels, Counter> = (
-            "upstream_ejections",
-            "Times a server was ejected after max_fails failures within fail_window",
-        ),
-        retries: Family<PoolLabels, Counter> = (
-            "upstream_retries",
-            "Requests sent again to another server of the pool after an attempt failed before any answer",
-        ),
-        budget_exhausted: Family<PoolLabels, Counter> = (
-            "upstream_retry_budget_exhausted",
-            "Retries not made because the pool's retry budget (20% of its requests over 10 s, plus 3 per second) was spent",
-        ),
-        no_server: Family<PoolLabels, Counter> = (
-            "upstream_no_server",
-            "Requests answered 502 at once because no server of the pool could take them (all ejected or failing their checks, and none to fall back on)",
-        ),
+        healthy: Family<ServerLabels, Gauge> = ("upstream_server_healthy", "How many of a server's addresses take requests (1 or 0 for one address; a name resolving to several counts each): not those ejected (passive health) or failing their health checks"),
+        ejections: Family<ServerLabels, Counter> = ("upstream_ejections", "Times a server was ejected after max_fails failures within fail_window"),
+        retries: Family<PoolLabels, Counter> = ("upstream_retries", "Requests sent again to another server of the pool after an attempt failed before any answer"),
+        budget_exhausted: Family<PoolLabels, Counter> = ("upstream_retry_budget_exhausted", "Retries not made because the pool's retry budget (20% of its requests over 10 s, plus 3 per second) was spent"),
+        no_server: Family<PoolLabels, Counter> = ("upstream_no_server", "Requests answered 502 at once because no server of the pool could take them (all ejected or failing their checks, and none to fall back on)"),
         /// The pools' overload protection (`crate::overload`).
         pub overload: crate::overload::OverloadMetrics = nested,
         /// The pools and servers the last config had ([`PoolMetrics::retain`]).

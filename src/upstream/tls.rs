@@ -418,10 +418,7 @@ crate::telemetry::metrics! {
     /// The metrics of TLS to the backend: its handshakes, by result and reason; their
     /// series follow the config (see [`UpstreamTlsMetrics::handshakes`]).
     pub struct UpstreamTlsMetrics {
-        pub handshakes: Family<UpstreamHandshakeLabels, Counter> = (
-            "upstream_tls_handshakes",
-            "TLS handshakes with an https:// upstream, by result: ok (full), resumed (an earlier session resumed), failed, timeout (not done within connect_timeout). For failed, by reason: unknown_issuer, name_mismatch, expired, certificate (another fault of the backend's certificate), alert (the backend refused us), protocol, closed (closed or reset under the handshake), other; reason=none for the other results",
-        ),
+        pub handshakes: Family<UpstreamHandshakeLabels, Counter> = ("upstream_tls_handshakes", "TLS handshakes with an https:// upstream, by result: ok (full), resumed (an earlier session resumed), failed, timeout (not done within connect_timeout). For failed, by reason: unknown_issuer, name_mismatch, expired, certificate (another fault of the backend's certificate), alert (the backend refused us), protocol, closed (closed or reset under the handshake), other; reason=none for the other results"),
     }
 }
 
