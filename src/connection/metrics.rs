@@ -6,7 +6,6 @@
 
 use std::sync::{Mutex, PoisonError};
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -14,44 +13,41 @@ use prometheus_client::metrics::gauge::Gauge;
 use super::registry::Closed;
 use super::tls::{Handshake, HandshakeResult};
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ListenerLabels {
-    /// `gateway` or `admin`.
-    pub listener: &'static str,
-}
+crate::telemetry::label_sets! {
+    pub struct ListenerLabels {
+        /// `gateway` or `admin`.
+        pub listener: &'static str,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ClosedLabels {
-    pub listener: &'static str,
-    /// The clock that ran out (`header_timeout`, `idle_timeout`, `body_timeout`,
-    /// `send_timeout`), or `make_room` (idle, closed at `max_connections`): a
-    /// [`Closed`]'s name.
-    pub reason: &'static str,
-}
+    pub struct ClosedLabels {
+        pub listener: &'static str,
+        /// The clock that ran out (`header_timeout`, `idle_timeout`, `body_timeout`,
+        /// `send_timeout`), or `make_room` (idle, closed at `max_connections`): a
+        /// [`Closed`]'s name.
+        pub reason: &'static str,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct HandshakeLabels {
-    /// `ok`, or why not: `timeout` (header_timeout), `closed` (by the client, or the
-    /// connection failed), `failed` (refused by TLS: no common version, a bad client
-    /// certificate, not TLS at all), `shutdown` (asked to close first).
-    pub result: HandshakeResult,
-    /// Why a `failed` one was refused (`protocol`, `client_certificate`, `not_tls`,
-    /// `alert`, `other`); `none` for the other results.
-    pub reason: &'static str,
-}
+    pub struct HandshakeLabels {
+        /// `ok`, or why not: `timeout` (header_timeout), `closed` (by the client, or the
+        /// connection failed), `failed` (refused by TLS: no common version, a bad client
+        /// certificate, not TLS at all), `shutdown` (asked to close first).
+        pub result: HandshakeResult,
+        /// Why a `failed` one was refused (`protocol`, `client_certificate`, `not_tls`,
+        /// `alert`, `other`); `none` for the other results.
+        pub reason: &'static str,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct TlsSessionLabels {
-    /// `TLSv1.3` or `TLSv1.2`.
-    pub version: &'static str,
-    /// The ALPN protocol agreed: `h2`, `http/1.1`, or `none`.
-    pub alpn: &'static str,
-}
+    pub struct TlsSessionLabels {
+        /// `TLSv1.3` or `TLSv1.2`.
+        pub version: &'static str,
+        /// The ALPN protocol agreed: `h2`, `http/1.1`, or `none`.
+        pub alpn: &'static str,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct CertificateLabels {
-    /// The certificate file, as `[server.tls] certificates` names it (resolved).
-    pub cert: String,
+    pub struct CertificateLabels {
+        /// The certificate file, as `[server.tls] certificates` names it (resolved).
+        pub cert: String,
+    }
 }
 
 crate::telemetry::metrics! {

@@ -8,7 +8,6 @@
 
 use std::sync::Arc;
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
@@ -19,9 +18,10 @@ use crate::telemetry::stats::Stats;
 use crate::telemetry::AdminMetrics;
 use crate::upstream::{PoolMetrics, UpstreamTlsMetrics};
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct BuildLabels {
-    pub version: &'static str,
+crate::telemetry::label_sets! {
+    pub struct BuildLabels {
+        pub version: &'static str,
+    }
 }
 
 pub struct Metrics {

@@ -12,7 +12,7 @@
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder, NoLabelSet};
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::{MetricType, TypedMetric};
@@ -27,16 +27,16 @@ use crate::telemetry::label_enum;
 /// The plan label of a rule's own quota.
 pub const DEFAULT_PLAN: &str = "default";
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DenialLabels {
-    pub rule: String,
-    /// A plan the rule defines (`[rules.plans.<name>]`), or `default`.
-    pub plan: String,
-}
+crate::telemetry::label_sets! {
+    pub struct DenialLabels {
+        pub rule: String,
+        /// A plan the rule defines (`[rules.plans.<name>]`), or `default`.
+        pub plan: String,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RuleOnlyLabels {
-    pub rule: String,
+    pub struct RuleOnlyLabels {
+        pub rule: String,
+    }
 }
 
 label_enum! {
@@ -50,10 +50,11 @@ label_enum! {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PlanRequestLabels {
-    pub rule: String,
-    pub outcome: PlanOutcome,
+crate::telemetry::label_sets! {
+    pub struct PlanRequestLabels {
+        pub rule: String,
+        pub outcome: PlanOutcome,
+    }
 }
 
 /// The upper bounds of the retry histogram's buckets: 1 ms × 2^i, 1 ms to 49.7 days (a

@@ -14,7 +14,6 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::rt::TokioIo;
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 
@@ -42,9 +41,10 @@ crate::telemetry::label_enum! {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct FetchLabels {
-    pub result: FetchResult,
+crate::telemetry::label_sets! {
+    pub struct FetchLabels {
+        pub result: FetchResult,
+    }
 }
 
 crate::telemetry::label_enum! {
@@ -56,9 +56,10 @@ crate::telemetry::label_enum! {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct CheckLabels {
-    pub result: CheckResult,
+crate::telemetry::label_sets! {
+    pub struct CheckLabels {
+        pub result: CheckResult,
+    }
 }
 
 crate::telemetry::metrics! {

@@ -5,7 +5,6 @@
 
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -48,32 +47,30 @@ label_enum! {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RuleLabels {
-    pub rule: String,
-    pub decision: DecisionLabel,
-}
+crate::telemetry::label_sets! {
+    pub struct RuleLabels {
+        pub rule: String,
+        pub decision: DecisionLabel,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ClassLabels {
-    /// `2xx`..`5xx` from the upstream, or `error` (refused, timed out, reset).
-    pub class: &'static str,
-}
+    pub struct ClassLabels {
+        /// `2xx`..`5xx` from the upstream, or `error` (refused, timed out, reset).
+        pub class: &'static str,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ResponseLabels {
-    /// The status class the client got.
-    pub class: &'static str,
-    /// Who answered: `upstream` or `gateway` (401, 429, 502, 503, 504...).
-    pub source: &'static str,
-}
+    pub struct ResponseLabels {
+        /// The status class the client got.
+        pub class: &'static str,
+        /// Who answered: `upstream` or `gateway` (401, 429, 502, 503, 504...).
+        pub source: &'static str,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ProtocolLabels {
-    /// `HTTP/1.0`, `HTTP/1.1` or `HTTP/2`.
-    pub protocol: &'static str,
-    /// `TLSv1.3` or `TLSv1.2` over the TLS listener; `none` in cleartext.
-    pub tls: &'static str,
+    pub struct ProtocolLabels {
+        /// `HTTP/1.0`, `HTTP/1.1` or `HTTP/2`.
+        pub protocol: &'static str,
+        /// `TLSv1.3` or `TLSv1.2` over the TLS listener; `none` in cleartext.
+        pub tls: &'static str,
+    }
 }
 
 /// The protocols and TLS versions `ratewall_client_requests_total` counts by.
@@ -135,14 +132,14 @@ impl From<crate::identity::Refusal> for RefusalReason {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RefusalLabels {
-    pub reason: RefusalReason,
-}
+crate::telemetry::label_sets! {
+    pub struct RefusalLabels {
+        pub reason: RefusalReason,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OutcomeLabels {
-    pub outcome: Outcome,
+    pub struct OutcomeLabels {
+        pub outcome: Outcome,
+    }
 }
 
 label_enum! {
@@ -156,18 +153,18 @@ label_enum! {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RuleFailureLabels {
-    pub rule: String,
-    pub outcome: UpstreamFailure,
-}
+crate::telemetry::label_sets! {
+    pub struct RuleFailureLabels {
+        pub rule: String,
+        pub outcome: UpstreamFailure,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct GrpcLabels {
-    /// The `grpc-status`, `0`..`16`.
-    pub code: Code,
-    /// `gateway` (its own answer) or `upstream` (the backend's, passed on).
-    pub source: Origin,
+    pub struct GrpcLabels {
+        /// The `grpc-status`, `0`..`16`.
+        pub code: Code,
+        /// `gateway` (its own answer) or `upstream` (the backend's, passed on).
+        pub source: Origin,
+    }
 }
 
 label_enum! {
@@ -178,9 +175,10 @@ label_enum! {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReloadLabels {
-    pub result: ReloadResult,
+crate::telemetry::label_sets! {
+    pub struct ReloadLabels {
+        pub result: ReloadResult,
+    }
 }
 
 /// The classes [`status_class`] names, in order, and "error" (upstream failures).

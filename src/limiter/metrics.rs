@@ -1,7 +1,6 @@
 //! The metrics the limiter and its stores own: store calls (time, errors), the deny
 //! cache, the circuit breaker, and the in-process stores' keys and evictions.
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -51,40 +50,36 @@ crate::telemetry::label_enum! {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct SyncLabels {
-    pub outcome: SyncOutcome,
-}
+crate::telemetry::label_sets! {
+    pub struct SyncLabels {
+        pub outcome: SyncOutcome,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct StoreErrorLabels {
-    pub kind: StoreErrorKind,
-}
+    pub struct StoreErrorLabels {
+        pub kind: StoreErrorKind,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct StoreLabels {
-    pub backend: &'static str,
-}
+    pub struct StoreLabels {
+        pub backend: &'static str,
+    }
 
-/// The Redis primary a `redis_sentinel` store sends its calls to, by `host:port`.
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PrimaryLabels {
-    pub address: String,
-}
+    /// The Redis primary a `redis_sentinel` store sends its calls to, by `host:port`.
+    pub struct PrimaryLabels {
+        pub address: String,
+    }
 
-/// An in-process store: `memory` (the configured backend) or `local` (the `on_error =
-/// "local"` fallback).
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct MemoryLabels {
-    pub store: &'static str,
-}
+    /// An in-process store: `memory` (the configured backend) or `local` (the `on_error =
+    /// "local"` fallback).
+    pub struct MemoryLabels {
+        pub store: &'static str,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct EvictionLabels {
-    pub store: &'static str,
-    /// `expired` (equivalent to no entry) or `lru` (live, not being denied). An entry
-    /// being denied is never dropped: the new key is refused instead (`store_refused_keys`).
-    pub reason: &'static str,
+    pub struct EvictionLabels {
+        pub store: &'static str,
+        /// `expired` (equivalent to no entry) or `lru` (live, not being denied). An entry
+        /// being denied is never dropped: the new key is refused instead (`store_refused_keys`).
+        pub reason: &'static str,
+    }
 }
 
 /// The in-process stores `store_keys`, `store_evictions` and `store_refused_keys` count by.

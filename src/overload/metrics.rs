@@ -4,21 +4,20 @@
 
 use std::sync::{Arc, Mutex};
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OverloadLabels {
-    pub upstream: String,
-}
+crate::telemetry::label_sets! {
+    pub struct OverloadLabels {
+        pub upstream: String,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OverloadPriorityLabels {
-    pub upstream: String,
-    pub priority: u32,
+    pub struct OverloadPriorityLabels {
+        pub upstream: String,
+        pub priority: u32,
+    }
 }
 
 /// Each protected pool's name, with the priorities its requests may have.

@@ -1,6 +1,5 @@
 //! The settlements' metrics: per rule, what became of the charges it settled.
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 
@@ -41,9 +40,10 @@ crate::telemetry::label_enum! {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DrainLabels {
-    pub result: DrainResult,
+crate::telemetry::label_sets! {
+    pub struct DrainLabels {
+        pub result: DrainResult,
+    }
 }
 
 crate::telemetry::label_enum! {
@@ -54,21 +54,20 @@ crate::telemetry::label_enum! {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct SettleLabels {
-    pub rule: String,
-    pub outcome: SettleOutcome,
-}
+crate::telemetry::label_sets! {
+    pub struct SettleLabels {
+        pub rule: String,
+        pub outcome: SettleOutcome,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct CostLabels {
-    pub rule: String,
-    pub direction: SettleDirection,
-}
+    pub struct CostLabels {
+        pub rule: String,
+        pub direction: SettleDirection,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ForgivenLabels {
-    pub rule: String,
+    pub struct ForgivenLabels {
+        pub rule: String,
+    }
 }
 
 crate::telemetry::metrics! {

@@ -3,14 +3,14 @@
 //! both name them without the admin listener importing the root. Its vocabulary
 //! (`admin::guard::Failure`) stays with it, and creates the series at zero.
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct AdminFailureLabels {
-    /// `missing`, `wrong` or `throttled` (`admin::guard::Failure`).
-    pub reason: &'static str,
+crate::telemetry::label_sets! {
+    pub struct AdminFailureLabels {
+        /// `missing`, `wrong` or `throttled` (`admin::guard::Failure`).
+        pub reason: &'static str,
+    }
 }
 
 super::metrics! {

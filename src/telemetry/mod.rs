@@ -2,6 +2,7 @@
 //!
 //! - [`metrics!`]: a module's metrics declared once, as one list of fields, each with its
 //!   metric name, help text and kind; the macro writes the struct and its `register`.
+//! - [`label_sets!`]: the label sets the families count by, as plain structs.
 //! - [`label_enum!`]: a vocabulary enum written once with its label values.
 //! - [`Gauged`]: a gauge held one higher while a guard lives.
 //! - [`stats`]: what the status page shows, counted beside the metrics.
@@ -113,6 +114,32 @@ macro_rules! metrics {
     };
 }
 pub(crate) use metrics;
+
+/// Label sets, written as plain structs: each gets what a family's labels need (`Clone`,
+/// `Debug`, `Hash`, `Eq`, and its encoding, one label a field, in the order written).
+///
+/// ```ignore
+/// crate::telemetry::label_sets! {
+///     pub struct PoolLabels {
+///         pub pool: String,
+///     }
+/// }
+/// ```
+macro_rules! label_sets {
+    ($(
+        $(#[$meta:meta])*
+        $vis:vis struct $name:ident {
+            $($(#[$fmeta:meta])* $fvis:vis $field:ident : $fty:ty),+ $(,)?
+        }
+    )+) => {$(
+        $(#[$meta])*
+        #[derive(Clone, Debug, Hash, PartialEq, Eq, prometheus_client::encoding::EncodeLabelSet)]
+        $vis struct $name {
+            $($(#[$fmeta])* $fvis $field: $fty),+
+        }
+    )+};
+}
+pub(crate) use label_sets;
 
 /// A histogram, or a family of them, made with its buckets (by [`metrics!`]).
 pub trait Buckets {

@@ -2,30 +2,28 @@
 //! way, by route and pool (names from the config), and how tunnels ended. A tunnel
 //! resolves its handles once when it opens: nothing is hashed per byte.
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 
 use super::Ended;
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct TunnelLabels {
-    /// The route's name (empty: no route, the pool `default`).
-    pub route: String,
-    pub pool: String,
-}
+crate::telemetry::label_sets! {
+    pub struct TunnelLabels {
+        /// The route's name (empty: no route, the pool `default`).
+        pub route: String,
+        pub pool: String,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct BytesLabels {
-    pub route: String,
-    pub pool: String,
-    pub direction: Direction,
-}
+    pub struct BytesLabels {
+        pub route: String,
+        pub pool: String,
+        pub direction: Direction,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct EndedLabels {
-    pub reason: Ended,
+    pub struct EndedLabels {
+        pub reason: Ended,
+    }
 }
 
 crate::telemetry::label_enum! {

@@ -6,7 +6,6 @@
 
 use std::sync::{Arc, Mutex};
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
@@ -14,22 +13,21 @@ use prometheus_client::metrics::histogram::Histogram;
 
 use crate::telemetry::LATENCY_BUCKETS;
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PoolLabels {
-    pub pool: String,
-}
+crate::telemetry::label_sets! {
+    pub struct PoolLabels {
+        pub pool: String,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ServerLabels {
-    pub pool: String,
-    pub server: String,
-}
+    pub struct ServerLabels {
+        pub pool: String,
+        pub server: String,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ServerOutcomeLabels {
-    pub pool: String,
-    pub server: String,
-    pub outcome: ServerOutcome,
+    pub struct ServerOutcomeLabels {
+        pub pool: String,
+        pub server: String,
+        pub outcome: ServerOutcome,
+    }
 }
 
 crate::telemetry::label_enum! {

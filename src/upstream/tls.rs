@@ -19,7 +19,6 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
@@ -405,13 +404,14 @@ impl TlsHandshakes {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct UpstreamHandshakeLabels {
-    /// `ok` (a full handshake), `resumed` (an earlier session resumed), `failed`,
-    /// `timeout` (not done within connect_timeout).
-    pub result: &'static str,
-    /// Why a `failed` one failed (see [`TlsFailure`]); `none` for the others.
-    pub reason: &'static str,
+crate::telemetry::label_sets! {
+    pub struct UpstreamHandshakeLabels {
+        /// `ok` (a full handshake), `resumed` (an earlier session resumed), `failed`,
+        /// `timeout` (not done within connect_timeout).
+        pub result: &'static str,
+        /// Why a `failed` one failed (see [`TlsFailure`]); `none` for the others.
+        pub reason: &'static str,
+    }
 }
 
 crate::telemetry::metrics! {
