@@ -44,6 +44,8 @@ use serde::Serialize;
 
 use crate::config::Config;
 use crate::connection::{self, InFlight, Track, Tracked};
+use crate::proxy::metrics::RuleCounters;
+use crate::proxy::Live;
 use crate::headers::ceil_secs;
 use crate::identity;
 use crate::identity::{IdentityDigest, KeyKind, Requester};
@@ -51,7 +53,7 @@ use crate::limiter::guard::Health;
 use crate::limiter::{Check, OnError, Quota};
 use crate::proxy::Gateway;
 use crate::rules::Rule;
-use crate::stats::{Window, HISTORY_SECS, SAMPLE_SECS};
+use crate::telemetry::stats::{TopEntry, Window, HISTORY_SECS, SAMPLE_SECS};
 use guard::{Failure, Guard};
 
 const STATUS_PAGE: &str = include_str!("status.html");
@@ -108,7 +110,7 @@ impl Admin {
                 }
             }
         }));
-        guard::count_from_zero(&gateway.metrics().admin_auth_failures);
+        guard::count_from_zero(&gateway.metrics().admin.auth_failures);
         Admin {
             gateway,
             guard: Arc::new(guard::new_guard()),
@@ -286,7 +288,7 @@ fn guarded(gw: &Gateway, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -
             )))
         }
     };
-    guard::count(&gw.metrics().admin_auth_failures, why);
+    guard::count(&gw.metrics().admin.auth_failures, why);
     if let Some(times) = guard.log_due(now) {
         tracing::warn!(
             %peer,
@@ -627,75 +629,12 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
         .rules
         .iter()
         .zip(&live.counters)
-        .map(|(r, c)| RuleView {
-            outcomes: RuleOutcomes {
-                allowed: c.allowed.get(),
-                delayed: c.delayed.get(),
-                denied: c.denied.get(),
-                shadow_denied: c.shadow_denied.get(),
-                denied_by_other: c.denied_by_other.get(),
-                refused: c.refused.get(),
-                bad_key: c.bad_key.get(),
-                store_error: c.error.get(),
-                upstream_error: c.upstream_error.get(),
-                upstream_timeout: c.upstream_timeout.get(),
-            },
-            time_to_reset: TimeToReset {
-                denials: c.dashboard.retry.count(),
-                // To the millisecond the buckets count in.
-                p95_s: c
-                    .dashboard
-                    .retry
-                    .quantile_s(0.95)
-                    .map(|s| (s * 1e3).round() / 1e3),
-            },
-            near_limit: c.dashboard.near_limit.get(),
-            slo: Slo {
-                served: c.dashboard.served.get(),
-                limited: c.dashboard.limited.get(),
-                served_share: c.dashboard.served_share(),
-            },
-            name: &r.name,
-            algorithm: r.quota.algorithm.name(),
-            rate: match r.quota.algorithm {
-                crate::limiter::Algorithm::Concurrency => r.quota.to_string(),
-                _ => r.quota.rate.to_string(),
-            },
-            burst: r.quota.algorithm.has_burst().then_some(r.quota.burst),
-            cost: r.quota.cost,
-            key: r.key.kind.to_string(),
-            applies_to: cfg.applies_to(r),
-            plans: {
-                let mut p: Vec<String> = r.plans.iter().map(|(n, q)| format!("{n}: {q}")).collect();
-                p.sort();
-                p
-            },
-            behaviour: r.behaviour(live.limiter.store().kind().is_shared()),
-        })
+        .map(|(r, c)| rule_view(&live, r, c))
         .collect();
     let mut top = st.top(10, 20);
     if audience == Audience::Public {
-        for t in &mut top {
-            // A key's hint shows its last characters: key material, for token holders
-            // only. Its id stays: the identity's tag, keyed by the deployment's secret
-            // (identity::tag), the same in the access log and the admin API, on every
-            // gateway and across restarts, and nothing without the secret: no address is
-            // found again by hashing them all. An address's network is shown to token
-            // holders only too: beside the tag, its /24 would leave 256 addresses to try.
-            if t.who.named.hint != "everyone" {
-                let kind = t.who.named.hint.split(' ').next().unwrap_or("key");
-                t.who.named.hint = kind.to_string();
-            }
-            // A token's claim values say who the user is (`sub=alice`): token holders
-            // only. A key's label is the operator's name for a customer: shown.
-            t.who.named.claims = None;
-        }
+        redact(&mut top);
     }
-    let health = match live.limiter.health() {
-        Health::Healthy => "healthy",
-        Health::Failing => "failing",
-        Health::Open => "breaker open",
-    };
     let window = st.window();
     let (serving, last_reload) = st.loads();
     serde_json::json!({
@@ -709,19 +648,7 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
         "history": st.history(),
         "window": window,
         "top": top,
-        "store": {
-            "backend": live.limiter.store().kind().name(),
-            // The store as named on the page: `redis_sentinel mymaster → 10.0.0.2:6379`
-            // under Sentinel, else the backend.
-            "described": live.limiter.store().describe(),
-            // The node calls go to now, where it can change (Sentinel); else null.
-            "primary": live.limiter.store().primary(),
-            "health": health,
-            "on_error": cfg.store.on_error.name(),
-            // `local_share = "auto"`'s N: the gateways seen writing their heartbeat (the
-            // last count, kept while the store fails); null where none is written.
-            "gateways_seen": live.limiter.gateways().beating().then(|| live.limiter.gateways().seen()),
-        },
+        "store": store(&live),
         "upstream": {
             "health": upstream_health(&window),
         },
@@ -739,6 +666,97 @@ fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
             "runtime": cfg.keys.directory().len(),
             "config": cfg.keys.static_entries().count(),
         },
+    })
+}
+
+/// One rule as the status page shows it: its settings and what it counted since start.
+fn rule_view<'a>(live: &'a Live, r: &'a Rule, c: &RuleCounters) -> RuleView<'a> {
+    let cfg = &live.config;
+    RuleView {
+        outcomes: RuleOutcomes {
+            allowed: c.allowed.get(),
+            delayed: c.delayed.get(),
+            denied: c.denied.get(),
+            shadow_denied: c.shadow_denied.get(),
+            denied_by_other: c.denied_by_other.get(),
+            refused: c.refused.get(),
+            bad_key: c.bad_key.get(),
+            store_error: c.error.get(),
+            upstream_error: c.upstream_error.get(),
+            upstream_timeout: c.upstream_timeout.get(),
+        },
+        time_to_reset: TimeToReset {
+            denials: c.dashboard.retry.count(),
+            // To the millisecond the buckets count in.
+            p95_s: c
+                .dashboard
+                .retry
+                .quantile_s(0.95)
+                .map(|s| (s * 1e3).round() / 1e3),
+        },
+        near_limit: c.dashboard.near_limit.get(),
+        slo: Slo {
+            served: c.dashboard.served.get(),
+            limited: c.dashboard.limited.get(),
+            served_share: c.dashboard.served_share(),
+        },
+        name: &r.name,
+        algorithm: r.quota.algorithm.name(),
+        rate: match r.quota.algorithm {
+            crate::limiter::Algorithm::Concurrency => r.quota.to_string(),
+            _ => r.quota.rate.to_string(),
+        },
+        burst: r.quota.algorithm.has_burst().then_some(r.quota.burst),
+        cost: r.quota.cost,
+        key: r.key.kind.to_string(),
+        applies_to: cfg.applies_to(r),
+        plans: {
+            let mut p: Vec<String> = r.plans.iter().map(|(n, q)| format!("{n}: {q}")).collect();
+            p.sort();
+            p
+        },
+        behaviour: r.behaviour(live.limiter.store().kind().is_shared()),
+    }
+}
+
+/// The most limited identities as the public status page shows them.
+fn redact(top: &mut [TopEntry]) {
+    for t in top {
+        // A key's hint shows its last characters: key material, for token holders
+        // only. Its id stays: the identity's tag, keyed by the deployment's secret
+        // (identity::tag), the same in the access log and the admin API, on every
+        // gateway and across restarts, and nothing without the secret: no address is
+        // found again by hashing them all. An address's network is shown to token
+        // holders only too: beside the tag, its /24 would leave 256 addresses to try.
+        if t.who.named.hint != "everyone" {
+            let kind = t.who.named.hint.split(' ').next().unwrap_or("key");
+            t.who.named.hint = kind.to_string();
+        }
+        // A token's claim values say who the user is (`sub=alice`): token holders
+        // only. A key's label is the operator's name for a customer: shown.
+        t.who.named.claims = None;
+    }
+}
+
+/// The store as the status page shows it.
+fn store(live: &Live) -> serde_json::Value {
+    let health = match live.limiter.health() {
+        Health::Healthy => "healthy",
+        Health::Failing => "failing",
+        Health::Open => "breaker open",
+    };
+    serde_json::json!({
+        "backend": live.limiter.store().kind().name(),
+        // The store as named on the page: `redis_sentinel mymaster → 10.0.0.2:6379`
+        // under Sentinel, else the backend.
+        "described": live.limiter.store().describe(),
+        // The node calls go to now, where it can change (Sentinel); else null.
+        "primary": live.limiter.store().primary(),
+        "health": health,
+        "on_error": live.config.store.on_error.name(),
+        // `local_share = "auto"`'s N: the gateways seen writing their heartbeat (the
+        // last count, kept while the store fails); null where none is written.
+        "gateways_seen": live.limiter.gateways().beating().then(|| live.limiter.gateways().seen()),
     })
 }
 

@@ -9,10 +9,10 @@
 //!
 //! A request travels one way: server -> connection -> gateway -> rules -> identity ->
 //! limiter -> headers -> upstream, and this list follows it, with what serves the path
-//! (admin, config, metrics, worker) where it is first needed. Imports go one way only:
+//! (admin, config, telemetry, worker) where it is first needed. Imports go one way only:
 //! `tests/it/layering.rs` fails on an import cycle among these modules, and
 //! `cargo test --test it layering:: -- --nocapture` prints their layers (`connection`, whose
-//! clocks the upstream hop uses too, and `identity` at the bottom; `server` at the top).
+//! clocks the upstream hop uses too, and `identity` and `telemetry` at the bottom; `server` at the top).
 //!
 //! - [`server`]: one accept loop with its graceful shutdown (`server/listener.rs`: a
 //!   `Listener` value, run by every listener: cleartext, TLS, admin), the workers, SIGHUP
@@ -79,14 +79,16 @@
 //!   exact, bounded, streaming §5 frame scanner; the close frames the gateway writes) and
 //!   `meter` (a rule's `messages` limit: one bucket per identity across its sockets,
 //!   charged to the store in batches).
-//! - [`metrics`]: what metrics are made with: `label_enum!` (a vocabulary enum written
-//!   once with its label values) and `Gauged`. Each module registers the metrics it owns
-//!   (`connection/metrics.rs`, `gateway/metrics.rs`, `limiter/metrics.rs`,
-//!   `upstream/tls.rs`, `upstream/metrics.rs`), held with the one registry by
+//! - [`telemetry`]: the bottom layer of the metrics: `metrics!` (a module's metrics declared
+//!   once, one field a metric with its name and help; it writes the struct and its
+//!   `register`), `label_enum!` (a vocabulary enum written once with its label values),
+//!   `Gauged`, and [`telemetry::stats`], what the status page shows (outcomes, latencies,
+//!   the loads of the config; counted with atomics on the request path, sampled into a
+//!   bounded ring). Each module declares the metrics it owns (`connection/metrics.rs`,
+//!   `gateway/metrics.rs`, `limiter/metrics.rs`, `upstream/tls.rs`, `upstream/metrics.rs`,
+//!   …; the admin listener's in `telemetry/admin.rs`), held with the one registry by
 //!   [`proxy::Metrics`] (`gateway/all_metrics.rs`); every series a config implies is
 //!   created at zero.
-//! - [`stats`]: what the status page shows: outcomes, latencies, the loads of the config;
-//!   counted with atomics on the request path, sampled into a bounded ring.
 //! - [`tls`]: `[server.tls]`: the certificates (chosen by SNI), client certificates, the
 //!   rustls server config the TLS listener's handshakes run on.
 //! - [`worker`]: which worker thread the current code runs on, for per-thread resources
@@ -101,14 +103,13 @@ pub mod disposition;
 pub mod headers;
 pub mod identity;
 pub mod limiter;
-pub mod metrics;
 pub mod overload;
 pub mod proxy;
 pub mod random;
 pub mod rules;
 pub mod server;
 pub mod settle;
-pub mod stats;
+pub mod telemetry;
 pub mod tls;
 pub mod tunnel;
 pub mod upstream;

@@ -15,14 +15,14 @@ use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 
 use crate::identity::failures::{Allowance, Failures};
-use crate::proxy::all_metrics::AdminFailureLabels;
+use crate::telemetry::AdminFailureLabels;
 
 /// Failed calls a peer may make at once.
 pub const BURST: u64 = 10;
 /// Then one more per this long, in milliseconds.
 pub const EVERY_MS: u64 = 1_000;
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// Why an admin call was refused for its token.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub enum Failure {
@@ -34,8 +34,8 @@ crate::metrics::label_enum! {
     }
 }
 
-/// `ratewall_admin_auth_failures_total` (registered with the gateway's metrics, which sit
-/// below the admin listener and so cannot name [`Failure`]): every reason's series, at zero.
+/// `ratewall_admin_auth_failures_total` (declared in `telemetry/`, below the registry
+/// root that holds it, and so unable to name [`Failure`]): every reason's series, at zero.
 pub fn count_from_zero(failures: &Family<AdminFailureLabels, Counter>) {
     for why in Failure::ALL {
         let _ = failures.get_or_create(&AdminFailureLabels { reason: why.name() });

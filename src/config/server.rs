@@ -236,7 +236,7 @@ pub(super) struct RawResponse {
     pub(super) headers: ResponseStyle,
 }
 
-/// `[log]`, validated: what the access log says (`crate::gateway`'s access line).
+/// `[log]`, validated: what the access log says (`crate::proxy`'s access line).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Log {
     /// Whether the access log names the client's address (as the gateway resolved it,

@@ -6,120 +6,69 @@
 
 use std::sync::{Mutex, PoisonError};
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
-use prometheus_client::registry::Registry;
 
 use super::registry::Closed;
 use super::tls::{Handshake, HandshakeResult};
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ListenerLabels {
-    /// `gateway` or `admin`.
-    pub listener: &'static str,
+crate::telemetry::label_sets! {
+    pub struct ListenerLabels {
+        /// `gateway` or `admin`.
+        pub listener: &'static str,
+    }
+
+    pub struct ClosedLabels {
+        pub listener: &'static str,
+        /// The clock that ran out (`header_timeout`, `idle_timeout`, `body_timeout`,
+        /// `send_timeout`), or `make_room` (idle, closed at `max_connections`): a
+        /// [`Closed`]'s name.
+        pub reason: &'static str,
+    }
+
+    pub struct HandshakeLabels {
+        /// `ok`, or why not: `timeout` (header_timeout), `closed` (by the client, or the
+        /// connection failed), `failed` (refused by TLS: no common version, a bad client
+        /// certificate, not TLS at all), `shutdown` (asked to close first).
+        pub result: HandshakeResult,
+        /// Why a `failed` one was refused (`protocol`, `client_certificate`, `not_tls`,
+        /// `alert`, `other`); `none` for the other results.
+        pub reason: &'static str,
+    }
+
+    pub struct TlsSessionLabels {
+        /// `TLSv1.3` or `TLSv1.2`.
+        pub version: &'static str,
+        /// The ALPN protocol agreed: `h2`, `http/1.1`, or `none`.
+        pub alpn: &'static str,
+    }
+
+    pub struct CertificateLabels {
+        /// The certificate file, as `[server.tls] certificates` names it (resolved).
+        pub cert: String,
+    }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ClosedLabels {
-    pub listener: &'static str,
-    /// The clock that ran out (`header_timeout`, `idle_timeout`, `body_timeout`,
-    /// `send_timeout`), or `make_room` (idle, closed at `max_connections`): a
-    /// [`Closed`]'s name.
-    pub reason: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct HandshakeLabels {
-    /// `ok`, or why not: `timeout` (header_timeout), `closed` (by the client, or the
-    /// connection failed), `failed` (refused by TLS: no common version, a bad client
-    /// certificate, not TLS at all), `shutdown` (asked to close first).
-    pub result: HandshakeResult,
-    /// Why a `failed` one was refused (`protocol`, `client_certificate`, `not_tls`,
-    /// `alert`, `other`); `none` for the other results.
-    pub reason: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct TlsSessionLabels {
-    /// `TLSv1.3` or `TLSv1.2`.
-    pub version: &'static str,
-    /// The ALPN protocol agreed: `h2`, `http/1.1`, or `none`.
-    pub alpn: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct CertificateLabels {
-    /// The certificate file, as `[server.tls] certificates` names it (resolved).
-    pub cert: String,
-}
-
-/// The connections' and the TLS listener's metrics, registered by
-/// [`ConnectionMetrics::register`].
-pub struct ConnectionMetrics {
-    pub connections_open: Family<ListenerLabels, Gauge>,
-    pub connections_closed: Family<ClosedLabels, Counter>,
-    pub accept_errors: Family<ListenerLabels, Counter>,
-    /// TLS handshakes on the TLS listener, by result.
-    pub tls_handshakes: Family<HandshakeLabels, Counter>,
-    /// TLS connections by the version and ALPN protocol agreed.
-    pub tls_sessions: Family<TlsSessionLabels, Counter>,
-    /// Seconds until each configured certificate expires (negative: expired).
-    pub tls_certificate_expiry: Family<CertificateLabels, Gauge>,
-    /// The certificates `tls_certificate_expiry` has series for.
-    tls_certificates_shown: Mutex<Vec<CertificateLabels>>,
+crate::telemetry::metrics! {
+    /// The connections' and the TLS listener's metrics, registered by
+    /// [`ConnectionMetrics::register`].
+    pub struct ConnectionMetrics {
+        pub connections_open: Family<ListenerLabels, Gauge> = ("connections", "Client connections open now, by listener"),
+        pub connections_closed: Family<ClosedLabels, Counter> = ("connections_closed", "Client connections the gateway closed, by listener and why: the clock that ran out (header_timeout, idle_timeout, body_timeout, send_timeout) or make_room (idle, closed at max_connections)"),
+        pub accept_errors: Family<ListenerLabels, Counter> = ("accept_errors", "Failed accepts (out of file descriptors, say), by listener"),
+        /// TLS handshakes on the TLS listener, by result.
+        pub tls_handshakes: Family<HandshakeLabels, Counter> = ("tls_handshakes", "TLS handshakes on the TLS listener ([server.tls]), by result: ok, timeout (not done within header_timeout), closed (by the client, or the connection failed), failed (refused by TLS), shutdown (asked to close first). For failed, by reason: protocol (nothing in common: version, suite, ALPN), client_certificate (missing or not verified, mTLS), not_tls (bytes that are not TLS), alert (the client refused the handshake, e.g. our certificate), other; reason=none for the other results"),
+        /// TLS connections by the version and ALPN protocol agreed.
+        pub tls_sessions: Family<TlsSessionLabels, Counter> = ("tls_connections", "TLS connections by the protocol version and the ALPN protocol agreed (h2, http/1.1, none)"),
+        /// Seconds until each configured certificate expires (negative: expired).
+        pub tls_certificate_expiry: Family<CertificateLabels, Gauge> = ("tls_certificate_expiry_seconds", "Seconds until each certificate of [server.tls] expires (negative: expired), by file"),
+        /// The certificates `tls_certificate_expiry` has series for.
+        tls_certificates_shown: Mutex<Vec<CertificateLabels>> = { Mutex::default() },
+    }
 }
 
 impl ConnectionMetrics {
-    pub fn register(registry: &mut Registry) -> ConnectionMetrics {
-        let connections_open = Family::<ListenerLabels, Gauge>::default();
-        registry.register(
-            "connections",
-            "Client connections open now, by listener",
-            connections_open.clone(),
-        );
-        let connections_closed = Family::<ClosedLabels, Counter>::default();
-        registry.register(
-            "connections_closed",
-            "Client connections the gateway closed, by listener and why: the clock that ran out (header_timeout, idle_timeout, body_timeout, send_timeout) or make_room (idle, closed at max_connections)",
-            connections_closed.clone(),
-        );
-        let accept_errors = Family::<ListenerLabels, Counter>::default();
-        registry.register(
-            "accept_errors",
-            "Failed accepts (out of file descriptors, say), by listener",
-            accept_errors.clone(),
-        );
-        let tls_handshakes = Family::<HandshakeLabels, Counter>::default();
-        registry.register(
-            "tls_handshakes",
-            "TLS handshakes on the TLS listener ([server.tls]), by result: ok, timeout (not done within header_timeout), closed (by the client, or the connection failed), failed (refused by TLS), shutdown (asked to close first). For failed, by reason: protocol (nothing in common: version, suite, ALPN), client_certificate (missing or not verified, mTLS), not_tls (bytes that are not TLS), alert (the client refused the handshake, e.g. our certificate), other; reason=none for the other results",
-            tls_handshakes.clone(),
-        );
-        let tls_sessions = Family::<TlsSessionLabels, Counter>::default();
-        registry.register(
-            "tls_connections",
-            "TLS connections by the protocol version and the ALPN protocol agreed (h2, http/1.1, none)",
-            tls_sessions.clone(),
-        );
-        let tls_certificate_expiry = Family::<CertificateLabels, Gauge>::default();
-        registry.register(
-            "tls_certificate_expiry_seconds",
-            "Seconds until each certificate of [server.tls] expires (negative: expired), by file",
-            tls_certificate_expiry.clone(),
-        );
-        ConnectionMetrics {
-            connections_open,
-            connections_closed,
-            accept_errors,
-            tls_handshakes,
-            tls_sessions,
-            tls_certificate_expiry,
-            tls_certificates_shown: Mutex::default(),
-        }
-    }
-
     /// The connection metrics of one listener (`gateway` or `admin`), every series
     /// created now, at zero.
     pub fn listener(&self, listener: &'static str) -> ListenerMetrics {

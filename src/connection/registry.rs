@@ -24,7 +24,7 @@ const ACCEPT_BACKOFF: Duration = Duration::from_millis(100);
 /// At most one warning per this long for a full listener or failing accepts.
 const WARN_EVERY: Duration = Duration::from_secs(10);
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// Why the gateway closed a connection, as `ratewall_connections_closed_total` counts it.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub enum Closed {

@@ -29,7 +29,7 @@ pub enum Handshake {
     Asked,
 }
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// A [`Handshake`]'s `result` label.
     #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
     pub enum HandshakeResult {
@@ -42,7 +42,7 @@ crate::metrics::label_enum! {
     }
 }
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// Why TLS refused a handshake on the listener, read from the `rustls::Error` inside
     /// the handshake's `io::Error`.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]

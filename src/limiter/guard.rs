@@ -23,7 +23,7 @@ use super::memory::{MemoryStore, Pressure};
 use super::metrics::{LimiterMetrics, StoreErrorKind, StoreErrorLabels, StoreLabels};
 use super::store::{self, Call, OnError, Receipt, Settlement, Store};
 use super::{Check, Decision, MonotonicClock, StoreError};
-use crate::stats::Stats;
+use crate::telemetry::stats::Stats;
 
 /// The store's health, as /readyz and the logs tell it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -143,7 +143,7 @@ impl fmt::Display for Rate {
 /// IEEE doubles: every integer the script computes must stay below 2^53 to be exact.
 pub const MAX_LEVEL: u64 = 1 << 52;
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
     #[serde(rename_all = "snake_case")]
     pub enum Algorithm {
@@ -303,7 +303,7 @@ pub struct QuotaError {
     pub message: String,
 }
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub enum QuotaField {
         Rate = "rate",

@@ -29,7 +29,7 @@ pub enum Backend {
     RedisSentinel(Sentinels),
 }
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// What a request gets while the store fails (`[store] on_error`).
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
     #[serde(rename_all = "snake_case")]
@@ -102,7 +102,7 @@ impl Default for Settings {
     }
 }
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// Which store it is: what the limiter needs to know of one beyond its calls.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub enum Kind {

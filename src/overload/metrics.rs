@@ -4,37 +4,39 @@
 
 use std::sync::{Arc, Mutex};
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OverloadLabels {
-    pub upstream: String,
-}
+crate::telemetry::label_sets! {
+    pub struct OverloadLabels {
+        pub upstream: String,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OverloadPriorityLabels {
-    pub upstream: String,
-    pub priority: u32,
+    pub struct OverloadPriorityLabels {
+        pub upstream: String,
+        pub priority: u32,
+    }
 }
 
 /// Each protected pool's name, with the priorities its requests may have.
 pub type Protected = Vec<(String, Vec<u32>)>;
 
-/// The families, registered once.
-#[derive(Clone)]
-pub struct OverloadMetrics {
-    limit: Family<OverloadLabels, Gauge>,
-    in_flight: Family<OverloadLabels, Gauge>,
-    queue_length: Family<OverloadPriorityLabels, Gauge>,
-    wait: Family<OverloadPriorityLabels, Histogram>,
-    shed: Family<OverloadPriorityLabels, Counter>,
-    /// The series the last config implied ([`OverloadMetrics::configure`]).
-    known: Arc<Mutex<Protected>>,
+crate::telemetry::metrics! {
+    /// The families, registered once.
+    #[derive(Clone)]
+    pub struct OverloadMetrics {
+        limit: Family<OverloadLabels, Gauge> = ("overload_limit", "The concurrency limit of each pool with overload protection now: adapted from its backend's latency (adaptive), or its max_concurrency"),
+        in_flight: Family<OverloadLabels, Gauge> = ("overload_in_flight", "Requests holding one of the pool's overload permits: sent to its backend and not answered yet"),
+        queue_length: Family<OverloadPriorityLabels, Gauge> = ("overload_queue_length", "Requests waiting for the pool's permit now, by their plan's priority"),
+        wait: Family<OverloadPriorityLabels, Histogram> = ("overload_wait_seconds", "How long requests that got the pool's permit waited for it (0 for those that found room), by priority",
+            buckets = [0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0],
+        ),
+        shed: Family<OverloadPriorityLabels, Counter> = ("overload_shed", "Requests answered 503 by the pool's overload protection, by priority: the queue full of requests of their priority or higher, evicted by a higher priority, or max_wait passed"),
+        /// The series the last config implied ([`OverloadMetrics::configure`]).
+        known: Arc<Mutex<Protected>> = { Arc::default() },
+    }
 }
 
 /// One pool's handles.
@@ -53,52 +55,6 @@ pub struct PriorityHandles {
 }
 
 impl OverloadMetrics {
-    /// Register the families in `registry` (prefixed `ratewall_` there).
-    pub fn register(registry: &mut Registry) -> OverloadMetrics {
-        let limit = Family::<OverloadLabels, Gauge>::default();
-        registry.register(
-            "overload_limit",
-            "The concurrency limit of each pool with overload protection now: adapted from its backend's latency (adaptive), or its max_concurrency",
-            limit.clone(),
-        );
-        let in_flight = Family::<OverloadLabels, Gauge>::default();
-        registry.register(
-            "overload_in_flight",
-            "Requests holding one of the pool's overload permits: sent to its backend and not answered yet",
-            in_flight.clone(),
-        );
-        let queue_length = Family::<OverloadPriorityLabels, Gauge>::default();
-        registry.register(
-            "overload_queue_length",
-            "Requests waiting for the pool's permit now, by their plan's priority",
-            queue_length.clone(),
-        );
-        let wait = Family::<OverloadPriorityLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new([
-                0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-            ])
-        });
-        registry.register(
-            "overload_wait_seconds",
-            "How long requests that got the pool's permit waited for it (0 for those that found room), by priority",
-            wait.clone(),
-        );
-        let shed = Family::<OverloadPriorityLabels, Counter>::default();
-        registry.register(
-            "overload_shed",
-            "Requests answered 503 by the pool's overload protection, by priority: the queue full of requests of their priority or higher, evicted by a higher priority, or max_wait passed",
-            shed.clone(),
-        );
-        OverloadMetrics {
-            limit,
-            in_flight,
-            queue_length,
-            wait,
-            shed,
-            known: Arc::default(),
-        }
-    }
-
     pub fn pool(&self, upstream: &str) -> PoolHandles {
         let labels = OverloadLabels {
             upstream: upstream.to_string(),

@@ -41,7 +41,7 @@ use crate::limiter::lease::Leases;
 use crate::limiter::store::Settlement;
 use crate::limiter::{Adjust, Algorithm, Decision};
 use crate::rules::Rule;
-use crate::stats::Named;
+use crate::telemetry::stats::Named;
 
 /// Whether `rule` can be decided without the request's credentials: it counts by the
 /// client IP, a header, everyone or the TLS client certificate (alone or combined), has

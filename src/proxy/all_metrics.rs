@@ -3,31 +3,25 @@
 //! [`PoolMetrics`], [`ConnectionMetrics`]) and [`Metrics`] holds them. It lives with the
 //! gateway, the highest module whose metrics it holds, so that the modules below name
 //! only their own (`tests/layering.rs`: no import cycle). The admin listener, above the
-//! gateway, creates its `admin_auth_failures` series from its own vocabulary.
+//! gateway, has its metrics declared at the bottom ([`AdminMetrics`], in `telemetry/`),
+//! and creates their series from its own vocabulary.
 
 use std::sync::Arc;
 
-use prometheus_client::encoding::EncodeLabelSet;
-use prometheus_client::metrics::counter::Counter;
-use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
 use super::metrics::GatewayMetrics;
 use crate::connection::ConnectionMetrics;
 use crate::limiter::metrics::LimiterMetrics;
-use crate::stats::Stats;
+use crate::telemetry::stats::Stats;
+use crate::telemetry::AdminMetrics;
 use crate::upstream::{PoolMetrics, UpstreamTlsMetrics};
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct AdminFailureLabels {
-    /// `missing`, `wrong` or `throttled` (`admin::Failure`).
-    pub reason: &'static str,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct BuildLabels {
-    pub version: &'static str,
+crate::telemetry::label_sets! {
+    pub struct BuildLabels {
+        pub version: &'static str,
+    }
 }
 
 pub struct Metrics {
@@ -37,10 +31,10 @@ pub struct Metrics {
     pub upstream_tls: UpstreamTlsMetrics,
     /// The pools' metrics, per pool and server (`upstream/metrics.rs`).
     pub pools: PoolMetrics,
-    /// `/admin/*` calls refused for their token, by reason (`missing`, `wrong`,
-    /// `throttled`); the admin listener, above the gateway, creates its series at zero
-    /// from its own vocabulary (`admin::Failure`) when it starts.
-    pub admin_auth_failures: Family<AdminFailureLabels, Counter>,
+    /// The admin listener's: `/admin/*` calls refused for their token, by reason; the
+    /// admin listener creates their series at zero from its own vocabulary
+    /// (`admin::guard::Failure`) when it starts.
+    pub admin: AdminMetrics,
     /// The connections' and the TLS listener's metrics (`connection/metrics.rs`).
     pub connection: ConnectionMetrics,
     /// The tunnels' (upgraded connections') metrics (`tunnel/metrics.rs`).
@@ -60,12 +54,7 @@ impl Metrics {
         let limiter = LimiterMetrics::register(&mut registry);
         let upstream_tls = UpstreamTlsMetrics::register(&mut registry);
         let pools = PoolMetrics::register(&mut registry);
-        let admin_auth_failures = Family::<AdminFailureLabels, Counter>::default();
-        registry.register(
-            "admin_auth_failures",
-            "Admin API calls refused for their token, by reason: missing (no Bearer token), wrong, throttled (the peer's failed calls used up its allowance: 429, the token not checked)",
-            admin_auth_failures.clone(),
-        );
+        let admin = AdminMetrics::register(&mut registry);
         let connection = ConnectionMetrics::register(&mut registry);
         let tunnel = crate::tunnel::metrics::TunnelMetrics::register(&mut registry);
         let jwks = super::jwks::JwksMetrics::register(&mut registry);
@@ -84,7 +73,7 @@ impl Metrics {
             limiter,
             upstream_tls,
             pools,
-            admin_auth_failures,
+            admin,
             connection,
             tunnel,
             jwks,

@@ -12,32 +12,31 @@
 use std::sync::atomic::{AtomicU64, Ordering::Relaxed};
 use std::sync::Arc;
 
-use prometheus_client::encoding::{EncodeLabelSet, EncodeMetric, MetricEncoder, NoLabelSet};
+use prometheus_client::encoding::{EncodeMetric, MetricEncoder, NoLabelSet};
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::{MetricType, TypedMetric};
-use prometheus_client::registry::Registry;
 
 use super::demand::{DemandMeter, Terms};
 use super::limits::Limit;
 use super::live::Live;
 use crate::limiter::{Algorithm, Decision, Fnv1a};
-use crate::metrics::label_enum;
 use crate::rules::{Plan, Rule};
+use crate::telemetry::label_enum;
 
 /// The plan label of a rule's own quota.
 pub const DEFAULT_PLAN: &str = "default";
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DenialLabels {
-    pub rule: String,
-    /// A plan the rule defines (`[rules.plans.<name>]`), or `default`.
-    pub plan: String,
-}
+crate::telemetry::label_sets! {
+    pub struct DenialLabels {
+        pub rule: String,
+        /// A plan the rule defines (`[rules.plans.<name>]`), or `default`.
+        pub plan: String,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RuleOnlyLabels {
-    pub rule: String,
+    pub struct RuleOnlyLabels {
+        pub rule: String,
+    }
 }
 
 label_enum! {
@@ -51,10 +50,11 @@ label_enum! {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PlanRequestLabels {
-    pub rule: String,
-    pub outcome: PlanOutcome,
+crate::telemetry::label_sets! {
+    pub struct PlanRequestLabels {
+        pub rule: String,
+        pub outcome: PlanOutcome,
+    }
 }
 
 /// The upper bounds of the retry histogram's buckets: 1 ms × 2^i, 1 ms to 49.7 days (a
@@ -163,51 +163,19 @@ impl EncodeMetric for Histogram {
     }
 }
 
-/// The dashboards' families, and the demand meter behind the SLO (one per process: an
-/// identity's demand outlives reloads).
-pub struct Dashboards {
-    denials: Family<DenialLabels, Counter>,
-    retry: Family<RuleOnlyLabels, Histogram>,
-    near_limit: Family<RuleOnlyLabels, Counter>,
-    plan_requests: Family<PlanRequestLabels, Counter>,
-    pub demand: DemandMeter,
+crate::telemetry::metrics! {
+    /// The dashboards' families, and the demand meter behind the SLO (one per process: an
+    /// identity's demand outlives reloads).
+    pub struct Dashboards {
+        denials: Family<DenialLabels, Counter> = ("denials", "Requests denied (429), under the rule that denied them (the first that did) and the plan whose quota applied: one the rule defines ([rules.plans.<name>]), else default"),
+        retry: Family<RuleOnlyLabels, Histogram> = ("denial_retry_seconds", "The wait each 429 gave, under the rule that denied it: the longest of the denying rules' waits with retry_jitter, in ms as grpc-retry-pushback-ms carries it, Retry-After being it rounded up to whole seconds. Buckets 1 ms x 2^i up to 49.7 days"),
+        near_limit: Family<RuleOnlyLabels, Counter> = ("near_limit", "Admitted requests whose decision left the identity at most 20% of the rule's limit (burst, the window's N, max_in_flight): 80% or more used. Enforcing rules only"),
+        plan_requests: Family<PlanRequestLabels, Counter> = ("plan_requests", "Requests from identities within their plan under an enforcing rule, by outcome: served (no 429) or limited (a 429, from any rule). Within its plan: the identity's demand over the last period of the rate, denied requests included, at most max(N, burst), as this gateway saw it"),
+        pub demand: DemandMeter = { DemandMeter::default() },
+    }
 }
 
 impl Dashboards {
-    pub fn register(registry: &mut Registry) -> Dashboards {
-        let denials = Family::<DenialLabels, Counter>::default();
-        registry.register(
-            "denials",
-            "Requests denied (429), under the rule that denied them (the first that did) and the plan whose quota applied: one the rule defines ([rules.plans.<name>]), else default",
-            denials.clone(),
-        );
-        let retry = Family::<RuleOnlyLabels, Histogram>::default();
-        registry.register(
-            "denial_retry_seconds",
-            "The wait each 429 gave, under the rule that denied it: the longest of the denying rules' waits with retry_jitter, in ms as grpc-retry-pushback-ms carries it, Retry-After being it rounded up to whole seconds. Buckets 1 ms x 2^i up to 49.7 days",
-            retry.clone(),
-        );
-        let near_limit = Family::<RuleOnlyLabels, Counter>::default();
-        registry.register(
-            "near_limit",
-            "Admitted requests whose decision left the identity at most 20% of the rule's limit (burst, the window's N, max_in_flight): 80% or more used. Enforcing rules only",
-            near_limit.clone(),
-        );
-        let plan_requests = Family::<PlanRequestLabels, Counter>::default();
-        registry.register(
-            "plan_requests",
-            "Requests from identities within their plan under an enforcing rule, by outcome: served (no 429) or limited (a 429, from any rule). Within its plan: the identity's demand over the last period of the rate, denied requests included, at most max(N, burst), as this gateway saw it",
-            plan_requests.clone(),
-        );
-        Dashboards {
-            denials,
-            retry,
-            near_limit,
-            plan_requests,
-            demand: DemandMeter::default(),
-        }
-    }
-
     /// `rule`'s handles, its series created at zero: a denial counter for each plan it
     /// limits and for its own quota, its histogram, its near-limit and SLO counters.
     pub fn rule(&self, rule: &Rule) -> RuleDashboard {
@@ -380,6 +348,7 @@ impl RuleDashboard {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use prometheus_client::registry::Registry;
 
     #[test]
     fn the_histogram_buckets_by_powers_of_two_milliseconds_and_sums_exactly() {

@@ -26,7 +26,7 @@ use http::StatusCode;
 use super::access::Deferred;
 use super::Metrics;
 use crate::headers::{Applied, Problem};
-use crate::metrics::label_enum;
+use crate::telemetry::label_enum;
 
 pub static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 pub static GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");

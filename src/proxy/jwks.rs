@@ -14,10 +14,8 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Empty, Limited};
 use hyper_util::rt::TokioIo;
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::registry::Registry;
 
 use crate::config::JwksFetch;
 use crate::identity::jwt::KeySet;
@@ -31,7 +29,7 @@ pub const FETCH_TIMEOUT: Duration = Duration::from_secs(10);
 /// sooner).
 const FIRST_RETRY: Duration = Duration::from_secs(2);
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// How a JWKS fetch ended.
     #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum FetchResult {
@@ -43,12 +41,13 @@ crate::metrics::label_enum! {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct FetchLabels {
-    pub result: FetchResult,
+crate::telemetry::label_sets! {
+    pub struct FetchLabels {
+        pub result: FetchResult,
+    }
 }
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// What a bearer token's signature check found.
     #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum CheckResult {
@@ -57,43 +56,25 @@ crate::metrics::label_enum! {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct CheckLabels {
-    pub result: CheckResult,
+crate::telemetry::label_sets! {
+    pub struct CheckLabels {
+        pub result: CheckResult,
+    }
 }
 
-/// `ratewall_jwks_fetches_total{result}`, `ratewall_token_checks_total{result}`.
-pub struct JwksMetrics {
-    pub fetches: Family<FetchLabels, Counter>,
-    pub token_checks: Family<CheckLabels, Counter>,
+crate::telemetry::metrics! {
+    /// `ratewall_jwks_fetches_total{result}`, `ratewall_token_checks_total{result}`.
+    pub struct JwksMetrics {
+        pub fetches: Family<FetchLabels, Counter> = ("jwks_fetches", "Fetches of [jwt] jwks_url by result: ok, failed (the last good key set keeps serving)",
+            zero = FetchResult::ALL.map(|result| FetchLabels { result }),
+        ),
+        pub token_checks: Family<CheckLabels, Counter> = ("token_checks", "Bearer tokens checked in full (a signature verified), by result: accepted, refused. A token either cache knows is not checked again, nor is one whose address failed too many ([jwt] failures)",
+            zero = CheckResult::ALL.map(|result| CheckLabels { result }),
+        ),
+    }
 }
 
 impl JwksMetrics {
-    pub fn register(registry: &mut Registry) -> JwksMetrics {
-        let fetches = Family::<FetchLabels, Counter>::default();
-        registry.register(
-            "jwks_fetches",
-            "Fetches of [jwt] jwks_url by result: ok, failed (the last good key set keeps serving)",
-            fetches.clone(),
-        );
-        for result in FetchResult::ALL {
-            let _ = fetches.get_or_create(&FetchLabels { result });
-        }
-        let token_checks = Family::<CheckLabels, Counter>::default();
-        registry.register(
-            "token_checks",
-            "Bearer tokens checked in full (a signature verified), by result: accepted, refused. A token either cache knows is not checked again, nor is one whose address failed too many ([jwt] failures)",
-            token_checks.clone(),
-        );
-        for result in CheckResult::ALL {
-            let _ = token_checks.get_or_create(&CheckLabels { result });
-        }
-        JwksMetrics {
-            fetches,
-            token_checks,
-        }
-    }
-
     /// The counters a verifier counts its signature checks with: accepted, refused.
     pub fn checks(&self) -> [Counter; 2] {
         [CheckResult::Accepted, CheckResult::Refused].map(|result| {

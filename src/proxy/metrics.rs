@@ -5,17 +5,15 @@
 
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
 
 use super::dashboards::{Dashboards, RuleDashboard};
 use super::grpc::{Code, Origin};
-use crate::metrics::label_enum;
-use crate::stats::Outcome;
+use crate::telemetry::stats::Outcome;
+use crate::telemetry::{label_enum, LATENCY_BUCKETS};
 
 label_enum! {
     /// How a rule's decision on one request is counted (`decision=`).
@@ -49,32 +47,30 @@ label_enum! {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RuleLabels {
-    pub rule: String,
-    pub decision: DecisionLabel,
-}
+crate::telemetry::label_sets! {
+    pub struct RuleLabels {
+        pub rule: String,
+        pub decision: DecisionLabel,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ClassLabels {
-    /// `2xx`..`5xx` from the upstream, or `error` (refused, timed out, reset).
-    pub class: &'static str,
-}
+    pub struct ClassLabels {
+        /// `2xx`..`5xx` from the upstream, or `error` (refused, timed out, reset).
+        pub class: &'static str,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ResponseLabels {
-    /// The status class the client got.
-    pub class: &'static str,
-    /// Who answered: `upstream` or `gateway` (401, 429, 502, 503, 504...).
-    pub source: &'static str,
-}
+    pub struct ResponseLabels {
+        /// The status class the client got.
+        pub class: &'static str,
+        /// Who answered: `upstream` or `gateway` (401, 429, 502, 503, 504...).
+        pub source: &'static str,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ProtocolLabels {
-    /// `HTTP/1.0`, `HTTP/1.1` or `HTTP/2`.
-    pub protocol: &'static str,
-    /// `TLSv1.3` or `TLSv1.2` over the TLS listener; `none` in cleartext.
-    pub tls: &'static str,
+    pub struct ProtocolLabels {
+        /// `HTTP/1.0`, `HTTP/1.1` or `HTTP/2`.
+        pub protocol: &'static str,
+        /// `TLSv1.3` or `TLSv1.2` over the TLS listener; `none` in cleartext.
+        pub tls: &'static str,
+    }
 }
 
 /// The protocols and TLS versions `ratewall_client_requests_total` counts by.
@@ -136,14 +132,14 @@ impl From<crate::identity::Refusal> for RefusalReason {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RefusalLabels {
-    pub reason: RefusalReason,
-}
+crate::telemetry::label_sets! {
+    pub struct RefusalLabels {
+        pub reason: RefusalReason,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct OutcomeLabels {
-    pub outcome: Outcome,
+    pub struct OutcomeLabels {
+        pub outcome: Outcome,
+    }
 }
 
 label_enum! {
@@ -157,18 +153,18 @@ label_enum! {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct RuleFailureLabels {
-    pub rule: String,
-    pub outcome: UpstreamFailure,
-}
+crate::telemetry::label_sets! {
+    pub struct RuleFailureLabels {
+        pub rule: String,
+        pub outcome: UpstreamFailure,
+    }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct GrpcLabels {
-    /// The `grpc-status`, `0`..`16`.
-    pub code: Code,
-    /// `gateway` (its own answer) or `upstream` (the backend's, passed on).
-    pub source: Origin,
+    pub struct GrpcLabels {
+        /// The `grpc-status`, `0`..`16`.
+        pub code: Code,
+        /// `gateway` (its own answer) or `upstream` (the backend's, passed on).
+        pub source: Origin,
+    }
 }
 
 label_enum! {
@@ -179,9 +175,10 @@ label_enum! {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ReloadLabels {
-    pub result: ReloadResult,
+crate::telemetry::label_sets! {
+    pub struct ReloadLabels {
+        pub result: ReloadResult,
+    }
 }
 
 /// The classes [`status_class`] names, in order, and "error" (upstream failures).
@@ -204,209 +201,102 @@ pub fn status_class(status: u16) -> &'static str {
     }
 }
 
-pub struct GatewayMetrics {
-    pub requests: Family<RuleLabels, Counter>,
-    pub responses: Family<ResponseLabels, Counter>,
-    pub upstream_duration: Histogram,
-    pub upstream_responses: Family<ClassLabels, Counter>,
-    pub reloads: Family<ReloadLabels, Counter>,
-    pub in_flight: Gauge,
-    /// Requests waiting for reserved tokens (`max_delay`) now.
-    pub waiting: Gauge,
-    /// End to end, by outcome: from the request's head read to its answer's head handed
-    /// to the connection.
-    pub request_duration: Family<OutcomeLabels, Histogram>,
-    pub refusals: Family<RefusalLabels, Counter>,
-    /// Forwarded requests the upstream did not answer, per rule that let them through.
-    pub rule_upstream_failures: Family<RuleFailureLabels, Counter>,
-    /// Requests the cleartext listener answered with a 308 to the TLS listener
-    /// (`redirect_https`), never admitted.
-    pub https_redirects: Counter,
-    /// Request header fields whose name has an underscore, dropped before anything read
-    /// them (`[server] underscores_in_headers = false`).
-    pub underscore_fields_dropped: Counter,
-    /// Requests by HTTP version and TLS version, and their handles (see `PROTOCOLS`).
-    pub client_requests: Family<ProtocolLabels, Counter>,
-    /// Answers to gRPC calls by `grpc-status` and by who wrote them.
-    pub grpc_responses: Family<GrpcLabels, Counter>,
-    /// Denials by rule and plan, their retry delays, requests near their limit, the
-    /// good-client SLO (`dashboards.rs`).
-    pub dashboards: Dashboards,
-    /// `grpc_responses`' handles, by code, then gateway / upstream.
-    grpc_handles: [[Counter; Origin::ALL.len()]; Code::ALL.len()],
-    protocol_handles: [[Counter; TLS_VERSIONS.len()]; PROTOCOLS.len()],
-    /// `responses` (by class, then gateway / upstream), `upstream_responses`,
-    /// `request_duration` and `refusals` handles, resolved once: counting then takes no
-    /// lock on the family and hashes no labels.
-    response_handles: [[Counter; 2]; 6],
-    upstream_handles: [Counter; 6],
-    duration_handles: [Histogram; Outcome::ALL.len()],
-    refusal_handles: [Counter; RefusalReason::ALL.len()],
+crate::telemetry::metrics! {
+    /// The gateway's metrics, registered by [`GatewayMetrics::register`], every series the
+    /// config does not name created then at zero (a rule's, by
+    /// [`GatewayMetrics::rule_counters`], at load).
+    pub struct GatewayMetrics {
+        pub requests: Family<RuleLabels, Counter> = ("requests", "Decisions by rule: allowed (let through, and the upstream answered), delayed (the same, after waiting, max_delay), denied, shadow_denied (would have denied: shadow mode or outside enforce_percent), denied_by_other (this rule would have allowed it, another denied it: charged nothing here), error (store failed), refused (this rule refused the request before any limit: its key missing or unknown, 401), bad_key (its key malformed, 400), refused_by_other (this rule, which needs no credential, charged the request and another refused it for its credentials: the charge stands)"),
+        pub responses: Family<ResponseLabels, Counter> = ("responses", "Responses sent to clients, by status class and by who answered (upstream or gateway)"),
+        pub upstream_duration: Histogram = ("upstream_duration_seconds", "Time until the upstream's response head (or its failure)",
+            buckets = LATENCY_BUCKETS,
+        ),
+        pub upstream_responses: Family<ClassLabels, Counter> = ("upstream_responses", "Upstream answers by status class, or error (refused, timed out, reset)"),
+        pub reloads: Family<ReloadLabels, Counter> = ("config_reloads", "Config reloads (SIGHUP) by result",
+            zero = ReloadResult::ALL.map(|result| ReloadLabels { result }),
+        ),
+        pub in_flight: Gauge = ("in_flight_requests", "Requests being handled now"),
+        /// Requests waiting for reserved tokens (`max_delay`) now.
+        pub waiting: Gauge = ("waiting_requests", "Requests waiting for their reserved tokens (max_delay) before they are forwarded"),
+        /// End to end, by outcome: from the request's head read to its answer's head handed
+        /// to the connection. The upstream's buckets and a minute.
+        pub request_duration: Family<OutcomeLabels, Histogram> = ("request_duration_seconds", "Requests end to end, from the head read to the answer's head sent, by outcome: allowed (the upstream answered), denied (429), unauthorized (401: no key or an unknown one), bad_request (400 or 501 before any limit: a malformed head or key, a tunnel), store_unavailable (503: the store failed), overloaded (503: shed by the pool's overload protection), upstream_error (502), upstream_timeout (504), client_error (the client's body malformed or stalled while forwarding). Its _count is every request once",
+            buckets = LATENCY_BUCKETS.into_iter().chain([60.0]),
+        ),
+        pub refusals: Family<RefusalLabels, Counter> = ("refusals", "Requests refused before any limit was consulted, by reason: missing_key (401), unknown_key (401), malformed (400), not_implemented (501), no_route (404), invalid_token (401: a bearer token that did not verify), keys_unavailable (503: no JWKS fetched yet)"),
+        /// Forwarded requests the upstream did not answer, per rule that let them through.
+        pub rule_upstream_failures: Family<RuleFailureLabels, Counter> = ("rule_upstream_failures", "Requests a rule let through that the upstream did not answer: upstream_error (502), upstream_timeout (504)"),
+        /// Requests the cleartext listener answered with a 308 to the TLS listener
+        /// (`redirect_https`), never admitted.
+        pub https_redirects: Counter = ("https_redirects", "Requests the cleartext listener answered with a 308 to the TLS listener (redirect_https): never admitted, so in no other request count"),
+        /// Request header fields whose name has an underscore, dropped before anything read
+        /// them (`[server] underscores_in_headers = false`).
+        pub underscore_fields_dropped: Counter = ("underscore_fields_dropped", "Request header fields whose name has an underscore (X_Api_Key), dropped before the rules or the upstream saw them: CGI, WSGI and Rack read them as the dashed name ([server] underscores_in_headers = false)"),
+        /// Requests by HTTP version and TLS version, and their handles (see `PROTOCOLS`).
+        pub client_requests: Family<ProtocolLabels, Counter> = ("client_requests", "Requests from clients by HTTP version (HTTP/1.0, HTTP/1.1, HTTP/2) and TLS version (TLSv1.3, TLSv1.2; none in cleartext)"),
+        /// Answers to gRPC calls by `grpc-status` and by who wrote them.
+        pub grpc_responses: Family<GrpcLabels, Counter> = ("grpc_responses", "Answers to gRPC calls (content-type application/grpc) by grpc-status (0..16) and by who wrote them: gateway (its own Trailers-Only answers: 8 denied, 16 unauthenticated, 14 store or upstream unavailable, 4 upstream timeout, 13 malformed, 12 no route) or upstream (the backend's status, from its trailers or Trailers-Only headers; an answer ending without one is not counted)"),
+        /// Denials by rule and plan, their retry delays, requests near their limit, the
+        /// good-client SLO (`dashboards.rs`).
+        pub dashboards: Dashboards = nested,
+        /// `grpc_responses`' handles, by code, then gateway / upstream.
+        grpc_handles: [[Counter; Origin::ALL.len()]; Code::ALL.len()] = {
+            Code::ALL.map(|code| {
+                Origin::ALL.map(|source| {
+                    grpc_responses
+                        .get_or_create(&GrpcLabels { code, source })
+                        .clone()
+                })
+            })
+        },
+        protocol_handles: [[Counter; TLS_VERSIONS.len()]; PROTOCOLS.len()] = {
+            PROTOCOLS.map(|protocol| {
+                TLS_VERSIONS.map(|tls| {
+                    client_requests
+                        .get_or_create(&ProtocolLabels { protocol, tls })
+                        .clone()
+                })
+            })
+        },
+        /// `responses` (by class, then gateway / upstream), `upstream_responses`,
+        /// `request_duration` and `refusals` handles, resolved once: counting then takes no
+        /// lock on the family and hashes no labels.
+        response_handles: [[Counter; 2]; 6] = {
+            CLASSES.map(|class| {
+                [false, true].map(|upstream| match class {
+                    // The upstream's failures only: a client always gets a status.
+                    "error" => Counter::default(),
+                    _ => responses
+                        .get_or_create(&ResponseLabels {
+                            class,
+                            source: if upstream { "upstream" } else { "gateway" },
+                        })
+                        .clone(),
+                })
+            })
+        },
+        upstream_handles: [Counter; 6] = {
+            CLASSES.map(|class| {
+                upstream_responses
+                    .get_or_create(&ClassLabels { class })
+                    .clone()
+            })
+        },
+        duration_handles: [Histogram; Outcome::ALL.len()] = {
+            Outcome::ALL.map(|outcome| {
+                request_duration
+                    .get_or_create(&OutcomeLabels { outcome })
+                    .clone()
+            })
+        },
+        refusal_handles: [Counter; RefusalReason::ALL.len()] = {
+            RefusalReason::ALL
+                .map(|reason| refusals.get_or_create(&RefusalLabels { reason }).clone())
+        },
+    }
 }
 
 impl GatewayMetrics {
-    /// Register the gateway's metrics in `registry`, every series the config does not
-    /// name created now at zero (a rule's, by [`GatewayMetrics::rule_counters`], at load).
-    pub fn register(registry: &mut Registry) -> GatewayMetrics {
-        let requests = Family::<RuleLabels, Counter>::default();
-        registry.register(
-            "requests",
-            "Decisions by rule: allowed (let through, and the upstream answered), delayed (the same, after waiting, max_delay), denied, shadow_denied (would have denied: shadow mode or outside enforce_percent), denied_by_other (this rule would have allowed it, another denied it: charged nothing here), error (store failed), refused (this rule refused the request before any limit: its key missing or unknown, 401), bad_key (its key malformed, 400), refused_by_other (this rule, which needs no credential, charged the request and another refused it for its credentials: the charge stands)",
-            requests.clone(),
-        );
-        let responses = Family::<ResponseLabels, Counter>::default();
-        registry.register(
-            "responses",
-            "Responses sent to clients, by status class and by who answered (upstream or gateway)",
-            responses.clone(),
-        );
-        let upstream_duration = Histogram::new([
-            0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
-            30.0,
-        ]);
-        registry.register(
-            "upstream_duration_seconds",
-            "Time until the upstream's response head (or its failure)",
-            upstream_duration.clone(),
-        );
-        let upstream_responses = Family::<ClassLabels, Counter>::default();
-        registry.register(
-            "upstream_responses",
-            "Upstream answers by status class, or error (refused, timed out, reset)",
-            upstream_responses.clone(),
-        );
-        let reloads = Family::<ReloadLabels, Counter>::default();
-        registry.register(
-            "config_reloads",
-            "Config reloads (SIGHUP) by result",
-            reloads.clone(),
-        );
-        let in_flight = Gauge::default();
-        registry.register(
-            "in_flight_requests",
-            "Requests being handled now",
-            in_flight.clone(),
-        );
-        let waiting = Gauge::default();
-        registry.register(
-            "waiting_requests",
-            "Requests waiting for their reserved tokens (max_delay) before they are forwarded",
-            waiting.clone(),
-        );
-        let request_duration = Family::<OutcomeLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new([
-                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                10.0, 30.0, 60.0,
-            ])
-        });
-        registry.register(
-            "request_duration_seconds",
-            "Requests end to end, from the head read to the answer's head sent, by outcome: allowed (the upstream answered), denied (429), unauthorized (401: no key or an unknown one), bad_request (400 or 501 before any limit: a malformed head or key, a tunnel), store_unavailable (503: the store failed), overloaded (503: shed by the pool's overload protection), upstream_error (502), upstream_timeout (504), client_error (the client's body malformed or stalled while forwarding). Its _count is every request once",
-            request_duration.clone(),
-        );
-        let refusals = Family::<RefusalLabels, Counter>::default();
-        registry.register(
-            "refusals",
-            "Requests refused before any limit was consulted, by reason: missing_key (401), unknown_key (401), malformed (400), not_implemented (501), no_route (404), invalid_token (401: a bearer token that did not verify), keys_unavailable (503: no JWKS fetched yet)",
-            refusals.clone(),
-        );
-        let rule_upstream_failures = Family::<RuleFailureLabels, Counter>::default();
-        registry.register(
-            "rule_upstream_failures",
-            "Requests a rule let through that the upstream did not answer: upstream_error (502), upstream_timeout (504)",
-            rule_upstream_failures.clone(),
-        );
-        let https_redirects = Counter::default();
-        registry.register(
-            "https_redirects",
-            "Requests the cleartext listener answered with a 308 to the TLS listener (redirect_https): never admitted, so in no other request count",
-            https_redirects.clone(),
-        );
-        let underscore_fields_dropped = Counter::default();
-        registry.register(
-            "underscore_fields_dropped",
-            "Request header fields whose name has an underscore (X_Api_Key), dropped before the rules or the upstream saw them: CGI, WSGI and Rack read them as the dashed name ([server] underscores_in_headers = false)",
-            underscore_fields_dropped.clone(),
-        );
-        let client_requests = Family::<ProtocolLabels, Counter>::default();
-        registry.register(
-            "client_requests",
-            "Requests from clients by HTTP version (HTTP/1.0, HTTP/1.1, HTTP/2) and TLS version (TLSv1.3, TLSv1.2; none in cleartext)",
-            client_requests.clone(),
-        );
-        let protocol_handles = PROTOCOLS.map(|protocol| {
-            TLS_VERSIONS.map(|tls| {
-                client_requests
-                    .get_or_create(&ProtocolLabels { protocol, tls })
-                    .clone()
-            })
-        });
-        let grpc_responses = Family::<GrpcLabels, Counter>::default();
-        registry.register(
-            "grpc_responses",
-            "Answers to gRPC calls (content-type application/grpc) by grpc-status (0..16) and by who wrote them: gateway (its own Trailers-Only answers: 8 denied, 16 unauthenticated, 14 store or upstream unavailable, 4 upstream timeout, 13 malformed, 12 no route) or upstream (the backend's status, from its trailers or Trailers-Only headers; an answer ending without one is not counted)",
-            grpc_responses.clone(),
-        );
-        let grpc_handles = Code::ALL.map(|code| {
-            Origin::ALL.map(|source| {
-                grpc_responses
-                    .get_or_create(&GrpcLabels { code, source })
-                    .clone()
-            })
-        });
-        let dashboards = Dashboards::register(registry);
-        for result in ReloadResult::ALL {
-            let _ = reloads.get_or_create(&ReloadLabels { result });
-        }
-        let response_handles = CLASSES.map(|class| {
-            [false, true].map(|upstream| match class {
-                // The upstream's failures only: a client always gets a status.
-                "error" => Counter::default(),
-                _ => responses
-                    .get_or_create(&ResponseLabels {
-                        class,
-                        source: if upstream { "upstream" } else { "gateway" },
-                    })
-                    .clone(),
-            })
-        });
-        let upstream_handles = CLASSES.map(|class| {
-            upstream_responses
-                .get_or_create(&ClassLabels { class })
-                .clone()
-        });
-        let duration_handles = Outcome::ALL.map(|outcome| {
-            request_duration
-                .get_or_create(&OutcomeLabels { outcome })
-                .clone()
-        });
-        let refusal_handles = RefusalReason::ALL
-            .map(|reason| refusals.get_or_create(&RefusalLabels { reason }).clone());
-        GatewayMetrics {
-            requests,
-            responses,
-            upstream_duration,
-            upstream_responses,
-            reloads,
-            in_flight,
-            waiting,
-            request_duration,
-            refusals,
-            rule_upstream_failures,
-            https_redirects,
-            underscore_fields_dropped,
-            client_requests,
-            grpc_responses,
-            dashboards,
-            grpc_handles,
-            protocol_handles,
-            response_handles,
-            upstream_handles,
-            duration_handles,
-            refusal_handles,
-        }
-    }
-
     /// Count one request by its HTTP version and, over TLS, its TLS version.
     pub fn count_protocol(&self, version: http::Version, tls: Option<&'static str>) {
         let p = match version {

@@ -196,7 +196,7 @@ pub fn request_host<'a>(uri: &'a http::Uri, headers: &'a http::HeaderMap) -> Opt
     Some(host.strip_suffix('.').unwrap_or(host))
 }
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// How a backend compares paths (`[server] path_case`): exactly (most do), or ignoring
     /// case (IIS, some Spring setups), in which case the rules must too, or `/API/x` walks
     /// around a rule for `/api/`.

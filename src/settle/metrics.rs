@@ -1,11 +1,9 @@
 //! The settlements' metrics: per rule, what became of the charges it settled.
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::registry::Registry;
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// What one settlement of one charge did.
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     pub enum SettleOutcome {
@@ -28,7 +26,7 @@ crate::metrics::label_enum! {
     }
 }
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// How an answer read on after its client left ended (`settle_drain`).
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     pub enum DrainResult {
@@ -42,12 +40,13 @@ crate::metrics::label_enum! {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct DrainLabels {
-    pub result: DrainResult,
+crate::telemetry::label_sets! {
+    pub struct DrainLabels {
+        pub result: DrainResult,
+    }
 }
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     pub enum SettleDirection {
         Refunded = "refunded",
@@ -55,71 +54,38 @@ crate::metrics::label_enum! {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct SettleLabels {
-    pub rule: String,
-    pub outcome: SettleOutcome,
+crate::telemetry::label_sets! {
+    pub struct SettleLabels {
+        pub rule: String,
+        pub outcome: SettleOutcome,
+    }
+
+    pub struct CostLabels {
+        pub rule: String,
+        pub direction: SettleDirection,
+    }
+
+    pub struct ForgivenLabels {
+        pub rule: String,
+    }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct CostLabels {
-    pub rule: String,
-    pub direction: SettleDirection,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ForgivenLabels {
-    pub rule: String,
-}
-
-#[derive(Clone, Default)]
-pub struct SettleMetrics {
-    pub settlements: Family<SettleLabels, Counter>,
-    pub cost: Family<CostLabels, Counter>,
-    /// Cost units a store could not charge (docs/algorithms.md, "Reservations and
-    /// settlement": past the exact numbers' bound, or a calendar period's worth of debt).
-    pub forgiven: Family<ForgivenLabels, Counter>,
-    /// Answers read on after their client left, by how that ended.
-    pub drains: Family<DrainLabels, Counter>,
+crate::telemetry::metrics! {
+    #[derive(Clone, Default)]
+    pub struct SettleMetrics {
+        pub settlements: Family<SettleLabels, Counter> = ("settlements", "Charges settled after the answer, per rule and outcome: refunded (the status is not charged, or the request never reached a backend), charged_less / charged_more (the reported cost differed from the reservation), invalid (a reported cost was not a whole number; the reservation stands), failed (the store did not take it), unread (the answer's usage could not be read; the reservation stands)"),
+        pub cost: Family<CostLabels, Counter> = ("settled_cost", "Cost units settlements gave back (refunded) or took beyond the reservation (charged), per rule"),
+        /// Cost units a store could not charge (docs/algorithms.md, "Reservations and
+        /// settlement": past the exact numbers' bound, or a calendar period's worth of debt).
+        pub forgiven: Family<ForgivenLabels, Counter> = ("settle_forgiven", "Cost units a settlement could not charge, per rule: past the most a store's state holds exactly (2^52 units), or past one whole period of debt on a calendar quota; zero in any ordinary run"),
+        /// Answers read on after their client left, by how that ended.
+        pub drains: Family<DrainLabels, Counter> = ("settle_drains", "Answers read on after their client left, to settle the cost their end reports (settle_drain), by result: settled, stood (no cost came: the reservations stand), cut (past settle_drain's bytes or time, or broken by the backend: the reservations stand)",
+            zero = DrainResult::ALL.map(|result| DrainLabels { result }),
+        ),
+    }
 }
 
 impl SettleMetrics {
-    pub fn register(registry: &mut Registry) -> SettleMetrics {
-        let settlements = Family::<SettleLabels, Counter>::default();
-        let cost = Family::<CostLabels, Counter>::default();
-        registry.register(
-            "settlements",
-            "Charges settled after the answer, per rule and outcome: refunded (the status is not charged, or the request never reached a backend), charged_less / charged_more (the reported cost differed from the reservation), invalid (a reported cost was not a whole number; the reservation stands), failed (the store did not take it), unread (the answer's usage could not be read; the reservation stands)",
-            settlements.clone(),
-        );
-        registry.register(
-            "settled_cost",
-            "Cost units settlements gave back (refunded) or took beyond the reservation (charged), per rule",
-            cost.clone(),
-        );
-        let forgiven = Family::<ForgivenLabels, Counter>::default();
-        registry.register(
-            "settle_forgiven",
-            "Cost units a settlement could not charge, per rule: past the most a store's state holds exactly (2^52 units), or past one whole period of debt on a calendar quota; zero in any ordinary run",
-            forgiven.clone(),
-        );
-        let drains = Family::<DrainLabels, Counter>::default();
-        registry.register(
-            "settle_drains",
-            "Answers read on after their client left, to settle the cost their end reports (settle_drain), by result: settled, stood (no cost came: the reservations stand), cut (past settle_drain's bytes or time, or broken by the backend: the reservations stand)",
-            drains.clone(),
-        );
-        for result in DrainResult::ALL {
-            let _ = drains.get_or_create(&DrainLabels { result });
-        }
-        SettleMetrics {
-            settlements,
-            cost,
-            forgiven,
-            drains,
-        }
-    }
-
     /// An answer read on after its client left ended this way.
     pub fn drained(&self, result: DrainResult) {
         self.drains.get_or_create(&DrainLabels { result }).inc();

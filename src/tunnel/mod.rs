@@ -42,7 +42,7 @@ use tokio::time::{Instant, Sleep};
 
 use crate::connection::Hold;
 use crate::limiter::lease::Leases;
-use crate::metrics::Gauged;
+use crate::telemetry::Gauged;
 use crate::websocket::frame::{
     GOING_AWAY, INTERNAL_ERROR, MESSAGE_TOO_BIG, POLICY_VIOLATION, PROTOCOL_ERROR,
 };
@@ -55,7 +55,7 @@ const BUFFER: usize = 16 * 1024;
 /// frame) and the peers' own close may take.
 const CLOSING: Duration = Duration::from_secs(1);
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// How a tunnel ended (`reason=`).
     #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum Ended {

@@ -14,7 +14,7 @@ use crate::limiter::memory::MemoryStore;
 use crate::limiter::metrics::LimiterMetrics;
 use crate::limiter::{ManualClock, OnError, Rate};
 use crate::rules::Messages;
-use crate::stats::Stats;
+use crate::telemetry::stats::Stats;
 
 const IDLE: Duration = Duration::from_secs(60);
 const MAX_DELAY: Duration = Duration::from_secs(2);

@@ -6,32 +6,31 @@
 
 use std::sync::{Arc, Mutex};
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
-use prometheus_client::registry::Registry;
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct PoolLabels {
-    pub pool: String,
+use crate::telemetry::LATENCY_BUCKETS;
+
+crate::telemetry::label_sets! {
+    pub struct PoolLabels {
+        pub pool: String,
+    }
+
+    pub struct ServerLabels {
+        pub pool: String,
+        pub server: String,
+    }
+
+    pub struct ServerOutcomeLabels {
+        pub pool: String,
+        pub server: String,
+        pub outcome: ServerOutcome,
+    }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ServerLabels {
-    pub pool: String,
-    pub server: String,
-}
-
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct ServerOutcomeLabels {
-    pub pool: String,
-    pub server: String,
-    pub outcome: ServerOutcome,
-}
-
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// How one attempt on a server ended (`outcome=`): its answer's status class, or its
     /// failure.
     #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
@@ -77,85 +76,27 @@ impl Attempt {
 /// Each pool's name with its servers' labels, as a config lists them.
 pub type Configured = Vec<(String, Vec<String>)>;
 
-/// Every pool's metric families.
-#[derive(Clone)]
-pub struct PoolMetrics {
-    requests: Family<ServerOutcomeLabels, Counter>,
-    duration: Family<ServerLabels, Histogram>,
-    healthy: Family<ServerLabels, Gauge>,
-    ejections: Family<ServerLabels, Counter>,
-    retries: Family<PoolLabels, Counter>,
-    budget_exhausted: Family<PoolLabels, Counter>,
-    no_server: Family<PoolLabels, Counter>,
-    /// The pools' overload protection (`crate::overload`).
-    pub overload: crate::overload::OverloadMetrics,
-    /// The pools and servers the last config had ([`PoolMetrics::retain`]).
-    known: Arc<Mutex<Configured>>,
+crate::telemetry::metrics! {
+    /// Every pool's metric families.
+    #[derive(Clone)]
+    pub struct PoolMetrics {
+        requests: Family<ServerOutcomeLabels, Counter> = ("upstream_server_requests", "Attempts on each pool's servers, by how they ended: the answer's status class, error (refused, reset, unreadable: 502) or timeout (504), a retried request counting once per attempt"),
+        duration: Family<ServerLabels, Histogram> = ("upstream_server_duration_seconds", "Time until a server's response head (or its failure), per attempt",
+            buckets = LATENCY_BUCKETS,
+        ),
+        healthy: Family<ServerLabels, Gauge> = ("upstream_server_healthy", "How many of a server's addresses take requests (1 or 0 for one address; a name resolving to several counts each): not those ejected (passive health) or failing their health checks"),
+        ejections: Family<ServerLabels, Counter> = ("upstream_ejections", "Times a server was ejected after max_fails failures within fail_window"),
+        retries: Family<PoolLabels, Counter> = ("upstream_retries", "Requests sent again to another server of the pool after an attempt failed before any answer"),
+        budget_exhausted: Family<PoolLabels, Counter> = ("upstream_retry_budget_exhausted", "Retries not made because the pool's retry budget (20% of its requests over 10 s, plus 3 per second) was spent"),
+        no_server: Family<PoolLabels, Counter> = ("upstream_no_server", "Requests answered 502 at once because no server of the pool could take them (all ejected or failing their checks, and none to fall back on)"),
+        /// The pools' overload protection (`crate::overload`).
+        pub overload: crate::overload::OverloadMetrics = nested,
+        /// The pools and servers the last config had ([`PoolMetrics::retain`]).
+        known: Arc<Mutex<Configured>> = { Arc::default() },
+    }
 }
 
 impl PoolMetrics {
-    /// Register the families in `registry` (prefixed `ratewall_` there).
-    pub fn register(registry: &mut Registry) -> PoolMetrics {
-        let requests = Family::<ServerOutcomeLabels, Counter>::default();
-        registry.register(
-            "upstream_server_requests",
-            "Attempts on each pool's servers, by how they ended: the answer's status class, error (refused, reset, unreadable: 502) or timeout (504), a retried request counting once per attempt",
-            requests.clone(),
-        );
-        let duration = Family::<ServerLabels, Histogram>::new_with_constructor(|| {
-            Histogram::new([
-                0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
-                10.0, 30.0,
-            ])
-        });
-        registry.register(
-            "upstream_server_duration_seconds",
-            "Time until a server's response head (or its failure), per attempt",
-            duration.clone(),
-        );
-        let healthy = Family::<ServerLabels, Gauge>::default();
-        registry.register(
-            "upstream_server_healthy",
-            "How many of a server's addresses take requests (1 or 0 for one address; a name resolving to several counts each): not those ejected (passive health) or failing their health checks",
-            healthy.clone(),
-        );
-        let ejections = Family::<ServerLabels, Counter>::default();
-        registry.register(
-            "upstream_ejections",
-            "Times a server was ejected after max_fails failures within fail_window",
-            ejections.clone(),
-        );
-        let retries = Family::<PoolLabels, Counter>::default();
-        registry.register(
-            "upstream_retries",
-            "Requests sent again to another server of the pool after an attempt failed before any answer",
-            retries.clone(),
-        );
-        let budget_exhausted = Family::<PoolLabels, Counter>::default();
-        registry.register(
-            "upstream_retry_budget_exhausted",
-            "Retries not made because the pool's retry budget (20% of its requests over 10 s, plus 3 per second) was spent",
-            budget_exhausted.clone(),
-        );
-        let no_server = Family::<PoolLabels, Counter>::default();
-        registry.register(
-            "upstream_no_server",
-            "Requests answered 502 at once because no server of the pool could take them (all ejected or failing their checks, and none to fall back on)",
-            no_server.clone(),
-        );
-        PoolMetrics {
-            requests,
-            duration,
-            healthy,
-            ejections,
-            retries,
-            budget_exhausted,
-            no_server,
-            overload: crate::overload::OverloadMetrics::register(registry),
-            known: Arc::default(),
-        }
-    }
-
     /// The handles of the server `server` (its label) of `pool`, its series created at zero.
     pub fn server(&self, pool: &str, server: &str) -> ServerCounters {
         let labels = ServerLabels {

@@ -26,7 +26,7 @@ use super::{
     Client, Downstream, Error, OutageChange, OutageLog, Outbound, PoolSettings, ResponseBody,
     ServerSettings, Settings, TlsHandshakes, MAX_RETRIES,
 };
-use crate::stats::Recent;
+use crate::telemetry::stats::Recent;
 
 /// Every pool of a config, in its order (`Config.upstreams`): a route names its pool by
 /// position.
@@ -532,7 +532,7 @@ impl Pool {
 
     fn status(&self, now: Instant) -> PoolStatus {
         let set = self.servers.load();
-        let windows: Vec<crate::stats::Latency> =
+        let windows: Vec<crate::telemetry::stats::Latency> =
             set.list.iter().map(|s| s.recent.window(now)).collect();
         let total: u64 = windows.iter().map(|w| w.count).sum();
         let unix_now = SystemTime::now();
@@ -834,7 +834,7 @@ pub struct ServerStatus {
     /// Its share of the pool's answered attempts over the last minute.
     pub share: Option<f64>,
     /// Its answers over the last minute: count, p50, p99.
-    pub last_minute: crate::stats::Latency,
+    pub last_minute: crate::telemetry::stats::Latency,
 }
 
 #[cfg(test)]

@@ -19,10 +19,8 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
-use prometheus_client::encoding::EncodeLabelSet;
 use prometheus_client::metrics::counter::Counter;
 use prometheus_client::metrics::family::Family;
-use prometheus_client::registry::Registry;
 use rustls::client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier};
 use rustls::crypto::CryptoProvider;
 use rustls::pki_types::pem::PemObject;
@@ -303,7 +301,7 @@ pub enum TlsHandshake {
     Timeout,
 }
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// Why a handshake with the backend failed.
     #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub enum TlsFailure {
@@ -406,33 +404,25 @@ impl TlsHandshakes {
     }
 }
 
-#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
-pub struct UpstreamHandshakeLabels {
-    /// `ok` (a full handshake), `resumed` (an earlier session resumed), `failed`,
-    /// `timeout` (not done within connect_timeout).
-    pub result: &'static str,
-    /// Why a `failed` one failed (see [`TlsFailure`]); `none` for the others.
-    pub reason: &'static str,
+crate::telemetry::label_sets! {
+    pub struct UpstreamHandshakeLabels {
+        /// `ok` (a full handshake), `resumed` (an earlier session resumed), `failed`,
+        /// `timeout` (not done within connect_timeout).
+        pub result: &'static str,
+        /// Why a `failed` one failed (see [`TlsFailure`]); `none` for the others.
+        pub reason: &'static str,
+    }
 }
 
-/// The metrics of TLS to the backend: its handshakes, by result and reason.
-pub struct UpstreamTlsMetrics {
-    pub handshakes: Family<UpstreamHandshakeLabels, Counter>,
+crate::telemetry::metrics! {
+    /// The metrics of TLS to the backend: its handshakes, by result and reason; their
+    /// series follow the config (see [`UpstreamTlsMetrics::handshakes`]).
+    pub struct UpstreamTlsMetrics {
+        pub handshakes: Family<UpstreamHandshakeLabels, Counter> = ("upstream_tls_handshakes", "TLS handshakes with an https:// upstream, by result: ok (full), resumed (an earlier session resumed), failed, timeout (not done within connect_timeout). For failed, by reason: unknown_issuer, name_mismatch, expired, certificate (another fault of the backend's certificate), alert (the backend refused us), protocol, closed (closed or reset under the handshake), other; reason=none for the other results"),
+    }
 }
 
 impl UpstreamTlsMetrics {
-    /// Register them in `registry`; their series follow the config (see
-    /// [`UpstreamTlsMetrics::handshakes`]).
-    pub fn register(registry: &mut Registry) -> UpstreamTlsMetrics {
-        let handshakes = Family::<UpstreamHandshakeLabels, Counter>::default();
-        registry.register(
-            "upstream_tls_handshakes",
-            "TLS handshakes with an https:// upstream, by result: ok (full), resumed (an earlier session resumed), failed, timeout (not done within connect_timeout). For failed, by reason: unknown_issuer, name_mismatch, expired, certificate (another fault of the backend's certificate), alert (the backend refused us), protocol, closed (closed or reset under the handshake), other; reason=none for the other results",
-            handshakes.clone(),
-        );
-        UpstreamTlsMetrics { handshakes }
-    }
-
     /// The counters of the upstream's TLS handshakes: for an `https://` upstream every
     /// series, created now at zero (counts so far kept); for an `http://` one, none (those
     /// of an earlier `https://` upstream dropped) and counters that count nowhere.

@@ -254,7 +254,7 @@ mod tests {
     use crate::limiter::metrics::LimiterMetrics;
     use crate::limiter::store::{self, Call, Kind, Store};
     use crate::limiter::{Decision, ManualClock, Rate, StoreError};
-    use crate::stats::Stats;
+    use crate::telemetry::stats::Stats;
 
     fn messages(rate: &str, burst: u64) -> Messages {
         Messages {

@@ -799,10 +799,11 @@ fn source_files() -> Vec<String> {
 
 /// Every metric a module under `src/` registers (a family with no series yet is not
 /// exported), its type, its label fields, and the values of those whose type is one of
-/// the label enums: `registry.register("name", ...)` of a `Family::<Labels, Counter>` (or
-/// a bare `Counter::default()`, `Gauge::default()`, `Histogram::new(...)`) declared in the
-/// same file, `struct Labels { pub field: Type }` and `label_enum! { pub enum Type { A =
-/// "a", ... } }` anywhere.
+/// the label enums: a field `name: Family<Labels, Counter> = ("name", ...)` of a
+/// `telemetry::metrics!` list (or a bare `Counter`, `Gauge`, `Histogram`), or
+/// `registry.register("name", ...)` of a `Family::<Labels, Counter>` (or a bare
+/// `Counter::default()`, `Info::new(...)`) declared in the same file; `struct Labels { pub
+/// field: Type }` and `label_enum! { pub enum Type { A = "a", ... } }` anywhere.
 fn source_metrics(files: &[String]) -> BTreeMap<String, (String, SourceLabels)> {
     let all = files.join("\n");
     let mut out = BTreeMap::new();
@@ -832,6 +833,40 @@ fn file_metrics(src: &str, all: &str) -> BTreeMap<String, (String, SourceLabels)
         if ["Counter", "Gauge", "Histogram", "Info"].contains(&kind.as_str()) {
             declared.insert(var.trim().to_string(), (labels, kind.to_lowercase()));
         }
+    }
+    // A `telemetry::metrics!` list: `field: Family<Labels, Kind> = (` then `"name",` (or
+    // `field: Kind = ("name", ...`) -> field -> (Labels, kind), and name -> field.
+    let mut listed: Vec<(String, String)> = Vec::new();
+    let lines: Vec<&str> = src.lines().collect();
+    for (i, line) in lines.iter().enumerate() {
+        let l = line.trim();
+        let l = l.strip_prefix("pub ").unwrap_or(l);
+        let Some((head, init)) = l.split_once(" = (") else {
+            continue;
+        };
+        let Some((field, ty)) = head.split_once(": ") else {
+            continue;
+        };
+        let (labels, kind) = match ty.strip_prefix("Family<") {
+            Some(generics) => {
+                let (labels, kind) = generics.split_once(',').unwrap_or((generics, ""));
+                (Some(labels.trim().to_string()), kind.trim())
+            }
+            None => (None, ty),
+        };
+        let kind: String = kind.chars().take_while(|c| c.is_alphanumeric()).collect();
+        if !["Counter", "Gauge", "Histogram", "Info"].contains(&kind.as_str()) {
+            continue;
+        }
+        let named = match init.trim() {
+            "" => lines.get(i + 1).copied().unwrap_or_default(),
+            init => init,
+        };
+        let Some(name) = named.split('"').nth(1) else {
+            continue;
+        };
+        declared.insert(field.trim().to_string(), (labels, kind.to_lowercase()));
+        listed.push((name.to_string(), field.trim().to_string()));
     }
     // `pub struct Labels { pub field: Type, ... }` -> Labels -> [(field, Type)].
     let mut fields: HashMap<String, Vec<(String, String)>> = HashMap::new();
@@ -878,7 +913,6 @@ fn file_metrics(src: &str, all: &str) -> BTreeMap<String, (String, SourceLabels)
         }
     }
     // `registry.register(\n "name",\n "help",\n var.clone(),\n)`: name -> var.
-    let mut out = BTreeMap::new();
     let mut rest = src;
     while let Some(at) = rest.find("registry.register(") {
         rest = &rest[at + "registry.register(".len()..];
@@ -897,7 +931,11 @@ fn file_metrics(src: &str, all: &str) -> BTreeMap<String, (String, SourceLabels)
             .unwrap_or_default()
             .trim();
         let var = last.strip_suffix(".clone()").unwrap_or(last);
-        let Some((struct_name, kind)) = declared.get(var) else {
+        listed.push((name.to_string(), var.to_string()));
+    }
+    let mut out = BTreeMap::new();
+    for (name, var) in listed {
+        let Some((struct_name, kind)) = declared.get(&var) else {
             continue;
         };
         let mut labels = BTreeMap::new();

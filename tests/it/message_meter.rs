@@ -15,7 +15,7 @@ use ratewall::limiter::redis::RedisStore;
 use ratewall::limiter::store::{Backend, Settings};
 use ratewall::limiter::{OnError, Rate};
 use ratewall::rules::{Bytes, Messages};
-use ratewall::stats::Stats;
+use ratewall::telemetry::stats::Stats;
 use ratewall::websocket::{Meter, Refill};
 
 const PREFIX: &str = "rwmeter";

@@ -28,7 +28,7 @@ pub const WINDOW_SECS: u64 = 60;
 /// Identities tracked per minute by the space-saving top-k.
 const TOP_K: usize = 64;
 
-crate::metrics::label_enum! {
+crate::telemetry::label_enum! {
     /// How a request ended, as an operator tells outcomes apart: one class per request, the
     /// same in `ratewall_request_duration_seconds{outcome}` and on the status page.
     #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
