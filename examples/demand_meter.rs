@@ -13,7 +13,7 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use ratewall::identity::IdentityDigest;
-use ratewall::proxy::demand::{DemandMeter, Terms};
+use ratewall::runtime::demand::{DemandMeter, Terms};
 
 const OPS: u64 = 4_000_000;
 

@@ -44,8 +44,8 @@ use serde::Serialize;
 
 use crate::config::Config;
 use crate::connection::{self, InFlight, Track, Tracked};
-use crate::proxy::metrics::RuleCounters;
-use crate::proxy::Live;
+use crate::runtime::requests::RuleCounters;
+use crate::runtime::Live;
 use crate::headers::ceil_secs;
 use crate::identity;
 use crate::identity::{IdentityDigest, KeyKind, Requester};

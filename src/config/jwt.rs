@@ -2,7 +2,7 @@
 //! it, which issuers and audiences are accepted, and what its claims give (a plan, headers
 //! for the backend). Key files (`jwks_file`, `keys`) and the `secret_env` variable are read
 //! with the config ([`super::Inputs`]), at every load, and their contents validated here; a
-//! `jwks_url` is fetched by the running gateway (`proxy::jwks`), never by a load.
+//! `jwks_url` is fetched by the running gateway (`runtime::jwks`), never by a load.
 
 use std::collections::BTreeMap;
 use std::path::Path;

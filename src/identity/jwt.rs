@@ -1,7 +1,7 @@
 //! Bearer tokens (`[jwt]`): a signed JSON Web Token (RFC 7519) the gateway verifies
 //! itself — signature, algorithm, expiry, issuer, audience — before a rule counts a
 //! request by one of its claims (`key = "jwt:<claim>"`). Pure: the key set is given (read
-//! from files at load, or fetched by `proxy::jwks`), the time is injected.
+//! from files at load, or fetched by `runtime::jwks`), the time is injected.
 //!
 //! One [`Verifier`] per configuration holds the validated [`Settings`], the current
 //! [`KeySet`] (swapped whole when a JWKS is fetched again) and a bounded cache of the
@@ -632,7 +632,7 @@ pub struct Verifier {
     now: fn() -> u64,
     /// When (Unix seconds) an unknown kid last asked for a new key set.
     refetch_asked: AtomicU64,
-    /// Woken when an unknown kid asks for a new key set (`proxy::jwks` waits on it,
+    /// Woken when an unknown kid asks for a new key set (`runtime::jwks` waits on it,
     /// holding only this, so that the verifier ends with its configuration).
     pub refetch: Arc<tokio::sync::Notify>,
 }

@@ -28,13 +28,13 @@ use http::request::Parts;
 use http::{Response, StatusCode};
 
 use super::limits::{self, split, Limit, Refused};
-use super::live::Live;
+use crate::runtime::Live;
 use super::route;
 use super::verdict::{self, Ruled};
 use super::{
     consult, overload, problem, refused, tally, tokens, Body, Gateway, RequestCtx, Verdict,
 };
-use crate::disposition::Disposition;
+use crate::telemetry::disposition::Disposition;
 use crate::headers::{self, Problem};
 use crate::identity::{KeyKind, Refusal, Requester};
 use crate::limiter::lease::Leases;

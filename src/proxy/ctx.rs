@@ -11,10 +11,10 @@ use http::{HeaderMap, HeaderName, HeaderValue};
 
 use super::access::{AccessLine, Entry};
 use super::grpc::{self, Dialect};
-use super::live::{Live, WaitSlot};
+use crate::runtime::{Live, WaitSlot};
 use super::route::Destination;
 use crate::config::Config;
-use crate::disposition::Disposition;
+use crate::telemetry::disposition::Disposition;
 use crate::headers::{self, Applied};
 use crate::identity::IdentityDigest;
 use crate::limiter::lease::Leases;

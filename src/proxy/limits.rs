@@ -4,7 +4,7 @@
 
 use http::request::Parts;
 
-use super::live::{Live, WaitSlot};
+use crate::runtime::{Live, WaitSlot};
 use super::route::Destination;
 use crate::headers::Applied;
 use crate::identity::{Identity, Refusal, Requester};

@@ -16,18 +16,12 @@
 
 mod access;
 mod admit;
-pub mod all_metrics;
 mod answer;
 mod body;
 mod context;
 mod ctx;
-pub mod dashboards;
-pub mod demand;
 pub mod grpc;
-pub mod jwks;
-mod limits;
-mod live;
-pub mod metrics;
+pub mod limits;
 mod overload;
 mod reserve;
 pub mod route;
@@ -46,7 +40,7 @@ use http_body_util::Either;
 use hyper::body::Incoming;
 
 use crate::config::{Config, ConfigError, Source};
-use crate::disposition::Disposition;
+use crate::telemetry::disposition::Disposition;
 use crate::headers::{self, Problem};
 use crate::identity::Requester;
 use crate::limiter::guard::{Answer, Now};
@@ -58,17 +52,16 @@ use crate::upstream::{self, Downstream};
 use access::AccessLine;
 use grpc::{Dialect, Origin};
 use limits::Limit;
-use metrics::{status_class, RefusalReason, ReloadLabels, ReloadResult};
+use crate::runtime::requests::{status_class, RefusalReason, ReloadLabels, ReloadResult};
 use verdict::{Ruled, Verdict};
 
-pub use all_metrics::Metrics;
+pub use crate::runtime::{Live, Metrics};
 use answer::close_after;
 pub use answer::problem;
 pub use body::{Body, LeasedBody};
 pub use context::Context;
 pub use ctx::RequestCtx;
 pub use limits::{forwarded_host, matching};
-pub use live::Live;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReloadError {

@@ -9,10 +9,10 @@
 
 use http::{Response, StatusCode};
 
-use super::live::Live;
+use crate::runtime::Live;
 use super::route::Destination;
 use super::{problem, Body, Gateway, RequestCtx};
-use crate::disposition::Disposition;
+use crate::telemetry::disposition::Disposition;
 use crate::headers::{self, Problem};
 use crate::identity::Requester;
 use crate::overload::{Permit, RETRY_AFTER};

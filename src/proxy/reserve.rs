@@ -7,9 +7,9 @@
 use std::sync::Arc;
 
 use super::limits::Limit;
-use super::live::Live;
+use crate::runtime::Live;
 use super::{Body, Gateway, RequestCtx};
-use crate::disposition::Disposition;
+use crate::telemetry::disposition::Disposition;
 use crate::limiter::reservation::{Reservation, Reserved};
 use crate::limiter::{Algorithm, Decision};
 use crate::settle::{Held, Meter, Settling, Shown};

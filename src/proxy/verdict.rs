@@ -2,7 +2,7 @@
 //! is decided here from the rules' decisions and the store policy, and tested without a
 //! store, a clock or a socket; the request path only carries it out.
 
-use crate::disposition::Disposition;
+use crate::telemetry::disposition::Disposition;
 use crate::identity::Refusal;
 use crate::limiter::guard::Answer;
 use crate::limiter::{Decision, OnError};

@@ -23,9 +23,12 @@
 //! hitters are kept by [`crate::identity::IdentityDigest`]).
 
 mod admin;
+pub mod disposition;
+pub mod grpc;
 pub mod stats;
 
 pub use admin::{AdminFailureLabels, AdminMetrics};
+pub use disposition::Disposition;
 
 use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::gauge::Gauge;

@@ -11,7 +11,7 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 
 use super::dashboards::{Dashboards, RuleDashboard};
-use super::grpc::{Code, Origin};
+use crate::telemetry::grpc::{Code, Origin};
 use crate::telemetry::stats::Outcome;
 use crate::telemetry::{label_enum, LATENCY_BUCKETS};
 

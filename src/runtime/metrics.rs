@@ -11,7 +11,7 @@ use std::sync::Arc;
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
-use super::metrics::GatewayMetrics;
+use super::requests::GatewayMetrics;
 use crate::connection::ConnectionMetrics;
 use crate::limiter::metrics::LimiterMetrics;
 use crate::telemetry::stats::Stats;

@@ -4,7 +4,7 @@
 use std::sync::atomic::{AtomicU32, Ordering::Relaxed};
 use std::sync::Arc;
 
-use super::metrics::RuleCounters;
+use super::requests::RuleCounters;
 use super::Metrics;
 use crate::config::Config;
 use crate::limiter::guard::Limiter;
@@ -42,7 +42,7 @@ pub struct Live {
     /// `ratewall_requests_total` handles for each of `config.rules`, in order.
     pub counters: Vec<RuleCounters>,
     /// Per rule of `config.rules`: requests waiting on its `max_delay` now.
-    pub(super) waiting: Vec<AtomicU32>,
+    pub waiting: Vec<AtomicU32>,
 }
 
 impl Live {
@@ -210,10 +210,10 @@ fn carry_jwt(config: &mut Config, old: Option<&Live>, metrics: &Arc<Metrics>) {
 }
 
 /// One place in a rule's queue of requests waiting for reserved tokens (`max_waiting`).
-pub(super) struct WaitSlot<'a>(&'a AtomicU32);
+pub struct WaitSlot<'a>(&'a AtomicU32);
 
 impl<'a> WaitSlot<'a> {
-    pub(super) fn take(waiting: &'a AtomicU32, max: u32) -> Option<WaitSlot<'a>> {
+    pub fn take(waiting: &'a AtomicU32, max: u32) -> Option<WaitSlot<'a>> {
         waiting
             .fetch_update(Relaxed, Relaxed, |n| (n < max).then_some(n + 1))
             .ok()

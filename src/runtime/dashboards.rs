@@ -18,7 +18,7 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::{MetricType, TypedMetric};
 
 use super::demand::{DemandMeter, Terms};
-use super::limits::Limit;
+use crate::proxy::limits::Limit;
 use super::live::Live;
 use crate::limiter::{Algorithm, Decision, Fnv1a};
 use crate::rules::{Plan, Rule};
@@ -234,7 +234,7 @@ impl Dashboards {
     /// A request denied (429) by `limits[by]`, told to wait `retry_ms`: its denial and
     /// its wait under that rule, and under every enforcing rule, if its identity is within
     /// its plan there, a limited request.
-    pub(super) fn denied(
+    pub fn denied(
         &self,
         live: &Live,
         limits: &[Limit<'_, '_>],
@@ -254,7 +254,7 @@ impl Dashboards {
     /// A request admitted (forwarded, now or after its wait): under every enforcing rule,
     /// whether it left its identity near the limit, and if its identity is within its
     /// plan there, a served request.
-    pub(super) fn admitted(
+    pub fn admitted(
         &self,
         live: &Live,
         limits: &[Limit<'_, '_>],
