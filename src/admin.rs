@@ -44,8 +44,6 @@ use serde::Serialize;
 
 use crate::config::Config;
 use crate::connection::{self, InFlight, Track, Tracked};
-use crate::runtime::requests::RuleCounters;
-use crate::runtime::Live;
 use crate::headers::ceil_secs;
 use crate::identity;
 use crate::identity::{IdentityDigest, KeyKind, Requester};
@@ -53,6 +51,8 @@ use crate::limiter::guard::Health;
 use crate::limiter::{Check, OnError, Quota};
 use crate::proxy::Gateway;
 use crate::rules::Rule;
+use crate::runtime::requests::RuleCounters;
+use crate::runtime::Live;
 use crate::telemetry::stats::{TopEntry, Window, HISTORY_SECS, SAMPLE_SECS};
 use guard::{Failure, Guard};
 

@@ -99,6 +99,7 @@ pub mod admin;
 pub mod cli;
 pub mod config;
 pub mod connection;
+pub mod decide;
 pub mod headers;
 pub mod identity;
 pub mod limiter;

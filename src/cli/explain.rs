@@ -10,9 +10,9 @@ use http::request::Parts;
 use http::{HeaderMap, Method};
 
 use crate::config::Config;
-use crate::proxy::route::{self, Destination};
-use crate::proxy::{self, screen};
+use crate::decide::{self, route, Destination, Subject};
 use crate::identity::{Carried, KeyKind, Refusal, Requester, Source};
+use crate::proxy::screen;
 use crate::rules::{Applies, Condition, Match, Mode, PathMatch, Rule};
 
 /// What `ratewall check` prints for a request of `method` to `raw_path` with `headers`
@@ -33,13 +33,20 @@ pub fn explain(
     };
     let requester = Requester::new(&parts.headers, peer, &cfg.keys, &cfg.client_ip)
         .with_jwt(cfg.jwt.as_ref().map(|j| &*j.verifier));
-    let Some(to) = routed(cfg, &parts, &requester, &mut out) else {
+    let subject = Subject {
+        method: &parts.method,
+        uri: &parts.uri,
+        headers: &parts.headers,
+        peer,
+        client_cert: None,
+    };
+    let Some(to) = routed(cfg, &subject, &requester, &mut out) else {
         return out;
     };
     if let Some(line) = token_line(cfg, &requester) {
         let _ = writeln!(out, "{line}");
     }
-    let (applied, not) = sorted(cfg, &parts, raw, &to, &requester);
+    let (applied, not) = sorted(cfg, &subject, raw, &to, &requester);
     if applied.is_empty() {
         let _ = writeln!(out, "no rule applies: forwarded without limits");
     } else {
@@ -110,15 +117,15 @@ fn screened(
     Some(parts)
 }
 
-/// Where the request goes, as the request path chooses (`proxy::route::choose`), said in
+/// Where the request goes, as the request path chooses (`decide::route::choose`), said in
 /// `out`; None where it goes nowhere (a 404, or a refusal while choosing).
 fn routed(
     cfg: &Config,
-    parts: &Parts,
+    subject: &Subject<'_>,
     requester: &Requester<'_>,
     out: &mut String,
 ) -> Option<Destination> {
-    let to = match route::choose(cfg, parts, requester) {
+    let to = match route::choose(cfg, subject, requester) {
         Ok(Some(to)) => to,
         Ok(None) => {
             let _ = writeln!(
@@ -145,7 +152,7 @@ fn routed(
         Some(route) => writeln!(out, "route: {route} -> pool {pool}"),
         None => writeln!(out, "route: none matches -> pool {pool}"),
     };
-    if let Some(target) = to.target(cfg, &parts.uri) {
+    if let Some(target) = to.target(cfg, subject.uri) {
         let _ = writeln!(out, "  (forwarded as {target})");
     }
     Some(to)
@@ -155,23 +162,23 @@ fn routed(
 /// each as a line, in the file's order. `raw`: the request's path without its query.
 fn sorted<'a>(
     cfg: &'a Config,
-    parts: &Parts,
+    subject: &Subject<'_>,
     raw: &str,
     to: &Destination,
     requester: &Requester<'a>,
 ) -> (Vec<String>, Vec<String>) {
     let path = cfg.index.path_of(raw);
     let plan = requester.plan();
-    let fitting = proxy::matching(cfg, parts, Some(to));
+    let fitting = decide::matching(cfg, subject, Some(to));
     let mut applied = Vec::new();
     let mut not = Vec::new();
     for (i, r) in cfg.rules.iter().enumerate() {
         if !fitting.contains(&i) {
-            let host = proxy::forwarded_host(cfg, parts, Some(to));
+            let host = decide::forwarded_host(cfg, subject, Some(to));
             not.push(format!(
                 "{}: {}",
                 r.name,
-                misfit(&r.matcher, &parts.method, &path, host)
+                misfit(&r.matcher, subject.method, &path, host)
             ));
             continue;
         }

@@ -15,20 +15,16 @@
 //! whole on reload.
 
 mod access;
-mod admit;
 mod answer;
 mod body;
 mod context;
 mod ctx;
 pub mod grpc;
-pub mod limits;
 mod overload;
-mod reserve;
-pub mod route;
 pub mod screen;
+mod settle;
 mod switched;
 mod tokens;
-pub mod verdict;
 
 use std::sync::Arc;
 use std::time::Instant;
@@ -40,20 +36,16 @@ use http_body_util::Either;
 use hyper::body::Incoming;
 
 use crate::config::{Config, ConfigError, Source};
-use crate::telemetry::disposition::Disposition;
+use crate::decide::{self, Rejection, Subject};
 use crate::headers::{self, Problem};
-use crate::identity::Requester;
-use crate::limiter::guard::{Answer, Now};
-use crate::limiter::lease::Leases;
-use crate::limiter::{Check, Decision, StoreError};
-use crate::telemetry::Gauged;
+use crate::limiter::StoreError;
+use crate::runtime::requests::{status_class, RefusalReason, ReloadLabels, ReloadResult};
+use crate::telemetry::disposition::Disposition;
 use crate::telemetry::stats::Outcome;
+use crate::telemetry::Gauged;
 use crate::upstream::{self, Downstream};
 use access::AccessLine;
 use grpc::{Dialect, Origin};
-use limits::Limit;
-use crate::runtime::requests::{status_class, RefusalReason, ReloadLabels, ReloadResult};
-use verdict::{Ruled, Verdict};
 
 pub use crate::runtime::{Live, Metrics};
 use answer::close_after;
@@ -61,7 +53,6 @@ pub use answer::problem;
 pub use body::{Body, LeasedBody};
 pub use context::Context;
 pub use ctx::RequestCtx;
-pub use limits::{forwarded_host, matching};
 
 #[derive(Debug, thiserror::Error)]
 pub enum ReloadError {
@@ -228,19 +219,31 @@ impl Gateway {
         body: Option<&mut upstream::RequestBody>,
     ) -> Result<(), Response<Body>> {
         self.screen(ctx, parts, conn)?;
-        let asked = self.read_asked(ctx, parts, body).await?;
-        let cfg = ctx.config();
-        let requester = Requester::new(&parts.headers, conn.peer.ip(), &cfg.keys, &cfg.client_ip)
-            .with_client_cert(conn.client_cert.as_ref())
-            .with_jwt(cfg.jwt.as_ref().map(|j| &*j.verifier))
-            .counting_failures();
-        let decided = self.decide(ctx, parts, &requester, asked).await;
+        let subject = Subject {
+            method: &parts.method,
+            uri: &parts.uri,
+            headers: &parts.headers,
+            peer: conn.peer.ip(),
+            client_cert: conn.client_cert.as_ref(),
+        };
+        let asked = self.read_asked(ctx, &subject, parts, body).await?;
+        let live = ctx.live;
+        let requester = subject.requester(&live.config);
+        let decided = decide::decide(
+            live,
+            &self.metrics,
+            &subject,
+            &requester,
+            asked,
+            &mut ctx.decided,
+        )
+        .await;
         // Whoever decided, the access line names the key's label: looked up (a key's
         // digest, where no rule took it) only where an access line is written.
         if tracing::enabled!(target: "ratewall::access", tracing::Level::INFO) {
             ctx.label = requester.label().cloned();
         }
-        decided
+        decided.map_err(|r| rejected(ctx, r))
     }
 
     /// A client's fields with an underscore in their name are dropped unless
@@ -285,11 +288,12 @@ impl Gateway {
     async fn read_asked(
         &self,
         ctx: &mut RequestCtx<'_>,
+        subject: &Subject<'_>,
         parts: &Parts,
         body: Option<&mut upstream::RequestBody>,
     ) -> Result<Option<tokens::Asked>, Response<Body>> {
         let live = ctx.live;
-        let Some(body) = body.filter(|_| limits::may_read_body(live, parts)) else {
+        let Some(body) = body.filter(|_| decide::may_read_body(live, subject)) else {
             return Ok(None);
         };
         let timeout = live.config.server.timeouts.body;
@@ -314,11 +318,11 @@ impl Gateway {
         req: Request<upstream::RequestBody>,
         conn: &Context,
     ) -> Response<Body> {
-        if !ctx.waited.is_zero() {
+        if !ctx.decided.waited.is_zero() {
             let _waiting = Gauged::new(&self.metrics.gateway.waiting);
-            tokio::time::sleep(ctx.waited).await;
+            tokio::time::sleep(ctx.decided.waited).await;
         }
-        ctx.slots.clear();
+        ctx.decided.slots.clear();
         let live = ctx.live;
         let cfg = &*live.config;
         let peer = &conn.peer;
@@ -334,8 +338,12 @@ impl Gateway {
         let started = Instant::now();
         // Never without: a request is admitted with its destination, one of the config's
         // pools, and `live` is built from it.
-        let Some((to, pool)) = ctx.to.and_then(|to| Some((to, live.pools.get(to.pool)?))) else {
-            drop(ctx.leases.take());
+        let Some((to, pool)) = ctx
+            .decided
+            .to
+            .and_then(|to| Some((to, live.pools.get(to.pool)?)))
+        else {
+            drop(ctx.decided.leases.take());
             return self.upstream_failed(ctx, upstream::Error::NoServer, version, conn);
         };
         let target = to.target(cfg, req.uri());
@@ -347,7 +355,7 @@ impl Gateway {
             for (_, header) in &jwt.verifier.settings.forward_claims {
                 parts.headers.remove(header);
             }
-            for (header, value) in std::mem::take(&mut ctx.claims) {
+            for (header, value) in std::mem::take(&mut ctx.decided.claims) {
                 parts.headers.append(header, value);
             }
         }
@@ -386,7 +394,7 @@ impl Gateway {
             Ok(resp) => self.respond(ctx, resp, upgrade, conn).await,
             Err(e) => {
                 // The request is over: its leases are dropped here, giving its slots back.
-                drop(ctx.leases.take());
+                drop(ctx.decided.leases.take());
                 ctx.unanswered().await;
                 self.upstream_failed(ctx, e, version, conn)
             }
@@ -407,7 +415,7 @@ impl Gateway {
         if let Some((asked, on)) = upgrade {
             self.tunnel(ctx, conn, &mut resp, asked, on);
         }
-        let leases = ctx.leases.take();
+        let leases = ctx.decided.leases.take();
         let cost_headers = &ctx.live.cost_headers;
         let screened = (!cost_headers.is_empty()).then(|| cost_headers.clone());
         let mut resp = resp.map(|body| {
@@ -426,21 +434,21 @@ impl Gateway {
     /// access line only.
     fn finish(&self, mut ctx: RequestCtx<'_>, mut resp: Response<Body>) -> Response<Body> {
         let status = resp.status().as_u16();
-        if ctx.disposition.is_counted() {
+        if ctx.decided.disposition.is_counted() {
             // A gRPC answer of the gateway is an HTTP 200: it counts as the status it
             // stands for.
             let meant = match (ctx.dialect, ctx.upstream) {
                 (Dialect::Grpc, false) => grpc::status_of(resp.headers()).map_or(status, |code| {
-                    code.stands_for(ctx.disposition.passed_limits())
+                    code.stands_for(ctx.decided.disposition.passed_limits())
                 }),
                 _ => status,
             };
             let m = &self.metrics;
             m.gateway.count_response(status_class(meant), ctx.upstream);
-            if let Some(reason) = refusal_reason(ctx.disposition) {
+            if let Some(reason) = refusal_reason(ctx.decided.disposition) {
                 m.gateway.count_refusal(reason);
             }
-            let outcome = outcome(ctx.disposition, ctx.upstream, meant);
+            let outcome = outcome(ctx.decided.disposition, ctx.upstream, meant);
             m.gateway.count_outcome(outcome, ctx.started.elapsed());
             m.stats.ended(outcome);
         }
@@ -547,8 +555,8 @@ impl Gateway {
         }
         let cfg = ctx.config();
         let p = Problem::new(status, detail);
-        let mut resp = problem(p, cfg, &ctx.applied, ctx.dialect);
-        headers::add_shadow(resp.headers_mut(), cfg.response, &ctx.shadow);
+        let mut resp = problem(p, cfg, &ctx.decided.applied, ctx.dialect);
+        headers::add_shadow(resp.headers_mut(), cfg.response, &ctx.decided.shadow);
         if matches!(e, upstream::Error::ClientStalled(_)) && version < http::Version::HTTP_2 {
             self.metrics
                 .connection
@@ -566,6 +574,22 @@ impl Gateway {
         }
         resp
     }
+}
+
+/// The answer to a request its decision did not let through: problem+json (or a gRPC
+/// status) with its rules' fields where the decision shows them.
+fn rejected(ctx: &RequestCtx<'_>, r: Rejection) -> Response<Body> {
+    let cfg = ctx.config();
+    let d = &ctx.decided;
+    let applied: &[headers::Applied<'_>] = if r.shows_limits { &d.applied } else { &[] };
+    let mut resp = problem(r.problem, cfg, applied, ctx.dialect);
+    if r.shows_limits {
+        headers::add_shadow(resp.headers_mut(), cfg.response, &d.shadow);
+    }
+    if r.close {
+        close_after(&mut resp);
+    }
+    resp
 }
 
 /// `ratewall_refusals_total`'s reason for a request refused before any limit was
@@ -594,77 +618,6 @@ fn outcome(d: Disposition, upstream: bool, meant: u16) -> Outcome {
     }
 }
 
-impl Limit<'_, '_> {
-    fn ruled(&self) -> Ruled {
-        Ruled {
-            enforced: self.enforced,
-            jitter_us: self.rule.retry_jitter_us,
-        }
-    }
-}
-
-/// Ask the store about every limit at once, and judge its answer: the decisions (none if
-/// the store failed), the verdict, and the concurrency slots the request now holds.
-async fn consult(
-    live: &Live,
-    limits: &[Limit<'_, '_>],
-) -> (Option<Vec<Option<Decision>>>, Verdict, Option<Leases>, bool) {
-    let checks: Vec<Check<'_>> = limits.iter().map(Limit::check).collect();
-    let answer = match live.limiter.decide_now(&checks, live.cache_denials) {
-        Now::Answered(answer) => answer,
-        Now::Ask(asking) => live.limiter.ask(&checks, live.cache_denials, asking).await,
-    };
-    let decisions = verdict::decisions(&answer);
-    let local = matches!(answer, Answer::Local(_));
-    let ruled: Vec<Ruled> = limits.iter().map(Limit::ruled).collect();
-    let v = verdict::judge(&ruled, decisions.as_deref(), live.config.store.on_error);
-    let leases = match (&decisions, v) {
-        // A call that timed out may still have run: take back any lease it could have
-        // written (a no-op where it did not).
-        (None, _) => {
-            Leases::abandon(&live.limiter, &checks);
-            None
-        }
-        // Every enforcing concurrency check of a request let through took its slot, and
-        // the watching ones that allowed (charged as if enforced).
-        (Some(d), Verdict::Forward | Verdict::Delay(_)) => {
-            Leases::taken(&live.limiter, local, &checks, |k| {
-                d[k].is_some_and(|d| d.allowed)
-            })
-        }
-        _ => None,
-    };
-    (decisions, v, leases, local)
-}
-
-/// Count each rule's share of the request (`denied`: another rule, or this one, denied
-/// it); the first watching rule that would have denied. The passes (allowed, delayed)
-/// count once the upstream has answered ([`RequestCtx::count_passed`]).
-fn tally<'l>(
-    live: &Live,
-    limits: &[Limit<'l, '_>],
-    decisions: &[Option<Decision>],
-    denied: bool,
-) -> Option<&'l str> {
-    let mut shadow_denied = None;
-    for (l, d) in limits.iter().zip(decisions) {
-        let Some(d) = d else { continue };
-        let Some(counters) = live.counters.get(l.index) else {
-            continue;
-        };
-        match verdict::share(l.enforced, d, denied) {
-            Disposition::DeniedByOther => counters.denied_by_other.inc(),
-            Disposition::Denied => counters.denied.inc(),
-            Disposition::ShadowDenied => {
-                shadow_denied.get_or_insert(l.rule.name.as_str());
-                counters.shadow_denied.inc()
-            }
-            _ => continue,
-        };
-    }
-    shadow_denied
-}
-
 /// A forwarded request the upstream did not answer (502, 504), counted under each rule
 /// that let it through (each [`Applied`](headers::Applied) carries its rule's position).
 fn count_rule_failures(ctx: &RequestCtx<'_>, e: &upstream::Error) {
@@ -672,7 +625,7 @@ fn count_rule_failures(ctx: &RequestCtx<'_>, e: &upstream::Error) {
         return;
     }
     let timeout = e.status() == StatusCode::GATEWAY_TIMEOUT;
-    for a in ctx.applied.iter().chain(&ctx.shadow) {
+    for a in ctx.decided.applied.iter().chain(&ctx.decided.shadow) {
         if let Some(c) = ctx.live.counters.get(a.index) {
             if timeout {
                 c.upstream_timeout.inc();
@@ -680,16 +633,5 @@ fn count_rule_failures(ctx: &RequestCtx<'_>, e: &upstream::Error) {
                 c.upstream_error.inc();
             }
         }
-    }
-}
-
-/// The answer to a request refused before any limit: its status and reason, and a bearer
-/// token's challenge (`WWW-Authenticate`) where a token was missing or did not verify.
-fn refused(refusal: crate::identity::Refusal) -> Problem {
-    let p = Problem::new(refusal.status(), refusal.to_string()).with_challenge(refusal.challenge());
-    match refusal {
-        crate::identity::Refusal::KeysUnavailable => p.with_retry_after(1),
-        crate::identity::Refusal::Throttled(ms) => p.with_retry_after(ms.div_ceil(1000).max(1)),
-        _ => p,
     }
 }

@@ -9,43 +9,11 @@
 
 use http::{Response, StatusCode};
 
-use crate::runtime::Live;
-use super::route::Destination;
 use super::{problem, Body, Gateway, RequestCtx};
-use crate::telemetry::disposition::Disposition;
 use crate::headers::{self, Problem};
-use crate::identity::Requester;
 use crate::overload::{Permit, RETRY_AFTER};
+use crate::telemetry::disposition::Disposition;
 use crate::upstream::Pool;
-
-/// The priority of a request bound for `to`: the highest `priority` among the
-/// `[rules.plans.<plan>]` tables of its plan in the rules whose match fits it (`fitting`,
-/// the request's [`super::limits::matching`], found once for its limits too; an exempt
-/// plan's table counts as well); 0 without a plan, or where no such table sets one. Read
-/// only for a pool with overload protection.
-pub(super) fn priority(
-    live: &Live,
-    fitting: &[usize],
-    requester: &Requester<'_>,
-    to: &Destination,
-) -> u32 {
-    let cfg = &*live.config;
-    let protected = live
-        .pools
-        .get(to.pool)
-        .is_some_and(|p| p.overload().is_some());
-    if !protected || cfg.rules.iter().all(|r| r.priorities.is_empty()) {
-        return 0;
-    }
-    let Some(plan) = requester.plan() else {
-        return 0;
-    };
-    fitting
-        .iter()
-        .filter_map(|&i| cfg.rules.get(i)?.priorities.get(plan).copied())
-        .max()
-        .unwrap_or(0)
-}
 
 impl Gateway {
     /// The pool's permit for the request, where the pool has overload protection (none
@@ -58,12 +26,12 @@ impl Gateway {
         let Some(overload) = pool.overload() else {
             return Ok(None);
         };
-        match overload.admit(ctx.priority).await {
+        match overload.admit(ctx.decided.priority).await {
             Ok(permit) => Ok(Some(permit)),
             Err(shed) => {
                 tracing::debug!(
                     pool = ctx.pool(),
-                    priority = ctx.priority,
+                    priority = ctx.decided.priority,
                     reason = shed.detail(),
                     "overloaded: request shed"
                 );
@@ -71,8 +39,8 @@ impl Gateway {
                 let cfg = ctx.config();
                 let p = Problem::new(StatusCode::SERVICE_UNAVAILABLE, shed.detail())
                     .with_retry_after(RETRY_AFTER);
-                let mut resp = problem(p, cfg, &ctx.applied, ctx.dialect);
-                headers::add_shadow(resp.headers_mut(), cfg.response, &ctx.shadow);
+                let mut resp = problem(p, cfg, &ctx.decided.applied, ctx.dialect);
+                headers::add_shadow(resp.headers_mut(), cfg.response, &ctx.decided.shadow);
                 ctx.disposed(Disposition::Shed);
                 Err(resp)
             }

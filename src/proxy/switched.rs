@@ -44,7 +44,8 @@ impl Gateway {
                     .is_some_and(|u| u.as_bytes().eq_ignore_ascii_case(b"websocket")));
         // Each rule's message meter and byte meter, in that order.
         let limited = || {
-            ctx.messages
+            ctx.decided
+                .messages
                 .iter()
                 .filter(|_| websocket)
                 .filter_map(|&(index, digest, _)| Some((cfg.rules.get(index)?, digest)))
@@ -63,7 +64,13 @@ impl Gateway {
         let max_message = limited()
             .filter_map(|(rule, _)| rule.messages?.max_bytes)
             .min();
-        let max_delay = ctx.messages.iter().map(|&(_, _, us)| us).min().unwrap_or(0);
+        let max_delay = ctx
+            .decided
+            .messages
+            .iter()
+            .map(|&(_, _, us)| us)
+            .min()
+            .unwrap_or(0);
         let tunnel = crate::tunnel::Tunnel {
             websocket,
             meters,
@@ -74,7 +81,7 @@ impl Gateway {
                 .connection
                 .as_ref()
                 .map_or_else(crate::connection::Hold::detached, |t| t.hold()),
-            leases: ctx.leases.take(),
+            leases: ctx.decided.leases.take(),
             labels: crate::tunnel::metrics::TunnelLabels {
                 route: ctx.route().unwrap_or("").to_string(),
                 pool: ctx.pool().unwrap_or("").to_string(),

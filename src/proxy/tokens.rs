@@ -115,11 +115,8 @@ pub async fn read_into(
     Ok(asked)
 }
 
-/// The answer of a rule that refuses a request whose body says no usable `max_tokens`
-/// (`on_unreadable = "reject"`).
-pub fn refusal(why: Unreadable) -> Problem {
-    Problem::new(why.status(), why.detail())
-}
+#[cfg(test)]
+use crate::decide::unreadable as refusal;
 
 #[cfg(test)]
 #[path = "tokens_tests.rs"]

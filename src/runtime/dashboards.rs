@@ -18,11 +18,24 @@ use prometheus_client::metrics::family::Family;
 use prometheus_client::metrics::{MetricType, TypedMetric};
 
 use super::demand::{DemandMeter, Terms};
-use crate::proxy::limits::Limit;
 use super::live::Live;
 use crate::limiter::{Algorithm, Decision, Fnv1a};
 use crate::rules::{Plan, Rule};
 use crate::telemetry::label_enum;
+
+/// One rule of one request, as the dashboards judge it (the decision core's limits).
+pub trait Judged {
+    /// The rule's position in the config (its counters share it).
+    fn index(&self) -> usize;
+    /// Whether the rule enforces for this request (a watching one is not judged).
+    fn enforced(&self) -> bool;
+    /// Its quota for the request's plan.
+    fn quota(&self) -> &crate::limiter::Quota;
+    /// Who the request is under it.
+    fn digest(&self) -> &crate::identity::IdentityDigest;
+    /// Its plan, as the rule's `[rules.plans.<name>]` names it.
+    fn plan(&self) -> Option<&str>;
+}
 
 /// The plan label of a rule's own quota.
 pub const DEFAULT_PLAN: &str = "default";
@@ -237,14 +250,14 @@ impl Dashboards {
     pub fn denied(
         &self,
         live: &Live,
-        limits: &[Limit<'_, '_>],
+        limits: &[impl Judged],
         decisions: &[Option<Decision>],
         by: usize,
         retry_ms: u64,
     ) {
         if let Some(l) = limits.get(by) {
-            if let Some(c) = live.counters.get(l.index) {
-                c.dashboard.denial(l.plan).inc();
+            if let Some(c) = live.counters.get(l.index()) {
+                c.dashboard.denial(l.plan()).inc();
                 c.dashboard.retry.observe_ms(retry_ms);
             }
         }
@@ -254,33 +267,29 @@ impl Dashboards {
     /// A request admitted (forwarded, now or after its wait): under every enforcing rule,
     /// whether it left its identity near the limit, and if its identity is within its
     /// plan there, a served request.
-    pub fn admitted(
-        &self,
-        live: &Live,
-        limits: &[Limit<'_, '_>],
-        decisions: &[Option<Decision>],
-    ) {
+    pub fn admitted(&self, live: &Live, limits: &[impl Judged], decisions: &[Option<Decision>]) {
         self.judge(live, limits, decisions, true);
     }
 
     fn judge(
         &self,
         live: &Live,
-        limits: &[Limit<'_, '_>],
+        limits: &[impl Judged],
         decisions: &[Option<Decision>],
         served: bool,
     ) {
         // Read once for all the request's rules, when one needs it.
         let mut now_us = None;
         for (l, d) in limits.iter().zip(decisions) {
-            if !l.enforced {
+            if !l.enforced() {
                 continue;
             }
-            let Some(c) = live.counters.get(l.index) else {
+            let Some(c) = live.counters.get(l.index()) else {
                 continue;
             };
             let c = &c.dashboard;
-            let within = match l.quota.algorithm {
+            let q = l.quota();
+            let within = match q.algorithm {
                 // Demand is what is in flight: the store's count, this request's included,
                 // is what its decision was made on.
                 Algorithm::Concurrency => match d {
@@ -288,17 +297,16 @@ impl Dashboards {
                     None => continue,
                 },
                 _ => {
-                    let key = self.demand.key(c.salt, &l.identity.digest);
+                    let key = self.demand.key(c.salt, l.digest());
                     let now = *now_us.get_or_insert_with(|| self.demand.now_us());
-                    self.demand
-                        .record(key, Terms::of(&l.quota), l.quota.cost, now)
+                    self.demand.record(key, Terms::of(q), q.cost, now)
                 }
             };
             if within {
                 let outcome = if served { &c.served } else { &c.limited };
                 outcome.inc();
             }
-            if served && d.is_some_and(|d| near_limit(&l.quota, &d)) {
+            if served && d.is_some_and(|d| near_limit(q, &d)) {
                 c.near_limit.inc();
             }
         }
@@ -327,7 +335,7 @@ pub struct RuleDashboard {
 }
 
 impl RuleDashboard {
-    /// The denial counter of `plan` (as [`Limit::plan`] names it).
+    /// The denial counter of `plan` (as [`Judged::plan`] names it).
     fn denial(&self, plan: Option<&str>) -> &Counter {
         plan.and_then(|p| {
             self.plans

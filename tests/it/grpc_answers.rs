@@ -89,7 +89,7 @@ async fn send(gw: &Gateway, live: &Live, path: &str, headers: &[(&str, &str)]) -
                 status: head.status,
                 headers: head.headers,
                 body: body.to_vec(),
-                decision: note.disposition.decision(),
+                decision: note.decided.disposition.decision(),
             })
         }
         Admission::Forward(_) => None,

@@ -114,7 +114,7 @@ impl InProcess {
                     headers: head.headers,
                     body: String::from_utf8_lossy(&body).into_owned(),
                     pass: None,
-                    decision: note.disposition.decision(),
+                    decision: note.decided.disposition.decision(),
                 }
             }
             Admission::Forward(pass) => {
@@ -124,7 +124,7 @@ impl InProcess {
                     status: StatusCode::OK,
                     headers,
                     body: String::new(),
-                    decision: pass.disposition.decision(),
+                    decision: pass.decided.disposition.decision(),
                     pass: Some(pass),
                 }
             }
@@ -286,7 +286,7 @@ async fn a_shadow_rule_reports_what_it_would_deny_and_denies_nothing() {
     // The enforcing rule is the client's limit, and only it.
     assert_eq!(second.header("ratelimit-policy"), "\"real\";q=100;w=60");
     assert_eq!(
-        second.pass.as_ref().map(|p| p.shadow_denied),
+        second.pass.as_ref().map(|p| p.decided.shadow_denied),
         Some(Some("watch"))
     );
 }

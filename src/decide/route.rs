@@ -3,8 +3,7 @@
 //! before the rules, which may follow a route (`match = { route = "billing" }`), and
 //! before the identity a `hash:` pool balances by is read.
 
-use http::request::Parts;
-
+use super::Subject;
 use crate::config::Config;
 use crate::identity::{Refusal, Requester};
 use crate::rules;
@@ -65,20 +64,20 @@ impl Destination {
 /// `default` (a 404). A key a route's condition reads and refuses refuses the request.
 pub fn choose(
     cfg: &Config,
-    parts: &Parts,
+    subject: &Subject<'_>,
     requester: &Requester<'_>,
 ) -> Result<Option<Destination>, Refusal> {
     let routes = &cfg.routes;
     let route = if routes.list.is_empty() {
         None
     } else {
-        let path = cfg.index.path_of(parts.uri.path());
+        let path = cfg.index.path_of(subject.uri.path());
         let host = if routes.uses_host() {
-            rules::request_host(&parts.uri, &parts.headers)
+            rules::request_host(subject.uri, subject.headers)
         } else {
             None
         };
-        routes.choose(&parts.method, &path, host, requester)?
+        routes.choose(subject.method, &path, host, requester)?
     };
     let pool = match route {
         Some(r) => routes.list.get(r).map(|r| r.pool),

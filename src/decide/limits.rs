@@ -2,14 +2,14 @@
 //! request is under it, the quota its plan gives, whether it enforces for this identity,
 //! its place among the requests waiting on it, its concurrency lease.
 
-use http::request::Parts;
-
-use crate::runtime::{Live, WaitSlot};
 use super::route::Destination;
+use super::Subject;
 use crate::headers::Applied;
 use crate::identity::{Identity, Refusal, Requester};
 use crate::limiter::{Algorithm, Check, Decision, Quota};
 use crate::rules::{self, Applies, Rule};
+use crate::runtime::dashboards::Judged;
+use crate::runtime::{Live, WaitSlot};
 use crate::settle::max_tokens::{Asked, Unreadable};
 
 /// A request one rule refused before any limit was consulted: the rule's position in
@@ -130,23 +130,45 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
     }
 }
 
+impl Judged for Limit<'_, '_> {
+    fn index(&self) -> usize {
+        self.index
+    }
+
+    fn enforced(&self) -> bool {
+        self.enforced
+    }
+
+    fn quota(&self) -> &Quota {
+        &self.quota
+    }
+
+    fn digest(&self) -> &crate::identity::IdentityDigest {
+        &self.identity.digest
+    }
+
+    fn plan(&self) -> Option<&str> {
+        self.plan
+    }
+}
+
 /// Whether a rule that may apply to the request reserves what its body asks for
 /// (`reserve = "max_tokens"`): only then is its body read. Decided before the request's
 /// route is (routes can need its identity, which is found after the body is read), so
 /// a rule's route condition is not looked at: a rule that fits the path, method and host
 /// reads the body, whatever its route; a request naming no host, for any such rule.
-pub fn may_read_body(live: &Live, parts: &Parts) -> bool {
+pub fn may_read_body(live: &Live, subject: &Subject<'_>) -> bool {
     if !live.reserves_max_tokens {
         return false;
     }
     let cfg = &*live.config;
-    let Some(host) = rules::request_host(&parts.uri, &parts.headers) else {
+    let Some(host) = rules::request_host(subject.uri, subject.headers) else {
         return true;
     };
     let host = cfg.index.uses_host.then_some(host);
-    let path = cfg.index.path_of(parts.uri.path());
+    let path = cfg.index.path_of(subject.uri.path());
     cfg.index
-        .matching(&parts.method, &path, host)
+        .matching(subject.method, &path, host)
         .into_iter()
         .any(|i| {
             cfg.rules[i]
@@ -185,16 +207,16 @@ pub fn refuses_body(
 /// only to that route's requests).
 pub fn matching(
     cfg: &crate::config::Config,
-    parts: &Parts,
+    subject: &Subject<'_>,
     to: Option<&Destination>,
 ) -> Vec<usize> {
-    let path = cfg.index.path_of(parts.uri.path());
+    let path = cfg.index.path_of(subject.uri.path());
     let host = if cfg.index.uses_host {
-        forwarded_host(cfg, parts, to)
+        forwarded_host(cfg, subject, to)
     } else {
         None
     };
-    let mut fitting = cfg.index.matching(&parts.method, &path, host);
+    let mut fitting = cfg.index.matching(subject.method, &path, host);
     let route = to.and_then(|t| t.route);
     fitting.retain(|&i| cfg.rules[i].matcher.fits_route(route));
     fitting
@@ -206,10 +228,10 @@ pub fn matching(
 /// rule for the backend's default vhost applies to what that vhost serves.
 pub fn forwarded_host<'a>(
     cfg: &'a crate::config::Config,
-    parts: &'a Parts,
+    subject: &Subject<'a>,
     to: Option<&Destination>,
 ) -> Option<&'a str> {
-    rules::request_host(&parts.uri, &parts.headers).or_else(|| {
+    rules::request_host(subject.uri, subject.headers).or_else(|| {
         let pool = cfg.upstreams.get(to?.pool)?;
         pool.servers.first()?.url.host()
     })
@@ -217,7 +239,7 @@ pub fn forwarded_host<'a>(
 
 /// The rules with a decision, as the headers show them: the enforcing ones, and apart,
 /// the watching ones.
-pub(super) fn split<'l>(
+pub fn split<'l>(
     limits: &[Limit<'l, '_>],
     decisions: &[Option<Decision>],
 ) -> (Vec<Applied<'l>>, Vec<Applied<'l>>) {
@@ -255,10 +277,17 @@ mod tests {
             std::path::Path::new("t.toml"),
         )
         .unwrap();
-        let (p, _) = http::Request::get("/billing/pay")
+        let (parts, _) = http::Request::get("/billing/pay")
             .body(())
             .unwrap()
             .into_parts();
+        let p = Subject {
+            method: &parts.method,
+            uri: &parts.uri,
+            headers: &parts.headers,
+            peer: std::net::Ipv4Addr::LOCALHOST.into(),
+            client_cert: None,
+        };
         let to = |route| Destination {
             route,
             pool: 0,

@@ -2,10 +2,10 @@
 //! is decided here from the rules' decisions and the store policy, and tested without a
 //! store, a clock or a socket; the request path only carries it out.
 
-use crate::telemetry::disposition::Disposition;
 use crate::identity::Refusal;
 use crate::limiter::guard::Answer;
 use crate::limiter::{Decision, OnError};
+use crate::telemetry::disposition::Disposition;
 
 /// What happens to a request whose rules were all consulted.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

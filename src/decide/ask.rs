@@ -1,0 +1,81 @@
+//! The store asked about every rule of a request at once, and its answer judged: each
+//! rule's share counted, the verdict, the leases a request let through now holds.
+
+use super::limits::Limit;
+use super::verdict::{self, Ruled, Verdict};
+use crate::limiter::guard::{Answer, Now};
+use crate::limiter::lease::Leases;
+use crate::limiter::{Check, Decision};
+use crate::runtime::Live;
+use crate::telemetry::Disposition;
+
+impl Limit<'_, '_> {
+    pub(super) fn ruled(&self) -> Ruled {
+        Ruled {
+            enforced: self.enforced,
+            jitter_us: self.rule.retry_jitter_us,
+        }
+    }
+}
+
+/// Ask the store about every limit at once, and judge its answer: the decisions (none if
+/// the store failed), the verdict, and the concurrency slots the request now holds.
+pub(super) async fn consult(
+    live: &Live,
+    limits: &[Limit<'_, '_>],
+) -> (Option<Vec<Option<Decision>>>, Verdict, Option<Leases>, bool) {
+    let checks: Vec<Check<'_>> = limits.iter().map(Limit::check).collect();
+    let answer = match live.limiter.decide_now(&checks, live.cache_denials) {
+        Now::Answered(answer) => answer,
+        Now::Ask(asking) => live.limiter.ask(&checks, live.cache_denials, asking).await,
+    };
+    let decisions = verdict::decisions(&answer);
+    let local = matches!(answer, Answer::Local(_));
+    let ruled: Vec<Ruled> = limits.iter().map(Limit::ruled).collect();
+    let v = verdict::judge(&ruled, decisions.as_deref(), live.config.store.on_error);
+    let leases = match (&decisions, v) {
+        // A call that timed out may still have run: take back any lease it could have
+        // written (a no-op where it did not).
+        (None, _) => {
+            Leases::abandon(&live.limiter, &checks);
+            None
+        }
+        // Every enforcing concurrency check of a request let through took its slot, and
+        // the watching ones that allowed (charged as if enforced).
+        (Some(d), Verdict::Forward | Verdict::Delay(_)) => {
+            Leases::taken(&live.limiter, local, &checks, |k| {
+                d[k].is_some_and(|d| d.allowed)
+            })
+        }
+        _ => None,
+    };
+    (decisions, v, leases, local)
+}
+
+/// Count each rule's share of the request (`denied`: another rule, or this one, denied
+/// it); the first watching rule that would have denied. The passes (allowed, delayed)
+/// count once the upstream has answered (the proxy's `RequestCtx::count_passed`).
+pub(super) fn tally<'l>(
+    live: &Live,
+    limits: &[Limit<'l, '_>],
+    decisions: &[Option<Decision>],
+    denied: bool,
+) -> Option<&'l str> {
+    let mut shadow_denied = None;
+    for (l, d) in limits.iter().zip(decisions) {
+        let Some(d) = d else { continue };
+        let Some(counters) = live.counters.get(l.index) else {
+            continue;
+        };
+        match verdict::share(l.enforced, d, denied) {
+            Disposition::DeniedByOther => counters.denied_by_other.inc(),
+            Disposition::Denied => counters.denied.inc(),
+            Disposition::ShadowDenied => {
+                shadow_denied.get_or_insert(l.rule.name.as_str());
+                counters.shadow_denied.inc()
+            }
+            _ => continue,
+        };
+    }
+    shadow_denied
+}
