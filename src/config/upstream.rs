@@ -35,6 +35,16 @@ use crate::upstream::{
 /// - [`Keys`]: one table's settings by reference, with the table's key path, and each
 ///   table's `keys(table)`; `empty_keys()`, a table that gives none.
 macro_rules! pool_tables {
+    (@keys $table:ident: $($key:ident),*) => {
+        impl $table {
+            fn keys(&self, table: String) -> Keys<'_> {
+                Keys {
+                    table,
+                    $($key: self.$key.as_ref(),)*
+                }
+            }
+        }
+    };
     (
         upstream: $upstream:ident,
         $(#[$meta:meta])*
@@ -68,23 +78,8 @@ macro_rules! pool_tables {
             $($key: Option<&'a $ty>,)*
         }
 
-        impl $pool {
-            fn keys(&self, table: String) -> Keys<'_> {
-                Keys {
-                    table,
-                    $($key: self.$key.as_ref(),)*
-                }
-            }
-        }
-
-        impl $upstream {
-            fn keys(&self, table: String) -> Keys<'_> {
-                Keys {
-                    table,
-                    $($key: self.$key.as_ref(),)*
-                }
-            }
-        }
+        pool_tables!(@keys $pool: $($key),*);
+        pool_tables!(@keys $upstream: $($key),*);
 
         /// `[upstream]` without a key.
         fn empty_keys<'a>() -> Keys<'a> {
