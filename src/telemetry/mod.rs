@@ -1,9 +1,9 @@
 //! The bottom layer of the metrics: what every module's metrics are made with.
 //!
-//! - [`metrics!`]: a module's metrics declared once, as one list of fields, each with its
+//! - `metrics!`: a module's metrics declared once, as one list of fields, each with its
 //!   metric name, help text and kind; the macro writes the struct and its `register`.
-//! - [`label_sets!`]: the label sets the families count by, as plain structs.
-//! - [`label_enum!`]: a vocabulary enum written once with its label values.
+//! - `label_sets!`: the label sets the families count by, as plain structs.
+//! - `label_enum!`: a vocabulary enum written once with its label values.
 //! - [`Gauged`]: a gauge held one higher while a guard lives.
 //! - [`stats`]: what the status page shows, counted beside the metrics.
 //! - [`AdminMetrics`] (`admin.rs`): the admin listener's, declared here so that the
@@ -140,7 +140,7 @@ macro_rules! label_sets {
 }
 pub(crate) use label_sets;
 
-/// A histogram, or a family of them, made with its buckets (by [`metrics!`]).
+/// A histogram, or a family of them, made with its buckets (by `metrics!`).
 pub trait Buckets {
     fn with(make: fn() -> Histogram) -> Self;
 }
