@@ -12,7 +12,8 @@
 //! (admin, config, telemetry, worker) where it is first needed. Imports go one way only:
 //! `tests/it/layering.rs` fails on an import cycle among these modules, and
 //! `cargo test --test it layering:: -- --nocapture` prints their layers (`connection`, whose
-//! clocks the upstream hop uses too, and `identity` and `telemetry` at the bottom; `server` at the top).
+//! clocks the upstream hop uses too, and `identity` and `telemetry` at the bottom; `server`
+//! at the top).
 //!
 //! - [`server`]: one accept loop with its graceful shutdown (`server/listener.rs`: a
 //!   `Listener` value, run by every listener: cleartext, TLS, admin), the workers, SIGHUP
@@ -81,8 +82,8 @@
 //!   charged to the store in batches).
 //! - [`telemetry`]: the bottom layer of the metrics: `metrics!` (a module's metrics declared
 //!   once, one field a metric with its name and help; it writes the struct and its
-//!   `register`), `label_enum!` (a vocabulary enum written once with its label values),
-//!   `Gauged`, and [`telemetry::stats`], what the status page shows (outcomes, latencies,
+//!   `register`), `label_sets!` (the families' label sets), `label_enum!` (a vocabulary
+//!   enum written once with its label values), `Gauged`, and [`telemetry::stats`], what the status page shows (outcomes, latencies,
 //!   the loads of the config; counted with atomics on the request path, sampled into a
 //!   bounded ring). Each module declares the metrics it owns (`connection/metrics.rs`,
 //!   `gateway/metrics.rs`, `limiter/metrics.rs`, `upstream/tls.rs`, `upstream/metrics.rs`,

@@ -1,9 +1,9 @@
 //! The bottom layer of the metrics: what every module's metrics are made with.
 //!
-//! - [`metrics!`]: a module's metrics declared once, as one list of fields, each with its
+//! - `metrics!`: a module's metrics declared once, as one list of fields, each with its
 //!   metric name, help text and kind; the macro writes the struct and its `register`.
-//! - [`label_sets!`]: the label sets the families count by, as plain structs.
-//! - [`label_enum!`]: a vocabulary enum written once with its label values.
+//! - `label_sets!`: the label sets the families count by, as plain structs.
+//! - `label_enum!`: a vocabulary enum written once with its label values.
 //! - [`Gauged`]: a gauge held one higher while a guard lives.
 //! - [`stats`]: what the status page shows, counted beside the metrics.
 //! - [`AdminMetrics`] (`admin.rs`): the admin listener's, declared here so that the
@@ -42,7 +42,8 @@ pub const LATENCY_BUCKETS: [f64; 15] = [
 /// One module's metrics, declared once: a list of fields, each with its metric name, help
 /// text and kind. The macro writes the struct (its attributes, derives and docs kept) and
 /// `register(&mut Registry) -> Self`, which registers each metric in the order written —
-/// the order `/metrics` shows them in. A field is one of:
+/// the order `/metrics` shows them in. Written as a table, a metric a line (its options
+/// below it). A field is one of:
 ///
 /// - `field: Type = ("name", "help")`: a metric (a counter, a gauge, a family of them)
 ///   made by `Default` and registered as `name` (the registry adds its prefix, and
@@ -59,9 +60,7 @@ pub const LATENCY_BUCKETS: [f64; 15] = [
 ///     #[derive(Clone)]
 ///     pub struct TunnelMetrics {
 ///         pub open: Family<TunnelLabels, Gauge> = ("upgraded_connections", "Open now"),
-///         pub ended: Family<EndedLabels, Counter> = (
-///             "upgraded_closed",
-///             "Closed, by reason",
+///         pub ended: Family<EndedLabels, Counter> = ("upgraded_closed", "Closed, by reason",
 ///             zero = Ended::ALL.map(|reason| EndedLabels { reason }),
 ///         ),
 ///         handles: [Gauge; 2] = { [open.get_or_create(..).clone(), ..] },
@@ -144,7 +143,7 @@ macro_rules! label_sets {
 }
 pub(crate) use label_sets;
 
-/// A histogram, or a family of them, made with its buckets (by [`metrics!`]).
+/// A histogram, or a family of them, made with its buckets (by `metrics!`).
 pub trait Buckets {
     fn with(make: fn() -> Histogram) -> Self;
 }
@@ -230,9 +229,9 @@ impl Drop for Gauged<'_> {
 
 #[cfg(test)]
 mod tests {
+    use super::{Family, Histogram};
     use prometheus_client::encoding::EncodeLabelSet;
     use prometheus_client::metrics::counter::Counter;
-    use prometheus_client::metrics::family::Family;
     use prometheus_client::registry::Registry;
 
     label_enum! {
@@ -266,5 +265,58 @@ mod tests {
             text.contains("samples_total{sample=\"two_words\"} 1"),
             "{text}"
         );
+    }
+
+    label_sets! {
+        struct DeclaredLabels {
+            rule: &'static str,
+            sample: Sample,
+        }
+    }
+
+    metrics! {
+        struct Inner {
+            inner: Counter = ("inner", "Inner"),
+        }
+    }
+
+    metrics! {
+        struct Declared {
+            family: Family<DeclaredLabels, Counter> = ("declared", "Declared",
+                zero = Sample::ALL.map(|sample| DeclaredLabels { rule: "r", sample }),
+            ),
+            wait: Histogram = ("wait_seconds", "Waits", buckets = [0.5, 1.0]),
+            nested: Inner = nested,
+            handle: Counter = {
+                family.get_or_create(&DeclaredLabels { rule: "r", sample: Sample::One }).clone()
+            },
+        }
+    }
+
+    #[test]
+    fn declared_metrics_register_in_order_with_their_buckets_and_series_at_zero() {
+        let mut registry = Registry::default();
+        let m = Declared::register(&mut registry);
+        m.handle.inc();
+        m.wait.observe(0.7);
+        m.nested.inner.inc();
+        let two = DeclaredLabels {
+            rule: "r",
+            sample: Sample::TwoWords,
+        };
+        assert_eq!(m.family.get_or_create(&two).get(), 0);
+        let mut text = String::new();
+        prometheus_client::encoding::text::encode(&mut text, &registry).expect("encodes");
+        let at = |line: &str| {
+            text.find(line)
+                .unwrap_or_else(|| panic!("no {line} in {text}"))
+        };
+        assert!(at("# HELP declared Declared") < at("# HELP wait_seconds Waits"));
+        assert!(at("# HELP wait_seconds Waits") < at("# HELP inner Inner"));
+        at("declared_total{rule=\"r\",sample=\"one\"} 1");
+        at("declared_total{rule=\"r\",sample=\"two_words\"} 0");
+        at("wait_seconds_bucket{le=\"0.5\"} 0");
+        at("wait_seconds_bucket{le=\"1.0\"} 1");
+        at("inner_total 1");
     }
 }

@@ -840,6 +840,9 @@ fn file_metrics(src: &str, all: &str) -> BTreeMap<String, (String, SourceLabels)
     let lines: Vec<&str> = src.lines().collect();
     for (i, line) in lines.iter().enumerate() {
         let l = line.trim();
+        if l.starts_with("//") {
+            continue;
+        }
         let l = l.strip_prefix("pub ").unwrap_or(l);
         let Some((head, init)) = l.split_once(" = (") else {
             continue;
