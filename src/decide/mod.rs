@@ -28,7 +28,8 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode, Uri};
 use crate::config::Config;
 use crate::headers::{Applied, Problem};
 use crate::identity::{ClientCert, IdentityDigest, Refusal, Requester};
-use crate::limiter::lease::Leases;
+/// What a request let through holds until its answer ends: its concurrency leases.
+pub use crate::limiter::lease::{Leases, Releasing};
 use crate::limiter::Decision;
 use crate::runtime::{Live, Metrics, WaitSlot};
 use crate::settle::max_tokens::Asked;

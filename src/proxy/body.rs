@@ -9,7 +9,7 @@ use http::HeaderName;
 use http_body_util::{Either, Full};
 
 use super::grpc::Watch;
-use crate::limiter::lease::{Leases, Releasing};
+use crate::decide::{Leases, Releasing};
 use crate::settle::Meter;
 use crate::upstream::ResponseBody;
 

@@ -29,17 +29,15 @@ mod tokens;
 use std::sync::Arc;
 use std::time::Instant;
 
-use arc_swap::ArcSwap;
 use http::request::Parts;
 use http::{HeaderMap, Request, Response, StatusCode};
 use http_body_util::Either;
 use hyper::body::Incoming;
 
-use crate::config::{Config, ConfigError, Source};
+use crate::config::{Config, Source};
 use crate::decide::{self, Rejection, Subject};
 use crate::headers::{self, Problem};
-use crate::limiter::StoreError;
-use crate::runtime::requests::{status_class, RefusalReason, ReloadLabels, ReloadResult};
+use crate::runtime::requests::{status_class, RefusalReason};
 use crate::telemetry::disposition::Disposition;
 use crate::telemetry::stats::Outcome;
 use crate::telemetry::Gauged;
@@ -47,28 +45,16 @@ use crate::upstream::{self, Downstream};
 use access::AccessLine;
 use grpc::{Dialect, Origin};
 
-pub use crate::runtime::{Live, Metrics};
+pub use crate::runtime::{Current, Live, Metrics, ReloadError};
 use answer::close_after;
 pub use answer::problem;
 pub use body::{Body, LeasedBody};
 pub use context::Context;
 pub use ctx::RequestCtx;
 
-#[derive(Debug, thiserror::Error)]
-pub enum ReloadError {
-    #[error("no config file to reload from")]
-    NoFile,
-    #[error(transparent)]
-    Config(#[from] ConfigError),
-    #[error("store: {0}")]
-    Store(#[from] StoreError),
-}
-
+/// The request pipeline, on the configuration the runtime keeps current.
 pub struct Gateway {
-    live: ArcSwap<Live>,
-    /// The file SIGHUP re-reads, and the command line's or environment's overrides it
-    /// keeps.
-    source: Option<Source>,
+    current: Current,
     metrics: Arc<Metrics>,
 }
 
@@ -92,80 +78,24 @@ pub enum Admission<'l> {
 
 impl Gateway {
     pub fn new(live: Live, source: Option<Source>, metrics: Arc<Metrics>) -> Gateway {
-        metrics.stats.started_with(live.config.sha256.clone());
         Gateway {
-            live: ArcSwap::from_pointee(live),
-            source,
+            current: Current::new(live, source, metrics.clone()),
             metrics,
         }
     }
 
     /// The configuration requests start on now.
     pub fn live(&self) -> Arc<Live> {
-        self.live.load_full()
+        self.current.live()
     }
 
     pub fn metrics(&self) -> &Arc<Metrics> {
         &self.metrics
     }
 
-    /// Re-read the config file; on success new requests run on it, on failure nothing
-    /// changes. Requests in flight finish on the configuration they started with.
+    /// Re-read the config file ([`Current::reload`]).
     pub fn reload(&self) -> Result<(), ReloadError> {
-        let result = self.try_reload();
-        let outcome = if result.is_ok() {
-            ReloadResult::Ok
-        } else {
-            ReloadResult::Rejected
-        };
-        self.metrics
-            .gateway
-            .reloads
-            .get_or_create(&ReloadLabels { result: outcome })
-            .inc();
-        let sha256 = match &result {
-            Ok(()) => self.live.load().config.sha256.clone(),
-            // What the rejected file holds, where it can be read.
-            Err(_) => self
-                .source
-                .as_ref()
-                .and_then(|s| std::fs::read(&s.path).ok())
-                .map(|bytes| crate::config::sha256_hex(&bytes)),
-        };
-        let shown = result.as_ref().map(|_| ()).map_err(ToString::to_string);
-        self.metrics.stats.reloaded(shown, sha256);
-        result
-    }
-
-    fn try_reload(&self) -> Result<(), ReloadError> {
-        let source = self.source.as_ref().ok_or(ReloadError::NoFile)?;
-        let config = source.load()?;
-        let old = self.live.load_full();
-        let (s, o) = (&config.server, &old.config.server);
-        if s.listen != o.listen
-            || s.admin_listen != o.admin_listen
-            || s.workers != o.workers
-            || s.max_connections != o.max_connections
-            || s.backlog != o.backlog
-            || s.shutdown_grace != o.shutdown_grace
-            || s.tls.as_ref().map(|t| t.listen) != o.tls.as_ref().map(|t| t.listen)
-        {
-            tracing::warn!(
-                "listen addresses ([server.tls] listen included: a TLS listener is added or removed only by a restart), workers, max_connections, backlog or shutdown_grace changed in the file; they take effect on restart only"
-            );
-        }
-        if config.store != old.config.store {
-            tracing::warn!("[store] changed: limits start from a fresh store");
-        }
-        let live = Live::build(config, Some(&old), &self.metrics)?;
-        if !Arc::ptr_eq(&live.limiter, &old.limiter) {
-            tokio::spawn({
-                let limiter = live.limiter.clone();
-                async move { limiter.warm().await }
-            });
-        }
-        self.live.store(Arc::new(live));
-        Ok(())
+        self.current.reload()
     }
 
     /// Serve one request, in its connection's context: its phases in the order they run,
@@ -173,7 +103,7 @@ impl Gateway {
     /// `conn` is borrowed: an `async fn`'s arguments are laid out twice in its future.
     pub async fn handle(&self, req: Request<Incoming>, conn: &Context) -> Response<Body> {
         let _in_flight = Gauged::new(&self.metrics.gateway.in_flight);
-        let live = self.live.load_full();
+        let live = self.current.live();
         let line = AccessLine::start(&req, &conn.peer, &live.config);
         self.metrics
             .gateway
@@ -497,7 +427,7 @@ impl Gateway {
         conn: &Context,
         answer: impl FnOnce(&Request<B>) -> Response<Body>,
     ) -> Response<Body> {
-        let live = self.live.load_full();
+        let live = self.current.live();
         let line = AccessLine::start(req, &conn.peer, &live.config);
         let resp = answer(req);
         let mut ctx = RequestCtx::new(&live, Dialect::Http, line);

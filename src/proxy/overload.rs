@@ -1,5 +1,4 @@
-//! A request and its pool's overload protection (`crate::overload`): its priority, and
-//! the permit it holds while the backend has it — or the 503 it gets when shed.
+//! A request and its pool's overload protection (`crate::overload`): the permit it holds while the backend has it — or the 503 it gets when shed.
 //!
 //! Asked after the rate limits admitted the request (and after any `max_delay` wait), so
 //! a request the limits deny never takes a place in the queue. A shed request was not
@@ -11,9 +10,8 @@ use http::{Response, StatusCode};
 
 use super::{problem, Body, Gateway, RequestCtx};
 use crate::headers::{self, Problem};
-use crate::overload::{Permit, RETRY_AFTER};
 use crate::telemetry::disposition::Disposition;
-use crate::upstream::Pool;
+use crate::upstream::{Permit, Pool, SHED_RETRY_AFTER};
 
 impl Gateway {
     /// The pool's permit for the request, where the pool has overload protection (none
@@ -23,11 +21,8 @@ impl Gateway {
         ctx: &mut RequestCtx<'_>,
         pool: &Pool,
     ) -> Result<Option<Permit>, Response<Body>> {
-        let Some(overload) = pool.overload() else {
-            return Ok(None);
-        };
-        match overload.admit(ctx.decided.priority).await {
-            Ok(permit) => Ok(Some(permit)),
+        match pool.admit(ctx.decided.priority).await {
+            Ok(permit) => Ok(permit),
             Err(shed) => {
                 tracing::debug!(
                     pool = ctx.pool(),
@@ -38,7 +33,7 @@ impl Gateway {
                 ctx.unanswered().await;
                 let cfg = ctx.config();
                 let p = Problem::new(StatusCode::SERVICE_UNAVAILABLE, shed.detail())
-                    .with_retry_after(RETRY_AFTER);
+                    .with_retry_after(SHED_RETRY_AFTER);
                 let mut resp = problem(p, cfg, &ctx.decided.applied, ctx.dialect);
                 headers::add_shadow(resp.headers_mut(), cfg.response, &ctx.decided.shadow);
                 ctx.disposed(Disposition::Shed);

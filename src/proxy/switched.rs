@@ -8,7 +8,6 @@ use http::Response;
 use super::context::Context;
 use super::{Gateway, RequestCtx};
 use crate::upstream;
-use crate::websocket::Meter;
 
 impl Gateway {
     /// The backend switched protocols: the client's side is answered (`101`, or `200` to
@@ -50,17 +49,7 @@ impl Gateway {
                 .filter(|_| websocket)
                 .filter_map(|&(index, digest, _)| Some((cfg.rules.get(index)?, digest)))
         };
-        let mut meters = Vec::new();
-        for (rule, digest) in limited() {
-            let (limiter, on_error) = (live.limiter.clone(), cfg.store.on_error);
-            if let Some(m) = &rule.messages {
-                let meter = Meter::messages(limiter.clone(), digest, &rule.name, m, on_error);
-                meters.push(meter);
-            }
-            if let Some(b) = &rule.bytes {
-                meters.push(Meter::bytes(limiter, digest, &rule.name, b, on_error));
-            }
-        }
+        let meters = crate::tunnel::meters(&live.limiter, limited(), cfg.store.on_error);
         let max_message = limited()
             .filter_map(|(rule, _)| rule.messages?.max_bytes)
             .min();

@@ -6,6 +6,7 @@
 //! metrics each front-end counts a request into once it is over (`requests.rs`) and the
 //! dashboards' (`dashboards.rs`, judged by the bounded demand meter, `demand.rs`).
 
+mod current;
 pub mod dashboards;
 pub mod demand;
 pub mod jwks;
@@ -13,5 +14,6 @@ mod live;
 pub mod metrics;
 pub mod requests;
 
+pub use current::{Current, ReloadError};
 pub use live::{Live, WaitSlot};
 pub use metrics::Metrics;

@@ -106,6 +106,33 @@ pub struct Tunnel {
     pub labels: TunnelLabels,
 }
 
+/// The message and byte meters of the rules that admitted a WebSocket (`limited`: each
+/// rule with who the request is under it): each rule's message meter, then its byte
+/// meter, in the rules' order.
+pub fn meters<'r>(
+    limiter: &std::sync::Arc<crate::limiter::guard::Limiter>,
+    limited: impl Iterator<Item = (&'r crate::rules::Rule, crate::identity::IdentityDigest)>,
+    on_error: crate::limiter::OnError,
+) -> Vec<Meter> {
+    let mut meters = Vec::new();
+    for (rule, digest) in limited {
+        if let Some(m) = &rule.messages {
+            let meter = Meter::messages(limiter.clone(), digest, &rule.name, m, on_error);
+            meters.push(meter);
+        }
+        if let Some(b) = &rule.bytes {
+            meters.push(Meter::bytes(
+                limiter.clone(),
+                digest,
+                &rule.name,
+                b,
+                on_error,
+            ));
+        }
+    }
+    meters
+}
+
 /// What a tunnel counts into, resolved once.
 struct Counts {
     up: Counter,

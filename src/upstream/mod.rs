@@ -93,6 +93,9 @@ use http::header::{HeaderName, HeaderValue};
 use http::{Method, Request, Response};
 use tokio::io::AsyncWriteExt;
 
+/// A pool's overload protection as its callers meet it: the permit a request holds while
+/// the backend has it, why one was shed, and the `Retry-After` of a shed request.
+pub use crate::overload::{Permit, Shed, RETRY_AFTER as SHED_RETRY_AFTER};
 pub use balance::{key_hash, Balancer, Candidate, Candidates, MAX_RING_POINTS, POINTS_PER_WEIGHT};
 pub use body::{BodyError, RequestBody, ResponseBody};
 pub use budget::{RetryBudget, MIN_RETRIES_PER_SECOND, RETRY_PERCENT, WINDOW_SECS};

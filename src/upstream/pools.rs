@@ -9,6 +9,7 @@
 //! survive. A reload that changes a pool builds it anew; requests in flight finish on the
 //! old one, which goes once the last of them drops it (its tasks see that and stop).
 
+use crate::overload::{Permit, Shed};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU32, AtomicU64, Ordering::Relaxed};
 use std::sync::{Arc, Weak};
@@ -278,6 +279,15 @@ impl Pool {
     /// Its overload protection, if it has one.
     pub fn overload(&self) -> Option<&Arc<crate::overload::Overload>> {
         self.overload.as_ref()
+    }
+
+    /// A request's place with the pool's overload protection, at `priority`: its permit
+    /// (none needed where the pool has no protection), or why it was shed.
+    pub async fn admit(&self, priority: u32) -> Result<Option<Permit>, Shed> {
+        match &self.overload {
+            Some(overload) => overload.admit(priority).await.map(Some),
+            None => Ok(None),
+        }
     }
 
     /// The `Host` a request that names none is sent with: the first server's authority.

@@ -5,6 +5,11 @@
 //! `#[cfg(test)]` modules aside: tests may build their cases through any module). The
 //! test prints the graph in dependency order, so `cargo test --test it layering:: --
 //! --nocapture` shows the layers, and fails naming a cycle if there is one.
+//!
+//! Beside the order the imports happen to make, the tiers the crate is built in
+//! ([`TIERS`], docs/architecture.md): a module imports only from its own tier or those
+//! below, so an upward import fails even where it makes no cycle; and no module uses more
+//! than [`MAX_SIBLINGS`] of the others (a module that needs more is doing several jobs).
 
 use crate::common;
 
@@ -198,6 +203,100 @@ fn cycle(deps: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
     let mut done = BTreeSet::new();
     deps.keys()
         .find_map(|m| visit(m, deps, &mut Vec::new(), &mut done))
+}
+
+/// The tiers of `src/`, bottom first (docs/architecture.md): what everything counts with
+/// and who a request is; the parts a request meets (the store, the pools, the rules, the
+/// config that builds them); what every request runs on; the decision; the front-ends
+/// that take requests and ask it; and what starts them.
+const TIERS: &[(&str, &[&str])] = &[
+    (
+        "bottom",
+        &["identity", "random", "telemetry", "tls", "worker"],
+    ),
+    (
+        "parts",
+        &[
+            "config",
+            "connection",
+            "headers",
+            "limiter",
+            "overload",
+            "rules",
+            "settle",
+            "tunnel",
+            "upstream",
+            "websocket",
+        ],
+    ),
+    ("runtime", &["runtime"]),
+    ("decision", &["decide"]),
+    ("front-ends", &["admin", "proxy"]),
+    ("top", &["cli", "server"]),
+];
+
+/// The most other modules one may use.
+const MAX_SIBLINGS: usize = 10;
+
+fn tier_of(m: &str) -> Option<usize> {
+    TIERS.iter().position(|(_, ms)| ms.contains(&m))
+}
+
+/// Every import of `deps` that goes up a tier, as "module -> import".
+fn upward(deps: &BTreeMap<String, BTreeSet<String>>) -> Vec<String> {
+    let mut up = Vec::new();
+    for (m, named) in deps {
+        let Some(t) = tier_of(m) else { continue };
+        for n in named {
+            if tier_of(n).is_some_and(|u| u > t) {
+                up.push(format!(
+                    "{m} ({}) -> {n} ({})",
+                    TIERS[t].0,
+                    TIERS[tier_of(n).unwrap_or(t)].0
+                ));
+            }
+        }
+    }
+    up
+}
+
+#[test]
+fn modules_import_only_from_their_tier_or_below() {
+    let _watch = common::watchdog();
+    let deps = graph();
+    let unplaced: Vec<&String> = deps.keys().filter(|m| tier_of(m).is_none()).collect();
+    assert!(
+        unplaced.is_empty(),
+        "modules in no tier (place them in TIERS and docs/architecture.md): {unplaced:?}"
+    );
+    let up = upward(&deps);
+    assert!(up.is_empty(), "imports up a tier: {up:#?}");
+    let crowded: Vec<String> = deps
+        .iter()
+        .filter(|(_, d)| d.len() > MAX_SIBLINGS)
+        .map(|(m, d)| format!("{m} uses {}: {d:?}", d.len()))
+        .collect();
+    assert!(
+        crowded.is_empty(),
+        "modules using more than {MAX_SIBLINGS} others: {crowded:#?}"
+    );
+}
+
+#[test]
+fn an_upward_import_is_found() {
+    let _watch = common::watchdog();
+    let mut deps: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    deps.entry("proxy".into())
+        .or_default()
+        .insert("decide".into());
+    deps.entry("decide".into())
+        .or_default()
+        .insert("runtime".into());
+    assert!(upward(&deps).is_empty());
+    deps.entry("telemetry".into())
+        .or_default()
+        .insert("proxy".into());
+    assert_eq!(upward(&deps), ["telemetry (bottom) -> proxy (front-ends)"]);
 }
 
 #[test]
