@@ -37,9 +37,9 @@ use hyper::body::Incoming;
 use crate::config::{Config, Source};
 use crate::decide::{self, Rejection, Subject};
 use crate::headers::{self, Problem};
-use crate::runtime::requests::{status_class, RefusalReason};
+use crate::runtime::requests::status_class;
+use crate::runtime::Ended;
 use crate::telemetry::disposition::Disposition;
-use crate::telemetry::stats::Outcome;
 use crate::telemetry::Gauged;
 use crate::upstream::{self, Downstream};
 use access::AccessLine;
@@ -373,14 +373,12 @@ impl Gateway {
                 }),
                 _ => status,
             };
-            let m = &self.metrics;
-            m.gateway.count_response(status_class(meant), ctx.upstream);
-            if let Some(reason) = refusal_reason(ctx.decided.disposition) {
-                m.gateway.count_refusal(reason);
-            }
-            let outcome = outcome(ctx.decided.disposition, ctx.upstream, meant);
-            m.gateway.count_outcome(outcome, ctx.started.elapsed());
-            m.stats.ended(outcome);
+            self.metrics.ended(&Ended {
+                disposition: ctx.decided.disposition,
+                upstream: ctx.upstream,
+                status: meant,
+                took: ctx.started.elapsed(),
+            });
         }
         if ctx.dialect == Dialect::Grpc {
             self.grpc_answered(&mut resp, &mut ctx, status);
@@ -520,32 +518,6 @@ fn rejected(ctx: &RequestCtx<'_>, r: Rejection) -> Response<Body> {
         close_after(&mut resp);
     }
     resp
-}
-
-/// `ratewall_refusals_total`'s reason for a request refused before any limit was
-/// consulted; none for the rest.
-fn refusal_reason(d: Disposition) -> Option<RefusalReason> {
-    Some(match d {
-        Disposition::Refused(r) => r.into(),
-        Disposition::Malformed {
-            not_implemented: true,
-        } => RefusalReason::NotImplemented,
-        Disposition::Malformed { .. } => RefusalReason::Malformed,
-        Disposition::UnreadableBody => RefusalReason::UnreadableBody,
-        Disposition::NoRoute => RefusalReason::NoRoute,
-        _ => return None,
-    })
-}
-
-/// The status page's outcome (and `ratewall_request_duration_seconds{outcome}`) of a
-/// request disposed of as `d`, answered by the upstream or not, with the status `meant`.
-fn outcome(d: Disposition, upstream: bool, meant: u16) -> Outcome {
-    match d {
-        // Shed by the pool's overload protection: a 503 (or gRPC 14) of its own kind.
-        Disposition::Shed => Outcome::Overloaded,
-        d if d.passed_limits() => Outcome::forwarded(upstream, meant),
-        _ => Outcome::answered(meant),
-    }
 }
 
 /// A forwarded request the upstream did not answer (502, 504), counted under each rule

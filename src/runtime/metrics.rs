@@ -11,11 +11,12 @@ use std::sync::Arc;
 use prometheus_client::metrics::info::Info;
 use prometheus_client::registry::Registry;
 
-use super::requests::GatewayMetrics;
+use super::requests::{status_class, GatewayMetrics, RefusalReason};
 use crate::connection::ConnectionMetrics;
 use crate::limiter::metrics::LimiterMetrics;
-use crate::telemetry::stats::Stats;
+use crate::telemetry::stats::{Outcome, Stats};
 use crate::telemetry::AdminMetrics;
+use crate::telemetry::Disposition;
 use crate::upstream::{PoolMetrics, UpstreamTlsMetrics};
 
 crate::telemetry::label_sets! {
@@ -47,7 +48,35 @@ pub struct Metrics {
     pub stats: Arc<Stats>,
 }
 
+/// A request is over: how it was disposed of, whether the upstream answered it, the
+/// status it got (as it stands: a gateway's gRPC answer counts as the HTTP status it
+/// stands for), and how long it took end to end. Every front-end records its requests
+/// with one ([`Metrics::ended`]).
+pub struct Ended {
+    pub disposition: Disposition,
+    pub upstream: bool,
+    pub status: u16,
+    pub took: std::time::Duration,
+}
+
 impl Metrics {
+    /// Count a request that is over, and feed the status page, from one [`Ended`]: the
+    /// responses by class and source, a refusal's reason, its outcome and time end to
+    /// end. A `redirect_https` answer (made before the gateway proper) is not counted.
+    pub fn ended(&self, e: &Ended) {
+        if !e.disposition.is_counted() {
+            return;
+        }
+        self.gateway
+            .count_response(status_class(e.status), e.upstream);
+        if let Some(reason) = refusal_reason(e.disposition) {
+            self.gateway.count_refusal(reason);
+        }
+        let outcome = outcome(e.disposition, e.upstream, e.status);
+        self.gateway.count_outcome(outcome, e.took);
+        self.stats.ended(outcome);
+    }
+
     pub fn new() -> Metrics {
         let mut registry = Registry::with_prefix("ratewall");
         let gateway = GatewayMetrics::register(&mut registry);
@@ -94,6 +123,32 @@ impl Metrics {
 impl Default for Metrics {
     fn default() -> Self {
         Self::new()
+    }
+}
+
+/// `ratewall_refusals_total`'s reason for a request refused before any limit was
+/// consulted; none for the rest.
+fn refusal_reason(d: Disposition) -> Option<RefusalReason> {
+    Some(match d {
+        Disposition::Refused(r) => r.into(),
+        Disposition::Malformed {
+            not_implemented: true,
+        } => RefusalReason::NotImplemented,
+        Disposition::Malformed { .. } => RefusalReason::Malformed,
+        Disposition::UnreadableBody => RefusalReason::UnreadableBody,
+        Disposition::NoRoute => RefusalReason::NoRoute,
+        _ => return None,
+    })
+}
+
+/// The status page's outcome (and `ratewall_request_duration_seconds{outcome}`) of a
+/// request disposed of as `d`, answered by the upstream or not, with the status `meant`.
+fn outcome(d: Disposition, upstream: bool, meant: u16) -> Outcome {
+    match d {
+        // Shed by the pool's overload protection: a 503 (or gRPC 14) of its own kind.
+        Disposition::Shed => Outcome::Overloaded,
+        d if d.passed_limits() => Outcome::forwarded(upstream, meant),
+        _ => Outcome::answered(meant),
     }
 }
 

@@ -16,4 +16,4 @@ pub mod requests;
 
 pub use current::{Current, ReloadError};
 pub use live::{Live, WaitSlot};
-pub use metrics::Metrics;
+pub use metrics::{Ended, Metrics};
