@@ -7,13 +7,13 @@
 //!
 //! # Layout
 //!
-//! A request travels one way: server -> connection -> gateway -> rules -> identity ->
-//! limiter -> headers -> upstream, and this list follows it, with what serves the path
-//! (admin, config, telemetry, worker) where it is first needed. Imports go one way only:
-//! `tests/it/layering.rs` fails on an import cycle among these modules, and
-//! `cargo test --test it layering:: -- --nocapture` prints their layers (`connection`, whose
-//! clocks the upstream hop uses too, and `identity` and `telemetry` at the bottom; `server`
-//! at the top).
+//! A request travels one way: server -> connection -> proxy -> decide (rules, identity,
+//! limiter) -> headers -> upstream, and this list follows it, with what serves the path
+//! (runtime, admin, config, telemetry, worker) where it is first needed. The modules sit in
+//! tiers (docs/architecture.md: bottom, parts, runtime, decision, front-ends, top) and
+//! import only from their own tier or below: `tests/it/layering.rs` fails on an import up a
+//! tier, on an import cycle, and on a module that uses more than ten others, and
+//! `cargo test --test it layering:: -- --nocapture` prints the layers the imports make.
 //!
 //! - [`server`]: one accept loop with its graceful shutdown (`server/listener.rs`: a
 //!   `Listener` value, run by every listener: cleartext, TLS, admin), the workers, SIGHUP
@@ -24,14 +24,29 @@
 //!   concern a file (`registry`, `track`, `tls`, `serve`, `protocol`, `clocks`, `head`,
 //!   `descriptors`, and `metrics`: the connections' and the TLS listener's); each request
 //!   to
-//! - [`gateway`]: one request, top to bottom: screen its head, choose its route and pool
-//!   (`route.rs`; a 404 where none fits), find its rules, identify it, ask the store, one
-//!   pure verdict, then answer or forward it through its pool; each request in its
-//!   [`proxy::Context`] (peer, TLS session, client certificate, worker), built at the
-//!   connection. Every answer it writes goes through one function (`answer.rs`), HTTP or,
-//!   to a gRPC call, a Trailers-Only gRPC answer ([`proxy::grpc`]). Also what it runs on
-//!   ([`proxy::Live`], swapped whole on reload), and the dashboards' metrics (`dashboards.rs`: denials by plan, retry waits, near-limit
-//!   requests, the good-client SLO judged by the bounded demand meter, `demand.rs`).
+//! - [`proxy`]: the reverse proxy, one request top to bottom in `proxy/mod.rs`, each in
+//!   its [`proxy::RequestCtx`] (`ctx.rs`), its connection's [`proxy::Context`] (peer, TLS
+//!   session, client certificate, worker) beside it: screen its head (`screen.rs`), read
+//!   what its body asks a model for (`tokens.rs`), decide it ([`decide`]), wait, ask its
+//!   pool's overload protection (`overload.rs`), forward it, respond (settle what the
+//!   answer says, `settle.rs`; tunnel an upgrade, `switched.rs`; the body holding its
+//!   leases, `body.rs`) and finish: the one place that counts it and writes its access
+//!   line (`access.rs`). Every answer it writes goes through one function (`answer.rs`),
+//!   HTTP or, to a gRPC call, a Trailers-Only gRPC answer ([`proxy::grpc`]).
+//! - [`decide`]: the decision core: a [`decide::Subject`] (method, URI, headers, peer,
+//!   client certificate) in, a [`decide::Decided`] out, or a [`decide::Rejection`] for the
+//!   front-end to write: the route and pool (`route.rs`; a 404 where none fits), the rules
+//!   that fit and who the request is under each (`limits.rs`), the rules that need no
+//!   credential first where a token must be verified (`first.rs`), the store asked and one
+//!   pure verdict (`ask.rs`, `verdict.rs`), the settlement held (`settling.rs`). No hyper
+//!   type in it.
+//! - [`runtime`]: what every request runs on, whichever front-end took it: the current
+//!   [`runtime::Live`] (config, limiter, pools, per-rule counters; swapped whole on reload
+//!   by [`runtime::Current`]), the JWKS fetcher (`jwks.rs`), and [`runtime::Metrics`], the
+//!   registry root holding every module's metrics, with the request metrics
+//!   (`requests.rs`, recorded from one [`runtime::Ended`]) and the dashboards'
+//!   (`dashboards.rs`: denials by plan, retry waits, near-limit requests, the good-client
+//!   SLO judged by the bounded demand meter, `demand.rs`).
 //! - [`admin`]: what the admin listener serves: metrics, health, the admin API, the status
 //!   page, the guard that slows a peer guessing the admin token (`admin/guard.rs`), and
 //!   the runtime key calls, `/admin/keys` (`admin/keys.rs`).
@@ -49,7 +64,7 @@
 //!   are verified there (`identity/jwt.rs`, with the verified-token cache,
 //!   `token_cache.rs`), and API keys looked up in the runtime key directory
 //!   (`identity/directory.rs`; kept in step with Redis by `limiter/redis/directory.rs`;
-//!   a `jwks_url` fetched by `gateway/jwks.rs`).
+//!   a `jwks_url` fetched by `runtime/jwks.rs`).
 //! - [`limiter`]: the algorithms as pure integer step functions (and the concurrency
 //!   limit; the calendar periods of `"N/month"` rates, `limiter/calendar.rs`); one [`limiter::Store`] boundary with two kinds behind it, [`limiter::memory`]
 //!   (embedded) and [`limiter::redis`] (one Redis or a cluster; Lua twins in `lua/`); the
@@ -72,7 +87,8 @@
 //! - [`overload`]: a pool's overload protection (`overload = { … }`): its concurrency
 //!   limit, adaptive (`limit.rs`, a gradient controller on an injected clock) or fixed,
 //!   and the queue beyond it by priority (`queue.rs`); a [`overload::Permit`] held from
-//!   send to the answer's head. Asked by `gateway/overload.rs` after the rate limits.
+//!   send to the answer's head, asked of the pool (`upstream::Pool::admit`) by
+//!   `proxy/overload.rs` after the rate limits.
 //! - [`settle`]: settling reservations; `usage`, the tokens an OpenAI-compatible backend
 //!   reports, read from its answer's body (JSON or server-sent events) as it streams past;
 //!   `decode`, a compressed answer (gzip, deflate, br, zstd) decoded for it, within a budget.
@@ -85,16 +101,18 @@
 //!   `register`), `label_sets!` (the families' label sets), `label_enum!` (a vocabulary
 //!   enum written once with its label values), `Gauged`, and [`telemetry::stats`], what the status page shows (outcomes, latencies,
 //!   the loads of the config; counted with atomics on the request path, sampled into a
-//!   bounded ring). Each module declares the metrics it owns (`connection/metrics.rs`,
-//!   `gateway/metrics.rs`, `limiter/metrics.rs`, `upstream/tls.rs`, `upstream/metrics.rs`,
-//!   …; the admin listener's in `telemetry/admin.rs`), held with the one registry by
-//!   [`proxy::Metrics`] (`gateway/all_metrics.rs`); every series a config implies is
-//!   created at zero.
+//!   bounded ring); [`telemetry::Disposition`], how a request ended, from which the
+//!   access log's `decision`, the metrics' labels and the status page's outcome are read;
+//!   the gRPC status vocabulary (`grpc.rs`). Each module declares the metrics it owns
+//!   (`connection/metrics.rs`, `runtime/requests.rs`, `limiter/metrics.rs`,
+//!   `upstream/tls.rs`, `upstream/metrics.rs`, …; the admin listener's in
+//!   `telemetry/admin.rs`), held with the one registry by [`runtime::Metrics`]; every series
+//!   a config implies is created at zero.
 //! - [`tls`]: `[server.tls]`: the certificates (chosen by SNI), client certificates, the
 //!   rustls server config the TLS listener's handshakes run on.
 //! - [`worker`]: which worker thread the current code runs on, for per-thread resources
 //!   found without a request's context (Redis connections);
-//!   a request carries its worker in its [`proxy::Context`].
+//!   a request carries its worker in its connection's [`proxy::Context`].
 
 pub mod admin;
 pub mod cli;

@@ -267,7 +267,7 @@ impl Refusal {
     }
 
     /// Whether the refused request is charged to the rules that need no credential (see
-    /// `gateway/admit.rs`): every refusal of the client's doing, not the gateway's own
+    /// `decide/first.rs`): every refusal of the client's doing, not the gateway's own
     /// 503 for keys it has not fetched yet.
     pub fn is_charged(self) -> bool {
         self != Refusal::KeysUnavailable

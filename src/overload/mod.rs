@@ -22,7 +22,7 @@
 //! requests of its own priority (or higher) fill the backend.
 //!
 //! The gateway asks only after the rate limits admitted the request
-//! (`gateway/overload.rs`): a shed request is "unanswered by the backend", as a 502 is,
+//! (`proxy/overload.rs`): a shed request is "unanswered by the backend", as a 502 is,
 //! and its settling charges are refunded as a 502's are.
 
 pub mod limit;

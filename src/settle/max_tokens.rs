@@ -7,7 +7,7 @@
 //! occurrence of each counts, the largest valid one wins ([`asked_of`]). What a body that
 //! says none reserves is each rule's `default_reserve`, or it is refused with
 //! [`Unreadable::status`] (`on_unreadable = "reject"`). The gateway reads the body
-//! (`gateway/tokens.rs`) whatever its `Content-Type` and framing.
+//! (`proxy/tokens.rs`) whatever its `Content-Type` and framing.
 
 use std::fmt;
 

@@ -1,5 +1,5 @@
 //! The admin listener's metrics. The admin listener sits above the gateway, whose
-//! registry root (`gateway::Metrics`) holds every metric: declared here, at the bottom,
+//! registry root (`runtime::Metrics`) holds every metric: declared here, at the bottom,
 //! both name them without the admin listener importing the root. Its vocabulary
 //! (`admin::guard::Failure`) stays with it, and creates the series at zero.
 

@@ -7,13 +7,13 @@
 //! - [`Gauged`]: a gauge held one higher while a guard lives.
 //! - [`stats`]: what the status page shows, counted beside the metrics.
 //! - [`AdminMetrics`] (`admin.rs`): the admin listener's, declared here so that the
-//!   registry root (`gateway::Metrics`, below the admin listener) can hold them.
+//!   registry root (`runtime::Metrics`, below the admin listener) can hold them.
 //!
 //! The metrics themselves are declared by the module that owns them, in a struct of its
 //! own beside its code (`ConnectionMetrics` in `connection/`, `GatewayMetrics` in
 //! `gateway/`, `LimiterMetrics` in `limiter/`, `UpstreamTlsMetrics` in `upstream/tls.rs`,
 //! `PoolMetrics` in `upstream/metrics.rs`), and held, with the one registry, by
-//! `gateway::Metrics`. Label sets are bounded: rule names (from the config), fixed enums,
+//! `runtime::Metrics`. Label sets are bounded: rule names (from the config), fixed enums,
 //! status classes. Never an API key, never an IP. Every series a config implies exists
 //! from the moment it loads, at zero (rules added by a reload at theirs), so that an
 //! alert's query answers 0 rather than nothing. The request path counts through handles
