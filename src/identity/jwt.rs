@@ -12,7 +12,6 @@
 //! Never an unverified token: a token that cannot be checked (no key set yet) is
 //! [`Failure::Unavailable`], never let through.
 
-use std::borrow::Cow;
 use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -28,6 +27,8 @@ use sha2::{Digest, Sha256};
 
 use super::failures::{Allowance, Failures};
 use super::token_cache::{Accepted, Refused, Rejected};
+
+pub use super::claim_path::ClaimPath;
 
 /// A token longer than this is refused unread.
 pub const MAX_TOKEN_BYTES: usize = 8 * 1024;
@@ -400,61 +401,6 @@ fn pem_key_type(text: &[u8]) -> Option<KeyType> {
         Some(KeyType::Ed25519)
     } else {
         None
-    }
-}
-
-/// A claim of a token by its dotted path (`org.id`: the `id` member of the `org` object).
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct ClaimPath {
-    /// As written, for digests, errors and `ratewall check`.
-    text: String,
-    segments: Vec<String>,
-}
-
-impl ClaimPath {
-    /// `text`, or why it is not a claim path (empty, or an empty segment).
-    pub fn parse(text: &str) -> Result<ClaimPath, String> {
-        let text = text.trim();
-        let segments: Vec<String> = text.split('.').map(str::to_string).collect();
-        if text.is_empty() || segments.iter().any(String::is_empty) {
-            return Err(format!(
-                "invalid claim path {text:?}: a claim name, or names joined by dots (org.id)"
-            ));
-        }
-        Ok(ClaimPath {
-            text: text.to_string(),
-            segments,
-        })
-    }
-
-    pub fn as_str(&self) -> &str {
-        &self.text
-    }
-
-    /// The claim's value in `claims`, if it has one.
-    pub fn lookup<'c>(&self, claims: &'c Map<String, Value>) -> Option<&'c Value> {
-        let (first, rest) = self.segments.split_first()?;
-        let mut v = claims.get(first)?;
-        for s in rest {
-            v = v.as_object()?.get(s)?;
-        }
-        Some(v)
-    }
-
-    /// The claim as an identity's or a header's text: a string as it is, a number or a
-    /// boolean as its JSON text. An object, an array, null or no claim: none.
-    pub fn text<'c>(&self, claims: &'c Map<String, Value>) -> Option<Cow<'c, str>> {
-        match self.lookup(claims)? {
-            Value::String(s) => Some(Cow::Borrowed(s)),
-            v @ (Value::Number(_) | Value::Bool(_)) => Some(Cow::Owned(v.to_string())),
-            _ => None,
-        }
-    }
-}
-
-impl fmt::Display for ClaimPath {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.text)
     }
 }
 

@@ -11,6 +11,7 @@
 //! Identities are kept as [`IdentityDigest`]s: 128 bits of a domain-separated SHA-256,
 //! so raw API keys never reach Redis key names, logs or metrics.
 
+mod claim_path;
 mod client_ip;
 pub mod directory;
 pub mod failures;

@@ -97,46 +97,8 @@ impl Live {
         // The threads running now: `workers` takes effect on restart only, so a reload
         // that changes it keeps the running count (and the pools built for it).
         let workers = old.map_or(config.server.workers.max(1), |o| o.workers);
-        let pools = match old {
-            Some(o) if o.config.upstreams == config.upstreams => o.pools.clone(),
-            _ => {
-                let https = config
-                    .upstreams
-                    .iter()
-                    .flat_map(|p| &p.servers)
-                    .any(|s| s.tls.is_some());
-                let handshakes = metrics.upstream_tls.handshakes(https);
-                Arc::new(upstream::Pools::build(
-                    &config.upstreams,
-                    old.map(|o| &*o.pools),
-                    workers,
-                    &metrics.pools,
-                    |_| handshakes.clone(),
-                ))
-            }
-        };
-        // The overload series a config implies: each protected pool at priority 0 and at
-        // each priority a plan sets.
-        let mut priorities: Vec<u32> = std::iter::once(0)
-            .chain(
-                config
-                    .rules
-                    .iter()
-                    .flat_map(|r| r.priorities.values().copied()),
-            )
-            .collect();
-        priorities.sort_unstable();
-        priorities.dedup();
-        for overload in pools.iter().filter_map(|p| p.overload()) {
-            overload.levels(&priorities);
-        }
-        metrics.pools.overload.configure(
-            pools
-                .iter()
-                .filter(|p| p.overload().is_some())
-                .map(|p| (p.settings.name.clone(), priorities.clone()))
-                .collect(),
-        );
+        let pools = pools_for(&config, old, workers, metrics);
+        configure_overload(&config, &pools, metrics);
         // In a cluster, rules on different identities mean refunds, and a refund can make
         // a remembered denial stale: cache only when every rule counts the same identity.
         let one_identity = config
@@ -146,24 +108,7 @@ impl Live {
         let policies = || config.rules.iter().filter_map(|r| r.settle.as_deref());
         let settles = policies().next().is_some();
         let reserves_max_tokens = policies().any(|p| p.max_tokens.is_some());
-        let mut cost_headers: Vec<http::HeaderName> =
-            policies().filter_map(|p| p.cost_header.clone()).collect();
-        cost_headers.sort_by(|a, b| a.as_str().cmp(b.as_str()));
-        cost_headers.dedup();
-        let mut screened = cost_headers.clone();
-        if let Some(jwt) = &config.jwt {
-            screened.extend(
-                jwt.verifier
-                    .settings
-                    .forward_claims
-                    .iter()
-                    .map(|(_, h)| h.clone()),
-            );
-        }
-        screened.sort_by(|a, b| a.as_str().cmp(b.as_str()));
-        screened.dedup();
-        let cost_headers: Arc<[http::HeaderName]> = cost_headers.into();
-        let screened: Arc<[http::HeaderName]> = screened.into();
+        let (cost_headers, screened) = screened_names(&config);
         // A refund can make a remembered denial stale too (stricter than the store).
         let cache_denials = (!limiter.store().kind().is_clustered() || one_identity) && !settles;
         for rule in config.rules.iter().filter(|r| r.settle.is_some()) {
@@ -187,6 +132,84 @@ impl Live {
             cache_denials,
         })
     }
+}
+
+/// The config's pools: `old`'s where the pools did not change (connections and health
+/// kept), else built for `workers`.
+fn pools_for(
+    config: &Config,
+    old: Option<&Live>,
+    workers: usize,
+    metrics: &Arc<Metrics>,
+) -> Arc<upstream::Pools> {
+    match old {
+        Some(o) if o.config.upstreams == config.upstreams => o.pools.clone(),
+        _ => {
+            let https = config
+                .upstreams
+                .iter()
+                .flat_map(|p| &p.servers)
+                .any(|s| s.tls.is_some());
+            let handshakes = metrics.upstream_tls.handshakes(https);
+            Arc::new(upstream::Pools::build(
+                &config.upstreams,
+                old.map(|o| &*o.pools),
+                workers,
+                &metrics.pools,
+                |_| handshakes.clone(),
+            ))
+        }
+    }
+}
+
+/// The overload series a config implies: each protected pool at priority 0 and at each
+/// priority a plan sets.
+fn configure_overload(config: &Config, pools: &upstream::Pools, metrics: &Arc<Metrics>) {
+    let mut priorities: Vec<u32> = std::iter::once(0)
+        .chain(
+            config
+                .rules
+                .iter()
+                .flat_map(|r| r.priorities.values().copied()),
+        )
+        .collect();
+    priorities.sort_unstable();
+    priorities.dedup();
+    for overload in pools.iter().filter_map(|p| p.overload()) {
+        overload.levels(&priorities);
+    }
+    metrics.pools.overload.configure(
+        pools
+            .iter()
+            .filter(|p| p.overload().is_some())
+            .map(|p| (p.settings.name.clone(), priorities.clone()))
+            .collect(),
+    );
+}
+
+/// Every rule's `cost_header`, and beside them the claims' headers: what a request's
+/// trailers lose on the way up ([`Live::cost_headers`], [`Live::screened`]).
+fn screened_names(config: &Config) -> (Arc<[http::HeaderName]>, Arc<[http::HeaderName]>) {
+    let policies = || config.rules.iter().filter_map(|r| r.settle.as_deref());
+    let mut cost_headers: Vec<http::HeaderName> =
+        policies().filter_map(|p| p.cost_header.clone()).collect();
+    cost_headers.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+    cost_headers.dedup();
+    let mut screened = cost_headers.clone();
+    if let Some(jwt) = &config.jwt {
+        screened.extend(
+            jwt.verifier
+                .settings
+                .forward_claims
+                .iter()
+                .map(|(_, h)| h.clone()),
+        );
+    }
+    screened.sort_by(|a, b| a.as_str().cmp(b.as_str()));
+    screened.dedup();
+    let cost_headers: Arc<[http::HeaderName]> = cost_headers.into();
+    let screened: Arc<[http::HeaderName]> = screened.into();
+    (cost_headers, screened)
 }
 
 /// `[jwt]` across a reload: the old verifier (its fetched keys, its cache, its fetch
