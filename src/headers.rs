@@ -203,7 +203,12 @@ fn param(out: &mut Line, key: &[u8], n: u64) {
     out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
 }
 
-fn insert(headers: &mut HeaderMap, name: &HeaderName, recent: &'static Local<HeaderValue>, value: &[u8]) {
+fn insert(
+    headers: &mut HeaderMap,
+    name: &HeaderName,
+    recent: &'static Local<HeaderValue>,
+    value: &[u8],
+) {
     // Rule names and integers only: always a valid header value.
     if let Some(v) = made(recent, value, |b| HeaderValue::from_bytes(b).ok()) {
         headers.insert(name.clone(), v);

@@ -135,11 +135,17 @@ mod tests {
         // Many more keys than slots: every answer still right, the table no larger.
         for i in 0..(SLOTS * 8) {
             let key = format!("k{i}");
-            assert_eq!(digest(key.as_bytes(), counted), digest_api_key(key.as_bytes()));
+            assert_eq!(
+                digest(key.as_bytes(), counted),
+                digest_api_key(key.as_bytes())
+            );
         }
         for i in (0..(SLOTS * 8)).rev() {
             let key = format!("k{i}");
-            assert_eq!(digest(key.as_bytes(), counted), digest_api_key(key.as_bytes()));
+            assert_eq!(
+                digest(key.as_bytes(), counted),
+                digest_api_key(key.as_bytes())
+            );
         }
         TABLE.with(|t| assert_eq!(t.borrow().as_ref().map(|t| t.slots.len()), Some(SLOTS)));
     }
