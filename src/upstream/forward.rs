@@ -45,11 +45,12 @@ pub fn is_hop_by_hop(name: &HeaderName) -> bool {
     )
 }
 
-/// Remove the hop-by-hop fields, and every field the `Connection` header names.
-pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap) {
+/// Remove the hop-by-hop fields, and every field the `Connection` header names. Returns
+/// whether there was any (`false`: `headers` is as it was).
+pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap) -> bool {
     // Most messages have none: one pass over the names instead of a lookup for each.
     if !headers.keys().any(is_hop_by_hop) {
-        return;
+        return false;
     }
     if headers.contains_key(CONNECTION) {
         let named: Vec<HeaderName> = headers
@@ -66,34 +67,39 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for name in HOP_BY_HOP.iter() {
         headers.remove(name);
     }
+    true
 }
 
 /// Ready a request's fields to go up: its hop-by-hop fields dropped, one `Content-Length`
 /// line where it came with several (equal: the screen refused differing ones; HTTP/2 lets
 /// them through, and an nginx backend answers 400 to two), and a `Host` where it has none
 /// (the authority of an absolute target, else the upstream's `default`). Returns the host
-/// the client asked for, which `X-Forwarded-Host` carries.
+/// the client asked for, which `X-Forwarded-Host` carries, and whether the request came
+/// with a `Host` field.
 pub(super) fn prepare(
     parts: &mut http::request::Parts,
     default: &HeaderValue,
-) -> Option<HeaderValue> {
+) -> (Option<HeaderValue>, bool) {
     let mut lengths = parts.headers.get_all(http::header::CONTENT_LENGTH).iter();
     if let (Some(first), Some(_)) = (lengths.next(), lengths.next()) {
         let first = first.clone();
         parts.headers.insert(http::header::CONTENT_LENGTH, first);
     }
-    let asked = parts.headers.get(HOST).cloned().or_else(|| {
+    let given = parts.headers.get(HOST).cloned();
+    let host_given = given.is_some();
+    let asked = given.or_else(|| {
         parts
             .uri
             .authority()
             .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
     });
-    strip_hop_by_hop(&mut parts.headers);
-    if !parts.headers.contains_key(HOST) {
+    // `Connection: host` may have named it away.
+    let stripped = strip_hop_by_hop(&mut parts.headers);
+    if !host_given || (stripped && !parts.headers.contains_key(HOST)) {
         let host = asked.clone().unwrap_or_else(|| default.clone());
         parts.headers.insert(HOST, host);
     }
-    asked
+    (asked, host_given)
 }
 
 /// What the upstream hop needs to know of the client side of a request.

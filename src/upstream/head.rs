@@ -493,6 +493,14 @@ fn fold_ascii(x: u64) -> u64 {
 /// A `Content-Length` field line (a list of equal lengths is one length), given the length
 /// of the lines before it.
 fn content_length(value: &[u8], before: Option<u64>) -> Result<Option<u64>, Malformed> {
+    // The usual line, one number (19 digits cannot overflow), read at once.
+    if !value.is_empty() && value.len() <= 19 && value.iter().all(u8::is_ascii_digit) {
+        let n = value.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
+        if before.is_some_and(|l| l != n) {
+            return Err(Malformed::ConflictingLengths);
+        }
+        return Ok(Some(n));
+    }
     let text = std::str::from_utf8(value).unwrap_or("");
     let mut length = before;
     for part in text.split(',') {
