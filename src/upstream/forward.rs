@@ -125,6 +125,10 @@ pub struct ClientPeer {
     /// `for=<node>;proto=http` (or `https`): the `Forwarded` element of this hop, what an
     /// untrusted peer's request carries.
     element: HeaderValue,
+    /// The lines of an HTTP/1.1 head that replace an untrusted peer's forwarding fields
+    /// (`X-Forwarded-For`, `X-Real-IP`, `X-Forwarded-Proto`, `Forwarded`): one copy per
+    /// request instead of four fields written.
+    replacing: Bytes,
     /// What the TLS handshake agreed, where the client came over the TLS listener.
     pub tls: Option<crate::tls::Session>,
 }
@@ -148,7 +152,7 @@ impl ClientPeer {
             HeaderValue::from_maybe_shared(Bytes::from(s))
                 .unwrap_or_else(|_| HeaderValue::from_static("unknown"))
         };
-        ClientPeer {
+        let mut peer = ClientPeer {
             addr,
             forwarded: value(text),
             element: value(format!(
@@ -156,8 +160,13 @@ impl ClientPeer {
                 if tls.is_some() { "https" } else { "http" }
             )),
             node: Bytes::from(node),
+            replacing: Bytes::new(),
             tls,
-        }
+        };
+        let mut lines = Vec::new();
+        replacing_fields(&mut lines, &peer);
+        peer.replacing = Bytes::from(lines);
+        peer
     }
 
     pub fn ip(&self) -> IpAddr {
@@ -239,16 +248,33 @@ pub(super) trait FieldSink {
         }
         self.end();
     }
+    /// The forwarding fields of this hop that replace an untrusted peer's.
+    fn replacing(&mut self, peer: &ClientPeer) {
+        replacing_fields(self, peer);
+    }
     /// A field of this hop written piece by piece: its name, its value's pieces, its end.
     fn begin(&mut self, name: &HeaderName);
     fn push(&mut self, bytes: &[u8]);
     fn end(&mut self);
 }
 
+/// [`FieldSink::replacing`], a field at a time.
+fn replacing_fields(out: &mut (impl FieldSink + ?Sized), peer: &ClientPeer) {
+    out.add(&X_FORWARDED_FOR, &[peer.forwarded.as_bytes()]);
+    out.add(&X_REAL_IP, &[peer.forwarded.as_bytes()]);
+    out.add(&X_FORWARDED_PROTO, &[peer.proto()]);
+    out.add(&http::header::FORWARDED, &[peer.element.as_bytes()]);
+}
+
 /// The HTTP/1.1 head: each field a line, written straight into it.
 impl FieldSink for Vec<u8> {
     fn keep(&mut self, name: &HeaderName, value: &HeaderValue) {
         field_line(self, name.as_str(), &[value.as_bytes()]);
+    }
+
+    fn replacing(&mut self, peer: &ClientPeer) {
+        // Rendered with the peer, once per connection.
+        self.extend_from_slice(&peer.replacing);
     }
 
     fn begin(&mut self, name: &HeaderName) {
@@ -376,10 +402,7 @@ fn appended(
 
 /// What the gateway itself saw, in place of all an untrusted peer said.
 fn replaced(out: &mut impl FieldSink, peer: &ClientPeer, host: Option<&HeaderValue>) {
-    out.add(&X_FORWARDED_FOR, &[peer.forwarded.as_bytes()]);
-    out.add(&X_REAL_IP, &[peer.forwarded.as_bytes()]);
-    out.add(&X_FORWARDED_PROTO, &[peer.proto()]);
-    out.add(&http::header::FORWARDED, &[peer.element.as_bytes()]);
+    out.replacing(peer);
     if let Some(host) = host {
         out.add(&X_FORWARDED_HOST, &[host.as_bytes()]);
     }
@@ -406,6 +429,23 @@ fn appended_line(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The lines rendered with a peer are the fields written one at a time, over TCP and
+    /// TLS, IPv4 and IPv6.
+    #[test]
+    fn replacing_lines_are_the_fields_written_one_by_one() {
+        for addr in ["10.0.0.1:1", "[2001:db8::1]:1", "[::ffff:10.0.0.2]:1"] {
+            let peer = ClientPeer::new(addr.parse().expect("an address"));
+            let mut one_by_one = Vec::new();
+            replacing_fields(&mut one_by_one, &peer);
+            let mut lines = Vec::new();
+            lines.replacing(&peer);
+            assert_eq!(lines, one_by_one, "{addr}");
+            let text = String::from_utf8(lines).expect("text");
+            assert!(text.starts_with("x-forwarded-for: "), "{text}");
+            assert!(text.ends_with(";proto=http\r\n"), "{text}");
+        }
+    }
     use http::Request;
 
     #[test]
