@@ -45,6 +45,15 @@ pub fn is_hop_by_hop(name: &HeaderName) -> bool {
     )
 }
 
+/// Whether `headers` has a field `name`. A request's usual handful of names is looked at
+/// one by one, cheaper than hashing `name` for a lookup; a larger map is looked up.
+pub(super) fn carries(headers: &HeaderMap, name: &HeaderName) -> bool {
+    match headers.keys_len() <= 8 {
+        true => headers.keys().any(|k| k == name),
+        false => headers.contains_key(name),
+    }
+}
+
 /// Remove the hop-by-hop fields, and every field the `Connection` header names. Returns
 /// whether there was any (`false`: `headers` is as it was).
 pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap) -> bool {
@@ -80,10 +89,12 @@ pub(super) fn prepare(
     parts: &mut http::request::Parts,
     default: &HeaderValue,
 ) -> (Option<HeaderValue>, bool) {
-    let mut lengths = parts.headers.get_all(http::header::CONTENT_LENGTH).iter();
-    if let (Some(first), Some(_)) = (lengths.next(), lengths.next()) {
-        let first = first.clone();
-        parts.headers.insert(http::header::CONTENT_LENGTH, first);
+    if carries(&parts.headers, &http::header::CONTENT_LENGTH) {
+        let mut lengths = parts.headers.get_all(http::header::CONTENT_LENGTH).iter();
+        if let (Some(first), Some(_)) = (lengths.next(), lengths.next()) {
+            let first = first.clone();
+            parts.headers.insert(http::header::CONTENT_LENGTH, first);
+        }
     }
     let given = parts.headers.get(HOST).cloned();
     let host_given = given.is_some();
@@ -429,6 +440,22 @@ fn appended_line(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `carries` answers as `contains_key` does, in a small map and a large one.
+    #[test]
+    fn carries_is_contains_key() {
+        let mut map = HeaderMap::new();
+        let names: Vec<HeaderName> = (0..12)
+            .map(|i| HeaderName::from_bytes(format!("x-n{i}").as_bytes()).expect("a name"))
+            .collect();
+        for (i, name) in names.iter().enumerate() {
+            map.append(name.clone(), HeaderValue::from_static("v"));
+            map.append(name.clone(), HeaderValue::from_static("w"));
+            for probe in names.iter().chain([&HOST, &http::header::TE]) {
+                assert_eq!(carries(&map, probe), map.contains_key(probe), "{i} {probe}");
+            }
+        }
+    }
 
     /// The lines rendered with a peer are the fields written one at a time, over TCP and
     /// TLS, IPv4 and IPv6.

@@ -469,13 +469,14 @@ impl Outbound {
         default_host: &HeaderValue,
     ) -> Outbound {
         let (mut parts, body) = req.into_parts();
-        let te_trailers = parts
-            .headers
-            .get_all(http::header::TE)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|t| t.trim().eq_ignore_ascii_case("trailers"));
+        let te_trailers = forward::carries(&parts.headers, &http::header::TE)
+            && parts
+                .headers
+                .get_all(http::header::TE)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .flat_map(|v| v.split(','))
+                .any(|t| t.trim().eq_ignore_ascii_case("trailers"));
         let (asked, host_given) = forward::prepare(&mut parts, default_host);
         let sending = Sending::of(&body, &mut parts.headers);
         Outbound {
