@@ -33,6 +33,7 @@
 //! where the rule would have denied.
 
 use std::borrow::Cow;
+use std::cell::RefCell;
 
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
@@ -116,9 +117,10 @@ pub fn add_ratelimit(headers: &mut HeaderMap, style: ResponseStyle, applied: &[A
         return;
     }
     if matches!(style, ResponseStyle::Draft | ResponseStyle::Both) {
-        // Written by hand, not with `write!`: this runs for every limited response.
+        // Written by hand, not with `write!`: this runs for every
+        // limited response. A value this thread made a moment ago is used again.
         let room: usize = applied.iter().map(|a| a.rule.len() + 40).sum();
-        let (mut policy, mut state) = (Vec::with_capacity(room), Vec::with_capacity(room));
+        let (mut policy, mut state) = (Line::with_capacity(room), Line::with_capacity(room));
         for (i, a) in applied.iter().enumerate() {
             if i > 0 {
                 policy.extend_from_slice(b", ");
@@ -136,8 +138,8 @@ pub fn add_ratelimit(headers: &mut HeaderMap, style: ResponseStyle, applied: &[A
             param(&mut policy, b";w=", w);
             param(&mut state, b";t=", ceil_secs(a.decision.reset_us));
         }
-        insert(headers, &RATELIMIT_POLICY, policy);
-        insert(headers, &RATELIMIT, state);
+        insert(headers, &RATELIMIT_POLICY, &POLICIES, &policy);
+        insert(headers, &RATELIMIT, &STATES, &state);
     }
     if matches!(style, ResponseStyle::Legacy | ResponseStyle::Both) {
         // The rule closest to denying: fewest left, then the longest wait.
@@ -168,7 +170,7 @@ pub fn add_shadow(headers: &mut HeaderMap, style: ResponseStyle, shadow: &[Appli
     if shadow.is_empty() || style == ResponseStyle::None {
         return;
     }
-    let mut v = Vec::with_capacity(shadow.iter().map(|a| a.rule.len() + 40).sum());
+    let mut v = Line::with_capacity(shadow.iter().map(|a| a.rule.len() + 40).sum());
     for (i, a) in shadow.iter().enumerate() {
         if i > 0 {
             v.extend_from_slice(b", ");
@@ -182,26 +184,90 @@ pub fn add_shadow(headers: &mut HeaderMap, style: ResponseStyle, shadow: &[Appli
             v.extend_from_slice(b";denied");
         }
     }
-    insert(headers, &RATELIMIT_SHADOW, v);
+    insert(headers, &RATELIMIT_SHADOW, &SHADOWS, &v);
 }
 
+/// A field value or a body being written.
+type Line = Vec<u8>;
+
 /// A list item named by its rule: a Structured Field string (rule names need no escapes).
-fn item(out: &mut Vec<u8>, rule: &str) {
+fn item(out: &mut Line, rule: &str) {
     out.push(b'"');
     out.extend_from_slice(rule.as_bytes());
     out.push(b'"');
 }
 
 /// An integer parameter, `key` including its `;` and `=`.
-fn param(out: &mut Vec<u8>, key: &[u8], n: u64) {
+fn param(out: &mut Line, key: &[u8], n: u64) {
     out.extend_from_slice(key);
     out.extend_from_slice(itoa::Buffer::new().format(n).as_bytes());
 }
 
-fn insert(headers: &mut HeaderMap, name: &HeaderName, value: Vec<u8>) {
+fn insert(
+    headers: &mut HeaderMap,
+    name: &HeaderName,
+    recent: &'static Local<HeaderValue>,
+    value: &[u8],
+) {
     // Rule names and integers only: always a valid header value.
-    if let Ok(v) = HeaderValue::from_maybe_shared(Bytes::from(value)) {
+    if let Some(v) = made(recent, value, |b| HeaderValue::from_bytes(b).ok()) {
         headers.insert(name.clone(), v);
+    }
+}
+
+/// How many values [`Recent`] keeps of each kind.
+const RECENT: usize = 4;
+
+/// The last values of one kind (a field's, a body's) a thread made: one that repeats (the
+/// same policy, a fresh identity's full allowance, the same denial within a second) is
+/// shared, a reference count instead of an allocation and a check of every byte. Only the
+/// exact bytes match; the oldest gives way.
+struct Recent<T> {
+    values: [Option<T>; RECENT],
+    next: usize,
+}
+
+type Local<T> = std::thread::LocalKey<RefCell<Recent<T>>>;
+
+thread_local! {
+    static POLICIES: RefCell<Recent<HeaderValue>> = const { RefCell::new(Recent::new()) };
+    static STATES: RefCell<Recent<HeaderValue>> = const { RefCell::new(Recent::new()) };
+    static SHADOWS: RefCell<Recent<HeaderValue>> = const { RefCell::new(Recent::new()) };
+    static RETRY_AFTERS: RefCell<Recent<HeaderValue>> = const { RefCell::new(Recent::new()) };
+    static BODIES: RefCell<Recent<Bytes>> = const { RefCell::new(Recent::new()) };
+}
+
+impl<T> Recent<T> {
+    const fn new() -> Self {
+        Recent {
+            values: [None, None, None, None],
+            next: 0,
+        }
+    }
+}
+
+/// What `make` makes of `bytes`, or the equal value this thread made last (see [`Recent`]).
+fn made<T: Clone + AsRef<[u8]>>(
+    recent: &'static Local<T>,
+    bytes: &[u8],
+    make: fn(&[u8]) -> Option<T>,
+) -> Option<T> {
+    let shared = recent.try_with(|r| {
+        let mut r = r.try_borrow_mut().ok()?;
+        if let Some(v) = r.values.iter().flatten().find(|v| v.as_ref() == bytes) {
+            return Some(v.clone());
+        }
+        let v = make(bytes)?;
+        let at = r.next;
+        r.next = (at + 1) % RECENT;
+        if let Some(slot) = r.values.get_mut(at) {
+            *slot = Some(v.clone());
+        }
+        Some(v)
+    });
+    match shared {
+        Ok(Some(v)) => Some(v),
+        _ => make(bytes),
     }
 }
 
@@ -291,7 +357,7 @@ impl Problem {
         let retry_after = ceil_secs(wait_us).max(1);
         // Written by hand, as serde_json would write `ProblemBody` (a test holds the two
         // together): every denial pays for it. Rule names need no escapes in JSON strings.
-        let mut body = Vec::with_capacity(160);
+        let mut body = Line::with_capacity(160);
         body.extend_from_slice(QUOTA_EXCEEDED_HEAD);
         for (i, a) in applied.iter().filter(|a| !a.decision.allowed).enumerate() {
             if i > 0 {
@@ -304,7 +370,7 @@ impl Problem {
         body.push(b'}');
         Problem {
             status: StatusCode::TOO_MANY_REQUESTS,
-            body: Bytes::from(body),
+            body: made(&BODIES, &body, |b| Some(Bytes::copy_from_slice(b))).unwrap_or_default(),
             detail: None,
             retry_after: Some(retry_after),
             retry_after_ms: Some(wait_us.div_ceil(1000).max(1)),
@@ -332,7 +398,11 @@ impl Problem {
             HeaderValue::from_static("application/problem+json"),
         );
         if let Some(s) = self.retry_after {
-            headers.insert(RETRY_AFTER, HeaderValue::from(s));
+            let mut secs = itoa::Buffer::new();
+            let v = made(&RETRY_AFTERS, secs.format(s).as_bytes(), |b| {
+                HeaderValue::from_bytes(b).ok()
+            });
+            headers.insert(RETRY_AFTER, v.unwrap_or_else(|| HeaderValue::from(s)));
         }
     }
 }

@@ -45,11 +45,21 @@ pub fn is_hop_by_hop(name: &HeaderName) -> bool {
     )
 }
 
-/// Remove the hop-by-hop fields, and every field the `Connection` header names.
-pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap) {
+/// Whether `headers` has a field `name`. A request's usual handful of names is looked at
+/// one by one, cheaper than hashing `name` for a lookup; a larger map is looked up.
+pub(super) fn carries(headers: &HeaderMap, name: &HeaderName) -> bool {
+    match headers.keys_len() <= 8 {
+        true => headers.keys().any(|k| k == name),
+        false => headers.contains_key(name),
+    }
+}
+
+/// Remove the hop-by-hop fields, and every field the `Connection` header names. Returns
+/// whether there was any (`false`: `headers` is as it was).
+pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap) -> bool {
     // Most messages have none: one pass over the names instead of a lookup for each.
     if !headers.keys().any(is_hop_by_hop) {
-        return;
+        return false;
     }
     if headers.contains_key(CONNECTION) {
         let named: Vec<HeaderName> = headers
@@ -66,34 +76,41 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap) {
     for name in HOP_BY_HOP.iter() {
         headers.remove(name);
     }
+    true
 }
 
 /// Ready a request's fields to go up: its hop-by-hop fields dropped, one `Content-Length`
 /// line where it came with several (equal: the screen refused differing ones; HTTP/2 lets
 /// them through, and an nginx backend answers 400 to two), and a `Host` where it has none
 /// (the authority of an absolute target, else the upstream's `default`). Returns the host
-/// the client asked for, which `X-Forwarded-Host` carries.
+/// the client asked for, which `X-Forwarded-Host` carries, and whether the request came
+/// with a `Host` field.
 pub(super) fn prepare(
     parts: &mut http::request::Parts,
     default: &HeaderValue,
-) -> Option<HeaderValue> {
-    let mut lengths = parts.headers.get_all(http::header::CONTENT_LENGTH).iter();
-    if let (Some(first), Some(_)) = (lengths.next(), lengths.next()) {
-        let first = first.clone();
-        parts.headers.insert(http::header::CONTENT_LENGTH, first);
+) -> (Option<HeaderValue>, bool) {
+    if carries(&parts.headers, &http::header::CONTENT_LENGTH) {
+        let mut lengths = parts.headers.get_all(http::header::CONTENT_LENGTH).iter();
+        if let (Some(first), Some(_)) = (lengths.next(), lengths.next()) {
+            let first = first.clone();
+            parts.headers.insert(http::header::CONTENT_LENGTH, first);
+        }
     }
-    let asked = parts.headers.get(HOST).cloned().or_else(|| {
+    let given = parts.headers.get(HOST).cloned();
+    let host_given = given.is_some();
+    let asked = given.or_else(|| {
         parts
             .uri
             .authority()
             .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
     });
-    strip_hop_by_hop(&mut parts.headers);
-    if !parts.headers.contains_key(HOST) {
+    // `Connection: host` may have named it away.
+    let stripped = strip_hop_by_hop(&mut parts.headers);
+    if !host_given || (stripped && !parts.headers.contains_key(HOST)) {
         let host = asked.clone().unwrap_or_else(|| default.clone());
         parts.headers.insert(HOST, host);
     }
-    asked
+    (asked, host_given)
 }
 
 /// What the upstream hop needs to know of the client side of a request.
@@ -119,6 +136,10 @@ pub struct ClientPeer {
     /// `for=<node>;proto=http` (or `https`): the `Forwarded` element of this hop, what an
     /// untrusted peer's request carries.
     element: HeaderValue,
+    /// The lines of an HTTP/1.1 head that replace an untrusted peer's forwarding fields
+    /// (`X-Forwarded-For`, `X-Real-IP`, `X-Forwarded-Proto`, `Forwarded`): one copy per
+    /// request instead of four fields written.
+    replacing: Bytes,
     /// What the TLS handshake agreed, where the client came over the TLS listener.
     pub tls: Option<crate::tls::Session>,
 }
@@ -142,7 +163,7 @@ impl ClientPeer {
             HeaderValue::from_maybe_shared(Bytes::from(s))
                 .unwrap_or_else(|_| HeaderValue::from_static("unknown"))
         };
-        ClientPeer {
+        let mut peer = ClientPeer {
             addr,
             forwarded: value(text),
             element: value(format!(
@@ -150,8 +171,13 @@ impl ClientPeer {
                 if tls.is_some() { "https" } else { "http" }
             )),
             node: Bytes::from(node),
+            replacing: Bytes::new(),
             tls,
-        }
+        };
+        let mut lines = Vec::new();
+        replacing_fields(&mut lines, &peer);
+        peer.replacing = Bytes::from(lines);
+        peer
     }
 
     pub fn ip(&self) -> IpAddr {
@@ -233,16 +259,33 @@ pub(super) trait FieldSink {
         }
         self.end();
     }
+    /// The forwarding fields of this hop that replace an untrusted peer's.
+    fn replacing(&mut self, peer: &ClientPeer) {
+        replacing_fields(self, peer);
+    }
     /// A field of this hop written piece by piece: its name, its value's pieces, its end.
     fn begin(&mut self, name: &HeaderName);
     fn push(&mut self, bytes: &[u8]);
     fn end(&mut self);
 }
 
+/// [`FieldSink::replacing`], a field at a time.
+fn replacing_fields(out: &mut (impl FieldSink + ?Sized), peer: &ClientPeer) {
+    out.add(&X_FORWARDED_FOR, &[peer.forwarded.as_bytes()]);
+    out.add(&X_REAL_IP, &[peer.forwarded.as_bytes()]);
+    out.add(&X_FORWARDED_PROTO, &[peer.proto()]);
+    out.add(&http::header::FORWARDED, &[peer.element.as_bytes()]);
+}
+
 /// The HTTP/1.1 head: each field a line, written straight into it.
 impl FieldSink for Vec<u8> {
     fn keep(&mut self, name: &HeaderName, value: &HeaderValue) {
         field_line(self, name.as_str(), &[value.as_bytes()]);
+    }
+
+    fn replacing(&mut self, peer: &ClientPeer) {
+        // Rendered with the peer, once per connection.
+        self.extend_from_slice(&peer.replacing);
     }
 
     fn begin(&mut self, name: &HeaderName) {
@@ -370,10 +413,7 @@ fn appended(
 
 /// What the gateway itself saw, in place of all an untrusted peer said.
 fn replaced(out: &mut impl FieldSink, peer: &ClientPeer, host: Option<&HeaderValue>) {
-    out.add(&X_FORWARDED_FOR, &[peer.forwarded.as_bytes()]);
-    out.add(&X_REAL_IP, &[peer.forwarded.as_bytes()]);
-    out.add(&X_FORWARDED_PROTO, &[peer.proto()]);
-    out.add(&http::header::FORWARDED, &[peer.element.as_bytes()]);
+    out.replacing(peer);
     if let Some(host) = host {
         out.add(&X_FORWARDED_HOST, &[host.as_bytes()]);
     }
@@ -400,6 +440,39 @@ fn appended_line(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `carries` answers as `contains_key` does, in a small map and a large one.
+    #[test]
+    fn carries_is_contains_key() {
+        let mut map = HeaderMap::new();
+        let names: Vec<HeaderName> = (0..12)
+            .map(|i| HeaderName::from_bytes(format!("x-n{i}").as_bytes()).expect("a name"))
+            .collect();
+        for (i, name) in names.iter().enumerate() {
+            map.append(name.clone(), HeaderValue::from_static("v"));
+            map.append(name.clone(), HeaderValue::from_static("w"));
+            for probe in names.iter().chain([&HOST, &http::header::TE]) {
+                assert_eq!(carries(&map, probe), map.contains_key(probe), "{i} {probe}");
+            }
+        }
+    }
+
+    /// The lines rendered with a peer are the fields written one at a time, over TCP and
+    /// TLS, IPv4 and IPv6.
+    #[test]
+    fn replacing_lines_are_the_fields_written_one_by_one() {
+        for addr in ["10.0.0.1:1", "[2001:db8::1]:1", "[::ffff:10.0.0.2]:1"] {
+            let peer = ClientPeer::new(addr.parse().expect("an address"));
+            let mut one_by_one = Vec::new();
+            replacing_fields(&mut one_by_one, &peer);
+            let mut lines = Vec::new();
+            lines.replacing(&peer);
+            assert_eq!(lines, one_by_one, "{addr}");
+            let text = String::from_utf8(lines).expect("text");
+            assert!(text.starts_with("x-forwarded-for: "), "{text}");
+            assert!(text.ends_with(";proto=http\r\n"), "{text}");
+        }
+    }
     use http::Request;
 
     #[test]

@@ -277,8 +277,7 @@ impl<'b> Fields<'b> {
         // allocation for the usual `Connection: keep-alive`).
         let mut named: Vec<&str> = Vec::new();
         for line in lines {
-            let name =
-                HeaderName::from_bytes(line.name.as_bytes()).map_err(|_| Malformed::FieldName)?;
+            let (name, role) = field_name(line.name.as_bytes())?;
             // `line.value` lies inside `buf[..n]`, as its copy's slice does inside `raw`.
             let at = (line.value.as_ptr() as usize).wrapping_sub(buf.as_ptr() as usize);
             let value = raw
@@ -286,19 +285,20 @@ impl<'b> Fields<'b> {
                 .map(|v| raw.slice_ref(v))
                 .and_then(|v| HeaderValue::from_maybe_shared(v).ok())
                 .ok_or(Malformed::FieldValue)?;
-            if name == CONTENT_LENGTH {
-                fields.length = content_length(line.value, fields.length)?;
-            } else if name == TRANSFER_ENCODING {
-                fields.transfer_coded = true;
-                let text =
-                    std::str::from_utf8(line.value).map_err(|_| Malformed::TransferEncoding)?;
-                let codings = text.split(',').map(str::trim).filter(|c| !c.is_empty());
-                fields.codings.extend(codings);
-            } else if name == CONNECTION {
-                fields.options(line.value, &mut named);
+            match role {
+                Role::Length => fields.length = content_length(line.value, fields.length)?,
+                Role::Codings => {
+                    fields.transfer_coded = true;
+                    let text =
+                        std::str::from_utf8(line.value).map_err(|_| Malformed::TransferEncoding)?;
+                    let codings = text.split(',').map(str::trim).filter(|c| !c.is_empty());
+                    fields.codings.extend(codings);
+                }
+                Role::Connection => fields.options(line.value, &mut named),
+                Role::HopByHop | Role::EndToEnd => {}
             }
             // Hop-by-hop fields (RFC 9110 §7.6.1) are read for framing, never passed on.
-            if !is_hop_by_hop(&name) {
+            if !matches!(role, Role::Codings | Role::Connection | Role::HopByHop) {
                 fields.headers.append(name, value);
             }
         }
@@ -312,6 +312,11 @@ impl<'b> Fields<'b> {
 
     /// The options of a `Connection` field line; those naming fields go into `named`.
     fn options(&mut self, value: &'b [u8], named: &mut Vec<&'b str>) {
+        // The usual value, at once: an option naming a hop-by-hop field only.
+        if value.len() == 10 && lowercase_eq(value, b"keep-alive") {
+            self.keep_alive = true;
+            return;
+        }
         let text = std::str::from_utf8(value).unwrap_or("");
         for token in text.split(',').map(str::trim) {
             self.close |= token.eq_ignore_ascii_case("close");
@@ -386,9 +391,116 @@ impl<'b> Fields<'b> {
     }
 }
 
+/// What a response field is to the forwarder.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Role {
+    /// `Content-Length`: frames the body, and is passed on.
+    Length,
+    /// `Transfer-Encoding`: frames the body; hop-by-hop.
+    Codings,
+    /// `Connection`: its options; hop-by-hop.
+    Connection,
+    /// Another hop-by-hop field ([`is_hop_by_hop`]).
+    HopByHop,
+    /// Passed on as it is.
+    EndToEnd,
+}
+
+/// A response field's name and what it is to the forwarder. The names answers carry most
+/// are told at once, by comparing a word at a time; the rest go through
+/// `HeaderName::from_bytes`.
+fn field_name(raw: &[u8]) -> Result<(HeaderName, Role), Malformed> {
+    use http::header::{
+        ACCEPT_RANGES, CACHE_CONTROL, CONTENT_ENCODING, CONTENT_TYPE, DATE, ETAG, EXPIRES,
+        LAST_MODIFIED, LOCATION, SERVER, SET_COOKIE, VARY,
+    };
+    let is = |name: &[u8]| lowercase_eq(raw, name);
+    let (name, role) = match raw.len() {
+        4 if is(b"date") => (DATE, Role::EndToEnd),
+        4 if is(b"etag") => (ETAG, Role::EndToEnd),
+        4 if is(b"vary") => (VARY, Role::EndToEnd),
+        6 if is(b"server") => (SERVER, Role::EndToEnd),
+        7 if is(b"expires") => (EXPIRES, Role::EndToEnd),
+        8 if is(b"location") => (LOCATION, Role::EndToEnd),
+        10 if is(b"connection") => (CONNECTION, Role::Connection),
+        10 if is(b"set-cookie") => (SET_COOKIE, Role::EndToEnd),
+        12 if is(b"content-type") => (CONTENT_TYPE, Role::EndToEnd),
+        13 if is(b"cache-control") => (CACHE_CONTROL, Role::EndToEnd),
+        13 if is(b"last-modified") => (LAST_MODIFIED, Role::EndToEnd),
+        13 if is(b"accept-ranges") => (ACCEPT_RANGES, Role::EndToEnd),
+        14 if is(b"content-length") => (CONTENT_LENGTH, Role::Length),
+        16 if is(b"content-encoding") => (CONTENT_ENCODING, Role::EndToEnd),
+        17 if is(b"transfer-encoding") => (TRANSFER_ENCODING, Role::Codings),
+        _ => {
+            let name = HeaderName::from_bytes(raw).map_err(|_| Malformed::FieldName)?;
+            let role = if name == CONTENT_LENGTH {
+                Role::Length
+            } else if name == TRANSFER_ENCODING {
+                Role::Codings
+            } else if name == CONNECTION {
+                Role::Connection
+            } else if is_hop_by_hop(&name) {
+                Role::HopByHop
+            } else {
+                Role::EndToEnd
+            };
+            return Ok((name, role));
+        }
+    };
+    Ok((name, role))
+}
+
+/// Whether `raw` is `lower` (lowercase) in any case, ASCII letters only folded: eight
+/// bytes at a time.
+fn lowercase_eq(raw: &[u8], lower: &[u8]) -> bool {
+    if raw.len() != lower.len() {
+        return false;
+    }
+    let mut at = 0;
+    while at < raw.len() {
+        // The last word overlaps the one before where the length is no multiple of 8.
+        let start = at.min(raw.len().saturating_sub(8));
+        let end = (start + 8).min(raw.len());
+        if let (Some(r), Some(l)) = (raw.get(start..end), lower.get(start..end)) {
+            if fold_ascii(word(r)) != word(l) {
+                return false;
+            }
+        }
+        at = end;
+    }
+    true
+}
+
+/// Up to eight bytes as a word, zero-padded.
+fn word(bytes: &[u8]) -> u64 {
+    let mut w = [0u8; 8];
+    let n = bytes.len().min(8);
+    w[..n].copy_from_slice(&bytes[..n]);
+    u64::from_le_bytes(w)
+}
+
+/// Every byte of `x` that is an ASCII capital letter made lowercase; the others untouched.
+fn fold_ascii(x: u64) -> u64 {
+    const ONES: u64 = 0x0101_0101_0101_0101;
+    let low7 = x & (0x7f * ONES);
+    // Per byte, the high bit: at least `A`, above `Z` (no carry crosses a byte: low7 < 0x80).
+    let from_a = low7 + (0x80 - u64::from(b'A')) * ONES;
+    let past_z = low7 + (0x80 - u64::from(b'Z') - 1) * ONES;
+    let capital = from_a & !past_z & !x & (0x80 * ONES);
+    x | (capital >> 2)
+}
+
 /// A `Content-Length` field line (a list of equal lengths is one length), given the length
 /// of the lines before it.
 fn content_length(value: &[u8], before: Option<u64>) -> Result<Option<u64>, Malformed> {
+    // The usual line, one number (19 digits cannot overflow), read at once.
+    if !value.is_empty() && value.len() <= 19 && value.iter().all(u8::is_ascii_digit) {
+        let n = value.iter().fold(0u64, |n, d| n * 10 + u64::from(d - b'0'));
+        if before.is_some_and(|l| l != n) {
+            return Err(Malformed::ConflictingLengths);
+        }
+        return Ok(Some(n));
+    }
     let text = std::str::from_utf8(value).unwrap_or("");
     let mut length = before;
     for part in text.split(',') {
@@ -469,6 +581,80 @@ mod tests {
             parse_as(unnamed, false, true),
             Err(Malformed::SwitchedProtocols)
         ));
+    }
+
+    /// The names told at once are exactly those `HeaderName` would read, in any case, and
+    /// a byte off (a letter, a case fold of a non-letter) is no match.
+    #[test]
+    fn common_field_names_are_told_as_header_name_reads_them() {
+        let names = [
+            "date",
+            "etag",
+            "vary",
+            "server",
+            "expires",
+            "location",
+            "connection",
+            "set-cookie",
+            "content-type",
+            "cache-control",
+            "last-modified",
+            "accept-ranges",
+            "content-length",
+            "content-encoding",
+            "transfer-encoding",
+            "keep-alive",
+            "x-custom",
+            "te",
+            "trailer",
+            "upgrade",
+            "proxy-authenticate",
+        ];
+        for name in names {
+            let upper = name.to_ascii_uppercase();
+            let mixed: String = name
+                .chars()
+                .enumerate()
+                .map(|(i, c)| {
+                    if i % 2 == 0 {
+                        c.to_ascii_uppercase()
+                    } else {
+                        c
+                    }
+                })
+                .collect();
+            for spelled in [name, upper.as_str(), mixed.as_str()] {
+                let (n, role) = field_name(spelled.as_bytes()).expect("a name");
+                let read = HeaderName::from_bytes(spelled.as_bytes()).expect("a name");
+                assert_eq!(n, read, "{spelled}");
+                assert_eq!(
+                    matches!(role, Role::Codings | Role::Connection | Role::HopByHop),
+                    is_hop_by_hop(&read),
+                    "{spelled}"
+                );
+            }
+            for at in 0..name.len() {
+                for b in [b'_', b'~', b'!', b'^', b'`', b'|', b'z'] {
+                    let mut off = name.as_bytes().to_vec();
+                    if off[at] == b {
+                        continue;
+                    }
+                    off[at] = b;
+                    if let Ok((n, _)) = field_name(&off) {
+                        assert_eq!(Ok(n.clone()), HeaderName::from_bytes(&off).map_err(|_| ()));
+                        assert_ne!(n.as_str(), name);
+                    }
+                }
+            }
+        }
+        for b in 0..=255u8 {
+            for lower in b'a'..=b'z' {
+                let word8 = [b; 8];
+                let want = b.to_ascii_lowercase() == lower;
+                assert_eq!(lowercase_eq(&word8, &[lower; 8]), want, "{b} {lower}");
+            }
+            assert_eq!(lowercase_eq(&[b], b"-"), b == b'-');
+        }
     }
 
     #[test]

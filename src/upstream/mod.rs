@@ -472,15 +472,15 @@ impl Outbound {
         default_host: &HeaderValue,
     ) -> Outbound {
         let (mut parts, body) = req.into_parts();
-        let host_given = parts.headers.contains_key(http::header::HOST);
-        let te_trailers = parts
-            .headers
-            .get_all(http::header::TE)
-            .iter()
-            .filter_map(|v| v.to_str().ok())
-            .flat_map(|v| v.split(','))
-            .any(|t| t.trim().eq_ignore_ascii_case("trailers"));
-        let asked = forward::prepare(&mut parts, default_host);
+        let te_trailers = forward::carries(&parts.headers, &http::header::TE)
+            && parts
+                .headers
+                .get_all(http::header::TE)
+                .iter()
+                .filter_map(|v| v.to_str().ok())
+                .flat_map(|v| v.split(','))
+                .any(|t| t.trim().eq_ignore_ascii_case("trailers"));
+        let (asked, host_given) = forward::prepare(&mut parts, default_host);
         let sending = Sending::of(&body, &mut parts.headers);
         Outbound {
             // A request that names no host is sent each server's own.

@@ -59,7 +59,10 @@ impl Upgrade {
                 websocket,
             });
         }
-        if parts.version != Version::HTTP_11 || !bodiless {
+        if parts.version != Version::HTTP_11
+            || !bodiless
+            || !super::forward::carries(&parts.headers, &CONNECTION)
+        {
             return None;
         }
         let asks = parts
