@@ -189,20 +189,22 @@ pub async fn decide<'l: 'p, 'p>(
     // A token only a signature check can judge: the rules that need no credential
     // first, and a 429 of theirs before the signature is looked at.
     let mut first = None;
-    let mut rest = fitting.clone();
+    // The rules decided now: all that fit, unless some were decided first.
+    let mut later = None;
     let needs_token = |&i: &usize| needs_token(cfg, &cfg.rules[i]);
     if fitting.iter().any(needs_token) && requester.token_pending() {
-        let free: Vec<usize>;
-        (free, rest) = fitting
+        let (free, rest): (Vec<usize>, Vec<usize>) = fitting
             .iter()
             .partition(|&&i| credential_free(&cfg.rules[i]));
+        later = Some(rest);
         first = first::decide(live, metrics, &free, requester, asked, d).await?;
     }
-    if let Some(refused) = settling::refuse_body(live, &rest, requester, asked, d) {
+    let rest = later.as_deref().unwrap_or(&fitting);
+    if let Some(refused) = settling::refuse_body(live, rest, requester, asked, d) {
         refused_by_other(live, first.as_ref());
         return Err(refused);
     }
-    let limits = match Limit::all(live, &rest, requester, asked) {
+    let limits = match Limit::all(live, rest, requester, asked) {
         Ok(limits) => limits,
         Err(Refused { index, refusal }) => {
             // Refused for its credentials: charged to the rules that need none, and
