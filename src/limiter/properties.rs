@@ -30,25 +30,33 @@ fn run(q: &Quota, st: &mut Option<State>, now: u64) -> Decision {
     }
 }
 
+/// A gap between requests in µs: a burst, a small step, one up to `step` (around a
+/// token), or a long idle up to `idle`.
+pub(super) fn gap_us(step: u64, idle: u64) -> impl Strategy<Value = u64> {
+    prop_oneof![
+        3 => Just(0u64),
+        3 => 1u64..2_000,
+        3 => 2_000u64..step,
+        1 => step..idle,
+    ]
+}
+
 /// Gaps between requests in µs: bursts, small steps, around a token, long idles.
 fn gaps() -> impl Strategy<Value = Vec<u64>> {
-    prop::collection::vec(
-        prop_oneof![
-            3 => Just(0u64),
-            3 => 1u64..2_000,
-            3 => 2_000u64..2_000_000,
-            1 => 2_000_000u64..600_000_000,
-        ],
-        1..300,
-    )
+    prop::collection::vec(gap_us(2_000_000, 600_000_000), 1..300)
 }
 
 /// A rate with awkward counts and a few periods.
-fn rate() -> impl Strategy<Value = (u64, u64)> {
+pub(super) fn rate() -> impl Strategy<Value = (u64, u64)> {
     (
         prop_oneof![Just(1u64), Just(3), Just(7), Just(10), Just(999), 1u64..50],
         prop_oneof![Just(1u64), Just(2), Just(10), Just(60)],
     )
+}
+
+/// A window's bound tested on one timeline: a rate, a cost, a start and the gaps.
+fn window_timeline() -> impl Strategy<Value = ((u64, u64), u64, u64, Vec<u64>)> {
+    (rate(), 1u64..4, 0u64..1_000_000_000_000, gaps())
 }
 
 /// `token_bucket_and_gcra_are_the_same_limit` on one timeline of (gap, cost).
@@ -250,10 +258,7 @@ crate::proptest_seeds! {
     /// pass; so never a burst of 2N at a boundary, and at most 2N in any period.
     #[test]
     fn sliding_window_admits_at_most_n_plus_n_d_over_p(
-        (count, secs) in rate(),
-        cost in 1u64..4,
-        start in 0u64..1_000_000_000_000,
-        gaps in gaps(),
+        ((count, secs), cost, start, gaps) in window_timeline(),
     ) {
         sliding_window_bound(count, secs, cost, start, gaps)?;
     }
@@ -261,10 +266,7 @@ crate::proptest_seeds! {
     /// A fixed window never admits more than N within one window, however the requests fall.
     #[test]
     fn fixed_window_admits_at_most_n_per_window(
-        (count, secs) in rate(),
-        cost in 1u64..4,
-        start in 0u64..1_000_000_000_000,
-        gaps in gaps(),
+        ((count, secs), cost, start, gaps) in window_timeline(),
     ) {
         fixed_window_bound(count, secs, cost, start, gaps)?;
     }
