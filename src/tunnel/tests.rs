@@ -130,6 +130,24 @@ fn code(payload: &[u8]) -> u16 {
 }
 
 /// All `end` receives until it ends.
+/// Await the tunnel's end, checking it is `ended` and came after the frame was held back
+/// about `MAX_DELAY`: the frames that went to the backend.
+async fn held_then_closed(
+    task: tokio::task::JoinHandle<(Ended, TunnelMetrics)>,
+    ended: Ended,
+    backend: &mut DuplexStream,
+) -> Vec<(u8, Vec<u8>)> {
+    let began = tokio::time::Instant::now();
+    let (got, _) = task.await.unwrap();
+    assert_eq!(got, ended);
+    let held = began.elapsed();
+    assert!(
+        held >= MAX_DELAY - Duration::from_millis(200) && held <= MAX_DELAY * 2,
+        "closed after {held:?}, max_delay {MAX_DELAY:?}"
+    );
+    frames(&rest(backend).await)
+}
+
 async fn rest(end: &mut DuplexStream) -> Vec<u8> {
     let mut all = Vec::new();
     end.read_to_end(&mut all).await.expect("read");
@@ -207,15 +225,7 @@ async fn a_client_past_its_message_limit_is_held_back_then_closed_with_1008() {
     for n in 0..10u8 {
         client.write_all(&client_frame(0x2, &[n])).await.unwrap();
     }
-    let began = tokio::time::Instant::now();
-    let (ended, _) = task.await.unwrap();
-    assert_eq!(ended, Ended::MessageLimit);
-    let held = began.elapsed();
-    assert!(
-        held >= MAX_DELAY - Duration::from_millis(200) && held <= MAX_DELAY * 2,
-        "closed after {held:?}, max_delay {MAX_DELAY:?}"
-    );
-    let to_backend = frames(&rest(&mut backend).await);
+    let to_backend = held_then_closed(task, Ended::MessageLimit, &mut backend).await;
     // Three frames had tokens, then the gateway's close, masked as a client's must be.
     let data: Vec<_> = to_backend.iter().filter(|(op, _)| *op == 0x2).collect();
     assert_eq!(data.len(), 3, "{to_backend:?}");
@@ -402,15 +412,7 @@ async fn a_client_past_its_byte_limit_is_held_back_then_closed_with_1008() {
     }
     // Control frames need no byte token, but wait behind the held frame.
     client.write_all(&client_frame(0x9, b"ping")).await.unwrap();
-    let began = tokio::time::Instant::now();
-    let (ended, _) = task.await.unwrap();
-    assert_eq!(ended, Ended::ByteLimit);
-    let held = began.elapsed();
-    assert!(
-        held >= MAX_DELAY - Duration::from_millis(200) && held <= MAX_DELAY * 2,
-        "closed after {held:?}, max_delay {MAX_DELAY:?}"
-    );
-    let to_backend = frames(&rest(&mut backend).await);
+    let to_backend = held_then_closed(task, Ended::ByteLimit, &mut backend).await;
     let data: Vec<_> = to_backend.iter().filter(|(op, _)| *op == 0x2).collect();
     assert_eq!(data.len(), 2, "{to_backend:?}");
     let (op, payload) = to_backend.last().unwrap();
