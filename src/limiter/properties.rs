@@ -54,9 +54,27 @@ pub(super) fn rate() -> impl Strategy<Value = (u64, u64)> {
     )
 }
 
-/// A window's bound tested on one timeline: a rate, a cost, a start and the gaps.
-fn window_timeline() -> impl Strategy<Value = ((u64, u64), u64, u64, Vec<u64>)> {
-    (rate(), 1u64..4, 0u64..1_000_000_000_000, gaps())
+/// One timeline a window's bound is tested on: `count` a `secs`, each request costing
+/// `cost`, the first at `start`, the others `gaps` apart.
+#[derive(Debug, Clone)]
+struct Timeline {
+    count: u64,
+    secs: u64,
+    cost: u64,
+    start: u64,
+    gaps: Vec<u64>,
+}
+
+fn window_timeline() -> impl Strategy<Value = Timeline> {
+    (rate(), 1u64..4, 0u64..1_000_000_000_000, gaps()).prop_map(
+        |((count, secs), cost, start, gaps)| Timeline {
+            count,
+            secs,
+            cost,
+            start,
+            gaps,
+        },
+    )
 }
 
 /// `token_bucket_and_gcra_are_the_same_limit` on one timeline of (gap, cost).
@@ -95,13 +113,14 @@ fn same_limit(
 }
 
 /// `sliding_window_admits_at_most_n_plus_n_d_over_p` on one timeline of gaps.
-fn sliding_window_bound(
-    count: u64,
-    secs: u64,
-    cost: u64,
-    start: u64,
-    gaps: Vec<u64>,
-) -> Result<(), TestCaseError> {
+fn sliding_window_bound(t: Timeline) -> Result<(), TestCaseError> {
+    let Timeline {
+        count,
+        secs,
+        cost,
+        start,
+        gaps,
+    } = t;
     let cost = cost.min(count);
     let q = quota(Algorithm::SlidingWindow, count, secs, None, cost);
     let p = q.period_us();
@@ -136,20 +155,14 @@ fn sliding_window_bound(
 }
 
 /// `fixed_window_admits_at_most_n_per_window` on one timeline of gaps.
-fn fixed_window_bound(
-    count: u64,
-    secs: u64,
-    cost: u64,
-    start: u64,
-    gaps: Vec<u64>,
-) -> Result<(), TestCaseError> {
-    let cost = cost.min(count);
-    let q = quota(Algorithm::FixedWindow, count, secs, None, cost);
+fn fixed_window_bound(t: Timeline) -> Result<(), TestCaseError> {
+    let cost = t.cost.min(t.count);
+    let q = quota(Algorithm::FixedWindow, t.count, t.secs, None, cost);
     let mut st = None;
-    let mut now = start;
+    let mut now = t.start;
     let mut used = 0u64;
     let mut window_start = None;
-    for gap in gaps {
+    for gap in t.gaps {
         now += gap;
         let d = run(&q, &mut st, now);
         let Some(State::FixedWindow(s)) = st else {
@@ -163,12 +176,12 @@ fn fixed_window_bound(
             used += cost;
         }
         prop_assert!(
-            used <= count,
+            used <= t.count,
             "{} admitted in one window of N = {}",
             used,
-            count
+            t.count
         );
-        prop_assert_eq!(d.remaining, count - used.min(count));
+        prop_assert_eq!(d.remaining, t.count - used.min(t.count));
     }
     Ok(())
 }
@@ -195,8 +208,15 @@ fn saved_case_3_per_10_s_cost_1() {
         1932034, 556800, 1305298, 1498483, 524794, 1574585, 1637579, 943266, 1942459, 1395341,
         592854, 882733, 1815987, 773356, 1295620, 334273333, 1193273, 514456673, 128, 0, 1249032,
     ];
-    sliding_window_bound(3, 10, 1, 641233573, gaps.clone()).unwrap();
-    fixed_window_bound(3, 10, 1, 641233573, gaps).unwrap();
+    let t = Timeline {
+        count: 3,
+        secs: 10,
+        cost: 1,
+        start: 641233573,
+        gaps,
+    };
+    sliding_window_bound(t.clone()).unwrap();
+    fixed_window_bound(t).unwrap();
 }
 
 crate::proptest_seeds! {
@@ -258,17 +278,17 @@ crate::proptest_seeds! {
     /// pass; so never a burst of 2N at a boundary, and at most 2N in any period.
     #[test]
     fn sliding_window_admits_at_most_n_plus_n_d_over_p(
-        ((count, secs), cost, start, gaps) in window_timeline(),
+        t in window_timeline(),
     ) {
-        sliding_window_bound(count, secs, cost, start, gaps)?;
+        sliding_window_bound(t)?;
     }
 
     /// A fixed window never admits more than N within one window, however the requests fall.
     #[test]
     fn fixed_window_admits_at_most_n_per_window(
-        ((count, secs), cost, start, gaps) in window_timeline(),
+        t in window_timeline(),
     ) {
-        fixed_window_bound(count, secs, cost, start, gaps)?;
+        fixed_window_bound(t)?;
     }
 
     /// Every algorithm's Retry-After is exact: the request passes at now + retry and not

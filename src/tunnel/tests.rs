@@ -148,6 +148,17 @@ async fn held_then_closed(
     frames(&rest(backend).await)
 }
 
+/// The bytes the tunnel of route "r" to pool "p" counted going upstream.
+fn upstream_bytes(m: &TunnelMetrics) -> u64 {
+    m.bytes
+        .get_or_create(&BytesLabels {
+            route: "r".into(),
+            pool: "p".into(),
+            direction: Direction::Upstream,
+        })
+        .get()
+}
+
 async fn rest(end: &mut DuplexStream) -> Vec<u8> {
     let mut all = Vec::new();
     end.read_to_end(&mut all).await.expect("read");
@@ -177,14 +188,7 @@ async fn raw_bytes_pass_both_ways_and_the_tunnel_ends_when_either_side_closes() 
         rest(&mut client).await.is_empty(),
         "the client sees the end"
     );
-    let up = m
-        .bytes
-        .get_or_create(&BytesLabels {
-            route: "r".into(),
-            pool: "p".into(),
-            direction: Direction::Upstream,
-        })
-        .get();
+    let up = upstream_bytes(&m);
     assert_eq!(up, 13);
     let open = m.open.get_or_create(&TunnelLabels {
         route: "r".into(),
@@ -358,14 +362,7 @@ async fn data_frames_after_the_client_s_close_are_dropped_and_its_handshake_comp
     assert_eq!(to_client, vec![(0x8, vec![0x03, 0xe8])]);
     let (ended, m) = task.await.unwrap();
     assert_eq!(ended, Ended::UpstreamClosed);
-    let up = m
-        .bytes
-        .get_or_create(&BytesLabels {
-            route: "r".into(),
-            pool: "p".into(),
-            direction: Direction::Upstream,
-        })
-        .get();
+    let up = upstream_bytes(&m);
     assert_eq!(up, got.len() as u64, "what was dropped is not counted");
 }
 
