@@ -39,15 +39,20 @@ fn tunnel(websocket: bool, meters: Vec<Meter>) -> Tunnel {
     }
 }
 
-/// A meter on the memory store whose clock never moves: `burst` frames, then none.
-fn meter(burst: u64) -> Meter {
+/// A limiter on the memory store whose clock never moves: no token comes back.
+fn still_limiter() -> Arc<Limiter> {
     let clock = ManualClock::new(1_000_000_000);
-    let limiter = Limiter::new(
+    Limiter::new(
         Box::new(MemoryStore::new(clock)),
         &crate::limiter::store::Settings::default(),
         LimiterMetrics::register(&mut prometheus_client::registry::Registry::default()),
         Arc::new(Stats::new()),
-    );
+    )
+}
+
+/// A meter on the memory store whose clock never moves: `burst` frames, then none.
+fn meter(burst: u64) -> Meter {
+    let limiter = still_limiter();
     let messages = Messages {
         rate: Rate::parse("10/s").expect("a rate"),
         burst,
@@ -309,13 +314,7 @@ async fn a_backend_that_does_not_read_holds_the_client_back() {
 /// A byte meter on the memory store whose clock never moves: `burst` payload bytes (at
 /// 100 a second: batches of 10), then none.
 fn byte_meter(burst: u64) -> Meter {
-    let clock = ManualClock::new(1_000_000_000);
-    let limiter = Limiter::new(
-        Box::new(MemoryStore::new(clock)),
-        &crate::limiter::store::Settings::default(),
-        LimiterMetrics::register(&mut prometheus_client::registry::Registry::default()),
-        Arc::new(Stats::new()),
-    );
+    let limiter = still_limiter();
     let bytes = crate::rules::Bytes {
         rate: Rate::parse("100/s").expect("a rate"),
         burst,
