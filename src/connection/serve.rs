@@ -69,11 +69,23 @@ pub async fn serve<S, B>(
     S: Service<B>,
     B: Answer,
 {
+    let (registered, track, accepted) = admit(&stream, registry, permit);
+    serve_io(stream, registered, accepted, settings, service(track)).await;
+}
+
+/// What every accepted connection starts with, cleartext or TLS: its place in `registry`
+/// (holding `permit`), its [`Track`], and the instant it was accepted (its clocks count
+/// from there); the socket set to send small writes at once (`TCP_NODELAY`).
+pub(super) fn admit(
+    stream: &TcpStream,
+    registry: &Arc<Registry>,
+    permit: OwnedSemaphorePermit,
+) -> (Registered, Arc<Track>, Instant) {
     let registered = registry.register(permit);
     let track = registered.track.clone();
     let accepted = Instant::now();
     let _ = stream.set_nodelay(true);
-    serve_io(stream, registered, accepted, settings, service(track)).await;
+    (registered, track, accepted)
 }
 
 /// After it is asked to close gracefully (HTTP/2 GOAWAY), a connection with nothing in

@@ -10,7 +10,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
 use super::registry::{Closed, Registry};
-use super::serve::{serve_io, Answer, Service};
+use super::serve::{admit, serve_io, Answer, Service};
 use super::track::Track;
 use super::Settings;
 
@@ -148,10 +148,7 @@ pub async fn serve_tls<S, B>(
     S: Service<B>,
     B: Answer,
 {
-    let registered = registry.register(permit);
-    let track = registered.track.clone();
-    let accepted = Instant::now();
-    let _ = stream.set_nodelay(true);
+    let (registered, track, accepted) = admit(&stream, registry, permit);
     let deadline = accepted + settings.timeouts.header;
     let accept = tokio::time::timeout_at(deadline, async move {
         if sends_plain_http(&stream).await {

@@ -30,24 +30,50 @@ fn run(q: &Quota, st: &mut Option<State>, now: u64) -> Decision {
     }
 }
 
+/// A gap between requests in µs: a burst, a small step, one up to `step` (around a
+/// token), or a long idle up to `idle`.
+pub(super) fn gap_us(step: u64, idle: u64) -> impl Strategy<Value = u64> {
+    prop_oneof![
+        3 => Just(0u64),
+        3 => 1u64..2_000,
+        3 => 2_000u64..step,
+        1 => step..idle,
+    ]
+}
+
 /// Gaps between requests in µs: bursts, small steps, around a token, long idles.
 fn gaps() -> impl Strategy<Value = Vec<u64>> {
-    prop::collection::vec(
-        prop_oneof![
-            3 => Just(0u64),
-            3 => 1u64..2_000,
-            3 => 2_000u64..2_000_000,
-            1 => 2_000_000u64..600_000_000,
-        ],
-        1..300,
-    )
+    prop::collection::vec(gap_us(2_000_000, 600_000_000), 1..300)
 }
 
 /// A rate with awkward counts and a few periods.
-fn rate() -> impl Strategy<Value = (u64, u64)> {
+pub(super) fn rate() -> impl Strategy<Value = (u64, u64)> {
     (
         prop_oneof![Just(1u64), Just(3), Just(7), Just(10), Just(999), 1u64..50],
         prop_oneof![Just(1u64), Just(2), Just(10), Just(60)],
+    )
+}
+
+/// One timeline a window's bound is tested on: `count` a `secs`, each request costing
+/// `cost`, the first at `start`, the others `gaps` apart.
+#[derive(Debug, Clone)]
+struct Timeline {
+    count: u64,
+    secs: u64,
+    cost: u64,
+    start: u64,
+    gaps: Vec<u64>,
+}
+
+fn window_timeline() -> impl Strategy<Value = Timeline> {
+    (rate(), 1u64..4, 0u64..1_000_000_000_000, gaps()).prop_map(
+        |((count, secs), cost, start, gaps)| Timeline {
+            count,
+            secs,
+            cost,
+            start,
+            gaps,
+        },
     )
 }
 
@@ -87,13 +113,14 @@ fn same_limit(
 }
 
 /// `sliding_window_admits_at_most_n_plus_n_d_over_p` on one timeline of gaps.
-fn sliding_window_bound(
-    count: u64,
-    secs: u64,
-    cost: u64,
-    start: u64,
-    gaps: Vec<u64>,
-) -> Result<(), TestCaseError> {
+fn sliding_window_bound(t: Timeline) -> Result<(), TestCaseError> {
+    let Timeline {
+        count,
+        secs,
+        cost,
+        start,
+        gaps,
+    } = t;
     let cost = cost.min(count);
     let q = quota(Algorithm::SlidingWindow, count, secs, None, cost);
     let p = q.period_us();
@@ -128,20 +155,14 @@ fn sliding_window_bound(
 }
 
 /// `fixed_window_admits_at_most_n_per_window` on one timeline of gaps.
-fn fixed_window_bound(
-    count: u64,
-    secs: u64,
-    cost: u64,
-    start: u64,
-    gaps: Vec<u64>,
-) -> Result<(), TestCaseError> {
-    let cost = cost.min(count);
-    let q = quota(Algorithm::FixedWindow, count, secs, None, cost);
+fn fixed_window_bound(t: Timeline) -> Result<(), TestCaseError> {
+    let cost = t.cost.min(t.count);
+    let q = quota(Algorithm::FixedWindow, t.count, t.secs, None, cost);
     let mut st = None;
-    let mut now = start;
+    let mut now = t.start;
     let mut used = 0u64;
     let mut window_start = None;
-    for gap in gaps {
+    for gap in t.gaps {
         now += gap;
         let d = run(&q, &mut st, now);
         let Some(State::FixedWindow(s)) = st else {
@@ -155,12 +176,12 @@ fn fixed_window_bound(
             used += cost;
         }
         prop_assert!(
-            used <= count,
+            used <= t.count,
             "{} admitted in one window of N = {}",
             used,
-            count
+            t.count
         );
-        prop_assert_eq!(d.remaining, count - used.min(count));
+        prop_assert_eq!(d.remaining, t.count - used.min(t.count));
     }
     Ok(())
 }
@@ -187,8 +208,15 @@ fn saved_case_3_per_10_s_cost_1() {
         1932034, 556800, 1305298, 1498483, 524794, 1574585, 1637579, 943266, 1942459, 1395341,
         592854, 882733, 1815987, 773356, 1295620, 334273333, 1193273, 514456673, 128, 0, 1249032,
     ];
-    sliding_window_bound(3, 10, 1, 641233573, gaps.clone()).unwrap();
-    fixed_window_bound(3, 10, 1, 641233573, gaps).unwrap();
+    let t = Timeline {
+        count: 3,
+        secs: 10,
+        cost: 1,
+        start: 641233573,
+        gaps,
+    };
+    sliding_window_bound(t.clone()).unwrap();
+    fixed_window_bound(t).unwrap();
 }
 
 crate::proptest_seeds! {
@@ -250,23 +278,17 @@ crate::proptest_seeds! {
     /// pass; so never a burst of 2N at a boundary, and at most 2N in any period.
     #[test]
     fn sliding_window_admits_at_most_n_plus_n_d_over_p(
-        (count, secs) in rate(),
-        cost in 1u64..4,
-        start in 0u64..1_000_000_000_000,
-        gaps in gaps(),
+        t in window_timeline(),
     ) {
-        sliding_window_bound(count, secs, cost, start, gaps)?;
+        sliding_window_bound(t)?;
     }
 
     /// A fixed window never admits more than N within one window, however the requests fall.
     #[test]
     fn fixed_window_admits_at_most_n_per_window(
-        (count, secs) in rate(),
-        cost in 1u64..4,
-        start in 0u64..1_000_000_000_000,
-        gaps in gaps(),
+        t in window_timeline(),
     ) {
-        fixed_window_bound(count, secs, cost, start, gaps)?;
+        fixed_window_bound(t)?;
     }
 
     /// Every algorithm's Retry-After is exact: the request passes at now + retry and not

@@ -670,6 +670,20 @@ mod tests {
         assert_eq!(q.capacity(), 86_400_000_000);
     }
 
+    /// A limit of `algorithm` at `rate` (burst, cost), held with `local_share`.
+    fn shared(
+        local_share: LocalShare,
+        algorithm: Algorithm,
+        rate: &str,
+        burst: Option<u64>,
+        cost: u64,
+    ) -> Quota {
+        Quota {
+            local_share,
+            ..crate::limiter::tests::quota(algorithm, rate, burst, cost)
+        }
+    }
+
     #[test]
     fn a_local_share_scales_the_limit_exactly_and_never_below_one_request() {
         assert_eq!(Share::parse("1/3"), Ok(Share { num: 1, den: 3 }));
@@ -681,16 +695,7 @@ mod tests {
             assert!(LocalShare::parse(bad).is_err(), "{bad:?}");
         }
         let third = LocalShare::Fixed(Share { num: 1, den: 3 });
-        let tb = Quota {
-            local_share: third,
-            ..Quota::new(
-                Algorithm::TokenBucket,
-                Rate::parse("6/m").unwrap(),
-                NonZeroU64::new(30),
-                NonZeroU64::MIN,
-            )
-            .unwrap()
-        };
+        let tb = shared(third, Algorithm::TokenBucket, "6/m", Some(30), 1);
         // A fixed share does not depend on the gateways counted.
         let local = tb.for_local_share(7);
         assert_eq!(local.burst, 10);
@@ -705,28 +710,11 @@ mod tests {
             ..tb
         };
         assert_eq!(whole.for_local_share(3), whole);
-        let window = Quota {
-            local_share: third,
-            ..Quota::new(
-                Algorithm::FixedWindow,
-                Rate::parse("30/h").unwrap(),
-                None,
-                NonZeroU64::MIN,
-            )
-            .unwrap()
-        };
+        let window = shared(third, Algorithm::FixedWindow, "30/h", None, 1);
         assert_eq!(window.for_local_share(1).rate.count, 10);
         assert_eq!(window.for_local_share(1).period_us(), window.period_us());
-        let heavy = Quota {
-            local_share: LocalShare::Fixed(Share { num: 1, den: 10 }),
-            ..Quota::new(
-                Algorithm::Gcra,
-                Rate::parse("10/s").unwrap(),
-                NonZeroU64::new(10),
-                NonZeroU64::new(4).unwrap(),
-            )
-            .unwrap()
-        };
+        let tenth = LocalShare::Fixed(Share { num: 1, den: 10 });
+        let heavy = shared(tenth, Algorithm::Gcra, "10/s", Some(10), 4);
         assert_eq!(
             heavy.for_local_share(1).burst,
             4,
@@ -749,16 +737,7 @@ mod tests {
         );
         let e = LocalShare::parse("half").unwrap_err();
         assert!(e.contains("or \"auto\""), "{e}");
-        let tb = Quota {
-            local_share: LocalShare::Auto,
-            ..Quota::new(
-                Algorithm::TokenBucket,
-                Rate::parse("6/m").unwrap(),
-                NonZeroU64::new(30),
-                NonZeroU64::MIN,
-            )
-            .unwrap()
-        };
+        let tb = shared(LocalShare::Auto, Algorithm::TokenBucket, "6/m", Some(30), 1);
         // One gateway seen (or none yet): the whole limit.
         assert_eq!(tb.for_local_share(1).burst, 30);
         assert_eq!(tb.for_local_share(1).unit, tb.unit);

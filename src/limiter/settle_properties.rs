@@ -22,6 +22,7 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
+use super::properties::{gap_us, rate};
 use super::reservation::{adjust, Reserved};
 use super::{
     decide, token_bucket, Adjust, Algorithm, Decision, Outcome, Quota, Rate, Settled, State,
@@ -52,14 +53,6 @@ fn quota(
     )
     .and_then(|q| q.with_max_debt(max_debt))
     .expect("a valid quota")
-}
-
-/// A rate with awkward counts and a few periods (as in `properties.rs`).
-fn rate() -> impl Strategy<Value = (u64, u64)> {
-    (
-        prop_oneof![Just(1u64), Just(3), Just(7), Just(10), Just(999), 1u64..50],
-        prop_oneof![Just(1u64), Just(2), Just(10), Just(60)],
-    )
 }
 
 /// A limit of one of `algorithms`: any rate, burst and cost; no borrowing (the default),
@@ -397,18 +390,7 @@ fn same_from_here(
 }
 
 fn probes() -> impl Strategy<Value = Vec<(u64, u64)>> {
-    prop::collection::vec(
-        (
-            prop_oneof![
-                3 => Just(0u64),
-                3 => 1u64..2_000,
-                3 => 2_000u64..3_000_000,
-                1 => 3_000_000u64..400_000_000,
-            ],
-            1u64..6,
-        ),
-        1..30,
-    )
+    prop::collection::vec((gap_us(3_000_000, 400_000_000), 1u64..6), 1..30)
 }
 
 // ---------------------------------------------------------------------------------------

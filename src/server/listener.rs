@@ -15,16 +15,19 @@ use crate::connection::Registry;
 
 /// What a listener does with each connection it accepted and found room for.
 pub trait Handler {
-    /// The task that serves `stream`, from `peer`, to its end, holding `permit`, its place
-    /// in `registry`; or `None` where this listener serves no connection now (the
-    /// connection is closed at once).
-    fn serve(
-        &self,
-        stream: TcpStream,
-        peer: SocketAddr,
-        registry: &Arc<Registry>,
-        permit: OwnedSemaphorePermit,
-    ) -> Option<impl Future<Output = ()> + Send + 'static>;
+    /// The task that serves `conn` to its end; or `None` where this listener serves no
+    /// connection now (the connection is closed at once).
+    fn serve(&self, conn: Accepted<'_>) -> Option<impl Future<Output = ()> + Send + 'static>;
+}
+
+/// A connection accepted and found room for, as a [`Handler`] is given it.
+pub struct Accepted<'a> {
+    pub stream: TcpStream,
+    pub peer: SocketAddr,
+    /// The listener's registry, which the connection's task registers in.
+    pub registry: &'a Arc<Registry>,
+    /// Its room under `max_connections`, held until it ends.
+    pub permit: OwnedSemaphorePermit,
 }
 
 /// One listening socket and what serves its connections.
@@ -54,11 +57,11 @@ impl<H: Handler> Listener<H> {
     pub async fn run(self, shutdown: impl Future<Output = ()>) {
         tokio::pin!(shutdown);
         loop {
-            let (stream, peer, permit) = tokio::select! {
+            let conn = tokio::select! {
                 accepted = self.accept() => accepted,
                 () = &mut shutdown => break,
             };
-            if let Some(task) = self.handler.serve(stream, peer, &self.registry, permit) {
+            if let Some(task) = self.handler.serve(conn) {
                 tokio::spawn(task);
             }
         }
@@ -86,10 +89,18 @@ impl<H: Handler> Listener<H> {
     /// while idle connections are closed to make room, and the ones behind it wait in the
     /// listen backlog. A failed accept (out of file descriptors and the like) makes room
     /// and backs off; it never stops the loop.
-    async fn accept(&self) -> (TcpStream, SocketAddr, OwnedSemaphorePermit) {
+    async fn accept(&self) -> Accepted<'_> {
         loop {
             match self.socket.accept().await {
-                Ok((stream, peer)) => return (stream, peer, self.registry.admit().await),
+                Ok((stream, peer)) => {
+                    let permit = self.registry.admit().await;
+                    return Accepted {
+                        stream,
+                        peer,
+                        registry: &self.registry,
+                        permit,
+                    };
+                }
                 Err(e) => self.registry.accept_failed(&e).await,
             }
         }
@@ -108,15 +119,9 @@ mod tests {
     struct NoContent(Arc<AtomicUsize>);
 
     impl Handler for NoContent {
-        fn serve(
-            &self,
-            stream: TcpStream,
-            _peer: SocketAddr,
-            registry: &Arc<Registry>,
-            permit: OwnedSemaphorePermit,
-        ) -> Option<impl Future<Output = ()> + Send + 'static> {
+        fn serve(&self, conn: Accepted<'_>) -> Option<impl Future<Output = ()> + Send + 'static> {
             self.0.fetch_add(1, Relaxed);
-            let registry = registry.clone();
+            let (stream, registry, permit) = (conn.stream, conn.registry.clone(), conn.permit);
             let settings = crate::connection::Settings {
                 timeouts: crate::connection::Timeouts::default(),
                 max_header_bytes: 32 * 1024,

@@ -19,15 +19,14 @@ use std::time::Duration;
 use http::Request;
 use hyper::body::Incoming;
 use hyper::service::service_fn;
-use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::OwnedSemaphorePermit;
+use tokio::net::TcpListener;
 
 use crate::admin::Admin;
 use crate::config::Config;
 use crate::connection::{self, InFlight, Registry, Tracked};
 use crate::proxy::{Context, Gateway, Live};
 use crate::upstream::ClientPeer;
-use listener::{Handler, Listener};
+use listener::{Accepted, Handler, Listener};
 
 mod listener;
 mod tags;
@@ -273,7 +272,8 @@ fn start_workers(
             let thread = std::thread::Builder::new()
                 .name(format!("ratewall-worker-{n}"))
                 .spawn(move || {
-                    let served = run_worker(n, sockets, gateway, registry, grace, stopped);
+                    let work = serve_worker(n, sockets, gateway, registry, grace, stopped);
+                    let served = run_worker(n, work);
                     let _ = done.send(served);
                 })
                 .map_err(|source| StartError::Bind {
@@ -285,16 +285,9 @@ fn start_workers(
         .collect()
 }
 
-/// Worker `n`'s thread: its single-threaded event loop, serving its handles of the
-/// gateway's sockets until `stopped` turns true. Returns how many requests it served.
-fn run_worker(
-    n: usize,
-    sockets: GatewaySockets,
-    gateway: Arc<Gateway>,
-    registry: Arc<Registry>,
-    grace: Duration,
-    stopped: tokio::sync::watch::Receiver<bool>,
-) -> u64 {
+/// Worker `n`'s thread: its single-threaded event loop, running `work` (its listeners, as
+/// [`serve_worker`] serves them) to its end. Returns how many requests it served.
+fn run_worker(n: usize, work: impl Future<Output = u64>) -> u64 {
     crate::worker::set(n);
     let rt = match tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -306,7 +299,7 @@ fn run_worker(
             return 0;
         }
     };
-    rt.block_on(serve_worker(n, sockets, gateway, registry, grace, stopped))
+    rt.block_on(work)
 }
 
 /// Serve worker `n`'s listeners (cleartext, and TLS where configured) in this event loop
@@ -576,13 +569,7 @@ impl Handler for Clients {
     /// Serve a connection as the config live when it was accepted says: its clocks and
     /// bounds, the redirect to HTTPS on the cleartext listener (`redirect_https`), the
     /// TLS listener's certificates.
-    fn serve(
-        &self,
-        stream: TcpStream,
-        peer: SocketAddr,
-        registry: &Arc<Registry>,
-        permit: OwnedSemaphorePermit,
-    ) -> Option<impl Future<Output = ()> + Send + 'static> {
+    fn serve(&self, conn: Accepted<'_>) -> Option<impl Future<Output = ()> + Send + 'static> {
         let live = self.gateway.live();
         let settings = live.config.server.connections();
         // Where the client should have gone: the TLS listener's port, for a 308.
@@ -599,7 +586,9 @@ impl Handler for Clients {
         };
         drop(live);
         let clients = self.clone();
-        let (registry, metrics) = (registry.clone(), self.gateway.metrics().clone());
+        let metrics = self.gateway.metrics().clone();
+        let (stream, peer, registry, permit) =
+            (conn.stream, conn.peer, conn.registry.clone(), conn.permit);
         Some(async move {
             match tls_config {
                 None => {
@@ -665,15 +654,11 @@ impl Clients {
 
 /// The admin listener's connections: the admin API's, on the same clocks and bounds.
 impl Handler for Admin {
-    fn serve(
-        &self,
-        stream: TcpStream,
-        peer: SocketAddr,
-        registry: &Arc<Registry>,
-        permit: OwnedSemaphorePermit,
-    ) -> Option<impl Future<Output = ()> + Send + 'static> {
+    fn serve(&self, conn: Accepted<'_>) -> Option<impl Future<Output = ()> + Send + 'static> {
         let settings = self.gateway().live().config.server.connections();
-        let (registry, admin) = (registry.clone(), self.clone());
+        let (stream, peer, registry, permit) =
+            (conn.stream, conn.peer, conn.registry.clone(), conn.permit);
+        let admin = self.clone();
         Some(async move {
             connection::serve(stream, &registry, permit, settings, |track| {
                 admin.service(peer, track)

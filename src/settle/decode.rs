@@ -214,12 +214,16 @@ impl Decoder {
         if let Some(e) = self.failed {
             return Err(e);
         }
-        let scratch = &mut self.scratch[..];
+        let sink = &mut Sink {
+            scratch: &mut self.scratch[..],
+            budget: &mut self.out,
+            out: &mut out,
+        };
         let fed = match &mut self.state {
-            State::Gzip(g) => g.feed(chunk, scratch, &mut self.out, &mut out),
-            State::Deflate(d) => d.feed(chunk, scratch, &mut self.out, &mut out),
-            State::Brotli(b) => b.feed(chunk, scratch, &mut self.out, &mut out),
-            State::Zstd(z) => z.feed(chunk, scratch, &mut self.out, &mut out),
+            State::Gzip(g) => g.feed(chunk, sink),
+            State::Deflate(d) => d.feed(chunk, sink),
+            State::Brotli(b) => b.feed(chunk, sink),
+            State::Zstd(z) => z.feed(chunk, sink),
         };
         fed.map_err(|e| *self.failed.insert(e))
     }
@@ -243,15 +247,28 @@ impl Decoder {
     }
 }
 
-/// Inflate `input` into `scratch` until it is all taken or the stream ends, handing the
-/// output over; the bytes of `input` taken, and whether the stream ended. `crc`: the
-/// gzip member's running CRC-32 of its output.
+/// Where a coding's output goes: decoded into `scratch`, then handed to `out` within the
+/// answer's `budget`. One value, which every coding's steps pass on whole.
+struct Sink<'a> {
+    scratch: &'a mut [u8],
+    budget: &'a mut Budget,
+    out: &'a mut dyn FnMut(&[u8]),
+}
+
+impl Sink<'_> {
+    /// Hand the first `n` bytes of `scratch` to `out`, within the budget.
+    fn pass(&mut self, n: usize) -> Result<(), DecodeError> {
+        self.budget.take(&self.scratch[..n], &mut self.out)
+    }
+}
+
+/// Inflate `input` into the sink's `scratch` until it is all taken or the stream ends,
+/// handing the output over; the bytes of `input` taken, and whether the stream ended.
+/// `crc`: the gzip member's running CRC-32 of its output.
 fn inflate(
     d: &mut Decompress,
     mut input: &[u8],
-    scratch: &mut [u8],
-    budget: &mut Budget,
-    out: &mut impl FnMut(&[u8]),
+    sink: &mut Sink<'_>,
     mut crc: Option<&mut Crc>,
     coding: Coding,
 ) -> Result<(usize, bool), DecodeError> {
@@ -259,7 +276,7 @@ fn inflate(
     loop {
         let (was_in, was_out) = (d.total_in(), d.total_out());
         let status = d
-            .decompress(input, scratch, FlushDecompress::None)
+            .decompress(input, sink.scratch, FlushDecompress::None)
             .map_err(|_| DecodeError::Corrupt(coding))?;
         // Each at most its buffer's length.
         let read = (d.total_in() - was_in) as usize;
@@ -267,15 +284,15 @@ fn inflate(
         input = &input[read..];
         taken += read;
         if let Some(crc) = crc.as_deref_mut() {
-            crc.update(&scratch[..wrote]);
+            crc.update(&sink.scratch[..wrote]);
         }
-        budget.take(&scratch[..wrote], out)?;
+        sink.pass(wrote)?;
         match status {
             Status::StreamEnd => return Ok((taken, true)),
             // No progress: inflate wants more input than there is.
             _ if read == 0 && wrote == 0 => return Ok((taken, false)),
             // Input all taken and the output not full: nothing more is pending.
-            _ if input.is_empty() && wrote < scratch.len() => return Ok((taken, false)),
+            _ if input.is_empty() && wrote < sink.scratch.len() => return Ok((taken, false)),
             _ => {}
         }
     }
@@ -354,22 +371,14 @@ impl Gzip {
         self.whole_member && matches!(self.part, Member::Fixed { n: 0, .. })
     }
 
-    fn feed(
-        &mut self,
-        mut input: &[u8],
-        scratch: &mut [u8],
-        budget: &mut Budget,
-        out: &mut impl FnMut(&[u8]),
-    ) -> Result<(), DecodeError> {
+    fn feed(&mut self, mut input: &[u8], sink: &mut Sink<'_>) -> Result<(), DecodeError> {
         let corrupt = DecodeError::Corrupt(Coding::Gzip);
         while !input.is_empty() {
             if let Member::Data = self.part {
                 let (taken, ended) = inflate(
                     &mut self.inflate,
                     input,
-                    scratch,
-                    budget,
-                    out,
+                    sink,
                     Some(&mut self.crc),
                     Coding::Gzip,
                 )?;
@@ -498,13 +507,7 @@ impl Deflate {
         self.ended
     }
 
-    fn feed(
-        &mut self,
-        input: &[u8],
-        scratch: &mut [u8],
-        budget: &mut Budget,
-        out: &mut impl FnMut(&[u8]),
-    ) -> Result<(), DecodeError> {
+    fn feed(&mut self, input: &[u8], sink: &mut Sink<'_>) -> Result<(), DecodeError> {
         if input.is_empty() {
             return Ok(());
         }
@@ -514,27 +517,21 @@ impl Deflate {
         if self.inflate.is_none() {
             let Some(first) = self.first else {
                 self.first = Some(input[0]);
-                return self.feed(&input[1..], scratch, budget, out);
+                return self.feed(&input[1..], sink);
             };
             let zlib = zlib_header(first, input[0]);
             self.inflate = Some(Decompress::new(zlib));
-            self.feed_inflate(&[first], scratch, budget, out)?;
+            self.feed_inflate(&[first], sink)?;
         }
-        self.feed_inflate(input, scratch, budget, out)
+        self.feed_inflate(input, sink)
     }
 
-    fn feed_inflate(
-        &mut self,
-        input: &[u8],
-        scratch: &mut [u8],
-        budget: &mut Budget,
-        out: &mut impl FnMut(&[u8]),
-    ) -> Result<(), DecodeError> {
+    fn feed_inflate(&mut self, input: &[u8], sink: &mut Sink<'_>) -> Result<(), DecodeError> {
         let Some(d) = self.inflate.as_mut() else {
             return Ok(());
         };
         let coding = Coding::Deflate;
-        let (taken, ended) = inflate(d, input, scratch, budget, out, None, coding)?;
+        let (taken, ended) = inflate(d, input, sink, None, coding)?;
         if self.ended || (ended && taken < input.len()) {
             // Bytes after the stream's end.
             return Err(DecodeError::Corrupt(coding));
@@ -564,13 +561,7 @@ impl Default for Brotli {
 }
 
 impl Brotli {
-    fn feed(
-        &mut self,
-        input: &[u8],
-        scratch: &mut [u8],
-        budget: &mut Budget,
-        out: &mut impl FnMut(&[u8]),
-    ) -> Result<(), DecodeError> {
+    fn feed(&mut self, input: &[u8], sink: &mut Sink<'_>) -> Result<(), DecodeError> {
         let corrupt = DecodeError::Corrupt(Coding::Brotli);
         if input.is_empty() {
             return Ok(());
@@ -580,18 +571,18 @@ impl Brotli {
         }
         let (mut available_in, mut input_offset) = (input.len(), 0);
         loop {
-            let (mut available_out, mut output_offset, mut total_out) = (scratch.len(), 0, 0);
+            let (mut available_out, mut output_offset, mut total_out) = (sink.scratch.len(), 0, 0);
             let result = BrotliDecompressStream(
                 &mut available_in,
                 &mut input_offset,
                 input,
                 &mut available_out,
                 &mut output_offset,
-                scratch,
+                sink.scratch,
                 &mut total_out,
                 &mut self.state,
             );
-            budget.take(&scratch[..output_offset.min(scratch.len())], out)?;
+            sink.pass(output_offset.min(sink.scratch.len()))?;
             match result {
                 BrotliResult::NeedsMoreOutput => {}
                 BrotliResult::NeedsMoreInput => return Ok(()),

@@ -39,15 +39,20 @@ fn tunnel(websocket: bool, meters: Vec<Meter>) -> Tunnel {
     }
 }
 
-/// A meter on the memory store whose clock never moves: `burst` frames, then none.
-fn meter(burst: u64) -> Meter {
+/// A limiter on the memory store whose clock never moves: no token comes back.
+fn still_limiter() -> Arc<Limiter> {
     let clock = ManualClock::new(1_000_000_000);
-    let limiter = Limiter::new(
+    Limiter::new(
         Box::new(MemoryStore::new(clock)),
         &crate::limiter::store::Settings::default(),
         LimiterMetrics::register(&mut prometheus_client::registry::Registry::default()),
         Arc::new(Stats::new()),
-    );
+    )
+}
+
+/// A meter on the memory store whose clock never moves: `burst` frames, then none.
+fn meter(burst: u64) -> Meter {
+    let limiter = still_limiter();
     let messages = Messages {
         rate: Rate::parse("10/s").expect("a rate"),
         burst,
@@ -130,6 +135,35 @@ fn code(payload: &[u8]) -> u16 {
 }
 
 /// All `end` receives until it ends.
+/// Await the tunnel's end, checking it is `ended` and came after the frame was held back
+/// about `MAX_DELAY`: the frames that went to the backend.
+async fn held_then_closed(
+    task: tokio::task::JoinHandle<(Ended, TunnelMetrics)>,
+    ended: Ended,
+    backend: &mut DuplexStream,
+) -> Vec<(u8, Vec<u8>)> {
+    let began = tokio::time::Instant::now();
+    let (got, _) = task.await.unwrap();
+    assert_eq!(got, ended);
+    let held = began.elapsed();
+    assert!(
+        held >= MAX_DELAY - Duration::from_millis(200) && held <= MAX_DELAY * 2,
+        "closed after {held:?}, max_delay {MAX_DELAY:?}"
+    );
+    frames(&rest(backend).await)
+}
+
+/// The bytes the tunnel of route "r" to pool "p" counted going upstream.
+fn upstream_bytes(m: &TunnelMetrics) -> u64 {
+    m.bytes
+        .get_or_create(&BytesLabels {
+            route: "r".into(),
+            pool: "p".into(),
+            direction: Direction::Upstream,
+        })
+        .get()
+}
+
 async fn rest(end: &mut DuplexStream) -> Vec<u8> {
     let mut all = Vec::new();
     end.read_to_end(&mut all).await.expect("read");
@@ -159,14 +193,7 @@ async fn raw_bytes_pass_both_ways_and_the_tunnel_ends_when_either_side_closes() 
         rest(&mut client).await.is_empty(),
         "the client sees the end"
     );
-    let up = m
-        .bytes
-        .get_or_create(&BytesLabels {
-            route: "r".into(),
-            pool: "p".into(),
-            direction: Direction::Upstream,
-        })
-        .get();
+    let up = upstream_bytes(&m);
     assert_eq!(up, 13);
     let open = m.open.get_or_create(&TunnelLabels {
         route: "r".into(),
@@ -207,15 +234,7 @@ async fn a_client_past_its_message_limit_is_held_back_then_closed_with_1008() {
     for n in 0..10u8 {
         client.write_all(&client_frame(0x2, &[n])).await.unwrap();
     }
-    let began = tokio::time::Instant::now();
-    let (ended, _) = task.await.unwrap();
-    assert_eq!(ended, Ended::MessageLimit);
-    let held = began.elapsed();
-    assert!(
-        held >= MAX_DELAY - Duration::from_millis(200) && held <= MAX_DELAY * 2,
-        "closed after {held:?}, max_delay {MAX_DELAY:?}"
-    );
-    let to_backend = frames(&rest(&mut backend).await);
+    let to_backend = held_then_closed(task, Ended::MessageLimit, &mut backend).await;
     // Three frames had tokens, then the gateway's close, masked as a client's must be.
     let data: Vec<_> = to_backend.iter().filter(|(op, _)| *op == 0x2).collect();
     assert_eq!(data.len(), 3, "{to_backend:?}");
@@ -295,13 +314,7 @@ async fn a_backend_that_does_not_read_holds_the_client_back() {
 /// A byte meter on the memory store whose clock never moves: `burst` payload bytes (at
 /// 100 a second: batches of 10), then none.
 fn byte_meter(burst: u64) -> Meter {
-    let clock = ManualClock::new(1_000_000_000);
-    let limiter = Limiter::new(
-        Box::new(MemoryStore::new(clock)),
-        &crate::limiter::store::Settings::default(),
-        LimiterMetrics::register(&mut prometheus_client::registry::Registry::default()),
-        Arc::new(Stats::new()),
-    );
+    let limiter = still_limiter();
     let bytes = crate::rules::Bytes {
         rate: Rate::parse("100/s").expect("a rate"),
         burst,
@@ -348,14 +361,7 @@ async fn data_frames_after_the_client_s_close_are_dropped_and_its_handshake_comp
     assert_eq!(to_client, vec![(0x8, vec![0x03, 0xe8])]);
     let (ended, m) = task.await.unwrap();
     assert_eq!(ended, Ended::UpstreamClosed);
-    let up = m
-        .bytes
-        .get_or_create(&BytesLabels {
-            route: "r".into(),
-            pool: "p".into(),
-            direction: Direction::Upstream,
-        })
-        .get();
+    let up = upstream_bytes(&m);
     assert_eq!(up, got.len() as u64, "what was dropped is not counted");
 }
 
@@ -402,15 +408,7 @@ async fn a_client_past_its_byte_limit_is_held_back_then_closed_with_1008() {
     }
     // Control frames need no byte token, but wait behind the held frame.
     client.write_all(&client_frame(0x9, b"ping")).await.unwrap();
-    let began = tokio::time::Instant::now();
-    let (ended, _) = task.await.unwrap();
-    assert_eq!(ended, Ended::ByteLimit);
-    let held = began.elapsed();
-    assert!(
-        held >= MAX_DELAY - Duration::from_millis(200) && held <= MAX_DELAY * 2,
-        "closed after {held:?}, max_delay {MAX_DELAY:?}"
-    );
-    let to_backend = frames(&rest(&mut backend).await);
+    let to_backend = held_then_closed(task, Ended::ByteLimit, &mut backend).await;
     let data: Vec<_> = to_backend.iter().filter(|(op, _)| *op == 0x2).collect();
     assert_eq!(data.len(), 2, "{to_backend:?}");
     let (op, payload) = to_backend.last().unwrap();

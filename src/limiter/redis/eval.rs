@@ -18,7 +18,10 @@
 use redis::aio::{ConnectionLike, ConnectionManager};
 use redis::cluster_async::ClusterConnection;
 use redis::cluster_routing::SingleNodeRoutingInfo;
-use redis::{Cmd, ErrorKind, FromRedisValue, RedisError, RedisResult, RetryMethod, Value};
+use redis::{
+    Cmd, ErrorKind, FromRedisValue, Pipeline, RedisError, RedisResult, RetryMethod, Value,
+};
+use std::future::Future;
 
 /// A Lua script and its SHA1, as EVALSHA names it.
 pub(super) struct Lua {
@@ -124,14 +127,7 @@ pub(super) async fn eval<C: Evaluates, T: FromRedisValue>(
     conn: &mut C,
     inv: &Invocation<'_>,
 ) -> RedisResult<T> {
-    let call = inv.evalsha();
-    let answer = match call.query_async(conn).await {
-        Err(e) if no_script(&e) => {
-            inv.lua.load().exec_async(conn).await?;
-            call.query_async(conn).await
-        }
-        answer => answer,
-    };
+    let answer = loaded(conn, inv, &inv.evalsha()).await;
     match (answer, conn.cluster()) {
         (Err(e), Some(cluster)) if matches!(e.retry_method(), RetryMethod::AskRedirect) => {
             let answer = only(asking(cluster, inv, e, None).await?)?;
@@ -151,13 +147,7 @@ pub(super) async fn eval_waited<C: Evaluates, T: FromRedisValue>(
 ) -> RedisResult<(T, u64)> {
     let mut call = redis::pipe();
     call.add_command(inv.evalsha()).add_command(wait.cmd());
-    let answer = match call.query_async(conn).await {
-        Err(e) if no_script(&e) => {
-            inv.lua.load().exec_async(conn).await?;
-            call.query_async(conn).await
-        }
-        answer => answer,
-    };
+    let answer = loaded(conn, inv, &call).await;
     match (answer, conn.cluster()) {
         (Err(e), Some(cluster)) if matches!(e.retry_method(), RetryMethod::AskRedirect) => {
             let mut answers = asking(cluster, inv, e, Some(wait)).await?;
@@ -172,6 +162,48 @@ pub(super) async fn eval_waited<C: Evaluates, T: FromRedisValue>(
             Ok((T::from_redis_value(answer)?, u64::from_redis_value(acked)?))
         }
         (answer, _) => answer,
+    }
+}
+
+/// What carries a script call: the EVALSHA alone, or a pipeline of it and its `WAIT`.
+trait Carrier: Sync {
+    fn send<T: FromRedisValue>(
+        &self,
+        conn: &mut (impl ConnectionLike + Send),
+    ) -> impl Future<Output = RedisResult<T>> + Send;
+}
+
+impl Carrier for Cmd {
+    fn send<T: FromRedisValue>(
+        &self,
+        conn: &mut (impl ConnectionLike + Send),
+    ) -> impl Future<Output = RedisResult<T>> + Send {
+        self.query_async(conn)
+    }
+}
+
+impl Carrier for Pipeline {
+    fn send<T: FromRedisValue>(
+        &self,
+        conn: &mut (impl ConnectionLike + Send),
+    ) -> impl Future<Output = RedisResult<T>> + Send {
+        self.query_async(conn)
+    }
+}
+
+/// Send `call`; where the server lacks `inv`'s script (NOSCRIPT), load it and send `call`
+/// once more.
+async fn loaded<C: Evaluates, T: FromRedisValue>(
+    conn: &mut C,
+    inv: &Invocation<'_>,
+    call: &impl Carrier,
+) -> RedisResult<T> {
+    match call.send(conn).await {
+        Err(e) if no_script(&e) => {
+            inv.lua.load().exec_async(conn).await?;
+            call.send(conn).await
+        }
+        answer => answer,
     }
 }
 

@@ -14,7 +14,7 @@ use std::io::Read;
 use ruzstd::decoding::errors::FrameDecoderError;
 use ruzstd::decoding::FrameDecoder;
 
-use super::{Budget, Coding, DecodeError};
+use super::{Coding, DecodeError, Sink};
 
 /// A zstd frame's magic number, and a skippable frame's range of them.
 const MAGIC: u32 = 0xFD2F_B528;
@@ -121,19 +121,13 @@ impl Zstd {
         self.part == Part::Start && self.pending.is_empty() && self.frames > 0
     }
 
-    pub(super) fn feed(
-        &mut self,
-        input: &[u8],
-        scratch: &mut [u8],
-        budget: &mut Budget,
-        out: &mut impl FnMut(&[u8]),
-    ) -> Result<(), DecodeError> {
+    pub(super) fn feed(&mut self, input: &[u8], sink: &mut Sink<'_>) -> Result<(), DecodeError> {
         // Taken out while the steps read it, and put back without what they took.
         let mut pending = std::mem::take(&mut self.pending);
         pending.extend_from_slice(input);
         let mut at = 0;
         let result = loop {
-            match self.step(&pending[at..], scratch, budget, out) {
+            match self.step(&pending[at..], sink) {
                 Ok(Some(taken)) => at += taken,
                 Ok(None) => break Ok(()),
                 Err(e) => break Err(e),
@@ -146,13 +140,7 @@ impl Zstd {
 
     /// One step over `bytes`, the input not yet taken: how much it took, or `None` where
     /// it needs more input.
-    fn step(
-        &mut self,
-        bytes: &[u8],
-        scratch: &mut [u8],
-        budget: &mut Budget,
-        out: &mut impl FnMut(&[u8]),
-    ) -> Result<Option<usize>, DecodeError> {
+    fn step(&mut self, bytes: &[u8], sink: &mut Sink<'_>) -> Result<Option<usize>, DecodeError> {
         match self.part {
             Part::Start => {
                 let Some(magic) = bytes.get(..4) else {
@@ -207,15 +195,15 @@ impl Zstd {
                 };
                 let (read, written) = self
                     .frame
-                    .decode_from_to(block, scratch)
+                    .decode_from_to(block, sink.scratch)
                     .map_err(decoder_error)?;
                 if read != length {
                     return Err(CORRUPT);
                 }
-                budget.take(&scratch[..written], out)?;
+                sink.pass(written)?;
                 // The rest of what the block decoded (past its window, or all once the
                 // frame is over).
-                self.drain(scratch, budget, out)?;
+                self.drain(sink)?;
                 self.part = match (last, checksum) {
                     (false, _) => Part::Blocks { checksum },
                     (true, true) => Part::Checksum,
@@ -238,18 +226,13 @@ impl Zstd {
     }
 
     /// Hand over what the decoder holds that it may let go of.
-    fn drain(
-        &mut self,
-        scratch: &mut [u8],
-        budget: &mut Budget,
-        out: &mut impl FnMut(&[u8]),
-    ) -> Result<(), DecodeError> {
+    fn drain(&mut self, sink: &mut Sink<'_>) -> Result<(), DecodeError> {
         loop {
-            let n = self.frame.read(scratch).map_err(|_| CORRUPT)?;
+            let n = self.frame.read(sink.scratch).map_err(|_| CORRUPT)?;
             if n == 0 {
                 return Ok(());
             }
-            budget.take(&scratch[..n.min(scratch.len())], out)?;
+            sink.pass(n.min(sink.scratch.len()))?;
         }
     }
 }
