@@ -73,7 +73,9 @@
 //!   limit, adaptive (`limit.rs`, a gradient controller on an injected clock) or fixed,
 //!   and the queue beyond it by priority (`queue.rs`); a [`overload::Permit`] held from
 //!   send to the answer's head. Asked by `gateway/overload.rs` after the rate limits.
-//! - [`settle`]: settling reservations; `usage`, the tokens an OpenAI-compatible backend
+//! - [`settle`]: settling reservations, all but the algorithms' pure step (`limiter/settle.rs`):
+//!   `reservation` (the charges a request holds), `policy`, `settling`, `max_tokens`, and
+//!   the settlement property tests (`properties.rs`); `usage`, the tokens an OpenAI-compatible backend
 //!   reports, read from its answer's body (JSON or server-sent events) as it streams past;
 //!   `decode`, a compressed answer (gzip, deflate, br, zstd) decoded for it, within a budget.
 //! - [`websocket`]: RFC 6455 as a gateway passing frames through needs it: `frame` (an

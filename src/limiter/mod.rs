@@ -26,10 +26,7 @@ pub mod metrics;
 mod properties;
 pub mod quota;
 pub mod redis;
-pub mod reservation;
 pub mod settle;
-#[cfg(test)]
-mod settle_properties;
 pub mod sliding_window;
 pub mod store;
 pub mod token_bucket;

@@ -29,8 +29,8 @@ use super::metrics::{
     DrainResult, SettleDirection as Direction, SettleMetrics, SettleOutcome as Outcome,
 };
 use super::policy::{parse_cost, Drain, Policy};
+use super::reservation::Reservation;
 use super::usage::{Framing, UsageField, UsageScanner};
-use crate::limiter::reservation::Reservation;
 use crate::limiter::Decision;
 
 /// Where a rule's decision shows in the answer: among the enforcing rules' `RateLimit`
@@ -294,8 +294,8 @@ async fn settle(
                 };
                 updates.push((shown, receipt.now));
                 // A cost past what a settlement carries (`adjust`'s bound) is forgiven too.
-                let sent = crate::limiter::reservation::adjust(item, *cost)
-                    .map_or(0, |a| a.delta.unsigned_abs());
+                let sent =
+                    super::reservation::adjust(item, *cost).map_or(0, |a| a.delta.unsigned_abs());
                 let clipped = cost.abs_diff(reserved).saturating_sub(sent);
                 let forgiven = receipt.forgiven.saturating_add(clipped);
                 metrics.forgave(rule, forgiven);
