@@ -13,7 +13,7 @@ pub enum Verdict {
     /// Every enforcing rule allows: forward now.
     Forward,
     /// Every enforcing rule allows, once the request has waited this many µs for the
-    /// tokens it reserved (`max_delay`): the longest wait among the rules.
+    /// tokens it took ahead (`max_delay`): the longest wait among the rules.
     Delay(u64),
     /// The enforcing rule at this position (among the request's rules) denies: 429. The
     /// first such rule speaks for the request; `jitter_us` is the largest `retry_jitter`

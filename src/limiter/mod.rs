@@ -47,7 +47,7 @@ pub struct Decision {
     /// Whole requests (of cost 1) still allowed now, after this request if it was charged.
     pub remaining: u64,
     /// When denied: microseconds until this request would pass. When allowed: how long it
-    /// waits for its reserved tokens before it is forwarded (`max_delay`), usually 0.
+    /// waits for the tokens it took ahead before it is forwarded (`max_delay`), usually 0.
     pub retry_after_us: u64,
     /// Microseconds until the full quota is available again.
     pub reset_us: u64,

@@ -207,7 +207,7 @@ crate::proptest_seeds! {
         same_limit(count, secs, burst, start, requests)?;
     }
 
-    /// The same with `max_delay`: both reserve the same tokens for waiting requests, tell
+    /// The same with `max_delay`: both take the same tokens ahead for waiting requests, tell
     /// them the same waits, and a wait is never more than max_delay; waits of requests
     /// at one instant grow in arrival order.
     #[test]

@@ -209,7 +209,7 @@ fn carry_jwt(config: &mut Config, old: Option<&Live>, metrics: &Arc<Metrics>) {
     }
 }
 
-/// One place in a rule's queue of requests waiting for reserved tokens (`max_waiting`).
+/// One place in a rule's queue of requests waiting for tokens taken ahead (`max_waiting`).
 pub struct WaitSlot<'a>(&'a AtomicU32);
 
 impl<'a> WaitSlot<'a> {
