@@ -53,7 +53,7 @@
 //! - [`limiter`]: the algorithms as pure integer step functions (and the concurrency
 //!   limit; the calendar periods of `"N/month"` rates, `limiter/calendar.rs`); one [`limiter::Store`] boundary with two kinds behind it, [`limiter::memory`]
 //!   (embedded) and [`limiter::redis`] (one Redis or a cluster; Lua twins in `lua/`); the
-//!   [`limiter::guard::Limiter`] around it (breaker, deny cache, `on_error`), and the
+//!   [`limiter::breaker::Limiter`] around it (breaker, deny cache, `on_error`), and the
 //!   gateways' heartbeat that `local_share = "auto"` counts by (`limiter/heartbeat.rs`).
 //! - [`headers`]: decisions -> `RateLimit-*`, `Retry-After`, problem+json.
 //! - [`upstream`]: the pools and the clients to their servers (HTTP/1.1, HTTP/2): `settings` (the

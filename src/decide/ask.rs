@@ -3,7 +3,7 @@
 
 use super::limits::Limit;
 use super::verdict::{self, Ruled, Verdict};
-use crate::limiter::guard::{Now, StoreAnswer};
+use crate::limiter::breaker::{Now, StoreAnswer};
 use crate::limiter::lease::Leases;
 use crate::limiter::{Check, Decision};
 use crate::runtime::Live;

@@ -3,7 +3,7 @@
 //! store, a clock or a socket; the request path only carries it out.
 
 use crate::identity::Refusal;
-use crate::limiter::guard::StoreAnswer;
+use crate::limiter::breaker::StoreAnswer;
 use crate::limiter::{Decision, OnError};
 use crate::telemetry::disposition::Disposition;
 

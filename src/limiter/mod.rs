@@ -9,15 +9,15 @@
 //! The store boundary is the [`Store`] trait, one call per request ([`Store::decide`]):
 //! every rule that applies to the request is checked together, and either all of them
 //! are charged or none is, so a request that one rule denies consumes nothing from the
-//! others. [`guard::Limiter`] is what the gateway calls: the store behind a circuit
+//! others. [`breaker::Limiter`] is what the gateway calls: the store behind a circuit
 //! breaker, a deny cache and the `on_error` policy.
 
+pub mod breaker;
 pub mod calendar;
 pub mod concurrency;
 pub mod deny_cache;
 pub mod fixed_window;
 pub mod gcra;
-pub mod guard;
 pub mod heartbeat;
 pub mod lease;
 pub mod memory;

@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::requests::RuleCounters;
 use super::Metrics;
 use crate::config::Config;
-use crate::limiter::guard::Limiter;
+use crate::limiter::breaker::Limiter;
 use crate::limiter::{store, Clock, MonotonicClock, StoreError};
 use crate::upstream;
 

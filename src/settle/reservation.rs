@@ -2,12 +2,12 @@
 //! (issue 27). Each was taken on arrival like any charge, so requests in flight cannot
 //! overshoot a limit together; once the backend has answered (or failed to), each is
 //! committed as it stands, refunded, or adjusted to the cost the backend reported,
-//! through [`Limiter::settle`](crate::limiter::guard::Limiter::settle) on the store that decided it.
+//! through [`Limiter::settle`](crate::limiter::breaker::Limiter::settle) on the store that decided it.
 
 use std::sync::Arc;
 
 use crate::identity::IdentityDigest;
-use crate::limiter::guard::Limiter;
+use crate::limiter::breaker::Limiter;
 use crate::limiter::store::{Receipt, Settlement};
 use crate::limiter::{Adjust, Algorithm, Check, Quota, MAX_LEVEL};
 

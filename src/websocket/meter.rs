@@ -36,7 +36,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::identity::IdentityDigest;
-use crate::limiter::guard::{Limiter, Now, StoreAnswer};
+use crate::limiter::breaker::{Limiter, Now, StoreAnswer};
 use crate::limiter::{Algorithm, Check, OnError, Quota, QuotaError, Rate};
 use crate::rules::{Bytes, Messages};
 
