@@ -25,9 +25,7 @@ use http::{HeaderMap, StatusCode};
 use http_body_util::BodyExt;
 
 use super::decode::Decoder;
-use super::metrics::{
-    DrainResult, SettleDirection as Direction, SettleMetrics, SettleOutcome as Outcome,
-};
+use super::metrics::{DrainResult, SettleDirection as Direction, SettleMetrics, SettleOutcome};
 use super::policy::{parse_cost, Drain, Policy};
 use super::reservation::Reservation;
 use super::usage::{Framing, UsageField, UsageScanner};
@@ -229,7 +227,7 @@ impl Settling {
             source,
             "the answer reported a cost that is not a whole number at least 0; the reserved cost stands"
         );
-        self.metrics.count(rule, Outcome::Invalid);
+        self.metrics.count(rule, SettleOutcome::Invalid);
     }
 
     /// The usage of the held charges still open at the end cannot be read (the answer's
@@ -243,7 +241,7 @@ impl Settling {
                     why,
                     "the answer's usage cannot be read; the reserved cost stands"
                 );
-                self.metrics.count(rule, Outcome::Unread);
+                self.metrics.count(rule, SettleOutcome::Unread);
             }
         }
     }
@@ -287,7 +285,7 @@ async fn settle(
         let rule = &*item.rule;
         let reserved = item.quota.cost;
         match &result {
-            Err(_) => metrics.count(rule, Outcome::Failed),
+            Err(_) => metrics.count(rule, SettleOutcome::Failed),
             Ok(done) => {
                 let Some(receipt) = done.get(k).copied().flatten() else {
                     continue;
@@ -301,14 +299,14 @@ async fn settle(
                 metrics.forgave(rule, forgiven);
                 if *cost < reserved {
                     let outcome = if refunds && *cost == 0 {
-                        Outcome::Refunded
+                        SettleOutcome::Refunded
                     } else {
-                        Outcome::ChargedLess
+                        SettleOutcome::ChargedLess
                     };
                     metrics.count(rule, outcome);
                     metrics.moved(rule, Direction::Refunded, reserved - cost);
                 } else {
-                    metrics.count(rule, Outcome::ChargedMore);
+                    metrics.count(rule, SettleOutcome::ChargedMore);
                     metrics.moved(
                         rule,
                         Direction::Charged,
