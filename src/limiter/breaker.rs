@@ -260,7 +260,7 @@ impl Limiter {
         }
     }
 
-    /// Settle charges decided earlier ([`super::reservation`]) on the store that decided
+    /// Settle charges decided earlier (`settle::reservation`) on the store that decided
     /// them (`local`: the `on_error = "local"` fallback). A store that fails, or whose
     /// breaker is open, is counted and logged, and the charges stand as they were: a
     /// refund lost is stricter, an added charge lost is at most that charge looser.

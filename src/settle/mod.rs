@@ -3,7 +3,8 @@
 //! an LLM answer reports ([`usage`]; a compressed answer decoded for it first,
 //! [`decode`]), and the charges a request holds until then
 //! ([`Settling`], over a [`Reservation`](reservation::Reservation): the charges held in
-//! the limiter's store). The pure per-algorithm step stays in [`crate::limiter::settle`].
+//! the limiter's store). The pure per-algorithm step stays in
+//! [`limiter::settle`](mod@crate::limiter::settle).
 
 pub mod decode;
 pub mod max_tokens;
