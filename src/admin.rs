@@ -47,7 +47,7 @@ use crate::connection::{self, InFlight, Track, Tracked};
 use crate::headers::ceil_secs;
 use crate::identity;
 use crate::identity::{IdentityDigest, KeyKind, Requester};
-use crate::limiter::guard::Health;
+use crate::limiter::breaker::Health;
 use crate::limiter::{Check, OnError, Quota};
 use crate::proxy::Gateway;
 use crate::rules::Rule;

@@ -68,7 +68,7 @@
 //! - [`limiter`]: the algorithms as pure integer step functions (and the concurrency
 //!   limit; the calendar periods of `"N/month"` rates, `limiter/calendar.rs`); one [`limiter::Store`] boundary with two kinds behind it, [`limiter::memory`]
 //!   (embedded) and [`limiter::redis`] (one Redis or a cluster; Lua twins in `lua/`); the
-//!   [`limiter::guard::Limiter`] around it (breaker, deny cache, `on_error`), and the
+//!   [`limiter::breaker::Limiter`] around it (breaker, deny cache, `on_error`), and the
 //!   gateways' heartbeat that `local_share = "auto"` counts by (`limiter/heartbeat.rs`).
 //! - [`headers`]: decisions -> `RateLimit-*`, `Retry-After`, problem+json.
 //! - [`upstream`]: the pools and the clients to their servers (HTTP/1.1, HTTP/2): `settings` (the
@@ -89,7 +89,9 @@
 //!   and the queue beyond it by priority (`queue.rs`); a [`overload::Permit`] held from
 //!   send to the answer's head, asked of the pool (`upstream::Pool::admit`) by
 //!   `proxy/overload.rs` after the rate limits.
-//! - [`settle`]: settling reservations; `usage`, the tokens an OpenAI-compatible backend
+//! - [`settle`]: settling reservations, all but the algorithms' pure step (`limiter/settle.rs`):
+//!   `reservation` (the charges a request holds), `policy`, `settling`, `max_tokens`, and
+//!   the settlement property tests (`properties.rs`); `usage`, the tokens an OpenAI-compatible backend
 //!   reports, read from its answer's body (JSON or server-sent events) as it streams past;
 //!   `decode`, a compressed answer (gzip, deflate, br, zstd) decoded for it, within a budget.
 //! - [`websocket`]: RFC 6455 as a gateway passing frames through needs it: `frame` (an

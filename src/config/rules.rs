@@ -224,8 +224,9 @@ impl At<'_> {
     }
 }
 
-/// The limit a rule's numbers make, before plans: a rate, or a concurrency cap.
-enum Limit {
+/// The bound a rule's numbers make, before plans: a rate, or a concurrency cap (not
+/// `decide::limits::Limit`, a rule applied to one request).
+enum Bound {
     Rate(RateLimit),
     Concurrency { max: NonZeroU64, lease: Duration },
 }
@@ -240,11 +241,11 @@ struct RateLimit {
     max_delay: Option<Duration>,
 }
 
-impl Limit {
+impl Bound {
     fn quota(&self) -> Result<Quota, QuotaError> {
         match *self {
-            Limit::Concurrency { max, lease } => Ok(Quota::concurrency(max, lease)),
-            Limit::Rate(rate) => rate.quota(),
+            Bound::Concurrency { max, lease } => Ok(Quota::concurrency(max, lease)),
+            Bound::Rate(rate) => rate.quota(),
         }
     }
 }
@@ -386,7 +387,7 @@ impl Rule {
 
 impl At<'_> {
     /// A rule limits a rate or a concurrency, never both; each takes only its own keys.
-    fn limit(&self) -> Result<Limit, Invalid> {
+    fn limit(&self) -> Result<Bound, Invalid> {
         let r = self.rule;
         let max = match (&r.rate, &r.max_in_flight) {
             (Some(_), Some(m)) => return Err(self.no(
@@ -429,7 +430,7 @@ impl At<'_> {
                     format!("{key} does not apply to a max_in_flight rule (a concurrency limit)"),
                 ));
             }
-            return Ok(Limit::Concurrency {
+            return Ok(Bound::Concurrency {
                 max,
                 lease: self.lease_ttl()?,
             });
@@ -463,7 +464,7 @@ impl At<'_> {
             .as_ref()
             .map(|r| *r.get_ref())
             .ok_or_else(|| self.no(Some(self.span.clone()), "rate", "missing rate"))?;
-        Ok(Limit::Rate(RateLimit {
+        Ok(Bound::Rate(RateLimit {
             algorithm: r
                 .algorithm
                 .as_ref()
@@ -746,11 +747,11 @@ impl At<'_> {
     /// `timezone` and `anchor_day`: the zone a calendar rate's periods are cut in (UTC by
     /// default) and the day its months begin (the 1st). Each needs a calendar rate, the
     /// rule's or a plan's, to apply to; an anchor day, that every one of them be a month.
-    fn calendar(&self, limit: &Limit) -> Result<(&'static TimeZone, u8), Invalid> {
+    fn calendar(&self, limit: &Bound) -> Result<(&'static TimeZone, u8), Invalid> {
         let r = self.rule;
         let rule_rate = match limit {
-            Limit::Rate(r) => Some(r.rate),
-            Limit::Concurrency { .. } => None,
+            Bound::Rate(r) => Some(r.rate),
+            Bound::Concurrency { .. } => None,
         };
         // Every calendar rate the rule has, with the plan it is a plan's.
         let mut plans: Vec<(&String, Rate)> = r
@@ -822,7 +823,7 @@ impl At<'_> {
     /// Each plan's quota: the rule's, with what the plan changes; or none, if exempt.
     fn plans(
         &self,
-        limit: &Limit,
+        limit: &Bound,
         zone: &'static TimeZone,
         anchor_day: u8,
     ) -> Result<HashMap<String, Plan>, Invalid> {
@@ -859,13 +860,13 @@ impl At<'_> {
                 continue;
             }
             let q = match *limit {
-                Limit::Concurrency { max, lease } => {
+                Bound::Concurrency { max, lease } => {
                     if let Some((k, _)) = set[..4].iter().find(|(_, set)| *set) {
                         return Err(no(k, format!("{k} does not apply to a max_in_flight rule; a plan may set max_in_flight")));
                     }
                     Quota::concurrency(over.max_in_flight.unwrap_or(max), lease)
                 }
-                Limit::Rate(rule) => {
+                Bound::Rate(rule) => {
                     if over.max_in_flight.is_some() {
                         return Err(no(
                             "max_in_flight",

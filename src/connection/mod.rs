@@ -69,7 +69,7 @@ pub use descriptors::{raise_descriptor_limit, RESERVED_DESCRIPTORS};
 pub use head::default_max_fields;
 pub use metrics::{ConnectionMetrics, ListenerMetrics};
 pub use registry::{Closed, Registry};
-pub use serve::{serve, Answer, Service};
+pub use serve::{serve, ServedBody, Service};
 pub use tls::{serve_tls, Handshake, HandshakeResult, Refused};
 pub use track::{Hold, InFlight, Track, Tracked};
 

@@ -23,7 +23,7 @@ use super::track::Track;
 use super::Settings;
 
 /// What a connection's requests go to: hyper's service, answering every request (never an
-/// error) with an [`Answer`], run on the connection's task.
+/// error) with an [`ServedBody`], run on the connection's task.
 pub trait Service<B>:
     hyper::service::Service<
         http::Request<hyper::body::Incoming>,
@@ -46,13 +46,13 @@ impl<S, B> Service<B> for S where
 {
 }
 
-/// The body of an answer a connection writes.
-pub trait Answer:
+/// The body of a response a connection serves (of an answer it writes).
+pub trait ServedBody:
     Body<Data: Send, Error: Into<Box<dyn std::error::Error + Send + Sync>>> + Send + 'static
 {
 }
 
-impl<B> Answer for B where
+impl<B> ServedBody for B where
     B: Body<Data: Send, Error: Into<Box<dyn std::error::Error + Send + Sync>>> + Send + 'static
 {
 }
@@ -67,7 +67,7 @@ pub async fn serve<S, B>(
     service: impl FnOnce(Arc<Track>) -> S,
 ) where
     S: Service<B>,
-    B: Answer,
+    B: ServedBody,
 {
     let (registered, track, accepted) = admit(&stream, registry, permit);
     serve_io(stream, registered, accepted, settings, service(track)).await;
@@ -105,7 +105,7 @@ pub(super) async fn serve_io<IO, S, B>(
 ) where
     IO: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     S: Service<B>,
-    B: Answer,
+    B: ServedBody,
 {
     let track = registered.track.clone();
     let Some((proto, prefix)) =

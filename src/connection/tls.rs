@@ -10,7 +10,7 @@ use tokio::sync::OwnedSemaphorePermit;
 use tokio::time::Instant;
 
 use super::registry::{Closed, Registry};
-use super::serve::{admit, serve_io, Answer, Service};
+use super::serve::{admit, serve_io, ServedBody, Service};
 use super::track::Track;
 use super::Settings;
 
@@ -146,7 +146,7 @@ pub async fn serve_tls<S, B>(
     service: impl FnOnce(Arc<Track>, crate::tls::Session) -> S,
 ) where
     S: Service<B>,
-    B: Answer,
+    B: ServedBody,
 {
     let (registered, track, accepted) = admit(&stream, registry, permit);
     let deadline = accepted + settings.timeouts.header;

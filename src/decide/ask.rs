@@ -3,7 +3,7 @@
 
 use super::limits::Limit;
 use super::verdict::{self, Ruled, Verdict};
-use crate::limiter::guard::{Answer, Now};
+use crate::limiter::breaker::{Now, StoreAnswer};
 use crate::limiter::lease::Leases;
 use crate::limiter::{Check, Decision};
 use crate::runtime::Live;
@@ -30,7 +30,7 @@ pub(super) async fn consult(
         Now::Ask(asking) => live.limiter.ask(&checks, live.cache_denials, asking).await,
     };
     let decisions = verdict::decisions(&answer);
-    let local = matches!(answer, Answer::Local(_));
+    let local = matches!(answer, StoreAnswer::Local(_));
     let ruled: Vec<Ruled> = limits.iter().map(Limit::ruled).collect();
     let v = verdict::judge(&ruled, decisions.as_deref(), live.config.store.on_error);
     let leases = match (&decisions, v) {

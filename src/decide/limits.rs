@@ -35,9 +35,9 @@ pub struct Limit<'l, 'p> {
     pub plan: Option<&'l str>,
     /// Whether the rule denies for this identity; if not, it only watches (shadow mode,
     /// or an identity outside `enforce_percent`). A watching check keeps its `max_delay`:
-    /// it reserves exactly as enforcement would, but nobody waits on it.
+    /// it takes tokens ahead exactly as enforcement would, but nobody waits on it.
     pub enforced: bool,
-    /// Held while the request may wait on this rule's reserved tokens.
+    /// Held while the request may wait on the tokens it took ahead under this rule.
     pub slot: Option<WaitSlot<'l>>,
     /// Concurrency only: the request's lease number (0 otherwise).
     pub lease: u64,

@@ -78,7 +78,7 @@ pub struct Decided<'l> {
     pub identity: Option<IdentityDigest>,
     /// A rule that would have denied had it enforced (shadow mode, rollout).
     pub shadow_denied: Option<&'l str>,
-    /// How long the request waits for the tokens it reserved before it goes on.
+    /// How long the request waits for the tokens it took ahead (`max_delay`) before it goes on.
     pub waited: Duration,
     /// Where it goes, once a route (or the pool `default`) took it.
     pub to: Option<Destination>,

@@ -8,10 +8,10 @@ use super::limits::Limit;
 use super::{Decided, Rejection};
 use crate::headers::Problem;
 use crate::identity::Requester;
-use crate::limiter::reservation::{Reservation, Reserved};
 use crate::limiter::{Algorithm, Decision};
 use crate::runtime::{Live, Metrics};
 use crate::settle::max_tokens::{Asked, Unreadable};
+use crate::settle::reservation::{Reservation, Reserved};
 use crate::settle::{Held, Settling, Shown};
 use crate::telemetry::Disposition;
 

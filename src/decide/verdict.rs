@@ -3,7 +3,7 @@
 //! store, a clock or a socket; the request path only carries it out.
 
 use crate::identity::Refusal;
-use crate::limiter::guard::Answer;
+use crate::limiter::breaker::StoreAnswer;
 use crate::limiter::{Decision, OnError};
 use crate::telemetry::disposition::Disposition;
 
@@ -13,7 +13,7 @@ pub enum Verdict {
     /// Every enforcing rule allows: forward now.
     Forward,
     /// Every enforcing rule allows, once the request has waited this many µs for the
-    /// tokens it reserved (`max_delay`): the longest wait among the rules.
+    /// tokens it took ahead (`max_delay`): the longest wait among the rules.
     Delay(u64),
     /// The enforcing rule at this position (among the request's rules) denies: 429. The
     /// first such rule speaks for the request; `jitter_us` is the largest `retry_jitter`
@@ -67,11 +67,13 @@ pub struct Ruled {
 
 /// The decisions of an answer, one per rule in order (`None`: not known, from the deny
 /// cache), or `None` if the store failed.
-pub fn decisions(answer: &Answer) -> Option<Vec<Option<Decision>>> {
+pub fn decisions(answer: &StoreAnswer) -> Option<Vec<Option<Decision>>> {
     match answer {
-        Answer::Store(d) | Answer::Local(d) => Some(d.iter().copied().map(Some).collect()),
-        Answer::Cached(d) => Some(d.clone()),
-        Answer::Failed(_) => None,
+        StoreAnswer::Store(d) | StoreAnswer::Local(d) => {
+            Some(d.iter().copied().map(Some).collect())
+        }
+        StoreAnswer::Cached(d) => Some(d.clone()),
+        StoreAnswer::Failed(_) => None,
     }
 }
 

@@ -22,7 +22,7 @@ pub struct State {
 
 /// How far ahead of `now` the TAT is, in units. Not capped at the bucket's size: a TAT
 /// left by a larger quota (a reload shrank the burst or the max_delay while tokens were
-/// reserved) is honoured, so a denial's retry is when the request will really pass, as
+/// taken ahead) is honoured, so a denial's retry is when the request will really pass, as
 /// with the token bucket's level. Capped only where Lua's doubles stop being exact.
 fn debt(q: &Quota, state: Option<&State>, now_us: u64) -> u64 {
     let Some(s) = state else { return 0 };

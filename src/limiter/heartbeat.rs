@@ -18,7 +18,7 @@ use std::time::Duration;
 
 use prometheus_client::metrics::gauge::Gauge;
 
-use super::guard::Limiter;
+use super::breaker::Limiter;
 
 /// How often a gateway writes its heartbeat.
 pub const INTERVAL: Duration = Duration::from_secs(5);

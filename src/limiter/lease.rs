@@ -9,7 +9,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use super::guard::Limiter;
+use super::breaker::Limiter;
 use super::{Check, Quota};
 use crate::identity::IdentityDigest;
 

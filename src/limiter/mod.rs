@@ -9,27 +9,24 @@
 //! The store boundary is the [`Store`] trait, one call per request ([`Store::decide`]):
 //! every rule that applies to the request is checked together, and either all of them
 //! are charged or none is, so a request that one rule denies consumes nothing from the
-//! others. [`guard::Limiter`] is what the gateway calls: the store behind a circuit
+//! others. [`breaker::Limiter`] is what the gateway calls: the store behind a circuit
 //! breaker, a deny cache and the `on_error` policy.
 
+pub mod breaker;
 pub mod calendar;
 pub mod concurrency;
 pub mod deny_cache;
 pub mod fixed_window;
 pub mod gcra;
-pub mod guard;
 pub mod heartbeat;
 pub mod lease;
 pub mod memory;
 pub mod metrics;
 #[cfg(test)]
-mod properties;
+pub(crate) mod properties;
 pub mod quota;
 pub mod redis;
-pub mod reservation;
 pub mod settle;
-#[cfg(test)]
-mod settle_properties;
 pub mod sliding_window;
 pub mod store;
 pub mod token_bucket;
@@ -50,7 +47,7 @@ pub struct Decision {
     /// Whole requests (of cost 1) still allowed now, after this request if it was charged.
     pub remaining: u64,
     /// When denied: microseconds until this request would pass. When allowed: how long it
-    /// waits for its reserved tokens before it is forwarded (`max_delay`), usually 0.
+    /// waits for the tokens it took ahead before it is forwarded (`max_delay`), usually 0.
     pub retry_after_us: u64,
     /// Microseconds until the full quota is available again.
     pub reset_us: u64,

@@ -32,7 +32,7 @@ fn run(q: &Quota, st: &mut Option<State>, now: u64) -> Decision {
 
 /// A gap between requests in µs: a burst, a small step, one up to `step` (around a
 /// token), or a long idle up to `idle`.
-pub(super) fn gap_us(step: u64, idle: u64) -> impl Strategy<Value = u64> {
+pub(crate) fn gap_us(step: u64, idle: u64) -> impl Strategy<Value = u64> {
     prop_oneof![
         3 => Just(0u64),
         3 => 1u64..2_000,
@@ -47,7 +47,7 @@ fn gaps() -> impl Strategy<Value = Vec<u64>> {
 }
 
 /// A rate with awkward counts and a few periods.
-pub(super) fn rate() -> impl Strategy<Value = (u64, u64)> {
+pub(crate) fn rate() -> impl Strategy<Value = (u64, u64)> {
     (
         prop_oneof![Just(1u64), Just(3), Just(7), Just(10), Just(999), 1u64..50],
         prop_oneof![Just(1u64), Just(2), Just(10), Just(60)],
@@ -235,7 +235,7 @@ crate::proptest_seeds! {
         same_limit(count, secs, burst, start, requests)?;
     }
 
-    /// The same with `max_delay`: both reserve the same tokens for waiting requests, tell
+    /// The same with `max_delay`: both take the same tokens ahead for waiting requests, tell
     /// them the same waits, and a wait is never more than max_delay; waits of requests
     /// at one instant grow in arrival order.
     #[test]

@@ -165,7 +165,7 @@ impl Algorithm {
         matches!(self, Algorithm::TokenBucket | Algorithm::Gcra)
     }
 
-    /// Whether a request may wait for its tokens (`max_delay`): the buckets can reserve
+    /// Whether a request may wait for its tokens (`max_delay`): the buckets can take
     /// tokens ahead; a window cannot.
     pub fn can_delay(self) -> bool {
         self.has_burst()

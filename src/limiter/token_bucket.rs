@@ -13,7 +13,7 @@ use super::{Decision, Outcome, Quota, MAX_LEVEL};
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct State {
     /// Level in units, after the charge. Below zero when requests wait for tokens already
-    /// reserved for them (`max_delay`).
+    /// taken ahead for them (`max_delay`).
     pub level: i64,
     /// When the charge happened, in µs.
     pub last_us: u64,
@@ -22,7 +22,7 @@ pub struct State {
 }
 
 /// The bucket's level at `now_us`, before any charge: at most the capacity, and below zero
-/// only while tokens are reserved for waiting requests.
+/// only while tokens are taken ahead for waiting requests.
 pub fn level_at(q: &Quota, state: Option<&State>, now_us: u64) -> i64 {
     // Capacities are validated below 2^52 at load: the casts are exact.
     let cap = q.capacity() as i64;
@@ -31,7 +31,7 @@ pub fn level_at(q: &Quota, state: Option<&State>, now_us: u64) -> i64 {
         s.level
     } else {
         // The quota changed (reload, plan): carry whole tokens over, drop the fraction
-        // (rounding down, so a reserved debt is never forgiven).
+        // (rounding down, so a debt taken ahead is never forgiven).
         s.level
             .div_euclid(s.unit.max(1) as i64)
             .saturating_mul(q.unit as i64)
@@ -250,7 +250,7 @@ mod tests {
     }
 
     #[test]
-    fn max_delay_reserves_tokens_in_order_then_denies() {
+    fn max_delay_takes_tokens_ahead_in_order_then_denies() {
         // 10/s, burst 1, max_delay 500 ms: one now, then five that wait 100..500 ms.
         let q = quota(10, 1, 1, 1)
             .with_max_delay(std::time::Duration::from_millis(500))
@@ -279,14 +279,14 @@ mod tests {
         assert!(d.allowed);
         assert_eq!(d.retry_after_us, 500_000);
         assert!(!hit(&q, &mut st, 100_000).allowed);
-        // The reserved debt drains at the rate: back at zero 600 ms after the start.
+        // The debt taken ahead drains at the rate: back at zero 600 ms after the start.
         assert_eq!(st.map(|s| s.level), Some(-5 * q.unit as i64));
         assert_eq!(level_at(&q, st.as_ref(), 600_000), 0);
         assert_eq!(level_at(&q, st.as_ref(), 700_000), q.unit as i64);
     }
 
     #[test]
-    fn a_reserved_debt_survives_a_unit_change() {
+    fn a_debt_taken_ahead_survives_a_unit_change() {
         let old = quota(1, 1, 10, 1);
         let new = quota(1, 2, 10, 1);
         let st = State {

@@ -119,7 +119,7 @@ struct State {
     /// The priorities the config names, highest first ([`Overload::levels`]).
     levels: Vec<u32>,
     /// `reserve_for_higher`, percent.
-    reserve: u8,
+    for_higher: u8,
     queue: Queue<Waiter>,
     /// Requests shed since the pool was built (the status page).
     shed: u64,
@@ -182,7 +182,7 @@ impl Overload {
                 in_flight: 0,
                 held: Vec::new(),
                 levels: Vec::new(),
-                reserve: settings.reserve_for_higher,
+                for_higher: settings.reserve_for_higher,
                 queue: Queue::new(settings.max_queue as usize),
                 shed: 0,
                 priorities: Vec::new(),
@@ -306,10 +306,10 @@ impl Overload {
                     in_flight,
                     held,
                     levels,
-                    reserve,
+                    for_higher,
                     ..
                 } = &mut *s;
-                let fits = |p: u32| fits(control.limit(), *in_flight, held, levels, *reserve, p);
+                let fits = |p: u32| fits(control.limit(), *in_flight, held, levels, *for_higher, p);
                 let Some((place, waiter)) = queue.pop_first_where(fits) else {
                     break;
                 };
@@ -330,19 +330,19 @@ impl Overload {
 /// Whether a request of `priority` fits: the limit has room, and each share it counts in
 /// (see the module) too. A request of priority `p` counts in the share of every level
 /// `q ≥ p` below the highest: the requests at or below `q` hold less than the limit less
-/// the reserve once for each level above `q`.
+/// the share kept for higher priorities (`for_higher`) once for each level above `q`.
 fn fits(
     limit: u32,
     in_flight: u32,
     held: &[(u32, u32)],
     levels: &[u32],
-    reserve: u8,
+    for_higher: u8,
     priority: u32,
 ) -> bool {
     if in_flight >= limit {
         return false;
     }
-    if reserve == 0 {
+    if for_higher == 0 {
         return true;
     }
     let groups = levels.iter().copied().filter(|&q| q > priority);
@@ -353,7 +353,7 @@ fn fits(
         }
         let mut share = u64::from(limit);
         for _ in 0..above {
-            share = share * u64::from(100 - reserve.min(100)) / 100;
+            share = share * u64::from(100 - for_higher.min(100)) / 100;
         }
         let at_or_below: u64 = held
             .iter()
@@ -372,7 +372,7 @@ impl State {
             self.in_flight,
             &self.held,
             &self.levels,
-            self.reserve,
+            self.for_higher,
             priority,
         )
     }

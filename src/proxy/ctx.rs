@@ -81,7 +81,7 @@ impl<'l> RequestCtx<'l> {
         self.decided.to.and_then(|to| to.pool_name(self.config()))
     }
 
-    /// How long the request waits for its reserved tokens before it is forwarded.
+    /// How long the request waits for the tokens it took ahead before it is forwarded.
     pub fn wait(&self) -> Duration {
         self.decided.waited
     }

@@ -2,9 +2,9 @@
 //! run in the order they are written below — screen its head (`screen.rs`), read what its
 //! body asks a model for (`tokens.rs`), identify it (the request's [`Requester`]), decide
 //! it (`admit.rs`: its route, the rules that apply and who it is under each, the store's
-//! answer, one pure [`Verdict`]), wait for the tokens it reserved, ask its pool's
+//! answer, one pure [`Verdict`]), wait for the tokens it took ahead, ask its pool's
 //! overload protection (`overload.rs`), forward it, respond (settle what the answer
-//! says, `reserve.rs`; tunnel an upgrade, `switched.rs`), and [`Gateway::finish`]: the
+//! says, `settle.rs`; tunnel an upgrade, `switched.rs`), and [`Gateway::finish`]: the
 //! one place that writes its access line, counts it and feeds the status page, all read
 //! off its [`Disposition`].
 //!
@@ -240,7 +240,7 @@ impl Gateway {
         }
     }
 
-    /// Wait for the reserved tokens, then forward: the upstream's answer with the
+    /// Wait for the tokens taken ahead (`max_delay`), then forward: the upstream's answer with the
     /// rate-limit headers, or the gateway's answer to what went wrong.
     async fn forward(
         &self,

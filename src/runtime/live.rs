@@ -7,7 +7,7 @@ use std::sync::Arc;
 use super::requests::RuleCounters;
 use super::Metrics;
 use crate::config::Config;
-use crate::limiter::guard::Limiter;
+use crate::limiter::breaker::Limiter;
 use crate::limiter::{store, Clock, MonotonicClock, StoreError};
 use crate::upstream;
 
@@ -232,7 +232,7 @@ fn carry_jwt(config: &mut Config, old: Option<&Live>, metrics: &Arc<Metrics>) {
     }
 }
 
-/// One place in a rule's queue of requests waiting for reserved tokens (`max_waiting`).
+/// One place in a rule's queue of requests waiting for tokens taken ahead (`max_waiting`).
 pub struct WaitSlot<'a>(&'a AtomicU32);
 
 impl<'a> WaitSlot<'a> {

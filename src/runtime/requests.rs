@@ -216,7 +216,7 @@ crate::telemetry::metrics! {
             zero = ReloadResult::ALL.map(|result| ReloadLabels { result }),
         ),
         pub in_flight: Gauge = ("in_flight_requests", "Requests being handled now"),
-        /// Requests waiting for reserved tokens (`max_delay`) now.
+        /// Requests waiting for the tokens they took ahead (`max_delay`) now.
         pub waiting: Gauge = ("waiting_requests", "Requests waiting for their reserved tokens (max_delay) before they are forwarded"),
         /// End to end, by outcome: from the request's head read to its answer's head handed
         /// to the connection. The upstream's buckets and a minute.

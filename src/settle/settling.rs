@@ -25,12 +25,10 @@ use http::{HeaderMap, StatusCode};
 use http_body_util::BodyExt;
 
 use super::decode::Decoder;
-use super::metrics::{
-    DrainResult, SettleDirection as Direction, SettleMetrics, SettleOutcome as Outcome,
-};
+use super::metrics::{DrainResult, SettleDirection as Direction, SettleMetrics, SettleOutcome};
 use super::policy::{parse_cost, Drain, Policy};
+use super::reservation::Reservation;
 use super::usage::{Framing, UsageField, UsageScanner};
-use crate::limiter::reservation::Reservation;
 use crate::limiter::Decision;
 
 /// Where a rule's decision shows in the answer: among the enforcing rules' `RateLimit`
@@ -229,7 +227,7 @@ impl Settling {
             source,
             "the answer reported a cost that is not a whole number at least 0; the reserved cost stands"
         );
-        self.metrics.count(rule, Outcome::Invalid);
+        self.metrics.count(rule, SettleOutcome::Invalid);
     }
 
     /// The usage of the held charges still open at the end cannot be read (the answer's
@@ -243,7 +241,7 @@ impl Settling {
                     why,
                     "the answer's usage cannot be read; the reserved cost stands"
                 );
-                self.metrics.count(rule, Outcome::Unread);
+                self.metrics.count(rule, SettleOutcome::Unread);
             }
         }
     }
@@ -287,28 +285,28 @@ async fn settle(
         let rule = &*item.rule;
         let reserved = item.quota.cost;
         match &result {
-            Err(_) => metrics.count(rule, Outcome::Failed),
+            Err(_) => metrics.count(rule, SettleOutcome::Failed),
             Ok(done) => {
                 let Some(receipt) = done.get(k).copied().flatten() else {
                     continue;
                 };
                 updates.push((shown, receipt.now));
                 // A cost past what a settlement carries (`adjust`'s bound) is forgiven too.
-                let sent = crate::limiter::reservation::adjust(item, *cost)
-                    .map_or(0, |a| a.delta.unsigned_abs());
+                let sent =
+                    super::reservation::adjust(item, *cost).map_or(0, |a| a.delta.unsigned_abs());
                 let clipped = cost.abs_diff(reserved).saturating_sub(sent);
                 let forgiven = receipt.forgiven.saturating_add(clipped);
                 metrics.forgave(rule, forgiven);
                 if *cost < reserved {
                     let outcome = if refunds && *cost == 0 {
-                        Outcome::Refunded
+                        SettleOutcome::Refunded
                     } else {
-                        Outcome::ChargedLess
+                        SettleOutcome::ChargedLess
                     };
                     metrics.count(rule, outcome);
                     metrics.moved(rule, Direction::Refunded, reserved - cost);
                 } else {
-                    metrics.count(rule, Outcome::ChargedMore);
+                    metrics.count(rule, SettleOutcome::ChargedMore);
                     metrics.moved(
                         rule,
                         Direction::Charged,

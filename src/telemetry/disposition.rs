@@ -15,7 +15,7 @@ use crate::identity::Refusal;
 pub enum Disposition {
     /// Let through by its rules without waiting.
     Allowed,
-    /// Let through after waiting for the tokens it reserved (`max_delay`).
+    /// Let through after waiting for the tokens it took ahead (`max_delay`).
     Delayed,
     /// Let through: no rule applied to it.
     Unlimited,

@@ -110,7 +110,7 @@ pub struct Tunnel {
 /// rule with who the request is under it): each rule's message meter, then its byte
 /// meter, in the rules' order.
 pub fn meters<'r>(
-    limiter: &std::sync::Arc<crate::limiter::guard::Limiter>,
+    limiter: &std::sync::Arc<crate::limiter::breaker::Limiter>,
     limited: impl Iterator<Item = (&'r crate::rules::Rule, crate::identity::IdentityDigest)>,
     on_error: crate::limiter::OnError,
 ) -> Vec<Meter> {

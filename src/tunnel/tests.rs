@@ -9,7 +9,7 @@ use tokio::io::{AsyncReadExt, AsyncWriteExt, DuplexStream};
 
 use super::*;
 use crate::identity::IdentityDigest;
-use crate::limiter::guard::Limiter;
+use crate::limiter::breaker::Limiter;
 use crate::limiter::memory::MemoryStore;
 use crate::limiter::metrics::LimiterMetrics;
 use crate::limiter::{ManualClock, OnError, Rate};

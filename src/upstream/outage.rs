@@ -1,7 +1,7 @@
 //! Whether the upstream answers, as the log tells it: one line when it starts failing and
 //! one when it answers again, with how many requests failed in between and for how long,
 //! never one per failed request (a dead backend under load would bury every other line).
-//! The store's outage is logged the same way (`limiter::guard`).
+//! The store's outage is logged the same way (`limiter::breaker`).
 //!
 //! Shared by every worker: one atomic add per failed request, and on an answer one load
 //! that finds nothing to do while the upstream is healthy.

@@ -36,7 +36,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use crate::identity::IdentityDigest;
-use crate::limiter::guard::{Answer, Limiter, Now};
+use crate::limiter::breaker::{Limiter, Now, StoreAnswer};
 use crate::limiter::{Algorithm, Check, OnError, Quota, QuotaError, Rate};
 use crate::rules::{Bytes, Messages};
 
@@ -219,9 +219,9 @@ impl Meter {
             answer
         };
         let decision = match answer {
-            Answer::Store(d) | Answer::Local(d) => d.into_iter().next(),
-            Answer::Cached(d) => d.into_iter().next().flatten(),
-            Answer::Failed(_) => None,
+            StoreAnswer::Store(d) | StoreAnswer::Local(d) => d.into_iter().next(),
+            StoreAnswer::Cached(d) => d.into_iter().next().flatten(),
+            StoreAnswer::Failed(_) => None,
         };
         match decision {
             Some(d) if d.allowed => {

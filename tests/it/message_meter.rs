@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use common::{scan, RedisServer};
 use ratewall::identity::digest_ip;
-use ratewall::limiter::guard::Limiter;
+use ratewall::limiter::breaker::Limiter;
 use ratewall::limiter::metrics::LimiterMetrics;
 use ratewall::limiter::redis::RedisStore;
 use ratewall::limiter::store::{Backend, Settings};

@@ -35,9 +35,9 @@ use common::{key_slot, RedisCluster, RedisServer};
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 use ratewall::identity::{digest_api_key, IdentityDigest};
-use ratewall::limiter::reservation::{adjust, Reserved};
 use ratewall::limiter::store::Settlement;
 use ratewall::limiter::{Algorithm, Check, Decision, Quota, Rate, Settled};
+use ratewall::settle::reservation::{adjust, Reserved};
 
 mod replay;
 

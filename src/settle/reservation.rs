@@ -2,14 +2,14 @@
 //! (issue 27). Each was taken on arrival like any charge, so requests in flight cannot
 //! overshoot a limit together; once the backend has answered (or failed to), each is
 //! committed as it stands, refunded, or adjusted to the cost the backend reported,
-//! through [`Limiter::settle`](super::guard::Limiter::settle) on the store that decided it.
+//! through [`Limiter::settle`](crate::limiter::breaker::Limiter::settle) on the store that decided it.
 
 use std::sync::Arc;
 
-use super::guard::Limiter;
-use super::store::{Receipt, Settlement};
-use super::{Adjust, Algorithm, Check, Quota, MAX_LEVEL};
 use crate::identity::IdentityDigest;
+use crate::limiter::breaker::Limiter;
+use crate::limiter::store::{Receipt, Settlement};
+use crate::limiter::{Adjust, Algorithm, Check, Quota, MAX_LEVEL};
 
 /// One charge a request holds.
 #[derive(Debug, Clone)]
@@ -21,7 +21,7 @@ pub struct Reserved {
     pub quota: Quota,
     pub shadow: bool,
     /// The window the charge fell in, as the store named it when it charged
-    /// ([`super::Decision::window`]; windows only).
+    /// ([`Decision::window`](crate::limiter::Decision::window); windows only).
     pub window: u64,
 }
 

@@ -149,7 +149,7 @@ fn window_refund_case(
 #[test]
 fn a_window_refund_goes_back_only_into_the_charges_window() {
     let tally = WindowTally::default();
-    crate::proptest_seeds!("limiter::settle_properties::window_refund", 600, |(
+    crate::proptest_seeds!("settle::properties::window_refund", 600, |(
         setup in setup(limit(&WINDOWS), 40),
         charge_gap in gap(),
         between in ops(0..8),

@@ -1,4 +1,4 @@
-//! Property tests of settlements (issues 27 and 41; [`super::settle`]): random timelines
+//! Property tests of settlements (issues 27 and 41; [`crate::limiter::settle`]): random timelines
 //! of decisions, refunds and charges beyond the reservation, exact claims about what each
 //! leaves behind. The Lua twins are held to the same answers by tests/it/settle_agree.rs.
 //!
@@ -22,13 +22,13 @@ use std::time::Duration;
 use proptest::prelude::*;
 use proptest::test_runner::TestCaseError;
 
-use super::properties::{gap_us, rate};
 use super::reservation::{adjust, Reserved};
-use super::{
+use crate::identity::digest_api_key;
+use crate::limiter::properties::{gap_us, rate};
+use crate::limiter::{
     decide, token_bucket, Adjust, Algorithm, Decision, Outcome, Quota, Rate, Settled, State,
     MAX_LEVEL,
 };
-use crate::identity::digest_api_key;
 
 mod windows;
 
@@ -204,9 +204,9 @@ fn by(delta: i64) -> Adjust {
     }
 }
 
-/// [`super::settle`], its state only; a test of ordinary sizes is never forgiven anything.
+/// [`crate::limiter::settle`], its state only; a test of ordinary sizes is never forgiven anything.
 fn settle(q: &Quota, state: Option<&State>, now: u64, adj: Adjust) -> Settled<State> {
-    let (settled, forgiven) = super::settle(q, state, now, adj);
+    let (settled, forgiven) = crate::limiter::settle(q, state, now, adj);
     assert_eq!(forgiven, 0, "forgiven at ordinary sizes: {q:?} {adj:?}");
     settled
 }
@@ -562,7 +562,7 @@ fn refund_later_case(
 #[test]
 fn a_bucket_refund_later_is_as_if_never_charged_unless_it_filled_up() {
     let tally = LaterTally::default();
-    crate::proptest_seeds!("limiter::settle_properties::refund_later", 500, |(
+    crate::proptest_seeds!("settle::properties::refund_later", 500, |(
         setup in setup(bucket_limit(), 40),
         charge_gap in gap(),
         between in between(),
@@ -757,7 +757,7 @@ fn debt_case(
 #[test]
 fn a_bucket_charge_is_taken_whole_and_the_next_admission_waits_it_out() {
     let tally = DebtTally::default();
-    crate::proptest_seeds!("limiter::settle_properties::bucket_debt", 500, |(
+    crate::proptest_seeds!("settle::properties::bucket_debt", 500, |(
         setup in setup(limit(&BUCKETS), 40),
         gap in gap(),
         delta in prop_oneof![1i64..4, 1i64..200, 200i64..100_000],

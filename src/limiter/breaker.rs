@@ -38,7 +38,7 @@ pub enum Health {
 
 /// What [`Limiter::decide_now`] could do without waiting.
 pub enum Now<'a> {
-    Answered(Answer),
+    Answered(StoreAnswer),
     /// The shared store was asked: [`Limiter::ask`] waits for its answer.
     Ask(Asking<'a>),
 }
@@ -52,9 +52,9 @@ pub struct Asking<'a> {
     started: Instant,
 }
 
-/// How a request's limits were decided.
+/// How a request's limits were decided: the store's answer, or what stood in for it.
 #[derive(Debug)]
-pub enum Answer {
+pub enum StoreAnswer {
     /// By the configured store.
     Store(Vec<Decision>),
     /// The store failed and `on_error = "local"`: by this process alone.
@@ -186,7 +186,7 @@ impl Limiter {
         let sent_us = if denials.is_some() { self.now_us() } else { 0 };
         if let Some(hit) = denials.and_then(|c| c.lookup(checks, sent_us)) {
             self.metrics.deny_cache_hits.inc();
-            return Now::Answered(Answer::Cached(hit));
+            return Now::Answered(StoreAnswer::Cached(hit));
         }
         if self.open.load(Relaxed) {
             self.count_error(&StoreError::CircuitOpen);
@@ -212,7 +212,7 @@ impl Limiter {
         checks: &[Check<'_>],
         cache_denials: bool,
         asking: Asking<'_>,
-    ) -> Answer {
+    ) -> StoreAnswer {
         let Asking {
             call,
             sent_us,
@@ -229,7 +229,7 @@ impl Limiter {
         result: Result<Vec<Decision>, StoreError>,
         sent_us: u64,
         started: Instant,
-    ) -> Answer {
+    ) -> StoreAnswer {
         let took = started.elapsed();
         self.store_seconds.observe(took.as_secs_f64());
         self.stats.store_called(took, result.is_err());
@@ -242,7 +242,7 @@ impl Limiter {
                 if let Some(cache) = self.denials.as_ref().filter(|_| cache_denials) {
                     cache.remember(checks, &d, sent_us);
                 }
-                Answer::Store(d)
+                StoreAnswer::Store(d)
             }
             Err(e) if e.is_data_error() => {
                 self.log_data_error(&e);
@@ -260,7 +260,7 @@ impl Limiter {
         }
     }
 
-    /// Settle charges decided earlier ([`super::reservation`]) on the store that decided
+    /// Settle charges decided earlier (`settle::reservation`) on the store that decided
     /// them (`local`: the `on_error = "local"` fallback). A store that fails, or whose
     /// breaker is open, is counted and logged, and the charges stand as they were: a
     /// refund lost is stricter, an added charge lost is at most that charge looser.
@@ -420,25 +420,25 @@ impl Limiter {
             .inc();
     }
 
-    fn fallback(&self, checks: &[Check<'_>], e: StoreError) -> Answer {
+    fn fallback(&self, checks: &[Check<'_>], e: StoreError) -> StoreAnswer {
         match self.on_error {
             // The memory store is already in this process: a second one would only start
             // every identity afresh. Its failure (full) is denied.
-            OnError::Local if !self.store.kind().is_shared() => Answer::Failed(e),
+            OnError::Local if !self.store.kind().is_shared() => StoreAnswer::Failed(e),
             OnError::Local => match self.local.decide(&Self::local_shares(
                 checks,
                 self.gateways.seen(),
                 &mut Vec::new(),
             )) {
-                Ok(d) => Answer::Local(d),
+                Ok(d) => StoreAnswer::Local(d),
                 Err(full) => {
                     let e = StoreError::from(full);
                     self.count_error(&e);
                     self.log_full(&e);
-                    Answer::Failed(e)
+                    StoreAnswer::Failed(e)
                 }
             },
-            OnError::Deny | OnError::Allow => Answer::Failed(e),
+            OnError::Deny | OnError::Allow => StoreAnswer::Failed(e),
         }
     }
 
