@@ -1,18 +1,18 @@
 //! One request, top to bottom, in its [`RequestCtx`]: the phases of [`Gateway::handle`]
 //! run in the order they are written below — screen its head (`screen.rs`), read what its
-//! body asks a model for (`tokens.rs`), identify it (the request's [`Requester`]), decide
-//! it (`admit.rs`: its route, the rules that apply and who it is under each, the store's
-//! answer, one pure [`Verdict`]), wait for the tokens it took ahead, ask its pool's
-//! overload protection (`overload.rs`), forward it, respond (settle what the answer
-//! says, `settle.rs`; tunnel an upgrade, `switched.rs`), and [`Gateway::finish`]: the
-//! one place that writes its access line, counts it and feeds the status page, all read
-//! off its [`Disposition`].
+//! body asks a model for (`tokens.rs`), identify it (its [`Subject`]'s requester), decide
+//! it ([`decide::decide`]: its route, the rules that apply and who it is under each, the
+//! store's answer, one pure verdict), wait for the tokens it took ahead, ask its pool's
+//! overload protection (`overload.rs`), forward it, respond (settle what the answer says,
+//! `settle.rs`; tunnel an upgrade, `switched.rs`), and `finish`: the one place that writes
+//! its access line, counts it and feeds the status page, all read off its
+//! [`Disposition`].
 //!
 //! Every answer written here goes through [`problem`], which writes it as HTTP
 //! (problem+json) or, to a gRPC call, as a gRPC answer ([`grpc`]). [`Gateway::admit`]
 //! runs the phases up to forwarding (the part tested in process, with an injected clock
 //! and no sockets). The live configuration each request runs on ([`Live`]) is swapped
-//! whole on reload.
+//! whole on reload ([`crate::runtime::Current`]).
 
 mod access;
 mod answer;
@@ -99,7 +99,7 @@ impl Gateway {
     }
 
     /// Serve one request, in its connection's context: its phases in the order they run,
-    /// then [`Gateway::finish`].
+    /// then `finish`.
     /// `conn` is borrowed: an `async fn`'s arguments are laid out twice in its future.
     pub async fn handle(&self, req: Request<Incoming>, conn: &Context) -> Response<Body> {
         let _in_flight = Gauged::new(&self.metrics.gateway.in_flight);
