@@ -1,7 +1,7 @@
-//! What the gateway knows of a request besides its parts: one [`Context`] per request,
-//! built at its connection and handed to every phase ([`super::Gateway::handle`], then
-//! [`super::Gateway::admit`] and the forward), in place of values carried sideways in
-//! request extensions or looked up in thread-locals.
+//! What the gateway knows of a request's connection: one [`Context`] per request, built at
+//! its connection and handed beside the request's own [`super::RequestCtx`] to the phases
+//! that need it ([`super::Gateway::handle`], [`super::Gateway::admit`], the forward), in
+//! place of values carried sideways in request extensions or looked up in thread-locals.
 
 use std::sync::Arc;
 
@@ -24,10 +24,9 @@ pub struct Context {
     /// The connection the request came on, where a listener serves it: what an upgrade's
     /// tunnel holds until it ends ([`crate::connection::Track::hold`]). `None` in process.
     pub connection: Option<Arc<Track>>,
-    // What is known of the request before any of its phases runs goes here, a field each,
-    // with why it is kept: next, the credentials a token verifies. What the phases decide
-    // travels with their result instead: the route and pool `admit` chooses
-    // (`route::Destination`) in its `Pass`, to the forward.
+    // What is known of the connection goes here, a field each, with why it is kept. What
+    // the phases find of the request travels in its `RequestCtx` instead (the route and
+    // pool the decision chooses in its `Decided`, to the forward).
 }
 
 impl Context {

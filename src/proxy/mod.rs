@@ -364,22 +364,20 @@ impl Gateway {
     /// access line only.
     fn finish(&self, mut ctx: RequestCtx<'_>, mut resp: Response<Body>) -> Response<Body> {
         let status = resp.status().as_u16();
-        if ctx.decided.disposition.is_counted() {
-            // A gRPC answer of the gateway is an HTTP 200: it counts as the status it
-            // stands for.
-            let meant = match (ctx.dialect, ctx.upstream) {
-                (Dialect::Grpc, false) => grpc::status_of(resp.headers()).map_or(status, |code| {
-                    code.stands_for(ctx.decided.disposition.passed_limits())
-                }),
-                _ => status,
-            };
-            self.metrics.ended(&Ended {
-                disposition: ctx.decided.disposition,
-                upstream: ctx.upstream,
-                status: meant,
-                took: ctx.started.elapsed(),
-            });
-        }
+        let d = ctx.decided.disposition;
+        // A gRPC answer of the gateway is an HTTP 200: it counts as the status it stands
+        // for.
+        let meant = match (ctx.dialect, ctx.upstream) {
+            (Dialect::Grpc, false) => grpc::status_of(resp.headers())
+                .map_or(status, |code| code.stands_for(d.passed_limits())),
+            _ => status,
+        };
+        self.metrics.ended(&Ended {
+            disposition: d,
+            upstream: ctx.upstream,
+            status: meant,
+            took: ctx.started.elapsed(),
+        });
         if ctx.dialect == Dialect::Grpc {
             self.grpc_answered(&mut resp, &mut ctx, status);
         } else if let Some(line) = ctx.line.take() {

@@ -11,7 +11,7 @@
 //!
 //! The metrics themselves are declared by the module that owns them, in a struct of its
 //! own beside its code (`ConnectionMetrics` in `connection/`, `GatewayMetrics` in
-//! `gateway/`, `LimiterMetrics` in `limiter/`, `UpstreamTlsMetrics` in `upstream/tls.rs`,
+//! `runtime/requests.rs`, `LimiterMetrics` in `limiter/`, `UpstreamTlsMetrics` in `upstream/tls.rs`,
 //! `PoolMetrics` in `upstream/metrics.rs`), and held, with the one registry, by
 //! `runtime::Metrics`. Label sets are bounded: rule names (from the config), fixed enums,
 //! status classes. Never an API key, never an IP. Every series a config implies exists
