@@ -23,8 +23,9 @@ pub struct LeasedBody {
     body: ResponseBody,
     leases: Option<Leases>,
     /// The leases' release in a shared store, and the last frame held back until it is
-    /// done (`None` inside: the end of the body).
-    releasing: Option<(Releasing, Option<hyper::body::Frame<Bytes>>)>,
+    /// done (`None` inside: the end of the body). Boxed: most bodies release nothing
+    /// there, and a response is moved whole between the request's phases.
+    releasing: Option<Box<(Releasing, Option<hyper::body::Frame<Bytes>>)>>,
     /// A gRPC answer's watch for its trailers' `grpc-status` (gRPC calls only: boxed, so
     /// that other bodies pay one word and one check a frame).
     grpc: Option<Box<Watch>>,
@@ -78,8 +79,8 @@ impl Drop for LeasedBody {
         };
         // A settlement (and the slots' release) begun as the body ended, its client gone
         // before it finished: it finishes on its own.
-        if let Some((finishing, _)) = self.releasing.take() {
-            runtime.spawn(finishing);
+        if let Some(releasing) = self.releasing.take() {
+            runtime.spawn(releasing.0);
         }
         let Some(meter) = self.meter.take() else {
             return;
@@ -157,19 +158,19 @@ impl hyper::body::Body for LeasedBody {
                 (None, None) => None,
             };
             match finish {
-                Some(finish) => this.releasing = Some((finish, last)),
+                Some(finish) => this.releasing = Some(Box::new((finish, last))),
                 None => return Poll::Ready(last.map(Ok)),
             }
         }
         match &mut this.releasing {
-            Some((release, _)) => {
-                if release.as_mut().poll(cx).is_pending() {
+            Some(releasing) => {
+                if releasing.0.as_mut().poll(cx).is_pending() {
                     return Poll::Pending;
                 }
             }
             None => return Poll::Ready(None),
         }
-        let last = this.releasing.take().and_then(|(_, last)| last);
+        let last = this.releasing.take().and_then(|releasing| releasing.1);
         Poll::Ready(last.map(Ok))
     }
 
