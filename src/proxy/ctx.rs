@@ -15,7 +15,6 @@ use crate::config::Config;
 use crate::decide::Decided;
 use crate::headers;
 use crate::runtime::Live;
-use crate::telemetry::Disposition;
 
 /// A request's state from its head to its access line.
 pub struct RequestCtx<'l> {
@@ -64,11 +63,6 @@ impl<'l> RequestCtx<'l> {
 
     pub fn config(&self) -> &'l Config {
         &self.live.config
-    }
-
-    /// Disposed of as `d`.
-    pub(super) fn disposed(&mut self, d: Disposition) {
-        self.decided.disposition = d;
     }
 
     /// The route's name, as logs show it.

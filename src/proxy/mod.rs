@@ -205,7 +205,7 @@ impl Gateway {
         };
         tracing::debug!(peer = %conn.peer.ip(), status = p.status.as_u16(), "malformed request refused");
         let not_implemented = p.status == StatusCode::NOT_IMPLEMENTED;
-        ctx.disposed(Disposition::Malformed { not_implemented });
+        ctx.decided.disposed(Disposition::Malformed { not_implemented });
         let mut resp = problem(p, ctx.config(), &[], ctx.dialect);
         if parts.version < http::Version::HTTP_2 {
             close_after(&mut resp);
@@ -232,7 +232,7 @@ impl Gateway {
             Err(p) => {
                 // The rest of the body is in an unknown state: nothing after it on this
                 // connection can be trusted to start where a request starts.
-                ctx.disposed(Disposition::BodyUnread);
+                ctx.decided.disposed(Disposition::BodyUnread);
                 let mut resp = problem(p, ctx.config(), &[], ctx.dialect);
                 close_after(&mut resp);
                 Err(resp)
@@ -430,10 +430,10 @@ impl Gateway {
         match resp.status() {
             StatusCode::PERMANENT_REDIRECT => {
                 self.metrics.gateway.https_redirects.inc();
-                ctx.disposed(Disposition::Redirected);
+                ctx.decided.disposed(Disposition::Redirected);
             }
             _ => {
-                ctx.disposed(Disposition::NotRedirected);
+                ctx.decided.disposed(Disposition::NotRedirected);
             }
         }
         self.finish(ctx, resp)

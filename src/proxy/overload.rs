@@ -36,7 +36,7 @@ impl Gateway {
                     .with_retry_after(SHED_RETRY_AFTER);
                 let mut resp = problem(p, cfg, &ctx.decided.applied, ctx.dialect);
                 headers::add_shadow(resp.headers_mut(), cfg.response, &ctx.decided.shadow);
-                ctx.disposed(Disposition::Shed);
+                ctx.decided.disposed(Disposition::Shed);
                 Err(resp)
             }
         }
