@@ -146,3 +146,37 @@ impl LimiterMetrics {
             .clone()
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{StoreErrorKind, SyncOutcome};
+
+    #[test]
+    fn the_label_values_are_the_ones_dashboards_query() {
+        assert_eq!(
+            StoreErrorKind::ALL.map(StoreErrorKind::name),
+            [
+                "timeout",
+                "connection",
+                "data",
+                "unreplicated",
+                "breaker_open",
+                "full",
+                "other"
+            ]
+        );
+        assert_eq!(
+            SyncOutcome::ALL.map(SyncOutcome::name),
+            [
+                "resynced",
+                "failed",
+                "wrong_type",
+                "change",
+                "ignored",
+                "subscribed",
+                "subscribe_failed",
+                "lost"
+            ]
+        );
+    }
+}

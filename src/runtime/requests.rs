@@ -397,3 +397,30 @@ pub struct RuleCounters {
     /// Its denials by plan, retry delays, near-limit requests and SLO counts.
     pub dashboard: RuleDashboard,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::{DecisionLabel, UpstreamFailure};
+
+    #[test]
+    fn the_label_values_are_the_ones_dashboards_query() {
+        assert_eq!(
+            DecisionLabel::ALL.map(DecisionLabel::name),
+            [
+                "allowed",
+                "delayed",
+                "denied",
+                "shadow_denied",
+                "denied_by_other",
+                "error",
+                "refused",
+                "bad_key",
+                "refused_by_other"
+            ]
+        );
+        assert_eq!(
+            UpstreamFailure::ALL.map(UpstreamFailure::name),
+            ["upstream_error", "upstream_timeout"]
+        );
+    }
+}
