@@ -435,6 +435,16 @@ mod tests {
         }
     }
 
+    /// `name`'s rule (the first in the config) with `quota`, which decided `decision`.
+    fn rule(name: &str, quota: Quota, decision: Decision) -> Applied<'_> {
+        Applied {
+            rule: name,
+            index: 0,
+            quota,
+            decision,
+        }
+    }
+
     fn quota_of(algorithm: Algorithm, count: u64, secs: u64, burst: Option<u64>) -> Quota {
         costing(algorithm, count, secs, burst, 1)
     }
@@ -522,12 +532,7 @@ mod tests {
     fn quotas_and_what_is_left_count_requests_of_the_rules_cost() {
         // Exports: 30 tokens, 10 a request. After one, 20 tokens: 2 more requests.
         let q = costing(Algorithm::TokenBucket, 1, 60, Some(30), 10);
-        let applied = [Applied {
-            rule: "exports",
-            index: 0,
-            quota: q,
-            decision: d(true, 20, 0, 600_000_000),
-        }];
+        let applied = [rule("exports", q, d(true, 20, 0, 600_000_000))];
         let mut h = HeaderMap::new();
         add_ratelimit(&mut h, ResponseStyle::Both, &applied);
         add_shadow(&mut h, ResponseStyle::Draft, &applied);
@@ -550,21 +555,11 @@ mod tests {
     fn a_bucket_never_shows_more_left_than_its_quota() {
         // A full bucket's `r` is its burst: `q`, never above it. After one request, 19.
         let q = quota_of(Algorithm::TokenBucket, 10, 1, Some(20));
-        let full = [Applied {
-            rule: "api",
-            index: 0,
-            quota: q,
-            decision: d(true, 20, 0, 0),
-        }];
+        let full = [rule("api", q, d(true, 20, 0, 0))];
         let mut h = HeaderMap::new();
         add_ratelimit(&mut h, ResponseStyle::Draft, &full);
         assert_eq!(h[&RATELIMIT], "\"api\";r=20;t=0");
-        let applied = [Applied {
-            rule: "api",
-            index: 0,
-            quota: q,
-            decision: d(true, 19, 0, 100_000),
-        }];
+        let applied = [rule("api", q, d(true, 19, 0, 100_000))];
         let mut h = HeaderMap::new();
         add_ratelimit(&mut h, ResponseStyle::Both, &applied);
         assert_eq!(h[&RATELIMIT_POLICY], "\"api\";q=20;w=2");
@@ -577,18 +572,8 @@ mod tests {
     fn draft_headers_list_every_rule() {
         let (a, b) = (quota(10, 1), quota(100, 60));
         let applied = [
-            Applied {
-                rule: "api",
-                index: 0,
-                quota: a,
-                decision: d(true, 7, 0, 300_000),
-            },
-            Applied {
-                rule: "ip",
-                index: 0,
-                quota: b,
-                decision: d(true, 99, 0, 600_001),
-            },
+            rule("api", a, d(true, 7, 0, 300_000)),
+            rule("ip", b, d(true, 99, 0, 600_001)),
         ];
         let mut h = HeaderMap::new();
         add_ratelimit(&mut h, ResponseStyle::Draft, &applied);
@@ -604,18 +589,8 @@ mod tests {
             Quota::concurrency(NonZeroU64::new(5).unwrap(), Duration::from_secs(10)),
         );
         let applied = [
-            Applied {
-                rule: "api",
-                index: 0,
-                quota: a,
-                decision: d(true, 7, 0, 300_000),
-            },
-            Applied {
-                rule: "conc",
-                index: 0,
-                quota: c,
-                decision: d(true, 2, 0, 0),
-            },
+            rule("api", a, d(true, 7, 0, 300_000)),
+            rule("conc", c, d(true, 2, 0, 0)),
         ];
         let mut h = HeaderMap::new();
         add_ratelimit(&mut h, ResponseStyle::Draft, &applied);
@@ -638,18 +613,8 @@ mod tests {
             Quota::concurrency(NonZeroU64::new(5).unwrap(), Duration::from_secs(10)),
         );
         let shadow = [
-            Applied {
-                rule: "watch",
-                index: 0,
-                quota: a,
-                decision: d(false, 0, 100_000, 1_000_000),
-            },
-            Applied {
-                rule: "conc",
-                index: 0,
-                quota: c,
-                decision: d(true, 4, 0, 0),
-            },
+            rule("watch", a, d(false, 0, 100_000, 1_000_000)),
+            rule("conc", c, d(true, 4, 0, 0)),
         ];
         let mut h = HeaderMap::new();
         add_shadow(&mut h, ResponseStyle::Draft, &shadow);
@@ -664,12 +629,7 @@ mod tests {
     #[test]
     fn jitter_is_added_before_rounding() {
         let a = quota(1, 10);
-        let applied = [Applied {
-            rule: "api",
-            index: 0,
-            quota: a,
-            decision: d(false, 0, 2_000_000, 10_000_000),
-        }];
+        let applied = [rule("api", a, d(false, 0, 2_000_000, 10_000_000))];
         assert_eq!(retry_after_secs(&applied, 0), 2);
         assert_eq!(retry_after_secs(&applied, 1), 3);
         assert_eq!(retry_after_secs(&applied, 3_000_000), 5);
@@ -679,18 +639,8 @@ mod tests {
     fn legacy_headers_name_the_rule_closest_to_denying() {
         let (a, b) = (quota(10, 1), quota(100, 60));
         let applied = [
-            Applied {
-                rule: "api",
-                index: 0,
-                quota: a,
-                decision: d(true, 7, 0, 300_000),
-            },
-            Applied {
-                rule: "ip",
-                index: 0,
-                quota: b,
-                decision: d(true, 2, 0, 59_000_000),
-            },
+            rule("api", a, d(true, 7, 0, 300_000)),
+            rule("ip", b, d(true, 2, 0, 59_000_000)),
         ];
         let mut h = HeaderMap::new();
         add_ratelimit(&mut h, ResponseStyle::Legacy, &applied);
@@ -706,14 +656,7 @@ mod tests {
     #[test]
     fn retry_after_rounds_up_and_is_at_least_one() {
         let a = quota(10, 1);
-        let mk = |us| {
-            [Applied {
-                rule: "api",
-                index: 0,
-                quota: a,
-                decision: d(false, 0, us, 1),
-            }]
-        };
+        let mk = |us| [rule("api", a, d(false, 0, us, 1))];
         assert_eq!(retry_after_secs(&mk(1), 0), 1);
         assert_eq!(retry_after_secs(&mk(0), 0), 1);
         assert_eq!(retry_after_secs(&mk(1_000_001), 0), 2);
@@ -745,24 +688,9 @@ mod tests {
     fn the_429_body_is_what_serde_json_writes() {
         let (a, b) = (quota(10, 1), quota(100, 60));
         let applied = [
-            Applied {
-                rule: "per-key.v2",
-                index: 0,
-                quota: a,
-                decision: d(false, 0, 1_500_000, 1),
-            },
-            Applied {
-                rule: "ip",
-                index: 0,
-                quota: b,
-                decision: d(true, 5, 0, 1),
-            },
-            Applied {
-                rule: "global_all",
-                index: 0,
-                quota: b,
-                decision: d(false, 0, 61_000_000, 1),
-            },
+            rule("per-key.v2", a, d(false, 0, 1_500_000, 1)),
+            rule("ip", b, d(true, 5, 0, 1)),
+            rule("global_all", b, d(false, 0, 61_000_000, 1)),
         ];
         let p = Problem::too_many_requests(&applied, 0);
         let expected = ProblemBody {

@@ -393,26 +393,17 @@ mod tests {
                  [[upstreams]]\nname = \"{second}\"\nservers = [\"http://10.0.0.2\"]\n{routes}"
             ))
         };
-        let route = |name: &str, prefix: &str, pool: &str| {
-            format!("[[routes]]\nname = \"{name}\"\nmatch = {{ path_prefix = \"{prefix}\" }}\nupstream = \"{pool}\"\n")
+        // A route matches the paths under its name: `x`, `/x/`.
+        let route = |name: &str, pool: &str| {
+            format!("[[routes]]\nname = \"{name}\"\nmatch = {{ path_prefix = \"/{name}/\" }}\nupstream = \"{pool}\"\n")
         };
         let old = pools(
             "b",
-            &[
-                route("x", "/x/", "a"),
-                route("y", "/y/", "b"),
-                route("z", "/z/", "a"),
-            ]
-            .concat(),
+            &[route("x", "a"), route("y", "b"), route("z", "a")].concat(),
         );
         let new = pools(
             "c",
-            &[
-                route("y", "/y/", "c"),
-                route("x", "/x/", "a"),
-                route("w", "/w/", "a"),
-            ]
-            .concat(),
+            &[route("y", "c"), route("x", "a"), route("w", "a")].concat(),
         );
         let c = Changes::between(&old, &new);
         assert_eq!(
@@ -439,18 +430,9 @@ mod tests {
         let rule = |to: &str| {
             format!("[[rules]]\nname = \"r\"\nkey = \"global\"\nrate = \"1/s\"\nmatch = {{ route = \"{to}\" }}\n")
         };
-        let before = pools(
-            "b",
-            &[route("x", "/x/", "a"), route("y", "/y/", "b"), rule("y")].concat(),
-        );
-        let moved = pools(
-            "b",
-            &[route("y", "/y/", "b"), route("x", "/x/", "a"), rule("y")].concat(),
-        );
-        let other = pools(
-            "b",
-            &[route("x", "/x/", "a"), route("y", "/y/", "b"), rule("x")].concat(),
-        );
+        let before = pools("b", &[route("x", "a"), route("y", "b"), rule("y")].concat());
+        let moved = pools("b", &[route("y", "b"), route("x", "a"), rule("y")].concat());
+        let other = pools("b", &[route("x", "a"), route("y", "b"), rule("x")].concat());
         assert!(Changes::between(&before, &moved).changed.is_empty());
         assert_eq!(Changes::between(&before, &other).changed, ["r"]);
     }

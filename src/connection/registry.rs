@@ -26,14 +26,13 @@ const WARN_EVERY: Duration = Duration::from_secs(10);
 
 crate::telemetry::label_enum! {
     /// Why the gateway closed a connection, as `ratewall_connections_closed_total` counts it.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub enum Closed {
-        HeaderTimeout = "header_timeout",
-        IdleTimeout = "idle_timeout",
-        BodyTimeout = "body_timeout",
-        SendTimeout = "send_timeout",
+        HeaderTimeout,
+        IdleTimeout,
+        BodyTimeout,
+        SendTimeout,
         /// Idle, closed to make room at `max_connections` (or for lack of file descriptors).
-        MakeRoom = "make_room",
+        MakeRoom,
     }
 }
 

@@ -31,33 +31,31 @@ pub enum Handshake {
 
 crate::telemetry::label_enum! {
     /// A [`Handshake`]'s `result` label.
-    #[derive(Debug, Clone, Copy, Hash, PartialEq, Eq)]
     pub enum HandshakeResult {
-        Ok = "ok",
-        Timeout = "timeout",
-        Closed = "closed",
-        Failed = "failed",
+        Ok,
+        Timeout,
+        Closed,
+        Failed,
         /// [`Handshake::Asked`].
-        Shutdown = "shutdown",
+        Shutdown,
     }
 }
 
 crate::telemetry::label_enum! {
     /// Why TLS refused a handshake on the listener, read from the `rustls::Error` inside
     /// the handshake's `io::Error`.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub enum Refused {
         /// Nothing in common with the client (version, cipher suite, ALPN protocol...), or
         /// a client that broke the protocol.
-        Protocol = "protocol",
+        Protocol,
         /// Under mTLS, no client certificate, or one that does not verify.
-        ClientCertificate = "client_certificate",
+        ClientCertificate,
         /// Bytes that are not TLS (plain HTTP on the TLS port, say), or a message out of
         /// place.
-        NotTls = "not_tls",
+        NotTls,
         /// The client ended the handshake with an alert (it refused our certificate, say).
-        Alert = "alert",
-        Other = "other",
+        Alert,
+        Other,
     }
 }
 

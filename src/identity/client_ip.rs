@@ -172,8 +172,7 @@ fn is_port(s: &str) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::header::HeaderName;
-    use http::HeaderValue;
+    use crate::identity::tests::headers;
 
     fn cfg(header: ForwardingHeader) -> ClientIp {
         ClientIp {
@@ -188,17 +187,6 @@ mod tests {
 
     fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()
-    }
-
-    fn headers(name: &str, values: &[&[u8]]) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        for v in values {
-            h.append(
-                HeaderName::from_bytes(name.as_bytes()).unwrap(),
-                HeaderValue::from_bytes(v).unwrap(),
-            );
-        }
-        h
     }
 
     fn xff(peer: &str, values: &[&[u8]]) -> IpAddr {

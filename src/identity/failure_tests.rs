@@ -8,30 +8,21 @@ use std::collections::HashMap;
 use http::header::{HeaderMap, HeaderValue, AUTHORIZATION};
 
 use super::failures::Allowance;
-use super::jwt::{Alg, KeySet, KeysFrom, Settings, TokenFrom};
+use super::jwt::{KeySet, Settings};
 use super::*;
 
 const BURST: u64 = 5;
 
+/// [`super::tests::hs256_settings`]' verifier, allowing `BURST` failures a minute.
 fn verifier() -> Verifier {
-    Verifier::new(
-        Settings {
-            from: TokenFrom::Bearer(AUTHORIZATION),
-            algorithms: vec![Alg::HS256],
-            keys_from: KeysFrom::SecretEnv("X".into()),
-            issuer: Vec::new(),
-            audience: Vec::new(),
-            leeway: 30,
-            required_claims: Vec::new(),
-            plan_claim: None,
-            forward_claims: Vec::new(),
-            failures: Allowance {
-                burst: BURST,
-                every_ms: 60_000,
-            },
+    let settings = Settings {
+        failures: Allowance {
+            burst: BURST,
+            every_ms: 60_000,
         },
-        Some(KeySet::from_secret(b"s")),
-    )
+        ..super::tests::hs256_settings(None)
+    };
+    Verifier::new(settings, Some(KeySet::from_secret(b"s")))
 }
 
 fn bearer(secret: &[u8], sub: &str) -> HeaderMap {
@@ -78,7 +69,11 @@ fn forged_tokens_are_checked_up_to_the_allowance_then_refused_unchecked() {
             .map(|t| t.is_some())
     };
     let good = bearer(b"s", "alice");
-    assert_eq!(token_of(&good, "192.0.2.1"), Ok(true), "verified and cached");
+    assert_eq!(
+        token_of(&good, "192.0.2.1"),
+        Ok(true),
+        "verified and cached"
+    );
     let mut answers = Vec::new();
     for i in 0..3 * BURST {
         let forged = bearer(b"guess", &format!("s{i}"));
@@ -186,8 +181,10 @@ fn a_token_is_pending_only_while_no_cache_knows_it() {
     assert!(at(&forged).token_pending());
     assert!(at(&forged).token().is_err());
     assert!(!at(&forged).token_pending(), "remembered as refused");
-    assert!(!at(&HeaderMap::new()).token_pending(), "none sent");
-    let r = at(&bearer(b"s", "dave"));
+    let none = HeaderMap::new();
+    assert!(!at(&none).token_pending(), "none sent");
+    let dave = bearer(b"s", "dave");
+    let r = at(&dave);
     let _ = r.token();
     assert!(!r.token_pending(), "verified for this request already");
 }

@@ -304,18 +304,7 @@ pub fn sha256(bytes: &[u8]) -> [u8; 32] {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use http::HeaderValue;
-
-    fn headers(name: &str, values: &[&[u8]]) -> HeaderMap {
-        let mut h = HeaderMap::new();
-        for v in values {
-            h.append(
-                HeaderName::from_bytes(name.as_bytes()).unwrap(),
-                HeaderValue::from_bytes(v).unwrap(),
-            );
-        }
-        h
-    }
+    use crate::identity::tests::headers;
 
     #[test]
     fn api_keys_are_checked_for_shape() {

@@ -21,6 +21,9 @@ mod keys;
 pub mod tag;
 mod token_cache;
 
+#[cfg(test)]
+mod failure_tests;
+
 use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -939,8 +942,17 @@ mod tests {
     /// A verifier of HS256 bearer tokens signed with the secret `s`, reading the plan from
     /// `plan_claim`.
     fn hs256_verifier(plan_claim: Option<ClaimPath>) -> Verifier {
-        use jwt::{Alg, KeySet, KeysFrom, Settings, TokenFrom};
-        let settings = Settings {
+        Verifier::new(
+            hs256_settings(plan_claim),
+            Some(jwt::KeySet::from_secret(b"s")),
+        )
+    }
+
+    /// The settings of [`hs256_verifier`]: bearer tokens, HS256 only, 30 s of leeway,
+    /// the default allowance of failures.
+    pub(super) fn hs256_settings(plan_claim: Option<ClaimPath>) -> jwt::Settings {
+        use jwt::{Alg, KeysFrom, Settings, TokenFrom};
+        Settings {
             from: TokenFrom::Bearer(http::header::AUTHORIZATION),
             algorithms: vec![Alg::HS256],
             keys_from: KeysFrom::SecretEnv("X".into()),
@@ -951,8 +963,29 @@ mod tests {
             plan_claim,
             forward_claims: Vec::new(),
             failures: jwt::DEFAULT_FAILURES,
-        };
-        Verifier::new(settings, Some(KeySet::from_secret(b"s")))
+        }
+    }
+
+    /// Headers with `name` sent once with each of `values`.
+    pub(super) fn headers(name: &str, values: &[&[u8]]) -> HeaderMap {
+        let mut h = HeaderMap::new();
+        for v in values {
+            h.append(
+                HeaderName::from_bytes(name.as_bytes()).unwrap(),
+                HeaderValue::from_bytes(v).unwrap(),
+            );
+        }
+        h
+    }
+
+    /// Keys that take any key and list none.
+    fn any_keys() -> Keys {
+        Keys::new(
+            DEFAULT_KEY_HEADER,
+            UnknownKeys::Allow,
+            Default::default(),
+            None,
+        )
     }
 
     fn ip(s: &str) -> IpAddr {
@@ -975,12 +1008,7 @@ mod tests {
     /// same 32 bytes as an API key are another identity); none: `missing_key`.
     #[test]
     fn a_client_certificate_is_an_identity_of_its_own() {
-        let keys = Keys::new(
-            DEFAULT_KEY_HEADER,
-            UnknownKeys::Allow,
-            Default::default(),
-            None,
-        );
+        let keys = any_keys();
         let trust = ClientIp::default();
         let h = HeaderMap::new();
         let fp = ClientCert([7u8; 32]);
@@ -1199,12 +1227,7 @@ mod tests {
             .unwrap();
             HeaderValue::from_str(&format!("Bearer {t}")).unwrap()
         };
-        let keys = Keys::new(
-            DEFAULT_KEY_HEADER,
-            UnknownKeys::Allow,
-            Default::default(),
-            None,
-        );
+        let keys = any_keys();
         let trust = ClientIp::default();
         let sub = ClaimPath::parse("sub").unwrap();
         let by = |kind: KeyKind, missing| Key { kind, missing };

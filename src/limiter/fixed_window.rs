@@ -206,18 +206,14 @@ pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, adj: Adjust) -> (Se
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::tests::quota;
-    use crate::limiter::{Adjust, Decision, Settled};
-
-    fn run(q: &Quota, st: &mut Option<State>, now: u64) -> Decision {
-        crate::limiter::tests::run(q, st, now)
-    }
+    use crate::limiter::tests::{quota, run};
     use crate::limiter::Algorithm::FixedWindow;
+    use crate::limiter::{Adjust, Settled};
 
     #[test]
     fn window_starts_at_the_first_request() {
         let q = quota(FixedWindow, "3/10s", None, 1);
-        let mut st = None;
+        let mut st: Option<State> = None;
         assert!(run(&q, &mut st, 7_000_000).allowed);
         assert_eq!(
             st,
@@ -242,7 +238,7 @@ mod tests {
     #[test]
     fn boundary_lets_two_windows_pass_back_to_back() {
         let q = quota(FixedWindow, "5/s", None, 1);
-        let mut st = None;
+        let mut st: Option<State> = None;
         assert!(run(&q, &mut st, 0).allowed);
         let mut passed = 0;
         for t in [
@@ -260,7 +256,7 @@ mod tests {
     #[test]
     fn cost_counts_units_and_denials_count_nothing() {
         let q = quota(FixedWindow, "10/m", None, 4);
-        let mut st = None;
+        let mut st: Option<State> = None;
         assert_eq!(run(&q, &mut st, 0).remaining, 6);
         assert_eq!(run(&q, &mut st, 1).remaining, 2);
         let d = run(&q, &mut st, 2);
@@ -297,7 +293,7 @@ mod tests {
     #[test]
     fn a_calendar_month_in_berlin_ends_at_local_midnight_across_the_dst_change() {
         let q = berlin("3/month", 1);
-        let mut st = None;
+        let mut st: Option<State> = None;
         // 10 March, before the spring change: the window is March, whenever it began.
         let d = run(&q, &mut st, local(3, 10, 9, 0));
         assert!(d.allowed);
@@ -324,7 +320,7 @@ mod tests {
     #[test]
     fn a_calendar_day_across_the_autumn_change_is_25_hours() {
         let q = berlin("2/day", 1);
-        let mut st = None;
+        let mut st: Option<State> = None;
         let morning = local(10, 25, 1, 0);
         let d = run(&q, &mut st, morning);
         // 01:00 CEST to midnight CET: 24 hours, the clocks having gone back one.
@@ -368,7 +364,7 @@ mod tests {
     #[test]
     fn an_anchored_month_refunds_only_into_the_window_charged() {
         let q = berlin("5/month", 15);
-        let mut st = None;
+        let mut st: Option<State> = None;
         let at = local(3, 14, 23, 0);
         let charged = run(&q, &mut st, at);
         assert_eq!(st.unwrap().start_us, local(2, 15, 0, 0));

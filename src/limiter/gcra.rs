@@ -117,18 +117,13 @@ pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, delta: i64) -> (Set
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::tests::quota;
-    use crate::limiter::Decision;
-
-    fn run(q: &Quota, st: &mut Option<State>, now: u64) -> Decision {
-        crate::limiter::tests::run(q, st, now)
-    }
+    use crate::limiter::tests::{quota, run};
     use crate::limiter::Algorithm::Gcra;
 
     #[test]
     fn burst_passes_at_once_then_one_per_interval() {
         let q = quota(Gcra, "10/s", Some(3), 1);
-        let mut st = None;
+        let mut st: Option<State> = None;
         for left in [2, 1, 0] {
             assert_eq!(run(&q, &mut st, 0).remaining, left);
         }
@@ -143,7 +138,7 @@ mod tests {
     fn fractional_intervals_are_exact() {
         // 3/s: an interval of 333_333.33 µs, kept as µs plus thirds.
         let q = quota(Gcra, "3/s", Some(1), 1);
-        let mut st = None;
+        let mut st: Option<State> = None;
         assert!(run(&q, &mut st, 0).allowed);
         assert_eq!(
             st,
@@ -167,7 +162,7 @@ mod tests {
     #[test]
     fn cost_takes_several_intervals_and_a_denial_takes_none() {
         let q = quota(Gcra, "10/s", Some(10), 4);
-        let mut st = None;
+        let mut st: Option<State> = None;
         assert_eq!(run(&q, &mut st, 0).remaining, 6);
         assert_eq!(run(&q, &mut st, 0).remaining, 2);
         let before = st;
@@ -201,7 +196,7 @@ mod tests {
         let q = quota(Gcra, "4/s", Some(2), 1)
             .with_max_delay(std::time::Duration::from_secs(1))
             .unwrap();
-        let mut st = None;
+        let mut st: Option<State> = None;
         let waits: Vec<u64> = (0..7)
             .map(|_| run(&q, &mut st, 0))
             .map(|d| {

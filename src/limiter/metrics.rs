@@ -7,46 +7,44 @@ use prometheus_client::metrics::gauge::Gauge;
 use prometheus_client::metrics::histogram::Histogram;
 
 crate::telemetry::label_enum! {
-    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum StoreErrorKind {
         /// No answer within `[store].timeout`.
-        Timeout = "timeout",
+        Timeout,
         /// Refused, dropped or otherwise unreachable.
-        Connection = "connection",
+        Connection,
         /// One key's data (wrong type, corrupt state).
-        Data = "data",
+        Data,
         /// A write fewer replicas confirmed in time than `[store] replication` asks.
-        Unreplicated = "unreplicated",
+        Unreplicated,
         /// Not tried: the circuit breaker is open.
-        BreakerOpen = "breaker_open",
+        BreakerOpen,
         /// The memory store had no room for a new key (every key in the way counts requests
         /// in flight).
-        Full = "full",
+        Full,
         /// Anything else the store answered unexpectedly.
-        Other = "other",
+        Other,
     }
 }
 
 crate::telemetry::label_enum! {
     /// What keeping a shared store's key directory in step did.
-    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum SyncOutcome {
         /// The hash read whole and made the directory.
-        Resynced = "resynced",
+        Resynced,
         /// A resynchronisation failed (Redis down, timeout): the last directory serves.
-        Failed = "failed",
+        Failed,
         /// `<prefix>:keys` is not a hash: the last directory serves.
-        WrongType = "wrong_type",
+        WrongType,
         /// A change received on the channel and applied.
-        Change = "change",
+        Change,
         /// A malformed message, or hash fields that are not an entry, left out.
-        Ignored = "ignored",
+        Ignored,
         /// Subscribed to the changes channel.
-        Subscribed = "subscribed",
+        Subscribed,
         /// Could not subscribe.
-        SubscribeFailed = "subscribe_failed",
+        SubscribeFailed,
         /// The subscription's connection was lost.
-        Lost = "lost",
+        Lost,
     }
 }
 
@@ -146,5 +144,39 @@ impl LimiterMetrics {
         self.memory_keys
             .get_or_create(&MemoryLabels { store })
             .clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{StoreErrorKind, SyncOutcome};
+
+    #[test]
+    fn the_label_values_are_the_ones_dashboards_query() {
+        assert_eq!(
+            StoreErrorKind::ALL.map(StoreErrorKind::name),
+            [
+                "timeout",
+                "connection",
+                "data",
+                "unreplicated",
+                "breaker_open",
+                "full",
+                "other"
+            ]
+        );
+        assert_eq!(
+            SyncOutcome::ALL.map(SyncOutcome::name),
+            [
+                "resynced",
+                "failed",
+                "wrong_type",
+                "change",
+                "ignored",
+                "subscribed",
+                "subscribe_failed",
+                "lost"
+            ]
+        );
     }
 }

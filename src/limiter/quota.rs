@@ -144,18 +144,18 @@ impl fmt::Display for Rate {
 pub const MAX_LEVEL: u64 = 1 << 52;
 
 crate::telemetry::label_enum! {
-    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+    #[derive(Default, Deserialize)]
     #[serde(rename_all = "snake_case")]
     pub enum Algorithm {
         #[default]
-        TokenBucket = "token_bucket",
-        Gcra = "gcra",
-        SlidingWindow = "sliding_window",
-        FixedWindow = "fixed_window",
+        TokenBucket,
+        Gcra,
+        SlidingWindow,
+        FixedWindow,
         /// Not a rate: at most N requests in flight per identity (`max_in_flight`, not an
         /// `algorithm` value in the file).
         #[serde(skip_deserializing)]
-        Concurrency = "concurrency",
+        Concurrency,
     }
 }
 
@@ -304,13 +304,12 @@ pub struct QuotaError {
 }
 
 crate::telemetry::label_enum! {
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub enum QuotaField {
-        Rate = "rate",
-        Burst = "burst",
-        Cost = "cost",
-        MaxDelay = "max_delay",
-        MaxDebt = "max_debt",
+        Rate,
+        Burst,
+        Cost,
+        MaxDelay,
+        MaxDebt,
     }
 }
 

@@ -185,18 +185,13 @@ pub fn settle(q: &Quota, state: Option<&State>, now_us: u64, adj: Adjust) -> (Se
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::limiter::tests::quota;
-    use crate::limiter::Decision;
-
-    fn run(q: &Quota, st: &mut Option<State>, now: u64) -> Decision {
-        crate::limiter::tests::run(q, st, now)
-    }
+    use crate::limiter::tests::{quota, run};
     use crate::limiter::Algorithm::SlidingWindow;
 
     #[test]
     fn previous_window_is_weighted_by_its_overlap() {
         let q = quota(SlidingWindow, "10/s", None, 1);
-        let mut st = None;
+        let mut st: Option<State> = None;
         for _ in 0..10 {
             assert!(run(&q, &mut st, 500_000).allowed);
         }
@@ -217,7 +212,7 @@ mod tests {
     #[test]
     fn no_burst_of_two_n_at_a_boundary() {
         let q = quota(SlidingWindow, "5/s", None, 1);
-        let mut st = None;
+        let mut st: Option<State> = None;
         let mut passed = 0;
         for t in [999_990; 5].into_iter().chain([1_000_000; 5]) {
             passed += u32::from(run(&q, &mut st, t).allowed);
@@ -228,7 +223,7 @@ mod tests {
     #[test]
     fn a_full_current_window_waits_for_the_next() {
         let q = quota(SlidingWindow, "4/s", None, 2);
-        let mut st = None;
+        let mut st: Option<State> = None;
         assert!(run(&q, &mut st, 0).allowed);
         assert!(run(&q, &mut st, 0).allowed);
         let d = run(&q, &mut st, 100_000);
@@ -255,7 +250,7 @@ mod tests {
     #[test]
     fn clock_at_the_window_edge() {
         let q = quota(SlidingWindow, "2/s", None, 1);
-        let mut st = None;
+        let mut st: Option<State> = None;
         assert!(run(&q, &mut st, 999_999).allowed);
         assert!(run(&q, &mut st, 999_999).allowed);
         // At exactly 1 s the previous window weighs fully: still 2.

@@ -31,18 +31,18 @@ pub enum Backend {
 
 crate::telemetry::label_enum! {
     /// What a request gets while the store fails (`[store] on_error`).
-    #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Deserialize)]
+    #[derive(Default, serde::Deserialize)]
     #[serde(rename_all = "snake_case")]
     pub enum OnError {
         /// Answer 503 while the store fails: no request escapes its limit.
         #[default]
-        Deny = "deny",
+        Deny,
         /// Forward without limiting while the store fails: availability over enforcement.
-        Allow = "allow",
+        Allow,
         /// Enforce the same rules in this process until the store answers again. With N
         /// instances behind a balancer, up to N times the limit passes meanwhile (a rule's
         /// `local_share` keeps each to its part).
-        Local = "local",
+        Local,
     }
 }
 
@@ -104,12 +104,11 @@ impl Default for Settings {
 
 crate::telemetry::label_enum! {
     /// Which store it is: what the limiter needs to know of one beyond its calls.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub enum Kind {
-        Memory = "memory",
-        Redis = "redis",
-        RedisCluster = "redis_cluster",
-        RedisSentinel = "redis_sentinel",
+        Memory,
+        Redis,
+        RedisCluster,
+        RedisSentinel,
     }
 }
 

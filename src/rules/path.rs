@@ -200,13 +200,13 @@ crate::telemetry::label_enum! {
     /// How a backend compares paths (`[server] path_case`): exactly (most do), or ignoring
     /// case (IIS, some Spring setups), in which case the rules must too, or `/API/x` walks
     /// around a rule for `/api/`.
-    #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Deserialize)]
+    #[derive(Default, serde::Deserialize)]
     #[serde(rename_all = "lowercase")]
     pub enum PathCase {
         #[default]
-        Sensitive = "sensitive",
+        Sensitive,
         /// Paths (the request's, and the rules') are lowercased before they are compared.
-        Insensitive = "insensitive",
+        Insensitive,
     }
 }
 

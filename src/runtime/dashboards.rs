@@ -54,12 +54,11 @@ crate::telemetry::label_sets! {
 
 label_enum! {
     /// How a request from an identity within its plan ended (`outcome=`).
-    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum PlanOutcome {
         /// No 429: it passed every rule.
-        Served = "served",
+        Served,
         /// A 429, from this rule or another.
-        Limited = "limited",
+        Limited,
     }
 }
 

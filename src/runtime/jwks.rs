@@ -31,13 +31,12 @@ const FIRST_RETRY: Duration = Duration::from_secs(2);
 
 crate::telemetry::label_enum! {
     /// How a JWKS fetch ended.
-    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum FetchResult {
         /// A key set was fetched (the same as before, or a new one).
-        Ok = "ok",
+        Ok,
         /// Refused, unreachable, not 200, too long, not a JWKS with a usable key: the last
         /// good set keeps serving.
-        Failed = "failed",
+        Failed,
     }
 }
 
@@ -49,10 +48,9 @@ crate::telemetry::label_sets! {
 
 crate::telemetry::label_enum! {
     /// What a bearer token's signature check found.
-    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum CheckResult {
-        Accepted = "accepted",
-        Refused = "refused",
+        Accepted,
+        Refused,
     }
 }
 

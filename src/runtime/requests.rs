@@ -17,33 +17,32 @@ use crate::telemetry::{label_enum, LATENCY_BUCKETS};
 
 label_enum! {
     /// How a rule's decision on one request is counted (`decision=`).
-    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum DecisionLabel {
         /// The rule allowed the request, the request passed (charged) and the upstream
         /// answered it; one it did not answer is the rule's upstream failure instead
         /// (`ratewall_rule_upstream_failures_total`).
-        Allowed = "allowed",
+        Allowed,
         /// The rule allowed the request after it waited for its tokens (`max_delay`).
-        Delayed = "delayed",
+        Delayed,
         /// The rule denied the request.
-        Denied = "denied",
+        Denied,
         /// A shadow rule would have denied it, but let it pass.
-        ShadowDenied = "shadow_denied",
+        ShadowDenied,
         /// The rule would have allowed the request, but another rule denied it: charged
         /// nothing here (a denied request takes nothing from the rules it passed).
-        DeniedByOther = "denied_by_other",
+        DeniedByOther,
         /// The store failed; `on_error` answered.
-        Error = "error",
+        Error,
         /// The rule refused the request before any limit was consulted: its identity is
         /// missing or unknown (401).
-        Refused = "refused",
+        Refused,
         /// The rule refused the request before any limit was consulted: the key (or header)
         /// it counts by is malformed (400: sent twice, too long).
-        BadKey = "bad_key",
+        BadKey,
         /// The rule allowed and charged the request (it needs no credential, so it was
         /// decided first), and another rule refused it for its credentials (401, or 429
         /// once its address failed too often) or its body: the charge stands.
-        RefusedByOther = "refused_by_other",
+        RefusedByOther,
     }
 }
 
@@ -80,28 +79,27 @@ const TLS_VERSIONS: [&str; 3] = ["none", "TLSv1.2", "TLSv1.3"];
 label_enum! {
     /// Why the gateway refused a request before any limit was consulted
     /// (`ratewall_refusals_total{reason}`).
-    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum RefusalReason {
         /// 401: no API key (or no value of the header a rule counts by), and the rule needs one.
-        MissingKey = "missing_key",
+        MissingKey,
         /// 401: a key not listed, with `unknown = "reject"`.
-        UnknownKey = "unknown_key",
+        UnknownKey,
         /// 400: a malformed key header, or a request head the gateway will not pass on.
-        Malformed = "malformed",
+        Malformed,
         /// 501: a method or transfer coding the gateway does not forward (`CONNECT`).
-        NotImplemented = "not_implemented",
+        NotImplemented,
         /// 404: no route matches the request, and no pool `default` takes the rest.
-        NoRoute = "no_route",
+        NoRoute,
         /// 401: a bearer token that did not verify (or lacks the claim the rule counts by).
-        InvalidToken = "invalid_token",
+        InvalidToken,
         /// 503: a rule counts by a token claim, and no key set has been fetched yet.
-        KeysUnavailable = "keys_unavailable",
+        KeysUnavailable,
         /// 400, 411, 413: a rule reserves the request's `max_tokens` and refuses a body
         /// that says none it can use (`on_unreadable = "reject"`).
-        UnreadableBody = "unreadable_body",
+        UnreadableBody,
         /// 429: the client's address failed too many tokens or sent too many unknown keys
         /// (`[jwt] failures`, `[keys] failures`); its credential was not checked.
-        Throttled = "throttled",
+        Throttled,
     }
 }
 
@@ -144,7 +142,6 @@ crate::telemetry::label_sets! {
 
 label_enum! {
     /// A forwarded request the upstream did not answer, by what the client got.
-    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum UpstreamFailure {
         /// 502.
         Error = "upstream_error",
@@ -168,10 +165,9 @@ crate::telemetry::label_sets! {
 }
 
 label_enum! {
-    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum ReloadResult {
-        Ok = "ok",
-        Rejected = "rejected",
+        Ok,
+        Rejected,
     }
 }
 
@@ -400,4 +396,31 @@ pub struct RuleCounters {
     pub upstream_timeout: Counter,
     /// Its denials by plan, retry delays, near-limit requests and SLO counts.
     pub dashboard: RuleDashboard,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{DecisionLabel, UpstreamFailure};
+
+    #[test]
+    fn the_label_values_are_the_ones_dashboards_query() {
+        assert_eq!(
+            DecisionLabel::ALL.map(DecisionLabel::name),
+            [
+                "allowed",
+                "delayed",
+                "denied",
+                "shadow_denied",
+                "denied_by_other",
+                "error",
+                "refused",
+                "bad_key",
+                "refused_by_other"
+            ]
+        );
+        assert_eq!(
+            UpstreamFailure::ALL.map(UpstreamFailure::name),
+            ["upstream_error", "upstream_timeout"]
+        );
+    }
 }

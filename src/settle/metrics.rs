@@ -5,38 +5,36 @@ use prometheus_client::metrics::family::Family;
 
 crate::telemetry::label_enum! {
     /// What one settlement of one charge did.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     pub enum SettleOutcome {
         /// Given back whole: the answer's status is one the rule does not charge, or
         /// the request never reached a backend (none could be, shed, the client gone
         /// before it was sent).
-        Refunded = "refunded",
+        Refunded,
         /// The reported cost was below the reservation: the difference given back.
-        ChargedLess = "charged_less",
+        ChargedLess,
         /// The reported cost was above it: the difference taken (maybe into debt).
-        ChargedMore = "charged_more",
+        ChargedMore,
         /// A cost the answer reported that is not a whole number at least 0: logged,
         /// and the reservation stands.
-        Invalid = "invalid",
+        Invalid,
         /// The store did not take the settlement: the reservation stands.
-        Failed = "failed",
+        Failed,
         /// The answer's usage could not be read (a content coding not undone, a corrupt
         /// one, or one decoding past its bound): the reservation stands.
-        Unread = "unread",
+        Unread,
     }
 }
 
 crate::telemetry::label_enum! {
     /// How an answer read on after its client left ended (`settle_drain`).
-    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     pub enum DrainResult {
         /// Its end reported a cost, which was settled.
-        Settled = "settled",
+        Settled,
         /// It ended reporting none: the reservations stand.
-        Stood = "stood",
+        Stood,
         /// Cut at `settle_drain`'s bytes or time, or broken by the backend: the
         /// reservations stand.
-        Cut = "cut",
+        Cut,
     }
 }
 
@@ -47,10 +45,9 @@ crate::telemetry::label_sets! {
 }
 
 crate::telemetry::label_enum! {
-    #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
     pub enum SettleDirection {
-        Refunded = "refunded",
-        Charged = "charged",
+        Refunded,
+        Charged,
     }
 }
 

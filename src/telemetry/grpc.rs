@@ -10,7 +10,6 @@ label_enum! {
     /// The gRPC status codes (grpc/doc/statuscodes.md), each labelled by its number
     /// (`ratewall_grpc_responses_total{code}`, the access log's `grpc_status`). Declared
     /// in order: `code as u8` is its number.
-    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum Code {
         Ok = "0",
         Cancelled = "1",
@@ -91,11 +90,10 @@ impl Code {
 
 label_enum! {
     /// Who wrote a gRPC answer (`ratewall_grpc_responses_total{source}`).
-    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum Origin {
         /// The gateway itself: a denial, a refusal, a failed store or upstream.
-        Gateway = "gateway",
+        Gateway,
         /// The backend, passed on.
-        Upstream = "upstream",
+        Upstream,
     }
 }

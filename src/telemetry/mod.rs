@@ -161,40 +161,56 @@ impl<L: Clone + std::hash::Hash + Eq> Buckets for Family<L, Histogram> {
 }
 
 /// One vocabulary enum (a decision, an outcome, a reason), written once with the label
-/// value of each variant: `Variant = "value"`. The enum comes out as written (its
-/// attributes, derives and docs kept; derive `Clone, Copy` at least), with `ALL` (every
-/// variant, in declaration order), `name()` (the value: metrics, logs and the config
-/// all say it so) and its encoding as a Prometheus label value.
+/// value of each variant: its name in snake_case (`BreakerOpen` is `breaker_open`, as
+/// serde's `rename_all = "snake_case"` says it), or `Variant = "value"` where the value is
+/// another. The enum comes out as written (its attributes and docs kept) with the derives
+/// every label needs (`Clone, Copy, Debug, Hash, PartialEq, Eq`; derive any other
+/// beside them), `ALL` (every variant, in declaration order), `name()` (the value:
+/// metrics, logs and the config all say it so) and its encoding as a Prometheus label
+/// value.
 ///
 /// ```ignore
 /// crate::telemetry::label_enum! {
-///     #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
-///     pub enum ReloadResult {
-///         Ok = "ok",
-///         Rejected = "rejected",
+///     pub enum UpstreamFailure {
+///         Error = "upstream_error",
+///         TimedOut,
 ///     }
 /// }
 /// ```
 macro_rules! label_enum {
+    (@label $variant:ident) => {{
+        const NAME: &str = stringify!($variant);
+        const BYTES: [u8; $crate::telemetry::snake_case_len(NAME)] =
+            $crate::telemetry::snake_case(NAME);
+        const LABEL: &str = match std::str::from_utf8(&BYTES) {
+            Ok(label) => label,
+            Err(_) => panic!("a variant's name is UTF-8"),
+        };
+        LABEL
+    }};
+    (@label $variant:ident $label:literal) => {
+        $label
+    };
     (
         $(#[$meta:meta])*
         $vis:vis enum $name:ident {
-            $($(#[$vmeta:meta])* $variant:ident = $label:literal),+ $(,)?
+            $($(#[$vmeta:meta])* $variant:ident $(= $label:literal)?),+ $(,)?
         }
     ) => {
         $(#[$meta])*
+        #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
         $vis enum $name {
             $($(#[$vmeta])* $variant),+
         }
 
         impl $name {
             /// Every value, in declaration order.
-            pub const ALL: [$name; [$($label),+].len()] = [$($name::$variant),+];
+            pub const ALL: [$name; [$(stringify!($variant)),+].len()] = [$($name::$variant),+];
 
             /// The value as metrics, logs and the config name it.
             pub fn name(self) -> &'static str {
                 match self {
-                    $($name::$variant => $label),+
+                    $($name::$variant => $crate::telemetry::label_enum!(@label $variant $($label)?)),+
                 }
             }
         }
@@ -210,6 +226,43 @@ macro_rules! label_enum {
     };
 }
 pub(crate) use label_enum;
+
+/// How long `name` is in snake_case: one byte more for each capital after the first.
+pub const fn snake_case_len(name: &str) -> usize {
+    let bytes = name.as_bytes();
+    let mut len = bytes.len();
+    let mut i = 1;
+    while i < bytes.len() {
+        if bytes[i].is_ascii_uppercase() {
+            len += 1;
+        }
+        i += 1;
+    }
+    len
+}
+
+/// `name` in snake_case (`N` its [`snake_case_len`]): `_` before each capital after the
+/// first, every capital lower-cased — `label_enum!`'s label of a variant, at compile time.
+pub const fn snake_case<const N: usize>(name: &str) -> [u8; N] {
+    let bytes = name.as_bytes();
+    let mut out = [0; N];
+    let (mut i, mut o) = (0, 0);
+    while i < bytes.len() {
+        let b = bytes[i];
+        if b.is_ascii_uppercase() {
+            if i > 0 {
+                out[o] = b'_';
+                o += 1;
+            }
+            out[o] = b.to_ascii_lowercase();
+        } else {
+            out[o] = b;
+        }
+        o += 1;
+        i += 1;
+    }
+    out
+}
 
 /// A guard that holds a gauge one higher until dropped (requests in flight, waiting).
 pub struct Gauged<'a>(&'a Gauge);
@@ -235,11 +288,39 @@ mod tests {
     use prometheus_client::registry::Registry;
 
     label_enum! {
-        #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
         enum Sample {
-            One = "one",
-            TwoWords = "two_words",
+            One,
+            TwoWords,
         }
+    }
+
+    label_enum! {
+        enum Named {
+            Derived,
+            /// A value of its own.
+            Given = "given_value",
+            S2xx = "2xx",
+            ThreeWordsHere,
+        }
+    }
+
+    #[test]
+    fn a_label_is_the_variants_name_in_snake_case_unless_given() {
+        let names = Named::ALL.map(Named::name);
+        assert_eq!(names, ["derived", "given_value", "2xx", "three_words_here"]);
+    }
+
+    #[test]
+    fn snake_case_marks_each_capital_after_the_first() {
+        fn snake<const N: usize>(name: &str) -> String {
+            assert_eq!(super::snake_case_len(name), N);
+            String::from_utf8(super::snake_case::<N>(name).to_vec()).expect("UTF-8")
+        }
+        assert_eq!(snake::<2>("Ok"), "ok");
+        assert_eq!(snake::<12>("BreakerOpen"), "breaker_open");
+        assert_eq!(snake::<4>("S2xx"), "s2xx");
+        assert_eq!(snake::<8>("HTTPa"), "h_t_t_pa");
+        assert_eq!(snake::<5>("lower"), "lower");
     }
 
     #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]

@@ -31,30 +31,29 @@ const TOP_K: usize = 64;
 crate::telemetry::label_enum! {
     /// How a request ended, as an operator tells outcomes apart: one class per request, the
     /// same in `ratewall_request_duration_seconds{outcome}` and on the status page.
-    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum Outcome {
         /// Forwarded, and the upstream answered (whatever its status).
-        Allowed = "allowed",
+        Allowed,
         /// 429: a rule denied it.
-        Denied = "denied",
+        Denied,
         /// 401 before any limit was consulted: no key, or an unknown one.
-        Unauthorized = "unauthorized",
+        Unauthorized,
         /// Refused before any limit was consulted as malformed: 400 (a malformed head or
         /// key), 501 (a tunnel).
-        BadRequest = "bad_request",
+        BadRequest,
         /// 404: no route matches it, and no pool `default` takes the rest.
-        NoRoute = "no_route",
+        NoRoute,
         /// 503: the store failed and `on_error = "deny"`.
-        StoreUnavailable = "store_unavailable",
+        StoreUnavailable,
         /// 503: shed by the pool's overload protection (its queue full, its place taken
         /// by a higher priority, or `max_wait` passed).
-        Overloaded = "overloaded",
+        Overloaded,
         /// 502: the upstream refused, reset, or answered something unreadable.
-        UpstreamError = "upstream_error",
+        UpstreamError,
         /// 504: the upstream did not answer within its `timeout`.
-        UpstreamTimeout = "upstream_timeout",
+        UpstreamTimeout,
         /// 400 or 408 while forwarding: the client's body was malformed or stalled.
-        ClientError = "client_error",
+        ClientError,
     }
 }
 

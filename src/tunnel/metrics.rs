@@ -28,12 +28,11 @@ crate::telemetry::label_sets! {
 
 crate::telemetry::label_enum! {
     /// Which way bytes went through a tunnel (`direction=`).
-    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum Direction {
         /// From the client to the backend.
-        Upstream = "upstream",
+        Upstream,
         /// From the backend to the client.
-        Downstream = "downstream",
+        Downstream,
     }
 }
 

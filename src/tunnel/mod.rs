@@ -57,18 +57,17 @@ const CLOSING: Duration = Duration::from_secs(1);
 
 crate::telemetry::label_enum! {
     /// How a tunnel ended (`reason=`).
-    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum Ended {
-        ClientClosed = "client_closed",
-        UpstreamClosed = "upstream_closed",
-        IdleTimeout = "idle_timeout",
-        Shutdown = "shutdown",
-        MessageLimit = "message_limit",
-        ByteLimit = "byte_limit",
-        MessageTooBig = "message_too_big",
-        ProtocolError = "protocol_error",
-        StoreError = "store_error",
-        Failed = "failed",
+        ClientClosed,
+        UpstreamClosed,
+        IdleTimeout,
+        Shutdown,
+        MessageLimit,
+        ByteLimit,
+        MessageTooBig,
+        ProtocolError,
+        StoreError,
+        Failed,
     }
 }
 

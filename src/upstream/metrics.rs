@@ -33,7 +33,6 @@ crate::telemetry::label_sets! {
 crate::telemetry::label_enum! {
     /// How one attempt on a server ended (`outcome=`): its answer's status class, or its
     /// failure.
-    #[derive(Clone, Copy, Debug, Hash, PartialEq, Eq)]
     pub enum ServerOutcome {
         /// 1xx (a final answer after them) and 2xx.
         S2xx = "2xx",
@@ -41,9 +40,9 @@ crate::telemetry::label_enum! {
         S4xx = "4xx",
         S5xx = "5xx",
         /// Refused, reset, unreadable: a 502.
-        Error = "error",
+        Error,
         /// No answer head within the pool's `timeout`: a 504.
-        Timeout = "timeout",
+        Timeout,
     }
 }
 

@@ -76,31 +76,26 @@ impl ReadSide {
     }
 }
 
-impl AsyncRead for Stream {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            Stream::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            Stream::Tls(s) => Pin::new(s).poll_read(cx, buf),
+/// `AsyncRead` by delegation to each variant.
+macro_rules! delegate_read {
+    ($ty:ident) => {
+        impl AsyncRead for $ty {
+            fn poll_read(
+                self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+                buf: &mut ReadBuf<'_>,
+            ) -> Poll<io::Result<()>> {
+                match self.get_mut() {
+                    $ty::Plain(s) => Pin::new(s).poll_read(cx, buf),
+                    $ty::Tls(s) => Pin::new(s).poll_read(cx, buf),
+                }
+            }
         }
-    }
+    };
 }
 
-impl AsyncRead for ReadSide {
-    fn poll_read(
-        self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-        buf: &mut ReadBuf<'_>,
-    ) -> Poll<io::Result<()>> {
-        match self.get_mut() {
-            ReadSide::Plain(s) => Pin::new(s).poll_read(cx, buf),
-            ReadSide::Tls(s) => Pin::new(s).poll_read(cx, buf),
-        }
-    }
-}
+delegate_read!(Stream);
+delegate_read!(ReadSide);
 
 /// `AsyncWrite` by delegation to each variant, vectored writes included (a chunk's size
 /// line, data and CRLF go in one).

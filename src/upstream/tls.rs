@@ -303,24 +303,23 @@ pub enum TlsHandshake {
 
 crate::telemetry::label_enum! {
     /// Why a handshake with the backend failed.
-    #[derive(Debug, Clone, Copy, PartialEq, Eq)]
     pub enum TlsFailure {
         /// Its certificate is not signed by a CA we trust (`ca`, or the system's roots).
-        UnknownIssuer = "unknown_issuer",
+        UnknownIssuer,
         /// Its certificate is not for the name we asked for (the URL's host, or `sni`).
-        NameMismatch = "name_mismatch",
+        NameMismatch,
         /// Its certificate has expired.
-        Expired = "expired",
+        Expired,
         /// Any other fault of its certificate (not yet valid, revoked, badly signed, none).
-        Certificate = "certificate",
+        Certificate,
         /// The backend ended the handshake with an alert: it refused us (our ALPN, our
         /// client certificate under TLS 1.2, no common version...).
-        Alert = "alert",
+        Alert,
         /// Nothing in common, or a backend that broke the protocol or did not speak TLS.
-        Protocol = "protocol",
+        Protocol,
         /// The connection was closed or reset under the handshake.
-        Closed = "closed",
-        Other = "other",
+        Closed,
+        Other,
     }
 }
 

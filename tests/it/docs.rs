@@ -892,18 +892,28 @@ fn file_metrics(src: &str, all: &str) -> BTreeMap<String, (String, SourceLabels)
             }
         }
     }
-    // `pub enum Type {` then `A = "a",` lines, in label_enum!.
+    // `pub enum Type {` in a label_enum!, then `A = "a",` lines and `BeA,` lines (`be_a`:
+    // the name in snake_case).
     let mut values: HashMap<String, Vec<String>> = HashMap::new();
+    let mut in_macro = false;
     let mut current: Option<String> = None;
     for line in all.lines() {
         let l = line.trim();
-        if let Some(rest) = l.strip_prefix("pub enum ") {
+        if l.ends_with("label_enum! {") {
+            in_macro = true;
+            continue;
+        }
+        if let Some(rest) = l.strip_prefix("pub enum ").filter(|_| in_macro) {
             current = rest.strip_suffix(" {").map(|name| name.trim().to_string());
+            in_macro = false;
             continue;
         }
         let Some(ty) = &current else {
             continue;
         };
+        let bare = l
+            .strip_suffix(',')
+            .filter(|v| !v.is_empty() && v.chars().all(|c| c.is_ascii_alphanumeric()));
         if l == "}" {
             current = None;
         } else if let Some((_, value)) = l.split_once(" = \"") {
@@ -913,6 +923,11 @@ fn file_metrics(src: &str, all: &str) -> BTreeMap<String, (String, SourceLabels)
                     .or_default()
                     .push(value.to_string());
             }
+        } else if let Some(variant) = bare {
+            values
+                .entry(ty.clone())
+                .or_default()
+                .push(snake_case(variant));
         }
     }
     // `registry.register(\n "name",\n "help",\n var.clone(),\n)`: name -> var.
@@ -952,6 +967,19 @@ fn file_metrics(src: &str, all: &str) -> BTreeMap<String, (String, SourceLabels)
             }
         }
         out.insert(name.to_string(), (kind.clone(), labels));
+    }
+    out
+}
+
+/// A variant's label as `label_enum!` derives it: `_` before each capital after the
+/// first, every capital lower-cased.
+fn snake_case(variant: &str) -> String {
+    let mut out = String::new();
+    for (i, c) in variant.char_indices() {
+        if i > 0 && c.is_ascii_uppercase() {
+            out.push('_');
+        }
+        out.push(c.to_ascii_lowercase());
     }
     out
 }
