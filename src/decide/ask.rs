@@ -6,14 +6,33 @@ use super::verdict::{self, Ruled, Verdict};
 use crate::limiter::breaker::{Now, StoreAnswer};
 use crate::limiter::lease::Leases;
 use crate::limiter::{Check, Decision};
-use crate::runtime::Live;
+use crate::runtime::requests::DecisionLabel;
+use crate::runtime::{Counted, Counts, Live};
 use crate::telemetry::Disposition;
 
-impl Limit<'_, '_> {
+impl<'l> Limit<'l, '_> {
     pub(super) fn ruled(&self) -> Ruled {
         Ruled {
             enforced: self.enforced,
             jitter_us: self.rule.retry_jitter_us,
+        }
+    }
+
+    /// Its part in the decision's counts: `decision`, and its `share` counted now.
+    pub(super) fn counted(
+        &self,
+        decision: Option<Decision>,
+        share: Option<DecisionLabel>,
+    ) -> Counted<'l> {
+        Counted {
+            index: self.index,
+            rule: &self.rule.name,
+            enforced: self.enforced,
+            quota: self.quota,
+            digest: self.identity.digest,
+            plan: self.plan,
+            decision,
+            share,
         }
     }
 }
@@ -52,30 +71,29 @@ pub(super) async fn consult(
     (decisions, v, leases, local)
 }
 
-/// Count each rule's share of the request (`denied`: another rule, or this one, denied
-/// it); the first watching rule that would have denied. The passes (allowed, delayed)
-/// count once the upstream has answered (the proxy's `RequestCtx::count_passed`).
+/// Each rule's part in the request, into `counts`, with its share counted now
+/// (`denied`: another rule, or this one, denied it); the first watching rule that would
+/// have denied. The passes (allowed, delayed) count once the upstream has answered (the
+/// proxy's `RequestCtx::count_passed`).
 pub(super) fn tally<'l>(
-    live: &Live,
+    counts: &mut Counts<'l>,
     limits: &[Limit<'l, '_>],
     decisions: &[Option<Decision>],
     denied: bool,
 ) -> Option<&'l str> {
     let mut shadow_denied = None;
-    for (l, d) in limits.iter().zip(decisions) {
-        let Some(d) = d else { continue };
-        let Some(counters) = live.counters.get(l.index) else {
-            continue;
-        };
-        match verdict::share(l.enforced, d, denied) {
-            Disposition::DeniedByOther => counters.denied_by_other.inc(),
-            Disposition::Denied => counters.denied.inc(),
+    counts.rules.reserve(limits.len());
+    for (l, &d) in limits.iter().zip(decisions) {
+        let share = d.and_then(|d| match verdict::share(l.enforced, &d, denied) {
+            Disposition::DeniedByOther => Some(DecisionLabel::DeniedByOther),
+            Disposition::Denied => Some(DecisionLabel::Denied),
             Disposition::ShadowDenied => {
                 shadow_denied.get_or_insert(l.rule.name.as_str());
-                counters.shadow_denied.inc()
+                Some(DecisionLabel::ShadowDenied)
             }
-            _ => continue,
-        };
+            _ => None,
+        });
+        counts.rules.push(l.counted(d, share));
     }
     shadow_denied
 }

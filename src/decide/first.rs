@@ -30,7 +30,8 @@ use crate::identity::{KeyKind, Requester};
 use crate::limiter::store::Settlement;
 use crate::limiter::{Adjust, Algorithm, Decision};
 use crate::rules::Rule;
-use crate::runtime::{Live, Metrics};
+use crate::runtime::requests::DecisionLabel;
+use crate::runtime::Live;
 use crate::settle::max_tokens::Asked;
 
 /// Whether `rule` can be decided without the request's credentials: it counts by the
@@ -78,7 +79,6 @@ pub(super) struct First<'l, 'p> {
 /// 503).
 pub(super) async fn decide<'l: 'p, 'p>(
     live: &'l Live,
-    metrics: &Metrics,
     free: &[usize],
     requester: &Requester<'p>,
     asked: Option<&Asked>,
@@ -97,30 +97,28 @@ pub(super) async fn decide<'l: 'p, 'p>(
     }
     let (decisions, verdict, _, local) = consult(live, &limits).await;
     match (verdict, decisions) {
-        (Verdict::Deny { by, jitter_us }, Some(decisions)) => Err(super::deny(
-            live, metrics, requester, &limits, &decisions, by, jitter_us, d,
-        )),
+        (Verdict::Deny { by, jitter_us }, Some(decisions)) => {
+            Err(super::deny(&limits, &decisions, by, jitter_us, d))
+        }
         (Verdict::Forward | Verdict::Delay(_), Some(decisions)) => Ok(Some(First {
             limits,
             decisions,
             local,
         })),
         (Verdict::Unlimited, _) => Ok(None),
-        (v, _) => store_failed(live, &limits, v, d).map(|()| None),
+        (v, _) => store_failed(&limits, v, d).map(|()| None),
     }
 }
 
 /// The rules decided first that charged a request another then refused: each counts it
 /// (`refused_by_other`).
-pub(super) fn refused_by_other(live: &Live, first: Option<&First<'_, '_>>) {
+pub(super) fn refused_by_other<'l>(first: Option<&First<'l, '_>>, d: &mut super::Decided<'l>) {
     let Some(first) = first else { return };
-    for (l, d) in first.limits.iter().zip(&first.decisions) {
-        if d.is_some_and(|d| d.allowed) {
-            if let Some(c) = live.counters.get(l.index) {
-                c.refused_by_other.inc();
-            }
-        }
-    }
+    let charged = first.limits.iter().zip(&first.decisions);
+    let charged = charged.filter(|(_, decision)| decision.is_some_and(|c| c.allowed));
+    let counted =
+        charged.map(|(l, &decision)| l.counted(decision, Some(DecisionLabel::RefusedByOther)));
+    d.counts.rules.extend(counted);
 }
 
 /// The verdict on `limits` decided as `decisions` (each rule's own, however many calls

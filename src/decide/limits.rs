@@ -8,7 +8,6 @@ use crate::headers::Applied;
 use crate::identity::{Identity, Refusal, Requester};
 use crate::limiter::{Algorithm, Check, Decision, Quota};
 use crate::rules::{self, Applies, Rule};
-use crate::runtime::dashboards::Judged;
 use crate::runtime::{Live, WaitSlot};
 use crate::settle::max_tokens::{Asked, Unreadable};
 
@@ -127,28 +126,6 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
             shadow: !self.enforced,
             lease: self.lease,
         }
-    }
-}
-
-impl Judged for Limit<'_, '_> {
-    fn index(&self) -> usize {
-        self.index
-    }
-
-    fn enforced(&self) -> bool {
-        self.enforced
-    }
-
-    fn quota(&self) -> &Quota {
-        &self.quota
-    }
-
-    fn digest(&self) -> &crate::identity::IdentityDigest {
-        &self.identity.digest
-    }
-
-    fn plan(&self) -> Option<&str> {
-        self.plan
     }
 }
 

@@ -12,6 +12,10 @@
 //! be verified (`first.rs`), the store asked and its answer judged (`ask.rs`, the pure
 //! verdict in `verdict.rs`), and for a request let through, its settlement held
 //! (`settling.rs`) and its overload priority.
+//!
+//! The core counts nothing itself: what a decision counts (each rule's share of the
+//! request, the dashboards' judgement, a denial's heavy hitter) is returned in
+//! [`Decided::counts`], one event the caller hands to [`crate::runtime::Metrics::decided`].
 
 mod ask;
 mod first;
@@ -31,7 +35,8 @@ use crate::identity::{ClientCert, IdentityDigest, Refusal, Requester};
 /// What a request let through holds until its answer ends: its concurrency leases.
 pub use crate::limiter::lease::{Leases, Releasing};
 use crate::limiter::Decision;
-use crate::runtime::{Live, Metrics, WaitSlot};
+use crate::runtime::requests::DecisionLabel;
+use crate::runtime::{Counts, Judgement, Live, WaitSlot};
 use crate::settle::max_tokens::Asked;
 use crate::settle::Settling;
 use crate::telemetry::stats::Named;
@@ -101,6 +106,9 @@ pub struct Decided<'l> {
     pub settling: Option<Settling>,
     /// Its place in an overloaded pool's queue.
     pub priority: u32,
+    /// What the decision counts, for whoever asked for it to hand to the runtime's
+    /// metrics ([`crate::runtime::Metrics::decided`]).
+    pub counts: Counts<'l>,
 }
 
 impl Default for Decided<'_> {
@@ -122,6 +130,7 @@ impl Default for Decided<'_> {
             claims: Vec::new(),
             settling: None,
             priority: 0,
+            counts: Counts::default(),
         }
     }
 }
@@ -163,12 +172,11 @@ impl Rejection {
 }
 
 /// Decide the request `subject`, as `requester` reads it (`asked`: what its body asks a
-/// model for, where it was read), on `live`, counting into `metrics`: its route, then
-/// its rules, the store's answer and the verdict. `Ok`: let through, with what its
-/// answer carries in `d`; `Err`: the answer it gets instead.
+/// model for, where it was read), on `live`: its route, then its rules, the store's
+/// answer and the verdict. `Ok`: let through, with what its answer carries in `d`;
+/// `Err`: the answer it gets instead. Either way, what it counts is in `d.counts`.
 pub async fn decide<'l: 'p, 'p>(
     live: &'l Live,
-    metrics: &Metrics,
     subject: &Subject<'_>,
     requester: &Requester<'p>,
     asked: Option<Asked>,
@@ -197,11 +205,11 @@ pub async fn decide<'l: 'p, 'p>(
             .iter()
             .partition(|&&i| credential_free(&cfg.rules[i]));
         later = Some(rest);
-        first = first::decide(live, metrics, &free, requester, asked, d).await?;
+        first = first::decide(live, &free, requester, asked, d).await?;
     }
     let rest = later.as_deref().unwrap_or(&fitting);
     if let Some(refused) = settling::refuse_body(live, rest, requester, asked, d) {
-        refused_by_other(live, first.as_ref());
+        refused_by_other(first.as_ref(), d);
         return Err(refused);
     }
     let limits = match Limit::all(live, rest, requester, asked) {
@@ -215,9 +223,9 @@ pub async fn decide<'l: 'p, 'p>(
                     .copied()
                     .filter(|&i| credential_free(&cfg.rules[i]))
                     .collect();
-                first = first::decide(live, metrics, &free, requester, asked, d).await?;
+                first = first::decide(live, &free, requester, asked, d).await?;
             }
-            refused_by_other(live, first.as_ref());
+            refused_by_other(first.as_ref(), d);
             return Err(refuse(live, index, refusal, d));
         }
     };
@@ -249,7 +257,7 @@ pub async fn decide<'l: 'p, 'p>(
                 if verdict != Verdict::Unlimited {
                     give_back(live, &first).await;
                 }
-                return store_failed(live, &limits, verdict, d);
+                return store_failed(&limits, verdict, d);
             };
             // Denied after the first ones allowed: theirs given back, as one decision
             // for the whole request would never have charged them.
@@ -265,15 +273,15 @@ pub async fn decide<'l: 'p, 'p>(
         }
     };
     match (verdict, decisions) {
-        (Verdict::Deny { by, jitter_us }, Some(decisions)) => Err(deny(
-            live, metrics, requester, &limits, &decisions, by, jitter_us, d,
-        )),
+        (Verdict::Deny { by, jitter_us }, Some(decisions)) => {
+            Err(deny(&limits, &decisions, by, jitter_us, d))
+        }
         (Verdict::Forward | Verdict::Delay(_), Some(decisions)) => {
-            pass(live, metrics, limits, &decisions, verdict, leases, local, d);
+            pass(live, limits, &decisions, verdict, leases, local, d);
             let_through(live, requester, &fitting, d);
             Ok(())
         }
-        (v, _) => store_failed(live, &limits, v, d),
+        (v, _) => store_failed(&limits, v, d),
     }
 }
 
@@ -317,15 +325,29 @@ fn priority(live: &Live, fitting: &[usize], requester: &Requester<'_>, to: &Dest
         .unwrap_or(0)
 }
 
+/// What the status page shows of who the request is under the rule at config position
+/// `index`: its kind and a part of it, its key's label, its token's claims. Asked only
+/// where a denial makes that identity a new heavy hitter.
+pub fn named<'a>(cfg: &'a Config, requester: &Requester<'a>, index: usize) -> Named {
+    let Some(Ok(identity)) = cfg.rules.get(index).map(|r| requester.identify(&r.key)) else {
+        return Named::default();
+    };
+    let source = &identity.source;
+    Named {
+        hint: identity.hint(),
+        label: requester.label_of(source).map(|l| l.to_string()),
+        claims: requester.claims_of(source),
+    }
+}
+
 /// A request one rule refused before any limit was consulted (its credentials, a
 /// malformed key): its answer, counted under that rule.
 fn refuse<'l>(live: &'l Live, index: usize, refusal: Refusal, d: &mut Decided<'l>) -> Rejection {
-    if let Some(c) = live.counters.get(index) {
-        match refusal.status() {
-            StatusCode::BAD_REQUEST => c.bad_key.inc(),
-            _ => c.refused.inc(),
-        };
-    }
+    let share = match refusal.status() {
+        StatusCode::BAD_REQUEST => DecisionLabel::BadKey,
+        _ => DecisionLabel::Refused,
+    };
+    d.counts.refused = Some((index, share));
     d.disposed(Disposition::Refused(refusal));
     d.rule = live.config.rules.get(index).map(|r| r.name.as_str());
     Rejection::of(refused(refusal))
@@ -343,38 +365,24 @@ fn no_route(d: &mut Decided<'_>, subject: &Subject<'_>) -> Rejection {
 }
 
 /// A denied request's 429, and the counts it adds.
-#[allow(clippy::too_many_arguments)]
 fn deny<'l>(
-    live: &'l Live,
-    metrics: &Metrics,
-    requester: &Requester<'_>,
     limits: &[Limit<'l, '_>],
     decisions: &[Option<Decision>],
     by: usize,
     jitter_us: u64,
     d: &mut Decided<'l>,
 ) -> Rejection {
-    d.shadow_denied = tally(live, limits, decisions, true);
+    let first = d.counts.rules.len();
+    d.shadow_denied = tally(&mut d.counts, limits, decisions, true);
     (d.applied, d.shadow) = split(limits, decisions);
     let limit = &limits[by];
-    metrics
-        .stats
-        .limited(limit.identity.digest, &limit.rule.name, || {
-            let source = &limit.identity.source;
-            Named {
-                hint: limit.identity.hint(),
-                label: requester.label_of(source).map(|l| l.to_string()),
-                claims: requester.claims_of(source),
-            }
-        });
     d.disposed(Disposition::Denied)
         .by(Some(limit.rule.name.as_str()), Some(limit.identity.digest));
     let problem = Problem::too_many_requests(&d.applied, crate::random::up_to(jitter_us));
-    let waits_ms = problem.retry_after_ms.unwrap_or(0);
-    metrics
-        .gateway
-        .dashboards
-        .denied(live, limits, decisions, by, waits_ms);
+    d.counts.judged = Some(Judgement::Denied {
+        by: first + by,
+        retry_ms: problem.retry_after_ms.unwrap_or(0),
+    });
     Rejection {
         problem,
         shows_limits: true,
@@ -383,10 +391,8 @@ fn deny<'l>(
 }
 
 /// An admitted request's decisions, and the counts they add.
-#[allow(clippy::too_many_arguments)]
 fn pass<'l>(
     live: &'l Live,
-    metrics: &Metrics,
     limits: Vec<Limit<'l, '_>>,
     decisions: &[Option<Decision>],
     verdict: Verdict,
@@ -394,13 +400,10 @@ fn pass<'l>(
     local: bool,
     d: &mut Decided<'l>,
 ) {
-    d.shadow_denied = tally(live, &limits, decisions, false);
-    metrics
-        .gateway
-        .dashboards
-        .admitted(live, &limits, decisions);
+    d.shadow_denied = tally(&mut d.counts, &limits, decisions, false);
+    d.counts.judged = Some(Judgement::Admitted);
     (d.applied, d.shadow) = split(&limits, decisions);
-    d.settling = settling::held(live, metrics, &limits, decisions, local);
+    d.settling = settling::held(live, &limits, decisions, local);
     let ruled: Vec<Ruled> = limits.iter().map(Limit::ruled).collect();
     let closest = verdict::closest(&ruled, decisions).map(|k| &limits[k]);
     d.disposed(verdict.disposition()).by(
@@ -429,14 +432,14 @@ fn pass<'l>(
 // The answer is made once and returned at once: boxing it would cost an allocation.
 #[allow(clippy::result_large_err)]
 fn store_failed<'l>(
-    live: &'l Live,
     limits: &[Limit<'l, '_>],
     verdict: Verdict,
     d: &mut Decided<'l>,
 ) -> Result<(), Rejection> {
-    for l in limits {
-        live.counters[l.index].error.inc();
-    }
+    let errors = limits
+        .iter()
+        .map(|l| l.counted(None, Some(DecisionLabel::Error)));
+    d.counts.rules.extend(errors);
     d.disposed(verdict.disposition()).by(
         limits.first().map(|l| l.rule.name.as_str()),
         limits.first().map(|l| l.identity.digest),

@@ -9,7 +9,8 @@ use super::{Decided, Rejection};
 use crate::headers::Problem;
 use crate::identity::Requester;
 use crate::limiter::{Algorithm, Decision};
-use crate::runtime::{Live, Metrics};
+use crate::runtime::requests::DecisionLabel;
+use crate::runtime::Live;
 use crate::settle::max_tokens::{Asked, Unreadable};
 use crate::settle::reservation::{Reservation, Reserved};
 use crate::settle::{Held, Settling, Shown};
@@ -26,9 +27,7 @@ pub(super) fn refuse_body<'l>(
     d: &mut Decided<'l>,
 ) -> Option<Rejection> {
     let (index, why) = super::limits::refuses_body(live, fitting, requester, asked)?;
-    if let Some(c) = live.counters.get(index) {
-        c.refused.inc();
-    }
+    d.counts.refused = Some((index, DecisionLabel::Refused));
     d.disposed(Disposition::UnreadableBody);
     d.rule = live.config.rules.get(index).map(|r| r.name.as_str());
     Some(Rejection {
@@ -45,7 +44,6 @@ pub(super) fn refuse_body<'l>(
 /// nothing is allocated).
 pub(super) fn held(
     live: &Live,
-    metrics: &Metrics,
     limits: &[Limit<'_, '_>],
     decisions: &[Option<Decision>],
     local: bool,
@@ -84,7 +82,11 @@ pub(super) fn held(
         return None;
     }
     let reservation = Reservation::new(live.limiter.clone(), local, items);
-    Some(Settling::new(reservation, held, metrics.settle.clone()))
+    Some(Settling::new(
+        reservation,
+        held,
+        live.settle_metrics.clone(),
+    ))
 }
 
 /// The answer of a rule that refuses a request whose body says no usable `max_tokens`

@@ -50,7 +50,10 @@ impl Leases {
         allowed: impl Fn(usize) -> bool,
     ) -> Option<Leases> {
         // Most requests have no concurrency rule: nothing to look at, nothing allocated.
-        if !checks.iter().any(|c| c.quota.algorithm == super::Algorithm::Concurrency) {
+        if !checks
+            .iter()
+            .any(|c| c.quota.algorithm == super::Algorithm::Concurrency)
+        {
             return None;
         }
         let held = held(checks, allowed);

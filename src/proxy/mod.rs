@@ -159,15 +159,10 @@ impl Gateway {
         let asked = self.read_asked(ctx, &subject, parts, body).await?;
         let live = ctx.live;
         let requester = subject.requester(&live.config);
-        let decided = decide::decide(
-            live,
-            &self.metrics,
-            &subject,
-            &requester,
-            asked,
-            &mut ctx.decided,
-        )
-        .await;
+        let decided = decide::decide(live, &subject, &requester, asked, &mut ctx.decided).await;
+        // What it counts, as the decision returned it.
+        let named = |index| decide::named(&live.config, &requester, index);
+        self.metrics.decided(live, &ctx.decided.counts, named);
         // Whoever decided, the access line names the key's label: looked up (a key's
         // digest, where no rule took it) only where an access line is written.
         if tracing::enabled!(target: "ratewall::access", tracing::Level::INFO) {
@@ -205,7 +200,8 @@ impl Gateway {
         };
         tracing::debug!(peer = %conn.peer.ip(), status = p.status.as_u16(), "malformed request refused");
         let not_implemented = p.status == StatusCode::NOT_IMPLEMENTED;
-        ctx.decided.disposed(Disposition::Malformed { not_implemented });
+        ctx.decided
+            .disposed(Disposition::Malformed { not_implemented });
         let mut resp = problem(p, ctx.config(), &[], ctx.dialect);
         if parts.version < http::Version::HTTP_2 {
             close_after(&mut resp);

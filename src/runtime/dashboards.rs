@@ -35,6 +35,8 @@ pub trait Judged {
     fn digest(&self) -> &crate::identity::IdentityDigest;
     /// Its plan, as the rule's `[rules.plans.<name>]` names it.
     fn plan(&self) -> Option<&str>;
+    /// The store's decision (`None`: not known, from the deny cache).
+    fn decision(&self) -> Option<Decision>;
 }
 
 /// The plan label of a rule's own quota.
@@ -246,43 +248,31 @@ impl Dashboards {
     /// A request denied (429) by `limits[by]`, told to wait `retry_ms`: its denial and
     /// its wait under that rule, and under every enforcing rule, if its identity is within
     /// its plan there, a limited request.
-    pub fn denied(
-        &self,
-        live: &Live,
-        limits: &[impl Judged],
-        decisions: &[Option<Decision>],
-        by: usize,
-        retry_ms: u64,
-    ) {
+    pub fn denied(&self, live: &Live, limits: &[impl Judged], by: usize, retry_ms: u64) {
         if let Some(l) = limits.get(by) {
             if let Some(c) = live.counters.get(l.index()) {
                 c.dashboard.denial(l.plan()).inc();
                 c.dashboard.retry.observe_ms(retry_ms);
             }
         }
-        self.judge(live, limits, decisions, false);
+        self.judge(live, limits, false);
     }
 
     /// A request admitted (forwarded, now or after its wait): under every enforcing rule,
     /// whether it left its identity near the limit, and if its identity is within its
     /// plan there, a served request.
-    pub fn admitted(&self, live: &Live, limits: &[impl Judged], decisions: &[Option<Decision>]) {
-        self.judge(live, limits, decisions, true);
+    pub fn admitted(&self, live: &Live, limits: &[impl Judged]) {
+        self.judge(live, limits, true);
     }
 
-    fn judge(
-        &self,
-        live: &Live,
-        limits: &[impl Judged],
-        decisions: &[Option<Decision>],
-        served: bool,
-    ) {
+    fn judge(&self, live: &Live, limits: &[impl Judged], served: bool) {
         // Read once for all the request's rules, when one needs it.
         let mut now_us = None;
-        for (l, d) in limits.iter().zip(decisions) {
+        for l in limits {
             if !l.enforced() {
                 continue;
             }
+            let d = l.decision();
             let Some(c) = live.counters.get(l.index()) else {
                 continue;
             };

@@ -28,6 +28,8 @@ pub struct Live {
     /// Whether any rule settles its charges after the answer (`charge`, `cost_header`,
     /// `cost_from`): only then does an admitted request hold a reservation.
     pub settles: bool,
+    /// The settlements' metrics, for the charges a request's rules settle.
+    pub settle_metrics: crate::settle::metrics::SettleMetrics,
     /// Whether any rule reserves a request's own `max_tokens` (the body of a request such
     /// a rule applies to is read).
     pub reserves_max_tokens: bool,
@@ -116,6 +118,7 @@ impl Live {
         }
         Ok(Live {
             settles,
+            settle_metrics: metrics.settle.clone(),
             reserves_max_tokens,
             cost_headers,
             screened,

@@ -398,6 +398,23 @@ pub struct RuleCounters {
     pub dashboard: RuleDashboard,
 }
 
+impl RuleCounters {
+    /// The rule's `ratewall_requests_total{decision}` handle for `share`.
+    pub fn of(&self, share: DecisionLabel) -> &Counter {
+        match share {
+            DecisionLabel::Allowed => &self.allowed,
+            DecisionLabel::Delayed => &self.delayed,
+            DecisionLabel::Denied => &self.denied,
+            DecisionLabel::ShadowDenied => &self.shadow_denied,
+            DecisionLabel::DeniedByOther => &self.denied_by_other,
+            DecisionLabel::Error => &self.error,
+            DecisionLabel::Refused => &self.refused,
+            DecisionLabel::BadKey => &self.bad_key,
+            DecisionLabel::RefusedByOther => &self.refused_by_other,
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::{DecisionLabel, UpstreamFailure};
