@@ -32,8 +32,10 @@ mod guard;
 mod keys;
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
@@ -44,12 +46,12 @@ use serde::Serialize;
 
 use crate::config::Config;
 use crate::connection::{self, InFlight, Track, Tracked};
+use crate::front_end::{Accepted, FrontEnd, Handler, Serves, Shared};
 use crate::headers::ceil_secs;
 use crate::identity;
 use crate::identity::{IdentityDigest, KeyKind, Requester};
 use crate::limiter::breaker::Health;
 use crate::limiter::{Check, OnError, Quota};
-use crate::proxy::Gateway;
 use crate::rules::Rule;
 use crate::runtime::requests::RuleCounters;
 use crate::runtime::Live;
@@ -82,14 +84,52 @@ enum Audience {
     Admin,
 }
 
+/// The admin front-end, as the server starts it (`[server] admin_listen`).
+pub const FRONT_END: AdminFrontEnd = AdminFrontEnd;
+
+/// Open connections the admin listener takes at most: enough for dashboards and scrapers,
+/// and a bound of its own, so a flood of gateway clients never locks the operator out.
+pub const ADMIN_MAX_CONNECTIONS: usize = 256;
+
+/// How long admin calls still under way get once the workers are done (scrapes and
+/// status pages answer in milliseconds; idle admin connections close at once).
+const ADMIN_GRACE: Duration = Duration::from_secs(1);
+
+/// The admin listener: on `[server] admin_listen`, a bound of its own on its connections,
+/// served by [`Admin`]; it keeps serving while the workers drain (their drain can be
+/// watched), then gets [`ADMIN_GRACE`].
+pub struct AdminFrontEnd;
+
+impl FrontEnd for AdminFrontEnd {
+    fn name(&self) -> &'static str {
+        "admin"
+    }
+
+    fn listen(&self, config: &Config) -> Option<SocketAddr> {
+        config.server.admin_listen
+    }
+
+    fn max_connections(&self, _: &Config) -> usize {
+        ADMIN_MAX_CONNECTIONS
+    }
+
+    fn grace(&self, _: &Config) -> Duration {
+        ADMIN_GRACE
+    }
+
+    fn handler(&self, shared: &Shared) -> Box<dyn Serves> {
+        Box::new(Admin::new(shared.clone()))
+    }
+}
+
 /// The admin listener's side of its connections: the status page's sampler and the
 /// guard on the admin token, for as long as the listener serves. The listener itself is
-/// the server's, the gateway's accept loop with a connection bound of its own; each
-/// connection gets the same handling as the gateway's (its timeouts, its head size bound)
-/// and [`Admin::service`]. Cloned for each connection.
+/// the server's, the accept loop every listener runs with a connection bound of its own;
+/// each connection gets the same handling as the gateway's (its timeouts, its head size
+/// bound) and [`Admin::service`]. Cloned for each connection.
 #[derive(Clone)]
 pub struct Admin {
-    gateway: Arc<Gateway>,
+    shared: Shared,
     /// The failed calls of each peer.
     guard: Arc<Guard>,
     /// The status page's history: the counts sampled every few seconds.
@@ -98,9 +138,9 @@ pub struct Admin {
 
 impl Admin {
     /// Start the sampler (on the current runtime).
-    pub fn new(gateway: Arc<Gateway>) -> Admin {
+    pub fn new(shared: Shared) -> Admin {
         let sampler = AbortOnDrop(tokio::spawn({
-            let metrics = gateway.metrics().clone();
+            let metrics = shared.metrics().clone();
             async move {
                 let mut every = tokio::time::interval(std::time::Duration::from_secs(SAMPLE_SECS));
                 every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -110,16 +150,12 @@ impl Admin {
                 }
             }
         }));
-        guard::count_from_zero(&gateway.metrics().admin.auth_failures);
+        guard::count_from_zero(&shared.metrics().admin.auth_failures);
         Admin {
-            gateway,
+            shared,
             guard: Arc::new(guard::new_guard()),
             _sampler: Arc::new(sampler),
         }
-    }
-
-    pub fn gateway(&self) -> &Arc<Gateway> {
-        &self.gateway
     }
 
     /// The service of one connection from `peer`: its calls, each tracked as in flight
@@ -129,7 +165,7 @@ impl Admin {
         peer: SocketAddr,
         track: Arc<Track>,
     ) -> impl connection::Service<Tracked<Full<Bytes>>> {
-        let (gw, guard) = (self.gateway, self.guard);
+        let (gw, guard) = (self.shared, self.guard);
         service_fn(move |req: Request<Incoming>| {
             let request = InFlight::new(&track);
             let http2 = req.version() == http::Version::HTTP_2;
@@ -138,6 +174,23 @@ impl Admin {
                 let answer = handle(&gw, &guard, peer, req).await;
                 Ok::<_, Infallible>(answer.map(|body| Tracked::new(body, request, http2)))
             }
+        })
+    }
+}
+
+/// The admin listener's connections: the admin API's, on the clocks and bounds of the
+/// config live when each is accepted.
+impl Handler for Admin {
+    fn serve(&self, conn: Accepted<'_>) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let settings = self.shared.live().config.server.connections();
+        let (stream, peer, registry, permit) =
+            (conn.stream, conn.peer, conn.registry.clone(), conn.permit);
+        let admin = self.clone();
+        Some(async move {
+            connection::serve(stream, &registry, permit, settings, |track| {
+                admin.service(peer, track)
+            })
+            .await
         })
     }
 }
@@ -178,7 +231,7 @@ fn error(status: StatusCode, message: &str) -> Reply {
     json(status, &serde_json::json!({ "error": message }))
 }
 
-async fn handle(gw: &Gateway, guard: &Guard, peer: SocketAddr, req: Request<Incoming>) -> Reply {
+async fn handle(gw: &Shared, guard: &Guard, peer: SocketAddr, req: Request<Incoming>) -> Reply {
     let path = req.uri().path();
     let method = req.method();
     if path.starts_with("/admin/") {
@@ -224,7 +277,7 @@ async fn handle(gw: &Gateway, guard: &Guard, peer: SocketAddr, req: Request<Inco
 /// 200 while traffic is served as configured: the store answers, or it fails and
 /// `on_error` (allow, local) lets traffic through; 503 while `on_error = "deny"` turns
 /// requests away. The body says which, and the breaker's state.
-async fn readyz(gw: &Gateway) -> Reply {
+async fn readyz(gw: &Shared) -> Reply {
     let live = gw.live();
     let limiter = &live.limiter;
     let on_error = limiter.on_error();
@@ -264,7 +317,7 @@ async fn readyz(gw: &Gateway) -> Reply {
 /// failures used up its allowance is answered 429 (its token not checked); else the token
 /// is checked, and a failure charged, counted and (now and then) logged with the peer —
 /// never with the token.
-fn guarded(gw: &Gateway, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -> Option<Reply> {
+fn guarded(gw: &Shared, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -> Option<Reply> {
     let now = guard.now_ms();
     let failure = match guard.reserve(peer, now) {
         Err(wait_ms) => Err((Some(Failure::Throttled), wait_ms)),
@@ -318,7 +371,7 @@ fn guarded(gw: &Gateway, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -
 
 /// Whether the call carries the admin token: `Ok`, or why not (`None`: no token is
 /// configured, the admin API is off).
-fn authorized(gw: &Gateway, req: &Request<Incoming>) -> Result<(), Option<Failure>> {
+fn authorized(gw: &Shared, req: &Request<Incoming>) -> Result<(), Option<Failure>> {
     let live = gw.live();
     let token = live.config.admin.token.as_deref().ok_or(None)?;
     let given = req
@@ -500,7 +553,7 @@ fn fingerprint(text: &[u8]) -> Option<identity::ClientCert> {
 }
 
 /// `/admin/state` (`reset` false: look, charge nothing) and `/admin/reset` (`reset` true).
-async fn identity_call(gw: &Gateway, query: &[(String, Vec<u8>)], reset: bool) -> Reply {
+async fn identity_call(gw: &Shared, query: &[(String, Vec<u8>)], reset: bool) -> Reply {
     let live = gw.live();
     let (rule, digest, quota, label) = match target(&live.config, query) {
         Ok(t) => t,
@@ -621,7 +674,7 @@ fn upstream_health(w: &Window) -> &'static str {
     }
 }
 
-fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
+fn stats(gw: &Shared, audience: Audience) -> serde_json::Value {
     let live = gw.live();
     let cfg = &live.config;
     let st = &gw.metrics().stats;

@@ -116,11 +116,11 @@
 //!   found without a request's context (Redis connections);
 //!   a request carries its worker in its connection's [`proxy::Context`].
 
-pub mod admin;
 pub mod cli;
 pub mod config;
 pub mod connection;
 pub mod decide;
+pub mod front_end;
 pub mod headers;
 pub mod identity;
 pub mod limiter;
@@ -137,6 +137,12 @@ pub mod tunnel;
 pub mod upstream;
 pub mod websocket;
 pub mod worker;
+
+// The front-ends on listeners of their own, each one line: its module, started by the
+// server where it is configured (`front_end::FrontEnd`), in this order.
+front_end::front_ends! {
+    admin,
+}
 
 /// The property runs the unit tests share with the integration tests (`proptest_seeds!`:
 /// the saved regressions, a fixed seed, and on CI a fresh one, each seed printed with the

@@ -1,7 +1,7 @@
 //! The accept loop, written once: a [`Listener`] is a listening socket, the registry of
 //! its connections, and the [`Handler`] that serves each one. Every listener runs it: the
-//! gateway's cleartext and TLS ones in each worker, and the admin one (mini-redis'
-//! `Listener { run }` is the model).
+//! proxy's cleartext and TLS ones in each worker, and each front-end's (the admin one;
+//! mini-redis' `Listener { run }` is the model).
 
 use std::future::Future;
 use std::net::SocketAddr;
