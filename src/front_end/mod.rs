@@ -100,7 +100,9 @@ impl<H: Handler + Send + Sync> Serves for H {
 
 impl Handler for Box<dyn Serves> {
     fn serve(&self, conn: Accepted<'_>) -> Option<impl Future<Output = ()> + Send + 'static> {
-        self.serve_boxed(conn)
+        // The boxed handler's own: the box is a `Serves` too (through this impl), and
+        // `self.serve_boxed` would call back here.
+        (**self).serve_boxed(conn)
     }
 }
 
