@@ -307,7 +307,7 @@ fn modules_import_only_from_their_tier_or_below() {
     let unplaced: Vec<&String> = deps.keys().filter(|m| tier_of(m).is_none()).collect();
     assert!(
         unplaced.is_empty(),
-        "modules in no tier (place them in TIERS and docs/architecture.md): {unplaced:?}"
+        "modules in no tier (place them in TIERS and docs/architecture.md, or a front-end in src/lib.rs' `front_ends!`): {unplaced:?}"
     );
     let up = upward(&deps);
     assert!(up.is_empty(), "imports up a tier: {up:#?}");
