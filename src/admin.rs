@@ -165,13 +165,13 @@ impl Admin {
         peer: SocketAddr,
         track: Arc<Track>,
     ) -> impl connection::Service<Tracked<Full<Bytes>>> {
-        let (gw, guard) = (self.shared, self.guard);
+        let (shared, guard) = (self.shared, self.guard);
         service_fn(move |req: Request<Incoming>| {
             let request = InFlight::new(&track);
             let http2 = req.version() == http::Version::HTTP_2;
-            let (gw, guard) = (gw.clone(), guard.clone());
+            let (shared, guard) = (shared.clone(), guard.clone());
             async move {
-                let answer = handle(&gw, &guard, peer, req).await;
+                let answer = handle(&shared, &guard, peer, req).await;
                 Ok::<_, Infallible>(answer.map(|body| Tracked::new(body, request, http2)))
             }
         })
@@ -231,26 +231,26 @@ fn error(status: StatusCode, message: &str) -> Reply {
     json(status, &serde_json::json!({ "error": message }))
 }
 
-async fn handle(gw: &Shared, guard: &Guard, peer: SocketAddr, req: Request<Incoming>) -> Reply {
+async fn handle(shared: &Shared, guard: &Guard, peer: SocketAddr, req: Request<Incoming>) -> Reply {
     let path = req.uri().path();
     let method = req.method();
     if path.starts_with("/admin/") {
-        if let Some(refusal) = guarded(gw, guard, peer.ip(), &req) {
+        if let Some(refusal) = guarded(shared, guard, peer.ip(), &req) {
             return refusal;
         }
         if path == "/admin/keys" || path.starts_with("/admin/keys/") {
-            return keys::call(gw, peer.ip(), req).await;
+            return keys::call(shared, peer.ip(), req).await;
         }
         let query = parse_query(req.uri().query().unwrap_or(""));
         return match (method, path) {
-            (&Method::GET, "/admin/stats") => json(StatusCode::OK, &stats(gw, Audience::Admin)),
+            (&Method::GET, "/admin/stats") => json(StatusCode::OK, &stats(shared, Audience::Admin)),
             (&Method::GET, "/admin/top") => {
                 let minutes = number(&query, "minutes").unwrap_or(5).clamp(1, 10);
                 let n = number(&query, "n").unwrap_or(20).clamp(1, 100) as usize;
-                json(StatusCode::OK, &gw.metrics().stats.top(minutes, n))
+                json(StatusCode::OK, &shared.metrics().stats.top(minutes, n))
             }
-            (&Method::GET, "/admin/state") => identity_call(gw, &query, false).await,
-            (&Method::POST, "/admin/reset") => identity_call(gw, &query, true).await,
+            (&Method::GET, "/admin/state") => identity_call(shared, &query, false).await,
+            (&Method::POST, "/admin/reset") => identity_call(shared, &query, true).await,
             (_, "/admin/stats" | "/admin/top" | "/admin/state" | "/admin/reset") => {
                 error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
             }
@@ -259,13 +259,13 @@ async fn handle(gw: &Shared, guard: &Guard, peer: SocketAddr, req: Request<Incom
     }
     match (method, path) {
         (&Method::GET, "/") => respond(StatusCode::OK, "text/html; charset=utf-8", STATUS_PAGE),
-        (&Method::GET, "/status.json") => json(StatusCode::OK, &stats(gw, Audience::Public)),
+        (&Method::GET, "/status.json") => json(StatusCode::OK, &stats(shared, Audience::Public)),
         (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
-        (&Method::GET, "/readyz") => readyz(gw).await,
+        (&Method::GET, "/readyz") => readyz(shared).await,
         (&Method::GET, "/metrics") => respond(
             StatusCode::OK,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            gw.metrics().encode(),
+            shared.metrics().encode(),
         ),
         (_, "/" | "/status.json" | "/healthz" | "/readyz" | "/metrics") => {
             error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
@@ -277,8 +277,8 @@ async fn handle(gw: &Shared, guard: &Guard, peer: SocketAddr, req: Request<Incom
 /// 200 while traffic is served as configured: the store answers, or it fails and
 /// `on_error` (allow, local) lets traffic through; 503 while `on_error = "deny"` turns
 /// requests away. The body says which, and the breaker's state.
-async fn readyz(gw: &Shared) -> Reply {
-    let live = gw.live();
+async fn readyz(shared: &Shared) -> Reply {
+    let live = shared.live();
     let limiter = &live.limiter;
     let on_error = limiter.on_error();
     let breaker = match limiter.health() {
@@ -317,12 +317,12 @@ async fn readyz(gw: &Shared) -> Reply {
 /// failures used up its allowance is answered 429 (its token not checked); else the token
 /// is checked, and a failure charged, counted and (now and then) logged with the peer —
 /// never with the token.
-fn guarded(gw: &Shared, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -> Option<Reply> {
+fn guarded(shared: &Shared, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -> Option<Reply> {
     let now = guard.now_ms();
     let failure = match guard.reserve(peer, now) {
         Err(wait_ms) => Err((Some(Failure::Throttled), wait_ms)),
         Ok(charged) => {
-            let checked = authorized(gw, req);
+            let checked = authorized(shared, req);
             // Only failures are charged: a right token (or no token to guess) gives it back.
             if matches!(checked, Ok(()) | Err(None)) {
                 guard.refund(charged, now);
@@ -341,7 +341,7 @@ fn guarded(gw: &Shared, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) ->
             )))
         }
     };
-    guard::count(&gw.metrics().admin.auth_failures, why);
+    guard::count(&shared.metrics().admin.auth_failures, why);
     if let Some(times) = guard.log_due(now) {
         tracing::warn!(
             %peer,
@@ -371,8 +371,8 @@ fn guarded(gw: &Shared, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) ->
 
 /// Whether the call carries the admin token: `Ok`, or why not (`None`: no token is
 /// configured, the admin API is off).
-fn authorized(gw: &Shared, req: &Request<Incoming>) -> Result<(), Option<Failure>> {
-    let live = gw.live();
+fn authorized(shared: &Shared, req: &Request<Incoming>) -> Result<(), Option<Failure>> {
+    let live = shared.live();
     let token = live.config.admin.token.as_deref().ok_or(None)?;
     let given = req
         .headers()
@@ -553,8 +553,8 @@ fn fingerprint(text: &[u8]) -> Option<identity::ClientCert> {
 }
 
 /// `/admin/state` (`reset` false: look, charge nothing) and `/admin/reset` (`reset` true).
-async fn identity_call(gw: &Shared, query: &[(String, Vec<u8>)], reset: bool) -> Reply {
-    let live = gw.live();
+async fn identity_call(shared: &Shared, query: &[(String, Vec<u8>)], reset: bool) -> Reply {
+    let live = shared.live();
     let (rule, digest, quota, label) = match target(&live.config, query) {
         Ok(t) => t,
         Err(r) => return refused(r),
@@ -674,10 +674,10 @@ fn upstream_health(w: &Window) -> &'static str {
     }
 }
 
-fn stats(gw: &Shared, audience: Audience) -> serde_json::Value {
-    let live = gw.live();
+fn stats(shared: &Shared, audience: Audience) -> serde_json::Value {
+    let live = shared.live();
     let cfg = &live.config;
-    let st = &gw.metrics().stats;
+    let st = &shared.metrics().stats;
     let rules: Vec<RuleView<'_>> = cfg
         .rules
         .iter()

@@ -196,12 +196,12 @@ struct Listed {
 }
 
 /// Serve one `/admin/keys` call (its token already checked).
-pub(super) async fn call(gw: &Shared, peer: IpAddr, req: http::Request<Incoming>) -> Reply {
+pub(super) async fn call(shared: &Shared, peer: IpAddr, req: http::Request<Incoming>) -> Reply {
     let call = match route(req.method(), req.uri().path()) {
         Ok(c) => c,
         Err(r) => return refused(r),
     };
-    let live = gw.live();
+    let live = shared.live();
     let cfg = &*live.config;
     let change = match call {
         Call::List => {

@@ -25,7 +25,8 @@ use tokio::net::TcpListener;
 use crate::config::Config;
 use crate::connection::{self, InFlight, Registry, Tracked};
 use crate::front_end::{Accepted, Handler, Listener, Shared};
-use crate::proxy::{Context, Current, Gateway, Live};
+use crate::proxy::{Context, Gateway, Live};
+use crate::runtime::Current;
 use crate::upstream::ClientPeer;
 
 mod front_ends;
@@ -72,7 +73,7 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     let current = Arc::new(Current::new(live, source, metrics.clone()));
     let shared = Shared::new(current.clone(), metrics.clone());
     let gateway = Arc::new(Gateway::sharing(current, metrics.clone()));
-    tags::key_tags(&gateway, config_path.as_deref()).await;
+    tags::key_tags(&shared, config_path.as_deref()).await;
     let registry = Registry::new(
         "gateway",
         config.server.max_connections,
@@ -86,9 +87,9 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     // action ends the process, so a SIGHUP sent on that word would kill it.
     let signals = Signals::register();
     say_listening(&config, &sockets.front_ends);
-    let upkeep = tokio::spawn(upkeep(gateway.clone()));
-    let key_sync = tokio::spawn(follow_key_directory(gateway.clone()));
-    let reloads = tokio::spawn(reload_on_sighup(gateway.clone(), signals.hangup));
+    let upkeep = tokio::spawn(upkeep(shared.clone()));
+    let key_sync = tokio::spawn(follow_key_directory(shared.clone()));
+    let reloads = tokio::spawn(reload_on_sighup(shared.clone(), signals.hangup));
     let front_ends: Vec<front_ends::Running> = (sockets.front_ends.into_iter())
         .map(|bound| front_ends::Running::start(bound, &config, &shared, &metrics))
         .collect();
@@ -437,14 +438,14 @@ impl Signals {
 }
 
 /// SIGHUP: re-read the config. A bad file is logged and changes nothing.
-async fn reload_on_sighup(gateway: Arc<Gateway>, hangups: Option<Hangups>) {
+async fn reload_on_sighup(shared: Shared, hangups: Option<Hangups>) {
     let Some(mut hangups) = hangups else { return };
     #[cfg(unix)]
     while hangups.recv().await.is_some() {
-        let before = gateway.live();
-        match gateway.reload() {
+        let before = shared.live();
+        match shared.current().reload() {
             Ok(()) => {
-                let after = gateway.live();
+                let after = shared.live();
                 for warning in after.config.server.tls.iter().flat_map(|t| t.warnings()) {
                     tracing::warn!("{warning}");
                 }
@@ -468,7 +469,7 @@ async fn reload_on_sighup(gateway: Arc<Gateway>, hangups: Option<Hangups>) {
         }
     }
     #[cfg(not(unix))]
-    let _ = (gateway, &mut hangups);
+    let _ = (shared, &mut hangups);
 }
 
 /// Where the kernel's bound on listen backlogs is read (Linux).
@@ -658,20 +659,20 @@ fn to_https<B>(req: &Request<B>, port: u16) -> http::Response<crate::proxy::Body
 
 /// Background work that keeps the store bounded, and closes upstream connections that
 /// expired or that the upstream closed while idle.
-async fn upkeep(gateway: Arc<Gateway>) {
+async fn upkeep(shared: Shared) {
     let mut tick = tokio::time::interval(SWEEP_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let live = gateway.live();
+        let live = shared.live();
         live.limiter.sweep();
         let keys = live.config.keys.directory().len();
-        gateway
+        shared
             .metrics()
             .limiter
             .key_directory_keys
             .set(i64::try_from(keys).unwrap_or(i64::MAX));
-        gateway
+        shared
             .metrics()
             .connection
             .tls_settings(live.config.server.tls.as_ref());
@@ -690,14 +691,14 @@ const KEY_SYNC_RECHECK: Duration = Duration::from_secs(1);
 /// [`crate::limiter::redis::directory`]); started again on the new settings when a reload
 /// changes where the directory lives. The memory store's directory is the keys file's:
 /// nothing to follow.
-async fn follow_key_directory(gateway: Arc<Gateway>) {
+async fn follow_key_directory(shared: Shared) {
     use crate::limiter::redis::directory::{Location, RedisKeys};
     loop {
-        let live = gateway.live();
+        let live = shared.live();
         let keys = &live.config.keys;
         let at = Location::of(&live.config.store, keys.resync);
         let follower = at.clone().map(|at| {
-            let syncs = gateway.metrics().limiter.key_directory_syncs.clone();
+            let syncs = shared.metrics().limiter.key_directory_syncs.clone();
             AbortOnDrop(tokio::spawn(
                 RedisKeys::new(at).follow(keys.directory().clone(), syncs),
             ))
@@ -705,7 +706,7 @@ async fn follow_key_directory(gateway: Arc<Gateway>) {
         drop(live);
         loop {
             tokio::time::sleep(KEY_SYNC_RECHECK).await;
-            let live = gateway.live();
+            let live = shared.live();
             if Location::of(&live.config.store, live.config.keys.resync) != at {
                 break;
             }
