@@ -93,7 +93,7 @@ pub const ADMIN_MAX_CONNECTIONS: usize = 256;
 
 /// How long admin calls still under way get once the workers are done (scrapes and
 /// status pages answer in milliseconds; idle admin connections close at once).
-const ADMIN_GRACE: Duration = Duration::from_secs(1);
+pub const ADMIN_GRACE: Duration = Duration::from_secs(1);
 
 /// The admin listener: on `[server] admin_listen`, a bound of its own on its connections,
 /// served by [`Admin`]; it keeps serving while the workers drain (their drain can be

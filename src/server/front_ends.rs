@@ -99,6 +99,8 @@ pub(super) async fn stop(running: Vec<Running>) {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     /// Every front-end's name is its own: two alike would share their metrics' series.
     #[test]
     fn front_ends_have_names_of_their_own() {
@@ -111,5 +113,37 @@ mod tests {
             !names.contains(&"gateway"),
             "the proxy's listener is `gateway`"
         );
+    }
+
+    fn config(admin_listen: Option<SocketAddr>) -> Config {
+        let admin = admin_listen.map_or_else(String::new, |a| format!("admin_listen = \"{a}\"\n"));
+        Config::parse(
+            &format!("[server]\nlisten = \"127.0.0.1:1\"\n{admin}[upstream]\nurl = \"http://127.0.0.1:2\"\n"),
+            std::path::Path::new("t.toml"),
+        )
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// A front-end is bound where it is configured, listed in the start line by name and
+    /// address; one the config leaves out is neither; a taken address stops the start,
+    /// naming it.
+    #[tokio::test]
+    async fn configured_front_ends_are_bound_listed_and_a_taken_address_is_named() {
+        assert_eq!(
+            listed(&bind(&config(None), 16).expect("nothing to bind")),
+            "-"
+        );
+
+        let taken = std::net::TcpListener::bind("127.0.0.1:0").expect("a port");
+        let addr = taken.local_addr().expect("an address");
+        match bind(&config(Some(addr)), 16) {
+            Err(StartError::Bind { addr: named, .. }) => assert_eq!(named, addr),
+            Err(e) => panic!("{e}"),
+            Ok(_) => panic!("{addr} was taken"),
+        }
+        drop(taken);
+
+        let bound = bind(&config(Some(addr)), 16).expect("bound");
+        assert_eq!(listed(&bound), format!("admin: {addr}"));
     }
 }
