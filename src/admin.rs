@@ -32,8 +32,10 @@ mod guard;
 mod keys;
 
 use std::convert::Infallible;
+use std::future::Future;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
+use std::time::Duration;
 
 use bytes::Bytes;
 use http::{header, HeaderValue, Method, Request, Response, StatusCode};
@@ -44,12 +46,12 @@ use serde::Serialize;
 
 use crate::config::Config;
 use crate::connection::{self, InFlight, Track, Tracked};
+use crate::front_end::{Accepted, FrontEnd, Handler, Serves, Shared};
 use crate::headers::ceil_secs;
 use crate::identity;
 use crate::identity::{IdentityDigest, KeyKind, Requester};
 use crate::limiter::breaker::Health;
 use crate::limiter::{Check, OnError, Quota};
-use crate::proxy::Gateway;
 use crate::rules::Rule;
 use crate::runtime::requests::RuleCounters;
 use crate::runtime::Live;
@@ -82,14 +84,52 @@ enum Audience {
     Admin,
 }
 
+/// The admin front-end, as the server starts it (`[server] admin_listen`).
+pub const FRONT_END: AdminFrontEnd = AdminFrontEnd;
+
+/// Open connections the admin listener takes at most: enough for dashboards and scrapers,
+/// and a bound of its own, so a flood of gateway clients never locks the operator out.
+pub const ADMIN_MAX_CONNECTIONS: usize = 256;
+
+/// How long admin calls still under way get once the workers are done (scrapes and
+/// status pages answer in milliseconds; idle admin connections close at once).
+pub const ADMIN_GRACE: Duration = Duration::from_secs(1);
+
+/// The admin listener: on `[server] admin_listen`, a bound of its own on its connections,
+/// served by [`Admin`]; it keeps serving while the workers drain (their drain can be
+/// watched), then gets [`ADMIN_GRACE`].
+pub struct AdminFrontEnd;
+
+impl FrontEnd for AdminFrontEnd {
+    fn name(&self) -> &'static str {
+        "admin"
+    }
+
+    fn listen(&self, config: &Config) -> Option<SocketAddr> {
+        config.server.admin_listen
+    }
+
+    fn max_connections(&self, _: &Config) -> usize {
+        ADMIN_MAX_CONNECTIONS
+    }
+
+    fn grace(&self, _: &Config) -> Duration {
+        ADMIN_GRACE
+    }
+
+    fn handler(&self, shared: &Shared) -> Box<dyn Serves> {
+        Box::new(Admin::new(shared.clone()))
+    }
+}
+
 /// The admin listener's side of its connections: the status page's sampler and the
 /// guard on the admin token, for as long as the listener serves. The listener itself is
-/// the server's, the gateway's accept loop with a connection bound of its own; each
-/// connection gets the same handling as the gateway's (its timeouts, its head size bound)
-/// and [`Admin::service`]. Cloned for each connection.
+/// the server's, the accept loop every listener runs with a connection bound of its own;
+/// each connection gets the same handling as the gateway's (its timeouts, its head size
+/// bound) and [`Admin::service`]. Cloned for each connection.
 #[derive(Clone)]
 pub struct Admin {
-    gateway: Arc<Gateway>,
+    shared: Shared,
     /// The failed calls of each peer.
     guard: Arc<Guard>,
     /// The status page's history: the counts sampled every few seconds.
@@ -98,9 +138,9 @@ pub struct Admin {
 
 impl Admin {
     /// Start the sampler (on the current runtime).
-    pub fn new(gateway: Arc<Gateway>) -> Admin {
+    pub fn new(shared: Shared) -> Admin {
         let sampler = AbortOnDrop(tokio::spawn({
-            let metrics = gateway.metrics().clone();
+            let metrics = shared.metrics().clone();
             async move {
                 let mut every = tokio::time::interval(std::time::Duration::from_secs(SAMPLE_SECS));
                 every.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -110,16 +150,12 @@ impl Admin {
                 }
             }
         }));
-        guard::count_from_zero(&gateway.metrics().admin.auth_failures);
+        guard::count_from_zero(&shared.metrics().admin.auth_failures);
         Admin {
-            gateway,
+            shared,
             guard: Arc::new(guard::new_guard()),
             _sampler: Arc::new(sampler),
         }
-    }
-
-    pub fn gateway(&self) -> &Arc<Gateway> {
-        &self.gateway
     }
 
     /// The service of one connection from `peer`: its calls, each tracked as in flight
@@ -129,15 +165,32 @@ impl Admin {
         peer: SocketAddr,
         track: Arc<Track>,
     ) -> impl connection::Service<Tracked<Full<Bytes>>> {
-        let (gw, guard) = (self.gateway, self.guard);
+        let (shared, guard) = (self.shared, self.guard);
         service_fn(move |req: Request<Incoming>| {
             let request = InFlight::new(&track);
             let http2 = req.version() == http::Version::HTTP_2;
-            let (gw, guard) = (gw.clone(), guard.clone());
+            let (shared, guard) = (shared.clone(), guard.clone());
             async move {
-                let answer = handle(&gw, &guard, peer, req).await;
+                let answer = handle(&shared, &guard, peer, req).await;
                 Ok::<_, Infallible>(answer.map(|body| Tracked::new(body, request, http2)))
             }
+        })
+    }
+}
+
+/// The admin listener's connections: the admin API's, on the clocks and bounds of the
+/// config live when each is accepted.
+impl Handler for Admin {
+    fn serve(&self, conn: Accepted<'_>) -> Option<impl Future<Output = ()> + Send + 'static> {
+        let settings = self.shared.live().config.server.connections();
+        let (stream, peer, registry, permit) =
+            (conn.stream, conn.peer, conn.registry.clone(), conn.permit);
+        let admin = self.clone();
+        Some(async move {
+            connection::serve(stream, &registry, permit, settings, |track| {
+                admin.service(peer, track)
+            })
+            .await
         })
     }
 }
@@ -178,26 +231,26 @@ fn error(status: StatusCode, message: &str) -> Reply {
     json(status, &serde_json::json!({ "error": message }))
 }
 
-async fn handle(gw: &Gateway, guard: &Guard, peer: SocketAddr, req: Request<Incoming>) -> Reply {
+async fn handle(shared: &Shared, guard: &Guard, peer: SocketAddr, req: Request<Incoming>) -> Reply {
     let path = req.uri().path();
     let method = req.method();
     if path.starts_with("/admin/") {
-        if let Some(refusal) = guarded(gw, guard, peer.ip(), &req) {
+        if let Some(refusal) = guarded(shared, guard, peer.ip(), &req) {
             return refusal;
         }
         if path == "/admin/keys" || path.starts_with("/admin/keys/") {
-            return keys::call(gw, peer.ip(), req).await;
+            return keys::call(shared, peer.ip(), req).await;
         }
         let query = parse_query(req.uri().query().unwrap_or(""));
         return match (method, path) {
-            (&Method::GET, "/admin/stats") => json(StatusCode::OK, &stats(gw, Audience::Admin)),
+            (&Method::GET, "/admin/stats") => json(StatusCode::OK, &stats(shared, Audience::Admin)),
             (&Method::GET, "/admin/top") => {
                 let minutes = number(&query, "minutes").unwrap_or(5).clamp(1, 10);
                 let n = number(&query, "n").unwrap_or(20).clamp(1, 100) as usize;
-                json(StatusCode::OK, &gw.metrics().stats.top(minutes, n))
+                json(StatusCode::OK, &shared.metrics().stats.top(minutes, n))
             }
-            (&Method::GET, "/admin/state") => identity_call(gw, &query, false).await,
-            (&Method::POST, "/admin/reset") => identity_call(gw, &query, true).await,
+            (&Method::GET, "/admin/state") => identity_call(shared, &query, false).await,
+            (&Method::POST, "/admin/reset") => identity_call(shared, &query, true).await,
             (_, "/admin/stats" | "/admin/top" | "/admin/state" | "/admin/reset") => {
                 error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
             }
@@ -206,13 +259,13 @@ async fn handle(gw: &Gateway, guard: &Guard, peer: SocketAddr, req: Request<Inco
     }
     match (method, path) {
         (&Method::GET, "/") => respond(StatusCode::OK, "text/html; charset=utf-8", STATUS_PAGE),
-        (&Method::GET, "/status.json") => json(StatusCode::OK, &stats(gw, Audience::Public)),
+        (&Method::GET, "/status.json") => json(StatusCode::OK, &stats(shared, Audience::Public)),
         (&Method::GET, "/healthz") => text(StatusCode::OK, "ok\n"),
-        (&Method::GET, "/readyz") => readyz(gw).await,
+        (&Method::GET, "/readyz") => readyz(shared).await,
         (&Method::GET, "/metrics") => respond(
             StatusCode::OK,
             "application/openmetrics-text; version=1.0.0; charset=utf-8",
-            gw.metrics().encode(),
+            shared.metrics().encode(),
         ),
         (_, "/" | "/status.json" | "/healthz" | "/readyz" | "/metrics") => {
             error(StatusCode::METHOD_NOT_ALLOWED, "method not allowed")
@@ -224,8 +277,8 @@ async fn handle(gw: &Gateway, guard: &Guard, peer: SocketAddr, req: Request<Inco
 /// 200 while traffic is served as configured: the store answers, or it fails and
 /// `on_error` (allow, local) lets traffic through; 503 while `on_error = "deny"` turns
 /// requests away. The body says which, and the breaker's state.
-async fn readyz(gw: &Gateway) -> Reply {
-    let live = gw.live();
+async fn readyz(shared: &Shared) -> Reply {
+    let live = shared.live();
     let limiter = &live.limiter;
     let on_error = limiter.on_error();
     let breaker = match limiter.health() {
@@ -264,12 +317,12 @@ async fn readyz(gw: &Gateway) -> Reply {
 /// failures used up its allowance is answered 429 (its token not checked); else the token
 /// is checked, and a failure charged, counted and (now and then) logged with the peer —
 /// never with the token.
-fn guarded(gw: &Gateway, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -> Option<Reply> {
+fn guarded(shared: &Shared, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -> Option<Reply> {
     let now = guard.now_ms();
     let failure = match guard.reserve(peer, now) {
         Err(wait_ms) => Err((Some(Failure::Throttled), wait_ms)),
         Ok(charged) => {
-            let checked = authorized(gw, req);
+            let checked = authorized(shared, req);
             // Only failures are charged: a right token (or no token to guess) gives it back.
             if matches!(checked, Ok(()) | Err(None)) {
                 guard.refund(charged, now);
@@ -288,7 +341,7 @@ fn guarded(gw: &Gateway, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -
             )))
         }
     };
-    guard::count(&gw.metrics().admin.auth_failures, why);
+    guard::count(&shared.metrics().admin.auth_failures, why);
     if let Some(times) = guard.log_due(now) {
         tracing::warn!(
             %peer,
@@ -318,8 +371,8 @@ fn guarded(gw: &Gateway, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -
 
 /// Whether the call carries the admin token: `Ok`, or why not (`None`: no token is
 /// configured, the admin API is off).
-fn authorized(gw: &Gateway, req: &Request<Incoming>) -> Result<(), Option<Failure>> {
-    let live = gw.live();
+fn authorized(shared: &Shared, req: &Request<Incoming>) -> Result<(), Option<Failure>> {
+    let live = shared.live();
     let token = live.config.admin.token.as_deref().ok_or(None)?;
     let given = req
         .headers()
@@ -500,8 +553,8 @@ fn fingerprint(text: &[u8]) -> Option<identity::ClientCert> {
 }
 
 /// `/admin/state` (`reset` false: look, charge nothing) and `/admin/reset` (`reset` true).
-async fn identity_call(gw: &Gateway, query: &[(String, Vec<u8>)], reset: bool) -> Reply {
-    let live = gw.live();
+async fn identity_call(shared: &Shared, query: &[(String, Vec<u8>)], reset: bool) -> Reply {
+    let live = shared.live();
     let (rule, digest, quota, label) = match target(&live.config, query) {
         Ok(t) => t,
         Err(r) => return refused(r),
@@ -621,10 +674,10 @@ fn upstream_health(w: &Window) -> &'static str {
     }
 }
 
-fn stats(gw: &Gateway, audience: Audience) -> serde_json::Value {
-    let live = gw.live();
+fn stats(shared: &Shared, audience: Audience) -> serde_json::Value {
+    let live = shared.live();
     let cfg = &live.config;
-    let st = &gw.metrics().stats;
+    let st = &shared.metrics().stats;
     let rules: Vec<RuleView<'_>> = cfg
         .rules
         .iter()

@@ -15,9 +15,10 @@
 //! tier, on an import cycle, and on a module that uses more than ten others, and
 //! `cargo test --test it layering:: -- --nocapture` prints the layers the imports make.
 //!
-//! - [`server`]: one accept loop with its graceful shutdown (`server/listener.rs`: a
-//!   `Listener` value, run by every listener: cleartext, TLS, admin), the workers, SIGHUP
-//!   reload; hands each connection to
+//! - [`server`]: the workers, each running the proxy's cleartext and TLS listeners in its
+//!   own event loop; every front-end of [`FRONT_ENDS`] the config configures, started
+//!   alike (`server/front_ends.rs`); SIGHUP reload, graceful shutdown. Each listener runs
+//!   the one accept loop, [`front_end::Listener`], and hands each connection to
 //! - [`connection`]: one client connection (cleartext, or TLS after its handshake), HTTP/1
 //!   or HTTP/2, the clocks on its silences
 //!   (`header_timeout`, `idle_timeout`, stalled bodies), `max_connections`: a folder, one
@@ -47,9 +48,15 @@
 //!   (`requests.rs`, recorded from one [`runtime::Ended`]) and the dashboards'
 //!   (`dashboards.rs`: denials by plan, retry waits, near-limit requests, the good-client
 //!   SLO judged by the bounded demand meter, `demand.rs`).
-//! - [`admin`]: what the admin listener serves: metrics, health, the admin API, the status
-//!   page, the guard that slows a peer guessing the admin token (`admin/guard.rs`), and
-//!   the runtime key calls, `/admin/keys` (`admin/keys.rs`).
+//! - [`admin`]: the admin listener, a front-end (listed in `front_ends!` below): metrics,
+//!   health, the admin API, the status page, the guard that slows a peer guessing the
+//!   admin token (`admin/guard.rs`), and the runtime key calls, `/admin/keys`
+//!   (`admin/keys.rs`).
+//! - [`front_end`]: what a front-end on a listener of its own is ([`front_end::FrontEnd`]:
+//!   its name, where it listens, its bounds, its handler) and what it shares with the
+//!   proxy ([`front_end::Shared`]: the current configuration, the metrics); the accept
+//!   loop every listener runs (`front_end/listener.rs`). A new front-end is its folder and
+//!   one line in `front_ends!` (docs/architecture.md, "How to add a front-end").
 //! - [`cli`]: `ratewall check`, whole: the loaded file described (`cli/describe.rs`) and
 //!   a sample request's way through the request path's own functions (`cli/explain.rs`).
 //! - [`config`]: the TOML file -> validated, immutable [`config::Config`], one file per
@@ -116,11 +123,11 @@
 //!   found without a request's context (Redis connections);
 //!   a request carries its worker in its connection's [`proxy::Context`].
 
-pub mod admin;
 pub mod cli;
 pub mod config;
 pub mod connection;
 pub mod decide;
+pub mod front_end;
 pub mod headers;
 pub mod identity;
 pub mod limiter;
@@ -137,6 +144,12 @@ pub mod tunnel;
 pub mod upstream;
 pub mod websocket;
 pub mod worker;
+
+// The front-ends on listeners of their own, each one line: its module, started by the
+// server where it is configured (`front_end::FrontEnd`), in this order.
+front_end::front_ends! {
+    admin,
+}
 
 /// The property runs the unit tests share with the integration tests (`proptest_seeds!`:
 /// the saved regressions, a fixed seed, and on CI a fresh one, each seed printed with the

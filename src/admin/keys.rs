@@ -29,7 +29,7 @@ use crate::config::Config;
 use crate::identity::directory::{self, Change, Entries, Entry, KeyDigest};
 use crate::identity::{sha256, MAX_KEY_LEN};
 use crate::limiter::redis::directory::{Location, RedisKeys};
-use crate::proxy::Gateway;
+use crate::front_end::Shared;
 
 /// The largest body a key call takes.
 pub const MAX_BODY: usize = 16 * 1024;
@@ -196,12 +196,12 @@ struct Listed {
 }
 
 /// Serve one `/admin/keys` call (its token already checked).
-pub(super) async fn call(gw: &Gateway, peer: IpAddr, req: http::Request<Incoming>) -> Reply {
+pub(super) async fn call(shared: &Shared, peer: IpAddr, req: http::Request<Incoming>) -> Reply {
     let call = match route(req.method(), req.uri().path()) {
         Ok(c) => c,
         Err(r) => return refused(r),
     };
-    let live = gw.live();
+    let live = shared.live();
     let cfg = &*live.config;
     let change = match call {
         Call::List => {

@@ -54,7 +54,8 @@ pub use ctx::RequestCtx;
 
 /// The request pipeline, on the configuration the runtime keeps current.
 pub struct Gateway {
-    current: Current,
+    /// Shared with the front-ends on listeners of their own ([`crate::front_end::Shared`]).
+    current: Arc<Current>,
     metrics: Arc<Metrics>,
 }
 
@@ -78,10 +79,13 @@ pub enum Admission<'l> {
 
 impl Gateway {
     pub fn new(live: Live, source: Option<Source>, metrics: Arc<Metrics>) -> Gateway {
-        Gateway {
-            current: Current::new(live, source, metrics.clone()),
-            metrics,
-        }
+        let current = Arc::new(Current::new(live, source, metrics.clone()));
+        Gateway::sharing(current, metrics)
+    }
+
+    /// The gateway on a [`Current`] the server shares with the other front-ends.
+    pub fn sharing(current: Arc<Current>, metrics: Arc<Metrics>) -> Gateway {
+        Gateway { current, metrics }
     }
 
     /// The configuration requests start on now.

@@ -1,13 +1,14 @@
 //! Listeners, background upkeep, SIGHUP reload, and graceful shutdown on SIGTERM/SIGINT.
-//! Every listener runs the one accept loop (`listener.rs`: a `Listener`) with its shutdown:
-//! the gateway's cleartext and TLS ones in each worker (`Clients` serve their
-//! connections), and the admin one ([`crate::admin::Admin`] serves its calls).
+//! Every listener runs the one accept loop ([`crate::front_end::Listener`]) with its
+//! shutdown: the proxy's cleartext and TLS ones in each worker (`Clients` serve their
+//! connections), and each front-end's on a listener of its own ([`crate::FRONT_ENDS`]: the
+//! admin one; started alike by `front_ends.rs`).
 //!
 //! Thread per core: `[server].workers` threads (one per CPU by default) each run their
 //! own single-threaded event loop, accept on the one listening socket, and serve their
 //! connections start to end with their own upstream pool — a request never hops threads,
 //! so no cross-thread wake-ups on the hot path. The thread that calls [`run`] keeps the
-//! rest: signals, reloads, the admin listener, upkeep, and the store's connections.
+//! rest: signals, reloads, the front-ends' listeners, upkeep, and the store's connections.
 
 use std::convert::Infallible;
 use std::future::Future;
@@ -21,25 +22,17 @@ use hyper::body::Incoming;
 use hyper::service::service_fn;
 use tokio::net::TcpListener;
 
-use crate::admin::Admin;
 use crate::config::Config;
 use crate::connection::{self, InFlight, Registry, Tracked};
+use crate::front_end::{Accepted, Handler, Listener, Shared};
 use crate::proxy::{Context, Gateway, Live};
+use crate::runtime::Current;
 use crate::upstream::ClientPeer;
-use listener::{Accepted, Handler, Listener};
 
-mod listener;
+mod front_ends;
 mod tags;
 
 pub use tags::key_check_tags;
-
-/// Open connections the admin listener takes at most: enough for dashboards and scrapers,
-/// and a bound of its own, so a flood of gateway clients never locks the operator out.
-pub const ADMIN_MAX_CONNECTIONS: usize = 256;
-
-/// How long admin calls still under way get once the workers are done (scrapes and
-/// status pages answer in milliseconds; idle admin connections close at once).
-const ADMIN_GRACE: Duration = Duration::from_secs(1);
 
 /// How often the memory store drops buckets that have refilled.
 const SWEEP_EVERY: Duration = Duration::from_secs(1);
@@ -74,19 +67,17 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
             .await;
     }
     let config = live.config.clone();
-    let sockets = Sockets::bind(&config.server)?;
+    let sockets = Sockets::bind(&config)?;
     let config_path = source.as_ref().map(|s| s.path.clone());
-    let gateway = Arc::new(Gateway::new(live, source, metrics.clone()));
-    tags::key_tags(&gateway, config_path.as_deref()).await;
+    // One current configuration, shared by the proxy and every front-end.
+    let current = Arc::new(Current::new(live, source, metrics.clone()));
+    let shared = Shared::new(current.clone(), metrics.clone());
+    let gateway = Arc::new(Gateway::sharing(current, metrics.clone()));
+    tags::key_tags(&shared, config_path.as_deref()).await;
     let registry = Registry::new(
         "gateway",
         config.server.max_connections,
         metrics.connection.listener("gateway"),
-    );
-    let admin_registry = Registry::new(
-        "admin",
-        ADMIN_MAX_CONNECTIONS,
-        metrics.connection.listener("admin"),
     );
     connection::raise_descriptor_limit(
         config.server.max_connections,
@@ -95,13 +86,13 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     // Before the gateway says it listens: until a handler is registered, a signal's default
     // action ends the process, so a SIGHUP sent on that word would kill it.
     let signals = Signals::register();
-    say_listening(&config);
-    let upkeep = tokio::spawn(upkeep(gateway.clone()));
-    let key_sync = tokio::spawn(follow_key_directory(gateway.clone()));
-    let reloads = tokio::spawn(reload_on_sighup(gateway.clone(), signals.hangup));
-    let admin = sockets
-        .admin
-        .map(|socket| AdminListener::start(socket, &gateway, admin_registry));
+    say_listening(&config, &sockets.front_ends);
+    let upkeep = tokio::spawn(upkeep(shared.clone()));
+    let key_sync = tokio::spawn(follow_key_directory(shared.clone()));
+    let reloads = tokio::spawn(reload_on_sighup(shared.clone(), signals.hangup));
+    let front_ends: Vec<front_ends::Running> = (sockets.front_ends.into_iter())
+        .map(|bound| front_ends::Running::start(bound, &config, &shared, &metrics))
+        .collect();
     let (stop, stopped) = tokio::sync::watch::channel(false);
     let workers = start_workers(&config, &sockets.gateway, &gateway, &registry, &stopped)?;
     drop(sockets.gateway);
@@ -112,10 +103,9 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
     for worker in workers {
         served += worker.join().await;
     }
-    // The admin listener serves until the workers are done (their drain can be watched).
-    if let Some(admin) = admin {
-        admin.stop().await;
-    }
+    // The front-ends serve until the workers are done (the admin listener: their drain
+    // can be watched).
+    front_ends::stop(front_ends).await;
     upkeep.abort();
     key_sync.abort();
     reloads.abort();
@@ -126,8 +116,8 @@ pub async fn run(config: Config, source: Option<crate::config::Source>) -> Resul
 /// The listening sockets, bound at start (before the gateway says it listens).
 struct Sockets {
     gateway: GatewaySockets,
-    /// `[server] admin_listen`'s, registered with the calling runtime.
-    admin: Option<TcpListener>,
+    /// Each configured front-end's, registered with the calling runtime.
+    front_ends: Vec<front_ends::Bound>,
 }
 
 /// The gateway's sockets: each worker registers a handle of each in its own event loop.
@@ -138,20 +128,18 @@ struct GatewaySockets {
 }
 
 impl Sockets {
-    fn bind(server: &crate::config::Server) -> Result<Sockets, StartError> {
+    fn bind(config: &Config) -> Result<Sockets, StartError> {
+        let server = &config.server;
         let backlog = backlog(server.backlog);
         let cleartext = bind_std(server.listen, backlog)?;
         let tls = match &server.tls {
             Some(tls) => Some(bind_std(tls.listen, backlog)?),
             None => None,
         };
-        let admin = match server.admin_listen {
-            Some(addr) => Some(bind(addr, backlog)?),
-            None => None,
-        };
+        let front_ends = front_ends::bind(config, backlog)?;
         Ok(Sockets {
             gateway: GatewaySockets { cleartext, tls },
-            admin,
+            front_ends,
         })
     }
 }
@@ -177,32 +165,10 @@ impl GatewaySockets {
     }
 }
 
-/// The admin listener, run on the calling runtime until it is stopped.
-struct AdminListener {
-    stop: tokio::sync::oneshot::Sender<()>,
-    task: tokio::task::JoinHandle<()>,
-}
-
-impl AdminListener {
-    fn start(socket: TcpListener, gateway: &Arc<Gateway>, registry: Arc<Registry>) -> Self {
-        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
-        let listener = Listener::new(socket, registry, Admin::new(gateway.clone()), ADMIN_GRACE);
-        let task = tokio::spawn(listener.run(async move {
-            let _ = stopped.await;
-        }));
-        AdminListener { stop, task }
-    }
-
-    /// Stop accepting, and drain its connections (for up to [`ADMIN_GRACE`]).
-    async fn stop(self) {
-        let _ = self.stop.send(());
-        let _ = self.task.await;
-    }
-}
-
 /// The start line: what listens where, and on what.
-fn say_listening(config: &Config) {
-    // Plain addresses: `none` where there is no admin listener.
+fn say_listening(config: &Config, front_ends: &[front_ends::Bound]) {
+    // Plain addresses: `none` where there is no admin listener (the admin front-end's
+    // address, a field of its own since before front-ends were listed).
     let admin_listen = config
         .server
         .admin_listen
@@ -212,6 +178,7 @@ fn say_listening(config: &Config) {
         listen = %config.server.listen,
         tls_listen = %config.server.tls.as_ref().map_or_else(|| "none".to_string(), |t| t.listen.to_string()),
         admin = %admin_listen,
+        front_ends = %front_ends::listed(front_ends),
         upstream = %upstream_of(config),
         pools = %pools_of(config),
         store = store_of(config),
@@ -471,14 +438,14 @@ impl Signals {
 }
 
 /// SIGHUP: re-read the config. A bad file is logged and changes nothing.
-async fn reload_on_sighup(gateway: Arc<Gateway>, hangups: Option<Hangups>) {
+async fn reload_on_sighup(shared: Shared, hangups: Option<Hangups>) {
     let Some(mut hangups) = hangups else { return };
     #[cfg(unix)]
     while hangups.recv().await.is_some() {
-        let before = gateway.live();
-        match gateway.reload() {
+        let before = shared.live();
+        match shared.current().reload() {
             Ok(()) => {
-                let after = gateway.live();
+                let after = shared.live();
                 for warning in after.config.server.tls.iter().flat_map(|t| t.warnings()) {
                     tracing::warn!("{warning}");
                 }
@@ -502,7 +469,7 @@ async fn reload_on_sighup(gateway: Arc<Gateway>, hangups: Option<Hangups>) {
         }
     }
     #[cfg(not(unix))]
-    let _ = (gateway, &mut hangups);
+    let _ = (shared, &mut hangups);
 }
 
 /// Where the kernel's bound on listen backlogs is read (Linux).
@@ -547,7 +514,7 @@ fn bind_std(addr: SocketAddr, backlog: u32) -> Result<std::net::TcpListener, Sta
     bound.map_err(|source| StartError::Bind { addr, source })
 }
 
-/// The admin listener's socket, registered with this runtime.
+/// A front-end's socket, registered with this runtime.
 fn bind(addr: SocketAddr, backlog: u32) -> Result<TcpListener, StartError> {
     TcpListener::from_std(bind_std(addr, backlog)?)
         .map_err(|source| StartError::Bind { addr, source })
@@ -652,22 +619,6 @@ impl Clients {
     }
 }
 
-/// The admin listener's connections: the admin API's, on the same clocks and bounds.
-impl Handler for Admin {
-    fn serve(&self, conn: Accepted<'_>) -> Option<impl Future<Output = ()> + Send + 'static> {
-        let settings = self.gateway().live().config.server.connections();
-        let (stream, peer, registry, permit) =
-            (conn.stream, conn.peer, conn.registry.clone(), conn.permit);
-        let admin = self.clone();
-        Some(async move {
-            connection::serve(stream, &registry, permit, settings, |track| {
-                admin.service(peer, track)
-            })
-            .await
-        })
-    }
-}
-
 /// The cleartext listener's answer where `redirect_https` is on: 308 to the same URL on
 /// the TLS listener's `port` (RFC 9110 §15.4.9: the method and body are kept).
 fn to_https<B>(req: &Request<B>, port: u16) -> http::Response<crate::proxy::Body> {
@@ -708,20 +659,20 @@ fn to_https<B>(req: &Request<B>, port: u16) -> http::Response<crate::proxy::Body
 
 /// Background work that keeps the store bounded, and closes upstream connections that
 /// expired or that the upstream closed while idle.
-async fn upkeep(gateway: Arc<Gateway>) {
+async fn upkeep(shared: Shared) {
     let mut tick = tokio::time::interval(SWEEP_EVERY);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tick.tick().await;
-        let live = gateway.live();
+        let live = shared.live();
         live.limiter.sweep();
         let keys = live.config.keys.directory().len();
-        gateway
+        shared
             .metrics()
             .limiter
             .key_directory_keys
             .set(i64::try_from(keys).unwrap_or(i64::MAX));
-        gateway
+        shared
             .metrics()
             .connection
             .tls_settings(live.config.server.tls.as_ref());
@@ -740,14 +691,14 @@ const KEY_SYNC_RECHECK: Duration = Duration::from_secs(1);
 /// [`crate::limiter::redis::directory`]); started again on the new settings when a reload
 /// changes where the directory lives. The memory store's directory is the keys file's:
 /// nothing to follow.
-async fn follow_key_directory(gateway: Arc<Gateway>) {
+async fn follow_key_directory(shared: Shared) {
     use crate::limiter::redis::directory::{Location, RedisKeys};
     loop {
-        let live = gateway.live();
+        let live = shared.live();
         let keys = &live.config.keys;
         let at = Location::of(&live.config.store, keys.resync);
         let follower = at.clone().map(|at| {
-            let syncs = gateway.metrics().limiter.key_directory_syncs.clone();
+            let syncs = shared.metrics().limiter.key_directory_syncs.clone();
             AbortOnDrop(tokio::spawn(
                 RedisKeys::new(at).follow(keys.directory().clone(), syncs),
             ))
@@ -755,7 +706,7 @@ async fn follow_key_directory(gateway: Arc<Gateway>) {
         drop(live);
         loop {
             tokio::time::sleep(KEY_SYNC_RECHECK).await;
-            let live = gateway.live();
+            let live = shared.live();
             if Location::of(&live.config.store, live.config.keys.resync) != at {
                 break;
             }

@@ -5,20 +5,19 @@
 //! kept beside the keys file (or the config), made at the first start.
 
 use std::path::Path;
-use std::sync::Arc;
 use std::time::Duration;
 
 use crate::config::Config;
+use crate::front_end::Shared;
 use crate::identity::tag::{self, TagKey};
 use crate::limiter::store::Backend;
-use crate::proxy::Gateway;
 
 /// How often a shared store that did not answer is asked again for the secret.
 const RETRY: Duration = Duration::from_secs(2);
 
 /// Key this process's tags, or start asking the shared store until it answers.
-pub(super) async fn key_tags(gateway: &Arc<Gateway>, config_path: Option<&Path>) {
-    let live = gateway.live();
+pub(super) async fn key_tags(shared: &Shared, config_path: Option<&Path>) {
+    let live = shared.live();
     let config = &live.config;
     if let Some(secret) = &config.server.tag_secret {
         tag::process().set(TagKey::from_secret(secret.as_bytes()));
@@ -27,15 +26,15 @@ pub(super) async fn key_tags(gateway: &Arc<Gateway>, config_path: Option<&Path>)
     }
     if live.limiter.store().kind().is_shared() {
         // Asked beside serving, never before: a store that is down must not hold the start.
-        let gateway = gateway.clone();
+        let shared = shared.clone();
         tokio::spawn(async move {
-            let Err(e) = from_store(&gateway).await else {
+            let Err(e) = from_store(&shared).await else {
                 return;
             };
             tracing::warn!(error = %e, "identity tags read -------- until the store gives the deployment's tag secret; asking again every 2s");
             loop {
                 tokio::time::sleep(RETRY).await;
-                if from_store(&gateway).await.is_ok() {
+                if from_store(&shared).await.is_ok() {
                     return;
                 }
             }
@@ -62,9 +61,9 @@ pub(super) async fn key_tags(gateway: &Arc<Gateway>, config_path: Option<&Path>)
 }
 
 /// The shared store's secret, made there if it has none: `Err` says why not.
-async fn from_store(gateway: &Gateway) -> Result<(), String> {
+async fn from_store(shared: &Shared) -> Result<(), String> {
     let fresh = tag::fresh_secret()?;
-    let live = gateway.live();
+    let live = shared.live();
     match live.limiter.store().tag_secret(&fresh).await {
         Ok(Some(secret)) => {
             tag::process().set(TagKey::from_secret(secret.as_bytes()));

@@ -10,6 +10,8 @@
 //! ([`TIERS`], docs/architecture.md): a module imports only from its own tier or those
 //! below, so an upward import fails even where it makes no cycle; and no module uses more
 //! than [`MAX_SIBLINGS`] of the others (a module that needs more is doing several jobs).
+//! The front-ends on listeners of their own are in the front-ends tier by their line in
+//! `src/lib.rs`' `front_ends!` ([`listed_front_ends`]): a new one needs no line here.
 
 use crate::common;
 
@@ -229,16 +231,54 @@ const TIERS: &[(&str, &[&str])] = &[
             "websocket",
         ],
     ),
-    ("runtime", &["runtime"]),
+    ("runtime", &["front_end", "runtime"]),
     ("decision", &["decide"]),
-    ("front-ends", &["admin", "proxy"]),
+    // With every module `front_ends!` lists (the admin listener's among them).
+    ("front-ends", &["proxy"]),
     ("top", &["cli", "server"]),
 ];
+
+/// The index of the front-ends tier in [`TIERS`].
+const FRONT_ENDS: usize = 4;
+
+/// The modules `src/lib.rs` lists in `front_ends! { … }`: the front-ends the server starts
+/// on listeners of their own.
+fn listed_front_ends() -> Vec<String> {
+    let lib = Path::new(env!("CARGO_MANIFEST_DIR")).join("src/lib.rs");
+    let text = std::fs::read_to_string(lib).expect("src/lib.rs is readable");
+    let code = code_only(&text);
+    let list = code
+        .find("front_ends!")
+        .and_then(|at| {
+            let rest = &code[at..];
+            let open = rest.find('{')?;
+            let close = rest.find('}')?;
+            Some(rest[open + 1..close].to_string())
+        })
+        .expect("src/lib.rs lists its front-ends in `front_ends! { … }`");
+    list.split(',')
+        .map(|m| {
+            // Attributes before the module's name (comments are gone already).
+            let m = m.trim();
+            m.rsplit(|c: char| c.is_whitespace() || c == ']')
+                .next()
+                .unwrap_or(m)
+                .to_string()
+        })
+        .filter(|m| !m.is_empty())
+        .collect()
+}
 
 /// The most other modules one may use.
 const MAX_SIBLINGS: usize = 10;
 
 fn tier_of(m: &str) -> Option<usize> {
+    use std::sync::OnceLock;
+    static LISTED: OnceLock<Vec<String>> = OnceLock::new();
+    let listed = LISTED.get_or_init(listed_front_ends);
+    if listed.iter().any(|l| l == m) {
+        return Some(FRONT_ENDS);
+    }
     TIERS.iter().position(|(_, ms)| ms.contains(&m))
 }
 
@@ -267,7 +307,7 @@ fn modules_import_only_from_their_tier_or_below() {
     let unplaced: Vec<&String> = deps.keys().filter(|m| tier_of(m).is_none()).collect();
     assert!(
         unplaced.is_empty(),
-        "modules in no tier (place them in TIERS and docs/architecture.md): {unplaced:?}"
+        "modules in no tier (place them in TIERS and docs/architecture.md, or a front-end in src/lib.rs' `front_ends!`): {unplaced:?}"
     );
     let up = upward(&deps);
     assert!(up.is_empty(), "imports up a tier: {up:#?}");
@@ -297,6 +337,33 @@ fn an_upward_import_is_found() {
         .or_default()
         .insert("proxy".into());
     assert_eq!(upward(&deps), ["telemetry (bottom) -> proxy (front-ends)"]);
+}
+
+#[test]
+fn the_front_ends_listed_in_lib_rs_are_in_their_tier() {
+    let _watch = common::watchdog();
+    assert_eq!(TIERS[FRONT_ENDS].0, "front-ends");
+    let listed = listed_front_ends();
+    assert!(listed.iter().any(|m| m == "admin"), "{listed:?}");
+    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
+    for m in &listed {
+        assert!(
+            src.join(format!("{m}.rs")).exists() || src.join(m).is_dir(),
+            "`front_ends!` lists {m}, which src/ does not hold"
+        );
+        assert_eq!(tier_of(m), Some(FRONT_ENDS), "{m}");
+    }
+    // An import from a listed front-end into the proxy's tier is allowed; one from below
+    // into a listed front-end is found.
+    let mut deps: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    deps.entry("admin".into())
+        .or_default()
+        .insert("front_end".into());
+    assert!(upward(&deps).is_empty());
+    deps.entry("runtime".into())
+        .or_default()
+        .insert("admin".into());
+    assert_eq!(upward(&deps), ["runtime (runtime) -> admin (front-ends)"]);
 }
 
 #[test]

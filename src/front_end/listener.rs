@@ -1,7 +1,7 @@
 //! The accept loop, written once: a [`Listener`] is a listening socket, the registry of
 //! its connections, and the [`Handler`] that serves each one. Every listener runs it: the
-//! gateway's cleartext and TLS ones in each worker, and the admin one (mini-redis'
-//! `Listener { run }` is the model).
+//! proxy's cleartext and TLS ones in each worker, and each front-end's (the admin one;
+//! mini-redis' `Listener { run }` is the model).
 
 use std::future::Future;
 use std::net::SocketAddr;
@@ -187,5 +187,33 @@ mod tests {
             TcpStream::connect(addr).await.is_err(),
             "no longer listening"
         );
+    }
+
+    /// A front-end's handler, boxed as the server holds it, serves as the handler itself.
+    #[tokio::test]
+    async fn a_boxed_handler_serves_its_connections() {
+        let socket = TcpListener::bind("127.0.0.1:0").await.expect("a port");
+        let addr = socket.local_addr().expect("an address");
+        let registry = Registry::new("test", 4, ListenerMetrics::default());
+        let seen = Arc::new(AtomicUsize::new(0));
+        let handler: Box<dyn crate::front_end::Serves> = Box::new(NoContent(seen.clone()));
+        let listener = Listener::new(socket, registry, handler, Duration::from_secs(30));
+        let (stop, stopped) = tokio::sync::oneshot::channel::<()>();
+        let run = tokio::spawn(listener.run(async move {
+            let _ = stopped.await;
+        }));
+        let mut client = TcpStream::connect(addr).await.expect("connected");
+        client
+            .write_all(b"GET / HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n")
+            .await
+            .expect("written");
+        let mut answer = [0u8; 12];
+        client.read_exact(&mut answer).await.expect("an answer");
+        assert_eq!((&answer, seen.load(Relaxed)), (b"HTTP/1.1 204", 1));
+        let _ = stop.send(());
+        tokio::time::timeout(Duration::from_secs(5), run)
+            .await
+            .expect("drained")
+            .expect("the loop ended");
     }
 }
