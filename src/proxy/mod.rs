@@ -119,11 +119,8 @@ impl Gateway {
         let mut body = upstream::RequestBody::from(body);
         let resp = match self.admit_in(&mut ctx, &parts, conn, Some(&mut body)).await {
             Err(answer) => answer,
-            Ok(()) => {
-                // Boxed: most of this future's size, moved whole even for a 429.
-                let req = Request::from_parts(parts, body);
-                Box::pin(self.forward(&mut ctx, req, conn)).await
-            }
+            // Boxed: most of this future's size, moved whole even for a 429.
+            Ok(()) => Box::pin(self.forward(&mut ctx, parts, body, conn)).await,
         };
         self.finish(ctx, resp)
     }
@@ -245,7 +242,8 @@ impl Gateway {
     async fn forward(
         &self,
         ctx: &mut RequestCtx<'_>,
-        req: Request<upstream::RequestBody>,
+        mut parts: Parts,
+        body: upstream::RequestBody,
         conn: &Context,
     ) -> Response<Body> {
         if !ctx.decided.waited.is_zero() {
@@ -264,7 +262,7 @@ impl Gateway {
             ),
             body_timeout: cfg.server.timeouts.body,
         };
-        let version = req.version();
+        let version = parts.version;
         let started = Instant::now();
         // Never without: a request is admitted with its destination, one of the config's
         // pools, and `live` is built from it.
@@ -276,9 +274,7 @@ impl Gateway {
             drop(ctx.decided.leases.take());
             return self.upstream_failed(ctx, upstream::Error::NoServer, version, conn);
         };
-        let target = to.target(cfg, req.uri());
-        // An upgrade goes up as one only where the client's side can switch too.
-        let (mut parts, body) = req.into_parts();
+        let target = to.target(cfg, &parts.uri);
         // The claims' headers come from the verified token only: a client's own copies
         // are dropped, whether or not the request carried a token.
         if let Some(jwt) = &cfg.jwt {
@@ -290,13 +286,13 @@ impl Gateway {
             }
         }
         ctx.settled_fields(&mut parts.headers);
+        // An upgrade goes up as one only where the client's side can switch too.
         let upgrade = upstream::Upgrade::asked(&parts, hyper::body::Body::is_end_stream(&body))
             .and_then(|asked| {
                 let on = parts.extensions.remove::<hyper::upgrade::OnUpgrade>()?;
                 Some((asked, on))
             });
-        let req = Request::from_parts(parts, body);
-        let mut out = upstream::Outbound::new(req, target, &pool.default_host());
+        let mut out = upstream::Outbound::of(parts, body, target, &pool.default_host());
         if let Some((asked, _)) = &upgrade {
             out.upgrading(asked.clone());
         }

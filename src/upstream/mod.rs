@@ -471,7 +471,18 @@ impl Outbound {
         target: Option<String>,
         default_host: &HeaderValue,
     ) -> Outbound {
-        let (mut parts, body) = req.into_parts();
+        let (parts, body) = req.into_parts();
+        Outbound::of(parts, body, target, default_host)
+    }
+
+    /// [`Outbound::new`], of a request's head and body apart (as the proxy holds them:
+    /// not put together only to be taken apart again).
+    pub fn of(
+        mut parts: http::request::Parts,
+        body: RequestBody,
+        target: Option<String>,
+        default_host: &HeaderValue,
+    ) -> Outbound {
         let te_trailers = forward::carries(&parts.headers, &http::header::TE)
             && parts
                 .headers
