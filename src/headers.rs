@@ -33,7 +33,7 @@
 //! where the rule would have denied.
 
 use std::borrow::Cow;
-use std::cell::RefCell;
+use std::cell::{Cell, RefCell};
 
 use bytes::Bytes;
 use http::header::{HeaderMap, HeaderName, HeaderValue, CONTENT_TYPE, RETRY_AFTER};
@@ -119,27 +119,27 @@ pub fn add_ratelimit(headers: &mut HeaderMap, style: ResponseStyle, applied: &[A
     if matches!(style, ResponseStyle::Draft | ResponseStyle::Both) {
         // Written by hand, not with `write!`: this runs for every
         // limited response. A value this thread made a moment ago is used again.
-        let room: usize = applied.iter().map(|a| a.rule.len() + 40).sum();
-        let (mut policy, mut state) = (Line::with_capacity(room), Line::with_capacity(room));
-        for (i, a) in applied.iter().enumerate() {
-            if i > 0 {
-                policy.extend_from_slice(b", ");
-                state.extend_from_slice(b", ");
+        scratch(|policy, state| {
+            for (i, a) in applied.iter().enumerate() {
+                if i > 0 {
+                    policy.extend_from_slice(b", ");
+                    state.extend_from_slice(b", ");
+                }
+                item(policy, a.rule);
+                item(state, a.rule);
+                let (q, w) = advertised(&a.quota);
+                param(policy, b";q=", q);
+                param(state, b";r=", available(a));
+                let Some(w) = w else {
+                    policy.extend_from_slice(b";qu=\"concurrent-requests\"");
+                    continue;
+                };
+                param(policy, b";w=", w);
+                param(state, b";t=", ceil_secs(a.decision.reset_us));
             }
-            item(&mut policy, a.rule);
-            item(&mut state, a.rule);
-            let (q, w) = advertised(&a.quota);
-            param(&mut policy, b";q=", q);
-            param(&mut state, b";r=", available(a));
-            let Some(w) = w else {
-                policy.extend_from_slice(b";qu=\"concurrent-requests\"");
-                continue;
-            };
-            param(&mut policy, b";w=", w);
-            param(&mut state, b";t=", ceil_secs(a.decision.reset_us));
-        }
-        insert(headers, &RATELIMIT_POLICY, &POLICIES, &policy);
-        insert(headers, &RATELIMIT, &STATES, &state);
+            insert(headers, &RATELIMIT_POLICY, &POLICIES, policy);
+            insert(headers, &RATELIMIT, &STATES, state);
+        });
     }
     if matches!(style, ResponseStyle::Legacy | ResponseStyle::Both) {
         // The rule closest to denying: fewest left, then the longest wait.
@@ -170,25 +170,44 @@ pub fn add_shadow(headers: &mut HeaderMap, style: ResponseStyle, shadow: &[Appli
     if shadow.is_empty() || style == ResponseStyle::None {
         return;
     }
-    let mut v = Line::with_capacity(shadow.iter().map(|a| a.rule.len() + 40).sum());
-    for (i, a) in shadow.iter().enumerate() {
-        if i > 0 {
-            v.extend_from_slice(b", ");
+    scratch(|v, _| {
+        for (i, a) in shadow.iter().enumerate() {
+            if i > 0 {
+                v.extend_from_slice(b", ");
+            }
+            item(v, a.rule);
+            param(v, b";r=", available(a));
+            if a.quota.algorithm != Algorithm::Concurrency {
+                param(v, b";t=", ceil_secs(a.decision.reset_us));
+            }
+            if !a.decision.allowed {
+                v.extend_from_slice(b";denied");
+            }
         }
-        item(&mut v, a.rule);
-        param(&mut v, b";r=", available(a));
-        if a.quota.algorithm != Algorithm::Concurrency {
-            param(&mut v, b";t=", ceil_secs(a.decision.reset_us));
-        }
-        if !a.decision.allowed {
-            v.extend_from_slice(b";denied");
-        }
-    }
-    insert(headers, &RATELIMIT_SHADOW, &SHADOWS, &v);
+        insert(headers, &RATELIMIT_SHADOW, &SHADOWS, v);
+    });
 }
 
 /// A field value or a body being written.
 type Line = Vec<u8>;
+
+thread_local! {
+    /// Two buffers this thread writes field values and bodies in, kept from one request to
+    /// the next: a value equal to one made a moment ago (most are, see [`Recent`]) then
+    /// costs no allocation at all.
+    static SCRATCH: Cell<(Line, Line)> = const { Cell::new((Vec::new(), Vec::new())) };
+}
+
+/// `write`, given two empty buffers of this thread's (new ones where a caller up the
+/// stack holds them).
+fn scratch<R>(write: impl FnOnce(&mut Line, &mut Line) -> R) -> R {
+    let (mut a, mut b) = SCRATCH.try_with(Cell::take).unwrap_or_default();
+    a.clear();
+    b.clear();
+    let r = write(&mut a, &mut b);
+    let _ = SCRATCH.try_with(|s| s.set((a, b)));
+    r
+}
 
 /// A list item named by its rule: a Structured Field string (rule names need no escapes).
 fn item(out: &mut Line, rule: &str) {
@@ -357,20 +376,22 @@ impl Problem {
         let retry_after = ceil_secs(wait_us).max(1);
         // Written by hand, as serde_json would write `ProblemBody` (a test holds the two
         // together): every denial pays for it. Rule names need no escapes in JSON strings.
-        let mut body = Line::with_capacity(160);
-        body.extend_from_slice(QUOTA_EXCEEDED_HEAD);
-        for (i, a) in applied.iter().filter(|a| !a.decision.allowed).enumerate() {
-            if i > 0 {
-                body.push(b',');
+        let body = scratch(|body, _| {
+            body.extend_from_slice(QUOTA_EXCEEDED_HEAD);
+            for (i, a) in applied.iter().filter(|a| !a.decision.allowed).enumerate() {
+                if i > 0 {
+                    body.push(b',');
+                }
+                item(body, a.rule);
             }
-            item(&mut body, a.rule);
-        }
-        body.extend_from_slice(b"],\"retry_after\":");
-        body.extend_from_slice(itoa::Buffer::new().format(retry_after).as_bytes());
-        body.push(b'}');
+            body.extend_from_slice(b"],\"retry_after\":");
+            body.extend_from_slice(itoa::Buffer::new().format(retry_after).as_bytes());
+            body.push(b'}');
+            made(&BODIES, body, |b| Some(Bytes::copy_from_slice(b)))
+        });
         Problem {
             status: StatusCode::TOO_MANY_REQUESTS,
-            body: made(&BODIES, &body, |b| Some(Bytes::copy_from_slice(b))).unwrap_or_default(),
+            body: body.unwrap_or_default(),
             detail: None,
             retry_after: Some(retry_after),
             retry_after_ms: Some(wait_us.div_ceil(1000).max(1)),
