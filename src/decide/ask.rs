@@ -48,10 +48,10 @@ pub(super) async fn consult(
         Now::Answered(answer) => answer,
         Now::Ask(asking) => live.limiter.ask(&checks, live.cache_denials, asking).await,
     };
-    let decisions = verdict::decisions(&answer);
     let local = matches!(answer, StoreAnswer::Local(_));
-    let ruled: Vec<Ruled> = limits.iter().map(Limit::ruled).collect();
-    let v = verdict::judge(&ruled, decisions.as_deref(), live.config.store.on_error);
+    let decisions = verdict::decisions(answer);
+    let ruled = |k: usize| limits.get(k).map(Limit::ruled);
+    let v = verdict::judge_by(ruled, decisions.as_deref(), live.config.store.on_error);
     let leases = match (&decisions, v) {
         // A call that timed out may still have run: take back any lease it could have
         // written (a no-op where it did not).

@@ -128,8 +128,8 @@ pub(super) fn judge(
     limits: &[Limit<'_, '_>],
     decisions: &[Option<Decision>],
 ) -> Verdict {
-    let ruled: Vec<_> = limits.iter().map(Limit::ruled).collect();
-    verdict::judge(&ruled, Some(decisions), live.config.store.on_error)
+    let ruled = |k: usize| limits.get(k).map(Limit::ruled);
+    verdict::judge_by(ruled, Some(decisions), live.config.store.on_error)
 }
 
 /// The rules decided first and the others, as one request's: in the config's order.

@@ -47,7 +47,7 @@ pub use limits::{forwarded_host, matching, may_read_body};
 use limits::{split, Limit, Refused};
 pub use route::Destination;
 pub use settling::unreadable;
-use verdict::{Ruled, Verdict};
+use verdict::Verdict;
 
 /// A request as the decision sees it.
 #[derive(Clone, Copy)]
@@ -404,8 +404,8 @@ fn pass<'l>(
     d.counts.judged = Some(Judgement::Admitted);
     (d.applied, d.shadow) = split(&limits, decisions);
     d.settling = settling::held(live, &limits, decisions, local);
-    let ruled: Vec<Ruled> = limits.iter().map(Limit::ruled).collect();
-    let closest = verdict::closest(&ruled, decisions).map(|k| &limits[k]);
+    let ruled = |k: usize| limits.get(k).map(Limit::ruled);
+    let closest = verdict::closest_by(ruled, decisions).map(|k| &limits[k]);
     d.disposed(verdict.disposition()).by(
         closest.map(|l| l.rule.name.as_str()),
         closest.map(|l| l.identity.digest),

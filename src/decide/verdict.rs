@@ -65,14 +65,17 @@ pub struct Ruled {
     pub jitter_us: u64,
 }
 
+// What lets [`decisions`] collect in place.
+const _: () = assert!(std::mem::size_of::<Option<Decision>>() == std::mem::size_of::<Decision>());
+
 /// The decisions of an answer, one per rule in order (`None`: not known, from the deny
 /// cache), or `None` if the store failed.
-pub fn decisions(answer: &StoreAnswer) -> Option<Vec<Option<Decision>>> {
+pub fn decisions(answer: StoreAnswer) -> Option<Vec<Option<Decision>>> {
     match answer {
-        StoreAnswer::Store(d) | StoreAnswer::Local(d) => {
-            Some(d.iter().copied().map(Some).collect())
-        }
-        StoreAnswer::Cached(d) => Some(d.clone()),
+        // Collected in place: an `Option<Decision>` is a `Decision` (its `bool` has room
+        // for the `None`), so no second list is allocated.
+        StoreAnswer::Store(d) | StoreAnswer::Local(d) => Some(d.into_iter().map(Some).collect()),
+        StoreAnswer::Cached(d) => Some(d),
         StoreAnswer::Failed(_) => None,
     }
 }
@@ -84,6 +87,16 @@ pub fn judge(
     decisions: Option<&[Option<Decision>]>,
     on_error: OnError,
 ) -> Verdict {
+    judge_by(|k| rules.get(k).copied(), decisions, on_error)
+}
+
+/// [`judge`], reading the rule at each position through `rule` (the request's rules as
+/// they are, not copied into a list first).
+pub fn judge_by(
+    rule: impl Fn(usize) -> Option<Ruled>,
+    decisions: Option<&[Option<Decision>]>,
+    on_error: OnError,
+) -> Verdict {
     let Some(decisions) = decisions else {
         return match on_error {
             OnError::Allow => Verdict::Unlimited,
@@ -91,11 +104,10 @@ pub fn judge(
         };
     };
     let enforcing = || {
-        rules
+        decisions
             .iter()
-            .zip(decisions)
             .enumerate()
-            .filter_map(|(k, (r, d))| Some((k, r, d.as_ref()?)))
+            .filter_map(|(k, d)| Some((k, rule(k)?, d.as_ref()?)))
             .filter(|(_, r, _)| r.enforced)
     };
     if let Some((by, _, _)) = enforcing().find(|(_, _, d)| !d.allowed) {
@@ -115,12 +127,19 @@ pub fn judge(
 /// Of the enforcing rules with a decision, the one closest to denying (fewest left): it
 /// speaks for an admitted request in the access log.
 pub fn closest(rules: &[Ruled], decisions: &[Option<Decision>]) -> Option<usize> {
-    rules
+    closest_by(|k| rules.get(k).copied(), decisions)
+}
+
+/// [`closest`], reading the rule at each position through `rule`.
+pub fn closest_by(
+    rule: impl Fn(usize) -> Option<Ruled>,
+    decisions: &[Option<Decision>],
+) -> Option<usize> {
+    decisions
         .iter()
-        .zip(decisions)
         .enumerate()
-        .filter(|(_, (r, _))| r.enforced)
-        .filter_map(|(k, (_, d))| Some((k, d.as_ref()?.remaining)))
+        .filter(|&(k, _)| rule(k).is_some_and(|r| r.enforced))
+        .filter_map(|(k, d)| Some((k, d.as_ref()?.remaining)))
         .min_by_key(|&(_, remaining)| remaining)
         .map(|(k, _)| k)
 }
