@@ -3,7 +3,7 @@
 //! do not add up, paths with encoded control bytes.
 
 use http::request::Parts;
-use http::{HeaderMap, StatusCode};
+use http::{HeaderMap, HeaderValue, StatusCode};
 
 use crate::headers::Problem;
 
@@ -15,10 +15,11 @@ pub(super) fn problem(parts: &Parts) -> Option<Problem> {
     let extended = parts.version == http::Version::HTTP_2
         && parts.extensions.get::<hyper::ext::Protocol>().is_some();
     let method = (!extended).then_some(&parts.method);
+    let fields = Fields::of(&parts.headers);
     method
         .and_then(method_problem)
-        .or_else(|| framing_problem(&parts.headers))
-        .or_else(|| host_problem(parts.version, &parts.uri, &parts.headers))
+        .or_else(|| framing_problem(&fields))
+        .or_else(|| host_problem_of(parts.version, &parts.uri, fields.host))
         .or_else(|| path_problem(parts.uri.path()))
         .or_else(|| parameter_problem(parts.uri.path()))
 }
@@ -102,6 +103,40 @@ pub fn drop_underscored(headers: &mut HeaderMap) -> u64 {
     dropped
 }
 
+/// The fields the screen judges a head's framing and host by, read in one pass over its
+/// fields (a lookup of each would hash its name again, and a head has few fields).
+#[derive(Default)]
+struct Fields<'a> {
+    /// Whether a `Content-Length` differs from the first.
+    lengths_differ: bool,
+    /// The first `Transfer-Encoding`, and how many there are.
+    coding: Option<&'a HeaderValue>,
+    codings: usize,
+    /// The first `Host`, and how many there are.
+    host: Option<&'a HeaderValue>,
+    hosts: usize,
+}
+
+impl<'a> Fields<'a> {
+    fn of(headers: &'a HeaderMap) -> Fields<'a> {
+        use http::header::{CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
+        let mut f = Fields::default();
+        let mut length: Option<&HeaderValue> = None;
+        for (name, value) in headers {
+            if name == CONTENT_LENGTH {
+                f.lengths_differ |= *length.get_or_insert(value) != value;
+            } else if name == TRANSFER_ENCODING {
+                f.codings += 1;
+                f.coding.get_or_insert(value);
+            } else if name == HOST {
+                f.hosts += 1;
+                f.host.get_or_insert(value);
+            }
+        }
+        f
+    }
+}
+
 /// Requests a front proxy and its upstream could read differently (request smuggling),
 /// refused before anything else. hyper's HTTP/1 parser already answers 400 to conflicting
 /// `Content-Length`s, `Transfer-Encoding` on HTTP/1.0 and codings that do not end in
@@ -116,27 +151,22 @@ pub fn drop_underscored(headers: &mut HeaderMap) -> u64 {
 ///   only, so a second could tell the backend another length (RFC 9110 §8.6: a recipient
 ///   of differing values must treat the message as invalid). Equal ones are sent up as
 ///   one line (`upstream::forward`): an nginx backend answers 400 to two.
-fn framing_problem(headers: &HeaderMap) -> Option<Problem> {
-    use http::header::{CONTENT_LENGTH, HOST, TRANSFER_ENCODING};
-    let mut lengths = headers.get_all(CONTENT_LENGTH).iter();
-    if let Some(first) = lengths.next() {
-        if lengths.any(|other| other != first) {
-            return Some(Problem::new(
-                StatusCode::BAD_REQUEST,
-                "Content-Length sent more than once, with different values",
-            ));
-        }
+fn framing_problem(fields: &Fields<'_>) -> Option<Problem> {
+    if fields.lengths_differ {
+        return Some(Problem::new(
+            StatusCode::BAD_REQUEST,
+            "Content-Length sent more than once, with different values",
+        ));
     }
-    let mut te = headers.get_all(TRANSFER_ENCODING).iter();
-    match (te.next(), te.next()) {
+    match (fields.coding, fields.codings) {
         (None, _) => {}
-        (Some(_), Some(_)) => {
+        (Some(_), 2..) => {
             return Some(Problem::new(
                 StatusCode::BAD_REQUEST,
                 "Transfer-Encoding sent more than once",
             ));
         }
-        (Some(v), None) => {
+        (Some(v), _) => {
             if !v.as_bytes().trim_ascii().eq_ignore_ascii_case(b"chunked") {
                 return Some(Problem::new(
                     StatusCode::NOT_IMPLEMENTED,
@@ -145,7 +175,7 @@ fn framing_problem(headers: &HeaderMap) -> Option<Problem> {
             }
         }
     }
-    if headers.get_all(HOST).iter().nth(1).is_some() {
+    if fields.hosts > 1 {
         return Some(Problem::new(
             StatusCode::BAD_REQUEST,
             "more than one Host header",
@@ -202,7 +232,15 @@ pub(super) fn host_problem(
     uri: &http::Uri,
     headers: &HeaderMap,
 ) -> Option<Problem> {
-    let host = headers.get(http::header::HOST);
+    host_problem_of(version, uri, headers.get(http::header::HOST))
+}
+
+/// [`host_problem`], given the request's first `Host`.
+fn host_problem_of(
+    version: http::Version,
+    uri: &http::Uri,
+    host: Option<&HeaderValue>,
+) -> Option<Problem> {
     let authority = uri.authority();
     match (host, authority) {
         (None, _) if version == http::Version::HTTP_11 => {
