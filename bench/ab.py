@@ -17,6 +17,8 @@ worker, wrk -c8 for CALLGRIND_SECS, default 10, after a 3 s warm-up): forwarded 
 of 100,000 per request, never denied) and denied (one key past a limit of 1/h). Unlike CPU
 time the counts barely move between runs: the figure to guard "pay only for what you use"
 with (valgrind's CPU has no SHA-NI: the key's SHA-256 counts more than it runs).
+NO_RULES=1 adds a third count: a forwarded request with the rule taken out of the config
+(the proxy alone), so that what one rule costs is the difference.
 """
 
 import os
@@ -114,10 +116,15 @@ def instructions(binary, config, script, port):
 
 def callgrind(binaries):
     forward = CONFIG if "workers" in CONFIG else CONFIG.replace("[server]\n", "[server]\nworkers = 1\n", 1)
+    # The proxy alone: the same config without its rule (NO_RULES=1 adds this column).
+    bare = forward.split("[[rules]]")[0]
     for name, binary in sorted(binaries.items()):
         f = instructions(binary, forward, "keys.lua", 18185)
         d = instructions(binary, DENY_CONFIG, "one-key.lua", 18186)
-        print(f"{name} {binary}: {f:9.0f} instructions/req forwarded, {d:9.0f} denied", flush=True)
+        line = f"{name} {binary}: {f:9.0f} instructions/req forwarded, {d:9.0f} denied"
+        if os.environ.get("NO_RULES") == "1":
+            line += f", {instructions(binary, bare, 'keys.lua', 18187):9.0f} forwarded with no rule"
+        print(line, flush=True)
 
 
 def main():
