@@ -319,7 +319,7 @@ async fn readyz(shared: &Shared) -> Reply {
 /// never with the token.
 fn guarded(shared: &Shared, guard: &Guard, peer: IpAddr, req: &Request<Incoming>) -> Option<Reply> {
     let now = guard.now_ms();
-    let failure = match guard.reserve(peer, now) {
+    let failure = match guard.charge(peer, now) {
         Err(wait_ms) => Err((Some(Failure::Throttled), wait_ms)),
         Ok(charged) => {
             let checked = authorized(shared, req);

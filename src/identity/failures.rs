@@ -6,7 +6,7 @@
 //! as the limiter's own). While its allowance is used up, its checks are answered 429 with
 //! a `Retry-After` and not even made: a guesser learns nothing from them, and a forger's
 //! bad signatures cost no CPU. A check is charged before it is made, under one lock
-//! ([`Failures::reserve`]), so concurrent ones (HTTP/2 streams on several workers) cannot
+//! ([`Failures::charge`]), so concurrent ones (HTTP/2 streams on several workers) cannot
 //! all pass an allowance of one; one that succeeded is given its charge back
 //! ([`Failures::refund`]). So a peer that passes is never slowed — unless it shares its
 //! address with a guesser, and then it waits for the allowance as the guesser does.
@@ -100,7 +100,7 @@ impl Failures {
     /// Before `peer`'s check is made: charge its allowance, or say how long (ms) it must
     /// wait. One lock for both, so no two checks spend one allowance. Give the charge
     /// back with [`Failures::refund`] if the check passed.
-    pub fn reserve(&self, peer: IpAddr, now_ms: u64) -> Result<IpAddr, u64> {
+    pub fn charge(&self, peer: IpAddr, now_ms: u64) -> Result<IpAddr, u64> {
         let mut key = peer_key(peer);
         let mut peers = self.lock();
         if !peers.contains_key(&key) && peers.len() >= MAX_PEERS {
@@ -220,7 +220,7 @@ mod tests {
         let p = ip("198.51.100.7");
         for _ in 0..BURST {
             assert_eq!(g.throttled(p, 0), None);
-            let _ = g.reserve(p, 0);
+            let _ = g.charge(p, 0);
         }
         assert_eq!(
             g.throttled(p, 0),
@@ -229,7 +229,7 @@ mod tests {
         );
         assert_eq!(g.throttled(p, 400), Some(600));
         assert_eq!(g.throttled(p, 1_000), None, "one more a second");
-        let _ = g.reserve(p, 1_000);
+        let _ = g.charge(p, 1_000);
         assert_eq!(g.throttled(p, 1_000), Some(1_000));
         assert_eq!(
             g.throttled(ip("198.51.100.8"), 1_000),
@@ -240,7 +240,7 @@ mod tests {
         assert_eq!(g.throttled(p, 11_000), None);
         for _ in 0..BURST {
             assert_eq!(g.throttled(p, 11_000), None);
-            let _ = g.reserve(p, 11_000);
+            let _ = g.charge(p, 11_000);
         }
         assert!(g.throttled(p, 11_000).is_some());
     }
@@ -249,12 +249,12 @@ mod tests {
     fn an_ipv6_host_is_its_64_and_mapped_v4_is_v4() {
         let g = failures();
         for i in 0..BURST {
-            let _ = g.reserve(ip(&format!("2001:db8:1:2::{i:x}")), 0);
+            let _ = g.charge(ip(&format!("2001:db8:1:2::{i:x}")), 0);
         }
         assert!(g.throttled(ip("2001:db8:1:2:ffff::1"), 0).is_some());
         assert_eq!(g.throttled(ip("2001:db8:1:3::1"), 0), None);
         for _ in 0..BURST {
-            let _ = g.reserve(ip("::ffff:192.0.2.1"), 0);
+            let _ = g.charge(ip("::ffff:192.0.2.1"), 0);
         }
         assert!(g.throttled(ip("192.0.2.1"), 0).is_some());
     }
@@ -264,11 +264,11 @@ mod tests {
         let g = failures();
         let held = ip("203.0.113.1");
         for _ in 0..BURST {
-            assert!(g.reserve(held, 0).is_ok());
+            assert!(g.charge(held, 0).is_ok());
         }
-        assert!(g.reserve(held, 0).is_err(), "its allowance is used up");
+        assert!(g.charge(held, 0).is_err(), "its allowance is used up");
         for i in 0..MAX_PEERS as u32 + 500 {
-            let _ = g.reserve(IpAddr::from((10u32 << 24 | i).to_be_bytes()), 0);
+            let _ = g.charge(IpAddr::from((10u32 << 24 | i).to_be_bytes()), 0);
             assert!(g.len() <= MAX_PEERS + 1);
         }
         assert!(
@@ -276,9 +276,9 @@ mod tests {
             "a throttled peer is never forgotten to let another in"
         );
         // A second later `held` fails once more; the others, one failure each, are whole.
-        assert!(g.reserve(held, 1_000).is_ok());
+        assert!(g.charge(held, 1_000).is_ok());
         // A newcomer then clears out the whole ones, not the held one.
-        assert!(g.reserve(ip("203.0.113.2"), 1_500).is_ok());
+        assert!(g.charge(ip("203.0.113.2"), 1_500).is_ok());
         assert!(g.len() < 10, "{}", g.len());
         assert!(g.throttled(held, 1_500).is_some());
     }
@@ -292,13 +292,13 @@ mod tests {
         };
         for i in 0..MAX_PEERS as u32 {
             for _ in 0..BURST {
-                assert!(g.reserve(net(i), 0).is_ok());
+                assert!(g.charge(net(i), 0).is_ok());
             }
         }
         assert_eq!(g.len(), MAX_PEERS);
         // Newcomers: BURST calls in all, then 429s, however many networks they come from.
         let passed = (MAX_PEERS as u32..MAX_PEERS as u32 + 200)
-            .filter(|&i| g.reserve(net(i), 0).is_ok())
+            .filter(|&i| g.charge(net(i), 0).is_ok())
             .count();
         assert_eq!(passed, BURST as usize);
         assert!(g.len() <= MAX_PEERS + 1, "{}", g.len());
@@ -310,7 +310,7 @@ mod tests {
         let g = failures();
         let p = ip("198.51.100.9");
         for _ in 0..3 * BURST {
-            let key = g.reserve(p, 0).expect("never slowed");
+            let key = g.charge(p, 0).expect("never slowed");
             g.refund(key, 0);
         }
         assert!(g.is_empty(), "nothing kept of a peer that only succeeded");
@@ -320,7 +320,7 @@ mod tests {
         let passed: usize = (0..8)
             .map(|_| {
                 let g = g.clone();
-                std::thread::spawn(move || (0..10).filter(|_| g.reserve(p, 0).is_ok()).count())
+                std::thread::spawn(move || (0..10).filter(|_| g.charge(p, 0).is_ok()).count())
             })
             .collect::<Vec<_>>()
             .into_iter()
@@ -337,11 +337,11 @@ mod tests {
             every_ms: 6_000,
         });
         let p = ip("192.0.2.44");
-        assert_eq!((0..30).filter(|_| g.reserve(p, 0).is_ok()).count(), 20);
+        assert_eq!((0..30).filter(|_| g.charge(p, 0).is_ok()).count(), 20);
         assert_eq!(g.throttled(p, 0), Some(6_000));
         assert_eq!(g.throttled(p, 5_999), Some(1));
-        assert!(g.reserve(p, 6_000).is_ok());
-        assert!(g.reserve(p, 6_000).is_err());
+        assert!(g.charge(p, 6_000).is_ok());
+        assert!(g.charge(p, 6_000).is_err());
     }
 
     #[test]

@@ -458,7 +458,7 @@ impl<'a> Requester<'a> {
         let now = f.now_ms();
         let charged = match self.count_failures {
             true => Some(
-                f.reserve(self.client_ip(), now)
+                f.charge(self.client_ip(), now)
                     .map_err(Refusal::Throttled)?,
             ),
             false => None,
@@ -482,7 +482,7 @@ impl<'a> Requester<'a> {
             return Refusal::InvalidToken(e);
         }
         let f = &v.failures;
-        match f.reserve(self.client_ip(), f.now_ms()) {
+        match f.charge(self.client_ip(), f.now_ms()) {
             Ok(_) => Refusal::InvalidToken(e),
             Err(ms) => Refusal::Throttled(ms),
         }
@@ -722,7 +722,7 @@ impl<'a> Requester<'a> {
             if self.listing().is_some() {
                 return None;
             }
-            Some(match f.reserve(self.client_ip(), f.now_ms()) {
+            Some(match f.charge(self.client_ip(), f.now_ms()) {
                 Ok(_) => Refusal::UnknownKey,
                 Err(ms) => Refusal::Throttled(ms),
             })

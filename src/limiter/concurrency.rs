@@ -6,7 +6,7 @@
 //! expiry (`lua/decide.lua`): a gateway that dies cannot give its slots back, so each lease
 //! lives `lease_ttl` unless the gateway renews it while the request is in flight.
 
-use super::{Decision, Outcome, Quota};
+use super::{Decision, Quota, Ruling};
 
 /// Requests in flight for one identity under one rule.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -19,12 +19,12 @@ pub struct State {
 pub const RETRY_US: u64 = 1_000_000;
 
 /// Judge one more request against `q.burst` in flight.
-pub fn decide(q: &Quota, state: Option<&State>, _now_us: u64) -> Outcome<State> {
+pub fn decide(q: &Quota, state: Option<&State>, _now_us: u64) -> Ruling<State> {
     let max = q.burst;
     let count = state.map_or(0, |s| s.in_flight).min(max);
     let allowed = count < max;
     let after = (count + 1).min(max);
-    Outcome {
+    Ruling {
         allowed,
         charged: Decision {
             allowed,

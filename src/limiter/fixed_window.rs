@@ -19,7 +19,7 @@
 //! quotas (per day, per month), where the simplicity and the tiny state matter more.
 
 use super::settle::{carried, Adjust, Settled};
-use super::{Decision, Outcome, Quota, MAX_LEVEL};
+use super::{Decision, Quota, Ruling, MAX_LEVEL};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct State {
@@ -117,7 +117,7 @@ fn ttl(q: &Quota, w: &Window, count: u64, now_us: u64) -> u64 {
     (w.end - now_us).saturating_add(past).min(MAX_LEVEL)
 }
 
-pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
+pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Ruling<State> {
     let n = q.rate.count;
     let w = window(q, state, now_us);
     let ends_in = w.end - now_us;
@@ -146,7 +146,7 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
             .saturating_add(windows.saturating_mul(each))
             .min(MAX_LEVEL)
     };
-    Outcome {
+    Ruling {
         allowed,
         charged: Decision {
             allowed,

@@ -10,7 +10,7 @@
 //! admits (a property test holds them side by side); it stores one number instead of two.
 
 use super::settle::Settled;
-use super::{Decision, Outcome, Quota, MAX_LEVEL};
+use super::{Decision, Quota, Ruling, MAX_LEVEL};
 
 /// The theoretical arrival time: `tat_us + frac / per_us` µs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -39,7 +39,7 @@ fn debt(q: &Quota, state: Option<&State>, now_us: u64) -> u64 {
 /// and told to wait until it does (the TAT moves for it now, so later ones wait longer).
 /// With `max_debt`, a request passes at once while its TAT stays within that much past a
 /// full burst (it borrows ahead), as the token bucket's level may go below empty.
-pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
+pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Ruling<State> {
     let cap = q.capacity();
     let need = q.need();
     let borrow = q.borrow();
@@ -69,7 +69,7 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
         reset_us: drip(after),
         window: 0,
     };
-    Outcome {
+    Ruling {
         allowed,
         charged,
         uncharged,

@@ -2,7 +2,7 @@
 //! ([`token_bucket`], [`gcra`], [`sliding_window`], [`fixed_window`]) and the stores that
 //! run them ([`memory`], [`redis`]).
 //!
-//! Every algorithm has one shape: `decide(quota, state, now) -> Outcome`, pure, in
+//! Every algorithm has one shape: `decide(quota, state, now) -> Ruling`, pure, in
 //! integers, with time injected. The outcome says what to answer whether or not the
 //! request is finally charged, and what to store if it is.
 //!
@@ -58,11 +58,12 @@ pub struct Decision {
     pub window: u64,
 }
 
-/// One rule's verdict on one request, before anything is written. A request passes only
-/// if every rule allows it; then each rule's `next` state is stored (for `ttl_us`) and
-/// `charged` is reported, else nothing is stored and `uncharged` is reported.
+/// One rule's ruling on one request, as its algorithm steps: before anything is
+/// written. A request passes only if every rule allows it; then each rule's `next` state
+/// is stored (for `ttl_us`) and `charged` is reported, else nothing is stored and
+/// `uncharged` is reported.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct Outcome<S> {
+pub struct Ruling<S> {
     pub allowed: bool,
     pub charged: Decision,
     pub uncharged: Decision,
@@ -83,9 +84,9 @@ pub enum State {
 
 /// Run `q`'s algorithm on `state`. State kept by another algorithm (the rule changed on
 /// reload) counts as none.
-pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
-    fn wrap<S>(o: Outcome<S>, f: impl FnOnce(S) -> State) -> Outcome<State> {
-        Outcome {
+pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Ruling<State> {
+    fn wrap<S>(o: Ruling<S>, f: impl FnOnce(S) -> State) -> Ruling<State> {
+        Ruling {
             allowed: o.allowed,
             charged: o.charged,
             uncharged: o.uncharged,

@@ -18,7 +18,7 @@
 //! of 2N at a boundary, unlike a fixed window, where 2N can pass within a microsecond.
 
 use super::settle::{carried, Adjust, Settled};
-use super::{Decision, Outcome, Quota, MAX_LEVEL};
+use super::{Decision, Quota, Ruling, MAX_LEVEL};
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct State {
@@ -62,7 +62,7 @@ fn clear_after(w: u64, n: u64, cur: u64, prev: u64) -> Option<u64> {
     }
 }
 
-pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
+pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Ruling<State> {
     let p = q.period_us();
     let n = q.rate.count;
     // What may be counted at once: N, and what `max_debt` lets a request borrow.
@@ -111,7 +111,7 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
         cur: cur + cost,
         prev,
     };
-    Outcome {
+    Ruling {
         allowed,
         charged: Decision {
             allowed,

@@ -7,7 +7,7 @@
 //! refills completely: the time to full refill is exactly how long its state matters.
 
 use super::settle::Settled;
-use super::{Decision, Outcome, Quota, MAX_LEVEL};
+use super::{Decision, Quota, Ruling, MAX_LEVEL};
 
 /// A bucket's state after its last charge.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -54,7 +54,7 @@ pub fn level_at(q: &Quota, state: Option<&State>, now_us: u64) -> i64 {
 /// A clock stepped back (a Redis failover, an NTP step) never moves the state's time
 /// back: the bucket is judged as it stood at its last charge, and every wait is counted
 /// from `now_us`, so the stretch stepped over is never refilled twice.
-pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
+pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Ruling<State> {
     let cap = q.capacity() as i64;
     let need = q.need() as i64;
     let slack = q.slack() as i64;
@@ -68,7 +68,7 @@ pub fn decide(q: &Quota, state: Option<&State>, now_us: u64) -> Outcome<State> {
     let drip = |units: i64| skew + (units.max(0) as u64).div_ceil(q.per_us);
     let until_full = |level: i64| drip(cap - level);
     let whole = |level: i64| level.max(0) as u64 / q.unit;
-    Outcome {
+    Ruling {
         allowed,
         charged: Decision {
             allowed,

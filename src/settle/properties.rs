@@ -26,7 +26,7 @@ use super::reservation::{adjust, Reserved};
 use crate::identity::digest_api_key;
 use crate::limiter::properties::{gap_us, rate};
 use crate::limiter::{
-    decide, token_bucket, Adjust, Algorithm, Decision, Outcome, Quota, Rate, Settled, State,
+    decide, token_bucket, Adjust, Algorithm, Decision, Quota, Rate, Ruling, Settled, State,
     MAX_LEVEL,
 };
 
@@ -240,7 +240,7 @@ impl World {
     }
 
     /// A request of `cost` now, charged when allowed.
-    fn decide(&mut self, cost: u64) -> Outcome<State> {
+    fn decide(&mut self, cost: u64) -> Ruling<State> {
         let q = self.q.with_cost(cost);
         let o = decide(&q, self.state.as_ref(), self.now);
         if o.allowed {
@@ -253,7 +253,7 @@ impl World {
 
     /// A charge of the limit's own cost now; if the limit denies it, at the instant its
     /// denial names (where it passes: `retry_after_is_exact_for_every_algorithm`).
-    fn charge(&mut self) -> Result<(u64, Outcome<State>), TestCaseError> {
+    fn charge(&mut self) -> Result<(u64, Ruling<State>), TestCaseError> {
         let before = decide(&self.q, self.state.as_ref(), self.now);
         if !before.allowed {
             self.now += before.uncharged.retry_after_us;

@@ -35,7 +35,7 @@ use ratewall::identity::{digest_api_key, IdentityDigest};
 use ratewall::limiter::memory::MemoryStore;
 use ratewall::limiter::redis::{DecideAt, RedisStore};
 use ratewall::limiter::{
-    self, Algorithm, Check, Decision, ManualClock, Outcome, Quota, Rate, State,
+    self, Algorithm, Check, Decision, ManualClock, Quota, Rate, Ruling, State,
 };
 
 /// A realistic µs epoch (late 2023), so the times the script sees look like Redis `TIME`.
@@ -422,7 +422,7 @@ fn without_delay(q: &Quota) -> Quota {
 }
 
 /// Whether an outcome lets its request through at once, charged, without a wait.
-fn passes_now(o: &Outcome<State>) -> bool {
+fn passes_now(o: &Ruling<State>) -> bool {
     o.allowed && o.charged.retry_after_us == 0
 }
 
@@ -432,7 +432,7 @@ fn delay_changes_only_waits(
     q: &Quota,
     state: Option<&State>,
     now: u64,
-    o: &Outcome<State>,
+    o: &Ruling<State>,
 ) -> Result<(), String> {
     if q.max_delay_us == 0 {
         return Ok(());
@@ -494,7 +494,7 @@ impl<'h> Replay<'h> {
     /// One request at `now` in both stores and the model. Any disagreement is an error.
     fn step(&mut self, checks: &[Check<'_>], now: u64) -> Result<Vec<Decision>, String> {
         let before: Vec<Option<State>> = checks.iter().map(|c| self.state(c, now)).collect();
-        let outcomes: Vec<Outcome<State>> = checks
+        let outcomes: Vec<Ruling<State>> = checks
             .iter()
             .zip(&before)
             .map(|(c, s)| limiter::decide(c.quota, s.as_ref(), now))
@@ -575,7 +575,7 @@ impl<'h> Replay<'h> {
     fn pin(
         &mut self,
         key: &str,
-        written: Option<&Outcome<State>>,
+        written: Option<&Ruling<State>>,
         sent: Instant,
     ) -> Result<(), String> {
         let (pttl, value, _): (i64, Option<String>, i64) = redis::pipe()
@@ -910,7 +910,7 @@ struct RetryTally {
 }
 
 /// Whether two outcomes answer the same (their stored states may differ in form).
-fn same_answer(a: &Outcome<State>, b: &Outcome<State>) -> bool {
+fn same_answer(a: &Ruling<State>, b: &Ruling<State>) -> bool {
     a.allowed == b.allowed && a.charged == b.charged && a.uncharged == b.uncharged
 }
 

@@ -295,7 +295,7 @@ impl MemoryStore {
         now: u64,
         checks: &[Check<'_>],
         places: &[Place],
-        outcomes: &[super::Outcome<State>],
+        outcomes: &[super::Ruling<State>],
         all: bool,
         guards: &mut [(usize, MutexGuard<'_, Shard>)],
     ) -> Result<(), (usize, NoRoom)> {
