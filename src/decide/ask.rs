@@ -26,7 +26,6 @@ impl<'l> Limit<'l, '_> {
     ) -> Counted<'l> {
         Counted {
             index: self.index,
-            rule: &self.rule.name,
             enforced: self.enforced,
             quota: self.quota,
             digest: self.identity.digest,
@@ -51,7 +50,7 @@ pub(super) async fn consult(
     let local = matches!(answer, StoreAnswer::Local(_));
     let decisions = verdict::decisions(answer);
     let ruled = |k: usize| limits.get(k).map(Limit::ruled);
-    let v = verdict::judge_by(ruled, decisions.as_deref(), live.config.store.on_error);
+    let v = verdict::judge(ruled, decisions.as_deref(), live.config.store.on_error);
     let leases = match (&decisions, v) {
         // A call that timed out may still have run: take back any lease it could have
         // written (a no-op where it did not).

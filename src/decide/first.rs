@@ -129,7 +129,7 @@ pub(super) fn judge(
     decisions: &[Option<Decision>],
 ) -> Verdict {
     let ruled = |k: usize| limits.get(k).map(Limit::ruled);
-    verdict::judge_by(ruled, Some(decisions), live.config.store.on_error)
+    verdict::judge(ruled, Some(decisions), live.config.store.on_error)
 }
 
 /// The rules decided first and the others, as one request's: in the config's order.

@@ -405,7 +405,7 @@ fn pass<'l>(
     (d.applied, d.shadow) = split(&limits, decisions);
     d.settling = settling::held(live, &limits, decisions, local);
     let ruled = |k: usize| limits.get(k).map(Limit::ruled);
-    let closest = verdict::closest_by(ruled, decisions).map(|k| &limits[k]);
+    let closest = verdict::closest(ruled, decisions).map(|k| &limits[k]);
     d.disposed(verdict.disposition()).by(
         closest.map(|l| l.rule.name.as_str()),
         closest.map(|l| l.identity.digest),

@@ -81,18 +81,9 @@ pub fn decisions(answer: StoreAnswer) -> Option<Vec<Option<Decision>>> {
 }
 
 /// What to do with a request given its rules and their decisions (`None`: the store
-/// failed, and `on_error` decides).
+/// failed, and `on_error` decides). `rule` reads the rule at each position (the request's
+/// rules as they are, not copied into a list first).
 pub fn judge(
-    rules: &[Ruled],
-    decisions: Option<&[Option<Decision>]>,
-    on_error: OnError,
-) -> Verdict {
-    judge_by(|k| rules.get(k).copied(), decisions, on_error)
-}
-
-/// [`judge`], reading the rule at each position through `rule` (the request's rules as
-/// they are, not copied into a list first).
-pub fn judge_by(
     rule: impl Fn(usize) -> Option<Ruled>,
     decisions: Option<&[Option<Decision>]>,
     on_error: OnError,
@@ -126,12 +117,7 @@ pub fn judge_by(
 
 /// Of the enforcing rules with a decision, the one closest to denying (fewest left): it
 /// speaks for an admitted request in the access log.
-pub fn closest(rules: &[Ruled], decisions: &[Option<Decision>]) -> Option<usize> {
-    closest_by(|k| rules.get(k).copied(), decisions)
-}
-
-/// [`closest`], reading the rule at each position through `rule`.
-pub fn closest_by(
+pub fn closest(
     rule: impl Fn(usize) -> Option<Ruled>,
     decisions: &[Option<Decision>],
 ) -> Option<usize> {
@@ -147,6 +133,20 @@ pub fn closest_by(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// [`super::judge`] of rules in a list.
+    fn judge(
+        rules: &[Ruled],
+        decisions: Option<&[Option<Decision>]>,
+        on_error: OnError,
+    ) -> Verdict {
+        super::judge(|k| rules.get(k).copied(), decisions, on_error)
+    }
+
+    /// [`super::closest`] of rules in a list.
+    fn closest(rules: &[Ruled], decisions: &[Option<Decision>]) -> Option<usize> {
+        super::closest(|k| rules.get(k).copied(), decisions)
+    }
 
     fn d(allowed: bool, remaining: u64, retry_after_us: u64) -> Option<Decision> {
         Some(Decision {

@@ -292,7 +292,7 @@ impl Gateway {
                 let on = parts.extensions.remove::<hyper::upgrade::OnUpgrade>()?;
                 Some((asked, on))
             });
-        let mut out = upstream::Outbound::of(parts, body, target, &pool.default_host());
+        let mut out = upstream::Outbound::new(parts, body, target, &pool.default_host());
         if let Some((asked, _)) = &upgrade {
             out.upgrading(asked.clone());
         }

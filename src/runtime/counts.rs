@@ -28,9 +28,8 @@ pub struct Counts<'l> {
 /// One rule's part in a decision.
 #[derive(Clone, Copy)]
 pub struct Counted<'l> {
-    /// The rule's position in the config (its counters share it), and its name.
+    /// The rule's position in the config (its counters and its name share it).
     pub index: usize,
-    pub rule: &'l str,
     /// Whether it enforces for this request (else it watches).
     pub enforced: bool,
     pub quota: Quota,
@@ -98,8 +97,10 @@ impl Metrics {
         match counts.judged {
             Some(Judgement::Admitted) => dashboards.admitted(live, &counts.rules),
             Some(Judgement::Denied { by, retry_ms }) => {
-                if let Some(c) = counts.rules.get(by) {
-                    self.stats.limited(c.digest, c.rule, || named(c.index));
+                let denier = counts.rules.get(by);
+                let rule = denier.and_then(|c| live.config.rules.get(c.index));
+                if let (Some(c), Some(rule)) = (denier, rule) {
+                    self.stats.limited(c.digest, &rule.name, || named(c.index));
                 }
                 dashboards.denied(live, &counts.rules, by, retry_ms);
             }

@@ -754,7 +754,8 @@ mod tests {
     /// body as [`Sending::of`] frames it.
     async fn sent(req: http::Request<RequestBody>) -> String {
         let host = HeaderValue::from_static("backend");
-        let mut out = super::super::Outbound::new(req, None, &host);
+        let (parts, body) = req.into_parts();
+        let mut out = super::super::Outbound::new(parts, body, None, &host);
         let peer = super::super::ClientPeer::new(([10, 0, 0, 1], 4000).into());
         let down = super::super::Downstream {
             peer: &peer,

@@ -90,7 +90,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use http::header::{HeaderName, HeaderValue};
-use http::{Method, Request, Response};
+use http::{Method, Response};
 use tokio::io::AsyncWriteExt;
 
 /// A pool's overload protection as its callers meet it: the permit a request holds while
@@ -464,20 +464,10 @@ pub struct Outbound {
 }
 
 impl Outbound {
-    /// `req` to go to `target` (the route's rewrite of its path, if any); `default_host`
-    /// is the `Host` sent when the client named none.
+    /// A request (its head and its body, as the proxy holds them) to go to `target` (the
+    /// route's rewrite of its path, if any); `default_host` is the `Host` sent when the
+    /// client named none.
     pub fn new(
-        req: Request<RequestBody>,
-        target: Option<String>,
-        default_host: &HeaderValue,
-    ) -> Outbound {
-        let (parts, body) = req.into_parts();
-        Outbound::of(parts, body, target, default_host)
-    }
-
-    /// [`Outbound::new`], of a request's head and body apart (as the proxy holds them:
-    /// not put together only to be taken apart again).
-    pub fn of(
         mut parts: http::request::Parts,
         body: RequestBody,
         target: Option<String>,
