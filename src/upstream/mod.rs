@@ -396,9 +396,6 @@ impl Client {
             tokio::pin!(deadline);
             loop {
                 tokio::select! {
-                    // The upload first: where it ended as the answer came, the connection
-                    // is whole again and goes back to the pool (not left half to close).
-                    biased;
                     done = &mut upload, if uploaded.is_none() => {
                         let done = match done {
                             Err(UploadError::Client(e)) => return Err(Error::ClientBody(e)),
