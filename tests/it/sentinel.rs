@@ -295,12 +295,23 @@ async fn a_failover_under_load_is_followed_and_the_limit_holds_after_it() {
     // Real time on purpose: a window in which a gateway that went back to the old primary
     // would show it.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    assert_eq!(
-        store_status(&client, &gw).await["primary"],
-        new_address.as_str(),
-        "{}",
-        gw.logs()
-    );
+    // The sentinels may have failed over once more on their own (a loaded machine can keep
+    // the new primary silent past their 1 s `down-after-milliseconds` while it feeds the
+    // returning replica): then the gateway follows them, as it must. What it must never
+    // do is go back to a node the sentinels do not name.
+    let named = tokio::task::block_in_place(|| sentinel.primary_port());
+    let changes = if named == new {
+        assert_eq!(
+            store_status(&client, &gw).await["primary"],
+            new_address.as_str(),
+            "{}",
+            gw.logs()
+        );
+        1.0
+    } else {
+        wait_named(&client, &gw, named, Duration::from_secs(30)).await;
+        2.0
+    };
     assert_eq!(
         statuses(&client, &gw, "/exact", "k-after", 1).await,
         [429],
@@ -309,8 +320,8 @@ async fn a_failover_under_load_is_followed_and_the_limit_holds_after_it() {
     );
     assert_eq!(
         metric(&gw, "ratewall_store_primary_changes_total", &[]).await,
-        1.0,
-        "still one change: {}",
+        changes,
+        "one change per failover the sentinels made: {}",
         gw.logs()
     );
 }
