@@ -137,6 +137,7 @@ pub mod random;
 pub mod rules;
 pub mod runtime;
 pub mod server;
+pub mod service; // TEMPORARY (branch rls): main declares it
 pub mod settle;
 pub mod telemetry;
 pub mod tls;
