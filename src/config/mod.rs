@@ -18,7 +18,9 @@
 //! (`values.rs`), so their errors carry the line and column of the offending value;
 //! cross-field checks (burst against cost, duplicate rule names) point at the rule's table.
 
+mod descriptors; // issue 44 (rls): [[descriptors]] and the tree they make
 mod diff;
+mod envoy_yaml; // issue 44 (rls): [decide] envoy_config, envoyproxy/ratelimit's YAML
 mod inputs;
 mod jwt;
 mod keys;
@@ -48,6 +50,7 @@ use crate::identity::{ClientIp, KeyKind, Keys};
 use crate::limiter::store as store_settings;
 use crate::rules::{Routes, Rule, RuleIndex};
 
+pub use descriptors::{Descriptors, Leaf, Level, Limit, Node, Pattern, Unit, Wildcard};
 pub use diff::{Changes, Listed, Named};
 pub use inputs::Inputs;
 pub use jwt::{JwksFetch, Jwt};
@@ -110,6 +113,9 @@ pub struct Config {
     pub rules: Vec<Rule>,
     /// `rules`, precompiled for matching (see [`RuleIndex`]).
     pub index: RuleIndex,
+    /// issue 44 (rls): what Envoy's rate limit service calls map to (`[[descriptors]]`,
+    /// `[decide] envoy_config`), per domain.
+    pub descriptors: Descriptors,
     /// The SHA-256 (hex) of the file's text, as `sha256sum` prints it: which file is
     /// serving, on the status page. (The keys file it names is not included.)
     pub sha256: Option<String>,
@@ -143,6 +149,9 @@ struct RawConfig {
     log: server::RawLog,
     #[serde(default)]
     rules: Vec<Spanned<rules::RawRule>>,
+    /// issue 44 (rls): `[[descriptors]]`, Envoy RLS descriptors -> rules.
+    #[serde(default)]
+    descriptors: Vec<Spanned<descriptors::RawDescriptors>>,
 }
 
 /// The plans some rule has a `[rules.plans.<plan>]` table for: the only plans a key may
@@ -440,6 +449,8 @@ impl Config {
         if !server.underscores_in_headers {
             underscored_names(&keys.header, &rules, &raw.rules)?;
         }
+        // issue 44 (rls): the YAML's limits are rules of their own, appended.
+        let descriptors = descriptors::validate(&raw.descriptors, None, &mut rules)?;
         let index = RuleIndex::new(rules.iter().map(|r| &r.matcher), server.path_case);
         Ok(Config {
             admin: raw.admin.validate(env_token),
@@ -455,6 +466,7 @@ impl Config {
             log: raw.log.validate(),
             rules,
             index,
+            descriptors,
             sha256: None,
         })
     }
