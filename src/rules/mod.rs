@@ -34,7 +34,7 @@ pub enum PathMatch {
     Glob(Glob),
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Match {
     pub path: PathMatch,
     /// Empty: every method.
@@ -48,6 +48,24 @@ pub struct Match {
     /// sent by this route (its position in [`Routes::list`]). Not the index's: checked
     /// with [`Match::fits_route`] once the route is chosen.
     pub route: Option<usize>,
+    /// `proxied = false`: the rule is asked for by name alone (the decision API, Envoy's
+    /// descriptors) and never applies to a request the gateway or forward-auth sees: the
+    /// index leaves it out.
+    pub proxied: bool,
+}
+
+impl Default for Match {
+    /// Every request the gateway sees.
+    fn default() -> Self {
+        Match {
+            path: PathMatch::Any,
+            methods: Vec::new(),
+            hosts: Vec::new(),
+            carrying: Vec::new(),
+            route: None,
+            proxied: true,
+        }
+    }
 }
 
 /// `api_key = "present"`, `"header:x-user" = "absent"`: one condition of a `match` on what
@@ -210,6 +228,9 @@ impl Match {
     }
 
     fn describe_parts(&self) -> String {
+        if !self.proxied {
+            return "asked for by name only (proxied = false)".to_string();
+        }
         if matches!(self.path, PathMatch::Any) && self.methods.is_empty() && self.hosts.is_empty() {
             return "every request".to_string();
         }
