@@ -24,6 +24,9 @@ pub use index::RuleIndex;
 pub use path::{normalize_path, request_host, Glob, HostPattern, PathCase};
 pub use route::{Route, Routes};
 
+/// `settle_within`'s default.
+pub const SETTLE_WITHIN: Duration = Duration::from_secs(300);
+
 /// Which paths a rule's `match` takes.
 #[derive(Debug, Clone, Default)]
 pub enum PathMatch {
@@ -158,6 +161,9 @@ pub struct Rule {
     /// The rule whose attempts this rule counts (`charge.attempts`), where it is such a
     /// ceiling: made at load, after the file's own rules, named `<rule>.attempts`.
     pub ceiling_of: Option<String>,
+    /// How long a reservation the decision API handed out for this rule waits for its
+    /// settlement (`POST /v1/settle`); past it, the charge stands as taken.
+    pub settle_within: Duration,
 }
 
 /// `messages = { rate = "50/s", burst = 100, max_bytes = "1MiB" }`: a token bucket of
