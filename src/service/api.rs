@@ -23,6 +23,7 @@ use crate::decide::{self, Decided, Rejection, Subject};
 use crate::headers::{self, Applied, Problem, ResponseStyle};
 use crate::identity::{KeyKind, Requester};
 use crate::limiter::Algorithm;
+use crate::runtime::requests::FrontEndKind;
 use crate::runtime::Live;
 
 /// A malformed call: its status (400, 404, 413) and what is wrong, naming the field.
@@ -392,8 +393,8 @@ fn count<'a>(
     if d.dry_run {
         return;
     }
-    ctx.metrics()
-        .decided(live, &d.counts, |i| decide::named(&live.config, requester, i));
+    let named = |i| decide::named(&live.config, requester, i);
+    (ctx.metrics()).decided(live, FrontEndKind::Decide, d.disposition, &d.counts, named);
     if result.is_ok() {
         d.count_passed(live);
     }
