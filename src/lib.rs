@@ -137,7 +137,6 @@ pub mod random;
 pub mod rules;
 pub mod runtime;
 pub mod server;
-pub mod service; // TEMPORARY (branch rls): main declares it
 pub mod settle;
 pub mod telemetry;
 pub mod tls;
@@ -150,6 +149,7 @@ pub mod worker;
 // server where it is configured (`front_end::FrontEnd`), in this order.
 front_end::front_ends! {
     admin,
+    service,
 }
 
 /// The property runs the unit tests share with the integration tests (`proptest_seeds!`:

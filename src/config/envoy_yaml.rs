@@ -15,6 +15,7 @@
 use std::collections::HashSet;
 use std::num::NonZeroU64;
 use std::ops::Range;
+use std::path::{Path, PathBuf};
 
 use serde::Deserialize;
 
@@ -115,6 +116,35 @@ pub(super) fn parse(
     })
 }
 
+/// The file `[decide] envoy_config` names in `raw`, relative to `dir` (the folder of
+/// limits.toml): what [`super::Inputs`] reads for [`read`].
+pub(super) fn file(raw: &super::RawConfig, dir: &Path) -> Option<PathBuf> {
+    let d = raw.decide.as_ref()?.get_ref();
+    d.envoy_config.as_ref().map(|f| dir.join(f.trim()))
+}
+
+/// The file `[decide] envoy_config` names, from `inputs`, parsed; none where the table
+/// names none. Errors point at the `[decide]` table.
+pub(super) fn read(
+    decide: Option<&toml::Spanned<super::decide::RawDecide>>,
+    dir: &Path,
+    inputs: &super::Inputs,
+) -> Result<Option<Domains>, Invalid> {
+    let Some(d) = decide else { return Ok(None) };
+    let Some(name) = &d.get_ref().envoy_config else {
+        return Ok(None);
+    };
+    let span = Some(d.span());
+    let text = inputs.text(&dir.join(name.trim())).map_err(|e| {
+        Invalid::new(
+            span.clone(),
+            KEY,
+            format!("cannot read {name:?} (relative to this file's folder): {e}"),
+        )
+    })?;
+    parse(&text, name, span).map(Some)
+}
+
 impl Domains {
     /// Every limit into `tree`, each rule-made limit's rule appended to `rules`.
     pub(super) fn compile(
@@ -204,9 +234,11 @@ impl<'a> Walk<'a> {
         };
         let what = match (rl.unlimited, unit, rl.requests_per_unit) {
             (true, None, None) if rl.algorithm.is_none() && rl.burst.is_none() => Leaf::Unlimited,
-            (true, ..) => return Err(self.fail(&format!(
+            (true, ..) => {
+                return Err(self.fail(&format!(
                 "{at}: an unlimited rate_limit has no unit, requests_per_unit, algorithm or burst"
-            ))),
+            )))
+            }
             (false, Some(_), Some(0)) => Leaf::Blocked,
             (false, Some(unit), Some(n)) => Leaf::Rule(self.rule(d, rl, unit, n)?),
             (false, None, _) => {
@@ -253,8 +285,11 @@ impl<'a> Walk<'a> {
         self.names.insert(name.clone());
         self.rules.push(Rule {
             name,
-            // TODO(rls): `proxied: false` once main's Match has it.
-            matcher: Match::default(),
+            // Asked for by name alone: the index leaves it out of the proxy's rules.
+            matcher: Match {
+                proxied: false,
+                ..Match::default()
+            },
             // Counted by the descriptor (service::rls' identity), never by a request.
             key: Key {
                 kind: KeyKind::Global,
@@ -275,6 +310,7 @@ impl<'a> Walk<'a> {
             bytes: None,
             settle: None,
             ceiling_of: None,
+            settle_within: crate::rules::SETTLE_WITHIN,
         });
         Ok(self.rules.len() - 1)
     }

@@ -23,7 +23,11 @@ pub struct Inputs {
 }
 
 /// The environment variables read whatever the file says.
-const ENVIRONMENT: [&str; 2] = ["RATEWALL_ADMIN_TOKEN", "RATEWALL_TAG_SECRET"];
+const ENVIRONMENT: [&str; 3] = [
+    "RATEWALL_ADMIN_TOKEN",
+    "RATEWALL_TAG_SECRET",
+    "RATEWALL_DECIDE_TOKEN",
+];
 
 impl Inputs {
     /// With the environment variable `name` set to `value`.
@@ -55,7 +59,9 @@ impl Inputs {
         let keys = raw.keys.file.iter().map(|f| dir.join(f.get_ref().trim()));
         let tls = raw.server.tls.iter().flat_map(|t| t.files(dir));
         let jwt = jwt.into_iter().flat_map(|j| j.files(dir));
-        for path in keys.chain(tls).chain(jwt) {
+        // issue 44 (rls): envoyproxy/ratelimit's YAML (`[decide] envoy_config`).
+        let envoy = super::envoy_yaml::file(raw, dir);
+        for path in keys.chain(tls).chain(jwt).chain(envoy) {
             let contents = std::fs::read(&path);
             inputs.files.insert(path, contents);
         }

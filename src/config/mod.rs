@@ -18,6 +18,7 @@
 //! (`values.rs`), so their errors carry the line and column of the offending value;
 //! cross-field checks (burst against cost, duplicate rule names) point at the rule's table.
 
+pub mod decide;
 mod descriptors; // issue 44 (rls): [[descriptors]] and the tree they make
 mod diff;
 mod envoy_yaml; // issue 44 (rls): [decide] envoy_config, envoyproxy/ratelimit's YAML
@@ -116,6 +117,8 @@ pub struct Config {
     /// issue 44 (rls): what Envoy's rate limit service calls map to (`[[descriptors]]`,
     /// `[decide] envoy_config`), per domain.
     pub descriptors: Descriptors,
+    /// `[decide]`: the decision service's listener; none where the file has no such table.
+    pub decide: Option<decide::Decide>,
     /// The SHA-256 (hex) of the file's text, as `sha256sum` prints it: which file is
     /// serving, on the status page. (The keys file it names is not included.)
     pub sha256: Option<String>,
@@ -152,6 +155,10 @@ struct RawConfig {
     /// issue 44 (rls): `[[descriptors]]`, Envoy RLS descriptors -> rules.
     #[serde(default)]
     descriptors: Vec<Spanned<descriptors::RawDescriptors>>,
+    /// issue 44 (rls): `[decide] envoy_config`'s file, read (by `parse_with`).
+    #[serde(skip)]
+    envoy: Option<envoy_yaml::Domains>,
+    decide: Option<Spanned<decide::RawDecide>>,
 }
 
 /// The plans some rule has a `[rules.plans.<plan>]` table for: the only plans a key may
@@ -308,9 +315,11 @@ impl Config {
     /// Validate `text` with `inputs`: the environment's settings and the contents of the
     /// files it names, relative to `path`'s folder. Reads nothing itself.
     pub fn parse_with(text: &str, path: &Path, inputs: &Inputs) -> Result<Config, ConfigError> {
-        let raw: RawConfig = from_toml(text, path, "keys.plans.")?;
+        let mut raw: RawConfig = from_toml(text, path, "keys.plans.")?;
+        let raw_decide = raw.decide.take();
         let env_token = server::env_admin_token(inputs.var("RATEWALL_ADMIN_TOKEN"))?;
         let env_tag_secret = server::env_tag_secret(inputs.var("RATEWALL_TAG_SECRET"))?;
+        let env_decide_token = server::env_decide_token(inputs.var("RATEWALL_DECIDE_TOKEN"))?;
         let defined = defined_plans(&raw.rules);
         let dir = folder(path);
         let keys_file = match &raw.keys.file {
@@ -344,8 +353,19 @@ impl Config {
             Some(t) => Some(t.build(dir, inputs).map_err(|e| e.locate(text, path))?),
             None => None,
         };
+        // issue 44 (rls): `[decide] envoy_config`, envoyproxy/ratelimit's YAML, read as rules.
+        raw.envoy =
+            envoy_yaml::read(raw_decide.as_ref(), dir, inputs).map_err(|e| e.locate(text, path))?;
         let mut config = Config::validate(raw, keys_file, tls, env_token, dir, inputs)
             .map_err(|e| e.locate(text, path))?;
+        if let Some(d) = raw_decide {
+            let server_tls = config.server.tls.is_some();
+            config.decide = Some(
+                d.into_inner()
+                    .validate(env_decide_token, server_tls)
+                    .map_err(|e| e.locate(text, path))?,
+            );
+        }
         config.sha256 = Some(sha256_hex(text.as_bytes()));
         // `RATEWALL_TAG_SECRET` wins over the file's.
         if env_tag_secret.is_some() {
@@ -450,7 +470,7 @@ impl Config {
             underscored_names(&keys.header, &rules, &raw.rules)?;
         }
         // issue 44 (rls): the YAML's limits are rules of their own, appended.
-        let descriptors = descriptors::validate(&raw.descriptors, None, &mut rules)?;
+        let descriptors = descriptors::validate(&raw.descriptors, raw.envoy, &mut rules)?;
         let index = RuleIndex::new(rules.iter().map(|r| &r.matcher), server.path_case);
         Ok(Config {
             admin: raw.admin.validate(env_token),
@@ -467,6 +487,7 @@ impl Config {
             rules,
             index,
             descriptors,
+            decide: None,
             sha256: None,
         })
     }

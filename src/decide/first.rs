@@ -89,13 +89,13 @@ pub(super) async fn decide<'l: 'p, 'p>(
     }
     // A rule that refuses on its own (a header it counts by is missing) is left to
     // the whole request's decision, which refuses it.
-    let Ok(limits) = Limit::all(live, free, requester, asked) else {
+    let Ok(limits) = Limit::all(live, free, requester, asked, d.cost) else {
         return Ok(None);
     };
     if limits.is_empty() {
         return Ok(None);
     }
-    let (decisions, verdict, _, local) = consult(live, &limits).await;
+    let (decisions, verdict, _, local) = consult(live, &limits, d.dry_run).await;
     match (verdict, decisions) {
         (Verdict::Deny { by, jitter_us }, Some(decisions)) => {
             Err(super::deny(&limits, &decisions, by, jitter_us, d))
