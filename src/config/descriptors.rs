@@ -88,9 +88,6 @@ pub struct Limit {
     pub name: Option<String>,
     /// `rate_limit.replaces`: the limits this one sets aside where both match one call.
     pub replaces: Vec<String>,
-    /// Counted by the `remote_address` entry's address (`digest_ip`), as the rule counts
-    /// the proxy's requests, not by the descriptor's entries.
-    pub by_address: bool,
 }
 
 /// The limit itself.
@@ -254,6 +251,11 @@ impl Descriptors {
 }
 
 impl Level {
+    /// Whether no entry is below: where a descriptor's walk stops.
+    pub fn is_empty(&self) -> bool {
+        self.exact.is_empty() && self.wildcards.is_empty() && self.any.is_empty()
+    }
+
     /// The node of `key` (and `value`) at this level, made where there is none.
     fn node(&mut self, key: &str, value: Option<&str>) -> &mut Node {
         match value {
@@ -285,6 +287,36 @@ impl Level {
     }
 }
 
+/// Whether a descriptor of `entries` says who it is under a rule that counts by `kind`,
+/// as a request would (`service::rls` builds that request): the address of its
+/// `remote_address` entry (`client_ip`: the proxy's bucket for that client), the value
+/// of its entry named as the header (`header:<name>`, or `[keys] header` for `api_key`),
+/// or no one (`global`). A rule counting by a header that no entry names counts by the
+/// descriptor's entries instead.
+fn keyed(
+    kind: &KeyKind,
+    entries: &[Entry<'_>],
+    keys_header: &http::HeaderName,
+) -> Result<(), String> {
+    let open = |key: &str| {
+        entries
+            .iter()
+            .any(|e| e.key.eq_ignore_ascii_case(key) && e.value.is_none())
+    };
+    match kind {
+        KeyKind::Global | KeyKind::Header(_) => Ok(()),
+        KeyKind::ClientIp if open(REMOTE_ADDRESS) => Ok(()),
+        KeyKind::ClientIp => Err(format!(
+            "the entries need {{ key = \"{REMOTE_ADDRESS}\" }} (without value: the client's address Envoy sends)"
+        )),
+        KeyKind::ApiKey if open(keys_header.as_str()) => Ok(()),
+        KeyKind::ApiKey => Err(format!(
+            "the entries need {{ key = \"{keys_header}\" }} (without value: the key, as Envoy's request_headers action sends it)"
+        )),
+        _ => Err("a descriptor can say who it is for a rule that counts by client_ip, api_key, header:<name> or global only".into()),
+    }
+}
+
 /// `("key", "value"), ("key")`, as errors name a descriptor.
 pub(super) fn describe(entries: &[Entry<'_>]) -> String {
     let each: Vec<String> = entries
@@ -304,6 +336,7 @@ pub(super) fn validate(
     raw: &[Spanned<RawDescriptors>],
     yaml: Option<super::envoy_yaml::Domains>,
     rules: &mut Vec<Rule>,
+    keys_header: &http::HeaderName,
 ) -> Result<Descriptors, Invalid> {
     let mut tree = Descriptors::default();
     for (i, spanned) in raw.iter().enumerate() {
@@ -355,19 +388,18 @@ pub(super) fn validate(
                 value: e.value.as_deref(),
             })
             .collect();
-        // The address is the identity where it is the only entry of any value.
-        let open: Vec<&Entry<'_>> = entries
-            .iter()
-            .filter(|e| e.value.is_none_or(|v| v.contains('*')))
-            .collect();
-        let by_address = rule.key.kind == KeyKind::ClientIp
-            && matches!(open.as_slice(), [e] if e.key == REMOTE_ADDRESS && e.value.is_none());
+        keyed(&rule.key.kind, &entries, keys_header).map_err(|m| {
+            Invalid::new(
+                Some(d.rule.span()),
+                at("rule"),
+                format!("rule {name:?} counts by {}: {m}", rule.key.kind),
+            )
+        })?;
         let limit = Limit {
             what: Leaf::Rule(index),
             unit: Unit::of(&rule.quota.rate),
             name: None,
             replaces: Vec::new(),
-            by_address,
         };
         tree.insert(d.domain.get_ref(), &entries, limit)
             .map_err(|m| Invalid::new(Some(spanned.span()), format!("descriptors[{i}]"), m))?;
@@ -428,7 +460,6 @@ mod tests {
             unit: None,
             name: None,
             replaces: vec![],
-            by_address: false,
         };
         t.insert("d", &e, l.clone()).unwrap();
         let err = t.insert("d", &e, l).unwrap_err();

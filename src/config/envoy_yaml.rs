@@ -25,6 +25,19 @@ use crate::identity::{Key, KeyKind, MissingKey};
 use crate::limiter::{Algorithm, Quota};
 use crate::rules::{Match, Mode, Rule};
 
+/// The header a YAML rule counts by, `ratewall-rls.<rule>`: the rate limit service
+/// writes the digest of the descriptor's domain and entries into it (`service::rls`), so
+/// every entry's value is part of the identity, as in envoyproxy/ratelimit's cache keys.
+/// One per rule, so that one call's descriptors, each under its own rule, never share
+/// it. The decision API may name such a rule with that digest as its key.
+pub fn descriptor_header(rule: &str) -> Result<http::HeaderName, String> {
+    http::HeaderName::try_from(format!("{DESCRIPTOR_HEADER}.{rule}"))
+        .map_err(|_| format!("the rule name {rule:?} makes no header name"))
+}
+
+/// [`descriptor_header`]'s prefix.
+pub const DESCRIPTOR_HEADER: &str = "ratewall-rls";
+
 /// One domain's file (or document).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -260,7 +273,6 @@ impl<'a> Walk<'a> {
             unit,
             name: rl.name.clone(),
             replaces: rl.replaces.iter().map(|r| r.name.clone()).collect(),
-            by_address: false,
         };
         self.tree
             .insert(self.domain, &entries, limit)
@@ -283,6 +295,7 @@ impl<'a> Walk<'a> {
             .map_err(|e| self.fail(&format!("{at}: {}", e.message)))?;
         let name = self.name(rl.name.as_deref());
         self.names.insert(name.clone());
+        let header = descriptor_header(&name).map_err(|m| self.fail(&m))?;
         self.rules.push(Rule {
             name,
             // Asked for by name alone: the index leaves it out of the proxy's rules.
@@ -290,9 +303,9 @@ impl<'a> Walk<'a> {
                 proxied: false,
                 ..Match::default()
             },
-            // Counted by the descriptor (service::rls' identity), never by a request.
+            // Counted by the descriptor: `service::rls` writes its digest into this header.
             key: Key {
-                kind: KeyKind::Global,
+                kind: KeyKind::Header(header),
                 missing: MissingKey::Reject,
             },
             quota,

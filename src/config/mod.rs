@@ -21,7 +21,7 @@
 pub mod decide;
 mod descriptors; // issue 44 (rls): [[descriptors]] and the tree they make
 mod diff;
-mod envoy_yaml; // issue 44 (rls): [decide] envoy_config, envoyproxy/ratelimit's YAML
+pub mod envoy_yaml; // issue 44 (rls): [decide] envoy_config, envoyproxy/ratelimit's YAML
 mod inputs;
 mod jwt;
 mod keys;
@@ -51,7 +51,9 @@ use crate::identity::{ClientIp, KeyKind, Keys};
 use crate::limiter::store as store_settings;
 use crate::rules::{Routes, Rule, RuleIndex};
 
-pub use descriptors::{Descriptors, Leaf, Level, Limit, Node, Pattern, Unit, Wildcard};
+pub use descriptors::{
+    Descriptors, Leaf, Level, Limit, Node, Pattern, Unit, Wildcard, REMOTE_ADDRESS,
+};
 pub use diff::{Changes, Listed, Named};
 pub use inputs::Inputs;
 pub use jwt::{JwksFetch, Jwt};
@@ -470,7 +472,8 @@ impl Config {
             underscored_names(&keys.header, &rules, &raw.rules)?;
         }
         // issue 44 (rls): the YAML's limits are rules of their own, appended.
-        let descriptors = descriptors::validate(&raw.descriptors, raw.envoy, &mut rules)?;
+        let descriptors =
+            descriptors::validate(&raw.descriptors, raw.envoy, &mut rules, &keys.header)?;
         let index = RuleIndex::new(rules.iter().map(|r| &r.matcher), server.path_case);
         Ok(Config {
             admin: raw.admin.validate(env_token),
