@@ -37,6 +37,7 @@ mod perimeter;
 mod pools;
 mod refused_counted;
 mod request_path;
+mod rls; // issue 44: Envoy's rate limit service
 mod route_prefix;
 mod scale;
 mod sentinel;

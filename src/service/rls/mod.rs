@@ -290,9 +290,11 @@ async fn should_rate_limit(
                 } else {
                     RlsCode::OverLimit
                 };
-                let limit = current(a.rule.to_string(), headers::advertised(&a.quota).0, unit);
-                let left = headers::available(a);
-                statuses[i] = status(code, limit, left, a.decision.reset_us);
+                // In requests (hits), as Envoy counts: the rule's own quota, not the
+                // call's cost's, and what is left of it.
+                let q = headers::advertised(&cfg.rules[rule].quota).0;
+                let limit = current(a.rule.to_string(), q, unit);
+                statuses[i] = status(code, limit, a.decision.remaining, a.decision.reset_us);
             }
         }
         shown.extend(d.applied.iter().copied());
