@@ -34,7 +34,6 @@ use crate::identity::{KeyKind, Requester};
 use crate::limiter::Algorithm;
 use crate::runtime::requests::FrontEndKind;
 use crate::runtime::Live;
-use crate::telemetry::grpc::Code;
 use generated::envoy::config::core::v3::HeaderValue as EnvoyHeader;
 use generated::envoy::service::ratelimit::v3::rate_limit_response::{
     rate_limit, Code as RlsCode, DescriptorStatus, RateLimit,
@@ -47,6 +46,36 @@ pub const PATH: &str = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateL
 
 static GRPC_STATUS: HeaderName = HeaderName::from_static("grpc-status");
 static GRPC_MESSAGE: HeaderName = HeaderName::from_static("grpc-message");
+
+/// The gRPC statuses this service answers a call with (grpc/doc/statuscodes.md), by
+/// number. (The gateway's whole vocabulary is `telemetry::grpc::Code`; `service` keeps to
+/// ten sibling modules, and these few are all a rate limit service call can end in.)
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Code {
+    Cancelled = 1,
+    /// A malformed call: its frame, its message, its domain or descriptors.
+    InvalidArgument = 3,
+    /// A message larger than `[decide] max_body`.
+    ResourceExhausted = 8,
+    /// A compressed message.
+    Unimplemented = 12,
+    /// The store failed and `on_error = "deny"`.
+    Unavailable = 14,
+    /// A rule refused the key the descriptor gives (`[keys] unknown = "reject"`).
+    Unauthenticated = 16,
+}
+
+impl Code {
+    /// The code of a refusal answered with HTTP `status` (a key the rule does not know,
+    /// the key directory unreachable, a malformed key).
+    fn of_refusal(status: StatusCode) -> Code {
+        match status.as_u16() {
+            401 | 403 => Code::Unauthenticated,
+            503 => Code::Unavailable,
+            _ => Code::InvalidArgument,
+        }
+    }
+}
 
 /// A call that gets no `RateLimitResponse`: its gRPC status and why.
 #[derive(Debug)]
@@ -70,7 +99,7 @@ impl Status {
         let mut r = Response::new(super::full(Bytes::new()));
         let h = r.headers_mut();
         h.insert(header::CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
-        h.insert(GRPC_STATUS.clone(), HeaderValue::from_static(self.code.name()));
+        h.insert(GRPC_STATUS.clone(), HeaderValue::from(self.code as u16));
         let printable: String = self
             .message
             .chars()
@@ -275,7 +304,7 @@ async fn should_rate_limit(
             }
             Err(r) => {
                 let why = r.problem.detail.as_deref().unwrap_or("refused");
-                return Err(Status::new(Code::of_status(r.problem.status), why.to_string()));
+                return Err(Status::new(Code::of_refusal(r.problem.status), why.to_string()));
             }
         }
         for &k in &round {
