@@ -41,18 +41,18 @@ pub const DESCRIPTOR_HEADER: &str = "ratewall-rls";
 /// One domain's file (or document).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RawDomain {
+struct YamlDomain {
     domain: String,
     #[serde(default)]
-    descriptors: Vec<RawDescriptor>,
+    descriptors: Vec<YamlDescriptor>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RawDescriptor {
+struct YamlDescriptor {
     key: String,
     value: Option<String>,
-    rate_limit: Option<RawRateLimit>,
+    rate_limit: Option<YamlRateLimit>,
     #[serde(default)]
     shadow_mode: bool,
     /// envoyproxy/ratelimit's per-value statistics: accepted, and without effect here
@@ -61,15 +61,15 @@ struct RawDescriptor {
     #[allow(dead_code)]
     detailed_metric: bool,
     #[serde(default)]
-    descriptors: Vec<RawDescriptor>,
+    descriptors: Vec<YamlDescriptor>,
 }
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RawRateLimit {
+struct YamlRateLimit {
     name: Option<String>,
     #[serde(default)]
-    replaces: Vec<RawReplaces>,
+    replaces: Vec<YamlReplaces>,
     unit: Option<String>,
     requests_per_unit: Option<u64>,
     #[serde(default)]
@@ -82,13 +82,13 @@ struct RawRateLimit {
 
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct RawReplaces {
+struct YamlReplaces {
     name: String,
 }
 
 /// The file, read: its domains, and where the config names it (for errors).
 pub(super) struct Domains {
-    domains: Vec<RawDomain>,
+    domains: Vec<YamlDomain>,
     /// The file as `envoy_config` names it.
     file: String,
     /// `envoy_config`'s value in limits.toml, where its errors point.
@@ -108,7 +108,7 @@ pub(super) fn parse(
     let mut domains = Vec::new();
     for document in yaml_serde::Deserializer::from_str(text) {
         // yaml_serde's message names the path and ends with where: put where first.
-        let d = RawDomain::deserialize(document).map_err(|e| {
+        let d = YamlDomain::deserialize(document).map_err(|e| {
             let said = e.to_string();
             let message = match e.location() {
                 Some(l) => {
@@ -204,7 +204,7 @@ struct Walk<'a> {
 }
 
 impl<'a> Walk<'a> {
-    fn level(&mut self, list: &'a [RawDescriptor]) -> Result<(), Invalid> {
+    fn level(&mut self, list: &'a [YamlDescriptor]) -> Result<(), Invalid> {
         let mut here = HashSet::new();
         for d in list {
             if d.key.is_empty() {
@@ -227,7 +227,7 @@ impl<'a> Walk<'a> {
     }
 
     /// The limit `rl` of the descriptor `d` (the last of `path`).
-    fn limit(&mut self, d: &RawDescriptor, rl: &RawRateLimit) -> Result<(), Invalid> {
+    fn limit(&mut self, d: &YamlDescriptor, rl: &YamlRateLimit) -> Result<(), Invalid> {
         let at = self.describe();
         for r in &rl.replaces {
             if r.name.is_empty() {
@@ -282,8 +282,8 @@ impl<'a> Walk<'a> {
     /// The rule of a limit of `n` per `unit`: appended to the rules, its index returned.
     fn rule(
         &mut self,
-        d: &RawDescriptor,
-        rl: &RawRateLimit,
+        d: &YamlDescriptor,
+        rl: &YamlRateLimit,
         unit: Unit,
         n: u64,
     ) -> Result<usize, Invalid> {

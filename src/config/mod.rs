@@ -157,9 +157,6 @@ struct RawConfig {
     /// issue 44 (rls): `[[descriptors]]`, Envoy RLS descriptors -> rules.
     #[serde(default)]
     descriptors: Vec<Spanned<descriptors::RawDescriptors>>,
-    /// issue 44 (rls): `[decide] envoy_config`'s file, read (by `parse_with`).
-    #[serde(skip)]
-    envoy: Option<envoy_yaml::Domains>,
     decide: Option<Spanned<decide::RawDecide>>,
 }
 
@@ -356,9 +353,9 @@ impl Config {
             None => None,
         };
         // issue 44 (rls): `[decide] envoy_config`, envoyproxy/ratelimit's YAML, read as rules.
-        raw.envoy =
+        let envoy =
             envoy_yaml::read(raw_decide.as_ref(), dir, inputs).map_err(|e| e.locate(text, path))?;
-        let mut config = Config::validate(raw, keys_file, tls, env_token, dir, inputs)
+        let mut config = Config::validate(raw, keys_file, tls, env_token, dir, inputs, envoy)
             .map_err(|e| e.locate(text, path))?;
         if let Some(d) = raw_decide {
             let span = d.span();
@@ -398,6 +395,8 @@ impl Config {
         env_token: Option<values::AdminToken>,
         dir: &Path,
         inputs: &Inputs,
+        // issue 44 (rls): `[decide] envoy_config`'s file, read.
+        envoy: Option<envoy_yaml::Domains>,
     ) -> Result<Config, Invalid> {
         let store = match raw.store {
             Some(s) => {
@@ -484,8 +483,7 @@ impl Config {
             underscored_names(&keys.header, &rules, &raw.rules)?;
         }
         // issue 44 (rls): the YAML's limits are rules of their own, appended.
-        let descriptors =
-            descriptors::validate(&raw.descriptors, raw.envoy, &mut rules, &keys.header)?;
+        let descriptors = descriptors::validate(&raw.descriptors, envoy, &mut rules, &keys.header)?;
         let index = RuleIndex::new(rules.iter().map(|r| &r.matcher), server.path_case);
         Ok(Config {
             admin: raw.admin.validate(env_token),

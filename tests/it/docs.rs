@@ -322,6 +322,9 @@ fn place(name: &str) -> Option<Place> {
         "RawFailures" => Place::Within("[keys]", "failures"),
         "RawTls" | "RawCertificate" => Place::Within("[server]", "tls"),
         "RawPlanOverride" => Place::Section("[rules.plans.<plan>]"),
+        // issue 44 (rls): Envoy's descriptors.
+        "RawDescriptors" => Place::Section("[[descriptors]]"),
+        "RawEntry" => Place::Within("[[descriptors]]", "entries"),
         _ => return None,
     })
 }
