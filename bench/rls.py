@@ -3,10 +3,10 @@ three runs each (issue 44, item 2). bench/rls runs this; see its header.
 
 Pinned as bench/run's pinned table: ratewall alone on CPU 1 with one worker; the load
 (h2load, HTTP/2 with prior knowledge, N streams over C connections) and redis-server on
-CPU 0. Every call is one framed RateLimitRequest (generated with grpcio-tools from proto/,
-as tests/rls/client.py does) of one descriptor, a different user per connection's share
-of the run is not needed: one descriptor `("user", "u1")` under a YAML rule of
-1000000000 a second (fixed window), so every call is decided and allowed.
+CPU 0. Every call is the same framed RateLimitRequest (its message made with the classes
+grpcio-tools generates from proto/, as tests/rls/client.py makes them) of one descriptor,
+`("user", "u1")`, under a YAML rule of 1000000000 a second (fixed window): every call is
+decided, by the store, and allowed.
 
 decisions/s: h2load's requests per second. CPU/decision: ratewall's own user+system time
 (/proc/<pid>/stat) over the run, divided by the decisions ratewall_decisions_total counted
@@ -28,16 +28,19 @@ import urllib.request
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tests", "rls"))
+sys.path.insert(0, os.path.join(ROOT, "bench"))
+import bench as harness  # noqa: E402  (bench/bench.py: its pinning, ports and CPU clock)
 import client  # noqa: E402  (tests/rls/client.py: the message generator)
 
-SERVER_CPU, LOAD_CPU = 1, 0
+shutil.rmtree(harness.LAB, ignore_errors=True)  # bench.py's own scratch folder, unused here
+SERVER_CPU, LOAD_CPU = harness.SERVER_CPU, harness.LOAD_CPU
+wait_port = harness.wait_port
 TOKEN = "bench-rls-token-0123456789"
 CALLS = int(os.environ.get("RLS_CALLS", "200000"))
 CONNS = int(os.environ.get("RLS_CONNS", "4"))
 STREAMS = int(os.environ.get("RLS_STREAMS", "32"))
 RUNS = 3
 PATH = "/envoy.service.ratelimit.v3.RateLimitService/ShouldRateLimit"
-TICK = os.sysconf("SC_CLK_TCK")
 
 
 def free_port():
@@ -46,20 +49,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def wait_port(port, within=20):
-    end = time.time() + within
-    while time.time() < end:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=0.2).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    sys.exit(f"nothing listens on {port}")
-
-
 def cpu_secs(pid):
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / TICK
+    return sum(harness.cpu_seconds(pid))
 
 
 def decisions(admin):
@@ -95,7 +86,7 @@ def run(store, n, work, call, results, stamp):
             f'[decide]\nlisten = "127.0.0.1:{decide}"\ntoken = "{TOKEN}"\nenvoy_config = "rl.yaml"\n'
         )
     gw = subprocess.Popen(
-        ["taskset", "-c", str(SERVER_CPU), os.path.join(ROOT, "target/release/ratewall"), "--config", os.path.join(work, "limits.toml")],
+        ["taskset", "-c", str(SERVER_CPU), os.path.join(harness.RELEASE, "ratewall"), "--config", os.path.join(work, "limits.toml")],
         stdout=subprocess.DEVNULL,
         stderr=open(os.path.join(work, "ratewall.log"), "w"),
         env={**os.environ, "RUST_LOG": "warn"},
