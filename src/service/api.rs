@@ -85,7 +85,8 @@ fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Bad> {
         let at = e.path().to_string();
         let inner = e.into_inner();
         match at.as_str() {
-            "." => bad(format!("the body is not a call: {inner}")),
+            // "?": where serde_path_to_error cannot say (a body cut short).
+            "." | "?" => bad(format!("the body is not a call: {inner}")),
             at => bad(format!("{at}: {inner}")),
         }
     })
