@@ -26,8 +26,8 @@ use std::time::{Duration, Instant};
 
 use bytes::Bytes;
 use common::{
-    exact_rule, free_port, until_scrape, Gateway, HttpClient, RedisServer, Reply, Store,
-    Upstream, ALGORITHMS,
+    exact_rule, free_port, until_scrape, Gateway, HttpClient, RedisServer, Reply, Store, Upstream,
+    ALGORITHMS,
 };
 use serde_json::{json, Value};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -53,12 +53,7 @@ impl Service {
         Self::start_with(store, rules, decide, &[]).await
     }
 
-    async fn start_with(
-        store: &Store,
-        rules: &str,
-        decide: &str,
-        env: &[(&str, &str)],
-    ) -> Service {
+    async fn start_with(store: &Store, rules: &str, decide: &str, env: &[(&str, &str)]) -> Service {
         let upstream = Upstream::start().await;
         let mut last = String::new();
         for _ in 0..5 {
@@ -115,7 +110,10 @@ impl Service {
     /// One decision (always 200).
     async fn decide(&self, ask: Value) -> Value {
         let a = self.json("POST", "/v1/decide", &ask, 200).await;
-        assert_eq!(a["dry_run"], ask.get("dry_run").cloned().unwrap_or(json!(false)));
+        assert_eq!(
+            a["dry_run"],
+            ask.get("dry_run").cloned().unwrap_or(json!(false))
+        );
         a
     }
 
@@ -148,7 +146,9 @@ fn allowed(a: &Value) -> bool {
 
 /// A reservation's name: 32 hex digits.
 fn reservation(a: &Value) -> Value {
-    let r = a["reservation"].as_str().unwrap_or_else(|| panic!("no reservation: {a}"));
+    let r = a["reservation"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no reservation: {a}"));
     assert!(
         r.len() == 32 && r.bytes().all(|b| b.is_ascii_hexdigit()),
         "reservation {r:?}"
@@ -160,10 +160,16 @@ fn reservation(a: &Value) -> Value {
 fn assert_denied(a: &Value, rule: &str, what: &str) {
     assert!(!allowed(a), "{what}: {a}");
     assert_eq!(a["status"], 429, "{what}: {a}");
-    assert!(a["retry_after"].as_u64().is_some_and(|s| s >= 1), "{what}: {a}");
+    assert!(
+        a["retry_after"].as_u64().is_some_and(|s| s >= 1),
+        "{what}: {a}"
+    );
     assert_eq!(remaining(a, rule), 0, "{what}: {a}");
     assert_eq!(a["rules"][0]["allowed"], false, "{what}: {a}");
-    assert!(a.get("reservation").is_none(), "{what}: a denial reserves nothing: {a}");
+    assert!(
+        a.get("reservation").is_none(),
+        "{what}: a denial reserves nothing: {a}"
+    );
 }
 
 /// Decide `rule`/`key` until one is denied (at most `n` + 2 calls): exactly the first
@@ -171,7 +177,11 @@ fn assert_denied(a: &Value, rule: &str, what: &str) {
 async fn exactly(svc: &Service, rule: &str, key: &str, n: u64, what: &str) {
     for i in 0..n {
         let a = svc.decide(json!({"rule": rule, "key": key})).await;
-        assert!(allowed(&a), "{what}: call {} of {n} should pass: {a}", i + 1);
+        assert!(
+            allowed(&a),
+            "{what}: call {} of {n} should pass: {a}",
+            i + 1
+        );
         assert_eq!(remaining(&a, rule), n - 1 - i, "{what}: {a}");
     }
     for _ in 0..2 {
@@ -232,13 +242,10 @@ async fn raw_bytes(from: [u8; 4], port: u16, bytes: &[u8]) -> Raw {
     socket
         .bind((std::net::Ipv4Addr::from(from), 0).into())
         .expect("bind a loopback address");
-    let mut s = tokio::time::timeout(
-        common::WAIT,
-        socket.connect(([127, 0, 0, 1], port).into()),
-    )
-    .await
-    .expect("connect within the wait")
-    .expect("connect");
+    let mut s = tokio::time::timeout(common::WAIT, socket.connect(([127, 0, 0, 1], port).into()))
+        .await
+        .expect("connect within the wait")
+        .expect("connect");
     // The server may answer (413) and close before it read everything.
     let _ = s.write_all(bytes).await;
     let mut out = Vec::new();
@@ -253,7 +260,10 @@ async fn raw_bytes(from: [u8; 4], port: u16, bytes: &[u8]) -> Raw {
     })
     .await;
     let text = String::from_utf8_lossy(&out).into_owned();
-    assert!(read.is_ok() || text.contains("\r\n\r\n"), "no answer: {text:?}");
+    assert!(
+        read.is_ok() || text.contains("\r\n\r\n"),
+        "no answer: {text:?}"
+    );
     let status = common::status_of(&out);
     let (head, body) = text.split_once("\r\n\r\n").unwrap_or((&text, ""));
     Raw {
@@ -270,19 +280,25 @@ async fn raw(port: u16, method: &str, path: &str, body: &[u8]) -> Raw {
 
 /// `r` must be `status` problem+json whose detail starts with `detail`.
 fn assert_problem(r: &Raw, status: u16, detail: &str, what: &str) {
-    assert_eq!(r.status, status, "{what}: {}\n{}", r.head, r.body);
-    assert_eq!(
-        r.header("content-type"),
-        Some("application/problem+json"),
-        "{what}: {}",
-        r.head
-    );
-    assert_eq!(r.body["status"], status, "{what}: {}", r.body);
-    assert!(
-        r.detail().starts_with(detail),
-        "{what}: the detail should start with {detail:?}: {:?}",
-        r.detail()
-    );
+    if let Err(e) = check_problem(r, status, detail, what) {
+        panic!("{e}");
+    }
+}
+
+fn check_problem(r: &Raw, status: u16, detail: &str, what: &str) -> Result<(), String> {
+    if r.status != status || r.body["status"] != status {
+        return Err(format!("{what}: {} (want {status}): {}", r.status, r.body));
+    }
+    if r.header("content-type") != Some("application/problem+json") {
+        return Err(format!("{what}: not problem+json: {}", r.head));
+    }
+    if !r.detail().starts_with(detail) {
+        return Err(format!(
+            "{what}: the detail should start with {detail:?}: {:?}",
+            r.detail()
+        ));
+    }
+    Ok(())
 }
 
 /// The rules of the malformed-calls test.
@@ -317,8 +333,8 @@ async fn malformed_calls_are_refused_naming_the_field() {
         ("{\"request\":{\"path\":\"/\",\"client_ip\":\"nope\"}}", 400, "request.client_ip: invalid"),
         ("{\"request\":{\"path\":\"/\",\"headers\":{\"x-a\":5}}}", 400, "request.headers"),
         // Unknown fields, at the top and within request.
-        ("{\"rule\":\"orgs\",\"key\":\"a\",\"colour\":1}", 400, "the body is not a call: unknown field `colour`"),
-        ("{\"request\":{\"path\":\"/\",\"verb\":\"GET\"}}", 400, "request: unknown field `verb`"),
+        ("{\"rule\":\"orgs\",\"key\":\"a\",\"colour\":1}", 400, "colour: unknown field `colour`"),
+        ("{\"request\":{\"path\":\"/\",\"verb\":\"GET\"}}", 400, "request.verb: unknown field `verb`"),
         // Both forms, or neither.
         ("{\"rule\":\"orgs\",\"key\":\"a\",\"request\":{\"path\":\"/\"}}", 400, "rule: give a rule (and its key) or a request, not both"),
         ("{}", 400, "rule: give a rule (and its key) or a request"),
@@ -352,15 +368,23 @@ async fn malformed_calls_are_refused_naming_the_field() {
         ("[{\"rule\":\"orgs\",\"key\":\"a\"},{}]", 400, "[1].rule: give a rule"),
         ("[1]", 400, "[0]: invalid type"),
     ];
+    let mut wrong = Vec::new();
     for (body, status, detail) in decide_cases {
         let r = raw(port, "POST", "/v1/decide", body.as_bytes()).await;
-        assert_problem(&r, *status, detail, &format!("POST /v1/decide {body}"));
+        if let Err(e) = check_problem(&r, *status, detail, &format!("POST /v1/decide {body}")) {
+            wrong.push(e);
+        }
     }
+    assert!(wrong.is_empty(), "{}", wrong.join("\n"));
     // Every refused call charged nothing: key "a" (named by each, valid or not) is whole.
     let a = svc
         .decide(json!({"rule": "orgs", "key": "a", "dry_run": true}))
         .await;
-    assert_eq!(remaining(&a, "orgs"), N, "refused calls charged nothing: {a}");
+    assert_eq!(
+        remaining(&a, "orgs"),
+        N,
+        "refused calls charged nothing: {a}"
+    );
 
     // A batch with an item at fault fails whole, and charges none of it, even where the
     // fault is found only in its key, its cost or its described request.
@@ -400,36 +424,94 @@ async fn malformed_calls_are_refused_naming_the_field() {
             200,
         )
         .await;
-    let rem: Vec<(String, u64)> = batch
+    // (`limit` and `remaining` count requests of the call's cost: of 5, 5 - 2 = 3 left is
+    // one call of 2; 5 - 3 = 2 left, no call of 3.)
+    let rem: Vec<(String, u64, u64)> = batch
         .as_array()
         .expect("a list")
         .iter()
         .map(|a| {
+            assert!(allowed(a), "{a}");
             let rule = a["rules"][0]["rule"].as_str().expect("rule").to_string();
+            let limit = a["rules"][0]["limit"].as_u64().expect("limit");
             let r = remaining(a, &rule);
-            (rule, r)
+            (rule, limit, r)
         })
         .collect();
     assert_eq!(
         rem,
-        [("orgs".into(), 4), ("orgs".into(), 3), ("by-ip".into(), 2)],
+        [
+            ("orgs".into(), 5, 4),
+            ("orgs".into(), 2, 1),
+            ("by-ip".into(), 1, 0)
+        ],
         "{batch}"
     );
+    for (key, left) in [("b0", 4), ("b1", 3)] {
+        let a = svc
+            .decide(json!({"rule": "orgs", "key": key, "dry_run": true}))
+            .await;
+        assert_eq!(remaining(&a, "orgs"), left, "{key}: {a}");
+    }
 
     // POST /v1/settle.
     let settle_cases: Vec<(String, u16, &str)> = vec![
         ("nope".into(), 400, "the body is not a call"),
-        ("{\"reservation\":\"xyz\",\"cost\":1}".to_string(), 400, "reservation: 32 hex digits"),
-        (format!("{{\"reservation\":\"{}\",\"cost\":1}}", "g".repeat(32)), 400, "reservation: 32 hex digits"),
-        ("{\"reservation\":7,\"cost\":1}".to_string(), 400, "reservation: invalid type"),
-        ("{\"cost\":1}".to_string(), 400, "the body is not a call: missing field `reservation`"),
-        (format!("{{\"reservation\":\"{zeros}\"}}"), 400, "cost: give the real cost, or refund = true"),
-        (format!("{{\"reservation\":\"{zeros}\",\"cost\":1,\"refund\":true}}"), 400, "cost: give a cost or refund = true, not both"),
-        (format!("{{\"reservation\":\"{zeros}\",\"cost\":-2}}"), 400, "cost: invalid value"),
-        (format!("{{\"reservation\":\"{zeros}\",\"refund\":\"yes\"}}"), 400, "refund: invalid type"),
-        (format!("{{\"reservation\":\"{zeros}\",\"cost\":1,\"tip\":1}}"), 400, "the body is not a call: unknown field `tip`"),
-        (format!("{{\"reservation\":\"{zeros}\",\"cost\":1}}"), 404, "no such reservation"),
-        (format!("{{\"reservation\":\"{zeros}\",\"refund\":true}}"), 404, "no such reservation"),
+        (
+            "{\"reservation\":\"xyz\",\"cost\":1}".to_string(),
+            400,
+            "reservation: 32 hex digits",
+        ),
+        (
+            format!("{{\"reservation\":\"{}\",\"cost\":1}}", "g".repeat(32)),
+            400,
+            "reservation: 32 hex digits",
+        ),
+        (
+            "{\"reservation\":7,\"cost\":1}".to_string(),
+            400,
+            "reservation: invalid type",
+        ),
+        (
+            "{\"cost\":1}".to_string(),
+            400,
+            "the body is not a call: missing field `reservation`",
+        ),
+        (
+            format!("{{\"reservation\":\"{zeros}\"}}"),
+            400,
+            "cost: give the real cost, or refund = true",
+        ),
+        (
+            format!("{{\"reservation\":\"{zeros}\",\"cost\":1,\"refund\":true}}"),
+            400,
+            "cost: give a cost or refund = true, not both",
+        ),
+        (
+            format!("{{\"reservation\":\"{zeros}\",\"cost\":-2}}"),
+            400,
+            "cost: invalid value",
+        ),
+        (
+            format!("{{\"reservation\":\"{zeros}\",\"refund\":\"yes\"}}"),
+            400,
+            "refund: invalid type",
+        ),
+        (
+            format!("{{\"reservation\":\"{zeros}\",\"cost\":1,\"tip\":1}}"),
+            400,
+            "tip: unknown field `tip`",
+        ),
+        (
+            format!("{{\"reservation\":\"{zeros}\",\"cost\":1}}"),
+            404,
+            "no such reservation",
+        ),
+        (
+            format!("{{\"reservation\":\"{zeros}\",\"refund\":true}}"),
+            404,
+            "no such reservation",
+        ),
     ];
     for (body, status, detail) in &settle_cases {
         let r = raw(port, "POST", "/v1/settle", body.as_bytes()).await;
@@ -438,11 +520,27 @@ async fn malformed_calls_are_refused_naming_the_field() {
 
     // POST /v1/leases, PUT and DELETE /v1/leases/<id>.
     let lease_cases: &[(&str, u16, &str)] = &[
-        ("{\"rule\":\"orgs\",\"key\":\"a\"}", 400, "rule: rule \"orgs\" is not a concurrency limit"),
+        (
+            "{\"rule\":\"orgs\",\"key\":\"a\"}",
+            400,
+            "rule: rule \"orgs\" is not a concurrency limit",
+        ),
         ("{\"rule\":\"nope\",\"key\":\"a\"}", 400, rules_named),
-        ("{\"rule\":\"slots\"}", 400, "key: rule \"slots\" counts by a header's value"),
-        ("{\"key\":\"a\"}", 400, "the body is not a call: missing field `rule`"),
-        ("{\"rule\":\"slots\",\"key\":\"a\",\"ttl\":5}", 400, "the body is not a call: unknown field `ttl`"),
+        (
+            "{\"rule\":\"slots\"}",
+            400,
+            "key: rule \"slots\" counts by a header's value",
+        ),
+        (
+            "{\"key\":\"a\"}",
+            400,
+            "the body is not a call: missing field `rule`",
+        ),
+        (
+            "{\"rule\":\"slots\",\"key\":\"a\",\"ttl\":5}",
+            400,
+            "ttl: unknown field `ttl`",
+        ),
         ("[]", 400, "the body is not a call"),
     ];
     for (body, status, detail) in lease_cases {
@@ -476,17 +574,24 @@ async fn malformed_calls_are_refused_naming_the_field() {
         ("PATCH", "/v1/leases"),
     ] {
         let r = raw(port, method, path, b"").await;
-        assert_problem(&r, 405, &format!("{path} takes POST"), &format!("{method} {path}"));
+        assert_problem(
+            &r,
+            405,
+            &format!("{path} takes POST"),
+            &format!("{method} {path}"),
+        );
     }
 
     // A body past max_body (1 KiB): 413, by its length or as it arrives in chunks.
-    let big = format!(
-        "{{\"rule\":\"orgs\",\"key\":\"{}\"}}",
-        "k".repeat(2_000)
-    );
+    let big = format!("{{\"rule\":\"orgs\",\"key\":\"{}\"}}", "k".repeat(2_000));
     for path in ["/v1/decide", "/v1/settle", "/v1/leases"] {
         let r = raw(port, "POST", path, big.as_bytes()).await;
-        assert_problem(&r, 413, "the body is over [decide] max_body (1024 bytes)", path);
+        assert_problem(
+            &r,
+            413,
+            "the body is over [decide] max_body (1024 bytes)",
+            path,
+        );
     }
     let mut chunked = format!(
         "POST /v1/decide HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {TOKEN}\r\nTransfer-Encoding: chunked\r\nConnection: close\r\n\r\n"
@@ -508,8 +613,14 @@ async fn malformed_calls_are_refused_naming_the_field() {
     let ok = b"{\"rule\":\"orgs\",\"key\":\"a\"}";
     for (auth, detail) in [
         (None, "Authorization: Bearer <[decide] token> is required"),
-        (Some("Bearer not-the-decide-token"), "the bearer token is not the decision service's"),
-        (Some(format!("Basic {TOKEN}")).as_deref(), "Authorization: Bearer <[decide] token> is required"),
+        (
+            Some("Bearer not-the-decide-token"),
+            "the bearer token is not the decision service's",
+        ),
+        (
+            Some(format!("Basic {TOKEN}")).as_deref(),
+            "Authorization: Bearer <[decide] token> is required",
+        ),
     ] {
         let r = raw_from([127, 0, 0, 1], port, "POST", "/v1/decide", auth, ok).await;
         assert_problem(&r, 401, detail, &format!("token {auth:?}"));
@@ -524,12 +635,28 @@ async fn malformed_calls_are_refused_naming_the_field() {
     // 127.0.0.1 is not.
     let guesser = [127, 0, 0, 23];
     for i in 0..10 {
-        let r = raw_from(guesser, port, "POST", "/v1/decide", Some("Bearer guess-0000000000"), ok).await;
+        let r = raw_from(
+            guesser,
+            port,
+            "POST",
+            "/v1/decide",
+            Some("Bearer guess-0000000000"),
+            ok,
+        )
+        .await;
         assert_eq!(r.status, 401, "guess {i}: {}", r.body);
     }
     let mut throttled = None;
     for _ in 0..10 {
-        let r = raw_from(guesser, port, "POST", "/v1/decide", Some("Bearer guess-1111111111"), ok).await;
+        let r = raw_from(
+            guesser,
+            port,
+            "POST",
+            "/v1/decide",
+            Some("Bearer guess-1111111111"),
+            ok,
+        )
+        .await;
         if r.status == 429 {
             throttled = Some(r);
             break;
@@ -539,17 +666,40 @@ async fn malformed_calls_are_refused_naming_the_field() {
     let r = throttled.expect("a peer's failures past 10 are answered 429");
     assert!(r.header("retry-after").is_some(), "{}", r.head);
     assert_eq!(r.header("content-type"), Some("application/problem+json"));
-    let a = svc.decide(json!({"rule": "orgs", "key": "after-guesses"})).await;
-    assert!(allowed(&a), "another peer is not slowed by the guesser: {a}");
+    let a = svc
+        .decide(json!({"rule": "orgs", "key": "after-guesses"}))
+        .await;
+    assert!(
+        allowed(&a),
+        "another peer is not slowed by the guesser: {a}"
+    );
     assert_eq!(remaining(&a, "orgs"), N - 1);
 
     // No token configured (and no client certificates): 403 for every call, whatever the
     // token sent.
     let untokened = Service::start(&Store::Memory, SHAPES, "").await;
-    for (method, path) in [("POST", "/v1/decide"), ("POST", "/v1/settle"), ("POST", "/v1/leases"), ("GET", "/")] {
+    for (method, path) in [
+        ("POST", "/v1/decide"),
+        ("POST", "/v1/settle"),
+        ("POST", "/v1/leases"),
+        ("GET", "/"),
+    ] {
         for auth in [None, Some(format!("Bearer {TOKEN}"))] {
-            let r = raw_from([127, 0, 0, 1], untokened.port, method, path, auth.as_deref(), ok).await;
-            assert_problem(&r, 403, "the decision service needs [decide] token", &format!("{method} {path}"));
+            let r = raw_from(
+                [127, 0, 0, 1],
+                untokened.port,
+                method,
+                path,
+                auth.as_deref(),
+                ok,
+            )
+            .await;
+            assert_problem(
+                &r,
+                403,
+                "the decision service needs [decide] token",
+                &format!("{method} {path}"),
+            );
         }
     }
     drop(untokened);
@@ -567,7 +717,8 @@ async fn python_requests_decides_settles_and_refunds() {
         exact_rule("imports", "header:x-org", "token_bucket", N)
     );
     let svc = Service::start(&Store::Memory, &rules, &format!("token = \"{TOKEN}\"\n")).await;
-    let script = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/service/decide_client.py");
+    let script =
+        std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/service/decide_client.py");
     let out = tokio::time::timeout(
         Duration::from_secs(60),
         tokio::process::Command::new("python3")
@@ -614,7 +765,12 @@ fn algorithm_rules() -> String {
 }
 
 async fn exact_counts(store: Store, name: &str) {
-    let svc = Service::start(&store, &algorithm_rules(), &format!("token = \"{TOKEN}\"\n")).await;
+    let svc = Service::start(
+        &store,
+        &algorithm_rules(),
+        &format!("token = \"{TOKEN}\"\n"),
+    )
+    .await;
     for alg in ALGORITHMS {
         let what = |s: &str| format!("{name}/{alg}: {s}");
         let rule = alg;
@@ -628,8 +784,16 @@ async fn exact_counts(store: Store, name: &str) {
             assert_eq!(a["retry_after"], Value::Null, "{a}");
             assert_eq!(remaining(&a, rule), N - 1 - i, "{}", what("burst"));
             assert_eq!(a["rules"][0]["limit"], N, "{a}");
-            assert!(a["ratelimit"].as_str().is_some_and(|s| s.contains(rule)), "{a}");
-            assert!(a["ratelimit_policy"].as_str().is_some_and(|s| s.contains(rule)), "{a}");
+            assert!(
+                a["ratelimit"].as_str().is_some_and(|s| s.contains(rule)),
+                "{a}"
+            );
+            assert!(
+                a["ratelimit_policy"]
+                    .as_str()
+                    .is_some_and(|s| s.contains(rule)),
+                "{a}"
+            );
             held.push(reservation(&a));
         }
         for _ in 0..2 {
@@ -639,11 +803,26 @@ async fn exact_counts(store: Store, name: &str) {
 
         // A refund gives exactly one back, once.
         assert_eq!(svc.settle(&held[0], None).await, 200, "{}", what("refund"));
-        assert_eq!(svc.settle(&held[0], None).await, 404, "{}", what("a second refund"));
-        assert_eq!(svc.settle(&held[0], Some(1)).await, 404, "{}", what("a settlement after the refund"));
+        assert_eq!(
+            svc.settle(&held[0], None).await,
+            404,
+            "{}",
+            what("a second refund")
+        );
+        assert_eq!(
+            svc.settle(&held[0], Some(1)).await,
+            404,
+            "{}",
+            what("a settlement after the refund")
+        );
         exactly(&svc, rule, "burst", 1, &what("after a refund")).await;
         // Settled at its own cost: nothing changes.
-        assert_eq!(svc.settle(&held[1], Some(1)).await, 200, "{}", what("settle at 1"));
+        assert_eq!(
+            svc.settle(&held[1], Some(1)).await,
+            200,
+            "{}",
+            what("settle at 1")
+        );
         let a = svc.decide(json!({"rule": rule, "key": "burst"})).await;
         assert_denied(&a, rule, &what("settled at its cost"));
 
@@ -653,27 +832,50 @@ async fn exact_counts(store: Store, name: &str) {
         assert_eq!(svc.settle(&reservation(&a), Some(3)).await, 200);
         exactly(&svc, rule, "up", N - 3, &what("settled at 3")).await;
         // Reserved 4, settled at 1: N - 1 pass.
-        let a = svc.decide(json!({"rule": rule, "key": "down", "cost": 4})).await;
+        // (`limit` and `remaining` count requests of the call's cost: 5 / 4 and 1 / 4.)
+        let a = svc
+            .decide(json!({"rule": rule, "key": "down", "cost": 4}))
+            .await;
         assert!(allowed(&a), "{a}");
-        assert_eq!(remaining(&a, rule), N - 4, "{a}");
+        assert_eq!(
+            (a["rules"][0]["limit"].as_u64(), remaining(&a, rule)),
+            (Some(1), 0),
+            "{a}"
+        );
         assert_eq!(svc.settle(&reservation(&a), Some(1)).await, 200);
         exactly(&svc, rule, "down", N - 1, &what("reserved 4, settled at 1")).await;
         // A cost past what is left is denied and charges nothing.
-        let a = svc.decide(json!({"rule": rule, "key": "cost", "cost": 3})).await;
-        assert_eq!(remaining(&a, rule), N - 3, "{a}");
-        let a = svc.decide(json!({"rule": rule, "key": "cost", "cost": 3})).await;
+        let a = svc
+            .decide(json!({"rule": rule, "key": "cost", "cost": 3}))
+            .await;
+        assert!(allowed(&a), "{a}");
+        let a = svc
+            .decide(json!({"rule": rule, "key": "cost", "cost": 3}))
+            .await;
         assert!(!allowed(&a), "{}", what(&format!("3 of 2 left: {a}")));
         exactly(&svc, rule, "cost", N - 3, &what("a denied cost of 3")).await;
 
         // Dry runs charge nothing: 3 of them, then exactly N.
         for _ in 0..3 {
-            let a = svc.decide(json!({"rule": rule, "key": "dry", "dry_run": true})).await;
+            let a = svc
+                .decide(json!({"rule": rule, "key": "dry", "dry_run": true}))
+                .await;
             assert!(allowed(&a), "{a}");
-            assert_eq!(remaining(&a, rule), N, "{}", what(&format!("a dry run: {a}")));
-            assert!(a.get("reservation").is_none(), "a dry run holds nothing: {a}");
+            assert_eq!(
+                remaining(&a, rule),
+                N,
+                "{}",
+                what(&format!("a dry run: {a}"))
+            );
+            assert!(
+                a.get("reservation").is_none(),
+                "a dry run holds nothing: {a}"
+            );
         }
         exactly(&svc, rule, "dry", N, &what("after 3 dry runs")).await;
-        let a = svc.decide(json!({"rule": rule, "key": "dry", "dry_run": true})).await;
+        let a = svc
+            .decide(json!({"rule": rule, "key": "dry", "dry_run": true}))
+            .await;
         assert!(!allowed(&a), "a dry run says what would happen: {a}");
 
         // 100 concurrent calls for one key of a burst of 10: exactly 10 pass.
@@ -696,11 +898,16 @@ async fn exact_counts(store: Store, name: &str) {
             let r = c.await.expect("a call");
             assert_eq!(r.status, 200, "{:?}", r.body);
             let a = r.json();
-            assert!(a.get("reservation").is_none(), "{rule10} does not settle: {a}");
+            assert!(
+                a.get("reservation").is_none(),
+                "{rule10} does not settle: {a}"
+            );
             passed += usize::from(allowed(&a));
         }
         assert_eq!(passed, 10, "{}", what("100 concurrent calls, burst 10"));
-        let a = svc.decide(json!({"rule": rule10, "key": "herd", "dry_run": true})).await;
+        let a = svc
+            .decide(json!({"rule": rule10, "key": "herd", "dry_run": true}))
+            .await;
         assert_eq!(remaining(&a, &rule10), 0, "{a}");
     }
 }
@@ -728,41 +935,73 @@ const LEASE_RULES: &str = "[[rules]]\nname = \"slots\"\nmatch = { proxied = fals
 /// Take a lease of `rule` for `key`: its id where one was given.
 async fn take(svc: &Service, rule: &str, key: &str) -> Option<String> {
     let a = svc
-        .json("POST", "/v1/leases", &json!({"rule": rule, "key": key}), 200)
+        .json(
+            "POST",
+            "/v1/leases",
+            &json!({"rule": rule, "key": key}),
+            200,
+        )
         .await;
     if !allowed(&a) {
         assert!(a.get("lease").is_none(), "{a}");
         assert_eq!(a["status"], 429, "{a}");
         return None;
     }
-    let id = a["lease"].as_str().unwrap_or_else(|| panic!("no lease: {a}"));
-    assert!(id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()), "{a}");
+    let id = a["lease"]
+        .as_str()
+        .unwrap_or_else(|| panic!("no lease: {a}"));
+    assert!(
+        id.len() == 32 && id.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{a}"
+    );
     assert!(a["ttl"].as_u64().is_some_and(|t| t >= 1), "{a}");
     Some(id.to_string())
 }
 
 async fn give_back(svc: &Service, id: &str) {
-    let r = svc.json("DELETE", &format!("/v1/leases/{id}"), &json!(null), 200).await;
+    let r = svc
+        .json("DELETE", &format!("/v1/leases/{id}"), &json!(null), 200)
+        .await;
     assert_eq!(r["held"], false, "{r}");
 }
 
 async fn leases(store: Store, name: &str) {
-    let svc = Arc::new(Service::start(&store, LEASE_RULES, &format!("token = \"{TOKEN}\"\n")).await);
+    let svc =
+        Arc::new(Service::start(&store, LEASE_RULES, &format!("token = \"{TOKEN}\"\n")).await);
 
     // Exactly 4: a fifth is refused until one is given back; given back twice is 404.
     let mut ids = Vec::new();
     for i in 0..4 {
-        ids.push(take(&svc, "slots", "exact").await.unwrap_or_else(|| panic!("{name}: slot {i}")));
+        ids.push(
+            take(&svc, "slots", "exact")
+                .await
+                .unwrap_or_else(|| panic!("{name}: slot {i}")),
+        );
     }
-    assert!(take(&svc, "slots", "exact").await.is_none(), "{name}: a fifth slot");
-    assert!(take(&svc, "slots", "other-org").await.is_some(), "{name}: another key's slots");
+    assert!(
+        take(&svc, "slots", "exact").await.is_none(),
+        "{name}: a fifth slot"
+    );
+    assert!(
+        take(&svc, "slots", "other-org").await.is_some(),
+        "{name}: another key's slots"
+    );
     give_back(&svc, &ids[0]).await;
-    let r = svc.call("DELETE", &format!("/v1/leases/{}", ids[0]), &json!(null)).await;
+    let r = svc
+        .call("DELETE", &format!("/v1/leases/{}", ids[0]), &json!(null))
+        .await;
     assert_eq!(r.status, 404, "{name}: given back twice");
-    let r = svc.call("PUT", &format!("/v1/leases/{}", ids[0]), &json!(null)).await;
+    let r = svc
+        .call("PUT", &format!("/v1/leases/{}", ids[0]), &json!(null))
+        .await;
     assert_eq!(r.status, 404, "{name}: renewing one given back");
-    ids[0] = take(&svc, "slots", "exact").await.expect("the slot given back");
-    assert!(take(&svc, "slots", "exact").await.is_none(), "{name}: 4 again");
+    ids[0] = take(&svc, "slots", "exact")
+        .await
+        .expect("the slot given back");
+    assert!(
+        take(&svc, "slots", "exact").await.is_none(),
+        "{name}: 4 again"
+    );
     for id in &ids {
         give_back(&svc, id).await;
     }
@@ -776,7 +1015,8 @@ async fn leases(store: Store, name: &str) {
     let deadline = Instant::now() + Duration::from_secs(25);
     let workers: Vec<_> = (0..10)
         .map(|_| {
-            let (svc, held, most, refused) = (svc.clone(), held.clone(), most.clone(), refused.clone());
+            let (svc, held, most, refused) =
+                (svc.clone(), held.clone(), most.clone(), refused.clone());
             tokio::spawn(async move {
                 let mut taken = 0;
                 while taken < 3 {
@@ -802,12 +1042,19 @@ async fn leases(store: Store, name: &str) {
     let most = most.load(Ordering::SeqCst);
     assert!(most <= 4, "{name}: {most} leases held at once of 4 slots");
     assert!(most >= 2, "{name}: the workers never overlapped ({most})");
-    assert!(refused.load(Ordering::SeqCst) > 0, "{name}: 10 workers on 4 slots were never refused");
+    assert!(
+        refused.load(Ordering::SeqCst) > 0,
+        "{name}: 10 workers on 4 slots were never refused"
+    );
     // All given back: the 4 slots are free.
     let ids: Vec<String> = {
         let mut v = Vec::new();
         for _ in 0..4 {
-            v.push(take(&svc, "slots", "workers").await.expect("a slot once all are back"));
+            v.push(
+                take(&svc, "slots", "workers")
+                    .await
+                    .expect("a slot once all are back"),
+            );
         }
         v
     };
@@ -818,35 +1065,62 @@ async fn leases(store: Store, name: &str) {
 
     // A holder that renews keeps its slot past the TTL (2 s): renewed every 300 ms for
     // 3 s, nobody else gets it.
-    let kept = take(&svc, "crash", "renewer").await.expect("the renewer's slot");
+    let kept = take(&svc, "crash", "renewer")
+        .await
+        .expect("the renewer's slot");
     let until = Instant::now() + Duration::from_secs(3);
     while Instant::now() < until {
         tokio::time::sleep(Duration::from_millis(300)).await;
-        let r = svc.json("PUT", &format!("/v1/leases/{kept}"), &json!(null), 200).await;
+        let r = svc
+            .json("PUT", &format!("/v1/leases/{kept}"), &json!(null), 200)
+            .await;
         assert_eq!(r["held"], true, "{r}");
         assert_eq!(r["ttl"], 2, "{r}");
-        assert!(take(&svc, "crash", "renewer").await.is_none(), "{name}: a renewed slot taken");
+        assert!(
+            take(&svc, "crash", "renewer").await.is_none(),
+            "{name}: a renewed slot taken"
+        );
     }
     give_back(&svc, &kept).await;
 
     // A holder that crashed (takes a lease, never renews nor gives it back): its slot is
     // back after the TTL, not before.
     let t0 = Instant::now();
-    let crashed = take(&svc, "crash", "crasher").await.expect("the crasher's slot");
-    assert!(take(&svc, "crash", "crasher").await.is_none(), "{name}: the slot is held");
+    let crashed = take(&svc, "crash", "crasher")
+        .await
+        .expect("the crasher's slot");
+    assert!(
+        take(&svc, "crash", "crasher").await.is_none(),
+        "{name}: the slot is held"
+    );
     let end = t0 + Duration::from_secs(15);
     let back = loop {
         tokio::time::sleep(Duration::from_millis(200)).await;
         if let Some(id) = take(&svc, "crash", "crasher").await {
             break (t0.elapsed(), id);
         }
-        assert!(Instant::now() < end, "{name}: a crashed holder's slot not back within 15 s (TTL 2 s)");
+        assert!(
+            Instant::now() < end,
+            "{name}: a crashed holder's slot not back within 15 s (TTL 2 s)"
+        );
     };
-    assert!(back.0 >= Duration::from_millis(1_900), "{name}: back after {:?}, before its TTL", back.0);
+    assert!(
+        back.0 >= Duration::from_millis(1_900),
+        "{name}: back after {:?}, before its TTL",
+        back.0
+    );
     // The crashed lease is gone: renewing or giving it back is 404.
-    let r = svc.call("PUT", &format!("/v1/leases/{crashed}"), &json!(null)).await;
-    assert_eq!(r.status, 404, "{name}: a lapsed lease renewed: {:?}", r.body);
-    let r = svc.call("DELETE", &format!("/v1/leases/{crashed}"), &json!(null)).await;
+    let r = svc
+        .call("PUT", &format!("/v1/leases/{crashed}"), &json!(null))
+        .await;
+    assert_eq!(
+        r.status, 404,
+        "{name}: a lapsed lease renewed: {:?}",
+        r.body
+    );
+    let r = svc
+        .call("DELETE", &format!("/v1/leases/{crashed}"), &json!(null))
+        .await;
     assert_eq!(r.status, 404, "{name}: a lapsed lease given back");
     give_back(&svc, &back.1).await;
 }
@@ -888,13 +1162,28 @@ async fn shared_bucket(store: Store, name: &str) {
     for i in 0..3 {
         assert_eq!(proxy_status(&svc, "k1").await, 200, "{name}: proxied {i}");
     }
-    let a = svc.decide(json!({"rule": "api", "key": "k1", "dry_run": true})).await;
+    let a = svc
+        .decide(json!({"rule": "api", "key": "k1", "dry_run": true}))
+        .await;
     assert_eq!(remaining(&a, "api"), 2, "{name}: after 3 proxied: {a}");
-    exactly(&svc, "api", "k1", 2, &format!("{name}: the API after 3 proxied")).await;
-    assert_eq!(proxy_status(&svc, "k1").await, 429, "{name}: the proxy after the API");
+    exactly(
+        &svc,
+        "api",
+        "k1",
+        2,
+        &format!("{name}: the API after 3 proxied"),
+    )
+    .await;
+    assert_eq!(
+        proxy_status(&svc, "k1").await,
+        429,
+        "{name}: the proxy after the API"
+    );
     // And the other way: 2 through the API, then exactly 3 through the proxy.
     for _ in 0..2 {
-        assert!(allowed(&svc.decide(json!({"rule": "api", "key": "k2"})).await));
+        assert!(allowed(
+            &svc.decide(json!({"rule": "api", "key": "k2"})).await
+        ));
     }
     let statuses = [
         proxy_status(&svc, "k2").await,
@@ -902,7 +1191,11 @@ async fn shared_bucket(store: Store, name: &str) {
         proxy_status(&svc, "k2").await,
         proxy_status(&svc, "k2").await,
     ];
-    assert_eq!(statuses, [200, 200, 200, 429], "{name}: the proxy after 2 through the API");
+    assert_eq!(
+        statuses,
+        [200, 200, 200, 429],
+        "{name}: the proxy after 2 through the API"
+    );
     // The API-only rule is the API's: 1 per key.
     exactly(&svc, "api-only", "k1", 1, &format!("{name}: api-only")).await;
 
@@ -916,13 +1209,19 @@ async fn shared_bucket(store: Store, name: &str) {
     ];
     let holds = |m: &common::Scrape| {
         want.iter().all(|(f, d, v)| {
-            m.find("ratewall_decisions_total", &[("frontend", f), ("decision", d)]) == Some(*v)
+            m.find(
+                "ratewall_decisions_total",
+                &[("frontend", f), ("decision", d)],
+            ) == Some(*v)
         })
     };
     let m = until_scrape(&svc.gw, "ratewall_decisions_total by frontend", holds).await;
     for (f, d, v) in want {
         assert_eq!(
-            m.find("ratewall_decisions_total", &[("frontend", f), ("decision", d)]),
+            m.find(
+                "ratewall_decisions_total",
+                &[("frontend", f), ("decision", d)]
+            ),
             Some(v),
             "{name}: {f}/{d}"
         );
@@ -930,7 +1229,11 @@ async fn shared_bucket(store: Store, name: &str) {
     for f in ["proxy", "decide", "rls", "forward_auth"] {
         for d in ["refused", "error"] {
             assert_eq!(
-                m.find("ratewall_decisions_total", &[("frontend", f), ("decision", d)]).unwrap_or(0.0),
+                m.find(
+                    "ratewall_decisions_total",
+                    &[("frontend", f), ("decision", d)]
+                )
+                .unwrap_or(0.0),
                 0.0,
                 "{name}: {f}/{d}"
             );
@@ -939,7 +1242,11 @@ async fn shared_bucket(store: Store, name: &str) {
     for d in ["allowed", "denied"] {
         for f in ["rls", "forward_auth"] {
             assert_eq!(
-                m.find("ratewall_decisions_total", &[("frontend", f), ("decision", d)]).unwrap_or(0.0),
+                m.find(
+                    "ratewall_decisions_total",
+                    &[("frontend", f), ("decision", d)]
+                )
+                .unwrap_or(0.0),
                 0.0,
                 "{name}: {f}/{d}"
             );

@@ -74,10 +74,11 @@ e = decide()
 assert e["allowed"] is False and e["status"] == 429 and e["retry_after"] >= 1, e
 assert "reservation" not in e, e
 
-# A batch from the same library: a list answered in order.
+# A batch from the same library: a list answered in order (`limit` and `remaining`
+# count requests of each call's cost: 3 left of 5 is 1 call of 2).
 batch = post("/v1/decide", [{"rule": rule, "key": key + "-b", "cost": 2},
                             {"rule": rule, "key": key + "-c", "cost": 1}])
-assert [remaining(x) for x in batch] == [3, 4], batch
+assert [(x["rules"][0]["limit"], remaining(x)) for x in batch] == [(2, 1), (5, 4)], batch
 
 # The token is checked: a wrong one is 401 with its challenge.
 r = requests.post(base + "/v1/decide", json={"rule": rule, "key": key},
