@@ -53,6 +53,7 @@ impl Service {
         Self::start_with(store, rules, decide, &[]).await
     }
 
+    /// [`Service::start`], the gateway run with `env` besides.
     async fn start_with(store: &Store, rules: &str, decide: &str, env: &[(&str, &str)]) -> Service {
         let upstream = Upstream::start().await;
         let mut last = String::new();
@@ -703,6 +704,32 @@ async fn malformed_calls_are_refused_naming_the_field() {
         }
     }
     drop(untokened);
+
+    // RATEWALL_DECIDE_TOKEN wins over the file's token.
+    let by_env = Service::start_with(
+        &Store::Memory,
+        SHAPES,
+        "token = \"the-file-token-0123456789\"\n",
+        &[("RATEWALL_DECIDE_TOKEN", TOKEN)],
+    )
+    .await;
+    let a = by_env.decide(json!({"rule": "orgs", "key": "env"})).await;
+    assert!(allowed(&a), "{a}");
+    let r = raw_from(
+        [127, 0, 0, 1],
+        by_env.port,
+        "POST",
+        "/v1/decide",
+        Some("Bearer the-file-token-0123456789"),
+        ok,
+    )
+    .await;
+    assert_problem(
+        &r,
+        401,
+        "the bearer token is not the decision service's",
+        "the file's token",
+    );
     drop(svc);
 }
 
