@@ -343,6 +343,11 @@ async fn malformed_calls_are_refused_naming_the_field() {
         ("{\"key\":\"a\"}", 400, "rule: a key needs the rule"),
         // Costs no quota takes.
         ("{\"rule\":\"orgs\",\"key\":\"a\",\"cost\":0}", 400, "cost: at least 1"),
+        (
+            "{\"request\":{\"path\":\"/\"},\"cost\":2}",
+            400,
+            "cost: for a rule and its key",
+        ),
         ("{\"rule\":\"orgs\",\"key\":\"a\",\"cost\":6}", 400, "cost: 6 is more than rule \"orgs\" ever allows"),
         // Keys the rule cannot count by.
         ("{\"rule\":\"by-ip\",\"key\":\"not-an-ip\"}", 400, "key: \"not-an-ip\" is not an IP address"),
