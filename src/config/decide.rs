@@ -5,13 +5,12 @@
 //! `[server.tls] client_ca`, a verified client certificate.
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use http::StatusCode;
 use serde::Deserialize;
 use toml::Spanned;
 
-use super::values::{AdminToken, ByteSize, HumanDuration};
+use super::values::{AdminToken, ByteSize};
 use super::Invalid;
 
 /// The validated `[decide]` table.
@@ -27,9 +26,6 @@ pub struct Decide {
     pub max_body: u64,
     /// The most decisions in one batch (`max_batch`, default 100).
     pub max_batch: usize,
-    /// How long a lease lives unless renewed (`lease_ttl`, default 60 s); a call may ask
-    /// for less.
-    pub lease_ttl: Duration,
     /// The status forward-auth denies with (`forward_auth = { deny_status = 403 }`;
     /// default 429). nginx's `auth_request` takes only 2xx, 401 and 403.
     pub forward_auth_deny: StatusCode,
@@ -47,7 +43,6 @@ impl std::fmt::Debug for Decide {
             .field("tls", &self.tls)
             .field("max_body", &self.max_body)
             .field("max_batch", &self.max_batch)
-            .field("lease_ttl", &self.lease_ttl)
             .field("forward_auth_deny", &self.forward_auth_deny)
             .field("envoy_config", &self.envoy_config)
             .finish()
@@ -59,7 +54,6 @@ pub const LISTEN: SocketAddr =
     SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 8081);
 pub const MAX_BODY: u64 = 1024 * 1024;
 pub const MAX_BATCH: usize = 100;
-pub const LEASE_TTL: Duration = Duration::from_secs(60);
 
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -69,7 +63,6 @@ pub(super) struct RawDecide {
     tls: Option<Spanned<bool>>,
     max_body: Option<ByteSize>,
     max_batch: Option<Spanned<usize>>,
-    lease_ttl: Option<HumanDuration>,
     forward_auth: Option<RawForwardAuth>,
     pub(super) envoy_config: Option<String>,
 }
@@ -126,7 +119,6 @@ impl RawDecide {
             tls,
             max_body: self.max_body.map_or(MAX_BODY, |b| b.0),
             max_batch,
-            lease_ttl: self.lease_ttl.map_or(LEASE_TTL, |d| d.0),
             forward_auth_deny,
             envoy_config: self.envoy_config,
         })

@@ -27,10 +27,10 @@ use crate::runtime::requests::FrontEndKind;
 use crate::runtime::Live;
 
 /// A malformed call: its status (400, 404, 413) and what is wrong, naming the field.
-type Bad = Problem;
+type Bad = Box<Problem>;
 
 fn bad(detail: impl Into<String>) -> Bad {
-    Problem::new(StatusCode::BAD_REQUEST, detail.into())
+    Box::new(Problem::new(StatusCode::BAD_REQUEST, detail.into()))
 }
 
 pub(super) async fn call(ctx: &Ctx, req: Request<Incoming>) -> Reply {
@@ -52,16 +52,16 @@ async fn route(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
                 .ok_or_else(|| not_found("no such lease (a lease is named by 32 hex digits)"))?;
             lease_update(ctx, &method, id).await
         }
-        (_, "/v1/decide" | "/v1/settle" | "/v1/leases") => Err(Problem::new(
+        (_, "/v1/decide" | "/v1/settle" | "/v1/leases") => Err(Box::new(Problem::new(
             StatusCode::METHOD_NOT_ALLOWED,
             format!("{path} takes POST"),
-        )),
+        ))),
         _ => Err(not_found("no such call: see docs/service.md")),
     }
 }
 
 fn not_found(detail: &'static str) -> Bad {
-    Problem::new(StatusCode::NOT_FOUND, detail)
+    Box::new(Problem::new(StatusCode::NOT_FOUND, detail))
 }
 
 /// The body, whole, up to `[decide] max_body`.
@@ -70,10 +70,10 @@ async fn body(live: &Live, req: Request<Incoming>) -> Result<Bytes, Bad> {
     let limit = usize::try_from(max).unwrap_or(usize::MAX);
     match Limited::new(req.into_body(), limit).collect().await {
         Ok(b) => Ok(b.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(Problem::new(
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(Box::new(Problem::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             format!("the body is over [decide] max_body ({max} bytes)"),
-        )),
+        ))),
         Err(e) => Err(bad(format!("the body could not be read: {e}"))),
     }
 }
@@ -202,9 +202,9 @@ async fn decide_call(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
 }
 
 /// `p`, for the batch's `i`th call.
-fn at_index(i: usize, p: Problem) -> Problem {
-    match p.detail {
-        Some(d) => Problem::new(p.status, format!("[{i}].{d}")),
+fn at_index(i: usize, p: Bad) -> Bad {
+    match &p.detail {
+        Some(d) => Box::new(Problem::new(p.status, format!("[{i}].{d}"))),
         None => p,
     }
 }
@@ -527,11 +527,13 @@ async fn settle_call(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
         ));
     };
     if !settling.settle_all(cost).await {
-        return Err(Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the rate-limit store did not take the settlement: the reservation stands as charged",
-        )
-        .with_retry_after(1));
+        return Err(Box::new(
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the rate-limit store did not take the settlement: the reservation stands as charged",
+            )
+            .with_retry_after(1),
+        ));
     }
     Ok(json(
         StatusCode::OK,
@@ -575,28 +577,23 @@ async fn lease_call(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
                 a.ttl = Some(ttl.as_secs().max(1));
             }
             Err(grants::Full) => {
-                return Err(Problem::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "too many leases are held: none was taken",
-                )
-                .with_retry_after(1))
+                return Err(Box::new(
+                    Problem::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "too many leases are held: none was taken",
+                    )
+                    .with_retry_after(1),
+                ))
             }
         }
     }
     Ok(json(StatusCode::OK, &a))
 }
 
-/// How long a lease of the rule at `index` lives unrenewed: the rule's `lease_ttl`, else
-/// `[decide] lease_ttl`.
+/// How long a lease of the rule at `index` lives unrenewed: the rule's `lease_ttl`, the
+/// TTL its slot has in a shared store too.
 fn lease_ttl(live: &Live, index: usize) -> std::time::Duration {
-    let q = &live.config.rules[index].quota;
-    if q.lease_us > 0 {
-        return std::time::Duration::from_micros(q.lease_us);
-    }
-    live.config
-        .decide
-        .as_ref()
-        .map_or(crate::config::decide::LEASE_TTL, |d| d.lease_ttl)
+    std::time::Duration::from_micros(live.config.rules[index].quota.lease_us)
 }
 
 #[derive(Serialize)]

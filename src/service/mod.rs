@@ -178,27 +178,29 @@ impl Ctx {
         peer: IpAddr,
         client_cert: Option<[u8; 32]>,
         req: &Request<Incoming>,
-    ) -> Result<(), Problem> {
+    ) -> Result<(), Box<Problem>> {
         let live = self.live();
         let Some(decide) = &live.config.decide else {
-            return Err(Problem::new(StatusCode::FORBIDDEN, "[decide] is not configured"));
+            return Err(Box::new(Problem::new(StatusCode::FORBIDDEN, "[decide] is not configured")));
         };
         if client_cert.is_some() {
             return Ok(());
         }
         let Some(token) = &decide.token else {
-            return Err(Problem::new(
+            return Err(Box::new(Problem::new(
                 StatusCode::FORBIDDEN,
                 "the decision service needs [decide] token (or RATEWALL_DECIDE_TOKEN), or client certificates",
-            ));
+            )));
         };
         let now = self.guard.now_ms();
         let charged = self.guard.charge(peer, now).map_err(|wait_ms| {
-            Problem::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "too many calls with a wrong token from this address",
+            Box::new(
+                Problem::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "too many calls with a wrong token from this address",
+                )
+                .with_retry_after(wait_ms.div_ceil(1000).max(1)),
             )
-            .with_retry_after(wait_ms.div_ceil(1000).max(1))
         })?;
         let given = req
             .headers()
@@ -218,7 +220,9 @@ impl Ctx {
         if let Some(times) = self.guard.log_due(now) {
             tracing::warn!(%peer, times, "decision service calls refused for their token (missing or wrong)");
         }
-        Err(Problem::new(StatusCode::UNAUTHORIZED, detail).with_challenge(challenge))
+        Err(Box::new(
+            Problem::new(StatusCode::UNAUTHORIZED, detail).with_challenge(challenge),
+        ))
     }
 }
 
