@@ -52,6 +52,10 @@ async fn route(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
                 .ok_or_else(|| not_found("no such lease (a lease is named by 32 hex digits)"))?;
             lease_update(ctx, &method, id).await
         }
+        (_, p) if p.starts_with("/v1/leases/") => Err(Box::new(Problem::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "a lease takes PUT (renew) or DELETE (give back)",
+        ))),
         (_, "/v1/decide" | "/v1/settle" | "/v1/leases") => Err(Box::new(Problem::new(
             StatusCode::METHOD_NOT_ALLOWED,
             format!("{path} takes POST"),
