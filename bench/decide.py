@@ -33,6 +33,7 @@ and Redis' CPU are not in it (Redis' is printed apart).
 
     bench/decide                  # BENCH_SECS=8 RUNS=3
     CALLGRIND=1 bench/decide      # also instructions per decision under callgrind
+    CALLGRIND=only bench/decide   # only those
 
 Everything listens on 127.0.0.1, runs for a bounded time and is stopped at the end.
 """
@@ -53,7 +54,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import bench  # noqa: E402  (bench/bench.py: its helpers, LAB, SECS, RUNS, CONNS, THREADS)
 from bench import HERE, LAB, RELEASE, SERVER_CPU, LOAD_CPU, cpu_us, verdict  # noqa: E402
 
-CALLGRIND = os.environ.get("CALLGRIND", "0") == "1"
+# CALLGRIND=1: instructions per decision under callgrind too; CALLGRIND=only: those alone.
+CALLGRIND = os.environ.get("CALLGRIND", "0") in ("1", "only")
+CALLGRIND_ONLY = os.environ.get("CALLGRIND", "0") == "only"
 TOKEN = "bench-decide-token-0123456789"
 UPSTREAM, REDIS = 19480, 19479
 MEMORY_PROXY, MEMORY_DECIDE, REDIS_PROXY, REDIS_DECIDE = 19481, 19482, 19483, 19484
@@ -140,6 +143,16 @@ def instructions():
     return counts
 
 
+def print_instructions(counts, rev):
+    print()
+    print(f"instructions under callgrind at {rev} (each gateway alone under valgrind on CPU {SERVER_CPU}, wrk -c8 "
+          f"{bench.CALLGRIND_SECS}s after a 3 s warm-up; no SHA-NI under valgrind):")
+    for store, (single, batched, proxied) in counts.items():
+        print(f"  ratewall {store:7} decide 1 a call {single:9,.0f}/decision   10 a call {batched:9,.0f}/decision"
+              f"   proxied /api {proxied:9,.0f}/request   (1 a call / proxied {single / proxied:.2f}x,"
+              f" 10 a call / 3 proxied {batched * BATCH / (3 * proxied):.2f}x)")
+
+
 def main():
     for tool in ("nginx", "wrk", "redis-server", "redis-cli", "taskset") + (
             ("valgrind", "callgrind_control") if CALLGRIND else ()):
@@ -181,6 +194,9 @@ def main():
         ("nginx auth_request + limit_req", NGINX_DECIDE, "decide.d/single.lua", False, servers["nginx"]),
         ("nginx limit_req: proxied /api", NGINX_PROXY, "decide.d/proxied.lua", False, servers["nginx"]),
     ]
+    if CALLGRIND_ONLY:
+        print_instructions(instructions(), rev)
+        return
     med = bench.measure(targets, (REDIS, redis), LOAD_CPU, "decide ")
     counts = instructions() if CALLGRIND else {}
 
@@ -214,12 +230,7 @@ def main():
     print(" redis-server's CPU per decision; CPU vs nginx: CPU per decision over nginx auth_request + limit_req's;")
     print(" dec./s vs nginx: decisions/s over its; CPU vs proxied: per decision over a proxied request's, same store)")
     if counts:
-        print()
-        print(f"instructions under callgrind (each gateway alone under valgrind, wrk -c8 {bench.CALLGRIND_SECS}s after "
-              f"a 3 s warm-up; no SHA-NI under valgrind):")
-        for store, (single, batched, proxied) in counts.items():
-            print(f"  ratewall {store:7} decide 1 a call {single:9,.0f}/decision   10 a call {batched:9,.0f}/decision"
-                  f"   proxied /api {proxied:9,.0f}/request")
+        print_instructions(counts, rev)
     print()
     print("targets (issue 44): a decision costs less CPU than a proxied request, a call of 10 less than 3")
     for store in ("memory", "redis"):
