@@ -209,9 +209,9 @@ def main():
     print(f"decide (issue 44) at {rev}: each server alone on CPU {SERVER_CPU}, one worker; wrk, the upstream "
           f"(nginx, 1 worker) and Redis on CPU {LOAD_CPU}")
     print(f"median of {bench.RUNS} rounds, wrk -t{bench.THREADS} -c{bench.CONNS} -d{bench.SECS}s a case")
-    print(f"{'':38}{'calls/s':>9}{'decis./s':>10}{'p99 ms':>8}{'non2xx':>7}{'CPU us':>8}{'CPU us':>8}"
+    print(f"{'':38}{'calls/s':>9}{'decis./s':>10}{'p99 ms':>8}{'non2xx':>7}{'CPU us/call':>13}{'CPU us':>8}"
           f"{'Redis':>7}{'Redis us':>9}{'CPU vs':>8}{'dec./s vs':>10}{'CPU vs':>8}")
-    print(f"{'':38}{'':>9}{'':>10}{'':>8}{'':>7}{'/call':>8}{'/dec.':>8}{'/dec.':>7}{'/dec.':>9}"
+    print(f"{'':38}{'':>9}{'':>10}{'':>8}{'':>7}{'user+sys':>13}{'/dec.':>8}{'/dec.':>7}{'/dec.':>9}"
           f"{'nginx':>8}{'nginx':>10}{'proxied':>8}")
     for name, *_ in targets:
         m, k = med[name], per(name)
@@ -221,12 +221,14 @@ def main():
         redis_calls = "" if m["redis_per_req"] is None else f"{m['redis_per_req'] / k:.3f}"
         redis_us = "" if m["redis_us"] is None else f"{m['redis_us'] / k:.1f}"
         vs_proxied = "" if proxied is None or proxied is m else f"{cpu / k / cpu_us(proxied):.2f}x"
-        print(f"{name:38}{m['rps']:>9.0f}{m['rps'] * k:>10.0f}{m['p99']:>8.2f}{m['non2xx']:>7.0f}{cpu:>8.1f}"
+        split = f"{m['user_us']:.1f}+{m['sys_us']:.1f}"
+        print(f"{name:38}{m['rps']:>9.0f}{m['rps'] * k:>10.0f}{m['p99']:>8.2f}{m['non2xx']:>7.0f}{split:>13}"
               f"{cpu / k:>8.2f}{redis_calls:>7}{redis_us:>9}{cpu / k / peer_cpu:>7.2f}x"
               f"{m['rps'] * k / peer['rps']:>9.2f}x{vs_proxied:>8}")
     print("(a call: one wrk request; a decision: one key decided (a proxied request: one request); CPU: user +")
     print(" system time of the server under test (ratewall: the one process, all its threads; nginx: master and")
-    print(" worker), not the upstream's nor Redis'; Redis /dec.: script calls per decision, Redis us/dec.:")
+    print(" worker), not the upstream's nor Redis', each the median of the rounds' (CPU us/dec.: their sum over")
+    print(" the decisions of a call); Redis /dec.: script calls per decision, Redis us/dec.:")
     print(" redis-server's CPU per decision; CPU vs nginx: CPU per decision over nginx auth_request + limit_req's;")
     print(" dec./s vs nginx: decisions/s over its; CPU vs proxied: per decision over a proxied request's, same store)")
     if counts:
