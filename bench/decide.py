@@ -25,7 +25,7 @@ X-Api-Key, which the nginx peer keys by), batch.lua (a list of 10 such) and prox
 (GET /api/items, X-Api-Key). Before measuring, each server is checked: ratewall's
 answers allowed by rule r (ten of them for a list), its proxied answer carrying
 RateLimit, a wrong token refused (401) by ratewall and nginx, and nginx's tight twin
-(1 r/m, burst 2) denying the third call past its burst with 429.
+(1 r/m, burst 2) answering the fourth call in a row 429 (one at the rate, two of burst).
 
 CPU per decision: the server process's user + system time (/proc, all its threads and
 processes) over the decisions wrk completed; a batch call is 10 decisions. The upstream's
