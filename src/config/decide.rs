@@ -20,6 +20,9 @@ pub struct Decide {
     /// The bearer token a call needs (none: only a verified client certificate is
     /// believed; without `tls` and a client CA, every call is refused with 403).
     pub token: Option<String>,
+    /// The token's SHA-256, what a call's token is compared with (its digest, byte by
+    /// byte: a compare that tells neither where they differ nor how long it is), made once.
+    pub token_sha256: Option<[u8; 32]>,
     /// Serve TLS with `[server.tls]`'s certificates and client CA.
     pub tls: bool,
     /// The largest request body read (`max_body`, default 1 MiB): past it, 413.
@@ -113,9 +116,13 @@ impl RawDecide {
                 }
             },
         };
+        let token = env_token.or(self.token).map(|t| t.0);
         Ok(Decide {
             listen: self.listen.unwrap_or(LISTEN),
-            token: env_token.or(self.token).map(|t| t.0),
+            token_sha256: token
+                .as_ref()
+                .map(|t| crate::identity::sha256(t.as_bytes())),
+            token,
             tls,
             max_body: self.max_body.map_or(MAX_BODY, |b| b.0),
             max_batch,

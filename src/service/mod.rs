@@ -186,7 +186,7 @@ impl Ctx {
         if client_cert.is_some() {
             return Ok(());
         }
-        let Some(token) = &decide.token else {
+        let Some(token) = &decide.token_sha256 else {
             return Err(Box::new(Problem::new(
                 StatusCode::FORBIDDEN,
                 "the decision service needs [decide] token (or RATEWALL_DECIDE_TOKEN), or client certificates",
@@ -210,7 +210,7 @@ impl Ctx {
             "Bearer realm=\"ratewall decide\"",
         ));
         let detail = match given {
-            Some(t) if crate::front_end::constant_time_eq(t, token.as_bytes()) => {
+            Some(t) if crate::front_end::same_digest(&crate::identity::sha256(t), token) => {
                 self.guard.refund(charged, now);
                 return Ok(());
             }
