@@ -23,7 +23,11 @@ pub struct Inputs {
 }
 
 /// The environment variables read whatever the file says.
-const ENVIRONMENT: [&str; 2] = ["RATEWALL_ADMIN_TOKEN", "RATEWALL_TAG_SECRET"];
+const ENVIRONMENT: [&str; 3] = [
+    "RATEWALL_ADMIN_TOKEN",
+    "RATEWALL_TAG_SECRET",
+    "RATEWALL_DECIDE_TOKEN",
+];
 
 impl Inputs {
     /// With the environment variable `name` set to `value`.

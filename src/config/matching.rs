@@ -30,6 +30,9 @@ pub(super) struct RawMatch {
     headers: Vec<(HeaderName, Spanned<Presence>)>,
     /// Rules only: the route (by name) a request must have been sent by.
     route: Option<Spanned<String>>,
+    /// Rules only: `proxied = false`, a rule asked for by name alone (the decision API,
+    /// Envoy's descriptors), never applied to a request the gateway sees.
+    proxied: Option<Spanned<bool>>,
 }
 
 /// The value of an identity condition in `match`.
@@ -50,6 +53,7 @@ enum MatchKey {
     ApiKey,
     Header(HeaderName),
     Route,
+    Proxied,
 }
 
 const MATCH_KEYS: &[&str] = &[
@@ -61,6 +65,7 @@ const MATCH_KEYS: &[&str] = &[
     "api_key",
     "header:<name>",
     "route",
+    "proxied",
 ];
 
 impl<'de> Deserialize<'de> for MatchKey {
@@ -74,6 +79,7 @@ impl<'de> Deserialize<'de> for MatchKey {
             "host" => MatchKey::Host,
             "api_key" => MatchKey::ApiKey,
             "route" => MatchKey::Route,
+            "proxied" => MatchKey::Proxied,
             other => match other.strip_prefix("header:") {
                 Some(name) => HeaderName::from_bytes(name.trim().as_bytes())
                     .map(MatchKey::Header)
@@ -92,7 +98,7 @@ impl<'de> Deserialize<'de> for RawMatch {
 
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str(
-                    "a table of path_prefix, path, glob, methods, host, api_key, \"header:<name>\", route",
+                    "a table of path_prefix, path, glob, methods, host, api_key, \"header:<name>\", route, proxied",
                 )
             }
 
@@ -107,6 +113,7 @@ impl<'de> Deserialize<'de> for RawMatch {
                         MatchKey::Host => m.host = map.next_value()?,
                         MatchKey::ApiKey => m.api_key = Some(map.next_value()?),
                         MatchKey::Route => m.route = Some(map.next_value()?),
+                        MatchKey::Proxied => m.proxied = Some(map.next_value()?),
                         MatchKey::Header(h) => {
                             let value = map.next_value()?;
                             if m.headers.iter().any(|(seen, _)| *seen == h) {
@@ -185,7 +192,19 @@ pub(super) fn validate(
         Owner::Rule { counted_by, .. } => Some(*counted_by),
         Owner::Route => None,
     };
+    let proxied = match (&m.proxied, owner) {
+        (None, _) => true,
+        (Some(p), Owner::Route) => {
+            return Err(Invalid::new(
+                Some(p.span()),
+                key("match.proxied"),
+                "proxied = false is for [[rules]] asked for by name (the decision API), not routes",
+            ))
+        }
+        (Some(p), Owner::Rule { .. }) => *p.get_ref(),
+    };
     Ok(Match {
+        proxied,
         path,
         methods: m.methods.iter().map(|m| m.0.clone()).collect(),
         hosts: m.host.0.clone(),

@@ -18,6 +18,7 @@
 //! (`values.rs`), so their errors carry the line and column of the offending value;
 //! cross-field checks (burst against cost, duplicate rule names) point at the rule's table.
 
+pub mod decide;
 mod diff;
 mod inputs;
 mod jwt;
@@ -110,6 +111,8 @@ pub struct Config {
     pub rules: Vec<Rule>,
     /// `rules`, precompiled for matching (see [`RuleIndex`]).
     pub index: RuleIndex,
+    /// `[decide]`: the decision service's listener; none where the file has no such table.
+    pub decide: Option<decide::Decide>,
     /// The SHA-256 (hex) of the file's text, as `sha256sum` prints it: which file is
     /// serving, on the status page. (The keys file it names is not included.)
     pub sha256: Option<String>,
@@ -143,6 +146,7 @@ struct RawConfig {
     log: server::RawLog,
     #[serde(default)]
     rules: Vec<Spanned<rules::RawRule>>,
+    decide: Option<Spanned<decide::RawDecide>>,
 }
 
 /// The plans some rule has a `[rules.plans.<plan>]` table for: the only plans a key may
@@ -299,9 +303,11 @@ impl Config {
     /// Validate `text` with `inputs`: the environment's settings and the contents of the
     /// files it names, relative to `path`'s folder. Reads nothing itself.
     pub fn parse_with(text: &str, path: &Path, inputs: &Inputs) -> Result<Config, ConfigError> {
-        let raw: RawConfig = from_toml(text, path, "keys.plans.")?;
+        let mut raw: RawConfig = from_toml(text, path, "keys.plans.")?;
+        let raw_decide = raw.decide.take();
         let env_token = server::env_admin_token(inputs.var("RATEWALL_ADMIN_TOKEN"))?;
         let env_tag_secret = server::env_tag_secret(inputs.var("RATEWALL_TAG_SECRET"))?;
+        let env_decide_token = server::env_decide_token(inputs.var("RATEWALL_DECIDE_TOKEN"))?;
         let defined = defined_plans(&raw.rules);
         let dir = folder(path);
         let keys_file = match &raw.keys.file {
@@ -337,6 +343,14 @@ impl Config {
         };
         let mut config = Config::validate(raw, keys_file, tls, env_token, dir, inputs)
             .map_err(|e| e.locate(text, path))?;
+        if let Some(d) = raw_decide {
+            let server_tls = config.server.tls.is_some();
+            config.decide = Some(
+                d.into_inner()
+                    .validate(env_decide_token, server_tls)
+                    .map_err(|e| e.locate(text, path))?,
+            );
+        }
         config.sha256 = Some(sha256_hex(text.as_bytes()));
         // `RATEWALL_TAG_SECRET` wins over the file's.
         if env_tag_secret.is_some() {
@@ -455,6 +469,7 @@ impl Config {
             log: raw.log.validate(),
             rules,
             index,
+            decide: None,
             sha256: None,
         })
     }

@@ -50,6 +50,7 @@ pub(super) struct RawRule {
     max_in_flight: Option<Spanned<NonZeroU64>>,
     lease_ttl: Option<Spanned<HumanDuration>>,
     retry_jitter: Option<HumanDuration>,
+    settle_within: Option<HumanDuration>,
     messages: Option<Spanned<RawMessages>>,
     bytes: Option<Spanned<RawBytes>>,
     charge: Option<Spanned<RawCharge>>,
@@ -343,6 +344,10 @@ impl RawRule {
             messages: at.messages()?,
             bytes: at.bytes()?,
             settle,
+            settle_within: self
+                .settle_within
+                .as_ref()
+                .map_or(crate::rules::SETTLE_WITHIN, |d| d.0),
             ceiling_of: None,
         };
         let ceiling = attempts.map(|q| {
@@ -380,6 +385,7 @@ impl Rule {
             messages: None,
             bytes: None,
             settle: None,
+            settle_within: self.settle_within,
             ceiling_of: Some(self.name.clone()),
         }
     }

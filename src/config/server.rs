@@ -204,6 +204,13 @@ pub(super) fn env_admin_token(
     env_secret("RATEWALL_ADMIN_TOKEN", value, AdminToken::new)
 }
 
+/// `RATEWALL_DECIDE_TOKEN`'s value held to the admin token's rule.
+pub(super) fn env_decide_token(
+    value: Option<String>,
+) -> Result<Option<AdminToken>, super::ConfigError> {
+    env_secret("RATEWALL_DECIDE_TOKEN", value, AdminToken::new)
+}
+
 /// `RATEWALL_TAG_SECRET`'s value held to the file's rule, as the admin token's.
 pub(super) fn env_tag_secret(
     value: Option<String>,

@@ -38,11 +38,23 @@ impl<'l> Limit<'l, '_> {
 
 /// Ask the store about every limit at once, and judge its answer: the decisions (none if
 /// the store failed), the verdict, and the concurrency slots the request now holds.
+/// `dry`: what the store would answer, charging nothing and holding no slot (the
+/// decision API's `dry_run`).
 pub(super) async fn consult(
     live: &Live,
     limits: &[Limit<'_, '_>],
+    dry: bool,
 ) -> (Option<Vec<Option<Decision>>>, Verdict, Option<Leases>, bool) {
     let checks: Vec<Check<'_>> = limits.iter().map(Limit::check).collect();
+    if dry {
+        let decisions = match live.limiter.peek(&checks).await {
+            Ok(d) => Some(d.into_iter().map(Some).collect::<Vec<_>>()),
+            Err(_) => None,
+        };
+        let ruled = |k: usize| limits.get(k).map(Limit::ruled);
+        let v = verdict::judge(ruled, decisions.as_deref(), live.config.store.on_error);
+        return (decisions, v, None, false);
+    }
     let answer = match live.limiter.decide_now(&checks, live.cache_denials) {
         Now::Answered(answer) => answer,
         Now::Ask(asking) => live.limiter.ask(&checks, live.cache_denials, asking).await,

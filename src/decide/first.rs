@@ -95,7 +95,7 @@ pub(super) async fn decide<'l: 'p, 'p>(
     if limits.is_empty() {
         return Ok(None);
     }
-    let (decisions, verdict, _, local) = consult(live, &limits).await;
+    let (decisions, verdict, _, local) = consult(live, &limits, d.dry_run).await;
     match (verdict, decisions) {
         (Verdict::Deny { by, jitter_us }, Some(decisions)) => {
             Err(super::deny(&limits, &decisions, by, jitter_us, d))

@@ -109,6 +109,9 @@ pub struct Decided<'l> {
     /// What the decision counts, for whoever asked for it to hand to the runtime's
     /// metrics ([`crate::runtime::Metrics::decided`]).
     pub counts: Counts<'l>,
+    /// Set by the caller before deciding: ask what the store would answer, charging
+    /// nothing, holding nothing (the decision API's `dry_run`).
+    pub dry_run: bool,
 }
 
 impl Default for Decided<'_> {
@@ -131,6 +134,7 @@ impl Default for Decided<'_> {
             settling: None,
             priority: 0,
             counts: Counts::default(),
+            dry_run: false,
         }
     }
 }
@@ -140,6 +144,26 @@ impl<'l> Decided<'l> {
     pub fn disposed(&mut self, d: Disposition) -> &mut Self {
         self.disposition = d;
         self
+    }
+
+    /// Count its passes under each rule that let it through (allowed, or delayed where
+    /// it waited): once its answer is known (the proxy's, once the upstream answered; a
+    /// decision service's, at once).
+    pub fn count_passed(&self, live: &Live) {
+        for a in self.applied.iter().chain(&self.shadow) {
+            let Some(c) = live.counters.get(a.index) else {
+                continue;
+            };
+            if !a.decision.allowed {
+                // A watching rule that would have denied: its shadow_denied is counted.
+                continue;
+            }
+            if a.decision.retry_after_us > 0 {
+                c.delayed.inc();
+            } else {
+                c.allowed.inc();
+            }
+        }
     }
 
     /// Decided by `rule` (its name), for `identity`.
@@ -193,6 +217,20 @@ pub async fn decide<'l: 'p, 'p>(
     };
     d.to = Some(to);
     let fitting = limits::matching(cfg, subject, Some(&to));
+    decide_rules(live, fitting, requester, asked, d).await
+}
+
+/// Decide the rules at the config positions `fitting` (each of whose match fits the
+/// request, or which a caller named) for the request `requester` reads: every step of
+/// [`decide`] after the route.
+pub async fn decide_rules<'l: 'p, 'p>(
+    live: &'l Live,
+    fitting: Vec<usize>,
+    requester: &Requester<'p>,
+    asked: Option<Asked>,
+    d: &mut Decided<'l>,
+) -> Result<(), Rejection> {
+    let cfg = &*live.config;
     let asked = asked.as_ref();
     // A token only a signature check can judge: the rules that need no credential
     // first, and a 429 of theirs before the signature is looked at.
@@ -236,7 +274,7 @@ pub async fn decide<'l: 'p, 'p>(
             return Ok(());
         }
         (None, false) => {
-            let (decisions, verdict, leases, local) = consult(live, &limits).await;
+            let (decisions, verdict, leases, local) = consult(live, &limits, d.dry_run).await;
             (limits, decisions, verdict, leases, local)
         }
         (Some(first), true) => {
@@ -250,18 +288,18 @@ pub async fn decide<'l: 'p, 'p>(
             )
         }
         (Some(first), false) => {
-            let (decisions, verdict, leases, local) = consult(live, &limits).await;
+            let (decisions, verdict, leases, local) = consult(live, &limits, d.dry_run).await;
             let Some(decisions) = decisions else {
                 // The store failed: what it had charged first is given back where the
                 // request is not let through.
-                if verdict != Verdict::Unlimited {
+                if verdict != Verdict::Unlimited && !d.dry_run {
                     give_back(live, &first).await;
                 }
                 return store_failed(&limits, verdict, d);
             };
             // Denied after the first ones allowed: theirs given back, as one decision
             // for the whole request would never have charged them.
-            if matches!(verdict, Verdict::Deny { .. }) {
+            if matches!(verdict, Verdict::Deny { .. }) && !d.dry_run {
                 give_back(live, &first).await;
             }
             // Settled later where the rest were decided: both are the store's unless it
@@ -403,7 +441,9 @@ fn pass<'l>(
     d.shadow_denied = tally(&mut d.counts, &limits, decisions, false);
     d.counts.judged = Some(Judgement::Admitted);
     (d.applied, d.shadow) = split(&limits, decisions);
-    d.settling = settling::held(live, &limits, decisions, local);
+    if !d.dry_run {
+        d.settling = settling::held(live, &limits, decisions, local);
+    }
     let ruled = |k: usize| limits.get(k).map(Limit::ruled);
     let closest = verdict::closest(ruled, decisions).map(|k| &limits[k]);
     d.disposed(verdict.disposition()).by(

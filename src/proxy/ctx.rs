@@ -110,19 +110,6 @@ impl<'l> RequestCtx<'l> {
     /// answered is that rule's 502 or 504, not its pass, so no rule counts more passes
     /// than the requests that passed.
     pub(super) fn count_passed(&self) {
-        for a in self.decided.applied.iter().chain(&self.decided.shadow) {
-            let Some(c) = self.live.counters.get(a.index) else {
-                continue;
-            };
-            if !a.decision.allowed {
-                // A watching rule that would have denied: its shadow_denied is counted.
-                continue;
-            }
-            if a.decision.retry_after_us > 0 {
-                c.delayed.inc();
-            } else {
-                c.allowed.inc();
-            }
-        }
+        self.decided.count_passed(self.live);
     }
 }

@@ -91,6 +91,10 @@ impl RuleIndex {
         };
         for (i, matcher) in matches.into_iter().enumerate() {
             let m = &folded(matcher, case);
+            index.rules.push(m.clone());
+            if !m.proxied {
+                continue;
+            }
             match &m.path {
                 PathMatch::Exact(p) => index.exact.entry(p.clone()).or_default().push(i),
                 PathMatch::Prefix(p) => index.prefixes.insert(p, i),
@@ -99,7 +103,6 @@ impl RuleIndex {
                 PathMatch::Any => index.others.push(i),
             }
             index.uses_host |= !m.hosts.is_empty();
-            index.rules.push(m.clone());
         }
         index
     }

@@ -24,6 +24,9 @@ pub use index::RuleIndex;
 pub use path::{normalize_path, request_host, Glob, HostPattern, PathCase};
 pub use route::{Route, Routes};
 
+/// `settle_within`'s default.
+pub const SETTLE_WITHIN: Duration = Duration::from_secs(300);
+
 /// Which paths a rule's `match` takes.
 #[derive(Debug, Clone, Default)]
 pub enum PathMatch {
@@ -34,7 +37,7 @@ pub enum PathMatch {
     Glob(Glob),
 }
 
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Match {
     pub path: PathMatch,
     /// Empty: every method.
@@ -48,6 +51,24 @@ pub struct Match {
     /// sent by this route (its position in [`Routes::list`]). Not the index's: checked
     /// with [`Match::fits_route`] once the route is chosen.
     pub route: Option<usize>,
+    /// `proxied = false`: the rule is asked for by name alone (the decision API, Envoy's
+    /// descriptors) and never applies to a request the gateway or forward-auth sees: the
+    /// index leaves it out.
+    pub proxied: bool,
+}
+
+impl Default for Match {
+    /// Every request the gateway sees.
+    fn default() -> Self {
+        Match {
+            path: PathMatch::Any,
+            methods: Vec::new(),
+            hosts: Vec::new(),
+            carrying: Vec::new(),
+            route: None,
+            proxied: true,
+        }
+    }
 }
 
 /// `api_key = "present"`, `"header:x-user" = "absent"`: one condition of a `match` on what
@@ -140,6 +161,9 @@ pub struct Rule {
     /// The rule whose attempts this rule counts (`charge.attempts`), where it is such a
     /// ceiling: made at load, after the file's own rules, named `<rule>.attempts`.
     pub ceiling_of: Option<String>,
+    /// How long a reservation the decision API handed out for this rule waits for its
+    /// settlement (`POST /v1/settle`); past it, the charge stands as taken.
+    pub settle_within: Duration,
 }
 
 /// `messages = { rate = "50/s", burst = 100, max_bytes = "1MiB" }`: a token bucket of
@@ -210,6 +234,9 @@ impl Match {
     }
 
     fn describe_parts(&self) -> String {
+        if !self.proxied {
+            return "asked for by name only (proxied = false)".to_string();
+        }
         if matches!(self.path, PathMatch::Any) && self.methods.is_empty() && self.hosts.is_empty() {
             return "every request".to_string();
         }
