@@ -55,10 +55,13 @@ const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto
 const X_ORIGINAL_METHOD: HeaderName = HeaderName::from_static("x-original-method");
 const X_ORIGINAL_URI: HeaderName = HeaderName::from_static("x-original-uri");
 
-/// The status a denial is answered with until `[decide] forward_auth = { deny_status }`
-/// is read from the config.
-fn deny_status(_live: &Live) -> StatusCode {
-    StatusCode::TOO_MANY_REQUESTS
+/// The status a denial is answered with: `[decide] forward_auth = { deny_status }`, 429
+/// unless it says otherwise.
+fn deny_status(live: &Live) -> StatusCode {
+    live.config
+        .decide
+        .as_ref()
+        .map_or(StatusCode::TOO_MANY_REQUESTS, |d| d.forward_auth_deny)
 }
 
 /// Answer one forward-auth call from `peer` (the calling proxy). The body, if any, is
@@ -128,6 +131,9 @@ async fn answer(
                 tokio::time::sleep(decided.waited).await;
             }
             decided.slots.clear();
+            // Its answer is known now: the passes are counted, as the proxy counts them
+            // once the upstream answered.
+            decided.count_passed(live);
             let mut resp = Response::new(Full::new(Bytes::new()));
             let h = resp.headers_mut();
             headers::add_ratelimit(h, cfg.response, &decided.applied);
