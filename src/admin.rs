@@ -28,7 +28,7 @@
 //! path; answers name it by its hash only. The key calls are `admin/keys.rs`' (every
 //! gateway sees a change within a second; see there).
 
-mod guard;
+pub(crate) mod guard;
 mod keys;
 
 use std::convert::Infallible;
@@ -387,7 +387,7 @@ fn authorized(shared: &Shared, req: &Request<Incoming>) -> Result<(), Option<Fai
 
 /// The token of an `Authorization: Bearer <token>` value: the scheme matched in any case
 /// (RFC 9110 §11.1: `bearer`, `BEARER`), one or more spaces after it.
-fn bearer(value: &[u8]) -> Option<&[u8]> {
+pub(crate) fn bearer(value: &[u8]) -> Option<&[u8]> {
     let at = value.iter().position(|&b| b == b' ')?;
     let (scheme, rest) = value.split_at(at);
     if !scheme.eq_ignore_ascii_case(b"bearer") {
@@ -399,7 +399,7 @@ fn bearer(value: &[u8]) -> Option<&[u8]> {
 
 /// Whether two tokens are equal, in a time that tells neither where they differ nor how
 /// long the right one is: their SHA-256 digests are compared, every byte.
-fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     use sha2::{Digest, Sha256};
     let (a, b) = (Sha256::digest(a), Sha256::digest(b));
     a.iter()

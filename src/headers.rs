@@ -94,7 +94,7 @@ pub fn advertised(quota: &Quota) -> (u64, Option<u64>) {
 }
 
 /// What a decision has left, in requests of the rule's cost (the unit of `q`).
-fn available(a: &Applied<'_>) -> u64 {
+pub fn available(a: &Applied<'_>) -> u64 {
     match a.quota.algorithm {
         Algorithm::Concurrency => a.decision.remaining,
         _ => a.decision.remaining / a.quota.cost.max(1),

@@ -149,6 +149,7 @@ pub mod worker;
 // server where it is configured (`front_end::FrontEnd`), in this order.
 front_end::front_ends! {
     admin,
+    service,
 }
 
 /// The property runs the unit tests share with the integration tests (`proptest_seeds!`:

@@ -55,7 +55,8 @@ impl std::fmt::Debug for Decide {
 }
 
 /// `listen`'s default: loopback only.
-pub const LISTEN: SocketAddr = SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 8081);
+pub const LISTEN: SocketAddr =
+    SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 8081);
 pub const MAX_BODY: u64 = 1024 * 1024;
 pub const MAX_BATCH: usize = 100;
 pub const LEASE_TTL: Duration = Duration::from_secs(60);

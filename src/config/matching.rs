@@ -192,17 +192,16 @@ pub(super) fn validate(
         Owner::Rule { counted_by, .. } => Some(*counted_by),
         Owner::Route => None,
     };
-    let proxied = match (&m.proxied, owner) {
-        (None, _) => true,
-        (Some(p), Owner::Route) => {
-            return Err(Invalid::new(
+    let proxied =
+        match (&m.proxied, owner) {
+            (None, _) => true,
+            (Some(p), Owner::Route) => return Err(Invalid::new(
                 Some(p.span()),
                 key("match.proxied"),
                 "proxied = false is for [[rules]] asked for by name (the decision API), not routes",
-            ))
-        }
-        (Some(p), Owner::Rule { .. }) => *p.get_ref(),
-    };
+            )),
+            (Some(p), Owner::Rule { .. }) => *p.get_ref(),
+        };
     Ok(Match {
         proxied,
         path,

@@ -89,7 +89,7 @@ pub(super) async fn decide<'l: 'p, 'p>(
     }
     // A rule that refuses on its own (a header it counts by is missing) is left to
     // the whole request's decision, which refuses it.
-    let Ok(limits) = Limit::all(live, free, requester, asked) else {
+    let Ok(limits) = Limit::all(live, free, requester, asked, d.cost) else {
         return Ok(None);
     };
     if limits.is_empty() {

@@ -50,11 +50,14 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
     /// [`Rule::applies`] says so: what the request carries, its plan. `asked`: what the
     /// request's body asks the model for, read where a rule that fits says `reserve =
     /// "max_tokens"`; such a rule reserves it (at most a burst), or its `default_reserve`.
+    /// `cost`: what a caller of the decision service asks to be charged, in place of each
+    /// rule's own cost.
     pub fn all(
         live: &'l Live,
         fitting: &[usize],
         requester: &Requester<'p>,
         asked: Option<&Asked>,
+        cost: Option<u64>,
     ) -> Result<Vec<Limit<'l, 'p>>, Refused> {
         let cfg = &*live.config;
         fitting
@@ -65,9 +68,10 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
                 let limit = match rule.applies(requester) {
                     Ok(Applies::Limits(quota)) => {
                         let reserved = rule.settle.as_ref().and_then(|p| p.reservation(asked));
-                        let quota = match reserved {
-                            Some(t) => quota.with_cost(t),
-                            None => *quota,
+                        let quota = match (cost, reserved) {
+                            (Some(c), _) => Quota { cost: c, ..*quota },
+                            (None, Some(t)) => quota.with_cost(t),
+                            (None, None) => *quota,
                         };
                         Self::new(live, index, quota, requester)
                     }

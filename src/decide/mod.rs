@@ -112,6 +112,9 @@ pub struct Decided<'l> {
     /// Set by the caller before deciding: ask what the store would answer, charging
     /// nothing, holding nothing (the decision API's `dry_run`).
     pub dry_run: bool,
+    /// Set by the caller before deciding: the cost to charge under every rule, in place
+    /// of each rule's own (the decision API's `cost`; at least 1).
+    pub cost: Option<u64>,
 }
 
 impl Default for Decided<'_> {
@@ -135,6 +138,7 @@ impl Default for Decided<'_> {
             priority: 0,
             counts: Counts::default(),
             dry_run: false,
+            cost: None,
         }
     }
 }
@@ -250,7 +254,7 @@ pub async fn decide_rules<'l: 'p, 'p>(
         refused_by_other(first.as_ref(), d);
         return Err(refused);
     }
-    let limits = match Limit::all(live, rest, requester, asked) {
+    let limits = match Limit::all(live, rest, requester, asked, d.cost) {
         Ok(limits) => limits,
         Err(Refused { index, refusal }) => {
             // Refused for its credentials: charged to the rules that need none, and

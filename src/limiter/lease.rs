@@ -89,6 +89,28 @@ impl Leases {
 
     /// A store call that failed (timed out) for `checks` may still have written their
     /// leases: remove them, best effort (removing a lease that is not there is a no-op).
+    /// The same slots, renewed only when [`Leases::renew`] is called (the decision API's
+    /// leases: their holder renews them, or they lapse).
+    pub fn renewed_by_holder(mut self) -> Leases {
+        if let Some(r) = self.renewer.take() {
+            r.abort();
+        }
+        self
+    }
+
+    /// Renew every slot in the shared store (a slot held in this process needs none):
+    /// false where one is no longer held there (it lapsed).
+    pub async fn renew(&self) -> bool {
+        if self.in_process() {
+            return true;
+        }
+        let mut all = true;
+        for h in self.held.iter() {
+            all &= self.limiter.renew(&h.check()).await;
+        }
+        all
+    }
+
     pub fn abandon(limiter: &Arc<Limiter>, checks: &[Check<'_>]) {
         if !limiter.store().kind().is_shared() {
             return;

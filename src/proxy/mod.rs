@@ -37,7 +37,7 @@ use hyper::body::Incoming;
 use crate::config::{Config, Source};
 use crate::decide::{self, Rejection, Subject};
 use crate::headers::{self, Problem};
-use crate::runtime::requests::status_class;
+use crate::runtime::requests::{status_class, FrontEndKind};
 use crate::runtime::Ended;
 use crate::telemetry::disposition::Disposition;
 use crate::telemetry::Gauged;
@@ -163,7 +163,9 @@ impl Gateway {
         let decided = decide::decide(live, &subject, &requester, asked, &mut ctx.decided).await;
         // What it counts, as the decision returned it.
         let named = |index| decide::named(&live.config, &requester, index);
-        self.metrics.decided(live, &ctx.decided.counts, named);
+        let disposition = ctx.decided.disposition;
+        let proxied = FrontEndKind::Proxy;
+        (self.metrics).decided(live, proxied, disposition, &ctx.decided.counts, named);
         // Whoever decided, the access line names the key's label: looked up (a key's
         // digest, where no rule took it) only where an access line is written.
         if tracing::enabled!(target: "ratewall::access", tracing::Level::INFO) {

@@ -6,7 +6,8 @@
 //! announced); and for a denial, the status page's heavy hitters.
 
 use super::dashboards::Judged;
-use super::requests::DecisionLabel;
+use super::requests::{DecisionLabel, FrontEndKind};
+use crate::telemetry::Disposition;
 use super::{Live, Metrics};
 use crate::identity::IdentityDigest;
 use crate::limiter::{Decision, Quota};
@@ -83,7 +84,17 @@ impl Metrics {
     /// Count what a decision on `live` returned. `named`: what the status page shows of
     /// the identity the rule at a config position counts the request as, asked only
     /// where a denial makes that identity a new heavy hitter.
-    pub fn decided(&self, live: &Live, counts: &Counts<'_>, named: impl FnOnce(usize) -> Named) {
+    /// `frontend` asked for it, and it was disposed of as `disposition`
+    /// (`ratewall_decisions_total`).
+    pub fn decided(
+        &self,
+        live: &Live,
+        frontend: FrontEndKind,
+        disposition: Disposition,
+        counts: &Counts<'_>,
+        named: impl FnOnce(usize) -> Named,
+    ) {
+        self.gateway.count_decision(frontend, disposition);
         let shares = counts
             .rules
             .iter()

@@ -13,7 +13,7 @@ use prometheus_client::metrics::histogram::Histogram;
 use super::dashboards::{Dashboards, RuleDashboard};
 use crate::telemetry::grpc::{Code, Origin};
 use crate::telemetry::stats::Outcome;
-use crate::telemetry::{label_enum, LATENCY_BUCKETS};
+use crate::telemetry::{label_enum, Disposition, LATENCY_BUCKETS};
 
 label_enum! {
     /// How a rule's decision on one request is counted (`decision=`).
@@ -177,6 +177,56 @@ crate::telemetry::label_sets! {
     }
 }
 
+label_enum! {
+    /// Who asked for a decision (`ratewall_decisions_total{frontend}`).
+    pub enum FrontEndKind {
+        /// A request the gateway proxies.
+        Proxy,
+        /// The decision API (`POST /v1/decide`, `/v1/leases`).
+        Decide,
+        /// Envoy's rate limit service (`ShouldRateLimit`).
+        Rls,
+        /// A proxy's forward-auth call.
+        ForwardAuth,
+    }
+}
+
+label_enum! {
+    /// How a decision ended, as `ratewall_decisions_total` counts it.
+    pub enum DecisionOutcome {
+        /// Let through (or no rule limited it, or the store failed and `on_error` let it).
+        Allowed,
+        Denied,
+        /// Refused before any limit: its credentials, a malformed key, no route.
+        Refused,
+        /// The store failed and `on_error = "deny"`.
+        Error,
+    }
+}
+
+impl DecisionOutcome {
+    pub fn of(d: Disposition) -> DecisionOutcome {
+        match d {
+            Disposition::Allowed
+            | Disposition::Delayed
+            | Disposition::Unlimited
+            | Disposition::StoreBypassed
+            | Disposition::Shed
+            | Disposition::ShadowDenied => DecisionOutcome::Allowed,
+            Disposition::Denied | Disposition::DeniedByOther => DecisionOutcome::Denied,
+            Disposition::StoreUnavailable => DecisionOutcome::Error,
+            _ => DecisionOutcome::Refused,
+        }
+    }
+}
+
+crate::telemetry::label_sets! {
+    pub struct DecisionsLabels {
+        pub frontend: FrontEndKind,
+        pub decision: DecisionOutcome,
+    }
+}
+
 /// The classes [`status_class`] names, in order, and "error" (upstream failures).
 const CLASSES: [&str; 6] = ["1xx", "2xx", "3xx", "4xx", "5xx", "error"];
 
@@ -211,6 +261,7 @@ crate::telemetry::metrics! {
         pub reloads: Family<ReloadLabels, Counter> = ("config_reloads", "Config reloads (SIGHUP) by result",
             zero = ReloadResult::ALL.map(|result| ReloadLabels { result }),
         ),
+        pub decisions: Family<DecisionsLabels, Counter> = ("decisions", "Decisions by who asked (frontend: proxy, decide, rls, forward_auth) and how they ended: allowed (let through: no rule limited it, or the store failed and on_error let it), denied, refused (before any limit: credentials, a malformed key, no route), error (the store failed, on_error = deny). One set of rules and counters answers them all"),
         pub in_flight: Gauge = ("in_flight_requests", "Requests being handled now"),
         /// Requests waiting for the tokens they took ahead (`max_delay`) now.
         pub waiting: Gauge = ("waiting_requests", "Requests waiting for their reserved tokens (max_delay) before they are forwarded"),
@@ -285,6 +336,15 @@ crate::telemetry::metrics! {
                     .clone()
             })
         },
+        decision_handles: [[Counter; DecisionOutcome::ALL.len()]; FrontEndKind::ALL.len()] = {
+            FrontEndKind::ALL.map(|frontend| {
+                DecisionOutcome::ALL.map(|decision| {
+                    decisions
+                        .get_or_create(&DecisionsLabels { frontend, decision })
+                        .clone()
+                })
+            })
+        },
         refusal_handles: [Counter; RefusalReason::ALL.len()] = {
             RefusalReason::ALL
                 .map(|reason| refusals.get_or_create(&RefusalLabels { reason }).clone())
@@ -293,6 +353,11 @@ crate::telemetry::metrics! {
 }
 
 impl GatewayMetrics {
+    /// Count one decision `frontend` asked for, disposed of as `d`.
+    pub fn count_decision(&self, frontend: FrontEndKind, d: Disposition) {
+        self.decision_handles[frontend as usize][DecisionOutcome::of(d) as usize].inc();
+    }
+
     /// Count one request by its HTTP version and, over TLS, its TLS version.
     pub fn count_protocol(&self, version: http::Version, tls: Option<&'static str>) {
         let p = match version {

@@ -88,6 +88,29 @@ impl Settling {
         }
     }
 
+    /// Let every held charge stand as reserved: nothing is sent (a reservation the
+    /// decision API handed out and nobody settled within its rule's `settle_within`).
+    pub fn stand(mut self) {
+        self.answered = true;
+    }
+
+    /// Settle every held charge at `cost` units (`None`: a refund of the whole charge),
+    /// for a holder that learns the cost elsewhere (the decision API's `POST /v1/settle`),
+    /// counted as the proxy's settlements are. False where the store did not take it (the
+    /// charges stand as reserved).
+    pub async fn settle_all(mut self, cost: Option<u64>) -> bool {
+        self.answered = true;
+        let units = cost.unwrap_or(0);
+        let changes = self.reservation.as_ref().is_some_and(|r| {
+            r.items
+                .iter()
+                .any(|i| super::reservation::adjust(i, units).is_some())
+        });
+        let costs = vec![Some(units); self.held.len()];
+        let updates = self.apply(&costs, cost.is_none()).await;
+        !changes || !updates.is_empty()
+    }
+
     /// What the upstream hop sets once the request may have reached a backend
     /// (`upstream::Outbound::reaching`).
     pub fn reached(&self) -> Arc<AtomicBool> {

@@ -1,0 +1,619 @@
+//! The decision API's JSON calls: `POST /v1/decide` (one decision or a list), `POST
+//! /v1/settle`, `POST /v1/leases` and `PUT`/`DELETE /v1/leases/<id>` (docs/service.md
+//! has every field). Each decision is the proxy's ([`crate::decide`]): a rule and a key
+//! are a request that carries that key, decided by that rule alone; a described request
+//! is decided by every rule whose match fits it, as the proxy would decide it.
+//!
+//! Every decision is answered 200, allowed or not; a malformed call is 400 (413 for a
+//! body past `[decide] max_body`), problem+json naming the field.
+
+use std::collections::BTreeMap;
+use std::net::IpAddr;
+use std::str::FromStr;
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, StatusCode, Uri};
+use http_body_util::{BodyExt, Limited};
+use hyper::body::Incoming;
+use serde::{Deserialize, Serialize};
+
+use super::grants;
+use super::{json, problem, Ctx, Reply};
+use crate::decide::{self, Decided, Rejection, Subject};
+use crate::headers::{self, Applied, Problem, ResponseStyle};
+use crate::identity::{KeyKind, Requester};
+use crate::limiter::Algorithm;
+use crate::runtime::requests::FrontEndKind;
+use crate::runtime::Live;
+
+/// A malformed call: its status (400, 404, 413) and what is wrong, naming the field.
+type Bad = Problem;
+
+fn bad(detail: impl Into<String>) -> Bad {
+    Problem::new(StatusCode::BAD_REQUEST, detail.into())
+}
+
+pub(super) async fn call(ctx: &Ctx, req: Request<Incoming>) -> Reply {
+    match route(ctx, req).await {
+        Ok(r) => r,
+        Err(p) => problem(&p),
+    }
+}
+
+async fn route(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
+    let path = req.uri().path().to_string();
+    let method = req.method().clone();
+    match (&method, path.as_str()) {
+        (&Method::POST, "/v1/decide") => decide_call(ctx, req).await,
+        (&Method::POST, "/v1/settle") => settle_call(ctx, req).await,
+        (&Method::POST, "/v1/leases") => lease_call(ctx, req).await,
+        (&Method::PUT | &Method::DELETE, p) if p.starts_with("/v1/leases/") => {
+            let id = grants::parse(&p["/v1/leases/".len()..])
+                .ok_or_else(|| not_found("no such lease (a lease is named by 32 hex digits)"))?;
+            lease_update(ctx, &method, id).await
+        }
+        (_, "/v1/decide" | "/v1/settle" | "/v1/leases") => Err(Problem::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            format!("{path} takes POST"),
+        )),
+        _ => Err(not_found("no such call: see docs/service.md")),
+    }
+}
+
+fn not_found(detail: &'static str) -> Bad {
+    Problem::new(StatusCode::NOT_FOUND, detail)
+}
+
+/// The body, whole, up to `[decide] max_body`.
+async fn body(live: &Live, req: Request<Incoming>) -> Result<Bytes, Bad> {
+    let max = live.config.decide.as_ref().map_or(crate::config::decide::MAX_BODY, |d| d.max_body);
+    let limit = usize::try_from(max).unwrap_or(usize::MAX);
+    match Limited::new(req.into_body(), limit).collect().await {
+        Ok(b) => Ok(b.to_bytes()),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(Problem::new(
+            StatusCode::PAYLOAD_TOO_LARGE,
+            format!("the body is over [decide] max_body ({max} bytes)"),
+        )),
+        Err(e) => Err(bad(format!("the body could not be read: {e}"))),
+    }
+}
+
+/// `bytes` as a `T`, or a 400 naming the field that is wrong.
+fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Bad> {
+    let mut de = serde_json::Deserializer::from_slice(bytes);
+    serde_path_to_error::deserialize(&mut de).map_err(|e| {
+        let at = e.path().to_string();
+        let inner = e.into_inner();
+        match at.as_str() {
+            "." => bad(format!("the body is not a call: {inner}")),
+            at => bad(format!("{at}: {inner}")),
+        }
+    })
+}
+
+/// One decision asked for: a rule and a key, or a described request.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Ask {
+    rule: Option<String>,
+    key: Option<String>,
+    cost: Option<u64>,
+    request: Option<Described>,
+    #[serde(default)]
+    dry_run: bool,
+}
+
+/// A request as the proxy would see it.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Described {
+    #[serde(default = "get")]
+    method: String,
+    host: Option<String>,
+    path: String,
+    #[serde(default)]
+    headers: BTreeMap<String, Values>,
+    client_ip: Option<IpAddr>,
+}
+
+fn get() -> String {
+    "GET".to_string()
+}
+
+/// A header's value, or its values in order.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum Values {
+    One(String),
+    Many(Vec<String>),
+}
+
+/// A decision, as the caller reads it.
+#[derive(Serialize, Default)]
+pub(super) struct Answer<'a> {
+    pub allowed: bool,
+    /// The status the proxy would have answered (200, 429, 401, 503...).
+    pub status: u16,
+    /// Seconds, as the proxy's `Retry-After`; null where it gives none.
+    pub retry_after: Option<u64>,
+    /// The `RateLimit` and `RateLimit-Policy` field values the proxy would send.
+    pub ratelimit: Option<String>,
+    pub ratelimit_policy: Option<String>,
+    pub rules: Vec<RuleAnswer<'a>>,
+    /// Where a rule settles: the name to settle it by (`POST /v1/settle`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reservation: Option<String>,
+    /// Where a concurrency slot was taken (`POST /v1/leases`): its name.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub lease: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ttl: Option<u64>,
+    /// Why it was refused before any limit (a missing key, no route), or why the store
+    /// could not answer.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub detail: Option<String>,
+    pub dry_run: bool,
+}
+
+#[derive(Serialize)]
+pub(super) struct RuleAnswer<'a> {
+    pub rule: &'a str,
+    pub allowed: bool,
+    /// Watching, not enforcing (shadow mode, outside `enforce_percent`).
+    pub shadow: bool,
+    /// The quota it advertises (`q`), in requests of its cost.
+    pub limit: u64,
+    pub remaining: u64,
+    /// Seconds until the full quota is back.
+    pub reset: u64,
+}
+
+async fn decide_call(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
+    let live = ctx.live();
+    let bytes = body(&live, req).await?;
+    let batch = bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[');
+    if !batch {
+        let ask: Ask = parse(&bytes)?;
+        let answer = decide_one(ctx, &live, &ask).await?;
+        return Ok(json(StatusCode::OK, &answer));
+    }
+    let asks: Vec<Ask> = parse(&bytes)?;
+    let most = live.config.decide.as_ref().map_or(crate::config::decide::MAX_BATCH, |d| d.max_batch);
+    if asks.len() > most {
+        return Err(bad(format!(
+            "a batch is at most [decide] max_batch ({most}) decisions; this one has {}",
+            asks.len()
+        )));
+    }
+    // Each checked before any is decided: a malformed one fails the whole call, and
+    // nothing was charged.
+    for (i, ask) in asks.iter().enumerate() {
+        shape(&live, ask).map_err(|p| at_index(i, p))?;
+    }
+    // Decided together: their store calls go out at once (pipelined on one connection
+    // to Redis), and are answered in order.
+    let decided = futures_util::future::join_all(asks.iter().map(|a| decide_one(ctx, &live, a))).await;
+    let mut answers = Vec::with_capacity(decided.len());
+    for (i, d) in decided.into_iter().enumerate() {
+        answers.push(d.map_err(|p| at_index(i, p))?);
+    }
+    Ok(json(StatusCode::OK, &answers))
+}
+
+/// `p`, for the batch's `i`th call.
+fn at_index(i: usize, p: Problem) -> Problem {
+    match p.detail {
+        Some(d) => Problem::new(p.status, format!("[{i}].{d}")),
+        None => p,
+    }
+}
+
+/// What a call names, checked: its rule's position where it names one.
+fn shape(live: &Live, ask: &Ask) -> Result<Option<usize>, Bad> {
+    if ask.cost == Some(0) {
+        return Err(bad("cost: at least 1 (a question that charges nothing is dry_run = true)"));
+    }
+    match (&ask.rule, &ask.key, &ask.request) {
+        (Some(_), _, Some(_)) => Err(bad(
+            "rule: give a rule (and its key) or a request, not both",
+        )),
+        (None, None, None) => Err(bad("rule: give a rule (and its key) or a request")),
+        (None, Some(_), None) => Err(bad("rule: a key needs the rule it is counted by")),
+        (None, _, Some(_)) => Ok(None),
+        (Some(rule), _, None) => rule_named(live, rule).map(Some),
+    }
+}
+
+/// The position of the rule `name`, or a 400 naming the rules there are.
+pub(super) fn rule_named(live: &Live, name: &str) -> Result<usize, Bad> {
+    let rules = &live.config.rules;
+    rules.iter().position(|r| r.name == name).ok_or_else(|| {
+        let names: Vec<&str> = rules.iter().map(|r| r.name.as_str()).collect();
+        bad(format!(
+            "rule: no rule is named {name:?}; the rules are {}",
+            names.join(", ")
+        ))
+    })
+}
+
+async fn decide_one<'l>(ctx: &Ctx, live: &'l Live, ask: &Ask) -> Result<Answer<'l>, Bad> {
+    let index = shape(live, ask)?;
+    let mut d = Decided {
+        dry_run: ask.dry_run,
+        cost: ask.cost,
+        ..Decided::default()
+    };
+    match (index, &ask.request) {
+        (Some(index), _) => {
+            check_cost(live, index, ask.cost.unwrap_or(1))?;
+            let key = Keyed::of(live, index, ask.key.as_deref())?;
+            let requester = key.requester(live);
+            let result = decide::decide_rules(live, vec![index], &requester, None, &mut d).await;
+            count(ctx, live, &requester, &d, &result);
+            Ok(answer(ctx, live, d, result))
+        }
+        (None, Some(described)) => {
+            let req = Request::try_from(described)?;
+            let subject = Subject {
+                method: req.method(),
+                uri: req.uri(),
+                headers: req.headers(),
+                peer: described.client_ip.unwrap_or(IpAddr::from([127, 0, 0, 1])),
+                client_cert: None,
+            };
+            let requester = subject.requester(&live.config);
+            let result = decide::decide(live, &subject, &requester, None, &mut d).await;
+            count(ctx, live, &requester, &d, &result);
+            Ok(answer(ctx, live, d, result))
+        }
+        (None, None) => Err(bad("rule: give a rule (and its key) or a request")),
+    }
+}
+
+/// A cost that no quota of the rule could ever take is refused: it would be denied
+/// forever.
+fn check_cost(live: &Live, index: usize, cost: u64) -> Result<(), Bad> {
+    let rule = &live.config.rules[index];
+    let most = rule
+        .plans
+        .values()
+        .filter_map(|p| match p {
+            crate::rules::Plan::Limit(q) => Some(q.burst),
+            crate::rules::Plan::Exempt => None,
+        })
+        .chain([rule.quota.burst])
+        .max()
+        .unwrap_or(0);
+    if rule.quota.algorithm != Algorithm::Concurrency && cost > most {
+        return Err(bad(format!(
+            "cost: {cost} is more than rule {:?} ever allows at once (its burst, {most})",
+            rule.name
+        )));
+    }
+    Ok(())
+}
+
+/// A key for a rule, as a request that carries it: the header the rule counts by, or
+/// the address.
+pub(super) struct Keyed {
+    headers: HeaderMap,
+    peer: IpAddr,
+}
+
+impl Keyed {
+    pub(super) fn of(live: &Live, index: usize, key: Option<&str>) -> Result<Keyed, Bad> {
+        let rule = &live.config.rules[index];
+        let mut headers = HeaderMap::new();
+        let mut peer = IpAddr::from([127, 0, 0, 1]);
+        let needs = |what: &str| bad(format!("key: rule {:?} counts by {what}: give it as key", rule.name));
+        match &rule.key.kind {
+            KeyKind::Global => {}
+            KeyKind::ApiKey => {
+                let k = key.ok_or_else(|| needs("an API key"))?;
+                headers.insert(live.config.keys.header.clone(), value(k)?);
+            }
+            KeyKind::Header(name) => {
+                let k = key.ok_or_else(|| needs("a header's value"))?;
+                headers.insert(name.clone(), value(k)?);
+            }
+            KeyKind::ClientIp => {
+                let k = key.ok_or_else(|| needs("a client address"))?;
+                peer = IpAddr::from_str(k.trim())
+                    .map_err(|_| bad(format!("key: {k:?} is not an IP address (rule {:?} counts by client_ip)", rule.name)))?
+                    .to_canonical();
+            }
+            kind => {
+                return Err(bad(format!(
+                    "rule: rule {:?} counts by {kind}: describe the request instead (request, with its headers)",
+                    rule.name
+                )))
+            }
+        }
+        Ok(Keyed { headers, peer })
+    }
+
+    /// Who the key is, read with the config's keys (plans, the runtime directory).
+    pub(super) fn requester<'a>(&'a self, live: &'a Live) -> Requester<'a> {
+        let cfg = &live.config;
+        Requester::new(&self.headers, self.peer, &cfg.keys, &cfg.client_ip)
+    }
+}
+
+/// A key as a header value: printable, or a 400.
+fn value(k: &str) -> Result<HeaderValue, Bad> {
+    HeaderValue::from_str(k).map_err(|_| bad("key: not a valid header value (printable ASCII or UTF-8 without control characters)"))
+}
+
+impl TryFrom<&Described> for Request<()> {
+    type Error = Bad;
+
+    fn try_from(d: &Described) -> Result<Request<()>, Bad> {
+        let method = Method::from_bytes(d.method.as_bytes())
+            .map_err(|_| bad(format!("request.method: {:?} is not an HTTP method", d.method)))?;
+        if !d.path.starts_with('/') {
+            return Err(bad("request.path: starts with / (and may carry ?query)"));
+        }
+        let uri = Uri::from_str(&d.path)
+            .map_err(|e| bad(format!("request.path: not a valid path: {e}")))?;
+        let mut req = Request::new(());
+        *req.method_mut() = method;
+        *req.uri_mut() = uri;
+        let headers = req.headers_mut();
+        for (name, values) in &d.headers {
+            let n = HeaderName::from_str(name)
+                .map_err(|_| bad(format!("request.headers.{name}: not a header name")))?;
+            let values = match values {
+                Values::One(v) => std::slice::from_ref(v),
+                Values::Many(v) => v.as_slice(),
+            };
+            for v in values {
+                let v = HeaderValue::from_str(v)
+                    .map_err(|_| bad(format!("request.headers.{name}: not a valid header value")))?;
+                headers.append(n.clone(), v);
+            }
+        }
+        if let Some(host) = &d.host {
+            let v = HeaderValue::from_str(host)
+                .map_err(|_| bad("request.host: not a valid host"))?;
+            headers.insert(http::header::HOST, v);
+        }
+        Ok(req)
+    }
+}
+
+/// What a decision counts, handed to the metrics as the proxy hands its own; its passes
+/// counted at once (there is no answer to wait for).
+fn count<'a>(
+    ctx: &Ctx,
+    live: &'a Live,
+    requester: &Requester<'a>,
+    d: &Decided<'_>,
+    result: &Result<(), Rejection>,
+) {
+    if d.dry_run {
+        return;
+    }
+    let named = |i| decide::named(&live.config, requester, i);
+    (ctx.metrics()).decided(live, FrontEndKind::Decide, d.disposition, &d.counts, named);
+    if result.is_ok() {
+        d.count_passed(live);
+    }
+}
+
+/// The caller's view of a decision; its reservation held where a rule settles.
+fn answer<'l>(
+    ctx: &Ctx,
+    live: &'l Live,
+    mut d: Decided<'l>,
+    result: Result<(), Rejection>,
+) -> Answer<'l> {
+    let mut a = view(&d, &result);
+    if let Some(settling) = d.settling.take() {
+        let within = d
+            .applied
+            .iter()
+            .chain(&d.shadow)
+            .filter_map(|x| live.config.rules.get(x.index))
+            .filter(|r| r.settle.is_some())
+            .map(|r| r.settle_within)
+            .min()
+            .unwrap_or(crate::rules::SETTLE_WITHIN);
+        match ctx.grants.reserve(settling, within) {
+            Ok(id) => a.reservation = Some(grants::name(id)),
+            Err(grants::Full) => {
+                a.detail = Some("too many reservations are held: this one stands as charged".into())
+            }
+        }
+    }
+    // A described request's concurrency slot is given back at once: a slot held past the
+    // call is a lease (`POST /v1/leases`).
+    drop(d.leases.take());
+    a
+}
+
+/// The fields of a decision's answer.
+pub(super) fn view<'l>(d: &Decided<'l>, result: &Result<(), Rejection>) -> Answer<'l> {
+    let mut fields = HeaderMap::new();
+    headers::add_ratelimit(&mut fields, ResponseStyle::Draft, &d.applied);
+    let text = |name: &HeaderName| {
+        fields
+            .get(name)
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_string)
+    };
+    let rules = d
+        .applied
+        .iter()
+        .map(|a| rule_answer(a, false))
+        .chain(d.shadow.iter().map(|a| rule_answer(a, true)))
+        .collect();
+    let (allowed, status, retry_after, detail) = match result {
+        Ok(()) => (true, 200, None, None),
+        Err(r) => (
+            false,
+            r.problem.status.as_u16(),
+            r.problem.retry_after,
+            r.problem.detail.as_ref().map(|d| d.to_string()),
+        ),
+    };
+    Answer {
+        allowed,
+        status,
+        retry_after,
+        ratelimit: text(&headers::RATELIMIT),
+        ratelimit_policy: text(&headers::RATELIMIT_POLICY),
+        rules,
+        detail,
+        dry_run: d.dry_run,
+        ..Answer::default()
+    }
+}
+
+fn rule_answer<'l>(a: &Applied<'l>, shadow: bool) -> RuleAnswer<'l> {
+    RuleAnswer {
+        rule: a.rule,
+        allowed: a.decision.allowed,
+        shadow,
+        limit: headers::advertised(&a.quota).0,
+        remaining: headers::available(a),
+        reset: headers::ceil_secs(a.decision.reset_us),
+    }
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Settle {
+    reservation: String,
+    cost: Option<u64>,
+    #[serde(default)]
+    refund: bool,
+}
+
+#[derive(Serialize)]
+struct Settled {
+    settled: bool,
+    reservation: String,
+}
+
+async fn settle_call(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
+    let live = ctx.live();
+    let bytes = body(&live, req).await?;
+    let s: Settle = parse(&bytes)?;
+    let cost = match (s.cost, s.refund) {
+        (Some(_), true) => return Err(bad("cost: give a cost or refund = true, not both")),
+        (None, false) => return Err(bad("cost: give the real cost, or refund = true")),
+        (Some(c), false) => Some(c),
+        (None, true) => None,
+    };
+    let id = grants::parse(&s.reservation)
+        .ok_or_else(|| bad("reservation: 32 hex digits, as /v1/decide gave it"))?;
+    let Some(settling) = ctx.grants.take_reservation(id) else {
+        return Err(not_found(
+            "no such reservation: never given, settled already, or past its rule's settle_within (it stands as charged)",
+        ));
+    };
+    if !settling.settle_all(cost).await {
+        return Err(Problem::new(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "the rate-limit store did not take the settlement: the reservation stands as charged",
+        )
+        .with_retry_after(1));
+    }
+    Ok(json(
+        StatusCode::OK,
+        &Settled {
+            settled: true,
+            reservation: s.reservation,
+        },
+    ))
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LeaseAsk {
+    rule: String,
+    key: Option<String>,
+}
+
+async fn lease_call(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
+    let live = ctx.live();
+    let bytes = body(&live, req).await?;
+    let ask: LeaseAsk = parse(&bytes)?;
+    let index = rule_named(&live, &ask.rule)?;
+    let rule = &live.config.rules[index];
+    if rule.quota.algorithm != Algorithm::Concurrency {
+        return Err(bad(format!(
+            "rule: rule {:?} is not a concurrency limit (max_in_flight): a lease is a slot of one",
+            rule.name
+        )));
+    }
+    let key = Keyed::of(&live, index, ask.key.as_deref())?;
+    let requester = key.requester(&live);
+    let mut d = Decided::default();
+    let result = decide::decide_rules(&live, vec![index], &requester, None, &mut d).await;
+    count(ctx, &live, &requester, &d, &result);
+    let mut a = view(&d, &result);
+    if let (Ok(()), Some(leases)) = (&result, d.leases.take()) {
+        let ttl = lease_ttl(&live, index);
+        match ctx.grants.lease(leases.renewed_by_holder(), ttl) {
+            Ok(id) => {
+                a.lease = Some(grants::name(id));
+                a.ttl = Some(ttl.as_secs().max(1));
+            }
+            Err(grants::Full) => {
+                return Err(Problem::new(
+                    StatusCode::SERVICE_UNAVAILABLE,
+                    "too many leases are held: none was taken",
+                )
+                .with_retry_after(1))
+            }
+        }
+    }
+    Ok(json(StatusCode::OK, &a))
+}
+
+/// How long a lease of the rule at `index` lives unrenewed: the rule's `lease_ttl`, else
+/// `[decide] lease_ttl`.
+fn lease_ttl(live: &Live, index: usize) -> std::time::Duration {
+    let q = &live.config.rules[index].quota;
+    if q.lease_us > 0 {
+        return std::time::Duration::from_micros(q.lease_us);
+    }
+    live.config
+        .decide
+        .as_ref()
+        .map_or(crate::config::decide::LEASE_TTL, |d| d.lease_ttl)
+}
+
+#[derive(Serialize)]
+struct LeaseState {
+    lease: String,
+    held: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    ttl: Option<u64>,
+}
+
+async fn lease_update(ctx: &Ctx, method: &Method, id: u128) -> Result<Reply, Bad> {
+    let Some(held) = ctx.grants.take_lease(id) else {
+        return Err(not_found(
+            "no such lease: never given, given back already, or past its TTL (its slot is free)",
+        ));
+    };
+    let name = grants::name(id);
+    if method == Method::DELETE {
+        // Given back: its slot is free from now on (in the shared store, once the
+        // release has run).
+        if let Some(releasing) = held.leases.release() {
+            releasing.await;
+        }
+        return Ok(json(StatusCode::OK, &LeaseState { lease: name, held: false, ttl: None }));
+    }
+    if !held.leases.renew().await {
+        // Lapsed in the store already (its TTL passed there): the slot is gone.
+        drop(held);
+        return Err(not_found("the lease lapsed in the store before it was renewed"));
+    }
+    let ttl = held.ttl.as_secs().max(1);
+    ctx.grants.put_back(id, held);
+    Ok(json(StatusCode::OK, &LeaseState { lease: name, held: true, ttl: Some(ttl) }))
+}
