@@ -8,10 +8,11 @@
 //! | nginx (docs/forward-auth.md's snippet) | `X-Original-Method` | `X-Original-URI` | `X-Forwarded-Host` or `Host` | `X-Forwarded-For` |
 //!
 //! and carries the original request's other fields as they came (its `x-api-key`, its
-//! `Authorization`). Those descriptions are believed only from a peer inside
-//! `[client_ip] trusted_proxies`, as the proxy believes a forwarding header only from
-//! there; any other caller is judged as the call it made (its method, `/v1/forward-auth`,
-//! its own address). A description that does not add up (a field twice, two that
+//! `Authorization`: which is why forward-auth takes no token of its own). Those
+//! descriptions are believed only from a peer inside `[client_ip] trusted_proxies` (as
+//! the proxy believes a forwarding header only from there) or one whose TLS handshake
+//! verified a client certificate; any other caller is judged as the call it made (its
+//! method, `/v1/forward-auth`, its own address). A description that does not add up (a field twice, two that
 //! disagree, a target that is not a path, a host that is not a host) is a 400: never
 //! a guess, never a request let through unjudged.
 //!
@@ -41,8 +42,11 @@ use http::{HeaderMap, HeaderName, HeaderValue, Method, Request, Response, Status
 use http_body_util::Full;
 use hyper::body::Incoming;
 
+use crate::config::Config;
 use crate::decide::{self, Decided, Subject};
 use crate::headers::{self, Problem};
+use crate::identity::ClientCert;
+use crate::runtime::requests::FrontEndKind;
 use crate::runtime::{Ended, Live, Metrics};
 use crate::telemetry::Disposition;
 
@@ -87,10 +91,7 @@ async fn answer(
     let cfg = &*live.config;
     let mut decided = Decided::default();
     let described;
-    let subject = if crate::identity::is_trusted(
-        peer.to_canonical(),
-        &cfg.client_ip.trusted_proxies,
-    ) {
+    let subject = if believed(cfg, peer, parts) {
         described = match Original::of(parts, cfg.server.underscores_in_headers) {
             Ok(o) => o,
             Err(p) => {
@@ -98,7 +99,12 @@ async fn answer(
                 decided.disposed(Disposition::Malformed {
                     not_implemented: false,
                 });
-                return finish(metrics, &decided, started, written(p, &[], &[], live, None));
+                return finish(
+                    metrics,
+                    &decided,
+                    started,
+                    written(*p, &[], &[], live, None),
+                );
             }
         };
         described.subject(peer)
@@ -115,7 +121,8 @@ async fn answer(
     let requester = subject.requester(cfg);
     let result = decide::decide(live, &subject, &requester, None, &mut decided).await;
     let named = |index| decide::named(cfg, &requester, index);
-    metrics.decided(live, &decided.counts, named);
+    let kind = FrontEndKind::ForwardAuth;
+    metrics.decided(live, kind, decided.disposition, &decided.counts, named);
     // Nothing here follows the answer: a settlement would never come, and a lease would
     // be held for a request this process never sees end.
     if let Some(settling) = decided.settling.take() {
@@ -209,7 +216,7 @@ impl Original {
     /// Read the description off the call's head `parts`; a 400 where it does not add up.
     /// `underscores`: whether fields with `_` in their name are kept (`[server]
     /// underscores_in_headers`), as the proxy keeps them.
-    fn of(parts: &Parts, underscores: bool) -> Result<Original, Problem> {
+    fn of(parts: &Parts, underscores: bool) -> Result<Original, Bad> {
         let h = &parts.headers;
         let method = agreed(h, &X_FORWARDED_METHOD, &X_ORIGINAL_METHOD)?
             .ok_or_else(|| bad("no X-Forwarded-Method or X-Original-Method: the original request's method is not known"))?;
@@ -273,42 +280,45 @@ impl Original {
     }
 }
 
+/// Whether the caller's description of another request is believed: it calls from
+/// `[client_ip] trusted_proxies`, or its TLS handshake verified a client certificate (the
+/// service puts it in the call's extensions). Forward-auth takes no token: the calling
+/// proxy passes its client's own `Authorization` on.
+fn believed(cfg: &Config, peer: IpAddr, parts: &Parts) -> bool {
+    crate::identity::is_trusted(peer.to_canonical(), &cfg.client_ip.trusted_proxies)
+        || parts.extensions.get::<ClientCert>().is_some()
+}
+
+/// A description that does not add up: its 400, boxed (rare, and large beside what the
+/// functions return otherwise).
+type Bad = Box<Problem>;
+
 /// A 400 naming what is wrong with the description.
-fn bad(detail: &'static str) -> Problem {
-    Problem::new(StatusCode::BAD_REQUEST, detail)
+fn bad(detail: impl Into<std::borrow::Cow<'static, str>>) -> Bad {
+    Box::new(Problem::new(StatusCode::BAD_REQUEST, detail))
 }
 
 /// The value of `name`, where it is sent once; a 400 where it is sent twice (which one a
 /// backend would read is anyone's guess) or is not visible ASCII text.
-fn one<'h>(h: &'h HeaderMap, name: &HeaderName) -> Result<Option<&'h str>, Problem> {
+fn one<'h>(h: &'h HeaderMap, name: &HeaderName) -> Result<Option<&'h str>, Bad> {
     let mut values = h.get_all(name).iter();
     let (Some(v), None) = (values.next(), values.next()) else {
         return match h.contains_key(name) {
-            true => Err(Problem::new(
-                StatusCode::BAD_REQUEST,
-                format!("{name} is sent more than once"),
-            )),
+            true => Err(bad(format!("{name} is sent more than once"))),
             false => Ok(None),
         };
     };
     v.to_str()
         .map(|s| Some(s.trim()))
-        .map_err(|_| Problem::new(StatusCode::BAD_REQUEST, format!("{name} is not ASCII text")))
+        .map_err(|_| bad(format!("{name} is not ASCII text")))
 }
 
 /// The value Traefik's and Caddy's field `a` and nginx's `b` give: either, or both where
 /// they agree. Two that disagree are a 400: a client can add either on its way through
 /// a proxy that sets the other, and neither is chosen for it.
-fn agreed<'h>(
-    h: &'h HeaderMap,
-    a: &HeaderName,
-    b: &HeaderName,
-) -> Result<Option<&'h str>, Problem> {
+fn agreed<'h>(h: &'h HeaderMap, a: &HeaderName, b: &HeaderName) -> Result<Option<&'h str>, Bad> {
     match (one(h, a)?, one(h, b)?) {
-        (Some(x), Some(y)) if x != y => Err(Problem::new(
-            StatusCode::BAD_REQUEST,
-            format!("{a} and {b} name different values"),
-        )),
+        (Some(x), Some(y)) if x != y => Err(bad(format!("{a} and {b} name different values"))),
         (x, y) => Ok(x.or(y)),
     }
 }
@@ -316,7 +326,7 @@ fn agreed<'h>(
 /// The original method: a token, and a standard one in upper case only (methods are
 /// case-sensitive, RFC 9110 §9.1, yet some backends route `get` as `GET`: the proxy
 /// refuses the ambiguity, and so does this).
-fn method_of(text: &str) -> Result<Method, Problem> {
+fn method_of(text: &str) -> Result<Method, Bad> {
     let method = Method::from_bytes(text.as_bytes())
         .map_err(|_| bad("the original method is not a method"))?;
     let upper = Method::from_bytes(text.to_ascii_uppercase().as_bytes()).ok();
@@ -344,7 +354,7 @@ fn method_of(text: &str) -> Result<Method, Problem> {
 
 /// The original URI: `scheme://host` and the target, which must be a path (origin form,
 /// as the proxies send it), with no byte the proxy would refuse in its path.
-fn uri_of(scheme: Scheme, host: &str, target: &str) -> Result<Uri, Problem> {
+fn uri_of(scheme: Scheme, host: &str, target: &str) -> Result<Uri, Bad> {
     if !target.starts_with('/') {
         return Err(bad("the original target is not a path starting with /"));
     }
@@ -354,7 +364,7 @@ fn uri_of(scheme: Scheme, host: &str, target: &str) -> Result<Uri, Problem> {
     if let Some(p) = crate::proxy::screen::path_problem(path)
         .or_else(|| crate::proxy::screen::parameter_problem(path))
     {
-        return Err(p);
+        return Err(Box::new(p));
     }
     let authority =
         Authority::try_from(host).map_err(|_| bad("the original host is not a host"))?;
