@@ -28,7 +28,7 @@
 //! path; answers name it by its hash only. The key calls are `admin/keys.rs`' (every
 //! gateway sees a change within a second; see there).
 
-pub(crate) mod guard;
+mod guard;
 mod keys;
 
 use std::convert::Infallible;
@@ -46,7 +46,7 @@ use serde::Serialize;
 
 use crate::config::Config;
 use crate::connection::{self, InFlight, Track, Tracked};
-use crate::front_end::{Accepted, FrontEnd, Handler, Serves, Shared};
+use crate::front_end::{bearer, constant_time_eq, Accepted, FrontEnd, Handler, Serves, Shared};
 use crate::headers::ceil_secs;
 use crate::identity;
 use crate::identity::{IdentityDigest, KeyKind, Requester};
@@ -383,29 +383,6 @@ fn authorized(shared: &Shared, req: &Request<Incoming>) -> Result<(), Option<Fai
         true => Ok(()),
         false => Err(Some(Failure::Wrong)),
     }
-}
-
-/// The token of an `Authorization: Bearer <token>` value: the scheme matched in any case
-/// (RFC 9110 §11.1: `bearer`, `BEARER`), one or more spaces after it.
-pub(crate) fn bearer(value: &[u8]) -> Option<&[u8]> {
-    let at = value.iter().position(|&b| b == b' ')?;
-    let (scheme, rest) = value.split_at(at);
-    if !scheme.eq_ignore_ascii_case(b"bearer") {
-        return None;
-    }
-    let token = rest.trim_ascii_start();
-    (!token.is_empty()).then_some(token)
-}
-
-/// Whether two tokens are equal, in a time that tells neither where they differ nor how
-/// long the right one is: their SHA-256 digests are compared, every byte.
-pub(crate) fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
-    use sha2::{Digest, Sha256};
-    let (a, b) = (Sha256::digest(a), Sha256::digest(b));
-    a.iter()
-        .zip(b.iter())
-        .fold(0u8, |acc, (x, y)| acc | (x ^ y))
-        == 0
 }
 
 #[derive(Serialize)]

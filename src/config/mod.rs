@@ -344,12 +344,24 @@ impl Config {
         let mut config = Config::validate(raw, keys_file, tls, env_token, dir, inputs)
             .map_err(|e| e.locate(text, path))?;
         if let Some(d) = raw_decide {
-            let server_tls = config.server.tls.is_some();
-            config.decide = Some(
-                d.into_inner()
-                    .validate(env_decide_token, server_tls)
-                    .map_err(|e| e.locate(text, path))?,
-            );
+            let span = d.span();
+            let taken = [
+                Some(config.server.listen),
+                config.server.admin_listen,
+                config.server.tls.as_ref().map(|t| t.listen),
+            ];
+            let decide = d
+                .into_inner()
+                .validate(env_decide_token, config.server.tls.is_some())
+                .map_err(|e| e.locate(text, path))?;
+            if taken.contains(&Some(decide.listen)) {
+                let why = format!(
+                    "{} is another listener's: the decision service listens on its own, never the proxy's or the admin's",
+                    decide.listen
+                );
+                return Err(Invalid::new(Some(span), "decide.listen", why).locate(text, path));
+            }
+            config.decide = Some(decide);
         }
         config.sha256 = Some(sha256_hex(text.as_bytes()));
         // `RATEWALL_TAG_SECRET` wins over the file's.

@@ -121,3 +121,26 @@ macro_rules! front_ends {
     };
 }
 pub(crate) use front_ends;
+
+/// The token of an `Authorization: Bearer <token>` value: the scheme matched in any case
+/// (RFC 9110 §11.1: `bearer`, `BEARER`), one or more spaces after it.
+pub fn bearer(value: &[u8]) -> Option<&[u8]> {
+    let at = value.iter().position(|&b| b == b' ')?;
+    let (scheme, rest) = value.split_at(at);
+    if !scheme.eq_ignore_ascii_case(b"bearer") {
+        return None;
+    }
+    let token = rest.trim_ascii_start();
+    (!token.is_empty()).then_some(token)
+}
+
+/// Whether two tokens are equal, in a time that tells neither where they differ nor how
+/// long the right one is: their SHA-256 digests are compared, every byte.
+pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    use sha2::{Digest, Sha256};
+    let (a, b) = (Sha256::digest(a), Sha256::digest(b));
+    a.iter()
+        .zip(b.iter())
+        .fold(0u8, |acc, (x, y)| acc | (x ^ y))
+        == 0
+}

@@ -308,6 +308,17 @@ impl Rule {
         })
     }
 
+    /// The most any of its quotas (its own, a plan's) lets pass at once.
+    pub fn largest_burst(&self) -> u64 {
+        self.plans
+            .values()
+            .filter_map(|p| match p {
+                Plan::Limit(q) => Some(q.burst),
+                Plan::Exempt => None,
+            })
+            .fold(self.quota.burst, u64::max)
+    }
+
     /// How the rule acts on what its limit says, for `ratewall check`.
     /// `shared`: whether the store is shared by gateways (Redis), where a concurrency
     /// lease carries a TTL; in memory a lease is given back when its request ends.

@@ -7,11 +7,11 @@
 
 use super::dashboards::Judged;
 use super::requests::{DecisionLabel, FrontEndKind};
-use crate::telemetry::Disposition;
 use super::{Live, Metrics};
 use crate::identity::IdentityDigest;
 use crate::limiter::{Decision, Quota};
 use crate::telemetry::stats::Named;
+use crate::telemetry::Disposition;
 
 /// The counts one decision adds.
 #[derive(Default)]

@@ -250,6 +250,9 @@ async fn decide_one<'l>(ctx: &Ctx, live: &'l Live, ask: &Ask) -> Result<Answer<'
             let requester = key.requester(live);
             let result = decide::decide_rules(live, vec![index], &requester, None, &mut d).await;
             count(ctx, live, &requester, &d, &result);
+            let status = result.as_ref().map_or_else(|r| r.problem.status.as_u16(), |()| 200);
+            let path = format!("/v1/decide rule={}", live.config.rules[index].name);
+            super::access_line("decide", "POST", &path, None, &d, status);
             Ok(answer(ctx, live, d, result))
         }
         (None, Some(described)) => {
@@ -264,6 +267,9 @@ async fn decide_one<'l>(ctx: &Ctx, live: &'l Live, ask: &Ask) -> Result<Answer<'
             let requester = subject.requester(&live.config);
             let result = decide::decide(live, &subject, &requester, None, &mut d).await;
             count(ctx, live, &requester, &d, &result);
+            let status = result.as_ref().map_or_else(|r| r.problem.status.as_u16(), |()| 200);
+            let ip = Some(requester.client_ip());
+            super::access_line("decide", &described.method, req.uri().path(), ip, &d, status);
             Ok(answer(ctx, live, d, result))
         }
         (None, None) => Err(bad("rule: give a rule (and its key) or a request")),
@@ -274,16 +280,7 @@ async fn decide_one<'l>(ctx: &Ctx, live: &'l Live, ask: &Ask) -> Result<Answer<'
 /// forever.
 fn check_cost(live: &Live, index: usize, cost: u64) -> Result<(), Bad> {
     let rule = &live.config.rules[index];
-    let most = rule
-        .plans
-        .values()
-        .filter_map(|p| match p {
-            crate::rules::Plan::Limit(q) => Some(q.burst),
-            crate::rules::Plan::Exempt => None,
-        })
-        .chain([rule.quota.burst])
-        .max()
-        .unwrap_or(0);
+    let most = rule.largest_burst();
     if rule.quota.algorithm != Algorithm::Concurrency && cost > most {
         return Err(bad(format!(
             "cost: {cost} is more than rule {:?} ever allows at once (its burst, {most})",
@@ -417,7 +414,7 @@ fn answer<'l>(
             .filter(|r| r.settle.is_some())
             .map(|r| r.settle_within)
             .min()
-            .unwrap_or(crate::rules::SETTLE_WITHIN);
+            .unwrap_or_default();
         match ctx.grants.reserve(settling, within) {
             Ok(id) => a.reservation = Some(grants::name(id)),
             Err(grants::Full) => {

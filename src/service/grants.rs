@@ -35,7 +35,8 @@ pub struct Grants {
     leases: Mutex<HashMap<u128, HeldLease>>,
 }
 
-/// Past [`MAX_HELD`]: nothing more is held until some are settled or lapse.
+/// Past [`MAX_HELD`] (or with no random name to give): nothing more is held until some
+/// are settled or lapse.
 #[derive(Debug)]
 pub struct Full;
 
@@ -55,7 +56,7 @@ impl Grants {
         if held.len() >= MAX_HELD {
             return Err(Full);
         }
-        let id = fresh_id();
+        let id = fresh_id().ok_or(Full)?;
         held.insert(id, (settling, Instant::now() + within));
         Ok(id)
     }
@@ -71,7 +72,7 @@ impl Grants {
         if held.len() >= MAX_HELD {
             return Err(Full);
         }
-        let id = fresh_id();
+        let id = fresh_id().ok_or(Full)?;
         let deadline = Instant::now() + ttl;
         held.insert(
             id,
@@ -144,15 +145,13 @@ fn lock<T>(m: &Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
-/// 128 bits from the OS's generator (falling back to two process-random words where it
-/// fails, which it does not on Linux).
-fn fresh_id() -> u128 {
+/// 128 bits from the OS's generator; none where it fails (it does not on Linux), and
+/// then nothing is held.
+fn fresh_id() -> Option<u128> {
     use ring::rand::SecureRandom;
     let mut bytes = [0u8; 16];
-    match ring::rand::SystemRandom::new().fill(&mut bytes) {
-        Ok(()) => u128::from_le_bytes(bytes),
-        Err(_) => (u128::from(crate::random::bits()) << 64) | u128::from(crate::random::bits()),
-    }
+    ring::rand::SystemRandom::new().fill(&mut bytes).ok()?;
+    Some(u128::from_le_bytes(bytes))
 }
 
 /// A grant's name as callers see it: 32 hex digits.
@@ -174,7 +173,7 @@ mod tests {
 
     #[test]
     fn names_round_trip_and_others_are_refused() {
-        let id = fresh_id();
+        let id = fresh_id().expect("the OS's generator");
         assert_eq!(parse(&name(id)), Some(id));
         assert_eq!(parse("xyz"), None);
         assert_eq!(parse(&"g".repeat(32)), None);

@@ -43,6 +43,7 @@ use crate::config::Config;
 use crate::connection::{self, InFlight, Track, Tracked};
 use crate::front_end::{Accepted, FrontEnd, Handler, Serves, Shared};
 use crate::headers::Problem;
+use crate::identity::failures::{Allowance, Failures};
 use crate::runtime::{Live, Metrics};
 use grants::Grants;
 
@@ -57,6 +58,11 @@ pub const FRONT_END: DecideFrontEnd = DecideFrontEnd;
 /// Open connections the decision listener keeps at most: applications keep a few
 /// connections each, and a proxy's pool some more.
 pub const MAX_CONNECTIONS: usize = 4096;
+
+/// Failed calls (a missing or wrong token) a peer may make at once, then one more per
+/// [`GUESS_EVERY_MS`]: the admin token's allowance.
+pub const GUESSES: u64 = 10;
+pub const GUESS_EVERY_MS: u64 = 1_000;
 
 /// How long calls still under way get once the workers are done.
 pub const GRACE: Duration = Duration::from_secs(2);
@@ -93,7 +99,7 @@ pub struct Ctx {
     shared: Shared,
     grants: Arc<Grants>,
     /// The failed calls of each peer (a wrong or missing token).
-    guard: Arc<crate::admin::guard::Guard>,
+    guard: Arc<Failures>,
 }
 
 impl Ctx {
@@ -102,7 +108,10 @@ impl Ctx {
         Ctx {
             shared,
             grants: Grants::start(),
-            guard: Arc::new(crate::admin::guard::new_guard()),
+            guard: Arc::new(Failures::new(Allowance {
+                burst: GUESSES,
+                every_ms: GUESS_EVERY_MS,
+            })),
         }
     }
 
@@ -194,12 +203,12 @@ impl Ctx {
         let given = req
             .headers()
             .get(header::AUTHORIZATION)
-            .and_then(|v| crate::admin::bearer(v.as_bytes()));
+            .and_then(|v| crate::front_end::bearer(v.as_bytes()));
         let challenge = Some(HeaderValue::from_static(
             "Bearer realm=\"ratewall decide\"",
         ));
         let detail = match given {
-            Some(t) if crate::admin::constant_time_eq(t, token.as_bytes()) => {
+            Some(t) if crate::front_end::constant_time_eq(t, token.as_bytes()) => {
                 self.guard.refund(charged, now);
                 return Ok(());
             }
@@ -254,6 +263,38 @@ impl Handler for Ctx {
             }
         })
     }
+}
+
+/// The access line of one decision made here, with the proxy's fields (target
+/// `ratewall::access`): `frontend` says who asked (`decide`, `rls`, `forward_auth`),
+/// `method` and `path` what was decided (a described request's, or the call's own),
+/// `status` what the proxy would have answered. Never the key, never the query.
+pub fn access_line(
+    frontend: &'static str,
+    method: &str,
+    path: &str,
+    client_ip: Option<IpAddr>,
+    d: &crate::decide::Decided<'_>,
+    status: u16,
+) {
+    if !tracing::enabled!(target: "ratewall::access", tracing::Level::INFO) {
+        return;
+    }
+    let id = d.identity.map(|i| i.tag());
+    tracing::info!(
+        target: "ratewall::access",
+        frontend,
+        method,
+        path,
+        status,
+        client_ip = client_ip.map(tracing::field::display),
+        rule = d.rule.unwrap_or("-"),
+        decision = d.disposition.decision(),
+        shadow_denied = d.shadow_denied.unwrap_or("-"),
+        waited_ms = d.waited.as_millis() as u64,
+        id = id.as_ref().map_or("-", |h| h.as_str()),
+        dry_run = d.dry_run,
+    );
 }
 
 /// A whole body.

@@ -298,6 +298,8 @@ fn place(name: &str) -> Option<Place> {
         "RawConfig" | "RawKeysFile" => Place::Tables,
         "RawServer" => Place::Section("[server]"),
         "RawAdmin" => Place::Section("[admin]"),
+        "RawDecide" => Place::Section("[decide]"),
+        "RawForwardAuth" => Place::Within("[decide]", "forward_auth"),
         "RawUpstream" => Place::Section("[upstream]"),
         "RawPool" => Place::Section("[[upstreams]]"),
         "RawPoolServer" => Place::Within("[[upstreams]]", "servers"),
