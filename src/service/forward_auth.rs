@@ -99,12 +99,9 @@ async fn answer(
                 decided.disposed(Disposition::Malformed {
                     not_implemented: false,
                 });
-                return finish(
-                    metrics,
-                    &decided,
-                    started,
-                    written(*p, &[], &[], live, None),
-                );
+                let resp = written(*p, &[], &[], live, None);
+                let seen = (&parts.method, parts.uri.path(), None);
+                return finish(metrics, &decided, started, resp, seen);
             }
         };
         described.subject(peer)
@@ -162,7 +159,12 @@ async fn answer(
             written(r.problem, shown.0, shown.1, live, deny)
         }
     };
-    finish(metrics, &decided, started, resp)
+    let seen = (
+        subject.method,
+        subject.uri.path(),
+        Some(requester.client_ip()),
+    );
+    finish(metrics, &decided, started, resp, seen)
 }
 
 /// A refusal as problem+json, with the rules' fields it shows; `status`: another status
@@ -183,18 +185,29 @@ fn written(
     resp
 }
 
-/// Count the call as over ([`Metrics::ended`]), under the status it stands for (a
-/// denial's 429, whatever `deny_status` sent).
+/// Count the call as over ([`Metrics::ended`]) and write its access line, under the
+/// status it stands for (a denial's 429, whatever `deny_status` sent). `seen`: the
+/// method, path and client of the request decided (the described one, or the call).
 fn finish(
     metrics: &Metrics,
     decided: &Decided<'_>,
     started: Instant,
     resp: Response<Full<Bytes>>,
+    seen: (&Method, &str, Option<IpAddr>),
 ) -> Response<Full<Bytes>> {
     let status = match decided.disposition {
         Disposition::Denied => StatusCode::TOO_MANY_REQUESTS.as_u16(),
         _ => resp.status().as_u16(),
     };
+    let (method, path, client) = seen;
+    super::access_line(
+        "forward_auth",
+        method.as_str(),
+        path,
+        client,
+        decided,
+        status,
+    );
     metrics.ended(&Ended {
         disposition: decided.disposition,
         upstream: false,
@@ -237,28 +250,27 @@ impl Original {
             Some(_) => return Err(bad("X-Forwarded-Proto is neither http nor https")),
         };
         let uri = uri_of(scheme, host, target)?;
-        let mut headers = h.clone();
-        for name in [
+        // The call's fields, less the description's and (unless kept, as the proxy keeps
+        // them) those with `_` in their name, which CGI, WSGI and Rack read as `-`.
+        let description = [
             &X_FORWARDED_METHOD,
             &X_FORWARDED_URI,
             &X_FORWARDED_HOST,
             &X_FORWARDED_PROTO,
             &X_ORIGINAL_METHOD,
             &X_ORIGINAL_URI,
-        ] {
-            headers.remove(name);
+        ];
+        let mut headers = HeaderMap::with_capacity(h.len());
+        for (name, value) in h {
+            let dropped =
+                description.contains(&name) || !underscores && name.as_str().contains('_');
+            if !dropped {
+                headers.append(name.clone(), value.clone());
+            }
         }
-        if !underscores {
-            crate::proxy::screen::drop_underscored(&mut headers);
-        }
-        // The host is known to be one (`uri_of` parsed it as an authority).
+        // A host `uri_of` took: visible ASCII.
         let host = HeaderValue::from_str(host).map_err(|_| bad("the original host is not text"))?;
         headers.insert(HOST, host);
-        if !crate::proxy::host_is_sound(http::Version::HTTP_11, &uri, &headers) {
-            return Err(bad(
-                "the original host is not a host and optional port (RFC 9110 §7.2)",
-            ));
-        }
         Ok(Original {
             method,
             uri,
@@ -360,20 +372,76 @@ fn uri_of(scheme: Scheme, host: &str, target: &str) -> Result<Uri, Bad> {
     }
     let path_and_query = PathAndQuery::try_from(target)
         .map_err(|_| bad("the original target is not a valid path and query"))?;
-    let path = path_and_query.path();
-    if let Some(p) = crate::proxy::screen::path_problem(path)
-        .or_else(|| crate::proxy::screen::parameter_problem(path))
-    {
-        return Err(Box::new(p));
+    if let Some(why) = ambiguous_path(path_and_query.path()) {
+        return Err(bad(why));
     }
-    let authority =
-        Authority::try_from(host).map_err(|_| bad("the original host is not a host"))?;
+    let authority = Authority::try_from(host)
+        .ok()
+        .filter(|a| is_host_and_port(host, a))
+        .ok_or_else(|| {
+            bad("the original host is not a host and optional port (RFC 9110 §7.2): no userinfo, path or other characters")
+        })?;
     Uri::builder()
         .scheme(scheme)
         .authority(authority)
         .path_and_query(path_and_query)
         .build()
         .map_err(|_| bad("the original URI is not valid"))
+}
+
+/// What the proxy's screen refuses in a path (`proxy/screen.rs`, out of the service's
+/// reach: front-ends share only what lies below them), read as it reads it: an encoded
+/// control byte (`%00`-`%1F`, `%7F`: backends disagree on what it means), or a `;`
+/// parameter holding a backslash or an encoded slash or backslash (backends cut a
+/// segment's parameters before or after decoding it, and the rules cannot read it as
+/// every one of them does).
+fn ambiguous_path(path: &str) -> Option<&'static str> {
+    if escapes(path).any(|b| b < 0x20 || b == 0x7f) {
+        return Some("an encoded control byte (%00-%1F, %7F) in the original path");
+    }
+    let mut parameters = path
+        .split('/')
+        .filter_map(|s| s.split_once(';').map(|(_, p)| p));
+    parameters
+        .any(|p| p.contains('\\') || escapes(p).any(|b| b == b'/' || b == b'\\'))
+        .then_some("an encoded slash or a backslash inside a ;parameter of the original path: backends read it differently")
+}
+
+/// The bytes `%XX` escapes in `s` stand for (a `%` not followed by two hex digits is
+/// text).
+fn escapes(s: &str) -> impl Iterator<Item = u8> + '_ {
+    s.match_indices('%').filter_map(|(at, _)| {
+        let hex = s.get(at + 1..at + 3)?;
+        hex.bytes()
+            .all(|c| c.is_ascii_hexdigit())
+            .then(|| u8::from_str_radix(hex, 16).ok())?
+    })
+}
+
+/// Whether `host`, parsed as `authority`, is `uri-host [ ":" port ]` as the proxy takes a
+/// `Host` (RFC 9110 §7.2): no userinfo, a bracketed IPv6 literal or a name of letters,
+/// digits and `-._~` (no sub-delimiters, no escapes: backends disagree on those), a port
+/// of digits.
+fn is_host_and_port(host: &str, authority: &Authority) -> bool {
+    let name = authority.host();
+    let v6 = name
+        .strip_prefix('[')
+        .and_then(|n| n.strip_suffix(']'))
+        .is_some_and(|n| n.parse::<std::net::Ipv6Addr>().is_ok());
+    let plain = !name.is_empty()
+        && name
+            .bytes()
+            .all(|c| c.is_ascii_alphanumeric() || b"-._~".contains(&c));
+    // What follows the name: nothing, or `:` and a port (`Authority::port` reads a port
+    // past 65535 as none at all).
+    let port = match authority.as_str().get(name.len()..) {
+        Some("") => true,
+        Some(rest) => rest
+            .strip_prefix(':')
+            .is_some_and(|p| p.bytes().all(|c| c.is_ascii_digit()) && p.parse::<u16>().is_ok()),
+        None => false,
+    };
+    !host.contains('@') && (v6 || plain) && port
 }
 
 #[cfg(test)]
@@ -470,6 +538,13 @@ mod tests {
             (vec![("x-forwarded-method", &b"G T"[..])], "not a method"),
             (vec![("x-forwarded-host", &b"a@b.example"[..])], "host"),
             (vec![("x-forwarded-host", &b"a.example/x"[..])], "host"),
+            (
+                vec![("x-forwarded-host", &b"a.example,b.example"[..])],
+                "host",
+            ),
+            (vec![("x-forwarded-host", &b"a.example:99999"[..])], "host"),
+            (vec![("x-forwarded-host", &b"[::zz]"[..])], "host"),
+            (vec![("x-forwarded-uri", &b"/a;b\\..\\c"[..])], "parameter"),
             (vec![("x-forwarded-proto", &b"gopher"[..])], "neither http"),
         ] {
             let got = with(&extra);
@@ -493,6 +568,22 @@ mod tests {
         // The rules read paths normalised, as a backend routes them.
         let o = described(&f).expect("sound");
         assert_eq!(o.uri.path(), "/public/../api/x");
+    }
+
+    #[test]
+    fn hosts_with_a_port_and_v6_literals_are_hosts() {
+        for host in [
+            "api.example.com:8443",
+            "[::1]:8080",
+            "10.0.0.1",
+            "a-b.example.",
+        ] {
+            let mut f = TRAEFIK.to_vec();
+            f.retain(|(n, _)| *n != "x-forwarded-host");
+            f.push(("x-forwarded-host", host.as_bytes()));
+            let o = described(&f).unwrap_or_else(|e| panic!("{host}: {e}"));
+            assert_eq!(o.headers["host"], host);
+        }
     }
 
     #[test]
