@@ -109,31 +109,42 @@ async fn sixth_is_stopped_before_the_backend(front: &str, backend: &Backend) {
 }
 
 /// nginx with `examples/nginx/ratewall-auth.conf`, ratewall answering denials with
-/// `deny_status = 403` (what `auth_request` accepts): the client gets the file's 429.
+/// `deny_status = 403` (what `auth_request` passes on), and with the default 429 (which
+/// `auth_request` makes a 500): either way the client gets the file's 429, and only the
+/// second has nginx log an error per denial. With ratewall gone, nothing passes.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn nginx_auth_request_stops_the_sixth_request_with_a_429() {
     let _watch = common::watchdog();
-    let backend = Backend::start().await;
-    let (_gw, decide) = gateway(
-        &backend,
-        FIVE_PER_KEY,
-        "forward_auth = { deny_status = 403 }",
-    );
-    let conf = filled(
-        example("examples/nginx/ratewall-auth.conf"),
-        &[
-            ("listen 8000;", "listen LISTEN;"),
-            ("127.0.0.1:8081", &format!("127.0.0.1:{decide}")),
-            ("http://127.0.0.1:3000", &backend.url()),
-        ],
-    );
-    let nginx = Nginx::start(&conf);
-    sixth_is_stopped_before_the_backend(&nginx.url(), &backend).await;
-    assert!(
-        !nginx.error_log().contains("auth request unexpected status"),
-        "{}",
-        nginx.error_log()
-    );
+    for deny_status in ["forward_auth = { deny_status = 403 }", ""] {
+        let backend = Backend::start().await;
+        let (gw, decide) = gateway(&backend, FIVE_PER_KEY, deny_status);
+        let conf = filled(
+            example("examples/nginx/ratewall-auth.conf"),
+            &[
+                ("listen 8000;", "listen LISTEN;"),
+                ("127.0.0.1:8081", &format!("127.0.0.1:{decide}")),
+                ("http://127.0.0.1:3000", &backend.url()),
+            ],
+        );
+        let nginx = Nginx::start(&conf);
+        sixth_is_stopped_before_the_backend(&nginx.url(), &backend).await;
+        let logged = nginx
+            .error_log()
+            .contains("auth request unexpected status: 429");
+        assert_eq!(
+            logged,
+            deny_status.is_empty(),
+            "{deny_status}: {}",
+            nginx.error_log()
+        );
+        // ratewall gone: nginx answers 500, and lets nothing through unjudged.
+        drop(gw);
+        let r = HttpClient::new()
+            .get(&format!("{}/orders", nginx.url()), &[("x-api-key", "k9")])
+            .await;
+        assert_eq!(r.status, 500);
+        assert_eq!(backend.count("/orders"), 6);
+    }
 }
 
 /// Caddy with `examples/caddy/Caddyfile`: ratewall's own 429 reaches the client.
