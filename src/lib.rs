@@ -52,6 +52,10 @@
 //!   health, the admin API, the status page, the guard that slows a peer guessing the
 //!   admin token (`admin/guard.rs`), and the runtime key calls, `/admin/keys`
 //!   (`admin/keys.rs`).
+//! - [`service`]: the decision service on `[decide] listen`, a front-end: the decision
+//!   API (`service/api.rs`: decide, settle, leases, with the reservations and leases it
+//!   holds in `service/grants.rs`), forward-auth (`service/forward_auth.rs`) and Envoy's
+//!   rate limit service (`service/rls/`), each deciding with the decision core.
 //! - [`front_end`]: what a front-end on a listener of its own is ([`front_end::FrontEnd`]:
 //!   its name, where it listens, its bounds, its handler) and what it shares with the
 //!   proxy ([`front_end::Shared`]: the current configuration, the metrics); the accept

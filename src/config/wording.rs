@@ -15,18 +15,19 @@ const DURATIONS: &[&str] = &[
     "idle_timeout",
     "interval",
     "jwks_refresh",
+    "lease_ttl",
+    "leeway",
     "max_delay",
     "max_wait",
     "probe_interval",
     "resolve_every",
+    "resync",
     "retry_jitter",
+    "settle_within",
     "shutdown_grace",
+    "time",
     "timeout",
     "upgrade_idle_timeout",
-    "time",
-    "lease_ttl",
-    "leeway",
-    "resync",
 ];
 
 /// Keys whose value is a rate (`"10/s"`).

@@ -219,6 +219,9 @@ fn shape(live: &Live, ask: &Ask) -> Result<Option<usize>, Bad> {
         )),
         (None, None, None) => Err(bad("rule: give a rule (and its key) or a request")),
         (None, Some(_), None) => Err(bad("rule: a key needs the rule it is counted by")),
+        (None, _, Some(_)) if ask.cost.is_some() => Err(bad(
+            "cost: for a rule and its key; a described request costs what its rules say",
+        )),
         (None, _, Some(_)) => Ok(None),
         (Some(rule), _, None) => rule_named(live, rule).map(Some),
     }
