@@ -12,15 +12,15 @@
 //! descriptions are believed only from a peer inside `[client_ip] trusted_proxies` (as
 //! the proxy believes a forwarding header only from there) or one whose TLS handshake
 //! verified a client certificate; any other caller is judged as the call it made (its
-//! method, `/v1/forward-auth`, its own address). A description that does not add up (a field twice, two that
-//! disagree, a target that is not a path, a host that is not a host) is a 400: never
-//! a guess, never a request let through unjudged.
+//! method, `/v1/forward-auth`, its own address). A description that does not add up (a
+//! field twice, two that disagree, a target that is not a path, a host that is not a
+//! host) is a 400: never a guess, never a request let through unjudged.
 //!
 //! The original request is then decided by the proxy's own core ([`decide::decide`]: the
 //! same rules, identities, plans, JWT verification, shadow and rollout, the same store
 //! keys), its counts handed to [`Metrics::decided`] and its end to [`Metrics::ended`].
-//! The answer: 200 with the `RateLimit` fields, for the calling proxy to copy onto the
-//! response (Traefik's `authResponseHeaders`, Caddy's `copy_headers`); a denial's 429
+//! The answer: 200 with the `RateLimit` fields, for the calling proxy to copy (Traefik's
+//! `authResponseHeaders`, Caddy's `copy_headers` or `request_header`); a denial's 429
 //! with `Retry-After` and problem+json, or the status `[decide] forward_auth = {
 //! deny_status = 403 }` names (nginx's `auth_request` takes only 2xx, 401 and 403 from
 //! its auth server); any other refusal as the proxy writes it (401, 503, …).
