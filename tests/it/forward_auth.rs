@@ -243,6 +243,49 @@ async fn an_untrusted_callers_forwarded_fields_are_ignored() {
     }
 }
 
+/// What forward-auth cannot wait for: a rule that settles by the answer stands as charged
+/// (nothing given back, since no answer comes), and a concurrency slot is given back as
+/// soon as the decision is made (the next call from the same key gets it again).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn settlements_stand_and_slots_come_back_at_once() {
+    let _watch = common::watchdog();
+    let backend = Backend::start().await;
+    let rules = "[[rules]]\nname = \"slots\"\nkey = \"api_key\"\nmax_in_flight = 1\n\
+                 [[rules]]\nname = \"charged\"\nkey = \"api_key\"\nrate = \"1/h\"\nburst = 3\n\
+                 charge = { statuses = [\"2xx\"], attempts = { rate = \"100/h\", burst = 100 } }\n";
+    let (_gw, decide) = gateway(&backend, rules, "");
+    let url = format!("http://127.0.0.1:{decide}/v1/forward-auth");
+    let client = HttpClient::new();
+    let described = [
+        ("x-api-key", "k1"),
+        ("x-forwarded-method", "POST"),
+        ("x-forwarded-host", "api.example.com"),
+        ("x-forwarded-uri", "/imports"),
+    ];
+    let mut seen = Vec::new();
+    for _ in 0..4 {
+        let r = client.get(&url, &described).await;
+        seen.push((
+            r.status.as_u16(),
+            r.header("ratelimit").unwrap_or_default().to_string(),
+        ));
+        // Time for a refund to land, were one (wrongly) sent.
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let statuses: Vec<u16> = seen.iter().map(|(s, _)| *s).collect();
+    assert_eq!(statuses, [200, 200, 200, 429], "{seen:?}");
+    for (n, (_, fields)) in seen.iter().take(3).enumerate() {
+        assert!(
+            fields.starts_with("\"slots\";r=0, "),
+            "the slot, free again: {fields}"
+        );
+        assert!(
+            fields.contains(&format!("\"charged\";r={}", 2 - n)),
+            "{fields}"
+        );
+    }
+}
+
 /// A real Caddy (Debian's `caddy`) on a free port of 127.0.0.1, its state in a temporary
 /// folder, killed on drop.
 struct Caddy {
