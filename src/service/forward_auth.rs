@@ -243,11 +243,12 @@ impl Original {
                 bad("no X-Forwarded-Host or Host: the original request's host is not known")
             })?,
         };
-        let scheme = match one(h, &X_FORWARDED_PROTO)? {
+        // Traefik says `ws` and `wss` of a WebSocket's upgrade request.
+        let scheme = match one(h, &X_FORWARDED_PROTO)?.map(str::to_ascii_lowercase) {
             None => Scheme::HTTP,
-            Some(p) if p.eq_ignore_ascii_case("http") => Scheme::HTTP,
-            Some(p) if p.eq_ignore_ascii_case("https") => Scheme::HTTPS,
-            Some(_) => return Err(bad("X-Forwarded-Proto is neither http nor https")),
+            Some(p) if p == "http" || p == "ws" => Scheme::HTTP,
+            Some(p) if p == "https" || p == "wss" => Scheme::HTTPS,
+            Some(_) => return Err(bad("X-Forwarded-Proto is not http, https, ws or wss")),
         };
         let uri = uri_of(scheme, host, target)?;
         // The call's fields, less the description's and (unless kept, as the proxy keeps
@@ -545,7 +546,10 @@ mod tests {
             (vec![("x-forwarded-host", &b"a.example:99999"[..])], "host"),
             (vec![("x-forwarded-host", &b"[::zz]"[..])], "host"),
             (vec![("x-forwarded-uri", &b"/a;b\\..\\c"[..])], "parameter"),
-            (vec![("x-forwarded-proto", &b"gopher"[..])], "neither http"),
+            (
+                vec![("x-forwarded-proto", &b"gopher"[..])],
+                "not http, https",
+            ),
         ] {
             let got = with(&extra);
             assert!(got.contains(says), "{extra:?}: {got:?}");
@@ -568,6 +572,17 @@ mod tests {
         // The rules read paths normalised, as a backend routes them.
         let o = described(&f).expect("sound");
         assert_eq!(o.uri.path(), "/public/../api/x");
+    }
+
+    #[test]
+    fn a_websockets_upgrade_is_described_with_ws_or_wss() {
+        for (proto, scheme) in [("wss", "https"), ("ws", "http"), ("HTTPS", "https")] {
+            let mut f = TRAEFIK.to_vec();
+            f.retain(|(n, _)| *n != "x-forwarded-proto");
+            f.push(("x-forwarded-proto", proto.as_bytes()));
+            let o = described(&f).unwrap_or_else(|e| panic!("{proto}: {e}"));
+            assert_eq!(o.uri.scheme_str(), Some(scheme));
+        }
     }
 
     #[test]
