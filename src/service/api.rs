@@ -85,7 +85,8 @@ fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Bad> {
         let at = e.path().to_string();
         let inner = e.into_inner();
         match at.as_str() {
-            "." => bad(format!("the body is not a call: {inner}")),
+            // "?": where serde_path_to_error cannot say (a body cut short).
+            "." | "?" => bad(format!("the body is not a call: {inner}")),
             at => bad(format!("{at}: {inner}")),
         }
     })
@@ -188,7 +189,7 @@ async fn decide_call(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
     // Each checked before any is decided: a malformed one fails the whole call, and
     // nothing was charged.
     for (i, ask) in asks.iter().enumerate() {
-        shape(&live, ask).map_err(|p| at_index(i, p))?;
+        checked(&live, ask).map_err(|p| at_index(i, p))?;
     }
     // Decided together: their store calls go out at once (pipelined on one connection
     // to Redis), and are answered in order.
@@ -205,6 +206,19 @@ fn at_index(i: usize, p: Problem) -> Problem {
     match p.detail {
         Some(d) => Problem::new(p.status, format!("[{i}].{d}")),
         None => p,
+    }
+}
+
+/// Everything [`decide_one`] refuses a call for, found before any call is decided: its
+/// shape, its cost, its key, its described request.
+fn checked(live: &Live, ask: &Ask) -> Result<(), Bad> {
+    match (shape(live, ask)?, &ask.request) {
+        (Some(index), _) => {
+            check_cost(live, index, ask.cost.unwrap_or(1))?;
+            Keyed::of(live, index, ask.key.as_deref()).map(drop)
+        }
+        (None, Some(described)) => Request::try_from(described).map(drop),
+        (None, None) => Ok(()),
     }
 }
 

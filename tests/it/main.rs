@@ -41,6 +41,7 @@ mod request_path;
 mod route_prefix;
 mod scale;
 mod sentinel;
+mod service;
 mod settle_agree;
 mod settle_attacks;
 mod settlement;
