@@ -11,7 +11,7 @@
 //! `Authorization`: which is why forward-auth takes no token of its own). Those
 //! descriptions are believed only from a peer inside `[client_ip] trusted_proxies` (as
 //! the proxy believes a forwarding header only from there) or one whose TLS handshake
-//! verified a client certificate; any other caller is judged as the call it made (its
+//! verified a client certificate (where the service hands it on); any other caller is judged as the call it made (its
 //! method, `/v1/forward-auth`, its own address). A description that does not add up (a
 //! field twice, two that disagree, a target that is not a path, a host that is not a
 //! host) is a 400: never a guess, never a request let through unjudged.
@@ -294,8 +294,8 @@ impl Original {
 }
 
 /// Whether the caller's description of another request is believed: it calls from
-/// `[client_ip] trusted_proxies`, or its TLS handshake verified a client certificate (the
-/// service puts it in the call's extensions). Forward-auth takes no token: the calling
+/// `[client_ip] trusted_proxies`, or its TLS handshake verified a client certificate,
+/// where the service puts it in the call's extensions (a [`ClientCert`]). Forward-auth takes no token: the calling
 /// proxy passes its client's own `Authorization` on.
 fn believed(cfg: &Config, peer: IpAddr, parts: &Parts) -> bool {
     crate::identity::is_trusted(peer.to_canonical(), &cfg.client_ip.trusted_proxies)
