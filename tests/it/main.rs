@@ -17,6 +17,7 @@ mod e2e;
 mod failover;
 mod faults;
 mod features;
+mod forward_auth;
 mod grpc;
 mod grpc_answers;
 mod h2_pools;
