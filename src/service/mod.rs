@@ -147,12 +147,17 @@ impl Ctx {
         &self,
         peer: SocketAddr,
         client_cert: Option<[u8; 32]>,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
     ) -> Reply {
-        let path = req.uri().path();
-        if path == "/v1/forward-auth" {
+        if req.uri().path() == "/v1/forward-auth" {
             return match *req.method() {
                 Method::GET | Method::POST | Method::HEAD => {
+                    // A proxy that proved itself with a client certificate is believed as
+                    // one from `trusted_proxies` is.
+                    if let Some(fp) = client_cert {
+                        req.extensions_mut()
+                            .insert(crate::identity::ClientCert(fp));
+                    }
                     forward_auth::call(self, peer, req).await.map(boxed)
                 }
                 _ => problem(&Problem::new(
@@ -164,7 +169,7 @@ impl Ctx {
         if let Err(p) = self.authorized(peer.ip(), client_cert, &req) {
             return problem(&p);
         }
-        if path == rls::PATH {
+        if req.uri().path() == rls::PATH {
             return rls::call(self, req).await;
         }
         api::call(self, req).await
