@@ -82,10 +82,14 @@ async fn body(live: &Live, req: Request<Incoming>) -> Result<Bytes, Bad> {
     }
 }
 
-/// `bytes` as a `T`, or a 400 naming the field that is wrong.
+/// `bytes` as a `T`, or a 400 naming the field that is wrong (found by a second parse,
+/// which tracks where it is: only a malformed call pays for that).
 fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Bad> {
+    if let Ok(t) = serde_json::from_slice(bytes) {
+        return Ok(t);
+    }
     let mut de = serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(&mut de).map_err(|e| {
+    let t = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let at = e.path().to_string();
         let inner = e.into_inner();
         match at.as_str() {
@@ -93,7 +97,11 @@ fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Bad> {
             "." | "?" => bad(format!("the body is not a call: {inner}")),
             at => bad(format!("{at}: {inner}")),
         }
-    })
+    })?;
+    // What the first parse refused, if not the value itself: something after it.
+    de.end()
+        .map_err(|e| bad(format!("the body is not a call: {e}")))?;
+    Ok(t)
 }
 
 /// One decision asked for: a rule and a key, or a described request.
