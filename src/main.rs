@@ -135,9 +135,15 @@ fn main() -> ExitCode {
     }
 
     // The control runtime: signals, reloads, the admin listener, upkeep and the store's
-    // connections. Clients are served by the workers' own event loops (server::run).
+    // connections. Clients are served by the workers' own event loops (server::run). The
+    // decision service's calls run here too: with `[decide]`, it has as many threads as
+    // the proxy has workers, so that it is not held to one core.
+    let threads = match config.decide {
+        Some(_) => config.server.workers.max(1),
+        None => 1,
+    };
     let runtime = match tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(1)
+        .worker_threads(threads)
         .thread_name("ratewall-control")
         .enable_all()
         .build()

@@ -5,13 +5,12 @@
 //! `[server.tls] client_ca`, a verified client certificate.
 
 use std::net::SocketAddr;
-use std::time::Duration;
 
 use http::StatusCode;
 use serde::Deserialize;
 use toml::Spanned;
 
-use super::values::{AdminToken, ByteSize, HumanDuration};
+use super::values::{AdminToken, ByteSize};
 use super::Invalid;
 
 /// The validated `[decide]` table.
@@ -21,15 +20,15 @@ pub struct Decide {
     /// The bearer token a call needs (none: only a verified client certificate is
     /// believed; without `tls` and a client CA, every call is refused with 403).
     pub token: Option<String>,
+    /// The token's SHA-256, what a call's token is compared with (its digest, byte by
+    /// byte: a compare that tells neither where they differ nor how long it is), made once.
+    pub token_sha256: Option<[u8; 32]>,
     /// Serve TLS with `[server.tls]`'s certificates and client CA.
     pub tls: bool,
     /// The largest request body read (`max_body`, default 1 MiB): past it, 413.
     pub max_body: u64,
     /// The most decisions in one batch (`max_batch`, default 100).
     pub max_batch: usize,
-    /// How long a lease lives unless renewed (`lease_ttl`, default 60 s); a call may ask
-    /// for less.
-    pub lease_ttl: Duration,
     /// The status forward-auth denies with (`forward_auth = { deny_status = 403 }`;
     /// default 429). nginx's `auth_request` takes only 2xx, 401 and 403.
     pub forward_auth_deny: StatusCode,
@@ -47,7 +46,6 @@ impl std::fmt::Debug for Decide {
             .field("tls", &self.tls)
             .field("max_body", &self.max_body)
             .field("max_batch", &self.max_batch)
-            .field("lease_ttl", &self.lease_ttl)
             .field("forward_auth_deny", &self.forward_auth_deny)
             .field("envoy_config", &self.envoy_config)
             .finish()
@@ -59,7 +57,6 @@ pub const LISTEN: SocketAddr =
     SocketAddr::new(std::net::IpAddr::V4(std::net::Ipv4Addr::LOCALHOST), 8081);
 pub const MAX_BODY: u64 = 1024 * 1024;
 pub const MAX_BATCH: usize = 100;
-pub const LEASE_TTL: Duration = Duration::from_secs(60);
 
 #[derive(Deserialize, Default)]
 #[serde(deny_unknown_fields)]
@@ -69,7 +66,6 @@ pub(super) struct RawDecide {
     tls: Option<Spanned<bool>>,
     max_body: Option<ByteSize>,
     max_batch: Option<Spanned<usize>>,
-    lease_ttl: Option<HumanDuration>,
     forward_auth: Option<RawForwardAuth>,
     pub(super) envoy_config: Option<String>,
 }
@@ -120,13 +116,16 @@ impl RawDecide {
                 }
             },
         };
+        let token = env_token.or(self.token).map(|t| t.0);
         Ok(Decide {
             listen: self.listen.unwrap_or(LISTEN),
-            token: env_token.or(self.token).map(|t| t.0),
+            token_sha256: token
+                .as_ref()
+                .map(|t| crate::identity::sha256(t.as_bytes())),
+            token,
             tls,
             max_body: self.max_body.map_or(MAX_BODY, |b| b.0),
             max_batch,
-            lease_ttl: self.lease_ttl.map_or(LEASE_TTL, |d| d.0),
             forward_auth_deny,
             envoy_config: self.envoy_config,
         })

@@ -138,7 +138,11 @@ pub fn bearer(value: &[u8]) -> Option<&[u8]> {
 /// long the right one is: their SHA-256 digests are compared, every byte.
 pub fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
     use sha2::{Digest, Sha256};
-    let (a, b) = (Sha256::digest(a), Sha256::digest(b));
+    same_digest(&Sha256::digest(a).into(), &Sha256::digest(b).into())
+}
+
+/// Whether two digests are equal, every byte compared.
+pub fn same_digest(a: &[u8; 32], b: &[u8; 32]) -> bool {
     a.iter()
         .zip(b.iter())
         .fold(0u8, |acc, (x, y)| acc | (x ^ y))

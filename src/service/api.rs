@@ -27,10 +27,10 @@ use crate::runtime::requests::FrontEndKind;
 use crate::runtime::Live;
 
 /// A malformed call: its status (400, 404, 413) and what is wrong, naming the field.
-type Bad = Problem;
+type Bad = Box<Problem>;
 
 fn bad(detail: impl Into<String>) -> Bad {
-    Problem::new(StatusCode::BAD_REQUEST, detail.into())
+    Box::new(Problem::new(StatusCode::BAD_REQUEST, detail.into()))
 }
 
 pub(super) async fn call(ctx: &Ctx, req: Request<Incoming>) -> Reply {
@@ -52,16 +52,20 @@ async fn route(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
                 .ok_or_else(|| not_found("no such lease (a lease is named by 32 hex digits)"))?;
             lease_update(ctx, &method, id).await
         }
-        (_, "/v1/decide" | "/v1/settle" | "/v1/leases") => Err(Problem::new(
+        (_, p) if p.starts_with("/v1/leases/") => Err(Box::new(Problem::new(
+            StatusCode::METHOD_NOT_ALLOWED,
+            "a lease takes PUT (renew) or DELETE (give back)",
+        ))),
+        (_, "/v1/decide" | "/v1/settle" | "/v1/leases") => Err(Box::new(Problem::new(
             StatusCode::METHOD_NOT_ALLOWED,
             format!("{path} takes POST"),
-        )),
+        ))),
         _ => Err(not_found("no such call: see docs/service.md")),
     }
 }
 
 fn not_found(detail: &'static str) -> Bad {
-    Problem::new(StatusCode::NOT_FOUND, detail)
+    Box::new(Problem::new(StatusCode::NOT_FOUND, detail))
 }
 
 /// The body, whole, up to `[decide] max_body`.
@@ -70,25 +74,34 @@ async fn body(live: &Live, req: Request<Incoming>) -> Result<Bytes, Bad> {
     let limit = usize::try_from(max).unwrap_or(usize::MAX);
     match Limited::new(req.into_body(), limit).collect().await {
         Ok(b) => Ok(b.to_bytes()),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(Problem::new(
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(Box::new(Problem::new(
             StatusCode::PAYLOAD_TOO_LARGE,
             format!("the body is over [decide] max_body ({max} bytes)"),
-        )),
+        ))),
         Err(e) => Err(bad(format!("the body could not be read: {e}"))),
     }
 }
 
-/// `bytes` as a `T`, or a 400 naming the field that is wrong.
+/// `bytes` as a `T`, or a 400 naming the field that is wrong (found by a second parse,
+/// which tracks where it is: only a malformed call pays for that).
 fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Bad> {
+    if let Ok(t) = serde_json::from_slice(bytes) {
+        return Ok(t);
+    }
     let mut de = serde_json::Deserializer::from_slice(bytes);
-    serde_path_to_error::deserialize(&mut de).map_err(|e| {
+    let t = serde_path_to_error::deserialize(&mut de).map_err(|e| {
         let at = e.path().to_string();
         let inner = e.into_inner();
         match at.as_str() {
-            "." => bad(format!("the body is not a call: {inner}")),
+            // "?": where serde_path_to_error cannot say (a body cut short).
+            "." | "?" => bad(format!("the body is not a call: {inner}")),
             at => bad(format!("{at}: {inner}")),
         }
-    })
+    })?;
+    // What the first parse refused, if not the value itself: something after it.
+    de.end()
+        .map_err(|e| bad(format!("the body is not a call: {e}")))?;
+    Ok(t)
 }
 
 /// One decision asked for: a rule and a key, or a described request.
@@ -188,7 +201,7 @@ async fn decide_call(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
     // Each checked before any is decided: a malformed one fails the whole call, and
     // nothing was charged.
     for (i, ask) in asks.iter().enumerate() {
-        shape(&live, ask).map_err(|p| at_index(i, p))?;
+        checked(&live, ask).map_err(|p| at_index(i, p))?;
     }
     // Decided together: their store calls go out at once (pipelined on one connection
     // to Redis), and are answered in order.
@@ -201,10 +214,23 @@ async fn decide_call(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
 }
 
 /// `p`, for the batch's `i`th call.
-fn at_index(i: usize, p: Problem) -> Problem {
-    match p.detail {
-        Some(d) => Problem::new(p.status, format!("[{i}].{d}")),
+fn at_index(i: usize, p: Bad) -> Bad {
+    match &p.detail {
+        Some(d) => Box::new(Problem::new(p.status, format!("[{i}].{d}"))),
         None => p,
+    }
+}
+
+/// Everything [`decide_one`] refuses a call for, found before any call is decided: its
+/// shape, its cost, its key, its described request.
+fn checked(live: &Live, ask: &Ask) -> Result<(), Bad> {
+    match (shape(live, ask)?, &ask.request) {
+        (Some(index), _) => {
+            check_cost(live, index, ask.cost.unwrap_or(1))?;
+            Keyed::of(live, index, ask.key.as_deref()).map(drop)
+        }
+        (None, Some(described)) => Request::try_from(described).map(drop),
+        (None, None) => Ok(()),
     }
 }
 
@@ -513,11 +539,13 @@ async fn settle_call(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
         ));
     };
     if !settling.settle_all(cost).await {
-        return Err(Problem::new(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "the rate-limit store did not take the settlement: the reservation stands as charged",
-        )
-        .with_retry_after(1));
+        return Err(Box::new(
+            Problem::new(
+                StatusCode::SERVICE_UNAVAILABLE,
+                "the rate-limit store did not take the settlement: the reservation stands as charged",
+            )
+            .with_retry_after(1),
+        ));
     }
     Ok(json(
         StatusCode::OK,
@@ -561,28 +589,23 @@ async fn lease_call(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
                 a.ttl = Some(ttl.as_secs().max(1));
             }
             Err(grants::Full) => {
-                return Err(Problem::new(
-                    StatusCode::SERVICE_UNAVAILABLE,
-                    "too many leases are held: none was taken",
-                )
-                .with_retry_after(1))
+                return Err(Box::new(
+                    Problem::new(
+                        StatusCode::SERVICE_UNAVAILABLE,
+                        "too many leases are held: none was taken",
+                    )
+                    .with_retry_after(1),
+                ))
             }
         }
     }
     Ok(json(StatusCode::OK, &a))
 }
 
-/// How long a lease of the rule at `index` lives unrenewed: the rule's `lease_ttl`, else
-/// `[decide] lease_ttl`.
+/// How long a lease of the rule at `index` lives unrenewed: the rule's `lease_ttl`, the
+/// TTL its slot has in a shared store too.
 fn lease_ttl(live: &Live, index: usize) -> std::time::Duration {
-    let q = &live.config.rules[index].quota;
-    if q.lease_us > 0 {
-        return std::time::Duration::from_micros(q.lease_us);
-    }
-    live.config
-        .decide
-        .as_ref()
-        .map_or(crate::config::decide::LEASE_TTL, |d| d.lease_ttl)
+    std::time::Duration::from_micros(live.config.rules[index].quota.lease_us)
 }
 
 #[derive(Serialize)]

@@ -147,12 +147,17 @@ impl Ctx {
         &self,
         peer: SocketAddr,
         client_cert: Option<[u8; 32]>,
-        req: Request<Incoming>,
+        mut req: Request<Incoming>,
     ) -> Reply {
-        let path = req.uri().path();
-        if path == "/v1/forward-auth" {
+        if req.uri().path() == "/v1/forward-auth" {
             return match *req.method() {
                 Method::GET | Method::POST | Method::HEAD => {
+                    // A proxy that proved itself with a client certificate is believed as
+                    // one from `trusted_proxies` is.
+                    if let Some(fp) = client_cert {
+                        req.extensions_mut()
+                            .insert(crate::identity::ClientCert(fp));
+                    }
                     forward_auth::call(self, peer, req).await.map(boxed)
                 }
                 _ => problem(&Problem::new(
@@ -164,7 +169,7 @@ impl Ctx {
         if let Err(p) = self.authorized(peer.ip(), client_cert, &req) {
             return problem(&p);
         }
-        if path == rls::PATH {
+        if req.uri().path() == rls::PATH {
             return rls::call(self, req).await;
         }
         api::call(self, req).await
@@ -178,27 +183,29 @@ impl Ctx {
         peer: IpAddr,
         client_cert: Option<[u8; 32]>,
         req: &Request<Incoming>,
-    ) -> Result<(), Problem> {
+    ) -> Result<(), Box<Problem>> {
         let live = self.live();
         let Some(decide) = &live.config.decide else {
-            return Err(Problem::new(StatusCode::FORBIDDEN, "[decide] is not configured"));
+            return Err(Box::new(Problem::new(StatusCode::FORBIDDEN, "[decide] is not configured")));
         };
         if client_cert.is_some() {
             return Ok(());
         }
-        let Some(token) = &decide.token else {
-            return Err(Problem::new(
+        let Some(token) = &decide.token_sha256 else {
+            return Err(Box::new(Problem::new(
                 StatusCode::FORBIDDEN,
                 "the decision service needs [decide] token (or RATEWALL_DECIDE_TOKEN), or client certificates",
-            ));
+            )));
         };
         let now = self.guard.now_ms();
         let charged = self.guard.charge(peer, now).map_err(|wait_ms| {
-            Problem::new(
-                StatusCode::TOO_MANY_REQUESTS,
-                "too many calls with a wrong token from this address",
+            Box::new(
+                Problem::new(
+                    StatusCode::TOO_MANY_REQUESTS,
+                    "too many calls with a wrong token from this address",
+                )
+                .with_retry_after(wait_ms.div_ceil(1000).max(1)),
             )
-            .with_retry_after(wait_ms.div_ceil(1000).max(1))
         })?;
         let given = req
             .headers()
@@ -208,7 +215,7 @@ impl Ctx {
             "Bearer realm=\"ratewall decide\"",
         ));
         let detail = match given {
-            Some(t) if crate::front_end::constant_time_eq(t, token.as_bytes()) => {
+            Some(t) if crate::front_end::same_digest(&crate::identity::sha256(t), token) => {
                 self.guard.refund(charged, now);
                 return Ok(());
             }
@@ -218,7 +225,9 @@ impl Ctx {
         if let Some(times) = self.guard.log_due(now) {
             tracing::warn!(%peer, times, "decision service calls refused for their token (missing or wrong)");
         }
-        Err(Problem::new(StatusCode::UNAUTHORIZED, detail).with_challenge(challenge))
+        Err(Box::new(
+            Problem::new(StatusCode::UNAUTHORIZED, detail).with_challenge(challenge),
+        ))
     }
 }
 

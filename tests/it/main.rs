@@ -17,6 +17,7 @@ mod e2e;
 mod failover;
 mod faults;
 mod features;
+mod forward_auth;
 mod grpc;
 mod grpc_answers;
 mod h2_pools;
@@ -41,6 +42,7 @@ mod rls; // issue 44: Envoy's rate limit service
 mod route_prefix;
 mod scale;
 mod sentinel;
+mod service;
 mod settle_agree;
 mod settle_attacks;
 mod settlement;

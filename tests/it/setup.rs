@@ -682,11 +682,17 @@ async fn the_tls_quick_start_works_as_written_on_loopback() {
     let shipped = std::fs::read_to_string(config.join("limits.toml")).unwrap();
     let mut uncommented = Vec::new();
     let mut listen = None;
+    // Inside the commented-out `[server.tls]` table (other tables shown commented out,
+    // `[decide]`, have a `listen` of their own).
+    let mut in_tls = false;
     for line in shipped.lines() {
         let bare = line.strip_prefix("# ").unwrap_or(line);
-        if bare == "[server.tls]" || bare.starts_with("certificates = ") {
+        if bare.starts_with('[') {
+            in_tls = bare == "[server.tls]";
+        }
+        if bare == "[server.tls]" || (in_tls && bare.starts_with("certificates = ")) {
             uncommented.push(bare.to_string());
-        } else if bare.starts_with("listen = \"") && line.starts_with("# ") {
+        } else if in_tls && bare.starts_with("listen = \"") && line.starts_with("# ") {
             listen = Some(bare.to_string());
             uncommented.push(bare.to_string());
         } else {
