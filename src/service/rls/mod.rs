@@ -245,7 +245,9 @@ async fn should_rate_limit(
             Applies::Rule(rule) => {
                 let r = &cfg.rules[rule];
                 let never = r.quota.algorithm != Algorithm::Concurrency && cost > r.quota.burst;
-                if never && r.mode == crate::rules::Mode::Enforce {
+                // (`Mode`'s default is to enforce: a watching rule goes to the core, which
+                // answers OK and counts the would-be denial.)
+                if never && r.mode == Default::default() {
                     // More than the rule ever allows at once: denied, nothing asked.
                     over = true;
                     let q = headers::advertised(&r.quota).0;
