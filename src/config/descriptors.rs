@@ -448,6 +448,57 @@ mod tests {
         assert_eq!(Unit::parse("year"), None);
     }
 
+    /// `[[descriptors]]` tables under two rules, or the error of the first bad one.
+    fn load(descriptors: &str) -> Result<super::super::Config, String> {
+        let text = format!(
+            "[server]\nlisten = \"127.0.0.1:8080\"\n[upstream]\nurl = \"http://127.0.0.1:3000\"\n\
+             [[rules]]\nname = \"per_ip\"\nkey = \"client_ip\"\nrate = \"10/s\"\n\
+             [[rules]]\nname = \"slots\"\nkey = \"global\"\nmax_in_flight = 4\n{descriptors}"
+        );
+        super::super::Config::parse(&text, std::path::Path::new("limits.toml"))
+            .map_err(|e| e.to_string())
+    }
+
+    #[test]
+    fn a_descriptors_table_names_a_rule_it_can_say_who_for() {
+        let c = load("[[descriptors]]\ndomain = \"edge\"\nentries = [{ key = \"remote_address\" }, { key = \"path\", value = \"/api/*\" }]\nrule = \"per_ip\"\n").unwrap();
+        let level = &c.descriptors.domains["edge"];
+        let leaf = level.any["remote_address"].next.wildcards[0]
+            .node
+            .limit
+            .as_ref()
+            .unwrap();
+        assert_eq!((leaf.what, leaf.unit), (Leaf::Rule(0), Some(Unit::Second)));
+        let e = load(
+            "[[descriptors]]\ndomain = \"edge\"\nentries = [{ key = \"user\" }]\nrule = \"nope\"\n",
+        )
+        .unwrap_err();
+        assert!(e.ends_with("descriptors[0].rule: no [[rules]] is named \"nope\" (defined: [\"per_ip\", \"slots\"])"), "{e}");
+        let e = load("[[descriptors]]\ndomain = \"edge\"\nentries = [{ key = \"user\" }]\nrule = \"per_ip\"\n").unwrap_err();
+        assert!(e.contains("rule \"per_ip\" counts by client_ip: the entries need { key = \"remote_address\" }"), "{e}");
+        let e = load("[[descriptors]]\ndomain = \"edge\"\nentries = [{ key = \"user\" }]\nrule = \"slots\"\n").unwrap_err();
+        assert!(e.contains("limits requests in flight"), "{e}");
+        let e = load(
+            "[[descriptors]]\ndomain = \"\"\nentries = [{ key = \"user\" }]\nrule = \"per_ip\"\n",
+        )
+        .unwrap_err();
+        assert!(
+            e.contains("descriptors[0].domain: a domain is not empty"),
+            "{e}"
+        );
+        let e =
+            load("[[descriptors]]\ndomain = \"d\"\nentries = []\nrule = \"per_ip\"\n").unwrap_err();
+        assert!(e.contains("descriptors[0].entries: entries = "), "{e}");
+        let twice = "[[descriptors]]\ndomain = \"d\"\nentries = [{ key = \"remote_address\" }]\nrule = \"per_ip\"\n";
+        let e = load(&format!("{twice}{twice}")).unwrap_err();
+        assert!(e.contains("descriptors[1]: domain \"d\": the descriptor (\"remote_address\") has a limit already"), "{e}");
+        let e = load("[decide]\nenvoy_config = \"missing.yaml\"\n").unwrap_err();
+        assert!(
+            e.contains("decide.envoy_config: cannot read \"missing.yaml\""),
+            "{e}"
+        );
+    }
+
     #[test]
     fn a_second_limit_on_one_descriptor_is_refused() {
         let mut t = Descriptors::default();
