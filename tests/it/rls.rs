@@ -122,6 +122,7 @@ fn remaining(a: &Value, i: usize) -> u64 {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn the_readme_examples_answer_as_envoyproxy_ratelimit_documents_them() {
+    let _watch = crate::common::watchdog();
     // Three domains in one file: its documents.
     let yaml = [
         fixture("example2-messaging.yaml"),
@@ -262,6 +263,7 @@ async fn the_readme_examples_answer_as_envoyproxy_ratelimit_documents_them() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn wildcards_costs_algorithms_reloads_and_bad_calls() {
+    let _watch = crate::common::watchdog();
     let yaml = "domain: api\ndescriptors:\n  - key: path\n    value: /files/*\n    rate_limit: { unit: hour, requests_per_unit: 10, algorithm: token_bucket }\n  - key: tenant\n    descriptors:\n      - key: method\n        value: POST\n        rate_limit: { unit: hour, requests_per_unit: 6, algorithm: sliding_window }\n  - key: internal\n    rate_limit: { unlimited: true }\n";
     let (gw, port, dir) = gateway(&Store::Memory, yaml, "");
     let mut c = Client::start(port, TOKEN);
@@ -361,6 +363,7 @@ async fn wildcards_costs_algorithms_reloads_and_bad_calls() {
 
 #[tokio::test(flavor = "multi_thread")]
 async fn a_shared_store_keeps_their_keys_as_every_rule_and_a_failure_answers_by_on_error() {
+    let _watch = crate::common::watchdog();
     let mut redis = RedisServer::start();
     let yaml = fixture("example2-messaging.yaml");
     let (gw, port, dir) = gateway(&Store::redis_roomy(&redis), &yaml, "");
