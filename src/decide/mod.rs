@@ -19,6 +19,7 @@
 
 mod ask;
 mod first;
+pub mod head;
 pub mod limits;
 pub mod route;
 mod settling;

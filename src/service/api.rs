@@ -381,6 +381,11 @@ impl TryFrom<&Described> for Request<()> {
         }
         let uri = Uri::from_str(&d.path)
             .map_err(|e| bad(format!("request.path: not a valid path: {e}")))?;
+        // What the proxy's screen refuses before any rule (`decide::head`): so is it here.
+        let path = uri.path();
+        if let Some(p) = decide::head::path_problem(path).or_else(|| decide::head::parameter_problem(path)) {
+            return Err(bad(format!("request.path: {}", p.detail.unwrap_or_default())));
+        }
         let mut req = Request::new(());
         *req.method_mut() = method;
         *req.uri_mut() = uri;
@@ -402,6 +407,12 @@ impl TryFrom<&Described> for Request<()> {
             let v = HeaderValue::from_str(host)
                 .map_err(|_| bad("request.host: not a valid host"))?;
             headers.insert(http::header::HOST, v);
+        }
+        let host = headers.get(http::header::HOST);
+        if host.is_some_and(|h| !decide::head::is_host_and_port(h.as_bytes())) {
+            return Err(bad(
+                "request.host: not a host and optional port (RFC 9110 §7.2): no userinfo, path or other characters",
+            ));
         }
         Ok(req)
     }

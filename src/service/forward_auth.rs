@@ -43,7 +43,7 @@ use http_body_util::Full;
 use hyper::body::Incoming;
 
 use crate::config::Config;
-use crate::decide::{self, Decided, Subject};
+use crate::decide::{self, head, Decided, Subject};
 use crate::headers::{self, Problem};
 use crate::identity::ClientCert;
 use crate::runtime::requests::FrontEndKind;
@@ -373,12 +373,13 @@ fn uri_of(scheme: Scheme, host: &str, target: &str) -> Result<Uri, Bad> {
     }
     let path_and_query = PathAndQuery::try_from(target)
         .map_err(|_| bad("the original target is not a valid path and query"))?;
-    if let Some(why) = ambiguous_path(path_and_query.path()) {
-        return Err(bad(why));
+    let path = path_and_query.path();
+    if let Some(p) = head::path_problem(path).or_else(|| head::parameter_problem(path)) {
+        return Err(Box::new(p));
     }
     let authority = Authority::try_from(host)
         .ok()
-        .filter(|a| is_host_and_port(host, a))
+        .filter(|_| head::is_host_and_port(host.as_bytes()))
         .ok_or_else(|| {
             bad("the original host is not a host and optional port (RFC 9110 §7.2): no userinfo, path or other characters")
         })?;
@@ -388,61 +389,6 @@ fn uri_of(scheme: Scheme, host: &str, target: &str) -> Result<Uri, Bad> {
         .path_and_query(path_and_query)
         .build()
         .map_err(|_| bad("the original URI is not valid"))
-}
-
-/// What the proxy's screen refuses in a path (`proxy/screen.rs`, out of the service's
-/// reach: front-ends share only what lies below them), read as it reads it: an encoded
-/// control byte (`%00`-`%1F`, `%7F`: backends disagree on what it means), or a `;`
-/// parameter holding a backslash or an encoded slash or backslash (backends cut a
-/// segment's parameters before or after decoding it, and the rules cannot read it as
-/// every one of them does).
-fn ambiguous_path(path: &str) -> Option<&'static str> {
-    if escapes(path).any(|b| b < 0x20 || b == 0x7f) {
-        return Some("an encoded control byte (%00-%1F, %7F) in the original path");
-    }
-    let mut parameters = path
-        .split('/')
-        .filter_map(|s| s.split_once(';').map(|(_, p)| p));
-    parameters
-        .any(|p| p.contains('\\') || escapes(p).any(|b| b == b'/' || b == b'\\'))
-        .then_some("an encoded slash or a backslash inside a ;parameter of the original path: backends read it differently")
-}
-
-/// The bytes `%XX` escapes in `s` stand for (a `%` not followed by two hex digits is
-/// text).
-fn escapes(s: &str) -> impl Iterator<Item = u8> + '_ {
-    s.match_indices('%').filter_map(|(at, _)| {
-        let hex = s.get(at + 1..at + 3)?;
-        hex.bytes()
-            .all(|c| c.is_ascii_hexdigit())
-            .then(|| u8::from_str_radix(hex, 16).ok())?
-    })
-}
-
-/// Whether `host`, parsed as `authority`, is `uri-host [ ":" port ]` as the proxy takes a
-/// `Host` (RFC 9110 §7.2): no userinfo, a bracketed IPv6 literal or a name of letters,
-/// digits and `-._~` (no sub-delimiters, no escapes: backends disagree on those), a port
-/// of digits.
-fn is_host_and_port(host: &str, authority: &Authority) -> bool {
-    let name = authority.host();
-    let v6 = name
-        .strip_prefix('[')
-        .and_then(|n| n.strip_suffix(']'))
-        .is_some_and(|n| n.parse::<std::net::Ipv6Addr>().is_ok());
-    let plain = !name.is_empty()
-        && name
-            .bytes()
-            .all(|c| c.is_ascii_alphanumeric() || b"-._~".contains(&c));
-    // What follows the name: nothing, or `:` and a port (`Authority::port` reads a port
-    // past 65535 as none at all).
-    let port = match authority.as_str().get(name.len()..) {
-        Some("") => true,
-        Some(rest) => rest
-            .strip_prefix(':')
-            .is_some_and(|p| p.bytes().all(|c| c.is_ascii_digit()) && p.parse::<u16>().is_ok()),
-        None => false,
-    };
-    !host.contains('@') && (v6 || plain) && port
 }
 
 #[cfg(test)]

@@ -99,29 +99,11 @@ impl Grants {
     /// Drop what has lapsed: reservations stand as charged, leases are given back (their
     /// `Drop` releases them).
     fn lapse(&self, now: Instant) {
-        let lapsed: Vec<Settling> = {
-            let mut held = lock(&self.reservations);
-            let ids: Vec<u128> = held
-                .iter()
-                .filter(|(_, (_, d))| *d <= now)
-                .map(|(id, _)| *id)
-                .collect();
-            ids.iter().filter_map(|id| held.remove(id)).map(|(s, _)| s).collect()
-        };
-        // Standing as charged: nothing is sent (outside the lock).
-        for s in lapsed {
-            s.stand();
+        for (_, (settling, _)) in lock(&self.reservations).extract_if(|_, (_, d)| *d <= now) {
+            // Standing as charged: nothing is sent.
+            settling.stand();
         }
-        let given_back: Vec<HeldLease> = {
-            let mut held = lock(&self.leases);
-            let ids: Vec<u128> = held
-                .iter()
-                .filter(|(_, l)| l.deadline <= now)
-                .map(|(id, _)| *id)
-                .collect();
-            ids.iter().filter_map(|id| held.remove(id)).collect()
-        };
-        drop(given_back);
+        lock(&self.leases).retain(|_, l| l.deadline > now);
     }
 
     #[cfg(test)]
