@@ -57,7 +57,7 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
         fitting: &[usize],
         requester: &Requester<'p>,
         asked: Option<&Asked>,
-        cost: Option<u64>,
+        cost: Option<std::num::NonZeroU64>,
     ) -> Result<Vec<Limit<'l, 'p>>, Refused> {
         let cfg = &*live.config;
         fitting
@@ -69,7 +69,10 @@ impl<'l: 'p, 'p> Limit<'l, 'p> {
                     Ok(Applies::Limits(quota)) => {
                         let reserved = rule.settle.as_ref().and_then(|p| p.reservation(asked));
                         let quota = match (cost, reserved) {
-                            (Some(c), _) => Quota { cost: c, ..*quota },
+                            (Some(c), _) => Quota {
+                                cost: c.get(),
+                                ..*quota
+                            },
                             (None, Some(t)) => quota.with_cost(t),
                             (None, None) => *quota,
                         };

@@ -115,7 +115,7 @@ pub struct Decided<'l> {
     pub dry_run: bool,
     /// Set by the caller before deciding: the cost to charge under every rule, in place
     /// of each rule's own (the decision API's `cost`; at least 1).
-    pub cost: Option<u64>,
+    pub cost: Option<std::num::NonZeroU64>,
 }
 
 impl Default for Decided<'_> {

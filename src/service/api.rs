@@ -269,7 +269,7 @@ async fn decide_one<'l>(ctx: &Ctx, live: &'l Live, ask: &Ask) -> Result<Answer<'
     let index = shape(live, ask)?;
     let mut d = Decided {
         dry_run: ask.dry_run,
-        cost: ask.cost,
+        cost: ask.cost.and_then(std::num::NonZeroU64::new),
         ..Decided::default()
     };
     match (index, &ask.request) {

@@ -279,7 +279,7 @@ async fn should_rate_limit(
         }
         let requester = Requester::new(&fields, peer, &cfg.keys, &cfg.client_ip);
         let mut d = Decided {
-            cost: Some(asks[round[0]].cost),
+            cost: std::num::NonZeroU64::new(asks[round[0]].cost),
             // Once a descriptor is over the limit the call is: the rest only looked at.
             dry_run: over,
             ..Decided::default()
