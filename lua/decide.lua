@@ -152,9 +152,9 @@ end
 local R = {}
 local W = 11
 
--- Decide keys first..last: one request, all or nothing. Its answers (5 numbers per key)
--- go into `reply` from position `at`; returns the position after them, or nil and the
--- failing key's error (nothing written).
+-- Decide keys first..last: one request, all or nothing. Its answers (5 numbers per key,
+-- one string a key) go into `reply` from position `at`; returns the position after them,
+-- or nil and the failing key's error (nothing written).
 local function decide(first, last, reply, at)
   local all = true
   for i = first, last do
@@ -179,9 +179,9 @@ local function decide(first, last, reply, at)
     else
       b = b + 3
     end
-    reply[at], reply[at + 1], reply[at + 2], reply[at + 3], reply[at + 4] =
-      allowed and 1 or 0, R[b + 4], R[b + 5], R[b + 6], fifth
-    at = at + 5
+    -- Whole numbers, as %d writes them (never %.14g: a window's start is µs near 2^51).
+    reply[at] = format('%d %d %d %d %d', allowed and 1 or 0, R[b + 4], R[b + 5], R[b + 6], fifth)
+    at = at + 1
   end
   return at
 end
@@ -194,25 +194,31 @@ for i = 2, n do
   if flags == '2' or flags == '3' then starts[#starts + 1] = i end
 end
 
+-- The reply: { every key's five numbers as one string, space-separated, in key order },
+-- then, in a batch, for each request that failed on a key's state: its number (from 1)
+-- and the error. One string, not a number each: the gateway reads it in one pass.
 local reply = {}
 if #starts == 1 then
   local ok, err = decide(1, n, reply, 1)
   if not ok then return redis.error_reply('RATEWALL ' .. err) end
-  return reply
+  return { table.concat(reply, ' ') }
 end
 
--- A batch: one request's key error fails that request only. Its answers are the error
--- message, then zeros, in the place of its first key's five numbers and the rest.
+-- A batch: one request's key error fails that request only. Its keys answer zeros, and
+-- its number and error follow the numbers.
+local failed = {}
 local at = 1
 for s = 1, #starts do
   local first = starts[s]
   local last = (starts[s + 1] or (n + 1)) - 1
   local next_at, err = decide(first, last, reply, at)
   if not next_at then
-    for k = at, at + 5 * (last - first + 1) - 1 do reply[k] = 0 end
-    reply[at] = 'RATEWALL ' .. err
-    next_at = at + 5 * (last - first + 1)
+    for k = at, at + last - first do reply[k] = '0 0 0 0 0' end
+    failed[#failed + 1] = format('%d', s)
+    failed[#failed + 1] = 'RATEWALL ' .. err
+    next_at = at + last - first + 1
   end
   at = next_at
 end
-return reply
+table.insert(failed, 1, table.concat(reply, ' '))
+return failed

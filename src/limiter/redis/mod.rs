@@ -285,8 +285,8 @@ impl Scripted {
             arg.push_str(n.format(adj.window));
             inv.key(&e.key).arg(&e.quota).arg(arg);
         }
-        let reply = self.run(conn, &inv, true).await?;
-        Ok(answers(&reply, items.len())?
+        let reply = self.run(conn, &inv, true, items.len()).await?;
+        Ok(answers(&reply.numbers)
             .into_iter()
             .map(|(now, forgiven)| Receipt::new(now, forgiven))
             .collect())
@@ -301,19 +301,19 @@ impl Scripted {
         conn: &mut C,
         inv: &Invocation<'_>,
         write: bool,
-    ) -> Result<Vec<redis::Value>, StoreError> {
+        keys: usize,
+    ) -> Result<Reply, StoreError> {
         let Some(wait) = self.wait.filter(|_| write) else {
-            return self.timed(eval(conn, inv)).await;
+            return Reply::read(self.timed(eval(conn, inv)).await?, keys);
         };
-        let (reply, acked): (Vec<redis::Value>, u64) =
-            self.timed(eval_waited(conn, inv, wait)).await?;
+        let (reply, acked): (redis::Value, u64) = self.timed(eval_waited(conn, inv, wait)).await?;
         if acked < u64::from(wait.replicas) {
             return Err(StoreError::Unreplicated {
                 acked,
                 wanted: wait.replicas,
             });
         }
-        Ok(reply)
+        Reply::read(reply, keys)
     }
 
     /// Run `inv` on `keys` keys: their decisions. `write`: the call may write (a
@@ -325,8 +325,8 @@ impl Scripted {
         keys: usize,
         write: bool,
     ) -> Result<Vec<Decision>, StoreError> {
-        let reply = self.run(conn, inv, write).await?;
-        decisions(&reply, keys)
+        let reply = self.run(conn, inv, write, keys).await?;
+        Ok(decisions(&reply.numbers))
     }
 
     async fn call_encoded<C: Evaluates>(
@@ -366,27 +366,17 @@ impl Scripted {
                 c.push(&mut inv, r > 0 && k == 0);
             }
         }
-        let reply = self.run(conn, &inv, true).await?;
         let keys: usize = requests.iter().map(|r| r.len()).sum();
-        if reply.len() != keys * PER_KEY {
-            return Err(StoreError::Protocol(format!(
-                "the script returned {} values for {keys} keys",
-                reply.len()
-            )));
-        }
-        let mut rest = &reply[..];
+        let mut reply = self.run(conn, &inv, true, keys).await?;
+        let mut rest = &reply.numbers[..];
         let mut out = Vec::with_capacity(requests.len());
-        for checks in requests {
+        for (r, checks) in requests.iter().enumerate() {
             let (mine, after) = rest.split_at(checks.len() * PER_KEY);
             rest = after;
-            let failed = match &mine[0] {
-                redis::Value::BulkString(b) => Some(String::from_utf8_lossy(b).into_owned()),
-                redis::Value::SimpleString(s) => Some(s.clone()),
-                _ => None,
-            };
+            let failed = reply.failed.iter_mut().find(|(at, _)| *at == r);
             out.push(match failed {
-                Some(why) => Err(StoreError::Data(why)),
-                None => decisions(mine, checks.len()),
+                Some((_, why)) => Err(StoreError::Data(std::mem::take(why))),
+                None => Ok(decisions(mine)),
             });
         }
         Ok(out)
@@ -549,41 +539,96 @@ impl<S: Shared> Store for S {
 /// The numbers the script answers per key (`lua/decide.lua`).
 const PER_KEY: usize = 5;
 
-/// The script's answers for `keys` keys, [`PER_KEY`] numbers each: the decision, and the
-/// fifth (in decide and peek mode the window, in settle mode the cost forgiven) apart.
-fn answers(reply: &[redis::Value], keys: usize) -> Result<Vec<(Decision, u64)>, StoreError> {
-    if reply.len() != keys * PER_KEY {
-        return Err(StoreError::Protocol(format!(
-            "the script returned {} values for {keys} keys",
-            reply.len()
-        )));
-    }
-    let num = |v: &redis::Value| match v {
-        redis::Value::Int(n) => {
-            u64::try_from(*n).map_err(|_| StoreError::Protocol(format!("negative value {n}")))
+/// The script's reply (`lua/decide.lua`): [`PER_KEY`] numbers a key, in key order, and in
+/// a batch the requests that failed on a key's state (their place, from 0, and why).
+#[derive(Debug, PartialEq)]
+struct Reply {
+    numbers: Vec<u64>,
+    failed: Vec<(usize, String)>,
+}
+
+impl Reply {
+    /// `value` read as the reply for `keys` keys: its first item is every number as one
+    /// string (one value to take off the connection, not one a number), space-separated;
+    /// the failed requests' places (from 1) and errors follow.
+    fn read(value: redis::Value, keys: usize) -> Result<Reply, StoreError> {
+        let bad = |what: String| Err(StoreError::Protocol(format!("the script answered {what}")));
+        let redis::Value::Array(items) = value else {
+            return bad(format!("{value:?}, not a list"));
+        };
+        let mut items = items.into_iter();
+        let numbers = match items.next() {
+            Some(redis::Value::BulkString(b)) => numbers(&b)?,
+            other => return bad(format!("{other:?} in the place of its numbers")),
+        };
+        if numbers.len() != keys * PER_KEY {
+            return bad(format!("{} numbers for {keys} keys", numbers.len()));
         }
-        other => Err(StoreError::Protocol(format!("not a number: {other:?}"))),
-    };
-    reply
+        let mut failed = Vec::new();
+        while let Some(place) = items.next() {
+            let text = |v: Option<redis::Value>| match v {
+                Some(redis::Value::BulkString(b)) => Some(String::from_utf8_lossy(&b).into_owned()),
+                _ => None,
+            };
+            let (Some(place), Some(why)) = (text(Some(place)), text(items.next())) else {
+                return bad("a failed request without its place and error".to_string());
+            };
+            match place.parse::<usize>() {
+                Ok(p) if p >= 1 => failed.push((p - 1, why)),
+                _ => return bad(format!("{place:?} as a failed request's place")),
+            }
+        }
+        Ok(Reply { numbers, failed })
+    }
+}
+
+/// Whole numbers separated by single spaces.
+fn numbers(text: &[u8]) -> Result<Vec<u64>, StoreError> {
+    let mut out = Vec::with_capacity(text.len() / 2);
+    for n in text.split(|b| *b == b' ') {
+        let mut v: u64 = 0;
+        if n.is_empty() || n.len() > 19 {
+            return Err(StoreError::Protocol(format!(
+                "not a whole number: {:?}",
+                String::from_utf8_lossy(n)
+            )));
+        }
+        for d in n {
+            if !d.is_ascii_digit() {
+                return Err(StoreError::Protocol(format!(
+                    "not a whole number: {:?}",
+                    String::from_utf8_lossy(n)
+                )));
+            }
+            v = v * 10 + u64::from(d - b'0');
+        }
+        out.push(v);
+    }
+    Ok(out)
+}
+
+/// The script's answers, [`PER_KEY`] numbers a key: the decision, and the fifth (in
+/// decide and peek mode the window, in settle mode the cost forgiven) apart.
+fn answers(numbers: &[u64]) -> Vec<(Decision, u64)> {
+    numbers
         .chunks_exact(PER_KEY)
         .map(|c| {
-            let fifth = num(&c[4])?;
             let d = Decision {
-                allowed: num(&c[0])? == 1,
-                remaining: num(&c[1])?,
-                retry_after_us: num(&c[2])?,
-                reset_us: num(&c[3])?,
-                window: fifth,
+                allowed: c[0] == 1,
+                remaining: c[1],
+                retry_after_us: c[2],
+                reset_us: c[3],
+                window: c[4],
             };
-            Ok((d, fifth))
+            (d, c[4])
         })
         .collect()
 }
 
-/// The script's decisions for `keys` keys (decide and peek mode: the fifth number is the
-/// window each was decided in).
-fn decisions(reply: &[redis::Value], keys: usize) -> Result<Vec<Decision>, StoreError> {
-    Ok(answers(reply, keys)?.into_iter().map(|(d, _)| d).collect())
+/// The script's decisions (decide and peek mode: the fifth number is the window each was
+/// decided in).
+fn decisions(numbers: &[u64]) -> Vec<Decision> {
+    answers(numbers).into_iter().map(|(d, _)| d).collect()
 }
 
 /// Whether a call failed because its connection had dropped (worth one more try on the
