@@ -117,26 +117,9 @@ pub fn add_ratelimit(headers: &mut HeaderMap, style: ResponseStyle, applied: &[A
         return;
     }
     if matches!(style, ResponseStyle::Draft | ResponseStyle::Both) {
-        // Written by hand, not with `write!`: this runs for every
-        // limited response. A value this thread made a moment ago is used again.
+        // A value this thread made a moment ago is used again.
         scratch(|policy, state| {
-            for (i, a) in applied.iter().enumerate() {
-                if i > 0 {
-                    policy.extend_from_slice(b", ");
-                    state.extend_from_slice(b", ");
-                }
-                item(policy, a.rule);
-                item(state, a.rule);
-                let (q, w) = advertised(&a.quota);
-                param(policy, b";q=", q);
-                param(state, b";r=", available(a));
-                let Some(w) = w else {
-                    policy.extend_from_slice(b";qu=\"concurrent-requests\"");
-                    continue;
-                };
-                param(policy, b";w=", w);
-                param(state, b";t=", ceil_secs(a.decision.reset_us));
-            }
+            write_draft(applied, policy, state);
             insert(headers, &RATELIMIT_POLICY, &POLICIES, policy);
             insert(headers, &RATELIMIT, &STATES, state);
         });
@@ -161,6 +144,29 @@ pub fn add_ratelimit(headers: &mut HeaderMap, style: ResponseStyle, applied: &[A
             RATELIMIT_RESET.clone(),
             HeaderValue::from(ceil_secs(a.decision.reset_us)),
         );
+    }
+}
+
+/// The `RateLimit-Policy` and `RateLimit` field values for `applied` (not empty), written
+/// into `policy` and `state`: by hand, not with `write!`, as this runs for every limited
+/// response.
+pub fn write_draft(applied: &[Applied<'_>], policy: &mut Vec<u8>, state: &mut Vec<u8>) {
+    for (i, a) in applied.iter().enumerate() {
+        if i > 0 {
+            policy.extend_from_slice(b", ");
+            state.extend_from_slice(b", ");
+        }
+        item(policy, a.rule);
+        item(state, a.rule);
+        let (q, w) = advertised(&a.quota);
+        param(policy, b";q=", q);
+        param(state, b";r=", available(a));
+        let Some(w) = w else {
+            policy.extend_from_slice(b";qu=\"concurrent-requests\"");
+            continue;
+        };
+        param(policy, b";w=", w);
+        param(state, b";t=", ceil_secs(a.decision.reset_us));
     }
 }
 

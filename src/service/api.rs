@@ -17,10 +17,11 @@ use http_body_util::{BodyExt, Limited};
 use hyper::body::Incoming;
 use serde::{Deserialize, Serialize};
 
+use super::answer::{self, Answer};
 use super::grants;
 use super::{json, problem, Ctx, Reply};
 use crate::decide::{self, Decided, Rejection, Subject};
-use crate::headers::{self, Applied, Problem, ResponseStyle};
+use crate::headers::Problem;
 use crate::identity::{KeyKind, Requester};
 use crate::limiter::Algorithm;
 use crate::runtime::requests::FrontEndKind;
@@ -141,54 +142,15 @@ enum Values {
     Many(Vec<String>),
 }
 
-/// A decision, as the caller reads it.
-#[derive(Serialize, Default)]
-pub(super) struct Answer<'a> {
-    pub allowed: bool,
-    /// The status the proxy would have answered (200, 429, 401, 503...).
-    pub status: u16,
-    /// Seconds, as the proxy's `Retry-After`; null where it gives none.
-    pub retry_after: Option<u64>,
-    /// The `RateLimit` and `RateLimit-Policy` field values the proxy would send.
-    pub ratelimit: Option<String>,
-    pub ratelimit_policy: Option<String>,
-    pub rules: Vec<RuleAnswer<'a>>,
-    /// Where a rule settles: the name to settle it by (`POST /v1/settle`).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub reservation: Option<String>,
-    /// Where a concurrency slot was taken (`POST /v1/leases`): its name.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub lease: Option<String>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub ttl: Option<u64>,
-    /// Why it was refused before any limit (a missing key, no route), or why the store
-    /// could not answer.
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub detail: Option<String>,
-    pub dry_run: bool,
-}
-
-#[derive(Serialize)]
-pub(super) struct RuleAnswer<'a> {
-    pub rule: &'a str,
-    pub allowed: bool,
-    /// Watching, not enforcing (shadow mode, outside `enforce_percent`).
-    pub shadow: bool,
-    /// The quota it advertises (`q`), in requests of its cost.
-    pub limit: u64,
-    pub remaining: u64,
-    /// Seconds until the full quota is back.
-    pub reset: u64,
-}
-
 async fn decide_call(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
     let live = ctx.live();
     let bytes = body(&live, req).await?;
     let batch = bytes.iter().find(|b| !b.is_ascii_whitespace()) == Some(&b'[');
     if !batch {
         let ask: Ask = parse(&bytes)?;
-        let answer = decide_one(ctx, &live, &ask).await?;
-        return Ok(json(StatusCode::OK, &answer));
+        let call = prepare(&live, &ask)?;
+        let answer = decide_one(ctx, &live, &ask, call).await;
+        return Ok(answer::one(&answer));
     }
     let asks: Vec<Ask> = parse(&bytes)?;
     let most = live.config.decide.as_ref().map_or(crate::config::decide::MAX_BATCH, |d| d.max_batch);
@@ -200,17 +162,14 @@ async fn decide_call(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
     }
     // Each checked before any is decided: a malformed one fails the whole call, and
     // nothing was charged.
-    for (i, ask) in asks.iter().enumerate() {
-        checked(&live, ask).map_err(|p| at_index(i, p))?;
-    }
+    let calls = (asks.iter().enumerate())
+        .map(|(i, ask)| prepare(&live, ask).map_err(|p| at_index(i, p)))
+        .collect::<Result<Vec<_>, Bad>>()?;
     // Decided together: their store calls go out at once (pipelined on one connection
     // to Redis), and are answered in order.
-    let decided = futures_util::future::join_all(asks.iter().map(|a| decide_one(ctx, &live, a))).await;
-    let mut answers = Vec::with_capacity(decided.len());
-    for (i, d) in decided.into_iter().enumerate() {
-        answers.push(d.map_err(|p| at_index(i, p))?);
-    }
-    Ok(json(StatusCode::OK, &answers))
+    let decided = (asks.iter().zip(calls)).map(|(ask, call)| decide_one(ctx, &live, ask, call));
+    let answers = futures_util::future::join_all(decided).await;
+    Ok(answer::list(&answers))
 }
 
 /// `p`, for the batch's `i`th call.
@@ -221,16 +180,26 @@ fn at_index(i: usize, p: Bad) -> Bad {
     }
 }
 
-/// Everything [`decide_one`] refuses a call for, found before any call is decided: its
-/// shape, its cost, its key, its described request.
-fn checked(live: &Live, ask: &Ask) -> Result<(), Bad> {
+/// A call checked: everything [`decide_one`] needs, found before any call is decided.
+enum Prepared {
+    /// A rule (its position) and a key, as a request that carries the key.
+    Keyed(usize, Keyed),
+    /// A described request, and the address it came from.
+    Described(Request<()>, IpAddr),
+}
+
+/// `ask` checked: its shape, its cost, its key, its described request.
+fn prepare(live: &Live, ask: &Ask) -> Result<Prepared, Bad> {
     match (shape(live, ask)?, &ask.request) {
         (Some(index), _) => {
             check_cost(live, index, ask.cost.unwrap_or(1))?;
-            Keyed::of(live, index, ask.key.as_deref()).map(drop)
+            Ok(Prepared::Keyed(index, Keyed::of(live, index, ask.key.as_deref())?))
         }
-        (None, Some(described)) => Request::try_from(described).map(drop),
-        (None, None) => Ok(()),
+        (None, Some(described)) => {
+            let peer = described.client_ip.unwrap_or(IpAddr::from([127, 0, 0, 1]));
+            Ok(Prepared::Described(Request::try_from(described)?, peer))
+        }
+        (None, None) => Err(bad("rule: give a rule (and its key) or a request")),
     }
 }
 
@@ -265,32 +234,29 @@ pub(super) fn rule_named(live: &Live, name: &str) -> Result<usize, Bad> {
     })
 }
 
-async fn decide_one<'l>(ctx: &Ctx, live: &'l Live, ask: &Ask) -> Result<Answer<'l>, Bad> {
-    let index = shape(live, ask)?;
+async fn decide_one<'l>(ctx: &Ctx, live: &'l Live, ask: &Ask, call: Prepared) -> Answer<'l> {
     let mut d = Decided {
         dry_run: ask.dry_run,
         cost: ask.cost.and_then(std::num::NonZeroU64::new),
         ..Decided::default()
     };
-    match (index, &ask.request) {
-        (Some(index), _) => {
-            check_cost(live, index, ask.cost.unwrap_or(1))?;
-            let key = Keyed::of(live, index, ask.key.as_deref())?;
+    match call {
+        Prepared::Keyed(index, key) => {
             let requester = key.requester(live);
             let result = decide::decide_rules(live, vec![index], &requester, None, &mut d).await;
             count(ctx, live, &requester, &d, &result);
             let status = result.as_ref().map_or_else(|r| r.problem.status.as_u16(), |()| 200);
-            let path = format!("/v1/decide rule={}", live.config.rules[index].name);
+            let rule = &live.config.rules[index].name;
+            let path = format_args!("/v1/decide rule={rule}");
             super::access_line("decide", "POST", &path, None, &d, status);
-            Ok(answer(ctx, live, d, result))
+            answered(ctx, live, d, result)
         }
-        (None, Some(described)) => {
-            let req = Request::try_from(described)?;
+        Prepared::Described(req, peer) => {
             let subject = Subject {
                 method: req.method(),
                 uri: req.uri(),
                 headers: req.headers(),
-                peer: described.client_ip.unwrap_or(IpAddr::from([127, 0, 0, 1])),
+                peer,
                 client_cert: None,
             };
             let requester = subject.requester(&live.config);
@@ -298,10 +264,10 @@ async fn decide_one<'l>(ctx: &Ctx, live: &'l Live, ask: &Ask) -> Result<Answer<'
             count(ctx, live, &requester, &d, &result);
             let status = result.as_ref().map_or_else(|r| r.problem.status.as_u16(), |()| 200);
             let ip = Some(requester.client_ip());
-            super::access_line("decide", &described.method, req.uri().path(), ip, &d, status);
-            Ok(answer(ctx, live, d, result))
+            let (method, path) = (req.method().as_str(), req.uri().path());
+            super::access_line("decide", method, &path, ip, &d, status);
+            answered(ctx, live, d, result)
         }
-        (None, None) => Err(bad("rule: give a rule (and its key) or a request")),
     }
 }
 
@@ -438,13 +404,13 @@ fn count<'a>(
 }
 
 /// The caller's view of a decision; its reservation held where a rule settles.
-fn answer<'l>(
+fn answered<'l>(
     ctx: &Ctx,
     live: &'l Live,
     mut d: Decided<'l>,
     result: Result<(), Rejection>,
 ) -> Answer<'l> {
-    let mut a = view(&d, &result);
+    let mut a = answer::view(&d, &result);
     if let Some(settling) = d.settling.take() {
         let within = d
             .applied
@@ -466,55 +432,6 @@ fn answer<'l>(
     // call is a lease (`POST /v1/leases`).
     drop(d.leases.take());
     a
-}
-
-/// The fields of a decision's answer.
-pub(super) fn view<'l>(d: &Decided<'l>, result: &Result<(), Rejection>) -> Answer<'l> {
-    let mut fields = HeaderMap::new();
-    headers::add_ratelimit(&mut fields, ResponseStyle::Draft, &d.applied);
-    let text = |name: &HeaderName| {
-        fields
-            .get(name)
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_string)
-    };
-    let rules = d
-        .applied
-        .iter()
-        .map(|a| rule_answer(a, false))
-        .chain(d.shadow.iter().map(|a| rule_answer(a, true)))
-        .collect();
-    let (allowed, status, retry_after, detail) = match result {
-        Ok(()) => (true, 200, None, None),
-        Err(r) => (
-            false,
-            r.problem.status.as_u16(),
-            r.problem.retry_after,
-            r.problem.detail.as_ref().map(|d| d.to_string()),
-        ),
-    };
-    Answer {
-        allowed,
-        status,
-        retry_after,
-        ratelimit: text(&headers::RATELIMIT),
-        ratelimit_policy: text(&headers::RATELIMIT_POLICY),
-        rules,
-        detail,
-        dry_run: d.dry_run,
-        ..Answer::default()
-    }
-}
-
-fn rule_answer<'l>(a: &Applied<'l>, shadow: bool) -> RuleAnswer<'l> {
-    RuleAnswer {
-        rule: a.rule,
-        allowed: a.decision.allowed,
-        shadow,
-        limit: headers::advertised(&a.quota).0,
-        remaining: headers::available(a),
-        reset: headers::ceil_secs(a.decision.reset_us),
-    }
 }
 
 #[derive(Deserialize)]
@@ -591,7 +508,7 @@ async fn lease_call(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
     let mut d = Decided::default();
     let result = decide::decide_rules(&live, vec![index], &requester, None, &mut d).await;
     count(ctx, &live, &requester, &d, &result);
-    let mut a = view(&d, &result);
+    let mut a = answer::view(&d, &result);
     if let (Ok(()), Some(leases)) = (&result, d.leases.take()) {
         let ttl = lease_ttl(&live, index);
         match ctx.grants.lease(leases.renewed_by_holder(), ttl) {
@@ -610,7 +527,7 @@ async fn lease_call(ctx: &Ctx, req: Request<Incoming>) -> Result<Reply, Bad> {
             }
         }
     }
-    Ok(json(StatusCode::OK, &a))
+    Ok(answer::one(&a))
 }
 
 /// How long a lease of the rule at `index` lives unrenewed: the rule's `lease_ttl`, the

@@ -203,7 +203,7 @@ fn finish(
     super::access_line(
         "forward_auth",
         method.as_str(),
-        path,
+        &path,
         client,
         decided,
         status,

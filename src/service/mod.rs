@@ -21,6 +21,7 @@
 //! identities, plans and store keys, counted in the same series, and apart by front-end
 //! in `ratewall_decisions_total{frontend}`.
 
+mod answer;
 mod api;
 pub mod forward_auth;
 mod grants;
@@ -281,7 +282,7 @@ impl Handler for Ctx {
 pub fn access_line(
     frontend: &'static str,
     method: &str,
-    path: &str,
+    path: &dyn std::fmt::Display,
     client_ip: Option<IpAddr>,
     d: &crate::decide::Decided<'_>,
     status: u16,
@@ -294,7 +295,7 @@ pub fn access_line(
         target: "ratewall::access",
         frontend,
         method,
-        path,
+        path = %path,
         status,
         client_ip = client_ip.map(tracing::field::display),
         rule = d.rule.unwrap_or("-"),
@@ -325,15 +326,17 @@ pub fn problem(p: &Problem) -> Reply {
 
 /// `value` as JSON, with `status`.
 pub fn json(status: StatusCode, value: &impl serde::Serialize) -> Reply {
-    let body = match serde_json::to_vec(value) {
-        Ok(b) => b,
-        Err(e) => {
-            return problem(&Problem::new(
-                StatusCode::INTERNAL_SERVER_ERROR,
-                format!("cannot encode the answer: {e}"),
-            ))
-        }
-    };
+    match serde_json::to_vec(value) {
+        Ok(b) => json_bytes(status, b),
+        Err(e) => problem(&Problem::new(
+            StatusCode::INTERNAL_SERVER_ERROR,
+            format!("cannot encode the answer: {e}"),
+        )),
+    }
+}
+
+/// An answer of JSON already written.
+pub fn json_bytes(status: StatusCode, body: Vec<u8>) -> Reply {
     let mut r = Response::new(full(body));
     *r.status_mut() = status;
     r.headers_mut()
