@@ -47,7 +47,7 @@ fn key(check: &Check<'_>) -> u128 {
         q.cost,
         q.max_delay_us,
     ] {
-        h.write(&n.to_le_bytes());
+        h.write_u64(n);
     }
     if let Some(c) = q.calendar {
         // Another zone or anchor day cuts other periods: a denial until one's edge is not

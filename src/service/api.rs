@@ -7,6 +7,7 @@
 //! Every decision is answered 200, allowed or not; a malformed call is 400 (413 for a
 //! body past `[decide] max_body`), problem+json naming the field.
 
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 use std::net::IpAddr;
 use std::str::FromStr;
@@ -85,7 +86,7 @@ async fn body(live: &Live, req: Request<Incoming>) -> Result<Bytes, Bad> {
 
 /// `bytes` as a `T`, or a 400 naming the field that is wrong (found by a second parse,
 /// which tracks where it is: only a malformed call pays for that).
-fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Bad> {
+fn parse<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, Bad> {
     if let Ok(t) = serde_json::from_slice(bytes) {
         return Ok(t);
     }
@@ -105,12 +106,15 @@ fn parse<T: serde::de::DeserializeOwned>(bytes: &[u8]) -> Result<T, Bad> {
     Ok(t)
 }
 
-/// One decision asked for: a rule and a key, or a described request.
+/// One decision asked for: a rule and a key, or a described request. The rule and key
+/// borrowed from the body where they have no escapes (most do not).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Ask {
-    rule: Option<String>,
-    key: Option<String>,
+struct Ask<'a> {
+    #[serde(borrow)]
+    rule: Option<Cow<'a, str>>,
+    #[serde(borrow)]
+    key: Option<Cow<'a, str>>,
     cost: Option<u64>,
     request: Option<Described>,
     #[serde(default)]
@@ -234,7 +238,7 @@ pub(super) fn rule_named(live: &Live, name: &str) -> Result<usize, Bad> {
     })
 }
 
-async fn decide_one<'l>(ctx: &Ctx, live: &'l Live, ask: &Ask, call: Prepared) -> Answer<'l> {
+async fn decide_one<'l>(ctx: &Ctx, live: &'l Live, ask: &Ask<'_>, call: Prepared) -> Answer<'l> {
     let mut d = Decided {
         dry_run: ask.dry_run,
         cost: ask.cost.and_then(std::num::NonZeroU64::new),

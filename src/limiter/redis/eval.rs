@@ -39,8 +39,8 @@ impl Lua {
     pub(super) fn invocation(&self) -> Invocation<'_> {
         Invocation {
             lua: self,
-            keys: Vec::new(),
-            args: Vec::new(),
+            keys: Args::default(),
+            args: Args::default(),
         }
     }
 
@@ -55,8 +55,8 @@ impl Lua {
 /// One call of a [`Lua`] script: its keys and its arguments.
 pub(super) struct Invocation<'l> {
     lua: &'l Lua,
-    keys: Vec<Vec<u8>>,
-    args: Vec<Vec<u8>>,
+    keys: Args,
+    args: Args,
 }
 
 impl Invocation<'_> {
@@ -72,11 +72,57 @@ impl Invocation<'_> {
 
     fn evalsha(&self) -> Cmd {
         let mut cmd = redis::cmd("EVALSHA");
-        cmd.arg(&self.lua.hash)
-            .arg(self.keys.len())
-            .arg(&self.keys)
-            .arg(&self.args);
+        cmd.arg(&self.lua.hash).arg(self.keys.ends.len());
+        for a in self.keys.iter().chain(self.args.iter()) {
+            cmd.arg(a);
+        }
         cmd
+    }
+}
+
+/// Arguments one after another in one buffer: none allocated alone (a batch has hundreds).
+#[derive(Default)]
+struct Args {
+    bytes: Vec<u8>,
+    /// Where each ends in `bytes`.
+    ends: Vec<usize>,
+}
+
+impl Args {
+    fn iter(&self) -> impl Iterator<Item = &[u8]> {
+        let starts = std::iter::once(0).chain(self.ends.iter().copied());
+        starts.zip(&self.ends).map(|(a, &b)| &self.bytes[a..b])
+    }
+}
+
+impl redis::RedisWrite for Args {
+    fn write_arg(&mut self, arg: &[u8]) {
+        self.bytes.extend_from_slice(arg);
+        self.ends.push(self.bytes.len());
+    }
+
+    fn writer_for_next_arg(&mut self) -> impl std::io::Write + '_ {
+        NextArg(self)
+    }
+}
+
+/// An argument being written; it ends when dropped.
+struct NextArg<'a>(&'a mut Args);
+
+impl std::io::Write for NextArg<'_> {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.0.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+impl Drop for NextArg<'_> {
+    fn drop(&mut self) {
+        self.0.ends.push(self.0.bytes.len());
     }
 }
 
@@ -327,5 +373,37 @@ mod tests {
             lua.hash, "e0e1f9fabfc9d4800c877a703b823ac0578ff8db",
             "SHA1 of the code"
         );
+    }
+
+    #[test]
+    fn an_invocation_sends_its_keys_then_its_arguments_each_whole() {
+        let lua = Lua::new("return 1");
+        let mut inv = lua.invocation();
+        inv.key("k:1")
+            .arg(42u64)
+            .arg("")
+            .key(String::from("k:2"))
+            .arg("1:2:3")
+            .arg(7i64);
+        let cmd = inv.evalsha();
+        let args: Vec<Vec<u8>> = cmd
+            .args_iter()
+            .map(|a| match a {
+                redis::Arg::Simple(b) => b.to_vec(),
+                other => panic!("not a plain argument: {other:?}"),
+            })
+            .collect();
+        let want: Vec<&[u8]> = vec![
+            b"EVALSHA",
+            lua.hash.as_bytes(),
+            b"2",
+            b"k:1",
+            b"k:2",
+            b"42",
+            b"",
+            b"1:2:3",
+            b"7",
+        ];
+        assert_eq!(args, want);
     }
 }

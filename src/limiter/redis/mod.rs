@@ -27,6 +27,7 @@ mod sentinel;
 mod single;
 
 use std::future::Future;
+use std::sync::Arc;
 use std::time::Duration;
 
 use redis::aio::ConnectionLike;
@@ -35,7 +36,7 @@ use eval::{eval, eval_waited, Evaluates, Invocation, Lua, Wait};
 
 use super::settle::Adjust;
 use super::store::{Call, Kind, Receipt, Replication, Settlement, Store};
-use super::{unix_now_us, Algorithm, Check, Decision, StoreError};
+use super::{unix_now_us, Algorithm, Check, Decision, Quota, StoreError};
 
 /// The script's algorithm code for a calendar window (`lua/fixed_window.lua`): a fixed
 /// window whose edges the gateway sends. Its rules are `fixed_window` ones (code 3).
@@ -84,7 +85,7 @@ struct Encoded {
     key: String,
     /// `<algorithm code>:<parameters>`: the same string for every request on one rule's
     /// quota, which the script parses once per call.
-    quota: String,
+    quota: Arc<str>,
     shadow: bool,
 }
 
@@ -93,7 +94,7 @@ impl Encoded {
     /// second and later requests (flag 2).
     fn push(&self, inv: &mut Invocation<'_>, starts: bool) {
         inv.key(&self.key)
-            .arg(&self.quota)
+            .arg(&*self.quota)
             .arg(["0", "1", "2", "3"][usize::from(self.shadow) | if starts { 2 } else { 0 }]);
     }
 }
@@ -193,6 +194,25 @@ impl Scripted {
     /// window containing it: `lua/fixed_window.lua`).
     fn encode(&self, c: &Check<'_>, now_us: Option<u64>) -> Encoded {
         let q = c.quota;
+        // A rate quota's string is the same for every request on it: made once a thread
+        // (for the last few quotas), then shared. A calendar's moves with the time, a
+        // concurrency limit's carries the request's lease.
+        let fixed = q.calendar.is_none() && q.algorithm != Algorithm::Concurrency;
+        let quota = if fixed {
+            ENCODED.with(|recent| recent.borrow_mut().get(q, || self.quota(c, now_us)))
+        } else {
+            Arc::from(self.quota(c, now_us))
+        };
+        Encoded {
+            key: self.key(c),
+            quota,
+            shadow: c.shadow,
+        }
+    }
+
+    /// `<algorithm code>:<parameters>`: see [`Encoded::quota`].
+    fn quota(&self, c: &Check<'_>, now_us: Option<u64>) -> String {
+        let q = c.quota;
         let mut n = itoa::Buffer::new();
         let mut quota = String::with_capacity(64);
         let code = match q.calendar {
@@ -212,11 +232,7 @@ impl Scripted {
             for p in [q.rate.count, q.cost, q.max_debt, e0, e1, e2] {
                 param(n.format(p));
             }
-            return Encoded {
-                key: self.key(c),
-                quota,
-                shadow: c.shadow,
-            };
+            return quota;
         }
         match q.algorithm {
             Algorithm::TokenBucket | Algorithm::Gcra => {
@@ -243,11 +259,7 @@ impl Scripted {
                 param(&self.member(c));
             }
         }
-        Encoded {
-            key: self.key(c),
-            quota,
-            shadow: c.shadow,
-        }
+        quota
     }
 
     /// One script call for `checks` (all on one slot, in a cluster).
@@ -283,7 +295,7 @@ impl Scripted {
             arg.push_str(n.format(adj.delta));
             arg.push(':');
             arg.push_str(n.format(adj.window));
-            inv.key(&e.key).arg(&e.quota).arg(arg);
+            inv.key(&e.key).arg(&*e.quota).arg(arg);
         }
         let reply = self.run(conn, &inv, true, items.len()).await?;
         Ok(answers(&reply.numbers)
@@ -534,6 +546,36 @@ impl<S: Shared> Store for S {
     fn describe(&self) -> String {
         Shared::describe(self)
     }
+}
+
+/// How many quotas' strings a thread keeps ([`Scripted::encode`]).
+const ENCODED_KEPT: usize = 8;
+
+/// The last quotas a thread encoded, and their strings; the oldest gives way.
+#[derive(Default)]
+struct Encodings {
+    kept: Vec<(Quota, Arc<str>)>,
+    next: usize,
+}
+
+impl Encodings {
+    fn get(&mut self, q: &Quota, make: impl FnOnce() -> String) -> Arc<str> {
+        if let Some((_, s)) = self.kept.iter().find(|(k, _)| k == q) {
+            return s.clone();
+        }
+        let s: Arc<str> = Arc::from(make());
+        if self.kept.len() < ENCODED_KEPT {
+            self.kept.push((*q, s.clone()));
+        } else {
+            self.kept[self.next] = (*q, s.clone());
+            self.next = (self.next + 1) % ENCODED_KEPT;
+        }
+        s
+    }
+}
+
+thread_local! {
+    static ENCODED: std::cell::RefCell<Encodings> = std::cell::RefCell::new(Encodings::default());
 }
 
 /// The numbers the script answers per key (`lua/decide.lua`).

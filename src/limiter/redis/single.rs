@@ -72,6 +72,13 @@ impl Batcher {
     /// Send what waits now, and hand each request its answers: one call per
     /// [`MAX_BATCH_KEYS`] keys. Requests that come meanwhile go in a batch of their own.
     async fn send(self: Arc<Self>) {
+        // On a multi-thread runtime (the decision service's) a task spawned by a running
+        // one runs next, ahead of the tasks already woken: yield once, so that the calls
+        // those decide join this batch, as they do on a worker's loop.
+        let flavor = tokio::runtime::Handle::try_current().map(|h| h.runtime_flavor());
+        if flavor.is_ok_and(|f| f == tokio::runtime::RuntimeFlavor::MultiThread) {
+            tokio::task::yield_now().await;
+        }
         let mut waiting = {
             let mut q = self.queue.lock().unwrap_or_else(PoisonError::into_inner);
             q.sending = false;
