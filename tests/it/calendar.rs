@@ -370,7 +370,7 @@ async fn memory_and_redis_agree_across_the_autumn_change_and_the_october_month_e
 }
 
 /// One call of the script, as `Scripted::encode` writes a calendar window's quota, at
-/// Redis time `now`: its 4 answers, or the error it fails with.
+/// Redis time `now`: its five numbers, or the error it fails with.
 fn script(
     conn: &mut redis::Connection,
     key: &str,
@@ -385,7 +385,14 @@ fn script(
         .arg("")
         .arg(quota)
         .arg("0")
-        .query(conn)
+        .query::<Vec<String>>(conn)
+        .map(|reply| {
+            // One string of the key's five numbers (lua/decide.lua's reply).
+            assert_eq!(reply.len(), 1, "one request, none failed: {reply:?}");
+            (reply[0].split(' '))
+                .map(|n| n.parse().expect("a whole number"))
+                .collect()
+        })
 }
 
 #[test]
