@@ -773,7 +773,9 @@ crate::proptest_seeds! {
             prop_assert_eq!(scan.bytes, started.iter().map(|l| l.2).sum::<u64>());
             prop_assert!(scan.frames <= budget.frames && scan.bytes <= budget.bytes);
             let stop = at + scan.passed;
-            wanting = scan.stop == Some(Stop::Header);
+            // A header cut short is wanted whole by the next read that can start it: the
+            // reads between without the tokens to start it leave it wanted.
+            wanting = scan.stop == Some(Stop::Header) || (wanting && scan.passed == 0);
             match scan.stop {
                 Some(Stop::Tokens { bytes }) => {
                     let next = layout.iter().find(|l| l.0 == stop);
