@@ -244,6 +244,8 @@ mod tests {
             "[::1]:8443",
             "[2001:db8::1]",
             "host:",
+            "host:65535",
+            "host:00080",
         ] {
             assert!(is_host_and_port(good.as_bytes()), "{good:?}");
         }
@@ -264,6 +266,9 @@ mod tests {
             "[::1]x",
             "[::1]@x",
             "a\\b",
+            "host:65536",
+            "[::1]:99999",
+            "h\u{e9}te",
         ] {
             assert!(!is_host_and_port(bad.as_bytes()), "{bad:?}");
         }
