@@ -139,16 +139,18 @@ fn write(out: &mut Vec<u8>, a: &Answer<'_>) {
         }
         out.extend_from_slice(b"{\"rule\":");
         string(out, r.rule);
-        out.extend_from_slice(b",\"allowed\":");
-        boolean(out, r.allowed);
-        out.extend_from_slice(b",\"shadow\":");
-        boolean(out, r.shadow);
-        out.extend_from_slice(b",\"limit\":");
-        number(out, r.limit);
-        out.extend_from_slice(b",\"remaining\":");
-        number(out, r.remaining);
-        out.extend_from_slice(b",\"reset\":");
-        number(out, r.reset);
+        for (key, b) in [(&b",\"allowed\":"[..], r.allowed), (b",\"shadow\":", r.shadow)] {
+            out.extend_from_slice(key);
+            boolean(out, b);
+        }
+        for (key, n) in [
+            (&b",\"limit\":"[..], r.limit),
+            (b",\"remaining\":", r.remaining),
+            (b",\"reset\":", r.reset),
+        ] {
+            out.extend_from_slice(key);
+            number(out, n);
+        }
         out.push(b'}');
     }
     out.push(b']');
