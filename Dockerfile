@@ -48,6 +48,7 @@ COPY --from=build /src/target/release/ratewall /usr/local/bin/ratewall
 COPY config/limits.toml config/keys.toml /etc/ratewall/
 USER 10001:10001
 # 8443: the TLS listener, where [server.tls] is configured; 8081: the decision service,
-# where [decide] is configured (its listen must then be 0.0.0.0:8081, not loopback).
-EXPOSE 8080 8443 9090 8081
+# where [decide] is configured (its listen must then be 0.0.0.0:8081, not loopback);
+# 3128: the egress gateway, where [egress] is configured (listen = "0.0.0.0:3128").
+EXPOSE 8080 8443 9090 8081 3128
 ENTRYPOINT ["/usr/local/bin/ratewall", "--config", "/etc/ratewall/limits.toml"]

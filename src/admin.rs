@@ -431,7 +431,12 @@ fn target<'c>(cfg: &'c Config, query: &[(String, Vec<u8>)]) -> Result<Target<'c>
         })
     };
     let bad = |what: &str| (StatusCode::BAD_REQUEST, format!("{what} is not valid"));
-    if let KeyKind::Jwt(_) | KeyKind::Combined(_) = &rule.key.kind {
+    if let KeyKind::Jwt(_)
+    | KeyKind::Combined(_)
+    | KeyKind::Target
+    | KeyKind::Credential(_)
+    | KeyKind::Caller = &rule.key.kind
+    {
         let (rule, digest, quota) = named_parts(rule, query)?;
         return Ok((rule, digest, quota, None));
     }
@@ -446,9 +451,12 @@ fn target<'c>(cfg: &'c Config, query: &[(String, Vec<u8>)]) -> Result<Target<'c>
         }
         KeyKind::ApiKey => (IpAddr::from([0, 0, 0, 0]), Some(need("key")?)),
         KeyKind::Header(_) => (IpAddr::from([0, 0, 0, 0]), Some(need("header")?)),
-        KeyKind::ClientCert | KeyKind::Jwt(_) | KeyKind::Combined(_) => {
-            (IpAddr::from([0, 0, 0, 0]), None)
-        }
+        KeyKind::ClientCert
+        | KeyKind::Jwt(_)
+        | KeyKind::Combined(_)
+        | KeyKind::Target
+        | KeyKind::Credential(_)
+        | KeyKind::Caller => (IpAddr::from([0, 0, 0, 0]), None),
     };
     // `cert=`: the certificate's SHA-256 fingerprint, as `openssl x509 -fingerprint
     // -sha256` prints it (colons optional).

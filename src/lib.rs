@@ -56,6 +56,10 @@
 //!   API (`service/api.rs`: decide, settle, leases, with the reservations and leases it
 //!   holds in `service/grants.rs`), forward-auth (`service/forward_auth.rs`) and Envoy's
 //!   rate limit service (`service/rls/`), each deciding with the decision core.
+//! - [`egress`]: the egress gateway on `[egress] listen`, a front-end (issue 45): an HTTP
+//!   forward proxy to listed targets only (absolute-form calls, TLS originated where the
+//!   target says so, and `CONNECT` tunnels), its calls decided by the rules of `match = {
+//!   egress = true }`; what an API's answer says of its limit (`egress/learn.rs`).
 //! - [`front_end`]: what a front-end on a listener of its own is ([`front_end::FrontEnd`]:
 //!   its name, where it listens, its bounds, its handler) and what it shares with the
 //!   proxy ([`front_end::Shared`]: the current configuration, the metrics); the accept
@@ -154,6 +158,7 @@ pub mod worker;
 front_end::front_ends! {
     admin,
     service,
+    egress,
 }
 
 /// The property runs the unit tests share with the integration tests (`proptest_seeds!`:

@@ -33,6 +33,9 @@ pub(super) struct RawMatch {
     /// Rules only: `proxied = false`, a rule asked for by name alone (the decision API,
     /// Envoy's descriptors), never applied to a request the gateway sees.
     proxied: Option<Spanned<bool>>,
+    /// Rules only: `egress = true`, a rule of the egress gateway's calls (issue 45),
+    /// never applied to a request the proxy sees.
+    egress: Option<Spanned<bool>>,
 }
 
 /// The value of an identity condition in `match`.
@@ -54,6 +57,7 @@ enum MatchKey {
     Header(HeaderName),
     Route,
     Proxied,
+    Egress,
 }
 
 const MATCH_KEYS: &[&str] = &[
@@ -66,6 +70,7 @@ const MATCH_KEYS: &[&str] = &[
     "header:<name>",
     "route",
     "proxied",
+    "egress",
 ];
 
 impl<'de> Deserialize<'de> for MatchKey {
@@ -80,6 +85,7 @@ impl<'de> Deserialize<'de> for MatchKey {
             "api_key" => MatchKey::ApiKey,
             "route" => MatchKey::Route,
             "proxied" => MatchKey::Proxied,
+            "egress" => MatchKey::Egress,
             other => match other.strip_prefix("header:") {
                 Some(name) => HeaderName::from_bytes(name.trim().as_bytes())
                     .map(MatchKey::Header)
@@ -98,7 +104,7 @@ impl<'de> Deserialize<'de> for RawMatch {
 
             fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.write_str(
-                    "a table of path_prefix, path, glob, methods, host, api_key, \"header:<name>\", route, proxied",
+                    "a table of path_prefix, path, glob, methods, host, api_key, \"header:<name>\", route, proxied, egress",
                 )
             }
 
@@ -114,6 +120,7 @@ impl<'de> Deserialize<'de> for RawMatch {
                         MatchKey::ApiKey => m.api_key = Some(map.next_value()?),
                         MatchKey::Route => m.route = Some(map.next_value()?),
                         MatchKey::Proxied => m.proxied = Some(map.next_value()?),
+                        MatchKey::Egress => m.egress = Some(map.next_value()?),
                         MatchKey::Header(h) => {
                             let value = map.next_value()?;
                             if m.headers.iter().any(|(seen, _)| *seen == h) {
@@ -202,8 +209,27 @@ pub(super) fn validate(
             )),
             (Some(p), Owner::Rule { .. }) => *p.get_ref(),
         };
+    let egress = match (&m.egress, owner) {
+        (None, _) => false,
+        (Some(e), Owner::Route) => {
+            return Err(Invalid::new(
+                Some(e.span()),
+                key("match.egress"),
+                "egress = true is for [[rules]] of the egress gateway's calls, not routes",
+            ))
+        }
+        (Some(e), Owner::Rule { .. }) if *e.get_ref() && !proxied => {
+            return Err(Invalid::new(
+                Some(e.span()),
+                key("match.egress"),
+                "egress = true and proxied = false: a rule is either the egress gateway's or asked for by name",
+            ))
+        }
+        (Some(e), Owner::Rule { .. }) => *e.get_ref(),
+    };
     Ok(Match {
         proxied,
+        egress,
         path,
         methods: m.methods.iter().map(|m| m.0.clone()).collect(),
         hosts: m.host.0.clone(),

@@ -21,6 +21,7 @@
 pub mod decide;
 mod descriptors; // issue 44 (rls): [[descriptors]] and the tree they make
 mod diff;
+pub mod egress;
 pub mod envoy_yaml; // issue 44 (rls): [decide] envoy_config, envoyproxy/ratelimit's YAML
 mod inputs;
 mod jwt;
@@ -121,6 +122,9 @@ pub struct Config {
     pub descriptors: Descriptors,
     /// `[decide]`: the decision service's listener; none where the file has no such table.
     pub decide: Option<decide::Decide>,
+    /// `[egress]`: the egress gateway's listener and targets (issue 45); none where the
+    /// file has no such table.
+    pub egress: Option<egress::Egress>,
     /// The SHA-256 (hex) of the file's text, as `sha256sum` prints it: which file is
     /// serving, on the status page. (The keys file it names is not included.)
     pub sha256: Option<String>,
@@ -158,6 +162,7 @@ struct RawConfig {
     #[serde(default)]
     descriptors: Vec<Spanned<descriptors::RawDescriptors>>,
     decide: Option<Spanned<decide::RawDecide>>,
+    egress: Option<Spanned<egress::RawEgress>>,
 }
 
 /// The plans some rule has a `[rules.plans.<plan>]` table for: the only plans a key may
@@ -316,6 +321,7 @@ impl Config {
     pub fn parse_with(text: &str, path: &Path, inputs: &Inputs) -> Result<Config, ConfigError> {
         let mut raw: RawConfig = from_toml(text, path, "keys.plans.")?;
         let raw_decide = raw.decide.take();
+        let raw_egress = raw.egress.take();
         let env_token = server::env_admin_token(inputs.var("RATEWALL_ADMIN_TOKEN"))?;
         let env_tag_secret = server::env_tag_secret(inputs.var("RATEWALL_TAG_SECRET"))?;
         let env_decide_token = server::env_decide_token(inputs.var("RATEWALL_DECIDE_TOKEN"))?;
@@ -376,6 +382,27 @@ impl Config {
                 return Err(Invalid::new(Some(span), "decide.listen", why).locate(text, path));
             }
             config.decide = Some(decide);
+        }
+        if let Some(e) = raw_egress {
+            let span = e.span();
+            let taken = [
+                Some(config.server.listen),
+                config.server.admin_listen,
+                config.server.tls.as_ref().map(|t| t.listen),
+                config.decide.as_ref().map(|d| d.listen),
+            ];
+            let egress = e
+                .into_inner()
+                .validate(dir)
+                .map_err(|e| e.locate(text, path))?;
+            if taken.contains(&Some(egress.listen)) {
+                let why = format!(
+                    "{} is another listener's: the egress gateway listens on its own",
+                    egress.listen
+                );
+                return Err(Invalid::new(Some(span), "egress.listen", why).locate(text, path));
+            }
+            config.egress = Some(egress);
         }
         config.sha256 = Some(sha256_hex(text.as_bytes()));
         // `RATEWALL_TAG_SECRET` wins over the file's.
@@ -501,6 +528,7 @@ impl Config {
             index,
             descriptors,
             decide: None,
+            egress: None,
             sha256: None,
         })
     }

@@ -68,8 +68,7 @@ impl<'de> Deserialize<'de> for Header {
 pub(super) struct KeySpec(pub(super) KeyKind);
 
 /// What a key source may be, for errors.
-const KEY_SOURCES: &str =
-    "\"api_key\", \"client_ip\", \"global\", \"client_cert\", \"header:<name>\" or \"jwt:<claim>\"";
+const KEY_SOURCES: &str = "\"api_key\", \"client_ip\", \"global\", \"client_cert\", \"header:<name>\", \"jwt:<claim>\", \"target\", \"credential\", \"credential:<header>\" or \"caller\"";
 
 /// A key source as a rule's `key` writes it (a pool's `balance = "hash:<key source>"`
 /// takes the same words).
@@ -79,6 +78,15 @@ pub(super) fn key_kind(s: &str) -> Result<KeyKind, String> {
         "client_ip" => KeyKind::ClientIp,
         "global" => KeyKind::Global,
         "client_cert" => KeyKind::ClientCert,
+        "target" => KeyKind::Target,
+        "caller" => KeyKind::Caller,
+        "credential" => KeyKind::Credential(http::header::AUTHORIZATION),
+        other if other.starts_with("credential:") => {
+            let name = other["credential:".len()..].trim();
+            HeaderName::from_bytes(name.as_bytes())
+                .map(KeyKind::Credential)
+                .map_err(|_| format!("invalid header name in key {s:?}"))?
+        }
         other => match (other.strip_prefix("header:"), other.strip_prefix("jwt:")) {
             (Some(name), _) => HeaderName::from_bytes(name.trim().as_bytes())
                 .map(KeyKind::Header)

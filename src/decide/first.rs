@@ -41,7 +41,13 @@ use crate::settle::max_tokens::Asked;
 pub(super) fn credential_free(rule: &Rule) -> bool {
     fn free(kind: &KeyKind) -> bool {
         match kind {
-            KeyKind::ClientIp | KeyKind::Global | KeyKind::Header(_) | KeyKind::ClientCert => true,
+            KeyKind::ClientIp
+            | KeyKind::Global
+            | KeyKind::Header(_)
+            | KeyKind::ClientCert
+            | KeyKind::Target
+            | KeyKind::Credential(_)
+            | KeyKind::Caller => true,
             KeyKind::ApiKey | KeyKind::Jwt(_) => false,
             KeyKind::Combined(parts) => parts.iter().all(free),
         }

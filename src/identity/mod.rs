@@ -68,6 +68,16 @@ pub enum KeyKind {
     /// The combination of two or more of the others (`key = ["jwt:org_id",
     /// "header:x-project"]`): each combination is an identity of its own.
     Combined(Vec<KeyKind>),
+    /// The host a call goes to (the egress gateway's target, issue 45): lower-cased,
+    /// without its port.
+    Target,
+    /// A credential the call carries (`credential`: `Authorization`;
+    /// `credential:<header>`): each value its own limit, known by its digest alone,
+    /// never shown.
+    Credential(HeaderName),
+    /// Who calls: its client certificate where the connection presented one, else its
+    /// address.
+    Caller,
 }
 
 impl KeyKind {
@@ -137,6 +147,10 @@ impl fmt::Display for KeyKind {
             KeyKind::Header(h) => write!(f, "header:{h}"),
             KeyKind::ClientCert => f.write_str("client_cert"),
             KeyKind::Jwt(path) => write!(f, "jwt:{path}"),
+            KeyKind::Target => f.write_str("target"),
+            KeyKind::Credential(h) if h == http::header::AUTHORIZATION => f.write_str("credential"),
+            KeyKind::Credential(h) => write!(f, "credential:{h}"),
+            KeyKind::Caller => f.write_str("caller"),
             KeyKind::Combined(parts) => {
                 let parts: Vec<String> = parts.iter().map(|p| format!("\"{p}\"")).collect();
                 write!(f, "[{}]", parts.join(", "))
@@ -165,6 +179,10 @@ pub enum Source<'a> {
     Jwt(&'a ClaimPath),
     /// A combination of these parts (each named, none shown).
     Combined(&'a [KeyKind]),
+    /// The host a call goes to.
+    Target(&'a str),
+    /// A credential, by the header it is in (its value never shown).
+    Credential(&'a HeaderName),
 }
 
 impl Identity<'_> {
@@ -186,6 +204,10 @@ impl Identity<'_> {
             Source::Header(_, v) => ("header", v),
             // Not secret, but never shown raw: the identity's digest names it.
             Source::ClientCert(_) => return format!("client cert {}", self.digest.tag().as_str()),
+            Source::Target(host) => return format!("target {host}"),
+            Source::Credential(h) => {
+                return format!("credential {h} {}", self.digest.tag().as_str())
+            }
             Source::Jwt(path) => return format!("jwt {path} {}", self.digest.tag().as_str()),
             Source::Combined(parts) => {
                 let parts: Vec<String> = parts.iter().map(ToString::to_string).collect();
@@ -211,6 +233,8 @@ impl fmt::Display for Source<'_> {
             Source::Header(h, _) => write!(f, "{h}"),
             Source::ClientCert(_) => f.write_str("client certificate"),
             Source::Jwt(path) => write!(f, "the token's {path} claim"),
+            Source::Target(_) => f.write_str("the target host"),
+            Source::Credential(h) => write!(f, "the credential in {h}"),
             Source::Combined(parts) => {
                 let parts: Vec<String> = parts.iter().map(ToString::to_string).collect();
                 write!(f, "the combination of {}", parts.join(" + "))
@@ -660,6 +684,27 @@ impl<'a> Requester<'a> {
                     source: Source::Jwt(path),
                 })
             }
+            KeyKind::Target => {
+                let host = target_host(self.headers).ok_or(Refusal::MissingHeader)?;
+                Ok(Identity {
+                    digest: digest_target(host),
+                    source: Source::Target(host),
+                })
+            }
+            KeyKind::Credential(h) => match credential(self.headers, h) {
+                Some(v) => Ok(Identity {
+                    digest: digest_credential(h, v),
+                    source: Source::Credential(h),
+                }),
+                None => Err(Refusal::MissingHeader),
+            },
+            KeyKind::Caller => match self.client_cert {
+                Some(fingerprint) => Ok(Identity {
+                    digest: digest_client_cert(fingerprint),
+                    source: Source::ClientCert(fingerprint),
+                }),
+                None => Ok(self.ip_identity()),
+            },
             KeyKind::Combined(parts) => {
                 let mut combined = Combined::new();
                 for part in parts {
@@ -743,8 +788,10 @@ impl<'a> Requester<'a> {
 pub fn headers_naming(key: &KeyKind, keys: &Keys, value: &[u8]) -> Option<HeaderMap> {
     let name = match key {
         KeyKind::ApiKey => &keys.header,
-        KeyKind::Header(h) => h,
-        KeyKind::ClientIp
+        KeyKind::Header(h) | KeyKind::Credential(h) => h,
+        KeyKind::Target => &http::header::HOST,
+        KeyKind::Caller
+        | KeyKind::ClientIp
         | KeyKind::Global
         | KeyKind::ClientCert
         | KeyKind::Jwt(_)
@@ -770,7 +817,10 @@ pub fn digest_part(kind: &KeyKind, value: &[u8]) -> Option<IdentityDigest> {
             digest_ip(ip.to_canonical())
         }
         KeyKind::ClientCert => digest_client_cert(&parse_fingerprint(value)?),
-        KeyKind::Combined(_) => return None,
+        KeyKind::Target => digest_target(std::str::from_utf8(value).ok()?.trim()),
+        KeyKind::Credential(h) => digest_credential(h, value),
+        // A certificate or an address: give it as client_cert or client_ip.
+        KeyKind::Caller | KeyKind::Combined(_) => return None,
     })
 }
 
@@ -844,6 +894,43 @@ pub fn digest_global() -> IdentityDigest {
     // One value, hashed once (every request of a global rule asks).
     static GLOBAL: OnceLock<IdentityDigest> = OnceLock::new();
     *GLOBAL.get_or_init(|| digest(&[b"ratewall/global"]))
+}
+
+/// The host a request names in its `Host` (the egress gateway sets it from the call's
+/// target): without its port or a trailing dot.
+fn target_host(headers: &HeaderMap) -> Option<&str> {
+    let raw = headers.get(http::header::HOST)?.to_str().ok()?;
+    let host = match raw.strip_prefix('[') {
+        Some(v6) => v6.split_once(']').map_or(raw, |(h, _)| h),
+        None => raw.split_once(':').map_or(raw, |(h, _)| h),
+    };
+    let host = host.strip_suffix('.').unwrap_or(host);
+    (!host.is_empty()).then_some(host)
+}
+
+/// A call's target host, lower-cased (DNS names are case-insensitive).
+pub fn digest_target(host: &str) -> IdentityDigest {
+    let lower = host.to_ascii_lowercase();
+    digest(&[b"ratewall/target\0", lower.as_bytes()])
+}
+
+/// A credential's value under the header it is in.
+pub fn digest_credential(name: &HeaderName, value: &[u8]) -> IdentityDigest {
+    digest(&[
+        b"ratewall/credential\0",
+        name.as_str().as_bytes(),
+        b"\0",
+        value,
+    ])
+}
+
+/// The one value of the credential header `name`, up to 16 KiB (a bearer token may be
+/// long): none where it is missing, empty or sent twice (no call is counted by one of
+/// two credentials it chose).
+fn credential<'h>(headers: &'h HeaderMap, name: &HeaderName) -> Option<&'h [u8]> {
+    let mut values = headers.get_all(name).iter();
+    let v = values.next()?.as_bytes();
+    (values.next().is_none() && !v.is_empty() && v.len() <= 16 * 1024).then_some(v)
 }
 
 pub fn digest_header(name: &HeaderName, value: &[u8]) -> IdentityDigest {

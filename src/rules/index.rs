@@ -92,7 +92,7 @@ impl RuleIndex {
         for (i, matcher) in matches.into_iter().enumerate() {
             let m = &folded(matcher, case);
             index.rules.push(m.clone());
-            if !m.proxied {
+            if !m.proxied || m.egress {
                 continue;
             }
             match &m.path {

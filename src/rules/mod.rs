@@ -55,6 +55,10 @@ pub struct Match {
     /// descriptors) and never applies to a request the gateway or forward-auth sees: the
     /// index leaves it out.
     pub proxied: bool,
+    /// `egress = true`: the rule is the egress gateway's (issue 45), applied to the calls
+    /// going out through it and never to a request the proxy or forward-auth sees: the
+    /// index leaves it out.
+    pub egress: bool,
 }
 
 impl Default for Match {
@@ -67,6 +71,7 @@ impl Default for Match {
             carrying: Vec::new(),
             route: None,
             proxied: true,
+            egress: false,
         }
     }
 }
@@ -237,6 +242,19 @@ impl Match {
         if !self.proxied {
             return "asked for by name only (proxied = false)".to_string();
         }
+        let every =
+            matches!(self.path, PathMatch::Any) && self.methods.is_empty() && self.hosts.is_empty();
+        match (self.egress, every) {
+            (true, true) => "every call going out (egress = true)".to_string(),
+            (true, false) => format!(
+                "calls going out (egress = true), {}",
+                self.describe_request()
+            ),
+            (false, _) => self.describe_request(),
+        }
+    }
+
+    fn describe_request(&self) -> String {
         if matches!(self.path, PathMatch::Any) && self.methods.is_empty() && self.hosts.is_empty() {
             return "every request".to_string();
         }

@@ -188,6 +188,8 @@ label_enum! {
         Rls,
         /// A proxy's forward-auth call.
         ForwardAuth,
+        /// A call going out through the egress gateway (issue 45).
+        Egress,
     }
 }
 

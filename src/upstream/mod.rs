@@ -83,6 +83,7 @@ pub(crate) mod served;
 mod settings;
 mod stream;
 mod tls;
+pub use tls::client_config;
 mod upgrade;
 
 use std::sync::atomic::AtomicBool;

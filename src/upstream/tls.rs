@@ -472,6 +472,37 @@ fn certificates(
     Ok(certs)
 }
 
+/// A TLS client verifying against the certificates of `ca` (a PEM file), or the system's
+/// roots: the egress gateway's (issue 45), whose server name is each call's own host.
+/// HTTP/1.1 is offered in ALPN, what the call is sent in.
+pub fn client_config(ca: Option<&Path>) -> Result<Arc<ClientConfig>, TlsError> {
+    let provider = Arc::new(rustls::crypto::ring::default_provider());
+    let store = match ca {
+        Some(path) => {
+            let certs = certificates(path, "ca", &mut Sha256::new())?;
+            let mut store = RootCertStore::empty();
+            if store.add_parsable_certificates(certs).0 == 0 {
+                return Err(TlsError {
+                    key: "ca",
+                    message: format!("{}: no usable CA certificate", path.display()),
+                });
+            }
+            store
+        }
+        None => system_roots()?.0,
+    };
+    let mut config = ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(|e| TlsError {
+            key: "tls",
+            message: format!("no TLS version available: {e}"),
+        })?
+        .with_root_certificates(store)
+        .with_no_client_auth();
+    config.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Arc::new(config))
+}
+
 /// The system's trusted roots (rustls-native-certs: the platform's store, `SSL_CERT_FILE`
 /// and `SSL_CERT_DIR` where set). Certificates it cannot parse are skipped; none at all
 /// is an error, as no backend could then be verified.

@@ -325,6 +325,9 @@ fn place(name: &str) -> Option<Place> {
         // issue 44 (rls): Envoy's descriptors.
         "RawDescriptors" => Place::Section("[[descriptors]]"),
         "RawEntry" => Place::Within("[[descriptors]]", "entries"),
+        // issue 45: the egress gateway.
+        "RawEgress" => Place::Section("[egress]"),
+        "RawTarget" => Place::Section("[[egress.targets]]"),
         _ => return None,
     })
 }

@@ -14,6 +14,7 @@ mod config_fixtures;
 mod dashboards;
 mod docs;
 mod e2e;
+mod egress; // issue 45: the egress gateway
 mod failover;
 mod faults;
 mod features;
