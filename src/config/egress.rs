@@ -187,11 +187,16 @@ impl RawEgress {
                 tls_client,
             });
         }
+        // At most a day each: a tunnel's clock never overflows, and nothing waits longer.
+        let day = Duration::from_secs(86_400);
         Ok(Egress {
             listen: self.listen.unwrap_or(LISTEN),
             targets,
-            timeout: self.timeout.map_or(TIMEOUT, |t| t.0),
-            tunnel_idle: self.tunnel_idle_timeout.map_or(TUNNEL_IDLE, |t| t.0),
+            timeout: self.timeout.map_or(TIMEOUT, |t| t.0).min(day),
+            tunnel_idle: self
+                .tunnel_idle_timeout
+                .map_or(TUNNEL_IDLE, |t| t.0)
+                .min(day),
         })
     }
 }

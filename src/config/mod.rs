@@ -1094,7 +1094,7 @@ url = "http://127.0.0.1:3000"
                 "match = { apikey = \"absent\" }",
                 (10, 11),
                 "rules[0].match.apikey",
-                "unknown field `apikey`, expected one of `path_prefix`, `path`, `glob`, `methods`, `host`, `api_key`, `header:<name>`, `route`, `proxied` (did you mean `api_key`?)",
+                "unknown field `apikey`, expected one of `path_prefix`, `path`, `glob`, `methods`, `host`, `api_key`, `header:<name>`, `route`, `proxied`, `egress` (did you mean `api_key`?)",
             ),
             (
                 "match = { \"header:bad name\" = \"absent\" }",

@@ -27,6 +27,7 @@ const DURATIONS: &[&str] = &[
     "shutdown_grace",
     "time",
     "timeout",
+    "tunnel_idle_timeout",
     "upgrade_idle_timeout",
 ];
 

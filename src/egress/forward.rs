@@ -20,6 +20,7 @@ use tokio::net::TcpStream;
 
 use super::{full, problem, refused, strip_hop_by_hop, Call, Reply};
 use crate::headers::Problem;
+use crate::connection::Hold;
 use crate::limiter::lease::Leases;
 
 /// Send `req` to `addr` (the address `call`'s host resolved to), within `timeout` for
@@ -109,13 +110,14 @@ where
 }
 
 /// `CONNECT`: connect to `addr`, answer 200, then copy bytes both ways until either side
-/// ends or no byte passes for `idle`. The slots are held until the tunnel ends.
+/// ends, no byte passes for `idle`, or the gateway closes the connection (its shutdown's
+/// grace ran out). The slots and the connection's hold are kept until the tunnel ends.
 pub(super) async fn tunnel(
     req: Request<Incoming>,
     addr: SocketAddr,
     idle: Duration,
     timeout: Duration,
-    leases: Option<Leases>,
+    (leases, hold): (Option<Leases>, Hold),
 ) -> Reply {
     let connected = tokio::time::timeout(timeout, TcpStream::connect(addr)).await;
     let target = match connected {
@@ -144,6 +146,7 @@ pub(super) async fn tunnel(
             let quiet_until = started + since + idle;
             tokio::select! {
                 _ = &mut copy => return,
+                () = hold.closing() => return,
                 () = tokio::time::sleep_until(quiet_until.into()) => {
                     let last = Duration::from_millis(seen.load(Ordering::Relaxed));
                     if started + last + idle <= Instant::now() {

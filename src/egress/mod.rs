@@ -36,7 +36,7 @@ use hyper::service::service_fn;
 use crate::config::egress::{Egress, Target};
 use crate::config::Config;
 use crate::connection::{self, InFlight, Track, Tracked};
-use crate::decide::{self, Decided, Subject};
+use crate::decide::{self, Decided};
 use crate::front_end::{Accepted, FrontEnd, Handler, Serves, Shared};
 use crate::headers::{self, Problem};
 use crate::runtime::requests::FrontEndKind;
@@ -113,48 +113,45 @@ impl Ctx {
             let request = InFlight::new(&track);
             let http2 = req.version() == http::Version::HTTP_2;
             let ctx = self.clone();
+            let track = track.clone();
             async move {
-                let answer = ctx.handle(peer, req).await;
+                let answer = ctx.handle(peer, req, &track).await;
                 Ok::<_, Infallible>(answer.map(|body| Tracked::new(body, request, http2)))
             }
         })
     }
 
-    async fn handle(&self, peer: SocketAddr, req: Request<Incoming>) -> Reply {
+    async fn handle(&self, peer: SocketAddr, mut req: Request<Incoming>, track: &Arc<Track>) -> Reply {
         let live = self.shared.live();
         let Some(egress) = &live.config.egress else {
             return problem(&Problem::new(StatusCode::FORBIDDEN, "[egress] is not configured"));
         };
+        // What is not sent on is not looked at either: a credential named in
+        // `Connection` is dropped before any rule counts by it.
+        strip_hop_by_hop(req.headers_mut());
+        let client = peer.ip().to_canonical();
         let call = match Call::of(egress, &req) {
             Ok(call) => call,
-            Err(p) => return problem(&p),
+            Err(p) => return refused_call(req.method(), None, client, &p),
         };
         let addr = match call.resolve(egress).await {
             Ok(addr) => addr,
-            Err(p) => return problem(&p),
+            Err(p) => return refused_call(req.method(), Some(&call), client, &p),
         };
-        // The rules of the calls going out, decided as the proxy decides a request.
+        // The rules of the calls going out, decided as the proxy decides a request, on
+        // the headers the target is sent.
         let mut headers = req.headers().clone();
         if let Ok(v) = HeaderValue::from_str(&call.authority) {
             headers.insert(header::HOST, v);
         }
-        let subject = Subject {
-            method: req.method(),
-            uri: req.uri(),
-            headers: &headers,
-            peer: peer.ip().to_canonical(),
-            client_cert: None,
-        };
         let cfg = &*live.config;
-        let requester = subject.requester(cfg);
-        let path = req.uri().path();
-        let fitting: Vec<usize> = (cfg.rules.iter().enumerate())
-            .filter(|(_, r)| {
-                let m = &r.matcher;
-                m.egress && m.fits_method(req.method()) && m.fits_host(Some(&call.host)) && m.fits_path(path)
-            })
-            .map(|(i, _)| i)
-            .collect();
+        let tunnel = req.method() == Method::CONNECT;
+        let path = cfg.index.path_of(req.uri().path());
+        let fitting = cfg.index.egress_matching(req.method(), &path, &call.host, tunnel);
+        // Who calls is the connection's peer: no forwarding header is believed here
+        // (`caller`, `client_ip`), whatever `[client_ip] trusted_proxies` says for the
+        // proxy.
+        let requester = crate::identity::Requester::new(&headers, client, &cfg.keys, &NO_PROXIES);
         let mut d = Decided::default();
         let result = decide::decide_rules(&live, fitting, &requester, None, &mut d).await;
         let named = |i| decide::named(cfg, &requester, i);
@@ -163,7 +160,7 @@ impl Ctx {
         if let Err(rejected) = result {
             let mut r = problem(&rejected.problem);
             headers::add_ratelimit(r.headers_mut(), style, &d.applied);
-            access_line(req.method(), &call, peer.ip(), &d, r.status().as_u16());
+            access_line(req.method(), Some(&call), client, &d, r.status().as_u16());
             return r;
         }
         d.count_passed(&live);
@@ -173,15 +170,38 @@ impl Ctx {
         }
         let leases = d.leases.take();
         let method = req.method().clone();
-        let mut answer = if req.method() == Method::CONNECT {
-            forward::tunnel(req, addr, egress.tunnel_idle, egress.timeout, leases).await
+        let mut answer = if tunnel {
+            // The tunnel holds its connection: no clock of HTTP's runs over its bytes.
+            let hold = track.hold();
+            forward::tunnel(req, addr, egress.tunnel_idle, egress.timeout, (leases, hold)).await
         } else {
             forward::call(req, &call, addr, egress.timeout, leases).await
         };
         headers::add_ratelimit(answer.headers_mut(), style, &d.applied);
-        access_line(&method, &call, peer.ip(), &d, answer.status().as_u16());
+        access_line(&method, Some(&call), client, &d, answer.status().as_u16());
         answer
     }
+}
+
+/// No trusted proxies: the egress gateway's callers are who connect to it.
+static NO_PROXIES: std::sync::LazyLock<crate::identity::ClientIp> =
+    std::sync::LazyLock::new(crate::identity::ClientIp::default);
+
+/// A call refused before any rule (not a listed target, a private address, a malformed
+/// request): answered, and its access line written (`decision` refused).
+fn refused_call(method: &Method, call: Option<&Call<'_>>, client: IpAddr, p: &Problem) -> Reply {
+    use crate::telemetry::disposition::Disposition;
+    // A malformed call's, or one no target takes (the proxy's no route).
+    let disposition = match p.status {
+        StatusCode::BAD_REQUEST => Disposition::Malformed { not_implemented: false },
+        _ => Disposition::NoRoute,
+    };
+    let d = Decided {
+        disposition,
+        ..Decided::default()
+    };
+    access_line(method, call, client, &d, p.status.as_u16());
+    problem(p)
 }
 
 /// Where a call goes: its target, host and port, as the request names them.
@@ -214,6 +234,14 @@ impl<'e> Call<'e> {
                 "an absolute-form call is http://: for https, CONNECT (the client's TLS), or http:// to a target with tls = true",
             ));
         }
+        if authority.as_str().contains('@') {
+            // Userinfo is no part of where a call goes (RFC 9110 §4.2.4 deprecates it): a
+            // name before `@` would be another key, and a credential sent in the Host.
+            return Err(refused(
+                StatusCode::BAD_REQUEST,
+                "a call's authority has no userinfo (user@host): send credentials in headers",
+            ));
+        }
         let raw_host = authority.host();
         let host = raw_host.trim_start_matches('[').trim_end_matches(']');
         let host = host.strip_suffix('.').unwrap_or(host).to_ascii_lowercase();
@@ -244,9 +272,15 @@ impl<'e> Call<'e> {
                 format!("port {port} of {host} is not one of its target's ports"),
             ));
         }
+        // The Host the target is sent, and the rules read: the host and the port the
+        // call named, nothing else.
+        let authority = match authority.port_u16() {
+            Some(p) => format!("{host}:{p}"),
+            None => host.clone(),
+        };
         Ok(Call {
             target,
-            authority: authority.as_str().to_string(),
+            authority,
             host,
             port,
             tls,
@@ -280,12 +314,13 @@ impl<'e> Call<'e> {
         };
         if !self.target.allow_private {
             if let Some(private) = addrs.iter().find(|a| !is_public(a.ip())) {
+                // The address is the operator's to see, not the caller's.
+                tracing::info!(host = %self.host, address = %private.ip(), "egress call refused: its target resolves to a private address");
                 return Err(refused(
                     StatusCode::FORBIDDEN,
                     format!(
-                        "{} resolves to {}, a private, loopback or link-local address: its target does not say allow_private = true",
-                        self.host,
-                        private.ip()
+                        "{} resolves to a private, loopback or link-local address: its target does not say allow_private = true",
+                        self.host
                     ),
                 ));
             }
@@ -302,7 +337,7 @@ impl<'e> Call<'e> {
 pub fn is_public(ip: IpAddr) -> bool {
     match ip.to_canonical() {
         IpAddr::V4(v4) => {
-            let [a, b, ..] = v4.octets();
+            let [a, b, c, _] = v4.octets();
             !(v4.is_loopback()
                 || v4.is_private()
                 || v4.is_link_local()
@@ -312,17 +347,16 @@ pub fn is_public(ip: IpAddr) -> bool {
                 || v4.is_documentation()
                 || a == 0
                 || (a == 100 && (64..128).contains(&b))
-                || (a == 192 && b == 0 && v4.octets()[2] == 0)
+                || (a == 192 && b == 0 && c == 0)
+                || (a == 198 && (18..20).contains(&b))
                 || a >= 240)
         }
         IpAddr::V6(v6) => {
-            let first = v6.segments()[0];
-            !(v6.is_loopback()
-                || v6.is_unspecified()
-                || v6.is_multicast()
-                || (first & 0xfe00) == 0xfc00
-                || (first & 0xffc0) == 0xfe80
-                || (first == 0x2001 && v6.segments()[1] == 0x0db8))
+            let [s0, s1, ..] = v6.segments();
+            // Global unicast (2000::/3) only, without the ranges that carry or stand for
+            // another address (documentation 2001:db8::/32, Teredo 2001::/32, 6to4
+            // 2002::/16); NAT64, IPv4-compatible, site-local and the rest lie outside it.
+            (s0 & 0xe000) == 0x2000 && !(s0 == 0x2001 && (s1 == 0x0db8 || s1 == 0)) && s0 != 0x2002
         }
     }
 }
@@ -347,9 +381,14 @@ pub fn full(bytes: impl Into<Bytes>) -> Body {
 /// The access line of an egress call (target `ratewall::access`): the target and port
 /// it went to (never its path's query, which may carry a credential), and how long it
 /// waited for its tokens.
-fn access_line(method: &Method, call: &Call<'_>, client: IpAddr, d: &Decided<'_>, status: u16) {
-    let target = format_args!("{}:{}", call.host, call.port);
-    crate::service::access_line("egress", method.as_str(), &target, Some(client), d, status);
+fn access_line(method: &Method, call: Option<&Call<'_>>, client: IpAddr, d: &Decided<'_>, status: u16) {
+    match call {
+        Some(call) => {
+            let target = format_args!("{}:{}", call.host, call.port);
+            crate::service::access_line("egress", method.as_str(), &target, Some(client), d, status);
+        }
+        None => crate::service::access_line("egress", method.as_str(), &"-", Some(client), d, status),
+    }
 }
 
 /// What a response takes off its way: the hop-by-hop fields of RFC 9110 §7.6.1, and the
@@ -389,7 +428,8 @@ mod tests {
         for private in [
             "127.0.0.1", "10.1.2.3", "172.16.0.1", "192.168.1.1", "169.254.169.254", "0.0.0.0",
             "100.64.0.1", "224.0.0.1", "255.255.255.255", "192.0.2.1", "::1", "::", "fc00::1",
-            "fe80::1", "::ffff:127.0.0.1", "::ffff:10.0.0.1", "2001:db8::1", "ff02::1", "240.0.0.1",
+            "fe80::1", "::ffff:127.0.0.1", "::ffff:10.0.0.1", "2001:db8::1", "ff02::1", "240.0.0.1", "198.18.0.1",
+            "64:ff9b::a9fe:a9fe", "::a9fe:a9fe", "2002:a9fe:a9fe::1", "2001:0:4136:e378::1", "fec0::1", "100::1",
         ] {
             assert!(!is_public(private.parse().expect("an address")), "{private}");
         }

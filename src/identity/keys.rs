@@ -65,6 +65,8 @@ pub enum KeyError {
     Repeated,
     #[error("the key is longer than {MAX_KEY_LEN} bytes")]
     TooLong,
+    #[error("the credential is longer than {} bytes", super::MAX_CREDENTIAL_LEN)]
+    CredentialTooLong,
 }
 
 /// What to do with an API key that is not listed.

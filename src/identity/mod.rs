@@ -691,13 +691,15 @@ impl<'a> Requester<'a> {
                     source: Source::Target(host),
                 })
             }
-            KeyKind::Credential(h) => match credential(self.headers, h) {
-                Some(v) => Ok(Identity {
-                    digest: digest_credential(h, v),
-                    source: Source::Credential(h),
-                }),
-                None => Err(Refusal::MissingHeader),
-            },
+            KeyKind::Credential(h) => {
+                match credential(self.headers, h).map_err(Refusal::Malformed)? {
+                    Some(v) => Ok(Identity {
+                        digest: digest_credential(h, &v),
+                        source: Source::Credential(h),
+                    }),
+                    None => Err(Refusal::MissingHeader),
+                }
+            }
             KeyKind::Caller => match self.client_cert {
                 Some(fingerprint) => Ok(Identity {
                     digest: digest_client_cert(fingerprint),
@@ -924,13 +926,52 @@ pub fn digest_credential(name: &HeaderName, value: &[u8]) -> IdentityDigest {
     ])
 }
 
-/// The one value of the credential header `name`, up to 16 KiB (a bearer token may be
-/// long): none where it is missing, empty or sent twice (no call is counted by one of
-/// two credentials it chose).
-fn credential<'h>(headers: &'h HeaderMap, name: &HeaderName) -> Option<&'h [u8]> {
+/// The longest credential a `credential` key reads (a bearer token may be long).
+pub const MAX_CREDENTIAL_LEN: usize = 16 * 1024;
+
+/// The credential in the header `name`, as the API it is for reads it: the secret alone,
+/// so that one token is one identity however it is sent — `Bearer T`, `bearer  T`,
+/// `token T` are `T`; `Basic` is the password of its `user:password` (the user where the
+/// password is empty, as Stripe sends its key); another scheme, or another header, is the
+/// value trimmed. None where it is missing or empty; refused (400) where it is sent twice
+/// or is longer than [`MAX_CREDENTIAL_LEN`]: never counted as missing.
+fn credential(headers: &HeaderMap, name: &HeaderName) -> Result<Option<Vec<u8>>, KeyError> {
     let mut values = headers.get_all(name).iter();
-    let v = values.next()?.as_bytes();
-    (values.next().is_none() && !v.is_empty() && v.len() <= 16 * 1024).then_some(v)
+    let Some(v) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(KeyError::Repeated);
+    }
+    let v = v.as_bytes().trim_ascii();
+    if v.len() > MAX_CREDENTIAL_LEN {
+        return Err(KeyError::CredentialTooLong);
+    }
+    if v.is_empty() {
+        return Ok(None);
+    }
+    if *name != http::header::AUTHORIZATION {
+        return Ok(Some(v.to_vec()));
+    }
+    let (scheme, rest) = match v.iter().position(|b| b.is_ascii_whitespace()) {
+        Some(at) => (&v[..at], v[at..].trim_ascii()),
+        None => return Ok(Some(v.to_vec())),
+    };
+    if scheme.eq_ignore_ascii_case(b"basic") {
+        use base64::Engine;
+        if let Ok(pair) = base64::engine::general_purpose::STANDARD.decode(rest) {
+            let (user, password) = match pair.iter().position(|&b| b == b':') {
+                Some(at) => (&pair[..at], &pair[at + 1..]),
+                None => (&pair[..], &[][..]),
+            };
+            let secret = if password.is_empty() { user } else { password };
+            return Ok(Some(secret.to_vec()));
+        }
+    }
+    if scheme.eq_ignore_ascii_case(b"bearer") || scheme.eq_ignore_ascii_case(b"token") {
+        return Ok(Some(rest.to_vec()));
+    }
+    Ok(Some(v.to_vec()))
 }
 
 pub fn digest_header(name: &HeaderName, value: &[u8]) -> IdentityDigest {
@@ -1396,5 +1437,51 @@ mod tests {
         let d = IdentityDigest(b);
         assert_eq!(d.short_hex().as_str(), &d.hex()[..8]);
         assert_eq!(d.short_hex().as_str(), "019fe07c");
+    }
+
+    #[test]
+    fn one_credential_is_one_identity_however_it_is_sent() {
+        use base64::Engine;
+        let auth = http::header::AUTHORIZATION;
+        let read = |values: &[&str]| {
+            let mut h = HeaderMap::new();
+            for v in values {
+                h.append(&auth, HeaderValue::from_str(v).expect("a value"));
+            }
+            credential(&h, &auth)
+        };
+        let basic = |pair: &str| {
+            format!(
+                "Basic {}",
+                base64::engine::general_purpose::STANDARD.encode(pair)
+            )
+        };
+        for sent in [
+            "Bearer T0k3n",
+            "bearer  T0k3n",
+            "BEARER T0k3n ",
+            "token T0k3n",
+            &basic("x:T0k3n"),
+            &basic("T0k3n:"),
+        ] {
+            assert_eq!(read(&[sent]), Ok(Some(b"T0k3n".to_vec())), "{sent}");
+        }
+        assert_eq!(read(&["Digest abc"]), Ok(Some(b"Digest abc".to_vec())));
+        assert_eq!(read(&[]), Ok(None));
+        assert_eq!(read(&["  "]), Ok(None));
+        assert_eq!(
+            read(&["Bearer a", "Bearer b"]),
+            Err(KeyError::Repeated),
+            "two credentials: refused, never missing"
+        );
+        let long = format!("Bearer {}", "x".repeat(MAX_CREDENTIAL_LEN));
+        assert_eq!(read(&[&long]), Err(KeyError::CredentialTooLong));
+        // Another header: its value, trimmed.
+        let mut h = HeaderMap::new();
+        h.insert("x-api-key", HeaderValue::from_static(" k1 "));
+        assert_eq!(
+            credential(&h, &HeaderName::from_static("x-api-key")),
+            Ok(Some(b"k1".to_vec()))
+        );
     }
 }

@@ -29,6 +29,8 @@ pub struct RuleIndex {
     rules: Vec<Match>,
     /// How paths compare: the rules' were folded with it, the requests' are.
     case: PathCase,
+    /// The egress gateway's rules (`egress = true`), which the index above leaves out.
+    egress: Vec<usize>,
 }
 
 /// A byte trie of path prefixes: walking a path down it meets every prefix it starts with.
@@ -92,6 +94,9 @@ impl RuleIndex {
         for (i, matcher) in matches.into_iter().enumerate() {
             let m = &folded(matcher, case);
             index.rules.push(m.clone());
+            if m.egress {
+                index.egress.push(i);
+            }
             if !m.proxied || m.egress {
                 continue;
             }
@@ -133,6 +138,25 @@ impl RuleIndex {
                 }
         });
         out.sort_unstable();
+        out
+    }
+
+    /// The egress gateway's rules that fit a call going out, in order: its `path` as
+    /// [`RuleIndex::path_of`] gives it, `host` its target's. A `CONNECT` tunnel (`tunnel`)
+    /// has no method or path of its own to the rules: every egress rule for its host fits
+    /// it (a client cannot leave a path- or method-scoped rule by tunnelling instead).
+    pub fn egress_matching(
+        &self,
+        method: &Method,
+        path: &str,
+        host: &str,
+        tunnel: bool,
+    ) -> Vec<usize> {
+        let mut out = self.egress.clone();
+        out.retain(|&i| {
+            let m = &self.rules[i];
+            m.fits_host(Some(host)) && (tunnel || (m.fits_method(method) && m.fits_path(path)))
+        });
         out
     }
 }
