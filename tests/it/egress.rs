@@ -11,6 +11,7 @@ use std::process::Command;
 
 use common::backend::Backend;
 use common::redis_server::{scan, RedisServer};
+use common::tls_upstream::{checksum, write_pem, Ca, ClientCerts, TlsUpstream};
 use common::{free_port, upstream_and_store, Gateway, Store};
 
 /// A gateway with `[egress]` on a port of its own, its targets and rules; its egress port.
@@ -280,7 +281,6 @@ async fn connect_tunnels_only_where_the_target_allows_and_counts_per_tunnel() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tls_goes_end_to_end_through_a_tunnel_and_is_originated_for_tls_targets() {
-    use common::tls_upstream::{checksum, write_pem, Ca, ClientCerts, TlsUpstream};
     let _watch = common::watchdog();
     let ca = Ca::new("egress test CA");
     let up = TlsUpstream::start(&ca.leaf(&["127.0.0.1"]), ClientCerts::None, None).await;
