@@ -365,43 +365,26 @@ impl Config {
             .map_err(|e| e.locate(text, path))?;
         if let Some(d) = raw_decide {
             let span = d.span();
-            let taken = [
-                Some(config.server.listen),
-                config.server.admin_listen,
-                config.server.tls.as_ref().map(|t| t.listen),
-            ];
             let decide = d
                 .into_inner()
                 .validate(env_decide_token, config.server.tls.is_some())
                 .map_err(|e| e.locate(text, path))?;
-            if taken.contains(&Some(decide.listen)) {
-                let why = format!(
-                    "{} is another listener's: the decision service listens on its own, never the proxy's or the admin's",
-                    decide.listen
-                );
-                return Err(Invalid::new(Some(span), "decide.listen", why).locate(text, path));
-            }
+            let whose = "the decision service listens on its own, never the proxy's or the admin's";
+            config
+                .own_listener(decide.listen, span, "decide.listen", whose)
+                .map_err(|e| e.locate(text, path))?;
             config.decide = Some(decide);
         }
         if let Some(e) = raw_egress {
             let span = e.span();
-            let taken = [
-                Some(config.server.listen),
-                config.server.admin_listen,
-                config.server.tls.as_ref().map(|t| t.listen),
-                config.decide.as_ref().map(|d| d.listen),
-            ];
             let egress = e
                 .into_inner()
                 .validate(dir)
                 .map_err(|e| e.locate(text, path))?;
-            if taken.contains(&Some(egress.listen)) {
-                let why = format!(
-                    "{} is another listener's: the egress gateway listens on its own",
-                    egress.listen
-                );
-                return Err(Invalid::new(Some(span), "egress.listen", why).locate(text, path));
-            }
+            let whose = "the egress gateway listens on its own";
+            config
+                .own_listener(egress.listen, span, "egress.listen", whose)
+                .map_err(|e| e.locate(text, path))?;
             config.egress = Some(egress);
         }
         config.sha256 = Some(sha256_hex(text.as_bytes()));
@@ -410,6 +393,28 @@ impl Config {
             config.server.tag_secret = env_tag_secret;
         }
         Ok(config)
+    }
+
+    /// `addr` refused where another listener of the file (the proxy's, its TLS one, the
+    /// admin's, the decision service's) has it already: a listener of its own is one.
+    fn own_listener(
+        &self,
+        addr: std::net::SocketAddr,
+        span: Range<usize>,
+        key: &str,
+        whose: &str,
+    ) -> Result<(), Invalid> {
+        let taken = [
+            Some(self.server.listen),
+            self.server.admin_listen,
+            self.server.tls.as_ref().map(|t| t.listen),
+            self.decide.as_ref().map(|d| d.listen),
+        ];
+        if taken.contains(&Some(addr)) {
+            let why = format!("{addr} is another listener's: {whose}");
+            return Err(Invalid::new(Some(span), key, why));
+        }
+        Ok(())
     }
 
     fn validate(

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::task::{Context, Poll};
 use std::time::{Duration, Instant};
 
-use http::{header, HeaderValue, Request, Response, StatusCode, Uri};
+use http::{Request, Response, StatusCode, Uri};
 use http_body_util::BodyExt;
 use hyper::body::Incoming;
 use hyper_util::rt::TokioIo;
@@ -23,8 +23,9 @@ use crate::headers::Problem;
 use crate::connection::Hold;
 use crate::limiter::lease::Leases;
 
-/// Send `req` to `addr` (the address `call`'s host resolved to), within `timeout` for
-/// the connection and the answer's head; the answer, its body streamed.
+/// Send `req` (its hop-by-hop fields taken off, its Host the call's: as the rules read
+/// it) to `addr` (the address `call`'s host resolved to), within `timeout` for the
+/// connection and the answer's head; the answer, its body streamed.
 pub(super) async fn call(
     mut req: Request<Incoming>,
     call: &Call<'_>,
@@ -38,10 +39,6 @@ pub(super) async fn call(
         Ok(uri) => uri,
         Err(_) => return problem(&Problem::new(StatusCode::BAD_REQUEST, "the call's path is not valid")),
     };
-    strip_hop_by_hop(req.headers_mut());
-    if let Ok(host) = HeaderValue::from_str(&call.authority) {
-        req.headers_mut().insert(header::HOST, host);
-    }
     let sent = tokio::time::timeout(timeout, send(req, call, addr)).await;
     let mut answer = match sent {
         Ok(Ok(answer)) => answer,

@@ -139,10 +139,9 @@ impl Ctx {
             Err(p) => return refused_call(req.method(), Some(&call), client, &p),
         };
         // The rules of the calls going out, decided as the proxy decides a request, on
-        // the headers the target is sent.
-        let mut headers = req.headers().clone();
+        // the headers the target is sent (the Host the call named).
         if let Ok(v) = HeaderValue::from_str(&call.authority) {
-            headers.insert(header::HOST, v);
+            req.headers_mut().insert(header::HOST, v);
         }
         let cfg = &*live.config;
         let tunnel = req.method() == Method::CONNECT;
@@ -151,7 +150,7 @@ impl Ctx {
         // Who calls is the connection's peer: no forwarding header is believed here
         // (`caller`, `client_ip`), whatever `[client_ip] trusted_proxies` says for the
         // proxy.
-        let requester = crate::identity::Requester::new(&headers, client, &cfg.keys, &NO_PROXIES);
+        let requester = crate::identity::Requester::new(req.headers(), client, &cfg.keys, &NO_PROXIES);
         let mut d = Decided::default();
         let result = decide::decide_rules(&live, fitting, &requester, None, &mut d).await;
         let named = |i| decide::named(cfg, &requester, i);

@@ -24,6 +24,7 @@ mod token_cache;
 #[cfg(test)]
 mod failure_tests;
 
+use std::borrow::Cow;
 use std::fmt;
 use std::net::IpAddr;
 use std::sync::Arc;
@@ -935,7 +936,10 @@ pub const MAX_CREDENTIAL_LEN: usize = 16 * 1024;
 /// password is empty, as Stripe sends its key); another scheme, or another header, is the
 /// value trimmed. None where it is missing or empty; refused (400) where it is sent twice
 /// or is longer than [`MAX_CREDENTIAL_LEN`]: never counted as missing.
-fn credential(headers: &HeaderMap, name: &HeaderName) -> Result<Option<Vec<u8>>, KeyError> {
+fn credential<'h>(
+    headers: &'h HeaderMap,
+    name: &HeaderName,
+) -> Result<Option<Cow<'h, [u8]>>, KeyError> {
     let mut values = headers.get_all(name).iter();
     let Some(v) = values.next() else {
         return Ok(None);
@@ -951,11 +955,11 @@ fn credential(headers: &HeaderMap, name: &HeaderName) -> Result<Option<Vec<u8>>,
         return Ok(None);
     }
     if *name != http::header::AUTHORIZATION {
-        return Ok(Some(v.to_vec()));
+        return Ok(Some(Cow::Borrowed(v)));
     }
     let (scheme, rest) = match v.iter().position(|b| b.is_ascii_whitespace()) {
         Some(at) => (&v[..at], v[at..].trim_ascii()),
-        None => return Ok(Some(v.to_vec())),
+        None => return Ok(Some(Cow::Borrowed(v))),
     };
     if scheme.eq_ignore_ascii_case(b"basic") {
         use base64::Engine;
@@ -965,13 +969,13 @@ fn credential(headers: &HeaderMap, name: &HeaderName) -> Result<Option<Vec<u8>>,
                 None => (&pair[..], &[][..]),
             };
             let secret = if password.is_empty() { user } else { password };
-            return Ok(Some(secret.to_vec()));
+            return Ok(Some(Cow::Owned(secret.to_vec())));
         }
     }
     if scheme.eq_ignore_ascii_case(b"bearer") || scheme.eq_ignore_ascii_case(b"token") {
-        return Ok(Some(rest.to_vec()));
+        return Ok(Some(Cow::Borrowed(rest)));
     }
-    Ok(Some(v.to_vec()))
+    Ok(Some(Cow::Borrowed(v)))
 }
 
 pub fn digest_header(name: &HeaderName, value: &[u8]) -> IdentityDigest {
@@ -1448,7 +1452,7 @@ mod tests {
             for v in values {
                 h.append(&auth, HeaderValue::from_str(v).expect("a value"));
             }
-            credential(&h, &auth)
+            credential(&h, &auth).map(|c| c.map(Cow::into_owned))
         };
         let basic = |pair: &str| {
             format!(
@@ -1480,7 +1484,7 @@ mod tests {
         let mut h = HeaderMap::new();
         h.insert("x-api-key", HeaderValue::from_static(" k1 "));
         assert_eq!(
-            credential(&h, &HeaderName::from_static("x-api-key")),
+            credential(&h, &HeaderName::from_static("x-api-key")).map(|c| c.map(Cow::into_owned)),
             Ok(Some(b"k1".to_vec()))
         );
     }

@@ -626,27 +626,20 @@ impl Reply {
 
 /// Whole numbers separated by single spaces.
 fn numbers(text: &[u8]) -> Result<Vec<u64>, StoreError> {
-    let mut out = Vec::with_capacity(text.len() / 2);
-    for n in text.split(|b| *b == b' ') {
-        let mut v: u64 = 0;
-        if n.is_empty() || n.len() > 19 {
-            return Err(StoreError::Protocol(format!(
-                "not a whole number: {:?}",
-                String::from_utf8_lossy(n)
-            )));
-        }
-        for d in n {
-            if !d.is_ascii_digit() {
-                return Err(StoreError::Protocol(format!(
-                    "not a whole number: {:?}",
-                    String::from_utf8_lossy(n)
-                )));
-            }
-            v = v * 10 + u64::from(d - b'0');
-        }
-        out.push(v);
-    }
-    Ok(out)
+    text.split(|b| *b == b' ')
+        .map(|n| {
+            // Up to 19 digits: never past u64::MAX.
+            let digits = !n.is_empty() && n.len() <= 19 && n.iter().all(u8::is_ascii_digit);
+            digits
+                .then(|| n.iter().fold(0u64, |v, d| v * 10 + u64::from(d - b'0')))
+                .ok_or_else(|| {
+                    StoreError::Protocol(format!(
+                        "not a whole number: {:?}",
+                        String::from_utf8_lossy(n)
+                    ))
+                })
+        })
+        .collect()
 }
 
 /// The script's answers, [`PER_KEY`] numbers a key: the decision, and the fifth (in
@@ -682,5 +675,46 @@ fn dropped(e: &StoreError) -> bool {
                 || (r.is_io_error() && !r.is_connection_refusal() && !r.is_timeout())
         }
         _ => false,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use redis::Value;
+
+    fn bulk(s: &str) -> Value {
+        Value::BulkString(s.as_bytes().to_vec())
+    }
+
+    #[test]
+    fn the_scripts_reply_is_read_whole_or_refused() {
+        let one = Value::Array(vec![bulk("1 9 0 3600000000 1700000000000000")]);
+        let read = Reply::read(one, 1).expect("one request's reply");
+        assert_eq!(
+            read.numbers,
+            [1, 9, 0, 3_600_000_000, 1_700_000_000_000_000]
+        );
+        assert!(read.failed.is_empty());
+        let batch = Value::Array(vec![
+            bulk("0 0 0 0 0 1 2 3 4 5"),
+            bulk("1"),
+            bulk("RATEWALL k: WRONGTYPE"),
+        ]);
+        let read = Reply::read(batch, 2).expect("a batch reply");
+        assert_eq!(read.failed, vec![(0, "RATEWALL k: WRONGTYPE".to_string())]);
+        assert_eq!(read.numbers[5..], [1, 2, 3, 4, 5]);
+        for bad in [
+            Value::Array(vec![bulk("1 2 3 4")]),
+            Value::Array(vec![bulk("1 2 3 4 -5")]),
+            Value::Array(vec![bulk("1 2  3 4 5")]),
+            Value::Array(vec![bulk("1 2 3 4 99999999999999999999")]),
+            Value::Array(vec![Value::Int(1)]),
+            Value::Array(vec![bulk("1 2 3 4 5"), bulk("0"), bulk("why")]),
+            Value::Array(vec![bulk("1 2 3 4 5"), bulk("1")]),
+            Value::Int(1),
+        ] {
+            assert!(Reply::read(bad.clone(), 1).is_err(), "{bad:?}");
+        }
     }
 }
